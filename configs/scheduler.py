@@ -1,0 +1,20 @@
+"""Scheduler settings shared by colocated, prefill and decode workers."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SchedulerConfig(BaseModel):
+    """Batching, admission and retract knobs (defaults follow SGLang)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_running_requests: int = Field(64, ge=1, description="decode batch size cap")
+    chunked_prefill_size: int = Field(2048, ge=1, description="max prompt tokens computed per step")
+    schedule_conservativeness: float = Field(1.0, gt=0, description="scales new_token_ratio; raise it if retracts are frequent")
+    init_new_token_ratio: float = Field(0.7, gt=0, le=1, description="initial reservation ratio (x conservativeness)")
+    min_new_token_ratio_factor: float = Field(0.14, gt=0, le=1, description="floor = init ratio x this")
+    new_token_ratio_decay_steps: int = Field(600, ge=1, description="decode steps from init to floor")
+    retract_decode_steps: int = Field(20, ge=1, description="decode steps of room left to each request after a retract")
+    retract_test_interval: int | None = Field(None, ge=1, description="force a retract every N decode steps (testing)")
+    enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")

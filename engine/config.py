@@ -1,0 +1,55 @@
+"""Model architecture description shared by loaders, the model and the KV pools."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder.
+
+    Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim * num_heads`` need not equal
+    ``hidden_size`` (Qwen3 decouples them). ``layer_types[i]`` is ``"full_attention"`` or
+    ``"sliding_attention"``; ``sliding_window`` is set iff some layer slides.
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = field(default=())
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V for one token across all layers at 4 bytes/element (scale for dtype)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4

@@ -1,0 +1,52 @@
+"""Per-step batch description handed from the runner to the model and attention backends."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"   # new tokens on top of an optional cached prefix (prefill, chunked prefill)
+    DECODE = "decode"   # exactly one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """Everything a forward pass needs about where tokens live in the paged KV pool.
+
+    Token layout: the new tokens of all requests are concatenated (request order), so
+    ``input_ids``/``positions``/``out_slots`` have ``sum(extend_lens)`` entries.
+
+    - ``seq_lens[i]``: total tokens of request i *after* this step (prefix + new).
+    - ``extend_lens[i]``: new tokens of request i this step (1 in DECODE mode).
+    - ``block_table[i, j]``: page id holding tokens ``[j*page_size, (j+1)*page_size)`` of
+      request i; entries beyond the request's pages are arbitrary (never read).
+    - ``out_slots``: flat slot (``page * page_size + offset``) where each new token's K/V goes.
+    All index tensors are int64 on the model's device; ``seq_lens_cpu``/``extend_lens_cpu`` are
+    Python lists for host-side loops.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def prefix_lens_cpu(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index into the flat new-token axis of each request's last token (for sampling)."""
+        return torch.cumsum(self.extend_lens, 0) - 1

@@ -1,0 +1,336 @@
+"""Load Llama-family weights from a GGUF file or a HuggingFace folder.
+
+Both paths return a :class:`ModelConfig` plus float32 CPU tensors under HuggingFace Llama
+names (``model.layers.{i}.self_attn.q_proj.weight`` ...), so the model code only ever sees
+one layout.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engine.config import SUPPORTED_ARCHS, ModelConfig
+
+Tensors = dict[str, torch.Tensor]
+
+# GGUF per-layer tensor suffix -> HF per-layer tensor suffix.
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# llama.cpp's converter interleaves Q/K rows (rotary halves) only for these architectures.
+_GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+_MISSING = object()
+
+
+def load_model_weights(path: str | Path) -> tuple[ModelConfig, Tensors]:
+    """Load ``path`` (a ``.gguf`` file or a HF folder) into ``(config, tensors)``.
+
+    Tensors are float32, on CPU, named like HuggingFace Llama; when embeddings are tied,
+    ``tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]``. Raises
+    ``FileNotFoundError`` for a missing path, ``ValueError`` for an unsupported
+    architecture, a corrupt file or a missing/misshapen tensor.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    config, tensors = _load_hf_folder(path) if path.is_dir() else _load_gguf(path)
+    return config, _finalize_tensors(config, tensors)
+
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a model with ``config`` needs, mapped to its [out, in] shape."""
+    c = config
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+        "lm_head.weight": (c.vocab_size, c.hidden_size),
+    }
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q_out, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q_out),
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        })
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                           p + "self_attn.v_proj.bias": (kv_out,)})
+        if c.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
+                           p + "self_attn.k_norm.weight": (c.head_dim,)})
+    return shapes
+
+
+def _finalize_tensors(config: ModelConfig, tensors: Tensors) -> Tensors:
+    """Tie lm_head if needed, check names and shapes, drop tensors the model doesn't use."""
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    out: Tensors = {}
+    for name, shape in expected_tensor_shapes(config).items():
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name!r} in model checkpoint")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        out[name] = tensors[name]
+    return out
+
+
+def _progress(items: Iterable[Any], desc: str, total: int | None = None) -> Iterator[Any]:
+    """Wrap ``items`` in a tqdm bar on stderr."""
+    return iter(tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False))
+
+
+def _check_arch(arch: str) -> str:
+    """Return ``arch`` or raise the same ValueError ModelConfig would."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    return arch
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def open_gguf(path: Path):
+    """Open a GGUF reader; any parse failure becomes ``ValueError("not a valid GGUF file: ...")``."""
+    import gguf
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"not a valid GGUF file: {path}: bad magic {magic!r} (expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises assorted IndexError/ValueError on bad input
+        size = path.stat().st_size
+        raise ValueError(
+            f"not a valid GGUF file: {path}: truncated or corrupt ({size} bytes): {exc or type(exc).__name__}"
+        ) from exc
+
+
+def gguf_meta(reader, key: str, default: Any = _MISSING) -> Any:
+    """Scalar/string/list value of GGUF metadata ``key``; ValueError if required and absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _f32(value: Any) -> float:
+    """GGUF stores float32: return its shortest decimal (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata and the tensor name list."""
+    arch = _check_arch(gguf_meta(reader, "general.architecture"))
+    names = {t.name for t in reader.tensors}
+    hidden = int(gguf_meta(reader, f"{arch}.embedding_length"))
+    heads = int(gguf_meta(reader, f"{arch}.attention.head_count"))
+    eos = [gguf_meta(reader, "tokenizer.ggml.eos_token_id", None), gguf_meta(reader, "tokenizer.ggml.eot_token_id", None)]
+    tokens = gguf_meta(reader, "tokenizer.ggml.tokens", None)
+    vocab = len(tokens) if tokens else int(gguf_meta(reader, f"{arch}.vocab_size"))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(gguf_meta(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(gguf_meta(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(gguf_meta(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=_f32(gguf_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(gguf_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(gguf_meta(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=gguf_meta(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        name=str(gguf_meta(reader, "general.name", path.stem)),
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """HF name for a GGUF tensor name, or None for tensors the model does not use."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row interleave: rows (head, pair, half) -> (head, half, pair).
+
+    Works on a weight ``[out, in]`` or a bias ``[out]``; ``out == n_heads * head_dim``.
+    """
+    out = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
+
+
+def _dequantize(t, path: Path) -> np.ndarray:
+    """Dequantize one GGUF tensor to a writable float32 array of shape [out, in]."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(t.shape))
+    try:
+        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    except Exception as exc:
+        raise ValueError(f"not a valid GGUF file: {path}: cannot decode tensor {t.name}: {exc}") from exc
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, Tensors]:
+    """Read config + dequantized, de-interleaved HF-named tensors from a GGUF file."""
+    reader = open_gguf(path)
+    config = _gguf_config(reader, path)
+    permute = config.arch in _GGUF_PERMUTED_ARCHS
+    tensors: Tensors = {}
+    for t in _progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        w = _dequantize(t, path)
+        if permute and ".q_proj." in name:
+            w = unpermute_qk(w, config.num_heads)
+        elif permute and ".k_proj." in name:
+            w = unpermute_qk(w, config.num_kv_heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return config, tensors
+
+
+# ----------------------------------------------------------------------------- HF folder
+
+
+def _read_json(path: Path) -> dict:
+    """Parse a JSON file, raising ValueError naming it if it is malformed."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON in {path}: {exc}") from exc
+
+
+def _hf_arch(cfg: dict) -> str:
+    """Architecture name from ``model_type`` (or ``architectures[0]``), validated."""
+    arch = cfg.get("model_type")
+    if not arch and cfg.get("architectures"):
+        arch = cfg["architectures"][0].lower().removesuffix("forcausallm")
+    return _check_arch(str(arch))
+
+
+def _hf_layer_types(cfg: dict, arch: str, num_layers: int) -> tuple[str, ...]:
+    """Per-layer attention kind: explicit ``layer_types`` or derived from sliding settings."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    window = cfg.get("sliding_window")
+    if arch == "mistral" and window:
+        return ("sliding_attention",) * num_layers
+    if arch in ("qwen2", "qwen3") and window and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 0)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+    return ("full_attention",) * num_layers
+
+
+def _as_ids(value: Any) -> list[int]:
+    """Normalize an int / list-of-int / None token id field to a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _hf_config(folder: Path, cfg: dict, tensor_names: set[str]) -> ModelConfig:
+    """Build a ModelConfig from a HF config.json dict (+ generation_config.json eos ids)."""
+    arch = _hf_arch(cfg)
+    heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+    rope = cfg.get("rope_parameters") or {}
+    layer_types = _hf_layer_types(cfg, arch, layers)
+    gen_path = folder / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    eos = _as_ids(cfg.get("eos_token_id")) + _as_ids(gen.get("eos_token_id"))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias")) or "model.layers.0.self_attn.q_proj.bias" in tensor_names,
+        qk_norm=arch == "qwen3" or "model.layers.0.self_attn.q_norm.weight" in tensor_names,
+        bos_token_id=next(iter(_as_ids(cfg.get("bos_token_id"))), None),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+        layer_types=layer_types,
+        name=folder.name,
+    )
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[Any, str]]:
+    """Yield ``(handle, key)`` for every tensor of every shard."""
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    yield handle, key
+        except Exception as exc:
+            raise ValueError(f"not a valid safetensors file: {f}: {exc}") from exc
+
+
+def _load_safetensors(files: list[Path]) -> Tensors:
+    """Load every tensor of ``files`` as float32 CPU tensors, one at a time."""
+    tensors: Tensors = {}
+    for handle, key in _progress(_iter_safetensors(files), f"loading {files[0].parent.name}"):
+        tensors[key] = handle.get_tensor(key).to(torch.float32)
+    return tensors
+
+
+def _load_hf_folder(folder: Path) -> tuple[ModelConfig, Tensors]:
+    """Read config.json and all ``*.safetensors`` shards of a HF model folder."""
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"HF model folder has no config.json: {cfg_path}")
+    cfg = _read_json(cfg_path)
+    _hf_arch(cfg)  # fail fast on unsupported architectures, before reading weights
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in HF model folder: {folder}")
+    tensors = _load_safetensors(files)
+    return _hf_config(folder, cfg, set(tensors)), tensors

@@ -1,0 +1,106 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) over a paged KV cache.
+
+Weights come in HF naming from ``engine.loader``; Q/K/V and gate/up projections are fused at load
+time so each layer runs three matmuls for attention projections fewer. The forward pass returns
+logits only for each request's last new token (what sampling needs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One transformer block; parameters are plain tensors set by ``LlamaModel.load_weights``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.w: dict[str, torch.Tensor] = {}
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
+        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = rope.apply(q, batch.positions)
+        k = rope.apply(k, batch.positions)
+        o = attn.forward(q, k, v, self.layer_id, batch)
+        h = h + F.linear(o, w["o"])
+        x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
+        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, w["down"])
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + tied/untied LM head. ``forward`` needs an attention backend per call."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        self.embed: torch.Tensor | None = None
+        self.norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Take HF-named float tensors; fuse, cast and move them. Raises on a missing tensor."""
+        def get(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return state[name].to(device=self.device, dtype=self.dtype)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in state
+        self.lm_head = self.embed if tied else get("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            w = {
+                "qkv": torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
+                "o": get(a + "o_proj.weight"),
+                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                "down": get(p + "mlp.down_proj.weight"),
+                "input_norm": get(p + "input_layernorm.weight"),
+                "post_norm": get(p + "post_attention_layernorm.weight"),
+            }
+            if a + "q_proj.bias" in state:
+                w["qkv_bias"] = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+            if self.cfg.qk_norm:
+                w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
+            layer.w = w
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
+        """Run all new tokens of ``batch``; return float32 logits ``[batch_size, vocab]``."""
+        attn.prepare(batch)
+        h = F.embedding(batch.input_ids, self.embed)
+        for layer in self.layers:
+            h = layer(h, batch, self.rope, attn)
+        h = h[batch.last_token_indices()]
+        h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,25 @@
+"""Rotary position embedding (HF rotate_half convention; GGUF Q/K rows are de-interleaved at load)."""
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables ``[max_positions, head_dim]`` in float32."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, device) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(torch.float32).to(device)
+        self.sin = emb.sin().to(torch.float32).to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[tokens, heads, head_dim]`` by ``positions`` ``[tokens]``."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,475 @@
+"""Per-request sampling parameters, per-request sampler state, the batched sampler and stop checks.
+
+Pipeline applied by :meth:`Sampler.sample` to each row of last-position logits (all in float32):
+
+1. penalties (only rows that use them): repetition (HF semantics, over prompt + generated ids),
+   then frequency / presence (OpenAI semantics, over generated ids only);
+2. greedy rows (``temperature == 0``): ``argmax``;
+3. other rows: temperature -> top-k -> top-p -> min-p -> one draw from the request's own
+   generator (exponential race ``argmax(probs / Exp(1))``), so a seeded request's tokens depend
+   only on its seed and its logits, never on the other requests in the batch.
+
+Log-probabilities follow vLLM's convention: they are taken from the *raw* model distribution
+(``log_softmax`` of the unprocessed logits in float32), not from the penalised / tempered one.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, ConfigDict, field_validator
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "SamplingParams",
+    "SamplerState",
+    "SampleOutput",
+    "Sampler",
+    "check_stop",
+]
+
+MAX_LOGPROBS = 20
+"""Largest accepted ``SamplingParams.logprobs`` (number of top alternatives returned)."""
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingParams(BaseModel):
+    """Immutable, validated sampling settings of one request.
+
+    Fields (defaults in brackets):
+
+    - ``max_new_tokens`` [16]: >= 1; generation finishes with reason "length" at this count.
+    - ``temperature`` [1.0]: finite, >= 0; ``0`` selects greedy decoding (argmax).
+    - ``top_p`` [1.0]: in (0, 1]; keep the smallest set of most likely tokens whose probability
+      mass reaches ``top_p``.
+    - ``top_k`` [-1]: ``-1`` (disabled) or >= 1; keep the ``top_k`` most likely tokens.
+    - ``min_p`` [0.0]: in [0, 1]; drop tokens whose probability is below ``min_p * max_prob``.
+    - ``seed`` [None]: per-request RNG seed; ``None`` uses torch's global RNG.
+    - ``repetition_penalty`` [1.0]: > 0; HF semantics over prompt and generated ids.
+    - ``frequency_penalty`` / ``presence_penalty`` [0.0]: in [-2, 2]; OpenAI semantics over
+      generated ids only.
+    - ``stop_token_ids`` [()]: non-negative ids that finish generation (reason "stop"), honoured
+      even when ``ignore_eos`` is set.
+    - ``ignore_eos`` [False]: do not stop on the model's EOS ids.
+    - ``logprobs`` [None]: ``None`` = no logprobs; ``n`` in 0..20 = return the chosen token's
+      logprob plus the top ``n`` alternatives (``0``: chosen token only).
+
+    Unknown fields are rejected; invalid values raise ``pydantic.ValidationError`` naming the field.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _check_max_new_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {v}")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _check_min_p(cls, v: float) -> float:
+        if not (0.0 <= v <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        if v is not None and not (_SEED_MIN <= v <= _SEED_MAX):
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, v: float) -> float:
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {v}")
+        return v
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _check_openai_penalty(cls, v: float, info) -> float:
+        if not (-2.0 <= v <= 2.0):
+            raise ValueError(f"{info.field_name} must be in [-2, 2], got {v}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {bad}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {v}")
+        return v
+
+    @property
+    def is_greedy(self) -> bool:
+        """True iff ``temperature == 0``: the sampler returns the argmax of the penalised logits."""
+        return self.temperature == 0.0
+
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        """True iff ``repetition_penalty != 1`` (the state then tracks prompt+generated ids)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_count_penalties(self) -> bool:
+        """True iff a frequency or presence penalty is set (the state then counts generated ids)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True iff any of repetition / frequency / presence penalties changes the logits."""
+        return self.uses_repetition_penalty or self.uses_count_penalties
+
+
+@dataclass
+class SamplerState:
+    """Mutable per-request sampler state; create with :meth:`new`, update with :meth:`append`.
+
+    - ``generator``: ``torch.Generator`` seeded with ``params.seed``, or ``None`` (global RNG).
+    - ``output_counts``: int32 tensor ``[vocab_size]`` of generated-token counts; allocated only
+      when the request uses frequency/presence penalties, else ``None``.
+    - ``seen_mask``: bool tensor ``[vocab_size]``, True for ids in the prompt or generated so
+      far; allocated only when the request uses a repetition penalty, else ``None``.
+    - ``num_generated``: tokens appended so far.
+
+    The tensors live on ``device`` given to :meth:`new` and are moved (once) to the logits'
+    device by :meth:`Sampler.sample` if they differ. The generator stays on its device; its
+    random draws are copied to the logits' device, so results do not depend on placement.
+    """
+
+    vocab_size: int
+    generator: torch.Generator | None = None
+    output_counts: torch.Tensor | None = None
+    seen_mask: torch.Tensor | None = None
+    num_generated: int = 0
+
+    @classmethod
+    def new(
+        cls,
+        params: SamplingParams,
+        vocab_size: int,
+        prompt_ids: Sequence[int] | torch.Tensor = (),
+        device: torch.device | str | None = None,
+    ) -> "SamplerState":
+        """Fresh state for a request with ``params`` over a vocabulary of ``vocab_size`` ids.
+
+        ``prompt_ids`` seed the repetition-penalty set (ignored when that penalty is off).
+        Raises ``ValueError`` if ``vocab_size < 1`` or a prompt id is outside ``[0, vocab_size)``.
+        """
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        counts = None
+        if params.uses_count_penalties:
+            counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        seen = None
+        if params.uses_repetition_penalty:
+            seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+            if ids.numel():
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= vocab_size:
+                    raise ValueError(
+                        f"prompt ids must be in [0, {vocab_size}), got min {lo} max {hi}"
+                    )
+                seen[ids.to(device)] = True
+        return cls(vocab_size=vocab_size, generator=generator, output_counts=counts, seen_mask=seen)
+
+    def append(self, token_id: int) -> None:
+        """Record one generated token (updates counts / seen set; raises ``ValueError`` if out of range)."""
+        if not (0 <= token_id < self.vocab_size):
+            raise ValueError(f"token_id must be in [0, {self.vocab_size}), got {token_id}")
+        self.num_generated += 1
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1
+        if self.seen_mask is not None:
+            self.seen_mask[token_id] = True
+
+    def _to(self, device: torch.device) -> None:
+        if self.output_counts is not None and self.output_counts.device != device:
+            self.output_counts = self.output_counts.to(device)
+        if self.seen_mask is not None and self.seen_mask.device != device:
+            self.seen_mask = self.seen_mask.to(device)
+
+
+@dataclass
+class SampleOutput:
+    """Result of one :meth:`Sampler.sample` call, one entry per request (batch order).
+
+    - ``token_ids[i]``: the sampled token.
+    - ``logprobs[i]``: its log-probability under the raw model distribution, or ``None`` when
+      request i did not ask for logprobs.
+    - ``top_logprobs[i]``: ``(token_id, logprob)`` pairs of the ``params.logprobs`` most likely
+      tokens, sorted by decreasing logprob (``[]`` when ``logprobs == 0``), or ``None`` when not
+      requested.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+
+class Sampler:
+    """Stateless batched sampler: one token per row of last-position logits.
+
+    Per-request state (RNG, penalty bookkeeping) lives in :class:`SamplerState`; the caller
+    must call ``state.append(token)`` with each returned token before the next step.
+    """
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        states: Sequence[SamplerState],
+    ) -> SampleOutput:
+        """Sample one token per row of ``logits`` (``[B, V]``, any float dtype, any device).
+
+        ``params[i]`` and ``states[i]`` belong to row ``i``; both must have length ``B`` and
+        states that track penalties must have ``vocab_size == V``. ``logits`` is not modified.
+        Deterministic for greedy rows; a seeded row's draw depends only on its own generator
+        and logits. Raises ``ValueError`` on shape mismatches.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+        B = logits.shape[0]
+        if len(params) != B or len(states) != B:
+            raise ValueError(
+                f"batch size mismatch: logits has {B} rows, {len(params)} params, {len(states)} states"
+            )
+        if B == 0:
+            return SampleOutput([], [], [])
+
+        pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        all_greedy = all(p.is_greedy for p in params)
+
+        if all_greedy and not pen_rows:
+            # Fast path: one argmax over the whole batch (argmax is dtype-agnostic).
+            tokens_t = logits.argmax(dim=-1)
+        else:
+            x = logits.to(torch.float32, copy=bool(pen_rows))
+            if pen_rows:
+                self._apply_penalties(x, pen_rows, params, states)
+            if all_greedy:
+                tokens_t = x.argmax(dim=-1)
+            else:
+                tokens_t = self._sample_mixed(x, params, states)
+
+        token_ids: list[int] = tokens_t.tolist()
+
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        chosen: list[float | None] = [None] * B
+        tops: list[list[tuple[int, float]] | None] = [None] * B
+        if lp_rows:
+            self._fill_logprobs(logits, tokens_t, lp_rows, params, chosen, tops)
+        return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=tops)
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _apply_penalties(
+        x: torch.Tensor,
+        rows: list[int],
+        params: Sequence[SamplingParams],
+        states: Sequence[SamplerState],
+    ) -> None:
+        """In place on the fp32 copy ``x``: repetition, then frequency/presence penalties."""
+        device = x.device
+        V = x.shape[1]
+        rep_rows = [i for i in rows if params[i].uses_repetition_penalty]
+        cnt_rows = [i for i in rows if params[i].uses_count_penalties]
+        for i in rows:
+            st = states[i]
+            if st.vocab_size != V:
+                raise ValueError(f"row {i}: sampler state vocab_size {st.vocab_size} != logits vocab {V}")
+            st._to(device)
+
+        if rep_rows:
+            idx = torch.tensor(rep_rows, device=device)
+            sub = x.index_select(0, idx)
+            seen = torch.stack([states[i].seen_mask for i in rep_rows])
+            pen = torch.tensor([params[i].repetition_penalty for i in rep_rows],
+                               dtype=torch.float32, device=device).unsqueeze(1)
+            penalised = torch.where(sub < 0, sub * pen, sub / pen)
+            x.index_copy_(0, idx, torch.where(seen, penalised, sub))
+
+        if cnt_rows:
+            idx = torch.tensor(cnt_rows, device=device)
+            sub = x.index_select(0, idx)
+            counts = torch.stack([states[i].output_counts for i in cnt_rows]).to(torch.float32)
+            freq = torch.tensor([params[i].frequency_penalty for i in cnt_rows],
+                                dtype=torch.float32, device=device).unsqueeze(1)
+            pres = torch.tensor([params[i].presence_penalty for i in cnt_rows],
+                                dtype=torch.float32, device=device).unsqueeze(1)
+            sub = sub - freq * counts - pres * (counts > 0).to(torch.float32)
+            x.index_copy_(0, idx, sub)
+
+    @staticmethod
+    def _sample_mixed(
+        x: torch.Tensor,
+        params: Sequence[SamplingParams],
+        states: Sequence[SamplerState],
+    ) -> torch.Tensor:
+        """Tokens for a batch with at least one non-greedy row; ``x`` is penalised fp32 logits."""
+        B, V = x.shape
+        device = x.device
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        rparams = [params[i] for i in rand_rows]
+
+        if greedy_rows:
+            rand_idx = torch.tensor(rand_rows, device=device)
+            r = x.index_select(0, rand_idx)
+        else:
+            r = x
+        temps = torch.tensor([p.temperature for p in rparams], dtype=torch.float32, device=device)
+        r = r / temps.unsqueeze(1)
+
+        ks_list = [V if p.top_k == -1 else min(p.top_k, V) for p in rparams]
+        use_k = any(k < V for k in ks_list)
+        use_p = any(p.top_p < 1.0 for p in rparams)
+        if use_k or use_p:
+            # Work on candidates sorted by decreasing logit. When every row has a top-k, only the
+            # k_max best tokens can survive, so a (much cheaper) topk replaces the full sort.
+            k_max = max(ks_list)
+            if k_max < V:
+                cand_logits, cand_idx = r.topk(k_max, dim=-1, sorted=True)
+            else:
+                cand_logits, cand_idx = r.sort(dim=-1, descending=True)
+            width = cand_logits.shape[1]
+            if use_k:
+                ks = torch.tensor(ks_list, device=device)
+                positions = torch.arange(width, device=device)
+                cand_logits.masked_fill_(positions.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
+            if use_p:
+                ps = torch.tensor([p.top_p for p in rparams], dtype=torch.float32, device=device)
+                cprobs = cand_logits.softmax(dim=-1)
+                mass_before = cprobs.cumsum(dim=-1) - cprobs
+                drop = mass_before >= ps.unsqueeze(1)
+                drop[:, 0] = False  # always keep the most likely token
+                cand_logits.masked_fill_(drop, float("-inf"))
+            r = torch.full_like(r, float("-inf")).scatter_(1, cand_idx, cand_logits)
+
+        probs = r.softmax(dim=-1)
+        if any(p.min_p > 0.0 for p in rparams):
+            mps = torch.tensor([p.min_p for p in rparams], dtype=torch.float32, device=device)
+            thresh = probs.amax(dim=-1, keepdim=True) * mps.unsqueeze(1)
+            probs = probs.masked_fill(probs < thresh, 0.0)
+            # no renormalisation needed: the exponential race is scale-invariant per row
+
+        # Exponential race: argmax(p / E), E ~ Exp(1), equals a draw from p (normalised).
+        noise = torch.empty_like(probs)
+        seeded = [(j, states[i].generator) for j, i in enumerate(rand_rows)
+                  if states[i].generator is not None]
+        if len(seeded) < len(rand_rows):
+            noise.exponential_()
+        for j, g in seeded:
+            if g.device == device:
+                noise[j].exponential_(generator=g)
+            else:
+                noise[j] = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(
+                    generator=g).to(device)
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        rand_tokens = (probs / noise).argmax(dim=-1)
+
+        if not greedy_rows:
+            return rand_tokens
+        out = torch.empty(B, dtype=torch.long, device=device)
+        g_idx = torch.tensor(greedy_rows, device=device)
+        out.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
+        out.index_copy_(0, rand_idx, rand_tokens)
+        return out
+
+    @staticmethod
+    def _fill_logprobs(
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        rows: list[int],
+        params: Sequence[SamplingParams],
+        chosen: list[float | None],
+        tops: list[list[tuple[int, float]] | None],
+    ) -> None:
+        """Fill ``chosen``/``tops`` for ``rows`` from log_softmax of the raw fp32 logits."""
+        device = logits.device
+        idx = torch.tensor(rows, device=device)
+        lp = logits.index_select(0, idx).to(torch.float32).log_softmax(dim=-1)
+        chosen_vals = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
+        n_max = max(params[i].logprobs for i in rows)
+        if n_max > 0:
+            top_vals, top_ids = lp.topk(min(n_max, lp.shape[1]), dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            chosen[i] = chosen_vals[j]
+            n = params[i].logprobs
+            tops[i] = list(zip(top_ids[j][:n], top_vals[j][:n])) if n > 0 else []
+
+
+def check_stop(
+    token_id: int,
+    params: SamplingParams,
+    eos_token_ids: Sequence[int] | set[int] | frozenset[int],
+    num_generated: int,
+) -> str | None:
+    """Finish reason after generating ``token_id`` (``num_generated`` counts it), or ``None``.
+
+    Returns ``"stop"`` if ``token_id`` is an EOS id (unless ``params.ignore_eos``) or one of
+    ``params.stop_token_ids``; otherwise ``"length"`` if ``num_generated >= params.max_new_tokens``;
+    otherwise ``None``. "stop" wins when both apply.
+    """
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop"
+    if num_generated >= params.max_new_tokens:
+        return "length"
+    return None

@@ -1,0 +1,99 @@
+"""Prefill admission (SGLang's PrefillAdder): which waiting requests join the next extend batch.
+
+Budget, in pages: what the pool can give (free + evictable) minus what the running requests are
+expected to still need, ``remaining_new_tokens * new_token_ratio`` each (1.0 with ``ignore_eos``).
+A candidate is admitted when its uncached prompt plus its own reservation fits; the first one that
+does not fit stops admission (``NO_TOKEN``: order is FCFS, later ones must not overtake it).
+Admitted requests get all the pages for their prompt at once, so chunked prefill never stalls.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from cache.kv_manager import KVManager
+from configs.scheduler import SchedulerConfig
+from engine.request import ReqStatus, Request
+
+
+@dataclass
+class ExtendItem:
+    """``req`` computes tokens ``[req.kv_len, req.kv_len + length)`` of ``req.all_ids`` this step."""
+
+    req: Request
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        return self.req.kv_len + self.length == self.req.seq_len
+
+
+def reserved_tokens(req: Request, ratio: float) -> int:
+    """Future decode tokens admission keeps room for (SGLang: ``max_new_tokens * ratio``)."""
+    r = 1.0 if req.params.ignore_eos else ratio
+    return math.ceil(req.remaining_new_tokens() * r)
+
+
+def running_reservation_pages(kv: KVManager, running: list[Request], ratio: float) -> int:
+    return sum(
+        max(0, kv.pages_for(r.kv_len + 1 + reserved_tokens(r, ratio)) - len(r.pages)) for r in running
+    )
+
+
+class Admission:
+    """Builds one extend batch per call; keeps at most one partially prefilled (chunked) request."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.chunked: Request | None = None
+
+    def select(self, waiting: deque[Request], running: list[Request], ratio: float) -> list[ExtendItem]:
+        budget = self.cfg.chunked_prefill_size
+        items: list[ExtendItem] = []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            items.append(self._chunk(req, budget))
+            budget -= items[-1].length
+        free_pages = self.kv.available_pages() - running_reservation_pages(self.kv, running, ratio)
+        while waiting and budget > 0 and self.chunked is None:
+            if len(running) + len(items) >= self.cfg.max_running_requests:
+                break
+            req = waiting[0]
+            if not self._try_admit(req, free_pages, ratio):
+                break
+            waiting.popleft()
+            free_pages -= len(req.own_pages) + self._reservation_pages(req, ratio)
+            items.append(self._chunk(req, budget))
+            budget -= items[-1].length
+        return items
+
+    def _reservation_pages(self, req: Request, ratio: float) -> int:
+        total = req.seq_len + reserved_tokens(req, ratio)
+        return max(0, self.kv.pages_for(total) - len(req.pages))
+
+    def _try_admit(self, req: Request, free_pages: int, ratio: float) -> bool:
+        """Match the prefix and take the prompt's pages; on failure leave ``req`` untouched."""
+        self.kv.match_prefix(req, req.all_ids[: req.seq_len - 1])
+        need = self.kv.pages_for(req.seq_len) - len(req.pages) + self._reservation_pages(req, ratio)
+        if need > free_pages or not self.kv.ensure_pages(req, req.seq_len):
+            self.kv.release(req, insert=False)
+            req.kv_len = req.cached_tokens = 0
+            return False
+        req.status = ReqStatus.PREFILLING
+        return True
+
+    def _chunk(self, req: Request, budget: int) -> ExtendItem:
+        length = min(req.seq_len - req.kv_len, max(budget, 1))
+        item = ExtendItem(req, length)
+        if not item.completes:
+            self.chunked = req
+        return item
+
+    def drop(self, req: Request) -> bool:
+        """Forget ``req`` if it is the chunked request (abort path). True if it was."""
+        if self.chunked is req:
+            self.chunked = None
+            return True
+        return False

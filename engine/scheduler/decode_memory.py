@@ -1,0 +1,72 @@
+"""Decode memory pressure: ``check_decode_mem`` and victim selection for ``retract_decode``.
+
+What to do with a victim (drop and recompute, or offload to host memory) is the caller's
+business: ``retract_decode`` calls ``release_victim(req)`` for each one, immediately, so the
+pages it frees count for the next check.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cache.kv_manager import KVManager
+from engine.request import Request
+
+OOM_ABORT_MESSAGE = (
+    "KV cache pool is too small for this request: out of memory even after retracting every "
+    "other request in the decode batch (sequence length {seq_len} tokens, pool {capacity} tokens). "
+    "Lower max_tokens or start the server with a larger --kv-pool-tokens."
+)
+
+
+def decode_pages_needed(kv: KVManager, reqs: list[Request], steps: int) -> int:
+    """New pages ``reqs`` need to decode ``steps`` more tokens each."""
+    return sum(max(0, kv.pages_for(r.kv_len + steps) - len(r.pages)) for r in reqs)
+
+
+def check_decode_mem(kv: KVManager, reqs: list[Request], steps: int = 1) -> bool:
+    """True iff ``reqs`` can decode ``steps`` more tokens, after evicting the radix cache."""
+    need = decode_pages_needed(kv, reqs, steps)
+    kv.evict(need)
+    return kv.allocator.num_free() >= need
+
+
+def victim_order(reqs: list[Request]) -> list[Request]:
+    """Retract order: most output tokens first, then shortest input."""
+    return sorted(reqs, key=lambda r: (-len(r.output_ids), len(r.prompt_ids)))
+
+
+@dataclass
+class RetractResult:
+    kept: list[Request]
+    retracted: list[Request] = field(default_factory=list)
+    aborted: Request | None = None
+
+
+def retract_decode(
+    kv: KVManager,
+    running: list[Request],
+    retract_steps: int,
+    release_victim: Callable[[Request], None],
+    force_one: bool = False,
+) -> RetractResult:
+    """Retract until the rest have room for ``retract_steps`` steps each.
+
+    With ``force_one`` (test knob) at least one request is retracted when two or more run. If a
+    single request is left and it cannot even do the next step, it is returned as ``aborted``
+    (released by ``release_victim`` as well); the caller finishes it with ``OOM_ABORT_MESSAGE``.
+    """
+    order = victim_order(running)
+    res = RetractResult(kept=order)
+    first = force_one
+    while first or not check_decode_mem(kv, order, retract_steps):
+        if len(order) == 1:
+            if not first and not check_decode_mem(kv, order, 1):
+                res.aborted = order.pop()
+                release_victim(res.aborted)
+            break
+        first = False
+        victim = order.pop(0)
+        release_victim(victim)
+        res.retracted.append(victim)
+    return res

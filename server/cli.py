@@ -1,0 +1,89 @@
+"""``pdserve`` command line: ``generate`` (offline batch) and ``bench``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from configs.cli_flags import add_flags, collect
+from configs.engine import EngineConfig
+from configs.scheduler import SchedulerConfig
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate offline for one or more prompts (one batch)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
+    add_flags(p, EngineConfig)
+    add_flags(p, SchedulerConfig)
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, ignore_eos=args.ignore_eos)
+        engine = EngineConfig(**collect(args, EngineConfig))
+        sched = SchedulerConfig(**collect(args, SchedulerConfig))
+    except ValidationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(engine, sched)
+    for r in llm.generate(args.prompt, params, chat=args.chat):
+        if args.json:
+            print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids,
+                              "text": r.text, "finish_reason": r.finish_reason,
+                              **({"error": r.error} if r.error else {})}), flush=True)
+        else:
+            print(r.text if not r.error else f"[error] {r.error}", flush=True)
+    return 0
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    p.add_argument("what", choices=["engine"], help="engine: decode/prefill tokens/s vs HF transformers")
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--skip-hf", action="store_true", help="measure this engine only")
+    add_flags(p, EngineConfig)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.engine_bench import run_engine_bench
+
+    run_engine_bench(EngineConfig(**collect(args, EngineConfig)), args.batch_sizes, args.decode_tokens,
+                     args.prefill_tokens, not args.skip_hf)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

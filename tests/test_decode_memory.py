@@ -1,0 +1,75 @@
+"""Unit tests of retract victim selection, the last-request abort and the new_token_ratio tracker."""
+from __future__ import annotations
+
+import pytest
+
+from cache.kv_manager import KVManager
+from cache.page_allocator import PageAllocator
+from configs.scheduler import SchedulerConfig
+from engine.request import Request
+from engine.sampling import SamplerState, SamplingParams
+from engine.scheduler.decode_memory import check_decode_mem, retract_decode, victim_order
+from engine.scheduler.ratio import NewTokenRatioTracker
+
+
+def req(rid, prompt_len, out_len, kv: KVManager, max_new=64) -> Request:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0)
+    r = Request(rid, [1] * prompt_len, sp, SamplerState.new(sp, 10), output_ids=[2] * out_len)
+    r.kv_len = r.seq_len - 1
+    assert kv.ensure_pages(r, r.kv_len)
+    return r
+
+
+def test_victim_order_most_output_then_shortest_input():
+    kv = KVManager(PageAllocator(100), 4, False)
+    a, b, c = req("a", 10, 5, kv), req("b", 4, 9, kv), req("c", 3, 5, kv)
+    assert [r.rid for r in victim_order([a, b, c])] == ["b", "c", "a"]
+
+
+def test_retract_until_room_for_steps():
+    kv = KVManager(PageAllocator(12), 4, False)
+    reqs = [req(f"r{i}", 7, 1, kv) for i in range(4)]  # kv_len 7 -> 2 pages each, 8 used, 4 free
+    released = []
+
+    def release(r):
+        released.append(r.rid)
+        kv.release(r, insert=False)
+
+    res = retract_decode(kv, reqs, retract_steps=8, release_victim=release)
+    # each request needs 2 more pages for 8 more steps: 4 free < 4*2; one retracted -> 6 free == 3*2
+    assert len(res.retracted) == 1 and res.aborted is None
+    assert check_decode_mem(kv, res.kept, 8)
+    assert released == [r.rid for r in res.retracted]
+    kv.check_integrity(res.kept)
+
+
+def test_last_request_that_cannot_fit_is_aborted():
+    alloc = PageAllocator(4)
+    kv = KVManager(alloc, 4, False)
+    r = req("only", 16, 1, kv)  # kv_len 16 fills 4 pages; position 16 needs a 5th
+    assert not check_decode_mem(kv, [r], 1)
+    res = retract_decode(kv, [r], 20, lambda x: kv.release(x, insert=False))
+    assert res.aborted is r and not res.kept and not res.retracted
+    assert alloc.num_free() == 4
+
+
+def test_forced_retract_takes_one():
+    kv = KVManager(PageAllocator(100), 4, False)
+    reqs = [req("a", 5, 1, kv), req("b", 5, 3, kv)]
+    res = retract_decode(kv, reqs, 20, lambda x: kv.release(x, insert=False), force_one=True)
+    assert [r.rid for r in res.retracted] == ["b"] and [r.rid for r in res.kept] == ["a"]
+
+
+def test_new_token_ratio_decay_floor_and_reset():
+    cfg = SchedulerConfig(schedule_conservativeness=1.0, new_token_ratio_decay_steps=10)
+    t = NewTokenRatioTracker(cfg)
+    assert t.value == pytest.approx(0.7)
+    t.step()
+    assert t.value == pytest.approx(0.7 - (0.7 - 0.098) / 10)
+    for _ in range(20):
+        t.step()
+    assert t.value == pytest.approx(0.7 * 0.14)
+    assert t.reset_after_retract(decoded_tokens=100, num_reqs=5, max_new_total=399) == pytest.approx(0.5)
+    assert t.reset_after_retract(0, 0, 1000) == pytest.approx(t.floor)
+    assert t.reset_after_retract(5000, 10, 10) == 1.0
+    assert NewTokenRatioTracker(SchedulerConfig(schedule_conservativeness=1.3)).value == pytest.approx(0.91)
