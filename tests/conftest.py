@@ -1,8 +1,15 @@
 """Shared fixtures: the embedded model loaded once per session, tiny random models, HF references."""
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on CPU; must be set before triton is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
