@@ -174,5 +174,25 @@ class ColocatedScheduler:
         self.requests.pop(req.rid, None)
         self.stats.finished_requests += 1
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.runner.capacity_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def page_size(self) -> int:
+        return self.runner.page_size
+
+    def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(cumulative counters, current gauges) for metrics."""
+        u = self.kv.usage(self.live_requests())
+        gauges = {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
+                  "kv_pages_total": u.total, "queue_waiting": len(self.waiting), "queue_running": len(self.running),
+                  "new_token_ratio": self.ratio.value}
+        return {k: float(v) for k, v in self.stats.as_dict().items()}, gauges
+
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.live_requests())

@@ -1,0 +1,104 @@
+"""The one pdserve config schema: file presets (YAML/TOML) < env ``PDSERVE_*`` < CLI flags.
+
+Sections: ``engine`` (model, KV pool), ``scheduler`` (batching, retract), ``server`` (router/HTTP),
+``cluster`` (mode and worker counts). Unknown keys anywhere are refused by name.
+Env: ``PDSERVE_<FIELD>`` for any field of any section (field names are unique across sections),
+e.g. ``PDSERVE_KV_POOL_TOKENS=8192``, ``PDSERVE_API_KEY=secret``.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from configs.engine import EngineConfig
+from configs.scheduler import SchedulerConfig
+from configs.server import ServerConfig
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["colocated", "pd"] = Field("colocated", description="colocated (one worker) or pd (prefill + decode)")
+    prefill: int = Field(1, ge=1, description="number of prefill workers (pd mode)")
+    decode: int = Field(1, ge=1, description="number of decode workers (pd mode)")
+    base_port: int = Field(29500, ge=1024, le=65000, description="first port of the workers' control sockets")
+
+
+class PdserveConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = EngineConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    server: ServerConfig = ServerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+
+SECTIONS: dict[str, type[BaseModel]] = {name: f.annotation for name, f in PdserveConfig.model_fields.items()}
+
+
+def _field_owner() -> dict[str, str]:
+    owner: dict[str, str] = {}
+    for section, model in SECTIONS.items():
+        for name in model.model_fields:
+            assert name not in owner, f"config field {name!r} appears in two sections"
+            owner[name] = section
+    return owner
+
+
+FIELD_SECTION = _field_owner()
+
+
+def read_file(path: str | Path) -> dict:
+    """Parse a YAML or TOML preset into a nested dict (sections at the top level)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {p}")
+    text = p.read_text()
+    data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: expected a mapping of sections ({', '.join(SECTIONS)})")
+    return data
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict:
+    """``PDSERVE_<FIELD>`` variables as a nested dict (values stay strings; pydantic converts)."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, dict] = {}
+    for key, value in environ.items():
+        if not key.startswith("PDSERVE_"):
+            continue
+        name = key.removeprefix("PDSERVE_").lower()
+        if name in FIELD_SECTION:
+            out.setdefault(FIELD_SECTION[name], {})[name] = value
+    return out
+
+
+def flat_to_nested(flat: dict) -> dict:
+    out: dict[str, dict] = {}
+    for name, value in flat.items():
+        out.setdefault(FIELD_SECTION[name], {})[name] = value
+    return out
+
+
+def merge(*layers: dict) -> dict:
+    out: dict[str, dict] = {}
+    for layer in layers:
+        for section, values in layer.items():
+            if section not in SECTIONS:
+                raise ValueError(f"unknown config section {section!r}; sections: {', '.join(SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ValueError(f"config section {section!r} must be a mapping")
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+def load_config(file: str | Path | None = None, cli: dict | None = None,
+                environ: dict[str, str] | None = None) -> PdserveConfig:
+    """Build the config: file preset, then env, then CLI flags (flat field names)."""
+    layers = [read_file(file) if file else {}, env_overrides(environ), flat_to_nested(cli or {})]
+    return PdserveConfig.model_validate(merge(*layers))

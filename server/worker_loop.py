@@ -1,0 +1,103 @@
+"""A worker's control plane: one ZMQ ROUTER socket in front of a scheduler.
+
+The loop alternates between draining control messages (non-blocking while there is work,
+blocking up to ``idle_poll_ms`` when idle) and running one scheduler step, whose token events are
+sent back, batched per step, to the router connection that submitted each request.
+
+The scheduler must provide: ``add_request(rid, prompt_ids, params)`` (raises ``RequestRejected``),
+``abort(rid, message)``, ``step() -> list[TokenEvent]``, ``has_work``, ``snapshot() -> (counters,
+gauges)``, ``capacity_tokens``, ``max_model_len``, ``page_size``.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+from collections import defaultdict
+
+import zmq
+
+from engine.scheduler.colocated import RequestRejected
+from engine.scheduler.events import TokenEvent
+from transfer.protocol import (AbortRequest, GenerateRequest, ProtocolError, Shutdown, StatsRequest, TokenBatch,
+                               TokenEntry, WorkerStats, decode, encode, frame_ids, ids_frame)
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLoop:
+    def __init__(self, scheduler, control_addr: str, worker_id: str, role: str, model_name: str,
+                 idle_poll_ms: int = 50) -> None:
+        self.scheduler = scheduler
+        self.worker_id = worker_id
+        self.role = role
+        self.model_name = model_name
+        self.idle_poll_ms = idle_poll_ms
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(control_addr)
+        self.owner: dict[str, bytes] = {}   # rid -> router identity
+        self.stopping = False
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        log.info("%s worker %s serving", self.role, self.worker_id)
+        try:
+            while not self.stopping:
+                self._drain(block=not self.scheduler.has_work)
+                if self.scheduler.has_work:
+                    self._publish(self.scheduler.step())
+        finally:
+            self.sock.close(0)
+
+    def _drain(self, block: bool) -> None:
+        timeout = self.idle_poll_ms if block else 0
+        while self.sock.poll(timeout):
+            ident, *parts = self.sock.recv_multipart()
+            self._handle(ident, parts)
+            timeout = 0
+
+    def _handle(self, ident: bytes, parts: list[bytes]) -> None:
+        try:
+            msg, frames = decode(parts)
+        except ProtocolError as e:
+            log.error("bad control message from %r: %s", ident, e)
+            return
+        if isinstance(msg, GenerateRequest):
+            self._generate(ident, msg, frame_ids(frames[0]))
+        elif isinstance(msg, AbortRequest):
+            self._publish([ev for rid in msg.rids if (ev := self.scheduler.abort(rid, msg.reason))])
+        elif isinstance(msg, StatsRequest):
+            self.sock.send_multipart([ident, *encode(self._stats(msg.nonce))])
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+
+    def _generate(self, ident: bytes, msg: GenerateRequest, prompt: list[int]) -> None:
+        self.owner[msg.rid] = ident
+        try:
+            self.scheduler.add_request(msg.rid, prompt, msg.params)
+        except (RequestRejected, ValueError) as e:
+            self._publish([TokenEvent(msg.rid, finish_reason="abort", error=str(e), error_status=400)])
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        by_owner: dict[bytes, list[TokenEvent]] = defaultdict(list)
+        for ev in events:
+            ident = self.owner.get(ev.rid)
+            if ident is None:
+                continue
+            by_owner[ident].append(ev)
+            if ev.finish_reason:
+                del self.owner[ev.rid]
+        for ident, evs in by_owner.items():
+            entries = [TokenEntry(rid=e.rid, n=len(e.token_ids), logprobs=e.logprobs, top_logprobs=e.top_logprobs,
+                                  finish_reason=e.finish_reason, error=e.error, error_status=e.error_status,
+                                  prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens) for e in evs]
+            ids = [t for e in evs for t in e.token_ids]
+            self.sock.send_multipart([ident, *encode(TokenBatch(entries=entries), ids_frame(ids))])
+
+    def _stats(self, nonce: int) -> WorkerStats:
+        counters, gauges = self.scheduler.snapshot()
+        s = self.scheduler
+        return WorkerStats(nonce=nonce, worker_id=self.worker_id, role=self.role, model=self.model_name,
+                           capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
+                           counters=counters, gauges=gauges)
