@@ -50,6 +50,8 @@ def test_last_request_that_cannot_fit_is_aborted():
     assert not check_decode_mem(kv, [r], 1)
     res = retract_decode(kv, [r], 20, lambda x: kv.release(x, insert=False))
     assert res.aborted is r and not res.kept and not res.retracted
+    assert alloc.num_free() == 0  # the caller releases the aborted request
+    kv.release(r, insert=False)
     assert alloc.num_free() == 4
 
 

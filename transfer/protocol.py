@@ -31,11 +31,107 @@ class Message(BaseModel):
 
 # ---- router -> worker ---------------------------------------------------------------------
 class GenerateRequest(Message):
-    """Start a request. Frame 0: prompt token ids (int32)."""
+    """Start a request. Frame 0: prompt token ids (int32).
+
+    PD mode (sent to a decode worker): ``room`` identifies the KV transfer and ``prefill_addr``
+    is the control address of the prefill worker that computes the prompt.
+    """
 
     rid: str
     params: SamplingParams
+    room: int | None = None
+    prefill_addr: str | None = None
     n_frames: ClassVar[int] = 1
+
+
+# ---- PD: router/decode -> prefill, decode <-> prefill ----------------------------------------
+class PrefillRequest(Message):
+    """Compute the KV of the ids in frame 0 and ship it to ``decode_worker``.
+
+    Sent by the router for a new request (generation 0) and by the decode worker itself to
+    re-prefill prompt + output of a request it had to drop (generation > 0).
+    """
+
+    rid: str
+    room: int
+    generation: int = 0
+    params: SamplingParams
+    decode_worker: str
+    n_frames: ClassVar[int] = 1
+
+
+class KVHandshake(Message):
+    """Decode -> prefill before the first transfer: who I am, my KV layout, my transport endpoint."""
+
+    worker_id: str
+    model: str
+    layout: dict
+    transport: str
+    transport_metadata: str  # base64
+
+
+class KVHandshakeAck(Message):
+    ok: bool
+    worker_id: str
+    error: str | None = None
+
+
+class KVDestination(Message):
+    """Decode -> prefill: write tokens ``[decode_prefix_len, n_tokens)`` into these pages.
+
+    Frame 0: int32 page ids covering the whole prompt (page j holds tokens ``[j*P, (j+1)*P)``);
+    ``decode_prefix_len`` is page aligned (the decode side's radix cache holds the prefix).
+    """
+
+    rid: str
+    room: int
+    generation: int
+    decode_prefix_len: int
+    n_tokens: int
+    n_frames: ClassVar[int] = 1
+
+
+class PrefillFailed(Message):
+    """Prefill -> decode: nothing was or will be written for this room/generation."""
+
+    rid: str
+    room: int
+    generation: int
+    error: str
+    error_status: int = 500
+
+
+class TransferManifest(BaseModel):
+    """Travels as the transfer's completion notification (JSON bytes, not a ZMQ message).
+
+    ``checksum`` is CRC32 over the other fields; the decode side recomputes it and checks every
+    field against what it asked for before it uses the KV.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: int = PROTOCOL_VERSION
+    rid: str
+    room: int
+    generation: int
+    n_tokens: int
+    n_pages: int
+    first_token: int
+    first_logprob: float | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None
+    checksum: int = 0
+
+    def _payload(self) -> bytes:
+        return self.model_dump_json(exclude={"checksum"}).encode()
+
+    def sealed(self) -> "TransferManifest":
+        import zlib
+
+        return self.model_copy(update={"checksum": zlib.crc32(self._payload())})
+
+    def verify(self) -> bool:
+        import zlib
+
+        return zlib.crc32(self._payload()) == self.checksum
 
 
 class AbortRequest(Message):
@@ -76,6 +172,15 @@ class TokenBatch(Message):
     n_frames: ClassVar[int] = 1
 
 
+class HistogramData(BaseModel):
+    """Non-cumulative bucket counts (``counts[i]`` for ``value <= buckets[i]``, last is +Inf)."""
+
+    model_config = ConfigDict(extra="forbid")
+    buckets: list[float]
+    counts: list[int]
+    sum: float
+
+
 class WorkerStats(Message):
     """Worker identity, capacity and counters (``counters``: cumulative, ``gauges``: current)."""
 
@@ -89,10 +194,12 @@ class WorkerStats(Message):
     ready: bool = True
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
+    histograms: dict[str, HistogramData] = {}
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, TokenBatch, WorkerStats)
+    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, TokenBatch, WorkerStats,
+                                  PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed)
 }
 
 

@@ -36,17 +36,21 @@ def reserved_tokens(req: Request, ratio: float) -> int:
 
 
 def running_reservation_pages(kv: KVManager, running: list[Request], ratio: float) -> int:
-    return sum(
-        max(0, kv.pages_for(r.kv_len + 1 + reserved_tokens(r, ratio)) - len(r.pages)) for r in running
-    )
+    """Pages the admitted requests may still take: up to ``seq_len + reserved_tokens`` each."""
+    return sum(max(0, kv.pages_for(r.seq_len + reserved_tokens(r, ratio)) - len(r.pages)) for r in running)
 
 
 class Admission:
-    """Builds one extend batch per call; keeps at most one partially prefilled (chunked) request."""
+    """Builds one extend batch per call; keeps at most one partially prefilled (chunked) request.
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVManager) -> None:
+    ``reserve_decode=False`` (prefill workers) admits on prompt pages alone: the decode tokens
+    are reserved on the decode worker.
+    """
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, reserve_decode: bool = True) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.reserve_decode = reserve_decode
         self.chunked: Request | None = None
 
     def select(self, waiting: deque[Request], running: list[Request], ratio: float) -> list[ExtendItem]:
@@ -56,7 +60,9 @@ class Admission:
             req, self.chunked = self.chunked, None
             items.append(self._chunk(req, budget))
             budget -= items[-1].length
-        free_pages = self.kv.available_pages() - running_reservation_pages(self.kv, running, ratio)
+        free_pages = self.kv.available_pages()
+        if self.reserve_decode:
+            free_pages -= running_reservation_pages(self.kv, running, ratio)
         while waiting and budget > 0 and self.chunked is None:
             if len(running) + len(items) >= self.cfg.max_running_requests:
                 break
@@ -70,6 +76,8 @@ class Admission:
         return items
 
     def _reservation_pages(self, req: Request, ratio: float) -> int:
+        if not self.reserve_decode:
+            return 0
         total = req.seq_len + reserved_tokens(req, ratio)
         return max(0, self.kv.pages_for(total) - len(req.pages))
 

@@ -151,6 +151,7 @@ class ColocatedScheduler:
     def _oom_abort(self, req: Request) -> TokenEvent:
         msg = OOM_ABORT_MESSAGE.format(seq_len=req.seq_len, capacity=self.runner.capacity_tokens)
         log.error("abort %s: %s", req.rid, msg)
+        self.kv.release(req, insert=False)
         req.finish("abort", msg, 500)
         self.requests.pop(req.rid, None)
         self.stats.oom_aborts += 1

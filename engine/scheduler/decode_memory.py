@@ -54,7 +54,7 @@ def retract_decode(
 
     With ``force_one`` (test knob) at least one request is retracted when two or more run. If a
     single request is left and it cannot even do the next step, it is returned as ``aborted``
-    (released by ``release_victim`` as well); the caller finishes it with ``OOM_ABORT_MESSAGE``.
+    (not released: the caller ends it with ``OOM_ABORT_MESSAGE`` and frees its KV).
     """
     order = victim_order(running)
     res = RetractResult(kept=order)
@@ -63,7 +63,6 @@ def retract_decode(
         if len(order) == 1:
             if not first and not check_decode_mem(kv, order, 1):
                 res.aborted = order.pop()
-                release_victim(res.aborted)
             break
         first = False
         victim = order.pop(0)

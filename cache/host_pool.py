@@ -1,0 +1,110 @@
+"""Bounded host (CPU) KV pool for retracted requests: one buffer allocated at start-up.
+
+Rows are whole device pages (page-major layout: a page is every layer's K and V for
+``page_size`` tokens), so an offload is a few large copies. The buffer is pinned when CUDA is
+present; on CPU-only torch ``pin_memory`` raises, so it is allocated by numpy (transparent huge
+pages; ~2x faster copies than a torch-allocated buffer on these machines) and wrapped with
+``torch.from_numpy``. Host pages have their own ``PageAllocator``: free + held == total.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cache.page_allocator import PageAllocator
+
+
+@dataclass
+class HostKV:
+    """A retracted request's KV in the host pool: ``pages[i]`` holds its device page i."""
+
+    pages: list[int]
+    num_tokens: int
+
+
+def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
+    """Split paired index lists into ``(a0, b0, length)`` runs where both advance by one."""
+    runs, i = [], 0
+    while i < len(a):
+        j = i + 1
+        while j < len(a) and a[j] == a[j - 1] + 1 and b[j] == b[j - 1] + 1:
+            j += 1
+        runs.append((a[i], b[i], j - i))
+        i = j
+    return runs
+
+
+class HostKVPool:
+    def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> None:
+        self.num_pages = num_pages
+        self.page_numel = int(np.prod(page_shape))
+        self.allocator = PageAllocator(max(num_pages, 1))
+        if num_pages == 0:
+            self.allocator.alloc(1)  # a zero-size pool: nothing can ever be allocated
+        shape = (max(num_pages, 1), self.page_numel)
+        if pinned:
+            self.buffer = torch.empty(shape, dtype=dtype, pin_memory=True)
+        else:
+            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
+            arr = np.empty(shape, dtype=np_dtype)
+            self.buffer = torch.from_numpy(arr).view(dtype) if dtype == torch.bfloat16 else torch.from_numpy(arr)
+        self.page_bytes = self.page_numel * self.buffer.element_size()
+
+    @classmethod
+    def for_device_pool(cls, device_buffer: torch.Tensor, budget_bytes: int) -> "HostKVPool":
+        page_shape = tuple(device_buffer.shape[1:])
+        page_bytes = int(np.prod(page_shape)) * device_buffer.element_size()
+        pinned = torch.cuda.is_available()
+        return cls(budget_bytes // page_bytes, page_shape, device_buffer.dtype, pinned)
+
+    def num_free(self) -> int:
+        return 0 if self.num_pages == 0 else self.allocator.num_free()
+
+    def can_hold(self, n_pages: int) -> bool:
+        return n_pages <= self.num_free()
+
+    def offload(self, device_buffer: torch.Tensor, dev_pages: list[int], num_tokens: int,
+                stream: torch.cuda.Stream | None = None) -> HostKV:
+        """Copy device pages into fresh host pages. With ``stream`` (CUDA) the copy is queued there;
+        the caller must sync that stream before reusing ``dev_pages``."""
+        host_pages = self.allocator.alloc(len(dev_pages))
+        dev = device_buffer.view(device_buffer.shape[0], -1)
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for d0, h0, n in _runs(dev_pages, host_pages):
+                self.buffer[h0:h0 + n].copy_(dev[d0:d0 + n], non_blocking=stream is not None)
+        return HostKV(host_pages, num_tokens)
+
+    def load(self, device_buffer: torch.Tensor, kv: HostKV, dev_pages: list[int]) -> None:
+        """Copy ``kv`` back into ``dev_pages`` (same count) and free its host pages."""
+        dev = device_buffer.view(device_buffer.shape[0], -1)
+        for h0, d0, n in _runs(kv.pages, dev_pages):
+            dev[d0:d0 + n].copy_(self.buffer[h0:h0 + n], non_blocking=dev.is_cuda)
+        if dev.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.free(kv)
+
+    def free(self, kv: HostKV) -> None:
+        self.allocator.free(kv.pages)
+        kv.pages = []
+
+    def used_pages(self) -> int:
+        return 0 if self.num_pages == 0 else self.allocator.num_used()
+
+    def check_integrity(self, held: list[HostKV]) -> None:
+        """free + held by retracted requests == total."""
+        if self.num_pages == 0:
+            return
+        self.allocator.check_integrity()
+        n_held = sum(len(k.pages) for k in held)
+        assert self.allocator.num_free() + n_held == self.num_pages, (
+            f"host pool leak: free {self.allocator.num_free()} + held {n_held} != {self.num_pages}")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

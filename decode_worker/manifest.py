@@ -1,0 +1,27 @@
+"""Checks a transfer's completion manifest against what the decode worker asked for."""
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from decode_worker.jobs import DecodeJob
+from transfer.protocol import TransferManifest
+
+
+def parse_manifest(raw: bytes) -> TransferManifest | None:
+    try:
+        return TransferManifest.model_validate_json(raw)
+    except ValidationError:
+        return None
+
+
+def manifest_error(m: TransferManifest, job: DecodeJob, page_size: int) -> str | None:
+    """None when ``m`` is exactly the transfer ``job`` expects; else what differs."""
+    if not m.verify():
+        return "manifest checksum mismatch"
+    expected_pages = -(-job.n_tokens // page_size) - job.decode_prefix_len // page_size
+    for name, got, want in (("rid", m.rid, job.req.rid), ("room", m.room, job.room),
+                            ("generation", m.generation, job.generation), ("n_tokens", m.n_tokens, job.n_tokens),
+                            ("n_pages", m.n_pages, expected_pages)):
+        if got != want:
+            return f"manifest {name} is {got!r}, expected {want!r}"
+    return None

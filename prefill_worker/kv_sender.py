@@ -1,0 +1,113 @@
+"""Prefill side of the KV data plane: decode peers (after a handshake) and in-flight writes."""
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.kv_transport import KVTransport
+from transfer.protocol import KVHandshake, PrefillFailed, TransferManifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    ident: bytes       # ZMQ identity of the decode worker's connection to us
+    transport_name: str
+
+
+@dataclass
+class _InFlight:
+    job: object
+    future: Future  # -> TransferHandle (write_pages may block for the copy: it runs on a thread)
+    started: float
+    nbytes: int
+
+
+class KVSender:
+    """Owns the transport on the prefill side. ``send(ident, msg, *frames)`` reaches decode workers."""
+
+    def __init__(self, transport: KVTransport, page_bytes: int, send, threaded: bool = True) -> None:
+        """``threaded=False`` runs writes inline (deterministic unit tests with the loopback
+        transport, whose writes complete inside ``write_pages``)."""
+        self.transport = transport
+        self.page_bytes = page_bytes
+        self.send = send
+        self.peers: dict[str, _Peer] = {}
+        self.inflight: list[_InFlight] = []
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer") if threaded else None
+
+    def accept_peer(self, ident: bytes, hs: KVHandshake, model: str, layout: dict) -> str | None:
+        """Validate a decode worker's handshake; register its pool. Returns an error or None."""
+        if hs.model != model:
+            return f"model mismatch: decode worker serves {hs.model!r}, prefill worker serves {model!r}"
+        for key in sorted(set(layout) | set(hs.layout)):
+            if layout.get(key) != hs.layout.get(key):
+                return f"KV layout mismatch on {key}: decode has {hs.layout.get(key)!r}, prefill has {layout.get(key)!r}"
+        if hs.transport != self.transport.backend:
+            return f"transport mismatch: decode uses {hs.transport}, prefill uses {self.transport.backend}"
+        try:
+            name = self.transport.add_peer(base64.b64decode(hs.transport_metadata))
+        except Exception as e:  # noqa: BLE001 - report any transport failure to the peer
+            return f"could not connect to the decode worker's KV pool: {e}"
+        self.peers[hs.worker_id] = _Peer(ident, name)
+        log.info("decode worker %s connected (transport peer %s)", hs.worker_id, name)
+        return None
+
+    def notify_failed(self, decode_worker: str, msg: PrefillFailed) -> None:
+        peer = self.peers.get(decode_worker)
+        if peer is not None:
+            self.send(peer.ident, msg)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight)
+
+    def start(self, job, decode_worker: str, src: np.ndarray, dst: np.ndarray, manifest: TransferManifest) -> None:
+        peer = self.peers.get(decode_worker)
+        if peer is None:
+            raise RuntimeError(f"decode worker {decode_worker!r} has not completed the KV handshake")
+        notif = manifest.model_dump_json().encode()
+        if self.pool is not None:
+            future = self.pool.submit(self.transport.write_pages, peer.transport_name, src, dst, notif)
+        else:
+            future = Future()
+            try:
+                future.set_result(self.transport.write_pages(peer.transport_name, src, dst, notif))
+            except Exception as e:  # noqa: BLE001 - reported through the future like the threaded path
+                future.set_exception(e)
+        self.inflight.append(_InFlight(job, future, time.perf_counter(), len(src) * self.page_bytes))
+
+    def poll(self) -> list[tuple[object, bool, str | None, int, float]]:
+        """``(job, ok, error, nbytes, seconds)`` for every write that ended since the last call."""
+        ended, still = [], []
+        for f in self.inflight:
+            state, error = self._state(f)
+            if state == "pending":
+                still.append(f)
+                continue
+            ok = state == "done"
+            ended.append((f.job, ok, error, f.nbytes, time.perf_counter() - f.started))
+        self.inflight = still
+        return ended
+
+    @staticmethod
+    def _state(f: _InFlight) -> tuple[str, str | None]:
+        if not f.future.done():
+            return "pending", None
+        if f.future.exception() is not None:
+            return "error", f"could not start the KV write: {f.future.exception()}"
+        handle = f.future.result()
+        state = handle.poll()
+        if state != "pending":
+            handle.release()
+        return state, getattr(handle, "error", None) or (None if state != "error" else "transport error")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)

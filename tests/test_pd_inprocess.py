@@ -1,0 +1,156 @@
+"""PD prefill -> decode on a tiny model, in one process (loopback transport, direct message
+delivery): greedy outputs equal transformers; decode retract with host offload and resume,
+recompute fallback, aborts in every phase, manifest checks; pool invariants after each."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from configs.schema import PdserveConfig
+from conftest import hf_greedy
+from engine.sampling import SamplingParams
+from pd_harness import PDHarness
+
+
+def cfg(pool=4096, page=4, host_gb=0.01, **sched) -> PdserveConfig:
+    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": pool, "page_size": page},
+                                         "scheduler": sched, "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb,
+                                                                         "transfer_backend": "loopback"}})
+
+
+def prompts(n, lo=5, hi=30, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 96) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    ps = prompts(6)
+    return ps, [hf_greedy(tiny[2], p, 16) for p in ps]
+
+
+def run(h: PDHarness, ps, params=GREEDY) -> list[list[int]]:
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, params)
+    out = h.run()
+    return [out[f"r{i}"]["tokens"] for i in range(len(ps))]
+
+
+@pytest.fixture
+def harness(tiny):
+    made = []
+
+    def make(p=None, d=None):
+        h = PDHarness(p or cfg(), d or cfg(), tiny[0], tiny[1])
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.check_clean()
+        h.close()
+
+
+def test_pd_matches_hf(harness, refs):
+    h = harness()
+    ps, ref = refs
+    assert run(h, ps) == ref
+    assert h.prefill.transfer_bytes > 0 and h.decode.stats.retractions == 0
+
+
+def test_decode_radix_prefix_ships_only_suffix(harness, tiny):
+    h = harness()
+    base = prompts(1, 24, 24, seed=4)[0]
+    run(h, [base])
+    shipped = h.prefill.transfer_bytes
+    second = base[:16] + [1, 2, 3]
+    h.submit("s", second, GREEDY)
+    out = h.run()
+    assert out["s"]["tokens"] == hf_greedy(tiny[2], second, 16)
+    page_bytes = h.p_runner.pool.page_bytes
+    assert h.prefill.transfer_bytes - shipped == page_bytes  # tokens 16..18: one page, prefix reused
+    assert shipped == 6 * page_bytes
+
+
+def test_retract_offload_and_resume(harness, tiny):
+    # 4 requests of 20 + 16 tokens (9 pages each at the end) in a 24-page decode pool admitted
+    # with a low new_token_ratio: decode must retract; the host pool keeps the KV.
+    h = harness(d=cfg(pool=96, init_new_token_ratio=0.1))
+    ps = prompts(4, 20, 20, seed=21)
+    assert run(h, ps) == [hf_greedy(tiny[2], p, 16) for p in ps]
+    rs = h.decode.retract.stats
+    assert h.decode.stats.retractions > 0 and rs.offloaded > 0 and rs.resumed == rs.offloaded
+    assert rs.recomputed == 0
+
+
+def test_forced_retract_in_pd(harness, refs):
+    h = harness(d=cfg(retract_test_interval=3))
+    ps, ref = refs
+    assert run(h, ps) == ref
+    assert h.decode.retract.stats.resumed > 0
+
+
+def test_host_pool_full_falls_back_to_recompute(harness, tiny):
+    h = harness(d=cfg(pool=96, host_gb=0.0, init_new_token_ratio=0.1))
+    ps = prompts(4, 20, 20, seed=21)
+    assert run(h, ps) == [hf_greedy(tiny[2], p, 16) for p in ps]
+    assert h.decode.retract.stats.recomputed > 0 and h.decode.retract.stats.offloaded == 0
+
+
+def test_abort_in_retracted_queue_frees_host_pages(harness):
+    h = harness(d=cfg(pool=96, init_new_token_ratio=0.1))
+    ps = prompts(4, 20, 20, seed=21)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, SamplingParams(max_new_tokens=40, temperature=0))
+    for _ in range(500):
+        h.step()
+        if h.decode.retracted:
+            break
+    assert h.decode.retracted, "expected a retracted request"
+    host = h.decode.retract.host
+    assert host.num_free() < host.num_pages
+    for i in range(4):
+        h.decode.abort(f"r{i}")
+        h.prefill.abort(f"r{i}")
+    h.run()
+    assert host.num_free() == host.num_pages
+
+
+@pytest.mark.parametrize("steps_before_abort", [0, 1, 3])
+def test_abort_in_each_phase(harness, steps_before_abort):
+    h = harness()
+    h.submit("a", prompts(1, 30, 30, seed=2)[0], SamplingParams(max_new_tokens=30, temperature=0))
+    for _ in range(steps_before_abort):
+        h.step()
+    ev = h.decode.abort("a")
+    assert ev is not None and ev.finish_reason == "abort"
+    assert h.decode.abort("a") is None  # idempotent
+    h.prefill.abort("a")
+    h.run()
+
+
+def test_manifest_mismatch_fails_request(harness, monkeypatch):
+    h = harness()
+    from prefill_worker import scheduler as ps_mod
+
+    real = ps_mod.PrefillScheduler._manifest
+
+    def corrupt(self, job, ev):
+        return real(self, job, ev).model_copy(update={"n_tokens": job.req.kv_len + 1})
+
+    monkeypatch.setattr(ps_mod.PrefillScheduler, "_manifest", corrupt)
+    h.submit("x", prompts(1, 10, 10)[0], GREEDY)
+    out = h.run()
+    assert out["x"]["finish"] == "abort" and "manifest" in out["x"]["error"]
+
+
+def test_too_long_for_decode_pool_refused(harness):
+    from engine.scheduler.colocated import RequestRejected
+
+    h = harness(d=cfg(pool=64))
+    with pytest.raises(RequestRejected, match="decode KV cache pool capacity of 64"):
+        h.decode.add_request("big", list(range(60)), GREEDY, room=1, prefill_addr="x")

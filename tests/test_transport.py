@@ -1,0 +1,288 @@
+"""KV transports: loopback (in-process) and NIXL between two real OS processes.
+
+The NIXL tests never skip: if NIXL cannot be imported or cannot move data here, they fail with
+the reason.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from transfer.kv_transport import KVTransport, TransferHandle
+from transfer.loopback import LoopbackTransport
+
+# A small page-major pool: [pages, layers, 2, page_size, kv_heads, head_dim], fp32.
+SHAPE = (48, 2, 2, 8, 2, 32)
+PAGE_BYTES = int(np.prod(SHAPE[1:])) * 4  # 8 KiB
+
+
+def make_pool(shape=SHAPE, fill: bool = False) -> torch.Tensor:
+    buf = torch.zeros(shape, dtype=torch.float32)
+    if fill:
+        fill_pattern(buf)
+    return buf
+
+
+def fill_pattern(buf: torch.Tensor) -> None:
+    """Page i holds int32 words i * 1_000_003 + j: every page distinct, every byte known."""
+    words = buf.view(buf.shape[0], -1).view(torch.int32)
+    n = words.shape[1]
+    words.copy_(torch.arange(buf.shape[0], dtype=torch.int32)[:, None] * 1_000_003
+                + torch.arange(n, dtype=torch.int32)[None, :])
+
+
+def expected_page(i: int, shape=SHAPE) -> torch.Tensor:
+    n = int(np.prod(shape[1:]))
+    return torch.arange(n, dtype=torch.int32) + i * 1_000_003
+
+
+def page_words(buf: torch.Tensor, i: int) -> torch.Tensor:
+    return buf[i].reshape(-1).view(torch.int32)
+
+
+# ---- loopback ------------------------------------------------------------------------------
+
+@pytest.fixture
+def loop_pair():
+    pre, dec = LoopbackTransport("lb-pre"), LoopbackTransport("lb-dec")
+    src, dst = make_pool(fill=True), make_pool()
+    pre.register_pool(src, PAGE_BYTES)
+    dec.register_pool(dst, PAGE_BYTES)
+    yield pre, dec, src, dst
+    pre.close()
+    dec.close()
+
+
+def test_loopback_pages_land_exactly(loop_pair):
+    pre, dec, src, dst = loop_pair
+    assert isinstance(pre, KVTransport)
+    src_before = src.clone()
+    peer = pre.add_peer(dec.local_metadata())
+    assert peer == "lb-dec"
+    assert pre.add_peer(dec.local_metadata()) == peer  # idempotent
+    s = np.array([3, 0, 7, 5, 47], dtype=np.int32)
+    d = np.array([9, 2, 11, 4, 0], dtype=np.int32)
+    h = pre.write_pages(peer, s, d, b"req-1")
+    assert isinstance(h, TransferHandle)
+    assert h.poll() == "done" and h.wait(1.0) == "done" and h.error is None
+    h.release()
+    for i in range(SHAPE[0]):
+        if i in d:
+            assert torch.equal(page_words(dst, i), expected_page(int(s[list(d).index(i)]))), i
+        else:
+            assert not dst[i].any(), f"page {i} was touched"
+    assert torch.equal(src, src_before)
+    assert dec.poll_notifs() == [("lb-pre", b"req-1")]
+    assert dec.poll_notifs() == []  # delivered once
+    assert pre.poll_notifs() == []
+
+
+def test_loopback_empty_write_and_closed_peer(loop_pair):
+    pre, dec, _, dst = loop_pair
+    peer = pre.add_peer(dec.local_metadata())
+    assert pre.write_pages(peer, [], [], b"only-notif").wait(1) == "done"
+    assert dec.poll_notifs() == [("lb-pre", b"only-notif")]
+    assert not dst.any()
+    dec.close()
+    h = pre.write_pages(peer, [1], [1], b"x")
+    assert h.poll() == "error" and "closed" in h.error
+    with pytest.raises(RuntimeError):
+        dec.poll_notifs()
+
+
+def test_loopback_bad_args(loop_pair):
+    pre, dec, _, _ = loop_pair
+    peer = pre.add_peer(dec.local_metadata())
+    cases = [
+        (("nobody", [0], [0]), "unknown peer"),
+        ((peer, [0, 1], [0]), "different lengths"),
+        ((peer, [48], [0]), "src page id 48 out of range"),
+        ((peer, [-1], [0]), "src page id -1 out of range"),
+        ((peer, [0], [48]), "dst page id 48 out of range"),
+        ((peer, [0, 1], [5, 5]), "duplicate"),
+        ((peer, [[0]], [[1]]), "1-D"),
+        ((peer, [0.5], [1.0]), "integer"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            pre.write_pages(*args, notif=b"x")
+    assert dec.poll_notifs() == []
+    with pytest.raises(ValueError, match="page_bytes"):
+        LoopbackTransport("lb-bad").register_pool(make_pool(), PAGE_BYTES * 2)
+    with pytest.raises(ValueError, match="backend"):
+        pre.add_peer(json.dumps({"format": "pdserve-kv-transport/1", "backend": "nixl", "name": "x",
+                                 "page_bytes": 1, "num_pages": 1}).encode())
+    with pytest.raises(ValueError, match="not transport JSON"):
+        pre.add_peer(b"\x80\x04pickle")
+    other = LoopbackTransport("lb-other")
+    other.register_pool(make_pool((4, 2, 2, 8, 2, 16)), PAGE_BYTES // 2)
+    with pytest.raises(ValueError, match="page_bytes"):
+        pre.add_peer(other.local_metadata())
+    other.close()
+    with pytest.raises(ValueError, match="already exists"):
+        LoopbackTransport("lb-pre")
+
+
+def test_loopback_metadata_is_json(loop_pair):
+    _, dec, _, dst = loop_pair
+    md = json.loads(dec.local_metadata())
+    assert md["page_bytes"] == PAGE_BYTES and md["num_pages"] == SHAPE[0]
+    assert md["base"] == dst.data_ptr() and md["mem_type"] == "DRAM"
+
+
+# ---- NIXL in two processes -------------------------------------------------------------------
+
+def _nixl_target(conn, name: str, dlist_form: str) -> None:
+    """Decode side: register a zeroed pool, publish metadata, poll notifications, verify on request."""
+    from transfer.nixl_transport import NixlTransport
+
+    t = NixlTransport(name, dlist_form=dlist_form)
+    buf = make_pool()
+    t.register_pool(buf, PAGE_BYTES)
+    conn.send_bytes(t.local_metadata())
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got += t.poll_notifs()
+        if conn.poll():
+            cmd = conn.recv()
+            if cmd[0] == "bye":
+                break
+            _, src, dst, n_expected = cmd  # ("check", ...): wait for the notifs, then verify
+            until = time.monotonic() + 10
+            while len(got) < n_expected and time.monotonic() < until:
+                got += t.poll_notifs()
+                time.sleep(0.0005)
+            quiet = time.monotonic() + 0.2  # any duplicate would show up here
+            while time.monotonic() < quiet:
+                got += t.poll_notifs()
+                time.sleep(0.001)
+            where = dict(zip(dst, src))
+            bad = [i for i in range(buf.shape[0])
+                   if not torch.equal(page_words(buf, i), expected_page(where[i]) if i in where
+                                      else torch.zeros_like(page_words(buf, i)))]
+            conn.send({"notifs": got, "bad_pages": bad})
+        time.sleep(0.0005)
+    t.close()
+
+
+def _spawn_target(ctx, name: str, dlist_form: str = "list"):
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_nixl_target, args=(child, name, dlist_form), daemon=True)
+    p.start()
+    if not parent.poll(30):
+        p.kill()
+        raise AssertionError("NIXL target process published no metadata within 30 s")
+    return p, parent, parent.recv_bytes()
+
+
+def _reap(p) -> None:
+    if p.is_alive():
+        p.kill()
+    p.join(5)
+
+
+@pytest.mark.parametrize("dlist_form", ["list", "strided"])
+def test_nixl_two_process_write(dlist_form):
+    from transfer.nixl_transport import NixlTransport
+
+    ctx = mp.get_context("spawn")
+    p, conn, md = _spawn_target(ctx, "nixl-dec", dlist_form)
+    t = None
+    try:
+        meta = json.loads(md)  # plain JSON, NIXL's blob as base64
+        assert meta["backend"] == "nixl" and meta["page_bytes"] == PAGE_BYTES
+        assert meta["num_pages"] == SHAPE[0] and meta["mem_type"] == "DRAM"
+        assert base64.b64decode(meta["nixl_md"])
+
+        t = NixlTransport("nixl-pre", dlist_form=dlist_form)
+        t.register_pool(make_pool(fill=True), PAGE_BYTES)
+        peer = t.add_peer(md)
+        assert peer == "nixl-dec" and t.add_peer(md) == peer and t.peers() == [peer]
+
+        rng = np.random.default_rng(0)
+        run_s, run_d = np.arange(10, 14), np.arange(30, 34)  # a run NIXL can merge
+        src = np.r_[run_s, rng.choice(np.setdiff1d(np.arange(SHAPE[0]), run_s), 16, replace=False)]
+        dst = np.r_[run_d, rng.choice(np.setdiff1d(np.arange(SHAPE[0]), run_d), 16, replace=False)]
+        src, dst = src.astype(np.int32), dst.astype(np.int32)
+        for args, msg in [(("nobody", src, dst), "unknown peer"), ((peer, src, dst[:-1]), "lengths"),
+                          ((peer, src, np.r_[dst[:-1], 48]), "out of range")]:
+            with pytest.raises(ValueError, match=msg):
+                t.write_pages(*args, notif=b"bad")
+
+        t0 = time.monotonic()
+        h = t.write_pages(peer, src, dst, b"req-1")
+        assert h.wait(10) == "done", h.error
+        elapsed = time.monotonic() - t0
+        h.release()
+        h2 = t.write_pages(peer, [], [], b"req-2")  # notification only
+        assert h2.wait(10) == "done", h2.error
+
+        conn.send(("check", src.tolist(), dst.tolist(), 2))
+        assert conn.poll(20), "target did not report"
+        rep = conn.recv()
+        assert rep["bad_pages"] == [], f"pages with wrong bytes: {rep['bad_pages']}"
+        assert rep["notifs"] == [("nixl-pre", b"req-1"), ("nixl-pre", b"req-2")]
+        assert elapsed < 5
+        conn.send(("bye",))
+        p.join(10)
+        assert p.exitcode == 0
+    finally:
+        if t is not None:
+            t.close()
+        _reap(p)
+
+
+def test_nixl_dead_peer_reports_error_then_restarted_peer_works():
+    from transfer.nixl_transport import NixlTransport
+
+    ctx = mp.get_context("spawn")
+    p, conn, md = _spawn_target(ctx, "nixl-dec2")
+    pc, _, mdc = _spawn_target(ctx, "nixl-dec3")  # dies before the first write ever reaches it
+    p2 = None
+    t = NixlTransport("nixl-pre2")
+    try:
+        t.register_pool(make_pool(fill=True), PAGE_BYTES)
+        peer = t.add_peer(md)
+        cold_peer = t.add_peer(mdc)
+        assert t.write_pages(peer, [1, 2], [3, 4], b"warm").wait(10) == "done"
+
+        for proc, name in ((p, peer), (pc, cold_peer)):
+            proc.kill()
+            proc.join(5)
+            t0 = time.monotonic()
+            h = t.write_pages(name, [5, 6, 7], [8, 9, 10], b"to-the-dead")
+            state = h.wait(5)
+            took = time.monotonic() - t0
+            assert state == "error", f"write to killed {name} ended {state!r} after {took:.2f}s"
+            assert h.error and took < 3, (h.error, took)
+            h.release()
+        t.remove_peer(cold_peer)
+        assert t.peers() == [peer]
+        with pytest.raises(ValueError, match="unknown peer"):
+            t.write_pages(cold_peer, [0], [0], b"x")
+
+        # The decode worker comes back under the same name: new metadata replaces the old peer.
+        p2, conn2, md2 = _spawn_target(ctx, "nixl-dec2")
+        assert md2 != md
+        assert t.add_peer(md2) == peer
+        h = t.write_pages(peer, [5, 6, 7], [8, 9, 10], b"again")
+        assert h.wait(10) == "done", h.error
+        conn2.send(("check", [5, 6, 7], [8, 9, 10], 1))
+        assert conn2.poll(20)
+        rep = conn2.recv()
+        assert rep["bad_pages"] == [] and rep["notifs"] == [("nixl-pre2", b"again")]
+        conn2.send(("bye",))
+        p2.join(10)
+    finally:
+        t.close()
+        _reap(p)
+        _reap(pc)
+        if p2 is not None:
+            _reap(p2)
