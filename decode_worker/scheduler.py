@@ -56,6 +56,7 @@ class DecodeScheduler:
         self.retracted: deque[DecodeJob] = deque()
         self.jobs: dict[str, DecodeJob] = {}
         self.by_req: dict[int, DecodeJob] = {}
+        self.pending_events: list[TokenEvent] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int | None = None,
@@ -109,19 +110,19 @@ class DecodeScheduler:
             job = self.transfer.get((msg.room, msg.generation))
             if job is None:
                 job = next((j for j in self.prealloc if j.key == (msg.room, msg.generation)), None)
-            if job is not None:
-                self._fail(job, f"prefill failed: {msg.error}", msg.error_status)
+            if job is not None:  # reported with the next step's events
+                self.pending_events += self._fail(job, f"prefill failed: {msg.error}", msg.error_status)
             return True
         return peer is not None  # acks, heartbeat replies, token batches from a peer: liveness only
 
     # ---- the loop -----------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.transfer or self.retracted
+        return bool(self.running or self.transfer or self.retracted or self.pending_events
                     or any(self.peers.get(j.prefill_addr).ready for j in self.prealloc))
 
     def step(self) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
+        events, self.pending_events = self.pending_events, []
         for peer in self.peers.tick():
             events += self._peer_died(peer.addr, peer.error)
         events += self._poll_transfers()

@@ -75,7 +75,8 @@ def hf_tiny(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
                          head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False)
+                         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=cfg.eos_token_ids[0])
     model = LlamaForCausalLM(hf_cfg).eval()
     model.load_state_dict(weights, strict=True)
     return model
@@ -105,3 +106,11 @@ def engine_cfg(**kw) -> EngineConfig:
 
 def sched_cfg(**kw) -> SchedulerConfig:
     return SchedulerConfig(**kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tiny, tmp_path_factory):
+    """The tiny random model saved as an HF folder (config.json + safetensors), for worker processes."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny[2].save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -1,0 +1,176 @@
+"""PD across real processes: prefill and decode workers (``server.worker_main``) talking typed
+ZMQ messages, KV over NIXL/UCX. A small driver plays the router. Tiny random model saved as an
+HF folder, so every output is checked against transformers."""
+from __future__ import annotations
+
+import itertools
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from configs.schema import PdserveConfig
+from conftest import hf_greedy
+from engine.sampling import SamplingParams
+from transfer.protocol import (GenerateRequest, PrefillRequest, Shutdown, StatsRequest, TokenBatch, WorkerStats,
+                               decode, encode, frame_ids, ids_frame)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PDPair:
+    """One prefill and one decode worker process plus a DEALER to each (the router's role)."""
+
+    def __init__(self, model_dir, decode_pool: int, host_gb: float, **sched):
+        self.cfg = PdserveConfig.model_validate({
+            "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096},
+            "scheduler": sched, "server": {"health_interval_s": 0.5},
+            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0}})
+        dcfg = self.cfg.model_copy(deep=True)
+        dcfg.engine.kv_pool_tokens = decode_pool
+        self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, self.cfg),
+                      "d0": self._spawn("decode", "d0", self.d_addr, dcfg)}
+        self.ctx = zmq.Context()
+        self.socks = {}
+        for wid, addr in (("p0", self.p_addr), ("d0", self.d_addr)):
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            self.socks[wid] = s
+        self.rooms = itertools.count(1)
+        for wid in self.socks:
+            assert self.stats(wid, timeout=60).role in ("prefill", "decode")
+
+    @staticmethod
+    def _spawn(role, wid, addr, cfg):
+        return subprocess.Popen([sys.executable, "-m", "server.worker_main", "--role", role, "--worker-id", wid,
+                                 "--control-addr", addr, "--config-json", cfg.model_dump_json()])
+
+    def stats(self, wid: str, timeout: float = 10) -> WorkerStats:
+        s = self.socks[wid]
+        s.send_multipart(encode(StatsRequest(nonce=7)))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if s.poll(200):
+                msg, _ = decode(s.recv_multipart())
+                if isinstance(msg, WorkerStats):
+                    return msg
+        raise TimeoutError(f"{wid} did not answer")
+
+    def submit(self, rid, prompt, params, to_prefill=True):
+        room = next(self.rooms)
+        self.socks["d0"].send_multipart(encode(GenerateRequest(rid=rid, params=params, room=room,
+                                                               prefill_addr=self.p_addr), ids_frame(prompt)))
+        if to_prefill:
+            self.socks["p0"].send_multipart(encode(PrefillRequest(rid=rid, room=room, params=params,
+                                                                  decode_worker="d0"), ids_frame(prompt)))
+
+    def collect(self, rids, timeout=60) -> dict:
+        out = {r: {"tokens": [], "finish": None, "error": None} for r in rids}
+        deadline = time.monotonic() + timeout
+        s = self.socks["d0"]
+        while any(o["finish"] is None for o in out.values()):
+            assert time.monotonic() < deadline, f"timed out: {out}"
+            if not s.poll(200):
+                continue
+            msg, frames = decode(s.recv_multipart())
+            if not isinstance(msg, TokenBatch):
+                continue
+            ids, k = frame_ids(frames[0]), 0
+            for e in msg.entries:
+                out[e.rid]["tokens"] += ids[k:k + e.n]
+                k += e.n
+                if e.finish_reason:
+                    out[e.rid]["finish"], out[e.rid]["error"] = e.finish_reason, e.error
+        return out
+
+    def close(self):
+        for wid, s in self.socks.items():
+            if self.procs[wid].poll() is None:
+                s.send_multipart(encode(Shutdown()))
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.ctx.destroy(0)
+
+
+def prompts(n, lo, hi, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 96) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+EOS = 96
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    return tokens[:tokens.index(EOS)] if EOS in tokens else tokens
+
+
+def wait_idle(pair: PDPair, wid: str, timeout=10) -> WorkerStats:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = pair.stats(wid)
+        if st.gauges["kv_pages_used"] == 0 or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+def test_pd_processes_offload_and_resume(tiny, tiny_folder):
+    # 4 x (20 + 16) tokens against a 96-token decode pool: retract with host offload.
+    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1)
+    try:
+        ps = prompts(4, 20, 20, seed=21)
+        # no ignore_eos: admission reserves only max_new_tokens * new_token_ratio, so it overcommits
+        params = SamplingParams(max_new_tokens=16, temperature=0)
+        for i, p in enumerate(ps):
+            pair.submit(f"r{i}", p, params)
+        out = pair.collect([f"r{i}" for i in range(4)])
+        assert [out[f"r{i}"]["tokens"] for i in range(4)] == [until_eos(hf_greedy(tiny[2], p, 16)) for p in ps]
+        d, p = wait_idle(pair, "d0"), wait_idle(pair, "p0")
+        assert d.counters["retractions"] > 0 and d.counters["retract_resumed"] > 0
+        assert d.gauges["kv_pages_used"] == 0 and d.gauges["host_kv_pool_bytes_used"] == 0
+        assert p.counters["kv_transfer_bytes"] > 0 and p.gauges["kv_pages_used"] == 0
+
+        # decode asks for a room the prefill worker never heard of: fails fast, pages come back
+        pair.submit("orphan", ps[0], params, to_prefill=False)
+        res = pair.collect(["orphan"], timeout=10)["orphan"]
+        assert res["finish"] == "abort" and "no such request" in res["error"]
+
+        # a dead prefill worker fails the decode side's waiting request within the lease
+        pair.procs["p0"].kill()
+        t0 = time.monotonic()
+        pair.submit("late", ps[1], params, to_prefill=False)
+        res = pair.collect(["late"], timeout=15)["late"]
+        assert res["finish"] == "abort" and "did not answer" in res["error"]
+        assert time.monotonic() - t0 < 10
+        assert wait_idle(pair, "d0").gauges["kv_pages_used"] == 0
+    finally:
+        pair.close()
+
+
+def test_pd_processes_recompute_fallback(tiny, tiny_folder):
+    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1)
+    try:
+        ps = prompts(4, 20, 20, seed=21)
+        # no ignore_eos: admission reserves only max_new_tokens * new_token_ratio, so it overcommits
+        params = SamplingParams(max_new_tokens=16, temperature=0)
+        for i, p in enumerate(ps):
+            pair.submit(f"r{i}", p, params)
+        out = pair.collect([f"r{i}" for i in range(4)])
+        assert [out[f"r{i}"]["tokens"] for i in range(4)] == [until_eos(hf_greedy(tiny[2], p, 16)) for p in ps]
+        d = wait_idle(pair, "d0")
+        assert d.counters["retract_recomputed"] > 0 and d.counters["retract_offloaded"] == 0
+        assert d.gauges["kv_pages_used"] == 0
+    finally:
+        pair.close()
