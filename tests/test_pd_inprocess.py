@@ -10,7 +10,7 @@ import pytest
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
 from engine.sampling import SamplingParams
-from pd_harness import PDHarness
+from bench.pd_local import PDHarness
 
 
 def cfg(pool=4096, page=4, host_gb=0.01, **sched) -> PdserveConfig:
@@ -154,3 +154,28 @@ def test_too_long_for_decode_pool_refused(harness):
     h = harness(d=cfg(pool=64))
     with pytest.raises(RequestRejected, match="decode KV cache pool capacity of 64"):
         h.decode.add_request("big", list(range(60)), GREEDY, room=1, prefill_addr="x")
+
+
+def test_decode_oom_abort_while_transfer_holds_pages(harness):
+    # A transfer in flight holds its reserved pages (they may still be written): the running
+    # request cannot retract them and, alone, cannot grow -> it alone is aborted; the other one
+    # completes once its KV lands.
+    h = harness(d=cfg(pool=64, init_new_token_ratio=0.05))
+    h.submit("a", prompts(1, 8, 8, seed=3)[0], SamplingParams(max_new_tokens=40, temperature=0))
+    for _ in range(3):
+        h.step()
+    assert h.decode.running
+    h.submit("b", prompts(1, 40, 40, seed=4)[0], SamplingParams(max_new_tokens=4, temperature=0))
+    held = []
+    real_step = h.prefill.step
+    h.prefill.step = lambda: held.append(1) or []  # prefill worker stalls: b's KV never arrives
+    events = []
+    for _ in range(60):
+        events += h.step()
+        if any(e.rid == "a" and e.finish_reason for e in events):
+            break
+    fin = [e for e in events if e.rid == "a" and e.finish_reason]
+    assert fin and fin[0].finish_reason == "abort" and fin[0].error_status == 500
+    h.prefill.step = real_step
+    out = h.run()
+    assert out["b"]["finish"] == "length" and len(out["b"]["tokens"]) == 4

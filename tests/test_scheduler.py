@@ -160,3 +160,35 @@ def test_sampled_requests_complete_with_seed(tiny):
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert all(len(x.token_ids) == 12 for x in a)
     assert_clean(sched)
+
+
+def test_pool_far_smaller_than_workload(tiny):
+    # 16 prompts of 12-24 tokens + 16 new: ~600 tokens of demand against a 128-token pool.
+    ps = prompts(16, 12, 24, seed=33)
+    sp = SamplingParams(max_new_tokens=16, temperature=0)
+    free_run = run_batch(make_sched(tiny, eos=()), ps, [sp] * 16)
+    sched = make_sched(tiny, kv_pool_tokens=128, page_size=4, eos=(), init_new_token_ratio=0.05)
+    small = run_batch(sched, ps, [sp] * 16)
+    assert [o.token_ids for o in small] == [o.token_ids for o in free_run]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 16 for o in small)
+    assert sched.stats.retractions > 0 and sched.stats.finished_requests == 16
+    assert_clean(sched)
+
+
+def test_last_request_oom_abort_then_keeps_serving(tiny):
+    # Pages leased away by something else (here: taken straight from the allocator) leave the
+    # lone running request no room to grow: it ends with the OOM abort, the loop carries on.
+    sched = make_sched(tiny, kv_pool_tokens=64, page_size=4, eos=())
+    sched.add_request("victim", prompts(1, 8, 8, seed=1)[0], greedy(40))
+    sched.step()  # prefill: 8 prompt tokens -> 2 pages
+    stolen = sched.kv.allocator.alloc(sched.kv.allocator.num_free())
+    events = []
+    while sched.has_work:
+        events += sched.step()
+    final = [e for e in events if e.finish_reason][-1]
+    assert final.finish_reason == "abort" and final.error_status == 500
+    assert "KV cache pool is too small" in final.error and sched.stats.oom_aborts == 1
+    sched.kv.allocator.free(stolen)
+    nxt = run_batch(sched, [prompts(1, 8, 8, seed=2)[0]], [greedy(8)])[0]
+    assert nxt.finish_reason == "length" and len(nxt.token_ids) == 8
+    assert_clean(sched)

@@ -1,4 +1,4 @@
-"""Deterministic in-process PD harness: a prefill and a decode scheduler wired by direct message
+"""Deterministic in-process PD pair: a prefill and a decode scheduler wired by direct message
 delivery (no sockets) and the loopback KV transport. Unit tests only; the real path (processes,
 ZMQ, NIXL) is covered by the process-level tests."""
 from __future__ import annotations
