@@ -1,6 +1,6 @@
 """Deterministic in-process PD pair: a prefill and a decode scheduler wired by direct message
-delivery (no sockets) and the loopback KV transport. Unit tests only; the real path (processes,
-ZMQ, NIXL) is covered by the process-level tests."""
+delivery (no sockets) and the loopback KV transport. For unit tests and benchmarks; the real path
+(processes, ZMQ, NIXL) is covered by the process-level tests."""
 from __future__ import annotations
 
 import itertools

@@ -192,3 +192,16 @@ def test_last_request_oom_abort_then_keeps_serving(tiny):
     nxt = run_batch(sched, [prompts(1, 8, 8, seed=2)[0]], [greedy(8)])[0]
     assert nxt.finish_reason == "length" and len(nxt.token_ids) == 8
     assert_clean(sched)
+
+
+def test_request_that_fits_an_empty_pool_is_admitted(tiny):
+    # prompt 40 + 20 * 0.7 reserved = 54 tokens = 14 of 16 pages: must be admitted at once
+    # (a reservation that double-counted the prompt's pages once kept it waiting forever).
+    sched = make_sched(tiny, kv_pool_tokens=64, page_size=4, eos=())
+    sched.add_request("a", prompts(1, 40, 40, seed=8)[0], SamplingParams(max_new_tokens=20, temperature=0))
+    for _ in range(40):
+        sched.step()
+        if not sched.has_work:
+            break
+    assert not sched.has_work and sched.stats.finished_requests == 1
+    assert_clean(sched)

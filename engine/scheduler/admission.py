@@ -76,10 +76,11 @@ class Admission:
         return items
 
     def _reservation_pages(self, req: Request, ratio: float) -> int:
+        """Pages beyond the prompt's that the request's future decode tokens are expected to take."""
         if not self.reserve_decode:
             return 0
         total = req.seq_len + reserved_tokens(req, ratio)
-        return max(0, self.kv.pages_for(total) - len(req.pages))
+        return max(0, self.kv.pages_for(total) - self.kv.pages_for(req.seq_len))
 
     def _try_admit(self, req: Request, free_pages: int, ratio: float) -> bool:
         """Match the prefix and take the prompt's pages; on failure leave ``req`` untouched."""
