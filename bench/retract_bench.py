@@ -1,5 +1,7 @@
 """``pdserve bench retract``: what retract costs, measured in one run on the same weights.
 
+Both storms admit with ``init_new_token_ratio = STORM_RATIO`` so the small pool overcommits.
+
 1. Colocated: the same workload with an unconstrained KV pool vs a pool at 30% of its demand
    (throughput, completed requests, retractions).
 2. PD decode: time to resume a retracted long request from the host pool vs time to re-prefill
@@ -23,6 +25,9 @@ from engine.llm import LLM, run_batch
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.sampling import SamplingParams
 
+# Admission that overcommits (reserves 10% of max_new_tokens), so a 30% pool really storms.
+STORM_RATIO = 0.1
+
 
 def _workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -38,7 +43,7 @@ def colocated_storm(llm_loaded, engine: EngineConfig, n: int, new_tokens: int) -
     outs = {}
     for label, pool in (("unconstrained", demand + 1024), ("30% pool", int(demand * 0.3))):
         llm = LLM(engine.model_copy(update={"kv_pool_tokens": pool}),
-                  SchedulerConfig(max_running_requests=n), loaded=(cfg, weights, tok))
+                  SchedulerConfig(max_running_requests=n, init_new_token_ratio=STORM_RATIO), loaded=(cfg, weights, tok))
         t = time.perf_counter()
         res = run_batch(llm.scheduler, ps, [sp] * n)
         dt = time.perf_counter() - t
@@ -85,7 +90,8 @@ def pd_storm(llm_loaded, engine: EngineConfig, n: int, new_tokens: int) -> None:
     print(f"[PD storm] {n} requests, {demand} tokens of decode KV demand")
     rates = {}
     for label, pool in (("unconstrained", demand + 1024), ("30% pool", int(demand * 0.3))):
-        base = {"engine": engine.model_dump(), "scheduler": {"max_running_requests": n},
+        base = {"engine": engine.model_dump(),
+                "scheduler": {"max_running_requests": n, "init_new_token_ratio": STORM_RATIO},
                 "cluster": {"mode": "pd", "transfer_backend": "loopback", "host_kv_pool_gb": 1.0}}
         cp = PdserveConfig.model_validate(base)
         cd = PdserveConfig.model_validate({**base, "engine": {**base["engine"], "kv_pool_tokens": pool}})
