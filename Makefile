@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(PY) -m pytest -q tests
 
+# OpenAI-compatible server (embedded SmolLM2-135M) on http://$(HOST):$(PORT)/v1; Ctrl-C stops everything.
 serve: install
-	$(VENV)/bin/pdserve generate --chat --max-tokens 64 --prompt "What is the capital of France?"
+	$(VENV)/bin/pdserve launch --mode colocated --model default --host $(HOST) --port $(PORT)
 
 bench: install
 	$(VENV)/bin/pdserve bench engine

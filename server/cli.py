@@ -1,4 +1,4 @@
-"""``pdserve`` command line: ``generate`` (offline batch) and ``bench``."""
+"""``pdserve`` command line: ``generate`` (offline batch), ``launch`` (serve over HTTP) and ``bench``."""
 from __future__ import annotations
 
 import argparse
@@ -51,9 +51,47 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_parser(sub) -> None:
+    from configs.schema import ClusterConfig
+    from configs.server import ServerConfig
+
+    p = sub.add_parser("launch", help="start the worker process(es) and the OpenAI-compatible HTTP router",
+                       description="Settings: --config preset < env PDSERVE_<FIELD> < these flags.")
+    p.add_argument("--config", help="YAML or TOML preset with sections engine, scheduler, server, cluster")
+    for model in (EngineConfig, SchedulerConfig, ClusterConfig):
+        add_flags(p, model)
+    add_flags(p, ServerConfig, skip=("log_level",))
+    p.add_argument("--log-level", dest="server_log_level", default=argparse.SUPPRESS,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level of the router and workers")
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from configs.schema import SECTIONS, load_config
+    from server.launcher import launch_main
+
+    cli: dict = {}
+    for model in SECTIONS.values():
+        cli.update(collect(args, model))
+    cli.pop("log_level", None)  # the top-level --log-level is not the server's
+    if hasattr(args, "server_log_level"):
+        cli["log_level"] = args.server_log_level
+    try:
+        cfg = load_config(args.config, cli)
+    except (ValidationError, ValueError, OSError) as e:
+        print(f"pdserve launch: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    return launch_main(cfg)
+
+
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["engine"], help="engine: decode/prefill tokens/s vs HF transformers")
+    p.add_argument("what", choices=["engine", "retract", "transfer"],
+                   help="engine: decode/prefill tokens/s vs HF transformers; retract: retract costs "
+                        "(colocated and PD); transfer: KV transfer over NIXL vs memcpy")
+    p.add_argument("--requests", type=int, default=16, help="retract: requests in the workload")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
@@ -63,10 +101,19 @@ def _bench_parser(sub) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench.engine_bench import run_engine_bench
+    engine = EngineConfig(**collect(args, EngineConfig))
+    if args.what == "retract":
+        from bench.retract_bench import run_retract_bench
 
-    run_engine_bench(EngineConfig(**collect(args, EngineConfig)), args.batch_sizes, args.decode_tokens,
-                     args.prefill_tokens, not args.skip_hf)
+        run_retract_bench(engine, args.requests, args.decode_tokens)
+    elif args.what == "transfer":
+        from bench.transfer_bench import main as transfer_main
+
+        transfer_main([])
+    else:
+        from bench.engine_bench import run_engine_bench
+
+        run_engine_bench(engine, args.batch_sizes, args.decode_tokens, args.prefill_tokens, not args.skip_hf)
     return 0
 
 
@@ -75,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _launch_parser(sub)
     _bench_parser(sub)
     return parser
 

@@ -1,0 +1,251 @@
+"""``pdserve launch``: start the worker process(es) and the router, serve until SIGINT/SIGTERM.
+
+Steps: bind the HTTP socket (a busy port fails at once), spawn one process per worker
+(``python -m server.worker_main``), load the tokenizer, start uvicorn with the router app in this
+process, wait until ``GET /health`` answers 200, then print ``pdserve: serving MODEL at URL`` on
+stdout. A worker that exits during startup makes the launch fail (exit code 1, message on stderr,
+the worker's own log above it). After startup a worker that exits is marked dead for good: its
+requests fail with 503 and ``/health`` answers 503.
+
+Children never outlive the launcher: they ignore SIGINT (Ctrl-C in a terminal reaches the whole
+process group; the launcher stops them itself), get SIGTERM from the kernel if the launcher dies
+(``PR_SET_PDEATHSIG``), and are SIGTERMed, then SIGKILLed after a grace period, on shutdown.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+import httpx
+import uvicorn
+import zmq.asyncio
+
+from configs.schema import PdserveConfig
+from server.router.registry import WorkerSpec
+
+log = logging.getLogger("pdserve.launch")
+
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """Startup failed; the message says what to fix."""
+
+
+def worker_specs(cfg: PdserveConfig) -> list[WorkerSpec]:
+    """The workers of ``cfg.cluster.mode``; their control ports count up from ``base_port``."""
+    if cfg.cluster.mode != "colocated":
+        raise LaunchError(f"--mode {cfg.cluster.mode} is not implemented yet; use --mode colocated")
+    return [WorkerSpec("colocated-0", "colocated", f"tcp://127.0.0.1:{cfg.cluster.base_port}")]
+
+
+def worker_config(cfg: PdserveConfig) -> PdserveConfig:
+    """The config handed to workers: the API key stays in the router (argv is world-readable)."""
+    return cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": None})})
+
+
+def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
+    """Command line of one worker process."""
+    return [sys.executable, "-m", "server.worker_main", "--role", spec.role, "--worker-id", spec.worker_id,
+            "--control-addr", spec.addr, "--config-json", worker_config(cfg).model_dump_json()]
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class WorkerProcesses:
+    """The launcher's worker children: start, watch for exits, stop (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, specs: list[WorkerSpec], argv: Callable[[WorkerSpec], list[str]]) -> None:
+        self.procs = {s.worker_id: (s, subprocess.Popen(argv(s), preexec_fn=_child_setup)) for s in specs}
+        self._reported: set[str] = set()
+
+    def new_exits(self) -> list[tuple[WorkerSpec, int]]:
+        """Workers that exited since the last call, with their exit codes."""
+        out = []
+        for wid, (spec, p) in self.procs.items():
+            if wid not in self._reported and p.poll() is not None:
+                self._reported.add(wid)
+                out.append((spec, p.returncode))
+        return out
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every live worker, wait up to ``grace_s``, SIGKILL the rest; reap all."""
+        live = [p for _, p in self.procs.values() if p.poll() is None]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d did not stop in %.0fs; killing it", p.pid, grace_s)
+                p.kill()
+                p.wait()
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on (host, port); ``LaunchError`` if it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise LaunchError(f"cannot bind HTTP server to {host}:{port}: {e.strerror}; choose another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def public_url(host: str, port: int) -> str:
+    """The URL clients on this machine use (wildcard binds are reached through loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling (the launcher owns SIGINT/SIGTERM)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Launcher:
+    """One ``pdserve launch`` run; :meth:`run` returns the process exit code."""
+
+    def __init__(self, cfg: PdserveConfig, argv: Callable[[WorkerSpec, PdserveConfig], list[str]] = worker_argv,
+                 out: TextIO | None = None, startup_timeout_s: float = 600.0, install_signals: bool = True) -> None:
+        self.cfg = cfg
+        self.argv = argv
+        self.out = out or sys.stdout
+        self.startup_timeout_s = startup_timeout_s
+        self.install_signals = install_signals
+        self.stop_event: asyncio.Event | None = None
+        self.server: _Server | None = None
+
+    def request_stop(self, force: bool = False) -> None:
+        """Begin a clean shutdown; ``force`` makes uvicorn drop open connections at once."""
+        if self.server is not None:
+            self.server.force_exit = self.server.force_exit or force
+            self.server.should_exit = True
+        if self.stop_event is not None:
+            self.stop_event.set()
+
+    def _on_signal(self) -> None:
+        """SIGINT/SIGTERM: stop; a second signal forces it."""
+        self.request_stop(force=self.stop_event is not None and self.stop_event.is_set())
+
+    async def run(self) -> int:
+        """Start everything, serve until stopped. 0 after a requested stop, 1 if startup failed."""
+        self.stop_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self.install_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal)
+        try:
+            return await self._run()
+        except LaunchError as e:
+            print(f"pdserve launch: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            if self.install_signals:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    async def _run(self) -> int:
+        from engine.model_paths import resolve_model_path
+        from engine.tokenizer import Tokenizer
+        from server.router.app import build_context, create_app, zmq_client_factory
+
+        srv = self.cfg.server
+        specs = worker_specs(self.cfg)
+        sock = bind_http_socket(srv.host, srv.port)
+        procs = WorkerProcesses(specs, lambda s: self.argv(s, self.cfg))
+        zctx = zmq.asyncio.Context()
+        serve_task = None
+        try:
+            try:
+                path = resolve_model_path(self.cfg.engine.model)
+                tokenizer = await asyncio.to_thread(Tokenizer.from_path, path)
+            except (OSError, ValueError) as e:
+                raise LaunchError(f"cannot load the tokenizer: {e}") from None
+            name = srv.served_model_name or path.stem
+            ctx = build_context(self.cfg, tokenizer, name, specs, zmq_client_factory(zctx))
+            config = uvicorn.Config(create_app(ctx), log_level=srv.log_level.lower(), lifespan="on",
+                                    timeout_graceful_shutdown=5, access_log=srv.log_level == "DEBUG")
+            self.server = _Server(config)
+            serve_task = asyncio.create_task(self.server.serve(sockets=[sock]))
+            url = public_url(srv.host, sock.getsockname()[1])
+            if not await self._wait_ready(url, serve_task, procs, ctx.registry):
+                return 0
+            print(f"pdserve: serving {name} at {url} (OpenAI API: {url}/v1)", file=self.out, flush=True)
+            await self._supervise(serve_task, procs, ctx.registry)
+            return 0
+        finally:
+            await self._stop_server(serve_task)
+            await asyncio.to_thread(procs.stop)
+            sock.close()
+            zctx.destroy(linger=0)
+
+    async def _wait_ready(self, url: str, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> bool:
+        """True once /health is 200; False if stopped first; ``LaunchError`` on failure."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+            while not self.stop_event.is_set():
+                for spec, rc in procs.new_exits():
+                    raise LaunchError(f"worker {spec.worker_id} ({spec.role}) exited with code {rc} during "
+                                      f"startup; its error is in the log above")
+                if serve_task.done():
+                    raise LaunchError("the HTTP server stopped during startup; see the log above")
+                if self.server.started and registry.health()[0] and await self._health_ok(client, url):
+                    return True
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"not ready after {self.startup_timeout_s:.0f}s: {registry.describe()}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop_event.wait(), 0.2)
+        return False
+
+    @staticmethod
+    async def _health_ok(client: httpx.AsyncClient, url: str) -> bool:
+        try:
+            return (await client.get(f"{url}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _supervise(self, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> None:
+        """Until stopped: mark workers whose process exited as dead for good."""
+        while not self.stop_event.is_set() and not serve_task.done():
+            for spec, rc in procs.new_exits():
+                registry.mark_dead(spec.worker_id, f"worker process exited with code {rc}", permanent=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), 0.5)
+
+    async def _stop_server(self, serve_task: asyncio.Task | None) -> None:
+        if serve_task is None:
+            return
+        self.request_stop()
+        try:
+            await asyncio.wait_for(serve_task, 15)
+        except (TimeoutError, SystemExit, Exception) as e:  # noqa: BLE001 - shutting down regardless
+            log.warning("HTTP server shutdown: %r", e)
+
+
+def launch_main(cfg: PdserveConfig) -> int:
+    """Run ``pdserve launch`` for ``cfg`` in a new event loop; returns the exit code."""
+    logging.getLogger().setLevel(cfg.server.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness probe's requests
+    return asyncio.run(Launcher(cfg).run())

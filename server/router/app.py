@@ -1,0 +1,128 @@
+"""The router's FastAPI app: OpenAI-compatible endpoints, health and metrics.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
+``Authorization: Bearer <api_key>`` when an API key is configured), and ``GET /health``,
+``GET /metrics`` (always open, so load balancers and Prometheus need no secret; they expose no
+request content). Every error has OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}``. The app's lifespan starts and stops the worker registry (connections, heartbeats).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import zmq.asyncio
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from configs.schema import PdserveConfig
+from engine.tokenizer import Tokenizer
+from server.router.chat import create_chat_completion
+from server.router.completions import create_completion
+from server.router.context import RouterContext
+from server.router.errors import APIError
+from server.router.http_util import check_api_key, read_body
+from server.router.inflight import InflightTable
+from server.router.metrics import CONTENT_TYPE, RouterMetrics
+from server.router.registry import ROUTING_POLICIES, Registry, WorkerSpec
+from server.router.serving import SessionStream
+from server.router.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[RouterContext, Request, bytes], Awaitable[Response]]
+
+
+def zmq_client_factory(zctx: zmq.asyncio.Context) -> Callable[..., WorkerClient]:
+    """A registry ``client_factory`` building one ``WorkerClient`` per spec on ``zctx``."""
+    def factory(spec: WorkerSpec, on_tokens, on_stats) -> WorkerClient:
+        return WorkerClient(spec.worker_id, spec.addr, zctx, on_tokens, on_stats)
+    return factory
+
+
+def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, specs: list[WorkerSpec],
+                  client_factory: Callable[..., object]) -> RouterContext:
+    """Wire registry, in-flight table and metrics for ``specs`` (nothing connects until startup)."""
+    table = InflightTable()
+    registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
+                        interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s)
+    metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table))
+    return RouterContext(cfg, tokenizer, model_name, registry, table, metrics)
+
+
+def _generation_route(ctx: RouterContext, handler: Handler):
+    async def endpoint(request: Request) -> Response:
+        """Auth, bounded body, the handler; every outcome is counted in pdserve_requests_total."""
+        try:
+            check_api_key(request, ctx.cfg.server.api_key)
+            body = await read_body(request, ctx.cfg.server.max_body_bytes)
+            response = await handler(ctx, request, body)
+        except APIError as e:
+            ctx.metrics.observe_request(e.status)
+            return e.response()
+        if not isinstance(response, SessionStream):  # a stream counts itself when it ends
+            ctx.metrics.observe_request(response.status_code)
+        return response
+    return endpoint
+
+
+def _add_routes(app: FastAPI, ctx: RouterContext) -> None:
+    app.add_api_route("/v1/completions", _generation_route(ctx, create_completion), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _generation_route(ctx, create_chat_completion), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        """The one served model (API key required when configured)."""
+        check_api_key(request, ctx.cfg.server.api_key)
+        card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": min((h.stats.max_model_len for h in ctx.registry.handles.values() if h.stats),
+                                     default=None)}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 when every worker is ready, else 503; ``workers`` says each one's state."""
+        ok, detail = ctx.registry.health()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": detail},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text exposition of router and worker series."""
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return APIError(exc.status_code, msg).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+
+
+def create_app(ctx: RouterContext) -> FastAPI:
+    """The FastAPI app for ``ctx``; its lifespan starts and closes ``ctx.registry``."""
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await ctx.registry.start()
+        try:
+            yield
+        finally:
+            await ctx.registry.close()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    _add_routes(app, ctx)
+    _add_error_handlers(app)
+    return app

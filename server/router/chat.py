@@ -1,0 +1,122 @@
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template.
+
+Streaming sends, per choice, a role delta first (``{"role": "assistant", "content": ""}``), then
+content deltas, then a chunk with an empty delta and the finish reason, then (with
+``stream_options.include_usage``) one chunk with ``usage`` and no choices.
+"""
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.router.choices import ChoiceRun, Piece
+from server.router.common import (check_common, check_max_tokens, new_run, now_s, response_id, sampling_params,
+                                  usage)
+from server.router.context import RouterContext
+from server.router.errors import APIError
+from server.router.http_util import parse_model
+from server.router.openai_schemas import ChatCompletionRequest
+from server.router.serving import serve_choices
+
+
+def render_prompt(ctx: RouterContext, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of the messages rendered with the chat template (400 if the template fails)."""
+    try:
+        text = ctx.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return ctx.tokenizer.encode(text)
+
+
+def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    check_max_tokens(req.max_tokens, "max_tokens")
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def _logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def create_chat_completion(ctx: RouterContext, request: Request, body: bytes) -> Response:
+    """Handle one chat completions request (body already read); raises ``APIError`` on refusal."""
+    arrival = time.monotonic()
+    req = parse_model(ChatCompletionRequest, body)
+    check_common(ctx, req)
+    max_tokens, name = _max_tokens(req)
+    params = sampling_params(req, max_tokens, _logprobs(req), name)
+    run = new_run(ctx, 0, render_prompt(ctx, req), params, req, max_tokens is None, arrival)
+    return await serve_choices(ctx, request, [run], req.stream, ChatFormat(ctx, req))
+
+
+class ChatFormat:
+    """OpenAI chat completion response and ``chat.completion.chunk`` chunks."""
+
+    def __init__(self, ctx: RouterContext, req: ChatCompletionRequest) -> None:
+        self.ctx, self.req = ctx, req
+        self.id, self.created = response_id("chatcmpl"), now_s()
+
+    def _base(self, choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name,
+                "choices": choices}
+
+    def _entry(self, token_id: int, logprob: float | None) -> dict:
+        text = self.ctx.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, ids, logprobs, tops) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        content = []
+        for tid, lp, alts in zip(ids, logprobs, tops):
+            content.append({**self._entry(tid, lp), "top_logprobs": [self._entry(i, v) for i, v in alts or []]})
+        return {"content": content}
+
+    def full(self, runs: list[ChoiceRun]) -> dict:
+        """The complete ``chat.completion`` response."""
+        choices = []
+        for r in runs:
+            c = {"index": r.index, "message": {"role": "assistant", "content": r.text},
+                 "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": r.finish_reason}
+            if self.req.return_token_ids:
+                c.update(prompt_token_ids=r.session.prompt_ids, token_ids=r.token_ids)
+            choices.append(c)
+        return {**self._base(choices, "chat.completion"), "usage": usage(runs)}
+
+    def opening(self, runs: list[ChoiceRun]) -> list[dict]:
+        """The role delta of each choice (with prompt token ids if asked for)."""
+        out = []
+        for r in runs:
+            c = {"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+            if self.req.return_token_ids:
+                c["prompt_token_ids"] = r.session.prompt_ids
+            out.append(self._base([c]))
+        return out
+
+    def chunks(self, run: ChoiceRun, piece: Piece) -> list[dict]:
+        """A content delta (if there is text or tokens to show), then the finish chunk on the last piece."""
+        out = []
+        wants_tokens = self.req.logprobs or self.req.return_token_ids
+        if piece.text or (wants_tokens and piece.ids):
+            c = {"index": run.index, "delta": {"content": piece.text},
+                 "logprobs": self._logprobs(piece.ids, piece.logprobs, piece.top_logprobs), "finish_reason": None}
+            if self.req.return_token_ids:
+                c["token_ids"] = piece.ids
+            out.append(self._base([c]))
+        if piece.finish_reason:
+            out.append(self._base([{"index": run.index, "delta": {}, "logprobs": None,
+                                    "finish_reason": piece.finish_reason}]))
+        return out
+
+    def closing(self, runs: list[ChoiceRun]) -> list[dict]:
+        """The usage chunk when ``stream_options.include_usage``."""
+        if self.req.stream_options is None or not self.req.stream_options.include_usage:
+            return []
+        return [{**self._base([]), "usage": usage(runs)}]

@@ -1,0 +1,97 @@
+"""One output choice: a session's deltas turned into text pieces, with stop strings applied.
+
+``ChoiceRun.step()`` returns the next ``Piece`` (text released so far, the token ids and logprobs
+that came with it, and the finish reason on the last one). When a stop string matches, the piece
+is cut before it, its finish reason is "stop", and the session is closed (which aborts the
+request in the worker). ``merge()`` interleaves the pieces of several choices for streaming.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from engine.tokenizer import Tokenizer
+from server.router.detok import TextStream
+from server.router.session import GenerationSession
+
+
+@dataclass
+class Piece:
+    """Text and tokens released by one step of a choice; ``finish_reason`` set on the last one."""
+
+    text: str
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChoiceRun:
+    """Drive ``session`` to the end, accumulating the choice's tokens, logprobs and text."""
+
+    def __init__(self, index: int, session: GenerationSession, tokenizer: Tokenizer, stop: Iterable[str] = (),
+                 skip_special_tokens: bool = True, prompt_text: str | None = None) -> None:
+        self.index = index
+        self.session = session
+        self.prompt_text = prompt_text
+        self.stream = TextStream(tokenizer, stop, skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.top_logprobs: list[list[tuple[int, float]] | None] = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+
+    @property
+    def done(self) -> bool:
+        """True once the choice has its finish reason."""
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far (final once ``done``)."""
+        return self.stream.text
+
+    async def step(self) -> Piece:
+        """The next piece; raises ``APIError`` from the session. Do not call once ``done``."""
+        delta = await self.session.next()
+        self.token_ids += delta.ids
+        self.logprobs += delta.logprobs
+        self.top_logprobs += delta.top_logprobs
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        text = self.stream.push(delta.ids)
+        finish = delta.finish_reason
+        if self.stream.stopped:
+            finish = "stop"
+            self.session.close("stop string matched")
+        elif finish:
+            text += self.stream.finish()
+        self.finish_reason = finish
+        return Piece(text, delta.ids, delta.logprobs, delta.top_logprobs, finish)
+
+    async def collect(self) -> None:
+        """Run to the end (non-streaming)."""
+        while not self.done:
+            await self.step()
+
+
+async def merge(runs: list[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Piece]]:
+    """Pieces of every unfinished run as they come, until all are done.
+
+    The first ``APIError`` of any run is raised here; pending steps are cancelled on exit.
+    """
+    pending = {asyncio.ensure_future(r.step()): r for r in runs if not r.done}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                run = pending.pop(fut)
+                piece = fut.result()
+                yield run, piece
+                if not run.done:
+                    pending[asyncio.ensure_future(run.step())] = run
+    finally:
+        for fut in pending:
+            fut.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

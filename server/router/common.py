@@ -1,0 +1,70 @@
+"""Checks and pieces shared by the completions and chat endpoints."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import ValidationError
+
+from engine.sampling import SamplingParams
+from server.router.choices import ChoiceRun
+from server.router.context import RouterContext
+from server.router.errors import APIError, from_validation_error
+from server.router.openai_schemas import SamplingFields
+from server.router.session import GenerationSession
+
+
+def check_common(ctx: RouterContext, req: SamplingFields) -> None:
+    """400/404 ``APIError`` for a wrong model name or options this server does not implement."""
+    if req.model is not None and req.model != ctx.model_name:
+        raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+    if req.n != 1:
+        raise APIError(400, f"n={req.n} is not supported: this server returns exactly one choice per prompt (n=1)",
+                       param="n")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
+
+
+def check_max_tokens(value: int | None, name: str) -> None:
+    """400 ``APIError`` if an explicit ``max_tokens`` is below 1."""
+    if value is not None and value < 1:
+        raise APIError(400, f"{name} must be >= 1, got {value}", param=name)
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    max_tokens_name: str = "max_tokens") -> SamplingParams:
+    """Engine params for ``req`` (``max_tokens`` None -> a placeholder, see ``auto_max_tokens``)."""
+    try:
+        return req.sampling_params(max_tokens if max_tokens is not None else 1, logprobs)
+    except ValidationError as e:
+        raise from_validation_error(e, {"max_new_tokens": max_tokens_name}) from None
+
+
+def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: SamplingParams, req: SamplingFields,
+            auto_max_tokens: bool, arrival: float, prompt_text: str | None = None) -> ChoiceRun:
+    """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt."""
+    session = GenerationSession(ctx.registry, ctx.table, prompt_ids, params,
+                                timeout_s=ctx.cfg.server.request_timeout_s, auto_max_tokens=auto_max_tokens,
+                                arrival=arrival)
+    return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text)
+
+
+def usage(runs: list[ChoiceRun]) -> dict:
+    """OpenAI ``usage`` over all choices (cached prompt tokens in ``prompt_tokens_details``)."""
+    prompt = sum(len(r.session.prompt_ids) for r in runs)
+    completion = sum(len(r.token_ids) for r in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)}}
+
+
+def response_id(prefix: str) -> str:
+    """A new response id such as ``cmpl-<hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """Unix time in whole seconds (the ``created`` field)."""
+    return int(time.time())

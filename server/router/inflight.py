@@ -1,0 +1,77 @@
+"""The router's in-flight table: every request between submission and its last token or error.
+
+Each entry owns an ``asyncio.Queue`` of ``TokenEntry``/ids pairs fed by the workers' receive
+tasks. An entry names the workers that hold state for it (``workers``; in PD mode a prefill and a
+decode worker) and the one whose token stream is forwarded (``stream_from``); errors from any of
+its workers are forwarded too. ``fail_worker`` ends every entry that touches a dead worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from transfer.protocol import TokenEntry
+
+
+@dataclass
+class Inflight:
+    """One request in flight. ``cost`` (prompt + max new tokens) feeds the routing policy."""
+
+    rid: str
+    workers: tuple[str, ...]
+    stream_from: str
+    cost: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.monotonic)
+
+
+class InflightTable:
+    """rid -> ``Inflight``; all methods are synchronous and must run on the event loop thread."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Inflight] = {}
+
+    def open(self, rid: str, workers: tuple[str, ...], stream_from: str, cost: int) -> Inflight:
+        """Register a request; raises ``KeyError`` if ``rid`` is already in flight."""
+        if rid in self._entries:
+            raise KeyError(f"request id {rid!r} is already in flight")
+        entry = Inflight(rid, workers, stream_from, cost)
+        self._entries[rid] = entry
+        return entry
+
+    def close(self, rid: str) -> None:
+        """Forget a request (idempotent)."""
+        self._entries.pop(rid, None)
+
+    def dispatch(self, worker_id: str, entry: TokenEntry, ids: list[int]) -> bool:
+        """Queue a worker's token entry for its request; False if nobody waits for it."""
+        inflight = self._entries.get(entry.rid)
+        if inflight is None or worker_id not in inflight.workers:
+            return False
+        if worker_id != inflight.stream_from and entry.error is None:
+            return False
+        inflight.queue.put_nowait((entry, ids))
+        return True
+
+    def fail_worker(self, worker_id: str, status: int, message: str) -> list[str]:
+        """End every request that involves ``worker_id`` with an error; returns their rids."""
+        rids = [rid for rid, e in self._entries.items() if worker_id in e.workers]
+        for rid in rids:
+            err = TokenEntry(rid=rid, n=0, finish_reason="abort", error=message, error_status=status)
+            self._entries[rid].queue.put_nowait((err, []))
+        return rids
+
+    def outstanding(self, worker_id: str) -> int:
+        """Sum of ``cost`` of the requests in flight on ``worker_id`` (least-loaded routing)."""
+        return sum(e.cost for e in self._entries.values() if worker_id in e.workers)
+
+    def rids(self) -> list[str]:
+        """Ids of every request in flight."""
+        return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._entries

@@ -1,0 +1,115 @@
+"""Prometheus metrics of one router app (its own ``CollectorRegistry``; no global state).
+
+Router series: ``pdserve_requests_total{status}`` (HTTP status of each generation request, 499
+for a client that went away), ``pdserve_inflight_requests``, and the latency histograms
+``pdserve_ttft_seconds``, ``pdserve_tpot_seconds``, ``pdserve_e2e_seconds`` (successful requests).
+
+Worker series (label ``worker``) come from each worker's latest ``WorkerStats`` heartbeat via
+``WorkerCollector``: counters are the worker's cumulative values, gauges its current values, so
+they can lag by up to one heartbeat interval (``pdserve_worker_stats_age_seconds`` says by how much).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from server.router.registry import READY, WorkerHandle
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# worker counter key -> (metric name without _total, help)
+WORKER_COUNTERS = {
+    "prompt_tokens": ("pdserve_prompt_tokens", "Prompt tokens of requests accepted by the worker"),
+    "generation_tokens": ("pdserve_generation_tokens", "Tokens generated (sampled) by the worker"),
+    "retractions": ("pdserve_retractions", "Requests retracted under KV memory pressure"),
+    "retracted_input_tokens": ("pdserve_retracted_input_tokens", "Prompt tokens of retracted requests"),
+    "retracted_output_tokens": ("pdserve_retracted_output_tokens", "Output tokens of retracted requests"),
+    "oom_aborts": ("pdserve_oom_aborts", "Requests aborted because even alone they could not fit the KV pool"),
+    "cached_prompt_tokens": ("pdserve_cached_prompt_tokens", "Prompt tokens served from the radix cache"),
+    "finished_requests": ("pdserve_worker_finished_requests", "Requests the worker finished (stop or length)"),
+    "aborted_requests": ("pdserve_worker_aborted_requests", "Requests the worker aborted on request"),
+    "rejected_requests": ("pdserve_worker_rejected_requests", "Requests the worker refused at once"),
+}
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class WorkerCollector(Collector):
+    """Exposes the worker series from ``handles()`` (the registry's current handles)."""
+
+    def __init__(self, handles: Callable[[], Iterable[WorkerHandle]], clock: Callable[[], float] = time.monotonic):
+        self._handles = handles
+        self._clock = clock
+
+    def collect(self):
+        """Yield one family per series; workers without stats yet only appear in ``pdserve_worker_up``."""
+        handles = list(self._handles())
+        up = GaugeMetricFamily("pdserve_worker_up", "1 if the worker is ready, else 0", labels=["worker", "role"])
+        for h in handles:
+            up.add_metric([h.worker_id, h.spec.role], 1.0 if h.state == READY else 0.0)
+        yield up
+        with_stats = [h for h in handles if h.stats is not None]
+        yield from self._counters(with_stats)
+        yield from self._gauges(with_stats)
+
+    def _counters(self, handles: list[WorkerHandle]):
+        for key, (name, help_text) in WORKER_COUNTERS.items():
+            fam = CounterMetricFamily(name, help_text, labels=["worker"])
+            for h in handles:
+                fam.add_metric([h.worker_id], h.stats.counters.get(key, 0.0))
+            yield fam
+
+    def _gauges(self, handles: list[WorkerHandle]):
+        pages = GaugeMetricFamily("pdserve_kv_pool_pages", "KV pool pages by state", labels=["worker", "state"])
+        total = GaugeMetricFamily("pdserve_kv_pool_capacity_pages", "KV pool size in pages", labels=["worker"])
+        queues = GaugeMetricFamily("pdserve_queue_requests", "Requests per scheduler queue", labels=["worker", "queue"])
+        ratio = GaugeMetricFamily("pdserve_new_token_ratio", "Admission reservation ratio", labels=["worker"])
+        age = GaugeMetricFamily("pdserve_worker_stats_age_seconds", "Age of the latest worker stats",
+                                labels=["worker"])
+        for h in handles:
+            g, w = h.stats.gauges, h.worker_id
+            for state in ("free", "used", "cached"):
+                pages.add_metric([w, state], g.get(f"kv_pages_{state}", 0.0))
+            total.add_metric([w], g.get("kv_pages_total", 0.0))
+            for q in ("waiting", "running"):
+                queues.add_metric([w, q], g.get(f"queue_{q}", 0.0))
+            ratio.add_metric([w], g.get("new_token_ratio", 0.0))
+            age.add_metric([w], max(0.0, self._clock() - h.stats_at) if h.stats_at is not None else 0.0)
+        yield from (pages, total, queues, ratio, age)
+
+
+class RouterMetrics:
+    """The router's metrics; ``render()`` returns the Prometheus text exposition."""
+
+    def __init__(self, handles: Callable[[], Iterable[WorkerHandle]], inflight: Callable[[], int]) -> None:
+        """``handles``: current worker handles; ``inflight``: number of requests in flight."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Generation requests by HTTP status", ["status"], registry=r)
+        self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table",
+              registry=r).set_function(inflight)
+        r.register(WorkerCollector(handles))
+
+    def observe_request(self, status: int) -> None:
+        """Count one generation request that ended with HTTP ``status``."""
+        self.requests.labels(status=str(status)).inc()
+
+    def observe_latency(self, ttft: float | None, tpot: float | None, e2e: float) -> None:
+        """Record a successful request's latencies (seconds; None = not applicable)."""
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.e2e.observe(e2e)
+
+    def render(self) -> bytes:
+        """The Prometheus text format of every series."""
+        return generate_latest(self.registry)

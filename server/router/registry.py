@@ -1,0 +1,204 @@
+"""Worker registry: roles, health (heartbeats), and routing by a policy function.
+
+Each worker has a ``WorkerSpec`` (id, role, control address) and a client (``WorkerClient`` or a
+test double with the same methods). The registry polls every worker with ``StatsRequest`` every
+``interval_s``; any message from a worker counts as a sign of life. A ready worker silent for
+``timeout_s`` is marked dead: its in-flight requests fail with 503 at once and ``health()``
+reports it. A worker that answers again becomes ready again, unless it was marked dead for good
+(its process exited).
+
+Routing: ``route()`` hands the ready workers to a policy function (``ROUTING_POLICIES[mode]``)
+that returns a ``Route``: the workers that receive the request and the one that streams tokens
+back. Colocated mode sends to one worker; PD mode (next issue) will pick a (prefill, decode) pair
+with the same ``least_outstanding`` helper and stream from decode.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from server.router.inflight import InflightTable
+from server.router.worker_client import WorkerUnavailable
+from transfer.protocol import TokenEntry, WorkerStats
+
+log = logging.getLogger(__name__)
+
+STARTING, READY, DEAD = "starting", "ready", "dead"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Where a worker listens and what it does (``role``: colocated, prefill or decode)."""
+
+    worker_id: str
+    role: str
+    addr: str
+
+
+@dataclass
+class WorkerHandle:
+    """A worker as the router sees it: state, latest stats, last sign of life (monotonic s)."""
+
+    spec: WorkerSpec
+    client: Any
+    state: str = STARTING
+    reason: str = "waiting for its first heartbeat"
+    stats: WorkerStats | None = None
+    last_seen: float | None = None
+    stats_at: float | None = None
+    permanent: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        """The worker's id (from its spec)."""
+        return self.spec.worker_id
+
+
+@dataclass(frozen=True)
+class Route:
+    """Workers that receive one request (``targets``) and the one whose tokens are streamed."""
+
+    targets: tuple[WorkerHandle, ...]
+    stream_from: WorkerHandle
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Smallest KV pool capacity among the targets (tokens)."""
+        return min(h.stats.capacity_tokens for h in self.targets)
+
+    @property
+    def max_model_len(self) -> int:
+        """Smallest context limit among the targets (tokens)."""
+        return min(h.stats.max_model_len for h in self.targets)
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No ready worker can take the request (the message says why)."""
+
+
+Load = Callable[[str], int]
+Policy = Callable[[list[WorkerHandle], Load], Route]
+
+
+def least_outstanding(handles: list[WorkerHandle], load: Load) -> WorkerHandle:
+    """The handle with the least outstanding work (ties: lowest worker id)."""
+    return min(handles, key=lambda h: (load(h.worker_id), h.worker_id))
+
+
+def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
+    """Colocated mode: the least loaded ready colocated worker does everything."""
+    workers = [h for h in ready if h.spec.role == "colocated"]
+    if not workers:
+        raise NoWorkerAvailable("no ready colocated worker")
+    w = least_outstanding(workers, load)
+    return Route((w,), w)
+
+
+ROUTING_POLICIES: dict[str, Policy] = {"colocated": route_colocated}
+
+
+class Registry:
+    """Workers by id, their health, and request routing. Use from the event loop thread only."""
+
+    def __init__(self, specs: list[WorkerSpec], client_factory: Callable[..., Any], table: InflightTable, *,
+                 policy: Policy = route_colocated, interval_s: float = 1.0, timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``client_factory(spec, on_tokens, on_stats)`` builds each worker's client."""
+        if not specs:
+            raise ValueError("a registry needs at least one worker")
+        self.table = table
+        self.policy = policy
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.handles = {s.worker_id: WorkerHandle(s, client_factory(s, self.on_tokens, self.on_stats)) for s in specs}
+        self._heartbeat_task: asyncio.Task | None = None
+        self._nonce = 0
+
+    async def start(self) -> None:
+        """Connect every client and start the heartbeat task."""
+        for h in self.handles.values():
+            await h.client.start()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
+
+    async def close(self) -> None:
+        """Stop heartbeats and close every client."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+        for h in self.handles.values():
+            await h.client.close()
+
+    # ---- routing and health ------------------------------------------------------------------
+    def route(self) -> Route:
+        """A route for a new request; raises ``NoWorkerAvailable`` naming each worker's state."""
+        ready = [h for h in self.handles.values() if h.state == READY]
+        try:
+            if ready:
+                return self.policy(ready, self.table.outstanding)
+            raise NoWorkerAvailable("no worker is ready")
+        except NoWorkerAvailable as e:
+            raise NoWorkerAvailable(f"{e} ({self.describe()})") from None
+
+    def health(self) -> tuple[bool, str]:
+        """(every worker ready, a one-line description of each worker's state)."""
+        ok = all(h.state == READY for h in self.handles.values())
+        return ok, self.describe()
+
+    def describe(self) -> str:
+        """``id (role): state[: reason]`` for every worker."""
+        return "; ".join(f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {h.reason}")
+                         for h in self.handles.values())
+
+    # ---- events from workers and the launcher ------------------------------------------------
+    def on_stats(self, worker_id: str, stats: WorkerStats) -> None:
+        """A ``WorkerStats`` arrived: record it; a ready report revives a (not permanently) dead worker."""
+        h = self.handles[worker_id]
+        h.stats, h.last_seen = stats, self.clock()
+        h.stats_at = h.last_seen
+        if h.permanent:
+            return
+        if stats.ready and h.state != READY:
+            log.info("worker %s is ready (%s, capacity %d tokens)", worker_id, stats.model, stats.capacity_tokens)
+            h.state, h.reason = READY, ""
+        elif not stats.ready:
+            h.state, h.reason = STARTING, "worker reports not ready"
+
+    def on_tokens(self, worker_id: str, entry: TokenEntry, ids: list[int]) -> None:
+        """A token entry arrived: a sign of life, forwarded to the request's queue."""
+        self.handles[worker_id].last_seen = self.clock()
+        self.table.dispatch(worker_id, entry, ids)
+
+    def mark_dead(self, worker_id: str, reason: str, permanent: bool = False) -> list[str]:
+        """Mark a worker dead and fail its in-flight requests with 503; returns their rids."""
+        h = self.handles[worker_id]
+        if h.state != DEAD:
+            log.error("worker %s is dead: %s", worker_id, reason)
+        h.state, h.reason, h.permanent = DEAD, reason, h.permanent or permanent
+        rids = self.table.fail_worker(worker_id, 503, f"worker {worker_id} is unavailable: {reason}")
+        if rids:
+            h.client.abort(rids, f"router gave up on the worker: {reason}")
+        return rids
+
+    def check_liveness(self) -> None:
+        """Mark dead every ready worker silent for more than ``timeout_s``."""
+        now = self.clock()
+        for h in self.handles.values():
+            if h.state == READY and h.last_seen is not None and now - h.last_seen > self.timeout_s:
+                self.mark_dead(h.worker_id, f"no heartbeat for {now - h.last_seen:.1f}s "
+                                            f"(worker_timeout_s={self.timeout_s:g})")
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._nonce += 1
+            for h in self.handles.values():
+                try:
+                    h.client.request_stats(self._nonce)
+                except WorkerUnavailable as e:
+                    log.debug("heartbeat to %s not sent: %s", h.worker_id, e)
+            self.check_liveness()
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,150 @@
+"""Serving a list of choices as one OpenAI response, streamed (SSE) or not.
+
+``serve_choices`` owns the sessions from here on: every path (success, error, client gone,
+timeout) closes all of them, so each request leaves the in-flight table and its KV is freed.
+Endpoint-specific JSON shapes come from a ``ResponseFormat``.
+
+Streaming: the first piece of every choice is awaited before the HTTP response starts, so early
+failures (refused by the worker, no worker) still get their proper HTTP status. Errors after that
+are sent as an SSE event ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from server.router.choices import ChoiceRun, Piece, merge
+from server.router.context import RouterContext
+from server.router.errors import APIError
+from server.router.http_util import ClientGone, unless_disconnected
+
+CLIENT_GONE = 499
+
+
+class ResponseFormat(Protocol):
+    """Builds an endpoint's JSON objects from its choices."""
+
+    def full(self, runs: list[ChoiceRun]) -> dict:
+        """The non-streaming response body."""
+
+    def opening(self, runs: list[ChoiceRun]) -> list[dict]:
+        """Chunks sent before the first piece (chat: the role delta; completions: echo)."""
+
+    def chunks(self, run: ChoiceRun, piece: Piece) -> list[dict]:
+        """The chunks for one piece (possibly none)."""
+
+    def closing(self, runs: list[ChoiceRun]) -> list[dict]:
+        """Chunks after the last piece (the usage chunk when asked for)."""
+
+
+def sse(obj: dict | str) -> str:
+    """One SSE event: ``data: <json>\\n\\n`` (strings are sent as they are, e.g. ``[DONE]``)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def gather_all(aws: Iterable[Awaitable]) -> list:
+    """Like ``asyncio.gather`` but the first exception cancels the others (and so does cancellation)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _close_all(runs: list[ChoiceRun], reason: str) -> None:
+    for r in runs:
+        r.session.close(reason)
+
+
+def _record_success(ctx: RouterContext, runs: list[ChoiceRun]) -> None:
+    for r in runs:
+        ctx.metrics.observe_latency(*r.session.latency())
+
+
+class SessionStream(StreamingResponse):
+    """A ``StreamingResponse`` that closes its sessions and counts its outcome when it ends,
+    however it ends (normal end, client disconnect, server shutdown)."""
+
+    def __init__(self, body: AsyncIterator[str], ctx: RouterContext, runs: list[ChoiceRun], outcome: dict) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._ctx, self._runs, self._outcome = ctx, runs, outcome
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _close_all(self._runs, "client disconnected")
+            status = self._outcome["status"]
+            self._ctx.metrics.observe_request(status)
+            if status == 200:
+                _record_success(self._ctx, self._runs)
+
+
+async def _events(runs: list[ChoiceRun], first: list[Piece], fmt: ResponseFormat, outcome: dict):
+    try:
+        for c in fmt.opening(runs):
+            yield sse(c)
+        for run, piece in zip(runs, first):
+            for c in fmt.chunks(run, piece):
+                yield sse(c)
+        async for run, piece in merge(runs):
+            for c in fmt.chunks(run, piece):
+                yield sse(c)
+        for c in fmt.closing(runs):
+            yield sse(c)
+        outcome["status"] = 200
+    except APIError as e:
+        outcome["status"] = e.status
+        yield sse(e.body())
+    yield sse("[DONE]")
+
+
+def _start(runs: list[ChoiceRun]) -> None:
+    try:
+        for r in runs:
+            r.session.prepare()
+        for r in runs:
+            r.session.send()
+    except BaseException:
+        _close_all(runs, "request refused")
+        raise
+
+
+async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool,
+                        fmt: ResponseFormat) -> Response:
+    """Run ``runs`` and answer. Raises ``APIError`` for failures before any byte is sent.
+
+    Non-streaming responses are counted in the metrics by the caller; a ``SessionStream``
+    counts itself when it ends.
+    """
+    _start(runs)
+    try:
+        if not stream:
+            await unless_disconnected(request, gather_all(r.collect() for r in runs))
+            _record_success(ctx, runs)
+            return JSONResponse(fmt.full(runs))
+        first = await unless_disconnected(request, gather_all(r.step() for r in runs))
+    except ClientGone:
+        _close_all(runs, "client disconnected")
+        return Response(status_code=CLIENT_GONE)
+    except BaseException:
+        _close_all(runs, "request failed")
+        raise
+    finally:
+        if not stream:
+            _close_all(runs, "request ended")
+    outcome = {"status": CLIENT_GONE}
+    return SessionStream(_events(runs, first, fmt, outcome), ctx, runs, outcome)

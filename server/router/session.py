@@ -1,0 +1,154 @@
+"""One prompt's life in the router: route, check limits, send, receive deltas, abort, time.
+
+Lifecycle (every path ends in :meth:`GenerationSession.close`, which is synchronous so it can run
+in ``finally`` blocks of cancelled tasks):
+
+1. ``prepare()``: pick a route (503 if no worker is ready) and check prompt + max_tokens against
+   the route's context and KV pool capacity from the latest ``WorkerStats`` (400 with the numbers).
+2. ``send()``: register in the in-flight table and send ``GenerateRequest`` to the route's targets.
+3. ``next()``: the next ``Delta``; a worker error (400 refused, 500 out of KV, 503 worker dead)
+   or the request timeout raises ``APIError`` (the request is then already aborted and closed).
+4. ``close()``: idempotent; removes the in-flight entry and, if the worker has not finished the
+   request, sends ``AbortRequest`` so its KV is freed (client gone, stop string, error, timeout).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+from server.router.errors import APIError
+from server.router.inflight import Inflight, InflightTable
+from server.router.registry import NoWorkerAvailable, Registry, Route
+from server.router.worker_client import WorkerUnavailable
+
+
+@dataclass
+class Delta:
+    """New tokens of one request (possibly none) and, on the last one, its finish reason."""
+
+    ids: list[int]
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None:
+    """Raise a 400 ``APIError`` with the numbers if the request can never run on ``route``."""
+    total, ctx, cap = prompt_len + max_new_tokens, route.max_model_len, route.capacity_tokens
+    if prompt_len == 0:
+        raise APIError(400, "prompt is empty; send at least one token", param="prompt")
+    if total > ctx:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
+                            f"model context of {ctx} tokens; shorten the prompt or lower max_tokens",
+                       param="max_tokens", code="context_length_exceeded")
+    if total > cap:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
+                            f"KV cache pool capacity of {cap} tokens; lower max_tokens or start the server with "
+                            f"a larger --kv-pool-tokens", param="max_tokens", code="kv_pool_capacity_exceeded")
+
+
+class GenerationSession:
+    """Generation of one prompt through the registry's workers (see the module docstring).
+
+    ``params.max_new_tokens`` is used as given unless ``auto_max_tokens``: then it becomes
+    whatever room the route leaves (``min(context, pool) - prompt``).
+    """
+
+    def __init__(self, registry: Registry, table: InflightTable, prompt_ids: list[int], params: SamplingParams, *,
+                 timeout_s: float, auto_max_tokens: bool = False, arrival: float | None = None) -> None:
+        self.registry, self.table = registry, table
+        self.rid = f"req-{uuid.uuid4().hex}"
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.auto_max_tokens = auto_max_tokens
+        self.timeout_s = timeout_s
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.route: Route | None = None
+        self.inflight: Inflight | None = None
+        self.finished = self.closed = False
+        self.n_tokens = 0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Pick the route and check limits; raises ``APIError`` (503 / 400). Nothing is sent."""
+        try:
+            self.route = self.registry.route()
+        except NoWorkerAvailable as e:
+            raise APIError(503, f"no worker available: {e}", code="worker_unavailable") from None
+        if self.auto_max_tokens:
+            room = min(self.route.max_model_len, self.route.capacity_tokens) - len(self.prompt_ids)
+            self.params = self.params.model_copy(update={"max_new_tokens": max(room, 1)})
+        check_fits(len(self.prompt_ids), self.params.max_new_tokens, self.route)
+
+    def send(self) -> None:
+        """Register in the in-flight table and send the request; raises ``APIError`` 503 on failure."""
+        assert self.route is not None, "prepare() first"
+        cost = len(self.prompt_ids) + self.params.max_new_tokens
+        self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
+                                        self.route.stream_from.worker_id, cost)
+        try:
+            for h in self.route.targets:
+                h.client.generate(self.rid, self.prompt_ids, self.params)
+        except WorkerUnavailable as e:
+            self.close("could not reach every worker of the route")
+            raise APIError(503, str(e), code="worker_unavailable") from None
+
+    def start(self) -> None:
+        """``prepare()`` then ``send()``."""
+        self.prepare()
+        self.send()
+
+    async def next(self) -> Delta:
+        """The next delta. Raises ``APIError`` on a worker error or timeout (already closed then)."""
+        assert self.inflight is not None and not self.finished, "send() first; nothing after the last delta"
+        remaining = self.arrival + self.timeout_s - time.monotonic()
+        try:
+            entry, ids = await asyncio.wait_for(self.inflight.queue.get(), max(remaining, 0.0))
+        except TimeoutError:
+            self.close(f"request timed out after {self.timeout_s:g}s")
+            raise APIError(504, f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was aborted",
+                           code="timeout") from None
+        if entry.finish_reason == "abort":
+            self.finished = True
+            self.close()
+            raise APIError(entry.error_status or 500, entry.error or "the worker aborted the request")
+        self._clock_tokens(len(ids))
+        if entry.finish_reason:
+            self.finished = True
+            self.close()
+        return Delta(ids, list(entry.logprobs), list(entry.top_logprobs), entry.finish_reason,
+                     entry.prompt_tokens, entry.cached_tokens)
+
+    def close(self, reason: str = "aborted by the router") -> None:
+        """Leave the in-flight table; abort in the worker(s) if they have not finished it."""
+        if self.closed:
+            return
+        self.closed = True
+        self.table.close(self.rid)
+        if self.inflight is not None and not self.finished and self.route is not None:
+            for h in self.route.targets:
+                h.client.abort([self.rid], reason)
+
+    # ---- timing ----------------------------------------------------------------------------------
+    def _clock_tokens(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        self.t_first = self.t_first if self.t_first is not None else now
+        self.t_last, self.n_tokens = now, self.n_tokens + n
+
+    def latency(self) -> tuple[float | None, float | None, float]:
+        """(time to first token, time per output token after the first, end-to-end) in seconds."""
+        end = self.t_last if self.t_last is not None else time.monotonic()
+        ttft = None if self.t_first is None else self.t_first - self.arrival
+        tpot = None
+        if self.n_tokens > 1 and self.t_first is not None:
+            tpot = (end - self.t_first) / (self.n_tokens - 1)
+        return ttft, tpot, end - self.arrival

@@ -1,0 +1,115 @@
+"""One ZMQ DEALER connection from the router to one worker's ROUTER socket (``zmq.asyncio``).
+
+Sends are non-blocking (``NOBLOCK``) and synchronous, so they can run in ``finally`` blocks of
+cancelled tasks; a full send queue (worker gone for long) raises ``WorkerUnavailable``. One
+background task receives everything the worker sends: each ``TokenBatch`` entry goes to
+``on_tokens(worker_id, entry, ids)`` and each ``WorkerStats`` to ``on_stats(worker_id, stats)``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from engine.sampling import SamplingParams
+from transfer.protocol import (AbortRequest, GenerateRequest, Message, ProtocolError, Shutdown, StatsRequest,
+                               TokenBatch, TokenEntry, WorkerStats, decode, encode, frame_ids, ids_frame)
+
+log = logging.getLogger(__name__)
+
+TokensCallback = Callable[[str, TokenEntry, list[int]], None]
+StatsCallback = Callable[[str, WorkerStats], None]
+
+
+class WorkerUnavailable(RuntimeError):
+    """The worker's socket cannot take more messages (it is not reading them)."""
+
+
+class WorkerClient:
+    """Typed control channel to one worker. Call :meth:`start` inside the event loop."""
+
+    def __init__(self, worker_id: str, addr: str, ctx: zmq.asyncio.Context,
+                 on_tokens: TokensCallback, on_stats: StatsCallback) -> None:
+        """Prepare a DEALER for ``addr`` (e.g. ``tcp://127.0.0.1:29500``); nothing connects yet."""
+        self.worker_id = worker_id
+        self.addr = addr
+        self._ctx = ctx
+        self._on_tokens = on_tokens
+        self._on_stats = on_stats
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Connect (the worker may bind later; messages queue until it does) and start receiving."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.addr)
+        self._sock = sock
+        self._task = asyncio.create_task(self._recv_loop(), name=f"recv-{self.worker_id}")
+
+    def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Send a ``GenerateRequest``; raises ``WorkerUnavailable`` if it cannot be queued."""
+        self._send(GenerateRequest(rid=rid, params=params), ids_frame(prompt_ids))
+
+    def abort(self, rids: list[str], reason: str) -> None:
+        """Send an ``AbortRequest`` (best effort: errors are logged, never raised)."""
+        try:
+            self._send(AbortRequest(rids=rids, reason=reason))
+        except WorkerUnavailable as e:
+            log.warning("abort of %s not delivered: %s", rids, e)
+
+    def request_stats(self, nonce: int) -> None:
+        """Send a ``StatsRequest`` (heartbeat); raises ``WorkerUnavailable`` if it cannot be queued."""
+        self._send(StatsRequest(nonce=nonce))
+
+    def shutdown(self) -> None:
+        """Ask the worker process to exit (best effort)."""
+        try:
+            self._send(Shutdown())
+        except WorkerUnavailable:
+            pass
+
+    async def close(self) -> None:
+        """Stop receiving and close the socket."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(0)
+        self._sock = self._task = None
+
+    def _send(self, msg: Message, *frames: bytes) -> None:
+        if self._sock is None:
+            raise WorkerUnavailable(f"worker {self.worker_id}: not connected")
+        fut = self._sock.send_multipart(encode(msg, *frames), flags=zmq.NOBLOCK)
+        exc = fut.exception() if fut.done() else None  # always done: nothing ever waits to send
+        if isinstance(exc, zmq.Again):
+            raise WorkerUnavailable(f"worker {self.worker_id} at {self.addr} is not accepting messages")
+        if exc is not None:
+            raise WorkerUnavailable(f"worker {self.worker_id}: send failed: {exc}")
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            parts = await self._sock.recv_multipart()
+            try:
+                self._handle(parts)
+            except ProtocolError as e:
+                log.error("bad message from worker %s: %s", self.worker_id, e)
+            except Exception:  # a bug in a callback must not kill the receive loop
+                log.exception("error handling a message from worker %s", self.worker_id)
+
+    def _handle(self, parts: list[bytes]) -> None:
+        msg, frames = decode(parts)
+        if isinstance(msg, TokenBatch):
+            ids, pos = frame_ids(frames[0]), 0
+            for entry in msg.entries:
+                self._on_tokens(self.worker_id, entry, ids[pos:pos + entry.n])
+                pos += entry.n
+        elif isinstance(msg, WorkerStats):
+            self._on_stats(self.worker_id, msg)
+        else:
+            log.warning("unexpected %s from worker %s", type(msg).__name__, self.worker_id)
