@@ -23,15 +23,16 @@ from configs.server import ServerConfig
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["colocated", "pd"] = Field("colocated", description="colocated (one worker) or pd (prefill + decode)")
+    mode: Literal["colocated", "pd"] = Field("pd", description="pd (prefill + decode workers) or colocated (one worker)")
     prefill: int = Field(1, ge=1, description="number of prefill workers (pd mode)")
     decode: int = Field(1, ge=1, description="number of decode workers (pd mode)")
     base_port: int = Field(29500, ge=1024, le=65000, description="first port of the workers' control sockets")
     transfer_backend: Literal["nixl", "loopback"] = Field(
         "nixl", description="KV data plane: nixl (UCX) between processes; loopback only inside one process (tests)")
     bootstrap_timeout_s: float = Field(30.0, gt=0, description="prefill side: drop KV nobody asked for after this")
-    peer_timeout_s: float = Field(5.0, gt=0, description="a silent peer worker is declared dead after this")
+    peer_timeout_s: float = Field(8.0, gt=0, description="a silent peer worker is declared dead after this")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
+    restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
 
 
 class PdserveConfig(BaseModel):

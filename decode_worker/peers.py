@@ -25,6 +25,7 @@ class PrefillPeer:
     sock: zmq.Socket
     state: str = "connecting"  # connecting -> ready | failed; dead when silent
     worker_id: str | None = None
+    instance: str | None = None
     error: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
@@ -42,6 +43,7 @@ class PrefillPeers:
         self.ctx = zmq.Context.instance()
         self.by_addr: dict[str, PrefillPeer] = {}
         self.by_sock: dict[zmq.Socket, PrefillPeer] = {}
+        self._lost: list[PrefillPeer] = []
 
     def get(self, addr: str) -> PrefillPeer:
         """The peer at ``addr``, connecting (and sending the handshake) on first use."""
@@ -78,14 +80,23 @@ class PrefillPeers:
             peer.state, peer.error = ("ready", None) if msg.ok else ("failed", msg.error)
             log.log(logging.INFO if msg.ok else logging.ERROR, "prefill worker %s at %s: %s", msg.worker_id,
                     peer.addr, "ready" if msg.ok else msg.error)
-        elif was_dead and isinstance(msg, WorkerStats):
-            log.warning("prefill worker at %s is back; handshaking again", peer.addr)
-            self._send_handshake(peer)
+        elif isinstance(msg, WorkerStats):
+            restarted = peer.instance is not None and msg.instance != peer.instance
+            peer.instance = msg.instance
+            if restarted and not was_dead:  # its requests died with the old process
+                peer.error = f"prefill worker at {peer.addr} restarted"
+                log.error(peer.error)
+                self._lost.append(peer)
+            if was_dead or restarted:
+                log.warning("prefill worker at %s is back; handshaking again", peer.addr)
+                self._send_handshake(peer)
         return peer
 
     def tick(self) -> list[PrefillPeer]:
-        """Send due heartbeats; return peers that just went dead."""
-        now, died = time.monotonic(), []
+        """Send due heartbeats; return peers that just went dead or restarted (what was in flight
+        with them is lost)."""
+        now, died = time.monotonic(), self._lost
+        self._lost = []
         for peer in self.by_addr.values():
             if now - peer.last_ping >= self.heartbeat_s:
                 peer.last_ping = now

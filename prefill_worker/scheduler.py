@@ -43,6 +43,7 @@ class PrefillJob:
     owner: bytes
     created: float
     dest: KVDestination | None = None
+    dest_ident: bytes | None = None  # the decode worker's connection that asked for the KV
     dest_pages: np.ndarray | None = None
     manifest: TransferManifest | None = None
     transferring: bool = False
@@ -127,7 +128,7 @@ class PrefillScheduler:
             self._fail(job, f"destination mismatch: decode expects {msg.n_tokens} tokens from "
                             f"{msg.decode_prefix_len}, prefill has {len(job.req.prompt_ids)}", 500)
             return
-        job.dest, job.dest_pages = msg, pages
+        job.dest, job.dest_pages, job.dest_ident = msg, pages, ident
         log.debug("destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages),
                   msg.decode_prefix_len)
 
@@ -202,8 +203,12 @@ class PrefillScheduler:
         log.warning("prefill %s room %d failed: %s", job.req.rid, job.room, error)
         if tell_owner:
             self._fail_owner(job.owner, job.req.rid, error, status)
-        self.sender.notify_failed(job.decode_worker, PrefillFailed(rid=job.req.rid, room=job.room,
-                                  generation=job.generation, error=error, error_status=status))
+        failed = PrefillFailed(rid=job.req.rid, room=job.room, generation=job.generation, error=error,
+                               error_status=status)
+        if job.dest_ident is not None:  # straight back on the connection that asked
+            self.send(job.dest_ident, failed)
+        else:
+            self.sender.notify_failed(job.decode_worker, failed)
         self._release(job, insert=False)
 
     def _fail_owner(self, ident: bytes, rid: str, error: str, status: int) -> None:

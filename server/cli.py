@@ -51,26 +51,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_parser(sub) -> None:
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    """``--config FILE`` plus one flag per field of every config section."""
     from configs.schema import ClusterConfig
     from configs.server import ServerConfig
 
-    p = sub.add_parser("launch", help="start the worker process(es) and the OpenAI-compatible HTTP router",
-                       description="Settings: --config preset < env PDSERVE_<FIELD> < these flags.")
     p.add_argument("--config", help="YAML or TOML preset with sections engine, scheduler, server, cluster")
     for model in (EngineConfig, SchedulerConfig, ClusterConfig):
         add_flags(p, model)
     add_flags(p, ServerConfig, skip=("log_level",))
     p.add_argument("--log-level", dest="server_log_level", default=argparse.SUPPRESS,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level of the router and workers")
-    p.set_defaults(func=_cmd_launch)
 
 
-def _cmd_launch(args: argparse.Namespace) -> int:
+def _load_config(args: argparse.Namespace, command: str):
+    """The merged config (preset < env < flags), or None after printing why it is invalid."""
     from pydantic import ValidationError
 
     from configs.schema import SECTIONS, load_config
-    from server.launcher import launch_main
 
     cli: dict = {}
     for model in SECTIONS.values():
@@ -79,11 +77,71 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if hasattr(args, "server_log_level"):
         cli["log_level"] = args.server_log_level
     try:
-        cfg = load_config(args.config, cli)
+        return load_config(args.config, cli)
     except (ValidationError, ValueError, OSError) as e:
-        print(f"pdserve launch: invalid configuration: {e}", file=sys.stderr)
+        print(f"pdserve {command}: invalid configuration: {e}", file=sys.stderr)
+        return None
+
+
+def _launch_parser(sub) -> None:
+    p = sub.add_parser("launch", help="start the worker process(es) and the OpenAI-compatible HTTP router",
+                       description="Settings: --config preset < env PDSERVE_<FIELD> < these flags.")
+    _config_flags(p)
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from server.launcher import launch_main
+
+    cfg = _load_config(args, "launch")
+    return 2 if cfg is None else launch_main(cfg)
+
+
+def _worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run one worker process (multi-node deployments)",
+                       description="One colocated, prefill or decode worker; a router started with "
+                                   "'pdserve router --worker ROLE=ID=ADDR' drives it.")
+    p.add_argument("--role", choices=["colocated", "prefill", "decode"], required=True)
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://0.0.0.0:29500")
+    _config_flags(p)
+    p.set_defaults(func=_cmd_worker)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from server.worker_main import main as worker_main
+
+    cfg = _load_config(args, "worker")
+    if cfg is None:
         return 2
-    return launch_main(cfg)
+    return worker_main(["--role", args.role, "--worker-id", args.worker_id, "--control-addr", args.control_addr,
+                        "--config-json", cfg.model_dump_json()])
+
+
+def _router_parser(sub) -> None:
+    p = sub.add_parser("router", help="run the HTTP router alone, in front of workers started elsewhere")
+    p.add_argument("--worker", action="append", required=True, metavar="ROLE=ID=ADDR",
+                   help="a worker to route to, e.g. decode=d0=tcp://decode0:29500 (repeatable)")
+    _config_flags(p)
+    p.set_defaults(func=_cmd_router)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from server.launcher import router_main
+    from server.router.registry import WorkerSpec
+
+    cfg = _load_config(args, "router")
+    if cfg is None:
+        return 2
+    specs = []
+    for w in args.worker:
+        parts = w.split("=", 2)
+        if len(parts) != 3 or parts[0] not in ("colocated", "prefill", "decode"):
+            print(f"pdserve router: --worker {w!r}: expected ROLE=ID=ADDR with ROLE colocated, prefill or decode",
+                  file=sys.stderr)
+            return 2
+        specs.append(WorkerSpec(parts[1], parts[0], parts[2]))
+    return router_main(cfg, specs)
 
 
 def _bench_parser(sub) -> None:
@@ -123,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _launch_parser(sub)
+    _worker_parser(sub)
+    _router_parser(sub)
     _bench_parser(sub)
     return parser
 

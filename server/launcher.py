@@ -43,9 +43,17 @@ class LaunchError(RuntimeError):
 
 def worker_specs(cfg: PdserveConfig) -> list[WorkerSpec]:
     """The workers of ``cfg.cluster.mode``; their control ports count up from ``base_port``."""
-    if cfg.cluster.mode != "colocated":
-        raise LaunchError(f"--mode {cfg.cluster.mode} is not implemented yet; use --mode colocated")
-    return [WorkerSpec("colocated-0", "colocated", f"tcp://127.0.0.1:{cfg.cluster.base_port}")]
+    c = cfg.cluster
+    if c.mode == "colocated":
+        roles = [("colocated", 1)]
+    else:
+        roles = [("prefill", c.prefill), ("decode", c.decode)]
+    specs, port = [], c.base_port
+    for role, count in roles:
+        for i in range(count):
+            specs.append(WorkerSpec(f"{role}-{i}", role, f"tcp://127.0.0.1:{port}"))
+            port += 1
+    return specs
 
 
 def worker_config(cfg: PdserveConfig) -> PdserveConfig:
@@ -69,8 +77,14 @@ class WorkerProcesses:
     """The launcher's worker children: start, watch for exits, stop (SIGTERM, then SIGKILL)."""
 
     def __init__(self, specs: list[WorkerSpec], argv: Callable[[WorkerSpec], list[str]]) -> None:
+        self.argv = argv
         self.procs = {s.worker_id: (s, subprocess.Popen(argv(s), preexec_fn=_child_setup)) for s in specs}
         self._reported: set[str] = set()
+
+    def restart(self, spec: WorkerSpec) -> None:
+        """Start a fresh process for a worker whose process exited (it rejoins by heartbeat)."""
+        self.procs[spec.worker_id] = (spec, subprocess.Popen(self.argv(spec), preexec_fn=_child_setup))
+        self._reported.discard(spec.worker_id)
 
     def new_exits(self) -> list[tuple[WorkerSpec, int]]:
         """Workers that exited since the last call, with their exit codes."""
@@ -128,8 +142,11 @@ class Launcher:
     """One ``pdserve launch`` run; :meth:`run` returns the process exit code."""
 
     def __init__(self, cfg: PdserveConfig, argv: Callable[[WorkerSpec, PdserveConfig], list[str]] = worker_argv,
-                 out: TextIO | None = None, startup_timeout_s: float = 600.0, install_signals: bool = True) -> None:
+                 out: TextIO | None = None, startup_timeout_s: float = 600.0, install_signals: bool = True,
+                 specs: list[WorkerSpec] | None = None) -> None:
+        """``specs``: route to these already running workers instead of starting ``cfg``'s own."""
         self.cfg = cfg
+        self.external_specs = specs
         self.argv = argv
         self.out = out or sys.stdout
         self.startup_timeout_s = startup_timeout_s
@@ -172,9 +189,12 @@ class Launcher:
         from server.router.app import build_context, create_app, zmq_client_factory
 
         srv = self.cfg.server
-        specs = worker_specs(self.cfg)
+        specs = self.external_specs or worker_specs(self.cfg)
         sock = bind_http_socket(srv.host, srv.port)
-        procs = WorkerProcesses(specs, lambda s: self.argv(s, self.cfg))
+        if self.external_specs:
+            procs = ExternalWorkers()
+        else:
+            procs = WorkerProcesses(specs, lambda s: self.argv(s, self.cfg))
         zctx = zmq.asyncio.Context()
         serve_task = None
         try:
@@ -227,10 +247,15 @@ class Launcher:
             return False
 
     async def _supervise(self, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> None:
-        """Until stopped: mark workers whose process exited as dead for good."""
+        """Until stopped: a worker whose process exited is marked dead (its requests fail with 503)
+        and, with ``restart_workers``, started again; it serves again once it answers heartbeats."""
+        restart = self.cfg.cluster.restart_workers
         while not self.stop_event.is_set() and not serve_task.done():
             for spec, rc in procs.new_exits():
-                registry.mark_dead(spec.worker_id, f"worker process exited with code {rc}", permanent=True)
+                registry.mark_dead(spec.worker_id, f"worker process exited with code {rc}", permanent=not restart)
+                if restart:
+                    log.warning("restarting worker %s (%s)", spec.worker_id, spec.role)
+                    procs.restart(spec)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop_event.wait(), 0.5)
 
@@ -242,6 +267,26 @@ class Launcher:
             await asyncio.wait_for(serve_task, 15)
         except (TimeoutError, SystemExit, Exception) as e:  # noqa: BLE001 - shutting down regardless
             log.warning("HTTP server shutdown: %r", e)
+
+
+class ExternalWorkers:
+    """Workers this process did not start (``pdserve router``): nothing to watch, restart or stop."""
+
+    def new_exits(self) -> list[tuple[WorkerSpec, int]]:
+        return []
+
+    def restart(self, spec: WorkerSpec) -> None:  # pragma: no cover - never called without exits
+        raise AssertionError("external workers are not restarted by the router")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        pass
+
+
+def router_main(cfg: PdserveConfig, specs: list[WorkerSpec]) -> int:
+    """Run the router alone in front of ``specs`` (workers started elsewhere)."""
+    logging.getLogger().setLevel(cfg.server.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return asyncio.run(Launcher(cfg, specs=specs).run())
 
 
 def launch_main(cfg: PdserveConfig) -> int:

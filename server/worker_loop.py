@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import uuid
 from collections import defaultdict
 
 import zmq
@@ -41,6 +42,7 @@ class WorkerLoop:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(control_addr)
         self.owner: dict[str, bytes] = {}   # rid -> identity of the connection that submitted it
+        self.instance = uuid.uuid4().hex
         self.stopping = False
 
     def send(self, ident: bytes, msg: Message, *frames: bytes) -> None:
@@ -134,6 +136,7 @@ class WorkerLoop:
         counters, gauges = s.snapshot()
         hists = getattr(s, "histograms", None)
         histograms = {k: HistogramData(**h.as_dict()) for k, h in (hists() if hists else {}).items()}
-        return WorkerStats(nonce=nonce, worker_id=self.worker_id, role=self.role, model=self.model_name,
+        return WorkerStats(nonce=nonce, worker_id=self.worker_id, instance=self.instance, role=self.role,
+                           model=self.model_name,
                            capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
                            counters=counters, gauges=gauges, histograms=histograms)

@@ -29,13 +29,14 @@ def free_port() -> int:
 class PDPair:
     """One prefill and one decode worker process plus a DEALER to each (the router's role)."""
 
-    def __init__(self, model_dir, decode_pool: int, host_gb: float, **sched):
+    def __init__(self, model_dir, decode_pool: int, host_gb: float, decode_page_size: int = 4, **sched):
         self.cfg = PdserveConfig.model_validate({
             "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096},
             "scheduler": sched, "server": {"health_interval_s": 0.5},
             "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0}})
         dcfg = self.cfg.model_copy(deep=True)
         dcfg.engine.kv_pool_tokens = decode_pool
+        dcfg.engine.page_size = decode_page_size
         self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
         self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, self.cfg),
                       "d0": self._spawn("decode", "d0", self.d_addr, dcfg)}
@@ -172,5 +173,16 @@ def test_pd_processes_recompute_fallback(tiny, tiny_folder):
         d = wait_idle(pair, "d0")
         assert d.counters["retract_recomputed"] > 0 and d.counters["retract_offloaded"] == 0
         assert d.gauges["kv_pages_used"] == 0
+    finally:
+        pair.close()
+
+
+def test_handshake_mismatch_is_refused_with_both_values(tiny_folder):
+    pair = PDPair(tiny_folder, decode_pool=512, host_gb=0.0, decode_page_size=8)
+    try:
+        pair.submit("m", prompts(1, 10, 10, seed=1)[0], SamplingParams(max_new_tokens=4, temperature=0))
+        res = pair.collect(["m"], timeout=15)["m"]
+        assert res["finish"] == "abort"
+        assert "page_size: decode has 8, prefill has 4" in res["error"]
     finally:
         pair.close()

@@ -89,7 +89,8 @@ def make_client(tokenizer):
 
     def make(mode: dict | None = None, **server):
         mode = {} if mode is None else mode
-        cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05, **server}})
+        cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05, **server},
+                                            "cluster": {"mode": "colocated"}})
         workers = []
 
         def factory(spec, on_tokens, on_stats):
@@ -292,14 +293,44 @@ def test_registry_marks_silent_worker_dead_and_fails_requests():
 def test_launch_fails_when_worker_dies_at_startup(capsys):
     from server.launcher import Launcher, LaunchError, worker_specs
 
-    cfg = PdserveConfig.model_validate({"server": {"port": 0}})
+    cfg = PdserveConfig.model_validate({"server": {"port": 0}, "cluster": {"mode": "colocated"}})
     die = [sys.executable, "-c", "import sys; print('worker: no such model', file=sys.stderr); sys.exit(3)"]
     out = io.StringIO()
     rc = asyncio.run(Launcher(cfg, argv=lambda spec, c: die, out=out, install_signals=False).run())
     assert rc == 1 and out.getvalue() == ""
     assert "worker colocated-0 (colocated) exited with code 3 during startup" in capsys.readouterr().err
-    with pytest.raises(LaunchError, match="not implemented"):
-        worker_specs(PdserveConfig.model_validate({"cluster": {"mode": "pd"}}))
+
+
+def test_pd_worker_specs_and_routing():
+    from server.launcher import worker_specs
+    from server.router.registry import Route, WorkerHandle, route_pd, send_request
+
+    specs = worker_specs(PdserveConfig.model_validate({"cluster": {"mode": "pd", "prefill": 2, "decode": 1,
+                                                                   "base_port": 30000}}))
+    assert [(s.worker_id, s.role, s.addr) for s in specs] == [
+        ("prefill-0", "prefill", "tcp://127.0.0.1:30000"), ("prefill-1", "prefill", "tcp://127.0.0.1:30001"),
+        ("decode-0", "decode", "tcp://127.0.0.1:30002")]
+
+    class Rec:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, *a, **kw):
+            self.calls.append(("generate", a, kw))
+
+        def prefill(self, *a, **kw):
+            self.calls.append(("prefill", a, kw))
+
+    handles = [WorkerHandle(s, Rec()) for s in specs]
+    load = {"prefill-0": 50, "prefill-1": 10, "decode-0": 0}
+    route = route_pd(handles, load.__getitem__)
+    assert [h.worker_id for h in route.targets] == ["prefill-1", "decode-0"] and route.stream_from is handles[2]
+    params = SamplingParams(max_new_tokens=3)
+    send_request(route, "r1", 77, [1, 2, 3], params)
+    assert handles[1].client.calls == [("prefill", ("r1", 77, [1, 2, 3], params, "decode-0"), {})]
+    assert handles[2].client.calls == [("generate", ("r1", [1, 2, 3], params),
+                                        {"room": 77, "prefill_addr": "tcp://127.0.0.1:30001"})]
+    assert isinstance(route, Route)
 
 
 def test_launch_refuses_unknown_config_keys(tmp_path, capsys):

@@ -186,6 +186,7 @@ class WorkerStats(Message):
 
     nonce: int = 0
     worker_id: str
+    instance: str = ""  # random per process start: a new value means the worker restarted
     role: str
     model: str
     capacity_tokens: int

@@ -62,6 +62,11 @@ class InflightTable:
             self._entries[rid].queue.put_nowait((err, []))
         return rids
 
+    def workers_of(self, rid: str) -> tuple[str, ...]:
+        """The workers holding state for ``rid`` (empty if not in flight)."""
+        e = self._entries.get(rid)
+        return e.workers if e else ()
+
     def outstanding(self, worker_id: str) -> int:
         """Sum of ``cost`` of the requests in flight on ``worker_id`` (least-loaded routing)."""
         return sum(e.cost for e in self._entries.values() if worker_id in e.workers)

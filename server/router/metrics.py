@@ -10,11 +10,12 @@ they can lag by up to one heartbeat interval (``pdserve_worker_stats_age_seconds
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from server.router.registry import READY, WorkerHandle
@@ -33,6 +34,16 @@ WORKER_COUNTERS = {
     "finished_requests": ("pdserve_worker_finished_requests", "Requests the worker finished (stop or length)"),
     "aborted_requests": ("pdserve_worker_aborted_requests", "Requests the worker aborted on request"),
     "rejected_requests": ("pdserve_worker_rejected_requests", "Requests the worker refused at once"),
+    "kv_transfer_bytes": ("pdserve_kv_transfer_bytes", "KV bytes a prefill worker wrote into decode workers"),
+    "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
+    "retract_resumed": ("pdserve_retract_resumed", "Retracted requests resumed from the host pool"),
+    "retract_recomputed": ("pdserve_retract_recomputed", "Retracted requests re-prefilled (host pool full/costlier)"),
+}
+# worker histogram key -> (metric name, help)
+WORKER_HISTOGRAMS = {
+    "kv_transfer_seconds": ("pdserve_kv_transfer_seconds", "Prefill -> decode KV write time per request"),
+    "retract_offload_seconds": ("pdserve_retract_offload_seconds", "Time to copy a retracted request's KV to host"),
+    "retract_resume_seconds": ("pdserve_retract_resume_seconds", "Time to copy a retracted request's KV back"),
 }
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -54,6 +65,19 @@ class WorkerCollector(Collector):
         with_stats = [h for h in handles if h.stats is not None]
         yield from self._counters(with_stats)
         yield from self._gauges(with_stats)
+        yield from self._histograms(with_stats)
+
+    def _histograms(self, handles: list[WorkerHandle]):
+        for key, (name, help_text) in WORKER_HISTOGRAMS.items():
+            fam = HistogramMetricFamily(name, help_text, labels=["worker"])
+            for h in handles:
+                data = h.stats.histograms.get(key)
+                if data is None:
+                    continue
+                edges = [*(str(b) for b in data.buckets), "+Inf"]
+                cumulative = list(itertools.accumulate(data.counts))
+                fam.add_metric([h.worker_id], list(zip(edges, cumulative)), data.sum)
+            yield fam
 
     def _counters(self, handles: list[WorkerHandle]):
         for key, (name, help_text) in WORKER_COUNTERS.items():
@@ -67,6 +91,8 @@ class WorkerCollector(Collector):
         total = GaugeMetricFamily("pdserve_kv_pool_capacity_pages", "KV pool size in pages", labels=["worker"])
         queues = GaugeMetricFamily("pdserve_queue_requests", "Requests per scheduler queue", labels=["worker", "queue"])
         ratio = GaugeMetricFamily("pdserve_new_token_ratio", "Admission reservation ratio", labels=["worker"])
+        host = GaugeMetricFamily("pdserve_host_kv_pool_bytes", "Host (CPU) KV pool for retracted requests",
+                                 labels=["worker", "state"])
         age = GaugeMetricFamily("pdserve_worker_stats_age_seconds", "Age of the latest worker stats",
                                 labels=["worker"])
         for h in handles:
@@ -74,11 +100,14 @@ class WorkerCollector(Collector):
             for state in ("free", "used", "cached"):
                 pages.add_metric([w, state], g.get(f"kv_pages_{state}", 0.0))
             total.add_metric([w], g.get("kv_pages_total", 0.0))
-            for q in ("waiting", "running"):
-                queues.add_metric([w, q], g.get(f"queue_{q}", 0.0))
+            for q in (k.removeprefix("queue_") for k in g if k.startswith("queue_")):
+                queues.add_metric([w, q], g[f"queue_{q}"])
+            if "host_kv_pool_bytes_used" in g:
+                for state in ("used", "free"):
+                    host.add_metric([w, state], g[f"host_kv_pool_bytes_{state}"])
             ratio.add_metric([w], g.get("new_token_ratio", 0.0))
             age.add_metric([w], max(0.0, self._clock() - h.stats_at) if h.stats_at is not None else 0.0)
-        yield from (pages, total, queues, ratio, age)
+        yield from (pages, total, queues, ratio, host, age)
 
 
 class RouterMetrics:

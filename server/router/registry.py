@@ -15,7 +15,9 @@ with the same ``least_outstanding`` helper and stream from decode.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,7 +100,35 @@ def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
     return Route((w,), w)
 
 
-ROUTING_POLICIES: dict[str, Policy] = {"colocated": route_colocated}
+def route_pd(ready: list[WorkerHandle], load: Load) -> Route:
+    """PD mode: the least loaded ready prefill and decode workers; tokens stream from decode."""
+    prefill = [h for h in ready if h.spec.role == "prefill"]
+    decode = [h for h in ready if h.spec.role == "decode"]
+    if not prefill or not decode:
+        missing = "prefill" if not prefill else "decode"
+        raise NoWorkerAvailable(f"no ready {missing} worker")
+    d = least_outstanding(decode, load)
+    return Route((least_outstanding(prefill, load), d), d)
+
+
+ROUTING_POLICIES: dict[str, Policy] = {"colocated": route_colocated, "pd": route_pd}
+
+
+def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], params) -> None:
+    """Send one request to every worker of ``route`` in the message its role takes.
+
+    Colocated: ``GenerateRequest``. PD: the prefill worker gets a ``PrefillRequest`` naming the
+    decode worker; the decode worker gets a ``GenerateRequest`` with ``room`` and the prefill
+    worker's control address (it asks that worker for the KV). Raises ``WorkerUnavailable``.
+    """
+    prefill = next((h for h in route.targets if h.spec.role == "prefill"), None)
+    for h in route.targets:
+        if h.spec.role == "prefill":
+            h.client.prefill(rid, room, prompt_ids, params, route.stream_from.worker_id)
+        elif h.spec.role == "decode":
+            h.client.generate(rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr)
+        else:
+            h.client.generate(rid, prompt_ids, params)
 
 
 class Registry:
@@ -118,6 +148,12 @@ class Registry:
         self.handles = {s.worker_id: WorkerHandle(s, client_factory(s, self.on_tokens, self.on_stats)) for s in specs}
         self._heartbeat_task: asyncio.Task | None = None
         self._nonce = 0
+        # rooms name KV transfers; start from a random base so a restarted router never reuses one
+        self._rooms = itertools.count(random.randrange(1 << 40))
+
+    def next_room(self) -> int:
+        """A room number no other request of this router has used."""
+        return next(self._rooms)
 
     async def start(self) -> None:
         """Connect every client and start the heartbeat task."""
@@ -179,9 +215,14 @@ class Registry:
         if h.state != DEAD:
             log.error("worker %s is dead: %s", worker_id, reason)
         h.state, h.reason, h.permanent = DEAD, reason, h.permanent or permanent
+        workers_of = {rid: self.table.workers_of(rid) for rid in self.table.rids()}
         rids = self.table.fail_worker(worker_id, 503, f"worker {worker_id} is unavailable: {reason}")
-        if rids:
-            h.client.abort(rids, f"router gave up on the worker: {reason}")
+        by_worker: dict[str, list[str]] = {}
+        for rid in rids:  # abort on every worker of the request, the dead one included (best effort)
+            for wid in workers_of.get(rid, (worker_id,)):
+                by_worker.setdefault(wid, []).append(rid)
+        for wid, wrids in by_worker.items():
+            self.handles[wid].client.abort(wrids, f"router gave up on worker {worker_id}: {reason}")
         return rids
 
     def check_liveness(self) -> None:

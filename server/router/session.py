@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from engine.sampling import SamplingParams
 from server.router.errors import APIError
 from server.router.inflight import Inflight, InflightTable
-from server.router.registry import NoWorkerAvailable, Registry, Route
+from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
 
 
@@ -94,8 +94,7 @@ class GenerationSession:
         self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
                                         self.route.stream_from.worker_id, cost)
         try:
-            for h in self.route.targets:
-                h.client.generate(self.rid, self.prompt_ids, self.params)
+            send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params)
         except WorkerUnavailable as e:
             self.close("could not reach every worker of the route")
             raise APIError(503, str(e), code="worker_unavailable") from None

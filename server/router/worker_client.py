@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from engine.sampling import SamplingParams
-from transfer.protocol import (AbortRequest, GenerateRequest, Message, ProtocolError, Shutdown, StatsRequest,
+from transfer.protocol import (AbortRequest, GenerateRequest, PrefillRequest, Message, ProtocolError, Shutdown, StatsRequest,
                                TokenBatch, TokenEntry, WorkerStats, decode, encode, frame_ids, ids_frame)
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,17 @@ class WorkerClient:
         self._sock = sock
         self._task = asyncio.create_task(self._recv_loop(), name=f"recv-{self.worker_id}")
 
-    def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Send a ``GenerateRequest``; raises ``WorkerUnavailable`` if it cannot be queued."""
-        self._send(GenerateRequest(rid=rid, params=params), ids_frame(prompt_ids))
+    def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int | None = None,
+                 prefill_addr: str | None = None) -> None:
+        """Send a ``GenerateRequest`` (PD decode workers also get ``room`` and the prefill worker's
+        address); raises ``WorkerUnavailable`` if it cannot be queued."""
+        self._send(GenerateRequest(rid=rid, params=params, room=room, prefill_addr=prefill_addr),
+                   ids_frame(prompt_ids))
+
+    def prefill(self, rid: str, room: int, prompt_ids: list[int], params: SamplingParams, decode_worker: str) -> None:
+        """Send a ``PrefillRequest`` to a PD prefill worker; ``WorkerUnavailable`` if it cannot be queued."""
+        self._send(PrefillRequest(rid=rid, room=room, params=params, decode_worker=decode_worker),
+                   ids_frame(prompt_ids))
 
     def abort(self, rids: list[str], reason: str) -> None:
         """Send an ``AbortRequest`` (best effort: errors are logged, never raised)."""

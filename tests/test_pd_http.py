@@ -1,0 +1,209 @@
+"""PD mode end to end: ``pdserve launch --mode pd`` (router + prefill worker + decode worker as
+separate processes, KV over NIXL/UCX on loopback), driven through the real HTTP API with the
+``openai`` client. Greedy outputs equal transformers and the colocated engine; 32 concurrent
+requests with shared prefixes against a small decode pool; aborts at random points leak nothing;
+kill -9 of either worker fails its requests fast, keeps the router up, and traffic flows again
+after the launcher restarts it. These share one server and run in file order."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import engine_cfg, sched_cfg
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from server.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
+
+HEARTBEAT_S = 0.2
+NEW_TOKENS = 24
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
+           "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n",
+           "List three primary colors and explain why they are called primary:"]
+SHARED = ("You are a helpful assistant that answers questions about geography, history and science "
+          "in one short paragraph. Question: ")
+QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
+             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
+             "What causes tides?", "Why do leaves change color?"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()),
+                          "--kv-pool-tokens", "1024", "--page-size", "16", "--max-model-len", "2048",
+                          "--init-new-token-ratio", "0.05", "--health-interval-s", str(HEARTBEAT_S),
+                          "--worker-timeout-s", "30", "--peer-timeout-s", "4", "--log-level", "WARNING"])
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server.url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def colocated(embedded):
+    cfg, weights, tok, _ = embedded
+    return LLM(engine_cfg(kv_pool_tokens=8192), sched_cfg(), loaded=(cfg, weights, tok))
+
+
+def complete(client, model, prompt, max_tokens=NEW_TOKENS):
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    return r.choices[0]
+
+
+def worker_pid(server: LaunchedServer, role: str) -> int:
+    for pid in server.worker_pids():
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--role" in cmd and cmd[cmd.index(b"--role") + 1] == role.encode():
+            return pid
+    raise LookupError(f"no {role} worker")
+
+
+def idle(url):
+    return wait_idle(url, HEARTBEAT_S, timeout_s=60)
+
+
+def test_pd_greedy_matches_transformers_and_colocated(client, model, embedded, hf_embedded, colocated):
+    tok = embedded[2]
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        with torch.no_grad():
+            out = hf_embedded.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        ref = [t for t in out[0, len(ids):].tolist() if t not in tok.eos_token_ids]
+        choice = complete(client, model, text)
+        assert choice.prompt_token_ids == ids
+        assert choice.token_ids == ref, text
+        assert choice.text == tok.decode(ref)
+        colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0]
+        assert colo.token_ids == ref
+
+
+def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, colocated):
+    tok = embedded[2]
+    rng = random.Random(3)
+    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(32)]
+    lengths = [rng.choice([16, 32, 48]) for _ in prompts]
+    refs = {}
+    for i, p in enumerate(prompts):
+        refs[i] = colocated.generate_ids([tok.encode(p)], SamplingParams(max_new_tokens=lengths[i],
+                                                                         temperature=0))[0].token_ids
+
+    async def one(c, i):
+        r = await c.completions.create(model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                                       stream=True, extra_body={"return_token_ids": True})
+        ids = []
+        async for chunk in r:
+            ids += getattr(chunk.choices[0], "token_ids", None) or []
+        return ids
+
+    async def run_all():
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        try:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+        finally:
+            await c.close()
+
+    got = asyncio.run(run_all())
+    assert got == [refs[i] for i in range(32)]
+    m = idle(url)
+    assert metric_sum(m, "pdserve_retractions_total") > 0  # the decode pool holds ~1/3 of the demand
+    assert metric_sum(m, "pdserve_kv_transfer_bytes_total") > 0
+    assert metric_sum(m, "pdserve_cached_prompt_tokens_total") >= 0
+    assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
+    assert metric_sum(m, "pdserve_host_kv_pool_bytes", state="used") == 0
+
+
+def test_pd_aborts_at_random_points_leak_nothing(url, model):
+    async def one(c, i, cut):
+        try:
+            r = await c.completions.create(model=model, prompt=f"{SHARED}{QUESTIONS[i % 8]}", max_tokens=48,
+                                           temperature=0, stream=True)
+            n = 0
+            async for _ in r:
+                n += 1
+                if n >= cut:
+                    break
+            await r.close()
+        except openai.APIError:
+            pass
+
+    async def run_all():
+        rng = random.Random(5)
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            tasks = [asyncio.create_task(one(c, i, rng.choice([0, 1, 2, 5, 20]))) for i in range(16)]
+            await asyncio.sleep(0.05)
+            await asyncio.gather(*tasks)
+        finally:
+            await c.close()
+
+    asyncio.run(run_all())
+    m = idle(url)
+    assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
+    assert metric_sum(m, "pdserve_host_kv_pool_bytes", state="used") == 0
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_pd_worker_killed_then_restarted(server, url, client, model, role):
+    async def load():
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*(c.completions.create(model=model, prompt=f"{SHARED}{q}", max_tokens=200,
+                                                               temperature=0, extra_body={"ignore_eos": True})
+                                          for q in QUESTIONS), return_exceptions=True)
+        finally:
+            await c.close()
+
+    async def kill_during_load():
+        task = asyncio.create_task(load())
+        await asyncio.sleep(1.5)
+        t_kill = time.monotonic()
+        os.kill(worker_pid(server, role), signal.SIGKILL)
+        results = await task
+        return results, time.monotonic() - t_kill
+
+    results, elapsed = asyncio.run(kill_during_load())
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert errors, "killing a worker mid-load must fail its in-flight requests"
+    assert all(isinstance(e, openai.APIStatusError) and e.status_code == 503 for e in errors), errors
+    assert elapsed < 10
+    health = httpx.get(f"{url}/health", timeout=5)
+    assert health.status_code in (200, 503)  # the router is up; 503 until the worker is back
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the restarted worker did not rejoin"
+        time.sleep(0.5)
+    choice = None
+    for _ in range(20):  # the decode worker may still be re-handshaking with the new prefill worker
+        try:
+            choice = complete(client, model, PROMPTS[0], max_tokens=8)
+            break
+        except openai.APIStatusError:
+            time.sleep(0.5)
+    assert choice is not None and choice.finish_reason == "length" and len(choice.token_ids) == 8
+    m = idle(url)
+    assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
