@@ -27,7 +27,7 @@ test: install
 
 # OpenAI-compatible server (embedded SmolLM2-135M) on http://$(HOST):$(PORT)/v1; Ctrl-C stops everything.
 serve: install
-	$(VENV)/bin/pdserve launch --mode colocated --model default --host $(HOST) --port $(PORT)
+	$(VENV)/bin/pdserve launch --mode pd --model default --host $(HOST) --port $(PORT)
 
 bench: install
 	$(VENV)/bin/pdserve bench engine
