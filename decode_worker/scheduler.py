@@ -26,7 +26,7 @@ from engine.model_runner import ModelRunner
 from engine.request import ReqStatus, Request
 from engine.sampling import SamplerState, SamplingParams, check_stop
 from engine.scheduler.admission import reserved_tokens, running_reservation_pages
-from engine.scheduler.colocated import RequestRejected
+from engine.scheduler.base import RequestRejected, WorkerScheduler, check_fits
 from engine.scheduler.decode_memory import OOM_ABORT_MESSAGE, check_decode_mem, decode_pages_needed, retract_decode
 from engine.scheduler.events import TokenEvent
 from engine.scheduler.executor import BatchExecutor
@@ -37,7 +37,7 @@ from transfer.protocol import KVDestination, Message, PrefillFailed, PrefillRequ
 log = logging.getLogger(__name__)
 
 
-class DecodeScheduler:
+class DecodeScheduler(WorkerScheduler):
     role = "decode"
 
     def __init__(self, runner: ModelRunner, cfg: PdserveConfig, transport, peers: PrefillPeers,
@@ -76,17 +76,11 @@ class DecodeScheduler:
         return req
 
     def _check_fits(self, prompt_len: int, max_new: int) -> None:
-        cap, ctx, total = self.runner.capacity_tokens, self.runner.max_model_len, prompt_len + max_new
-        if prompt_len == 0:
-            raise RequestRejected("prompt is empty; send at least one token")
-        if total > ctx:
-            raise RequestRejected(f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) = {total} exceeds the "
-                                  f"model context of {ctx} tokens; shorten the prompt or lower max_tokens")
-        if total > cap:
+        try:
+            check_fits(prompt_len, max_new, self.capacity_tokens, self.max_model_len, "decode KV cache pool")
+        except RequestRejected:
             self.stats.rejected_requests += 1
-            raise RequestRejected(f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) = {total} exceeds the "
-                                  f"decode KV cache pool capacity of {cap} tokens; lower max_tokens or start the "
-                                  f"decode worker with a larger --kv-pool-tokens")
+            raise
 
     def abort(self, rid: str, message: str = "request aborted") -> TokenEvent | None:
         """Idempotent. A request whose KV may still be written keeps its pages until the
@@ -358,7 +352,7 @@ class DecodeScheduler:
         return [j.req for j in self.jobs.values()]
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.live_requests())
+        super().check_integrity()
         if self.retract.host is not None:
             self.retract.host.check_integrity([j.host_kv for j in self.jobs.values() if j.host_kv is not None])
 
@@ -367,28 +361,14 @@ class DecodeScheduler:
                 "retract_resume_seconds": self.retract.resume_seconds}
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
-        u = self.kv.usage(self.live_requests())
         rs = self.retract.stats
-        counters = {k: float(v) for k, v in self.stats.as_dict().items()}
+        counters = self.base_counters()
         counters.update(retract_offload_bytes=rs.offload_bytes, retract_resumed=rs.resumed,
                         retract_recomputed=rs.recomputed, retract_offloaded=rs.offloaded)
         host = self.retract.host
-        gauges = {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
-                  "kv_pages_total": u.total, "queue_prealloc": len(self.prealloc), "queue_transfer": len(self.transfer),
+        gauges = {**self.pool_gauges(), "queue_prealloc": len(self.prealloc), "queue_transfer": len(self.transfer),
                   "queue_running": len(self.running), "queue_retracted": len(self.retracted),
                   "new_token_ratio": self.ratio.value,
                   "host_kv_pool_bytes_used": host.used_pages() * host.page_bytes if host else 0,
                   "host_kv_pool_bytes_free": host.num_free() * host.page_bytes if host else 0}
         return counters, gauges
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.runner.capacity_tokens
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def page_size(self) -> int:
-        return self.runner.page_size

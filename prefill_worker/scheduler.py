@@ -23,7 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.colocated import RequestRejected
+from engine.scheduler.base import RequestRejected, WorkerScheduler
 from engine.scheduler.events import TokenEvent
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram, SchedulerStats
@@ -53,7 +53,7 @@ class PrefillJob:
         return self.room, self.generation
 
 
-class PrefillScheduler:
+class PrefillScheduler(WorkerScheduler):
     """Driven by ``WorkerLoop``: ``handle`` for PD messages, ``step`` every loop iteration."""
 
     role = "prefill"
@@ -231,30 +231,12 @@ class PrefillScheduler:
     def live_requests(self) -> list[Request]:
         return [j.req for j in self.jobs.values()]
 
-    def check_integrity(self) -> None:
-        self.kv.check_integrity(self.live_requests())
-
     def histograms(self) -> dict[str, "Histogram"]:
         return {"kv_transfer_seconds": self.transfer_seconds}
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
-        u = self.kv.usage(self.live_requests())
-        counters = {k: float(v) for k, v in self.stats.as_dict().items()}
-        counters["kv_transfer_bytes"] = float(self.transfer_bytes)
-        gauges = {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
-                  "kv_pages_total": u.total, "queue_waiting": len(self.waiting),
+        counters = {**self.base_counters(), "kv_transfer_bytes": float(self.transfer_bytes)}
+        gauges = {**self.pool_gauges(), "queue_waiting": len(self.waiting),
                   "queue_bootstrap": sum(1 for j in self.jobs.values() if j.dest is None),
                   "queue_transfer": sum(1 for j in self.jobs.values() if j.transferring)}
         return counters, gauges
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.runner.capacity_tokens
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def page_size(self) -> int:
-        return self.runner.page_size

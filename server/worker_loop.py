@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import zmq
 
-from engine.scheduler.colocated import RequestRejected
+from engine.scheduler.base import RequestRejected
 from engine.scheduler.events import TokenEvent
 from transfer.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenEntry, WorkerStats, decode, encode, frame_ids,

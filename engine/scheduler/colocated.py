@@ -16,6 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.request import ReqStatus, Request
 from engine.sampling import SamplerState, SamplingParams
 from engine.scheduler.admission import Admission
+from engine.scheduler.base import RequestRejected, WorkerScheduler, check_fits
 from engine.scheduler.decode_memory import OOM_ABORT_MESSAGE, check_decode_mem, retract_decode
 from engine.scheduler.events import TokenEvent
 from engine.scheduler.executor import BatchExecutor
@@ -25,11 +26,7 @@ from engine.scheduler.stats import SchedulerStats
 log = logging.getLogger(__name__)
 
 
-class RequestRejected(ValueError):
-    """The request can never run on this worker (too long for the pool or the context)."""
-
-
-class ColocatedScheduler:
+class ColocatedScheduler(WorkerScheduler):
     def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, eos_token_ids: tuple[int, ...]) -> None:
         self.runner = runner
         self.cfg = cfg
@@ -45,17 +42,7 @@ class ColocatedScheduler:
     # ---- requests in and out -------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raise ``RequestRejected`` with the numbers if the request can never run here."""
-        cap, ctx = self.runner.capacity_tokens, self.runner.max_model_len
-        total = prompt_len + max_new_tokens
-        if prompt_len == 0:
-            raise RequestRejected("prompt is empty; send at least one token")
-        if total > ctx:
-            raise RequestRejected(f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} "
-                                  f"exceeds the model context of {ctx} tokens; shorten the prompt or lower max_tokens")
-        if total > cap:
-            raise RequestRejected(f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} "
-                                  f"exceeds the KV cache pool capacity of {cap} tokens; lower max_tokens or "
-                                  f"start the worker with a larger --kv-pool-tokens")
+        check_fits(prompt_len, max_new_tokens, self.capacity_tokens, self.max_model_len)
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request. Raises ``RequestRejected`` (nothing queued) if it can never fit."""
@@ -175,25 +162,8 @@ class ColocatedScheduler:
         self.requests.pop(req.rid, None)
         self.stats.finished_requests += 1
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.runner.capacity_tokens
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def page_size(self) -> int:
-        return self.runner.page_size
-
     def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
         """(cumulative counters, current gauges) for metrics."""
-        u = self.kv.usage(self.live_requests())
-        gauges = {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
-                  "kv_pages_total": u.total, "queue_waiting": len(self.waiting), "queue_running": len(self.running),
+        gauges = {**self.pool_gauges(), "queue_waiting": len(self.waiting), "queue_running": len(self.running),
                   "new_token_ratio": self.ratio.value}
-        return {k: float(v) for k, v in self.stats.as_dict().items()}, gauges
-
-    def check_integrity(self) -> None:
-        self.kv.check_integrity(self.live_requests())
+        return self.base_counters(), gauges
