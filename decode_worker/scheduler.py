@@ -57,6 +57,7 @@ class DecodeScheduler(WorkerScheduler):
         self.jobs: dict[str, DecodeJob] = {}
         self.by_req: dict[int, DecodeJob] = {}
         self.pending_events: list[TokenEvent] = []
+        self.transfer_failures = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int | None = None,
@@ -153,6 +154,7 @@ class DecodeScheduler(WorkerScheduler):
             return self._end(job, "abort", job.aborted, 499, emit=False)
         error = manifest_error(m, job, self.runner.page_size)
         if error:
+            self.transfer_failures += 1
             return self._end(job, "abort", f"KV transfer rejected: {error}", 500)
         req = job.req
         req.kv_len = job.n_tokens
@@ -363,7 +365,7 @@ class DecodeScheduler(WorkerScheduler):
     def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
         rs = self.retract.stats
         counters = self.base_counters()
-        counters.update(retract_offload_bytes=rs.offload_bytes, retract_resumed=rs.resumed,
+        counters.update(transfer_failures=self.transfer_failures, retract_offload_bytes=rs.offload_bytes, retract_resumed=rs.resumed,
                         retract_recomputed=rs.recomputed, retract_offloaded=rs.offloaded)
         host = self.retract.host
         gauges = {**self.pool_gauges(), "queue_prealloc": len(self.prealloc), "queue_transfer": len(self.transfer),

@@ -74,6 +74,7 @@ class PrefillScheduler(WorkerScheduler):
         self.jobs: dict[tuple[int, int], PrefillJob] = {}
         self.by_req: dict[int, PrefillJob] = {}
         self.transfer_bytes = 0
+        self.transfer_failures = 0
         self.transfer_seconds = Histogram(TRANSFER_BUCKETS)
 
     # ---- messages ---------------------------------------------------------------------------
@@ -191,6 +192,7 @@ class PrefillScheduler(WorkerScheduler):
                 self.transfer_seconds.observe(secs)
                 self._release(job, insert=True)
             else:
+                self.transfer_failures += 1
                 self._fail(job, f"KV transfer to decode worker failed: {error}", 503)
 
     def _expire(self) -> None:
@@ -235,7 +237,8 @@ class PrefillScheduler(WorkerScheduler):
         return {"kv_transfer_seconds": self.transfer_seconds}
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
-        counters = {**self.base_counters(), "kv_transfer_bytes": float(self.transfer_bytes)}
+        counters = {**self.base_counters(), "kv_transfer_bytes": float(self.transfer_bytes),
+                    "transfer_failures": float(self.transfer_failures)}
         gauges = {**self.pool_gauges(), "queue_waiting": len(self.waiting),
                   "queue_bootstrap": sum(1 for j in self.jobs.values() if j.dest is None),
                   "queue_transfer": sum(1 for j in self.jobs.values() if j.transferring)}

@@ -101,6 +101,18 @@ def test_host_pool_full_falls_back_to_recompute(harness, tiny):
     assert h.decode.retract.stats.recomputed > 0 and h.decode.retract.stats.offloaded == 0
 
 
+def test_host_pool_too_small_for_all_victims(harness, tiny):
+    # room for 8 host pages: some victims are offloaded, the rest recomputed; nothing is lost
+    c = tiny[0]
+    page_bytes = c.num_layers * 2 * 4 * c.num_kv_heads * c.head_dim * 4  # page 4, fp32
+    h2 = harness(d=cfg(pool=96, host_gb=8 * page_bytes / 2**30, init_new_token_ratio=0.1))
+    ps = prompts(6, 18, 22, seed=41)
+    assert run(h2, ps) == [hf_greedy(tiny[2], p, 16) for p in ps]
+    rs = h2.decode.retract.stats
+    assert rs.offloaded > 0 and rs.recomputed > 0 and rs.resumed == rs.offloaded
+    assert h2.decode.retract.host.num_pages == 8
+
+
 def test_abort_in_retracted_queue_frees_host_pages(harness):
     h = harness(d=cfg(pool=96, init_new_token_ratio=0.1))
     ps = prompts(4, 20, 20, seed=21)
@@ -146,6 +158,7 @@ def test_manifest_mismatch_fails_request(harness, monkeypatch):
     h.submit("x", prompts(1, 10, 10)[0], GREEDY)
     out = h.run()
     assert out["x"]["finish"] == "abort" and "manifest" in out["x"]["error"]
+    assert h.decode.snapshot()[0]["transfer_failures"] == 1
 
 
 def test_too_long_for_decode_pool_refused(harness):

@@ -40,6 +40,7 @@ def refs(tiny):
 
 def assert_clean(sched: ColocatedScheduler):
     sched.check_integrity()
+    assert sched.kv.tree is None or sched.kv.tree.protected_size() == 0, "a radix lock was not released"
     usage = sched.kv.usage([])
     assert not sched.requests and usage.used == 0
     assert usage.free + usage.cached == usage.total

@@ -35,6 +35,7 @@ WORKER_COUNTERS = {
     "aborted_requests": ("pdserve_worker_aborted_requests", "Requests the worker aborted on request"),
     "rejected_requests": ("pdserve_worker_rejected_requests", "Requests the worker refused at once"),
     "kv_transfer_bytes": ("pdserve_kv_transfer_bytes", "KV bytes a prefill worker wrote into decode workers"),
+    "transfer_failures": ("pdserve_transfer_failures", "KV transfers that failed or were rejected (manifest)"),
     "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
     "retract_resumed": ("pdserve_retract_resumed", "Retracted requests resumed from the host pool"),
     "retract_recomputed": ("pdserve_retract_recomputed", "Retracted requests re-prefilled (host pool full/costlier)"),
