@@ -127,17 +127,25 @@ def wait_idle(pair: PDPair, wid: str, timeout=10) -> WorkerStats:
         time.sleep(0.1)
 
 
+# no ignore_eos: admission reserves only max_new_tokens * new_token_ratio, so it overcommits
+PRESSURE = SamplingParams(max_new_tokens=16, temperature=0)
+
+
+def run_pressure_workload(pair: PDPair, tiny) -> list[list[int]]:
+    """4 x (20 + 16) tokens against a 96-token decode pool; asserts outputs equal transformers."""
+    ps = prompts(4, 20, 20, seed=21)
+    for i, p in enumerate(ps):
+        pair.submit(f"r{i}", p, PRESSURE)
+    out = pair.collect([f"r{i}" for i in range(4)])
+    assert [out[f"r{i}"]["tokens"] for i in range(4)] == [until_eos(hf_greedy(tiny[2], p, 16)) for p in ps]
+    return ps
+
+
 def test_pd_processes_offload_and_resume(tiny, tiny_folder):
-    # 4 x (20 + 16) tokens against a 96-token decode pool: retract with host offload.
     pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1)
     try:
-        ps = prompts(4, 20, 20, seed=21)
-        # no ignore_eos: admission reserves only max_new_tokens * new_token_ratio, so it overcommits
-        params = SamplingParams(max_new_tokens=16, temperature=0)
-        for i, p in enumerate(ps):
-            pair.submit(f"r{i}", p, params)
-        out = pair.collect([f"r{i}" for i in range(4)])
-        assert [out[f"r{i}"]["tokens"] for i in range(4)] == [until_eos(hf_greedy(tiny[2], p, 16)) for p in ps]
+        ps = run_pressure_workload(pair, tiny)
+        params = PRESSURE
         d, p = wait_idle(pair, "d0"), wait_idle(pair, "p0")
         assert d.counters["retractions"] > 0 and d.counters["retract_resumed"] > 0
         assert d.gauges["kv_pages_used"] == 0 and d.gauges["host_kv_pool_bytes_used"] == 0
@@ -163,13 +171,7 @@ def test_pd_processes_offload_and_resume(tiny, tiny_folder):
 def test_pd_processes_recompute_fallback(tiny, tiny_folder):
     pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1)
     try:
-        ps = prompts(4, 20, 20, seed=21)
-        # no ignore_eos: admission reserves only max_new_tokens * new_token_ratio, so it overcommits
-        params = SamplingParams(max_new_tokens=16, temperature=0)
-        for i, p in enumerate(ps):
-            pair.submit(f"r{i}", p, params)
-        out = pair.collect([f"r{i}" for i in range(4)])
-        assert [out[f"r{i}"]["tokens"] for i in range(4)] == [until_eos(hf_greedy(tiny[2], p, 16)) for p in ps]
+        run_pressure_workload(pair, tiny)
         d = wait_idle(pair, "d0")
         assert d.counters["retract_recomputed"] > 0 and d.counters["retract_offloaded"] == 0
         assert d.gauges["kv_pages_used"] == 0

@@ -36,7 +36,8 @@ def check_max_tokens(value: int | None, name: str) -> None:
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     max_tokens_name: str = "max_tokens") -> SamplingParams:
-    """Engine params for ``req`` (``max_tokens`` None -> a placeholder, see ``auto_max_tokens``)."""
+    """Engine params for ``req``; ``max_tokens`` None validates as 1 and the session later sets the
+    room the route leaves (see ``auto_max_tokens``)."""
     try:
         return req.sampling_params(max_tokens if max_tokens is not None else 1, logprobs)
     except ValidationError as e:
