@@ -29,7 +29,9 @@ class ClusterConfig(BaseModel):
     base_port: int = Field(29500, ge=1024, le=65000, description="first port of the workers' control sockets")
     transfer_backend: Literal["nixl", "loopback"] = Field(
         "nixl", description="KV data plane: nixl (UCX) between processes; loopback only inside one process (tests)")
-    bootstrap_timeout_s: float = Field(30.0, gt=0, description="prefill side: drop KV nobody asked for after this")
+    bootstrap_timeout_s: float = Field(
+        300.0, gt=0, description="prefill side: drop computed KV that no decode worker asked for after this "
+                                 "(a busy decode worker admits late; the held pages throttle prefill meanwhile)")
     peer_timeout_s: float = Field(8.0, gt=0, description="a silent peer worker is declared dead after this")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
     restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
