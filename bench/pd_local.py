@@ -52,6 +52,9 @@ class FakePeers:
     def tick(self):
         return []
 
+    def restarted(self):
+        return []
+
 
 class PDHarness:
     def __init__(self, cfg_p: PdserveConfig, cfg_d: PdserveConfig, model_config, weights, eos=()):

@@ -33,6 +33,9 @@ class ClusterConfig(BaseModel):
         300.0, gt=0, description="prefill side: drop computed KV that no decode worker asked for after this "
                                  "(a busy decode worker admits late; the held pages throttle prefill meanwhile)")
     peer_timeout_s: float = Field(8.0, gt=0, description="a silent peer worker is declared dead after this")
+    transfer_fence_s: float = Field(
+        60.0, gt=0, description="decode side: pages of a transfer whose prefill worker went silent are held this "
+                                "long (a late write may still land) unless it reappears as a new process")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
     restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
 

@@ -28,6 +28,7 @@ class DecodeJob:
     phase: str = "prealloc"
     host_kv: HostKV | None = None
     aborted: str | None = None
+    fenced_at: float = 0.0
     phase_since: float = field(default_factory=time.monotonic)
 
     @property

@@ -44,6 +44,7 @@ class PrefillPeers:
         self.by_addr: dict[str, PrefillPeer] = {}
         self.by_sock: dict[zmq.Socket, PrefillPeer] = {}
         self._lost: list[PrefillPeer] = []
+        self._fresh: list[PrefillPeer] = []
 
     def get(self, addr: str) -> PrefillPeer:
         """The peer at ``addr``, connecting (and sending the handshake) on first use."""
@@ -87,10 +88,17 @@ class PrefillPeers:
                 peer.error = f"prefill worker at {peer.addr} restarted"
                 log.error(peer.error)
                 self._lost.append(peer)
+            if restarted:  # the old process is gone: none of its writes can land any more
+                self._fresh.append(peer)
             if was_dead or restarted:
                 log.warning("prefill worker at %s is back; handshaking again", peer.addr)
                 self._send_handshake(peer)
         return peer
+
+    def restarted(self) -> list[PrefillPeer]:
+        """Peers seen running as a new process since the last call."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def tick(self) -> list[PrefillPeer]:
         """Send due heartbeats; return peers that just went dead or restarted (what was in flight

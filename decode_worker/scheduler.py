@@ -11,6 +11,7 @@ there no new request is admitted, so resumes cannot starve) -> admission -> one 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import numpy as np
@@ -91,9 +92,16 @@ class DecodeScheduler(WorkerScheduler):
             return None
         self.stats.aborted_requests += 1
         if job.phase == "transfer":
-            job.aborted = message
-            return TokenEvent(rid, finish_reason="abort", error=message, error_status=499)
+            return self._fence(job, message, 499)
         return self._end(job, "abort", message, 499)[0]
+
+    def _fence(self, job: DecodeJob, message: str, status: int) -> TokenEvent:
+        """Answer the client now but keep the pages: a remote write into them may still land.
+        They are freed on the transfer's notification or ``PrefillFailed``, when the prefill
+        worker is seen as a new process, or after ``transfer_fence_s``."""
+        job.aborted = message
+        job.fenced_at = time.monotonic()
+        return TokenEvent(job.req.rid, finish_reason="abort", error=message, error_status=status)
 
     # ---- messages from prefill workers ---------------------------------------------------------
     def sockets(self):
@@ -120,6 +128,10 @@ class DecodeScheduler(WorkerScheduler):
         events, self.pending_events = self.pending_events, []
         for peer in self.peers.tick():
             events += self._peer_died(peer.addr, peer.error)
+        for peer in self.peers.restarted():
+            self._release_fences(lambda j, a=peer.addr: j.prefill_addr == a, "prefill worker restarted")
+        self._release_fences(lambda j: time.monotonic() - j.fenced_at > self.cfg.cluster.transfer_fence_s,
+                             f"no answer within transfer_fence_s={self.cfg.cluster.transfer_fence_s:g}")
         events += self._poll_transfers()
         self._resume_retracted()
         events += self._admit()
@@ -130,10 +142,20 @@ class DecodeScheduler(WorkerScheduler):
         return events
 
     def _peer_died(self, addr: str, error: str) -> list[TokenEvent]:
+        """Fail what waits on a dead (or restarted) prefill worker; transfers in flight are fenced."""
         events = []
         for job in [j for j in self.jobs.values() if j.prefill_addr == addr and j.phase in ("prealloc", "transfer")]:
-            events += self._fail(job, error, 503)
+            if job.phase == "prealloc":
+                events += self._fail(job, error, 503)
+            elif not job.aborted:
+                events.append(self._fence(job, error, 503))
         return events
+
+    def _release_fences(self, which, why: str) -> None:
+        for job in [j for j in self.transfer.values() if j.aborted and which(j)]:
+            log.warning("freeing the pages of %s room %d: %s", job.req.rid, job.room, why)
+            del self.transfer[job.key]
+            self._end(job, "abort", job.aborted, 499, emit=False)
 
     # ---- transfers ------------------------------------------------------------------------------
     def _poll_transfers(self) -> list[TokenEvent]:

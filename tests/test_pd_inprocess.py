@@ -192,3 +192,22 @@ def test_decode_oom_abort_while_transfer_holds_pages(harness):
     h.prefill.step = real_step
     out = h.run()
     assert out["b"]["finish"] == "length" and len(out["b"]["tokens"]) == 4
+
+
+def test_silent_prefill_peer_fences_pages_until_late_write(harness):
+    # The decode side gives up on a silent prefill worker (client answered at once) but keeps the
+    # destination pages: the late write lands in them, then they are freed. Never reused early.
+    h = harness()
+    h.submit("s", prompts(1, 30, 30, seed=6)[0], GREEDY)
+    real_step = h.prefill.step
+    h.prefill.step = lambda: []  # prefill worker stalls before writing
+    for _ in range(3):
+        h.step()
+    assert "s" in h.decode.jobs and h.decode.jobs["s"].phase == "transfer"
+    events = h.decode._peer_died("inproc://p", "prefill worker did not answer")
+    assert [(e.rid, e.error_status) for e in events] == [("s", 503)]
+    held = h.decode.kv.usage(h.decode.live_requests()).used
+    assert held > 0  # fenced, not freed
+    h.prefill.step = real_step
+    h.run()  # the late write and its notification arrive; now the pages go back
+    assert h.decode.kv.usage([]).used == 0 and not h.decode.jobs

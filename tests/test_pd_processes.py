@@ -33,7 +33,8 @@ class PDPair:
         self.cfg = PdserveConfig.model_validate({
             "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096},
             "scheduler": sched, "server": {"health_interval_s": 0.5},
-            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0}})
+            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0,
+                        "transfer_fence_s": 3.0}})
         dcfg = self.cfg.model_copy(deep=True)
         dcfg.engine.kv_pool_tokens = decode_pool
         dcfg.engine.page_size = decode_page_size
@@ -156,13 +157,15 @@ def test_pd_processes_offload_and_resume(tiny, tiny_folder):
         res = pair.collect(["orphan"], timeout=10)["orphan"]
         assert res["finish"] == "abort" and "no such request" in res["error"]
 
-        # a dead prefill worker fails the decode side's waiting request within the lease
+        # a dead prefill worker fails the decode side's waiting request within the lease; the pages
+        # it was asked to write stay fenced (a late write could still land) for transfer_fence_s
         pair.procs["p0"].kill()
         t0 = time.monotonic()
         pair.submit("late", ps[1], params, to_prefill=False)
         res = pair.collect(["late"], timeout=15)["late"]
         assert res["finish"] == "abort" and "did not answer" in res["error"]
         assert time.monotonic() - t0 < 10
+        assert pair.stats("d0").gauges["kv_pages_used"] > 0
         assert wait_idle(pair, "d0").gauges["kv_pages_used"] == 0
     finally:
         pair.close()
