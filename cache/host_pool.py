@@ -71,10 +71,26 @@ class HostKVPool:
         the caller must sync that stream before reusing ``dev_pages``."""
         host_pages = self.allocator.alloc(len(dev_pages))
         dev = device_buffer.view(device_buffer.shape[0], -1)
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        if device_buffer.is_cuda:
+            self._offload_cuda(device_buffer, dev_pages, host_pages, stream)
+        else:
             for d0, h0, n in _runs(dev_pages, host_pages):
-                self.buffer[h0:h0 + n].copy_(dev[d0:d0 + n], non_blocking=stream is not None)
+                self.buffer[h0:h0 + n].copy_(dev[d0:d0 + n])
         return HostKV(host_pages, num_tokens)
+
+    def _offload_cuda(self, device_buffer: torch.Tensor, dev_pages: list[int], host_pages: list[int],
+                      stream: torch.cuda.Stream | None) -> None:
+        """Triton gather of the (scattered) device pages into one staging tensor, then async DMA
+        into the pinned host rows, all on ``stream``."""
+        from engine.kernels import gather_pages
+
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            staging = gather_pages(device_buffer, dev_pages)
+            pos = 0
+            for h0, _, n in _runs(host_pages, host_pages):
+                self.buffer[h0:h0 + n].copy_(staging[pos:pos + n], non_blocking=True)
+                pos += n
+            # staging was allocated on ``stream``: the caching allocator orders its reuse after the DMA
 
     def load(self, device_buffer: torch.Tensor, kv: HostKV, dev_pages: list[int]) -> None:
         """Copy ``kv`` back into ``dev_pages`` (same count) and free its host pages."""
