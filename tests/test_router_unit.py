@@ -42,7 +42,7 @@ class FakeWorker:
         if self.mode.get("silent"):
             return
         self.on_stats(self.spec.worker_id, WorkerStats(nonce=nonce, worker_id=self.spec.worker_id, role="colocated",
-                                                       model="fake", capacity_tokens=CAPACITY, max_model_len=CONTEXT,
+                                                       model="fake-model", capacity_tokens=CAPACITY, max_model_len=CONTEXT,
                                                        page_size=16, gauges={"kv_pages_used": 0.0}))
 
     def abort(self, rids: list[str], reason: str) -> None:
@@ -349,3 +349,22 @@ def test_small_preset_loads_and_flags_win():
     cfg = load_config(REPO_ROOT / "configs/presets/colocated-small.yaml", {"port": 8123},
                       environ={"PDSERVE_API_KEY": "k"})
     assert (cfg.engine.kv_pool_tokens, cfg.server.port, cfg.server.api_key) == (8192, 8123, "k")
+
+
+def test_worker_serving_another_model_is_not_routed_to():
+    from server.router.inflight import InflightTable
+    from server.router.registry import STARTING, Registry, WorkerSpec
+
+    class Quiet:
+        def __init__(self, *a):
+            pass
+
+    reg = Registry([WorkerSpec("w0", "colocated", "tcp://x")], Quiet, InflightTable(), model_name="m")
+    reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="other", capacity_tokens=10,
+                                   max_model_len=10, page_size=1))
+    ok, why = reg.health()
+    assert not ok and reg.handles["w0"].state == STARTING
+    assert "serves model 'other' but the router serves 'm'" in why
+    reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10,
+                                   max_model_len=10, page_size=1))
+    assert reg.health()[0]

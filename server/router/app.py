@@ -48,7 +48,8 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     """Wire registry, in-flight table and metrics for ``specs`` (nothing connects until startup)."""
     table = InflightTable()
     registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
-                        interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s)
+                        interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
+                        model_name=model_name)
     metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table))
     return RouterContext(cfg, tokenizer, model_name, registry, table, metrics)
 

@@ -136,8 +136,10 @@ class Registry:
 
     def __init__(self, specs: list[WorkerSpec], client_factory: Callable[..., Any], table: InflightTable, *,
                  policy: Policy = route_colocated, interval_s: float = 1.0, timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``client_factory(spec, on_tokens, on_stats)`` builds each worker's client."""
+                 clock: Callable[[], float] = time.monotonic, model_name: str | None = None) -> None:
+        """``client_factory(spec, on_tokens, on_stats)`` builds each worker's client. With
+        ``model_name``, a worker reporting another model is never routed to (``/health`` says why)."""
+        self.model_name = model_name
         if not specs:
             raise ValueError("a registry needs at least one worker")
         self.table = table
@@ -197,6 +199,9 @@ class Registry:
         h.stats, h.last_seen = stats, self.clock()
         h.stats_at = h.last_seen
         if h.permanent:
+            return
+        if self.model_name is not None and stats.model != self.model_name:
+            h.state, h.reason = STARTING, f"serves model {stats.model!r} but the router serves {self.model_name!r}"
             return
         if stats.ready and h.state != READY:
             log.info("worker %s is ready (%s, capacity %d tokens)", worker_id, stats.model, stats.capacity_tokens)
