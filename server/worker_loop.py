@@ -1,6 +1,8 @@
 """A worker's control plane: one ZMQ ROUTER socket in front of a scheduler.
 
-The loop alternates between draining control messages (non-blocking while there is work,
+The external ROUTER socket lives on a ``ControlIO`` thread that answers heartbeats even during a
+long step; this loop sees the same frames on an inproc socket. The loop alternates between
+draining control messages (non-blocking while there is work,
 blocking up to ``idle_poll_ms`` when idle) and running one scheduler step, whose token events are
 sent back, batched per step, to the connection that submitted each request.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 import uuid
 from collections import defaultdict
 
@@ -22,6 +25,7 @@ import zmq
 
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.events import TokenEvent
+from server.control_io import ControlIO
 from transfer.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenEntry, WorkerStats, decode, encode, frame_ids,
                                ids_frame)
@@ -38,12 +42,13 @@ class WorkerLoop:
         self.model_name = model_name
         self.idle_poll_ms = idle_poll_ms
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(control_addr)
+        self.io = ControlIO(self.ctx, control_addr)
+        self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
         self.owner: dict[str, bytes] = {}   # rid -> identity of the connection that submitted it
         self.instance = uuid.uuid4().hex
         self.stopping = False
+        self.stats_every_s = 0.1
+        self._stats_at = 0.0
 
     def send(self, ident: bytes, msg: Message, *frames: bytes) -> None:
         """Send a message to the connection ``ident`` on this worker's control socket."""
@@ -53,12 +58,23 @@ class WorkerLoop:
         self.scheduler = scheduler
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         log.info("%s worker %s serving", self.role, self.worker_id)
+        self.io.publish(self._stats(0))
+        self.io.start()
         try:
             while not self.stopping:
                 self._drain(block=not scheduler.has_work)
                 self._publish(scheduler.step())
+                self._heartbeat()
         finally:
-            self.sock.close(0)
+            self.io.close()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._stats_at >= self.stats_every_s:
+            self._stats_at = now
+            self.io.publish(self._stats(0))
+        else:
+            self.io.alive()
 
     def _sockets(self) -> list[zmq.Socket]:
         extra = getattr(self.scheduler, "sockets", None)

@@ -1,0 +1,83 @@
+"""The worker's external control socket, served by its own thread.
+
+Heartbeats (``StatsRequest``) are answered on this thread from the latest ``WorkerStats`` the
+scheduler thread published, so a long scheduler step (a big prefill chunk on a busy CPU) never
+looks like a dead worker. A scheduler thread that has not finished a loop iteration for
+``stall_limit_s`` gets no answers: a hung worker still times out. Every other message is relayed
+to the scheduler thread over an inproc PAIR socket, framed exactly as a ROUTER delivers it
+(``[identity, *parts]``), and what the scheduler thread sends on its end goes out the same way.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import zmq
+
+from transfer.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class ControlIO:
+    def __init__(self, ctx: zmq.Context, control_addr: str, stall_limit_s: float = 120.0) -> None:
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(control_addr)
+        name = f"inproc://control-{uuid.uuid4().hex}"
+        self._io_end = ctx.socket(zmq.PAIR)
+        self._io_end.bind(name)
+        self.scheduler_end = ctx.socket(zmq.PAIR)  # used only by the scheduler thread
+        self.scheduler_end.connect(name)
+        self.stall_limit_s = stall_limit_s
+        self.latest: WorkerStats | None = None
+        self.beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="control-io", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def publish(self, stats: WorkerStats) -> None:
+        """Scheduler thread: the stats heartbeats answer with, and proof that it is making progress."""
+        self.latest = stats
+        self.beat = time.monotonic()
+
+    def alive(self) -> None:
+        """Scheduler thread: finished a loop iteration (without new stats)."""
+        self.beat = time.monotonic()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._io_end, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(100):
+                if sock is self._io_end:
+                    self.router.send_multipart(self._io_end.recv_multipart())
+                else:
+                    self._inbound(self.router.recv_multipart())
+
+    def _inbound(self, frames: list[bytes]) -> None:
+        ident, parts = frames[0], frames[1:]
+        if parts and parts[0] == b"StatsRequest" and self.latest is not None:
+            if time.monotonic() - self.beat > self.stall_limit_s:
+                log.error("scheduler thread stalled for over %.0fs: not answering heartbeats", self.stall_limit_s)
+                return
+            try:
+                msg, _ = decode(parts)
+            except ProtocolError:
+                msg = None
+            if isinstance(msg, StatsRequest):
+                self.router.send_multipart([ident, *encode(self.latest.model_copy(update={"nonce": msg.nonce}))])
+                return
+        self._io_end.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2)
+        for s in (self.router, self._io_end, self.scheduler_end):
+            s.close(0)
