@@ -51,6 +51,18 @@ class KVManager:
         req.num_shared_pages = len(req.pages)
         req.kv_len = req.cached_tokens = m.num_tokens
 
+    def reserve_prompt(self, req: Request, n_tokens: int, extra_pages: int, budget: int) -> int | None:
+        """Admission: attach the cached prefix of ``req.all_ids[:n_tokens - 1]``, then take pages for
+        ``n_tokens`` tokens if those pages plus ``extra_pages`` (future decode tokens) fit in
+        ``budget``. Returns the pages charged to the budget, or None with ``req`` left untouched."""
+        self.match_prefix(req, req.all_ids[: n_tokens - 1])
+        need = self.pages_for(n_tokens) - len(req.pages) + extra_pages
+        if need > budget or not self.ensure_pages(req, n_tokens):
+            self.release(req, insert=False)
+            req.kv_len = req.cached_tokens = 0
+            return None
+        return need
+
     def evict(self, num_pages: int) -> None:
         """Make at least ``num_pages`` pages free by evicting the radix cache, if it can."""
         short = num_pages - self.allocator.num_free()

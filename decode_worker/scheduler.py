@@ -232,15 +232,10 @@ class DecodeScheduler(WorkerScheduler):
     def _reserve(self, job: DecodeJob, free: int, ratio: float) -> int | None:
         """Match the decode radix prefix and take the prompt's pages; None if over budget."""
         req = job.req
-        ids = req.all_ids[:job.n_tokens]
-        self.kv.match_prefix(req, ids[:-1])
-        reserve = self.kv.pages_for(req.seq_len + reserved_tokens(req, ratio)) - self.kv.pages_for(job.n_tokens)
-        need = self.kv.pages_for(job.n_tokens) - len(req.pages) + max(0, reserve)
-        if need > free or not self.kv.ensure_pages(req, job.n_tokens):
-            self.kv.release(req, insert=False)
-            req.kv_len = req.cached_tokens = 0
-            return None
-        job.decode_prefix_len = req.kv_len
+        extra = self.kv.pages_for(req.seq_len + reserved_tokens(req, ratio)) - self.kv.pages_for(job.n_tokens)
+        need = self.kv.reserve_prompt(req, job.n_tokens, max(0, extra), free)
+        if need is not None:
+            job.decode_prefix_len = req.kv_len
         return need
 
     def _send_destination(self, job: DecodeJob, peer) -> None:

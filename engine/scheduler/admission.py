@@ -67,10 +67,12 @@ class Admission:
             if len(running) + len(items) >= self.cfg.max_running_requests:
                 break
             req = waiting[0]
-            if not self._try_admit(req, free_pages, ratio):
+            need = self.kv.reserve_prompt(req, req.seq_len, self._reservation_pages(req, ratio), free_pages)
+            if need is None:
                 break
+            req.status = ReqStatus.PREFILLING
             waiting.popleft()
-            free_pages -= len(req.own_pages) + self._reservation_pages(req, ratio)
+            free_pages -= need
             items.append(self._chunk(req, budget))
             budget -= items[-1].length
         return items
@@ -81,17 +83,6 @@ class Admission:
             return 0
         total = req.seq_len + reserved_tokens(req, ratio)
         return max(0, self.kv.pages_for(total) - self.kv.pages_for(req.seq_len))
-
-    def _try_admit(self, req: Request, free_pages: int, ratio: float) -> bool:
-        """Match the prefix and take the prompt's pages; on failure leave ``req`` untouched."""
-        self.kv.match_prefix(req, req.all_ids[: req.seq_len - 1])
-        need = self.kv.pages_for(req.seq_len) - len(req.pages) + self._reservation_pages(req, ratio)
-        if need > free_pages or not self.kv.ensure_pages(req, req.seq_len):
-            self.kv.release(req, insert=False)
-            req.kv_len = req.cached_tokens = 0
-            return False
-        req.status = ReqStatus.PREFILLING
-        return True
 
     def _chunk(self, req: Request, budget: int) -> ExtendItem:
         length = min(req.seq_len - req.kv_len, max(budget, 1))
