@@ -13,7 +13,7 @@ import torch
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.llm import LLM, run_batch
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 PROMPT_LEN = 64
 

@@ -1,59 +1,32 @@
-"""Deterministic in-process PD pair: a prefill and a decode scheduler wired by direct message
-delivery (no sockets) and the loopback KV transport. For unit tests and benchmarks; the real path
-(processes, ZMQ, NIXL) is covered by the process-level tests."""
+"""Deterministic in-process PD pair: the real prefill and decode schedulers, built as the worker
+processes build them, with their outboxes delivered by direct calls instead of sockets and the
+loopback KV transport. For unit tests and benchmarks; the real path (processes, ZMQ, NIXL) is
+covered by the process-level tests.
+
+Wiring: the decode side addresses the prefill worker as ``Peer(PREFILL_ADDR)``; those messages
+reach ``prefill.handle`` as from ``Conn(DECODE_CONN)``, and what the prefill side sends to that
+connection comes back to ``decode.handle`` as from the peer. Heartbeats are answered the way the
+worker loop answers them. Token deltas for the router are collected (``step`` returns the decode
+side's; the prefill side's land in ``router_inbox``).
+"""
 from __future__ import annotations
 
 import itertools
 
-from cache.host_pool import HostKVPool
 from configs.schema import PdserveConfig
-from decode_worker.peers import make_handshake
-from decode_worker.scheduler import DecodeScheduler
+from decode_worker.scheduler import create_decode_scheduler
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from prefill_worker.kv_sender import KVSender
-from prefill_worker.scheduler import PrefillScheduler
+from engine.sampling_params import SamplingParams
+from engine.scheduler.base import Conn, Outbox, Peer
+from prefill_worker.scheduler import create_prefill_scheduler
+from server.worker_loop import worker_stats
 from transfer.loopback import LoopbackTransport
-from transfer.protocol import PrefillFailed, TokenBatch
+from transfer.protocol import GenerateRequest, PrefillRequest, StatsRequest, TokenDelta, ids_frame
 
+PREFILL_ADDR = "inproc://p"
+DECODE_CONN = b"d0"
+ROUTER = b"router"
 _names = itertools.count()
-
-
-class _Peer:
-    def __init__(self, addr):
-        self.addr, self.state, self.error, self.worker_id = addr, "ready", None, "p0"
-
-    @property
-    def ready(self):
-        return self.state == "ready"
-
-
-class FakePeers:
-    """Stands in for ``PrefillPeers``: delivers decode -> prefill messages synchronously."""
-
-    def __init__(self, harness, handshake):
-        self.h, self.handshake, self.peer = harness, handshake, None
-
-    def get(self, addr):
-        if self.peer is None:
-            self.peer = _Peer(addr)
-            self.h.prefill.handle(b"d0", self.handshake, [])
-        return self.peer
-
-    def send(self, peer, msg, *frames):
-        self.h.prefill.handle(b"d0", msg, list(frames))
-
-    def sockets(self):
-        return []
-
-    def on_message(self, source, msg):
-        return self.peer
-
-    def tick(self):
-        return []
-
-    def restarted(self):
-        return []
 
 
 class PDHarness:
@@ -61,57 +34,66 @@ class PDHarness:
         n = next(_names)
         self.p_runner = ModelRunner(cfg_p.engine, model_config, weights)
         self.d_runner = ModelRunner(cfg_d.engine, model_config, weights)
-        tp, td = LoopbackTransport(f"p{n}"), LoopbackTransport(f"d{n}")
-        tp.register_pool(self.p_runner.pool.buffer, self.p_runner.pool.page_bytes)
-        td.register_pool(self.d_runner.pool.buffer, self.d_runner.pool.page_bytes)
-        self.transports = (tp, td)
+        self.transports = (LoopbackTransport(f"p{n}"), LoopbackTransport(f"d{n}"))
+        self.prefill = create_prefill_scheduler(self.p_runner, cfg_p, self.transports[0], "p0", "m", threaded=False)
+        self.decode = create_decode_scheduler(self.d_runner, cfg_d, self.transports[1], "d0", "m", tuple(eos))
+        self.to_prefill: list = []
         self.to_decode: list = []
-        self.router_inbox: list = []
-        sender = KVSender(tp, self.p_runner.pool.page_bytes, self._p_send, threaded=False)
-        self.prefill = PrefillScheduler(self.p_runner, cfg_p, sender, self._p_send, "m", "p0")
-        host = None
-        if cfg_d.cluster.host_kv_pool_gb > 0:
-            host = HostKVPool.for_device_pool(self.d_runner.pool.buffer, int(cfg_d.cluster.host_kv_pool_gb * 2**30))
-        hs = make_handshake("d0", "m", self.d_runner.pool.layout_descriptor(), td)
-        self.decode = DecodeScheduler(self.d_runner, cfg_d, td, None, host, eos, "d0")
-        self.decode.peers = FakePeers(self, hs)
+        self.router_inbox: list[TokenDelta] = []
         self.room = itertools.count(1)
 
-    def _p_send(self, ident, msg, *frames):
-        if ident == b"router":
-            self.router_inbox.append(msg)
-        elif isinstance(msg, (PrefillFailed,)) or not isinstance(msg, TokenBatch):
-            self.to_decode.append((msg, list(frames)))
+    def deliver(self, out: Outbox | None, from_decode: bool) -> list[TokenDelta]:
+        """Queue ``out``'s messages for the other side; return its token deltas."""
+        for m in (out.messages if out else ()):
+            if from_decode:
+                assert m.to == Peer(PREFILL_ADDR), m
+                self.to_prefill.append((m.msg, list(m.frames)))
+            else:
+                assert m.to == Conn(DECODE_CONN), m
+                self.to_decode.append((m.msg, list(m.frames)))
+        return out.deltas if out else []
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        from transfer.protocol import PrefillRequest, ids_frame
-
         room = next(self.room)
-        self.decode.add_request(rid, prompt, params, room=room, prefill_addr="inproc://p")
-        self.prefill.handle(b"router", PrefillRequest(rid=rid, room=room, params=params, decode_worker="d0"),
-                            [ids_frame(prompt)])
+        self.deliver(self.decode.add(ROUTER, GenerateRequest(rid=rid, params=params, room=room,
+                                                             prefill_addr=PREFILL_ADDR), prompt), True)
+        msg = PrefillRequest(rid=rid, room=room, params=params, decode_worker="d0")
+        self.router_inbox += self.deliver(self.prefill.handle(Conn(ROUTER), msg, [ids_frame(prompt)]), False)
 
-    def step(self) -> list:
-        self.prefill.step()
-        while self.to_decode:
-            msg, frames = self.to_decode.pop(0)
-            self.decode.handle(object(), msg, frames)
-        return self.decode.step()
+    def _exchange(self) -> None:
+        while self.to_prefill or self.to_decode:
+            while self.to_prefill:
+                msg, frames = self.to_prefill.pop(0)
+                if isinstance(msg, StatsRequest):  # answered by the worker loop, not the scheduler
+                    self.to_decode.append((worker_stats(self.prefill, "p0", "harness", "m"), []))
+                    continue
+                self.router_inbox += self.deliver(self.prefill.handle(Conn(DECODE_CONN), msg, frames), False)
+            while self.to_decode:
+                msg, frames = self.to_decode.pop(0)
+                self.deliver(self.decode.handle(Peer(PREFILL_ADDR), msg, frames), True)
+
+    def step(self) -> list[TokenDelta]:
+        """One step of each side (prefill first), messages exchanged in between; the decode
+        side's token deltas."""
+        self._exchange()
+        self.router_inbox += self.deliver(self.prefill.step(), False)
+        self._exchange()
+        return self.deliver(self.decode.step(), True)
 
     @property
     def busy(self) -> bool:
-        return bool(self.decode.jobs or self.prefill.jobs or self.to_decode)
+        return bool(self.decode.jobs or self.prefill.jobs or self.to_decode or self.to_prefill)
 
     def run(self, max_steps: int = 10000) -> dict:
         out: dict[str, dict] = {}
         for _ in range(max_steps):
             if not self.busy:
                 break
-            for ev in self.step():
-                o = out.setdefault(ev.rid, {"tokens": [], "finish": None, "error": None})
-                o["tokens"] += ev.token_ids
-                if ev.finish_reason:
-                    o["finish"], o["error"] = ev.finish_reason, ev.error
+            for d in self.step():
+                o = out.setdefault(d.rid, {"tokens": [], "finish": None, "error": None})
+                o["tokens"] += d.token_ids
+                if d.finish_reason:
+                    o["finish"], o["error"] = d.finish_reason, d.error
         assert not self.busy, "PD harness did not drain"
         return out
 

@@ -17,13 +17,14 @@ import time
 import torch
 
 from cache.host_pool import HostKVPool
+from cache.page_allocator import ceil_div
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from configs.schema import PdserveConfig
 from engine.forward_batch import ForwardMode
 from engine.llm import LLM, run_batch
 from engine.model_runner import ModelRunner, SeqChunk
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 # Admission that overcommits (reserves 10% of max_new_tokens), so a 30% pool really storms.
 STORM_RATIO = 0.1
@@ -62,7 +63,7 @@ def resume_vs_reprefill(llm_loaded, engine: EngineConfig, tokens: int) -> None:
     runner = ModelRunner(engine.model_copy(update={"kv_pool_tokens": 2 * tokens + 64}), cfg, weights)
     host = HostKVPool.for_device_pool(runner.pool.buffer, (tokens // runner.page_size + 2) * runner.pool.page_bytes)
     ids = _workload(1, tokens, tokens, cfg.vocab_size, seed=5)[0]
-    pages = runner.allocator.alloc(-(-tokens // runner.page_size))
+    pages = runner.allocator.alloc(ceil_div(tokens, runner.page_size))
     t = time.perf_counter()
     runner.forward(ForwardMode.EXTEND, [SeqChunk(ids, 0, pages)])
     t_prefill = time.perf_counter() - t

@@ -8,6 +8,7 @@ pages; ~2x faster copies than a torch-allocated buffer on these machines) and wr
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,9 @@ def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
         runs.append((a[i], b[i], j - i))
         i = j
     return runs
+
+
+Gather = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 
 class HostKVPool:
@@ -66,26 +70,30 @@ class HostKVPool:
         return n_pages <= self.num_free()
 
     def offload(self, device_buffer: torch.Tensor, dev_pages: list[int], num_tokens: int,
-                stream: torch.cuda.Stream | None = None) -> HostKV:
-        """Copy device pages into fresh host pages. With ``stream`` (CUDA) the copy is queued there;
-        the caller must sync that stream before reusing ``dev_pages``."""
+                stream: torch.cuda.Stream | None = None, gather: Gather | None = None) -> HostKV:
+        """Copy device pages into fresh host pages. On CUDA, ``gather(buffer, pages)`` (the Triton
+        page gather) packs the scattered pages first, and with ``stream`` the copies are queued
+        there: the caller must sync that stream before reusing ``dev_pages``."""
         host_pages = self.allocator.alloc(len(dev_pages))
         dev = device_buffer.view(device_buffer.shape[0], -1)
         if device_buffer.is_cuda:
-            self._offload_cuda(device_buffer, dev_pages, host_pages, stream)
+            if gather is None:
+                raise ValueError("offload from a CUDA pool needs a page gather function")
+            self._offload_cuda(device_buffer, dev_pages, host_pages, stream, gather)
         else:
             for d0, h0, n in _runs(dev_pages, host_pages):
                 self.buffer[h0:h0 + n].copy_(dev[d0:d0 + n])
         return HostKV(host_pages, num_tokens)
 
     def _offload_cuda(self, device_buffer: torch.Tensor, dev_pages: list[int], host_pages: list[int],
-                      stream: torch.cuda.Stream | None) -> None:
-        """Triton gather of the (scattered) device pages into one staging tensor, then async DMA
-        into the pinned host rows, all on ``stream``."""
-        from engine.kernels import gather_pages
-
+                      stream: torch.cuda.Stream | None, gather: Gather) -> None:
+        """Gather the (scattered) device pages into one staging tensor, then async DMA into the
+        pinned host rows, all on ``stream``, after the work already queued on the current stream
+        (the forward pass that wrote the KV)."""
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            staging = gather_pages(device_buffer, dev_pages)
+            staging = gather(device_buffer, dev_pages)
             pos = 0
             for h0, _, n in _runs(host_pages, host_pages):
                 self.buffer[h0:h0 + n].copy_(staging[pos:pos + n], non_blocking=True)

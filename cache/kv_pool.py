@@ -11,10 +11,11 @@ import torch
 
 
 class KVPool:
-    """Device KV buffer for ``num_layers`` layers. Owns memory only; allocation is elsewhere.
+    """Device KV buffer for ``num_layers`` layers. Owns memory only: which request holds which
+    page is the ``PageAllocator``'s business, handed out as ``KVHandle``s by ``KVManager``.
 
-    Slot ``s`` means page ``s // page_size``, offset ``s % page_size``. Page 0 is a valid page
-    like any other (the allocator decides who owns it).
+    Slot ``s`` (the KV store kernels' flat index) means page ``s // page_size``, offset
+    ``s % page_size``. Page 0 is a valid page like any other.
     """
 
     def __init__(

@@ -10,6 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints (pages for ``a`` tokens at ``b`` tokens a page)."""
+    return -(-a // b)
+
+
 class OutOfPages(RuntimeError):
     """Raised by ``alloc`` when fewer pages are free than requested (nothing is allocated)."""
 

@@ -53,91 +53,13 @@ Not thread safe: the scheduler owns the cache and calls it from one thread.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from cache.radix_node import EMPTY_PAGES, InsertResult, MatchResult, TreeNode, as_pages, as_tokens
+
 __all__ = ["RadixCache", "TreeNode", "MatchResult", "InsertResult"]
-
-_EMPTY_PAGES = np.empty(0, dtype=np.int32)
-_EMPTY_PAGES.setflags(write=False)
-
-
-class TreeNode:
-    """One radix-tree node. Opaque to callers: pass it back to ``lock``/``unlock`` only.
-
-    ``key`` is the token tuple on the edge from the parent, ``pages`` its page ids (int32, one per
-    ``page_size`` tokens). The root has an empty key and no pages.
-    """
-
-    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "id", "epoch", "evicted")
-
-    def __init__(
-        self, key: tuple, pages: np.ndarray, parent: TreeNode | None, node_id: int, epoch: int, tick: int
-    ) -> None:
-        self.children: dict[tuple, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.pages = pages
-        self.lock_ref = 0
-        self.last_access = tick
-        self.id = node_id
-        self.epoch = epoch
-        self.evicted = False
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.pages)
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.id}, tokens={len(self.key)}, pages={len(self.pages)}, "
-            f"lock_ref={self.lock_ref}, children={len(self.children)})"
-        )
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """Longest cached page-aligned prefix of a query.
-
-    ``pages``: int32 array of the matched pages in order (owned by the tree).
-    ``num_tokens``: ``len(pages) * page_size``.
-    ``node``: deepest matched node (root when nothing matched); lock it to keep ``pages`` alive.
-    """
-
-    pages: np.ndarray
-    num_tokens: int
-    node: TreeNode
-
-
-@dataclass(frozen=True)
-class InsertResult:
-    """Outcome of ``insert``.
-
-    ``num_cached_tokens``: length of the key's prefix that was already in the tree (the tree kept
-    its own pages for it).
-    ``node``: node whose root path spells exactly the inserted key (root for an empty key).
-    ``duplicate_pages``: caller pages within that cached prefix that differ from the tree's pages;
-    the caller still owns them and must free them.
-    """
-
-    num_cached_tokens: int
-    node: TreeNode
-    duplicate_pages: list[int] = field(default_factory=list)
-
-
-def _as_tokens(token_ids: Sequence[int] | np.ndarray) -> tuple:
-    if hasattr(token_ids, "tolist"):  # numpy array / torch tensor
-        token_ids = token_ids.tolist()
-    return tuple(token_ids)
-
-
-def _as_pages(pages: Sequence[int] | np.ndarray) -> np.ndarray:
-    if hasattr(pages, "detach"):  # torch tensor
-        pages = pages.detach().cpu().numpy()
-    return np.array(pages, dtype=np.int32).reshape(-1)
-
 
 class RadixCache:
     """Radix tree over token ids whose edges carry KV page ids. See the module docstring."""
@@ -154,7 +76,7 @@ class RadixCache:
     # ------------------------------------------------------------------ internals
     def _init_tree(self) -> None:
         self._epoch += 1
-        self.root = self._new_node((), _EMPTY_PAGES, None)
+        self.root = self._new_node((), EMPTY_PAGES, None)
         self._leaves: set[TreeNode] = set()  # non-root nodes without children
         self._total = 0
         self._protected = 0
@@ -245,11 +167,11 @@ class RadixCache:
         access time is refreshed (LRU). The returned pages stay owned by the tree; lock ``node``
         to keep them from being evicted.
         """
-        key = _as_tokens(token_ids)
+        key = as_tokens(token_ids)
         key = key[: len(key) - len(key) % self.page_size]
         node, num_tokens, parts = self._walk(key, self._tick())
         if not parts:
-            pages = _EMPTY_PAGES
+            pages = EMPTY_PAGES
         elif len(parts) == 1:
             pages = parts[0]
         else:
@@ -266,8 +188,8 @@ class RadixCache:
         must be freed by the caller. ``node`` spells exactly the whole key (lock it to protect the
         inserted pages). The path's access time is refreshed.
         """
-        key = _as_tokens(token_ids)
-        page_arr = _as_pages(pages)
+        key = as_tokens(token_ids)
+        page_arr = as_pages(pages)
         ps = self.page_size
         if len(key) != len(page_arr) * ps:
             raise ValueError(
@@ -409,9 +331,3 @@ class RadixCache:
         assert self.protected_size() + self.evictable_size() == self.total_size()
         assert self.evictable_size() >= 0
         assert leaves == self._leaves, "leaf set out of sync"
-
-    def __repr__(self) -> str:
-        return (
-            f"RadixCache(page_size={self.page_size}, total={self._total}, "
-            f"protected={self._protected}, leaves={len(self._leaves)})"
-        )

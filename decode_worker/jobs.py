@@ -1,22 +1,23 @@
 """Decode-side state of one PD request on top of the shared ``Request``."""
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cache.host_pool import HostKV
 from engine.request import Request
+from engine.scheduler.base import Outcome
 
 
 @dataclass(eq=False)
 class DecodeJob:
-    """``phase``: prealloc -> transfer -> running (<-> retracted) -> done.
+    """A PD request on the decode worker; its phase is ``req.status`` (PREALLOC -> TRANSFER ->
+    RUNNING <-> RETRACTED -> FINISHED).
 
     ``generation`` counts prefills of this request: 0 is the router's; each recompute after a
     retract whose KV could not be kept asks the prefill worker again with ``generation + 1`` for
     ``n_tokens = seq_len - 1`` tokens (prompt + output so far, minus the next input token).
-    While ``phase == "transfer"`` the pages may still be written remotely: they are freed only
-    when the transfer's notification or a ``PrefillFailed`` arrives, or the peer is dead.
+    ``answered`` is set once the client got its last word (an abort): a job still in TRANSFER
+    then keeps its pages (fenced since ``fenced_at``) until no remote write can land in them.
     """
 
     req: Request
@@ -25,16 +26,10 @@ class DecodeJob:
     generation: int = 0
     n_tokens: int = 0
     decode_prefix_len: int = 0
-    phase: str = "prealloc"
     host_kv: HostKV | None = None
-    aborted: str | None = None
+    answered: Outcome | None = None
     fenced_at: float = 0.0
-    phase_since: float = field(default_factory=time.monotonic)
 
     @property
     def key(self) -> tuple[int, int]:
         return self.room, self.generation
-
-    def enter(self, phase: str) -> None:
-        self.phase = phase
-        self.phase_since = time.monotonic()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from cache.page_allocator import ceil_div
 from decode_worker.jobs import DecodeJob
 from transfer.protocol import TransferManifest
 
@@ -18,7 +19,7 @@ def manifest_error(m: TransferManifest, job: DecodeJob, page_size: int) -> str |
     """None when ``m`` is exactly the transfer ``job`` expects; else what differs."""
     if not m.verify():
         return "manifest checksum mismatch"
-    expected_pages = -(-job.n_tokens // page_size) - job.decode_prefix_len // page_size
+    expected_pages = ceil_div(job.n_tokens, page_size) - job.decode_prefix_len // page_size
     for name, got, want in (("rid", m.rid, job.req.rid), ("room", m.room, job.room),
                             ("generation", m.generation, job.generation), ("n_tokens", m.n_tokens, job.n_tokens),
                             ("n_pages", m.n_pages, expected_pages)):

@@ -1,9 +1,11 @@
-"""Decode worker's connections to prefill workers: handshake, heartbeats, liveness.
+"""Decode worker's view of its prefill workers: handshake, heartbeats, liveness. No sockets: it
+returns what to send (to ``Peer(addr)``) and the worker loop owns the connections.
 
-One DEALER socket per prefill worker control address. The handshake (model, KV layout, transport
-endpoint) is sent on connect; transfers to a peer are only requested once it acknowledged. A peer
-that answered nothing (heartbeats are ``StatsRequest`` pings) for ``peer_timeout_s`` is dead: the
-scheduler fails what depends on it. A dead peer that answers again is re-handshaken (rejoin).
+The handshake (model, KV layout, transport endpoint) goes out on first use of an address;
+transfers to a peer are only requested once it acknowledged. A peer that answered nothing
+(heartbeats are ``StatsRequest`` pings) for ``timeout_s`` is dead: the scheduler fails what
+depends on it. A dead peer that answers again, or one that reports a new process ``instance``,
+is handshaken again (rejoin).
 """
 from __future__ import annotations
 
@@ -12,9 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import zmq
-
-from transfer.protocol import KVHandshake, KVHandshakeAck, Message, StatsRequest, WorkerStats, encode
+from engine.scheduler.base import Outbox, Peer
+from transfer.protocol import KVHandshake, KVHandshakeAck, Message, StatsRequest, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,6 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class PrefillPeer:
     addr: str
-    sock: zmq.Socket
     state: str = "connecting"  # connecting -> ready | failed; dead when silent
     worker_id: str | None = None
     instance: str | None = None
@@ -34,47 +34,42 @@ class PrefillPeer:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def unusable(self) -> bool:
+        return self.state in ("failed", "dead")
+
 
 class PrefillPeers:
     def __init__(self, handshake: KVHandshake, heartbeat_s: float, timeout_s: float) -> None:
         self.handshake = handshake
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
-        self.ctx = zmq.Context.instance()
         self.by_addr: dict[str, PrefillPeer] = {}
-        self.by_sock: dict[zmq.Socket, PrefillPeer] = {}
         self._lost: list[PrefillPeer] = []
         self._fresh: list[PrefillPeer] = []
 
-    def get(self, addr: str) -> PrefillPeer:
-        """The peer at ``addr``, connecting (and sending the handshake) on first use."""
-        peer = self.by_addr.get(addr)
-        if peer is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(addr)
-            peer = PrefillPeer(addr, sock)
-            self.by_addr[addr], self.by_sock[sock] = peer, peer
-            self._send_handshake(peer)
-        return peer
+    def get(self, addr: str) -> PrefillPeer | None:
+        return self.by_addr.get(addr)
 
-    def _send_handshake(self, peer: PrefillPeer) -> None:
+    def connect(self, addr: str) -> Outbox:
+        """Start knowing ``addr``: the first call returns its handshake; later calls nothing."""
+        out = Outbox()
+        if addr not in self.by_addr:
+            peer = self.by_addr[addr] = PrefillPeer(addr)
+            self._handshake(peer, out)
+        return out
+
+    def _handshake(self, peer: PrefillPeer, out: Outbox) -> None:
         peer.state = "connecting"
         peer.last_seen = time.monotonic()
-        self.send(peer, self.handshake)
+        out.send(Peer(peer.addr), self.handshake)
 
-    def send(self, peer: PrefillPeer, msg: Message, *frames: bytes) -> None:
-        peer.sock.send_multipart(encode(msg, *frames))
-
-    def sockets(self) -> list[zmq.Socket]:
-        return list(self.by_sock)
-
-    def on_message(self, sock: zmq.Socket, msg: Message) -> PrefillPeer | None:
-        """Record liveness; process handshake acks. Returns the peer the message came from."""
-        peer = self.by_sock.get(sock)
+    def on_message(self, addr: str, msg: Message) -> Outbox | None:
+        """Record liveness; process handshake acks and restarts. None if ``addr`` is unknown."""
+        peer = self.by_addr.get(addr)
         if peer is None:
             return None
-        was_dead = peer.state == "dead"
+        out, was_dead = Outbox(), peer.state == "dead"
         peer.last_seen = time.monotonic()
         if isinstance(msg, KVHandshakeAck):
             peer.worker_id = msg.worker_id
@@ -92,33 +87,29 @@ class PrefillPeers:
                 self._fresh.append(peer)
             if was_dead or restarted:
                 log.warning("prefill worker at %s is back; handshaking again", peer.addr)
-                self._send_handshake(peer)
-        return peer
+                self._handshake(peer, out)
+        return out
 
-    def restarted(self) -> list[PrefillPeer]:
-        """Peers seen running as a new process since the last call."""
+    def restarted(self) -> list[str]:
+        """Addresses of peers seen running as a new process since the last call."""
         fresh, self._fresh = self._fresh, []
-        return fresh
+        return [p.addr for p in fresh]
 
-    def tick(self) -> list[PrefillPeer]:
-        """Send due heartbeats; return peers that just went dead or restarted (what was in flight
-        with them is lost)."""
-        now, died = time.monotonic(), self._lost
+    def tick(self) -> tuple[Outbox, list[PrefillPeer]]:
+        """(heartbeats now due, peers that just went dead or restarted: what was in flight with
+        them is lost)."""
+        out, now, died = Outbox(), time.monotonic(), self._lost
         self._lost = []
         for peer in self.by_addr.values():
             if now - peer.last_ping >= self.heartbeat_s:
                 peer.last_ping = now
-                self.send(peer, StatsRequest())
+                out.send(Peer(peer.addr), StatsRequest())
             if peer.state != "dead" and now - peer.last_seen > self.timeout_s:
                 peer.state = "dead"
                 peer.error = f"prefill worker at {peer.addr} did not answer for {self.timeout_s:.0f}s"
                 log.error(peer.error)
                 died.append(peer)
-        return died
-
-    def close(self) -> None:
-        for s in self.by_sock:
-            s.close(0)
+        return out, died
 
 
 def make_handshake(worker_id: str, model: str, layout: dict, transport) -> KVHandshake:

@@ -48,8 +48,3 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K+V for one token across all layers at 4 bytes/element (scale for dtype)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4

@@ -43,10 +43,6 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def prefix_lens_cpu(self) -> list[int]:
-        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
-
     def last_token_indices(self) -> torch.Tensor:
         """Index into the flat new-token axis of each request's last token (for sampling)."""
         return torch.cumsum(self.extend_lens, 0) - 1

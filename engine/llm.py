@@ -12,10 +12,11 @@ from engine.config import ModelConfig
 from engine.loader import load_model_weights
 from engine.model_paths import resolve_model_path
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.scheduler.colocated import ColocatedScheduler, RequestRejected
-from engine.scheduler.events import TokenEvent
+from engine.sampling_params import SamplingParams
+from engine.scheduler.base import RequestRejected
+from engine.scheduler.colocated import ColocatedScheduler
 from engine.tokenizer import Tokenizer
+from transfer.protocol import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +67,28 @@ class LLM:
         return self.generate_ids([self.encode_prompt(p, chat) for p in prompts], params)
 
 
-def run_batch(scheduler, prompts: list[list[int]], params: list[SamplingParams]) -> list[TokenEvent]:
-    """Submit every prompt, step ``scheduler`` until idle, return one merged event per prompt.
+def run_batch(scheduler, prompts: list[list[int]], params: list[SamplingParams]) -> list[TokenDelta]:
+    """Submit every prompt, step ``scheduler`` until idle, return one merged delta per prompt.
 
-    A prompt the scheduler refuses up front comes back as an "abort" event with the reason.
+    A prompt the scheduler refuses up front comes back as an "abort" delta with the reason.
     """
-    merged: dict[str, TokenEvent] = {}
+    merged: dict[str, TokenDelta] = {}
     rids = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
         rid = f"batch-{id(scheduler)}-{i}"
         rids.append(rid)
-        merged[rid] = TokenEvent(rid)
+        merged[rid] = TokenDelta(rid=rid)
         try:
-            scheduler.add_request(rid, p, sp)
+            scheduler.add(b"", GenerateRequest(rid=rid, params=sp), p)
         except RequestRejected as e:
-            merged[rid].finish_reason, merged[rid].error, merged[rid].error_status = "abort", str(e), 400
+            merged[rid] = TokenDelta.failed(rid, str(e), 400)
     while scheduler.has_work:
-        for ev in scheduler.step():
-            m = merged[ev.rid]
-            m.token_ids += ev.token_ids
-            m.logprobs += ev.logprobs
-            m.top_logprobs += ev.top_logprobs
-            m.cached_tokens = max(m.cached_tokens, ev.cached_tokens)
-            if ev.finish_reason:
-                m.finish_reason, m.error, m.error_status = ev.finish_reason, ev.error, ev.error_status
+        for d in scheduler.step().deltas:
+            m = merged[d.rid]
+            m.token_ids += d.token_ids
+            m.logprobs += d.logprobs
+            m.top_logprobs += d.top_logprobs
+            m.cached_tokens = max(m.cached_tokens, d.cached_tokens)
+            if d.finish_reason:
+                m.finish_reason, m.error, m.error_status = d.finish_reason, d.error, d.error_status
     return [merged[r] for r in rids]

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from cache.kv_pool import KVPool
-from cache.page_allocator import PageAllocator
+from cache.page_allocator import PageAllocator, ceil_div
 from configs.engine import EngineConfig
 from engine.attention import make_backend
 from engine.config import ModelConfig
@@ -80,7 +80,7 @@ class ModelRunner:
     def _pool_pages(self) -> int:
         mc = self.model_config
         if self.cfg.kv_pool_tokens is not None:
-            return -(-self.cfg.kv_pool_tokens // self.page_size)
+            return ceil_div(self.cfg.kv_pool_tokens, self.page_size)
         per_page = mc.num_layers * 2 * self.page_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
         fraction = self.cfg.kv_pool_fraction or (0.8 if self.device.type == "cuda" else 0.05)
         return max(1, int(_free_memory_bytes(self.device) * fraction) // per_page)
@@ -93,11 +93,11 @@ class ModelRunner:
         P = self.page_size
         ext = [len(s.token_ids) for s in seqs]
         seq_lens = [s.prefix_len + e for s, e in zip(seqs, ext)]
-        max_pages = max(-(-n // P) for n in seq_lens)
+        max_pages = max(ceil_div(n, P) for n in seq_lens)
         table = np.zeros((len(seqs), max_pages), dtype=np.int64)
         ids, pos, slots = [], [], []
         for i, s in enumerate(seqs):
-            n_pages = -(-seq_lens[i] // P)
+            n_pages = ceil_div(seq_lens[i], P)
             if len(s.pages) < n_pages:
                 raise ValueError(f"request needs {n_pages} pages for {seq_lens[i]} tokens, has {len(s.pages)}")
             table[i, :n_pages] = s.pages[:n_pages]

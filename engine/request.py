@@ -1,18 +1,31 @@
-"""Request state shared by every scheduler (colocated, prefill, decode)."""
+"""Request state shared by every scheduler (colocated, prefill, decode): one lifecycle for all.
+
+``Phase`` is the only state machine a request has, in every mode::
+
+    colocated:  WAITING -> PREFILLING -> RUNNING -> FINISHED       (retract: RUNNING -> WAITING)
+    prefill:    WAITING -> PREFILLING -> TRANSFER -> FINISHED
+    decode:     PREALLOC -> TRANSFER -> RUNNING -> FINISHED        (RUNNING <-> RETRACTED, or
+                                                                     RUNNING -> PREALLOC to recompute)
+
+Any phase can go to FINISHED (abort, failure); only schedulers move requests between phases.
+"""
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplerState, SamplingParams
+from cache.handle import KVHandle
+from engine.sampling import SamplerState
+from engine.sampling_params import SamplingParams
 
 
-class ReqStatus(enum.Enum):
+class Phase(enum.Enum):
     WAITING = "waiting"        # queued for (re-)prefill
-    PREFILLING = "prefilling"  # part of its prompt is computed (chunked prefill)
+    PREFILLING = "prefilling"  # admitted; part of its prompt may be computed (chunked prefill)
+    PREALLOC = "prealloc"      # decode worker: waiting for pages before it asks for the KV
+    TRANSFER = "transfer"      # KV moving between workers (prefill: until shipped; decode: until landed)
     RUNNING = "running"        # in the decode batch
-    RETRACTED = "retracted"    # evicted from the decode batch under memory pressure
+    RETRACTED = "retracted"    # decode worker: KV parked in the host pool, waiting to resume
     FINISHED = "finished"
 
 
@@ -21,29 +34,22 @@ class Request:
     """One generation request.
 
     Token bookkeeping: ``all_ids = prompt_ids + output_ids``. ``kv_len`` tokens of ``all_ids``
-    have their K/V in the pool, in ``pages`` (page j holds tokens ``[j*P, (j+1)*P)``). The first
-    ``num_shared_pages`` pages belong to the radix cache (locked through ``prefix_node``); the
-    rest are owned by this request. While running, ``kv_len == len(all_ids) - 1``: the newest
-    token is the input of the next decode step.
+    have their K/V in the pool, in the pages of ``kv`` (an opaque handle from ``KVManager``).
+    While running, ``kv_len == len(all_ids) - 1``: the newest token is the input of the next
+    decode step. ``owner`` is the control connection its token deltas go back to.
     """
 
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     sampler_state: SamplerState
+    owner: bytes = b""
     output_ids: list[int] = field(default_factory=list)
-    status: ReqStatus = ReqStatus.WAITING
-    pages: list[int] = field(default_factory=list)
-    num_shared_pages: int = 0
-    prefix_node: object | None = None
+    status: Phase = Phase.WAITING
+    kv: KVHandle = field(default_factory=KVHandle)
     kv_len: int = 0
-    cached_tokens: int = 0
     finish_reason: str | None = None
-    error: str | None = None
-    error_status: int | None = None
     retraction_count: int = 0
-    retracted_stain: bool = False
-    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def all_ids(self) -> list[int]:
@@ -54,28 +60,23 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def own_pages(self) -> list[int]:
-        return self.pages[self.num_shared_pages:]
+    def cached_tokens(self) -> int:
+        return self.kv.cached_tokens
 
     @property
     def finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
+        return self.status is Phase.FINISHED
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
 
-    def finish(self, reason: str, error: str | None = None, status: int | None = None) -> None:
-        self.status = ReqStatus.FINISHED
+    def finish(self, reason: str) -> None:
+        self.status = Phase.FINISHED
         self.finish_reason = reason
-        self.error = error
-        self.error_status = status
 
     def reset_for_retract(self) -> None:
-        """Forget all KV state (pages are released by the caller first); keep the output tokens."""
-        assert not self.pages and self.prefix_node is None, "release the KV before resetting"
+        """Forget all KV state (the caller frees the handle first); keep the output tokens."""
+        assert self.kv.empty, "free the KV before resetting"
         self.kv_len = 0
-        self.num_shared_pages = 0
-        self.cached_tokens = 0
         self.retraction_count += 1
-        self.retracted_stain = True
-        self.status = ReqStatus.WAITING
+        self.status = Phase.WAITING

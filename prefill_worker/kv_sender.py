@@ -9,15 +9,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.scheduler.base import Conn
 from transfer.kv_transport import KVTransport
-from transfer.protocol import KVHandshake, PrefillFailed, TransferManifest
+from transfer.protocol import KVHandshake, TransferManifest
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Peer:
-    ident: bytes       # ZMQ identity of the decode worker's connection to us
+    conn: Conn         # the decode worker's connection to our control socket
     transport_name: str
 
 
@@ -30,19 +31,19 @@ class _InFlight:
 
 
 class KVSender:
-    """Owns the transport on the prefill side. ``send(ident, msg, *frames)`` reaches decode workers."""
+    """Owns the KV transport on the prefill side: decode peers that completed the handshake and
+    the writes in flight. Sends no control messages itself."""
 
-    def __init__(self, transport: KVTransport, page_bytes: int, send, threaded: bool = True) -> None:
+    def __init__(self, transport: KVTransport, page_bytes: int, threaded: bool = True) -> None:
         """``threaded=False`` runs writes inline (deterministic unit tests with the loopback
         transport, whose writes complete inside ``write_pages``)."""
         self.transport = transport
         self.page_bytes = page_bytes
-        self.send = send
         self.peers: dict[str, _Peer] = {}
         self.inflight: list[_InFlight] = []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer") if threaded else None
 
-    def accept_peer(self, ident: bytes, hs: KVHandshake, model: str, layout: dict) -> str | None:
+    def accept_peer(self, conn: Conn, hs: KVHandshake, model: str, layout: dict) -> str | None:
         """Validate a decode worker's handshake; register its pool. Returns an error or None."""
         if hs.model != model:
             return f"model mismatch: decode worker serves {hs.model!r}, prefill worker serves {model!r}"
@@ -55,14 +56,14 @@ class KVSender:
             name = self.transport.add_peer(base64.b64decode(hs.transport_metadata))
         except Exception as e:  # noqa: BLE001 - report any transport failure to the peer
             return f"could not connect to the decode worker's KV pool: {e}"
-        self.peers[hs.worker_id] = _Peer(ident, name)
+        self.peers[hs.worker_id] = _Peer(conn, name)
         log.info("decode worker %s connected (transport peer %s)", hs.worker_id, name)
         return None
 
-    def notify_failed(self, decode_worker: str, msg: PrefillFailed) -> None:
+    def conn_of(self, decode_worker: str) -> Conn | None:
+        """The control connection of a decode worker that completed the handshake."""
         peer = self.peers.get(decode_worker)
-        if peer is not None:
-            self.send(peer.ident, msg)
+        return peer.conn if peer is not None else None
 
     @property
     def busy(self) -> bool:

@@ -1,12 +1,13 @@
 """Prefill worker scheduler: compute prompts, sample the first token, ship the KV to a decode worker.
 
-Per request (a ``PrefillJob``, keyed by ``(room, generation)``):
-  queued -> prefilled (first token known) -> transferring -> released.
+Per request (a ``PrefillJob``, keyed by ``(room, generation)``), in ``Phase`` terms:
+  WAITING -> PREFILLING -> TRANSFER (first token known; waiting for the ``KVDestination``, then
+  writing) -> FINISHED.
 The decode worker's ``KVDestination`` may arrive before or after the prefill completes; the
-transfer starts once both are there. The KV stays locked in this worker's pool until the transfer
-finished or failed, then goes to the radix cache (``release(insert=True)``) for later prefix hits.
-Any failure is reported both to the sender of the ``PrefillRequest`` (a ``TokenEvent`` abort) and
-to the decode worker (``PrefillFailed``: nothing was or will be written to its pages).
+write starts once both are there. The KV stays locked in this worker's pool until the write
+finished or failed, then goes to the radix cache for later prefix hits. A failure is reported to
+the decode worker (``PrefillFailed``: nothing was or will be written to its pages) and, for the
+router's own requests (generation 0), to the router as an abort delta.
 """
 from __future__ import annotations
 
@@ -20,33 +21,31 @@ import numpy as np
 from cache.kv_manager import KVManager
 from configs.schema import PdserveConfig
 from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.request import Phase, Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import RequestRejected, WorkerScheduler
-from engine.scheduler.events import TokenEvent
+from engine.scheduler.base import Conn, Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
-from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram, SchedulerStats
+from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from prefill_worker.kv_sender import KVSender
-from transfer.protocol import (KVDestination, KVHandshake, KVHandshakeAck, PrefillFailed, PrefillRequest,
-                               TransferManifest, frame_ids)
+from transfer.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
+                               PrefillRequest, TokenDelta, TransferManifest, frame_ids)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class PrefillJob:
-    req: Request
+    req: Request  # req.owner: the connection that sent the PrefillRequest
     room: int
     generation: int
     decode_worker: str
-    owner: bytes
     created: float
     dest: KVDestination | None = None
-    dest_ident: bytes | None = None  # the decode worker's connection that asked for the KV
+    dest_conn: Conn | None = None  # the decode worker's connection that asked for the KV
     dest_pages: np.ndarray | None = None
     manifest: TransferManifest | None = None
-    transferring: bool = False
+    writing: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -54,22 +53,17 @@ class PrefillJob:
 
 
 class PrefillScheduler(WorkerScheduler):
-    """Driven by ``WorkerLoop``: ``handle`` for PD messages, ``step`` every loop iteration."""
-
     role = "prefill"
 
-    def __init__(self, runner: ModelRunner, cfg: PdserveConfig, sender: KVSender, send, model_name: str,
+    def __init__(self, runner: ModelRunner, cfg: PdserveConfig, sender: KVSender, model_name: str,
                  worker_id: str) -> None:
-        self.runner = runner
-        self.worker_id = worker_id
+        super().__init__(runner, KVManager(runner.allocator, runner.page_size, cfg.scheduler.enable_radix_cache))
         self.cfg = cfg
-        self.kv = KVManager(runner.allocator, runner.page_size, cfg.scheduler.enable_radix_cache)
+        self.worker_id = worker_id
+        self.model_name = model_name
         self.admission = Admission(cfg.scheduler, self.kv, reserve_decode=False)
         self.executor = BatchExecutor(runner, ())
         self.sender = sender
-        self.send = send  # send(ident, msg, *frames)
-        self.model_name = model_name
-        self.stats = SchedulerStats()
         self.waiting: deque[Request] = deque()
         self.jobs: dict[tuple[int, int], PrefillJob] = {}
         self.by_req: dict[int, PrefillJob] = {}
@@ -78,39 +72,38 @@ class PrefillScheduler(WorkerScheduler):
         self.transfer_seconds = Histogram(TRANSFER_BUCKETS)
 
     # ---- messages ---------------------------------------------------------------------------
-    def handle(self, ident: bytes, msg, frames: list[bytes]) -> bool:
+    def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
+        raise RequestRejected("a prefill worker takes PrefillRequest (PD mode); send GenerateRequest to a decode "
+                              "or colocated worker")
+
+    def handle(self, source: Conn, msg: Message, frames: list[bytes]) -> Outbox | None:
         if isinstance(msg, PrefillRequest):
-            self._on_prefill(ident, msg, frame_ids(frames[0]))
-        elif isinstance(msg, KVDestination):
-            self._on_destination(ident, msg, np.frombuffer(frames[0], dtype="<i4").copy())
-        elif isinstance(msg, KVHandshake):
-            self._on_handshake(ident, msg)
-        else:
-            return False
-        return True
+            return self._on_prefill(source, msg, frame_ids(frames[0]))
+        if isinstance(msg, KVDestination):
+            return self._on_destination(source, msg, np.frombuffer(frames[0], dtype="<i4").copy())
+        if isinstance(msg, KVHandshake):
+            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.pool.layout_descriptor())
+            return _reply(source, KVHandshakeAck(ok=error is None, worker_id=self.worker_id, error=error))
+        return None
 
-    def _on_handshake(self, ident: bytes, msg: KVHandshake) -> None:
-        error = self.sender.accept_peer(ident, msg, self.model_name, self.runner.pool.layout_descriptor())
-        self.send(ident, KVHandshakeAck(ok=error is None, worker_id=self.worker_id, error=error))
-
-    def _on_prefill(self, ident: bytes, msg: PrefillRequest, ids: list[int]) -> None:
-        key = (msg.room, msg.generation)
-        if key in self.jobs:
-            return self._fail_owner(ident, msg.rid, f"duplicate room {msg.room} generation {msg.generation}", 400)
+    def _on_prefill(self, source: Conn, msg: PrefillRequest, ids: list[int]) -> Outbox:
+        if (msg.room, msg.generation) in self.jobs:
+            out = Outbox()
+            out.token(source.ident, TokenDelta.failed(msg.rid, f"duplicate room {msg.room} generation "
+                                                                f"{msg.generation}", 400))
+            return out
+        vocab = self.runner.model_config.vocab_size
+        req = Request(msg.rid, ids, msg.params, SamplerState.new(msg.params, vocab, ids), owner=source.ident)
+        job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic())
         try:
             self._check_fits(len(ids))
         except RequestRejected as e:
             self.stats.rejected_requests += 1
-            self._fail_owner(ident, msg.rid, str(e), 400)
-            self.sender.notify_failed(msg.decode_worker, PrefillFailed(rid=msg.rid, room=msg.room,
-                                      generation=msg.generation, error=str(e), error_status=400))
-            return
-        vocab = self.runner.model_config.vocab_size
-        req = Request(msg.rid, ids, msg.params, SamplerState.new(msg.params, vocab, ids))
-        job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, ident, time.monotonic())
-        self.jobs[key], self.by_req[id(req)] = job, job
+            return self.finish(job, Outcome.abort(str(e), 400))
+        self.jobs[job.key], self.by_req[id(req)] = job, job
         self.waiting.append(req)
         self.stats.prompt_tokens += len(ids)
+        return Outbox()
 
     def _check_fits(self, n: int) -> None:
         if n == 0:
@@ -119,127 +112,140 @@ class PrefillScheduler(WorkerScheduler):
             raise RequestRejected(f"prompt ({n} tokens) exceeds the prefill worker's KV pool of "
                                   f"{self.runner.capacity_tokens} tokens; start it with a larger --kv-pool-tokens")
 
-    def _on_destination(self, ident: bytes, msg: KVDestination, pages: np.ndarray) -> None:
+    def _on_destination(self, source: Conn, msg: KVDestination, pages: np.ndarray) -> Outbox:
         job = self.jobs.get((msg.room, msg.generation))
         if job is None:  # unknown, finished or failed: tell the decode side nothing will come
-            self.send(ident, PrefillFailed(rid=msg.rid, room=msg.room, generation=msg.generation,
-                                           error="prefill worker has no such request (aborted or failed)"))
-            return
+            return _reply(source, PrefillFailed(rid=msg.rid, room=msg.room, generation=msg.generation,
+                                                error="prefill worker has no such request (aborted or failed)"))
+        job.dest_conn = source
         if msg.n_tokens != len(job.req.prompt_ids) or msg.decode_prefix_len % self.runner.page_size:
-            self._fail(job, f"destination mismatch: decode expects {msg.n_tokens} tokens from "
-                            f"{msg.decode_prefix_len}, prefill has {len(job.req.prompt_ids)}", 500)
-            return
-        job.dest, job.dest_pages, job.dest_ident = msg, pages, ident
+            return self.finish(job, Outcome.abort(f"destination mismatch: decode expects {msg.n_tokens} tokens from "
+                                                  f"{msg.decode_prefix_len}, prefill has {len(job.req.prompt_ids)}",
+                                                  500))
+        job.dest, job.dest_pages = msg, pages
         log.debug("destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages),
                   msg.decode_prefix_len)
+        return Outbox()
 
-    def abort(self, rid: str, message: str = "request aborted") -> TokenEvent | None:
-        for job in [j for j in self.jobs.values() if j.req.rid == rid]:
-            if job.transferring:
-                job.req.error = message  # the write is in flight: finish it, then drop the KV
-            else:
-                self._fail(job, message, 499, tell_owner=False)
-        return None
+    def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
+        """A write in flight is left to finish (its KV is valid and goes to the radix cache)."""
+        out = Outbox()
+        for job in [j for j in self.jobs.values() if j.req.rid == rid and not j.writing]:
+            out.extend(self.finish(job, Outcome.abort(reason, 499)))
+        return out
 
     # ---- loop ---------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.admission.chunked or self.sender.busy)
 
-    def step(self) -> list[TokenEvent]:
-        self._finish_transfers()
-        items = self.admission.select(self.waiting, [], 0.0)
+    def step(self) -> Outbox:
+        out = self._finish_transfers()
+        items = self.admission.select(self.waiting, (), 0.0)
         if items:
             self.stats.extend_steps += 1
             self.stats.prefill_computed_tokens += sum(i.length for i in items)
-            for req, ev in self.executor.extend(items):
-                self.by_req[id(req)].manifest = self._manifest(self.by_req[id(req)], ev)
-        self._start_transfers()
-        self._expire()
-        return []
+            for req, delta in self.executor.extend(items):
+                job = self.by_req[id(req)]
+                job.manifest = self._manifest(job, delta)
+                req.status = Phase.TRANSFER
+        out.extend(self._start_transfers())
+        return out.extend(self._expire())
 
-    def _manifest(self, job: PrefillJob, ev: TokenEvent) -> TransferManifest:
+    def _manifest(self, job: PrefillJob, delta: TokenDelta) -> TransferManifest:
         req = job.req
-        tok = req.output_ids[-1]
         lp = req.params.logprobs is not None
         return TransferManifest(rid=req.rid, room=job.room, generation=job.generation, n_tokens=req.kv_len,
-                                n_pages=0, first_token=tok, first_logprob=ev.logprobs[0] if lp and ev.logprobs else None,
-                                first_top_logprobs=ev.top_logprobs[0] if lp and ev.top_logprobs else None)
+                                n_pages=0, first_token=req.output_ids[-1],
+                                first_logprob=delta.logprobs[0] if lp and delta.logprobs else None,
+                                first_top_logprobs=delta.top_logprobs[0] if lp and delta.top_logprobs else None)
 
-    def _start_transfers(self) -> None:
-        for job in list(self.jobs.values()):
-            if job.transferring or job.manifest is None or job.dest is None:
-                continue
-            P = self.runner.page_size
-            first, last = job.dest.decode_prefix_len // P, self.kv.pages_for(job.req.kv_len)
-            src = np.asarray(job.req.pages[first:last], dtype=np.int32)
-            dst = job.dest_pages[first:last]
+    def _start_transfers(self) -> Outbox:
+        out = Outbox()
+        for job in [j for j in self.jobs.values() if not j.writing and j.manifest and j.dest]:
+            first, last = job.dest.decode_prefix_len // self.page_size, self.kv.pages_for(job.req.kv_len)
+            src = np.asarray(job.req.kv.pages[first:last], dtype=np.int32)
             manifest = job.manifest.model_copy(update={"n_pages": len(src)}).sealed()
-            job.transferring = True
+            job.writing = True
             log.debug("transfer %s room %d: %d pages", job.req.rid, job.room, len(src))
             try:
-                self.sender.start(job, job.decode_worker, src, dst, manifest)
+                self.sender.start(job, job.decode_worker, src, job.dest_pages[first:last], manifest)
             except Exception as e:  # noqa: BLE001 - any transport error fails this request only
-                job.transferring = False
-                self._fail(job, f"KV transfer could not start: {e}", 503)
+                job.writing = False
+                out.extend(self.finish(job, Outcome.abort(f"KV transfer could not start: {e}", 503)))
+        return out
 
-    def _finish_transfers(self) -> None:
+    def _finish_transfers(self) -> Outbox:
+        out = Outbox()
         for job, ok, error, nbytes, secs in self.sender.poll():
-            job.transferring = False
+            job.writing = False
             log.debug("transfer %s room %d ended ok=%s in %.4fs", job.req.rid, job.room, ok, secs)
             if ok:
                 self.transfer_bytes += nbytes
                 self.transfer_seconds.observe(secs)
-                self._release(job, insert=True)
+                out.extend(self.finish(job, Outcome("length")))
             else:
                 self.transfer_failures += 1
-                self._fail(job, f"KV transfer to decode worker failed: {error}", 503)
+                out.extend(self.finish(job, Outcome.abort(f"KV transfer to decode worker failed: {error}", 503)))
+        return out
 
-    def _expire(self) -> None:
-        deadline = time.monotonic() - self.cfg.cluster.bootstrap_timeout_s
-        for job in [j for j in self.jobs.values() if j.dest is None and j.created < deadline]:
-            self._fail(job, f"decode worker did not ask for the KV within {self.cfg.cluster.bootstrap_timeout_s}s", 504)
+    def _expire(self) -> Outbox:
+        out, timeout = Outbox(), self.cfg.cluster.bootstrap_timeout_s
+        for job in [j for j in self.jobs.values() if j.dest is None and j.created < time.monotonic() - timeout]:
+            out.extend(self.finish(job, Outcome.abort(f"decode worker did not ask for the KV within {timeout}s", 504)))
+        return out
 
-    # ---- endings --------------------------------------------------------------------------
-    def _fail(self, job: PrefillJob, error: str, status: int, tell_owner: bool = True) -> None:
-        log.warning("prefill %s room %d failed: %s", job.req.rid, job.room, error)
-        if tell_owner:
-            self._fail_owner(job.owner, job.req.rid, error, status)
-        failed = PrefillFailed(rid=job.req.rid, room=job.room, generation=job.generation, error=error,
-                               error_status=status)
-        if job.dest_ident is not None:  # straight back on the connection that asked
-            self.send(job.dest_ident, failed)
-        else:
-            self.sender.notify_failed(job.decode_worker, failed)
-        self._release(job, insert=False)
-
-    def _fail_owner(self, ident: bytes, rid: str, error: str, status: int) -> None:
-        from transfer.protocol import TokenBatch, TokenEntry, encode, ids_frame
-
-        self.send(ident, TokenBatch(entries=[TokenEntry(rid=rid, n=0, finish_reason="abort", error=error,
-                                                        error_status=status)]), ids_frame([]))
-
-    def _release(self, job: PrefillJob, insert: bool) -> None:
-        req = job.req
+    # ---- the one ending -----------------------------------------------------------------------
+    def finish(self, job: PrefillJob, outcome: Outcome) -> Outbox:
+        """Shipped (``outcome.completed``): the KV goes to the radix cache. Failed: the decode
+        worker gets ``PrefillFailed`` (on the connection that asked, else its handshake one), the
+        router an abort delta for its own requests, and the KV is dropped."""
+        req, out = job.req, Outbox()
         if req in self.waiting:
             self.waiting.remove(req)
         self.admission.drop(req)
-        self.kv.release(req, insert=insert and job.manifest is not None)
-        self.jobs.pop(job.key, None)
+        if self.jobs.pop(job.key, None) is not None:
+            self.stats.finished_requests += 1
         self.by_req.pop(id(req), None)
-        self.stats.finished_requests += 1
+        req.finish(outcome.reason)
+        if outcome.completed:
+            self.kv.free_into_cache(req.kv, req.all_ids[:req.kv_len])
+            return out
+        self.kv.free(req.kv)
+        log.warning("prefill %s room %d failed: %s", req.rid, job.room, outcome.error)
+        if job.generation == 0:  # a recompute's owner is the decode worker: PrefillFailed tells it
+            out.token(req.owner, outcome.delta(req.rid))
+        to = job.dest_conn or self.sender.conn_of(job.decode_worker)
+        if to is not None:
+            out.send(to, PrefillFailed(rid=req.rid, room=job.room, generation=job.generation,
+                                       error=outcome.error, error_status=outcome.status))
+        return out
 
     # ---- introspection --------------------------------------------------------------------
-    def live_requests(self) -> list[Request]:
-        return [j.req for j in self.jobs.values()]
+    def live_handles(self):
+        return [j.req.kv for j in self.jobs.values()]
 
-    def histograms(self) -> dict[str, "Histogram"]:
-        return {"kv_transfer_seconds": self.transfer_seconds}
+    def snapshot(self) -> Snapshot:
+        snap = super().snapshot()
+        snap.counters.update(kv_transfer_bytes=float(self.transfer_bytes),
+                             transfer_failures=float(self.transfer_failures))
+        snap.gauges.update(queue_waiting=len(self.waiting),
+                           queue_bootstrap=sum(1 for j in self.jobs.values() if j.dest is None),
+                           queue_transfer=sum(1 for j in self.jobs.values() if j.writing))
+        snap.histograms["kv_transfer_seconds"] = self.transfer_seconds
+        return snap
 
-    def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
-        counters = {**self.base_counters(), "kv_transfer_bytes": float(self.transfer_bytes),
-                    "transfer_failures": float(self.transfer_failures)}
-        gauges = {**self.pool_gauges(), "queue_waiting": len(self.waiting),
-                  "queue_bootstrap": sum(1 for j in self.jobs.values() if j.dest is None),
-                  "queue_transfer": sum(1 for j in self.jobs.values() if j.transferring)}
-        return counters, gauges
+
+def _reply(to: Conn, msg: Message) -> Outbox:
+    out = Outbox()
+    out.send(to, msg)
+    return out
+
+
+def create_prefill_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, worker_id: str, model_name: str,
+                             threaded: bool = True) -> PrefillScheduler:
+    """A prefill scheduler over ``runner``'s pool, writing through ``transport`` (pool registered
+    here); ``threaded=False`` runs writes inline (deterministic in-process tests)."""
+    transport.register_pool(runner.pool.buffer, runner.pool.page_bytes)
+    sender = KVSender(transport, runner.pool.page_bytes, threaded=threaded)
+    return PrefillScheduler(runner, cfg, sender, model_name, worker_id)

@@ -30,7 +30,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -4,8 +4,9 @@ Steps: bind the HTTP socket (a busy port fails at once), spawn one process per w
 (``python -m server.worker_main``), load the tokenizer, start uvicorn with the router app in this
 process, wait until ``GET /health`` answers 200, then print ``pdserve: serving MODEL at URL`` on
 stdout. A worker that exits during startup makes the launch fail (exit code 1, message on stderr,
-the worker's own log above it). After startup a worker that exits is marked dead for good: its
-requests fail with 503 and ``/health`` answers 503.
+the worker's own log above it). After startup a worker that exits is marked dead at once (its
+requests fail with 503, ``/health`` says why) and, with ``restart_workers``, started again; the
+new process rejoins through heartbeats (a new ``instance`` id) and serves again.
 
 Children never outlive the launcher: they ignore SIGINT (Ctrl-C in a terminal reaches the whole
 process group; the launcher stops them itself), get SIGTERM from the kernel if the launcher dies

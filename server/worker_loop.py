@@ -1,17 +1,12 @@
-"""A worker's control plane: one ZMQ ROUTER socket in front of a scheduler.
+"""A worker's control plane: it owns every socket and drives one ``WorkerScheduler``.
 
-The external ROUTER socket lives on a ``ControlIO`` thread that answers heartbeats even during a
-long step; this loop sees the same frames on an inproc socket. The loop alternates between
-draining control messages (non-blocking while there is work,
-blocking up to ``idle_poll_ms`` when idle) and running one scheduler step, whose token events are
-sent back, batched per step, to the connection that submitted each request.
-
-Scheduler contract: ``add_request(rid, prompt_ids, params, **pd)`` (raises ``RequestRejected``;
-``pd`` = ``room``/``prefill_addr`` for decode workers), ``abort(rid, message)``, ``step() ->
-list[TokenEvent]`` (called every iteration), ``has_work``, ``snapshot() -> (counters, gauges)``,
-``capacity_tokens``, ``max_model_len``, ``page_size``. Optional: ``handle(source, msg, frames) ->
-bool`` for role-specific messages, ``sockets()`` (extra sockets to poll, e.g. connections to peer
-workers; their messages go to ``handle`` with the socket as source), ``histograms()``.
+Sockets: the external ROUTER socket lives on a ``ControlIO`` thread that answers heartbeats even
+during a long step (this loop sees the same frames on an inproc socket), plus one DEALER per
+peer worker the scheduler addresses as ``Peer(addr)`` (decode -> prefill), connected on first
+use. The loop alternates between draining inbound messages (non-blocking while there is work,
+blocking up to ``idle_poll_ms`` when idle) and one scheduler step. Whatever a scheduler call
+returns (an ``Outbox``) is delivered at once: token deltas batched into one ``TokenBatch`` per
+owner connection, control messages to their ``Conn``/``Peer``.
 """
 from __future__ import annotations
 
@@ -23,50 +18,68 @@ from collections import defaultdict
 
 import zmq
 
-from engine.scheduler.base import RequestRejected
-from engine.scheduler.events import TokenEvent
+from engine.scheduler.base import Conn, Outbox, Peer, RequestRejected, WorkerScheduler
 from server.control_io import ControlIO
 from transfer.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
-                               StatsRequest, TokenBatch, TokenEntry, WorkerStats, decode, encode, frame_ids,
-                               ids_frame)
+                               StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, frame_ids)
 
 log = logging.getLogger(__name__)
 
 
 class WorkerLoop:
-    def __init__(self, control_addr: str, worker_id: str, role: str, model_name: str,
-                 idle_poll_ms: int = 20) -> None:
-        self.scheduler = None
+    def __init__(self, control_addr: str, worker_id: str, model_name: str, idle_poll_ms: int = 20) -> None:
         self.worker_id = worker_id
-        self.role = role
         self.model_name = model_name
         self.idle_poll_ms = idle_poll_ms
         self.ctx = zmq.Context.instance()
         self.io = ControlIO(self.ctx, control_addr)
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
-        self.owner: dict[str, bytes] = {}   # rid -> identity of the connection that submitted it
+        self.scheduler: WorkerScheduler | None = None
+        self.peers: dict[str, zmq.Socket] = {}
+        self.peer_addr: dict[zmq.Socket, str] = {}
         self.instance = uuid.uuid4().hex
         self.stopping = False
         self.stats_every_s = 0.1
         self._stats_at = 0.0
 
-    def send(self, ident: bytes, msg: Message, *frames: bytes) -> None:
-        """Send a message to the connection ``ident`` on this worker's control socket."""
-        self.sock.send_multipart([ident, *encode(msg, *frames)])
-
-    def run(self, scheduler) -> None:
+    def run(self, scheduler: WorkerScheduler) -> None:
         self.scheduler = scheduler
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        log.info("%s worker %s serving", self.role, self.worker_id)
+        log.info("%s worker %s serving", scheduler.role, self.worker_id)
         self.io.publish(self._stats(0))
         self.io.start()
         try:
             while not self.stopping:
                 self._drain(block=not scheduler.has_work)
-                self._publish(scheduler.step())
+                self.deliver(scheduler.step())
                 self._heartbeat()
         finally:
             self.io.close()
+            for s in self.peers.values():
+                s.close(0)
+
+    # ---- outbound -------------------------------------------------------------------------------
+    def deliver(self, out: Outbox) -> None:
+        by_owner: dict[bytes, list[TokenDelta]] = defaultdict(list)
+        for owner, delta in out.tokens:
+            by_owner[owner].append(delta)
+        for owner, deltas in by_owner.items():
+            batch, frame = TokenBatch.pack(deltas)
+            self.sock.send_multipart([owner, *encode(batch, frame)])
+        for m in out.messages:
+            if isinstance(m.to, Conn):
+                self.sock.send_multipart([m.to.ident, *encode(m.msg, *m.frames)])
+            else:
+                self._peer_socket(m.to.addr).send_multipart(encode(m.msg, *m.frames))
+
+    def _peer_socket(self, addr: str) -> zmq.Socket:
+        sock = self.peers.get(addr)
+        if sock is None:
+            sock = self.peers[addr] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            self.peer_addr[sock] = addr
+        return sock
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -76,15 +89,12 @@ class WorkerLoop:
         else:
             self.io.alive()
 
-    def _sockets(self) -> list[zmq.Socket]:
-        extra = getattr(self.scheduler, "sockets", None)
-        return [self.sock, *(extra() if extra else [])]
-
+    # ---- inbound --------------------------------------------------------------------------------
     def _drain(self, block: bool) -> None:
         timeout = self.idle_poll_ms if block else 0
         while True:
             poller = zmq.Poller()
-            for s in self._sockets():
+            for s in (self.sock, *self.peers.values()):
                 poller.register(s, zmq.POLLIN)
             ready = dict(poller.poll(timeout))
             if not ready:
@@ -92,67 +102,60 @@ class WorkerLoop:
             for s in ready:
                 if s is self.sock:
                     ident, *parts = s.recv_multipart()
-                    self._handle(ident, parts)
+                    self._on_control(ident, parts)
                 else:
-                    self._handle_peer(s, s.recv_multipart())
+                    self._on_peer(self.peer_addr[s], s.recv_multipart())
             timeout = 0
 
-    def _handle_peer(self, sock: zmq.Socket, parts: list[bytes]) -> None:
+    def _on_peer(self, addr: str, parts: list[bytes]) -> None:
         try:
             msg, frames = decode(parts)
         except ProtocolError as e:
-            log.error("bad message from a peer worker: %s", e)
+            log.error("bad message from peer worker %s: %s", addr, e)
             return
-        if not self.scheduler.handle(sock, msg, frames):
-            log.error("unexpected %s from a peer worker", type(msg).__name__)
+        self._to_scheduler(Peer(addr), msg, frames)
 
-    def _handle(self, ident: bytes, parts: list[bytes]) -> None:
+    def _on_control(self, ident: bytes, parts: list[bytes]) -> None:
         try:
             msg, frames = decode(parts)
         except ProtocolError as e:
             log.error("bad control message from %r: %s", ident, e)
             return
         if isinstance(msg, GenerateRequest):
-            self._generate(ident, msg, frame_ids(frames[0]))
+            self._generate(ident, msg, frames)
         elif isinstance(msg, AbortRequest):
-            self._publish([ev for rid in msg.rids if (ev := self.scheduler.abort(rid, msg.reason))])
+            for rid in msg.rids:
+                self.deliver(self.scheduler.abort(rid, msg.reason))
         elif isinstance(msg, StatsRequest):
-            self.send(ident, self._stats(msg.nonce))
+            self.sock.send_multipart([ident, *encode(self._stats(msg.nonce))])
         elif isinstance(msg, Shutdown):
             self.stopping = True
-        elif not (hasattr(self.scheduler, "handle") and self.scheduler.handle(ident, msg, frames)):
-            log.error("%s worker cannot handle %s", self.role, type(msg).__name__)
+        else:
+            self._to_scheduler(Conn(ident), msg, frames)
 
-    def _generate(self, ident: bytes, msg: GenerateRequest, prompt: list[int]) -> None:
-        self.owner[msg.rid] = ident
-        pd = {} if msg.room is None else {"room": msg.room, "prefill_addr": msg.prefill_addr}
+    def _to_scheduler(self, source: Conn | Peer, msg: Message, frames: list[bytes]) -> None:
+        out = self.scheduler.handle(source, msg, frames)
+        if out is None:
+            log.error("%s worker cannot handle %s from %s", self.scheduler.role, type(msg).__name__, source)
+        else:
+            self.deliver(out)
+
+    def _generate(self, ident: bytes, msg: GenerateRequest, frames: list[bytes]) -> None:
         try:
-            self.scheduler.add_request(msg.rid, prompt, msg.params, **pd)
-        except (RequestRejected, ValueError, TypeError) as e:
-            self._publish([TokenEvent(msg.rid, finish_reason="abort", error=str(e), error_status=400)])
-
-    def _publish(self, events: list[TokenEvent]) -> None:
-        by_owner: dict[bytes, list[TokenEvent]] = defaultdict(list)
-        for ev in events:
-            ident = self.owner.get(ev.rid)
-            if ident is None:
-                continue
-            by_owner[ident].append(ev)
-            if ev.finish_reason:
-                del self.owner[ev.rid]
-        for ident, evs in by_owner.items():
-            entries = [TokenEntry(rid=e.rid, n=len(e.token_ids), logprobs=e.logprobs, top_logprobs=e.top_logprobs,
-                                  finish_reason=e.finish_reason, error=e.error, error_status=e.error_status,
-                                  prompt_tokens=e.prompt_tokens, cached_tokens=e.cached_tokens) for e in evs]
-            ids = [t for e in evs for t in e.token_ids]
-            self.send(ident, TokenBatch(entries=entries), ids_frame(ids))
+            self.deliver(self.scheduler.add(ident, msg, frame_ids(frames[0])))
+        except (RequestRejected, ProtocolError, ValueError, TypeError) as e:
+            out = Outbox()
+            out.token(ident, TokenDelta.failed(msg.rid, str(e), 400))
+            self.deliver(out)
 
     def _stats(self, nonce: int) -> WorkerStats:
-        s = self.scheduler
-        counters, gauges = s.snapshot()
-        hists = getattr(s, "histograms", None)
-        histograms = {k: HistogramData(**h.as_dict()) for k, h in (hists() if hists else {}).items()}
-        return WorkerStats(nonce=nonce, worker_id=self.worker_id, instance=self.instance, role=self.role,
-                           model=self.model_name,
-                           capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
-                           counters=counters, gauges=gauges, histograms=histograms)
+        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce)
+
+
+def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0) -> WorkerStats:
+    """The ``WorkerStats`` a worker answers heartbeats with: identity, capacity, metrics."""
+    snap = s.snapshot()
+    histograms = {k: HistogramData(**h.as_dict()) for k, h in snap.histograms.items()}
+    return WorkerStats(nonce=nonce, worker_id=worker_id, instance=instance, role=s.role, model=model,
+                       capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
+                       counters=snap.counters, gauges=snap.gauges, histograms=histograms)

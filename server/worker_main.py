@@ -27,47 +27,26 @@ def load_runner(cfg: PdserveConfig):
     return ModelRunner(cfg.engine, model_config, weights), path
 
 
-def make_transport(kind: str, name: str):
-    """The KV data plane named by ``cluster.transfer_backend``."""
-    if kind == "nixl":
-        from transfer.nixl_transport import NixlTransport
-
-        return NixlTransport(name)
-    from transfer.loopback import LoopbackTransport
-
-    return LoopbackTransport(name)
-
-
-def build_colocated(cfg: PdserveConfig, runner, loop: WorkerLoop, worker_id: str, model_name: str):
+def build_colocated(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from engine.scheduler.colocated import ColocatedScheduler
 
     return ColocatedScheduler(runner, cfg.scheduler, tuple(runner.model_config.eos_token_ids))
 
 
-def build_prefill(cfg: PdserveConfig, runner, loop: WorkerLoop, worker_id: str, model_name: str):
-    from prefill_worker.kv_sender import KVSender
-    from prefill_worker.scheduler import PrefillScheduler
+def build_prefill(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
+    from prefill_worker.scheduler import create_prefill_scheduler
+    from transfer.kv_transport import create_transport
 
-    transport = make_transport(cfg.cluster.transfer_backend, worker_id)
-    transport.register_pool(runner.pool.buffer, runner.pool.page_bytes)
-    sender = KVSender(transport, runner.pool.page_bytes, loop.send)
-    return PrefillScheduler(runner, cfg, sender, loop.send, model_name, worker_id)
+    return create_prefill_scheduler(runner, cfg, create_transport(cfg.cluster.transfer_backend, worker_id),
+                                    worker_id, model_name)
 
 
-def build_decode(cfg: PdserveConfig, runner, loop: WorkerLoop, worker_id: str, model_name: str):
-    from cache.host_pool import HostKVPool
-    from decode_worker.peers import PrefillPeers, make_handshake
-    from decode_worker.scheduler import DecodeScheduler
+def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
+    from decode_worker.scheduler import create_decode_scheduler
+    from transfer.kv_transport import create_transport
 
-    transport = make_transport(cfg.cluster.transfer_backend, worker_id)
-    transport.register_pool(runner.pool.buffer, runner.pool.page_bytes)
-    hs = make_handshake(worker_id, model_name, runner.pool.layout_descriptor(), transport)
-    peers = PrefillPeers(hs, cfg.server.health_interval_s, cfg.cluster.peer_timeout_s)
-    host = None
-    if cfg.cluster.host_kv_pool_gb > 0:
-        host = HostKVPool.for_device_pool(runner.pool.buffer, int(cfg.cluster.host_kv_pool_gb * 2**30))
-    eos = tuple(runner.model_config.eos_token_ids)
-    return DecodeScheduler(runner, cfg, transport, peers, host, eos, worker_id)
+    return create_decode_scheduler(runner, cfg, create_transport(cfg.cluster.transfer_backend, worker_id),
+                                   worker_id, model_name)
 
 
 BUILDERS = {"colocated": build_colocated, "prefill": build_prefill, "decode": build_decode}
@@ -85,9 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s [{args.worker_id}] %(name)s: %(message)s")
     runner, path = load_runner(cfg)
     name = cfg.server.served_model_name or path.stem
-    loop = WorkerLoop(args.control_addr, args.worker_id, args.role, name)
-    scheduler = BUILDERS[args.role](cfg, runner, loop, args.worker_id, name)
-    loop.run(scheduler)
+    scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
+    WorkerLoop(args.control_addr, args.worker_id, name).run(scheduler)
     return 0
 
 

@@ -7,7 +7,8 @@ from cache.kv_manager import KVManager
 from cache.page_allocator import PageAllocator
 from configs.scheduler import SchedulerConfig
 from engine.request import Request
-from engine.sampling import SamplerState, SamplingParams
+from engine.sampling import SamplerState
+from engine.sampling_params import SamplingParams
 from engine.scheduler.decode_memory import check_decode_mem, retract_decode, victim_order
 from engine.scheduler.ratio import NewTokenRatioTracker
 
@@ -16,7 +17,7 @@ def req(rid, prompt_len, out_len, kv: KVManager, max_new=64) -> Request:
     sp = SamplingParams(max_new_tokens=max_new, temperature=0)
     r = Request(rid, [1] * prompt_len, sp, SamplerState.new(sp, 10), output_ids=[2] * out_len)
     r.kv_len = r.seq_len - 1
-    assert kv.ensure_pages(r, r.kv_len)
+    assert kv.ensure_pages(r.kv, r.kv_len)
     return r
 
 
@@ -33,14 +34,14 @@ def test_retract_until_room_for_steps():
 
     def release(r):
         released.append(r.rid)
-        kv.release(r, insert=False)
+        kv.free(r.kv)
 
     res = retract_decode(kv, reqs, retract_steps=8, release_victim=release)
     # each request needs 2 more pages for 8 more steps: 4 free < 4*2; one retracted -> 6 free == 3*2
     assert len(res.retracted) == 1 and res.aborted is None
     assert check_decode_mem(kv, res.kept, 8)
     assert released == [r.rid for r in res.retracted]
-    kv.check_integrity(res.kept)
+    kv.check_integrity([r.kv for r in res.kept])
 
 
 def test_last_request_that_cannot_fit_is_aborted():
@@ -48,17 +49,17 @@ def test_last_request_that_cannot_fit_is_aborted():
     kv = KVManager(alloc, 4, False)
     r = req("only", 16, 1, kv)  # kv_len 16 fills 4 pages; position 16 needs a 5th
     assert not check_decode_mem(kv, [r], 1)
-    res = retract_decode(kv, [r], 20, lambda x: kv.release(x, insert=False))
+    res = retract_decode(kv, [r], 20, lambda x: kv.free(x.kv))
     assert res.aborted is r and not res.kept and not res.retracted
     assert alloc.num_free() == 0  # the caller releases the aborted request
-    kv.release(r, insert=False)
+    kv.free(r.kv)
     assert alloc.num_free() == 4
 
 
 def test_forced_retract_takes_one():
     kv = KVManager(PageAllocator(100), 4, False)
     reqs = [req("a", 5, 1, kv), req("b", 5, 3, kv)]
-    res = retract_decode(kv, reqs, 20, lambda x: kv.release(x, insert=False), force_one=True)
+    res = retract_decode(kv, reqs, 20, lambda x: kv.free(x.kv), force_one=True)
     assert [r.rid for r in res.retracted] == ["b"] and [r.rid for r in res.kept] == ["a"]
 
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import engine_cfg, sched_cfg
 from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",

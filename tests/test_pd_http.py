@@ -20,7 +20,7 @@ import torch
 
 from conftest import engine_cfg, sched_cfg
 from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from server.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
 
 HEARTBEAT_S = 0.2

@@ -9,8 +9,11 @@ import pytest
 
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from bench.pd_local import PDHarness
+from engine.request import Phase
+from engine.scheduler.base import Outbox, RequestRejected
+from transfer.protocol import GenerateRequest
 
 
 def cfg(pool=4096, page=4, host_gb=0.01, **sched) -> PdserveConfig:
@@ -120,9 +123,9 @@ def test_abort_in_retracted_queue_frees_host_pages(harness):
         h.submit(f"r{i}", p, SamplingParams(max_new_tokens=40, temperature=0))
     for _ in range(500):
         h.step()
-        if h.decode.retracted:
+        if h.decode.retract.queue:
             break
-    assert h.decode.retracted, "expected a retracted request"
+    assert h.decode.retract.queue, "expected a retracted request"
     host = h.decode.retract.host
     assert host.num_free() < host.num_pages
     for i in range(4):
@@ -138,9 +141,9 @@ def test_abort_in_each_phase(harness, steps_before_abort):
     h.submit("a", prompts(1, 30, 30, seed=2)[0], SamplingParams(max_new_tokens=30, temperature=0))
     for _ in range(steps_before_abort):
         h.step()
-    ev = h.decode.abort("a")
-    assert ev is not None and ev.finish_reason == "abort"
-    assert h.decode.abort("a") is None  # idempotent
+    ev = h.decode.abort("a").deltas
+    assert ev and ev[0].finish_reason == "abort"
+    assert not h.decode.abort("a")  # idempotent
     h.prefill.abort("a")
     h.run()
 
@@ -158,15 +161,13 @@ def test_manifest_mismatch_fails_request(harness, monkeypatch):
     h.submit("x", prompts(1, 10, 10)[0], GREEDY)
     out = h.run()
     assert out["x"]["finish"] == "abort" and "manifest" in out["x"]["error"]
-    assert h.decode.snapshot()[0]["transfer_failures"] == 1
+    assert h.decode.snapshot().counters["transfer_failures"] == 1
 
 
 def test_too_long_for_decode_pool_refused(harness):
-    from engine.scheduler.colocated import RequestRejected
-
     h = harness(d=cfg(pool=64))
     with pytest.raises(RequestRejected, match="decode KV cache pool capacity of 64"):
-        h.decode.add_request("big", list(range(60)), GREEDY, room=1, prefill_addr="x")
+        h.decode.add(b"r", GenerateRequest(rid="big", params=GREEDY, room=1, prefill_addr="x"), list(range(60)))
 
 
 def test_decode_oom_abort_while_transfer_holds_pages(harness):
@@ -177,11 +178,11 @@ def test_decode_oom_abort_while_transfer_holds_pages(harness):
     h.submit("a", prompts(1, 8, 8, seed=3)[0], SamplingParams(max_new_tokens=40, temperature=0))
     for _ in range(3):
         h.step()
-    assert h.decode.running
+    assert len(h.decode.running)
     h.submit("b", prompts(1, 40, 40, seed=4)[0], SamplingParams(max_new_tokens=4, temperature=0))
     held = []
     real_step = h.prefill.step
-    h.prefill.step = lambda: held.append(1) or []  # prefill worker stalls: b's KV never arrives
+    h.prefill.step = lambda: held.append(1) or Outbox()  # prefill worker stalls: b's KV never arrives
     events = []
     for _ in range(60):
         events += h.step()
@@ -200,13 +201,14 @@ def test_silent_prefill_peer_fences_pages_until_late_write(harness):
     h = harness()
     h.submit("s", prompts(1, 30, 30, seed=6)[0], GREEDY)
     real_step = h.prefill.step
-    h.prefill.step = lambda: []  # prefill worker stalls before writing
+    h.prefill.step = lambda: Outbox()  # prefill worker stalls before writing
     for _ in range(3):
         h.step()
-    assert "s" in h.decode.jobs and h.decode.jobs["s"].phase == "transfer"
-    events = h.decode._peer_died("inproc://p", "prefill worker did not answer")
+    assert "s" in h.decode.jobs and h.decode.jobs["s"].req.status is Phase.TRANSFER
+    h.decode.peers.get("inproc://p").last_seen -= 3600  # silent for an hour: the next tick declares it dead
+    events = [e for e in h.step() if e.finish_reason]
     assert [(e.rid, e.error_status) for e in events] == [("s", 503)]
-    held = h.decode.kv.usage(h.decode.live_requests()).used
+    held = h.decode.kv.usage(h.decode.live_handles()).used
     assert held > 0  # fenced, not freed
     h.prefill.step = real_step
     h.run()  # the late write and its notification arrive; now the pages go back

@@ -15,7 +15,7 @@ import zmq
 
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from transfer.protocol import (GenerateRequest, PrefillRequest, Shutdown, StatsRequest, TokenBatch, WorkerStats,
                                decode, encode, frame_ids, ids_frame)
 
@@ -87,10 +87,8 @@ class PDPair:
             msg, frames = decode(s.recv_multipart())
             if not isinstance(msg, TokenBatch):
                 continue
-            ids, k = frame_ids(frames[0]), 0
-            for e in msg.entries:
-                out[e.rid]["tokens"] += ids[k:k + e.n]
-                k += e.n
+            for e in msg.unpack(frames[0]):
+                out[e.rid]["tokens"] += e.token_ids
                 if e.finish_reason:
                     out[e.rid]["finish"], out[e.rid]["error"] = e.finish_reason, e.error
         return out

@@ -11,13 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from configs.schema import PdserveConfig
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from server.router.app import build_context, create_app
 from server.router.detok import TextStream
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, READY, Registry, WorkerSpec
 from server.router.worker_client import WorkerUnavailable
-from transfer.protocol import TokenEntry, WorkerStats
+from transfer.protocol import TokenDelta, WorkerStats
 
 CAPACITY, CONTEXT = 256, 512
 PIECES = [" Paris", " is", " the", " capital", " of", " France", "."]
@@ -59,8 +59,7 @@ class FakeWorker:
             return
         if "error" in self.mode:
             status, msg = self.mode["error"]
-            self.on_tokens(self.spec.worker_id, TokenEntry(rid=rid, n=0, finish_reason="abort", error=msg,
-                                                           error_status=status), [])
+            self.on_tokens(self.spec.worker_id, TokenDelta.failed(rid, msg, status))
             return
         ids = [t for p in PIECES for t in self.tok.encode(p)][:params.max_new_tokens]
         for i, t in enumerate(ids):
@@ -69,9 +68,9 @@ class FakeWorker:
                 return
             last = i == len(ids) - 1
             finish = ("stop" if len(ids) < params.max_new_tokens else "length") if last else None
-            entry = TokenEntry(rid=rid, n=1, logprobs=[-0.5], top_logprobs=[[(t, -0.5)]], finish_reason=finish,
-                               prompt_tokens=n_prompt)
-            self.on_tokens(self.spec.worker_id, entry, [t])
+            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[-0.5], top_logprobs=[[(t, -0.5)]],
+                               finish_reason=finish, prompt_tokens=n_prompt)
+            self.on_tokens(self.spec.worker_id, delta)
 
 
 @pytest.fixture(scope="module")

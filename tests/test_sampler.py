@@ -7,13 +7,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.sampling import (
-    SampleOutput,
-    Sampler,
-    SamplerState,
-    SamplingParams,
-    check_stop,
-)
+from engine.sampling import SampleOutput, Sampler, SamplerState
+from engine.sampling_params import SamplingParams, check_stop
 
 # --------------------------------------------------------------------------- helpers
 

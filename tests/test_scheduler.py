@@ -10,8 +10,10 @@ import pytest
 from conftest import engine_cfg, hf_greedy, sched_cfg
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.scheduler.colocated import ColocatedScheduler, RequestRejected
+from engine.sampling_params import SamplingParams
+from engine.scheduler.base import RequestRejected
+from engine.scheduler.colocated import ColocatedScheduler
+from transfer.protocol import GenerateRequest
 
 EOS = 96  # tiny_config's EOS; prompts avoid it and ignore_eos keeps lengths fixed
 
@@ -20,6 +22,10 @@ def make_sched(tiny, kv_pool_tokens=4096, page_size=4, eos=(EOS,), **sched_kw) -
     cfg, weights, _ = tiny
     runner = ModelRunner(engine_cfg(kv_pool_tokens=kv_pool_tokens, page_size=page_size), cfg, weights)
     return ColocatedScheduler(runner, sched_cfg(**sched_kw), eos)
+
+
+def submit(sched: ColocatedScheduler, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    sched.add(b"", GenerateRequest(rid=rid, params=params), prompt)
 
 
 def prompts(n, lo=3, hi=40, seed=0):
@@ -116,9 +122,9 @@ def test_retract_under_memory_pressure(tiny):
 def test_impossible_request_refused_at_once(tiny):
     sched = make_sched(tiny, kv_pool_tokens=64, page_size=4)
     with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds the KV cache pool capacity of 64"):
-        sched.add_request("big", list(range(60)), greedy(10))
+        submit(sched, "big", list(range(60)), greedy(10))
     with pytest.raises(RequestRejected, match="model context of 512"):
-        make_sched(tiny).add_request("ctx", list(range(10)), greedy(600))
+        submit(make_sched(tiny), "ctx", list(range(10)), greedy(600))
     assert not sched.has_work and sched.stats.rejected_requests == 1
 
 
@@ -126,13 +132,13 @@ def test_abort_frees_everything(tiny):
     sched = make_sched(tiny, chunked_prefill_size=8)
     ps = prompts(3, 20, 30, seed=5)
     for i, p in enumerate(ps):
-        sched.add_request(f"r{i}", p, greedy(50))
+        submit(sched, f"r{i}", p, greedy(50))
     for _ in range(6):
         sched.step()
-    assert sched.kv.usage(sched.live_requests()).used > 0
+    assert sched.kv.usage(sched.live_handles()).used > 0
     for i in range(3):
-        assert sched.abort(f"r{i}").finish_reason == "abort"
-        assert sched.abort(f"r{i}") is None  # idempotent
+        assert sched.abort(f"r{i}").deltas[0].finish_reason == "abort"
+        assert not sched.abort(f"r{i}")  # idempotent
     assert not sched.has_work
     assert_clean(sched)
 
@@ -142,8 +148,8 @@ def test_admission_reserves_new_tokens(tiny):
     # a second one, so the second waits (NO_TOKEN) instead of being admitted and retracted later.
     sched = make_sched(tiny, kv_pool_tokens=128, page_size=4, init_new_token_ratio=1.0)
     ps = prompts(2, 10, 10, seed=7)
-    sched.add_request("a", ps[0], greedy(100))
-    sched.add_request("b", ps[1], greedy(100))
+    submit(sched, "a", ps[0], greedy(100))
+    submit(sched, "b", ps[1], greedy(100))
     sched.step()
     assert len(sched.running) == 1 and len(sched.waiting) == 1
     while sched.has_work:
@@ -180,12 +186,12 @@ def test_last_request_oom_abort_then_keeps_serving(tiny):
     # Pages leased away by something else (here: taken straight from the allocator) leave the
     # lone running request no room to grow: it ends with the OOM abort, the loop carries on.
     sched = make_sched(tiny, kv_pool_tokens=64, page_size=4, eos=())
-    sched.add_request("victim", prompts(1, 8, 8, seed=1)[0], greedy(40))
+    submit(sched, "victim", prompts(1, 8, 8, seed=1)[0], greedy(40))
     sched.step()  # prefill: 8 prompt tokens -> 2 pages
     stolen = sched.kv.allocator.alloc(sched.kv.allocator.num_free())
     events = []
     while sched.has_work:
-        events += sched.step()
+        events += sched.step().deltas
     final = [e for e in events if e.finish_reason][-1]
     assert final.finish_reason == "abort" and final.error_status == 500
     assert "KV cache pool is too small" in final.error and sched.stats.oom_aborts == 1
@@ -199,7 +205,7 @@ def test_request_that_fits_an_empty_pool_is_admitted(tiny):
     # prompt 40 + 20 * 0.7 reserved = 54 tokens = 14 of 16 pages: must be admitted at once
     # (a reservation that double-counted the prompt's pages once kept it waiting forever).
     sched = make_sched(tiny, kv_pool_tokens=64, page_size=4, eos=())
-    sched.add_request("a", prompts(1, 40, 40, seed=8)[0], SamplingParams(max_new_tokens=20, temperature=0))
+    submit(sched, "a", prompts(1, 40, 40, seed=8)[0], SamplingParams(max_new_tokens=20, temperature=0))
     for _ in range(40):
         sched.step()
         if not sched.has_work:

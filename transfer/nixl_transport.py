@@ -72,14 +72,6 @@ def _nixl():
     raise RuntimeError("NIXL python API not importable (" + "; ".join(errors) + ")")
 
 
-def nixl_available() -> tuple[bool, str]:
-    """``(True, module name)`` or ``(False, why)``."""
-    try:
-        return True, _nixl().__name__
-    except RuntimeError as e:
-        return False, str(e)
-
-
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -150,12 +150,18 @@ class Shutdown(Message):
 
 
 # ---- worker -> router ---------------------------------------------------------------------
-class TokenEntry(BaseModel):
-    """One request's new tokens in a ``TokenBatch``; its ids are the next ``n`` of the frame."""
+class TokenDelta(BaseModel):
+    """New tokens of one request: the one shape a token update has from the scheduler step that
+    produced it, through the wire (inside a ``TokenBatch``), to the router session that streams it.
+
+    ``finish_reason`` is set on the request's last delta: "stop", "length" or "abort"; an abort
+    carries ``error`` (a message for the client) and ``error_status`` (the HTTP status to answer
+    with). On the wire ``token_ids`` travel in the batch's int32 frame, not in the JSON header.
+    """
 
     model_config = ConfigDict(extra="forbid")
     rid: str
-    n: int
+    token_ids: list[int] = Field(default_factory=list, exclude=True)
     logprobs: list[float | None] = []
     top_logprobs: list[list[tuple[int, float]] | None] = []
     finish_reason: str | None = None
@@ -164,12 +170,36 @@ class TokenEntry(BaseModel):
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
+    @classmethod
+    def failed(cls, rid: str, error: str, status: int) -> "TokenDelta":
+        """The last delta of a request that ends with an error and no new tokens."""
+        return cls(rid=rid, finish_reason="abort", error=error, error_status=status)
+
 
 class TokenBatch(Message):
-    """All token events of one scheduler step. Frame 0: the entries' ids concatenated."""
+    """Every delta of one scheduler step for one connection. ``counts[i]`` ids of frame 0 (all
+    deltas' ids concatenated) belong to ``entries[i]``. Build with ``pack``, read with ``unpack``."""
 
-    entries: list[TokenEntry]
+    entries: list[TokenDelta]
+    counts: list[int]
     n_frames: ClassVar[int] = 1
+
+    @classmethod
+    def pack(cls, deltas: list[TokenDelta]) -> tuple["TokenBatch", bytes]:
+        ids = [t for d in deltas for t in d.token_ids]
+        return cls(entries=deltas, counts=[len(d.token_ids) for d in deltas]), ids_frame(ids)
+
+    def unpack(self, frame: bytes) -> list[TokenDelta]:
+        """The deltas with their ids; ``ProtocolError`` if the frame does not match ``counts``."""
+        ids = frame_ids(frame)
+        if len(self.counts) != len(self.entries) or sum(self.counts) != len(ids) or min(self.counts, default=0) < 0:
+            raise ProtocolError(f"TokenBatch: counts {self.counts} do not match {len(self.entries)} entries "
+                                f"and {len(ids)} ids")
+        out, pos = [], 0
+        for entry, n in zip(self.entries, self.counts):
+            out.append(entry.model_copy(update={"token_ids": ids[pos:pos + n]}))
+            pos += n
+        return out
 
 
 class HistogramData(BaseModel):
@@ -192,7 +222,6 @@ class WorkerStats(Message):
     capacity_tokens: int
     max_model_len: int
     page_size: int
-    ready: bool = True
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
     histograms: dict[str, HistogramData] = {}

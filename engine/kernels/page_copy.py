@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cache.page_allocator import ceil_div
 from engine.kernels._dispatch import resolve_backend, use_interpreter
 from engine.kernels.reference import _check_pages_buffer, gather_pages_torch, scatter_pages_torch
 
@@ -25,7 +26,7 @@ def _page_ids(page_ids: torch.Tensor | Sequence[int], buffer: torch.Tensor) -> t
 def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, numel: int, gather: bool) -> None:
     from engine.kernels._triton_kernels import get_kernel
 
-    blocks = -(-numel // _BLOCK)
+    blocks = ceil_div(numel, _BLOCK)
     if blocks > _MAX_GRID_Y:
         raise ValueError(f"page of {numel} elements exceeds the copy kernel's grid limit")
     kernel = get_kernel("copy_pages", use_interpreter(src, dst, ids))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from cache.page_allocator import ceil_div
 from engine.kernels._dispatch import next_pow2, resolve_backend, use_interpreter
 from engine.kernels.reference import store_kv_torch
 
@@ -54,7 +55,7 @@ def store_kv(
     kernel = get_kernel("store_kv", use_interpreter(k_layer, v_layer, slots, k, v))
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(kv_heads), max(1, 4096 // block_d))
-    grid = (n, -(-kv_heads // block_h))
+    grid = (n, ceil_div(kv_heads, block_h))
     kernel[grid](
         k, v, k_layer, v_layer, slots,
         *k.stride(), *v.stride(), *k_layer.stride(), *v_layer.stride(),

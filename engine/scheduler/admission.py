@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cache.kv_manager import KVManager
 from configs.scheduler import SchedulerConfig
-from engine.request import ReqStatus, Request
+from engine.request import Phase, Request
 
 
 @dataclass
@@ -35,9 +36,21 @@ def reserved_tokens(req: Request, ratio: float) -> int:
     return math.ceil(req.remaining_new_tokens() * r)
 
 
-def running_reservation_pages(kv: KVManager, running: list[Request], ratio: float) -> int:
+def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: float) -> int:
     """Pages the admitted requests may still take: up to ``seq_len + reserved_tokens`` each."""
-    return sum(max(0, kv.pages_for(r.seq_len + reserved_tokens(r, ratio)) - len(r.pages)) for r in running)
+    return sum(max(0, kv.pages_for(r.seq_len + reserved_tokens(r, ratio)) - len(r.kv.pages)) for r in running)
+
+
+def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra_pages: int, budget: int) -> int | None:
+    """Give ``req`` its cached prefix plus pages for ``n_tokens`` of ``all_ids`` if they (and
+    ``extra_pages``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len`` (the cached tokens).
+    Returns the pages charged, or None with ``req`` untouched."""
+    got = kv.reserve_prompt(req.all_ids, n_tokens, extra_pages, budget)
+    if got is None:
+        return None
+    req.kv, charged = got
+    req.kv_len = req.kv.cached_tokens
+    return charged
 
 
 class Admission:
@@ -53,7 +66,8 @@ class Admission:
         self.reserve_decode = reserve_decode
         self.chunked: Request | None = None
 
-    def select(self, waiting: deque[Request], running: list[Request], ratio: float) -> list[ExtendItem]:
+    def select(self, waiting: deque[Request], running: Iterable[Request], ratio: float) -> list[ExtendItem]:
+        running = list(running)
         budget = self.cfg.chunked_prefill_size
         items: list[ExtendItem] = []
         if self.chunked is not None:
@@ -67,10 +81,10 @@ class Admission:
             if len(running) + len(items) >= self.cfg.max_running_requests:
                 break
             req = waiting[0]
-            need = self.kv.reserve_prompt(req, req.seq_len, self._reservation_pages(req, ratio), free_pages)
+            need = admit_prompt(self.kv, req, req.seq_len, self._reservation_pages(req, ratio), free_pages)
             if need is None:
                 break
-            req.status = ReqStatus.PREFILLING
+            req.status = Phase.PREFILLING
             waiting.popleft()
             free_pages -= need
             items.append(self._chunk(req, budget))

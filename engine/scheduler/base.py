@@ -1,11 +1,20 @@
-"""What every worker scheduler (colocated, prefill, decode) shares with the worker loop.
+"""The contract between a worker loop and its scheduler (colocated, prefill or decode).
 
-Subclasses set ``runner`` (``ModelRunner``), ``kv`` (``KVManager``) and ``stats``
-(``SchedulerStats``) and implement ``live_requests()``.
+A scheduler does no I/O on control sockets: every call returns an ``Outbox`` of what should be
+sent, and the worker loop (or an in-process harness) delivers it. Destinations are typed:
+``Conn`` is a connection on the worker's own control socket (the router, or a peer worker that
+connected to it), ``Peer`` a worker this one connects to by address (decode -> prefill).
 """
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cache.handle import KVHandle
+from cache.kv_manager import KVManager
+from engine.scheduler.stats import Histogram, SchedulerStats
+from transfer.protocol import GenerateRequest, Message, TokenDelta
 
 
 class RequestRejected(ValueError):
@@ -26,14 +35,129 @@ def check_fits(prompt_len: int, max_new_tokens: int, capacity: int, context: int
                               f"a larger --kv-pool-tokens")
 
 
+@dataclass(frozen=True)
+class Conn:
+    """A connection on this worker's control socket, by its ZMQ identity."""
+
+    ident: bytes
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another worker, by control address; the loop connects to it on first use."""
+
+    addr: str
+
+
+Dest = Conn | Peer
+
+
+@dataclass(frozen=True)
+class Outbound:
+    to: Dest
+    msg: Message
+    frames: tuple[bytes, ...] = ()
+
+
+@dataclass
+class Outbox:
+    """What one scheduler call wants sent: token deltas (each to its request's owner connection,
+    batched per step by the loop) and control messages."""
+
+    tokens: list[tuple[bytes, TokenDelta]] = field(default_factory=list)
+    messages: list[Outbound] = field(default_factory=list)
+
+    def token(self, owner: bytes, delta: TokenDelta) -> None:
+        self.tokens.append((owner, delta))
+
+    def send(self, to: Dest, msg: Message, *frames: bytes) -> None:
+        self.messages.append(Outbound(to, msg, frames))
+
+    def extend(self, other: "Outbox | None") -> "Outbox":
+        if other is not None:
+            self.tokens += other.tokens
+            self.messages += other.messages
+        return self
+
+    @property
+    def deltas(self) -> list[TokenDelta]:
+        return [d for _, d in self.tokens]
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.messages)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a request ends: "stop"/"length" (completed: its KV may go to the radix cache) or
+    "abort" with an error for the client and the HTTP status to answer with."""
+
+    reason: str
+    error: str | None = None
+    status: int | None = None
+
+    @classmethod
+    def abort(cls, error: str, status: int) -> "Outcome":
+        return cls("abort", error, status)
+
+    @property
+    def completed(self) -> bool:
+        return self.reason != "abort"
+
+    def delta(self, rid: str) -> TokenDelta:
+        """The closing delta of an abort (a completed request's last delta carries its last token)."""
+        return TokenDelta.failed(rid, self.error or "request aborted", self.status or 500)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Metrics a worker publishes: cumulative counters, current gauges, histograms."""
+
+    counters: dict[str, float]
+    gauges: dict[str, float]
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+
+
 class WorkerScheduler(abc.ABC):
-    runner = None
-    kv = None
-    stats = None
+    """One worker's scheduling state machine. Driven by a single thread; none of its methods
+    block on or touch a socket. ``add`` raises ``RequestRejected`` (nothing queued) for a
+    request that can never run; ``abort`` is idempotent; ``handle`` returns None for a message
+    this role does not take (the loop logs it)."""
+
+    role: str
+
+    def __init__(self, runner, kv: KVManager) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.stats = SchedulerStats()
 
     @abc.abstractmethod
-    def live_requests(self) -> list:
-        """Every request that holds or may hold KV state on this worker."""
+    def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
+        """Queue a new request from connection ``owner``."""
+
+    @abc.abstractmethod
+    def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
+        """End ``rid`` wherever it is (unknown or finished ids: empty outbox)."""
+
+    @abc.abstractmethod
+    def step(self) -> Outbox:
+        """Run one scheduling iteration (at most one forward pass)."""
+
+    @abc.abstractmethod
+    def handle(self, source: Dest, msg: Message, frames: list[bytes]) -> Outbox | None:
+        """A role-specific message from ``source``."""
+
+    @property
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """True while ``step`` has something to do now."""
+
+    @abc.abstractmethod
+    def live_handles(self) -> Sequence[KVHandle]:
+        """KV handles of every request that holds or may hold pages on this worker."""
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot({k: float(v) for k, v in self.stats.as_dict().items()}, self.pool_gauges())
 
     @property
     def capacity_tokens(self) -> int:
@@ -47,14 +171,19 @@ class WorkerScheduler(abc.ABC):
     def page_size(self) -> int:
         return self.runner.page_size
 
+    def reject_if_unfit(self, prompt_len: int, max_new_tokens: int, pool: str = "KV cache pool") -> None:
+        """``check_fits`` against this worker's pool and context, counting refusals."""
+        try:
+            check_fits(prompt_len, max_new_tokens, self.capacity_tokens, self.max_model_len, pool)
+        except RequestRejected:
+            self.stats.rejected_requests += 1
+            raise
+
     def check_integrity(self) -> None:
         """Pool invariant (free + used + cached == total), radix locks, allocator consistency."""
-        self.kv.check_integrity(self.live_requests())
-
-    def base_counters(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.stats.as_dict().items()}
+        self.kv.check_integrity(self.live_handles())
 
     def pool_gauges(self) -> dict[str, float]:
-        u = self.kv.usage(self.live_requests())
+        u = self.kv.usage(self.live_handles())
         return {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
                 "kv_pages_total": u.total}

@@ -21,7 +21,7 @@ OOM_ABORT_MESSAGE = (
 
 def decode_pages_needed(kv: KVManager, reqs: list[Request], steps: int) -> int:
     """New pages ``reqs`` need to decode ``steps`` more tokens each."""
-    return sum(max(0, kv.pages_for(r.kv_len + steps) - len(r.pages)) for r in reqs)
+    return sum(max(0, kv.pages_for(r.kv_len + steps) - len(r.kv.pages)) for r in reqs)
 
 
 def check_decode_mem(kv: KVManager, reqs: list[Request], steps: int = 1) -> bool:

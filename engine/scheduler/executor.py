@@ -1,16 +1,37 @@
 """Runs extend and decode batches for a scheduler: forward, sample, append, stop checks.
 
 Shared by the colocated, prefill and decode workers so every mode samples and finishes requests
-the same way.
+the same way. Each sampled token yields one ``TokenDelta`` (empty ids when the token is the stop
+token itself, which is not part of the output); a request that finished has ``finished`` set.
 """
 from __future__ import annotations
 
 from engine.forward_batch import ForwardMode
 from engine.model_runner import ModelRunner, SeqChunk
-from engine.request import ReqStatus, Request
-from engine.sampling import Sampler, check_stop
+from engine.request import Phase, Request
+from engine.sampling import Sampler
+from engine.sampling_params import check_stop
 from engine.scheduler.admission import ExtendItem
-from engine.scheduler.events import TokenEvent
+from transfer.protocol import TokenDelta
+
+
+def token_delta(req: Request, tok: int, logprob: float | None, top: list | None, eos: frozenset[int],
+                max_model_len: int) -> TokenDelta:
+    """Append ``tok`` to ``req`` (output and sampler state), apply the stop checks (finishing
+    ``req`` if one hits), and return the token's delta."""
+    req.sampler_state.append(tok)
+    req.output_ids.append(tok)
+    delta = TokenDelta(rid=req.rid, token_ids=[tok], logprobs=[logprob], top_logprobs=[top],
+                       prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+    reason = check_stop(tok, req.params, eos, len(req.output_ids))
+    if reason is None and req.seq_len >= max_model_len:
+        reason = "length"
+    if reason is not None:
+        req.finish(reason)
+        delta.finish_reason = reason
+        if reason == "stop":
+            delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
+    return delta
 
 
 class BatchExecutor:
@@ -19,44 +40,31 @@ class BatchExecutor:
         self.sampler = Sampler()
         self.eos = frozenset(eos_token_ids)
 
-    def extend(self, items: list[ExtendItem]) -> list[tuple[Request, TokenEvent]]:
-        """Compute the items' tokens; requests whose prompt completes get their next token."""
-        seqs = [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.pages)
+    def extend(self, items: list[ExtendItem]) -> list[tuple[Request, TokenDelta]]:
+        """Compute the items' tokens; requests whose prompt completes get their next token and
+        become RUNNING (or FINISHED)."""
+        seqs = [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages)
                 for i in items]
         logits = self.runner.forward(ForwardMode.EXTEND, seqs)
         done = [k for k, i in enumerate(items) if i.completes]
         for i in items:
             i.req.kv_len += i.length
         for k in done:
-            items[k].req.status = ReqStatus.RUNNING
+            items[k].req.status = Phase.RUNNING
         return self._sample(logits[done] if len(done) < len(items) else logits, [items[k].req for k in done])
 
-    def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenEvent]]:
+    def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
         """One token for each request; pages for position ``kv_len`` must already be allocated."""
-        seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.pages) for r in reqs]
+        seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages)
+                for r in reqs]
         logits = self.runner.forward(ForwardMode.DECODE, seqs)
         for r in reqs:
             r.kv_len += 1
         return self._sample(logits, reqs)
 
-    def _sample(self, logits, reqs: list[Request]) -> list[tuple[Request, TokenEvent]]:
+    def _sample(self, logits, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
         if not reqs:
             return []
         out = self.sampler.sample(logits, [r.params for r in reqs], [r.sampler_state for r in reqs])
-        events = []
-        for k, r in enumerate(reqs):
-            tok = out.token_ids[k]
-            r.sampler_state.append(tok)
-            r.output_ids.append(tok)
-            ev = TokenEvent(r.rid, [tok], [out.logprobs[k]], [out.top_logprobs[k]],
-                            prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens)
-            reason = check_stop(tok, r.params, self.eos, len(r.output_ids))
-            if reason is None and r.seq_len >= self.runner.max_model_len:
-                reason = "length"
-            if reason is not None:
-                r.finish(reason)
-                ev.finish_reason = reason
-                if reason == "stop":  # the EOS / stop token itself is not part of the output
-                    ev.token_ids, ev.logprobs, ev.top_logprobs = [], [], []
-            events.append((r, ev))
-        return events
+        return [(r, token_delta(r, out.token_ids[k], out.logprobs[k], out.top_logprobs[k], self.eos,
+                                self.runner.max_model_len)) for k, r in enumerate(reqs)]

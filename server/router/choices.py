@@ -55,11 +55,11 @@ class ChoiceRun:
     async def step(self) -> Piece:
         """The next piece; raises ``APIError`` from the session. Do not call once ``done``."""
         delta = await self.session.next()
-        self.token_ids += delta.ids
+        self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.top_logprobs += delta.top_logprobs
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
-        text = self.stream.push(delta.ids)
+        text = self.stream.push(delta.token_ids)
         finish = delta.finish_reason
         if self.stream.stopped:
             finish = "stop"
@@ -67,7 +67,7 @@ class ChoiceRun:
         elif finish:
             text += self.stream.finish()
         self.finish_reason = finish
-        return Piece(text, delta.ids, delta.logprobs, delta.top_logprobs, finish)
+        return Piece(text, delta.token_ids, delta.logprobs, delta.top_logprobs, finish)
 
     async def collect(self) -> None:
         """Run to the end (non-streaming)."""

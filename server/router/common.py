@@ -6,7 +6,7 @@ import uuid
 
 from pydantic import ValidationError
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from server.router.choices import ChoiceRun
 from server.router.context import RouterContext
 from server.router.errors import APIError, from_validation_error

@@ -1,6 +1,6 @@
 """The router's in-flight table: every request between submission and its last token or error.
 
-Each entry owns an ``asyncio.Queue`` of ``TokenEntry``/ids pairs fed by the workers' receive
+Each entry owns an ``asyncio.Queue`` of ``TokenDelta``s fed by the workers' receive
 tasks. An entry names the workers that hold state for it (``workers``; in PD mode a prefill and a
 decode worker) and the one whose token stream is forwarded (``stream_from``); errors from any of
 its workers are forwarded too. ``fail_worker`` ends every entry that touches a dead worker.
@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from transfer.protocol import TokenEntry
+from transfer.protocol import TokenDelta
 
 
 @dataclass
@@ -44,22 +44,21 @@ class InflightTable:
         """Forget a request (idempotent)."""
         self._entries.pop(rid, None)
 
-    def dispatch(self, worker_id: str, entry: TokenEntry, ids: list[int]) -> bool:
-        """Queue a worker's token entry for its request; False if nobody waits for it."""
-        inflight = self._entries.get(entry.rid)
+    def dispatch(self, worker_id: str, delta: TokenDelta) -> bool:
+        """Queue a worker's token delta for its request; False if nobody waits for it."""
+        inflight = self._entries.get(delta.rid)
         if inflight is None or worker_id not in inflight.workers:
             return False
-        if worker_id != inflight.stream_from and entry.error is None:
+        if worker_id != inflight.stream_from and delta.error is None:
             return False
-        inflight.queue.put_nowait((entry, ids))
+        inflight.queue.put_nowait(delta)
         return True
 
     def fail_worker(self, worker_id: str, status: int, message: str) -> list[str]:
         """End every request that involves ``worker_id`` with an error; returns their rids."""
         rids = [rid for rid, e in self._entries.items() if worker_id in e.workers]
         for rid in rids:
-            err = TokenEntry(rid=rid, n=0, finish_reason="abort", error=message, error_status=status)
-            self._entries[rid].queue.put_nowait((err, []))
+            self._entries[rid].queue.put_nowait(TokenDelta.failed(rid, message, status))
         return rids
 
     def workers_of(self, rid: str) -> tuple[str, ...]:

@@ -9,8 +9,8 @@ reports it. A worker that answers again becomes ready again, unless it was marke
 
 Routing: ``route()`` hands the ready workers to a policy function (``ROUTING_POLICIES[mode]``)
 that returns a ``Route``: the workers that receive the request and the one that streams tokens
-back. Colocated mode sends to one worker; PD mode (next issue) will pick a (prefill, decode) pair
-with the same ``least_outstanding`` helper and stream from decode.
+back. Colocated mode sends to the least loaded colocated worker; PD mode picks the least loaded
+prefill and decode workers (``least_outstanding``) and streams from the decode worker.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from server.router.inflight import InflightTable
 from server.router.worker_client import WorkerUnavailable
-from transfer.protocol import TokenEntry, WorkerStats
+from transfer.protocol import TokenDelta, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -203,16 +203,14 @@ class Registry:
         if self.model_name is not None and stats.model != self.model_name:
             h.state, h.reason = STARTING, f"serves model {stats.model!r} but the router serves {self.model_name!r}"
             return
-        if stats.ready and h.state != READY:
+        if h.state != READY:
             log.info("worker %s is ready (%s, capacity %d tokens)", worker_id, stats.model, stats.capacity_tokens)
             h.state, h.reason = READY, ""
-        elif not stats.ready:
-            h.state, h.reason = STARTING, "worker reports not ready"
 
-    def on_tokens(self, worker_id: str, entry: TokenEntry, ids: list[int]) -> None:
-        """A token entry arrived: a sign of life, forwarded to the request's queue."""
+    def on_tokens(self, worker_id: str, delta: TokenDelta) -> None:
+        """A token delta arrived: a sign of life, forwarded to the request's queue."""
         self.handles[worker_id].last_seen = self.clock()
-        self.table.dispatch(worker_id, entry, ids)
+        self.table.dispatch(worker_id, delta)
 
     def mark_dead(self, worker_id: str, reason: str, permanent: bool = False) -> list[str]:
         """Mark a worker dead and fail its in-flight requests with 503; returns their rids."""

@@ -6,7 +6,7 @@ in ``finally`` blocks of cancelled tasks):
 1. ``prepare()``: pick a route (503 if no worker is ready) and check prompt + max_tokens against
    the route's context and KV pool capacity from the latest ``WorkerStats`` (400 with the numbers).
 2. ``send()``: register in the in-flight table and send ``GenerateRequest`` to the route's targets.
-3. ``next()``: the next ``Delta``; a worker error (400 refused, 500 out of KV, 503 worker dead)
+3. ``next()``: the next ``TokenDelta``; a worker error (400 refused, 500 out of KV, 503 worker dead)
    or the request timeout raises ``APIError`` (the request is then already aborted and closed).
 4. ``close()``: idempotent; removes the in-flight entry and, if the worker has not finished the
    request, sends ``AbortRequest`` so its KV is freed (client gone, stop string, error, timeout).
@@ -16,25 +16,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
-
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from server.router.errors import APIError
 from server.router.inflight import Inflight, InflightTable
 from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
-
-
-@dataclass
-class Delta:
-    """New tokens of one request (possibly none) and, on the last one, its finish reason."""
-
-    ids: list[int]
-    logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+from transfer.protocol import TokenDelta
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None:
@@ -99,31 +86,25 @@ class GenerationSession:
             self.close("could not reach every worker of the route")
             raise APIError(503, str(e), code="worker_unavailable") from None
 
-    def start(self) -> None:
-        """``prepare()`` then ``send()``."""
-        self.prepare()
-        self.send()
-
-    async def next(self) -> Delta:
+    async def next(self) -> TokenDelta:
         """The next delta. Raises ``APIError`` on a worker error or timeout (already closed then)."""
         assert self.inflight is not None and not self.finished, "send() first; nothing after the last delta"
         remaining = self.arrival + self.timeout_s - time.monotonic()
         try:
-            entry, ids = await asyncio.wait_for(self.inflight.queue.get(), max(remaining, 0.0))
+            delta = await asyncio.wait_for(self.inflight.queue.get(), max(remaining, 0.0))
         except TimeoutError:
             self.close(f"request timed out after {self.timeout_s:g}s")
             raise APIError(504, f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was aborted",
                            code="timeout") from None
-        if entry.finish_reason == "abort":
+        if delta.finish_reason == "abort":
             self.finished = True
             self.close()
-            raise APIError(entry.error_status or 500, entry.error or "the worker aborted the request")
-        self._clock_tokens(len(ids))
-        if entry.finish_reason:
+            raise APIError(delta.error_status or 500, delta.error or "the worker aborted the request")
+        self._clock_tokens(len(delta.token_ids))
+        if delta.finish_reason:
             self.finished = True
             self.close()
-        return Delta(ids, list(entry.logprobs), list(entry.top_logprobs), entry.finish_reason,
-                     entry.prompt_tokens, entry.cached_tokens)
+        return delta
 
     def close(self, reason: str = "aborted by the router") -> None:
         """Leave the in-flight table; abort in the worker(s) if they have not finished it."""

@@ -3,7 +3,7 @@
 Sends are non-blocking (``NOBLOCK``) and synchronous, so they can run in ``finally`` blocks of
 cancelled tasks; a full send queue (worker gone for long) raises ``WorkerUnavailable``. One
 background task receives everything the worker sends: each ``TokenBatch`` entry goes to
-``on_tokens(worker_id, entry, ids)`` and each ``WorkerStats`` to ``on_stats(worker_id, stats)``.
+``on_tokens(worker_id, delta)`` and each ``WorkerStats`` to ``on_stats(worker_id, stats)``.
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from engine.sampling import SamplingParams
-from transfer.protocol import (AbortRequest, GenerateRequest, PrefillRequest, Message, ProtocolError, Shutdown, StatsRequest,
-                               TokenBatch, TokenEntry, WorkerStats, decode, encode, frame_ids, ids_frame)
+from engine.sampling_params import SamplingParams
+from transfer.protocol import (AbortRequest, GenerateRequest, Message, PrefillRequest, ProtocolError, Shutdown,
+                               StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, ids_frame)
 
 log = logging.getLogger(__name__)
 
-TokensCallback = Callable[[str, TokenEntry, list[int]], None]
+TokensCallback = Callable[[str, TokenDelta], None]
 StatsCallback = Callable[[str, WorkerStats], None]
 
 
@@ -113,10 +113,8 @@ class WorkerClient:
     def _handle(self, parts: list[bytes]) -> None:
         msg, frames = decode(parts)
         if isinstance(msg, TokenBatch):
-            ids, pos = frame_ids(frames[0]), 0
-            for entry in msg.entries:
-                self._on_tokens(self.worker_id, entry, ids[pos:pos + entry.n])
-                pos += entry.n
+            for delta in msg.unpack(frames[0]):
+                self._on_tokens(self.worker_id, delta)
         elif isinstance(msg, WorkerStats):
             self._on_stats(self.worker_id, msg)
         else:

@@ -1,0 +1,146 @@
+"""Decode requests between arrival and the running batch: the prealloc queue (waiting for pages)
+and the transfers in flight (pages reserved, KV being written by a prefill worker).
+
+Admission (``admit``): prompt pages minus the decode radix prefix, plus ``max_new_tokens *
+new_token_ratio`` reserved, FCFS (the first request that does not fit stops admission); an
+admitted request gets its pages and a ``KVDestination`` goes to its prefill worker (with a
+``PrefillRequest`` first for a recompute). A transfer leaves the tracker when its completion
+notification lands (``landed``, manifest checked), when the prefill side reports ``PrefillFailed``
+(``failed``), or, for a fenced job whose client was already answered, when its prefill worker
+restarted or ``transfer_fence_s`` passed (``release_fences``): only then may its pages be reused.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache.kv_manager import KVManager
+from decode_worker.jobs import DecodeJob
+from decode_worker.manifest import manifest_error, parse_manifest
+from decode_worker.peers import PrefillPeers
+from engine.request import Phase
+from engine.scheduler.admission import admit_prompt, reserved_tokens
+from engine.scheduler.base import Outbox, Peer
+from transfer.kv_transport import KVTransport
+from transfer.protocol import KVDestination, PrefillFailed, PrefillRequest, TransferManifest, ids_frame
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Landing:
+    """A transfer that ended: its manifest, or ``error`` when the manifest is not what was asked."""
+
+    job: DecodeJob
+    manifest: TransferManifest
+    error: str | None = None
+
+
+class TransferTracker:
+    def __init__(self, kv: KVManager, transport: KVTransport, worker_id: str) -> None:
+        self.kv = kv
+        self.transport = transport
+        self.worker_id = worker_id
+        self.prealloc: deque[DecodeJob] = deque()
+        self.inflight: dict[tuple[int, int], DecodeJob] = {}
+
+    def queue(self, job: DecodeJob, front: bool = False) -> None:
+        job.req.status = Phase.PREALLOC
+        (self.prealloc.appendleft if front else self.prealloc.append)(job)
+
+    def writing(self, job: DecodeJob) -> bool:
+        """True while a remote write into ``job``'s pages may still land."""
+        return self.inflight.get(job.key) is job
+
+    def discard(self, job: DecodeJob) -> None:
+        if job in self.prealloc:
+            self.prealloc.remove(job)
+
+    def __len__(self) -> int:
+        return len(self.prealloc) + len(self.inflight)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def admit(self, peers: PrefillPeers, free: int, ratio: float, slots: int) -> tuple[Outbox, list[DecodeJob]]:
+        """Reserve pages for prealloc jobs within ``free`` pages and ``slots`` requests.
+        Returns (messages to prefill workers, jobs whose prefill worker is unusable)."""
+        out, unusable = Outbox(), []
+        for job in list(self.prealloc):
+            if slots <= 0:
+                break
+            peer = peers.get(job.prefill_addr)
+            if peer is not None and peer.unusable:
+                unusable.append(job)
+                continue
+            if peer is None or not peer.ready:
+                continue
+            used = self._reserve(job, free, ratio)
+            if used is None:
+                break  # NO_TOKEN: FCFS, later requests must not overtake this one
+            free, slots = free - used, slots - 1
+            self.prealloc.remove(job)
+            self._request_kv(job, out)
+        return out, unusable
+
+    def _reserve(self, job: DecodeJob, free: int, ratio: float) -> int | None:
+        """Match the decode radix prefix and take the prompt's pages; None if over budget."""
+        req = job.req
+        extra = self.kv.pages_for(req.seq_len + reserved_tokens(req, ratio)) - self.kv.pages_for(job.n_tokens)
+        need = admit_prompt(self.kv, req, job.n_tokens, max(0, extra), free)
+        if need is not None:
+            job.decode_prefix_len = req.kv_len
+        return need
+
+    def _request_kv(self, job: DecodeJob, out: Outbox) -> None:
+        req, to = job.req, Peer(job.prefill_addr)
+        req.status = Phase.TRANSFER
+        self.inflight[job.key] = job
+        if job.generation > 0:
+            out.send(to, PrefillRequest(rid=req.rid, room=job.room, generation=job.generation, params=req.params,
+                                        decode_worker=self.worker_id), ids_frame(req.all_ids[:job.n_tokens]))
+        log.debug("destination for %s room %d: %d pages", req.rid, job.room, len(req.kv.pages))
+        dest = KVDestination(rid=req.rid, room=job.room, generation=job.generation,
+                             decode_prefix_len=job.decode_prefix_len, n_tokens=job.n_tokens)
+        out.send(to, dest, np.asarray(req.kv.pages, dtype="<i4").tobytes())
+
+    # ---- transfers ending -----------------------------------------------------------------------
+    def landed(self) -> list[Landing]:
+        """Transfers whose completion notification arrived since the last call."""
+        ended = []
+        for _peer, raw in self.transport.poll_notifs():
+            m = parse_manifest(raw)
+            job = self.inflight.pop((m.room, m.generation), None) if m else None
+            if job is None:
+                log.warning("notification for no pending transfer: %r", raw[:200])
+                continue
+            log.debug("KV of %s room %d generation %d arrived", job.req.rid, job.room, job.generation)
+            ended.append(Landing(job, m, manifest_error(m, job, self.kv.page_size)))
+        return ended
+
+    def failed(self, msg: PrefillFailed) -> DecodeJob | None:
+        """The job ``msg`` is about (no longer in flight), or None if there is none."""
+        key = (msg.room, msg.generation)
+        job = self.inflight.pop(key, None)
+        if job is None:
+            job = next((j for j in self.prealloc if j.key == key), None)
+        return job
+
+    def waiting_on(self, addr: str) -> list[DecodeJob]:
+        """Jobs that depend on the prefill worker at ``addr`` (queued or in flight)."""
+        return [j for j in (*self.prealloc, *self.inflight.values()) if j.prefill_addr == addr]
+
+    def release_fences(self, restarted: Iterable[str], fence_s: float) -> list[DecodeJob]:
+        """Fenced jobs whose pages can no longer be written: their prefill worker restarted, or
+        ``fence_s`` passed. They leave the tracker; the caller frees them."""
+        restarted, now = set(restarted), time.monotonic()
+        done = [j for j in self.inflight.values()
+                if j.answered and (j.prefill_addr in restarted or now - j.fenced_at > fence_s)]
+        for job in done:
+            why = "prefill worker restarted" if job.prefill_addr in restarted else f"no answer within {fence_s:g}s"
+            log.warning("freeing the pages of %s room %d: %s", job.req.rid, job.room, why)
+            del self.inflight[job.key]
+        return done
