@@ -217,7 +217,7 @@ class Sampler:
         states: Sequence[SamplerState],
     ) -> torch.Tensor:
         """Tokens for a batch with at least one non-greedy row; ``x`` is penalised fp32 logits."""
-        B, V = x.shape
+        B, _ = x.shape
         device = x.device
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -231,30 +231,7 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in rparams], dtype=torch.float32, device=device)
         r = r / temps.unsqueeze(1)
 
-        ks_list = [V if p.top_k == -1 else min(p.top_k, V) for p in rparams]
-        use_k = any(k < V for k in ks_list)
-        use_p = any(p.top_p < 1.0 for p in rparams)
-        if use_k or use_p:
-            # Work on candidates sorted by decreasing logit. When every row has a top-k, only the
-            # k_max best tokens can survive, so a (much cheaper) topk replaces the full sort.
-            k_max = max(ks_list)
-            if k_max < V:
-                cand_logits, cand_idx = r.topk(k_max, dim=-1, sorted=True)
-            else:
-                cand_logits, cand_idx = r.sort(dim=-1, descending=True)
-            width = cand_logits.shape[1]
-            if use_k:
-                ks = torch.tensor(ks_list, device=device)
-                positions = torch.arange(width, device=device)
-                cand_logits.masked_fill_(positions.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
-            if use_p:
-                ps = torch.tensor([p.top_p for p in rparams], dtype=torch.float32, device=device)
-                cprobs = cand_logits.softmax(dim=-1)
-                mass_before = cprobs.cumsum(dim=-1) - cprobs
-                drop = mass_before >= ps.unsqueeze(1)
-                drop[:, 0] = False  # always keep the most likely token
-                cand_logits.masked_fill_(drop, float("-inf"))
-            r = torch.full_like(r, float("-inf")).scatter_(1, cand_idx, cand_logits)
+        r = Sampler._top_k_top_p(r, rparams)
 
         probs = r.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in rparams):
@@ -263,20 +240,7 @@ class Sampler:
             probs = probs.masked_fill(probs < thresh, 0.0)
             # no renormalisation needed: the exponential race is scale-invariant per row
 
-        # Exponential race: argmax(p / E), E ~ Exp(1), equals a draw from p (normalised).
-        noise = torch.empty_like(probs)
-        seeded = [(j, states[i].generator) for j, i in enumerate(rand_rows)
-                  if states[i].generator is not None]
-        if len(seeded) < len(rand_rows):
-            noise.exponential_()
-        for j, g in seeded:
-            if g.device == device:
-                noise[j].exponential_(generator=g)
-            else:
-                noise[j] = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(
-                    generator=g).to(device)
-        noise.clamp_min_(torch.finfo(torch.float32).tiny)
-        rand_tokens = (probs / noise).argmax(dim=-1)
+        rand_tokens = Sampler._exponential_race(probs, [states[i] for i in rand_rows])
 
         if not greedy_rows:
             return rand_tokens
@@ -285,6 +249,58 @@ class Sampler:
         out.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
         out.index_copy_(0, rand_idx, rand_tokens)
         return out
+
+    @staticmethod
+    def _top_k_top_p(r: torch.Tensor, rparams: Sequence[SamplingParams]) -> torch.Tensor:
+        """``r`` (tempered fp32 logits, row j for ``rparams[j]``) with each row's tokens outside
+        its top-k and top-p sets at ``-inf``; ``r`` itself when no row restricts either."""
+        V = r.shape[1]
+        device = r.device
+        ks_list = [V if p.top_k == -1 else min(p.top_k, V) for p in rparams]
+        use_k = any(k < V for k in ks_list)
+        use_p = any(p.top_p < 1.0 for p in rparams)
+        if not (use_k or use_p):
+            return r
+        # Work on candidates sorted by decreasing logit. When every row has a top-k, only the
+        # k_max best tokens can survive, so a (much cheaper) topk replaces the full sort.
+        k_max = max(ks_list)
+        if k_max < V:
+            cand_logits, cand_idx = r.topk(k_max, dim=-1, sorted=True)
+        else:
+            cand_logits, cand_idx = r.sort(dim=-1, descending=True)
+        width = cand_logits.shape[1]
+        if use_k:
+            ks = torch.tensor(ks_list, device=device)
+            positions = torch.arange(width, device=device)
+            cand_logits.masked_fill_(positions.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
+        if use_p:
+            ps = torch.tensor([p.top_p for p in rparams], dtype=torch.float32, device=device)
+            cprobs = cand_logits.softmax(dim=-1)
+            mass_before = cprobs.cumsum(dim=-1) - cprobs
+            drop = mass_before >= ps.unsqueeze(1)
+            drop[:, 0] = False  # always keep the most likely token
+            cand_logits.masked_fill_(drop, float("-inf"))
+        return torch.full_like(r, float("-inf")).scatter_(1, cand_idx, cand_logits)
+
+    @staticmethod
+    def _exponential_race(probs: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+        """One token per row of ``probs`` (unnormalised probabilities), drawn with the generator of
+        ``states[j]`` for row j, or torch's global RNG for states without one."""
+        V = probs.shape[1]
+        device = probs.device
+        # Exponential race: argmax(p / E), E ~ Exp(1), equals a draw from p (normalised).
+        noise = torch.empty_like(probs)
+        seeded = [(j, st.generator) for j, st in enumerate(states) if st.generator is not None]
+        if len(seeded) < len(states):
+            noise.exponential_()
+        for j, g in seeded:
+            if g.device == device:
+                noise[j].exponential_(generator=g)
+            else:
+                noise[j] = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(
+                    generator=g).to(device)
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _fill_logprobs(

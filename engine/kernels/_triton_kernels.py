@@ -5,6 +5,8 @@ The bodies are plain functions; ``get_kernel(name, interpret)`` wraps them on fi
 interpreter additionally needs ``TRITON_INTERPRET=1`` in the environment *before triton is
 first imported*: triton.language's own helpers (``tl.sum``, ``tl.max``, ``tl.zeros``) are
 ``@jit`` functions bound to the mode active at that import. ``interpreter_usable()`` tells.
+Helpers the bodies call (``_attend_block``) are wrapped at import by ``_device_fn`` in that
+same mode, since a body finds them through this module's globals.
 Every load/store is masked; slot, page and batch indices are cast to int64 before they are
 multiplied by strides.
 """
@@ -14,6 +16,13 @@ import functools
 
 import triton
 import triton.language as tl
+
+
+def interpreter_usable() -> bool:
+    """True when triton was imported in interpreter mode (``TRITON_INTERPRET=1`` set first)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction)
 
 
 def _store_kv_kernel(
@@ -48,6 +57,46 @@ def _store_kv_kernel(
     tl.store(v_ptr, v.to(V_DST.dtype.element_ty), mask=mask)
 
 
+def _device_fn(fn):
+    """Wrap a helper called from kernel bodies in the mode triton.language's helpers use.
+
+    A kernel resolves a helper through this module's globals, so the helper cannot follow
+    ``get_kernel``'s ``interpret`` flag; it follows the mode triton was imported in instead, which
+    is the only mode whose ``tl.sum``/``tl.max`` work, hence the only one a kernel can run in.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn) if interpreter_usable() else triton.jit(fn)
+
+
+@_device_fn
+def _attend_block(q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale,
+                  USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax; returns the updated ``(m_i, l_i, acc)``.
+
+    ``k_ptrs``/``v_ptrs`` ``[BLOCK_N, D_PAD]``; ``t_mask`` ``[BLOCK_N]`` marks the valid keys (at
+    least one, so the new running max is finite), ``d_mask`` ``[D_PAD]`` the real head dims.
+    """
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    else:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))   # [G_PAD, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if USE_DOT:
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, l_i, acc
+
+
 def _paged_decode_kernel(
     Q, K, V, BT, SEQ, OUT,
     qk_scale,                 # softmax scale * log2(e): scores are exponentiated with exp2
@@ -55,16 +104,14 @@ def _paged_decode_kernel(
     s_qb, s_qh, s_qd,
     s_kp, s_ko, s_kh, s_kd,
     s_vp, s_vo, s_vh, s_vd,
-    s_btb, s_btj,
-    s_ob, s_oh, s_od,
+    s_btb, s_btj, s_ob, s_oh, s_od,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,      # query heads per kv head
     HEAD_DIM: tl.constexpr,
     G_PAD: tl.constexpr,      # GROUP padded (power of 2; >= 16 when USE_DOT)
     D_PAD: tl.constexpr,      # HEAD_DIM padded (power of 2; >= 16 when USE_DOT)
     BLOCK_N: tl.constexpr,    # keys per iteration
-    USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (B, kv_heads); the program owns the GROUP query heads that share kv head `kvh`.
     b = tl.program_id(0).to(tl.int64)
@@ -72,10 +119,9 @@ def _paged_decode_kernel(
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     n = tl.arange(0, BLOCK_N)
-    g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     qh = kvh * GROUP + g.to(tl.int64)
-    gd_mask = g_mask[:, None] & d_mask[None, :]
+    gd_mask = (g < GROUP)[:, None] & d_mask[None, :]
 
     q = tl.load(Q + b * s_qb + qh[:, None] * s_qh + d[None, :] * s_qd, mask=gd_mask, other=0.0)
     seq_len = tl.load(SEQ + b).to(tl.int32)
@@ -87,33 +133,15 @@ def _paged_decode_kernel(
     bt_row = BT + b * s_btb
     k_head = K + kvh * s_kh
     v_head = V + kvh * s_vh
-    for start in range(lo, seq_len, BLOCK_N):
+    for start in range(lo, seq_len, BLOCK_N):   # lo <= start < seq_len: >= 1 valid key per block
         tok = start + n
         t_mask = tok < seq_len
-        col = (tok // PAGE_SIZE).to(tl.int64)
-        page = tl.load(bt_row + col * s_btj, mask=t_mask, other=0).to(tl.int64)
+        page = tl.load(bt_row + (tok // PAGE_SIZE).to(tl.int64) * s_btj, mask=t_mask, other=0).to(tl.int64)
         off = (tok % PAGE_SIZE).to(tl.int64)
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + page[:, None] * s_kp + off[:, None] * s_ko + d[None, :] * s_kd,
-                    mask=kv_mask, other=0.0)
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))   # [G_PAD, BLOCK_N]
-        # every block holds >= 1 valid key (lo <= start < seq_len), so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        v = tl.load(v_head + page[:, None] * s_vp + off[:, None] * s_vo + d[None, :] * s_vd,
-                    mask=kv_mask, other=0.0)
-        if USE_DOT:
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m_i = m_new
+        k_ptrs = k_head + page[:, None] * s_kp + off[:, None] * s_ko + d[None, :] * s_kd
+        v_ptrs = v_head + page[:, None] * s_vp + off[:, None] * s_vo + d[None, :] * s_vd
+        m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc,
+                                      qk_scale, USE_DOT, DOT_PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)            # seq_len == 0 -> zero output
     out = acc / l_safe[:, None]
@@ -149,13 +177,6 @@ _BODIES = {
     "paged_decode": _paged_decode_kernel,
     "copy_pages": _copy_pages_kernel,
 }
-
-
-def interpreter_usable() -> bool:
-    """True when triton was imported in interpreter mode (``TRITON_INTERPRET=1`` set first)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.zeros, InterpretedFunction)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,64 @@ def _block_n(use_dot: bool, g_pad: int, d_pad: int) -> int:
     return max(16, min(64, _ELEMWISE_TILE // (g_pad * d_pad)))
 
 
+def _check_shapes(
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sliding_window: int | None,
+) -> None:
+    """Validate the arguments of ``paged_decode_attention``: ValueError naming the mismatch."""
+    B, num_heads, head_dim = q.shape
+    if k_layer.dim() != 4 or k_layer.shape[1] != page_size or k_layer.shape[3] != head_dim:
+        raise ValueError(
+            f"k_layer {tuple(k_layer.shape)} does not match page_size {page_size}, head_dim {head_dim}"
+        )
+    if v_layer.shape != k_layer.shape:
+        raise ValueError(f"v_layer {tuple(v_layer.shape)} differs from k_layer {tuple(k_layer.shape)}")
+    kv_heads = k_layer.shape[2]
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {kv_heads}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim {head_dim} > 256 is not supported")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(
+            f"block_table {tuple(block_table.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {B}"
+        )
+
+
+def _tiling(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    group: int,
+    head_dim: int,
+    use_dot: bool | None,
+    block_n: int | None,
+) -> tuple[bool, int, int, int]:
+    """Triton tile choice ``(use_dot, g_pad, d_pad, block_n)``; ``None`` knobs get the defaults.
+
+    Raises ValueError for a ``block_n`` that is not a power of 2 (or < 16 with ``use_dot``), and
+    for ``use_dot`` with a pool dtype other than q's.
+    """
+    if use_dot is None:
+        use_dot = q_dtype in (torch.float16, torch.bfloat16) and kv_dtype == q_dtype and group >= 4
+    g_pad = next_pow2(group)
+    d_pad = next_pow2(head_dim)
+    if use_dot:   # tl.dot needs every dimension >= 16
+        g_pad, d_pad = max(g_pad, 16), max(d_pad, 16)
+    if block_n is None:
+        block_n = _block_n(use_dot, g_pad, d_pad)
+    if block_n & (block_n - 1) or (use_dot and block_n < 16):
+        raise ValueError(f"block_n must be a power of 2 (>= 16 with use_dot), got {block_n}")
+    if use_dot and kv_dtype != q_dtype:
+        raise ValueError(f"use_dot needs q and the KV pool in one dtype, got {q_dtype} / {kv_dtype}")
+    return use_dot, g_pad, d_pad, block_n
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_layer: torch.Tensor,
@@ -54,49 +112,37 @@ def paged_decode_attention(
     ``use_dot`` (tensor-core ``tl.dot`` over the query-head group, default: fp16/bf16 with a
     group of >= 4 heads and a pool of q's dtype) and ``block_n`` (keys per iteration, power of 2).
     """
-    B, num_heads, head_dim = q.shape
-    if k_layer.dim() != 4 or k_layer.shape[1] != page_size or k_layer.shape[3] != head_dim:
-        raise ValueError(
-            f"k_layer {tuple(k_layer.shape)} does not match page_size {page_size}, head_dim {head_dim}"
-        )
-    if v_layer.shape != k_layer.shape:
-        raise ValueError(f"v_layer {tuple(v_layer.shape)} differs from k_layer {tuple(k_layer.shape)}")
-    kv_heads = k_layer.shape[2]
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of kv_heads {kv_heads}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim {head_dim} > 256 is not supported")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
-        raise ValueError(
-            f"block_table {tuple(block_table.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {B}"
-        )
-
+    _check_shapes(q, k_layer, v_layer, block_table, seq_lens, page_size, sliding_window)
     if resolve_backend(backend, q, k_layer, v_layer, block_table, seq_lens) == "torch":
         return paged_decode_attention_torch(
             q, k_layer, v_layer, block_table, seq_lens, scale, page_size, sliding_window
         )
+    return _paged_decode_triton(q, k_layer, v_layer, block_table, seq_lens, scale, page_size,
+                                sliding_window, use_dot, block_n)
 
+
+def _paged_decode_triton(
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    page_size: int,
+    sliding_window: int | None,
+    use_dot: bool | None,
+    block_n: int | None,
+) -> torch.Tensor:
+    """The Triton path of ``paged_decode_attention`` on arguments ``_check_shapes`` accepted."""
     from engine.kernels._triton_kernels import get_kernel
 
+    B, num_heads, head_dim = q.shape
     out = torch.empty((B, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
+    kv_heads = k_layer.shape[2]
     group = num_heads // kv_heads
-    if use_dot is None:
-        use_dot = q.dtype in (torch.float16, torch.bfloat16) and k_layer.dtype == q.dtype and group >= 4
-    g_pad = next_pow2(group)
-    d_pad = next_pow2(head_dim)
-    if use_dot:   # tl.dot needs every dimension >= 16
-        g_pad, d_pad = max(g_pad, 16), max(d_pad, 16)
-    if block_n is None:
-        block_n = _block_n(use_dot, g_pad, d_pad)
-    if block_n & (block_n - 1) or (use_dot and block_n < 16):
-        raise ValueError(f"block_n must be a power of 2 (>= 16 with use_dot), got {block_n}")
-    if use_dot and k_layer.dtype != q.dtype:
-        raise ValueError(f"use_dot needs q and the KV pool in one dtype, got {q.dtype} / {k_layer.dtype}")
-
+    use_dot, g_pad, d_pad, block_n = _tiling(q.dtype, k_layer.dtype, group, head_dim, use_dot, block_n)
     interpret = use_interpreter(q, k_layer, v_layer, block_table, seq_lens)
     kernel = get_kernel("paged_decode", interpret)
     window = _NO_WINDOW if sliding_window is None else int(sliding_window)

@@ -37,6 +37,33 @@ def store_kv_torch(
     v_layer[pages, offsets] = v.to(v_layer.dtype)
 
 
+def _key_slots(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    sliding_window: int | None,
+    max_len: int,
+    batch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(valid, pages, offsets)``, each ``[batch, max_len]``, for key positions ``0..max_len-1``.
+
+    ``valid`` marks the positions request i attends; ``pages``/``offsets`` locate each position in
+    the pool, with page 0 where ``valid`` is False so that junk block-table entries are never read.
+    ``seq_lens`` is a long tensor on the device of the result.
+    """
+    device = seq_lens.device
+    pos = torch.arange(max_len, device=device)                        # [L]
+    valid = pos[None, :] < seq_lens[:, None]                           # [B, L]
+    if sliding_window is not None:
+        valid &= pos[None, :] >= (seq_lens[:, None] - sliding_window)
+    cols = torch.div(pos, page_size, rounding_mode="floor")
+    cols = cols.clamp(max=block_table.shape[1] - 1)
+    pages = block_table.to(device=device, dtype=torch.long)[:, cols]   # [B, L]
+    pages = torch.where(valid, pages, torch.zeros_like(pages))         # never read junk entries
+    offsets = (pos % page_size)[None, :].expand(batch, -1)
+    return valid, pages, offsets
+
+
 def paged_decode_attention_torch(
     q: torch.Tensor,
     k_layer: torch.Tensor,
@@ -71,16 +98,7 @@ def paged_decode_attention_torch(
     if max_len == 0:
         return torch.zeros_like(q)
 
-    pos = torch.arange(max_len, device=device)                        # [L]
-    valid = pos[None, :] < seq_lens[:, None]                           # [B, L]
-    if sliding_window is not None:
-        valid &= pos[None, :] >= (seq_lens[:, None] - sliding_window)
-    cols = torch.div(pos, page_size, rounding_mode="floor")
-    cols = cols.clamp(max=block_table.shape[1] - 1)
-    pages = block_table.to(device=device, dtype=torch.long)[:, cols]   # [B, L]
-    pages = torch.where(valid, pages, torch.zeros_like(pages))         # never read junk entries
-    offsets = (pos % page_size)[None, :].expand(B, -1)
-
+    valid, pages, offsets = _key_slots(block_table, seq_lens, page_size, sliding_window, max_len, B)
     k = k_layer[pages, offsets].float()                                # [B, L, Hkv, D]
     v = v_layer[pages, offsets].float()
     qf = q.float().view(B, kv_heads, group, head_dim)

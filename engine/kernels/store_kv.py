@@ -8,6 +8,25 @@ from engine.kernels._dispatch import next_pow2, resolve_backend, use_interpreter
 from engine.kernels.reference import store_kv_torch
 
 
+def _check_store_args(
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Validate the shapes ``store_kv`` documents: ValueError naming the mismatch."""
+    n, kv_heads, head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if k_layer.dim() != 4 or tuple(k_layer.shape[2:]) != (kv_heads, head_dim):
+        raise ValueError(f"k_layer {tuple(k_layer.shape)} does not fit k {tuple(k.shape)}")
+    if v_layer.shape != k_layer.shape:
+        raise ValueError(f"v_layer {tuple(v_layer.shape)} differs from k_layer {tuple(k_layer.shape)}")
+    if slots.shape != (n,):
+        raise ValueError(f"slots must be [{n}], got {tuple(slots.shape)}")
+
+
 def store_kv(
     k_layer: torch.Tensor,
     v_layer: torch.Tensor,
@@ -32,15 +51,8 @@ def store_kv(
     ``backend``: ``None``/``"auto"`` (Triton iff all tensors are on CUDA), ``"torch"`` or
     ``"triton"`` (on CPU tensors this runs the Triton interpreter; used by tests).
     """
+    _check_store_args(k_layer, v_layer, slots, k, v)
     n, kv_heads, head_dim = k.shape
-    if v.shape != k.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    if k_layer.dim() != 4 or tuple(k_layer.shape[2:]) != (kv_heads, head_dim):
-        raise ValueError(f"k_layer {tuple(k_layer.shape)} does not fit k {tuple(k.shape)}")
-    if v_layer.shape != k_layer.shape:
-        raise ValueError(f"v_layer {tuple(v_layer.shape)} differs from k_layer {tuple(k_layer.shape)}")
-    if slots.shape != (n,):
-        raise ValueError(f"slots must be [{n}], got {tuple(slots.shape)}")
     if n == 0:
         return
     if resolve_backend(backend, k_layer, v_layer, slots, k, v) == "torch":
