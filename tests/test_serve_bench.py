@@ -157,6 +157,12 @@ def test_send_parses_a_real_httpx_stream_and_reports_http_errors():
     r = asyncio.run(_send_with(refuse, cfg, spec))
     assert not r.ok and r.error.startswith("HTTP 400") and "prompt too long" in r.error
 
+    def garbled(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text='data: {"choices": [7]}\n\ndata: not json\n\n')
+
+    r = asyncio.run(_send_with(garbled, cfg, spec))
+    assert not r.ok and r.error.startswith("AttributeError")
+
 
 async def _send_with(handler, cfg, spec):
     async with _mock_client(handler) as c:
