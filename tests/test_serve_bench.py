@@ -293,6 +293,14 @@ def test_ratios_and_plot(tmp_path):
     out = tmp_path / "p.png"
     plot(recs, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    interference = []
+    for target in ("colocated", "pd"):
+        for kind in ("short", "long", "mixed"):
+            r = _record(target, 1, 100, 50, 20)
+            interference.append(RunRecord(target, "short 1/s", None, None, r.stats, [], kind=kind))
+    assert [r["kind"] for r in ratios(interference, "colocated", "pd")] == ["short", "long", "mixed"]
+    plot(interference, tmp_path / "i.png")
+    assert (tmp_path / "i.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- a real run -------------------------------------------------------------------------------------

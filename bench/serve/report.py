@@ -106,6 +106,8 @@ def plot(records: list[RunRecord], path: str | Path) -> None:
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'pdserve[bench]'") from None
     main = [r for r in records if r.kind == "all"]
+    if not main:
+        return _plot_interference(plt, records, path)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, target in enumerate(dict.fromkeys(r.target for r in main)):
         rs = [r for r in main if r.target == target]
@@ -125,6 +127,28 @@ def plot(records: list[RunRecord], path: str | Path) -> None:
         ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_interference(plt, records: list[RunRecord], path: str | Path) -> None:
+    """Bars of the short and long requests' P99 TTFT and P99 TPOT, one group per target."""
+    kinds = [k for k in ("short", "long") if any(r.kind == k for r in records)]
+    targets = list(dict.fromkeys(r.target for r in records))
+    by_key = {(r.target, r.kind): r for r in records}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    width = 0.8 / max(len(targets), 1)
+    for ax, metric in zip(axes, ("ttft", "tpot")):
+        for i, target in enumerate(targets):
+            ys = [getattr(getattr(by_key[(target, k)].stats, metric), "p99_ms", float("nan"))
+                  if (target, k) in by_key and getattr(by_key[(target, k)].stats, metric) else float("nan")
+                  for k in kinds]
+            ax.bar([j + i * width for j in range(len(kinds))], ys, width, label=target, color=f"C{i}")
+        ax.set_xticks([j + width * (len(targets) - 1) / 2 for j in range(len(kinds))], [f"{k} requests" for k in kinds])
+        ax.set_title(f"{metric.upper()} P99 (ms) under long-prompt interference")
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
