@@ -121,8 +121,11 @@ def plot(records: list[RunRecord], path: str | Path) -> None:
     closed = bool(main) and main[0].concurrency is not None
     xlabel = "concurrency" if closed else "request rate (req/s)"
     for ax, title in zip(axes, ("TTFT (ms)", "TPOT (ms)", "output tokens/s")):
-        if closed and len({r.concurrency for r in main}) > 1:
-            ax.set_xscale("log", base=2)  # 1, 8, 32: evenly spaced
+        levels = sorted({r.concurrency for r in main}) if closed else []
+        if len(levels) > 1:
+            ax.set_xscale("log", base=2)  # 1, 8, 32: evenly spaced, labelled as numbers
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.minorticks_off()
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
