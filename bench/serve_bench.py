@@ -107,7 +107,8 @@ class ServeBench:
 
 
 def run_serve_bench(args: argparse.Namespace, engine_values: dict) -> int:
-    """Entry point of ``pdserve bench serve``; 2 on invalid flags, 1 if the servers fail, else 0.
+    """Entry point of ``pdserve bench serve``; 2 on invalid flags, 1 if a server fails to start or any
+    request failed (after writing the results), else 0.
     ``engine_values``: the engine flags given on the command line (passed to launched servers)."""
     try:
         opts = ServeOptions.from_args(args)
@@ -132,4 +133,4 @@ def run_serve_bench(args: argparse.Namespace, engine_values: dict) -> int:
             print(f"pdserve bench serve: {e}", file=sys.stderr)
             return 1
         print(f"plot: {args.plot}")
-    return 0
+    return 1 if any(r.stats.failed for r in records) else 0

@@ -332,3 +332,17 @@ def test_real_run_against_a_launched_colocated_server(tmp_path):
         assert 0 < r["ttft_s"] < r["e2e_s"]
     assert "| colocated | c=2 | all | 4 | 0 |" in proc.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_reports_failures_in_json_and_exit_code(tmp_path, capsys):
+    from server.cli import main
+
+    out = tmp_path / "f.json"
+    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--served-model-name", "m",
+               "--tokenizer", "words", "--num-prompts", "3", "--concurrency", "2", "--warmup", "0",
+               "--no-progress", "--out", str(out)])
+    assert rc == 1
+    stats = json.loads(out.read_text())["runs"][0]["stats"]
+    assert (stats["requests"], stats["completed"], stats["failed"]) == (3, 0, 3)
+    assert "ConnectError" in stats["errors"][0] and "3 request(s) failed" in capsys.readouterr().out
+    assert main(["bench", "serve", "--concurrency", "1", "--request-rate", "2"]) == 2
