@@ -146,20 +146,28 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["engine", "retract", "transfer"],
+    p.add_argument("what", choices=["engine", "retract", "transfer", "serve"],
                    help="engine: decode/prefill tokens/s vs HF transformers; retract: retract costs "
-                        "(colocated and PD); transfer: KV transfer over NIXL vs memcpy")
+                        "(colocated and PD); transfer: KV transfer over NIXL vs memcpy; serve: OpenAI-compatible "
+                        "serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, --interference)")
     p.add_argument("--requests", type=int, default=16, help="retract: requests in the workload")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true", help="measure this engine only")
     add_flags(p, EngineConfig)
+    from bench.serve.options import add_serve_flags
+
+    add_serve_flags(p)
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     engine = EngineConfig(**collect(args, EngineConfig))
+    if args.what == "serve":
+        from bench.serve_bench import run_serve_bench
+
+        return run_serve_bench(args, collect(args, EngineConfig))
     if args.what == "retract":
         from bench.retract_bench import run_retract_bench
 

@@ -1,0 +1,105 @@
+"""Flags of ``pdserve bench serve`` and their parsing into a typed ``ServeOptions``.
+
+The flags join the ``pdserve bench`` parser in their own group; the engine flags that parser already
+has (``--model``, ``--kv-pool-tokens``, ...) are what ``--compare`` passes to every server it launches.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from dataclasses import dataclass
+
+from bench.serve.servers import parse_modes
+from bench.serve.stats import SLO
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """Add the ``bench serve`` flags to ``p``."""
+    g = p.add_argument_group("bench serve (OpenAI-compatible load generator)")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (without /v1)")
+    g.add_argument("--served-model-name", help="model field of the requests; default: first of GET /v1/models")
+    g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument("--concurrency", help="closed loop: comma-separated client counts, e.g. 1,8,32 (default 1)")
+    g.add_argument("--request-rate", help="open loop: comma-separated Poisson rates in req/s, e.g. 1,2,inf")
+    g.add_argument("--num-prompts", type=int, default=32, help="measured requests per load level")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens (see --input-len-range)")
+    g.add_argument("--input-len-range", metavar="LO,HI", help="prompt tokens uniform in [LO, HI] (wins over --input-len)")
+    g.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
+    g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for exactly --output-len tokens (ignore_eos, as vLLM and pdserve accept)")
+    g.add_argument("--tokenizer", help="model spec whose tokenizer counts prompt tokens ('words': one word "
+                                       "= one token); default: --model, else the embedded model")
+    g.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each load level's run")
+    g.add_argument("--workload-seed", type=int, default=0, help="seed of prompts and arrival times")
+    g.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT target")
+    g.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT target")
+    g.add_argument("--request-timeout-s", type=float, default=600.0)
+    g.add_argument("--out", help="write the results as JSON here")
+    g.add_argument("--plot", help="write a PNG of latency and throughput against load here (needs matplotlib)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g.add_argument("--compare", help="launch these modes one after the other (e.g. colocated,pd) with the same "
+                                     "engine flags and run the same workload against each; prints the ratios")
+    g.add_argument("--server-args", default="", help="--compare: more 'pdserve launch' flags for every server")
+    g.add_argument("--interference", action="store_true",
+                   help="short requests at --request-rate (Poisson) plus --long-prompts long ones at random")
+    g.add_argument("--long-prompts", type=int, default=4, help="--interference: number of long prompts")
+    g.add_argument("--long-input-len-range", default="1500,2000", metavar="LO,HI")
+    g.add_argument("--long-output-len", type=int, default=16)
+    g.add_argument("--long-request-rate", type=float, help="default: spread over the short stream's duration")
+
+
+def _range(text: str, flag: str) -> tuple[int, int]:
+    parts = text.replace("-", ",").split(",")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{flag} takes LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def _numbers(text: str, flag: str, kind: type) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise ValueError(f"{flag} takes comma-separated numbers > 0, got {text!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Parsed, validated ``bench serve`` settings (``ValueError`` from ``from_args`` says which flag is wrong)."""
+
+    concurrency: list[int] | None
+    request_rates: list[float] | None
+    input_range: tuple[int, int]
+    long_range: tuple[int, int]
+    slo: SLO
+    modes: list[str] | None
+    server_args: list[str]
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "ServeOptions":
+        if a.concurrency and a.request_rate:
+            raise ValueError("give --concurrency (closed loop) or --request-rate (open loop), not both")
+        if a.interference and a.concurrency:
+            raise ValueError("--interference is open loop: give the short requests' --request-rate, not --concurrency")
+        conc = _numbers(a.concurrency, "--concurrency", int) if a.concurrency else None
+        rates = _numbers(a.request_rate, "--request-rate", float) if a.request_rate else None
+        if a.interference and (rates is None or len(rates) != 1 or math.isinf(rates[0])):
+            raise ValueError("--interference needs one finite --request-rate for the short requests, e.g. 1.0")
+        if conc is None and rates is None:
+            conc = [1]
+        if a.num_prompts < 1 or a.output_len < 1 or a.warmup < 0:
+            raise ValueError("--num-prompts and --output-len must be >= 1, --warmup >= 0")
+        inp = _range(a.input_len_range, "--input-len-range") if a.input_len_range else _range(str(a.input_len),
+                                                                                              "--input-len")
+        return cls(conc, rates, inp, _range(a.long_input_len_range, "--long-input-len-range"),
+                   SLO(a.slo_ttft_ms, a.slo_tpot_ms), parse_modes(a.compare) if a.compare else None,
+                   shlex.split(a.server_args))

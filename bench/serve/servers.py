@@ -1,0 +1,51 @@
+"""Servers that ``--compare`` starts itself: ``pdserve launch --mode MODE`` on free loopback ports,
+with the same model/pool flags for every mode, stopped (with everything they started) afterwards."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from server.subprocess_server import LaunchedServer, free_port
+
+MODES = ("colocated", "pd")
+
+
+def config_flags(values: dict) -> list[str]:
+    """``{"kv_pool_tokens": 8192, ...}`` -> ``["--kv-pool-tokens", "8192", ...]`` (None values left out)."""
+    flags: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def parse_modes(text: str) -> list[str]:
+    """``"colocated,pd"`` -> ``["colocated", "pd"]``; ``ValueError`` naming an unknown mode."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"--compare takes modes from {', '.join(MODES)} separated by commas; got {text!r}")
+    return modes
+
+
+def launch_argv(mode: str, flags: list[str]) -> list[str]:
+    """``pdserve launch`` arguments for ``mode`` on an ephemeral HTTP port and free worker ports."""
+    return ["--mode", mode, "--port", "0", "--base-port", str(free_port()), "--log-level", "WARNING", *flags]
+
+
+@contextlib.contextmanager
+def launched(mode: str, flags: list[str], startup_timeout_s: float = 300.0) -> Iterator[str]:
+    """Start a server in ``mode`` and yield its base URL; stop it on exit (``RuntimeError`` with its
+    log tail if it does not come up)."""
+    srv = LaunchedServer(launch_argv(mode, flags), startup_timeout_s=startup_timeout_s)
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()

@@ -1,0 +1,136 @@
+"""``pdserve bench serve``: load an OpenAI-compatible server (or launch colocated and PD servers
+with ``--compare`` and load each the same way) and report TTFT / TPOT / ITL / E2E, throughput and
+goodput per load level, the ratios between modes, JSON and a PNG. See ``bench/serve/``.
+
+Prompts differ between load levels (a radix cache must not serve level 2 from level 1) but are the
+same for every target, so targets see exactly the same workload.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from bench.serve import report
+from bench.serve.client import ClientConfig, served_model
+from bench.serve.interference import InterferenceSpec, interference_records, interference_requests
+from bench.serve.options import ServeOptions, add_serve_flags
+from bench.serve.report import RunRecord
+from bench.serve.runner import closed_loop, open_loop
+from bench.serve.servers import config_flags, launched
+from bench.serve.stats import compute_stats
+from bench.serve.workload import LengthCounter, PromptShape, load_counter, make_requests, poisson_arrivals
+
+__all__ = ["add_serve_flags", "run_serve_bench"]
+
+
+class ServeBench:
+    """One ``bench serve`` invocation: the workloads, then each target, then the reports."""
+
+    def __init__(self, args: argparse.Namespace, opts: ServeOptions, counter: LengthCounter) -> None:
+        self.a, self.o, self.counter = args, opts, counter
+        lo, hi = opts.input_range
+        self.shape = PromptShape(args.num_prompts, lo, hi, args.output_len, args.shared_prefix_len)
+        self.warm_shape = PromptShape(args.warmup, lo, hi, min(args.output_len, 8), args.shared_prefix_len)
+
+    def _client(self, url: str) -> ClientConfig:
+        model = self.a.served_model_name or served_model(url, self.a.api_key)
+        return ClientConfig(url, model, self.a.endpoint, self.a.api_key, self.a.ignore_eos, self.a.request_timeout_s)
+
+    def _warmup(self, level: int):
+        return make_requests(self.warm_shape, self.counter, self.a.workload_seed + 7919 + level)
+
+    def _levels(self) -> list[tuple[str, int | None, float | None]]:
+        if self.o.concurrency is not None:
+            return [(f"c={c}", c, None) for c in self.o.concurrency]
+        return [(f"rate={r:g}", None, r) for r in self.o.request_rates]
+
+    def run_target(self, target: str, url: str) -> list[RunRecord]:
+        """Every load level (or the interference study) against the server at ``url``."""
+        cfg = self._client(url)
+        show = not self.a.no_progress
+        if self.a.interference:
+            measured = asyncio.run(open_loop(cfg, self.interference_specs(), self._warmup(0), show, "interference"))
+            return interference_records(target, measured, self.o.slo, f"short {self.o.request_rates[0]:g}/s")
+        records = []
+        for level, (load, conc, rate) in enumerate(self._levels()):
+            specs = make_requests(self.shape, self.counter, self.a.workload_seed + 1000 * level)
+            if conc is not None:
+                m = asyncio.run(closed_loop(cfg, specs, conc, self._warmup(level), show))
+            else:
+                specs = poisson_arrivals(specs, rate, self.a.workload_seed + 1000 * level + 1)
+                m = asyncio.run(open_loop(cfg, specs, self._warmup(level), show, load))
+            records.append(RunRecord(target, load, conc, rate, compute_stats(m.results, m.duration_s, self.o.slo),
+                                     m.results))
+            print(report.runs_table(records[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        return records
+
+    def interference_specs(self):
+        lo, hi = self.o.long_range
+        spec = InterferenceSpec(PromptShape(self.a.num_prompts, *self.o.input_range, self.a.output_len,
+                                            self.a.shared_prefix_len, kind="short"),
+                                self.o.request_rates[0],
+                                PromptShape(self.a.long_prompts, lo, hi, self.a.long_output_len, kind="long"),
+                                self.a.long_request_rate)
+        return interference_requests(spec, self.counter, self.a.workload_seed)
+
+    def run(self, engine_values: dict) -> list[RunRecord]:
+        """Run every target (launching each ``--compare`` mode in turn) and return the records."""
+        records: list[RunRecord] = []
+        if self.o.modes:
+            flags = config_flags(engine_values) + self.o.server_args
+            for mode in self.o.modes:
+                print(f"bench serve: launching {mode} ({' '.join(flags) or 'default flags'})", file=sys.stderr)
+                with launched(mode, flags) as url:
+                    records += self.run_target(mode, url)
+        else:
+            records += self.run_target("server", self.a.base_url)
+        return records
+
+    def finish(self, records: list[RunRecord]) -> dict:
+        """Print the tables (runs, ratios, failures) and return the JSON payload."""
+        print(report.runs_table(records))
+        ratio_rows: dict = {}
+        modes = self.o.modes or []
+        for other in modes[1:]:
+            rows = report.ratios(records, modes[0], other)
+            ratio_rows[f"{other}/{modes[0]}"] = rows
+            print(f"\nratios {other} / {modes[0]} (same workload, one run):")
+            print(report.ratios_table(rows, modes[0], other))
+        failed = sum(r.stats.failed for r in records if r.kind in ("all", "mixed"))
+        if failed:
+            print(f"\n{failed} request(s) failed; first errors: "
+                  f"{sorted({e for r in records for e in r.stats.errors})[:3]}")
+        return {"benchmark": "pdserve bench serve", "argv": sys.argv[1:], "tokenizer": self.counter.name,
+                "settings": {k: v for k, v in vars(self.a).items() if k != "func"},
+                "runs": [r.to_dict() for r in records], "ratios": ratio_rows}
+
+
+def run_serve_bench(args: argparse.Namespace, engine_values: dict) -> int:
+    """Entry point of ``pdserve bench serve``; 2 on invalid flags, 1 if a server fails to start or any
+    request failed (after writing the results), else 0.
+    ``engine_values``: the engine flags given on the command line (passed to launched servers)."""
+    try:
+        opts = ServeOptions.from_args(args)
+        counter = load_counter(args.tokenizer or engine_values.get("model", "default"))
+        bench = ServeBench(args, opts, counter)
+    except ValueError as e:
+        print(f"pdserve bench serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        records = bench.run(engine_values)
+    except RuntimeError as e:
+        print(f"pdserve bench serve: {e}", file=sys.stderr)
+        return 1
+    payload = bench.finish(records)
+    if args.out:
+        report.write_json(args.out, payload)
+        print(f"results: {args.out}")
+    if args.plot:
+        try:
+            report.plot(records, args.plot)
+        except RuntimeError as e:
+            print(f"pdserve bench serve: {e}", file=sys.stderr)
+            return 1
+        print(f"plot: {args.plot}")
+    return 1 if any(r.stats.failed for r in records) else 0

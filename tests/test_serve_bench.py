@@ -1,0 +1,348 @@
+"""``pdserve bench serve``: statistics against hand-computed values, the SSE recorder and client
+over real httpx (mock transport), workload generation (lengths, shared prefix, seeds, Poisson
+arrivals, interference mix), option validation, reports, and one short real run that launches a
+colocated server with the embedded model. Nothing here asserts on speed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from dataclasses import fields
+
+import httpx
+import pytest
+
+from bench.serve.client import ClientConfig, RequestResult, StreamRecorder, request_body, send
+from bench.serve.interference import InterferenceSpec, interference_requests
+from bench.serve.options import ServeOptions, add_serve_flags
+from bench.serve.report import RunRecord, plot, ratios
+from bench.serve.runner import closed_loop
+from bench.serve.servers import config_flags, launch_argv, parse_modes
+from bench.serve.stats import SLO, RunStats, Summary, compute_stats, percentile, summarize
+from bench.serve.workload import (PromptShape, RequestSpec, TokenCounter, WordCounter, make_requests,
+                                  poisson_arrivals)
+from server.subprocess_server import REPO_ROOT, free_port
+
+
+def result(ttft, e2e, n, itl=(), ok=True, kind="main", prompt=10, expected=None, error=None) -> RequestResult:
+    return RequestResult(0, kind, ok, prompt, n if expected is None else expected, ttft_s=ttft, e2e_s=e2e,
+                         itl_s=list(itl), prompt_tokens=prompt, output_tokens=n, usage_reported=True, error=error)
+
+
+# ---- stats ----------------------------------------------------------------------------------------
+def test_percentile_interpolates_like_numpy():
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert percentile([1, 2, 3, 4], 0) == 1 and percentile([1, 2, 3, 4], 100) == 4
+    assert percentile([7.0], 99) == 7.0
+    assert percentile(list(range(101)), 99) == 99
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_summarize_in_ms():
+    s = summarize([0.1, 0.2, 0.3, 0.4])
+    assert s.count == 4
+    assert s.mean_ms == pytest.approx(250) and s.p50_ms == pytest.approx(250) and s.p99_ms == pytest.approx(397)
+    assert summarize([]) is None
+
+
+def test_tpot_itl_e2e_definitions():
+    # TTFT 1.0 s, then tokens at +0.2, +0.3, +0.5 s: E2E 2.0, TPOT (2.0 - 1.0) / 3
+    r = result(1.0, 2.0, 4, itl=[0.2, 0.3, 0.5])
+    assert r.tpot_s == pytest.approx(1 / 3)
+    assert result(1.0, 1.0, 1).tpot_s is None  # one token: no TPOT
+    assert result(1.0, 2.0, 4, ok=False, error="x").tpot_s is None
+    a, b = result(0.5, 1.5, 3, itl=[0.4, 0.6]), result(1.0, 3.0, 5, itl=[0.5, 0.5, 0.5, 0.5])
+    failed = result(None, 0.1, 0, ok=False, error="HTTP 500: boom")
+    s = compute_stats([a, b, failed], duration_s=4.0)
+    assert (s.requests, s.completed, s.failed) == (3, 2, 1)
+    assert s.errors == ["HTTP 500: boom"]
+    assert s.output_tokens == 8 and s.output_throughput == pytest.approx(2.0)
+    assert s.request_throughput == pytest.approx(0.5) and s.input_tokens == 20
+    assert s.ttft.mean_ms == pytest.approx(750) and s.ttft.p50_ms == pytest.approx(750)
+    assert s.tpot.count == 2 and s.tpot.mean_ms == pytest.approx((500 + 500) / 2)
+    assert s.itl.count == 6 and s.itl.mean_ms == pytest.approx(3000 / 6)  # pooled over requests
+    assert s.itl.p99_ms == pytest.approx(600 - 0.05 * 100)  # sorted [.4 .5 .5 .5 .5 .6]: pos 4.95
+    assert s.e2e.p99_ms == pytest.approx(1500 + 0.99 * 1500)
+    assert s.goodput is None and s.output_len_mismatches == 0
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    fast = result(0.1, 0.5, 5)  # TPOT 100 ms
+    slow_tpot = result(0.1, 2.1, 5)  # TPOT 500 ms
+    slow_ttft = result(2.0, 2.4, 5)  # TPOT 100 ms
+    failed = result(None, 0.1, 0, ok=False, error="e")
+    s = compute_stats([fast, slow_tpot, slow_ttft, failed], 2.0, SLO(ttft_ms=1000, tpot_ms=200))
+    assert s.goodput_requests == 1 and s.goodput == pytest.approx(0.5)
+    assert compute_stats([fast, slow_tpot, slow_ttft], 2.0, SLO(ttft_ms=1000)).goodput_requests == 2
+    assert compute_stats([fast, slow_tpot, slow_ttft], 2.0, SLO(tpot_ms=200)).goodput_requests == 2
+
+
+def test_output_length_mismatch_is_counted():
+    s = compute_stats([result(0.1, 0.5, 5, expected=8), result(0.1, 0.5, 8, expected=8)], 1.0)
+    assert s.output_len_mismatches == 1
+
+
+# ---- the SSE recorder and the client ----------------------------------------------------------------
+def _chunk(text: str) -> str:
+    return json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
+
+
+def test_stream_recorder_times_and_usage():
+    rec = StreamRecorder(RequestResult(3, "main", False, 5, 3, start_s=10.0))
+    rec.feed(_chunk(""), 10.1)  # no text (e.g. a held-back partial UTF-8 token): not the first token
+    rec.feed(_chunk("a"), 10.5)
+    rec.feed(_chunk("b"), 10.7)
+    rec.feed(json.dumps({"choices": [{"delta": {"content": "c"}}]}), 11.0)  # chat shape
+    rec.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}), 11.0)
+    rec.feed("[DONE]", 11.0)
+    r = rec.finish(11.1)
+    assert r.ok and r.error is None
+    assert r.ttft_s == pytest.approx(0.5) and r.e2e_s == pytest.approx(1.1)
+    assert r.itl_s == pytest.approx([0.2, 0.3])
+    assert (r.output_tokens, r.prompt_tokens, r.usage_reported) == (3, 5, True)
+    assert r.tpot_s == pytest.approx(0.6 / 2)
+
+
+def test_stream_recorder_failures_are_explicit():
+    rec = StreamRecorder(RequestResult(0, "main", False, 5, 3, start_s=0.0))
+    rec.feed(_chunk("a"), 0.1)
+    assert not rec.finish(0.2).ok and rec.r.error == "stream ended before data: [DONE]"
+    rec = StreamRecorder(RequestResult(0, "main", False, 5, 3, start_s=0.0))
+    rec.feed(json.dumps({"error": {"message": "KV pool too small", "type": "server_error"}}), 0.1)
+    rec.feed("[DONE]", 0.1)
+    assert not rec.finish(0.2).ok and rec.r.error == "KV pool too small"
+    rec = StreamRecorder(RequestResult(0, "main", False, 5, 3, start_s=0.0))
+    rec.feed(_chunk("a"), 0.1)
+    rec.feed(_chunk("b"), 0.2)
+    rec.feed("[DONE]", 0.2)
+    r = rec.finish(0.3)
+    assert r.ok and r.output_tokens == 2 and not r.usage_reported  # no usage: text chunks counted
+
+
+def test_request_body_shapes():
+    spec = RequestSpec(0, "hello", 1, 7)
+    body = request_body(ClientConfig("http://x", "m"), spec)
+    assert body["prompt"] == "hello" and body["max_tokens"] == 7 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    chat = request_body(ClientConfig("http://x", "m", endpoint="chat", ignore_eos=False), spec)
+    assert chat["messages"] == [{"role": "user", "content": "hello"}] and "ignore_eos" not in chat
+
+
+def _mock_client(handler) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def test_send_parses_a_real_httpx_stream_and_reports_http_errors():
+    sse = "".join(f"data: {_chunk(t)}\n\n" for t in ("x", "y")) + \
+        'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+    seen = {}
+
+    def ok(request: httpx.Request) -> httpx.Response:
+        seen.update(path=request.url.path, body=json.loads(request.content))
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+
+    cfg, spec = ClientConfig("http://srv", "m"), RequestSpec(0, "p", 4, 2)
+    r = asyncio.run(_send_with(ok, cfg, spec))
+    assert r.ok and r.output_tokens == 2 and r.prompt_tokens == 4 and len(r.itl_s) == 1
+    assert seen["path"] == "/v1/completions" and seen["body"]["model"] == "m"
+    r = asyncio.run(_send_with(refuse, cfg, spec))
+    assert not r.ok and r.error.startswith("HTTP 400") and "prompt too long" in r.error
+
+    def garbled(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text='data: {"choices": [7]}\n\ndata: not json\n\n')
+
+    r = asyncio.run(_send_with(garbled, cfg, spec))
+    assert not r.ok and r.error.startswith("AttributeError")
+
+
+async def _send_with(handler, cfg, spec):
+    async with _mock_client(handler) as c:
+        return await send(c, cfg, spec)
+
+
+def test_unreachable_server_fails_every_request_and_none_is_dropped():
+    cfg = ClientConfig(f"http://127.0.0.1:{free_port()}", "m", timeout_s=10)
+    specs = make_requests(PromptShape(3, 4, 4, 2), WordCounter(), seed=0)
+    m = asyncio.run(closed_loop(cfg, specs, concurrency=2, progress=False))
+    assert [r.index for r in m.results] == [0, 1, 2]
+    assert all(not r.ok and "ConnectError" in r.error for r in m.results)
+    s = compute_stats(m.results, m.duration_s)
+    assert (s.completed, s.failed, s.ttft) == (0, 3, None)
+
+
+# ---- workload ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def token_counter():
+    from engine.model_paths import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    return TokenCounter(Tokenizer.from_path(resolve_model_path("default")))
+
+
+def test_prompt_lengths_in_tokens_of_the_model(token_counter):
+    reqs = make_requests(PromptShape(40, 20, 300, 8), token_counter, seed=1)
+    assert all(20 <= r.prompt_len <= 300 for r in reqs)
+    assert all(r.prompt_len == len(token_counter.tok.encode(r.prompt)) for r in reqs)
+    assert len({r.prompt_len for r in reqs}) > 10  # a distribution, not one length
+    assert len({r.prompt for r in reqs}) == 40 and all(r.output_len == 8 for r in reqs)
+    exact = make_requests(PromptShape(5, 77, 77, 8), token_counter, seed=2)
+    assert [r.prompt_len for r in exact] == [77] * 5
+
+
+def test_shared_prefix_is_shared_in_tokens(token_counter):
+    reqs = make_requests(PromptShape(12, 100, 160, 8, shared_prefix_len=64), token_counter, seed=3)
+    ids = [token_counter.tok.encode(r.prompt) for r in reqs]
+    assert all(i[:64] == ids[0][:64] for i in ids)
+    assert len({tuple(i[:72]) for i in ids}) == 12  # and then they differ
+    assert len({tuple(i[:64]) for i in (token_counter.tok.encode(r.prompt) for r in
+                                        make_requests(PromptShape(12, 100, 160, 8), token_counter, seed=3))}) == 12
+
+
+def test_workload_is_deterministic_in_its_seed():
+    shape = PromptShape(20, 5, 50, 4, shared_prefix_len=3)
+    a, b = make_requests(shape, WordCounter(), 7), make_requests(shape, WordCounter(), 7)
+    assert a == b and make_requests(shape, WordCounter(), 8) != a
+    assert [r.prompt_len for r in a] == [len(r.prompt.split()) for r in a]
+    assert poisson_arrivals(a, 2.0, 1) == poisson_arrivals(b, 2.0, 1) != poisson_arrivals(a, 2.0, 2)
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    reqs = make_requests(PromptShape(4000, 1, 1, 1), WordCounter(), 0)
+    times = [r.arrival_s for r in poisson_arrivals(reqs, 4.0, seed=5)]
+    assert times[0] == 0 and all(b >= a for a, b in zip(times, times[1:]))
+    assert (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.06)
+    assert {r.arrival_s for r in poisson_arrivals(reqs[:5], math.inf, 0)} == {0.0}
+    with pytest.raises(ValueError):
+        poisson_arrivals(reqs, 0, 0)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="shared prefix"):
+        PromptShape(1, 10, 20, 4, shared_prefix_len=10)
+    with pytest.raises(ValueError):
+        PromptShape(1, 30, 20, 4)
+
+
+def test_interference_mix(token_counter):
+    spec = InterferenceSpec(PromptShape(30, 32, 96, 16, kind="short"), 2.0,
+                            PromptShape(4, 1500, 2000, 8, kind="long"))
+    reqs = interference_requests(spec, token_counter, seed=0)
+    assert [r.index for r in reqs] == list(range(34))
+    assert sorted(r.arrival_s for r in reqs) == [r.arrival_s for r in reqs]
+    longs = [r for r in reqs if r.kind == "long"]
+    assert len(longs) == 4 and all(1500 <= r.prompt_len <= 2000 and r.output_len == 8 for r in longs)
+    assert all(32 <= r.prompt_len <= 96 for r in reqs if r.kind == "short")
+    assert longs[0].arrival_s > 0 and reqs[0].kind == "short"  # long ones land among the short stream
+    assert spec.effective_long_rate() == pytest.approx(4 / 15)
+    assert interference_requests(spec, token_counter, seed=0) == reqs
+
+
+# ---- options and reports ----------------------------------------------------------------------------
+def _opts(*argv: str) -> ServeOptions:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    return ServeOptions.from_args(p.parse_args(list(argv)))
+
+
+def test_options_parse_and_refuse_with_the_flag_named():
+    o = _opts("--concurrency", "1,8,32", "--input-len-range", "112,289", "--compare", "colocated,pd",
+              "--server-args", "--max-running-requests 64")
+    assert o.concurrency == [1, 8, 32] and o.input_range == (112, 289) and o.modes == ["colocated", "pd"]
+    assert o.server_args == ["--max-running-requests", "64"] and o.request_rates is None
+    assert _opts().concurrency == [1] and _opts("--input-len", "50").input_range == (50, 50)
+    assert _opts("--request-rate", "0.5,inf").request_rates == [0.5, math.inf]
+    for argv, flag in ((("--concurrency", "2", "--request-rate", "1"), "not both"),
+                       (("--concurrency", "0"), "--concurrency"), (("--input-len-range", "9,3"), "--input-len-range"),
+                       (("--compare", "colocated,vllm"), "--compare"), (("--interference",), "--request-rate")):
+        with pytest.raises(ValueError, match=flag):
+            _opts(*argv)
+    assert parse_modes("pd") == ["pd"]
+
+
+def test_launch_flags():
+    assert config_flags({"kv_pool_tokens": 8192, "model": "default", "max_model_len": None, "x": True,
+                         "y": False}) == ["--kv-pool-tokens", "8192", "--model", "default", "--x", "--no-y"]
+    argv = launch_argv("pd", ["--kv-pool-tokens", "64"])
+    assert argv[:4] == ["--mode", "pd", "--port", "0"] and argv[-2:] == ["--kv-pool-tokens", "64"]
+
+
+def _record(target, conc, ttft_ms, tpot_ms, tok_s):
+    s = RunStats(4, 4, 0, 1.0, 40, int(tok_s), 4.0, tok_s, 0, Summary(4, ttft_ms, ttft_ms, 2 * ttft_ms),
+                 Summary(4, tpot_ms, tpot_ms, tpot_ms), Summary(4, 1, 1, 1), Summary(4, 9, 9, 9))
+    return RunRecord(target, f"c={conc}", conc, None, s, [])
+
+
+def test_ratios_and_plot(tmp_path):
+    recs = [_record("colocated", 1, 100, 50, 20), _record("colocated", 8, 400, 80, 60),
+            _record("pd", 1, 150, 40, 15), _record("pd", 8, 200, 40, 90)]
+    rows = ratios(recs, "colocated", "pd")
+    assert [r["load"] for r in rows] == ["c=1", "c=8"]
+    assert rows[0]["TTFT mean"] == pytest.approx(1.5) and rows[0]["TTFT p99"] == pytest.approx(1.5)
+    assert rows[1]["TPOT p99"] == pytest.approx(0.5) and rows[1]["tok/s"] == pytest.approx(1.5)
+    out = tmp_path / "p.png"
+    plot(recs, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    interference = []
+    for target in ("colocated", "pd"):
+        for kind in ("short", "long", "mixed"):
+            r = _record(target, 1, 100, 50, 20)
+            interference.append(RunRecord(target, "short 1/s", None, None, r.stats, [], kind=kind))
+    assert [r["kind"] for r in ratios(interference, "colocated", "pd")] == ["short", "long", "mixed"]
+    plot(interference, tmp_path / "i.png")
+    assert (tmp_path / "i.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- a real run -------------------------------------------------------------------------------------
+def test_real_run_against_a_launched_colocated_server(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    cmd = [sys.executable, "-m", "server.cli", "bench", "serve", "--compare", "colocated", "--concurrency", "2",
+           "--num-prompts", "4", "--output-len", "8", "--input-len-range", "16,32", "--warmup", "1",
+           "--kv-pool-tokens", "2048", "--max-model-len", "512", "--slo-ttft-ms", "600000",
+           "--out", str(out), "--plot", str(png), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["tokenizer"] == "tokenizer:default" and data["ratios"] == {}
+    (run,) = data["runs"]
+    assert (run["target"], run["load"], run["concurrency"], run["kind"]) == ("colocated", "c=2", 2, "all")
+    stats = run["stats"]
+    assert set(stats) == {f.name for f in fields(RunStats)}
+    assert (stats["requests"], stats["completed"], stats["failed"], stats["errors"]) == (4, 4, 0, [])
+    assert stats["output_tokens"] == 32 and stats["output_len_mismatches"] == 0
+    assert stats["goodput_requests"] == 4
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        assert set(stats[name]) == {"count", "mean_ms", "p50_ms", "p99_ms"}
+        assert 0 < stats[name]["p50_ms"] <= stats[name]["p99_ms"]
+    assert stats["tpot"]["count"] == 4 and stats["itl"]["count"] <= 4 * 7
+    assert len(run["requests"]) == 4
+    for r in run["requests"]:
+        assert r["ok"] and r["usage_reported"] and r["output_tokens"] == 8
+        assert r["prompt_tokens"] == r["expected_prompt_len"] and 16 <= r["prompt_tokens"] <= 32
+        assert 0 < r["ttft_s"] < r["e2e_s"]
+    assert "| colocated | c=2 | all | 4 | 0 |" in proc.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_reports_failures_in_json_and_exit_code(tmp_path, capsys):
+    from server.cli import main
+
+    out = tmp_path / "f.json"
+    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--served-model-name", "m",
+               "--tokenizer", "words", "--num-prompts", "3", "--concurrency", "2", "--warmup", "0",
+               "--no-progress", "--out", str(out)])
+    assert rc == 1
+    stats = json.loads(out.read_text())["runs"][0]["stats"]
+    assert (stats["requests"], stats["completed"], stats["failed"]) == (3, 0, 3)
+    assert "ConnectError" in stats["errors"][0] and "3 request(s) failed" in capsys.readouterr().out
+    assert main(["bench", "serve", "--concurrency", "1", "--request-rate", "2"]) == 2
