@@ -95,6 +95,12 @@ class PrefillPeers:
         fresh, self._fresh = self._fresh, []
         return [p.addr for p in fresh]
 
+    def next_due_s(self) -> float | None:
+        """Seconds until ``tick`` has something to do (a heartbeat to send, a peer to declare dead)."""
+        due = [t for p in self.by_addr.values()
+               for t in (p.last_ping + self.heartbeat_s, *([p.last_seen + self.timeout_s] if p.state != "dead" else []))]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
     def tick(self) -> tuple[Outbox, list[PrefillPeer]]:
         """(heartbeats now due, peers that just went dead or restarted: what was in flight with
         them is lost)."""

@@ -23,9 +23,11 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import running_reservation_pages
-from engine.scheduler.base import Outbox, Outcome, Peer, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import (TRANSFER_POLL_S, Outbox, Outcome, Peer, RequestRejected, Snapshot,
+                                   WorkerScheduler)
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
+from engine.scheduler.timeline import Timeline
 from transfer.protocol import GenerateRequest, Message, PrefillFailed
 
 
@@ -41,6 +43,7 @@ class DecodeScheduler(WorkerScheduler):
         self.running = RunningBatch(kv, self.executor, cfg.scheduler, self.stats)
         self.jobs: dict[str, DecodeJob] = {}
         self.transfer_failures = 0
+        self.timeline = Timeline(self.role)
 
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
         if msg.room is None or msg.prefill_addr is None:
@@ -84,6 +87,7 @@ class DecodeScheduler(WorkerScheduler):
         else:
             self.kv.free(req.kv)
         req.finish(job.answered.reason)
+        self.timeline.done(req)
         self.jobs.pop(req.rid, None)
         return out
 
@@ -98,8 +102,17 @@ class DecodeScheduler(WorkerScheduler):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.transfers.inflight or self.retract.queue
-                    or any((p := self.peers.get(j.prefill_addr)) and p.ready for j in self.transfers.prealloc))
+        """A batch to decode, or (with no transfer in flight that could be holding the pages) a
+        retracted request to resume or a queued one whose prefill worker is ready."""
+        if self.running:
+            return True
+        if self.transfers.inflight:
+            return False  # what could start now waits for pages they hold: poll them instead
+        return bool(self.retract.queue or any((p := self.peers.get(j.prefill_addr)) and p.ready
+                                              for j in self.transfers.prealloc))
+
+    def idle_wait_s(self) -> float | None:
+        return TRANSFER_POLL_S if self.transfers.inflight else self.peers.next_due_s()
 
     def step(self) -> Outbox:
         out, died = self.peers.tick()
@@ -128,10 +141,12 @@ class DecodeScheduler(WorkerScheduler):
             self.transfer_failures += 1
             return self.finish(job, Outcome.abort(f"KV transfer rejected: {landing.error}", 500))
         req.kv_len = job.n_tokens
+        req.mark("landed")
         if job.generation > 0:  # recomputed KV: resume decoding from the last output token
             self.running.add(req)
             return Outbox()
         m, out = landing.manifest, Outbox()
+        req.mark("first_token")
         out.token(req.owner, token_delta(req, m.first_token, m.first_logprob, m.first_top_logprobs,
                                          self.executor.eos, self.max_model_len))
         self.stats.generation_tokens += 1

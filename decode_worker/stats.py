@@ -17,5 +17,5 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
                        host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,
                        host_kv_pool_bytes_free=host.num_free() * host.page_bytes if host else 0)
     base.histograms.update(retract_offload_seconds=s.retract.offload_seconds,
-                           retract_resume_seconds=s.retract.resume_seconds)
+                           retract_resume_seconds=s.retract.resume_seconds, **s.timeline.histograms)
     return base

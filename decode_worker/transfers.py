@@ -98,6 +98,7 @@ class TransferTracker:
     def _request_kv(self, job: DecodeJob, out: Outbox) -> None:
         req, to = job.req, Peer(job.prefill_addr)
         req.status = Phase.TRANSFER
+        req.mark("reserved")
         self.inflight[job.key] = job
         if job.generation > 0:
             out.send(to, PrefillRequest(rid=req.rid, room=job.room, generation=job.generation, params=req.params,

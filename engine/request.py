@@ -12,6 +12,7 @@ Any phase can go to FINISHED (abort, failure); only schedulers move requests bet
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from cache.handle import KVHandle
@@ -36,7 +37,8 @@ class Request:
     Token bookkeeping: ``all_ids = prompt_ids + output_ids``. ``kv_len`` tokens of ``all_ids``
     have their K/V in the pool, in the pages of ``kv`` (an opaque handle from ``KVManager``).
     While running, ``kv_len == len(all_ids) - 1``: the newest token is the input of the next
-    decode step. ``owner`` is the control connection its token deltas go back to.
+    decode step. ``owner`` is the control connection its token deltas go back to. ``marks``:
+    monotonic times of its milestones on this worker (``mark``; see ``engine.scheduler.timeline``).
     """
 
     rid: str
@@ -50,6 +52,7 @@ class Request:
     kv_len: int = 0
     finish_reason: str | None = None
     retraction_count: int = 0
+    marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.monotonic()})
 
     @property
     def all_ids(self) -> list[int]:
@@ -66,6 +69,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Phase.FINISHED
+
+    def mark(self, milestone: str) -> None:
+        """Stamp ``milestone`` now, unless it was stamped before (the first pass counts)."""
+        self.marks.setdefault(milestone, time.monotonic())
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))

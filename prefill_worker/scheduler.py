@@ -24,9 +24,10 @@ from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import Conn, Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import TRANSFER_POLL_S, Conn, Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
+from engine.scheduler.timeline import Timeline
 from prefill_worker.kv_sender import KVSender
 from transfer.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
                                PrefillRequest, TokenDelta, TransferManifest, frame_ids)
@@ -70,6 +71,7 @@ class PrefillScheduler(WorkerScheduler):
         self.transfer_bytes = 0
         self.transfer_failures = 0
         self.transfer_seconds = Histogram(TRANSFER_BUCKETS)
+        self.timeline = Timeline(self.role)
 
     # ---- messages ---------------------------------------------------------------------------
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
@@ -125,7 +127,7 @@ class PrefillScheduler(WorkerScheduler):
         job.dest, job.dest_pages = msg, pages
         log.debug("destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages),
                   msg.decode_prefix_len)
-        return Outbox()
+        return self._start_transfers()  # the KV may be ready already: write now, not after the next step
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
         """A write in flight is left to finish (its KV is valid and goes to the radix cache)."""
@@ -137,7 +139,15 @@ class PrefillScheduler(WorkerScheduler):
     # ---- loop ---------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.admission.chunked or self.sender.busy)
+        return bool(self.waiting or self.admission.chunked)
+
+    def idle_wait_s(self) -> float | None:
+        if self.sender.busy:
+            return TRANSFER_POLL_S
+        deadlines = [j.created for j in self.jobs.values() if j.dest is None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) + self.cfg.cluster.bootstrap_timeout_s - time.monotonic())
 
     def step(self) -> Outbox:
         out = self._finish_transfers()
@@ -167,6 +177,7 @@ class PrefillScheduler(WorkerScheduler):
             src = np.asarray(job.req.kv.pages[first:last], dtype=np.int32)
             manifest = job.manifest.model_copy(update={"n_pages": len(src)}).sealed()
             job.writing = True
+            job.req.mark("write_start")
             log.debug("transfer %s room %d: %d pages", job.req.rid, job.room, len(src))
             try:
                 self.sender.start(job, job.decode_worker, src, job.dest_pages[first:last], manifest)
@@ -179,6 +190,7 @@ class PrefillScheduler(WorkerScheduler):
         out = Outbox()
         for job, ok, error, nbytes, secs in self.sender.poll():
             job.writing = False
+            job.req.mark("write_done")
             log.debug("transfer %s room %d ended ok=%s in %.4fs", job.req.rid, job.room, ok, secs)
             if ok:
                 self.transfer_bytes += nbytes
@@ -208,6 +220,7 @@ class PrefillScheduler(WorkerScheduler):
             self.stats.finished_requests += 1
         self.by_req.pop(id(req), None)
         req.finish(outcome.reason)
+        self.timeline.done(req)
         if outcome.completed:
             self.kv.free_into_cache(req.kv, req.all_ids[:req.kv_len])
             return out
@@ -232,7 +245,7 @@ class PrefillScheduler(WorkerScheduler):
         snap.gauges.update(queue_waiting=len(self.waiting),
                            queue_bootstrap=sum(1 for j in self.jobs.values() if j.dest is None),
                            queue_transfer=sum(1 for j in self.jobs.values() if j.writing))
-        snap.histograms["kv_transfer_seconds"] = self.transfer_seconds
+        snap.histograms.update(kv_transfer_seconds=self.transfer_seconds, **self.timeline.histograms)
         return snap
 
 

@@ -3,8 +3,10 @@
 Sockets: the external ROUTER socket lives on a ``ControlIO`` thread that answers heartbeats even
 during a long step (this loop sees the same frames on an inproc socket), plus one DEALER per
 peer worker the scheduler addresses as ``Peer(addr)`` (decode -> prefill), connected on first
-use. The loop alternates between draining inbound messages (non-blocking while there is work,
-blocking up to ``idle_poll_ms`` when idle) and one scheduler step. Whatever a scheduler call
+use. The loop alternates between draining inbound messages and one scheduler step. It blocks
+on its sockets whenever the scheduler has nothing to compute (``has_work``), for as long as the
+scheduler allows (``idle_wait_s``: a transfer to poll, a heartbeat or deadline) and at most the
+stats cadence; a message that arrives during a step is handled right after it. Whatever a scheduler call
 returns (an ``Outbox``) is delivered at once: token deltas batched into one ``TokenBatch`` per
 owner connection, control messages to their ``Conn``/``Peer``.
 """
@@ -27,10 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class WorkerLoop:
-    def __init__(self, control_addr: str, worker_id: str, model_name: str, idle_poll_ms: int = 20) -> None:
+    def __init__(self, control_addr: str, worker_id: str, model_name: str) -> None:
         self.worker_id = worker_id
         self.model_name = model_name
-        self.idle_poll_ms = idle_poll_ms
         self.ctx = zmq.Context.instance()
         self.io = ControlIO(self.ctx, control_addr)
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
@@ -50,7 +51,7 @@ class WorkerLoop:
         self.io.start()
         try:
             while not self.stopping:
-                self._drain(block=not scheduler.has_work)
+                self._drain(0.0 if scheduler.has_work else self._idle_timeout())
                 self.deliver(scheduler.step())
                 self._heartbeat()
         finally:
@@ -90,8 +91,14 @@ class WorkerLoop:
             self.io.alive()
 
     # ---- inbound --------------------------------------------------------------------------------
-    def _drain(self, block: bool) -> None:
-        timeout = self.idle_poll_ms if block else 0
+    def _idle_timeout(self) -> float:
+        """Block at most until the scheduler's next due step, and no longer than the stats cadence."""
+        wait = self.scheduler.idle_wait_s()
+        return self.stats_every_s if wait is None else min(wait, self.stats_every_s)
+
+    def _drain(self, timeout_s: float) -> None:
+        """Handle every message that is there, waiting up to ``timeout_s`` for the first one."""
+        timeout = 0 if timeout_s <= 0 else max(1, round(timeout_s * 1000))
         while True:
             poller = zmq.Poller()
             for s in (self.sock, *self.peers.values()):

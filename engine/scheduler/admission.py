@@ -85,6 +85,7 @@ class Admission:
             if need is None:
                 break
             req.status = Phase.PREFILLING
+            req.mark("admitted")
             waiting.popleft()
             free_pages -= need
             items.append(self._chunk(req, budget))

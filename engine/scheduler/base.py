@@ -17,6 +17,10 @@ from engine.scheduler.stats import Histogram, SchedulerStats
 from transfer.protocol import GenerateRequest, Message, TokenDelta
 
 
+TRANSFER_POLL_S = 0.002
+"""How often a worker waiting only on KV transfers polls them (NIXL notifications have no fd)."""
+
+
 class RequestRejected(ValueError):
     """The request can never run on this worker (too long for the pool or the context)."""
 
@@ -150,7 +154,12 @@ class WorkerScheduler(abc.ABC):
     @property
     @abc.abstractmethod
     def has_work(self) -> bool:
-        """True while ``step`` has something to do now."""
+        """True while ``step`` has compute to do now (the loop must not block on its sockets)."""
+
+    @abc.abstractmethod
+    def idle_wait_s(self) -> float | None:
+        """With no work: how long the loop may block on its sockets before ``step`` is due anyway
+        (a transfer to poll, a heartbeat or a deadline); None when only a message can bring work."""
 
     @abc.abstractmethod
     def live_handles(self) -> Sequence[KVHandle]:

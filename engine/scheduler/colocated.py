@@ -19,6 +19,7 @@ from engine.scheduler.admission import Admission
 from engine.scheduler.base import Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.running_batch import RunningBatch
+from engine.scheduler.timeline import Timeline
 from transfer.protocol import GenerateRequest, Message, TokenDelta
 
 
@@ -33,6 +34,7 @@ class ColocatedScheduler(WorkerScheduler):
         self.running = RunningBatch(self.kv, self.executor, cfg, self.stats)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
+        self.timeline = Timeline(self.role)
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
@@ -68,6 +70,7 @@ class ColocatedScheduler(WorkerScheduler):
         else:
             self.kv.free(req.kv)
         req.finish(outcome.reason)
+        self.timeline.done(req)
         out = Outbox()
         if not outcome.completed:
             out.token(req.owner, outcome.delta(req.rid))
@@ -79,6 +82,9 @@ class ColocatedScheduler(WorkerScheduler):
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.admission.chunked)
+
+    def idle_wait_s(self) -> float | None:
+        return None
 
     def live_handles(self) -> list[KVHandle]:
         return [r.kv for r in self.requests.values()]
@@ -125,4 +131,5 @@ class ColocatedScheduler(WorkerScheduler):
         snap = super().snapshot()
         snap.gauges.update(queue_waiting=len(self.waiting), queue_running=len(self.running),
                            new_token_ratio=self.running.ratio.value)
+        snap.histograms.update(self.timeline.histograms)
         return snap

@@ -51,6 +51,7 @@ class BatchExecutor:
             i.req.kv_len += i.length
         for k in done:
             items[k].req.status = Phase.RUNNING
+            items[k].req.mark("prefilled")
         return self._sample(logits[done] if len(done) < len(items) else logits, [items[k].req for k in done])
 
     def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:

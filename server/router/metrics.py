@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.scheduler.stats import PHASE_BUCKETS
 from server.router.registry import READY, WorkerHandle
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -49,6 +50,12 @@ WORKER_HISTOGRAMS = {
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+def _buckets(data) -> tuple[list[tuple[str, float]], float]:
+    """(cumulative buckets, sum) of a worker's ``HistogramData`` for a ``HistogramMetricFamily``."""
+    edges = [*(str(b) for b in data.buckets), "+Inf"]
+    return list(zip(edges, itertools.accumulate(data.counts))), data.sum
+
+
 class WorkerCollector(Collector):
     """Exposes the worker series from ``handles()`` (the registry's current handles)."""
 
@@ -72,13 +79,17 @@ class WorkerCollector(Collector):
         for key, (name, help_text) in WORKER_HISTOGRAMS.items():
             fam = HistogramMetricFamily(name, help_text, labels=["worker"])
             for h in handles:
-                data = h.stats.histograms.get(key)
-                if data is None:
-                    continue
-                edges = [*(str(b) for b in data.buckets), "+Inf"]
-                cumulative = list(itertools.accumulate(data.counts))
-                fam.add_metric([h.worker_id], list(zip(edges, cumulative)), data.sum)
+                if (data := h.stats.histograms.get(key)) is not None:
+                    fam.add_metric([h.worker_id], *_buckets(data))
             yield fam
+        phases = HistogramMetricFamily("pdserve_request_phase_seconds", "Per-request time in each phase on a "
+                                       "worker (queue, prefill compute, bootstrap wait, transfer, decode, ...)",
+                                       labels=["worker", "phase"])
+        for h in handles:
+            for key, data in sorted(h.stats.histograms.items()):
+                if key.startswith("phase_"):
+                    phases.add_metric([h.worker_id, key.removeprefix("phase_")], *_buckets(data))
+        yield phases
 
     def _counters(self, handles: list[WorkerHandle]):
         for key, (name, help_text) in WORKER_COUNTERS.items():
@@ -124,6 +135,8 @@ class RouterMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.router_queue = Histogram("pdserve_router_queue_seconds", "Arrival to the request going out to workers "
+                                      "(parse, tokenize, route)", buckets=PHASE_BUCKETS, registry=r)
         Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table",
               registry=r).set_function(inflight)
         r.register(WorkerCollector(handles))
@@ -132,13 +145,11 @@ class RouterMetrics:
         """Count one generation request that ended with HTTP ``status``."""
         self.requests.labels(status=str(status)).inc()
 
-    def observe_latency(self, ttft: float | None, tpot: float | None, e2e: float) -> None:
+    def observe_latency(self, ttft: float | None, tpot: float | None, e2e: float, queue: float | None = None) -> None:
         """Record a successful request's latencies (seconds; None = not applicable)."""
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if tpot is not None:
-            self.tpot.observe(tpot)
-        self.e2e.observe(e2e)
+        for hist, value in ((self.ttft, ttft), (self.tpot, tpot), (self.e2e, e2e), (self.router_queue, queue)):
+            if value is not None:
+                hist.observe(value)
 
     def render(self) -> bytes:
         """The Prometheus text format of every series."""

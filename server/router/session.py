@@ -59,6 +59,7 @@ class GenerationSession:
         self.inflight: Inflight | None = None
         self.finished = self.closed = False
         self.n_tokens = 0
+        self.t_sent: float | None = None
         self.t_first: float | None = None
         self.t_last: float | None = None
 
@@ -80,6 +81,7 @@ class GenerationSession:
         cost = len(self.prompt_ids) + self.params.max_new_tokens
         self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
                                         self.route.stream_from.worker_id, cost)
+        self.t_sent = time.monotonic()
         try:
             send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params)
         except WorkerUnavailable as e:
@@ -124,11 +126,13 @@ class GenerationSession:
         self.t_first = self.t_first if self.t_first is not None else now
         self.t_last, self.n_tokens = now, self.n_tokens + n
 
-    def latency(self) -> tuple[float | None, float | None, float]:
-        """(time to first token, time per output token after the first, end-to-end) in seconds."""
+    def latency(self) -> tuple[float | None, float | None, float, float | None]:
+        """(time to first token, time per output token after the first, end-to-end, router queue:
+        arrival to the request going out to the workers) in seconds."""
         end = self.t_last if self.t_last is not None else time.monotonic()
         ttft = None if self.t_first is None else self.t_first - self.arrival
         tpot = None
         if self.n_tokens > 1 and self.t_first is not None:
             tpot = (end - self.t_first) / (self.n_tokens - 1)
-        return ttft, tpot, end - self.arrival
+        queue = None if self.t_sent is None else self.t_sent - self.arrival
+        return ttft, tpot, end - self.arrival, queue

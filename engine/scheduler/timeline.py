@@ -1,0 +1,44 @@
+"""Per-request timeline: where a request's milliseconds go on one worker.
+
+Schedulers stamp milestones on the request (``Request.mark``: first stamp wins, so a retracted
+and re-admitted request keeps its first pass) and hand the request to ``Timeline.done`` when it
+ends. Each role names its phases as spans between two milestones; every phase with both ends
+stamped is observed in a histogram (shipped to the router as ``phase_<name>``, exported as
+``pdserve_request_phase_seconds{worker, phase}``) and one DEBUG line per request lists them.
+"""
+from __future__ import annotations
+
+import logging
+
+from engine.request import Request
+from engine.scheduler.stats import PHASE_BUCKETS, Histogram
+
+log = logging.getLogger(__name__)
+
+# role -> ((phase, from milestone, to milestone), ...)
+PHASES: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "colocated": (("queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
+                  ("decode", "prefilled", "finished")),
+    "prefill": (("prefill_queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
+                ("bootstrap_wait", "prefilled", "write_start"), ("transfer", "write_start", "write_done")),
+    "decode": (("decode_queue", "arrived", "reserved"), ("kv_wait", "reserved", "landed"),
+               ("first_token", "landed", "first_token"), ("decode", "first_token", "finished")),
+}
+
+
+class Timeline:
+    def __init__(self, role: str) -> None:
+        self.phases = PHASES[role]
+        self.histograms = {f"phase_{name}": Histogram(PHASE_BUCKETS) for name, _, _ in self.phases}
+
+    def done(self, req: Request) -> None:
+        """``req`` ended: observe each phase it went through, log them on one DEBUG line."""
+        req.mark("finished")
+        spans = []
+        for name, a, b in self.phases:
+            if a in req.marks and b in req.marks:
+                dt = max(0.0, req.marks[b] - req.marks[a])
+                self.histograms[f"phase_{name}"].observe(dt)
+                spans.append(f"{name}={dt * 1e3:.1f}")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s (%s) phases in ms: %s", req.rid, req.finish_reason, " ".join(spans) or "-")
