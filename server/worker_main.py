@@ -27,15 +27,11 @@ def load_runner(cfg: PdserveConfig):
     return ModelRunner(cfg.engine, model_config, weights), path
 
 
-def make_transport(kind: str, name: str):
+def make_transport(kind: str, name: str, cluster=None):
     """The KV data plane named by ``cluster.transfer_backend``."""
-    if kind == "nixl":
-        from transfer.nixl_transport import NixlTransport
+    from transfer.kv_transport import create_transport
 
-        return NixlTransport(name)
-    from transfer.loopback import LoopbackTransport
-
-    return LoopbackTransport(name)
+    return create_transport(kind, name, cluster)
 
 
 def build_colocated(cfg: PdserveConfig, runner, loop: WorkerLoop, worker_id: str, model_name: str):
@@ -48,7 +44,7 @@ def build_prefill(cfg: PdserveConfig, runner, loop: WorkerLoop, worker_id: str, 
     from prefill_worker.kv_sender import KVSender
     from prefill_worker.scheduler import PrefillScheduler
 
-    transport = make_transport(cfg.cluster.transfer_backend, worker_id)
+    transport = make_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
     transport.register_pool(runner.pool.buffer, runner.pool.page_bytes)
     sender = KVSender(transport, runner.pool.page_bytes, loop.send)
     return PrefillScheduler(runner, cfg, sender, loop.send, model_name, worker_id)
@@ -59,7 +55,7 @@ def build_decode(cfg: PdserveConfig, runner, loop: WorkerLoop, worker_id: str, m
     from decode_worker.peers import PrefillPeers, make_handshake
     from decode_worker.scheduler import DecodeScheduler
 
-    transport = make_transport(cfg.cluster.transfer_backend, worker_id)
+    transport = make_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
     transport.register_pool(runner.pool.buffer, runner.pool.page_bytes)
     hs = make_handshake(worker_id, model_name, runner.pool.layout_descriptor(), transport)
     peers = PrefillPeers(hs, cfg.server.health_interval_s, cfg.cluster.peer_timeout_s)
