@@ -400,3 +400,18 @@ def test_ucxx_bad_args_in_one_process():
         b.close()
     with pytest.raises(RuntimeError, match="closed"):
         a.write_pages(peer, [0], [0], b"x")
+
+
+def test_create_transport_takes_the_ucxx_settings_from_the_config():
+    from configs.schema import ClusterConfig
+
+    t = create_transport("ucxx", "ux-cfg", ClusterConfig(ucxx_error_handling=True, peer_timeout_s=3.0))
+    d = create_transport("ucxx", "ux-cfg2", ClusterConfig())
+    try:
+        assert t.backend == "ucxx" and t.error_handling is True and t.write_timeout_s == 3.0
+        assert d.error_handling is False and d.write_timeout_s == ClusterConfig().peer_timeout_s
+        with create_transport("ucxx", "ux-cfg3", ClusterConfig(), write_timeout_s=1.0) as e:
+            assert e.write_timeout_s == 1.0  # explicit arguments win over the config
+    finally:
+        t.close()
+        d.close()
