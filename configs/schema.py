@@ -27,8 +27,13 @@ class ClusterConfig(BaseModel):
     prefill: int = Field(1, ge=1, description="number of prefill workers (pd mode)")
     decode: int = Field(1, ge=1, description="number of decode workers (pd mode)")
     base_port: int = Field(29500, ge=1024, le=65000, description="first port of the workers' control sockets")
-    transfer_backend: Literal["nixl", "loopback"] = Field(
-        "nixl", description="KV data plane: nixl (UCX) between processes; loopback only inside one process (tests)")
+    transfer_backend: Literal["nixl", "ucxx", "loopback"] = Field(
+        "nixl", description="KV data plane: nixl (UCX one-sided writes) or ucxx (UCX tagged messages, needs "
+                            "pdserve[ucxx]) between processes; loopback only inside one process (tests)")
+    ucxx_error_handling: bool = Field(
+        False, description="ucxx backend: UCX endpoint error handling. Off: shared memory/cma, a dead decode "
+                           "worker is detected by the write deadline (peer_timeout_s); on: UCX reports it at "
+                           "once but falls back to TCP, ~10x slower (issue-15 note)")
     bootstrap_timeout_s: float = Field(
         300.0, gt=0, description="prefill side: drop computed KV that no decode worker asked for after this "
                                  "(a busy decode worker admits late; the held pages throttle prefill meanwhile)")

@@ -148,13 +148,18 @@ def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     p.add_argument("what", choices=["engine", "retract", "transfer", "serve"],
                    help="engine: decode/prefill tokens/s vs HF transformers; retract: retract costs "
-                        "(colocated and PD); transfer: KV transfer over NIXL vs memcpy; serve: OpenAI-compatible "
-                        "serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, --interference)")
+                        "(colocated and PD); transfer: KV transfer over NIXL and ucxx vs memcpy; serve: "
+                        "OpenAI-compatible serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, "
+                        "--interference)")
     p.add_argument("--requests", type=int, default=16, help="retract: requests in the workload")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true", help="measure this engine only")
+    p.add_argument("--backend", default="nixl,ucxx", help="transfer: data planes to measure (nixl, ucxx)")
+    p.add_argument("--ucxx-error-handling", choices=["off", "on", "both"], default="off",
+                   help="transfer: ucxx endpoint error handling to measure")
+    p.add_argument("--dead-peer", action="store_true", help="transfer: also time a write to a killed peer")
     add_flags(p, EngineConfig)
     from bench.serve.options import add_serve_flags
 
@@ -175,7 +180,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "transfer":
         from bench.transfer_bench import main as transfer_main
 
-        transfer_main([])
+        transfer_main(["--backend", args.backend, "--ucxx-error-handling", args.ucxx_error_handling]
+                      + (["--dead-peer"] if args.dead_peer else []))
     else:
         from bench.engine_bench import run_engine_bench
 

@@ -37,16 +37,16 @@ def build_prefill(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from prefill_worker.scheduler import create_prefill_scheduler
     from transfer.kv_transport import create_transport
 
-    return create_prefill_scheduler(runner, cfg, create_transport(cfg.cluster.transfer_backend, worker_id),
-                                    worker_id, model_name)
+    transport = create_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
+    return create_prefill_scheduler(runner, cfg, transport, worker_id, model_name)
 
 
 def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from decode_worker.scheduler import create_decode_scheduler
     from transfer.kv_transport import create_transport
 
-    return create_decode_scheduler(runner, cfg, create_transport(cfg.cluster.transfer_backend, worker_id),
-                                   worker_id, model_name)
+    transport = create_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
+    return create_decode_scheduler(runner, cfg, transport, worker_id, model_name)
 
 
 BUILDERS = {"colocated": build_colocated, "prefill": build_prefill, "decode": build_decode}

@@ -1,9 +1,10 @@
 """PD mode end to end: ``pdserve launch --mode pd`` (router + prefill worker + decode worker as
-separate processes, KV over NIXL/UCX on loopback), driven through the real HTTP API with the
+separate processes, KV over UCX on loopback through NIXL and through ucxx: every test runs against
+a server on each data plane), driven through the real HTTP API with the
 ``openai`` client. Greedy outputs equal transformers and the colocated engine; 32 concurrent
 requests with shared prefixes against a small decode pool; aborts at random points leak nothing;
 kill -9 of either worker fails its requests fast, keeps the router up, and traffic flows again
-after the launcher restarts it. These share one server and run in file order."""
+after the launcher restarts it. These share one server per data plane and run in file order."""
 from __future__ import annotations
 
 import asyncio
@@ -35,9 +36,11 @@ QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosy
              "What causes tides?", "Why do leaves change color?"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()),
+@pytest.fixture(scope="module", params=["nixl", "ucxx"])
+def server(request):
+    """One launched PD server per KV data plane; every test below runs against each."""
+    srv = LaunchedServer(["--mode", "pd", "--transfer-backend", request.param,
+                          "--port", "0", "--base-port", str(free_port()),
                           "--kv-pool-tokens", "1024", "--page-size", "16", "--max-model-len", "2048",
                           "--init-new-token-ratio", "0.05", "--health-interval-s", str(HEARTBEAT_S),
                           "--worker-timeout-s", "30", "--peer-timeout-s", "4", "--log-level", "WARNING"])

@@ -1,6 +1,7 @@
 """PD across real processes: prefill and decode workers (``server.worker_main``) talking typed
-ZMQ messages, KV over NIXL/UCX. A small driver plays the router. Tiny random model saved as an
-HF folder, so every output is checked against transformers."""
+ZMQ messages, KV over UCX through either data plane (NIXL or ucxx: the tests run over both). A
+small driver plays the router. Tiny random model saved as an HF folder, so every output is checked
+against transformers."""
 from __future__ import annotations
 
 import itertools
@@ -29,15 +30,17 @@ def free_port() -> int:
 class PDPair:
     """One prefill and one decode worker process plus a DEALER to each (the router's role)."""
 
-    def __init__(self, model_dir, decode_pool: int, host_gb: float, decode_page_size: int = 4, **sched):
+    def __init__(self, model_dir, decode_pool: int, host_gb: float, decode_page_size: int = 4,
+                 backend: str = "nixl", decode_backend: str | None = None, **sched):
         self.cfg = PdserveConfig.model_validate({
             "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096},
             "scheduler": sched, "server": {"health_interval_s": 0.5},
             "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0,
-                        "transfer_fence_s": 3.0}})
+                        "transfer_fence_s": 3.0, "transfer_backend": backend}})
         dcfg = self.cfg.model_copy(deep=True)
         dcfg.engine.kv_pool_tokens = decode_pool
         dcfg.engine.page_size = decode_page_size
+        dcfg.cluster.transfer_backend = decode_backend or backend
         self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
         self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, self.cfg),
                       "d0": self._spawn("decode", "d0", self.d_addr, dcfg)}
@@ -140,8 +143,12 @@ def run_pressure_workload(pair: PDPair, tiny) -> list[list[int]]:
     return ps
 
 
-def test_pd_processes_offload_and_resume(tiny, tiny_folder):
-    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1)
+BACKENDS = pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+
+
+@BACKENDS
+def test_pd_processes_offload_and_resume(tiny, tiny_folder, backend):
+    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1, backend=backend)
     try:
         ps = run_pressure_workload(pair, tiny)
         params = PRESSURE
@@ -169,8 +176,9 @@ def test_pd_processes_offload_and_resume(tiny, tiny_folder):
         pair.close()
 
 
-def test_pd_processes_recompute_fallback(tiny, tiny_folder):
-    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1)
+@BACKENDS
+def test_pd_processes_recompute_fallback(tiny, tiny_folder, backend):
+    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1, backend=backend)
     try:
         run_pressure_workload(pair, tiny)
         d = wait_idle(pair, "d0")
@@ -187,5 +195,18 @@ def test_handshake_mismatch_is_refused_with_both_values(tiny_folder):
         res = pair.collect(["m"], timeout=15)["m"]
         assert res["finish"] == "abort"
         assert "page_size: decode has 8, prefill has 4" in res["error"]
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("prefill_backend,decode_backend", [("nixl", "ucxx"), ("ucxx", "nixl")])
+def test_handshake_refuses_a_peer_on_the_other_data_plane(tiny_folder, prefill_backend, decode_backend):
+    pair = PDPair(tiny_folder, decode_pool=512, host_gb=0.0, backend=prefill_backend, decode_backend=decode_backend)
+    try:
+        pair.submit("t", prompts(1, 10, 10, seed=2)[0], SamplingParams(max_new_tokens=4, temperature=0))
+        res = pair.collect(["t"], timeout=15)["t"]
+        assert res["finish"] == "abort"
+        assert f"transport mismatch: decode uses {decode_backend}, prefill uses {prefill_backend}" in res["error"]
+        assert wait_idle(pair, "d0").gauges["kv_pages_used"] == 0
     finally:
         pair.close()
