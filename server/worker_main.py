@@ -12,6 +12,7 @@ import sys
 import torch
 
 from configs.schema import PdserveConfig
+from server.placement import apply_cpus, parse_cpu_list
 from server.worker_loop import WorkerLoop
 
 
@@ -58,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-id", required=True)
     p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://127.0.0.1:29500")
     p.add_argument("--config-json", required=True)
+    p.add_argument("--cpus", type=parse_cpu_list, default=(),
+                   help="pin this worker to these cores, torch with one thread each (e.g. 0-1 or 0+2)")
     args = p.parse_args(argv)
+    apply_cpus(args.cpus)
     cfg = PdserveConfig.model_validate_json(args.config_json)
     logging.basicConfig(level=cfg.server.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{args.worker_id}] %(name)s: %(message)s")

@@ -1,0 +1,88 @@
+"""Placement of one host's pdserve processes on its CPU cores.
+
+Workers that share cores fight: two torch processes with a thread per core each on the same
+cores both run slower than either alone. ``plan_placement`` gives each worker of a local launch
+its own cores and, when cores are left over, the router too; a worker then pins itself
+(``os.sched_setaffinity``) and runs torch with one thread per core it owns (``apply_cpus``).
+
+``--worker-cpus`` (``cluster.worker_cpus``):
+- ``auto`` (default): split the cores this process may use evenly among the workers (the first
+  workers in launch order get one core more when they do not divide); cores left over go to the
+  router. With fewer cores than workers nothing is pinned.
+- ``off``: pin nothing (every process uses every core, torch's default threads).
+- ``ID=CPUS,ID=CPUS``: explicit, e.g. ``prefill-0=0,decode-0=1`` or ``prefill-0=0-2,decode-0=3+5``
+  (``a-b`` ranges and ``+`` lists); workers not named are not pinned.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Placement:
+    workers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    router: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        if not self.workers:
+            return "placement: not pinned (every process may use every core)"
+        parts = [f"{wid} -> cpus {_fmt(cpus)}" for wid, cpus in self.workers.items()]
+        parts.append(f"router -> cpus {_fmt(self.router)}" if self.router else "router -> shares the workers' cores")
+        return "placement: " + ", ".join(parts)
+
+
+def _fmt(cpus: tuple[int, ...]) -> str:
+    return ",".join(map(str, cpus))
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """``"0-2+5"`` -> (0, 1, 2, 5); ``ValueError`` naming the bad part."""
+    cpus: list[int] = []
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"--worker-cpus: {text!r} is not a cpu list (use 0, 0-3 or 0+2)")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(set(cpus)))
+
+
+def plan_placement(worker_ids: list[str], spec: str, cpus: list[int] | None = None) -> Placement:
+    """Where each of ``worker_ids`` (launch order) and the router run; see the module docstring."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if spec == "off":
+        return Placement()
+    if spec != "auto":
+        return _explicit(worker_ids, spec, cpus)
+    n = len(worker_ids)
+    if n < 2 or len(cpus) < n:
+        return Placement()
+    share, extra = divmod(len(cpus) - (1 if len(cpus) > n else 0), n)
+    out, pos = {}, 0
+    for i, wid in enumerate(worker_ids):
+        k = share + (1 if i < extra else 0)
+        out[wid], pos = tuple(cpus[pos:pos + k]), pos + k
+    return Placement(out, tuple(cpus[pos:]))
+
+
+def _explicit(worker_ids: list[str], spec: str, cpus: list[int]) -> Placement:
+    out: dict[str, tuple[int, ...]] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        wid, sep, text = entry.partition("=")
+        if not sep or wid not in worker_ids:
+            raise ValueError(f"--worker-cpus: {entry!r} should be ID=CPUS with ID one of {', '.join(worker_ids)}")
+        out[wid] = parse_cpu_list(text)
+        if missing := sorted(set(out[wid]) - set(cpus)):
+            raise ValueError(f"--worker-cpus: {wid} asks for cpus {_fmt(tuple(missing))}, this host has {_fmt(tuple(cpus))}")
+    used = {c for v in out.values() for c in v}
+    return Placement(out, tuple(c for c in cpus if c not in used) if out else ())
+
+
+def apply_cpus(cpus: tuple[int, ...]) -> None:
+    """Pin this process to ``cpus`` and give torch one thread per core (empty: leave as is)."""
+    if not cpus:
+        return
+    import torch
+
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))

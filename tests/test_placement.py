@@ -1,0 +1,41 @@
+"""CPU placement of a local launch: each worker its own cores, the router the rest; explicit
+lists; refusals that name the flag."""
+from __future__ import annotations
+
+import pytest
+
+from server.placement import Placement, parse_cpu_list, plan_placement
+
+
+def test_two_workers_on_two_cores_get_one_each_and_the_router_shares():
+    p = plan_placement(["prefill-0", "decode-0"], "auto", [0, 1])
+    assert p == Placement({"prefill-0": (0,), "decode-0": (1,)}, ())
+    assert "router -> shares" in p.describe()
+
+
+def test_spare_core_goes_to_the_router():
+    p = plan_placement(["prefill-0", "decode-0"], "auto", [0, 1, 2, 3])
+    assert p.workers == {"prefill-0": (0, 1), "decode-0": (2,)} and p.router == (3,)
+    assert plan_placement(["p", "d"], "auto", list(range(16))).workers == {"p": tuple(range(8)), "d": tuple(range(8, 15))}
+
+
+def test_nothing_pinned_when_it_cannot_help():
+    assert plan_placement(["colocated-0"], "auto", [0, 1]) == Placement()
+    assert plan_placement(["a", "b", "c"], "auto", [0, 1]) == Placement()
+    assert plan_placement(["a", "b"], "off", [0, 1]) == Placement()
+    assert "not pinned" in Placement().describe()
+
+
+def test_explicit_lists():
+    p = plan_placement(["prefill-0", "decode-0"], "prefill-0=0-2,decode-0=3+5", list(range(8)))
+    assert p.workers == {"prefill-0": (0, 1, 2), "decode-0": (3, 5)} and p.router == (4, 6, 7)
+    assert parse_cpu_list("3+1-2") == (1, 2, 3)
+
+
+@pytest.mark.parametrize("spec, needle", [("decode-9=1", "ID one of prefill-0, decode-0"),
+                                           ("prefill-0=7", "asks for cpus 7"), ("prefill-0=x", "not a cpu list"),
+                                           ("prefill-0=3-1", "not a cpu list")])
+def test_bad_specs_are_refused_with_the_flag(spec, needle):
+    with pytest.raises(ValueError, match="--worker-cpus") as e:
+        plan_placement(["prefill-0", "decode-0"], spec, [0, 1])
+    assert needle in str(e.value)
