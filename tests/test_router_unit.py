@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from server.router.app import build_context, create_app
 from server.router.detok import TextStream
 from server.router.inflight import InflightTable
-from server.router.registry import DEAD, READY, Registry, WorkerSpec
+from server.router.registry import DEAD, READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.worker_client import WorkerUnavailable
 from transfer.protocol import TokenDelta, WorkerStats
 
@@ -366,3 +366,42 @@ def test_worker_serving_another_model_is_not_routed_to():
     reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10,
                                    max_model_len=10, page_size=1))
     assert reg.health()[0]
+
+
+def test_error_on_one_pd_worker_aborts_the_request_on_the_other():
+    # The decode worker fails the request (e.g. its prefill peer looked dead): the prefill worker,
+    # which may still hold the prompt's KV waiting for a destination, must hear of it at once.
+    from server.router.errors import APIError
+    from server.router.session import GenerationSession
+
+    class Client:
+        def __init__(self):
+            self.aborted = []
+
+        def prefill(self, *a):
+            pass
+
+        def generate(self, *a, **k):
+            pass
+
+        def abort(self, rids, reason):
+            self.aborted += rids
+
+    table = InflightTable()
+    specs = [WorkerSpec("p0", "prefill", "tcp://p"), WorkerSpec("d0", "decode", "tcp://d")]
+    reg = Registry(specs, lambda *a: Client(), table, timeout_s=2.0, policy=ROUTING_POLICIES["pd"])
+    for s in specs:
+        reg.on_stats(s.worker_id, WorkerStats(worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100,
+                                              max_model_len=100, page_size=1))
+
+    async def scenario():
+        session = GenerationSession(reg, table, [1, 2, 3], SamplingParams(max_new_tokens=4), timeout_s=5)
+        session.prepare()
+        session.send()
+        reg.on_tokens("d0", TokenDelta.failed(session.rid, "prefill worker did not answer", 503))
+        with pytest.raises(APIError):
+            await session.next()
+        return session.rid
+
+    rid = asyncio.run(scenario())
+    assert reg.handles["p0"].client.aborted == [rid] and rid not in table

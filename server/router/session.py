@@ -98,9 +98,9 @@ class GenerationSession:
             self.close(f"request timed out after {self.timeout_s:g}s")
             raise APIError(504, f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was aborted",
                            code="timeout") from None
-        if delta.finish_reason == "abort":
+        if delta.finish_reason == "abort":  # the other workers of the route may still hold its state
+            self.close(f"failed on another worker: {delta.error}")
             self.finished = True
-            self.close()
             raise APIError(delta.error_status or 500, delta.error or "the worker aborted the request")
         self._clock_tokens(len(delta.token_ids))
         if delta.finish_reason:
