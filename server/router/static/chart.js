@@ -59,11 +59,6 @@ const PdChart = (() => {
     ratio(v) { return v === null || v === undefined ? "–" : v.toFixed(3); },
   };
 
-  function lastValue(points) {
-    for (let i = points.length - 1; i >= 0; i--) if (points[i][1] !== null) return points[i][1];
-    return null;
-  }
-
   class TimeChart {
     /** opts: {title, fmt (value -> text), stacked, height, yMax (fixed top), span (seconds)} */
     constructor(container, opts) {
@@ -157,7 +152,7 @@ const PdChart = (() => {
         const item = htmlEl("span", "item", this.legend);
         htmlEl("span", "swatch", item).style.background = s.color;
         htmlEl("span", "label", item, s.label + " ");
-        const v = lastValue(s.points);
+        const v = s.points.length ? s.points[s.points.length - 1][1] : null;  // "–" once a window empties
         const val = htmlEl("b", "value", item, (s.fmt || this.opts.fmt)(v));
         if (s.attrs) {  // a /metrics sample: the raw value rides along for readers of the DOM
           for (const [k, a] of Object.entries(s.attrs)) val.dataset[k] = a;
@@ -167,5 +162,5 @@ const PdChart = (() => {
     }
   }
 
-  return { TimeChart, fmt, htmlEl, lastValue };
+  return { TimeChart, fmt, htmlEl };
 })();

@@ -3,7 +3,7 @@
  * draws the panels. Every number that is also a /metrics sample carries data-metric (sample name),
  * data-labels (JSON, sorted keys) and data-value (raw); percentiles carry data-hist and data-q. */
 (() => {
-  const { TimeChart, fmt, htmlEl, lastValue } = PdChart;
+  const { TimeChart, fmt, htmlEl } = PdChart;
   const SPAN = 600, POLL_MS = 1000, WINDOW_S = 30, RATE_S = 5, KEY = "pdserve.apiKey", MAX_EVENTS = 6;
   const POOL = { used: "#d9534f", cached: "#f0ad4e", free: "#9fd39b" };
   const QUEUES = { waiting: "#4e79a7", bootstrap: "#9c755f", prealloc: "#f28e2b", transfer: "#76b7b2",
