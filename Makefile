@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve bench clean chromium
 
 install: $(STAMP)
 
@@ -24,6 +24,13 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q tests
+
+# Headless Chromium for the dashboard's browser test (tests/test_dashboard.py), from Debian; needs
+# root (or sudo). .ci/run calls this; without it that test skips with a loud reason.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; }
 
 # OpenAI-compatible server (embedded SmolLM2-135M) on http://$(HOST):$(PORT)/v1; Ctrl-C stops everything.
 serve: install

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
 ``Authorization: Bearer <api_key>`` when an API key is configured), and ``GET /health``,
 ``GET /metrics`` (always open, so load balancers and Prometheus need no secret; they expose no
-request content). Every error has OpenAI's shape ``{"error": {"message", "type", "param",
+request content), and the live dashboard ``GET /dashboard`` whose data, ``GET /dashboard/data``,
+needs the API key like ``/v1/*`` (``server/router/dashboard.py``). Every error has OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}``. The app's lifespan starts and stops the worker registry (connections, heartbeats).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.tokenizer import Tokenizer
 from server.router.chat import create_chat_completion
 from server.router.completions import create_completion
 from server.router.context import RouterContext
+from server.router.dashboard import add_dashboard_routes
 from server.router.errors import APIError
 from server.router.http_util import check_api_key, read_body
 from server.router.inflight import InflightTable
@@ -125,5 +127,6 @@ def create_app(ctx: RouterContext) -> FastAPI:
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     _add_routes(app, ctx)
+    add_dashboard_routes(app, ctx)
     _add_error_handlers(app)
     return app

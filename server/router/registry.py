@@ -43,7 +43,8 @@ class WorkerSpec:
 
 @dataclass
 class WorkerHandle:
-    """A worker as the router sees it: state, latest stats, last sign of life (monotonic s)."""
+    """A worker as the router sees it: state, latest stats, last sign of life (monotonic s), and
+    since when the router has heard from the current process instance (``up_since``, ``restarts``)."""
 
     spec: WorkerSpec
     client: Any
@@ -53,6 +54,9 @@ class WorkerHandle:
     last_seen: float | None = None
     stats_at: float | None = None
     permanent: bool = False
+    instance: str = ""  # the worker process's instance id (from its stats); a new one means a restart
+    up_since: float | None = None  # when the router first heard from ``instance`` (monotonic s)
+    restarts: int = 0  # how many times ``instance`` changed
 
     @property
     def worker_id(self) -> str:
@@ -198,6 +202,9 @@ class Registry:
         h = self.handles[worker_id]
         h.stats, h.last_seen = stats, self.clock()
         h.stats_at = h.last_seen
+        if stats.instance != h.instance or h.up_since is None:
+            h.restarts += 1 if h.up_since is not None else 0
+            h.instance, h.up_since = stats.instance, h.last_seen
         if h.permanent:
             return
         if self.model_name is not None and stats.model != self.model_name:
