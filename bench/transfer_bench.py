@@ -26,6 +26,8 @@ import time
 import numpy as np
 import torch
 
+from cache.page_allocator import ceil_div
+
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 30, 3, 64, 16
 
 
@@ -92,7 +94,7 @@ def _summary(times: list[float], nbytes: int) -> dict:
 
 
 def _layout(tokens: int, reps: int, seed: int):
-    n = -(-tokens // PAGE)
+    n = ceil_div(tokens, PAGE)
     rng = np.random.default_rng(seed)
     prefill_pages, decode_pages = n + n // 4, 2 * n
     src = rng.permutation(prefill_pages)[:n].astype(np.int32)
@@ -253,7 +255,7 @@ def isolated(fn, *args, timeout: float = 300):
 
 
 def run(tokens: int = 2048, reps: int = 10, variants: tuple[str, ...] = ("nixl", "ucxx"), seed: int = 0) -> dict:
-    n = -(-tokens // PAGE)
+    n = ceil_div(tokens, PAGE)
     result: dict = {"tokens": tokens, "pages": n, "page_bytes": page_bytes(), "bytes": n * page_bytes(),
                     "reps": reps, "backends": {}}
     for label in variants:
