@@ -257,6 +257,7 @@ class Launcher:
                 if restart:
                     log.warning("restarting worker %s (%s)", spec.worker_id, spec.role)
                     procs.restart(spec)
+                    registry.mark_restarting(spec.worker_id, f"restarting: the previous process exited with code {rc}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop_event.wait(), 0.5)
 

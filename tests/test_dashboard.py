@@ -233,10 +233,10 @@ def test_snapshot_follows_the_registry_and_router_metrics():
     ctx = build_context(PdserveConfig(), None, "m", [WorkerSpec("d0", "decode", "tcp://x")], lambda *a: Client())
     ctx.registry.clock = clock = lambda: now[0]
 
-    def stats(instance: str, ready: bool = True) -> WorkerStats:
+    def stats(instance: str) -> WorkerStats:
         hist = HistogramData(buckets=[0.1, 1.0], counts=[1, 2, 0], sum=1.5)
         return WorkerStats(worker_id="d0", instance=instance, role="decode", model="m", capacity_tokens=64,
-                           max_model_len=64, page_size=16, ready=ready, counters={"retractions": 3.0},
+                           max_model_len=64, page_size=16, counters={"retractions": 3.0},
                            gauges={"kv_pages_free": 2.0}, histograms={"kv_transfer_seconds": hist})
 
     def worker():
@@ -252,10 +252,11 @@ def test_snapshot_follows_the_registry_and_router_metrics():
     ctx.registry.mark_dead("d0", "worker process exited with code -9")
     assert (worker().state, worker().up, worker().reason) == ("dead", False, "worker process exited with code -9")
     now[0] = 140.0
-    ctx.registry.on_stats("d0", stats("b", ready=False))  # the restarted process, still loading
-    assert (worker().state, worker().restarts, worker().uptime_s) == ("restarting", 1, 0.0)
-    now[0] = 145.0
+    ctx.registry.mark_restarting("d0", "restarting: the previous process exited with code -9")  # still loading
+    assert (worker().state, worker().restarts, worker().reason) == ("restarting", 0, "restarting: the previous "
+                                                                                     "process exited with code -9")
     ctx.registry.on_stats("d0", stats("b"))
+    now[0] = 145.0
     assert (worker().state, worker().restarts, worker().uptime_s, worker().reason) == ("ready", 1, 5.0, "")
 
     for status in (200, 200, 503):

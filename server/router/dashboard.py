@@ -29,7 +29,7 @@ from starlette.responses import FileResponse, JSONResponse
 from server.router.context import RouterContext
 from server.router.errors import APIError
 from server.router.http_util import check_api_key
-from server.router.registry import DEAD, READY, WorkerHandle
+from server.router.registry import READY, WorkerHandle
 
 STATIC_DIR = Path(__file__).with_name("static")
 ASSETS = {"dashboard.js": "text/javascript", "chart.js": "text/javascript", "dashboard.css": "text/css"}
@@ -102,11 +102,9 @@ class DashboardSnapshot(BaseModel):
 
 
 def display_state(h: WorkerHandle) -> str:
-    """ready / dead as the registry says; a not-ready worker is ``restarting`` once a previous
-    process instance of it was seen, else ``starting``."""
-    if h.state in (READY, DEAD):
-        return h.state
-    return "restarting" if h.restarts > 0 else "starting"
+    """The registry's state: starting (never heard from), ready, dead, or restarting (the launcher
+    started a new process after the old one exited)."""
+    return h.state
 
 
 def worker_snapshot(h: WorkerHandle, now: float) -> WorkerSnapshot:

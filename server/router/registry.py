@@ -29,7 +29,7 @@ from transfer.protocol import TokenDelta, WorkerStats
 
 log = logging.getLogger(__name__)
 
-STARTING, READY, DEAD = "starting", "ready", "dead"
+STARTING, READY, DEAD, RESTARTING = "starting", "ready", "dead", "restarting"
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,12 @@ class Registry:
         """A token delta arrived: a sign of life, forwarded to the request's queue."""
         self.handles[worker_id].last_seen = self.clock()
         self.table.dispatch(worker_id, delta)
+
+    def mark_restarting(self, worker_id: str, reason: str) -> None:
+        """The launcher started a new process for a dead worker: not routable until it reports."""
+        h = self.handles[worker_id]
+        if not h.permanent:
+            h.state, h.reason = RESTARTING, reason
 
     def mark_dead(self, worker_id: str, reason: str, permanent: bool = False) -> list[str]:
         """Mark a worker dead and fail its in-flight requests with 503; returns their rids."""
