@@ -11,15 +11,30 @@ stderr), 2 = no target could be derived.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import zmq
 
-from transfer.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
-
 _WILDCARD = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+# The probe speaks the two control messages it needs itself: ``transfer.protocol`` imports torch
+# (through ``engine.sampling``), seconds of CPU per probe, and a health check runs every few
+# seconds in every container. tests/test_roles_probe.py checks these frames against that module.
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """The fields of a worker's ``WorkerStats`` reply that readiness needs."""
+
+    worker_id: str
+    role: str
+    model: str
+    capacity_tokens: int
+    ready: bool
 
 
 class ProbeError(RuntimeError):
@@ -34,25 +49,41 @@ def local(addr: str) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def probe_worker(addr: str, timeout_s: float) -> WorkerStats:
-    """The worker's ``WorkerStats``; ``ProbeError`` if it is silent or not ready."""
+def stats_request(nonce: int) -> list[bytes]:
+    """The frames of a ``StatsRequest``."""
+    return [b"StatsRequest", json.dumps({"version": PROTOCOL_VERSION, "nonce": nonce}).encode()]
+
+
+def parse_stats(addr: str, parts: list[bytes]) -> WorkerStatus:
+    """A ``WorkerStats`` reply's status; ``ProbeError`` for anything else."""
+    if len(parts) < 2 or parts[0] != b"WorkerStats":
+        kind = parts[0][:40] if parts else b""
+        raise ProbeError(f"worker at {addr}: answered {kind!r}, not WorkerStats")
+    try:
+        h = json.loads(parts[1])
+        if h.get("version") != PROTOCOL_VERSION:
+            raise ProbeError(f"worker at {addr}: protocol version {h.get('version')!r}, the probe speaks "
+                             f"{PROTOCOL_VERSION}")
+        return WorkerStatus(str(h["worker_id"]), str(h["role"]), str(h["model"]), int(h["capacity_tokens"]),
+                            bool(h.get("ready", True)))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ProbeError(f"worker at {addr}: bad WorkerStats: {e!r}") from None
+
+
+def probe_worker(addr: str, timeout_s: float) -> WorkerStatus:
+    """The worker's status; ``ProbeError`` if it is silent or not ready."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(addr)
-        sock.send_multipart(encode(StatsRequest(nonce=1)))
+        sock.send_multipart(stats_request(1))
         if not sock.poll(int(timeout_s * 1000)):
             raise ProbeError(f"worker at {addr}: no answer in {timeout_s:g}s")
-        try:
-            msg, _ = decode(sock.recv_multipart())
-        except ProtocolError as e:
-            raise ProbeError(f"worker at {addr}: bad reply: {e}") from None
-        if not isinstance(msg, WorkerStats):
-            raise ProbeError(f"worker at {addr}: answered {type(msg).__name__}, not WorkerStats")
-        if not msg.ready:
-            raise ProbeError(f"worker {msg.worker_id} at {addr}: not ready yet")
-        return msg
+        status = parse_stats(addr, sock.recv_multipart())
+        if not status.ready:
+            raise ProbeError(f"worker {status.worker_id} at {addr}: not ready yet")
+        return status
     finally:
         sock.close(0)
         ctx.term()

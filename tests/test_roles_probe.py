@@ -18,11 +18,13 @@ import zmq.asyncio
 
 from configs.schema import PdserveConfig
 from server.cli import main as cli_main
-from server.probe import ProbeError, local, pid1_argv, probe, target_from_argv
+from server.probe import (PROTOCOL_VERSION, ProbeError, local, parse_stats, pid1_argv, probe, stats_request,
+                          target_from_argv)
 from server.roles import advertised_host, bind_addr, parse_roles, parse_worker_spec, worker_specs
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, Registry, WorkerSpec
 from server.router.worker_client import WorkerClient
+from transfer import protocol
 from transfer.protocol import StatsRequest, WorkerStats, decode, encode
 
 
@@ -78,6 +80,20 @@ def test_probe_target_comes_from_the_main_process_command_line(tmp_path):
     with pytest.raises(ValueError, match="not a pdserve process"):
         pid1_argv(str(cmdline))
     assert local("tcp://[::]:5") == "tcp://[::1]:5" and local("tcp://10.0.0.2:5") == "tcp://10.0.0.2:5"
+
+
+def test_probe_frames_are_the_control_protocol():
+    assert PROTOCOL_VERSION == protocol.PROTOCOL_VERSION
+    msg, frames = decode(stats_request(5))
+    assert isinstance(msg, StatsRequest) and msg.nonce == 5 and frames == []
+    reply = encode(WorkerStats(worker_id="d1", role="decode", model="m", capacity_tokens=32, max_model_len=8,
+                               page_size=16, ready=False))
+    st = parse_stats("tcp://x:1", reply)
+    assert (st.worker_id, st.role, st.model, st.capacity_tokens, st.ready) == ("d1", "decode", "m", 32, False)
+    with pytest.raises(ProbeError, match="protocol version 99"):
+        parse_stats("tcp://x:1", [b"WorkerStats", b'{"version": 99}'])
+    with pytest.raises(ProbeError, match="not WorkerStats"):
+        parse_stats("tcp://x:1", [b"TokenBatch", b"{}"])
 
 
 def fake_worker(ready: bool):
