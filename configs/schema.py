@@ -43,6 +43,13 @@ class ClusterConfig(BaseModel):
                                 "long (a late write may still land) unless it reappears as a new process")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
     restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
+    worker_host: str = Field(
+        "127.0.0.1", description="launcher: bind address of this host's worker control sockets (0.0.0.0 to serve "
+                                 "a router on another host; workers have no authentication, keep them on a "
+                                 "private network)")
+    advertise_host: str | None = Field(
+        None, description="launcher: the name or address other hosts reach this host's workers by (default: "
+                          "worker_host, or this machine's hostname when worker_host is a wildcard)")
 
 
 class PdserveConfig(BaseModel):

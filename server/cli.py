@@ -86,15 +86,31 @@ def _load_config(args: argparse.Namespace, command: str):
 def _launch_parser(sub) -> None:
     p = sub.add_parser("launch", help="start the worker process(es) and the OpenAI-compatible HTTP router",
                        description="Settings: --config preset < env PDSERVE_<FIELD> < these flags.")
+    p.add_argument("--roles", help="start only these roles on this host, comma-separated: router, prefill, "
+                                   "decode (pd) or router, colocated (default: all of the mode)")
+    p.add_argument("--worker", action="append", default=[], metavar="ROLE=ID=ADDR",
+                   help="a worker on another host for this host's router, e.g. decode=decode-0=tcp://hostB:29501")
     _config_flags(p)
     p.set_defaults(func=_cmd_launch)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from server.launcher import launch_main
+    from server.roles import parse_roles, parse_worker_spec
 
     cfg = _load_config(args, "launch")
-    return 2 if cfg is None else launch_main(cfg)
+    if cfg is None:
+        return 2
+    try:
+        roles = parse_roles(args.roles, cfg.cluster.mode)
+        remote = [parse_worker_spec(w) for w in args.worker]
+    except ValueError as e:
+        print(f"pdserve launch: {e}", file=sys.stderr)
+        return 2
+    if remote and "router" not in roles:
+        print("pdserve launch: --worker is for the router; add router to --roles", file=sys.stderr)
+        return 2
+    return launch_main(cfg, roles if args.roles else None, remote)
 
 
 def _worker_parser(sub) -> None:
@@ -128,20 +144,32 @@ def _router_parser(sub) -> None:
 
 def _cmd_router(args: argparse.Namespace) -> int:
     from server.launcher import router_main
-    from server.router.registry import WorkerSpec
+    from server.roles import parse_worker_spec
 
     cfg = _load_config(args, "router")
     if cfg is None:
         return 2
-    specs = []
-    for w in args.worker:
-        parts = w.split("=", 2)
-        if len(parts) != 3 or parts[0] not in ("colocated", "prefill", "decode"):
-            print(f"pdserve router: --worker {w!r}: expected ROLE=ID=ADDR with ROLE colocated, prefill or decode",
-                  file=sys.stderr)
-            return 2
-        specs.append(WorkerSpec(parts[1], parts[0], parts[2]))
+    try:
+        specs = [parse_worker_spec(w) for w in args.worker]
+    except ValueError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
     return router_main(cfg, specs)
+
+
+def _probe_parser(sub) -> None:
+    p = sub.add_parser("probe", help="exit 0 when the pdserve process here is ready (container health checks)",
+                       description="Target: http://HOST:PORT (router: GET /health) or tcp://HOST:PORT (a worker's "
+                                   "control socket). Without one, derived from PID 1's pdserve command line.")
+    p.add_argument("target", nargs="?")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    p.set_defaults(func=_cmd_probe)
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from server.probe import main as probe_main
+
+    return probe_main(args)
 
 
 def _bench_parser(sub) -> None:
@@ -197,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_parser(sub)
     _worker_parser(sub)
     _router_parser(sub)
+    _probe_parser(sub)
     _bench_parser(sub)
     return parser
 

@@ -31,7 +31,10 @@ import uvicorn
 import zmq.asyncio
 
 from configs.schema import PdserveConfig
+from server.roles import bind_addr, worker_specs
 from server.router.registry import WorkerSpec
+
+__all__ = ["Launcher", "LaunchError", "worker_specs", "worker_argv", "launch_main", "router_main"]
 
 log = logging.getLogger("pdserve.launch")
 
@@ -42,21 +45,6 @@ class LaunchError(RuntimeError):
     """Startup failed; the message says what to fix."""
 
 
-def worker_specs(cfg: PdserveConfig) -> list[WorkerSpec]:
-    """The workers of ``cfg.cluster.mode``; their control ports count up from ``base_port``."""
-    c = cfg.cluster
-    if c.mode == "colocated":
-        roles = [("colocated", 1)]
-    else:
-        roles = [("prefill", c.prefill), ("decode", c.decode)]
-    specs, port = [], c.base_port
-    for role, count in roles:
-        for i in range(count):
-            specs.append(WorkerSpec(f"{role}-{i}", role, f"tcp://127.0.0.1:{port}"))
-            port += 1
-    return specs
-
-
 def worker_config(cfg: PdserveConfig) -> PdserveConfig:
     """The config handed to workers: the API key stays in the router (argv is world-readable)."""
     return cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": None})})
@@ -65,7 +53,7 @@ def worker_config(cfg: PdserveConfig) -> PdserveConfig:
 def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
     """Command line of one worker process."""
     return [sys.executable, "-m", "server.worker_main", "--role", spec.role, "--worker-id", spec.worker_id,
-            "--control-addr", spec.addr, "--config-json", worker_config(cfg).model_dump_json()]
+            "--control-addr", bind_addr(spec, cfg), "--config-json", worker_config(cfg).model_dump_json()]
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -144,10 +132,16 @@ class Launcher:
 
     def __init__(self, cfg: PdserveConfig, argv: Callable[[WorkerSpec, PdserveConfig], list[str]] = worker_argv,
                  out: TextIO | None = None, startup_timeout_s: float = 600.0, install_signals: bool = True,
-                 specs: list[WorkerSpec] | None = None) -> None:
-        """``specs``: route to these already running workers instead of starting ``cfg``'s own."""
+                 specs: list[WorkerSpec] | None = None, roles: frozenset[str] | None = None,
+                 remote: list[WorkerSpec] | None = None) -> None:
+        """``specs``: route to these already running workers instead of starting ``cfg``'s own.
+        ``roles``: start only these roles here (see ``server.roles``; without ``router`` no HTTP
+        server runs and the launcher only keeps its workers running); ``remote``: workers on other
+        hosts that the router routes to besides its own."""
         self.cfg = cfg
         self.external_specs = specs
+        self.roles = roles
+        self.remote = list(remote or [])
         self.argv = argv
         self.out = out or sys.stdout
         self.startup_timeout_s = startup_timeout_s
@@ -190,12 +184,17 @@ class Launcher:
         from server.router.app import build_context, create_app, zmq_client_factory
 
         srv = self.cfg.server
-        specs = self.external_specs or worker_specs(self.cfg)
+        local = [] if self.external_specs else worker_specs(self.cfg, self.roles)
+        if self.roles is not None and "router" not in self.roles:
+            return await self._run_workers_only(local)
+        specs = self.external_specs or local + self.remote
+        if not specs:
+            raise LaunchError("no worker to route to: --roles starts none here and no --worker was given")
         sock = bind_http_socket(srv.host, srv.port)
-        if self.external_specs:
-            procs = ExternalWorkers()
+        if local:
+            procs = WorkerProcesses(local, lambda s: self.argv(s, self.cfg))
         else:
-            procs = WorkerProcesses(specs, lambda s: self.argv(s, self.cfg))
+            procs = ExternalWorkers()
         zctx = zmq.asyncio.Context()
         serve_task = None
         try:
@@ -261,6 +260,48 @@ class Launcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop_event.wait(), 0.5)
 
+    async def _run_workers_only(self, local: list[WorkerSpec]) -> int:
+        """``--roles`` without ``router``: start the workers, print one line once every one answers
+        ``pdserve probe``-style readiness, keep them running (restarts as in :meth:`_supervise`)."""
+        from server.probe import ProbeError, local as local_addr, probe_worker
+
+        if not local:
+            raise LaunchError("--roles names no worker role of this cluster mode; nothing to start")
+        procs = WorkerProcesses(local, lambda s: self.argv(s, self.cfg))
+        try:
+            deadline = time.monotonic() + self.startup_timeout_s
+            pending = list(local)
+            while pending and not self.stop_event.is_set():
+                for spec, rc in procs.new_exits():
+                    raise LaunchError(f"worker {spec.worker_id} ({spec.role}) exited with code {rc} during startup")
+                try:
+                    await asyncio.to_thread(probe_worker, local_addr(bind_addr(pending[0], self.cfg)), 1.0)
+                    pending.pop(0)
+                except ProbeError:
+                    if time.monotonic() > deadline:
+                        raise LaunchError(f"worker {pending[0].worker_id} not ready after "
+                                          f"{self.startup_timeout_s:.0f}s") from None
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stop_event.wait(), 0.5)
+            if pending:
+                return 0
+            names = ", ".join(f"{s.worker_id}={s.addr}" for s in local)
+            print(f"pdserve: workers ready: {names}", file=self.out, flush=True)
+            await self._supervise_workers(procs)
+            return 0
+        finally:
+            await asyncio.to_thread(procs.stop)
+
+    async def _supervise_workers(self, procs: WorkerProcesses) -> None:
+        while not self.stop_event.is_set():
+            for spec, rc in procs.new_exits():
+                if not self.cfg.cluster.restart_workers:
+                    raise LaunchError(f"worker {spec.worker_id} exited with code {rc}")
+                log.warning("worker %s exited with code %d; restarting it", spec.worker_id, rc)
+                procs.restart(spec)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), 0.5)
+
     async def _stop_server(self, serve_task: asyncio.Task | None) -> None:
         if serve_task is None:
             return
@@ -291,8 +332,10 @@ def router_main(cfg: PdserveConfig, specs: list[WorkerSpec]) -> int:
     return asyncio.run(Launcher(cfg, specs=specs).run())
 
 
-def launch_main(cfg: PdserveConfig) -> int:
-    """Run ``pdserve launch`` for ``cfg`` in a new event loop; returns the exit code."""
+def launch_main(cfg: PdserveConfig, roles: frozenset[str] | None = None,
+                remote: list[WorkerSpec] | None = None) -> int:
+    """Run ``pdserve launch`` for ``cfg`` (only ``roles`` here, plus ``remote`` workers for the
+    router) in a new event loop; returns the exit code."""
     logging.getLogger().setLevel(cfg.server.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness probe's requests
-    return asyncio.run(Launcher(cfg).run())
+    return asyncio.run(Launcher(cfg, roles=roles, remote=remote).run())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import zmq.asyncio
 from fastapi import FastAPI
@@ -86,9 +87,12 @@ def _add_routes(app: FastAPI, ctx: RouterContext) -> None:
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        """200 when every worker is ready, else 503; ``workers`` says each one's state."""
+    async def health(require: Literal["all", "any"] = "all") -> JSONResponse:
+        """200 when every worker is ready (``?require=any``: when a request can be routed, e.g. one
+        prefill and one decode worker are ready), else 503; ``workers`` says each one's state."""
         ok, detail = ctx.registry.health()
+        if require == "any":
+            ok = ctx.registry.can_route()
         return JSONResponse({"status": "ok" if ok else "unavailable", "workers": detail},
                             status_code=200 if ok else 503)
 

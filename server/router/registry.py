@@ -191,6 +191,14 @@ class Registry:
         ok = all(h.state == READY for h in self.handles.values())
         return ok, self.describe()
 
+    def can_route(self) -> bool:
+        """Whether a new request would find a route now."""
+        try:
+            self.route()
+            return True
+        except NoWorkerAvailable:
+            return False
+
     def describe(self) -> str:
         """``id (role): state[: reason]`` for every worker."""
         return "; ".join(f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {h.reason}")
@@ -241,13 +249,24 @@ class Registry:
             self.handles[wid].client.abort(wrids, f"router gave up on worker {worker_id}: {reason}")
         return rids
 
-    def check_liveness(self) -> None:
-        """Mark dead every ready worker silent for more than ``timeout_s``."""
+    def check_liveness(self) -> list[WorkerHandle]:
+        """Mark dead every ready worker silent for more than ``timeout_s``; returns those handles."""
         now = self.clock()
+        silent = []
         for h in self.handles.values():
             if h.state == READY and h.last_seen is not None and now - h.last_seen > self.timeout_s:
                 self.mark_dead(h.worker_id, f"no heartbeat for {now - h.last_seen:.1f}s "
                                             f"(worker_timeout_s={self.timeout_s:g})")
+                silent.append(h)
+        return silent
+
+    async def _reconnect(self, handles: list[WorkerHandle]) -> None:
+        """A silent worker may be back elsewhere (a restarted container): connect anew, which
+        resolves its host name again. Clients without ``reconnect`` (test doubles) are left as is."""
+        for h in handles:
+            if hasattr(h.client, "reconnect"):
+                log.info("reconnecting to worker %s at %s", h.worker_id, h.spec.addr)
+                await h.client.reconnect()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -257,5 +276,5 @@ class Registry:
                     h.client.request_stats(self._nonce)
                 except WorkerUnavailable as e:
                     log.debug("heartbeat to %s not sent: %s", h.worker_id, e)
-            self.check_liveness()
+            await self._reconnect(self.check_liveness())
             await asyncio.sleep(self.interval_s)

@@ -4,6 +4,13 @@ Sends are non-blocking (``NOBLOCK``) and synchronous, so they can run in ``final
 cancelled tasks; a full send queue (worker gone for long) raises ``WorkerUnavailable``. One
 background task receives everything the worker sends: each ``TokenBatch`` entry goes to
 ``on_tokens(worker_id, delta)`` and each ``WorkerStats`` to ``on_stats(worker_id, stats)``.
+
+Addresses may name hosts by DNS (``tcp://decode-0:29500``). libzmq resolves the name on every
+connection attempt, so a worker whose name does not resolve yet (a container not started) joins
+once it does, and a worker that came back at another address is found again. ZMTP heartbeats
+drop a connection whose peer went silent (a killed container's address answers nothing, and TCP
+alone would wait minutes), which makes libzmq reconnect and resolve again; :meth:`reconnect` does
+the same on demand.
 """
 from __future__ import annotations
 
@@ -46,9 +53,18 @@ class WorkerClient:
         """Connect (the worker may bind later; messages queue until it does) and start receiving."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         sock.connect(self.addr)
         self._sock = sock
         self._task = asyncio.create_task(self._recv_loop(), name=f"recv-{self.worker_id}")
+
+    async def reconnect(self) -> None:
+        """Drop the connection and its queued messages, connect again (resolving the name anew)."""
+        await self.close()
+        await self.start()
 
     def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int | None = None,
                  prefill_addr: str | None = None) -> None:

@@ -1,0 +1,80 @@
+"""Which pdserve roles one ``pdserve launch`` runs on this host, and where its workers listen.
+
+Roles: ``router`` plus the worker roles of the cluster mode (``prefill`` and ``decode`` in PD mode,
+``colocated`` in colocated mode). ``pdserve launch --roles decode`` on one host and
+``pdserve launch --roles router,prefill --worker decode=decode-0=tcp://hostB:29501`` on another
+split one deployment over two machines. Worker ids and control ports are the same on every host
+(``prefill-i`` at ``base_port + i``, ``decode-j`` at ``base_port + prefill + j``), so the ports a
+host uses follow from the shared config alone.
+"""
+from __future__ import annotations
+
+import socket
+
+from configs.schema import PdserveConfig
+from server.router.registry import WorkerSpec
+
+WORKER_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode")}
+_WILDCARDS = ("0.0.0.0", "::", "*", "")
+
+
+def parse_roles(text: str | None, mode: str) -> frozenset[str]:
+    """``"router,decode"`` -> {"router", "decode"}; None -> every role of ``mode``.
+
+    Raises ``ValueError`` naming the roles ``mode`` allows when one is unknown or none is given.
+    """
+    allowed = ("router", *WORKER_ROLES[mode])
+    if text is None:
+        return frozenset(allowed)
+    roles = {r.strip() for r in text.split(",") if r.strip()}
+    bad = sorted(roles - set(allowed))
+    if bad or not roles:
+        raise ValueError(f"--roles {text!r}: {mode} mode runs {', '.join(allowed)} (comma-separated)"
+                         + (f"; unknown: {', '.join(bad)}" if bad else ""))
+    return frozenset(roles)
+
+
+def advertised_host(cfg: PdserveConfig) -> str:
+    """The host part of this host's worker addresses as other hosts (and the router) use them."""
+    c = cfg.cluster
+    if c.advertise_host:
+        return c.advertise_host
+    return socket.gethostname() if c.worker_host in _WILDCARDS else c.worker_host
+
+
+def _addr(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def worker_specs(cfg: PdserveConfig, roles: frozenset[str] | None = None) -> list[WorkerSpec]:
+    """The workers of ``cfg.cluster.mode`` with a role in ``roles`` (default: all of them).
+
+    Addresses use :func:`advertised_host`; ports count up from ``base_port`` over every worker of
+    the mode, so a subset keeps the ports the full deployment gives it.
+    """
+    c = cfg.cluster
+    counts = {"colocated": 1} if c.mode == "colocated" else {"prefill": c.prefill, "decode": c.decode}
+    host = advertised_host(cfg)
+    specs, port = [], c.base_port
+    for role, count in counts.items():
+        for i in range(count):
+            if roles is None or role in roles:
+                specs.append(WorkerSpec(f"{role}-{i}", role, _addr(host, port)))
+            port += 1
+    return specs
+
+
+def bind_addr(spec: WorkerSpec, cfg: PdserveConfig) -> str:
+    """The address worker ``spec`` binds its control socket to (``worker_host``, same port)."""
+    port = int(spec.addr.rsplit(":", 1)[1])
+    return _addr(cfg.cluster.worker_host, port)
+
+
+def parse_worker_spec(text: str) -> WorkerSpec:
+    """``ROLE=ID=ADDR`` -> ``WorkerSpec``; ``ValueError`` with the expected form otherwise."""
+    parts = text.split("=", 2)
+    if len(parts) != 3 or parts[0] not in ("colocated", "prefill", "decode") or not parts[1] \
+            or not parts[2].startswith("tcp://"):
+        raise ValueError(f"--worker {text!r}: expected ROLE=ID=tcp://HOST:PORT with ROLE colocated, "
+                         f"prefill or decode")
+    return WorkerSpec(parts[1], parts[0], parts[2])

@@ -1,0 +1,210 @@
+"""``make test-deploy``: the shipped ``docker/compose.yaml`` (router, 2 prefill, 2 decode
+containers, KV over UCX/TCP between them) brought up from the ``pdserve:latest`` image.
+
+In order: routes to every container go through the project's bridge; greedy outputs through the
+router equal the colocated engine's; 16 concurrent requests against small decode pools retract
+and still equal it; a decode container that crashes (its main process SIGKILLed, as an OOM kill
+would) fails only its own requests, fast, while the other decode worker keeps serving, and comes
+back through its restart policy and serves; ``docker kill`` stops a container for good (Docker
+never restarts a container it was told to kill), the rest keep serving, ``docker-compose start``
+brings it back. ``docker-compose down -v`` runs at the end whatever happened, and nothing of the
+project is left. Timings are printed (``-s``), never asserted.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from compose_stack import ComposeStack
+from conftest import engine_cfg, sched_cfg
+from server.subprocess_server import free_port, metric_sum, wait_idle
+
+WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+# Small decode pools so 16 requests overcommit them; low initial reservation so admission
+# overcommits and the decode workers must retract.
+OVERRIDE = """
+x-env: &env
+  UCX_TLS: tcp
+  UCX_NET_DEVICES: eth0
+  PDSERVE_KV_POOL_TOKENS: "384"
+  PDSERVE_MAX_MODEL_LEN: "384"
+  PDSERVE_INIT_NEW_TOKEN_RATIO: "0.05"
+  PDSERVE_HEALTH_INTERVAL_S: "0.5"
+  PDSERVE_LOG_LEVEL: WARNING
+services:
+""" + "".join(f"  {s}: {{environment: *env}}\n" for s in WORKERS + ["router"])
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
+           "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"]
+SHARED = ("You are a helpful assistant that answers questions about geography, history and science "
+          "in one short paragraph. Question: ")
+QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
+             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
+             "What causes tides?", "Why do leaves change color?"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = ComposeStack(OVERRIDE, free_port(), tmp_path_factory.mktemp("compose"))
+    try:
+        t0 = time.monotonic()
+        s.up()
+        t_up = time.monotonic() - t0
+        s.verify_routes(WORKERS + ["router"])
+        t_health = t_up + s.wait_healthy()
+        t_first = t_health + first_request(s.url)
+        print(f"\n[deploy] compose up -d (workers healthy, router started): {t_up:.1f}s; router healthy: "
+              f"{t_health:.1f}s; first served request: {t_first:.1f}s after up")
+        yield s
+    finally:
+        s.down()
+        left = s.leftovers()
+        assert left == [], f"compose down -v left: {left}"
+
+
+def first_request(url: str) -> float:
+    t0 = time.monotonic()
+    c = client(url)
+    c.completions.create(model=c.models.list().data[0].id, prompt="Hi", max_tokens=1, temperature=0)
+    return time.monotonic() - t0
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300,
+                         http_client=httpx.Client(trust_env=False, timeout=300))
+
+
+def aclient(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300,
+                              http_client=httpx.AsyncClient(trust_env=False, timeout=300))
+
+
+@pytest.fixture(scope="module")
+def colocated(embedded):
+    from engine.llm import LLM
+
+    cfg, weights, tok, _ = embedded
+    return LLM(engine_cfg(kv_pool_tokens=8192), sched_cfg(), loaded=(cfg, weights, tok))
+
+
+def reference(colocated, tok, prompt: str, n: int) -> list[int]:
+    from engine.sampling import SamplingParams
+
+    return colocated.generate_ids([tok.encode(prompt)], SamplingParams(max_new_tokens=n, temperature=0))[0].token_ids
+
+
+def references(colocated, tok, prompts: list[str], lengths: list[int]) -> list[list[int]]:
+    """Colocated greedy outputs of all prompts in one batch (batching does not change them)."""
+    from engine.sampling import SamplingParams
+
+    res = colocated.generate_ids([tok.encode(p) for p in prompts],
+                                 [SamplingParams(max_new_tokens=n, temperature=0) for n in lengths])
+    return [r.token_ids for r in res]
+
+
+def test_greedy_outputs_through_the_router_equal_colocated(stack, colocated, embedded):
+    c = client(stack.url)
+    model = c.models.list().data[0].id
+    for text in PROMPTS:
+        r = c.completions.create(model=model, prompt=text, max_tokens=24, temperature=0,
+                                 extra_body={"return_token_ids": True})
+        assert r.choices[0].token_ids == reference(colocated, embedded[2], text, 24), text
+
+
+def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedded):
+    tok = embedded[2]
+    rng = random.Random(3)
+    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(16)]
+    lengths = [rng.choice([16, 24, 32]) for _ in prompts]
+    refs = references(colocated, tok, prompts, lengths)
+    before = metric_sum(wait_idle(stack.url, 0.5), "pdserve_retractions_total")
+
+    async def run_all():
+        c = aclient(stack.url)
+        model = (await c.models.list()).data[0].id
+
+        async def one(p, n):
+            r = await c.completions.create(model=model, prompt=p, max_tokens=n, temperature=0,
+                                           extra_body={"return_token_ids": True})
+            return r.choices[0].token_ids
+        try:
+            return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+        finally:
+            await c.close()
+
+    assert asyncio.run(run_all()) == refs
+    m = wait_idle(stack.url, 0.5, timeout_s=60)
+    assert metric_sum(m, "pdserve_retractions_total") > before
+    assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
+
+
+async def load_while(url: str, action, n: int = 8, max_tokens: int = 64):
+    """``n`` concurrent requests; ``action()`` runs 2 s in. [(result or exception, seconds from
+    the action until that request ended)]."""
+    c = aclient(url)
+    model = (await c.models.list()).data[0].id
+    t_action: list[float] = []
+
+    async def one(q):
+        try:
+            r = await c.completions.create(model=model, prompt=f"{SHARED}{q}", max_tokens=max_tokens,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        except openai.APIError as e:
+            r = e
+        return r, time.monotonic() - t_action[0]
+
+    task = asyncio.gather(*(one(q) for q in QUESTIONS[:n]))
+    await asyncio.sleep(2.0)
+    t_action.append(time.monotonic())
+    action()
+    results = await task
+    await c.close()
+    return results
+
+
+def check_split(results) -> None:
+    """Some requests failed with 503 within 10 s of the action, the others finished normally."""
+    errors = [(e, t) for e, t in results if isinstance(e, Exception)]
+    served = [r for r, _ in results if not isinstance(r, Exception)]
+    odd = [repr(e)[:300] for e, _ in errors if not (isinstance(e, openai.APIStatusError) and e.status_code == 503)]
+    assert errors and not odd, odd
+    assert max(t for _, t in errors) < 10, [round(t, 1) for _, t in errors]
+    assert served and all(r.choices[0].finish_reason == "length" for r in served), "the rest must keep serving"
+
+
+def hello(url: str) -> str:
+    c = client(url)
+    r = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=8, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    return r.choices[0].text
+
+
+def test_crashed_decode_container_fails_fast_and_restart_policy_brings_it_back(stack):
+    restarts = stack.container("decode-0")["RestartCount"]
+    pid = stack.host_pid("decode-0")
+    check_split(asyncio.run(load_while(stack.url, lambda: os.kill(pid, signal.SIGKILL))))
+    t0 = time.monotonic()
+    while stack.container("decode-0")["RestartCount"] == restarts:
+        assert time.monotonic() - t0 < 60, "the restart policy did not restart decode-0"
+        time.sleep(0.5)
+    back = stack.wait_healthy()
+    print(f"\n[deploy] decode-0 crashed and restarted; router healthy again after {back:.1f}s more")
+    hello(stack.url)
+
+
+def test_docker_kill_stops_decode_for_good_until_started_again(stack):
+    check_split(asyncio.run(load_while(stack.url, lambda: stack.compose("kill", "decode-1"))))
+    assert stack.container("decode-1")["State"]["Status"] == "exited"  # a manual stop: no restart policy
+    hello(stack.url)  # decode-0 alone serves
+    stack.compose("start", "decode-1")
+    stack.wait_healthy()
+    m = wait_idle(stack.url, 0.5, timeout_s=60)
+    assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
+    assert metric_sum(m, "pdserve_host_kv_pool_bytes", state="used") == 0

@@ -1,0 +1,136 @@
+"""Deployment files, checked offline: the Kubernetes manifests validate against the API schemas
+(``kubernetes-validate``, strict), and they and ``docker/compose.yaml`` agree with the CLI they
+run: every command line parses with the real ``pdserve`` parser, the router's ``--worker`` list
+names exactly the workers that exist, the mounted preset is the shipped one and loads."""
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from configs.schema import load_config
+from server.cli import build_parser
+from server.roles import parse_worker_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+PRESET = ROOT / "configs" / "presets" / "pd-cluster.yaml"
+
+
+def k8s_docs() -> list[dict]:
+    docs = []
+    for f in sorted(K8S.glob("*.yaml")):
+        if f.name != "kustomization.yaml":
+            docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return docs
+
+
+def by_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] == kind}
+
+
+@pytest.mark.parametrize("version", ["1.30.0", kubernetes_validate.latest_version()])
+def test_k8s_manifests_validate_strictly(version):
+    docs = k8s_docs()
+    assert {d["kind"] for d in docs} == {"ConfigMap", "Service", "StatefulSet", "Deployment"}
+    for d in docs:
+        kubernetes_validate.validate(d, version, strict=True)
+
+
+def test_k8s_validation_rejects_a_broken_manifest():
+    sts = copy.deepcopy(by_kind("StatefulSet")["decode"])
+    sts["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["commnd"] = ["x"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, kubernetes_validate.latest_version(), strict=True)
+    sts = copy.deepcopy(by_kind("StatefulSet")["decode"])
+    sts["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_k8s_kustomization_lists_every_manifest():
+    k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(k["resources"]) == sorted(f.name for f in K8S.glob("*.yaml") if f.name != "kustomization.yaml")
+
+
+def test_k8s_configmap_is_the_shipped_preset_and_loads():
+    data = by_kind("ConfigMap")["pdserve-preset"]["data"]["pdserve.yaml"]
+    assert data == PRESET.read_text()
+    cfg = load_config(PRESET, environ={})
+    assert cfg.cluster.mode == "pd" and cfg.server.host == "0.0.0.0"
+
+
+def parse(args: list[str]):
+    return build_parser().parse_args(args)
+
+
+def test_k8s_router_routes_to_exactly_the_statefulset_pods():
+    sts = by_kind("StatefulSet")
+    expected = {(role, f"{role}-{i}", f"tcp://{role}-{i}.{sts[role]['spec']['serviceName']}:29500")
+                for role in ("prefill", "decode") for i in range(sts[role]["spec"]["replicas"])}
+    router = by_kind("Deployment")["pdserve-router"]["spec"]["template"]["spec"]["containers"][0]
+    args = parse(router["args"])
+    assert args.command == "router" and args.config == "/etc/pdserve/pdserve.yaml"
+    assert {(s.role, s.worker_id, s.addr) for s in map(parse_worker_spec, args.worker)} == expected
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health?require=any"
+    services = by_kind("Service")
+    assert services["pdserve"]["spec"]["selector"] == router_labels()
+    for role in ("prefill", "decode"):
+        assert services[role]["spec"]["clusterIP"] == "None"  # per-pod DNS names
+
+
+def router_labels() -> dict:
+    return by_kind("Deployment")["pdserve-router"]["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_k8s_worker_pods_run_their_role_and_probe_their_socket(role):
+    spec = by_kind("StatefulSet")[role]["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    args = parse([a.replace("$(POD_NAME)", f"{role}-0") for a in c["args"]])
+    assert (args.command, args.role, args.worker_id) == ("worker", role, f"{role}-0")
+    assert {e["name"] for e in c["env"]} >= {"POD_NAME", "UCX_TLS"}
+    port = int(args.control_addr.rsplit(":", 1)[1])
+    assert c["ports"][0]["containerPort"] == port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"] == ["pdserve", "probe", f"tcp://127.0.0.1:{port}"]
+    assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
+    mount = c["volumeMounts"][0]["mountPath"]
+    assert args.config.startswith(mount) and spec["volumes"][0]["configMap"]["name"] == "pdserve-preset"
+
+
+# ---- docker/compose.yaml -------------------------------------------------------------------------
+COMPOSE = ROOT / "docker" / "compose.yaml"
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_router_routes_to_every_worker_service_once_healthy():
+    services = compose()["services"]
+    workers = {n: parse(s["command"]) for n, s in services.items() if n != "router"}
+    assert sorted(workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    for name, a in workers.items():
+        assert a.command == "worker" and a.worker_id == name and a.role == name.split("-")[0]
+    router = services["router"]
+    args = parse(router["command"])
+    specs = {(s.role, s.worker_id, s.addr) for s in map(parse_worker_spec, args.worker)}
+    assert specs == {(a.role, n, f"tcp://{n}:{a.control_addr.rsplit(':', 1)[1]}") for n, a in workers.items()}
+    assert router["depends_on"] == {n: {"condition": "service_healthy"} for n in workers}
+    for s in services.values():
+        assert s["healthcheck"]["test"] == ["CMD", "pdserve", "probe"] and s["restart"] == "unless-stopped"
+        assert s["mem_limit"] and "models:/models" in s["volumes"]
+        preset = next(v for v in s["volumes"] if v.endswith(":/etc/pdserve/pdserve.yaml:ro"))
+        assert (COMPOSE.parent / preset.split(":")[0]).resolve() == PRESET
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_compose_file_is_valid_for_docker_compose():
+    r = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
