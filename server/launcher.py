@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
 import logging
 import signal
 import socket
@@ -32,6 +33,7 @@ import zmq.asyncio
 
 from configs.schema import PdserveConfig
 from server.roles import bind_addr, worker_specs
+from server.placement import plan_placement
 from server.router.registry import WorkerSpec
 
 __all__ = ["Launcher", "LaunchError", "worker_specs", "worker_argv", "launch_main", "router_main"]
@@ -149,6 +151,23 @@ class Launcher:
         self.stop_event: asyncio.Event | None = None
         self.server: _Server | None = None
 
+    def _start_workers(self, local: list[WorkerSpec], pin_router: bool) -> WorkerProcesses:
+        """Start this host's workers, each on its own cores (``cluster.worker_cpus``; the plan is
+        logged) and, with ``pin_router``, this process on the cores left over."""
+        try:
+            plan = plan_placement([s.worker_id for s in local], self.cfg.cluster.worker_cpus)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
+        log.info("%s", plan.describe())
+        if pin_router and plan.router:
+            os.sched_setaffinity(0, plan.router)
+
+        def argv(spec: WorkerSpec) -> list[str]:
+            cpus = plan.workers.get(spec.worker_id)
+            return self.argv(spec, self.cfg) + (["--cpus", "+".join(map(str, cpus))] if cpus else [])
+
+        return WorkerProcesses(local, argv)
+
     def request_stop(self, force: bool = False) -> None:
         """Begin a clean shutdown; ``force`` makes uvicorn drop open connections at once."""
         if self.server is not None:
@@ -191,10 +210,7 @@ class Launcher:
         if not specs:
             raise LaunchError("no worker to route to: --roles starts none here and no --worker was given")
         sock = bind_http_socket(srv.host, srv.port)
-        if local:
-            procs = WorkerProcesses(local, lambda s: self.argv(s, self.cfg))
-        else:
-            procs = ExternalWorkers()
+        procs = self._start_workers(local, pin_router=True) if local else ExternalWorkers()
         zctx = zmq.asyncio.Context()
         serve_task = None
         try:
@@ -267,7 +283,7 @@ class Launcher:
 
         if not local:
             raise LaunchError("--roles names no worker role of this cluster mode; nothing to start")
-        procs = WorkerProcesses(local, lambda s: self.argv(s, self.cfg))
+        procs = self._start_workers(local, pin_router=False)
         try:
             deadline = time.monotonic() + self.startup_timeout_s
             pending = list(local)

@@ -1,8 +1,8 @@
 """``pdserve probe``: readiness of the pdserve process on this host, for container health checks.
 
 A target is ``http://HOST:PORT`` (a router or launcher: ready when ``GET /health`` answers 200) or
-``tcp://HOST:PORT`` (a worker's control socket: ready when it answers a ``StatsRequest`` with a
-``WorkerStats`` that says ``ready``). Without a target the probe reads the command line of PID 1
+``tcp://HOST:PORT`` (a worker's control socket: ready when it answers a ``StatsRequest`` with its
+``WorkerStats``, which a worker only does once its model is loaded and it serves). Without a target the probe reads the command line of PID 1
 (the container's main process, ``pdserve worker ...`` / ``pdserve router ...`` / ``pdserve
 launch ...``) and derives the target from it with the real argument parser and config loader, so
 one image's ``HEALTHCHECK`` fits every role. Exit code 0 = ready, 1 = not ready (the reason on
@@ -11,30 +11,15 @@ stderr), 2 = no target could be derived.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import zmq
 
+from transfer.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
+
 _WILDCARD = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-# The probe speaks the two control messages it needs itself: ``transfer.protocol`` imports torch
-# (through ``engine.sampling``), seconds of CPU per probe, and a health check runs every few
-# seconds in every container. tests/test_roles_probe.py checks these frames against that module.
-PROTOCOL_VERSION = 1
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    """The fields of a worker's ``WorkerStats`` reply that readiness needs."""
-
-    worker_id: str
-    role: str
-    model: str
-    capacity_tokens: int
-    ready: bool
 
 
 class ProbeError(RuntimeError):
@@ -49,41 +34,28 @@ def local(addr: str) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def stats_request(nonce: int) -> list[bytes]:
-    """The frames of a ``StatsRequest``."""
-    return [b"StatsRequest", json.dumps({"version": PROTOCOL_VERSION, "nonce": nonce}).encode()]
-
-
-def parse_stats(addr: str, parts: list[bytes]) -> WorkerStatus:
-    """A ``WorkerStats`` reply's status; ``ProbeError`` for anything else."""
-    if len(parts) < 2 or parts[0] != b"WorkerStats":
-        kind = parts[0][:40] if parts else b""
-        raise ProbeError(f"worker at {addr}: answered {kind!r}, not WorkerStats")
+def parse_stats(addr: str, parts: list[bytes]) -> WorkerStats:
+    """A worker's ``WorkerStats`` reply; ``ProbeError`` for anything else."""
     try:
-        h = json.loads(parts[1])
-        if h.get("version") != PROTOCOL_VERSION:
-            raise ProbeError(f"worker at {addr}: protocol version {h.get('version')!r}, the probe speaks "
-                             f"{PROTOCOL_VERSION}")
-        return WorkerStatus(str(h["worker_id"]), str(h["role"]), str(h["model"]), int(h["capacity_tokens"]),
-                            bool(h.get("ready", True)))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ProbeError(f"worker at {addr}: bad WorkerStats: {e!r}") from None
+        msg, _ = decode(parts)
+    except ProtocolError as e:
+        raise ProbeError(f"worker at {addr}: {e}") from None
+    if not isinstance(msg, WorkerStats):
+        raise ProbeError(f"worker at {addr}: answered {type(msg).__name__}, not WorkerStats")
+    return msg
 
 
-def probe_worker(addr: str, timeout_s: float) -> WorkerStatus:
-    """The worker's status; ``ProbeError`` if it is silent or not ready."""
+def probe_worker(addr: str, timeout_s: float) -> WorkerStats:
+    """The worker's stats (it answers them once it serves); ``ProbeError`` if it is silent."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(addr)
-        sock.send_multipart(stats_request(1))
+        sock.send_multipart(encode(StatsRequest(nonce=1)))
         if not sock.poll(int(timeout_s * 1000)):
             raise ProbeError(f"worker at {addr}: no answer in {timeout_s:g}s")
-        status = parse_stats(addr, sock.recv_multipart())
-        if not status.ready:
-            raise ProbeError(f"worker {status.worker_id} at {addr}: not ready yet")
-        return status
+        return parse_stats(addr, sock.recv_multipart())
     finally:
         sock.close(0)
         ctx.term()

@@ -39,3 +39,31 @@ def test_bad_specs_are_refused_with_the_flag(spec, needle):
     with pytest.raises(ValueError, match="--worker-cpus") as e:
         plan_placement(["prefill-0", "decode-0"], spec, [0, 1])
     assert needle in str(e.value)
+
+
+def test_launch_pins_each_worker_to_its_cores():
+    import os
+
+    from server.subprocess_server import LaunchedServer, free_port
+
+    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()), "--kv-pool-tokens", "512",
+                          "--worker-cpus", "prefill-0=0,decode-0=1"])
+    srv.start()
+    try:
+        by_role = {}
+        for pid in srv.worker_pids():
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            by_role[argv[argv.index(b"--role") + 1].decode()] = os.sched_getaffinity(pid)
+        assert by_role == {"prefill": {0}, "decode": {1}}
+        assert "placement: prefill-0 -> cpus 0, decode-0 -> cpus 1" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_launch_with_a_bad_cpu_list_fails_at_once_naming_the_flag():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "server.cli", "launch", "--mode", "pd", "--port", "0",
+                        "--worker-cpus", "decode-0=99"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--worker-cpus: decode-0 asks for cpus 99" in r.stderr

@@ -18,13 +18,11 @@ import zmq.asyncio
 
 from configs.schema import PdserveConfig
 from server.cli import main as cli_main
-from server.probe import (PROTOCOL_VERSION, ProbeError, local, parse_stats, pid1_argv, probe, stats_request,
-                          target_from_argv)
+from server.probe import ProbeError, local, parse_stats, pid1_argv, probe, target_from_argv
 from server.roles import advertised_host, bind_addr, parse_roles, parse_worker_spec, worker_specs
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, Registry, WorkerSpec
 from server.router.worker_client import WorkerClient
-from transfer import protocol
 from transfer.protocol import StatsRequest, WorkerStats, decode, encode
 
 
@@ -82,22 +80,19 @@ def test_probe_target_comes_from_the_main_process_command_line(tmp_path):
     assert local("tcp://[::]:5") == "tcp://[::1]:5" and local("tcp://10.0.0.2:5") == "tcp://10.0.0.2:5"
 
 
-def test_probe_frames_are_the_control_protocol():
-    assert PROTOCOL_VERSION == protocol.PROTOCOL_VERSION
-    msg, frames = decode(stats_request(5))
-    assert isinstance(msg, StatsRequest) and msg.nonce == 5 and frames == []
+def test_probe_reads_worker_stats_and_refuses_anything_else():
     reply = encode(WorkerStats(worker_id="d1", role="decode", model="m", capacity_tokens=32, max_model_len=8,
-                               page_size=16, ready=False))
+                               page_size=16))
     st = parse_stats("tcp://x:1", reply)
-    assert (st.worker_id, st.role, st.model, st.capacity_tokens, st.ready) == ("d1", "decode", "m", 32, False)
+    assert (st.worker_id, st.role, st.model, st.capacity_tokens) == ("d1", "decode", "m", 32)
     with pytest.raises(ProbeError, match="protocol version 99"):
         parse_stats("tcp://x:1", [b"WorkerStats", b'{"version": 99}'])
     with pytest.raises(ProbeError, match="not WorkerStats"):
-        parse_stats("tcp://x:1", [b"TokenBatch", b"{}"])
+        parse_stats("tcp://x:1", encode(StatsRequest()))
 
 
-def fake_worker(ready: bool):
-    """A ROUTER socket answering StatsRequest like a worker; (address, stop)."""
+def fake_worker(answers: bool):
+    """A ROUTER socket answering StatsRequest like a worker (or, not ``answers``, silent); (address, stop)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -109,9 +104,10 @@ def fake_worker(ready: bool):
                 ident, *parts = sock.recv_multipart()
                 msg, _ = decode(parts)
                 assert isinstance(msg, StatsRequest)
-                sock.send_multipart([ident, *encode(WorkerStats(nonce=msg.nonce, worker_id="d9", role="decode",
-                                                                model="m", capacity_tokens=64, max_model_len=64,
-                                                                page_size=16, ready=ready))])
+                if answers:
+                    sock.send_multipart([ident, *encode(WorkerStats(nonce=msg.nonce, worker_id="d9", role="decode",
+                                                                    model="m", capacity_tokens=64, max_model_len=64,
+                                                                    page_size=16))])
         sock.close(0)
         ctx.term()
 
@@ -120,15 +116,15 @@ def fake_worker(ready: bool):
     return f"tcp://127.0.0.1:{port}", lambda: (stop.set(), t.join())
 
 
-@pytest.mark.parametrize("ready", [True, False])
-def test_probe_asks_a_worker_socket(ready):
-    addr, stop = fake_worker(ready)
+@pytest.mark.parametrize("answers", [True, False])
+def test_probe_asks_a_worker_socket(answers):
+    addr, stop = fake_worker(answers)
     try:
-        if ready:
+        if answers:
             assert probe(addr, 2.0) == f"decode worker d9 at {addr}: ready (m, 64 tokens)"
         else:
-            with pytest.raises(ProbeError, match="not ready yet"):
-                probe(addr, 2.0)
+            with pytest.raises(ProbeError, match="no answer"):
+                probe(addr, 0.5)
     finally:
         stop()
 
