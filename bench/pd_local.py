@@ -60,7 +60,9 @@ class PDHarness:
         msg = PrefillRequest(rid=rid, room=room, params=params, decode_worker="d0")
         self.router_inbox += self.deliver(self.prefill.handle(Conn(ROUTER), msg, [ids_frame(prompt)]), False)
 
-    def _exchange(self) -> None:
+    def _exchange(self) -> list[TokenDelta]:
+        """Deliver queued messages both ways until none is left; the decode side's token deltas."""
+        deltas: list[TokenDelta] = []
         while self.to_prefill or self.to_decode:
             while self.to_prefill:
                 msg, frames = self.to_prefill.pop(0)
@@ -70,15 +72,16 @@ class PDHarness:
                 self.router_inbox += self.deliver(self.prefill.handle(Conn(DECODE_CONN), msg, frames), False)
             while self.to_decode:
                 msg, frames = self.to_decode.pop(0)
-                self.deliver(self.decode.handle(Peer(PREFILL_ADDR), msg, frames), True)
+                deltas += self.deliver(self.decode.handle(Peer(PREFILL_ADDR), msg, frames), True)
+        return deltas
 
     def step(self) -> list[TokenDelta]:
         """One step of each side (prefill first), messages exchanged in between; the decode
         side's token deltas."""
-        self._exchange()
+        deltas = self._exchange()
         self.router_inbox += self.deliver(self.prefill.step(), False)
-        self._exchange()
-        return self.deliver(self.decode.step(), True)
+        deltas += self._exchange()
+        return deltas + self.deliver(self.decode.step(), True)
 
     @property
     def busy(self) -> bool:

@@ -28,6 +28,7 @@ from engine.scheduler.base import TRANSFER_POLL_S, Conn, Outbox, Outcome, Reques
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.timeline import Timeline
+from prefill_worker.bootstrap import BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
 from transfer.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
                                PrefillRequest, TokenDelta, TransferManifest, frame_ids)
@@ -67,6 +68,7 @@ class PrefillScheduler(WorkerScheduler):
         self.sender = sender
         self.waiting: deque[Request] = deque()
         self.jobs: dict[tuple[int, int], PrefillJob] = {}
+        self.bootstrap = BootstrapTable()
         self.by_req: dict[int, PrefillJob] = {}
         self.transfer_bytes = 0
         self.transfer_failures = 0
@@ -105,7 +107,8 @@ class PrefillScheduler(WorkerScheduler):
         self.jobs[job.key], self.by_req[id(req)] = job, job
         self.waiting.append(req)
         self.stats.prompt_tokens += len(ids)
-        return Outbox()
+        early = self.bootstrap.claim(job.key)
+        return self._on_destination(early.source, early.msg, early.pages) if early else Outbox()
 
     def _check_fits(self, n: int) -> None:
         if n == 0:
@@ -115,10 +118,14 @@ class PrefillScheduler(WorkerScheduler):
                                   f"{self.runner.capacity_tokens} tokens; start it with a larger --kv-pool-tokens")
 
     def _on_destination(self, source: Conn, msg: KVDestination, pages: np.ndarray) -> Outbox:
-        job = self.jobs.get((msg.room, msg.generation))
-        if job is None:  # unknown, finished or failed: tell the decode side nothing will come
+        key = (msg.room, msg.generation)
+        job = self.jobs.get(key)
+        if job is None and (why := self.bootstrap.gone(key)) is None:
+            self.bootstrap.park(key, EarlyDestination(source, msg, pages))  # came before its PrefillRequest
+            return Outbox()
+        if job is None:  # it ended here: tell the decode side nothing will come
             return _reply(source, PrefillFailed(rid=msg.rid, room=msg.room, generation=msg.generation,
-                                                error="prefill worker has no such request (aborted or failed)"))
+                                                error=f"prefill worker has no such request any more ({why})"))
         job.dest_conn = source
         if msg.n_tokens != len(job.req.prompt_ids) or msg.decode_prefix_len % self.runner.page_size:
             return self.finish(job, Outcome.abort(f"destination mismatch: decode expects {msg.n_tokens} tokens from "
@@ -144,10 +151,11 @@ class PrefillScheduler(WorkerScheduler):
     def idle_wait_s(self) -> float | None:
         if self.sender.busy:
             return TRANSFER_POLL_S
-        deadlines = [j.created for j in self.jobs.values() if j.dest is None]
-        if not deadlines:
-            return None
-        return max(0.0, min(deadlines) + self.cfg.cluster.bootstrap_timeout_s - time.monotonic())
+        timeout = self.cfg.cluster.bootstrap_timeout_s
+        deadlines = [j.created + timeout for j in self.jobs.values() if j.dest is None]
+        if (early := self.bootstrap.next_deadline()) is not None:
+            deadlines.append(early)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def step(self) -> Outbox:
         out = self._finish_transfers()
@@ -205,6 +213,9 @@ class PrefillScheduler(WorkerScheduler):
         out, timeout = Outbox(), self.cfg.cluster.bootstrap_timeout_s
         for job in [j for j in self.jobs.values() if j.dest is None and j.created < time.monotonic() - timeout]:
             out.extend(self.finish(job, Outcome.abort(f"decode worker did not ask for the KV within {timeout}s", 504)))
+        for d in self.bootstrap.expired():
+            out.send(d.source, PrefillFailed(rid=d.msg.rid, room=d.msg.room, generation=d.msg.generation,
+                                             error="prefill worker has no such request (its prompt never came)"))
         return out
 
     # ---- the one ending -----------------------------------------------------------------------
@@ -219,6 +230,8 @@ class PrefillScheduler(WorkerScheduler):
         if self.jobs.pop(job.key, None) is not None:
             self.stats.finished_requests += 1
         self.by_req.pop(id(req), None)
+        self.bootstrap.ended(job.key, outcome.error or "finished")
+        early = self.bootstrap.claim(job.key)  # a destination parked for a prompt refused at once
         req.finish(outcome.reason)
         self.timeline.done(req)
         if outcome.completed:
@@ -228,7 +241,7 @@ class PrefillScheduler(WorkerScheduler):
         log.warning("prefill %s room %d failed: %s", req.rid, job.room, outcome.error)
         if job.generation == 0:  # a recompute's owner is the decode worker: PrefillFailed tells it
             out.token(req.owner, outcome.delta(req.rid))
-        to = job.dest_conn or self.sender.conn_of(job.decode_worker)
+        to = job.dest_conn or (early.source if early else None) or self.sender.conn_of(job.decode_worker)
         if to is not None:
             out.send(to, PrefillFailed(rid=req.rid, room=job.room, generation=job.generation,
                                        error=outcome.error, error_status=outcome.status))

@@ -213,3 +213,38 @@ def test_silent_prefill_peer_fences_pages_until_late_write(harness):
     h.prefill.step = real_step
     h.run()  # the late write and its notification arrive; now the pages go back
     assert h.decode.kv.usage([]).used == 0 and not h.decode.jobs
+
+
+def _decode_only(h: PDHarness, rid: str, prompt: list[int], room: int) -> None:
+    """The router's GenerateRequest reaches the decode worker; its PrefillRequest is not sent (yet)."""
+    from bench.pd_local import PREFILL_ADDR, ROUTER
+
+    msg = GenerateRequest(rid=rid, params=GREEDY, room=room, prefill_addr=PREFILL_ADDR)
+    h.deliver(h.decode.add(ROUTER, msg, prompt), True)
+
+
+def test_destination_that_comes_before_its_prompt_is_kept(harness, tiny):
+    from bench.pd_local import ROUTER
+    from engine.scheduler.base import Conn
+    from transfer.protocol import PrefillRequest, ids_frame
+
+    h = harness()
+    p = prompts(1, 12, 12, seed=9)[0]
+    _decode_only(h, "e", p, room=77)
+    for _ in range(3):
+        h.step()  # handshake, admission: the KVDestination reaches the prefill worker first
+    assert (77, 0) in h.prefill.bootstrap.early
+    msg = PrefillRequest(rid="e", room=77, params=GREEDY, decode_worker="d0")
+    h.router_inbox += h.deliver(h.prefill.handle(Conn(ROUTER), msg, [ids_frame(p)]), False)
+    assert h.run()["e"]["tokens"] == hf_greedy(tiny[2], p, 16)
+
+
+def test_destination_whose_prompt_never_comes_is_answered_after_the_grace(harness, monkeypatch):
+    from prefill_worker import bootstrap
+
+    monkeypatch.setattr(bootstrap, "GRACE_S", 0.0)
+    h = harness()
+    _decode_only(h, "o", prompts(1, 12, 12, seed=9)[0], room=78)
+    out = h.run()
+    assert out["o"]["finish"] == "abort" and "no such request" in out["o"]["error"]
+    assert not h.prefill.bootstrap.early

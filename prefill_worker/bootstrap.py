@@ -1,0 +1,65 @@
+"""Destinations that arrive before their prompt.
+
+The router sends a request's ``PrefillRequest`` to the prefill worker and its ``GenerateRequest``
+to the decode worker at the same time, over different connections; the decode worker's
+``KVDestination`` can therefore reach the prefill worker first. Such an early destination is
+parked here until its ``PrefillRequest`` arrives (``claim``), or answered with ``PrefillFailed``
+after ``GRACE_S`` (``expired``): the prompt takes the direct path, so one that is seconds behind
+its destination is lost, not late, and the decode side must get its pages back soon. A destination for a request this worker already
+ended is refused at once (``gone``): it remembers the last ``keep`` ended rooms and why.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.scheduler.base import Conn
+from transfer.protocol import KVDestination
+
+Key = tuple[int, int]  # (room, generation)
+GRACE_S = 5.0
+
+
+@dataclass
+class EarlyDestination:
+    source: Conn
+    msg: KVDestination
+    pages: np.ndarray
+    at: float = field(default_factory=time.monotonic)
+
+
+class BootstrapTable:
+    def __init__(self, keep: int = 4096) -> None:
+        self.keep = keep
+        self.early: dict[Key, EarlyDestination] = {}
+        self._ended: dict[Key, str] = {}
+
+    def park(self, key: Key, dest: EarlyDestination) -> None:
+        self.early[key] = dest
+
+    def claim(self, key: Key) -> EarlyDestination | None:
+        """The destination that came before this key's ``PrefillRequest``, if any."""
+        return self.early.pop(key, None)
+
+    def ended(self, key: Key, why: str) -> None:
+        """Remember that ``key`` ended (oldest forgotten beyond ``keep``)."""
+        self._ended[key] = why
+        if len(self._ended) > self.keep:
+            del self._ended[next(iter(self._ended))]
+
+    def gone(self, key: Key) -> str | None:
+        """Why ``key`` ended here, or None if it never did (as far as this table remembers)."""
+        return self._ended.get(key)
+
+    def expired(self) -> list[EarlyDestination]:
+        """Parked destinations older than ``GRACE_S``, removed."""
+        now = time.monotonic()
+        old = [k for k, d in self.early.items() if now - d.at > GRACE_S]
+        return [self.early.pop(k) for k in old]
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time at which the oldest parked destination expires."""
+        oldest = min((d.at for d in self.early.values()), default=None)
+        return None if oldest is None else oldest + GRACE_S
