@@ -121,7 +121,7 @@ def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedd
     tok = embedded[2]
     rng = random.Random(3)
     prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(16)]
-    lengths = [rng.choice([16, 24, 32]) for _ in prompts]
+    lengths = [rng.choice([48, 64, 80]) for _ in prompts]  # ~800 tokens per decode pool of 384
     refs = references(colocated, tok, prompts, lengths)
     before = metric_sum(wait_idle(stack.url, 0.5), "pdserve_retractions_total")
 
