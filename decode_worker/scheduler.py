@@ -23,8 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import running_reservation_pages
-from engine.scheduler.base import (TRANSFER_POLL_S, Outbox, Outcome, Peer, RequestRejected, Snapshot,
-                                   WorkerScheduler)
+from engine.scheduler.base import Outbox, Outcome, Peer, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.timeline import Timeline
@@ -112,7 +111,9 @@ class DecodeScheduler(WorkerScheduler):
                                               for j in self.transfers.prealloc))
 
     def idle_wait_s(self) -> float | None:
-        return TRANSFER_POLL_S if self.transfers.inflight else self.peers.next_due_s()
+        if self.transfers.inflight:  # notifications have no file descriptor: poll them
+            return self.transfers.transport.poll_interval_s
+        return self.peers.next_due_s()
 
     def step(self) -> Outbox:
         out, died = self.peers.tick()

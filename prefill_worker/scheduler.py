@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import TRANSFER_POLL_S, Conn, Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import Conn, Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.timeline import Timeline
@@ -150,7 +150,7 @@ class PrefillScheduler(WorkerScheduler):
 
     def idle_wait_s(self) -> float | None:
         if self.sender.busy:
-            return TRANSFER_POLL_S
+            return self.sender.transport.poll_interval_s
         timeout = self.cfg.cluster.bootstrap_timeout_s
         deadlines = [j.created + timeout for j in self.jobs.values() if j.dest is None]
         if (early := self.bootstrap.next_deadline()) is not None:

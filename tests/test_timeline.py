@@ -11,7 +11,7 @@ from conftest import engine_cfg, sched_cfg
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler.base import TRANSFER_POLL_S, Outbox
+from engine.scheduler.base import Outbox
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.scheduler.timeline import PHASES
 from server.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
@@ -54,7 +54,7 @@ def test_schedulers_with_nothing_to_compute_let_the_loop_block(tiny):
         h.prefill.step = lambda: Outbox()  # the prefill worker is slow: the KV does not come yet
         h.step()
         assert h.decode.transfers.inflight and not h.decode.has_work  # waiting, not computing
-        assert h.decode.idle_wait_s() == TRANSFER_POLL_S
+        assert h.decode.idle_wait_s() == h.decode.transfers.transport.poll_interval_s == 0.002
         wait = h.prefill.idle_wait_s()  # a queued prompt waits on its bootstrap deadline
         assert 0 < wait <= h.prefill.cfg.cluster.bootstrap_timeout_s
     finally:

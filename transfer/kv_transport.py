@@ -119,6 +119,10 @@ class KVTransport(abc.ABC):
 
     #: Short backend id written into the metadata ("nixl", "ucxx", "loopback").
     backend: str = ""
+    #: How often a worker with nothing else to do polls its pending writes and notifications
+    #: (seconds). A backend whose transfers complete without this process (NIXL) tolerates a few
+    #: ms; 0 means the transfers only progress while polled (ucxx without a progress thread).
+    poll_interval_s: float = 0.002
 
     def __init__(self, name: str) -> None:
         if not name or not isinstance(name, str):

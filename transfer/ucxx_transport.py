@@ -139,6 +139,7 @@ class UcxxTransport(KVTransport):
     """ucxx implementation of ``KVTransport`` for host-memory pools."""
 
     backend = "ucxx"
+    poll_interval_s = 0.0  # rendezvous sends and receives move only inside our progress calls
 
     def __init__(self, name: str, *, error_handling: bool = False, write_timeout_s: float = 8.0) -> None:
         super().__init__(name)

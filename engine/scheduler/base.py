@@ -17,10 +17,6 @@ from engine.scheduler.stats import Histogram, SchedulerStats
 from transfer.protocol import GenerateRequest, Message, TokenDelta
 
 
-TRANSFER_POLL_S = 0.002
-"""How often a worker waiting only on KV transfers polls them (NIXL notifications have no fd)."""
-
-
 class RequestRejected(ValueError):
     """The request can never run on this worker (too long for the pool or the context)."""
 
