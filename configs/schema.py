@@ -43,9 +43,9 @@ class ClusterConfig(BaseModel):
                                 "long (a late write may still land) unless it reappears as a new process")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
     restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
-    worker_cpus: str = Field("auto", description="launcher: cores per worker on this host: auto (split the cores "
-                             "among the workers, spare ones to the router), off, or ID=CPUS,... "
-                             "(e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")
+    worker_cpus: str = Field("off", description="launcher: cores per worker on this host: off (every worker may "
+                             "use every core), auto (split the cores among the workers, spare ones to the "
+                             "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")
     worker_host: str = Field(
         "127.0.0.1", description="launcher: bind address of this host's worker control sockets (0.0.0.0 to serve "
                                  "a router on another host; workers have no authentication, keep them on a "

@@ -6,10 +6,16 @@ its own cores and, when cores are left over, the router too; a worker then pins 
 (``os.sched_setaffinity``) and runs torch with one thread per core it owns (``apply_cpus``).
 
 ``--worker-cpus`` (``cluster.worker_cpus``):
-- ``auto`` (default): split the cores this process may use evenly among the workers (the first
-  workers in launch order get one core more when they do not divide); cores left over go to the
-  router. With fewer cores than workers nothing is pinned.
-- ``off``: pin nothing (every process uses every core, torch's default threads).
+- ``off`` (default): pin nothing (every process uses every core, torch's default threads).
+- ``auto``: split the cores this process may use evenly among the workers (the first workers in
+  launch order get one core more when they do not divide); cores left over go to the router. With
+  fewer cores than workers nothing is pinned.
+
+``auto`` is not the default yet: on a 2-core host it halves the prefill worker's compute, so under
+an overcommitted decode admission (low ``new_token_ratio``) the decode pool fills with pages
+reserved for transfers that wait on the slower prefill, and the last running request can hit the
+out-of-memory abort (seen in tests/test_pd_http.py's 32-request test). It stays opt-in until the
+serving benchmark shows where it pays.
 - ``ID=CPUS,ID=CPUS``: explicit, e.g. ``prefill-0=0,decode-0=1`` or ``prefill-0=0-2,decode-0=3+5``
   (``a-b`` ranges and ``+`` lists); workers not named are not pinned.
 """
