@@ -94,7 +94,8 @@ class RetractManager:
         while self.queue:
             job = self.queue[0]
             reserve = decode_pages_needed(self.kv, running + [j.req for j in resumed], retract_steps)
-            need = self.kv.pages_for(job.req.kv_len + retract_steps)
+            # capped at the pool: a request parked with a shorter reserve still comes back, alone
+            need = min(self.kv.pages_for(job.req.kv_len + retract_steps), self.kv.allocator.num_pages)
             if self.kv.available_pages() - reserve < need or not self._load(job):
                 break
             resumed.append(self.queue.popleft())

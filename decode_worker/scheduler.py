@@ -168,7 +168,7 @@ class DecodeScheduler(WorkerScheduler):
         return out
 
     def _decode(self) -> Outbox:
-        res, out = self.running.decode_step(self._release_victim), Outbox()
+        res, out = self.running.decode_step(self._release_victim, park_last=bool(self.transfers.inflight)), Outbox()
         if res.aborted is not None:
             out.extend(self.finish(self.jobs[res.aborted.rid], self.running.oom_outcome(res.aborted)))
         for req, delta in res.tokens:

@@ -56,6 +56,27 @@ def test_last_request_that_cannot_fit_is_aborted():
     assert alloc.num_free() == 4
 
 
+def test_last_request_is_parked_when_others_hold_pages_and_it_fits_alone():
+    alloc = PageAllocator(6)
+    kv = KVManager(alloc, 4, False)
+    held = kv.allocator.alloc(2)  # pages a transfer in flight holds
+    r = req("only", 16, 1, kv)  # 4 pages; the 5th is not free now, but the pool has 6
+    released = []
+    res = retract_decode(kv, [r], 20, lambda x: released.append(x) or kv.free(x.kv), park_last=True)
+    assert res.retracted == [r] == released and res.aborted is None and not res.kept
+    assert alloc.num_free() == 4
+    alloc.free(held)
+
+
+def test_last_request_larger_than_the_pool_is_aborted_even_with_park_last():
+    alloc = PageAllocator(4)
+    kv = KVManager(alloc, 4, False)
+    r = req("only", 16, 1, kv)  # needs 5 pages, the pool has 4: waiting can never help
+    res = retract_decode(kv, [r], 20, lambda x: kv.free(x.kv), park_last=True)
+    assert res.aborted is r and not res.retracted
+    kv.free(r.kv)
+
+
 def test_forced_retract_takes_one():
     kv = KVManager(PageAllocator(100), 4, False)
     reqs = [req("a", 5, 1, kv), req("b", 5, 3, kv)]

@@ -31,6 +31,11 @@ def check_decode_mem(kv: KVManager, reqs: list[Request], steps: int = 1) -> bool
     return kv.allocator.num_free() >= need
 
 
+def fits_empty_pool(kv: KVManager, req: Request, steps: int = 1) -> bool:
+    """True iff ``req`` could decode ``steps`` more tokens with the whole pool to itself."""
+    return kv.pages_for(req.kv_len + steps) <= kv.allocator.num_pages
+
+
 def victim_order(reqs: list[Request]) -> list[Request]:
     """Retract order: most output tokens first, then shortest input."""
     return sorted(reqs, key=lambda r: (-len(r.output_ids), len(r.prompt_ids)))
@@ -49,21 +54,26 @@ def retract_decode(
     retract_steps: int,
     release_victim: Callable[[Request], None],
     force_one: bool = False,
+    park_last: bool = False,
 ) -> RetractResult:
     """Retract until the rest have room for ``retract_steps`` steps each.
 
     With ``force_one`` (test knob) at least one request is retracted when two or more run. If a
-    single request is left and it cannot even do the next step, it is returned as ``aborted``
-    (not released: the caller ends it with ``OOM_ABORT_MESSAGE`` and frees its KV).
+    single request is left and it cannot even do the next step, it is released like the others
+    when ``park_last`` (someone else holds pages that come back without this request's progress,
+    e.g. KV transfers in flight) and it would fit the empty pool; otherwise it is returned as
+    ``aborted`` (not released: the caller ends it with ``OOM_ABORT_MESSAGE`` and frees its KV).
     """
     order = victim_order(running)
     res = RetractResult(kept=order)
     first = force_one
     while first or not check_decode_mem(kv, order, retract_steps):
         if len(order) == 1:
-            if not first and not check_decode_mem(kv, order, 1):
+            if first or check_decode_mem(kv, order, 1):
+                break
+            if not (park_last and fits_empty_pool(kv, order[0])):
                 res.aborted = order.pop()
-            break
+                break
         first = False
         victim = order.pop(0)
         release_victim(victim)

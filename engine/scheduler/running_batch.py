@@ -63,14 +63,17 @@ class RunningBatch:
     def __len__(self) -> int:
         return len(self.reqs)
 
-    def decode_step(self, release_victim: ReleaseVictim) -> DecodeResult:
-        """Retract if the pool is short, then decode one token for every request left."""
+    def decode_step(self, release_victim: ReleaseVictim, park_last: bool = False) -> DecodeResult:
+        """Retract if the pool is short, then decode one token for every request left.
+
+        ``park_last``: pages held elsewhere will come back on their own (transfers in flight), so a
+        last request that cannot grow is retracted to wait for them instead of aborted."""
         res = DecodeResult()
         self.stats.decode_steps += 1
         interval = self.cfg.retract_test_interval
         forced = bool(interval) and self.stats.decode_steps % interval == 0
         if forced or not check_decode_mem(self.kv, self.reqs, 1):
-            self._retract(forced, release_victim, res)
+            self._retract(forced, release_victim, res, park_last)
         if not self.reqs:
             return res
         for r in self.reqs:
@@ -84,14 +87,15 @@ class RunningBatch:
         self.ratio.step()
         return res
 
-    def _retract(self, forced: bool, release_victim: ReleaseVictim, res: DecodeResult) -> None:
+    def _retract(self, forced: bool, release_victim: ReleaseVictim, res: DecodeResult, park_last: bool) -> None:
         before_ratio, before_free = self.ratio.value, self.kv.available_pages()
         how: dict[str, str] = {}
 
         def release(req: Request) -> None:
             how[req.rid] = release_victim(req)
 
-        r = retract_decode(self.kv, self.reqs, self.cfg.retract_decode_steps, release, force_one=forced)
+        r = retract_decode(self.kv, self.reqs, self.cfg.retract_decode_steps, release, force_one=forced,
+                           park_last=park_last)
         self.reqs, res.retracted, res.aborted = r.kept, r.retracted, r.aborted
         for v in r.retracted:
             self.stats.retractions += 1
