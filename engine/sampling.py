@@ -7,7 +7,11 @@ Pipeline applied by :meth:`Sampler.sample` to each row of last-position logits (
 2. greedy rows (``temperature == 0``): ``argmax``;
 3. other rows: temperature -> top-k -> top-p -> min-p -> one draw from the request's own
    generator (exponential race ``argmax(probs / Exp(1))``), so a seeded request's tokens depend
-   only on its seed and its logits, never on the other requests in the batch.
+   only on its seed and its logits, never on the other requests in the batch. The generator is
+   re-seeded for every token with ``token_seed(seed, index)``: the draw for output token ``k`` is a
+   function of (seed, k) alone, so the stream is the same in colocated and PD mode (where the
+   decode worker builds a fresh state after the prefill worker drew token 0), after an offload
+   and after a recompute.
 
 Log-probabilities follow vLLM's convention: they are taken from the *raw* model distribution
 (``log_softmax`` of the unprocessed logits in float32), not from the penalised / tempered one.
@@ -21,14 +25,26 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
-__all__ = ["SamplerState", "SampleOutput", "Sampler"]
+__all__ = ["SamplerState", "SampleOutput", "Sampler", "token_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``
+    (splitmix64 of the pair: nearby seeds and indices give unrelated streams). Fits in 63 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 @dataclass
 class SamplerState:
     """Mutable per-request sampler state; create with :meth:`new`, update with :meth:`append`.
 
-    - ``generator``: ``torch.Generator`` seeded with ``params.seed``, or ``None`` (global RNG).
+    - ``seed``: ``params.seed``; ``generator``: a ``torch.Generator`` re-seeded before every draw
+      with ``token_seed(seed, num_generated)``, or ``None`` for both (global RNG).
     - ``output_counts``: int32 tensor ``[vocab_size]`` of generated-token counts; allocated only
       when the request uses frequency/presence penalties, else ``None``.
     - ``seen_mask``: bool tensor ``[vocab_size]``, True for ids in the prompt or generated so
@@ -41,6 +57,7 @@ class SamplerState:
     """
 
     vocab_size: int
+    seed: int | None = None
     generator: torch.Generator | None = None
     output_counts: torch.Tensor | None = None
     seen_mask: torch.Tensor | None = None
@@ -65,7 +82,6 @@ class SamplerState:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
         counts = None
         if params.uses_count_penalties:
             counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
@@ -80,7 +96,13 @@ class SamplerState:
                         f"prompt ids must be in [0, {vocab_size}), got min {lo} max {hi}"
                     )
                 seen[ids.to(device)] = True
-        return cls(vocab_size=vocab_size, generator=generator, output_counts=counts, seen_mask=seen)
+        return cls(vocab_size=vocab_size, seed=params.seed, generator=generator, output_counts=counts, seen_mask=seen)
+
+    def token_generator(self) -> torch.Generator | None:
+        """The generator for the next draw, seeded for output token ``num_generated``."""
+        if self.generator is not None:
+            self.generator.manual_seed(token_seed(self.seed, self.num_generated))
+        return self.generator
 
     def append(self, token_id: int) -> None:
         """Record one generated token (updates counts / seen set; raises ``ValueError`` if out of range)."""
@@ -133,8 +155,8 @@ class Sampler:
 
         ``params[i]`` and ``states[i]`` belong to row ``i``; both must have length ``B`` and
         states that track penalties must have ``vocab_size == V``. ``logits`` is not modified.
-        Deterministic for greedy rows; a seeded row's draw depends only on its own generator
-        and logits. Raises ``ValueError`` on shape mismatches.
+        Deterministic for greedy rows; a seeded row's draw depends only on its seed, its output
+        index and its logits. Raises ``ValueError`` on shape mismatches.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
@@ -290,7 +312,7 @@ class Sampler:
         device = probs.device
         # Exponential race: argmax(p / E), E ~ Exp(1), equals a draw from p (normalised).
         noise = torch.empty_like(probs)
-        seeded = [(j, st.generator) for j, st in enumerate(states) if st.generator is not None]
+        seeded = [(j, st.token_generator()) for j, st in enumerate(states) if st.generator is not None]
         if len(seeded) < len(states):
             noise.exponential_()
         for j, g in seeded:

@@ -110,6 +110,15 @@ def test_pd_greedy_matches_transformers_and_colocated(client, model, embedded, h
         assert colo.token_ids == ref
 
 
+def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated):
+    # issue 13: temperature=1, seed=7 gave [2684, 282, ...] colocated and [2684, 2422, ...] in PD
+    ids = embedded[2].encode(PROMPTS[0])
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=7,
+                                  extra_body={"return_token_ids": True})
+    colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=24, temperature=1.0, seed=7))[0]
+    assert r.choices[0].token_ids == colo.token_ids and len(colo.token_ids) > 2
+
+
 def test_pd_32_concurrent_shared_prefixes_small_pool(request, url, model, embedded, colocated):
     if request.node.callspec.params.get("server") == "ucxx":
         request.applymarker(pytest.mark.xfail(reason=UCXX_PRESSURE, strict=False))

@@ -249,3 +249,37 @@ def test_destination_whose_prompt_never_comes_is_answered_after_the_grace(harnes
     out = h.run()
     assert out["o"]["finish"] == "abort" and "no such request" in out["o"]["error"]
     assert not h.prefill.bootstrap.early
+
+
+def test_seeded_sampling_is_the_same_in_every_mode_and_across_retracts(harness, tiny):
+    # issue 13: the decode worker builds a fresh sampler state after the prefill worker drew
+    # token 0; the stream must still equal colocated mode's, with offload and with recompute.
+    from engine.llm import run_batch
+    from engine.model_runner import ModelRunner
+    from engine.scheduler.colocated import ColocatedScheduler
+    from conftest import engine_cfg, sched_cfg
+
+    ps = prompts(4, 20, 20, seed=21)
+    params = [SamplingParams(max_new_tokens=16, temperature=1.0, top_k=40, seed=7 + i) for i in range(4)]
+
+    def pd(**d):
+        h = harness(d=cfg(**d))
+        for i, p in enumerate(ps):
+            h.submit(f"r{i}", p, params[i])
+        out = h.run()
+        return [out[f"r{i}"]["tokens"] for i in range(4)], h.decode.retract.stats
+
+    def colocated(**sched):
+        runner = ModelRunner(engine_cfg(kv_pool_tokens=sched.pop("pool", 4096), page_size=4), tiny[0], tiny[1])
+        s = ColocatedScheduler(runner, sched_cfg(**sched), ())
+        return [d.token_ids for d in run_batch(s, ps, params)], s.running.stats.retractions
+
+    ref, _ = colocated()
+    assert len({tuple(t) for t in ref}) == 4 and all(len(t) == 16 for t in ref)
+    dropped, n_retract = colocated(pool=96, init_new_token_ratio=0.1)  # drop and recompute
+    assert dropped == ref and n_retract > 0
+    plain, _ = pd()
+    offload, s_off = pd(pool=96, init_new_token_ratio=0.1)
+    recompute, s_rec = pd(pool=96, host_gb=0.0, init_new_token_ratio=0.1)
+    assert plain == ref and offload == ref and recompute == ref
+    assert s_off.offloaded > 0 and s_rec.recomputed > 0

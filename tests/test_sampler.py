@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.sampling import SampleOutput, Sampler, SamplerState
+from engine.sampling import SampleOutput, Sampler, SamplerState, token_seed
 from engine.sampling_params import SamplingParams, check_stop
 
 # --------------------------------------------------------------------------- helpers
@@ -223,14 +223,40 @@ def test_heterogeneous_filters_in_one_batch():
 
 
 def test_sampling_with_seeded_generator_distribution():
-    # a single seeded request drawn repeatedly also follows the distribution
+    # a single seeded request's successive tokens (one draw per output index) follow the distribution
     p = SamplingParams(seed=9)
     st = SamplerState.new(p, 4)
     logits = LOGITS4.unsqueeze(0)
     sampler = Sampler()
-    toks = [sampler.sample(logits, [p], [st]).token_ids[0] for _ in range(2000)]
+    toks = []
+    for _ in range(2000):
+        toks.append(sampler.sample(logits, [p], [st]).token_ids[0])
+        st.append(toks[-1])
     freq = torch.bincount(torch.tensor(toks), minlength=4).float() / 2000
     assert torch.allclose(freq, PROBS4, atol=0.035), freq
+
+
+def test_seeded_draw_is_a_function_of_seed_and_index_only():
+    # a fresh state fast-forwarded to index k draws what the original drew at k (PD: the decode
+    # worker's new state after the prefill worker drew token 0; colocated: the same state)
+    p = SamplingParams(seed=21, temperature=1.0)
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    sampler, st, toks = Sampler(), SamplerState.new(p, 64), []
+    for _ in range(12):
+        toks.append(sampler.sample(logits, [p], [st]).token_ids[0])
+        st.append(toks[-1])
+    for k in (1, 5, 11):
+        fresh = SamplerState.new(p, 64)
+        for t in toks[:k]:
+            fresh.append(t)
+        torch.manual_seed(k)  # the global RNG plays no part
+        assert sampler.sample(logits, [p], [fresh]).token_ids[0] == toks[k]
+    assert len(set(toks)) > 3  # successive indices draw different noise
+
+
+def test_token_seed_spreads_and_fits_63_bits():
+    seeds = {token_seed(s, i) for s in range(20) for i in range(50)}
+    assert len(seeds) == 1000 and all(0 <= x < 2 ** 63 for x in seeds)
 
 
 # --------------------------------------------------------------------------- penalties
