@@ -146,6 +146,7 @@ class DecodeScheduler(WorkerScheduler):
         if job.generation > 0:  # recomputed KV: resume decoding from the last output token
             self.running.add(req)
             return Outbox()
+        self.stats.cached_prompt_tokens += job.decode_prefix_len
         m, out = landing.manifest, Outbox()
         req.mark("first_token")
         out.token(req.owner, token_delta(req, m.first_token, m.first_logprob, m.first_top_logprobs,

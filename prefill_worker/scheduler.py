@@ -63,7 +63,7 @@ class PrefillScheduler(WorkerScheduler):
         self.cfg = cfg
         self.worker_id = worker_id
         self.model_name = model_name
-        self.admission = Admission(cfg.scheduler, self.kv, reserve_decode=False)
+        self.admission = Admission(cfg.scheduler, self.kv, self.stats, reserve_decode=False)
         self.executor = BatchExecutor(runner, ())
         self.sender = sender
         self.waiting: deque[Request] = deque()

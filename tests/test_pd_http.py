@@ -119,6 +119,20 @@ def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated)
     assert r.choices[0].token_ids == colo.token_ids and len(colo.token_ids) > 2
 
 
+def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url):
+    # issue 13: the counter stayed 0 in PD although the decode radix cache matched the prefix
+    base = SHARED + QUESTIONS[1]
+    complete(client, model, base, max_tokens=4)
+    before = idle(url)
+    r = client.completions.create(model=model, prompt=base + " Answer in one word.", max_tokens=4, temperature=0)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    after = idle(url)
+    decode = [dict(lab)["worker"] for (n, lab) in after if n == "pdserve_worker_up" and dict(lab)["role"] == "decode"]
+    moved = sum(metric_sum(after, "pdserve_cached_prompt_tokens_total", worker=w)
+                - metric_sum(before, "pdserve_cached_prompt_tokens_total", worker=w) for w in decode)
+    assert cached > 0 and moved == cached
+
+
 def test_pd_32_concurrent_shared_prefixes_small_pool(request, url, model, embedded, colocated):
     if request.node.callspec.params.get("server") == "ucxx":
         request.applymarker(pytest.mark.xfail(reason=UCXX_PRESSURE, strict=False))
@@ -151,7 +165,7 @@ def test_pd_32_concurrent_shared_prefixes_small_pool(request, url, model, embedd
     m = idle(url)
     assert metric_sum(m, "pdserve_retractions_total") > 0  # the decode pool holds ~1/3 of the demand
     assert metric_sum(m, "pdserve_kv_transfer_bytes_total") > 0
-    assert metric_sum(m, "pdserve_cached_prompt_tokens_total") >= 0
+    assert metric_sum(m, "pdserve_cached_prompt_tokens_total") > 0  # 32 prompts share one prefix
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
     assert metric_sum(m, "pdserve_host_kv_pool_bytes", state="used") == 0
 

@@ -77,6 +77,8 @@ def test_decode_radix_prefix_ships_only_suffix(harness, tiny):
     page_bytes = h.p_runner.pool.page_bytes
     assert h.prefill.transfer_bytes - shipped == page_bytes  # tokens 16..18: one page, prefix reused
     assert shipped == 6 * page_bytes
+    assert h.decode.stats.cached_prompt_tokens == 16  # the decode radix prefix of the second prompt
+    assert h.prefill.stats.cached_prompt_tokens == 16  # the prefill worker's own tree has it too
 
 
 def test_retract_offload_and_resume(harness, tiny):

@@ -81,6 +81,7 @@ def test_radix_cache_reuses_prefix(tiny):
     assert second.cached_tokens == 24
     assert second.token_ids == hf_greedy(tiny[2], second_prompt, 8)
     assert sched.stats.prefill_computed_tokens == 30 + 3
+    assert sched.stats.cached_prompt_tokens == 24
     assert sched.kv.usage([]).cached > 0
     assert_clean(sched)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from cache.kv_manager import KVManager
 from configs.scheduler import SchedulerConfig
 from engine.request import Phase, Request
+from engine.scheduler.stats import SchedulerStats
 
 
 @dataclass
@@ -60,9 +61,10 @@ class Admission:
     are reserved on the decode worker.
     """
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVManager, reserve_decode: bool = True) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, stats: SchedulerStats, reserve_decode: bool = True) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.stats = stats  # cached_prompt_tokens: radix hits of first admissions (not recomputes)
         self.reserve_decode = reserve_decode
         self.chunked: Request | None = None
 
@@ -86,6 +88,8 @@ class Admission:
                 break
             req.status = Phase.PREFILLING
             req.mark("admitted")
+            if req.retraction_count == 0:
+                self.stats.cached_prompt_tokens += req.kv_len
             waiting.popleft()
             free_pages -= need
             items.append(self._chunk(req, budget))

@@ -29,7 +29,7 @@ class ColocatedScheduler(WorkerScheduler):
     def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, eos_token_ids: tuple[int, ...]) -> None:
         super().__init__(runner, KVManager(runner.allocator, runner.page_size, cfg.enable_radix_cache))
         self.cfg = cfg
-        self.admission = Admission(cfg, self.kv)
+        self.admission = Admission(cfg, self.kv, self.stats)
         self.executor = BatchExecutor(runner, eos_token_ids)
         self.running = RunningBatch(self.kv, self.executor, cfg, self.stats)
         self.waiting: deque[Request] = deque()
