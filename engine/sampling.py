@@ -2,8 +2,9 @@
 
 Pipeline applied by :meth:`Sampler.sample` to each row of last-position logits (all in float32):
 
-1. penalties (only rows that use them): repetition (HF semantics, over prompt + generated ids),
-   then frequency / presence (OpenAI semantics, over generated ids only);
+1. logit adjustments (only rows that use them): ``logit_bias`` (OpenAI, added as is), then
+   repetition (HF semantics, over prompt + generated ids), then frequency / presence (OpenAI
+   semantics, over generated ids only);
 2. greedy rows (``temperature == 0``): ``argmax``;
 3. other rows: temperature -> top-k -> top-p -> min-p -> one draw from the request's own
    generator (exponential race ``argmax(probs / Exp(1))``), so a seeded request's tokens depend
@@ -121,6 +122,14 @@ class SamplerState:
             self.seen_mask = self.seen_mask.to(device)
 
 
+def _add_logit_bias(x: torch.Tensor, row: int, logit_bias: tuple[tuple[int, float], ...]) -> None:
+    """``x[row, id] += bias`` for each pair (ids sorted); ``ValueError`` for an id outside ``x``'s vocabulary."""
+    ids, bias = zip(*logit_bias)
+    if ids[-1] >= x.shape[1]:
+        raise ValueError(f"row {row}: logit_bias token id {ids[-1]} outside the vocabulary of {x.shape[1]}")
+    x[row, torch.tensor(ids, device=x.device)] += torch.tensor(bias, dtype=torch.float32, device=x.device)
+
+
 @dataclass
 class SampleOutput:
     """Result of one :meth:`Sampler.sample` call, one entry per request (batch order).
@@ -201,9 +210,12 @@ class Sampler:
         params: Sequence[SamplingParams],
         states: Sequence[SamplerState],
     ) -> None:
-        """In place on the fp32 copy ``x``: repetition, then frequency/presence penalties."""
+        """In place on the fp32 copy ``x``: logit bias, repetition, then frequency/presence penalties."""
         device = x.device
         V = x.shape[1]
+        for i in rows:
+            if params[i].logit_bias:
+                _add_logit_bias(x, i, params[i].logit_bias)
         rep_rows = [i for i in rows if params[i].uses_repetition_penalty]
         cnt_rows = [i for i in rows if params[i].uses_count_penalties]
         for i in rows:

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 MAX_LOGPROBS = 20
 """Largest accepted ``SamplingParams.logprobs`` (number of top alternatives returned)."""
+MAX_LOGIT_BIAS = 1024
+"""Most entries accepted in ``SamplingParams.logit_bias``."""
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -37,6 +39,10 @@ class SamplingParams(BaseModel):
     - ``ignore_eos`` [False]: do not stop on the model's EOS ids.
     - ``logprobs`` [None]: ``None`` = no logprobs; ``n`` in 0..20 = return the chosen token's
       logprob plus the top ``n`` alternatives (``0``: chosen token only).
+    - ``logit_bias`` [()]: ``(token_id, bias)`` pairs sorted by id (a ``{id: bias}`` mapping is
+      accepted), bias in [-100, 100], added to the logits before penalties and sampling (OpenAI
+      semantics: -100 bans a token, +100 all but forces it; greedy rows see it too). Logprobs stay
+      those of the raw distribution.
 
     Unknown fields are rejected; invalid values raise ``pydantic.ValidationError`` naming the field.
     """
@@ -55,6 +61,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -127,6 +134,20 @@ class SamplingParams(BaseModel):
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {v}")
         return v
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        pairs = sorted((int(k), float(b)) for k, b in (v.items() if isinstance(v, dict) else v))
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}")
+        ids = [t for t, _ in pairs]
+        if len(set(ids)) < len(ids):
+            raise ValueError("logit_bias names a token id twice")
+        bad = [(t, b) for t, b in pairs if t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0)]
+        if bad:
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad[:5]}")
+        return tuple(pairs)
+
     @property
     def is_greedy(self) -> bool:
         """True iff ``temperature == 0``: the sampler returns the argmax of the penalised logits."""
@@ -144,8 +165,8 @@ class SamplingParams(BaseModel):
 
     @property
     def uses_penalties(self) -> bool:
-        """True iff any of repetition / frequency / presence penalties changes the logits."""
-        return self.uses_repetition_penalty or self.uses_count_penalties
+        """True iff a logit bias or a repetition / frequency / presence penalty changes the logits."""
+        return bool(self.logit_bias) or self.uses_repetition_penalty or self.uses_count_penalties
 
 
 def check_stop(

@@ -116,6 +116,20 @@ def test_completion_matches_generate(client, model, refs):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_logit_bias_bans_and_forces_tokens(client, model, refs):
+    ref = refs[PROMPTS[0]]["token_ids"]
+
+    def ids(bias):
+        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                      logit_bias=bias, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return r.choices[0].token_ids
+
+    banned = ids({str(ref[0]): -100})
+    assert banned[0] != ref[0] and ref[0] not in banned
+    forced = 1234 if ref[0] != 1234 else 1235
+    assert ids({str(forced): 100}) == [forced] * 6
+
+
 def test_completion_stream_matches_generate(client, model, refs):
     ref = refs[PROMPTS[1]]
     chunks = list(client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,

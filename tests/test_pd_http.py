@@ -119,6 +119,13 @@ def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated)
     assert r.choices[0].token_ids == colo.token_ids and len(colo.token_ids) > 2
 
 
+def test_pd_logit_bias_reaches_prefill_and_decode(client, model):
+    # token 0 is sampled on the prefill worker, the rest on the decode worker: both apply the bias
+    r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                  logit_bias={"1234": 100}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].token_ids == [1234] * 5
+
+
 def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url):
     # issue 13: the counter stayed 0 in PD although the decode radix cache matched the prefix
     base = SHARED + QUESTIONS[1]

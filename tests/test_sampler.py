@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import re
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -257,6 +259,42 @@ def test_seeded_draw_is_a_function_of_seed_and_index_only():
 def test_token_seed_spreads_and_fits_63_bits():
     seeds = {token_seed(s, i) for s in range(20) for i in range(50)}
     assert len(seeds) == 1000 and all(0 <= x < 2 ** 63 for x in seeds)
+
+
+# --------------------------------------------------------------------------- logit bias
+
+def test_logit_bias_changes_greedy_choice_but_not_logprobs():
+    logits = LOGITS4.unsqueeze(0)  # argmax is token 3
+    plain = Sampler().sample(logits, [SamplingParams(temperature=0, logprobs=1)], [SamplerState.new(SamplingParams(), 4)])
+    p = SamplingParams(temperature=0, logprobs=1, logit_bias={"3": -100, 0: 100})
+    out = Sampler().sample(logits, [p], [SamplerState.new(p, 4)])
+    assert plain.token_ids == [3] and out.token_ids == [0]
+    assert out.top_logprobs[0][0][0] == 3  # logprobs come from the raw distribution
+    assert p.logit_bias == ((0, 100.0), (3, -100.0))
+
+
+def test_logit_bias_ban_holds_under_sampling():
+    p = SamplingParams(seed=3, logit_bias={3: -100, 2: -100})
+    st, s = SamplerState.new(p, 4), Sampler()
+    toks = []
+    for _ in range(300):
+        toks.append(s.sample(LOGITS4.unsqueeze(0), [p], [st]).token_ids[0])
+        st.append(toks[-1])
+    assert set(toks) == {0, 1}
+
+
+@pytest.mark.parametrize("bias,needle", [({-1: 1.0}, ">= 0"), ({1: 101.0}, "[-100, 100]"),
+                                         ({1: float("nan")}, "[-100, 100]"),
+                                         ({i: 1.0 for i in range(1025)}, "at most 1024")])
+def test_logit_bias_validation(bias, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    p = SamplingParams(temperature=0, logit_bias={9: 1.0})
+    with pytest.raises(ValueError, match="vocabulary of 4"):
+        Sampler().sample(LOGITS4.unsqueeze(0), [p], [SamplerState.new(p, 4)])
 
 
 # --------------------------------------------------------------------------- penalties

@@ -22,10 +22,18 @@ def check_common(ctx: RouterContext, req: SamplingFields) -> None:
     if req.n != 1:
         raise APIError(400, f"n={req.n} is not supported: this server returns exactly one choice per prompt (n=1)",
                        param="n")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    check_logit_bias(req.logit_bias, ctx.tokenizer.vocab_size)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
+    """400 ``APIError`` unless every ``logit_bias`` key is a token id in ``[0, vocab_size)``
+    (biases themselves are checked by ``SamplingParams``)."""
+    for key in bias or {}:
+        if not key.strip().isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings, "
+                           f"got {key!r}", param="logit_bias")
 
 
 def check_max_tokens(value: int | None, name: str) -> None:

@@ -61,7 +61,8 @@ class SamplingFields(_Strict):
         if self.top_k is not None:
             kw["top_k"] = -1 if self.top_k == 0 else self.top_k
         return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, logprobs=logprobs, **kw)
+                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()}, **kw)
 
 
 class CompletionRequest(SamplingFields):
