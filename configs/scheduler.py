@@ -17,4 +17,6 @@ class SchedulerConfig(BaseModel):
     new_token_ratio_decay_steps: int = Field(600, ge=1, description="decode steps from init to floor")
     retract_decode_steps: int = Field(20, ge=1, description="decode steps of room left to each request after a retract")
     retract_test_interval: int | None = Field(None, ge=1, description="force a retract every N decode steps (testing)")
+    test_step_delay_s: float = Field(0.0, ge=0, description="testing: the worker loop sleeps this long after every "
+                                     "step that had work (a slow, oversubscribed machine)")
     enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")

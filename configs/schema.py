@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
@@ -37,7 +37,13 @@ class ClusterConfig(BaseModel):
     bootstrap_timeout_s: float = Field(
         300.0, gt=0, description="prefill side: drop computed KV that no decode worker asked for after this "
                                  "(a busy decode worker admits late; the held pages throttle prefill meanwhile)")
-    peer_timeout_s: float = Field(8.0, gt=0, description="a silent peer worker is declared dead after this")
+    peer_timeout_s: float = Field(
+        8.0, gt=0, description="liveness: a peer worker that answers no heartbeat for this long is dead (heartbeats "
+                               "are sent and answered on threads that never wait on compute)")
+    progress_timeout_s: float = Field(
+        120.0, gt=0, description="progress: a peer worker that answers heartbeats but whose scheduler finished no "
+                                 "loop iteration for this long is stuck and treated as failed; must exceed "
+                                 "peer_timeout_s (a long step on a busy machine is not a failure)")
     transfer_fence_s: float = Field(
         60.0, gt=0, description="decode side: pages of a transfer whose prefill worker went silent are held this "
                                 "long (a late write may still land) unless it reappears as a new process")
@@ -53,6 +59,13 @@ class ClusterConfig(BaseModel):
     advertise_host: str | None = Field(
         None, description="launcher: the name or address other hosts reach this host's workers by (default: "
                           "worker_host, or this machine's hostname when worker_host is a wildcard)")
+
+    @model_validator(mode="after")
+    def _progress_after_liveness(self) -> "ClusterConfig":
+        if self.progress_timeout_s <= self.peer_timeout_s:
+            raise ValueError(f"progress_timeout_s ({self.progress_timeout_s:g}) must be larger than peer_timeout_s "
+                             f"({self.peer_timeout_s:g}): raise --progress-timeout-s")
+        return self
 
 
 class PdserveConfig(BaseModel):

@@ -99,6 +99,9 @@ class DecodeScheduler(WorkerScheduler):
                                                                           msg.error_status)))
         return out
 
+    def peer_heartbeat(self, addr: str, stats, at: float) -> Outbox:
+        return self.peers.heard(addr, stats, at)
+
     @property
     def has_work(self) -> bool:
         """A batch to decode, or (with no transfer in flight that could be holding the pages) a
@@ -214,7 +217,7 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
     if cfg.cluster.host_kv_pool_gb > 0:
         host = HostKVPool.for_device_pool(runner.pool.buffer, int(cfg.cluster.host_kv_pool_gb * 2**30))
     hs = make_handshake(worker_id, model_name, runner.pool.layout_descriptor(), transport)
-    peers = PrefillPeers(hs, cfg.server.health_interval_s, cfg.cluster.peer_timeout_s)
+    peers = PrefillPeers(hs, cfg.cluster.peer_timeout_s, cfg.cluster.progress_timeout_s)
     retract = RetractManager(kv, runner.pool.buffer, host, gather_pages)
     eos = tuple(runner.model_config.eos_token_ids) if eos_token_ids is None else eos_token_ids
     return DecodeScheduler(runner, cfg, kv, TransferTracker(kv, transport, worker_id), retract, peers, eos)

@@ -2,8 +2,11 @@
 
 Heartbeats (``StatsRequest``) are answered on this thread from the latest ``WorkerStats`` the
 scheduler thread published, so a long scheduler step (a big prefill chunk on a busy CPU) never
-looks like a dead worker. A scheduler thread that has not finished a loop iteration for
-``stall_limit_s`` gets no answers: a hung worker still times out. Every other message is relayed
+looks like a dead worker; each answer carries ``stalled_s`` (seconds since the scheduler thread
+last finished a loop iteration), so a peer can tell a live-but-stuck worker from a busy one. A
+scheduler thread that has not finished a loop iteration for ``stall_limit_s`` (the configured
+``progress_timeout_s``) gets no answers: a hung worker still times out for peers that only
+watch silence. Every other message is relayed
 to the scheduler thread over an inproc PAIR socket, framed exactly as a ROUTER delivers it
 (``[identity, *parts]``), and what the scheduler thread sends on its end goes out the same way.
 """
@@ -71,7 +74,9 @@ class ControlIO:
             except ProtocolError:
                 msg = None
             if isinstance(msg, StatsRequest):
-                self.router.send_multipart([ident, *encode(self.latest.model_copy(update={"nonce": msg.nonce}))])
+                stalled = round(time.monotonic() - self.beat, 3)
+                reply = self.latest.model_copy(update={"nonce": msg.nonce, "stalled_s": stalled})
+                self.router.send_multipart([ident, *encode(reply)])
                 return
         self._io_end.send_multipart(frames)
 

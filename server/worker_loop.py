@@ -9,6 +9,12 @@ scheduler allows (``idle_wait_s``: a transfer to poll, a heartbeat or deadline) 
 stats cadence; a message that arrives during a step is handled right after it. Whatever a scheduler call
 returns (an ``Outbox``) is delivered at once: token deltas batched into one ``TokenBatch`` per
 owner connection, control messages to their ``Conn``/``Peer``.
+
+Liveness apart from progress: peers' heartbeats are sent and their replies stamped on a
+``PeerPinger`` thread (every watched ``Peer`` address, every ``heartbeat_s``) and handed to the
+scheduler (``peer_heartbeat``) before each step, so this worker's own long step never reads as a
+peer's silence. ``progress_timeout_s`` is the ControlIO's stall limit: a scheduler thread stuck
+that long stops answering heartbeats.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import zmq
 
 from engine.scheduler.base import Conn, Outbox, Peer, RequestRejected, WorkerScheduler
 from server.control_io import ControlIO
+from server.peer_pinger import PeerPinger
 from transfer.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, frame_ids)
 
@@ -29,11 +36,15 @@ log = logging.getLogger(__name__)
 
 
 class WorkerLoop:
-    def __init__(self, control_addr: str, worker_id: str, model_name: str) -> None:
+    def __init__(self, control_addr: str, worker_id: str, model_name: str, heartbeat_s: float = 1.0,
+                 progress_timeout_s: float = 120.0, step_delay_s: float = 0.0) -> None:
+        """``step_delay_s`` (testing): sleep after every step that had work, like a slow machine."""
         self.worker_id = worker_id
         self.model_name = model_name
         self.ctx = zmq.Context.instance()
-        self.io = ControlIO(self.ctx, control_addr)
+        self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s)
+        self.pinger = PeerPinger(self.ctx, heartbeat_s)
+        self.step_delay_s = step_delay_s
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
         self.scheduler: WorkerScheduler | None = None
         self.peers: dict[str, zmq.Socket] = {}
@@ -49,12 +60,19 @@ class WorkerLoop:
         log.info("%s worker %s serving", scheduler.role, self.worker_id)
         self.io.publish(self._stats(0))
         self.io.start()
+        self.pinger.start()
         try:
             while not self.stopping:
                 self._drain(0.0 if scheduler.has_work else self._idle_timeout())
+                for addr, stats, at in self.pinger.take():
+                    self.deliver(scheduler.peer_heartbeat(addr, stats, at))
+                busy = scheduler.has_work
                 self.deliver(scheduler.step())
+                if self.step_delay_s and (busy or scheduler.has_work):
+                    time.sleep(self.step_delay_s)
                 self._heartbeat()
         finally:
+            self.pinger.close()
             self.io.close()
             for s in self.peers.values():
                 s.close(0)
@@ -80,6 +98,7 @@ class WorkerLoop:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(addr)
             self.peer_addr[sock] = addr
+            self.pinger.watch(addr)
         return sock
 
     def _heartbeat(self) -> None:

@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     runner, path = load_runner(cfg)
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
-    WorkerLoop(args.control_addr, args.worker_id, name).run(scheduler)
+    WorkerLoop(args.control_addr, args.worker_id, name, heartbeat_s=cfg.server.health_interval_s,
+               progress_timeout_s=cfg.cluster.progress_timeout_s,
+               step_delay_s=cfg.scheduler.test_step_delay_s).run(scheduler)
     return 0
 
 

@@ -31,18 +31,23 @@ class PDPair:
     """One prefill and one decode worker process plus a DEALER to each (the router's role)."""
 
     def __init__(self, model_dir, decode_pool: int, host_gb: float, decode_page_size: int = 4,
-                 backend: str = "nixl", decode_backend: str | None = None, **sched):
+                 backend: str = "nixl", decode_backend: str | None = None, cluster: dict | None = None,
+                 prefill_sched: dict | None = None, decode_sched: dict | None = None, **sched):
+        """``cluster`` updates both workers' cluster section; ``prefill_sched``/``decode_sched``
+        one worker's scheduler section (``sched``: both)."""
         self.cfg = PdserveConfig.model_validate({
             "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096},
             "scheduler": sched, "server": {"health_interval_s": 0.5},
             "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0,
-                        "transfer_fence_s": 3.0, "transfer_backend": backend}})
+                        "transfer_fence_s": 3.0, "transfer_backend": backend, **(cluster or {})}})
+        pcfg = self.cfg.model_copy(update={"scheduler": self.cfg.scheduler.model_copy(update=prefill_sched or {})})
         dcfg = self.cfg.model_copy(deep=True)
+        dcfg.scheduler = dcfg.scheduler.model_copy(update=decode_sched or {})
         dcfg.engine.kv_pool_tokens = decode_pool
         dcfg.engine.page_size = decode_page_size
         dcfg.cluster.transfer_backend = decode_backend or backend
         self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-        self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, self.cfg),
+        self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, pcfg),
                       "d0": self._spawn("decode", "d0", self.d_addr, dcfg)}
         self.ctx = zmq.Context()
         self.socks = {}

@@ -225,6 +225,9 @@ class WorkerStats(Message):
     counters: dict[str, float] = {}
     gauges: dict[str, float] = {}
     histograms: dict[str, HistogramData] = {}
+    # seconds since the worker's scheduler thread last finished a loop iteration, as its control
+    # thread saw it when answering: an answer proves liveness, this tells progress apart
+    stalled_s: float = 0.0
 
 
 MESSAGES: dict[str, type[Message]] = {

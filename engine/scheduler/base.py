@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cache.handle import KVHandle
 from cache.kv_manager import KVManager
 from engine.scheduler.stats import Histogram, SchedulerStats
-from transfer.protocol import GenerateRequest, Message, TokenDelta
+from transfer.protocol import GenerateRequest, Message, TokenDelta, WorkerStats
 
 
 class RequestRejected(ValueError):
@@ -146,6 +146,11 @@ class WorkerScheduler(abc.ABC):
     @abc.abstractmethod
     def handle(self, source: Dest, msg: Message, frames: list[bytes]) -> Outbox | None:
         """A role-specific message from ``source``."""
+
+    def peer_heartbeat(self, addr: str, stats: WorkerStats, at: float) -> Outbox:
+        """A heartbeat reply from the peer worker at ``addr`` (the loop's ``Peer`` destinations),
+        received at monotonic time ``at`` on the loop's pinger thread. Default: no peers."""
+        return Outbox()
 
     @property
     @abc.abstractmethod
