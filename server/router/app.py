@@ -9,6 +9,7 @@ needs the API key like ``/v1/*`` (``server/router/dashboard.py``). Every error h
 """
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from server.router.errors import APIError
 from server.router.http_util import check_api_key, read_body
 from server.router.inflight import InflightTable
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
+from server.router.openapi import openapi_document
 from server.router.registry import ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream
 from server.router.worker_client import WorkerClient
@@ -96,10 +98,24 @@ def _add_routes(app: FastAPI, ctx: RouterContext) -> None:
         return JSONResponse({"status": "ok" if ok else "unavailable", "workers": detail},
                             status_code=200 if ok else 503)
 
+    document = openapi_document(_version())
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        """The OpenAPI document of the routes above (``server.router.openapi``)."""
+        return JSONResponse(document)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus text exposition of router and worker series."""
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,51 @@
+"""The router's OpenAPI document (``GET /openapi.json``), built from the same pydantic models the
+endpoints validate with, so clients, codegen and the schemathesis fuzz suite see what is enforced.
+
+The generation routes read their bodies themselves (bounded size, OpenAI-shaped 400s), so FastAPI
+cannot infer their schemas; this module states them.
+"""
+from __future__ import annotations
+
+from pydantic.json_schema import models_json_schema
+
+from server.router.openai_schemas import ChatCompletionRequest, CompletionRequest
+
+_ERROR = {"description": "OpenAI-shaped error: {error: {message, type, param, code}}",
+          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _generation(ref: str, summary: str) -> dict:
+    body = {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}
+    ok = {"description": "The completion (JSON), or with stream=true an SSE stream of chunks",
+          "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}}
+    return {"post": {"summary": summary, "requestBody": body,
+                     "responses": {"200": ok, "400": _ERROR, "401": _ERROR, "404": _ERROR, "413": _ERROR,
+                                   "503": _ERROR}}}
+
+
+def _get(summary: str, codes: tuple[str, ...] = ("200",)) -> dict:
+    return {"get": {"summary": summary, "responses": {c: {"description": summary} for c in codes}}}
+
+
+def openapi_document(version: str) -> dict:
+    """The OpenAPI 3.1 document of the public routes (the dashboard is left out)."""
+    refs, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+                                    ref_template="#/components/schemas/{model}")
+    schemas = {**defs.get("$defs", {}), "ErrorResponse": _ERROR_SCHEMA}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pdserve", "version": version},
+        "paths": {
+            "/v1/completions": _generation(refs[(CompletionRequest, "validation")]["$ref"], "Text completion"),
+            "/v1/chat/completions": _generation(refs[(ChatCompletionRequest, "validation")]["$ref"],
+                                                "Chat completion"),
+            "/v1/models": _get("The served model"),
+            "/health": _get("Readiness of every worker", ("200", "503")),
+            "/metrics": _get("Prometheus text exposition"),
+        },
+        "components": {"schemas": schemas},
+    }
