@@ -27,6 +27,7 @@ class PrefillPeer:
     worker_id: str | None = None
     instance: str | None = None
     error: str | None = None
+    foreign: bool = False  # another deployment's (or a non-prefill) worker answers at addr
     last_seen: float = field(default_factory=time.monotonic)
     last_ping: float = 0.0
 
@@ -77,6 +78,10 @@ class PrefillPeers:
             log.log(logging.INFO if msg.ok else logging.ERROR, "prefill worker %s at %s: %s", msg.worker_id,
                     peer.addr, "ready" if msg.ok else msg.error)
         elif isinstance(msg, WorkerStats):
+            if (error := self._foreign(peer, msg)) is not None:
+                peer.state, peer.error, peer.foreign = "failed", error, True
+                return out
+            was_foreign, peer.foreign = peer.foreign, False
             restarted = peer.instance is not None and msg.instance != peer.instance
             peer.instance = msg.instance
             if restarted and not was_dead:  # its requests died with the old process
@@ -85,10 +90,23 @@ class PrefillPeers:
                 self._lost.append(peer)
             if restarted:  # the old process is gone: none of its writes can land any more
                 self._fresh.append(peer)
-            if was_dead or restarted:
+            if was_dead or restarted or was_foreign:
                 log.warning("prefill worker at %s is back; handshaking again", peer.addr)
                 self._handshake(peer, out)
         return out
+
+    def _foreign(self, peer: PrefillPeer, stats: WorkerStats) -> str | None:
+        """Why the worker answering at ``peer.addr`` is not a prefill worker of our cluster, or None.
+        Logged once per peer: requests that depend on it then fail with this error."""
+        mine = self.handshake.cluster_id
+        if stats.role == "prefill" and stats.cluster_id == mine:
+            return None
+        error = (f"the worker at {peer.addr} is {stats.worker_id} ({stats.role}) of cluster {stats.cluster_id!r}, "
+                 f"not a prefill worker of this decode worker's ({self.handshake.worker_id}) cluster {mine!r}: "
+                 f"another deployment's worker took the address (check --base-port / --cluster-id)")
+        if peer.error != error:
+            log.error("%s", error)
+        return error
 
     def restarted(self) -> list[str]:
         """Addresses of peers seen running as a new process since the last call."""
@@ -118,6 +136,8 @@ class PrefillPeers:
         return out, died
 
 
-def make_handshake(worker_id: str, model: str, layout: dict, transport) -> KVHandshake:
-    return KVHandshake(worker_id=worker_id, model=model, layout=layout, transport=transport.backend,
+def make_handshake(worker_id: str, model: str, layout: dict, transport, cluster_id: str = "") -> KVHandshake:
+    """The handshake a decode worker sends each prefill worker it takes KV from."""
+    return KVHandshake(worker_id=worker_id, cluster_id=cluster_id, model=model, layout=layout,
+                       transport=transport.backend,
                        transport_metadata=base64.b64encode(transport.local_metadata()).decode())

@@ -29,11 +29,15 @@ log = logging.getLogger(__name__)
 
 
 class WorkerLoop:
-    def __init__(self, control_addr: str, worker_id: str, model_name: str) -> None:
+    def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
+                 listen_fd: int | None = None) -> None:
+        """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
+        heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us."""
         self.worker_id = worker_id
         self.model_name = model_name
+        self.cluster_id = cluster_id
         self.ctx = zmq.Context.instance()
-        self.io = ControlIO(self.ctx, control_addr)
+        self.io = ControlIO(self.ctx, control_addr, listen_fd=listen_fd)
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
         self.scheduler: WorkerScheduler | None = None
         self.peers: dict[str, zmq.Socket] = {}
@@ -156,13 +160,14 @@ class WorkerLoop:
             self.deliver(out)
 
     def _stats(self, nonce: int) -> WorkerStats:
-        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce)
+        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id)
 
 
-def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0) -> WorkerStats:
+def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0,
+                 cluster_id: str = "") -> WorkerStats:
     """The ``WorkerStats`` a worker answers heartbeats with: identity, capacity, metrics."""
     snap = s.snapshot()
     histograms = {k: HistogramData(**h.as_dict()) for k, h in snap.histograms.items()}
-    return WorkerStats(nonce=nonce, worker_id=worker_id, instance=instance, role=s.role, model=model,
-                       capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
+    return WorkerStats(nonce=nonce, worker_id=worker_id, cluster_id=cluster_id, instance=instance, role=s.role,
+                       model=model, capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
                        counters=snap.counters, gauges=snap.gauges, histograms=histograms)
