@@ -49,6 +49,18 @@ class ClusterConfig(BaseModel):
                                 "long (a late write may still land) unless it reappears as a new process")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
     restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
+    restart_limit: int = Field(
+        5, ge=0, description="launcher: give up on a worker (it stays dead, /health says why) after this many "
+                             "restarts in a row that never got ready")
+    restart_backoff_s: float = Field(
+        1.0, ge=0, description="launcher: wait before restarting a worker; doubles with every restart in a row "
+                               "that never got ready")
+    restart_backoff_max_s: float = Field(60.0, ge=0, description="launcher: longest wait before a restart")
+    cluster_id: str | None = Field(
+        None, description="id every worker and router of one deployment share: a worker reporting another id "
+                          "is never routed to, handshaken or sent KV. Default: a random id per launch that runs "
+                          "the router and all its workers; set the same value on every host of a split "
+                          "deployment (--roles, --worker), which is otherwise unchecked")
     worker_cpus: str = Field("off", description="launcher: cores per worker on this host: off (every worker may "
                              "use every core), auto (split the cores among the workers, spare ones to the "
                              "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")

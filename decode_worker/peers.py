@@ -31,6 +31,7 @@ class PrefillPeer:
     worker_id: str | None = None
     instance: str | None = None
     error: str | None = None
+    foreign: bool = False  # another deployment's (or a non-prefill) worker answers at addr
     last_seen: float = field(default_factory=time.monotonic)    # last sign of life
     progress_at: float = field(default_factory=time.monotonic)  # its scheduler last made progress
 
@@ -95,6 +96,10 @@ class PrefillPeers:
 
     def _on_stats(self, peer: PrefillPeer, msg: WorkerStats) -> Outbox:
         out, was_dead = Outbox(), peer.state == "dead"
+        if (error := self._foreign(peer, msg)) is not None:
+            peer.state, peer.error, peer.foreign = "failed", error, True
+            return out
+        was_foreign, peer.foreign = peer.foreign, False
         restarted = peer.instance is not None and msg.instance != peer.instance
         peer.instance = msg.instance
         if restarted and not was_dead:  # its requests died with the old process
@@ -105,7 +110,7 @@ class PrefillPeers:
             self._fresh.append(peer)
         if was_dead and not restarted and self._stuck_for(peer, time.monotonic()) is not None:
             return out  # alive but still making no progress: stays failed
-        if was_dead or restarted:
+        if was_dead or restarted or was_foreign:
             log.warning("prefill worker at %s is back; handshaking again", peer.addr)
             self._handshake(peer, out)
         return out
@@ -113,6 +118,19 @@ class PrefillPeers:
     def _stuck_for(self, peer: PrefillPeer, now: float) -> float | None:
         stalled = now - peer.progress_at
         return stalled if stalled > self.progress_timeout_s else None
+
+    def _foreign(self, peer: PrefillPeer, stats: WorkerStats) -> str | None:
+        """Why the worker answering at ``peer.addr`` is not a prefill worker of our cluster, or None.
+        Logged once per peer: requests that depend on it then fail with this error."""
+        mine = self.handshake.cluster_id
+        if stats.role == "prefill" and stats.cluster_id == mine:
+            return None
+        error = (f"the worker at {peer.addr} is {stats.worker_id} ({stats.role}) of cluster {stats.cluster_id!r}, "
+                 f"not a prefill worker of this decode worker's ({self.handshake.worker_id}) cluster {mine!r}: "
+                 f"another deployment's worker took the address (check --base-port / --cluster-id)")
+        if peer.error != error:
+            log.error("%s", error)
+        return error
 
     def restarted(self) -> list[str]:
         """Addresses of peers seen running as a new process since the last call."""
@@ -146,6 +164,8 @@ class PrefillPeers:
         return Outbox(), died
 
 
-def make_handshake(worker_id: str, model: str, layout: dict, transport) -> KVHandshake:
-    return KVHandshake(worker_id=worker_id, model=model, layout=layout, transport=transport.backend,
+def make_handshake(worker_id: str, model: str, layout: dict, transport, cluster_id: str = "") -> KVHandshake:
+    """The handshake a decode worker sends each prefill worker it takes KV from."""
+    return KVHandshake(worker_id=worker_id, cluster_id=cluster_id, model=model, layout=layout,
+                       transport=transport.backend,
                        transport_metadata=base64.b64encode(transport.local_metadata()).decode())

@@ -216,7 +216,8 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
     host = None
     if cfg.cluster.host_kv_pool_gb > 0:
         host = HostKVPool.for_device_pool(runner.pool.buffer, int(cfg.cluster.host_kv_pool_gb * 2**30))
-    hs = make_handshake(worker_id, model_name, runner.pool.layout_descriptor(), transport)
+    hs = make_handshake(worker_id, model_name, runner.pool.layout_descriptor(), transport,
+                        cfg.cluster.cluster_id or "")
     peers = PrefillPeers(hs, cfg.cluster.peer_timeout_s, cfg.cluster.progress_timeout_s)
     retract = RetractManager(kv, runner.pool.buffer, host, gather_pages)
     eos = tuple(runner.model_config.eos_token_ids) if eos_token_ids is None else eos_token_ids

@@ -43,8 +43,14 @@ class KVSender:
         self.inflight: list[_InFlight] = []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer") if threaded else None
 
-    def accept_peer(self, conn: Conn, hs: KVHandshake, model: str, layout: dict) -> str | None:
-        """Validate a decode worker's handshake; register its pool. Returns an error or None."""
+    def accept_peer(self, conn: Conn, hs: KVHandshake, model: str, layout: dict, cluster_id: str = "",
+                    worker_id: str = "") -> str | None:
+        """Validate a decode worker's handshake (same cluster, model, KV layout, transport);
+        register its pool. Returns an error or None."""
+        if hs.cluster_id != cluster_id:
+            return (f"cluster mismatch: decode worker {hs.worker_id} belongs to cluster {hs.cluster_id!r}, this "
+                    f"prefill worker {worker_id} to {cluster_id!r}: the decode worker reached another deployment's "
+                    f"worker (check --base-port / --cluster-id)")
         if hs.model != model:
             return f"model mismatch: decode worker serves {hs.model!r}, prefill worker serves {model!r}"
         for key in sorted(set(layout) | set(hs.layout)):

@@ -86,7 +86,8 @@ class PrefillScheduler(WorkerScheduler):
         if isinstance(msg, KVDestination):
             return self._on_destination(source, msg, np.frombuffer(frames[0], dtype="<i4").copy())
         if isinstance(msg, KVHandshake):
-            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.pool.layout_descriptor())
+            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.pool.layout_descriptor(),
+                                            self.cfg.cluster.cluster_id or "", self.worker_id)
             return _reply(source, KVHandshakeAck(ok=error is None, worker_id=self.worker_id, error=error))
         return None
 

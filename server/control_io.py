@@ -25,9 +25,14 @@ log = logging.getLogger(__name__)
 
 
 class ControlIO:
-    def __init__(self, ctx: zmq.Context, control_addr: str, stall_limit_s: float = 120.0) -> None:
+    def __init__(self, ctx: zmq.Context, control_addr: str, stall_limit_s: float = 120.0,
+                 listen_fd: int | None = None) -> None:
+        """Bind ``control_addr``; with ``listen_fd``, serve on that already listening TCP socket
+        instead (the launcher holds the port across worker restarts, see ``server.ports``)."""
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        if listen_fd is not None:
+            self.router.setsockopt(zmq.USE_FD, listen_fd)
         self.router.bind(control_addr)
         name = f"inproc://control-{uuid.uuid4().hex}"
         self._io_end = ctx.socket(zmq.PAIR)

@@ -1,12 +1,17 @@
 """``pdserve launch``: start the worker process(es) and the router, serve until SIGINT/SIGTERM.
 
-Steps: bind the HTTP socket (a busy port fails at once), spawn one process per worker
-(``python -m server.worker_main``), load the tokenizer, start uvicorn with the router app in this
+Steps: bind the HTTP socket and every local worker's control port (a busy port fails at once,
+naming the port and the flag to change; the launcher holds the worker ports for the whole launch,
+see ``server.ports``), spawn one process per worker (``python -m server.worker_main`` serving on
+its inherited port), load the tokenizer, start uvicorn with the router app in this
 process, wait until ``GET /health`` answers 200, then print ``pdserve: serving MODEL at URL`` on
 stdout. A worker that exits during startup makes the launch fail (exit code 1, message on stderr,
 the worker's own log above it). After startup a worker that exits is marked dead at once (its
-requests fail with 503, ``/health`` says why) and, with ``restart_workers``, started again; the
-new process rejoins through heartbeats (a new ``instance`` id) and serves again.
+requests fail with 503, ``/health`` says why) and, with ``restart_workers``, started again after
+an exponential back-off, up to ``restart_limit`` times in a row (``server.supervisor``); the new
+process rejoins through heartbeats (a new ``instance`` id) and serves again. A launch that runs
+the router and all its workers gets a random ``cluster_id`` (unless configured): its router and
+workers refuse any worker of another deployment that answers at one of their addresses.
 
 Children never outlive the launcher: they ignore SIGINT (Ctrl-C in a terminal reaches the whole
 process group; the launcher stops them itself), get SIGTERM from the kernel if the launcher dies
@@ -16,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import logging
 import signal
 import socket
-import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import TextIO
 
@@ -32,16 +36,16 @@ import uvicorn
 import zmq.asyncio
 
 from configs.schema import PdserveConfig
-from server.roles import bind_addr, worker_specs
+from server.roles import WORKER_ROLES, bind_addr, worker_specs
 from server.placement import plan_placement
+from server.ports import PortUnavailable, reserve_worker_ports
 from server.router.registry import WorkerSpec
+from server.supervisor import RestartPolicy, WorkerSupervisor
+from server.worker_procs import ExternalWorkers, WorkerProcesses
 
 __all__ = ["Launcher", "LaunchError", "worker_specs", "worker_argv", "launch_main", "router_main"]
 
 log = logging.getLogger("pdserve.launch")
-
-_PR_SET_PDEATHSIG = 1
-
 
 class LaunchError(RuntimeError):
     """Startup failed; the message says what to fix."""
@@ -52,53 +56,32 @@ def worker_config(cfg: PdserveConfig) -> PdserveConfig:
     return cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": None})})
 
 
+def with_cluster_id(cfg: PdserveConfig, own_workers: bool) -> PdserveConfig:
+    """``cfg`` with the launch's cluster id: the configured one, else a random one when this launch
+    runs the router and all its workers (``own_workers``), else unchecked (empty)."""
+    if cfg.cluster.cluster_id is not None:
+        return cfg
+    cid = uuid.uuid4().hex[:12] if own_workers else ""
+    return cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"cluster_id": cid})})
+
+
+def reserve_ports(specs: list[WorkerSpec], cfg: PdserveConfig) -> dict:
+    """The local workers' listening sockets (``server.ports``); ``LaunchError`` if one is busy."""
+    try:
+        return reserve_worker_ports(specs, cfg)
+    except PortUnavailable as e:
+        raise LaunchError(str(e)) from None
+
+
+def close_ports(ports: dict) -> None:
+    for s in ports.values():
+        s.close()
+
+
 def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
     """Command line of one worker process."""
     return [sys.executable, "-m", "server.worker_main", "--role", spec.role, "--worker-id", spec.worker_id,
             "--control-addr", bind_addr(spec, cfg), "--config-json", worker_config(cfg).model_dump_json()]
-
-
-def _child_setup() -> None:  # runs in the child between fork and exec
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class WorkerProcesses:
-    """The launcher's worker children: start, watch for exits, stop (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, specs: list[WorkerSpec], argv: Callable[[WorkerSpec], list[str]]) -> None:
-        self.argv = argv
-        self.procs = {s.worker_id: (s, subprocess.Popen(argv(s), preexec_fn=_child_setup)) for s in specs}
-        self._reported: set[str] = set()
-
-    def restart(self, spec: WorkerSpec) -> None:
-        """Start a fresh process for a worker whose process exited (it rejoins by heartbeat)."""
-        self.procs[spec.worker_id] = (spec, subprocess.Popen(self.argv(spec), preexec_fn=_child_setup))
-        self._reported.discard(spec.worker_id)
-
-    def new_exits(self) -> list[tuple[WorkerSpec, int]]:
-        """Workers that exited since the last call, with their exit codes."""
-        out = []
-        for wid, (spec, p) in self.procs.items():
-            if wid not in self._reported and p.poll() is not None:
-                self._reported.add(wid)
-                out.append((spec, p.returncode))
-        return out
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every live worker, wait up to ``grace_s``, SIGKILL the rest; reap all."""
-        live = [p for _, p in self.procs.values() if p.poll() is None]
-        for p in live:
-            p.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in live:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("worker pid %d did not stop in %.0fs; killing it", p.pid, grace_s)
-                p.kill()
-                p.wait()
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -140,7 +123,8 @@ class Launcher:
         ``roles``: start only these roles here (see ``server.roles``; without ``router`` no HTTP
         server runs and the launcher only keeps its workers running); ``remote``: workers on other
         hosts that the router routes to besides its own."""
-        self.cfg = cfg
+        self.cfg = with_cluster_id(cfg, own_workers=specs is None and not remote and (
+            roles is None or set(WORKER_ROLES[cfg.cluster.mode]) <= roles))
         self.external_specs = specs
         self.roles = roles
         self.remote = list(remote or [])
@@ -151,22 +135,25 @@ class Launcher:
         self.stop_event: asyncio.Event | None = None
         self.server: _Server | None = None
 
-    def _start_workers(self, local: list[WorkerSpec], pin_router: bool) -> WorkerProcesses:
-        """Start this host's workers, each on its own cores (``cluster.worker_cpus``; the plan is
-        logged) and, with ``pin_router``, this process on the cores left over."""
+    def _start_workers(self, local: list[WorkerSpec], pin_router: bool, ports: dict) -> WorkerProcesses:
+        """Start this host's workers on their held ``ports`` (listening sockets by worker id), each
+        on its own cores (``cluster.worker_cpus``; the plan is logged) and, with ``pin_router``, this
+        process on the cores left over."""
         try:
             plan = plan_placement([s.worker_id for s in local], self.cfg.cluster.worker_cpus)
         except ValueError as e:
             raise LaunchError(str(e)) from None
+        fds = {wid: s.fileno() for wid, s in ports.items()}
         log.info("%s", plan.describe())
         if pin_router and plan.router:
             os.sched_setaffinity(0, plan.router)
 
         def argv(spec: WorkerSpec) -> list[str]:
             cpus = plan.workers.get(spec.worker_id)
-            return self.argv(spec, self.cfg) + (["--cpus", "+".join(map(str, cpus))] if cpus else [])
+            return (self.argv(spec, self.cfg) + ["--listen-fd", str(fds[spec.worker_id])]
+                    + (["--cpus", "+".join(map(str, cpus))] if cpus else []))
 
-        return WorkerProcesses(local, argv)
+        return WorkerProcesses(local, argv, fds)
 
     def request_stop(self, force: bool = False) -> None:
         """Begin a clean shutdown; ``force`` makes uvicorn drop open connections at once."""
@@ -210,7 +197,12 @@ class Launcher:
         if not specs:
             raise LaunchError("no worker to route to: --roles starts none here and no --worker was given")
         sock = bind_http_socket(srv.host, srv.port)
-        procs = self._start_workers(local, pin_router=True) if local else ExternalWorkers()
+        try:
+            ports = reserve_ports(local, self.cfg)
+        except LaunchError:
+            sock.close()
+            raise
+        procs = self._start_workers(local, pin_router=True, ports=ports) if local else ExternalWorkers()
         zctx = zmq.asyncio.Context()
         serve_task = None
         try:
@@ -235,6 +227,7 @@ class Launcher:
             await self._stop_server(serve_task)
             await asyncio.to_thread(procs.stop)
             sock.close()
+            close_ports(ports)
             zctx.destroy(linger=0)
 
     async def _wait_ready(self, url: str, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> bool:
@@ -264,15 +257,11 @@ class Launcher:
 
     async def _supervise(self, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> None:
         """Until stopped: a worker whose process exited is marked dead (its requests fail with 503)
-        and, with ``restart_workers``, started again; it serves again once it answers heartbeats."""
-        restart = self.cfg.cluster.restart_workers
+        and restarted by ``server.supervisor`` (back-off, then giving up with the reason in
+        ``/health``); it serves again once it answers heartbeats."""
+        supervisor = WorkerSupervisor(procs, RestartPolicy.from_config(self.cfg.cluster), registry)
         while not self.stop_event.is_set() and not serve_task.done():
-            for spec, rc in procs.new_exits():
-                registry.mark_dead(spec.worker_id, f"worker process exited with code {rc}", permanent=not restart)
-                if restart:
-                    log.warning("restarting worker %s (%s)", spec.worker_id, spec.role)
-                    procs.restart(spec)
-                    registry.mark_restarting(spec.worker_id, f"restarting: the previous process exited with code {rc}")
+            supervisor.tick()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop_event.wait(), 0.5)
 
@@ -283,7 +272,8 @@ class Launcher:
 
         if not local:
             raise LaunchError("--roles names no worker role of this cluster mode; nothing to start")
-        procs = self._start_workers(local, pin_router=False)
+        ports = reserve_ports(local, self.cfg)
+        procs = self._start_workers(local, pin_router=False, ports=ports)
         try:
             deadline = time.monotonic() + self.startup_timeout_s
             pending = list(local)
@@ -307,14 +297,24 @@ class Launcher:
             return 0
         finally:
             await asyncio.to_thread(procs.stop)
+            close_ports(ports)
 
     async def _supervise_workers(self, procs: WorkerProcesses) -> None:
+        """Restart exited workers as :meth:`_supervise` does; with no ``/health`` here to report it,
+        giving up on one ends the launch (exit code 1, the reason on stderr)."""
+        from server.probe import ProbeError, local as local_addr, probe_worker
+
+        def ready(spec: WorkerSpec) -> bool:
+            try:
+                probe_worker(local_addr(bind_addr(spec, self.cfg)), 0.5)
+                return True
+            except ProbeError:
+                return False
+
+        supervisor = WorkerSupervisor(procs, RestartPolicy.from_config(self.cfg.cluster), is_ready=ready)
         while not self.stop_event.is_set():
-            for spec, rc in procs.new_exits():
-                if not self.cfg.cluster.restart_workers:
-                    raise LaunchError(f"worker {spec.worker_id} exited with code {rc}")
-                log.warning("worker %s exited with code %d; restarting it", spec.worker_id, rc)
-                procs.restart(spec)
+            for wid in supervisor.tick():
+                raise LaunchError(f"worker {wid}: {supervisor.given_up[wid]}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop_event.wait(), 0.5)
 
@@ -326,19 +326,6 @@ class Launcher:
             await asyncio.wait_for(serve_task, 15)
         except (TimeoutError, SystemExit, Exception) as e:  # noqa: BLE001 - shutting down regardless
             log.warning("HTTP server shutdown: %r", e)
-
-
-class ExternalWorkers:
-    """Workers this process did not start (``pdserve router``): nothing to watch, restart or stop."""
-
-    def new_exits(self) -> list[tuple[WorkerSpec, int]]:
-        return []
-
-    def restart(self, spec: WorkerSpec) -> None:  # pragma: no cover - never called without exits
-        raise AssertionError("external workers are not restarted by the router")
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        pass
 
 
 def router_main(cfg: PdserveConfig, specs: list[WorkerSpec]) -> int:

@@ -36,13 +36,17 @@ log = logging.getLogger(__name__)
 
 
 class WorkerLoop:
-    def __init__(self, control_addr: str, worker_id: str, model_name: str, heartbeat_s: float = 1.0,
-                 progress_timeout_s: float = 120.0, step_delay_s: float = 0.0) -> None:
-        """``step_delay_s`` (testing): sleep after every step that had work, like a slow machine."""
+    def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
+                 listen_fd: int | None = None, heartbeat_s: float = 1.0, progress_timeout_s: float = 120.0,
+                 step_delay_s: float = 0.0) -> None:
+        """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
+        heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
+        ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine."""
         self.worker_id = worker_id
         self.model_name = model_name
+        self.cluster_id = cluster_id
         self.ctx = zmq.Context.instance()
-        self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s)
+        self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s, listen_fd=listen_fd)
         self.pinger = PeerPinger(self.ctx, heartbeat_s)
         self.step_delay_s = step_delay_s
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
@@ -175,13 +179,14 @@ class WorkerLoop:
             self.deliver(out)
 
     def _stats(self, nonce: int) -> WorkerStats:
-        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce)
+        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id)
 
 
-def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0) -> WorkerStats:
+def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0,
+                 cluster_id: str = "") -> WorkerStats:
     """The ``WorkerStats`` a worker answers heartbeats with: identity, capacity, metrics."""
     snap = s.snapshot()
     histograms = {k: HistogramData(**h.as_dict()) for k, h in snap.histograms.items()}
-    return WorkerStats(nonce=nonce, worker_id=worker_id, instance=instance, role=s.role, model=model,
-                       capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
+    return WorkerStats(nonce=nonce, worker_id=worker_id, cluster_id=cluster_id, instance=instance, role=s.role,
+                       model=model, capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
                        counters=snap.counters, gauges=snap.gauges, histograms=histograms)

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-json", required=True)
     p.add_argument("--cpus", type=parse_cpu_list, default=(),
                    help="pin this worker to these cores, torch with one thread each (e.g. 0-1 or 0+2)")
+    p.add_argument("--listen-fd", type=int, default=None,
+                   help="serve --control-addr on this inherited, already listening socket (the launcher's)")
     args = p.parse_args(argv)
     apply_cpus(args.cpus)
     cfg = PdserveConfig.model_validate_json(args.config_json)
@@ -69,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     runner, path = load_runner(cfg)
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
-    WorkerLoop(args.control_addr, args.worker_id, name, heartbeat_s=cfg.server.health_interval_s,
-               progress_timeout_s=cfg.cluster.progress_timeout_s,
+    WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
+               heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
                step_delay_s=cfg.scheduler.test_step_delay_s).run(scheduler)
     return 0
 

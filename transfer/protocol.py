@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: cluster_id in KVHandshake and WorkerStats
 
 
 class ProtocolError(ValueError):
@@ -61,9 +61,11 @@ class PrefillRequest(Message):
 
 
 class KVHandshake(Message):
-    """Decode -> prefill before the first transfer: who I am, my KV layout, my transport endpoint."""
+    """Decode -> prefill before the first transfer: who I am, my KV layout, my transport endpoint.
+    ``cluster_id``: the deployment the decode worker belongs to; the prefill side refuses another."""
 
     worker_id: str
+    cluster_id: str = ""
     model: str
     layout: dict
     transport: str
@@ -212,10 +214,12 @@ class HistogramData(BaseModel):
 
 
 class WorkerStats(Message):
-    """Worker identity, capacity and counters (``counters``: cumulative, ``gauges``: current)."""
+    """Worker identity, capacity and counters (``counters``: cumulative, ``gauges``: current).
+    ``cluster_id``: the deployment the worker belongs to (routers and peers refuse another)."""
 
     nonce: int = 0
     worker_id: str
+    cluster_id: str = ""
     instance: str = ""  # random per process start: a new value means the worker restarted
     role: str
     model: str

@@ -54,7 +54,7 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     table = InflightTable()
     registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
                         interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
-                        model_name=model_name)
+                        model_name=model_name, cluster_id=cfg.cluster.cluster_id or "")
     metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table))
     return RouterContext(cfg, tokenizer, model_name, registry, table, metrics)
 

@@ -140,10 +140,13 @@ class Registry:
 
     def __init__(self, specs: list[WorkerSpec], client_factory: Callable[..., Any], table: InflightTable, *,
                  policy: Policy = route_colocated, interval_s: float = 1.0, timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, model_name: str | None = None) -> None:
-        """``client_factory(spec, on_tokens, on_stats)`` builds each worker's client. With
-        ``model_name``, a worker reporting another model is never routed to (``/health`` says why)."""
+                 clock: Callable[[], float] = time.monotonic, model_name: str | None = None,
+                 cluster_id: str | None = None) -> None:
+        """``client_factory(spec, on_tokens, on_stats)`` builds each worker's client. A worker
+        reporting another role than its spec's, another model than ``model_name`` or another cluster
+        than ``cluster_id`` (each checked when given) is never routed to (``/health`` says why)."""
         self.model_name = model_name
+        self.cluster_id = cluster_id
         if not specs:
             raise ValueError("a registry needs at least one worker")
         self.table = table
@@ -215,12 +218,26 @@ class Registry:
             h.instance, h.up_since = stats.instance, h.last_seen
         if h.permanent:
             return
-        if self.model_name is not None and stats.model != self.model_name:
-            h.state, h.reason = STARTING, f"serves model {stats.model!r} but the router serves {self.model_name!r}"
+        if (mismatch := self._mismatch(h, stats)) is not None:
+            if h.reason != mismatch:
+                log.error("worker %s at %s: %s", worker_id, h.spec.addr, mismatch)
+            h.state, h.reason = STARTING, mismatch
             return
         if h.state != READY:
             log.info("worker %s is ready (%s, capacity %d tokens)", worker_id, stats.model, stats.capacity_tokens)
             h.state, h.reason = READY, ""
+
+    def _mismatch(self, h: WorkerHandle, stats: WorkerStats) -> str | None:
+        """Why the process answering at ``h``'s address is not the worker the router expects, or None."""
+        if self.cluster_id is not None and stats.cluster_id != self.cluster_id:
+            return (f"the process at {h.spec.addr} is worker {stats.worker_id} ({stats.role}) of cluster "
+                    f"{stats.cluster_id!r}, but this router's cluster is {self.cluster_id!r}: another deployment's "
+                    f"worker took the address (check --base-port / --cluster-id)")
+        if stats.role != h.spec.role:
+            return f"answers as a {stats.role} worker ({stats.worker_id}), expected {h.spec.role}"
+        if self.model_name is not None and stats.model != self.model_name:
+            return f"serves model {stats.model!r} but the router serves {self.model_name!r}"
+        return None
 
     def on_tokens(self, worker_id: str, delta: TokenDelta) -> None:
         """A token delta arrived: a sign of life, forwarded to the request's queue."""

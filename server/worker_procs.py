@@ -1,0 +1,84 @@
+"""The launcher's worker child processes: start (with their inherited listening socket), watch
+for exits, restart, stop. Children ignore SIGINT (the launcher stops them itself) and get SIGTERM
+from the kernel if the launcher dies (``PR_SET_PDEATHSIG``).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+
+from server.router.registry import WorkerSpec
+
+__all__ = ["WorkerProcesses", "ExternalWorkers"]
+
+log = logging.getLogger("pdserve.launch")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class WorkerProcesses:
+    """The launcher's worker children: start, watch for exits, stop (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, specs: list[WorkerSpec], argv: Callable[[WorkerSpec], list[str]],
+                 fds: dict[str, int] | None = None) -> None:
+        """``fds``: per worker id, a file descriptor its process inherits (its listening socket)."""
+        self.argv = argv
+        self.fds = dict(fds or {})
+        self.procs = {s.worker_id: (s, self._popen(s)) for s in specs}
+        self._reported: set[str] = set()
+
+    def _popen(self, spec: WorkerSpec) -> subprocess.Popen:
+        fd = self.fds.get(spec.worker_id)
+        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=() if fd is None else (fd,))
+
+    def restart(self, spec: WorkerSpec) -> None:
+        """Start a fresh process for a worker whose process exited (it rejoins by heartbeat)."""
+        self.procs[spec.worker_id] = (spec, self._popen(spec))
+        self._reported.discard(spec.worker_id)
+
+    def new_exits(self) -> list[tuple[WorkerSpec, int]]:
+        """Workers that exited since the last call, with their exit codes."""
+        out = []
+        for wid, (spec, p) in self.procs.items():
+            if wid not in self._reported and p.poll() is not None:
+                self._reported.add(wid)
+                out.append((spec, p.returncode))
+        return out
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every live worker, wait up to ``grace_s``, SIGKILL the rest; reap all."""
+        live = [p for _, p in self.procs.values() if p.poll() is None]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d did not stop in %.0fs; killing it", p.pid, grace_s)
+                p.kill()
+                p.wait()
+
+
+class ExternalWorkers:
+    """Workers this process did not start (``pdserve router``): nothing to watch, restart or stop."""
+
+    def new_exits(self) -> list[tuple[WorkerSpec, int]]:
+        return []
+
+    def restart(self, spec: WorkerSpec) -> None:  # pragma: no cover - never called without exits
+        raise AssertionError("external workers are not restarted by the router")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        pass
