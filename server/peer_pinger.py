@@ -63,6 +63,9 @@ class PeerPinger:
                     for sock in socks:
                         self._ping(sock)
                 timeout_ms = max(1, min(100, round((next_ping - time.monotonic()) * 1000)))
+                if not socks:  # pyzmq returns at once from an empty poll: without this the thread spins
+                    self._stop.wait(timeout_ms / 1000)
+                    continue
                 for sock, _ in poller.poll(timeout_ms):
                     self._receive(socks[sock], sock.recv_multipart())
         finally:

@@ -121,3 +121,18 @@ def test_sigstopped_prefill_worker_is_dead_not_stuck(tiny_folder):
     finally:
         os.kill(pair.procs["p0"].pid, signal.SIGCONT)
         pair.close()
+
+
+def test_pinger_without_peers_sleeps_instead_of_spinning(monkeypatch):
+    # colocated and prefill workers have no peers: an empty zmq poll returns at once, so a loop
+    # around it alone spun a core and starved the scheduler thread (decode 7x slower)
+
+
+    turns = []
+    real = PeerPinger._connect_new
+    monkeypatch.setattr(PeerPinger, "_connect_new", lambda self, *a: turns.append(1) or real(self, *a))
+    pinger = PeerPinger(zmq.Context.instance(), interval_s=0.5)
+    pinger.start()
+    time.sleep(0.5)
+    pinger.close()
+    assert 1 <= len(turns) < 50  # ~5 turns of 100 ms; a spinning loop makes hundreds of thousands
