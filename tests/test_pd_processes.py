@@ -136,6 +136,9 @@ def wait_idle(pair: PDPair, wid: str, timeout=10) -> WorkerStats:
 
 # no ignore_eos: admission reserves only max_new_tokens * new_token_ratio, so it overcommits
 PRESSURE = SamplingParams(max_new_tokens=16, temperature=0)
+# a slow decode step lets all four transfers land (and be admitted) before the first request grows:
+# without it a quick decode finishes early requests first and the pool may never run short
+SLOW_DECODE = {"test_step_delay_s": 0.1}
 
 
 def run_pressure_workload(pair: PDPair, tiny) -> list[list[int]]:
@@ -149,15 +152,12 @@ def run_pressure_workload(pair: PDPair, tiny) -> list[list[int]]:
 
 
 BACKENDS = pytest.mark.parametrize("backend", ["nixl", "ucxx"])
-UCXX_PRESSURE = ("issue 15, open: over ucxx the decode side moves a transfer's pages only inside its own polls, "
-                 "so this pressure workload may end without retractions or in the last-request OOM abort")
 
 
 @BACKENDS
-def test_pd_processes_offload_and_resume(request, tiny, tiny_folder, backend):
-    if backend == "ucxx":
-        request.applymarker(pytest.mark.xfail(reason=UCXX_PRESSURE, strict=False))
-    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1, backend=backend)
+def test_pd_processes_offload_and_resume(tiny, tiny_folder, backend):
+    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1, backend=backend,
+                  decode_sched=SLOW_DECODE)
     try:
         ps = run_pressure_workload(pair, tiny)
         params = PRESSURE
@@ -187,7 +187,8 @@ def test_pd_processes_offload_and_resume(request, tiny, tiny_folder, backend):
 
 @BACKENDS
 def test_pd_processes_recompute_fallback(tiny, tiny_folder, backend):
-    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1, backend=backend)
+    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1, backend=backend,
+                  decode_sched=SLOW_DECODE)
     try:
         run_pressure_workload(pair, tiny)
         d = wait_idle(pair, "d0")
