@@ -122,8 +122,10 @@ def test_pd_logit_bias_reaches_prefill_and_decode(client, model):
 
 
 def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url):
-    # issue 13: the counter stayed 0 in PD although the decode radix cache matched the prefix
-    base = SHARED + QUESTIONS[1]
+    # issue 13: the counter stayed 0 in PD although the decode radix cache matched the prefix. Its
+    # own prefix: SHARED in the caches would take the pressure off the 32-request test below
+    base = ("A lighthouse keeper on a remote island kept a journal of every ship that passed, every storm "
+            "that broke against the rocks and every letter the supply boat brought. One winter")
     complete(client, model, base, max_tokens=4)
     before = idle(url)
     r = client.completions.create(model=model, prompt=base + " Answer in one word.", max_tokens=4, temperature=0)
