@@ -45,6 +45,15 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     @rule(target=requests, tokens=TOKENS, extra=st.integers(0, 4))
     def admit(self, tokens, extra):
+        return self._admit(tokens, extra)
+
+    @rule(target=requests, r=requests)
+    def admit_the_same_prompt_again(self, r):
+        # the same prompt while the first copy still runs: both own their pages, and the second to
+        # finish brings duplicates of cached pages that must go back to the allocator
+        return self._admit(list(r.tokens), 0) if r in self.live else None
+
+    def _admit(self, tokens, extra):
         got = self.kv.reserve_prompt(tokens, len(tokens), extra, budget=NUM_PAGES)
         if got is None:
             return None
