@@ -23,6 +23,11 @@ class EngineConfig(BaseModel):
     kv_pool_tokens: int | None = Field(None, ge=1, description="KV pool capacity in tokens")
     kv_pool_fraction: float | None = Field(
         None, gt=0, le=0.95, description="fraction of free memory for KV; default 0.8 on CUDA, 0.05 on CPU")
+    swa_pool_tokens: int | None = Field(
+        None, ge=0, description="sliding-window models: SWA KV pool capacity in tokens (a multiple of "
+        "--page-size; 0 = every layer in the full pool); default: --swa-pool-ratio x the full pool")
+    swa_pool_ratio: float = Field(0.5, gt=0, le=8, description="SWA pool tokens per full-pool token "
+                                  "when --swa-pool-tokens is not given")
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     seed: int = Field(0, description="seed of the global sampling RNG")

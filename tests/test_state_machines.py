@@ -14,6 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from cache.host_pool import HostKV, HostKVPool
 from cache.kv_manager import KVManager
 from cache.page_allocator import PageAllocator
+from cache.page_count import PageCount
 
 PAGE = 4
 NUM_PAGES = 24
@@ -54,14 +55,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         return self._admit(list(r.tokens), 0) if r in self.live else None
 
     def _admit(self, tokens, extra):
-        got = self.kv.reserve_prompt(tokens, len(tokens), extra, budget=NUM_PAGES)
+        got = self.kv.reserve_prompt(tokens, len(tokens), PageCount(extra), budget=PageCount(NUM_PAGES))
         if got is None:
             return None
         handle, charged = got
         assert handle.cached_tokens % PAGE == 0 and handle.cached_tokens < len(tokens)
         for i, p in enumerate(handle.pages[: handle.cached_tokens // PAGE]):
             assert self.shadow[p] == tuple(tokens[i * PAGE:(i + 1) * PAGE]), "the cache gave a page of other tokens"
-        assert charged == self.kv.pages_for(len(tokens)) - handle.cached_tokens // PAGE + extra
+        assert charged == PageCount(self.kv.pages_for(len(tokens)) - handle.cached_tokens // PAGE + extra)
         r = Live(handle, list(tokens))
         self._write(r, handle.cached_tokens)
         self.live.append(r)

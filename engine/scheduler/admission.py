@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cache.kv_manager import KVManager
+from cache.page_count import PageCount
 from configs.scheduler import SchedulerConfig
 from engine.request import Phase, Request
 from engine.scheduler.stats import SchedulerStats
@@ -37,16 +38,20 @@ def reserved_tokens(req: Request, ratio: float) -> int:
     return math.ceil(req.remaining_new_tokens() * r)
 
 
-def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: float) -> int:
+def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: float) -> PageCount:
     """Pages the admitted requests may still take: up to ``seq_len + reserved_tokens`` each."""
-    return sum(max(0, kv.pages_for(r.seq_len + reserved_tokens(r, ratio)) - len(r.kv.pages)) for r in running)
+    total = PageCount()
+    for r in running:
+        total += kv.decode_growth(r.kv, r.seq_len, reserved_tokens(r, ratio))
+    return total
 
 
-def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra_pages: int, budget: int) -> int | None:
-    """Give ``req`` its cached prefix plus pages for ``n_tokens`` of ``all_ids`` if they (and
-    ``extra_pages``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len`` (the cached tokens).
-    Returns the pages charged, or None with ``req`` untouched."""
-    got = kv.reserve_prompt(req.all_ids, n_tokens, extra_pages, budget)
+def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra: PageCount, budget: PageCount,
+                 swa_from: int = 0) -> PageCount | None:
+    """Give ``req`` its cached prefix plus pages for ``n_tokens`` of ``all_ids`` (SWA pages from
+    ``swa_from``) if they (and ``extra``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len``
+    (the cached tokens). Returns the pages charged, or None with ``req`` untouched."""
+    got = kv.reserve_prompt(req.all_ids, n_tokens, extra, budget, swa_from)
     if got is None:
         return None
     req.kv, charged = got
@@ -76,7 +81,7 @@ class Admission:
             req, self.chunked = self.chunked, None
             items.append(self._chunk(req, budget))
             budget -= items[-1].length
-        free_pages = self.kv.available_pages()
+        free_pages = self.kv.available()
         if self.reserve_decode:
             free_pages -= running_reservation_pages(self.kv, running, ratio)
         while waiting and budget > 0 and self.chunked is None:
@@ -96,12 +101,11 @@ class Admission:
             budget -= items[-1].length
         return items
 
-    def _reservation_pages(self, req: Request, ratio: float) -> int:
+    def _reservation_pages(self, req: Request, ratio: float) -> PageCount:
         """Pages beyond the prompt's that the request's future decode tokens are expected to take."""
         if not self.reserve_decode:
-            return 0
-        total = req.seq_len + reserved_tokens(req, ratio)
-        return max(0, self.kv.pages_for(total) - self.kv.pages_for(req.seq_len))
+            return PageCount()
+        return self.kv.prompt_growth(req.seq_len, reserved_tokens(req, ratio))
 
     def _chunk(self, req: Request, budget: int) -> ExtendItem:
         length = min(req.seq_len - req.kv_len, max(budget, 1))

@@ -1,0 +1,139 @@
+"""Sliding-window hybrids with a separate SWA pool (issue 11): colocated engine against
+transformers' Ministral on the same weights, pool invariants per pool, window release, retract.
+
+Tiny random models (4 layers, sliding/full alternating, window 8, page 4) so prompts of 40+
+tokens really drop SWA pages; logprobs are compared, not only greedy tokens (an off-by-one
+window often keeps the argmax)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.conftest import engine_cfg, sched_cfg, tiny_config, tiny_weights
+
+WINDOW, PAGE = 8, 4
+TYPES = ("sliding_attention", "full_attention") * 2
+
+
+@pytest.fixture(scope="module")
+def swa_model():
+    from transformers import MinistralConfig, MinistralForCausalLM
+
+    cfg = tiny_config(num_layers=4, arch="mistral", sliding_window=WINDOW, layer_types=TYPES)
+    weights = tiny_weights(cfg, seed=3)
+    hf_cfg = MinistralConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                             intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                             head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+                             max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+                             sliding_window=WINDOW, layer_types=list(TYPES), bos_token_id=0, eos_token_id=96)
+    hf = MinistralForCausalLM(hf_cfg).eval()
+    hf.load_state_dict(weights, strict=True)
+    return cfg, weights, hf
+
+
+def hf_reference(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs by a full recompute each step."""
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+            ids.append(int(logp.argmax()))
+            lps.append(float(logp.max()))
+    return ids[len(prompt):], lps
+
+
+def prompts(n: int, length: int, shared: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(1, 90, (shared,), generator=g).tolist()
+    return [head + torch.randint(1, 90, (length - shared,), generator=g).tolist() for _ in range(n)]
+
+
+def make_llm(swa_model, **sched) -> LLM:
+    cfg, weights, _ = swa_model
+    eng = engine_cfg(page_size=PAGE, kv_pool_tokens=sched.pop("pool", 1024), swa_pool_tokens=sched.pop("swa", 256))
+    return LLM(eng, sched_cfg(**sched), loaded=(cfg, weights, _NoTokenizer()))
+
+
+class _NoTokenizer:
+    eos_token_ids = (96,)
+
+    def decode(self, ids):
+        return ""
+
+
+def check_outputs(llm: LLM, hf, batch: list[list[int]], n: int) -> None:
+    params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    results = llm.generate_ids(batch, params)
+    for p, r in zip(batch, results):
+        want, want_lp = hf_reference(hf, p, n)
+        assert r.error is None, r.error
+        assert r.token_ids == want
+        assert max(abs(a - b) for a, b in zip(r.logprobs, want_lp)) < 1e-4
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.kv.usage([]).used == 0 and llm.scheduler.kv.swa_usage([]).used == 0
+
+
+def test_swa_pool_is_separate_and_smaller(swa_model):
+    llm = make_llm(swa_model)
+    pools = llm.runner.pools
+    assert pools.swa is not None and pools.swa.num_layers == 2 and pools.full.num_layers == 2
+    assert pools.swa.num_pages == 256 // PAGE and pools.full.num_pages == 1024 // PAGE
+    assert [p for p, _ in pools.layer_pool] == ["swa", "full", "swa", "full"]
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_colocated_swa_matches_transformers(swa_model, radix):
+    llm = make_llm(swa_model, enable_radix_cache=radix)
+    batch = prompts(3, 41, shared=24)
+    check_outputs(llm, swa_model[2], batch, 12)
+    assert llm.scheduler.kv.swa_pages_released > 0  # the window really dropped pages
+    # the same prompts again: with the radix cache they reuse the full KV of the shared prefix
+    check_outputs(llm, swa_model[2], batch, 6)
+
+
+def test_every_layer_in_the_full_pool_matches_too(swa_model):
+    llm = make_llm(swa_model, swa=0)
+    assert llm.runner.pools.swa is None and llm.scheduler.kv.swa_usage([]) is None
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    p = prompts(1, 37)[0]
+    assert llm.generate_ids([p], params)[0].token_ids == hf_reference(swa_model[2], p, 10)[0]
+
+
+def test_swa_pool_holds_only_the_window_while_decoding(swa_model):
+    """A decoding request keeps at most ``max_pages`` SWA pages though its full KV grows."""
+    llm = make_llm(swa_model)
+    kv = llm.scheduler.kv
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    sched = llm.scheduler
+    from transfer.protocol import GenerateRequest
+
+    sched.add(b"", GenerateRequest(rid="r", params=params), prompts(1, 45)[0])
+    peak = 0
+    while sched.has_work:
+        sched.step()
+        live = sched.live_handles()
+        if live:
+            peak = max(peak, kv.swa_usage(live).used)
+            assert kv.usage(live).used >= (45 + 1) // PAGE
+        sched.check_integrity()
+    assert 0 < peak <= kv.window.max_pages() + 45 // PAGE  # prefill holds the prompt, then the window
+    assert kv.swa_usage([]).used == 0
+
+
+def test_forced_retract_recompute_with_swa(swa_model):
+    llm = make_llm(swa_model, retract_test_interval=3)
+    check_outputs(llm, swa_model[2], prompts(3, 30), 10)
+    assert llm.scheduler.stats.retractions > 0
+
+
+def test_small_swa_pool_limits_admission_and_stays_exact(swa_model):
+    """An SWA pool of 12 pages for four 20-token prompts (5 SWA pages each at prefill): admission
+    counts the SWA pool apart from the roomy full pool, so they run in turns, all exact."""
+    llm = make_llm(swa_model, swa=48, pool=2048, enable_radix_cache=False)
+    check_outputs(llm, swa_model[2], prompts(4, 20), 16)
+    assert llm.scheduler.stats.extend_steps >= 2
+    u = llm.scheduler.kv.swa_usage([])
+    assert (u.free, u.cached, llm.scheduler.kv.usage([]).free) == (48 // PAGE, 0, 2048 // PAGE)
