@@ -71,6 +71,27 @@ def load_for_engine(path: str | Path, engine) -> tuple[ModelConfig, Tensors]:
     return config, tensors
 
 
+def read_model_config(path: str | Path, overrides: SlidingOverrides | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` :func:`load_model_weights` would return, without reading weights
+    (config.json + safetensors headers, or GGUF metadata). Same errors."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if not path.is_dir():
+        return _gguf_config(open_gguf(path), path, overrides)
+    cfg, files = _hf_folder_files(path)
+    sliding = _hf_sliding(cfg, overrides)
+    return _hf_config(path, cfg, {key for _, key in _iter_safetensors(files)}, sliding)
+
+
+def check_startup(path: str | Path, engine) -> ModelConfig:
+    """Start-up check of ``engine`` (an ``EngineConfig``) against the model at ``path``, reading no
+    weights: the launcher runs it before it starts workers. ``ValueError`` names the flag to change."""
+    config = read_model_config(path, SlidingOverrides(engine.sliding_window, engine.layer_types))
+    validate_startup(config, engine)
+    return config
+
+
 def validate_startup(config: ModelConfig, engine) -> None:
     """Refuse model/engine combinations pdserve cannot run, naming the flag to change
     (``ValueError``): a sliding window larger than the context (``--sliding-window`` /
@@ -346,15 +367,22 @@ def _load_safetensors(files: list[Path]) -> Tensors:
     return tensors
 
 
-def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
-    """Read config.json and all ``*.safetensors`` shards of a HF model folder."""
+def _hf_folder_files(folder: Path) -> tuple[dict, list[Path]]:
+    """(config.json dict, safetensors shards) of a HF folder; FileNotFoundError naming what is missing."""
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"HF model folder has no config.json: {cfg_path}")
     cfg = _read_json(cfg_path)
-    sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
     files = sorted(folder.glob("*.safetensors"))
     if not files:
+        _hf_arch(cfg)  # an unsupported architecture is the better message
         raise FileNotFoundError(f"no *.safetensors files in HF model folder: {folder}")
+    return cfg, files
+
+
+def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
+    """Read config.json and all ``*.safetensors`` shards of a HF model folder."""
+    cfg, files = _hf_folder_files(folder)
+    sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
     tensors = _load_safetensors(files)
     return _hf_config(folder, cfg, set(tensors), sliding), tensors

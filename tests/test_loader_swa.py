@@ -345,3 +345,29 @@ def test_gguf_sliding_window_metadata(tmp_path, window, pattern, expected):
     assert cfg.sliding_window == (window if S in expected else None)
     cfg, _ = load_model_weights(path, SlidingOverrides(sliding_window=5, layer_types="alternate"))
     assert (cfg.layer_types, cfg.sliding_window) == ((S, F, S, F), 5)
+
+
+def test_check_startup_reads_no_weights_and_agrees_with_the_load(tmp_path):
+    from engine.loader import check_startup, read_model_config
+
+    build_folder("qwen3", tmp_path)
+    engine = EngineConfig(sliding_window=6, layer_types="alternate")
+    assert check_startup(tmp_path, engine) == load_for_engine(tmp_path, engine)[0]
+    assert read_model_config(tmp_path) == load_model_weights(tmp_path)[0]
+    with pytest.raises(ValueError, match="--sliding-window"):
+        check_startup(tmp_path, EngineConfig(sliding_window=300))
+
+
+def test_cli_refuses_a_bad_window_before_starting_workers(tmp_path, capsys):
+    from server.cli import main
+
+    build_folder("ministral", tmp_path)
+    rc = main(["launch", "--mode", "colocated", "--model", str(tmp_path), "--sliding-window", "300", "--port", "0"])
+    assert rc == 2
+    assert "sliding window 300 is larger than the context length 256" in capsys.readouterr().err
+    rc = main(["generate", "--model", str(tmp_path), "--prompt", "t3 t4", "--max-tokens", "2", "--max-model-len", "4"])
+    assert rc == 2
+    assert "raise --max-model-len to at least 8" in capsys.readouterr().err
+    rc = main(["generate", "--model", str(tmp_path), "--prompt", "t3 t4", "--max-tokens", "2", "--layer-types", "full"])
+    assert rc == 2
+    assert "--layer-types lists 1 layers but the model has 3" in capsys.readouterr().err
