@@ -3,14 +3,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from configs.sliding_window import check_layer_types_syntax
 
 
 class EngineConfig(BaseModel):
     """How to load the model and size its paged KV pool.
 
     ``kv_pool_tokens`` wins over ``kv_pool_fraction`` when both are given; the fraction is of the
-    device memory that is free after the weights are loaded.
+    device memory that is free after the weights are loaded. ``sliding_window`` / ``layer_types``
+    override the checkpoint's (``engine.swa_config.apply_overrides``); ``layer_types`` is stored
+    normalized ("alternate" or "kind,kind,...") and its length is checked once the model is loaded.
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -31,3 +35,18 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     seed: int = Field(0, description="seed of the global sampling RNG")
+    sliding_window: int | None = Field(
+        None, ge=1, description="experiments: override the model's sliding window W (a sliding layer's query at "
+                                "position i sees keys i-W+1..i, as in transformers); on a model without sliding "
+                                "layers, and without --layer-types, every layer slides")
+    layer_types: str | None = Field(
+        None, description="experiments: override which layers slide: 'alternate' (layer 0 sliding, 1 full, ...) "
+                          "or one kind per layer, comma-separated: sliding,full,... (needs a window: the "
+                          "model's or --sliding-window)")
+
+    @field_validator("layer_types", mode="before")
+    @classmethod
+    def _layer_types_syntax(cls, v):
+        if isinstance(v, (list, tuple)):  # a YAML/TOML list
+            v = ",".join(str(x) for x in v)
+        return None if v is None else check_layer_types_syntax(str(v))
