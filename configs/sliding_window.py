@@ -13,6 +13,18 @@ ALTERNATE = "alternate"
 _KINDS = {"full": FULL, FULL: FULL, "attention": FULL, "sliding": SLIDING, SLIDING: SLIDING}
 
 
+def check_swa_pool_holds_window(swa_pool_tokens: int, window: int, page_size: int) -> None:
+    """``ValueError`` unless the SWA pool holds one decoding request's window (with its margin)."""
+    from cache.swa_window import SWAWindow
+
+    need = SWAWindow(window, page_size).max_pages() * page_size
+    if swa_pool_tokens < need:
+        raise ValueError(f"--swa-pool-tokens ({swa_pool_tokens}) cannot hold one request's sliding window "
+                         f"(window {window} plus its page margin = {need} tokens at --page-size {page_size}): "
+                         f"raise --swa-pool-tokens to at least {need}, or set it to 0 to keep every layer in the "
+                         f"full pool")
+
+
 def check_layer_types_syntax(text: str) -> str:
     """Normalize a ``--layer-types`` value (``alternate`` or a comma list of sliding/full kinds).
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import SUPPORTED_ARCHS, ModelConfig
 from engine.swa_config import (SlidingOverrides, SlidingSpec, apply_overrides, check_window_fits_context,
                                gguf_sliding_spec, hf_sliding_spec, unsupported_arch_message)
@@ -95,8 +96,12 @@ def check_startup(path: str | Path, engine) -> ModelConfig:
 def validate_startup(config: ModelConfig, engine) -> None:
     """Refuse model/engine combinations pdserve cannot run, naming the flag to change
     (``ValueError``): a sliding window larger than the context (``--sliding-window`` /
-    ``--max-model-len``). The SWA pool check is ``configs.sliding_window.validate_swa_pool``."""
+    ``--max-model-len``), an SWA pool that is not a multiple of the page size or smaller than one
+    request's window (``--swa-pool-tokens``)."""
     check_window_fits_context(config.sliding_window, engine.max_model_len, config.max_position_embeddings)
+    if config.sliding_window and engine.swa_pool_tokens:
+        validate_swa_pool(engine.swa_pool_tokens, engine.page_size)
+        check_swa_pool_holds_window(engine.swa_pool_tokens, config.sliding_window, engine.page_size)
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

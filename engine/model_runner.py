@@ -102,8 +102,13 @@ class ModelRunner:
         full_pages = max(1, ceil_div(int(full_tokens), P))
         if not n_swa:
             return full_pages, 0
-        swa_tokens = cfg.swa_pool_tokens or int(cfg.swa_pool_ratio * full_pages * P)
-        return full_pages, max(1, swa_tokens // P)
+        swa_pages = (cfg.swa_pool_tokens or int(cfg.swa_pool_ratio * full_pages * P)) // P
+        need = SWAWindow(mc.sliding_window, P).max_pages()
+        if swa_pages < need:
+            raise ValueError(f"the SWA pool ({swa_pages} pages of {P} tokens) cannot hold one request's sliding window "
+                             f"({need} pages): raise --swa-pool-ratio or --swa-pool-tokens (0 keeps every layer in "
+                             f"the full pool)")
+        return full_pages, swa_pages
 
     @property
     def capacity_tokens(self) -> int:
