@@ -93,3 +93,34 @@ def test_recompute_when_the_host_pool_is_off(harness, swa_model):  # noqa: F811
     batch = prompts(2, 35)
     assert run(h, batch, 10) == [hf_reference(swa_model[2], p, 10)[0] for p in batch]
     assert h.decode.retract.stats.recomputed > 0
+
+
+@pytest.fixture(scope="module")
+def swa_folder(swa_model, tmp_path_factory):  # noqa: F811
+    folder = tmp_path_factory.mktemp("tiny-ministral")
+    swa_model[2].save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def test_pd_processes_swa_pool_over_nixl_with_offload(swa_model, swa_folder):  # noqa: F811
+    """Real worker processes and NIXL: the SWA tail crosses as unit rows into the decode worker's
+    SWA pool; a small decode pool retracts (offload of the window) and outputs stay exact."""
+    from tests.test_pd_processes import SLOW_DECODE, PDPair, until_eos, wait_idle
+
+    pair = PDPair(swa_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1,
+                  decode_sched=SLOW_DECODE, engine={"swa_pool_tokens": 64})
+    try:
+        batch = prompts(4, 22, shared=8)
+        params = SamplingParams(max_new_tokens=14, temperature=0)  # no ignore_eos: admission overcommits
+        for i, p in enumerate(batch):
+            pair.submit(f"s{i}", p, params)
+        out = pair.collect([f"s{i}" for i in range(4)], timeout=120)
+        want = [until_eos(hf_reference(swa_model[2], p, 14)[0]) for p in batch]
+        assert [out[f"s{i}"]["tokens"] for i in range(4)] == want
+        d, p = wait_idle(pair, "d0"), wait_idle(pair, "p0")
+        assert d.counters["retractions"] > 0 and d.counters["retract_resumed"] > 0
+        assert d.counters["swa_pages_released"] > 0 and d.gauges["swa_pages_total"] == 64 // PAGE
+        assert d.gauges["swa_pages_used"] == 0 and d.gauges["kv_pages_used"] == 0
+        assert d.gauges["host_kv_pool_bytes_used"] == 0 and p.gauges["swa_pages_used"] == 0
+    finally:
+        pair.close()

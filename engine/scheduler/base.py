@@ -167,7 +167,10 @@ class WorkerScheduler(abc.ABC):
         """KV handles of every request that holds or may hold pages on this worker."""
 
     def snapshot(self) -> Snapshot:
-        return Snapshot({k: float(v) for k, v in self.stats.as_dict().items()}, self.pool_gauges())
+        counters = {k: float(v) for k, v in self.stats.as_dict().items()}
+        if self.kv.has_swa:
+            counters["swa_pages_released"] = float(self.kv.swa_pages_released)
+        return Snapshot(counters, self.pool_gauges())
 
     @property
     def capacity_tokens(self) -> int:
@@ -199,6 +202,7 @@ class WorkerScheduler(abc.ABC):
             return
         need, have = max(kv.pages_for(swa_tokens), kv.window.max_pages()), kv.swa_allocator.num_pages
         if need > have:
+            self.stats.swa_rejections += 1
             raise RequestRejected(f"this request needs {need} pages of the sliding-window KV pool at once, which "
                                   f"has {have} ({have * kv.page_size} tokens); shorten the prompt or start the "
                                   f"worker with a larger --swa-pool-tokens")
