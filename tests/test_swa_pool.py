@@ -137,3 +137,53 @@ def test_small_swa_pool_limits_admission_and_stays_exact(swa_model):
     assert llm.scheduler.stats.extend_steps >= 2
     u = llm.scheduler.kv.swa_usage([])
     assert (u.free, u.cached, llm.scheduler.kv.usage([]).free) == (48 // PAGE, 0, 2048 // PAGE)
+
+
+def _decode_batch(pools, seq_lens, window):
+    """A decode ForwardBatch over fresh pools: each request's SWA pages cover only its window
+    (other entries 0, pointing at an SWA page that is not theirs)."""
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    P, nxt, full_rows, swa_rows = PAGE, iter(range(1, 1000)), [], []
+    full_next = iter(range(1000))
+    for n in seq_lens:
+        pages = -(-n // P)
+        full_rows.append([next(full_next) for _ in range(pages)])
+        first = max(0, n - window) // P
+        swa_rows.append([0] * first + [next(nxt) for _ in range(pages - first)])
+    width = max(len(r) for r in full_rows)
+    pad = lambda rows: torch.tensor([r + [0] * (width - len(r)) for r in rows])  # noqa: E731
+    full_t, swa_t = pad(full_rows), pad(swa_rows)
+    last = [n - 1 for n in seq_lens]
+    slots = lambda t: torch.tensor([int(t[i, p // P]) * P + p % P for i, p in enumerate(last)])  # noqa: E731
+    return ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(len(seq_lens), dtype=torch.long),
+                        positions=torch.tensor(last), out_slots=slots(full_t), seq_lens=torch.tensor(seq_lens),
+                        extend_lens=torch.ones(len(seq_lens), dtype=torch.long), block_table=full_t,
+                        seq_lens_cpu=list(seq_lens), extend_lens_cpu=[1] * len(seq_lens), page_size=P,
+                        swa_block_table=swa_t, swa_out_slots=slots(swa_t))
+
+
+@pytest.mark.parametrize("window", [5, 8, 13])
+def test_triton_decode_over_the_swa_pool_matches_the_torch_backend(window):
+    """Triton paged decode (interpreter on CPU) on the SWA pool's block table equals the torch
+    backend's windowed gather (non-resident entries point at SWA page 0, which holds other data)."""
+    pytest.importorskip("triton")
+    from cache.kv_pools import KVPools
+    from engine.attention import TorchBackend
+    from engine.kernels import paged_decode_attention
+
+    g = torch.Generator().manual_seed(5)
+    pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
+    pools.units.copy_(torch.randn(pools.units.shape, generator=g))
+    pools.swa.buffer[0] = 1e3  # a page of someone else's KV: reading it unmasked would show
+    seq_lens = [3, 17, 30, 41]
+    batch = _decode_batch(pools, seq_lens, window)
+    backend = TorchBackend(pools, 4, 16 ** -0.5, [window if t == "sliding_attention" else None for t in TYPES])
+    backend.prepare(batch)
+    q = torch.randn(len(seq_lens), 4, 16, generator=g)
+    for layer in (0, 2):  # the sliding layers: SWA pool, local layers 0 and 1
+        want = backend._decode(q, layer, batch).view_as(q)
+        local = pools.layer_pool[layer][1]
+        got = paged_decode_attention(q, pools.swa.k_layer(local), pools.swa.v_layer(local), batch.swa_block_table,
+                                     batch.seq_lens, 16 ** -0.5, PAGE, window, backend="triton", block_n=16)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
