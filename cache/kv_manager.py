@@ -77,31 +77,6 @@ class KVManager:
         self.evict_swa(need.swa)
         return self.allocator.num_free() >= need.full and self.swa_allocator.num_free() >= need.swa
 
-    def fits_alone(self, num_tokens: int) -> bool:
-        """True iff one request of ``num_tokens`` tokens fits the empty pools (decoding)."""
-        if self.pages_for(num_tokens) > self.allocator.num_pages:
-            return False
-        return not self.has_swa or self.window.max_pages() <= self.swa_allocator.num_pages
-
-    def decode_growth(self, handle: KVHandle, kv_len: int, future_tokens: int) -> PageCount:
-        """Pages a decoding request at ``kv_len`` may still take for ``future_tokens`` more: full
-        pages to the end; SWA pages up to its window's span (older ones are released as it goes)."""
-        end = self.pages_for(kv_len + future_tokens)
-        full = max(0, end - len(handle.full.pages))
-        if not self.has_swa:
-            return PageCount(full)
-        held = sum(1 for p in handle.swa.pages if p >= 0)
-        span = min(self.window.max_pages(), end - self.window.keep_start(kv_len) // self.page_size)
-        return PageCount(full, max(0, span - held))
-
-    def prompt_growth(self, seq_len: int, future_tokens: int) -> PageCount:
-        """``decode_growth`` of a ``seq_len``-token prompt once prefilled and windowed."""
-        full = self.pages_for(seq_len + future_tokens) - self.pages_for(seq_len)
-        if not self.has_swa:
-            return PageCount(max(0, full))
-        held = self.pages_for(seq_len) - self.window.keep_start(seq_len) // self.page_size
-        return PageCount(max(0, full), max(0, self.window.max_pages() - held))
-
     # ---- acquiring ---------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> KVHandle:
         """A new handle holding the longest cached page-aligned prefix of ``token_ids``, locked
@@ -251,25 +226,19 @@ class KVManager:
         handle.cached_tokens = 0
 
     # ---- accounting ----------------------------------------------------------------------------
-    def usage(self, live: Sequence[KVHandle]) -> PoolUsage:
-        return PoolUsage(
-            total=self.allocator.num_pages,
-            free=self.allocator.num_free(),
-            used=sum(len(h.full.own) for h in live),
-            cached=self.tree.total_size() if self.tree else 0,
-            evictable=self.tree.evictable_size() if self.tree else 0,
-        )
-
-    def swa_usage(self, live: Sequence[KVHandle]) -> PoolUsage | None:
+    def usage(self, live: Sequence[KVHandle], pool: str = "full") -> PoolUsage | None:
+        """Pages by state of the full pool, or of the SWA pool (``pool="swa"``; None without one)."""
+        if pool == "full":
+            return PoolUsage(total=self.allocator.num_pages, free=self.allocator.num_free(),
+                             used=sum(len(h.full.own) for h in live),
+                             cached=self.tree.total_size() if self.tree else 0,
+                             evictable=self.tree.evictable_size() if self.tree else 0)
         if not self.has_swa:
             return None
-        return PoolUsage(
-            total=self.swa_allocator.num_pages,
-            free=self.swa_allocator.num_free(),
-            used=sum(len(h.swa.own) for h in live if h.swa is not None),
-            cached=self.tree.swa_total_size() if self.tree else 0,
-            evictable=self.tree.swa_evictable_size() if self.tree else 0,
-        )
+        return PoolUsage(total=self.swa_allocator.num_pages, free=self.swa_allocator.num_free(),
+                         used=sum(len(h.swa.own) for h in live if h.swa is not None),
+                         cached=self.tree.swa_total_size() if self.tree else 0,
+                         evictable=self.tree.swa_evictable_size() if self.tree else 0)
 
     def check_integrity(self, live: Sequence[KVHandle]) -> None:
         """Assert free + used + cached == total per pool, no page owned twice, allocator consistency."""
@@ -278,7 +247,7 @@ class KVManager:
                     + (self.tree.all_pages() if self.tree else []), "full")
         if self.has_swa:
             self.swa_allocator.check_integrity()
-            _check_pool(self.swa_usage(live), [p for h in live for p in h.swa.own]
+            _check_pool(self.usage(live, "swa"), [p for h in live for p in h.swa.own]
                         + (self.tree.all_swa_pages() if self.tree else []), "swa")
         if self.tree is not None:
             self.tree.check_integrity()

@@ -69,15 +69,11 @@ class SWARadixCache(RadixCache):
             node = node.parent
         return path[::-1]
 
-    def _path_swa(self, node: TreeNode) -> np.ndarray:
-        parts = [n.swa for n in self._path(node)]
-        return np.concatenate(parts) if parts else EMPTY_PAGES
-
     # ---- matching and inserting --------------------------------------------------------------
     def match_prefix(self, token_ids) -> MatchResult:
         """Longest cached page-aligned prefix whose window is resident; see the module docstring."""
         m = super().match_prefix(token_ids)
-        swa = self._path_swa(m.node)
+        swa = _concat_swa(self._path(m.node))
         k = self.window.longest_resident_match((swa >= 0).tolist())
         if k < len(m.pages):
             key = as_tokens(token_ids)[: k * self.page_size]
@@ -97,7 +93,7 @@ class SWARadixCache(RadixCache):
         if cached < len(swa_arr):  # res.node is the new leaf holding pages [cached, n)
             res.node.swa = swa_arr[cached:].copy()
             self._swa_total += int((res.node.swa >= 0).sum())
-        tree_swa = self._path_swa(res.node)[:cached]
+        tree_swa = _concat_swa(self._path(res.node))[:cached]
         mine = swa_arr[:cached]
         dup = mine[(mine >= 0) & (mine != tree_swa)].tolist()
         return dataclasses.replace(res, duplicate_swa_pages=dup)
@@ -143,7 +139,7 @@ class SWARadixCache(RadixCache):
     def evict_swa(self, num_pages: int) -> list[int]:
         """Tombstone unlocked SWA pages, least recently used nodes first, until ``num_pages``
         are freed or none is left; returns them (the caller frees them to the SWA allocator)."""
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if ((n.swa >= 0) & (n.swa_ref == 0)).any()]
+        heap = [(n.last_access, n.id, n) for n in _descendants(self.root) if ((n.swa >= 0) & (n.swa_ref == 0)).any()]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < num_pages:
@@ -154,13 +150,6 @@ class SWARadixCache(RadixCache):
         self._swa_total -= len(freed)
         return freed
 
-    def _nodes(self) -> list[TreeNode]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.children.values())
-        return out
 
     # ---- sizes and checks ---------------------------------------------------------------------
     def swa_total_size(self) -> int:
@@ -173,7 +162,7 @@ class SWARadixCache(RadixCache):
         return self._swa_total - self._swa_protected
 
     def all_swa_pages(self) -> list[int]:
-        return [p for n in self._nodes() for p in n.swa.tolist() if p >= 0]
+        return [p for n in _descendants(self.root) for p in n.swa.tolist() if p >= 0]
 
     def reset(self) -> list[int]:
         raise TypeError("an SWA radix cache frees two pools: evict_full(total_size()) instead")
@@ -181,7 +170,7 @@ class SWARadixCache(RadixCache):
     def check_integrity(self) -> None:
         super().check_integrity()
         total = protected = 0
-        for n in self._nodes():
+        for n in _descendants(self.root):
             assert len(n.swa) == len(n.pages) == len(n.swa_ref), n
             assert (n.swa_ref >= 0).all() and not (n.swa_ref[n.swa < 0] > 0).any(), n
             assert n.lock_ref > 0 or not n.swa_ref.any(), f"SWA reference without a full lock: {n!r}"
@@ -190,3 +179,16 @@ class SWARadixCache(RadixCache):
         pages = self.all_swa_pages()
         assert len(set(pages)) == len(pages), "an SWA page is held twice by the tree"
         assert (total, protected) == (self._swa_total, self._swa_protected), (total, protected)
+
+
+def _concat_swa(path: list[TreeNode]) -> np.ndarray:
+    return np.concatenate([n.swa for n in path]) if path else EMPTY_PAGES
+
+
+def _descendants(root: TreeNode) -> list[TreeNode]:
+    out, stack = [], list(root.children.values())
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out

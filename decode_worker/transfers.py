@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cache.kv_budget import prompt_growth
 from cache.kv_manager import KVManager
 from cache.page_count import PageCount
 from decode_worker.jobs import DecodeJob
@@ -91,7 +92,7 @@ class TransferTracker:
         """Match the decode radix prefix and take the prompt's pages (for a sliding-window hybrid
         only the SWA tail, from ``SWAWindow.prealloc_start``); None if over budget."""
         req, kv = job.req, self.kv
-        extra = kv.prompt_growth(job.n_tokens, req.seq_len + reserved_tokens(req, ratio) - job.n_tokens)
+        extra = prompt_growth(kv, job.n_tokens, req.seq_len + reserved_tokens(req, ratio) - job.n_tokens)
         swa_from = kv.window.prealloc_start(job.n_tokens, kv.tree is not None) if kv.has_swa else 0
         need = admit_prompt(kv, req, job.n_tokens, extra, free, swa_from)
         if need is not None:

@@ -73,7 +73,7 @@ def test_second_turn_ships_only_its_new_tokens(harness, swa_model):  # noqa: F81
     assert h.decode.stats.cached_prompt_tokens == (kv_len // PAGE) * PAGE
     shipped_pages = -(-len(turn2) // PAGE) - kv_len // PAGE
     unit = h.p_runner.pools.unit_bytes
-    swa = h.decode.kv.swa_usage([])
+    swa = h.decode.kv.usage([], "swa")
     assert h.prefill.transfer_bytes - bytes1 <= 2 * shipped_pages * unit < bytes1
     assert swa.cached > 0
 

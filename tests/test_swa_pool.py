@@ -73,7 +73,7 @@ def check_outputs(llm: LLM, hf, batch: list[list[int]], n: int) -> None:
         assert r.token_ids == want
         assert max(abs(a - b) for a, b in zip(r.logprobs, want_lp)) < 1e-4
     llm.scheduler.check_integrity()
-    assert llm.scheduler.kv.usage([]).used == 0 and llm.scheduler.kv.swa_usage([]).used == 0
+    assert llm.scheduler.kv.usage([]).used == 0 and llm.scheduler.kv.usage([], "swa").used == 0
 
 
 def test_swa_pool_is_separate_and_smaller(swa_model):
@@ -96,7 +96,7 @@ def test_colocated_swa_matches_transformers(swa_model, radix):
 
 def test_every_layer_in_the_full_pool_matches_too(swa_model):
     llm = make_llm(swa_model, swa=0)
-    assert llm.runner.pools.swa is None and llm.scheduler.kv.swa_usage([]) is None
+    assert llm.runner.pools.swa is None and llm.scheduler.kv.usage([], "swa") is None
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     p = prompts(1, 37)[0]
     assert llm.generate_ids([p], params)[0].token_ids == hf_reference(swa_model[2], p, 10)[0]
@@ -116,11 +116,11 @@ def test_swa_pool_holds_only_the_window_while_decoding(swa_model):
         sched.step()
         live = sched.live_handles()
         if live:
-            peak = max(peak, kv.swa_usage(live).used)
+            peak = max(peak, kv.usage(live, "swa").used)
             assert kv.usage(live).used >= (45 + 1) // PAGE
         sched.check_integrity()
     assert 0 < peak <= kv.window.max_pages() + 45 // PAGE  # prefill holds the prompt, then the window
-    assert kv.swa_usage([]).used == 0
+    assert kv.usage([], "swa").used == 0
 
 
 def test_forced_retract_recompute_with_swa(swa_model):
@@ -135,7 +135,7 @@ def test_small_swa_pool_limits_admission_and_stays_exact(swa_model):
     llm = make_llm(swa_model, swa=48, pool=2048, enable_radix_cache=False)
     check_outputs(llm, swa_model[2], prompts(4, 20), 16)
     assert llm.scheduler.stats.extend_steps >= 2
-    u = llm.scheduler.kv.swa_usage([])
+    u = llm.scheduler.kv.usage([], "swa")
     assert (u.free, u.cached, llm.scheduler.kv.usage([]).free) == (48 // PAGE, 0, 2048 // PAGE)
 
 

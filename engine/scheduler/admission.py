@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cache.kv_budget import decode_growth, prompt_growth
 from cache.kv_manager import KVManager
 from cache.page_count import PageCount
 from configs.scheduler import SchedulerConfig
@@ -42,7 +43,7 @@ def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: 
     """Pages the admitted requests may still take: up to ``seq_len + reserved_tokens`` each."""
     total = PageCount()
     for r in running:
-        total += kv.decode_growth(r.kv, r.seq_len, reserved_tokens(r, ratio))
+        total += decode_growth(kv, r.kv, r.seq_len, reserved_tokens(r, ratio))
     return total
 
 
@@ -105,7 +106,7 @@ class Admission:
         """Pages beyond the prompt's that the request's future decode tokens are expected to take."""
         if not self.reserve_decode:
             return PageCount()
-        return self.kv.prompt_growth(req.seq_len, reserved_tokens(req, ratio))
+        return prompt_growth(self.kv, req.seq_len, reserved_tokens(req, ratio))
 
     def _chunk(self, req: Request, budget: int) -> ExtendItem:
         length = min(req.seq_len - req.kv_len, max(budget, 1))

@@ -216,7 +216,7 @@ class WorkerScheduler(abc.ABC):
         u = self.kv.usage(live)
         gauges = {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
                   "kv_pages_total": u.total}
-        if (s := self.kv.swa_usage(live)) is not None:
+        if (s := self.kv.usage(live, "swa")) is not None:
             gauges.update(swa_pages_free=s.free, swa_pages_used=s.used, swa_pages_cached=s.cached,
                           swa_pages_total=s.total)
         return gauges

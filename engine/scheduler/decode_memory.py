@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cache.kv_budget import fits_alone
 from cache.kv_manager import KVManager
 from cache.page_count import PageCount
 from engine.request import Request
@@ -36,7 +37,7 @@ def check_decode_mem(kv: KVManager, reqs: list[Request], steps: int = 1) -> bool
 
 def fits_empty_pool(kv: KVManager, req: Request, steps: int = 1) -> bool:
     """True iff ``req`` could decode ``steps`` more tokens with the whole pool to itself."""
-    return kv.fits_alone(req.kv_len + steps)
+    return fits_alone(kv, req.kv_len + steps)
 
 
 def victim_order(reqs: list[Request]) -> list[Request]:
