@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm")
+MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,9 @@ class ModelConfig:
     name: str = "model"
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
+        if self.arch not in MODEL_ARCHS:
             raise ValueError(
-                f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
+                f"unsupported architecture {self.arch!r}; supported: {', '.join(MODEL_ARCHS)}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -54,6 +54,10 @@ def load_model_weights(path: str | Path) -> tuple[ModelConfig, Tensors]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
+    from engine.gguf_gemma3 import is_gemma3_gguf, load_gemma3_gguf  # Gemma 3 has its own layout
+
+    if is_gemma3_gguf(path):
+        return load_gemma3_gguf(path)
     config, tensors = _load_hf_folder(path) if path.is_dir() else _load_gguf(path)
     return config, _finalize_tensors(config, tensors)
 

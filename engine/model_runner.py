@@ -13,6 +13,7 @@ from configs.engine import EngineConfig
 from engine.attention import make_backend
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.gemma3 import Gemma3Model
 from engine.model import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = LlamaModel(model_config, self.device, self.dtype)
+        self.model = (Gemma3Model if model_config.arch == "gemma3" else LlamaModel)(model_config, self.device, self.dtype)
         self.model.load_weights(weights)
         num_pages = self._pool_pages()
         self.pool = KVPool(num_pages, model_config.num_layers, self.page_size, model_config.num_kv_heads,
@@ -73,7 +74,7 @@ class ModelRunner:
         windows = [model_config.sliding_window if t == "sliding_attention" else None
                    for t in model_config.layer_types]
         self.backend = make_backend(cfg.attention_backend, self.pool, model_config.num_heads,
-                                    model_config.head_dim ** -0.5, windows)
+                                    getattr(model_config, "query_pre_attn_scalar", model_config.head_dim) ** -0.5, windows)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages, self.page_size,
                  self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20)
 
