@@ -46,6 +46,11 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     return _DTYPES[spec]
 
 
+def _attention_scale(mc: ModelConfig) -> float:
+    """Softmax scale: ``query_pre_attn_scalar ** -0.5`` for Gemma 3, ``head_dim ** -0.5`` otherwise."""
+    return getattr(mc, "query_pre_attn_scalar", mc.head_dim) ** -0.5
+
+
 def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -65,7 +70,8 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = (Gemma3Model if model_config.arch == "gemma3" else LlamaModel)(model_config, self.device, self.dtype)
+        model_cls = Gemma3Model if model_config.arch == "gemma3" else LlamaModel
+        self.model = model_cls(model_config, self.device, self.dtype)
         self.model.load_weights(weights)
         num_pages = self._pool_pages()
         self.pool = KVPool(num_pages, model_config.num_layers, self.page_size, model_config.num_kv_heads,
@@ -74,7 +80,7 @@ class ModelRunner:
         windows = [model_config.sliding_window if t == "sliding_attention" else None
                    for t in model_config.layer_types]
         self.backend = make_backend(cfg.attention_backend, self.pool, model_config.num_heads,
-                                    getattr(model_config, "query_pre_attn_scalar", model_config.head_dim) ** -0.5, windows)
+                                    _attention_scale(model_config), windows)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages, self.page_size,
                  self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20)
 

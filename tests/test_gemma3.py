@@ -153,10 +153,33 @@ def test_colocated_greedy_matches_transformers_with_radix_hit(gemma, prompts, hf
 
 
 def test_colocated_forced_retract_matches_transformers(gemma, prompts, hf_ref):
-    llm = LLM(engine_cfg(kv_pool_tokens=4096, page_size=16), sched_cfg(retract_test_interval=3, enable_radix_cache=False),
-              loaded=gemma[:3])
+    llm = LLM(engine_cfg(kv_pool_tokens=4096, page_size=16),
+              sched_cfg(retract_test_interval=3, enable_radix_cache=False), loaded=gemma[:3])
     sp = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
     out = run_batch(llm.scheduler, prompts, [sp, sp])
     assert llm.scheduler.stats.retractions > 0
     assert [o.token_ids for o in out] == [r[0] for r in hf_ref]
     _assert_clean(llm)
+
+
+def test_pd_launch_over_http_matches_transformers(prompts, hf_ref):
+    """`pdserve launch --mode pd --model gemma3-270m`: real router, prefill and decode processes,
+    KV over NIXL; both long prompts (token ids, BOS included) give transformers' greedy tokens,
+    and the repeat of one is served from the radix caches with the same tokens."""
+    import openai
+
+    from server.subprocess_server import LaunchedServer, free_port
+
+    srv = LaunchedServer(["--mode", "pd", "--model", "gemma3-270m", "--port", "0", "--base-port", str(free_port()),
+                          "--kv-pool-tokens", "4096", "--page-size", "16", "--log-level", "WARNING"])
+    try:
+        srv.start()
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        for p, (ref, _) in [*zip(prompts, hf_ref), (prompts[1], hf_ref[1])]:
+            r = client.completions.create(model=model, prompt=p, max_tokens=NEW, temperature=0,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert r.choices[0].token_ids == ref
+        assert r.usage.prompt_tokens_details.cached_tokens >= 512
+    finally:
+        srv.stop()
