@@ -7,7 +7,7 @@ A scheduler keeps one ``KVHandle`` per request and reads ``pages`` (its block-ta
 hybrids, the SWA pool (``swa``). ``swa.pages`` is indexed like ``full.pages`` (entry ``j`` holds
 tokens ``[j*P, (j+1)*P)`` of the SWA layers) and holds ``NO_PAGE`` where that KV is not resident
 (outside every window this request can still read, or never needed). Both pools share one radix
-node; ``swa.lock_from`` is the first logical page whose shared SWA page the request locked.
+node; the shared SWA entries that are not ``NO_PAGE`` are the ones the request holds SWA locks on.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ class PoolPages:
     pages: list[int] = field(default_factory=list)
     num_shared: int = 0
     node: object | None = None
-    lock_from: int = 0
 
     @property
     def own(self) -> list[int]:
@@ -33,7 +32,7 @@ class PoolPages:
         return [p for p in self.pages[self.num_shared:] if p >= 0]
 
     def clear(self) -> None:
-        self.pages, self.num_shared, self.node, self.lock_from = [], 0, None, 0
+        self.pages, self.num_shared, self.node = [], 0, None
 
 
 @dataclass(eq=False)

@@ -92,10 +92,9 @@ class KVManager:
         if not self.has_swa:
             self.tree.lock(m.node)
             return handle
-        first = self.window.needed_from(m.num_tokens) // self.page_size
-        self.tree.lock(m.node, first)
-        handle.swa.pages = [NO_PAGE] * first + [int(p) for p in m.swa[first:]]
-        handle.swa.num_shared, handle.swa.lock_from = len(handle.swa.pages), first
+        locked = self.tree.lock(m.node, self.window.needed_from(m.num_tokens) // self.page_size)
+        handle.swa.pages = [int(p) for p in locked]
+        handle.swa.num_shared = len(handle.swa.pages)
         return handle
 
     def prompt_demand(self, handle: KVHandle, n_tokens: int, swa_from: int = 0) -> PageCount:
@@ -217,7 +216,7 @@ class KVManager:
             self.swa_allocator.free([p for p in handle.swa.pages[max(own_start, handle.swa.num_shared):] if p >= 0])
         if handle.full.node is not None:
             if self.has_swa:
-                self.tree.unlock(handle.full.node, handle.swa.lock_from)
+                self.tree.unlock(handle.full.node, handle.swa.pages[:handle.swa.num_shared])
             else:
                 self.tree.unlock(handle.full.node)
         handle.full.clear()

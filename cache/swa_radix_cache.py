@@ -8,14 +8,14 @@ tombstones when the SWA pool runs short (the node and its full KV stay).
 
 Matching: ``match_prefix`` returns the longest page-aligned prefix whose *window* is resident
 (``SWAWindow.window_resident``): a request can only start after a prefix if the keys its first
-query reads are there. Reviving a tombstone is never done (a request's page over a tombstone is
-a duplicate it frees), so tombstones are final until their node is evicted.
+query reads are there. Inserting a request's resident SWA page where the tree holds a
+tombstone revives it (the tree takes the page).
 
 Locking, per pool: ``lock(node, swa_from)`` takes the full lock on the whole path (as
 ``RadixCache.lock``) and one SWA reference on every resident SWA page of the path at page index
-``>= swa_from``; ``unlock(node, swa_from)`` with the same arguments gives exactly those back
-(resident pages with a reference cannot become tombstones, tombstones never come back, and
-splits slice the per-page counts). Pages with SWA references are never tombstoned; SWA
+``>= swa_from``, and returns those pages; ``unlock(node, them)`` gives exactly those back
+(resident pages with a reference cannot become tombstones, a revived tombstone was not among
+them, and splits slice the per-page counts). Pages with SWA references are never tombstoned; SWA
 references only exist under a full lock. Sizes: ``swa_total_size() == swa_protected_size() +
 swa_evictable_size()``, counted in SWA pages.
 """
@@ -90,40 +90,63 @@ class SWARadixCache(RadixCache):
             raise ValueError(f"insert needs one SWA entry per page, got {len(swa_arr)} for {len(as_pages(pages))}")
         res = super().insert(token_ids, pages)
         cached = res.num_cached_tokens // self.page_size
+        path = self._path(res.node)
         if cached < len(swa_arr):  # res.node is the new leaf holding pages [cached, n)
             res.node.swa = swa_arr[cached:].copy()
             self._swa_total += int((res.node.swa >= 0).sum())
-        tree_swa = _concat_swa(self._path(res.node))[:cached]
+            path = path[:-1]
+        self._revive(path, swa_arr[:cached])
+        tree_swa = _concat_swa(path)[:cached]
         mine = swa_arr[:cached]
         dup = mine[(mine >= 0) & (mine != tree_swa)].tolist()
         return dataclasses.replace(res, duplicate_swa_pages=dup)
 
+    def _revive(self, path: list[TreeNode], mine: np.ndarray) -> None:
+        """The tree takes the caller's resident SWA pages where it holds tombstones (nobody has an
+        SWA reference on a tombstone, and unlocks only touch the pages that were locked)."""
+        start = 0
+        for n in path:
+            w = mine[start:start + len(n.swa)]
+            take = np.nonzero((n.swa[:len(w)] < 0) & (w >= 0))[0]
+            n.swa[take] = w[take]
+            self._swa_total += len(take)
+            start += len(n.swa)
+
     # ---- locking ---------------------------------------------------------------------------
-    def _swa_refs(self, node: TreeNode, swa_from: int, delta: int) -> None:
+    def _swa_refs(self, node: TreeNode, wanted: np.ndarray, delta: int) -> None:
+        """Add ``delta`` to the SWA references of the path's pages ``j`` with ``wanted[j] >= 0``
+        (each must be the tree's page there)."""
         start = 0
         for n in self._path(node):
-            lo = max(0, swa_from - start)
-            if lo < len(n.swa):
-                sel = np.nonzero(n.swa[lo:] >= 0)[0] + lo
+            w = wanted[start:start + len(n.swa)]
+            sel = np.nonzero(w >= 0)[0]
+            if len(sel):
+                if (n.swa[sel] != w[sel]).any():
+                    raise RuntimeError(f"SWA (un)lock of pages the tree does not hold there: {n!r}")
                 if delta < 0 and (n.swa_ref[sel] <= 0).any():
                     raise RuntimeError(f"SWA unlock of pages that are not locked: {n!r}")
                 before = n.swa_ref[sel] > 0
                 n.swa_ref[sel] += delta
-                after = n.swa_ref[sel] > 0
-                self._swa_protected += int(after.sum()) - int(before.sum())
+                self._swa_protected += int((n.swa_ref[sel] > 0).sum()) - int(before.sum())
             start += len(n.swa)
 
-    def lock(self, node: TreeNode, swa_from: int | None = None) -> None:
-        """Full lock on the path; with ``swa_from``, SWA references from that page index on."""
+    def lock(self, node: TreeNode, swa_from: int | None = None) -> np.ndarray | None:
+        """Full lock on the path; with ``swa_from``, one SWA reference on each resident page from
+        that page index on. Returns those SWA pages by page index (-1 where none was locked):
+        pass them back to ``unlock``."""
         super().lock(node)
-        if swa_from is not None:
-            self._swa_refs(node, swa_from, +1)
+        if swa_from is None:
+            return None
+        wanted = _concat_swa(self._path(node)).copy()
+        wanted[:swa_from] = -1
+        self._swa_refs(node, wanted, +1)
+        return wanted
 
-    def unlock(self, node: TreeNode, swa_from: int | None = None) -> None:
-        """Exactly undo ``lock(node, swa_from)`` (same arguments)."""
-        if swa_from is not None:
+    def unlock(self, node: TreeNode, swa_locked: Sequence[int] | np.ndarray | None = None) -> None:
+        """Exactly undo ``lock``: ``swa_locked`` is what it returned."""
+        if swa_locked is not None:
             self._check_handle(node)
-            self._swa_refs(node, swa_from, -1)
+            self._swa_refs(node, as_pages(swa_locked), -1)
         super().unlock(node)
 
     # ---- eviction --------------------------------------------------------------------------

@@ -86,6 +86,11 @@ def read_model_config(path: str | Path, overrides: SlidingOverrides | None = Non
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
     if not path.is_dir():
+        from engine.gguf_fast_reader import FastGGUF
+        from engine.gguf_gemma3 import gemma3_config, is_gemma3_gguf
+
+        if is_gemma3_gguf(path):
+            return gemma3_config(FastGGUF(path), path)
         return _gguf_config(open_gguf(path), path, overrides)
     cfg, files = _hf_folder_files(path)
     sliding = _hf_sliding(cfg, overrides)

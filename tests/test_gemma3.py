@@ -119,15 +119,16 @@ def test_logits_match_transformers_prefill_in_chunks_then_decode(gemma, prompts,
     """Prefill in two chunks (the second attends to pooled keys across the window), then decode
     HF's greedy tokens one by one; every step's logits equal transformers'."""
     cfg, weights = gemma[0], gemma[1]
-    runner = ModelRunner(engine_cfg(kv_pool_tokens=1024, page_size=16), cfg, weights)
+    runner = ModelRunner(engine_cfg(kv_pool_tokens=1024, page_size=16, swa_pool_tokens=1024), cfg, weights)
+    assert runner.pools.swa is not None and runner.pools.swa.num_layers == 15  # sliding layers: SWA pool
     prompt, (ref_tokens, ref_logits) = prompts[0], hf_ref[0]
     pages = list(range(runner.pool.num_pages))
-    runner.forward(ForwardMode.EXTEND, [SeqChunk(prompt[:333], 0, pages)])
-    logits = [runner.forward(ForwardMode.EXTEND, [SeqChunk(prompt[333:], 333, pages)])[0]]
+    runner.forward(ForwardMode.EXTEND, [SeqChunk(prompt[:333], 0, pages, pages)])
+    logits = [runner.forward(ForwardMode.EXTEND, [SeqChunk(prompt[333:], 333, pages, pages)])[0]]
     seq = list(prompt)
     for t in ref_tokens[:-1]:
         seq.append(t)
-        logits.append(runner.forward(ForwardMode.DECODE, [SeqChunk([t], len(seq) - 1, pages)])[0])
+        logits.append(runner.forward(ForwardMode.DECODE, [SeqChunk([t], len(seq) - 1, pages, pages)])[0])
     diffs = [float((ours - ref).abs().max()) for ours, ref in zip(logits, ref_logits)]
     assert max(diffs) < LOGIT_TOL, diffs
     assert [int(lg.argmax()) for lg in logits] == ref_tokens

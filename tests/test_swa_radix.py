@@ -133,3 +133,20 @@ def test_duplicate_swa_pages_of_a_concurrent_copy_go_back():
     kv.check_integrity([])
     assert kv.swa_allocator.num_free() == kv.swa_allocator.num_pages - kv.tree.swa_total_size()
     assert kv.tree.swa_total_size() == 3 and kv.allocator.num_free() == kv.allocator.num_pages - 10
+
+
+def test_a_sibling_branch_revives_tombstones_of_the_shared_prefix():
+    """Request A decoded long enough to drop the SWA of its first pages; B shares A's first pages
+    and still holds them when it finishes: the tree takes B's pages over A's tombstones, so B's
+    own prompt can be matched again (found on Gemma 3: 540 and 520 tokens sharing 300)."""
+    kv = make_kv(num_pages=64, swa_pages=64)
+    a = list(range(48))
+    b = a[:24] + list(range(200, 204))          # a match of b reads page 5, inside the shared part
+    hb = kv.reserve_prompt(b, len(b), PageCount(), kv.available())[0]  # B runs beside A
+    finish(kv, a)                                   # A's window release tombstoned its early pages
+    kv.free_into_cache(hb, b)                       # B never slid: all its SWA pages resident
+    h = kv.match_prefix(b + [1])
+    assert h.cached_tokens == 28
+    kv.check_integrity([h])
+    kv.free(h)
+    kv.check_integrity([])
