@@ -97,23 +97,27 @@ class KVManager:
         handle.swa.num_shared = len(handle.swa.pages)
         return handle
 
-    def prompt_demand(self, handle: KVHandle, n_tokens: int, swa_from: int = 0) -> PageCount:
-        """Pages ``ensure_pages(handle, n_tokens, swa_from)`` would take."""
+    def prompt_demand(self, handle: KVHandle, n_tokens: int, swa_from: int = 0,
+                      swa_to: int | None = None) -> PageCount:
+        """Pages ``ensure_pages(handle, n_tokens, swa_from, swa_to)`` would take."""
         n = self.pages_for(n_tokens)
         full = max(0, n - len(handle.full.pages))
         if not self.has_swa:
             return PageCount(full)
-        return PageCount(full, max(0, n - max(len(handle.swa.pages), swa_from // self.page_size)))
+        n_swa = n if swa_to is None else self.pages_for(min(n_tokens, swa_to))
+        return PageCount(full, max(0, n_swa - max(len(handle.swa.pages), swa_from // self.page_size)))
 
     def reserve_prompt(self, token_ids: Sequence[int], n_tokens: int, extra: PageCount, budget: PageCount,
-                       swa_from: int = 0) -> tuple[KVHandle, PageCount] | None:
+                       swa_from: int = 0, swa_chunk: int | None = None) -> tuple[KVHandle, PageCount] | None:
         """Admission: match the cached prefix of ``token_ids[:n_tokens - 1]``, then take pages for
-        ``n_tokens`` tokens (SWA pages from ``swa_from`` on) if those plus ``extra`` (future
-        decode tokens) fit in ``budget``. Returns ``(handle, pages charged)``, or None with
-        nothing held."""
+        ``n_tokens`` tokens (SWA pages from ``swa_from`` on, and with ``swa_chunk`` only for the
+        first ``swa_chunk`` uncached tokens: chunked prefill grows them chunk by chunk) if those
+        plus ``extra`` (future decode tokens) fit in ``budget``. Returns ``(handle, pages
+        charged)``, or None with nothing held."""
         handle = self.match_prefix(token_ids[: n_tokens - 1])
-        need = self.prompt_demand(handle, n_tokens, swa_from) + extra
-        if not budget.covers(need) or not self.ensure_pages(handle, n_tokens, swa_from):
+        swa_to = None if swa_chunk is None else handle.cached_tokens + swa_chunk
+        need = self.prompt_demand(handle, n_tokens, swa_from, swa_to) + extra
+        if not budget.covers(need) or not self.ensure_pages(handle, n_tokens, swa_from, swa_to):
             self.free(handle)
             return None
         return handle, need
@@ -135,10 +139,11 @@ class KVManager:
         if short > 0 and self.tree is not None:
             self.swa_allocator.free(self.tree.evict_swa(short))
 
-    def ensure_pages(self, handle: KVHandle, num_tokens: int, swa_from: int = 0) -> bool:
+    def ensure_pages(self, handle: KVHandle, num_tokens: int, swa_from: int = 0, swa_to: int | None = None) -> bool:
         """Grow ``handle`` to cover ``num_tokens`` tokens (new logical pages before ``swa_from``
-        get no SWA page). False, with nothing changed, if a pool is short."""
-        need = self.prompt_demand(handle, num_tokens, swa_from)
+        get no SWA page; with ``swa_to``, SWA pages only up to that token). False, with nothing
+        changed, if a pool is short."""
+        need = self.prompt_demand(handle, num_tokens, swa_from, swa_to)
         self.evict(need.full)
         if self.has_swa:
             self.evict_swa(need.swa)
@@ -148,8 +153,8 @@ class KVManager:
             return False
         handle.full.pages.extend(self.allocator.alloc(need.full))
         if self.has_swa:
-            n = self.pages_for(num_tokens)
-            handle.swa.pages.extend([NO_PAGE] * (n - need.swa - len(handle.swa.pages)))
+            n = self.pages_for(num_tokens if swa_to is None else min(num_tokens, swa_to))
+            handle.swa.pages.extend([NO_PAGE] * max(0, n - need.swa - len(handle.swa.pages)))
             handle.swa.pages.extend(self.swa_allocator.alloc(need.swa))
         return True
 

@@ -118,7 +118,7 @@ class PrefillScheduler(WorkerScheduler):
         if n > self.runner.capacity_tokens:
             raise RequestRejected(f"prompt ({n} tokens) exceeds the prefill worker's KV pool of "
                                   f"{self.runner.capacity_tokens} tokens; start it with a larger --kv-pool-tokens")
-        self.check_swa_fits(n)
+        self.check_swa_fits(self.prefill_swa_tokens(n, self.cfg.scheduler.chunked_prefill_size))
 
     def _on_destination(self, source: Conn, msg: KVDestination, pages: np.ndarray, swa: np.ndarray) -> Outbox:
         key = (msg.room, msg.generation)

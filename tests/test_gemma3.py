@@ -184,3 +184,33 @@ def test_pd_launch_over_http_matches_transformers(prompts, hf_ref):
         assert r.usage.prompt_tokens_details.cached_tokens >= 512
     finally:
         srv.stop()
+
+
+def test_pd_with_the_swa_pool_under_forced_retract_matches_transformers(gemma, prompts, hf_ref):
+    """PD in one process (real schedulers, loopback KV transport), the SWA pool on both sides,
+    the decode radix cache on and a retract every third decode step (offload of the full KV and
+    the window, then resume): both long prompts give transformers' greedy tokens, the window
+    really drops SWA pages, and every pool is back to its free + cached state."""
+    from bench.pd_local import PDHarness
+    from configs.schema import PdserveConfig
+
+    def cfg(**sched):
+        return PdserveConfig.model_validate({
+            "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 2048},
+            "scheduler": {"chunked_prefill_size": 256, **sched},
+            "cluster": {"mode": "pd", "host_kv_pool_gb": 0.2, "transfer_backend": "loopback"}})
+
+    h = PDHarness(cfg(), cfg(retract_test_interval=3), gemma[0], gemma[1], eos=(1, 106))
+    try:
+        assert h.d_runner.pools.swa.num_layers == 15 and h.d_runner.pools.full.num_layers == 3
+        sp = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            h.submit(f"g{i}", p, sp)
+        out = h.run()
+        assert [out[f"g{i}"]["tokens"] for i in range(2)] == [r[0] for r in hf_ref]
+        st = h.decode.retract.stats
+        assert st.offloaded > 0 and st.resumed > 0
+        assert h.decode.kv.swa_pages_released > 0
+        h.check_clean()
+    finally:
+        h.close()

@@ -187,3 +187,18 @@ def test_triton_decode_over_the_swa_pool_matches_the_torch_backend(window):
         got = paged_decode_attention(q, pools.swa.k_layer(local), pools.swa.v_layer(local), batch.swa_block_table,
                                      batch.seq_lens, 16 ** -0.5, PAGE, window, backend="triton", block_n=16)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_long_prompt_prefills_in_chunks_through_a_small_swa_pool(swa_model):
+    """A 120-token prompt (30 pages) through a 64-token SWA pool (16 pages), 8-token chunks:
+    SWA pages are taken chunk by chunk and released behind the window, so it fits; a prompt that
+    needs more at once than the pool is refused at once, naming the flag."""
+    llm = make_llm(swa_model, swa=64, chunked_prefill_size=8)
+    check_outputs(llm, swa_model[2], prompts(1, 120), 6)
+    assert llm.scheduler.stats.extend_steps >= 15
+    big = make_llm(swa_model, swa=64, chunked_prefill_size=256)
+    from engine.scheduler.base import RequestRejected
+    from transfer.protocol import GenerateRequest
+
+    with pytest.raises(RequestRejected, match="--swa-pool-tokens"):
+        big.scheduler.add(b"", GenerateRequest(rid="x", params=SamplingParams(max_new_tokens=2)), prompts(1, 120)[0])

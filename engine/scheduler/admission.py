@@ -48,11 +48,12 @@ def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: 
 
 
 def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra: PageCount, budget: PageCount,
-                 swa_from: int = 0) -> PageCount | None:
+                 swa_from: int = 0, swa_chunk: int | None = None) -> PageCount | None:
     """Give ``req`` its cached prefix plus pages for ``n_tokens`` of ``all_ids`` (SWA pages from
-    ``swa_from``) if they (and ``extra``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len``
-    (the cached tokens). Returns the pages charged, or None with ``req`` untouched."""
-    got = kv.reserve_prompt(req.all_ids, n_tokens, extra, budget, swa_from)
+    ``swa_from``, for the first ``swa_chunk`` uncached tokens only when given) if they (and
+    ``extra``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len`` (the cached tokens). Returns
+    the pages charged, or None with ``req`` untouched."""
+    got = kv.reserve_prompt(req.all_ids, n_tokens, extra, budget, swa_from, swa_chunk)
     if got is None:
         return None
     req.kv, charged = got
@@ -79,7 +80,10 @@ class Admission:
         budget = self.cfg.chunked_prefill_size
         items: list[ExtendItem] = []
         if self.chunked is not None:
-            req, self.chunked = self.chunked, None
+            req = self.chunked
+            if not self.kv.ensure_pages(req.kv, req.kv_len + min(req.seq_len - req.kv_len, max(budget, 1))):
+                return []  # its next chunk's SWA pages are not free yet: decode first, which frees some
+            self.chunked = None
             items.append(self._chunk(req, budget))
             budget -= items[-1].length
         free_pages = self.kv.available()
@@ -89,7 +93,8 @@ class Admission:
             if len(running) + len(items) >= self.cfg.max_running_requests:
                 break
             req = waiting[0]
-            need = admit_prompt(self.kv, req, req.seq_len, self._reservation_pages(req, ratio), free_pages)
+            need = admit_prompt(self.kv, req, req.seq_len, self._reservation_pages(req, ratio), free_pages,
+                                swa_chunk=max(budget, 1))
             if need is None:
                 break
             req.status = Phase.PREFILLING

@@ -195,6 +195,12 @@ class WorkerScheduler(abc.ABC):
             self.stats.rejected_requests += 1
             raise
 
+    def prefill_swa_tokens(self, prompt_len: int, chunk: int) -> int:
+        """SWA KV a prompt holds at once while it is prefilled in chunks of ``chunk`` tokens: one
+        chunk plus the window before it."""
+        window = self.kv.window.max_pages() * self.kv.page_size if self.kv.has_swa else 0
+        return min(prompt_len, chunk + window)
+
     def check_swa_fits(self, swa_tokens: int) -> None:
         """Refuse a request whose SWA KV at admission (or its decode window) exceeds the SWA pool."""
         kv = self.kv
