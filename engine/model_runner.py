@@ -14,6 +14,7 @@ from cache.swa_window import SWAWindow
 from configs.engine import EngineConfig
 from engine.attention import make_backend
 from engine.config import ModelConfig
+from engine.cpu_features import has_fast_bf16
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.gemma3 import Gemma3Model
 from engine.model import LlamaModel
@@ -44,9 +45,15 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(spec: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+    """``auto``: bf16 on CUDA, fp32 on CPU. bf16 asked for on a CPU without native bf16
+    instructions falls back to fp32 with a warning: there it is slower than fp32, not faster."""
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec == "bfloat16" and device.type == "cpu" and has_fast_bf16(flags) is False:
+        log.warning("--dtype bfloat16 on a CPU without AVX512_BF16/AMX: every op would convert to fp32 and run "
+                    "slower than fp32; using float32 instead")
+        return torch.float32
     return _DTYPES[spec]
 
 
