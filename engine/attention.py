@@ -25,28 +25,29 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 
 @dataclass
 class _Gather:
-    """Per-step gather indices of one (pool, window): request i's gathered key j is the token at
-    ``key_pos[i, j]`` (``starts[i] + j``), stored at ``(pages[i, j], offsets[i, j])``; ``valid``
-    marks positions that exist (``< seq_len``). A window gathers only what its queries can see."""
+    """Per-step gather indices of one (pool, window), in whole pages: request i's gathered key j
+    is the token at ``key_pos[i, j]`` (``starts[i] + j``, ``starts`` page aligned), read from page
+    ``pages[i, j // P]``; ``valid`` marks positions that exist (``< seq_len``). A window gathers
+    only the pages its queries can see. Gathering pages (contiguous ``[P, heads, dim]`` blocks of
+    the page-major pool) instead of tokens copies the same bytes with P times fewer indices."""
 
-    pages: torch.Tensor      # [B, L] int64
-    offsets: torch.Tensor    # [B, L] int64
-    key_pos: torch.Tensor    # [B, L] int64
-    valid: torch.Tensor      # [B, L] bool
+    pages: torch.Tensor      # [B, n_pages] int64
+    key_pos: torch.Tensor    # [B, n_pages * P] int64
+    valid: torch.Tensor      # [B, n_pages * P] bool
     starts: list[int]
 
 
 def _gather_meta(table: torch.Tensor, batch: ForwardBatch, window: int | None) -> _Gather:
     P = batch.page_size
     prefixes = [s - e for s, e in zip(batch.seq_lens_cpu, batch.extend_lens_cpu)]
-    starts = [max(0, p - window + 1) if window else 0 for p in prefixes]
-    width = max(s - st for s, st in zip(batch.seq_lens_cpu, starts))
+    first = [max(0, p - window + 1) // P if window else 0 for p in prefixes]
+    n_pages = max(-(-s // P) - f for s, f in zip(batch.seq_lens_cpu, first))
     dev = table.device
-    key_pos = torch.as_tensor(starts, device=dev).unsqueeze(1) + torch.arange(width, device=dev)
-    valid = key_pos < batch.seq_lens.unsqueeze(1)
-    cols = torch.div(key_pos, P, rounding_mode="floor").clamp(max=table.shape[1] - 1)
-    pages = torch.where(valid, torch.gather(table.long(), 1, cols), torch.zeros_like(cols))
-    return _Gather(pages, key_pos % P, key_pos, valid, starts)
+    cols = torch.as_tensor(first, device=dev).unsqueeze(1) + torch.arange(n_pages, device=dev)
+    exists = cols * P < batch.seq_lens.unsqueeze(1)
+    pages = torch.where(exists, torch.gather(table.long(), 1, cols.clamp(max=table.shape[1] - 1)), 0)
+    key_pos = (cols * P).repeat_interleave(P, dim=1) + torch.arange(P, device=dev).repeat(n_pages)
+    return _Gather(pages, key_pos, key_pos < batch.seq_lens.unsqueeze(1), [f * P for f in first])
 
 
 class TorchBackend:
@@ -86,8 +87,8 @@ class TorchBackend:
         slots = self._batch.pool_index(name)[1]
         P = self._batch.page_size
         pages, offsets = torch.div(slots, P, rounding_mode="floor"), slots % P
-        pool.k_layer(local)[pages, offsets] = k.to(pool.dtype)
-        pool.v_layer(local)[pages, offsets] = v.to(pool.dtype)
+        # one index_put for K and V: [T, 2, heads, dim] into (page, layer, :, offset)
+        pool.buffer[pages, local, :, offsets] = torch.stack((k, v), 1).to(pool.dtype)
 
     def forward(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
         self.store(k, v, layer)
@@ -96,9 +97,13 @@ class TorchBackend:
         return self._extend(q, k, v, layer, batch)
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, _Gather]:
+        """``(K, V)`` ``[B, n_pages * P, kv_heads, dim]`` of ``layer`` over the step's pages."""
         name, pool, local = self._layer(layer)
         m = self._gather_of(name, self.windows[layer])
-        return pool.k_layer(local)[m.pages, m.offsets], pool.v_layer(local)[m.pages, m.offsets], m
+        B, n = m.pages.shape
+        k = pool.buffer[m.pages, local, 0].view(B, n * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        v = pool.buffer[m.pages, local, 1].view(B, n * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        return k, v, m
 
     def _mask(self, layer: int, batch: ForwardBatch, m: _Gather) -> torch.Tensor:
         """Decode mask [B, 1, 1, L]: key exists and is inside the sliding window."""
