@@ -189,6 +189,24 @@ class Registry:
         except NoWorkerAvailable as e:
             raise NoWorkerAvailable(f"{e} ({self.describe()})") from None
 
+    def reroute(self, failed: Route) -> Route | None:
+        """A route for sending again a request that failed on ``failed`` because a worker of it died:
+        the policy's pick among the ready workers outside ``failed`` (a fresh pair) when there is one,
+        else among the ready workers but one of ``failed`` (the dead one is not ready; a peer that a
+        worker reported dead may still look ready here), as long as the pick differs from ``failed``;
+        None when no other route exists."""
+        ready = [h for h in self.handles.values() if h.state == READY]
+        old = {h.worker_id for h in failed.targets}
+        for skip in (old, *({w} for w in sorted(old))):
+            pool = [h for h in ready if h.worker_id not in skip]
+            try:
+                route = self.policy(pool, self.table.outstanding) if pool else None
+            except NoWorkerAvailable:
+                continue
+            if route is not None and {h.worker_id for h in route.targets} != old:
+                return route
+        return None
+
     def health(self) -> tuple[bool, str]:
         """(every worker ready, a one-line description of each worker's state)."""
         ok = all(h.state == READY for h in self.handles.values())
