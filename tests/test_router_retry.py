@@ -205,3 +205,35 @@ def test_http_retry_moves_the_counter_by_exactly_one(tokenizer, retries, stream)
         assert r.status_code == 503 and "worker w0 is unavailable" in r.json()["error"]["message"]
         assert retried == 0
     assert len(ctx.table) == 0
+
+
+def test_prefill_death_after_the_first_token_leaves_the_decoding_request_alone():
+    """Chaos finding: every request routed through a prefill worker failed with 503 when it died,
+    also those long past their prefill and decoding on a live decode worker."""
+    reg = registry("p0", "d0")
+
+    async def scenario():
+        s = session(reg)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4]))
+        assert (await s.next()).token_ids == [4]
+        assert reg.mark_dead("p0", "worker process exited with code -9") == []
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[6], finish_reason="length"))
+        return await s.next()
+
+    assert asyncio.run(scenario()).token_ids == [6]
+    assert len(reg.table) == 0
+
+
+def test_decode_death_after_the_first_token_still_fails_the_request():
+    reg = registry("p0", "d0")
+
+    async def scenario():
+        s = session(reg)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4]))
+        await s.next()
+        assert reg.mark_dead("d0", "worker process exited with code -9") == [s.rid]
+        return await s.next()
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(scenario())
+    assert e.value.status == 503 and "d0" in e.value.message
