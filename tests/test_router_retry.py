@@ -237,3 +237,43 @@ def test_decode_death_after_the_first_token_still_fails_the_request():
     with pytest.raises(APIError) as e:
         asyncio.run(scenario())
     assert e.value.status == 503 and "d0" in e.value.message
+
+
+def stats_of(reg: Registry, wid: str, instance: str = "i1", page_size: int = 1) -> WorkerStats:
+    return WorkerStats(worker_id=wid, instance=instance, role=reg.handles[wid].spec.role, model="m",
+                       capacity_tokens=100, max_model_len=100, page_size=page_size)
+
+
+def test_worker_back_as_a_new_process_within_the_lease_fails_what_the_old_one_held():
+    """Chaos finding: an external worker killed and started again faster than worker_timeout_s
+    never went dead, so the requests the old process held waited for the request timeout."""
+    reg = registry("p0", "p1", "d0", "d1")
+    reg.on_stats("d0", stats_of(reg, "d0", "i1"))
+    restarts = reg.handles["d0"].restarts
+
+    async def scenario():
+        s = session(reg)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4]))
+        await s.next()
+        reg.on_stats("d0", stats_of(reg, "d0", "i1"))  # same process: nothing happens
+        assert len(reg.table) == 1
+        reg.on_stats("d0", stats_of(reg, "d0", "i2"))
+        return await asyncio.wait_for(s.next(), 1)
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(scenario())
+    assert e.value.status == 503 and "worker d0 restarted (a new process answers at tcp://d0)" in e.value.message
+    assert reg.handles["d0"].state == "ready" and reg.handles["d0"].restarts == restarts + 1
+
+
+def test_decode_worker_with_a_page_size_no_prefill_worker_has_is_never_routed_to():
+    """Chaos finding: a decode worker restarted with another page size was ready, so requests were
+    routed to it and every one failed its KV handshake."""
+    reg = registry("p0", "d0", "d1")
+    reg.on_stats("d1", stats_of(reg, "d1", "i2", page_size=8))
+    assert reg.handles["d1"].state == "starting"
+    assert "its KV page size 8 matches no prefill worker's (1): no KV can move between them; start it with " \
+           "--page-size 1" in reg.health()[1]
+    assert all([h.worker_id for h in reg.route().targets] == ["p0", "d0"] for _ in range(3))
+    reg.on_stats("d1", stats_of(reg, "d1", "i3", page_size=1))
+    assert reg.handles["d1"].state == "ready"

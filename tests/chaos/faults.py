@@ -27,6 +27,7 @@ class Fault:
     when: tuple[str, ...] = ()  # victim queues of which one must be non-empty first
     stop_s: float = 0.0
     load: int = 1  # times the usual number of streams (more streams: KV pressure, retractions)
+    max_tokens: int | None = None  # instead of each prompt's own (longer: retracted requests wait longer)
 
 
 @dataclass
@@ -95,7 +96,7 @@ FAULTS = [
     Fault("kill -9 prefill mid-prefill", "kill", "prefill", ("waiting",)),
     Fault("kill -9 prefill mid-transfer", "kill", "prefill", ("bootstrap", "transfer")),
     Fault("kill -9 decode mid-decode", "kill", "decode", ("running",)),
-    Fault("kill -9 decode, requests retracted", "kill", "decode", ("retracted",), load=3),
+    Fault("kill -9 decode, requests retracted", "kill", "decode", ("retracted",), load=3, max_tokens=96),
     Fault("SIGSTOP prefill 6 s (> lease)", "stop", "prefill", ("waiting", "bootstrap"), 6.0),
     Fault("SIGSTOP decode 2 s (< lease)", "stop", "decode", ("running",), 2.0),
     Fault("SIGSTOP decode 6 s (> lease)", "stop", "decode", ("running",), 6.0),

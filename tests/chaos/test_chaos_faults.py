@@ -178,21 +178,32 @@ async def _wave(cluster: Cluster, fault: Fault, rng: random.Random, load):
 
 
 def restore(cluster: Cluster, fault: Fault, prompts, refs) -> list:
-    """After the page-size fault: a load while the worker runs with page size 8, then page size 16
-    again. Returns that load's outcomes (checked like the wave's)."""
+    """After the page-size fault: the router keeps the worker out of routing, saying why in
+    ``/health``, and a load meanwhile succeeds whole without a retry; then page size 16 again.
+    Returns that load's outcomes."""
     if fault.action != "page_size":
         return []
-    cluster.wait_recovered()  # every worker ready, decode-x with page size 8
+    deadline = time.monotonic() + 90
+    while "its KV page size 8 matches no prefill worker's (16)" not in (health := httpx.get(
+            f"{cluster.url}/health", timeout=5, trust_env=False).json()["workers"]):
+        assert time.monotonic() < deadline, health
+        time.sleep(0.25)
+    retries = cluster.counter("pdserve_router_retries_total")
     outcomes = asyncio.run(run_load(cluster.url, prompts))
+    assert [(o.error, o.tokens) for o in outcomes] == [(None, r) for r in refs]
+    assert cluster.counter("pdserve_router_retries_total") == retries
     cluster.external.kill()
     cluster.external.start()
-    check_outcomes(outcomes, refs)
     return outcomes
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
 def test_fault_under_load(cluster, prompts, refs, rng, fault):
     cluster.wait_recovered()
+    if fault.max_tokens is not None:  # this wave's own reference, from the server before the fault
+        prompts = [(p, fault.max_tokens) for p, _ in prompts]
+        refs = [o.tokens for o in asyncio.run(run_load(cluster.url, prompts))]
+        cluster.wait_recovered()
     before = cluster.metrics()
     router_pid = cluster.router_pid
     load, order = wave_load(prompts, rng, STREAMS * fault.load)
