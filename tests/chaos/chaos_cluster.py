@@ -100,9 +100,13 @@ def rss_bytes(pid: int) -> int:
 class ExternalDecode:
     """A decode worker this test runs itself (``pdserve worker``), routed to as a remote worker."""
 
-    def __init__(self, args: list[str], worker_id: str = "decode-x") -> None:
+    def __init__(self, args: list[str], avoid: range, worker_id: str = "decode-x") -> None:
+        """``avoid``: ports the launcher's workers will bind."""
         self.args, self.worker_id = list(args), worker_id
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        port = free_port()
+        while port in avoid:
+            port = free_port()
+        self.addr = f"tcp://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.TemporaryFile()
 
@@ -123,13 +127,17 @@ class ExternalDecode:
 class Cluster:
     """``pdserve launch --mode pd`` with ``prefill`` + ``decode`` local workers (+ one external decode)."""
 
-    def __init__(self, model_dir: Path, prefill: int, decode: int, args: list[str], external: bool = False) -> None:
+    def __init__(self, model_dir: Path, prefill: int, decode: int, args: list[str],
+                 external: list[str] | None = None) -> None:
+        """``external``: run one more decode worker with these flags on top of the cluster's."""
         common = ["--model", str(model_dir), "--health-interval-s", str(HEARTBEAT_S), "--cluster-id",
                   f"chaos-{os.getpid()}", "--log-level", "WARNING", *args]
-        self.external = ExternalDecode(common) if external else None
-        remote = ["--worker", f"decode={self.external.worker_id}={self.external.addr}"] if external else []
+        base = free_port()
+        ports = range(base, base + prefill + decode)
+        self.external = ExternalDecode(common + external, ports) if external is not None else None
+        remote = ["--worker", f"decode={self.external.worker_id}={self.external.addr}"] if self.external else []
         self.server = LaunchedServer(["--mode", "pd", "--prefill", str(prefill), "--decode", str(decode),
-                                      "--port", "0", "--base-port", str(free_port()), *common, *remote])
+                                      "--port", "0", "--base-port", str(base), *common, *remote])
 
     def start(self) -> str:
         """Start everything; the URL once ``/health`` is 200 (every worker ready)."""

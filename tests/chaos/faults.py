@@ -5,6 +5,8 @@ router's ``/metrics``; the figures lag by up to one heartbeat), then a seeded ra
 acts: ``kill`` (SIGKILL; the launcher restarts the worker), ``stop`` (SIGSTOP for ``stop_s``, then
 SIGCONT), ``hog`` (a busy-looping process beside the workers for the rest of the load) or
 ``page_size`` (SIGKILL the external decode worker and start it again with another page size).
+The external decode worker is killed and started again at once by the test itself (no launcher
+watches it), so the router may hear the new process before the old one's lease ran out.
 """
 from __future__ import annotations
 
@@ -26,8 +28,6 @@ class Fault:
     role: str = ""  # victim role (a local worker of it, chosen by the seeded RNG), or a worker id
     when: tuple[str, ...] = ()  # victim queues of which one must be non-empty first
     stop_s: float = 0.0
-    load: int = 1  # times the usual number of streams (more streams: KV pressure, retractions)
-    max_tokens: int | None = None  # instead of each prompt's own (longer: retracted requests wait longer)
 
 
 @dataclass
@@ -47,35 +47,43 @@ class Injected:
             self.hog.wait()
 
 
-def _victim(cluster: Cluster, fault: Fault, rng: random.Random) -> str:
-    if fault.role in ("prefill", "decode"):
-        local = [w for w in cluster.worker_ids(fault.role) if cluster.external is None
-                 or w != cluster.external.worker_id]
-        return rng.choice(local)
-    return fault.role
+def _candidates(cluster: Cluster, fault: Fault) -> list[str]:
+    """Workers the fault may hit: a worker id as given, else the launcher's workers of the role."""
+    if fault.role not in ("prefill", "decode"):
+        return [fault.role]
+    external = cluster.external.worker_id if cluster.external is not None else None
+    return [w for w in cluster.worker_ids(fault.role) if w != external]
 
 
-def _wait_for_work(cluster: Cluster, victim: str, queues: tuple[str, ...], timeout_s: float = 15.0) -> str:
-    """Poll until one of ``queues`` of ``victim`` is non-empty; a description of what was seen."""
+def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random, timeout_s: float = 8.0) -> tuple[str, str]:
+    """Poll until a candidate shows work in one of ``fault.when``'s queues; (victim, what was seen).
+    The victim is drawn (seeded) among those showing it, or among all if none did in time."""
+    candidates = _candidates(cluster, fault)
+    if not fault.when:
+        return rng.choice(candidates), "-"
     deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
+    while True:
         m = cluster.metrics()
-        seen = {q: metric_sum(m, "pdserve_queue_requests", worker=victim, queue=q) for q in queues}
-        last = ", ".join(f"{q}={v:g}" for q, v in seen.items())
-        if any(seen.values()):
-            return last
+        seen = {w: {q: metric_sum(m, "pdserve_queue_requests", worker=w, queue=q) for q in fault.when}
+                for w in candidates}
+        busy = [w for w in candidates if any(seen[w].values())]
+        if busy or time.monotonic() > deadline:
+            victim = rng.choice(busy or candidates)
+            what = ", ".join(f"{q}={v:g}" for q, v in seen[victim].items())
+            return victim, what if busy else f"not seen in {timeout_s:g}s ({what})"
         time.sleep(0.05)
-    return f"not seen in {timeout_s:g}s ({last})"
 
 
 def inject(cluster: Cluster, fault: Fault, rng: random.Random) -> Injected:
     """Wait for the moment, then act (blocking; a ``stop`` returns after SIGCONT)."""
-    victim = _victim(cluster, fault, rng)
-    observed = _wait_for_work(cluster, victim, fault.when) if fault.when else "-"
+    victim, observed = _wait_for_work(cluster, fault, rng)
     time.sleep(rng.uniform(0.0, 0.15))
     t = time.monotonic()
-    if fault.action == "kill":
+    external = cluster.external is not None and victim == cluster.external.worker_id
+    if fault.action == "kill" and external:  # no launcher restarts it: the test does, at once
+        cluster.external.kill()
+        cluster.external.start()
+    elif fault.action == "kill":
         signal_worker(cluster, victim, signal.SIGKILL)
     elif fault.action == "stop":
         signal_worker(cluster, victim, signal.SIGSTOP)
@@ -96,7 +104,8 @@ FAULTS = [
     Fault("kill -9 prefill mid-prefill", "kill", "prefill", ("waiting",)),
     Fault("kill -9 prefill mid-transfer", "kill", "prefill", ("bootstrap", "transfer")),
     Fault("kill -9 decode mid-decode", "kill", "decode", ("running",)),
-    Fault("kill -9 decode, requests retracted", "kill", "decode", ("retracted",), load=3, max_tokens=96),
+    # decode-x, the decode worker the test runs itself, retracts a request every 4 steps (a test knob)
+    Fault("kill -9 decode, requests retracted", "kill", "decode-x", ("retracted",)),
     Fault("SIGSTOP prefill 6 s (> lease)", "stop", "prefill", ("waiting", "bootstrap"), 6.0),
     Fault("SIGSTOP decode 2 s (< lease)", "stop", "decode", ("running",), 2.0),
     Fault("SIGSTOP decode 6 s (> lease)", "stop", "decode", ("running",), 6.0),

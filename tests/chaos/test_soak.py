@@ -1,6 +1,6 @@
 """Soak (issue 13, item 7): 5,000 short requests (``PDSERVE_SOAK_REQUESTS``) through a launched PD
-cluster (router, 1 prefill and 1 decode worker, tiny model, KV over NIXL) at concurrency 32, two
-tokens each; the RSS of every process (the router and each worker) is sampled every 250 requests.
+cluster (router, 1 prefill and 1 decode worker, tiny model, KV over NIXL) at concurrency 64, two
+tokens each (streamed); the RSS of every process (the router and each worker) is sampled every 250 requests.
 After the warm-up (the first fifth of the requests) no process may grow by 5 % or more, every
 request succeeds, and the pools end empty. Prints the figures and the run's duration."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from server.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
 
 REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "5000"))
-CONCURRENCY = 32
+CONCURRENCY = 64
 SAMPLE_EVERY = 250
 WARMUP = REQUESTS // 5
 MAX_GROWTH = 0.05
