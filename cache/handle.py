@@ -3,9 +3,11 @@ mini-sglang's cache handle).
 
 A scheduler keeps one ``KVHandle`` per request and reads ``pages`` (its block-table row); only
 ``KVManager`` creates, grows and empties handles. Each pool a model uses has its own
-``PoolPages`` inside the handle: today the full-attention pool (``full``); a sliding-window pool
-adds a second ``PoolPages`` with its own allocator and radix lock, and the per-pool invariant
-checks iterate over the handles' pools the same way.
+``PoolPages`` inside the handle: the full-attention pool (``full``) and, for sliding-window
+hybrids, the SWA pool (``swa``). ``swa.pages`` is indexed like ``full.pages`` (entry ``j`` holds
+tokens ``[j*P, (j+1)*P)`` of the SWA layers) and holds ``NO_PAGE`` where that KV is not resident
+(outside every window this request can still read, or never needed). Both pools share one radix
+node; the shared SWA entries that are not ``NO_PAGE`` are the ones the request holds SWA locks on.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ class PoolPages:
 
     @property
     def own(self) -> list[int]:
-        return self.pages[self.num_shared:]
+        """Pages owned by the request alone (``NO_PAGE`` entries skipped)."""
+        return [p for p in self.pages[self.num_shared:] if p >= 0]
 
     def clear(self) -> None:
         self.pages, self.num_shared, self.node = [], 0, None
@@ -38,6 +41,7 @@ class KVHandle:
     (they needed no compute and no transfer). Empty (no pages, no lock) after ``KVManager.free``."""
 
     full: PoolPages = field(default_factory=PoolPages)
+    swa: PoolPages | None = None
     cached_tokens: int = 0
 
     @property
@@ -46,5 +50,10 @@ class KVHandle:
         return self.full.pages
 
     @property
+    def swa_pages(self) -> list[int] | None:
+        """SWA-pool page ids by logical page (``NO_PAGE`` where not resident), or None."""
+        return self.swa.pages if self.swa is not None else None
+
+    @property
     def empty(self) -> bool:
-        return not self.full.pages and self.full.node is None
+        return not self.full.pages and self.full.node is None and not (self.swa and self.swa.pages)

@@ -9,7 +9,7 @@ pages; ~2x faster copies than a torch-allocated buffer on these machines) and wr
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,10 +19,13 @@ from cache.page_allocator import PageAllocator
 
 @dataclass
 class HostKV:
-    """A retracted request's KV in the host pool: ``pages[i]`` holds its device page i."""
+    """A retracted request's KV in the host pool: ``pages[i]`` holds the i-th device row that was
+    offloaded. ``swa_index``: the logical pages whose SWA KV is among them (sliding-window
+    hybrids: rows of the full pages come first, then those of these SWA pages)."""
 
     pages: list[int]
     num_tokens: int
+    swa_index: list[int] = field(default_factory=list)
 
 
 def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:

@@ -27,7 +27,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        buffer: torch.Tensor | None = None,
     ) -> None:
+        """``buffer``: an existing ``[num_pages, num_layers, 2, page_size, kv_heads, head_dim]``
+        tensor to use (a region of ``KVPools``' one allocation); a zeroed one is made otherwise."""
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"KV pool needs num_pages>0 and page_size>0, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -37,9 +40,12 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.buffer = torch.zeros(
-            (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        if buffer is None:
+            buffer = torch.zeros(shape, dtype=dtype, device=device)
+        elif tuple(buffer.shape) != shape or buffer.dtype != dtype:
+            raise ValueError(f"KV pool buffer is {tuple(buffer.shape)} {buffer.dtype}, expected {shape} {dtype}")
+        self.buffer = buffer
 
     @property
     def num_slots(self) -> int:

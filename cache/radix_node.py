@@ -20,7 +20,8 @@ class TreeNode:
     ``page_size`` tokens). The root has an empty key and no pages.
     """
 
-    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "id", "epoch", "evicted")
+    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "id", "epoch", "evicted",
+                 "swa", "swa_ref")
 
     def __init__(
         self, key: tuple, pages: np.ndarray, parent: TreeNode | None, node_id: int, epoch: int, tick: int
@@ -34,6 +35,8 @@ class TreeNode:
         self.id = node_id
         self.epoch = epoch
         self.evicted = False
+        self.swa: np.ndarray | None = None      # SWA trees: SWA page per page, -1 = tombstone
+        self.swa_ref: np.ndarray | None = None  # SWA trees: lock count per page
 
     @property
     def num_pages(self) -> int:
@@ -58,6 +61,7 @@ class MatchResult:
     pages: np.ndarray
     num_tokens: int
     node: TreeNode
+    swa: np.ndarray | None = None  # SWA trees: the SWA page of each matched page (-1 = tombstone)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class InsertResult:
     num_cached_tokens: int
     node: TreeNode
     duplicate_pages: list[int] = field(default_factory=list)
+    duplicate_swa_pages: list[int] = field(default_factory=list)  # SWA trees only
 
 
 def as_tokens(token_ids: Sequence[int] | np.ndarray) -> tuple:

@@ -1,8 +1,10 @@
 """PD decode retract: keep a victim's KV in the host pool and resume it locally, or drop it and
 have the prefill worker recompute it, whichever the cost model says is cheaper.
 
-Offload copies ``pages_for(kv_len)`` device pages (every token but the newest, which is the next
-step's input) into host pages, then frees the device pages. On CUDA the copy runs on a side
+Offload copies ``pages_for(kv_len)`` full pages (every token but the newest, which is the next
+step's input) and, for a sliding-window hybrid, only the SWA pages of its window
+(``SWAWindow.keep_start`` on), as unit rows of ``KVPools``, into host rows, then frees the
+device pages. On CUDA the copy runs on a side
 stream that is synchronized before the pages are released, so they are never reused early.
 The job then waits in ``queue`` (the ``retracted_queue``); ``resume_ready`` brings jobs back, in
 order, as soon as their pages plus the running batch's reserve fit: fresh device pages, KV
@@ -15,10 +17,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cache.host_pool import HostKVPool
 from cache.kv_manager import KVManager
+from cache.kv_pools import KVPools
+from cache.page_count import PageCount
 from decode_worker.jobs import DecodeJob
 from engine.request import Phase, Request
 from engine.scheduler.decode_memory import decode_pages_needed
@@ -45,11 +50,12 @@ class RetractStats:
 
 
 class RetractManager:
-    def __init__(self, kv: KVManager, device_buffer: torch.Tensor, host: HostKVPool | None,
+    def __init__(self, kv: KVManager, pools: KVPools, host: HostKVPool | None,
                  gather: Callable | None = None, costs: RetractCosts | None = None) -> None:
-        """``gather(buffer, pages)``: the page gather used to offload from a CUDA pool."""
+        """``gather(buffer, rows)``: the row gather used to offload from a CUDA pool."""
         self.kv = kv
-        self.device_buffer = device_buffer
+        self.pools = pools
+        self.device_buffer = device_buffer = pools.units
         self.host = host
         self.gather = gather
         self.costs = costs or RetractCosts()
@@ -59,12 +65,22 @@ class RetractManager:
         self.resume_seconds = Histogram(RETRACT_BUCKETS)
         self.stream = torch.cuda.Stream() if device_buffer.is_cuda else None
 
+    def _rows(self, req: Request) -> tuple[np.ndarray, list[int]]:
+        """The unit rows holding ``req``'s KV that a resume needs, and its SWA logical pages."""
+        n_pages = self.kv.pages_for(req.kv_len)
+        swa = req.kv.swa_pages
+        if swa is None:
+            return self.pools.unit_rows(req.kv.pages[:n_pages]), []
+        keep = self.kv.window.keep_start(req.kv_len) // self.kv.page_size
+        index = [j for j in range(keep, min(n_pages, len(swa))) if swa[j] >= 0]
+        return self.pools.unit_rows(req.kv.pages[:n_pages], [swa[j] for j in index]), index
+
     def choose(self, req: Request) -> str:
         """"offload" when the host pool has room and copying out and back beats recomputing."""
-        n_pages = self.kv.pages_for(req.kv_len)
-        if self.host is None or not self.host.can_hold(n_pages):
+        rows, _ = self._rows(req)
+        if self.host is None or not self.host.can_hold(len(rows)):
             return "recompute"
-        nbytes = n_pages * self.host.page_bytes
+        nbytes = len(rows) * self.host.page_bytes
         c = self.costs
         t_copy = 2 * nbytes / c.copy_bytes_per_s
         t_recompute = req.kv_len / c.prefill_tokens_per_s + nbytes / c.transfer_bytes_per_s
@@ -74,9 +90,9 @@ class RetractManager:
         """Copy the KV to the host pool, release the device pages (not into the radix cache) and
         park the job in ``queue``."""
         req, t0 = job.req, time.perf_counter()
-        n_pages = self.kv.pages_for(req.kv_len)
-        job.host_kv = self.host.offload(self.device_buffer, req.kv.pages[:n_pages], req.kv_len, self.stream,
-                                        self.gather)
+        rows, swa_index = self._rows(req)
+        job.host_kv = self.host.offload(self.device_buffer, rows.tolist(), req.kv_len, self.stream, self.gather)
+        job.host_kv.swa_index = swa_index
         if self.stream is not None:
             self.stream.synchronize()  # device pages must not be reused before the copy lands
         self.kv.free(req.kv)
@@ -84,7 +100,7 @@ class RetractManager:
         req.status = Phase.RETRACTED
         self.queue.append(job)
         self.stats.offloaded += 1
-        self.stats.offload_bytes += n_pages * self.host.page_bytes
+        self.stats.offload_bytes += len(rows) * self.host.page_bytes
         self.offload_seconds.observe(time.perf_counter() - t0)
 
     def resume_ready(self, running: list[Request], retract_steps: int) -> list[DecodeJob]:
@@ -95,8 +111,9 @@ class RetractManager:
             job = self.queue[0]
             reserve = decode_pages_needed(self.kv, running + [j.req for j in resumed], retract_steps)
             # capped at the pool: a request parked with a shorter reserve still comes back, alone
-            need = min(self.kv.pages_for(job.req.kv_len + retract_steps), self.kv.allocator.num_pages)
-            if self.kv.available_pages() - reserve < need or not self._load(job):
+            need = PageCount(min(self.kv.pages_for(job.req.kv_len + retract_steps), self.kv.allocator.num_pages),
+                             len(job.host_kv.swa_index))
+            if not (self.kv.available() - reserve).covers(need) or not self._load(job):
                 break
             resumed.append(self.queue.popleft())
         return resumed
@@ -104,10 +121,12 @@ class RetractManager:
     def _load(self, job: DecodeJob) -> bool:
         """Copy the KV back into fresh pages. False (nothing changed) if the pages are not there."""
         req, t0 = job.req, time.perf_counter()
-        n_pages = len(job.host_kv.pages)
-        if not self.kv.ensure_pages(req.kv, req.kv_len):
+        swa_index = job.host_kv.swa_index
+        if not self.kv.restore(req.kv, req.kv_len, swa_index):
             return False
-        self.host.load(self.device_buffer, job.host_kv, req.kv.pages[:n_pages])
+        n_pages = self.kv.pages_for(req.kv_len)
+        rows = self.pools.unit_rows(req.kv.pages[:n_pages], [req.kv.swa_pages[j] for j in swa_index])
+        self.host.load(self.device_buffer, job.host_kv, rows.tolist())
         job.host_kv = None
         self.stats.resumed += 1
         self.resume_seconds.observe(time.perf_counter() - t0)

@@ -38,7 +38,7 @@ class DecodeScheduler(WorkerScheduler):
         super().__init__(runner, kv)
         self.cfg = cfg
         self.transfers, self.retract, self.peers = transfers, retract, peers
-        self.executor = BatchExecutor(runner, eos_token_ids)
+        self.executor = BatchExecutor(runner, eos_token_ids, kv)
         self.running = RunningBatch(kv, self.executor, cfg.scheduler, self.stats)
         self.jobs: dict[str, DecodeJob] = {}
         self.transfer_failures = 0
@@ -49,7 +49,8 @@ class DecodeScheduler(WorkerScheduler):
             raise RequestRejected("a decode worker needs room and prefill_addr (PD mode)")
         if msg.rid in self.jobs:
             raise RequestRejected(f"duplicate request id {msg.rid!r}")
-        self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool")
+        tail = len(prompt) - self.kv.window.prealloc_start(len(prompt), self.kv.tree is not None) if self.kv.has_swa else 0
+        self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool", swa_tokens=tail)
         vocab = self.runner.model_config.vocab_size
         req = Request(msg.rid, list(prompt), msg.params, SamplerState.new(msg.params, vocab, prompt), owner=owner)
         job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt))
@@ -145,6 +146,7 @@ class DecodeScheduler(WorkerScheduler):
             self.transfer_failures += 1
             return self.finish(job, Outcome.abort(f"KV transfer rejected: {landing.error}", 500))
         req.kv_len = job.n_tokens
+        self.kv.drop_swa(req.kv, landing.manifest.swa_missing)
         req.mark("landed")
         if job.generation > 0:  # recomputed KV: resume decoding from the last output token
             self.running.add(req)
@@ -163,7 +165,7 @@ class DecodeScheduler(WorkerScheduler):
     def _admit(self) -> Outbox:
         ratio = self.running.ratio.value
         in_flight = [*self.running, *(j.req for j in self.transfers.inflight.values())]
-        free = self.kv.available_pages() - running_reservation_pages(self.kv, in_flight, ratio)
+        free = self.kv.available() - running_reservation_pages(self.kv, in_flight, ratio)
         slots = self.cfg.scheduler.max_running_requests - len(in_flight)
         out, unusable = self.transfers.admit(self.peers, free, ratio, slots)
         for job in unusable:
@@ -211,14 +213,13 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
     """A decode scheduler over ``runner``'s pool, with ``transport`` (pool registered here), its
     prefill peers and, when ``cluster.host_kv_pool_gb > 0``, a host pool for retracted KV.
     ``eos_token_ids`` defaults to the model's."""
-    transport.register_pool(runner.pool.buffer, runner.pool.page_bytes)
-    kv = KVManager(runner.allocator, runner.page_size, cfg.scheduler.enable_radix_cache)
+    transport.register_pool(runner.pools.units, runner.pools.unit_bytes)
+    kv = runner.make_kv_manager(cfg.scheduler.enable_radix_cache)
     host = None
     if cfg.cluster.host_kv_pool_gb > 0:
-        host = HostKVPool.for_device_pool(runner.pool.buffer, int(cfg.cluster.host_kv_pool_gb * 2**30))
-    hs = make_handshake(worker_id, model_name, runner.pool.layout_descriptor(), transport,
-                        cfg.cluster.cluster_id or "")
+        host = HostKVPool.for_device_pool(runner.pools.units, int(cfg.cluster.host_kv_pool_gb * 2**30))
+    hs = make_handshake(worker_id, model_name, runner.pools, transport, cfg.cluster.cluster_id or "")
     peers = PrefillPeers(hs, cfg.cluster.peer_timeout_s, cfg.cluster.progress_timeout_s)
-    retract = RetractManager(kv, runner.pool.buffer, host, gather_pages)
+    retract = RetractManager(kv, runner.pools, host, gather_pages)
     eos = tuple(runner.model_config.eos_token_ids) if eos_token_ids is None else eos_token_ids
     return DecodeScheduler(runner, cfg, kv, TransferTracker(kv, transport, worker_id), retract, peers, eos)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cache.kv_budget import prompt_growth
 from cache.kv_manager import KVManager
+from cache.page_count import PageCount
 from decode_worker.jobs import DecodeJob
 from decode_worker.manifest import manifest_error, parse_manifest
 from decode_worker.peers import PrefillPeers
@@ -65,7 +67,7 @@ class TransferTracker:
         return len(self.prealloc) + len(self.inflight)
 
     # ---- admission ----------------------------------------------------------------------------
-    def admit(self, peers: PrefillPeers, free: int, ratio: float, slots: int) -> tuple[Outbox, list[DecodeJob]]:
+    def admit(self, peers: PrefillPeers, free: PageCount, ratio: float, slots: int) -> tuple[Outbox, list[DecodeJob]]:
         """Reserve pages for prealloc jobs within ``free`` pages and ``slots`` requests.
         Returns (messages to prefill workers, jobs whose prefill worker is unusable)."""
         out, unusable = Outbox(), []
@@ -86,11 +88,13 @@ class TransferTracker:
             self._request_kv(job, out)
         return out, unusable
 
-    def _reserve(self, job: DecodeJob, free: int, ratio: float) -> int | None:
-        """Match the decode radix prefix and take the prompt's pages; None if over budget."""
-        req = job.req
-        extra = self.kv.pages_for(req.seq_len + reserved_tokens(req, ratio)) - self.kv.pages_for(job.n_tokens)
-        need = admit_prompt(self.kv, req, job.n_tokens, max(0, extra), free)
+    def _reserve(self, job: DecodeJob, free: PageCount, ratio: float) -> PageCount | None:
+        """Match the decode radix prefix and take the prompt's pages (for a sliding-window hybrid
+        only the SWA tail, from ``SWAWindow.prealloc_start``); None if over budget."""
+        req, kv = job.req, self.kv
+        extra = prompt_growth(kv, job.n_tokens, req.seq_len + reserved_tokens(req, ratio) - job.n_tokens)
+        swa_from = kv.window.prealloc_start(job.n_tokens, kv.tree is not None) if kv.has_swa else 0
+        need = admit_prompt(kv, req, job.n_tokens, extra, free, swa_from)
         if need is not None:
             job.decode_prefix_len = req.kv_len
         return need
@@ -106,7 +110,9 @@ class TransferTracker:
         log.debug("destination for %s room %d: %d pages", req.rid, job.room, len(req.kv.pages))
         dest = KVDestination(rid=req.rid, room=job.room, generation=job.generation,
                              decode_prefix_len=job.decode_prefix_len, n_tokens=job.n_tokens)
-        out.send(to, dest, np.asarray(req.kv.pages, dtype="<i4").tobytes())
+        swa = req.kv.swa_pages
+        out.send(to, dest, np.asarray(req.kv.pages, dtype="<i4").tobytes(),
+                 np.asarray(swa if swa is not None else [], dtype="<i4").tobytes())
 
     # ---- transfers ending -----------------------------------------------------------------------
     def landed(self) -> list[Landing]:

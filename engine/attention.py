@@ -6,7 +6,8 @@ Interface (``AttentionBackend``):
   layer, then returns attention output ``[tokens, num_heads * head_dim]`` for the new tokens.
 
 ``TorchBackend`` runs anywhere (default on CPU): it gathers each request's K/V through the block
-table and calls ``scaled_dot_product_attention`` with a causal / sliding-window mask.
+table of the layer's pool (only the keys inside a sliding layer's window) and calls
+``scaled_dot_product_attention`` with a causal / sliding-window mask.
 ``TritonBackend`` (CUDA) stores K/V and runs paged decode attention with the Triton kernels in
 ``engine/kernels``; extend steps reuse the torch gather path.
 """
@@ -18,51 +19,75 @@ import torch
 import torch.nn.functional as F
 
 from cache.kv_pool import KVPool
+from cache.kv_pools import KVPools
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
-class _GatherMeta:
-    """Per-step gather indices: request i's key j lives at (pages[i, j], offsets[j])."""
+class _Gather:
+    """Per-step gather indices of one (pool, window): request i's gathered key j is the token at
+    ``key_pos[i, j]`` (``starts[i] + j``), stored at ``(pages[i, j], offsets[i, j])``; ``valid``
+    marks positions that exist (``< seq_len``). A window gathers only what its queries can see."""
 
-    pages: torch.Tensor      # [B, max_len] int64
-    offsets: torch.Tensor    # [max_len] int64
-    key_pos: torch.Tensor    # [max_len] int64
-    out_pages: torch.Tensor  # [T] int64 page of each new token
-    out_offsets: torch.Tensor
+    pages: torch.Tensor      # [B, L] int64
+    offsets: torch.Tensor    # [B, L] int64
+    key_pos: torch.Tensor    # [B, L] int64
+    valid: torch.Tensor      # [B, L] bool
+    starts: list[int]
+
+
+def _gather_meta(table: torch.Tensor, batch: ForwardBatch, window: int | None) -> _Gather:
+    P = batch.page_size
+    prefixes = [s - e for s, e in zip(batch.seq_lens_cpu, batch.extend_lens_cpu)]
+    starts = [max(0, p - window + 1) if window else 0 for p in prefixes]
+    width = max(s - st for s, st in zip(batch.seq_lens_cpu, starts))
+    dev = table.device
+    key_pos = torch.as_tensor(starts, device=dev).unsqueeze(1) + torch.arange(width, device=dev)
+    valid = key_pos < batch.seq_lens.unsqueeze(1)
+    cols = torch.div(key_pos, P, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+    pages = torch.where(valid, torch.gather(table.long(), 1, cols), torch.zeros_like(cols))
+    return _Gather(pages, key_pos % P, key_pos, valid, starts)
 
 
 class TorchBackend:
-    """Reference paged attention built from torch ops (CPU and CUDA)."""
+    """Reference paged attention built from torch ops (CPU and CUDA).
 
-    def __init__(self, pool: KVPool, num_heads: int, scale: float, windows: list[int | None]) -> None:
-        self.pool = pool
+    Each layer reads its own pool (``KVPools.layer_pool``): full-attention layers the full pool,
+    sliding layers of a hybrid the SWA pool through the batch's SWA block table."""
+
+    def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None]) -> None:
+        self.pools = pools
         self.num_heads = num_heads
         self.scale = scale
         self.windows = windows
-        self._meta: _GatherMeta | None = None
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._batch: ForwardBatch | None = None
+        self._meta: dict[tuple[str, int | None], _Gather] = {}
+        self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
+
+    @property
+    def pool(self) -> KVPool:
+        return self.pools.full
 
     def prepare(self, batch: ForwardBatch) -> None:
-        P = batch.page_size
-        max_len = max(batch.seq_lens_cpu)
-        key_pos = torch.arange(max_len, device=batch.block_table.device)
-        page_cols = torch.div(key_pos, P, rounding_mode="floor")
-        max_pages = batch.block_table.shape[1]
-        pages = batch.block_table[:, page_cols.clamp(max=max_pages - 1)].long()
-        self._meta = _GatherMeta(
-            pages=pages,
-            offsets=key_pos % P,
-            key_pos=key_pos,
-            out_pages=torch.div(batch.out_slots, P, rounding_mode="floor"),
-            out_offsets=batch.out_slots % P,
-        )
-        self._masks = {}
+        self._batch, self._meta, self._masks = batch, {}, {}
+
+    def _layer(self, layer: int) -> tuple[str, KVPool, int]:
+        name, local = self.pools.layer_pool[layer]
+        return name, self.pools.pool(name), local
+
+    def _gather_of(self, name: str, window: int | None) -> _Gather:
+        if (name, window) not in self._meta:
+            table, _ = self._batch.pool_index(name)
+            self._meta[(name, window)] = _gather_meta(table, self._batch, window)
+        return self._meta[(name, window)]
 
     def store(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
-        m = self._meta
-        self.pool.k_layer(layer)[m.out_pages, m.out_offsets] = k.to(self.pool.dtype)
-        self.pool.v_layer(layer)[m.out_pages, m.out_offsets] = v.to(self.pool.dtype)
+        name, pool, local = self._layer(layer)
+        slots = self._batch.pool_index(name)[1]
+        P = self._batch.page_size
+        pages, offsets = torch.div(slots, P, rounding_mode="floor"), slots % P
+        pool.k_layer(local)[pages, offsets] = k.to(pool.dtype)
+        pool.v_layer(local)[pages, offsets] = v.to(pool.dtype)
 
     def forward(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
         self.store(k, v, layer)
@@ -70,49 +95,50 @@ class TorchBackend:
             return self._decode(q, layer, batch)
         return self._extend(q, k, v, layer, batch)
 
-    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self._meta
-        k = self.pool.k_layer(layer)[m.pages, m.offsets]  # [B, L, Hkv, D]
-        v = self.pool.v_layer(layer)[m.pages, m.offsets]
-        return k, v
+    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, _Gather]:
+        name, pool, local = self._layer(layer)
+        m = self._gather_of(name, self.windows[layer])
+        return pool.k_layer(local)[m.pages, m.offsets], pool.v_layer(local)[m.pages, m.offsets], m
 
-    def _mask(self, batch: ForwardBatch, window: int | None) -> torch.Tensor:
-        """Decode mask [B, 1, 1, L]: key valid and inside the sliding window."""
-        if window not in self._masks:
-            kp = self._meta.key_pos.unsqueeze(0)
-            seq = batch.seq_lens.unsqueeze(1)
-            mask = kp < seq
-            if window is not None:
-                mask &= kp >= seq - window
-            self._masks[window] = mask[:, None, None, :]
-        return self._masks[window]
+    def _mask(self, layer: int, batch: ForwardBatch, m: _Gather) -> torch.Tensor:
+        """Decode mask [B, 1, 1, L]: key exists and is inside the sliding window."""
+        key = (self._layer(layer)[0], self.windows[layer])
+        if key not in self._masks:
+            mask = m.valid
+            if key[1] is not None:
+                mask = mask & (m.key_pos >= batch.seq_lens.unsqueeze(1) - key[1])
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        k, v = self._gather(layer)
+        k, v, m = self._gather(layer)                    # [B, L, Hkv, D]
         qd = q.unsqueeze(2)                              # [B, H, 1, D]
         kd, vd = k.transpose(1, 2), v.transpose(1, 2)    # [B, Hkv, L, D]
-        mask = self._mask(batch, self.windows[layer])
         out = F.scaled_dot_product_attention(
-            qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, scale=self.scale, enable_gqa=True
+            qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=self._mask(layer, batch, m), scale=self.scale,
+            enable_gqa=True,
         )
         return out.reshape(q.shape[0], -1)
 
     def _extend(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
         """Per request: causal attention of its new tokens over prefix (from the pool) + new."""
         window = self.windows[layer]
-        k_all = v_all = None
+        gathered = None
         outs, start = [], 0
         for i, (seq, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
             qi = q[start:start + ext].transpose(0, 1)  # [H, E, D]
-            if seq == ext and window is None:  # no prefix: the chunk's own K/V, plain causal SDPA
+            if seq == ext:  # no prefix: the chunk's own K/V
                 ki, vi = k[start:start + ext].transpose(0, 1), v[start:start + ext].transpose(0, 1)
-                o = _sdpa_4d(qi, ki, vi, self.scale, is_causal=True)
+                mask = None if window is None else _extend_mask(0, ext, 0, seq, window, q.device)
+                o = _sdpa_4d(qi, ki, vi, self.scale, is_causal=mask is None, mask=mask)
             else:
-                if k_all is None:
-                    k_all, v_all = self._gather(layer)
-                ki = k_all[i, :seq].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-                vi = v_all[i, :seq].transpose(0, 1).to(q.dtype)
-                mask = _extend_mask(seq - ext, ext, seq, window, q.device)
+                if gathered is None:
+                    gathered = self._gather(layer)
+                k_all, v_all, m = gathered
+                n = seq - m.starts[i]
+                ki = k_all[i, :n].transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
+                vi = v_all[i, :n].transpose(0, 1).to(q.dtype)
+                mask = _extend_mask(seq - ext, ext, m.starts[i], seq, window, q.device)
                 o = _sdpa_4d(qi, ki, vi, self.scale, mask=mask)
             outs.append(o.transpose(0, 1).reshape(ext, -1))
             start += ext
@@ -130,10 +156,11 @@ def _sdpa_4d(q, k, v, scale: float, is_causal: bool = False, mask=None) -> torch
                                           scale=scale)[0]
 
 
-def _extend_mask(prefix: int, ext: int, seq: int, window: int | None, device) -> torch.Tensor:
-    """[ext, seq] bool: query at absolute position prefix+i sees keys j <= prefix+i (within window)."""
+def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | None, device) -> torch.Tensor:
+    """[ext, seq - key_start] bool: the query at absolute position prefix+i sees keys
+    ``key_start + j <= prefix + i`` (and inside the window)."""
     qpos = torch.arange(prefix, prefix + ext, device=device).unsqueeze(1)
-    kpos = torch.arange(seq, device=device).unsqueeze(0)
+    kpos = torch.arange(key_start, seq, device=device).unsqueeze(0)
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
@@ -146,30 +173,29 @@ class TritonBackend(TorchBackend):
     def store(self, k, v, layer: int) -> None:
         from engine.kernels import store_kv
 
-        store_kv(self.pool.k_layer(layer), self.pool.v_layer(layer), self._slots, k, v)
-
-    def prepare(self, batch: ForwardBatch) -> None:
-        super().prepare(batch)
-        self._slots = batch.out_slots
+        name, pool, local = self._layer(layer)
+        store_kv(pool.k_layer(local), pool.v_layer(local), self._batch.pool_index(name)[1], k, v)
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
         from engine.kernels import paged_decode_attention
 
+        name, pool, local = self._layer(layer)
         out = paged_decode_attention(
-            q, self.pool.k_layer(layer), self.pool.v_layer(layer), batch.block_table,
+            q, pool.k_layer(local), pool.v_layer(local), batch.pool_index(name)[0],
             batch.seq_lens, self.scale, batch.page_size, sliding_window=self.windows[layer],
         )
         return out.reshape(q.shape[0], -1)
 
 
-def make_backend(name: str, pool: KVPool, num_heads: int, scale: float, windows) -> TorchBackend:
+def make_backend(name: str, pools: KVPools, num_heads: int, scale: float, windows) -> TorchBackend:
     """``name``: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"."""
+    device = pools.full.device
     if name == "auto":
-        name = "triton" if pool.device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchBackend(pool, num_heads, scale, windows)
+        return TorchBackend(pools, num_heads, scale, windows)
     if name == "triton":
-        if pool.device.type != "cuda":
+        if device.type != "cuda":
             raise ValueError("attention_backend=triton needs a CUDA device; use --attention-backend torch")
-        return TritonBackend(pool, num_heads, scale, windows)
+        return TritonBackend(pools, num_heads, scale, windows)
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")

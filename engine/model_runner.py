@@ -7,12 +7,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cache.kv_pool import KVPool
+from cache.kv_manager import KVManager
+from cache.kv_pools import SWA, KVPools
 from cache.page_allocator import PageAllocator, ceil_div
+from cache.swa_window import SWAWindow
 from configs.engine import EngineConfig
 from engine.attention import make_backend
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.gemma3 import Gemma3Model
 from engine.model import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -25,12 +28,14 @@ class SeqChunk:
     """One request's share of a forward step.
 
     ``token_ids`` are the new tokens (positions ``prefix_len ..``); ``pages`` cover at least
-    ``prefix_len + len(token_ids)`` tokens and hold the prefix's KV already.
+    ``prefix_len + len(token_ids)`` tokens and hold the prefix's KV already. ``swa_pages``: the
+    SWA-pool entries by logical page (sliding-window hybrids), resident over the step's windows.
     """
 
     token_ids: list[int]
     prefix_len: int
     pages: list[int]
+    swa_pages: list[int] | None = None
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -43,6 +48,11 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[spec]
+
+
+def _attention_scale(mc: ModelConfig) -> float:
+    """Softmax scale: ``query_pre_attn_scalar ** -0.5`` for Gemma 3, ``head_dim ** -0.5`` otherwise."""
+    return getattr(mc, "query_pre_attn_scalar", mc.head_dim) ** -0.5
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -64,55 +74,93 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = LlamaModel(model_config, self.device, self.dtype)
+        model_cls = Gemma3Model if model_config.arch == "gemma3" else LlamaModel
+        self.model = model_cls(model_config, self.device, self.dtype)
         self.model.load_weights(weights)
-        num_pages = self._pool_pages()
-        self.pool = KVPool(num_pages, model_config.num_layers, self.page_size, model_config.num_kv_heads,
-                           model_config.head_dim, self.dtype, self.device)
-        self.allocator = PageAllocator(num_pages)
+        full_pages, swa_pages = self._pool_pages()
+        self.pools = KVPools(full_pages, swa_pages, model_config.layer_types, self.page_size,
+                             model_config.num_kv_heads, model_config.head_dim, self.dtype, self.device)
+        self.pool = self.pools.full
+        self.allocator = PageAllocator(full_pages)
+        self.swa_allocator = PageAllocator(swa_pages) if self.pools.swa is not None else None
+        self.window = SWAWindow(model_config.sliding_window, self.page_size) if self.swa_allocator else None
         windows = [model_config.sliding_window if t == "sliding_attention" else None
                    for t in model_config.layer_types]
-        self.backend = make_backend(cfg.attention_backend, self.pool, model_config.num_heads,
-                                    model_config.head_dim ** -0.5, windows)
-        log.info("KV pool: %d pages x %d tokens (%.1f MiB)", num_pages, self.page_size,
-                 self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20)
+        self.backend = make_backend(cfg.attention_backend, self.pools, model_config.num_heads,
+                                    _attention_scale(model_config), windows)
+        log.info("KV pool: %d pages x %d tokens%s (%.1f MiB)", full_pages, self.page_size,
+                 f" + SWA pool {swa_pages} pages (window {model_config.sliding_window})" if self.window else "",
+                 self.pools.nbytes / 2**20)
 
-    def _pool_pages(self) -> int:
-        mc = self.model_config
-        if self.cfg.kv_pool_tokens is not None:
-            return ceil_div(self.cfg.kv_pool_tokens, self.page_size)
-        per_page = mc.num_layers * 2 * self.page_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
-        fraction = self.cfg.kv_pool_fraction or (0.8 if self.device.type == "cuda" else 0.05)
-        return max(1, int(_free_memory_bytes(self.device) * fraction) // per_page)
+    def _pool_pages(self) -> tuple[int, int]:
+        """(full pages, SWA pages); the SWA pool exists for sliding layers unless sized 0."""
+        mc, P, cfg = self.model_config, self.page_size, self.cfg
+        n_swa = sum(t == "sliding_attention" for t in mc.layer_types) if cfg.swa_pool_tokens != 0 else 0
+        token_bytes = 2 * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        full_b, swa_b = (mc.num_layers - n_swa) * token_bytes, n_swa * token_bytes
+        if cfg.kv_pool_tokens is not None:
+            full_tokens = cfg.kv_pool_tokens
+        else:
+            fraction = cfg.kv_pool_fraction or (0.8 if self.device.type == "cuda" else 0.05)
+            budget = int(_free_memory_bytes(self.device) * fraction)
+            if n_swa and cfg.swa_pool_tokens:
+                budget -= cfg.swa_pool_tokens * swa_b
+            full_tokens = budget // (full_b + (0 if cfg.swa_pool_tokens else cfg.swa_pool_ratio * swa_b) or 1)
+        full_pages = max(1, ceil_div(int(full_tokens), P))
+        if not n_swa:
+            return full_pages, 0
+        swa_pages = (cfg.swa_pool_tokens or int(cfg.swa_pool_ratio * full_pages * P)) // P
+        need = SWAWindow(mc.sliding_window, P).max_pages()
+        if swa_pages < need:
+            raise ValueError(f"the SWA pool ({swa_pages} pages of {P} tokens) cannot hold one request's sliding window "
+                             f"({need} pages): raise --swa-pool-ratio or --swa-pool-tokens (0 keeps every layer in "
+                             f"the full pool)")
+        return full_pages, swa_pages
 
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_slots
 
+    def make_kv_manager(self, enable_radix_cache: bool) -> KVManager:
+        """The scheduler's KV manager over this runner's pools (and SWA pool, if any)."""
+        return KVManager(self.allocator, self.page_size, enable_radix_cache, self.swa_allocator, self.window)
+
     def build_batch(self, mode: ForwardMode, seqs: list[SeqChunk]) -> ForwardBatch:
         P = self.page_size
         ext = [len(s.token_ids) for s in seqs]
         seq_lens = [s.prefix_len + e for s, e in zip(seqs, ext)]
-        max_pages = max(ceil_div(n, P) for n in seq_lens)
-        table = np.zeros((len(seqs), max_pages), dtype=np.int64)
-        ids, pos, slots = [], [], []
-        for i, s in enumerate(seqs):
-            n_pages = ceil_div(seq_lens[i], P)
-            if len(s.pages) < n_pages:
-                raise ValueError(f"request needs {n_pages} pages for {seq_lens[i]} tokens, has {len(s.pages)}")
-            table[i, :n_pages] = s.pages[:n_pages]
-            p = np.arange(s.prefix_len, seq_lens[i])
-            ids.extend(s.token_ids)
-            pos.append(p)
-            slots.append(table[i, p // P] * P + p % P)
+        table, slots = _block_table([s.pages for s in seqs], seqs, seq_lens, P, "full")
+        ids = [t for s in seqs for t in s.token_ids]
+        pos = np.concatenate([np.arange(s.prefix_len, n) for s, n in zip(seqs, seq_lens)])
         dev = self.device
         as_t = lambda a: torch.as_tensor(a, dtype=torch.int64).to(dev)  # noqa: E731
-        return ForwardBatch(
-            mode=mode, input_ids=as_t(ids), positions=as_t(np.concatenate(pos)),
-            out_slots=as_t(np.concatenate(slots)), seq_lens=as_t(seq_lens), extend_lens=as_t(ext),
+        batch = ForwardBatch(
+            mode=mode, input_ids=as_t(ids), positions=as_t(pos),
+            out_slots=as_t(slots), seq_lens=as_t(seq_lens), extend_lens=as_t(ext),
             block_table=as_t(table), seq_lens_cpu=seq_lens, extend_lens_cpu=ext, page_size=P,
         )
+        if self.window is not None:
+            swa_table, swa_slots = _block_table([s.swa_pages for s in seqs], seqs, seq_lens, P, SWA)
+            batch.swa_block_table, batch.swa_out_slots = as_t(swa_table), as_t(swa_slots)
+        return batch
 
     def forward(self, mode: ForwardMode, seqs: list[SeqChunk]) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(seqs), vocab]`` of each last new token."""
         return self.model(self.build_batch(mode, seqs), self.backend)
+
+
+def _block_table(rows: list, seqs: list[SeqChunk], seq_lens: list[int], P: int, pool: str):
+    """``(table [B, max_pages], out_slots [T])`` of one pool; entries without a page read 0."""
+    table = np.zeros((len(seqs), max(ceil_div(n, P) for n in seq_lens)), dtype=np.int64)
+    slots = []
+    for i, (s, row) in enumerate(zip(seqs, rows)):
+        n_pages = ceil_div(seq_lens[i], P)
+        if row is None or len(row) < n_pages:
+            have = 0 if row is None else len(row)
+            raise ValueError(f"request needs {n_pages} {pool} pages for {seq_lens[i]} tokens, has {have}")
+        table[i, :n_pages] = np.maximum(np.asarray(row[:n_pages], dtype=np.int64), 0)
+        p = np.arange(s.prefix_len, seq_lens[i])
+        if pool == SWA and min((row[j] for j in set((p // P).tolist())), default=0) < 0:
+            raise ValueError(f"SWA pages of positions {s.prefix_len}..{seq_lens[i]} are not resident")
+        slots.append(table[i, p // P] * P + p % P)
+    return table, np.concatenate(slots)

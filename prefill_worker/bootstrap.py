@@ -26,7 +26,7 @@ GRACE_S = 5.0
 class EarlyDestination:
     source: Conn
     msg: KVDestination
-    pages: np.ndarray
+    pages: tuple[np.ndarray, np.ndarray]  # (full pages, SWA pages) of the KVDestination frames
     at: float = field(default_factory=time.monotonic)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cache.kv_pools import FULL, SWA, PoolGeometry
 from engine.scheduler.base import Conn
 from transfer.kv_transport import KVTransport
 from transfer.protocol import KVHandshake, TransferManifest
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 class _Peer:
     conn: Conn         # the decode worker's connection to our control socket
     transport_name: str
+    geometry: PoolGeometry  # where its pools sit in its unit rows
 
 
 @dataclass
@@ -34,11 +36,12 @@ class KVSender:
     """Owns the KV transport on the prefill side: decode peers that completed the handshake and
     the writes in flight. Sends no control messages itself."""
 
-    def __init__(self, transport: KVTransport, page_bytes: int, threaded: bool = True) -> None:
-        """``threaded=False`` runs writes inline (deterministic unit tests with the loopback
-        transport, whose writes complete inside ``write_pages``)."""
+    def __init__(self, transport: KVTransport, unit_bytes: int, threaded: bool = True) -> None:
+        """``unit_bytes``: size of one transport row (``KVPools.unit_bytes``). ``threaded=False``
+        runs writes inline (deterministic unit tests with the loopback transport, whose writes
+        complete inside ``write_pages``)."""
         self.transport = transport
-        self.page_bytes = page_bytes
+        self.page_bytes = unit_bytes
         self.peers: dict[str, _Peer] = {}
         self.inflight: list[_InFlight] = []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer") if threaded else None
@@ -62,9 +65,15 @@ class KVSender:
             name = self.transport.add_peer(base64.b64decode(hs.transport_metadata))
         except Exception as e:  # noqa: BLE001 - report any transport failure to the peer
             return f"could not connect to the decode worker's KV pool: {e}"
-        self.peers[hs.worker_id] = _Peer(conn, name)
+        self.peers[hs.worker_id] = _Peer(conn, name, PoolGeometry(*hs.pool_geometry))
         log.info("decode worker %s connected (transport peer %s)", hs.worker_id, name)
         return None
+
+    def dest_rows(self, decode_worker: str, full_pages, swa_pages) -> np.ndarray:
+        """The decode worker's unit rows of its ``full_pages`` then ``swa_pages``."""
+        g = self.peers[decode_worker].geometry
+        rows = [g.units(FULL, full_pages)] + ([g.units(SWA, swa_pages)] if len(swa_pages) else [])
+        return np.concatenate(rows)
 
     def conn_of(self, decode_worker: str) -> Conn | None:
         """The control connection of a decode worker that completed the handshake."""

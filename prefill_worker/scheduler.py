@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache.kv_manager import KVManager
 from configs.schema import PdserveConfig
 from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
@@ -46,6 +45,7 @@ class PrefillJob:
     dest: KVDestination | None = None
     dest_conn: Conn | None = None  # the decode worker's connection that asked for the KV
     dest_pages: np.ndarray | None = None
+    dest_swa: np.ndarray | None = None  # SWA pages by logical page (-1: not wanted); empty without SWA
     manifest: TransferManifest | None = None
     writing: bool = False
 
@@ -59,12 +59,12 @@ class PrefillScheduler(WorkerScheduler):
 
     def __init__(self, runner: ModelRunner, cfg: PdserveConfig, sender: KVSender, model_name: str,
                  worker_id: str) -> None:
-        super().__init__(runner, KVManager(runner.allocator, runner.page_size, cfg.scheduler.enable_radix_cache))
+        super().__init__(runner, runner.make_kv_manager(cfg.scheduler.enable_radix_cache))
         self.cfg = cfg
         self.worker_id = worker_id
         self.model_name = model_name
         self.admission = Admission(cfg.scheduler, self.kv, self.stats, reserve_decode=False)
-        self.executor = BatchExecutor(runner, ())
+        self.executor = BatchExecutor(runner, (), self.kv)
         self.sender = sender
         self.waiting: deque[Request] = deque()
         self.jobs: dict[tuple[int, int], PrefillJob] = {}
@@ -84,9 +84,10 @@ class PrefillScheduler(WorkerScheduler):
         if isinstance(msg, PrefillRequest):
             return self._on_prefill(source, msg, frame_ids(frames[0]))
         if isinstance(msg, KVDestination):
-            return self._on_destination(source, msg, np.frombuffer(frames[0], dtype="<i4").copy())
+            return self._on_destination(source, msg, np.frombuffer(frames[0], dtype="<i4").copy(),
+                                        np.frombuffer(frames[1], dtype="<i4").copy())
         if isinstance(msg, KVHandshake):
-            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.pool.layout_descriptor(),
+            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.pools.layout_descriptor(),
                                             self.cfg.cluster.cluster_id or "", self.worker_id)
             return _reply(source, KVHandshakeAck(ok=error is None, worker_id=self.worker_id, error=error))
         return None
@@ -109,7 +110,7 @@ class PrefillScheduler(WorkerScheduler):
         self.waiting.append(req)
         self.stats.prompt_tokens += len(ids)
         early = self.bootstrap.claim(job.key)
-        return self._on_destination(early.source, early.msg, early.pages) if early else Outbox()
+        return self._on_destination(early.source, early.msg, *early.pages) if early else Outbox()
 
     def _check_fits(self, n: int) -> None:
         if n == 0:
@@ -117,12 +118,13 @@ class PrefillScheduler(WorkerScheduler):
         if n > self.runner.capacity_tokens:
             raise RequestRejected(f"prompt ({n} tokens) exceeds the prefill worker's KV pool of "
                                   f"{self.runner.capacity_tokens} tokens; start it with a larger --kv-pool-tokens")
+        self.check_swa_fits(self.prefill_swa_tokens(n, self.cfg.scheduler.chunked_prefill_size))
 
-    def _on_destination(self, source: Conn, msg: KVDestination, pages: np.ndarray) -> Outbox:
+    def _on_destination(self, source: Conn, msg: KVDestination, pages: np.ndarray, swa: np.ndarray) -> Outbox:
         key = (msg.room, msg.generation)
         job = self.jobs.get(key)
         if job is None and (why := self.bootstrap.gone(key)) is None:
-            self.bootstrap.park(key, EarlyDestination(source, msg, pages))  # came before its PrefillRequest
+            self.bootstrap.park(key, EarlyDestination(source, msg, (pages, swa)))  # came before its PrefillRequest
             return Outbox()
         if job is None:  # it ended here: tell the decode side nothing will come
             return _reply(source, PrefillFailed(rid=msg.rid, room=msg.room, generation=msg.generation,
@@ -132,7 +134,7 @@ class PrefillScheduler(WorkerScheduler):
             return self.finish(job, Outcome.abort(f"destination mismatch: decode expects {msg.n_tokens} tokens from "
                                                   f"{msg.decode_prefix_len}, prefill has {len(job.req.prompt_ids)}",
                                                   500))
-        job.dest, job.dest_pages = msg, pages
+        job.dest, job.dest_pages, job.dest_swa = msg, pages, swa
         log.debug("destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages),
                   msg.decode_prefix_len)
         return self._start_transfers()  # the KV may be ready already: write now, not after the next step
@@ -183,17 +185,36 @@ class PrefillScheduler(WorkerScheduler):
         out = Outbox()
         for job in [j for j in self.jobs.values() if not j.writing and j.manifest and j.dest]:
             first, last = job.dest.decode_prefix_len // self.page_size, self.kv.pages_for(job.req.kv_len)
-            src = np.asarray(job.req.kv.pages[first:last], dtype=np.int32)
-            manifest = job.manifest.model_copy(update={"n_pages": len(src)}).sealed()
+            full = np.asarray(job.req.kv.pages[first:last], dtype=np.int32)
+            swa_src, swa_dst, missing = self._swa_pairs(job, first, last)
+            manifest = job.manifest.model_copy(update={"n_pages": len(full), "swa_pages": len(swa_src),
+                                                       "swa_missing": missing}).sealed()
             job.writing = True
             job.req.mark("write_start")
-            log.debug("transfer %s room %d: %d pages", job.req.rid, job.room, len(src))
+            log.debug("transfer %s room %d: %d pages + %d SWA pages", job.req.rid, job.room, len(full), len(swa_src))
             try:
-                self.sender.start(job, job.decode_worker, src, job.dest_pages[first:last], manifest)
+                src = self.runner.pools.unit_rows(full, swa_src)
+                dst = self.sender.dest_rows(job.decode_worker, job.dest_pages[first:last], swa_dst)
+                self.sender.start(job, job.decode_worker, src, dst, manifest)
             except Exception as e:  # noqa: BLE001 - any transport error fails this request only
                 job.writing = False
                 out.extend(self.finish(job, Outcome.abort(f"KV transfer could not start: {e}", 503)))
         return out
+
+    def _swa_pairs(self, job: PrefillJob, first: int, last: int) -> tuple[list[int], list[int], list[int]]:
+        """(own SWA pages, the decode pages they go to, logical pages asked for but no longer
+        here: margin pages outside the window that this worker's radix cache had tombstoned)."""
+        mine, want = job.req.kv.swa_pages or [], job.dest_swa
+        src, dst, missing = [], [], []
+        for j in range(first, min(last, len(want))):
+            if want[j] < 0:
+                continue
+            if j < len(mine) and mine[j] >= 0:
+                src.append(mine[j])
+                dst.append(int(want[j]))
+            else:
+                missing.append(j)
+        return src, dst, missing
 
     def _finish_transfers(self) -> Outbox:
         out = Outbox()
@@ -273,6 +294,6 @@ def create_prefill_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport,
                              threaded: bool = True) -> PrefillScheduler:
     """A prefill scheduler over ``runner``'s pool, writing through ``transport`` (pool registered
     here); ``threaded=False`` runs writes inline (deterministic in-process tests)."""
-    transport.register_pool(runner.pool.buffer, runner.pool.page_bytes)
-    sender = KVSender(transport, runner.pool.page_bytes, threaded=threaded)
+    transport.register_pool(runner.pools.units, runner.pools.unit_bytes)
+    sender = KVSender(transport, runner.pools.unit_bytes, threaded=threaded)
     return PrefillScheduler(runner, cfg, sender, model_name, worker_id)

@@ -40,7 +40,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(engine, sched)
+    try:
+        llm = LLM(engine, sched)
+    except (ValueError, FileNotFoundError) as e:  # unsupported model / flag combination: says what to change
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for r in llm.generate(args.prompt, params, chat=args.chat):
         if args.json:
             print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids,
@@ -110,7 +114,23 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if remote and "router" not in roles:
         print("pdserve launch: --worker is for the router; add router to --roles", file=sys.stderr)
         return 2
+    if roles - {"router"} and not _model_fits(cfg):
+        return 2
     return launch_main(cfg, roles if args.roles else None, remote)
+
+
+def _model_fits(cfg) -> bool:
+    """Start-up check of the model against the engine flags before any worker starts (reads no
+    weights); False after printing what to change."""
+    from engine.loader import check_startup
+    from engine.model_paths import resolve_model_path
+
+    try:
+        check_startup(resolve_model_path(cfg.engine.model), cfg.engine)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve launch: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _worker_parser(sub) -> None:

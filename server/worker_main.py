@@ -18,13 +18,13 @@ from server.worker_loop import WorkerLoop
 
 def load_runner(cfg: PdserveConfig):
     """(runner, model path) with the configured model loaded and the KV pool allocated."""
-    from engine.loader import load_model_weights
+    from engine.loader import load_for_engine
     from engine.model_paths import resolve_model_path
     from engine.model_runner import ModelRunner
 
     torch.manual_seed(cfg.engine.seed)
     path = resolve_model_path(cfg.engine.model)
-    model_config, weights = load_model_weights(path)
+    model_config, weights = load_for_engine(path, cfg.engine)
     return ModelRunner(cfg.engine, model_config, weights), path
 
 

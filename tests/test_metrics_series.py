@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.pd_local import PDHarness
-from conftest import engine_cfg, sched_cfg
+from conftest import engine_cfg, sched_cfg, tiny_config, tiny_weights
 from configs.schema import PdserveConfig
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
@@ -27,7 +27,7 @@ from transfer.protocol import GenerateRequest
 
 GAUGES = {"pdserve_kv_pool_pages", "pdserve_kv_pool_capacity_pages", "pdserve_queue_requests",
           "pdserve_new_token_ratio", "pdserve_host_kv_pool_bytes", "pdserve_worker_stats_age_seconds",
-          "pdserve_worker_up"}
+          "pdserve_worker_up", "pdserve_swa_pool_pages", "pdserve_swa_pool_capacity_pages"}
 COVERED = {*(n for n, _ in WORKER_COUNTERS.values()), *(n for n, _ in WORKER_HISTOGRAMS.values()),
            "pdserve_request_phase_seconds", *GAUGES}
 OUT = 16
@@ -59,11 +59,18 @@ def greedy(n=OUT):
     return SamplingParams(max_new_tokens=n, temperature=0)
 
 
+def swa_scheduler(window=8, **sched) -> ColocatedScheduler:
+    """A colocated scheduler over a tiny sliding/full hybrid with an SWA pool of 16 pages."""
+    cfg = tiny_config(num_layers=4, sliding_window=window, layer_types=("sliding_attention", "full_attention") * 2)
+    runner = ModelRunner(engine_cfg(kv_pool_tokens=256, page_size=4, swa_pool_tokens=64), cfg, tiny_weights(cfg))
+    return ColocatedScheduler(runner, sched_cfg(**sched), ())
+
+
 def test_every_exported_worker_series_is_covered_here(tiny):
     sched = ColocatedScheduler(ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ())
     h = PDHarness(pd_cfg(), pd_cfg(), tiny[0], tiny[1])
     names = {n.removesuffix("_total").removesuffix("_count").removesuffix("_sum").removesuffix("_bucket")
-             for n, _ in scrape(sched, h.prefill, h.decode)}
+             for n, _ in scrape(sched, h.prefill, h.decode, swa_scheduler())}
     h.close()
     assert names == COVERED
 
@@ -186,3 +193,29 @@ def test_transfer_failure_series(tiny, monkeypatch):
     assert val(scrape(h.prefill, h.decode), "pdserve_transfer_failures_total", worker="w1") == 1
     h.check_clean()
     h.close()
+
+
+def test_swa_series():
+    """SWA pool gauges by state, pages the window freed, and refusals for the SWA pool."""
+    sched = swa_scheduler()
+    m0 = scrape(sched)
+    assert val(m0, "pdserve_swa_pool_capacity_pages") == 16 and val(m0, "pdserve_swa_pool_pages", state="free") == 16
+    a = prompts(1, 30, seed=4)[0]                   # 8 pages; window 8 at page 4 keeps 4 pages decoding
+    sched.add(b"", GenerateRequest(rid="a", params=greedy(10)), a)
+    sched.step()                                    # prefill: all 8 SWA pages, then the window
+    mid = scrape(sched)
+    used = val(mid, "pdserve_swa_pool_pages", state="used")
+    assert 0 < used <= sched.kv.window.max_pages()
+    assert val(mid, "pdserve_swa_pages_released_total") == 8 - used
+    while sched.has_work:
+        sched.step()
+    m = scrape(sched)
+    released = val(m, "pdserve_swa_pages_released_total")
+    cached = val(m, "pdserve_swa_pool_pages", state="cached")
+    assert val(m, "pdserve_swa_pool_pages", state="used") == 0
+    # 39 tokens of KV: its 9 whole SWA pages were freed by the window or went to the cache (the
+    # partial tenth was freed at the end, like a full-pool page)
+    assert (released, cached) == (7, 2)
+    with pytest.raises(RequestRejected, match="--swa-pool-tokens"):
+        sched.add(b"", GenerateRequest(rid="big", params=greedy(2)), prompts(1, 70, seed=5)[0])
+    assert val(scrape(sched), "pdserve_swa_rejections_total") == 1

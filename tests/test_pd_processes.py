@@ -32,11 +32,12 @@ class PDPair:
 
     def __init__(self, model_dir, decode_pool: int, host_gb: float, decode_page_size: int = 4,
                  backend: str = "nixl", decode_backend: str | None = None, cluster: dict | None = None,
-                 prefill_sched: dict | None = None, decode_sched: dict | None = None, **sched):
-        """``cluster`` updates both workers' cluster section; ``prefill_sched``/``decode_sched``
-        one worker's scheduler section (``sched``: both)."""
+                 prefill_sched: dict | None = None, decode_sched: dict | None = None, engine: dict | None = None,
+                 **sched):
+        """``cluster`` updates both workers' cluster section, ``engine`` their engine section;
+        ``prefill_sched``/``decode_sched`` one worker's scheduler section (``sched``: both)."""
         self.cfg = PdserveConfig.model_validate({
-            "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096},
+            "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096, **(engine or {})},
             "scheduler": sched, "server": {"health_interval_s": 0.5},
             "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0,
                         "transfer_fence_s": 3.0, "transfer_backend": backend, **(cluster or {})}})

@@ -14,6 +14,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from cache.host_pool import HostKV, HostKVPool
 from cache.kv_manager import KVManager
 from cache.page_allocator import PageAllocator
+from cache.page_count import PageCount
+from cache.swa_window import SWAWindow
 
 PAGE = 4
 NUM_PAGES = 24
@@ -54,14 +56,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         return self._admit(list(r.tokens), 0) if r in self.live else None
 
     def _admit(self, tokens, extra):
-        got = self.kv.reserve_prompt(tokens, len(tokens), extra, budget=NUM_PAGES)
+        got = self.kv.reserve_prompt(tokens, len(tokens), PageCount(extra), budget=PageCount(NUM_PAGES))
         if got is None:
             return None
         handle, charged = got
         assert handle.cached_tokens % PAGE == 0 and handle.cached_tokens < len(tokens)
         for i, p in enumerate(handle.pages[: handle.cached_tokens // PAGE]):
             assert self.shadow[p] == tuple(tokens[i * PAGE:(i + 1) * PAGE]), "the cache gave a page of other tokens"
-        assert charged == self.kv.pages_for(len(tokens)) - handle.cached_tokens // PAGE + extra
+        assert charged == PageCount(self.kv.pages_for(len(tokens)) - handle.cached_tokens // PAGE + extra)
         r = Live(handle, list(tokens))
         self._write(r, handle.cached_tokens)
         self.live.append(r)
@@ -156,3 +158,55 @@ TestKVManager = KVManagerMachine.TestCase
 TestKVManager.settings = SETTINGS
 TestHostPool = HostPoolMachine.TestCase
 TestHostPool.settings = SETTINGS
+
+
+WINDOW = 6  # a window of 6 tokens over pages of 4: matches need 2 pages of SWA KV before them
+
+
+class SWAKVManagerMachine(KVManagerMachine):
+    """The same rules over a sliding-window hybrid's two pools, plus window releases and SWA
+    evictions: per-pool accounting, per-pool lock balance (``check_integrity`` of the SWA tree),
+    and every SWA page the cache hands out holds the tokens it was matched for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVManager(PageAllocator(NUM_PAGES), PAGE, True, PageAllocator(NUM_PAGES), SWAWindow(WINDOW, PAGE))
+        self.swa_shadow: dict[int, tuple[int, ...]] = {}
+
+    def _write(self, r: Live, start_token: int) -> None:
+        super()._write(r, start_token)
+        swa = r.handle.swa.pages
+        for i in range(start_token // PAGE, self.kv.pages_for(len(r.tokens))):
+            assert swa[i] >= 0, "a page being computed has no SWA page"
+            self.swa_shadow[swa[i]] = tuple(r.tokens[i * PAGE:(i + 1) * PAGE])
+
+    def _admit(self, tokens, extra):
+        got = self.kv.reserve_prompt(tokens, len(tokens), PageCount(extra), budget=self.kv.available())
+        if got is None:
+            return None
+        handle, _ = got
+        swa = handle.swa
+        needed = self.kv.window.needed_from(handle.cached_tokens) // PAGE
+        for i in range(needed, swa.num_shared):  # the window of the match is resident and right
+            assert swa.pages[i] >= 0 and self.swa_shadow[swa.pages[i]] == tuple(tokens[i * PAGE:(i + 1) * PAGE])
+        r = Live(handle, list(tokens))
+        self._write(r, handle.cached_tokens)
+        self.live.append(r)
+        return r
+
+    @rule(r=KVManagerMachine.requests)
+    def slide_window(self, r):
+        if r in self.live:
+            self.kv.release_window(r.handle, len(r.tokens))
+
+    @rule(n=st.integers(1, NUM_PAGES))
+    def evict_swa(self, n):
+        self.kv.evict_swa(n)
+
+    def teardown(self):
+        super().teardown()
+        assert self.kv.swa_allocator.num_free() == NUM_PAGES
+
+
+TestSWAKVManager = SWAKVManagerMachine.TestCase
+TestSWAKVManager.settings = SETTINGS

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: cluster_id in KVHandshake and WorkerStats
+PROTOCOL_VERSION = 3  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry
 
 
 class ProtocolError(ValueError):
@@ -68,6 +68,7 @@ class KVHandshake(Message):
     cluster_id: str = ""
     model: str
     layout: dict
+    pool_geometry: tuple[int, int, int] = (0, 1, 0)  # cache.kv_pools.PoolGeometry of the decode pools
     transport: str
     transport_metadata: str  # base64
 
@@ -81,8 +82,10 @@ class KVHandshakeAck(Message):
 class KVDestination(Message):
     """Decode -> prefill: write tokens ``[decode_prefix_len, n_tokens)`` into these pages.
 
-    Frame 0: int32 page ids covering the whole prompt (page j holds tokens ``[j*P, (j+1)*P)``);
-    ``decode_prefix_len`` is page aligned (the decode side's radix cache holds the prefix).
+    Frame 0: int32 full-pool page ids covering the whole prompt (page j holds tokens
+    ``[j*P, (j+1)*P)``); ``decode_prefix_len`` is page aligned (the decode side's radix cache
+    holds the prefix). Frame 1: the SWA-pool pages by logical page (-1: not wanted), empty for
+    models without an SWA pool; only the SWA tail is preallocated.
     """
 
     rid: str
@@ -90,7 +93,7 @@ class KVDestination(Message):
     generation: int
     decode_prefix_len: int
     n_tokens: int
-    n_frames: ClassVar[int] = 1
+    n_frames: ClassVar[int] = 2
 
 
 class PrefillFailed(Message):
@@ -117,6 +120,8 @@ class TransferManifest(BaseModel):
     generation: int
     n_tokens: int
     n_pages: int
+    swa_pages: int = 0
+    swa_missing: list[int] = []  # logical pages whose SWA KV the prefill side no longer had
     first_token: int
     first_logprob: float | None = None
     first_top_logprobs: list[tuple[int, float]] | None = None

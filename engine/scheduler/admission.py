@@ -13,7 +13,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cache.kv_budget import decode_growth, prompt_growth
 from cache.kv_manager import KVManager
+from cache.page_count import PageCount
 from configs.scheduler import SchedulerConfig
 from engine.request import Phase, Request
 from engine.scheduler.stats import SchedulerStats
@@ -37,16 +39,21 @@ def reserved_tokens(req: Request, ratio: float) -> int:
     return math.ceil(req.remaining_new_tokens() * r)
 
 
-def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: float) -> int:
+def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: float) -> PageCount:
     """Pages the admitted requests may still take: up to ``seq_len + reserved_tokens`` each."""
-    return sum(max(0, kv.pages_for(r.seq_len + reserved_tokens(r, ratio)) - len(r.kv.pages)) for r in running)
+    total = PageCount()
+    for r in running:
+        total += decode_growth(kv, r.kv, r.seq_len, reserved_tokens(r, ratio))
+    return total
 
 
-def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra_pages: int, budget: int) -> int | None:
-    """Give ``req`` its cached prefix plus pages for ``n_tokens`` of ``all_ids`` if they (and
-    ``extra_pages``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len`` (the cached tokens).
-    Returns the pages charged, or None with ``req`` untouched."""
-    got = kv.reserve_prompt(req.all_ids, n_tokens, extra_pages, budget)
+def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra: PageCount, budget: PageCount,
+                 swa_from: int = 0, swa_chunk: int | None = None) -> PageCount | None:
+    """Give ``req`` its cached prefix plus pages for ``n_tokens`` of ``all_ids`` (SWA pages from
+    ``swa_from``, for the first ``swa_chunk`` uncached tokens only when given) if they (and
+    ``extra``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len`` (the cached tokens). Returns
+    the pages charged, or None with ``req`` untouched."""
+    got = kv.reserve_prompt(req.all_ids, n_tokens, extra, budget, swa_from, swa_chunk)
     if got is None:
         return None
     req.kv, charged = got
@@ -73,17 +80,21 @@ class Admission:
         budget = self.cfg.chunked_prefill_size
         items: list[ExtendItem] = []
         if self.chunked is not None:
-            req, self.chunked = self.chunked, None
+            req = self.chunked
+            if not self.kv.ensure_pages(req.kv, req.kv_len + min(req.seq_len - req.kv_len, max(budget, 1))):
+                return []  # its next chunk's SWA pages are not free yet: decode first, which frees some
+            self.chunked = None
             items.append(self._chunk(req, budget))
             budget -= items[-1].length
-        free_pages = self.kv.available_pages()
+        free_pages = self.kv.available()
         if self.reserve_decode:
             free_pages -= running_reservation_pages(self.kv, running, ratio)
         while waiting and budget > 0 and self.chunked is None:
             if len(running) + len(items) >= self.cfg.max_running_requests:
                 break
             req = waiting[0]
-            need = admit_prompt(self.kv, req, req.seq_len, self._reservation_pages(req, ratio), free_pages)
+            need = admit_prompt(self.kv, req, req.seq_len, self._reservation_pages(req, ratio), free_pages,
+                                swa_chunk=max(budget, 1))
             if need is None:
                 break
             req.status = Phase.PREFILLING
@@ -96,12 +107,11 @@ class Admission:
             budget -= items[-1].length
         return items
 
-    def _reservation_pages(self, req: Request, ratio: float) -> int:
+    def _reservation_pages(self, req: Request, ratio: float) -> PageCount:
         """Pages beyond the prompt's that the request's future decode tokens are expected to take."""
         if not self.reserve_decode:
-            return 0
-        total = req.seq_len + reserved_tokens(req, ratio)
-        return max(0, self.kv.pages_for(total) - self.kv.pages_for(req.seq_len))
+            return PageCount()
+        return prompt_growth(self.kv, req.seq_len, reserved_tokens(req, ratio))
 
     def _chunk(self, req: Request, budget: int) -> ExtendItem:
         length = min(req.seq_len - req.kv_len, max(budget, 1))

@@ -167,7 +167,10 @@ class WorkerScheduler(abc.ABC):
         """KV handles of every request that holds or may hold pages on this worker."""
 
     def snapshot(self) -> Snapshot:
-        return Snapshot({k: float(v) for k, v in self.stats.as_dict().items()}, self.pool_gauges())
+        counters = {k: float(v) for k, v in self.stats.as_dict().items()}
+        if self.kv.has_swa:
+            counters["swa_pages_released"] = float(self.kv.swa_pages_released)
+        return Snapshot(counters, self.pool_gauges())
 
     @property
     def capacity_tokens(self) -> int:
@@ -181,19 +184,45 @@ class WorkerScheduler(abc.ABC):
     def page_size(self) -> int:
         return self.runner.page_size
 
-    def reject_if_unfit(self, prompt_len: int, max_new_tokens: int, pool: str = "KV cache pool") -> None:
-        """``check_fits`` against this worker's pool and context, counting refusals."""
+    def reject_if_unfit(self, prompt_len: int, max_new_tokens: int, pool: str = "KV cache pool",
+                        swa_tokens: int | None = None) -> None:
+        """``check_fits`` against this worker's pool and context, and against its SWA pool for
+        ``swa_tokens`` (default: the whole prompt) of SWA KV at admission, counting refusals."""
         try:
             check_fits(prompt_len, max_new_tokens, self.capacity_tokens, self.max_model_len, pool)
+            self.check_swa_fits(prompt_len if swa_tokens is None else swa_tokens)
         except RequestRejected:
             self.stats.rejected_requests += 1
             raise
+
+    def prefill_swa_tokens(self, prompt_len: int, chunk: int) -> int:
+        """SWA KV a prompt holds at once while it is prefilled in chunks of ``chunk`` tokens: one
+        chunk plus the window before it."""
+        window = self.kv.window.max_pages() * self.kv.page_size if self.kv.has_swa else 0
+        return min(prompt_len, chunk + window)
+
+    def check_swa_fits(self, swa_tokens: int) -> None:
+        """Refuse a request whose SWA KV at admission (or its decode window) exceeds the SWA pool."""
+        kv = self.kv
+        if not kv.has_swa:
+            return
+        need, have = max(kv.pages_for(swa_tokens), kv.window.max_pages()), kv.swa_allocator.num_pages
+        if need > have:
+            self.stats.swa_rejections += 1
+            raise RequestRejected(f"this request needs {need} pages of the sliding-window KV pool at once, which "
+                                  f"has {have} ({have * kv.page_size} tokens); shorten the prompt or start the "
+                                  f"worker with a larger --swa-pool-tokens")
 
     def check_integrity(self) -> None:
         """Pool invariant (free + used + cached == total), radix locks, allocator consistency."""
         self.kv.check_integrity(self.live_handles())
 
     def pool_gauges(self) -> dict[str, float]:
-        u = self.kv.usage(self.live_handles())
-        return {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
-                "kv_pages_total": u.total}
+        live = self.live_handles()
+        u = self.kv.usage(live)
+        gauges = {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
+                  "kv_pages_total": u.total}
+        if (s := self.kv.usage(live, "swa")) is not None:
+            gauges.update(swa_pages_free=s.free, swa_pages_used=s.used, swa_pages_cached=s.cached,
+                          swa_pages_total=s.total)
+        return gauges

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import deque
 
 from cache.handle import KVHandle
-from cache.kv_manager import KVManager
 from configs.scheduler import SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
@@ -27,10 +26,10 @@ class ColocatedScheduler(WorkerScheduler):
     role = "colocated"
 
     def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, eos_token_ids: tuple[int, ...]) -> None:
-        super().__init__(runner, KVManager(runner.allocator, runner.page_size, cfg.enable_radix_cache))
+        super().__init__(runner, runner.make_kv_manager(cfg.enable_radix_cache))
         self.cfg = cfg
         self.admission = Admission(cfg, self.kv, self.stats)
-        self.executor = BatchExecutor(runner, eos_token_ids)
+        self.executor = BatchExecutor(runner, eos_token_ids, self.kv)
         self.running = RunningBatch(self.kv, self.executor, cfg, self.stats)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
@@ -40,7 +39,8 @@ class ColocatedScheduler(WorkerScheduler):
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
         if msg.rid in self.requests:
             raise RequestRejected(f"duplicate request id {msg.rid!r}")
-        self.reject_if_unfit(len(prompt), msg.params.max_new_tokens)
+        self.reject_if_unfit(len(prompt), msg.params.max_new_tokens,
+                             swa_tokens=self.prefill_swa_tokens(len(prompt), self.cfg.chunked_prefill_size))
         vocab = self.runner.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cache.kv_budget import fits_alone
 from cache.kv_manager import KVManager
+from cache.page_count import PageCount
 from engine.request import Request
 
 OOM_ABORT_MESSAGE = (
@@ -19,21 +21,23 @@ OOM_ABORT_MESSAGE = (
 )
 
 
-def decode_pages_needed(kv: KVManager, reqs: list[Request], steps: int) -> int:
-    """New pages ``reqs`` need to decode ``steps`` more tokens each."""
-    return sum(max(0, kv.pages_for(r.kv_len + steps) - len(r.kv.pages)) for r in reqs)
+def decode_pages_needed(kv: KVManager, reqs: list[Request], steps: int) -> PageCount:
+    """New pages (per pool) ``reqs`` need to decode ``steps`` more tokens each."""
+    total = PageCount()
+    for r in reqs:
+        total += kv.prompt_demand(r.kv, r.kv_len + steps)
+    return total
 
 
 def check_decode_mem(kv: KVManager, reqs: list[Request], steps: int = 1) -> bool:
     """True iff ``reqs`` can decode ``steps`` more tokens, after evicting the radix cache."""
     need = decode_pages_needed(kv, reqs, steps)
-    kv.evict(need)
-    return kv.allocator.num_free() >= need
+    return kv.make_free(need)
 
 
 def fits_empty_pool(kv: KVManager, req: Request, steps: int = 1) -> bool:
     """True iff ``req`` could decode ``steps`` more tokens with the whole pool to itself."""
-    return kv.pages_for(req.kv_len + steps) <= kv.allocator.num_pages
+    return fits_alone(kv, req.kv_len + steps)
 
 
 def victim_order(reqs: list[Request]) -> list[Request]:

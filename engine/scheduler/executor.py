@@ -6,6 +6,7 @@ token itself, which is not part of the output); a request that finished has ``fi
 """
 from __future__ import annotations
 
+from cache.kv_manager import KVManager
 from engine.forward_batch import ForwardMode
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.request import Phase, Request
@@ -35,20 +36,29 @@ def token_delta(req: Request, tok: int, logprob: float | None, top: list | None,
 
 
 class BatchExecutor:
-    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...]) -> None:
+    """``kv``: the scheduler's KV manager; after every forward each request's SWA pages that
+    left its window go back to the pool (``KVManager.release_window``)."""
+
+    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], kv: KVManager | None = None) -> None:
         self.runner = runner
+        self.kv = kv
         self.sampler = Sampler()
         self.eos = frozenset(eos_token_ids)
+
+    def _advance(self, req: Request, n: int) -> None:
+        req.kv_len += n
+        if self.kv is not None:
+            self.kv.release_window(req.kv, req.kv_len)
 
     def extend(self, items: list[ExtendItem]) -> list[tuple[Request, TokenDelta]]:
         """Compute the items' tokens; requests whose prompt completes get their next token and
         become RUNNING (or FINISHED)."""
-        seqs = [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages)
-                for i in items]
+        seqs = [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages,
+                         i.req.kv.swa_pages) for i in items]
         logits = self.runner.forward(ForwardMode.EXTEND, seqs)
         done = [k for k, i in enumerate(items) if i.completes]
         for i in items:
-            i.req.kv_len += i.length
+            self._advance(i.req, i.length)
         for k in done:
             items[k].req.status = Phase.RUNNING
             items[k].req.mark("prefilled")
@@ -56,11 +66,11 @@ class BatchExecutor:
 
     def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
         """One token for each request; pages for position ``kv_len`` must already be allocated."""
-        seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages)
-                for r in reqs]
+        seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages,
+                         r.kv.swa_pages) for r in reqs]
         logits = self.runner.forward(ForwardMode.DECODE, seqs)
         for r in reqs:
-            r.kv_len += 1
+            self._advance(r, 1)
         return self._sample(logits, reqs)
 
     def _sample(self, logits, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:

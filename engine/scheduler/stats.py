@@ -11,6 +11,7 @@ class SchedulerStats:
     retracted_output_tokens: int = 0
     oom_aborts: int = 0
     rejected_requests: int = 0
+    swa_rejections: int = 0  # refused because their SWA KV cannot fit the SWA pool
     prompt_tokens: int = 0
     prefill_computed_tokens: int = 0
     cached_prompt_tokens: int = 0

@@ -31,7 +31,7 @@ def tokenize_prompts(tok: Tokenizer, prompt) -> list[tuple[list[int], str]]:
     out = []
     for p in items:
         if isinstance(p, str):
-            out.append((tok.encode(p), p))
+            out.append((tok.encode(p, add_special_tokens=True), p))  # BOS when the model wants one (Gemma)
             continue
         bad = [t for t in p if not 0 <= t < tok.vocab_size]
         if bad:

@@ -37,6 +37,8 @@ WORKER_COUNTERS = {
     "finished_requests": ("pdserve_worker_finished_requests", "Requests the worker finished (stop or length)"),
     "aborted_requests": ("pdserve_worker_aborted_requests", "Requests the worker aborted on request"),
     "rejected_requests": ("pdserve_worker_rejected_requests", "Requests the worker refused at once"),
+    "swa_rejections": ("pdserve_swa_rejections", "Requests refused because their SWA KV cannot fit the SWA pool"),
+    "swa_pages_released": ("pdserve_swa_pages_released", "SWA pool pages freed because they left every window"),
     "kv_transfer_bytes": ("pdserve_kv_transfer_bytes", "KV bytes a prefill worker wrote into decode workers"),
     "transfer_failures": ("pdserve_transfer_failures", "KV transfers that failed or were rejected (manifest)"),
     "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
@@ -105,6 +107,10 @@ class WorkerCollector(Collector):
         total = GaugeMetricFamily("pdserve_kv_pool_capacity_pages", "KV pool size in pages", labels=["worker"])
         queues = GaugeMetricFamily("pdserve_queue_requests", "Requests per scheduler queue", labels=["worker", "queue"])
         ratio = GaugeMetricFamily("pdserve_new_token_ratio", "Admission reservation ratio", labels=["worker"])
+        swa = GaugeMetricFamily("pdserve_swa_pool_pages", "Sliding-window (SWA) KV pool pages by state",
+                                labels=["worker", "state"])
+        swa_total = GaugeMetricFamily("pdserve_swa_pool_capacity_pages", "SWA KV pool size in pages",
+                                      labels=["worker"])
         host = GaugeMetricFamily("pdserve_host_kv_pool_bytes", "Host (CPU) KV pool for retracted requests",
                                  labels=["worker", "state"])
         age = GaugeMetricFamily("pdserve_worker_stats_age_seconds", "Age of the latest worker stats",
@@ -114,6 +120,10 @@ class WorkerCollector(Collector):
             for state in ("free", "used", "cached"):
                 pages.add_metric([w, state], g.get(f"kv_pages_{state}", 0.0))
             total.add_metric([w], g.get("kv_pages_total", 0.0))
+            if "swa_pages_total" in g:
+                for state in ("free", "used", "cached"):
+                    swa.add_metric([w, state], g[f"swa_pages_{state}"])
+                swa_total.add_metric([w], g["swa_pages_total"])
             for q in (k.removeprefix("queue_") for k in g if k.startswith("queue_")):
                 queues.add_metric([w, q], g[f"queue_{q}"])
             if "host_kv_pool_bytes_used" in g:
@@ -121,7 +131,7 @@ class WorkerCollector(Collector):
                     host.add_metric([w, state], g[f"host_kv_pool_bytes_{state}"])
             ratio.add_metric([w], g.get("new_token_ratio", 0.0))
             age.add_metric([w], max(0.0, self._clock() - h.stats_at) if h.stats_at is not None else 0.0)
-        yield from (pages, total, queues, ratio, host, age)
+        yield from (pages, total, swa, swa_total, queues, ratio, host, age)
 
 
 class RouterMetrics:

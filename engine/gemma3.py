@@ -1,0 +1,117 @@
+"""Gemma 3 text decoder (e.g. Gemma 3 270M) over the paged KV cache.
+
+What differs from ``engine.model.LlamaModel``:
+- RMSNorm scales by ``1 + weight`` (weights are stored HF-style, i.e. without the 1);
+- four norms per layer: before and after attention, before and after the MLP (the "after" norms
+  apply to the branch output, before the residual add), plus RMSNorm on each head of q and k;
+- GeGLU MLP with tanh-approximated GELU;
+- embeddings multiplied by ``sqrt(hidden_size)``;
+- attention scale ``query_pre_attn_scalar ** -0.5`` (the runner passes it to the backend);
+- sliding layers rotate with ``rope_local_theta``, full layers with ``rope_theta``.
+Per-layer windows reach the attention backend through ``layer_types`` / ``sliding_window``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.rope import RotaryEmbedding
+
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
+class Gemma3Config(ModelConfig):
+    """``ModelConfig`` plus the Gemma 3 specifics. ``arch`` is ``"gemma3"``."""
+
+    query_pre_attn_scalar: float = 256.0
+    rope_local_theta: float = 10000.0
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * (1 + weight)`` computed in float32, returned in ``x.dtype`` (as HF Gemma 3)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+class Gemma3Layer(nn.Module):
+    """One Gemma 3 block; ``w`` holds its tensors (set by ``Gemma3Model.load_weights``)."""
+
+    def __init__(self, cfg: Gemma3Config, layer_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.sliding = cfg.layer_types[layer_id] == "sliding_attention"
+        self.sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        self.w: dict[str, torch.Tensor] = {}
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        x = gemma_rms_norm(h, w["input_layernorm"], eps)
+        q, k, v = F.linear(x, w["qkv"]).split(self.sizes, dim=-1)
+        q = gemma_rms_norm(q.view(-1, cfg.num_heads, cfg.head_dim), w["q_norm"], eps)
+        k = gemma_rms_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim), w["k_norm"], eps)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
+        o = F.linear(attn.forward(q, k, v, self.layer_id, batch), w["o"])
+        h = h + gemma_rms_norm(o, w["post_attention_layernorm"], eps)
+        x = gemma_rms_norm(h, w["pre_feedforward_layernorm"], eps)
+        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
+        x = F.linear(F.gelu(gate, approximate="tanh") * up, w["down"])
+        return h + gemma_rms_norm(x, w["post_feedforward_layernorm"], eps)
+
+
+class Gemma3Model(nn.Module):
+    """Gemma 3 decoder stack with tied LM head; same ``load_weights`` / ``forward`` contract as
+    ``LlamaModel`` (HF-named float tensors in, float32 logits of each last new token out)."""
+
+    def __init__(self, cfg: Gemma3Config, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        if not isinstance(cfg, Gemma3Config):
+            raise TypeError(f"Gemma3Model needs a Gemma3Config, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
+        n = cfg.max_position_embeddings
+        self.rope_global = RotaryEmbedding(cfg.head_dim, n, cfg.rope_theta, device)
+        self.rope_local = RotaryEmbedding(cfg.head_dim, n, cfg.rope_local_theta, device)
+        self.embed_scale = cfg.hidden_size ** 0.5
+        self.embed: torch.Tensor | None = None
+        self.norm: torch.Tensor | None = None
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Take HF Gemma 3 names; fuse q/k/v and gate/up, cast and move. Raises on a missing tensor."""
+        def get(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return state[name].to(device=self.device, dtype=self.dtype)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        for i, layer in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            w = {n: get(p + n + ".weight") for n in _NORMS}
+            w["qkv"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+            w["o"] = get(a + "o_proj.weight")
+            w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
+            w["gate_up"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            w["down"] = get(p + "mlp.down_proj.weight")
+            layer.w = w
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
+        """Run all new tokens of ``batch``; return float32 logits ``[batch_size, vocab]``."""
+        attn.prepare(batch)
+        scale = torch.tensor(self.embed_scale, dtype=self.dtype)
+        h = F.embedding(batch.input_ids, self.embed) * scale.to(self.device)
+        for layer in self.layers:
+            h = layer(h, batch, self.rope_local if layer.sliding else self.rope_global, attn)
+        h = gemma_rms_norm(h[batch.last_token_indices()], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.embed).float()
