@@ -277,3 +277,13 @@ def test_decode_worker_with_a_page_size_no_prefill_worker_has_is_never_routed_to
     assert all([h.worker_id for h in reg.route().targets] == ["p0", "d0"] for _ in range(3))
     reg.on_stats("d1", stats_of(reg, "d1", "i3", page_size=1))
     assert reg.handles["d1"].state == "ready"
+
+
+def test_fresh_pair_retries_flag_and_default():
+    from server.cli import _load_config, build_parser
+
+    assert PdserveConfig().cluster.fresh_pair_retries == 1
+    args = build_parser().parse_args(["launch", "--fresh-pair-retries", "0"])
+    assert _load_config(args, "launch").cluster.fresh_pair_retries == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["launch", "--fresh-pair-retries", "one"])

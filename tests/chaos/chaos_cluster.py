@@ -199,9 +199,9 @@ class Cluster:
                 raise TimeoutError(f"workers not ready after {timeout_s:.0f}s: {h.json()['workers']}")
             time.sleep(0.25)
         m = wait_idle(self.url, HEARTBEAT_S, timeout_s=max(5.0, deadline - time.monotonic()))
-        while metric_sum(m, "pdserve_host_kv_pool_bytes", state="used") > 0:
+        while (host := metric_sum(m, "pdserve_host_kv_pool_bytes", state="used")) > 0:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"host pool still holds {metric_sum(m, 'pdserve_host_kv_pool_bytes', state='used')} B")
+                raise TimeoutError(f"the host pool still holds {host:g} bytes after {timeout_s:.0f}s")
             m = wait_idle(self.url, HEARTBEAT_S, timeout_s=30)
         return m
 

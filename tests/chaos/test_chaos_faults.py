@@ -30,7 +30,8 @@ LEASE_S = 4.0  # worker_timeout_s (router) = peer_timeout_s (decode -> prefill)
 ARGS = ["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512", "--init-new-token-ratio", "0.05",
         "--chunked-prefill-size", "8", "--test-step-delay-s", "0.005", "--worker-timeout-s", str(LEASE_S),
         "--peer-timeout-s", str(LEASE_S), "--transfer-fence-s", "8", "--restart-backoff-s", "0.5"]
-EXTERNAL_ARGS = ["--kv-pool-tokens", "256", "--retract-test-interval", "4"]  # decode-x: retracts all along
+# decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them
+EXTERNAL_ARGS = ["--kv-pool-tokens", "256", "--retract-test-interval", "4", "--test-step-delay-s", "0.03"]
 WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
          "letter market bridge candle orange summer").split()
 STREAMS = 12
@@ -235,6 +236,7 @@ def test_print_the_chaos_table():
     for r in ROWS:
         to_err = "-" if r["max_to_error_s"] is None else f"{r['max_to_error_s']:.1f} s"
         lines.append(f"| {r['fault']} | {r['victim']} | {r['moment']} | {r['requests']} | "
-                     f"{r['errors'] + r['retried']} | {r['errors']} | {to_err} | {r['leaks'][0]:g}, {r['leaks'][1]:g} |")
+                     f"{r['errors'] + r['retried']} | {r['errors']} | {to_err} | "
+                     f"{r['leaks'][0]:g}, {r['leaks'][1]:g} |")
     print(f"\nchaos table (seed {SEED}, lease {LEASE_S:g} s):\n" + "\n".join(lines))
     assert all(r["leaks"] == (0, 0) for r in ROWS)

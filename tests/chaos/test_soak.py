@@ -51,7 +51,7 @@ def test_soak_rss_growth_after_warmup(tmp_path):
                       args=["--kv-pool-tokens", "4096", "--page-size", "16"])
     cluster.start()
     try:
-        pids = {"router": cluster.router_pid, "prefill-0": cluster.pid("prefill-0"), "decode-0": cluster.pid("decode-0")}
+        pids = {"router": cluster.router_pid, **{w: cluster.pid(w) for w in ("prefill-0", "decode-0")}}
         t0 = time.monotonic()
         failures, samples = asyncio.run(soak(cluster.url, pids))
         elapsed = time.monotonic() - t0
@@ -68,6 +68,9 @@ def test_soak_rss_growth_after_warmup(tmp_path):
     for n in pids:
         print(f"| {n} | {samples[0][n] / 2**20:.1f} MiB | {warm[n] / 2**20:.1f} MiB | {end[n] / 2**20:.1f} MiB | "
               f"{100 * growth[n]:+.2f} % |")
+    for n in pids:
+        series = " ".join(f"{samples[k][n] / 2**20:.0f}" for k in sorted(samples) if k % (REQUESTS // 10 or 1) == 0)
+        print(f"{n} RSS (MiB) every {REQUESTS // 10} requests: {series}")
     assert failures == [], failures[:3]
     assert metric_sum(m, "pdserve_requests_total", status="200") == REQUESTS
     assert leaks(m) == (0, 0)
