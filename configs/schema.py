@@ -48,6 +48,10 @@ class ClusterConfig(BaseModel):
         60.0, gt=0, description="decode side: pages of a transfer whose prefill worker went silent are held this "
                                 "long (a late write may still land) unless it reappears as a new process")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
+    fresh_pair_retries: int = Field(
+        1, ge=0, le=8, description="router: a request whose prefill or decode worker dies before its first token "
+                                   "is sent again this many times, each time on another pair (workers outside the "
+                                   "failed one when there are, else with the dead worker replaced); 0 = answer 503")
     restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
     restart_limit: int = Field(
         5, ge=0, description="launcher: give up on a worker (it stays dead, /health says why) after this many "

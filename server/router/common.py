@@ -57,7 +57,8 @@ def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: Sampl
     """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt."""
     session = GenerationSession(ctx.registry, ctx.table, prompt_ids, params,
                                 timeout_s=ctx.cfg.server.request_timeout_s, auto_max_tokens=auto_max_tokens,
-                                arrival=arrival)
+                                arrival=arrival, retries=ctx.cfg.cluster.fresh_pair_retries,
+                                on_retry=ctx.metrics.retries.inc)
     return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text)
 
 

@@ -3,7 +3,10 @@
 Each entry owns an ``asyncio.Queue`` of ``TokenDelta``s fed by the workers' receive
 tasks. An entry names the workers that hold state for it (``workers``; in PD mode a prefill and a
 decode worker) and the one whose token stream is forwarded (``stream_from``); errors from any of
-its workers are forwarded too. ``fail_worker`` ends every entry that touches a dead worker.
+its workers are forwarded too. ``fail_worker`` ends every entry that touches a dead worker. Once tokens arrive from the streaming
+worker the others are done with the request (in PD mode the KV has landed on the decode worker,
+which reports any later need of a prefill worker, e.g. a recompute, itself): from then on only the
+streaming worker's death fails it.
 """
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ class Inflight:
     cost: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
+    depends_on: tuple[str, ...] = ()  # whose death fails it: ``workers``, then only ``stream_from``
+
+    def __post_init__(self) -> None:
+        self.depends_on = self.depends_on or self.workers
 
 
 class InflightTable:
@@ -51,12 +58,14 @@ class InflightTable:
             return False
         if worker_id != inflight.stream_from and delta.error is None:
             return False
+        if worker_id == inflight.stream_from and delta.token_ids:
+            inflight.depends_on = (worker_id,)
         inflight.queue.put_nowait(delta)
         return True
 
     def fail_worker(self, worker_id: str, status: int, message: str) -> list[str]:
         """End every request that involves ``worker_id`` with an error; returns their rids."""
-        rids = [rid for rid, e in self._entries.items() if worker_id in e.workers]
+        rids = [rid for rid, e in self._entries.items() if worker_id in e.depends_on]
         for rid in rids:
             self._entries[rid].queue.put_nowait(TokenDelta.failed(rid, message, status))
         return rids

@@ -2,7 +2,9 @@
 
 Router series: ``pdserve_requests_total{status}`` (HTTP status of each generation request, 499
 for a client that went away), ``pdserve_inflight_requests``, and the latency histograms
-``pdserve_ttft_seconds``, ``pdserve_tpot_seconds``, ``pdserve_e2e_seconds`` (successful requests).
+``pdserve_ttft_seconds``, ``pdserve_tpot_seconds``, ``pdserve_e2e_seconds`` (successful requests), and
+``pdserve_router_retries_total`` (requests sent again on a fresh pair after a worker died before
+their first token).
 
 Worker series (label ``worker``) come from each worker's latest ``WorkerStats`` heartbeat via
 ``WorkerCollector``: counters are the worker's cumulative values, gauges its current values, so
@@ -147,6 +149,8 @@ class RouterMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.router_queue = Histogram("pdserve_router_queue_seconds", "Arrival to the request going out to workers "
                                       "(parse, tokenize, route)", buckets=PHASE_BUCKETS, registry=r)
+        self.retries = Counter("pdserve_router_retries", "Requests sent again on another worker pair because a "
+                               "worker of theirs died before their first token (fresh_pair_retries)", registry=r)
         Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table",
               registry=r).set_function(inflight)
         r.register(WorkerCollector(handles))

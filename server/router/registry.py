@@ -189,6 +189,24 @@ class Registry:
         except NoWorkerAvailable as e:
             raise NoWorkerAvailable(f"{e} ({self.describe()})") from None
 
+    def reroute(self, failed: Route) -> Route | None:
+        """A route for sending again a request that failed on ``failed`` because a worker of it died:
+        the policy's pick among the ready workers outside ``failed`` (a fresh pair) when there is one,
+        else among the ready workers but one of ``failed`` (the dead one is not ready; a peer that a
+        worker reported dead may still look ready here), as long as the pick differs from ``failed``;
+        None when no other route exists."""
+        ready = [h for h in self.handles.values() if h.state == READY]
+        old = {h.worker_id for h in failed.targets}
+        for skip in (old, *({w} for w in sorted(old))):
+            pool = [h for h in ready if h.worker_id not in skip]
+            try:
+                route = self.policy(pool, self.table.outstanding) if pool else None
+            except NoWorkerAvailable:
+                continue
+            if route is not None and {h.worker_id for h in route.targets} != old:
+                return route
+        return None
+
     def health(self) -> tuple[bool, str]:
         """(every worker ready, a one-line description of each worker's state)."""
         ok = all(h.state == READY for h in self.handles.values())
@@ -214,8 +232,12 @@ class Registry:
         h.stats, h.last_seen = stats, self.clock()
         h.stats_at = h.last_seen
         if stats.instance != h.instance or h.up_since is None:
-            h.restarts += 1 if h.up_since is not None else 0
+            restarted = h.up_since is not None
+            h.restarts += 1 if restarted else 0
             h.instance, h.up_since = stats.instance, h.last_seen
+            if restarted:  # back before the lease ran out (a worker the launcher does not watch)
+                self._fail_requests(worker_id, f"worker {worker_id} restarted (a new process answers at "
+                                               f"{h.spec.addr}): the requests it held are lost")
         if h.permanent:
             return
         if (mismatch := self._mismatch(h, stats)) is not None:
@@ -237,7 +259,19 @@ class Registry:
             return f"answers as a {stats.role} worker ({stats.worker_id}), expected {h.spec.role}"
         if self.model_name is not None and stats.model != self.model_name:
             return f"serves model {stats.model!r} but the router serves {self.model_name!r}"
-        return None
+        return self._page_size_conflict(h, stats)
+
+    def _page_size_conflict(self, h: WorkerHandle, stats: WorkerStats) -> str | None:
+        """PD: why a worker whose KV page size no live worker of the other role shares can never be
+        paired (the KV handshake would refuse every request routed to it), or None."""
+        other = {"prefill": "decode", "decode": "prefill"}.get(h.spec.role)
+        sizes = {o.stats.page_size for o in self.handles.values()
+                 if o.spec.role == other and o.stats is not None and o.state != DEAD}
+        if not sizes or stats.page_size in sizes:
+            return None
+        return (f"its KV page size {stats.page_size} matches no {other} worker's "
+                f"({', '.join(map(str, sorted(sizes)))}): no KV can move between them; start it with "
+                f"--page-size {min(sizes)}")
 
     def on_tokens(self, worker_id: str, delta: TokenDelta) -> None:
         """A token delta arrived: a sign of life, forwarded to the request's queue."""
@@ -256,14 +290,18 @@ class Registry:
         if h.state != DEAD:
             log.error("worker %s is dead: %s", worker_id, reason)
         h.state, h.reason, h.permanent = DEAD, reason, h.permanent or permanent
+        return self._fail_requests(worker_id, f"worker {worker_id} is unavailable: {reason}")
+
+    def _fail_requests(self, worker_id: str, message: str) -> list[str]:
+        """Fail with 503 every request in flight that depends on ``worker_id``; returns their rids."""
         workers_of = {rid: self.table.workers_of(rid) for rid in self.table.rids()}
-        rids = self.table.fail_worker(worker_id, 503, f"worker {worker_id} is unavailable: {reason}")
+        rids = self.table.fail_worker(worker_id, 503, message)
         by_worker: dict[str, list[str]] = {}
         for rid in rids:  # abort on every worker of the request, the dead one included (best effort)
             for wid in workers_of.get(rid, (worker_id,)):
                 by_worker.setdefault(wid, []).append(rid)
         for wid, wrids in by_worker.items():
-            self.handles[wid].client.abort(wrids, f"router gave up on worker {worker_id}: {reason}")
+            self.handles[wid].client.abort(wrids, f"router gave up on the request: {message}")
         return rids
 
     def check_liveness(self) -> list[WorkerHandle]:

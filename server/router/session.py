@@ -8,6 +8,9 @@ in ``finally`` blocks of cancelled tasks):
 2. ``send()``: register in the in-flight table and send ``GenerateRequest`` to the route's targets.
 3. ``next()``: the next ``TokenDelta``; a worker error (400 refused, 500 out of KV, 503 worker dead)
    or the request timeout raises ``APIError`` (the request is then already aborted and closed).
+   A 503 (a worker of the route died) before any token arrived is retried instead, up to
+   ``retries`` times, on another route when the registry has one (``Registry.reroute``): the old
+   route's workers get an abort, the request goes out again under a new request id.
 4. ``close()``: idempotent; removes the in-flight entry and, if the worker has not finished the
    request, sends ``AbortRequest`` so its KV is freed (client gone, stop string, error, timeout).
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
+
 from engine.sampling_params import SamplingParams
 from server.router.errors import APIError
 from server.router.inflight import Inflight, InflightTable
@@ -47,9 +52,14 @@ class GenerationSession:
     """
 
     def __init__(self, registry: Registry, table: InflightTable, prompt_ids: list[int], params: SamplingParams, *,
-                 timeout_s: float, auto_max_tokens: bool = False, arrival: float | None = None) -> None:
+                 timeout_s: float, auto_max_tokens: bool = False, arrival: float | None = None,
+                 retries: int = 0, on_retry: Callable[[], None] | None = None) -> None:
+        """``retries``: how many times a request whose worker died before its first token is sent
+        again on another route; ``on_retry`` is called once per retry (the metrics counter)."""
         self.registry, self.table = registry, table
         self.rid = f"req-{uuid.uuid4().hex}"
+        self.retries_left, self.on_retry = retries, on_retry
+        self.attempt = 0
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.auto_max_tokens = auto_max_tokens
@@ -78,26 +88,33 @@ class GenerationSession:
     def send(self) -> None:
         """Register in the in-flight table and send the request; raises ``APIError`` 503 on failure."""
         assert self.route is not None, "prepare() first"
-        cost = len(self.prompt_ids) + self.params.max_new_tokens
-        self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
-                                        self.route.stream_from.worker_id, cost)
         self.t_sent = time.monotonic()
         try:
-            send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params)
+            self._dispatch()
         except WorkerUnavailable as e:
             self.close("could not reach every worker of the route")
             raise APIError(503, str(e), code="worker_unavailable") from None
 
+    def _dispatch(self) -> None:
+        """Open the in-flight entry for ``rid`` and send to ``route``; raises ``WorkerUnavailable``."""
+        cost = len(self.prompt_ids) + self.params.max_new_tokens
+        self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
+                                        self.route.stream_from.worker_id, cost)
+        send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params)
+
     async def next(self) -> TokenDelta:
         """The next delta. Raises ``APIError`` on a worker error or timeout (already closed then)."""
         assert self.inflight is not None and not self.finished, "send() first; nothing after the last delta"
-        remaining = self.arrival + self.timeout_s - time.monotonic()
-        try:
-            delta = await asyncio.wait_for(self.inflight.queue.get(), max(remaining, 0.0))
-        except TimeoutError:
-            self.close(f"request timed out after {self.timeout_s:g}s")
-            raise APIError(504, f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was aborted",
-                           code="timeout") from None
+        while True:
+            remaining = self.arrival + self.timeout_s - time.monotonic()
+            try:
+                delta = await asyncio.wait_for(self.inflight.queue.get(), max(remaining, 0.0))
+            except TimeoutError:
+                self.close(f"request timed out after {self.timeout_s:g}s")
+                raise APIError(504, f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was "
+                                    f"aborted", code="timeout") from None
+            if delta.finish_reason != "abort" or not self._retry(delta):
+                break
         if delta.finish_reason == "abort":  # the other workers of the route may still hold its state
             self.close(f"failed on another worker: {delta.error}")
             self.finished = True
@@ -113,10 +130,37 @@ class GenerationSession:
         if self.closed:
             return
         self.closed = True
+        self._leave(reason)
+
+    def _leave(self, reason: str) -> None:
+        """Remove ``rid`` from the in-flight table and abort it on the route's workers if unfinished."""
         self.table.close(self.rid)
         if self.inflight is not None and not self.finished and self.route is not None:
             for h in self.route.targets:
                 h.client.abort([self.rid], reason)
+
+    def _retry(self, failed: TokenDelta) -> bool:
+        """Send the request again on another route if a worker of this one died (503) before any
+        token arrived and a retry is left; True when it went out again (see the module docstring)."""
+        if failed.error_status != 503 or self.n_tokens or self.retries_left <= 0:
+            return False
+        route = self.registry.reroute(self.route)
+        if route is None:
+            return False
+        try:
+            check_fits(len(self.prompt_ids), self.params.max_new_tokens, route)
+        except APIError:
+            return False
+        self._leave(f"retried on another route: {failed.error}")
+        self.retries_left, self.attempt = self.retries_left - 1, self.attempt + 1
+        self.route, self.rid = route, f"{self.rid.split('~')[0]}~{self.attempt}"
+        try:
+            self._dispatch()
+        except WorkerUnavailable:
+            return False  # the caller fails the request with the original error (and closes this entry)
+        if self.on_retry is not None:
+            self.on_retry()
+        return True
 
     # ---- timing ----------------------------------------------------------------------------------
     def _clock_tokens(self, n: int) -> None:
