@@ -203,31 +203,36 @@ def test_pd_aborts_at_random_points_leak_nothing(url, model):
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_pd_worker_killed_then_restarted(server, url, client, model, role):
-    async def load():
-        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    async def one(c, q):
+        """(result or exception, monotonic time it ended)."""
         try:
-            return await asyncio.gather(*(c.completions.create(model=model, prompt=f"{SHARED}{q}", max_tokens=200,
-                                                               temperature=0, extra_body={"ignore_eos": True})
-                                          for q in QUESTIONS), return_exceptions=True)
+            r = await c.completions.create(model=model, prompt=f"{SHARED}{q}", max_tokens=200, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            r = e
+        return r, time.monotonic()
+
+    async def kill_during_load():
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            task = asyncio.gather(*(one(c, q) for q in QUESTIONS))
+            await asyncio.sleep(1.5)
+            t_kill = time.monotonic()
+            os.kill(worker_pid(server, role), signal.SIGKILL)
+            return await task, t_kill
         finally:
             await c.close()
 
-    async def kill_during_load():
-        task = asyncio.create_task(load())
-        await asyncio.sleep(1.5)
-        t_kill = time.monotonic()
-        os.kill(worker_pid(server, role), signal.SIGKILL)
-        results = await task
-        return results, time.monotonic() - t_kill
-
-    results, elapsed = asyncio.run(kill_during_load())
+    ended, t_kill = asyncio.run(kill_during_load())
+    results = [r for r, _ in ended]
     errors = [r for r in results if isinstance(r, Exception)]
     if role == "decode":
         assert errors, "killing the decode worker mid-load must fail its in-flight requests"
     # a dead prefill worker fails only what it still held: requests already decoding complete (issue 13)
     assert all(isinstance(e, openai.APIStatusError) and e.status_code == 503 for e in errors), errors
     assert all(r.usage.completion_tokens == 200 for r in results if not isinstance(r, Exception))
-    assert elapsed < 10
+    # every failure comes within 10 s of the kill (requests that go on decoding take what they take)
+    assert all(t - t_kill < 10 for r, t in ended if isinstance(r, Exception)), [t - t_kill for _, t in ended]
     health = httpx.get(f"{url}/health", timeout=5)
     assert health.status_code in (200, 503)  # the router is up; 503 until the worker is back
     deadline = time.monotonic() + 120

@@ -106,7 +106,7 @@ def test_decode_refuses_a_foreign_worker_at_its_prefill_address_and_recovers():
 
 
 def test_prefill_refuses_a_handshake_from_another_cluster():
-    sender = KVSender(transport=None, page_bytes=1, threaded=False)  # refused before the transport is used
+    sender = KVSender(transport=None, unit_bytes=1, threaded=False)  # refused before the transport is used
     hs = KVHandshake(worker_id="decode-0", cluster_id="bbb", model="m", layout={}, transport="nixl",
                      transport_metadata="")
     err = sender.accept_peer(None, hs, "m", {}, cluster_id="aaa", worker_id="prefill-0")

@@ -103,23 +103,25 @@ def test_every_layer_in_the_full_pool_matches_too(swa_model):
 
 
 def test_swa_pool_holds_only_the_window_while_decoding(swa_model):
-    """A decoding request keeps at most ``max_pages`` SWA pages though its full KV grows."""
+    """Decoding 4W tokens, a request keeps at most ``max_pages`` SWA pages (the window plus its
+    page margin: 4 pages of 4 for W=8) while its full KV grows to every token."""
     llm = make_llm(swa_model)
     kv = llm.scheduler.kv
-    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=4 * WINDOW, temperature=0, ignore_eos=True)
     sched = llm.scheduler
     from transfer.protocol import GenerateRequest
 
     sched.add(b"", GenerateRequest(rid="r", params=params), prompts(1, 45)[0])
-    peak = 0
+    sched.step()  # the prefill: it took SWA pages for the whole 45-token prompt, then released
+    swa_used, full_used = [], []
     while sched.has_work:
-        sched.step()
         live = sched.live_handles()
-        if live:
-            peak = max(peak, kv.usage(live, "swa").used)
-            assert kv.usage(live).used >= (45 + 1) // PAGE
+        swa_used.append(kv.usage(live, "swa").used)
+        full_used.append(kv.usage(live).used)
+        sched.step()
         sched.check_integrity()
-    assert 0 < peak <= kv.window.max_pages() + 45 // PAGE  # prefill holds the prompt, then the window
+    assert len(swa_used) == 4 * WINDOW - 1 and max(swa_used) <= kv.window.max_pages() == 4
+    assert full_used[-1] == -(-(45 + 4 * WINDOW - 1) // PAGE)  # the full pool holds every token
     assert kv.usage([], "swa").used == 0
 
 
@@ -202,3 +204,5 @@ def test_long_prompt_prefills_in_chunks_through_a_small_swa_pool(swa_model):
 
     with pytest.raises(RequestRejected, match="--swa-pool-tokens"):
         big.scheduler.add(b"", GenerateRequest(rid="x", params=SamplingParams(max_new_tokens=2)), prompts(1, 120)[0])
+    assert big.scheduler.stats.swa_rejections == 1 and not big.scheduler.requests  # only that one, nothing held
+    check_outputs(big, swa_model[2], prompts(2, 30), 4)  # the worker goes on serving
