@@ -117,7 +117,15 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype-bytes", type=int, default=4, help="4 = float32 (CPU), 2 = bf16")
     ap.add_argument("--run", type=int, default=0, help="also serve this many requests with the real model")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--decode-batch", type=int, default=0,
+                    help="instead: decode tok/s of this many requests, SWA pool vs all-full (real model)")
+    ap.add_argument("--window", type=int, default=64, help="with --decode-batch on a model that does not slide")
     a = ap.parse_args(argv)
+    if a.decode_batch:
+        for L in a.prompt_len:
+            print(f"decode tok/s, {a.decode_batch} x {L} tokens:",
+                  decode_speed(a.model, a.window, a.decode_batch, L, a.output_len, a.page_size))
+        return
     from engine.loader import read_model_config
     from engine.model_paths import resolve_model_path
 
@@ -154,3 +162,33 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def decode_speed(model: str, window: int, batch: int, prompt_len: int, new_tokens: int, page: int = 16) -> dict:
+    """Decode tok/s of ``batch`` requests with the sliding layers in the SWA pool vs in the full
+    pool, same model and same prompts, alternating the two engines (``t(N) - t(1)`` so prefill
+    cancels out; best of 2). ``model``'s layers alternate sliding/full with ``window``
+    (``--layer-types alternate``) unless the model slides already."""
+    import random
+
+    from configs.engine import EngineConfig
+    from configs.scheduler import SchedulerConfig
+    from engine.llm import LLM, run_batch
+    from engine.sampling_params import SamplingParams
+
+    swa_kw = {} if model.startswith("gemma3") else {"sliding_window": window, "layer_types": "alternate"}
+    llms = {name: LLM(EngineConfig(model=model, page_size=page, kv_pool_tokens=batch * (prompt_len + new_tokens + page),
+                                   swa_pool_tokens=tokens, **swa_kw),
+                      SchedulerConfig(enable_radix_cache=False, max_running_requests=256))
+            for name, tokens in (("swa", batch * (window + 4 * page)), ("full", 0))}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(300, 20000) for _ in range(prompt_len)] for _ in range(batch)]
+    best: dict = {}
+    for _ in range(2):
+        for name, llm in llms.items():
+            for n in (1, new_tokens + 1):
+                sp = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+                t = time.perf_counter()
+                run_batch(llm.scheduler, prompts, [sp] * batch)
+                best[name, n] = min(best.get((name, n), 1e9), time.perf_counter() - t)
+    return {name: round(batch * new_tokens / (best[name, new_tokens + 1] - best[name, 1]), 1) for name in llms}
