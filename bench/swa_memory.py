@@ -142,6 +142,9 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps(rows, indent=2))
         return
+    _print_table(mc, a, rows)
+
+def _print_table(mc: ModelConfig, a, rows: list[dict]) -> None:
     print(f"{mc.name}: {mc.num_layers} layers ({sum(t == 'sliding_attention' for t in mc.layer_types)} sliding, "
           f"window {mc.sliding_window}), KV budget {a.budget_mib:g} MiB, {a.output_len} output tokens")
     print("| prompt | layout | pools MiB | max concurrent | KV MiB / request |" + (" peak running (real) |" if a.run else ""))

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import SUPPORTED_ARCHS, ModelConfig
+from engine.tensor_shapes import expected_tensor_shapes  # noqa: F401 (re-exported)
 from engine.swa_config import (SlidingOverrides, SlidingSpec, apply_overrides, check_window_fits_context,
                                gguf_sliding_spec, hf_sliding_spec, unsupported_arch_message)
 
@@ -114,37 +115,6 @@ def validate_startup(config: ModelConfig, engine) -> None:
     if config.sliding_window and engine.swa_pool_tokens:
         validate_swa_pool(engine.swa_pool_tokens, engine.page_size)
         check_swa_pool_holds_window(engine.swa_pool_tokens, config.sliding_window, engine.page_size)
-
-
-def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a model with ``config`` needs, mapped to its [out, in] shape."""
-    c = config
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-        "lm_head.weight": (c.vocab_size, c.hidden_size),
-    }
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q_out, c.hidden_size),
-            p + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
-            p + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, q_out),
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        })
-        if c.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                           p + "self_attn.v_proj.bias": (kv_out,)})
-        if c.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
-                           p + "self_attn.k_norm.weight": (c.head_dim,)})
-    return shapes
 
 
 def _finalize_tensors(config: ModelConfig, tensors: Tensors) -> Tensors:
