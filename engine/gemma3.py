@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.model import checkpoint_getter
 from engine.rope import RotaryEmbedding
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -88,10 +89,7 @@ class Gemma3Model(nn.Module):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take HF Gemma 3 names; fuse q/k/v and gate/up, cast and move. Raises on a missing tensor."""
-        def get(name: str) -> torch.Tensor:
-            if name not in state:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return state[name].to(device=self.device, dtype=self.dtype)
+        get = checkpoint_getter(state, self.device, self.dtype)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")

@@ -21,6 +21,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
+def checkpoint_getter(state: dict[str, torch.Tensor], device, dtype):
+    """``get(name)``: tensor ``name`` of ``state`` on ``device`` in ``dtype``; ``ValueError`` if absent."""
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        return state[name].to(device=device, dtype=dtype)
+
+    return get
+
+
 class DecoderLayer(nn.Module):
     """One transformer block; parameters are plain tensors set by ``LlamaModel.load_weights``."""
 
@@ -68,10 +78,7 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take HF-named float tensors; fuse, cast and move them. Raises on a missing tensor."""
-        def get(name: str) -> torch.Tensor:
-            if name not in state:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return state[name].to(device=self.device, dtype=self.dtype)
+        get = checkpoint_getter(state, self.device, self.dtype)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
