@@ -203,11 +203,20 @@ def test_pd_with_the_swa_pool_under_forced_retract_matches_transformers(gemma, p
     h = PDHarness(cfg(), cfg(retract_test_interval=3), gemma[0], gemma[1], eos=(1, 106))
     try:
         assert h.d_runner.pools.swa.num_layers == 15 and h.d_runner.pools.full.num_layers == 3
-        sp = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+        sp = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
         for i, p in enumerate(prompts):
             h.submit(f"g{i}", p, sp)
-        out = h.run()
-        assert [out[f"g{i}"]["tokens"] for i in range(2)] == [r[0] for r in hf_ref]
+        got: dict[str, tuple[list, list]] = {}
+        while h.busy:
+            for d in h.step():
+                got.setdefault(d.rid, ([], []))[0].extend(d.token_ids)
+                got[d.rid][1].extend(d.logprobs)
+        for i, (ref_tokens, ref_logits) in enumerate(hf_ref):
+            tokens, logprobs = got[f"g{i}"]
+            assert tokens == ref_tokens
+            # the chosen token's logprob at every step (the first from the prefill worker's manifest)
+            want = [float(torch.log_softmax(lg.float(), -1)[t]) for lg, t in zip(ref_logits, ref_tokens)]
+            assert max(abs(a - b) for a, b in zip(logprobs, want)) < LOGIT_TOL
         st = h.decode.retract.stats
         assert st.offloaded > 0 and st.resumed > 0
         assert h.decode.kv.swa_pages_released > 0
