@@ -115,12 +115,9 @@ def _layer_types(pattern, num_layers: int) -> tuple[str, ...]:
 
 def _hf_name(gguf_name: str) -> str | None:
     """HF Gemma 3 name of a GGUF tensor, or None for tensors the model does not use."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
-    return None
+    from engine.loader import gguf_to_hf_name  # engine.loader imports this module lazily
+
+    return gguf_to_hf_name(gguf_name, _LAYER_NAMES, _GLOBAL_NAMES)
 
 
 def expected_gemma3_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:

@@ -219,14 +219,19 @@ def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) 
     )
 
 
+def gguf_to_hf_name(gguf_name: str, layer_names: dict, global_names: dict) -> str | None:
+    """HF name of a GGUF tensor through the two name tables, or None for tensors not in them."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in global_names:
+        return f"{global_names[parts[0]]}.{parts[1]}"
+    return None
+
+
 def _hf_name(gguf_name: str) -> str | None:
     """HF name for a GGUF tensor name, or None for tensors the model does not use."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GGUF_GLOBAL_NAMES:
-        return f"{_GGUF_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
-    return None
+    return gguf_to_hf_name(gguf_name, _GGUF_LAYER_NAMES, _GGUF_GLOBAL_NAMES)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
