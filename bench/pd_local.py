@@ -12,6 +12,7 @@ side's; the prefill side's land in ``router_inbox``).
 from __future__ import annotations
 
 import itertools
+import time
 
 from configs.schema import PdserveConfig
 from decode_worker.scheduler import create_decode_scheduler
@@ -41,6 +42,7 @@ class PDHarness:
         self.to_decode: list = []
         self.router_inbox: list[TokenDelta] = []
         self.room = itertools.count(1)
+        self.heartbeats = True  # False: the prefill side answers no heartbeat (a silent peer)
 
     def deliver(self, out: Outbox | None, from_decode: bool) -> list[TokenDelta]:
         """Queue ``out``'s messages for the other side; return its token deltas."""
@@ -77,8 +79,15 @@ class PDHarness:
 
     def step(self) -> list[TokenDelta]:
         """One step of each side (prefill first), messages exchanged in between; the decode
-        side's token deltas."""
-        deltas = self._exchange()
+        side's token deltas. Each step first hands the decode side a heartbeat reply of the
+        prefill side, as the worker loop's pinger thread would: the in-process peer is alive, so
+        wall time spent in long steps (a slow machine) must never get it declared dead
+        (``heartbeats = False`` silences it)."""
+        deltas: list[TokenDelta] = []
+        if self.heartbeats:
+            stats = worker_stats(self.prefill, "p0", "harness", "m")
+            deltas += self.deliver(self.decode.peer_heartbeat(PREFILL_ADDR, stats, time.monotonic()), True)
+        deltas += self._exchange()
         self.router_inbox += self.deliver(self.prefill.step(), False)
         deltas += self._exchange()
         return deltas + self.deliver(self.decode.step(), True)

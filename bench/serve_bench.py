@@ -77,13 +77,15 @@ class ServeBench:
     def run(self, engine_values: dict) -> list[RunRecord]:
         """Run every target (launching each ``--compare`` mode in turn) and return the records."""
         records: list[RunRecord] = []
-        if self.o.modes:
-            flags = config_flags(engine_values) + self.o.server_args
-            for mode in self.o.modes:
-                print(f"bench serve: launching {mode} ({' '.join(flags) or 'default flags'})", file=sys.stderr)
-                with launched(mode, flags) as url:
-                    records += self.run_target(mode, url)
-        else:
+        flags = config_flags(engine_values) + self.o.server_args
+        for mode in self.o.modes or []:
+            print(f"bench serve: launching {mode} ({' '.join(flags) or 'default flags'})", file=sys.stderr)
+            with launched(mode, flags) as url:
+                records += self.run_target(mode, url)
+        for name, url in self.o.targets:
+            print(f"bench serve: loading {name} at {url}", file=sys.stderr)
+            records += self.run_target(name, url)
+        if not self.o.target_names:
             records += self.run_target("server", self.a.base_url)
         return records
 
@@ -91,7 +93,7 @@ class ServeBench:
         """Print the tables (runs, ratios, failures) and return the JSON payload."""
         print(report.runs_table(records))
         ratio_rows: dict = {}
-        modes = self.o.modes or []
+        modes = self.o.target_names
         for other in modes[1:]:
             rows = report.ratios(records, modes[0], other)
             ratio_rows[f"{other}/{modes[0]}"] = rows

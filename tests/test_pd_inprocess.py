@@ -208,12 +208,13 @@ def test_silent_prefill_peer_fences_pages_until_late_write(harness):
     for _ in range(3):
         h.step()
     assert "s" in h.decode.jobs and h.decode.jobs["s"].req.status is Phase.TRANSFER
+    h.heartbeats = False
     h.decode.peers.get("inproc://p").last_seen -= 3600  # silent for an hour: the next tick declares it dead
     events = [e for e in h.step() if e.finish_reason]
     assert [(e.rid, e.error_status) for e in events] == [("s", 503)]
     held = h.decode.kv.usage(h.decode.live_handles()).used
     assert held > 0  # fenced, not freed
-    h.prefill.step = real_step
+    h.prefill.step, h.heartbeats = real_step, True
     h.run()  # the late write and its notification arrive; now the pages go back
     assert h.decode.kv.usage([]).used == 0 and not h.decode.jobs
 
@@ -285,3 +286,23 @@ def test_seeded_sampling_is_the_same_in_every_mode_and_across_retracts(harness, 
     recompute, s_rec = pd(pool=96, host_gb=0.0, init_new_token_ratio=0.1)
     assert plain == ref and offload == ref and recompute == ref
     assert s_off.offloaded > 0 and s_rec.recomputed > 0
+
+
+def test_slow_steps_never_make_the_in_process_prefill_peer_dead(harness, refs, monkeypatch):
+    """Wall time between steps beyond peer_timeout_s (a loaded machine) does not fail requests:
+    the harness hands the decode side a heartbeat reply each step, as the worker loop's pinger
+    thread does for a live peer. Without it every request ended empty ("did not answer")."""
+    import time
+
+    slow = cfg()
+    slow.cluster.peer_timeout_s, slow.cluster.progress_timeout_s = 0.05, 1.0
+    h = harness(d=slow)
+    ps, ref = refs
+    real_step = h.step
+
+    def slow_step():
+        time.sleep(0.06)
+        return real_step()
+
+    monkeypatch.setattr(h, "step", slow_step)
+    assert run(h, ps[:2]) == ref[:2]

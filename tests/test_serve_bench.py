@@ -270,6 +270,19 @@ def test_options_parse_and_refuse_with_the_flag_named():
     assert parse_modes("pd") == ["pd"]
 
 
+def test_external_targets_join_the_launched_modes_in_run_order():
+    o = _opts("--compare", "colocated,pd", "--target", "vllm=http://127.0.0.1:8100/", "--target",
+              "llama=http://127.0.0.1:8200")
+    assert o.targets == (("vllm", "http://127.0.0.1:8100"), ("llama", "http://127.0.0.1:8200"))
+    assert o.target_names == ["colocated", "pd", "vllm", "llama"]
+    assert _opts().target_names == [] and _opts("--target", "v=http://h:1").target_names == ["v"]
+    for argv, msg in ((("--target", "vllm"), "NAME=http"), (("--target", "v=127.0.0.1:1"), "NAME=http"),
+                      (("--compare", "pd", "--target", "pd=http://h:1"), "used twice"),
+                      (("--target", "v=http://a:1", "--target", "v=http://b:1"), "used twice")):
+        with pytest.raises(ValueError, match=msg):
+            _opts(*argv)
+
+
 def test_launch_flags():
     assert config_flags({"kv_pool_tokens": 8192, "model": "default", "max_model_len": None, "x": True,
                          "y": False}) == ["--kv-pool-tokens", "8192", "--model", "default", "--x", "--no-y"]

@@ -42,6 +42,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g.add_argument("--compare", help="launch these modes one after the other (e.g. colocated,pd) with the same "
                                      "engine flags and run the same workload against each; prints the ratios")
+    g.add_argument("--target", action="append", default=[], metavar="NAME=URL",
+                   help="also load this running server (e.g. vllm=http://127.0.0.1:8100) in the same run, "
+                        "after the --compare modes; repeatable; ratios are against the first target")
     g.add_argument("--server-args", default="", help="--compare: more 'pdserve launch' flags for every server")
     g.add_argument("--interference", action="store_true",
                    help="short requests at --request-rate (Poisson) plus --long-prompts long ones at random")
@@ -72,6 +75,23 @@ def _numbers(text: str, flag: str, kind: type) -> list:
     return values
 
 
+def parse_targets(specs: list[str], compare: str | None) -> tuple[tuple[str, str], ...]:
+    """``["vllm=http://h:8100"]`` -> ``(("vllm", "http://h:8100"),)``; ``ValueError`` naming ``--target``
+    for a malformed spec or a name used twice (also against the ``--compare`` modes)."""
+    out: list[tuple[str, str]] = []
+    taken = set(parse_modes(compare)) if compare else set()
+    for spec in specs:
+        name, _, url = spec.partition("=")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--target takes NAME=http://HOST:PORT, got {spec!r}")
+        if name in taken:
+            raise ValueError(f"--target name {name!r} is used twice; give each target its own name")
+        taken.add(name)
+        out.append((name, url))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """Parsed, validated ``bench serve`` settings (``ValueError`` from ``from_args`` says which flag is wrong)."""
@@ -83,6 +103,12 @@ class ServeOptions:
     slo: SLO
     modes: list[str] | None
     server_args: list[str]
+    targets: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def target_names(self) -> list[str]:
+        """Every target in run order: the launched modes, then the ``--target`` servers."""
+        return [*(self.modes or []), *(name for name, _ in self.targets)]
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "ServeOptions":
@@ -102,4 +128,4 @@ class ServeOptions:
                                                                                               "--input-len")
         return cls(conc, rates, inp, _range(a.long_input_len_range, "--long-input-len-range"),
                    SLO(a.slo_ttft_ms, a.slo_tpot_ms), parse_modes(a.compare) if a.compare else None,
-                   shlex.split(a.server_args))
+                   shlex.split(a.server_args), parse_targets(a.target, a.compare))
