@@ -150,8 +150,9 @@ class Launcher:
 
         def argv(spec: WorkerSpec) -> list[str]:
             cpus = plan.workers.get(spec.worker_id)
-            return (self.argv(spec, self.cfg) + ["--listen-fd", str(fds[spec.worker_id])]
-                    + (["--cpus", "+".join(map(str, cpus))] if cpus else []))
+            pin = ["--cpus", "+".join(map(str, cpus))] if cpus else []
+            threads = ["--threads", str(plan.threads)] if plan.threads and not cpus else []
+            return self.argv(spec, self.cfg) + ["--listen-fd", str(fds[spec.worker_id]), *pin, *threads]
 
         return WorkerProcesses(local, argv, fds)
 

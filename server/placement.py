@@ -6,10 +6,16 @@ its own cores and, when cores are left over, the router too; a worker then pins 
 (``os.sched_setaffinity``) and runs torch with one thread per core it owns (``apply_cpus``).
 
 ``--worker-cpus`` (``cluster.worker_cpus``):
-- ``off`` (default): pin nothing (every process uses every core, torch's default threads).
+- ``off`` (default): pin nothing; every process may run on every core.
 - ``auto``: split the cores this process may use evenly among the workers (the first workers in
   launch order get one core more when they do not divide); cores left over go to the router. With
   fewer cores than workers nothing is pinned.
+
+Unpinned workers of one launch still share the cores' *threads*: each runs torch with
+``max(1, cores // workers)`` threads (``Placement.threads``), unless ``OMP_NUM_THREADS`` is set.
+Without that, two busy workers on 2 cores run 4 OpenMP threads whose barriers spin-wait on
+descheduled peers: the 2-prefill + 2-decode retract workload of ``tests/deploy`` took 38-83 s
+a round instead of 10-14 s. One worker alone keeps torch's default (every core).
 
 ``auto`` is not the default yet: on a 2-core host it halves the prefill worker's compute, so under
 an overcommitted decode admission (low ``new_token_ratio``) the decode pool fills with pages
@@ -29,10 +35,12 @@ from dataclasses import dataclass, field
 class Placement:
     workers: dict[str, tuple[int, ...]] = field(default_factory=dict)
     router: tuple[int, ...] = ()
+    threads: int | None = None  # torch threads of each unpinned worker (None: torch's default)
 
     def describe(self) -> str:
         if not self.workers:
-            return "placement: not pinned (every process may use every core)"
+            shared = f", torch threads per worker: {self.threads}" if self.threads else ""
+            return f"placement: not pinned (every process may use every core){shared}"
         parts = [f"{wid} -> cpus {_fmt(cpus)}" for wid, cpus in self.workers.items()]
         parts.append(f"router -> cpus {_fmt(self.router)}" if self.router else "router -> shares the workers' cores")
         return "placement: " + ", ".join(parts)
@@ -56,13 +64,15 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
 def plan_placement(worker_ids: list[str], spec: str, cpus: list[int] | None = None) -> Placement:
     """Where each of ``worker_ids`` (launch order) and the router run; see the module docstring."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    n = len(worker_ids)
+    unpinned = Placement(threads=max(1, len(cpus) // n)) if n > 1 and "OMP_NUM_THREADS" not in os.environ \
+        else Placement()
     if spec == "off":
-        return Placement()
+        return unpinned
     if spec != "auto":
         return _explicit(worker_ids, spec, cpus)
-    n = len(worker_ids)
     if n < 2 or len(cpus) < n:
-        return Placement()
+        return unpinned
     share, extra = divmod(len(cpus) - (1 if len(cpus) > n else 0), n)
     out, pos = {}, 0
     for i, wid in enumerate(worker_ids):
@@ -84,11 +94,13 @@ def _explicit(worker_ids: list[str], spec: str, cpus: list[int]) -> Placement:
     return Placement(out, tuple(c for c in cpus if c not in used) if out else ())
 
 
-def apply_cpus(cpus: tuple[int, ...]) -> None:
-    """Pin this process to ``cpus`` and give torch one thread per core (empty: leave as is)."""
-    if not cpus:
+def apply_cpus(cpus: tuple[int, ...], threads: int | None = None) -> None:
+    """Pin this process to ``cpus`` and give torch one thread per core; with no ``cpus``, give torch
+    ``threads`` threads (None: leave both as they are)."""
+    if not cpus and not threads:
         return
     import torch
 
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus) or threads)

@@ -61,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-json", required=True)
     p.add_argument("--cpus", type=parse_cpu_list, default=(),
                    help="pin this worker to these cores, torch with one thread each (e.g. 0-1 or 0+2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of this (unpinned) worker; the launcher gives co-located workers their share")
     p.add_argument("--listen-fd", type=int, default=None,
                    help="serve --control-addr on this inherited, already listening socket (the launcher's)")
     args = p.parse_args(argv)
-    apply_cpus(args.cpus)
+    apply_cpus(args.cpus, args.threads)
     cfg = PdserveConfig.model_validate_json(args.config_json)
     logging.basicConfig(level=cfg.server.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{args.worker_id}] %(name)s: %(message)s")

@@ -19,10 +19,34 @@ def test_spare_core_goes_to_the_router():
     assert plan_placement(["p", "d"], "auto", list(range(16))).workers == {"p": tuple(range(8)), "d": tuple(range(8, 15))}
 
 
+@pytest.fixture(autouse=True)
+def _no_omp_env(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+def test_unpinned_workers_share_the_cores_threads(monkeypatch):
+    import torch
+
+    from server.placement import apply_cpus
+
+    assert plan_placement(["p0", "p1", "d0", "d1"], "off", [0, 1]).threads == 1
+    assert plan_placement(["p0", "d0"], "off", list(range(8))).threads == 4
+    assert plan_placement(["p0", "d0", "d1"], "off", list(range(8))).threads == 2
+    assert "torch threads per worker: 1" in plan_placement(["a", "b"], "off", [0, 1]).describe()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own setting wins
+    assert plan_placement(["p0", "d0"], "off", [0, 1]) == Placement()
+    before = torch.get_num_threads()
+    try:
+        apply_cpus((), 1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_nothing_pinned_when_it_cannot_help():
     assert plan_placement(["colocated-0"], "auto", [0, 1]) == Placement()
-    assert plan_placement(["a", "b", "c"], "auto", [0, 1]) == Placement()
-    assert plan_placement(["a", "b"], "off", [0, 1]) == Placement()
+    assert plan_placement(["a", "b", "c"], "auto", [0, 1]) == Placement(threads=1)
+    assert plan_placement(["a", "b"], "off", [0, 1]) == Placement(threads=1)
     assert "not pinned" in Placement().describe()
 
 
@@ -58,6 +82,23 @@ def test_launch_pins_each_worker_to_its_cores():
         assert "placement: prefill-0 -> cpus 0, decode-0 -> cpus 1" in srv.log()
     finally:
         srv.stop()
+
+
+def test_launch_gives_unpinned_workers_their_thread_share(monkeypatch):
+    """Default placement (off) on this host: nothing pinned, but each of the 2 workers is told to run
+    torch with cores // 2 threads, and the launcher says so."""
+    import os
+
+    from server.subprocess_server import LaunchedServer, free_port
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    with LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()),
+                         "--kv-pool-tokens", "512"]) as srv:
+        for pid in srv.worker_pids():
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            assert argv[argv.index(b"--threads") + 1].decode() == share
+        assert f"torch threads per worker: {share}" in srv.log()
 
 
 def test_launch_with_a_bad_cpu_list_fails_at_once_naming_the_flag():

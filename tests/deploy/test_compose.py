@@ -13,10 +13,12 @@ project is left. Timings are printed (``-s``), never asserted.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
 import time
+from dataclasses import dataclass, field
 
 import httpx
 import openai
@@ -147,38 +149,67 @@ def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedd
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
 
 
-async def load_while(url: str, action, n: int = 8, max_tokens: int = 64):
-    """``n`` concurrent requests; ``action()`` runs 2 s in. [(result or exception, seconds from
-    the action until that request ended)]."""
-    c = aclient(url)
-    model = (await c.models.list()).data[0].id
-    t_action: list[float] = []
+@dataclass
+class Outcome:
+    """How one streamed request ended: its tokens, HTTP status, error message, monotonic end."""
 
-    async def one(q):
-        try:
-            r = await c.completions.create(model=model, prompt=f"{SHARED}{q}", max_tokens=max_tokens,
-                                           temperature=0, extra_body={"ignore_eos": True})
-        except openai.APIError as e:
-            r = e
-        return r, time.monotonic() - t_action[0]
-
-    task = asyncio.gather(*(one(q) for q in QUESTIONS[:n]))
-    await asyncio.sleep(2.0)
-    t_action.append(time.monotonic())
-    action()
-    results = await task
-    await c.close()
-    return results
+    tokens: list[int] = field(default_factory=list)
+    status: int | None = None
+    error: str | None = None
+    t_end: float = 0.0
 
 
-def check_split(results) -> None:
-    """Some requests failed with 503 within 10 s of the action, the others finished normally."""
-    errors = [(e, t) for e, t in results if isinstance(e, Exception)]
-    served = [r for r, _ in results if not isinstance(r, Exception)]
-    odd = [repr(e)[:300] for e, _ in errors if not (isinstance(e, openai.APIStatusError) and e.status_code == 503)]
-    assert errors and not odd, odd
-    assert max(t for _, t in errors) < 10, [round(t, 1) for _, t in errors]
-    assert served and all(r.choices[0].finish_reason == "length" for r in served), "the rest must keep serving"
+async def load_while(url: str, action, n: int = 8, max_tokens: int = 64) -> list[tuple[Outcome, float]]:
+    """``n`` concurrent streamed requests; ``action()`` runs once every one has streamed a token (so
+    none can be retried on a fresh pair: the router retries only before a first token).
+    [(outcome, seconds from the action until that request ended)]."""
+    first = [asyncio.Event() for _ in range(n)]
+    limits = httpx.Limits(max_connections=n + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits, trust_env=False) as c:
+        tasks = [asyncio.create_task(stream_tokens(c, f"{SHARED}{q}", max_tokens, first[i]))
+                 for i, q in enumerate(QUESTIONS[:n])]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 240)
+        t_action = time.monotonic()
+        action()
+        return [(o, o.t_end - t_action) for o in await asyncio.gather(*tasks)]
+
+
+async def stream_tokens(c: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event) -> Outcome:
+    """One streamed greedy completion (``ignore_eos``); sets ``first`` at its first token or its end."""
+    out = Outcome()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    try:
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = (await r.aread()).decode()[:300]
+            async for line in r.aiter_lines():
+                data = line.removeprefix("data: ")
+                if not line.startswith("data: ") or data == "[DONE]":
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    out.error = event["error"]["message"] or "(empty error message)"
+                for choice in event.get("choices", []):
+                    out.tokens += choice.get("token_ids") or []
+                first.set()
+    except httpx.HTTPError as e:
+        out.error = f"transport error: {type(e).__name__}: {e}"
+    first.set()
+    out.t_end = time.monotonic()
+    return out
+
+
+def check_split(results: list[tuple[Outcome, float]], max_tokens: int = 64) -> None:
+    """The killed worker's requests (already streaming) ended with an error within 10 s of the
+    kill; every other request got all its tokens."""
+    errors = [(o.error, round(t, 1)) for o, t in results if o.error]
+    served = [o for o, _ in results if not o.error]
+    assert errors, "the killed decode worker had requests in flight, yet none failed"
+    assert max(t for _, t in errors) < 10, errors
+    assert served, "the other decode worker's requests must keep being served"
+    assert all(len(o.tokens) == max_tokens for o in served), [len(o.tokens) for o in served]
 
 
 def hello(url: str) -> str:
