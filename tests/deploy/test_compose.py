@@ -26,7 +26,7 @@ import pytest
 
 from compose_stack import ComposeStack
 from conftest import engine_cfg, sched_cfg
-from server.subprocess_server import free_port, metric_sum, wait_idle
+from server.subprocess_server import free_port, fresh_metrics, metric_sum, wait_idle
 
 WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
 # Small decode pools so 16 requests overcommit them; low initial reservation so admission
@@ -220,6 +220,24 @@ def hello(url: str) -> str:
     return r.choices[0].text
 
 
+def served_by_new_process(url: str, worker: str, attempts: int = 5) -> None:
+    """Concurrent requests until ``worker``'s finished-requests counter, which a restarted process
+    starts at 0, counts one: the new process itself serves (not only the other decode worker)."""
+    for _ in range(attempts):
+        async def four():
+            c = aclient(url)
+            model = (await c.models.list()).data[0].id
+            try:
+                await asyncio.gather(*(c.completions.create(model=model, prompt=f"Hello {i}", max_tokens=8,
+                                                            temperature=0) for i in range(4)))
+            finally:
+                await c.close()
+        asyncio.run(four())
+        if metric_sum(fresh_metrics(url, 0.5), "pdserve_worker_finished_requests_total", worker=worker) >= 1:
+            return
+    raise AssertionError(f"{worker} served none of {4 * attempts} requests after its restart")
+
+
 def test_crashed_decode_container_fails_fast_and_restart_policy_brings_it_back(stack):
     restarts = stack.container("decode-0")["RestartCount"]
     pid = stack.host_pid("decode-0")
@@ -230,7 +248,7 @@ def test_crashed_decode_container_fails_fast_and_restart_policy_brings_it_back(s
         time.sleep(0.5)
     back = stack.wait_healthy()
     print(f"\n[deploy] decode-0 crashed and restarted; router healthy again after {back:.1f}s more")
-    hello(stack.url)
+    served_by_new_process(stack.url, "decode-0")
 
 
 def test_docker_kill_stops_decode_for_good_until_started_again(stack):
