@@ -13,18 +13,17 @@ project is left. Timings are printed (``-s``), never asserted.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import openai
 import pytest
 
 from compose_stack import ComposeStack
+from stream_client import Outcome, stream_one
 from conftest import engine_cfg, sched_cfg
 from server.subprocess_server import free_port, fresh_metrics, metric_sum, wait_idle
 
@@ -149,16 +148,6 @@ def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedd
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
 
 
-@dataclass
-class Outcome:
-    """How one streamed request ended: its tokens, HTTP status, error message, monotonic end."""
-
-    tokens: list[int] = field(default_factory=list)
-    status: int | None = None
-    error: str | None = None
-    t_end: float = 0.0
-
-
 async def load_while(url: str, action, n: int = 8, max_tokens: int = 64) -> list[tuple[Outcome, float]]:
     """``n`` concurrent streamed requests; ``action()`` runs once every one has streamed a token (so
     none can be retried on a fresh pair: the router retries only before a first token).
@@ -166,39 +155,12 @@ async def load_while(url: str, action, n: int = 8, max_tokens: int = 64) -> list
     first = [asyncio.Event() for _ in range(n)]
     limits = httpx.Limits(max_connections=n + 2)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits, trust_env=False) as c:
-        tasks = [asyncio.create_task(stream_tokens(c, f"{SHARED}{q}", max_tokens, first[i]))
+        tasks = [asyncio.create_task(stream_one(c, f"{SHARED}{q}", max_tokens, i, first[i]))
                  for i, q in enumerate(QUESTIONS[:n])]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 240)
         t_action = time.monotonic()
         action()
         return [(o, o.t_end - t_action) for o in await asyncio.gather(*tasks)]
-
-
-async def stream_tokens(c: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event) -> Outcome:
-    """One streamed greedy completion (``ignore_eos``); sets ``first`` at its first token or its end."""
-    out = Outcome()
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
-    try:
-        async with c.stream("POST", "/v1/completions", json=body) as r:
-            out.status = r.status_code
-            if r.status_code != 200:
-                out.error = (await r.aread()).decode()[:300]
-            async for line in r.aiter_lines():
-                data = line.removeprefix("data: ")
-                if not line.startswith("data: ") or data == "[DONE]":
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    out.error = event["error"]["message"] or "(empty error message)"
-                for choice in event.get("choices", []):
-                    out.tokens += choice.get("token_ids") or []
-                first.set()
-    except httpx.HTTPError as e:
-        out.error = f"transport error: {type(e).__name__}: {e}"
-    first.set()
-    out.t_end = time.monotonic()
-    return out
 
 
 def check_split(results: list[tuple[Outcome, float]], max_tokens: int = 64) -> None:
