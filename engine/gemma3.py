@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.cpu_linear import linear, pack, warm_up
 from engine.forward_batch import ForwardBatch
 from engine.model import checkpoint_getter
 from engine.rope import RotaryEmbedding
@@ -55,16 +56,16 @@ class Gemma3Layer(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         x = gemma_rms_norm(h, w["input_layernorm"], eps)
-        q, k, v = F.linear(x, w["qkv"]).split(self.sizes, dim=-1)
+        q, k, v = linear(x, w["qkv"]).split(self.sizes, dim=-1)
         q = gemma_rms_norm(q.view(-1, cfg.num_heads, cfg.head_dim), w["q_norm"], eps)
         k = gemma_rms_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim), w["k_norm"], eps)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
-        o = F.linear(attn.forward(q, k, v, self.layer_id, batch), w["o"])
+        o = linear(attn.forward(q, k, v, self.layer_id, batch), w["o"])
         h = h + gemma_rms_norm(o, w["post_attention_layernorm"], eps)
         x = gemma_rms_norm(h, w["pre_feedforward_layernorm"], eps)
-        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-        x = F.linear(F.gelu(gate, approximate="tanh") * up, w["down"])
+        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+        x = linear(F.gelu(gate, approximate="tanh") * up, w["down"])
         return h + gemma_rms_norm(x, w["post_feedforward_layernorm"], eps)
 
 
@@ -96,12 +97,15 @@ class Gemma3Model(nn.Module):
         for i, layer in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             w = {n: get(p + n + ".weight") for n in _NORMS}
-            w["qkv"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-            w["o"] = get(a + "o_proj.weight")
+            # matmul weights prepared for the device (engine.cpu_linear); the 262k-row LM head (the
+            # embedding) stays plain: a packed copy would double its 670 MB
+            w["qkv"] = pack(torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
+            w["o"] = pack(get(a + "o_proj.weight"))
             w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
-            w["gate_up"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            w["down"] = get(p + "mlp.down_proj.weight")
+            w["gate_up"] = pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+            w["down"] = pack(get(p + "mlp.down_proj.weight"))
             layer.w = w
+        warm_up((l.w[n], None) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) over a paged KV cache.
 
 Weights come in HF naming from ``engine.loader``; Q/K/V and gate/up projections are fused at load
-time so each layer runs three matmuls for attention projections fewer. The forward pass returns
+time so each layer runs three matmuls for attention projections fewer, and every matmul weight is
+prepared for its device (``engine.cpu_linear``: oneDNN-packed on CPU float32). The forward pass returns
 logits only for each request's last new token (what sampling needs).
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.cpu_linear import linear, pack, warm_up
 from engine.forward_batch import ForwardBatch
 from engine.rope import RotaryEmbedding
 
@@ -45,7 +47,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         x = rms_norm(h, w["input_norm"], cfg.rms_norm_eps)
-        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))
+        qkv = linear(x, w["qkv"], w.get("qkv_bias"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -56,10 +58,10 @@ class DecoderLayer(nn.Module):
         q = rope.apply(q, batch.positions)
         k = rope.apply(k, batch.positions)
         o = attn.forward(q, k, v, self.layer_id, batch)
-        h = h + F.linear(o, w["o"])
+        h = h + linear(o, w["o"])
         x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
-        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w["down"])
+        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, w["down"])
 
 
 class LlamaModel(nn.Module):
@@ -83,15 +85,15 @@ class LlamaModel(nn.Module):
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in state
-        self.lm_head = self.embed if tied else get("lm_head.weight")
+        self.lm_head = pack(self.embed if tied else get("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             w = {
-                "qkv": torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
-                "o": get(a + "o_proj.weight"),
-                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                "down": get(p + "mlp.down_proj.weight"),
+                "qkv": pack(torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])),
+                "o": pack(get(a + "o_proj.weight")),
+                "gate_up": pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                "down": pack(get(p + "mlp.down_proj.weight")),
                 "input_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
             }
@@ -100,6 +102,10 @@ class LlamaModel(nn.Module):
             if self.cfg.qk_norm:
                 w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
             layer.w = w
+        warm_up((l.w[n], l.w.get(n + "_bias")) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
+        # the LM head sees one row per request of a step: warmed up to the default decode batch cap
+        # (64); larger steps build their primitives when they first occur
+        warm_up([(self.lm_head, None)], max_rows=64)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
@@ -110,4 +116,4 @@ class LlamaModel(nn.Module):
             h = layer(h, batch, self.rope, attn)
         h = h[batch.last_token_indices()]
         h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
