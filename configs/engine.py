@@ -33,7 +33,7 @@ class EngineConfig(BaseModel):
         "--page-size; 0 = every layer in the full pool); default: --swa-pool-ratio x the full pool")
     swa_pool_ratio: float = Field(0.5, gt=0, le=8, description="SWA pool tokens per full-pool token "
                                   "when --swa-pool-tokens is not given")
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     seed: int = Field(0, description="seed of the global sampling RNG")
     sliding_window: int | None = Field(

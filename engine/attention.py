@@ -8,6 +8,9 @@ Interface (``AttentionBackend``):
 ``TorchBackend`` runs anywhere (default on CPU): it gathers each request's K/V through the block
 table of the layer's pool (only the keys inside a sliding layer's window) and calls
 ``scaled_dot_product_attention`` with a causal / sliding-window mask.
+``CpuBackend`` (default on CPU for float32 pools when the C kernel builds) runs decode with the C
+kernel of ``engine/kernels/cpu_native.py``, which reads each request's keys in place (no gather,
+no padding to the longest request in the batch); extend steps reuse the torch gather path.
 ``TritonBackend`` (CUDA) stores K/V and runs paged decode attention with the Triton kernels in
 ``engine/kernels``; extend steps reuse the torch gather path.
 """
@@ -172,6 +175,38 @@ def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | 
     return mask
 
 
+class CpuBackend(TorchBackend):
+    """CPU float32: decode through the C paged kernel with ``threads`` threads; the rest as torch."""
+
+    def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None],
+                 threads: int | None = None) -> None:
+        super().__init__(pools, num_heads, scale, windows)
+        self.threads = threads or torch.get_num_threads()
+        self._ranges: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        super().prepare(batch)
+        self._ranges = {}
+
+    def _range_of(self, name: str, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(table, lo, hi)`` int64 of this step: request i attends to keys ``[lo[i], hi[i])``."""
+        key = (name, window)
+        if key not in self._ranges:
+            table = self._batch.pool_index(name)[0].to(torch.int64).contiguous()
+            hi = self._batch.seq_lens.to(torch.int64).contiguous()
+            lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
+            self._ranges[key] = (table, lo.contiguous(), hi)
+        return self._ranges[key]
+
+    def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        from engine.kernels.cpu_native import paged_decode_f32
+
+        name, pool, local = self._layer(layer)
+        table, lo, hi = self._range_of(name, self.windows[layer])
+        out = paged_decode_f32(q.float(), pool.buffer, local, table, lo, hi, self.scale, self.threads)
+        return out.to(q.dtype).reshape(q.shape[0], -1)
+
+
 class TritonBackend(TorchBackend):
     """CUDA backend: Triton KV store and paged decode attention; extend via the torch path."""
 
@@ -192,15 +227,27 @@ class TritonBackend(TorchBackend):
         return out.reshape(q.shape[0], -1)
 
 
+def _cpu_kernel_fits(pools: KVPools) -> bool:
+    from engine.kernels.cpu_native import supports
+
+    return all(supports(p.buffer) for p in (pools.full, pools.swa) if p is not None)
+
+
 def make_backend(name: str, pools: KVPools, num_heads: int, scale: float, windows) -> TorchBackend:
-    """``name``: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"."""
+    """``name``: "auto" (Triton on CUDA; on CPU the C kernel where it fits, else torch), "torch",
+    "cpu" or "triton"."""
     device = pools.full.device
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else ("cpu" if _cpu_kernel_fits(pools) else "torch")
     if name == "torch":
         return TorchBackend(pools, num_heads, scale, windows)
+    if name == "cpu":
+        if not _cpu_kernel_fits(pools):
+            raise ValueError("attention_backend=cpu needs a float32 CPU KV pool and a C compiler (cc) to build "
+                             "the kernel; use --attention-backend torch")
+        return CpuBackend(pools, num_heads, scale, windows)
     if name == "triton":
         if device.type != "cuda":
             raise ValueError("attention_backend=triton needs a CUDA device; use --attention-backend torch")
         return TritonBackend(pools, num_heads, scale, windows)
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch, cpu or triton")

@@ -1,0 +1,94 @@
+"""The C CPU decode kernel (engine.kernels.cpu_native via engine.attention.CpuBackend) against
+the torch backend: hybrid pools (full + SWA, SWA page 0 poisoned), sliding windows, GQA groups,
+mixed context lengths, 1 and 3 threads; backend selection and the fallbacks when the kernel
+cannot be had."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cache.kv_pools import KVPools
+from engine.attention import CpuBackend, TorchBackend, make_backend
+from engine.kernels import cpu_native
+from test_swa_pool import PAGE, TYPES, _decode_batch
+
+needs_kernel = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler for the CPU kernel")
+
+
+def _windows(window):
+    return [window if t == "sliding_attention" else None for t in TYPES]
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("window", [5, 8, 13])
+def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, threads):
+    g = torch.Generator().manual_seed(window * 10 + threads)
+    pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
+    pools.units.copy_(torch.randn(pools.units.shape, generator=g))
+    pools.swa.buffer[0] = 1e3  # someone else's page: reading it unmasked would show
+    seq_lens = [1, 3, 17, 30, 41]
+    batch = _decode_batch(pools, seq_lens, window)
+    want, got = TorchBackend(pools, 4, 0.25, _windows(window)), CpuBackend(pools, 4, 0.25, _windows(window), threads)
+    want.prepare(batch)
+    got.prepare(batch)
+    q = torch.randn(len(seq_lens), 4 * 16, generator=g)
+    for layer in range(len(TYPES)):
+        torch.testing.assert_close(got._decode(q.view(-1, 4, 16), layer, batch),
+                                   want._decode(q.view(-1, 4, 16), layer, batch), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group,head_dim", [(1, 8), (3, 64), (4, 256)])
+def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_dim):
+    g = torch.Generator().manual_seed(group)
+    kv_heads, pages, P = 2, 96, 16
+    pools = KVPools(pages, 0, ("full_attention",) * 2, P, kv_heads, head_dim, torch.float32, "cpu")
+    pools.units.copy_(torch.randn(pools.units.shape, generator=g))
+    seq_lens = [700, 5, 64, 1]  # one long request among short ones: no padding to the longest
+    order = torch.randperm(pages, generator=g).tolist()
+    rows, used = [], 0
+    for n in seq_lens:
+        k = -(-n // P)
+        rows.append(order[used:used + k] + [0] * (44 - k))
+        used += k
+    table = torch.tensor(rows)
+    hi, lo = torch.tensor(seq_lens), torch.zeros(len(seq_lens), dtype=torch.int64)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
+    got = cpu_native.paged_decode_f32(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2)
+    for i, n in enumerate(seq_lens):
+        pg = table[i, :-(-n // P)]
+        k = pools.full.buffer[pg, 1, 0].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+        v = pools.full.buffer[pg, 1, 1].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, enable_gqa=True)
+        torch.testing.assert_close(got[i], ref.squeeze(1), rtol=1e-5, atol=1e-5)
+
+
+def test_backend_choice_on_cpu():
+    pools32 = KVPools(8, 0, ("full_attention",), 4, 1, 8, torch.float32, "cpu")
+    pools16 = KVPools(8, 0, ("full_attention",), 4, 1, 8, torch.bfloat16, "cpu")
+    auto = make_backend("auto", pools32, 2, 1.0, [None])
+    assert type(auto) is (CpuBackend if cpu_native.load() is not None else TorchBackend)
+    assert type(make_backend("auto", pools16, 2, 1.0, [None])) is TorchBackend  # bf16: the torch path
+    assert type(make_backend("torch", pools32, 2, 1.0, [None])) is TorchBackend
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        make_backend("cpu", pools16, 2, 1.0, [None])
+
+
+@pytest.mark.parametrize("env", [{"PDSERVE_NATIVE_KERNELS": "0"}, {"CC": "/bin/false"}])
+def test_no_kernel_means_the_torch_path(monkeypatch, tmp_path, caplog, env):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))  # nothing built yet: CC must run
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cpu_native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_native"):
+            assert cpu_native.load() is None
+        pools = KVPools(8, 0, ("full_attention",), 4, 1, 8, torch.float32, "cpu")
+        assert type(make_backend("auto", pools, 2, 1.0, [None])) is TorchBackend
+        assert ("could not build" in caplog.text) == ("CC" in env)
+        assert list(tmp_path.iterdir()) == []  # a failed build leaves no file behind
+    finally:
+        cpu_native.load.cache_clear()
