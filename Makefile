@@ -59,7 +59,7 @@ bench: install
 # (.cache/wheelhouse). Only the layers after the sources change on a code edit, so a rebuild takes
 # seconds. With a registry: make image BASE_IMAGE=python:3.11-slim
 IMAGE      ?= pdserve:latest
-BASE_IMAGE ?= pdserve-base:bookworm
+BASE_IMAGE ?= pdserve-base:bookworm-cc
 WHEELHOUSE := .cache/wheelhouse
 
 wheelhouse: .cache/wheelhouse.stamp
@@ -69,7 +69,7 @@ wheelhouse: .cache/wheelhouse.stamp
 
 base-image:
 	docker/ensure_dockerd.sh
-	@if [ "$(BASE_IMAGE)" = "pdserve-base:bookworm" ]; then docker/build_base.sh $(BASE_IMAGE) .cache/image; fi
+	@if [ "$(BASE_IMAGE)" = "pdserve-base:bookworm-cc" ]; then docker/build_base.sh $(BASE_IMAGE) .cache/image; fi
 
 image: wheelhouse base-image
 	docker build -q -f docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(IMAGE) . >/dev/null

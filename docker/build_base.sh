@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Build the local base image (Debian bookworm minbase + python3/venv) without any image registry:
-# debootstrap a rootfs from Debian's package mirror, tar it, `docker import` it.
+# Build the local base image (Debian bookworm minbase + python3/venv + gcc) without any image
+# registry: debootstrap a rootfs from Debian's package mirror, tar it, `docker import` it. gcc is
+# there because workers build their C CPU kernel (engine/kernels/cpu_native.py) at start-up for
+# the CPU they run on; without it they fall back to the slower torch attention path.
 # Cached: the rootfs tar lives in $CACHE (git-ignored); an existing image is kept.
 #   docker/build_base.sh IMAGE CACHE_DIR
 set -euo pipefail
-IMAGE=${1:-pdserve-base:bookworm}
+IMAGE=${1:-pdserve-base:bookworm-cc}
 CACHE=${2:-.cache/image}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-TAR="$CACHE/bookworm-minbase.tar"
+TAR="$CACHE/bookworm-minbase-cc.tar"
 
 if docker image inspect "$IMAGE" >/dev/null 2>&1; then
   echo "base image $IMAGE: present"; exit 0
@@ -18,7 +20,7 @@ if [ ! -s "$TAR" ]; then
   ROOT=$(mktemp -d "$CACHE/rootfs.XXXXXX")
   trap 'rm -rf "$ROOT"' EXIT
   echo "debootstrap bookworm minbase into $ROOT (a few minutes)"
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,libnuma1 \
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,libnuma1,gcc,libc6-dev \
     bookworm "$ROOT" "$MIRROR" > "$CACHE/debootstrap.log" 2>&1 \
     || { tail -20 "$CACHE/debootstrap.log"; exit 1; }
   chroot "$ROOT" apt-get clean

@@ -193,6 +193,10 @@ class CpuBackend(TorchBackend):
         key = (name, window)
         if key not in self._ranges:
             table = self._batch.pool_index(name)[0].to(torch.int64).contiguous()
+            pages = self.pools.pool(name).num_pages
+            if table.numel() and not (0 <= int(table.min()) and int(table.max()) < pages):
+                # the kernel reads raw memory: a bad page id would crash the process, not raise
+                raise IndexError(f"{name} block table holds a page outside 0..{pages - 1}")
             hi = self._batch.seq_lens.to(torch.int64).contiguous()
             lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
             self._ranges[key] = (table, lo.contiguous(), hi)

@@ -95,6 +95,7 @@ class ModelRunner:
                    for t in model_config.layer_types]
         self.backend = make_backend(cfg.attention_backend, self.pools, model_config.num_heads,
                                     _attention_scale(model_config), windows)
+        log.info("attention backend: %s", type(self.backend).__name__)
         log.info("KV pool: %d pages x %d tokens%s (%.1f MiB)", full_pages, self.page_size,
                  f" + SWA pool {swa_pages} pages (window {model_config.sliding_window})" if self.window else "",
                  self.pools.nbytes / 2**20)

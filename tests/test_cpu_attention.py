@@ -92,3 +92,14 @@ def test_no_kernel_means_the_torch_path(monkeypatch, tmp_path, caplog, env):
         assert list(tmp_path.iterdir()) == []  # a failed build leaves no file behind
     finally:
         cpu_native.load.cache_clear()
+
+
+@needs_kernel
+def test_a_page_outside_the_pool_raises_instead_of_reading_memory():
+    pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
+    batch = _decode_batch(pools, [3, 9], 8)
+    batch.block_table[1, 0] = 64  # one past the last page
+    backend = CpuBackend(pools, 4, 0.25, _windows(8))
+    backend.prepare(batch)
+    with pytest.raises(IndexError, match="outside 0..63"):
+        backend._decode(torch.zeros(2, 4, 16), 1, batch)  # layer 1: a full-attention layer
