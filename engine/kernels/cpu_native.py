@@ -69,8 +69,8 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler (cc/gcc): CPU decode attention stays on the torch path")
         return None
-    path = _library_path(compiler)
     try:
+        path = _library_path(compiler)
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))

@@ -88,10 +88,8 @@ class ComposeStack:
     def host_pid(self, service: str) -> int:
         return int(self.container(service)["State"]["Pid"])
 
-    def logs(self, service: str | None = None, tail: int = 40) -> str:
-        """The last ``tail`` lines of every service's log (or of ``service``'s), at most 8000 chars."""
-        return self.compose("logs", "--no-color", "--tail", str(tail), *([service] if service else []),
-                            check=False)[-8000:]
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "40", check=False)[-8000:]
 
     def wait_healthy(self, timeout_s: float = 300) -> float:
         """Seconds until the router's /health answered 200."""
