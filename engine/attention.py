@@ -182,7 +182,7 @@ class CpuBackend(TorchBackend):
                  threads: int | None = None) -> None:
         super().__init__(pools, num_heads, scale, windows)
         self.threads = threads or torch.get_num_threads()
-        self._ranges: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._ranges: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # per step
 
     def prepare(self, batch: ForwardBatch) -> None:
         super().prepare(batch)
