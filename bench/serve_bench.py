@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 from bench.serve import report
@@ -54,7 +55,7 @@ class ServeBench:
             return interference_records(target, measured, self.o.slo, f"short {self.o.request_rates[0]:g}/s")
         records = []
         for level, (load, conc, rate) in enumerate(self._levels()):
-            specs = make_requests(self.shape, self.counter, self.a.workload_seed + 1000 * level)
+            specs = make_requests(self._shape(conc), self.counter, self.a.workload_seed + 1000 * level)
             if conc is not None:
                 m = asyncio.run(closed_loop(cfg, specs, conc, self._warmup(level), show))
             else:
@@ -64,6 +65,12 @@ class ServeBench:
                                      m.results))
             print(report.runs_table(records[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         return records
+
+    def _shape(self, concurrency: int | None) -> PromptShape:
+        """The measured prompts of a level: ``--prompts-per-client`` x clients in a closed loop if given."""
+        if concurrency is None or self.a.prompts_per_client is None:
+            return self.shape
+        return dataclasses.replace(self.shape, num_prompts=self.a.prompts_per_client * concurrency)
 
     def interference_specs(self):
         lo, hi = self.o.long_range

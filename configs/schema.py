@@ -68,6 +68,10 @@ class ClusterConfig(BaseModel):
     worker_cpus: str = Field("off", description="launcher: cores per worker on this host: off (every worker may "
                              "use every core), auto (split the cores among the workers, spare ones to the "
                              "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")
+    core_lending: Literal["off", "prefill", "all"] = Field(
+        "prefill", description="launcher: a worker that is the only one of this host's unpinned launch with work "
+                               "runs its step on every core (server.core_lending): prefill (default: prefill "
+                               "workers borrow, decode workers only lend), all, or off")
     worker_host: str = Field(
         "127.0.0.1", description="launcher: bind address of this host's worker control sockets (0.0.0.0 to serve "
                                  "a router on another host; workers have no authentication, keep them on a "

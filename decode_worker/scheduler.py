@@ -3,8 +3,10 @@ in-flight KV), the retract manager (``retracted_queue`` in the host pool) and th
 
 Every ``step``: peers' liveness -> fences -> landed transfers -> ``resume_ready`` (first; while
 anything waits there no new request is admitted, so resumes cannot starve) -> admission -> one
-``RunningBatch.decode_step`` whose victims are offloaded or recomputed. Every ending goes through
-``finish``.
+``RunningBatch.decode_step`` whose victims are offloaded or recomputed. A step that has first
+tokens of landed requests (or errors) to answer returns them before decoding, and the next step
+decodes whatever it finds (so time to first token never waits for a decode step, and at most
+every other step skips its decode). Every ending goes through ``finish``.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class DecodeScheduler(WorkerScheduler):
         self.jobs: dict[str, DecodeJob] = {}
         self.transfer_failures = 0
         self.timeline = Timeline(self.role)
+        self._decode_deferred = False  # the last step answered landings and skipped its decode
 
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
         if msg.room is None or msg.prefill_addr is None:
@@ -132,6 +135,10 @@ class DecodeScheduler(WorkerScheduler):
             self.running.add(job.req)
         if not self.retract.queue:  # resumes first: no new request takes pages while one waits
             out.extend(self._admit())
+        if self.running and out.tokens and not self._decode_deferred:
+            self._decode_deferred = True  # first tokens out now, not after a decode step; it runs next turn
+            return out
+        self._decode_deferred = False
         if self.running:
             out.extend(self._decode())
         elif not self.transfers:

@@ -176,12 +176,13 @@ def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | 
 
 
 class CpuBackend(TorchBackend):
-    """CPU float32: decode through the C paged kernel with ``threads`` threads; the rest as torch."""
+    """CPU float32: decode through the C paged kernel with ``threads`` threads (default: torch's
+    thread count at each call, which core lending may change between steps); the rest as torch."""
 
     def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None],
                  threads: int | None = None) -> None:
         super().__init__(pools, num_heads, scale, windows)
-        self.threads = threads or torch.get_num_threads()
+        self.threads = threads
         self._ranges: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # per step
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -207,7 +208,8 @@ class CpuBackend(TorchBackend):
 
         name, pool, local = self._layer(layer)
         table, lo, hi = self._range_of(name, self.windows[layer])
-        out = paged_decode_f32(q.float(), pool.buffer, local, table, lo, hi, self.scale, self.threads)
+        out = paged_decode_f32(q.float(), pool.buffer, local, table, lo, hi, self.scale,
+                               self.threads or torch.get_num_threads())
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 

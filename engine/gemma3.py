@@ -105,6 +105,10 @@ class Gemma3Model(nn.Module):
             w["gate_up"] = pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             w["down"] = pack(get(p + "mlp.down_proj.weight"))
             layer.w = w
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Build the packed matmuls' kernels for the current torch thread count (``cpu_linear.warm_up``)."""
         warm_up((l.w[n], None) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
 
     @torch.inference_mode()

@@ -102,6 +102,10 @@ class LlamaModel(nn.Module):
             if self.cfg.qk_norm:
                 w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
             layer.w = w
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Build the packed matmuls' kernels for the current torch thread count (``cpu_linear.warm_up``)."""
         warm_up((l.w[n], l.w.get(n + "_bias")) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
         # the LM head sees one row per request of a step: warmed up to the default decode batch cap
         # (64); larger steps build their primitives when they first occur

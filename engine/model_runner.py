@@ -125,6 +125,20 @@ class ModelRunner:
                              f"the full pool)")
         return full_pages, swa_pages
 
+    def warm_up_threads(self, counts) -> None:
+        """Build the model's CPU matmul kernels for each torch thread count in ``counts`` too (the
+        load warmed up the current one; core lending switches between counts), then restore it."""
+        if self.device.type != "cpu":
+            return
+        current = torch.get_num_threads()
+        try:
+            for n in counts:
+                if n != current:
+                    torch.set_num_threads(n)
+                    self.model.warm_up()
+        finally:
+            torch.set_num_threads(current)
+
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_slots

@@ -225,6 +225,7 @@ class PrefillScheduler(WorkerScheduler):
             if ok:
                 self.transfer_bytes += nbytes
                 self.transfer_seconds.observe(secs)
+                out.kv_handoffs += 1
                 out.extend(self.finish(job, Outcome("length")))
             else:
                 self.transfer_failures += 1

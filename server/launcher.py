@@ -37,7 +37,8 @@ import zmq.asyncio
 
 from configs.schema import PdserveConfig
 from server.roles import WORKER_ROLES, bind_addr, worker_specs
-from server.placement import plan_placement
+from server.core_lending import CoreLedger, borrows
+from server.placement import Placement, plan_placement
 from server.ports import PortUnavailable, reserve_worker_ports
 from server.router.registry import WorkerSpec
 from server.supervisor import RestartPolicy, WorkerSupervisor
@@ -147,14 +148,33 @@ class Launcher:
         log.info("%s", plan.describe())
         if pin_router and plan.router:
             os.sched_setaffinity(0, plan.router)
+        lending = self._core_lending(local, plan)
+        ledger_fd = lending[0] if lending else None
 
         def argv(spec: WorkerSpec) -> list[str]:
             cpus = plan.workers.get(spec.worker_id)
             pin = ["--cpus", "+".join(map(str, cpus))] if cpus else []
             threads = ["--threads", str(plan.threads)] if plan.threads and not cpus else []
-            return self.argv(spec, self.cfg) + ["--listen-fd", str(fds[spec.worker_id]), *pin, *threads]
+            return self.argv(spec, self.cfg) + ["--listen-fd", str(fds[spec.worker_id]), *pin, *threads,
+                                                *(lending[1][spec.worker_id] if lending else [])]
 
-        return WorkerProcesses(local, argv, fds)
+        return WorkerProcesses(local, argv, fds, shared_fds=() if ledger_fd is None else (ledger_fd,))
+
+    def _core_lending(self, local: list[WorkerSpec], plan: Placement) -> tuple[int, dict[str, list[str]]] | None:
+        """(ledger memfd, extra argv per worker id) when this launch's workers lend each other idle
+        cores (``cluster.core_lending``: unpinned workers that share the host's threads), else None."""
+        mode, total = self.cfg.cluster.core_lending, len(os.sched_getaffinity(0))
+        if mode == "off" or plan.workers or not plan.threads or total <= plan.threads:
+            return None
+        _, fd = CoreLedger.create(len(local))
+        extra = {}
+        for slot, spec in enumerate(local):
+            lend = ["--lend-threads", str(total)] if borrows(mode, spec.role) else []
+            extra[spec.worker_id] = ["--core-ledger-fd", str(fd), "--core-slot", str(slot), *lend]
+        names = [s.worker_id for s in local if borrows(mode, s.role)]
+        log.info("core lending: %s run on all %d cores while the other workers are idle", ", ".join(names) or "none",
+                 total)
+        return fd, extra
 
     def request_stop(self, force: bool = False) -> None:
         """Begin a clean shutdown; ``force`` makes uvicorn drop open connections at once."""

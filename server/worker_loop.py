@@ -28,6 +28,7 @@ import zmq
 
 from engine.scheduler.base import Conn, Outbox, Peer, RequestRejected, WorkerScheduler
 from server.control_io import ControlIO
+from server.core_lending import CoreLending
 from server.peer_pinger import PeerPinger
 from transfer.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, frame_ids)
@@ -38,10 +39,11 @@ log = logging.getLogger(__name__)
 class WorkerLoop:
     def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
                  listen_fd: int | None = None, heartbeat_s: float = 1.0, progress_timeout_s: float = 120.0,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, cores: CoreLending | None = None) -> None:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
-        ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine."""
+        ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine.
+        ``cores``: this worker's slot of its launch's core ledger (``server.core_lending``)."""
         self.worker_id = worker_id
         self.model_name = model_name
         self.cluster_id = cluster_id
@@ -49,6 +51,7 @@ class WorkerLoop:
         self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s, listen_fd=listen_fd)
         self.pinger = PeerPinger(self.ctx, heartbeat_s)
         self.step_delay_s = step_delay_s
+        self.cores = cores
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
         self.scheduler: WorkerScheduler | None = None
         self.peers: dict[str, zmq.Socket] = {}
@@ -67,10 +70,14 @@ class WorkerLoop:
         self.pinger.start()
         try:
             while not self.stopping:
+                self._publish(scheduler.has_work)
                 self._drain(0.0 if scheduler.has_work else self._idle_timeout())
                 for addr, stats, at in self.pinger.take():
                     self.deliver(scheduler.peer_heartbeat(addr, stats, at))
                 busy = scheduler.has_work
+                self._publish(busy)
+                if busy and self.cores is not None:
+                    self.cores.begin_step()
                 self.deliver(scheduler.step())
                 if self.step_delay_s and (busy or scheduler.has_work):
                     time.sleep(self.step_delay_s)
@@ -81,8 +88,14 @@ class WorkerLoop:
             for s in self.peers.values():
                 s.close(0)
 
+    def _publish(self, busy: bool) -> None:
+        if self.cores is not None:
+            self.cores.publish(busy)
+
     # ---- outbound -------------------------------------------------------------------------------
     def deliver(self, out: Outbox) -> None:
+        if out.kv_handoffs and self.cores is not None:
+            self.cores.handed_off()
         by_owner: dict[bytes, list[TokenDelta]] = defaultdict(list)
         for owner, delta in out.tokens:
             by_owner[owner].append(delta)
@@ -179,13 +192,19 @@ class WorkerLoop:
             self.deliver(out)
 
     def _stats(self, nonce: int) -> WorkerStats:
-        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id)
+        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
+                            self.cores)
 
 
 def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0,
-                 cluster_id: str = "") -> WorkerStats:
-    """The ``WorkerStats`` a worker answers heartbeats with: identity, capacity, metrics."""
+                 cluster_id: str = "", cores: CoreLending | None = None) -> WorkerStats:
+    """The ``WorkerStats`` a worker answers heartbeats with: identity, capacity, metrics (the
+    scheduler's, plus its core lending's when it has a slot)."""
     snap = s.snapshot()
+    if cores is not None:
+        counters, gauges = cores.stats()
+        snap.counters.update(counters)
+        snap.gauges.update(gauges)
     histograms = {k: HistogramData(**h.as_dict()) for k, h in snap.histograms.items()}
     return WorkerStats(nonce=nonce, worker_id=worker_id, cluster_id=cluster_id, instance=instance, role=s.role,
                        model=model, capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,

@@ -15,6 +15,8 @@ from configs.schema import PdserveConfig
 from server.placement import apply_cpus, parse_cpu_list
 from server.worker_loop import WorkerLoop
 
+log = logging.getLogger(__name__)
+
 
 def load_runner(cfg: PdserveConfig):
     """(runner, model path) with the configured model loaded and the KV pool allocated."""
@@ -26,6 +28,21 @@ def load_runner(cfg: PdserveConfig):
     path = resolve_model_path(cfg.engine.model)
     model_config, weights = load_for_engine(path, cfg.engine)
     return ModelRunner(cfg.engine, model_config, weights), path
+
+
+def core_lending(args, runner):
+    """This worker's ``CoreLending`` when the launcher passed a core ledger (its kernels warmed up
+    at every thread count a step may use), else None."""
+    if args.core_ledger_fd is None:
+        return None
+    from server.core_lending import CoreLedger, CoreLending
+
+    own = torch.get_num_threads()
+    cores = CoreLending(CoreLedger.open(args.core_ledger_fd), args.core_slot, own, max(own, args.lend_threads or own))
+    runner.warm_up_threads(cores.thread_counts)
+    log.info("core lending: slot %d, %d torch threads, %d while the launch's other workers are idle",
+             cores.slot, cores.own, cores.total)
+    return cores
 
 
 def build_colocated(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
@@ -65,17 +82,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads of this (unpinned) worker; the launcher gives co-located workers their share")
     p.add_argument("--listen-fd", type=int, default=None,
                    help="serve --control-addr on this inherited, already listening socket (the launcher's)")
+    p.add_argument("--core-ledger-fd", type=int, default=None,
+                   help="inherited memfd of the launch's core ledger (server.core_lending)")
+    p.add_argument("--core-slot", type=int, default=0, help="this worker's slot in the core ledger")
+    p.add_argument("--lend-threads", type=int, default=None,
+                   help="torch threads of a step while every other worker of the launch is idle (default: "
+                        "this worker's own; it then only lends)")
     args = p.parse_args(argv)
     apply_cpus(args.cpus, args.threads)
     cfg = PdserveConfig.model_validate_json(args.config_json)
     logging.basicConfig(level=cfg.server.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{args.worker_id}] %(name)s: %(message)s")
     runner, path = load_runner(cfg)
+    cores = core_lending(args, runner)
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
     WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
                heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
-               step_delay_s=cfg.scheduler.test_step_delay_s).run(scheduler)
+               step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores).run(scheduler)
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -31,16 +32,19 @@ class WorkerProcesses:
     """The launcher's worker children: start, watch for exits, stop (SIGTERM, then SIGKILL)."""
 
     def __init__(self, specs: list[WorkerSpec], argv: Callable[[WorkerSpec], list[str]],
-                 fds: dict[str, int] | None = None) -> None:
-        """``fds``: per worker id, a file descriptor its process inherits (its listening socket)."""
+                 fds: dict[str, int] | None = None, shared_fds: tuple[int, ...] = ()) -> None:
+        """``fds``: per worker id, a file descriptor its process inherits (its listening socket);
+        ``shared_fds``: inherited by every worker (the core ledger)."""
         self.argv = argv
         self.fds = dict(fds or {})
+        self.shared_fds = tuple(shared_fds)
         self.procs = {s.worker_id: (s, self._popen(s)) for s in specs}
         self._reported: set[str] = set()
 
     def _popen(self, spec: WorkerSpec) -> subprocess.Popen:
         fd = self.fds.get(spec.worker_id)
-        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=() if fd is None else (fd,))
+        own = () if fd is None else (fd,)
+        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=own + self.shared_fds)
 
     def restart(self, spec: WorkerSpec) -> None:
         """Start a fresh process for a worker whose process exited (it rejoins by heartbeat)."""
@@ -57,7 +61,8 @@ class WorkerProcesses:
         return out
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every live worker, wait up to ``grace_s``, SIGKILL the rest; reap all."""
+        """SIGTERM every live worker, wait up to ``grace_s``, SIGKILL the rest; reap all; close
+        ``shared_fds``."""
         live = [p for _, p in self.procs.values() if p.poll() is None]
         for p in live:
             p.terminate()
@@ -69,6 +74,10 @@ class WorkerProcesses:
                 log.warning("worker pid %d did not stop in %.0fs; killing it", p.pid, grace_s)
                 p.kill()
                 p.wait()
+        for fd in self.shared_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.shared_fds = ()
 
 
 class ExternalWorkers:

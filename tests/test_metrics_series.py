@@ -6,6 +6,7 @@ The schedulers run in process (tiny model); their ``WorkerStats`` go through the
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
+from server.core_lending import CoreLedger, CoreLending
 from server.router.metrics import WORKER_COUNTERS, WORKER_HISTOGRAMS, WorkerCollector
 from server.router.registry import READY, WorkerHandle, WorkerSpec
 from server.worker_loop import worker_stats
@@ -27,18 +29,20 @@ from transfer.protocol import GenerateRequest
 
 GAUGES = {"pdserve_kv_pool_pages", "pdserve_kv_pool_capacity_pages", "pdserve_queue_requests",
           "pdserve_new_token_ratio", "pdserve_host_kv_pool_bytes", "pdserve_worker_stats_age_seconds",
-          "pdserve_worker_up", "pdserve_swa_pool_pages", "pdserve_swa_pool_capacity_pages"}
+          "pdserve_worker_up", "pdserve_swa_pool_pages", "pdserve_swa_pool_capacity_pages",
+          "pdserve_worker_torch_threads"}
 COVERED = {*(n for n, _ in WORKER_COUNTERS.values()), *(n for n, _ in WORKER_HISTOGRAMS.values()),
            "pdserve_request_phase_seconds", *GAUGES}
 OUT = 16
 
 
-def scrape(*scheds) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} as a scraper of the router reads ``scheds``' stats."""
+def scrape(*scheds, cores: dict[int, CoreLending] | None = None) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} as a scraper of the router reads ``scheds``' stats
+    (scheduler ``i`` with core lending ``cores[i]``, if given)."""
     handles = []
     for i, s in enumerate(scheds):
         h = WorkerHandle(WorkerSpec(f"w{i}", s.role, "inproc://x"), None, state=READY, stats_at=100.0)
-        h.stats = worker_stats(s, f"w{i}", "inst", "m")
+        h.stats = worker_stats(s, f"w{i}", "inst", "m", cores=(cores or {}).get(i))
         handles.append(h)
     reg = CollectorRegistry()
     reg.register(WorkerCollector(lambda: handles, clock=lambda: 102.5))
@@ -66,11 +70,38 @@ def swa_scheduler(window=8, **sched) -> ColocatedScheduler:
     return ColocatedScheduler(runner, sched_cfg(**sched), ())
 
 
+def lending_pair() -> tuple[CoreLending, CoreLedger]:
+    """A borrower (1 thread, 2 when the other slot is idle) in a 2-slot ledger; threads not applied."""
+    ledger, fd = CoreLedger.create(2)
+    os.close(fd)
+    return CoreLending(ledger, 0, own=1, total=2, set_threads=lambda n: None), ledger
+
+
+def test_core_lending_series(tiny):
+    """Each step run while the peer slot is idle counts once; the gauge is the latest step's threads."""
+    sched = ColocatedScheduler(ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ())
+    cores, ledger = lending_pair()
+    m = scrape(sched, cores={0: cores})
+    assert val(m, "pdserve_worker_borrowed_core_steps_total", worker="w0") == 0
+    assert val(m, "pdserve_worker_torch_threads", worker="w0") == 1
+    for _ in range(3):
+        cores.begin_step()
+    m = scrape(sched, cores={0: cores})
+    assert val(m, "pdserve_worker_borrowed_core_steps_total", worker="w0") == 3
+    assert val(m, "pdserve_worker_torch_threads", worker="w0") == 2
+    ledger.set_busy(1, True)
+    cores.begin_step()
+    m = scrape(sched, cores={0: cores})
+    assert val(m, "pdserve_worker_borrowed_core_steps_total", worker="w0") == 3
+    assert val(m, "pdserve_worker_torch_threads", worker="w0") == 1
+    assert not [k for k in scrape(sched) if k[0] == "pdserve_worker_torch_threads"]  # only with lending
+
+
 def test_every_exported_worker_series_is_covered_here(tiny):
     sched = ColocatedScheduler(ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ())
     h = PDHarness(pd_cfg(), pd_cfg(), tiny[0], tiny[1])
     names = {n.removesuffix("_total").removesuffix("_count").removesuffix("_sum").removesuffix("_bucket")
-             for n, _ in scrape(sched, h.prefill, h.decode, swa_scheduler())}
+             for n, _ in scrape(sched, h.prefill, h.decode, swa_scheduler(), cores={1: lending_pair()[0]})}
     h.close()
     assert names == COVERED
 

@@ -270,6 +270,25 @@ def test_options_parse_and_refuse_with_the_flag_named():
     assert parse_modes("pd") == ["pd"]
 
 
+def test_prompts_per_client_scales_each_closed_loop_level():
+    """4 requests per client: 4 at c=1 and 32 at c=8 (not one burst of 8 that drains), whatever
+    --num-prompts says; refused without a closed loop."""
+    import argparse
+
+    from bench.serve_bench import ServeBench
+
+    p = argparse.ArgumentParser()
+    add_serve_flags(p)
+    a = p.parse_args(["--concurrency", "1,8", "--prompts-per-client", "4", "--num-prompts", "5"])
+    bench = ServeBench(a, ServeOptions.from_args(a), counter=None)
+    assert [bench._shape(c).num_prompts for c in (1, 8)] == [4, 32]
+    a = p.parse_args(["--concurrency", "8", "--num-prompts", "5"])
+    assert ServeBench(a, ServeOptions.from_args(a), counter=None)._shape(8).num_prompts == 5
+    for argv in (("--request-rate", "1", "--prompts-per-client", "2"), ("--concurrency", "2", "--prompts-per-client", "0")):
+        with pytest.raises(ValueError, match="--prompts-per-client"):
+            _opts(*argv)
+
+
 def test_external_targets_join_the_launched_modes_in_run_order():
     o = _opts("--compare", "colocated,pd", "--target", "vllm=http://127.0.0.1:8100/", "--target",
               "llama=http://127.0.0.1:8200")

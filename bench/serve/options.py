@@ -24,6 +24,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", help="closed loop: comma-separated client counts, e.g. 1,8,32 (default 1)")
     g.add_argument("--request-rate", help="open loop: comma-separated Poisson rates in req/s, e.g. 1,2,inf")
     g.add_argument("--num-prompts", type=int, default=32, help="measured requests per load level")
+    g.add_argument("--prompts-per-client", type=int,
+                   help="closed loop: measure N requests per client at each level (N x concurrency in all, "
+                        "instead of --num-prompts), so every level reaches a steady state rather than "
+                        "one burst of concurrency requests that drains")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens (see --input-len-range)")
     g.add_argument("--input-len-range", metavar="LO,HI", help="prompt tokens uniform in [LO, HI] (wins over --input-len)")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
@@ -122,6 +126,8 @@ class ServeOptions:
             raise ValueError("--interference needs one finite --request-rate for the short requests, e.g. 1.0")
         if conc is None and rates is None:
             conc = [1]
+        if a.prompts_per_client is not None and (conc is None or a.prompts_per_client < 1):
+            raise ValueError("--prompts-per-client takes a number >= 1 and needs --concurrency (closed loop)")
         if a.num_prompts < 1 or a.output_len < 1 or a.warmup < 0:
             raise ValueError("--num-prompts and --output-len must be >= 1, --warmup >= 0")
         inp = _range(a.input_len_range, "--input-len-range") if a.input_len_range else _range(str(a.input_len),

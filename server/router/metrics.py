@@ -44,6 +44,8 @@ WORKER_COUNTERS = {
     "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
     "retract_resumed": ("pdserve_retract_resumed", "Retracted requests resumed from the host pool"),
     "retract_recomputed": ("pdserve_retract_recomputed", "Retracted requests re-prefilled (host pool full/costlier)"),
+    "borrowed_core_steps": ("pdserve_worker_borrowed_core_steps", "Steps a worker ran on every core of its host's "
+                            "launch while the other workers were idle (core lending)"),
 }
 # worker histogram key -> (metric name, help)
 WORKER_HISTOGRAMS = {
@@ -115,6 +117,8 @@ class WorkerCollector(Collector):
                                  labels=["worker", "state"])
         age = GaugeMetricFamily("pdserve_worker_stats_age_seconds", "Age of the latest worker stats",
                                 labels=["worker"])
+        threads = GaugeMetricFamily("pdserve_worker_torch_threads", "Torch threads of the worker's latest step "
+                                    "(workers with core lending only)", labels=["worker"])
         for h in handles:
             g, w = h.stats.gauges, h.worker_id
             for state in ("free", "used", "cached"):
@@ -131,7 +135,9 @@ class WorkerCollector(Collector):
                     host.add_metric([w, state], g[f"host_kv_pool_bytes_{state}"])
             ratio.add_metric([w], g.get("new_token_ratio", 0.0))
             age.add_metric([w], max(0.0, self._clock() - h.stats_at) if h.stats_at is not None else 0.0)
-        yield from (pages, total, swa, swa_total, queues, ratio, host, age)
+            if "torch_threads" in g:
+                threads.add_metric([w], g["torch_threads"])
+        yield from (pages, total, swa, swa_total, queues, ratio, host, age, threads)
 
 
 class RouterMetrics:

@@ -1,0 +1,136 @@
+"""Core lending among the workers of one host's launch.
+
+An unpinned launch of several workers on one host gives each worker a share of the cores as torch
+threads (``server.placement``). Under uneven load a share sits idle: in PD mode on a small host the
+decode worker waits for a prompt's KV while the prefill worker computes that prompt with half the
+machine. With lending (``cluster.core_lending``) the launch's workers share a ledger of one slot
+per worker in shared memory (an anonymous ``memfd`` the launcher creates and every worker
+inherits, so nothing is left behind): each worker publishes whether it has work, and a
+*borrower* that is the only worker with work runs its step with every core of the launch instead
+of its share.
+
+Contract:
+- ``publish(busy)`` is called before a worker blocks and before each of its steps, so a peer reads
+  a state at most one step old.
+- ``begin_step()`` picks the step's thread count: ``total`` when this worker may borrow, every
+  other slot is idle and no KV handoff happened in the last ``handoff_grace_s`` (the decode
+  worker that just received KV is about to be busy but may not have seen it yet); else ``own``.
+- A lender that turns busy during a borrower's step shares its core with it until that step ends
+  (one prefill chunk); the borrower's next step runs with its own share again.
+- Only thread counts change, never affinity. oneDNN builds its kernels per thread count, so a
+  borrower warms up at ``total`` threads too before it serves (``thread_counts``).
+
+Who borrows is measured, not assumed (``core_lending``): ``prefill`` (default) lets prefill
+workers borrow, since prompt compute is matmul-bound and scales with cores (SmolLM2 fp32, 256-token
+prefill: 383 -> 578 tok/s from one thread to two); a decode step on small batches does not (batch 8:
+130 -> 102 tok/s, batch 32: 223 -> 215) so decode workers only lend. ``all`` lets every worker
+borrow; ``off`` shares nothing.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SLOT = np.dtype([("busy", "<i4"), ("threads", "<i4")])
+LENDING_MODES = ("off", "prefill", "all")
+
+
+def borrows(mode: str, role: str) -> bool:
+    """Whether a worker of ``role`` may borrow idle cores under ``core_lending=mode``."""
+    if mode not in LENDING_MODES:
+        raise ValueError(f"core_lending must be one of {', '.join(LENDING_MODES)}, got {mode!r}")
+    return mode == "all" or (mode == "prefill" and role == "prefill")
+
+
+class CoreLedger:
+    """``n`` slots (busy flag, threads of the latest step) over a shared buffer. Each slot is
+    written by its own worker only; 4-byte aligned stores, so readers never see a torn value."""
+
+    def __init__(self, buf) -> None:
+        self._buf = buf  # keeps the mapping alive as long as the view
+        self.slots = np.frombuffer(buf, dtype=SLOT)
+
+    @classmethod
+    def create(cls, n: int) -> tuple["CoreLedger", int]:
+        """A fresh ledger of ``n`` idle slots and the memfd holding it (pass it to the workers)."""
+        fd = os.memfd_create("pdserve-core-ledger")
+        os.ftruncate(fd, n * SLOT.itemsize)
+        return cls.open(fd), fd
+
+    @classmethod
+    def open(cls, fd: int) -> "CoreLedger":
+        """Map the ledger behind an inherited ``fd`` (shared: every worker sees every write)."""
+        size = os.fstat(fd).st_size
+        if size == 0 or size % SLOT.itemsize:
+            raise ValueError(f"fd {fd} is not a core ledger ({size} bytes)")
+        return cls(mmap.mmap(fd, size))
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def set_busy(self, slot: int, busy: bool) -> None:
+        self.slots["busy"][slot] = 1 if busy else 0
+
+    def set_threads(self, slot: int, threads: int) -> None:
+        self.slots["threads"][slot] = threads
+
+    def others_idle(self, slot: int) -> bool:
+        busy = self.slots["busy"]
+        return not (busy[:slot].any() or busy[slot + 1:].any())
+
+
+@dataclass
+class CoreLending:
+    """One worker's side of the ledger; see the module docstring for the contract."""
+
+    ledger: CoreLedger
+    slot: int
+    own: int  # this worker's share (threads)
+    total: int  # threads while borrowing: every core of the launch (== own: never borrows)
+    handoff_grace_s: float = 0.05
+    set_threads: Callable[[int], None] | None = None  # default torch.set_num_threads
+    clock: Callable[[], float] = time.monotonic
+    threads: int = 0  # of the latest step
+    borrowed_steps: int = 0
+    _quiet_until: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.slot < len(self.ledger):
+            raise ValueError(f"core ledger slot {self.slot} outside 0..{len(self.ledger) - 1}")
+        if self.set_threads is None:
+            import torch
+
+            self.set_threads = torch.set_num_threads
+        self.threads = self.own
+
+    @property
+    def thread_counts(self) -> tuple[int, ...]:
+        """Every thread count a step may run with (warm up at each)."""
+        return tuple(sorted({self.own, self.total}))
+
+    def publish(self, busy: bool) -> None:
+        self.ledger.set_busy(self.slot, busy)
+
+    def handed_off(self) -> None:
+        """KV just went to a decode worker: it is about to be busy, whatever its slot says yet."""
+        self._quiet_until = self.clock() + self.handoff_grace_s
+
+    def begin_step(self) -> int:
+        """Set (if changed) and return the thread count of the step about to run."""
+        borrow = self.total > self.own and self.clock() >= self._quiet_until and self.ledger.others_idle(self.slot)
+        n = self.total if borrow else self.own
+        if n != self.threads:
+            self.set_threads(n)
+            self.threads = n
+        self.ledger.set_threads(self.slot, n)
+        self.borrowed_steps += borrow
+        return n
+
+    def stats(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(counters, gauges) for the worker's heartbeat."""
+        return {"borrowed_core_steps": float(self.borrowed_steps)}, {"torch_threads": float(self.threads)}

@@ -1,0 +1,163 @@
+"""Core lending (server.core_lending): the shared ledger, the per-step thread choice, and a real
+PD launch whose prefill worker borrows the idle decode worker's core."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from server.core_lending import CoreLedger, CoreLending, borrows
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def lending(ledger: CoreLedger, slot: int = 0, own: int = 1, total: int = 2, clock=None):
+    calls: list[int] = []
+    cores = CoreLending(ledger, slot, own, total, set_threads=calls.append, clock=clock or Clock())
+    return cores, calls
+
+
+def test_who_borrows():
+    assert borrows("prefill", "prefill") and not borrows("prefill", "decode")
+    assert borrows("all", "decode") and borrows("all", "colocated")
+    assert not borrows("off", "prefill")
+    with pytest.raises(ValueError, match="core_lending must be one of off, prefill, all"):
+        borrows("some", "prefill")
+
+
+def test_ledger_is_shared_through_the_fd_and_starts_idle():
+    ledger, fd = CoreLedger.create(3)
+    try:
+        other = CoreLedger.open(fd)
+        assert len(other) == 3 and not other.slots["busy"].any()
+        ledger.set_busy(2, True)
+        assert other.slots["busy"].tolist() == [0, 0, 1]
+        assert not other.others_idle(0) and other.others_idle(2)
+        # a child process that inherits the fd sees and writes the same memory
+        code = ("import sys; from server.core_lending import CoreLedger; l = CoreLedger.open(int(sys.argv[1])); "
+                "print(l.slots['busy'].tolist()); l.set_busy(1, True); l.set_threads(1, 7)")
+        out = subprocess.run([sys.executable, "-c", code, str(fd)], pass_fds=(fd,), capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert out.stdout.strip() == "[0, 0, 1]"
+        assert ledger.slots["busy"].tolist() == [0, 1, 1] and ledger.slots["threads"][1] == 7
+    finally:
+        os.close(fd)
+
+
+def test_not_a_ledger_is_refused():
+    fd = os.memfd_create("empty")
+    try:
+        with pytest.raises(ValueError, match="not a core ledger"):
+            CoreLedger.open(fd)
+    finally:
+        os.close(fd)
+    ledger, fd = CoreLedger.create(2)
+    os.close(fd)
+    with pytest.raises(ValueError, match="slot 2 outside 0..1"):
+        CoreLending(ledger, 2, 1, 2, set_threads=lambda n: None)
+
+
+def test_borrows_only_while_every_other_worker_is_idle():
+    ledger, fd = CoreLedger.create(3)
+    os.close(fd)
+    cores, calls = lending(ledger, slot=1)
+    assert cores.thread_counts == (1, 2) and cores.threads == 1
+    assert [cores.begin_step() for _ in range(3)] == [2, 2, 2]
+    assert calls == [2] and cores.borrowed_steps == 3 and ledger.slots["threads"][1] == 2  # set once, not per step
+    ledger.set_busy(2, True)
+    assert cores.begin_step() == 1 and calls == [2, 1] and cores.borrowed_steps == 3
+    ledger.set_busy(2, False)
+    ledger.set_busy(0, True)
+    assert cores.begin_step() == 1 and calls == [2, 1]
+    assert cores.stats() == ({"borrowed_core_steps": 3.0}, {"torch_threads": 1.0})
+
+
+def test_no_borrowing_right_after_a_kv_handoff():
+    """The decode worker that was just handed KV may not have flagged itself busy yet."""
+    ledger, fd = CoreLedger.create(2)
+    os.close(fd)
+    clock = Clock()
+    cores, _ = lending(ledger, clock=clock)
+    cores.handed_off()
+    clock.t += cores.handoff_grace_s / 2
+    assert cores.begin_step() == 1
+    clock.t += cores.handoff_grace_s
+    assert cores.begin_step() == 2 and cores.borrowed_steps == 1
+
+
+def test_a_lender_never_borrows():
+    ledger, fd = CoreLedger.create(2)
+    os.close(fd)
+    cores, calls = lending(ledger, own=1, total=1)
+    cores.publish(True)
+    assert cores.begin_step() == 1 and calls == [] and cores.borrowed_steps == 0 and cores.thread_counts == (1,)
+    assert ledger.slots["busy"][0] == 1
+    cores.publish(False)
+    assert ledger.slots["busy"][0] == 0
+
+
+def _workers(srv) -> dict[str, list[str]]:
+    out = {}
+    for pid in srv.worker_pids():
+        argv = [a.decode() for a in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")]
+        out[argv[argv.index("--role") + 1]] = argv
+    return out
+
+
+def _metric(text: str, name: str, worker: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{worker="{worker}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _settled_metrics(client: httpx.Client, worker: str) -> str:
+    """/metrics once ``worker``'s stats heartbeat shows its finished requests (stats lag a beat)."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = client.get("/metrics").text
+        if _metric(text, "pdserve_worker_finished_requests_total", worker) == 4 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two cores")
+def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(monkeypatch):
+    """Sequential requests: while the prefill worker computes a prompt, the decode worker waits for
+    its KV (idle), so prefill steps run on every core; the decode worker only lends. The output is
+    the same token for token as with lending off."""
+    from server.subprocess_server import LaunchedServer, free_port
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    total = len(os.sched_getaffinity(0))
+    base = ["--mode", "pd", "--port", "0", "--kv-pool-tokens", "1024", "--log-level", "INFO"]
+    body = {"prompt": "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
+    texts = {}
+    for mode in ("prefill", "off"):
+        with LaunchedServer(base + ["--base-port", str(free_port()), "--core-lending", mode]) as srv:
+            argv = _workers(srv)
+            with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as client:
+                texts[mode] = [client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                               for _ in range(4)]
+                metrics = _settled_metrics(client, "prefill-0")
+            if mode == "off":
+                assert "--core-ledger-fd" not in argv["prefill"] + argv["decode"]
+                assert "pdserve_worker_torch_threads{" not in metrics
+                continue
+            assert argv["prefill"][argv["prefill"].index("--lend-threads") + 1] == str(total)
+            assert "--core-ledger-fd" in argv["decode"] and "--lend-threads" not in argv["decode"]
+            assert f"core lending: prefill-0 run on all {total} cores" in srv.log()
+            assert _metric(metrics, "pdserve_worker_borrowed_core_steps_total", "prefill-0") >= 1
+            assert _metric(metrics, "pdserve_worker_borrowed_core_steps_total", "decode-0") == 0
+            assert _metric(metrics, "pdserve_worker_torch_threads", "decode-0") == total // 2
+    assert texts["prefill"] == texts["off"] and len(set(texts["off"])) == 1
