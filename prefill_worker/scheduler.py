@@ -74,6 +74,7 @@ class PrefillScheduler(WorkerScheduler):
         self.transfer_failures = 0
         self.transfer_seconds = Histogram(TRANSFER_BUCKETS)
         self.timeline = Timeline(self.role)
+        self._compute_deferred = False  # the last step finished handoffs and skipped its compute
 
     # ---- messages ---------------------------------------------------------------------------
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
@@ -161,7 +162,15 @@ class PrefillScheduler(WorkerScheduler):
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def step(self) -> Outbox:
+        """Finish landed writes, prefill one batch, start the writes it made possible. A step that
+        finished handoffs returns before computing, at most every other step: the loop learns that a
+        decode worker is about to be busy before it picks this worker's threads for the compute
+        (``server.core_lending``), and the next step computes."""
         out = self._finish_transfers()
+        if out.kv_handoffs and self.has_work and not self._compute_deferred:
+            self._compute_deferred = True
+            return out
+        self._compute_deferred = False
         items = self.admission.select(self.waiting, (), 0.0)
         if items:
             self.stats.extend_steps += 1
