@@ -117,6 +117,12 @@ class DecodeScheduler(WorkerScheduler):
         return bool(self.retract.queue or any((p := self.peers.get(j.prefill_addr)) and p.ready
                                               for j in self.transfers.prealloc))
 
+    @property
+    def runs_model(self) -> bool:
+        """A batch to decode or a retracted request to resume; admitting from the prealloc queue
+        only reserves pages and sends ``KVDestination`` (the prefill worker may borrow our core)."""
+        return bool(self.running or self.retract.queue)
+
     def idle_wait_s(self) -> float | None:
         if self.transfers.inflight:  # notifications have no file descriptor: poll them
             return self.transfers.transport.poll_interval_s

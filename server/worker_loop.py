@@ -70,12 +70,12 @@ class WorkerLoop:
         self.pinger.start()
         try:
             while not self.stopping:
-                self._publish(scheduler.has_work)
+                self._publish()
                 self._drain(0.0 if scheduler.has_work else self._idle_timeout())
                 for addr, stats, at in self.pinger.take():
                     self.deliver(scheduler.peer_heartbeat(addr, stats, at))
                 busy = scheduler.has_work
-                self._publish(busy)
+                self._publish()
                 if busy and self.cores is not None:
                     self.cores.begin_step()
                 self.deliver(scheduler.step())
@@ -88,9 +88,10 @@ class WorkerLoop:
             for s in self.peers.values():
                 s.close(0)
 
-    def _publish(self, busy: bool) -> None:
+    def _publish(self) -> None:
+        """Tell the launch's other workers whether this one is about to run the model."""
         if self.cores is not None:
-            self.cores.publish(busy)
+            self.cores.publish(self.scheduler.runs_model)
 
     # ---- outbound -------------------------------------------------------------------------------
     def deliver(self, out: Outbox) -> None:

@@ -161,3 +161,47 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(monkeypatch)
             assert _metric(metrics, "pdserve_worker_borrowed_core_steps_total", "decode-0") == 0
             assert _metric(metrics, "pdserve_worker_torch_threads", "decode-0") == total // 2
     assert texts["prefill"] == texts["off"] and len(set(texts["off"])) == 1
+
+
+def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
+    """In process: a decode worker only reserving pages does not run the model (the prefill
+    worker may borrow its core); one with a batch does. A prefill step that finished handoffs
+    while prompts wait computes nothing (the loop learns of the handoff first); the next one does."""
+    from bench.pd_local import PDHarness
+    from configs.schema import PdserveConfig
+    from engine.sampling_params import SamplingParams
+
+    cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
+                                        "scheduler": {"chunked_prefill_size": 8},
+                                        "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
+    h = PDHarness(cfg, cfg, tiny[0], tiny[1])
+    try:
+        steps, real_step = [], h.prefill.step
+
+        def recorded():
+            waiting, before = h.prefill.has_work, h.prefill.stats.prefill_computed_tokens
+            out = real_step()
+            steps.append((out.kv_handoffs, waiting, h.prefill.stats.prefill_computed_tokens - before))
+            return out
+
+        h.prefill.step = recorded
+        before_decode, real_decode = [], h.decode.step
+
+        def decode_recorded():
+            before_decode.append((h.decode.has_work, h.decode.runs_model))
+            return real_decode()
+
+        h.decode.step = decode_recorded
+        for i in range(4):
+            h.submit(f"r{i}", [(7 * i + j) % 90 + 1 for j in range(10)], SamplingParams(max_new_tokens=3, temperature=0))
+        assert not h.decode.runs_model and h.prefill.runs_model
+        while h.busy:
+            h.step()
+        assert (True, False) in before_decode and (True, True) in before_decode  # reserving only; decoding
+        assert not h.decode.runs_model and not h.prefill.runs_model
+        h.check_clean()
+    finally:
+        h.close()
+    deferred = [k for k, (handoffs, waiting, computed) in enumerate(steps) if handoffs and waiting and not computed]
+    assert deferred, steps
+    assert all(steps[k + 1][2] > 0 for k in deferred), steps  # never two turns in a row without compute

@@ -160,6 +160,12 @@ class WorkerScheduler(abc.ABC):
     def has_work(self) -> bool:
         """True while ``step`` has compute to do now (the loop must not block on its sockets)."""
 
+    @property
+    def runs_model(self) -> bool:
+        """True while the next steps will run the model (what core lending publishes as busy);
+        bookkeeping-only work such as a decode worker's page reservations does not count."""
+        return self.has_work
+
     @abc.abstractmethod
     def idle_wait_s(self) -> float | None:
         """With no work: how long the loop may block on its sockets before ``step`` is due anyway
