@@ -140,7 +140,8 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
     from server.router.registry import WorkerSpec
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    specs = [WorkerSpec("prefill-0", "prefill", "tcp://127.0.0.1:1"), WorkerSpec("decode-0", "decode", "tcp://127.0.0.1:2")]
+    specs = [WorkerSpec("prefill-0", "prefill", "tcp://127.0.0.1:1"),
+             WorkerSpec("decode-0", "decode", "tcp://127.0.0.1:2")]
 
     def lending(mode, plan):
         cfg = PdserveConfig.model_validate({"cluster": {"mode": "pd", "core_lending": mode}})
@@ -215,7 +216,8 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
 
         h.decode.step = decode_recorded
         for i in range(4):
-            h.submit(f"r{i}", [(7 * i + j) % 90 + 1 for j in range(10)], SamplingParams(max_new_tokens=3, temperature=0))
+            prompt = [(7 * i + j) % 90 + 1 for j in range(10)]
+            h.submit(f"r{i}", prompt, SamplingParams(max_new_tokens=3, temperature=0))
         assert not h.decode.runs_model and h.prefill.runs_model
         while h.busy:
             h.step()
