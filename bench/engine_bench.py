@@ -13,7 +13,7 @@ import torch
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.llm import LLM, run_batch
-from engine.sampling_params import SamplingParams
+from transfer.wire.sampling_params import SamplingParams
 
 PROMPT_LEN = 64
 

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from server.subprocess_server import LaunchedServer, free_port
+from server.testing.subprocess_server import LaunchedServer, free_port
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

@@ -24,7 +24,7 @@ from configs.schema import PdserveConfig
 from engine.forward_batch import ForwardMode
 from engine.llm import LLM, run_batch
 from engine.model_runner import ModelRunner, SeqChunk
-from engine.sampling_params import SamplingParams
+from transfer.wire.sampling_params import SamplingParams
 
 # Admission that overcommits (reserves 10% of max_new_tokens), so a 30% pool really storms.
 STORM_RATIO = 0.1
@@ -82,7 +82,7 @@ def resume_vs_reprefill(llm_loaded, engine: EngineConfig, tokens: int) -> None:
 
 
 def pd_storm(llm_loaded, engine: EngineConfig, n: int, new_tokens: int) -> None:
-    from bench.pd_local import PDHarness
+    from server.testing.pd_harness import PDHarness
 
     cfg, weights, _ = llm_loaded
     ps = _workload(n, 32, 96, cfg.vocab_size, seed=9)

@@ -87,8 +87,8 @@ def run_real(model: str, lay: Layout, prompt_len: int, output_len: int, page: in
     from configs.engine import EngineConfig
     from configs.scheduler import SchedulerConfig
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from transfer.protocol import GenerateRequest
+    from transfer.wire.sampling_params import SamplingParams
+    from transfer.wire.protocol import GenerateRequest
 
     eng = EngineConfig(model=model, page_size=page, kv_pool_tokens=lay.full_pages * page,
                        swa_pool_tokens=lay.swa_pages * page)
@@ -177,7 +177,7 @@ def decode_speed(model: str, window: int, batch: int, prompt_len: int, new_token
     from configs.engine import EngineConfig
     from configs.scheduler import SchedulerConfig
     from engine.llm import LLM, run_batch
-    from engine.sampling_params import SamplingParams
+    from transfer.wire.sampling_params import SamplingParams
 
     swa_kw = {} if model.startswith("gemma3") else {"sliding_window": window, "layer_types": "alternate"}
     llms = {name: LLM(EngineConfig(model=model, page_size=page, kv_pool_tokens=batch * (prompt_len + new_tokens + page),

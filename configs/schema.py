@@ -70,7 +70,7 @@ class ClusterConfig(BaseModel):
                              "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")
     core_lending: Literal["off", "prefill", "all"] = Field(
         "prefill", description="launcher: a worker that is the only one of this host's unpinned launch with work "
-                               "runs its step on every core (server.core_lending): prefill (default: prefill "
+                               "runs its step on every core (server.worker.core_lending): prefill (default: prefill "
                                "workers borrow, decode workers only lend), all, or off")
     worker_host: str = Field(
         "127.0.0.1", description="launcher: bind address of this host's worker control sockets (0.0.0.0 to serve "

@@ -5,7 +5,7 @@ from pydantic import ValidationError
 
 from cache.page_allocator import ceil_div
 from decode_worker.jobs import DecodeJob
-from transfer.protocol import TransferManifest
+from transfer.wire.protocol import TransferManifest
 
 
 def parse_manifest(raw: bytes) -> TransferManifest | None:

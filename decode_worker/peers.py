@@ -18,8 +18,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.scheduler.base import Outbox, Peer
-from transfer.protocol import KVHandshake, KVHandshakeAck, Message, WorkerStats
+from transfer.wire.outbox import Outbox, Peer
+from transfer.wire.protocol import KVHandshake, KVHandshakeAck, Message, WorkerStats
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,12 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import running_reservation_pages
-from engine.scheduler.base import Outbox, Outcome, Peer, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.timeline import Timeline
-from transfer.protocol import GenerateRequest, Message, PrefillFailed
+from transfer.wire.outbox import Outbox, Peer
+from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed
 
 
 class DecodeScheduler(WorkerScheduler):

@@ -27,9 +27,9 @@ from decode_worker.manifest import manifest_error, parse_manifest
 from decode_worker.peers import PrefillPeers
 from engine.request import Phase
 from engine.scheduler.admission import admit_prompt, reserved_tokens
-from engine.scheduler.base import Outbox, Peer
 from transfer.kv_transport import KVTransport
-from transfer.protocol import KVDestination, PrefillFailed, PrefillRequest, TransferManifest, ids_frame
+from transfer.wire.outbox import Outbox, Peer
+from transfer.wire.protocol import KVDestination, PrefillFailed, PrefillRequest, TransferManifest, ids_frame
 
 log = logging.getLogger(__name__)
 

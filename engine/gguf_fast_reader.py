@@ -3,7 +3,7 @@
 ``gguf.GGUFReader`` builds numpy views for every element of every metadata array; on a file with
 a 262k-token vocabulary (Gemma 3) that takes ~19 s per open on these machines. This reader walks
 the header with ``struct`` over one memory map, decodes numeric arrays with ``np.frombuffer`` and
-string arrays with one loop, and exposes tensors the way ``engine.loader._dequantize`` reads them
+string arrays with one loop, and exposes tensors the way ``engine.gguf_common.dequantize_tensor`` reads them
 (``name``, ``shape`` in GGUF order, ``tensor_type``, ``data`` as the raw typed/byte array).
 """
 from __future__ import annotations

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from engine.gemma3 import Gemma3Config
+from engine.gguf_common import dequantize_tensor, f32, gguf_to_hf_name, progress
 from engine.gguf_fast_reader import FastGGUF
-from engine.loader import _dequantize, _f32, _progress
 
 Tensors = dict[str, torch.Tensor]
 ARCH = "gemma3"
@@ -57,11 +57,11 @@ def load_gemma3_gguf(path: Path) -> tuple[Gemma3Config, Tensors]:
     reader = FastGGUF(path)
     config = gemma3_config(reader, path)
     tensors: Tensors = {}
-    for t in _progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
+    for t in progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = _dequantize(t, path)
+        w = dequantize_tensor(t, path)
         if name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
@@ -88,9 +88,9 @@ def gemma3_config(reader: FastGGUF, path: Path) -> Gemma3Config:
         arch=ARCH, vocab_size=len(tokens), hidden_size=hidden,
         intermediate_size=int(m("feed_forward_length")), num_layers=layers, num_heads=heads,
         num_kv_heads=int(m("attention.head_count_kv", heads)), head_dim=head_dim,
-        rope_theta=_f32(m("rope.freq_base", 1_000_000.0)),
-        rope_local_theta=_f32(m("rope.local_freq_base", 10_000.0)),
-        rms_norm_eps=_f32(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=f32(m("rope.freq_base", 1_000_000.0)),
+        rope_local_theta=f32(m("rope.local_freq_base", 10_000.0)),
+        rms_norm_eps=f32(m("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(m("context_length", 32768)),
         tie_word_embeddings=True, qk_norm=True,
         query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
@@ -115,8 +115,6 @@ def _layer_types(pattern, num_layers: int) -> tuple[str, ...]:
 
 def _hf_name(gguf_name: str) -> str | None:
     """HF Gemma 3 name of a GGUF tensor, or None for tensors the model does not use."""
-    from engine.loader import gguf_to_hf_name  # engine.loader imports this module lazily
-
     return gguf_to_hf_name(gguf_name, _LAYER_NAMES, _GLOBAL_NAMES)
 
 

@@ -19,15 +19,15 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from engine.gguf_fast_reader import FastGGUF
-from engine.tokenizer import Tokenizer
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 SPM_MODEL = "llama"
 _CHAT_TEMPLATES = {"gemma3": "gemma3_chat_template.jinja"}
 
 
-def spm_tokenizer_from_gguf(path: Path) -> Tokenizer | None:
-    """The tokenizer of ``path`` when its vocabulary is SentencePiece-style, else None.
+def spm_tokenizer_from_gguf(path: Path) -> tuple[_HFTokenizer, dict] | None:
+    """The backend of ``path`` and the keyword arguments of ``engine.tokenizer.Tokenizer`` when its
+    vocabulary is SentencePiece-style, else None (this module does not import ``Tokenizer``).
 
     Raises ``ValueError`` for malformed vocabulary metadata.
     """
@@ -46,8 +46,7 @@ def spm_tokenizer_from_gguf(path: Path) -> Tokenizer | None:
     eos = [reader.meta(k, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     if "<end_of_turn>" in tokens:  # Gemma: a chat turn ends with it
         eos.append(tokens.index("<end_of_turn>"))
-    return Tokenizer(
-        spm_backend(tokens, scores, types, tokens[unk] if unk is not None else None),
+    return spm_backend(tokens, scores, types, tokens[unk] if unk is not None else None), dict(
         bos_token_id=reader.meta("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=[e for e in eos if e is not None],
         chat_template=reader.meta("tokenizer.chat_template", None) or _bundled_template(reader),

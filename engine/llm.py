@@ -12,11 +12,11 @@ from engine.config import ModelConfig
 from engine.loader import load_for_engine
 from engine.model_paths import resolve_model_path
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from transfer.wire.protocol import GenerateRequest, TokenDelta
+from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.tokenizer import Tokenizer
-from transfer.protocol import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 

@@ -7,16 +7,15 @@ one layout.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import SUPPORTED_ARCHS, ModelConfig
+from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
 from engine.tensor_shapes import expected_tensor_shapes  # noqa: F401 (re-exported)
 from engine.swa_config import (SlidingOverrides, SlidingSpec, apply_overrides, check_window_fits_context,
                                gguf_sliding_spec, hf_sliding_spec, unsupported_arch_message)
@@ -44,7 +43,6 @@ _GGUF_GLOBAL_NAMES = {
 }
 # llama.cpp's converter interleaves Q/K rows (rotary halves) only for these architectures.
 _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
-_MISSING = object()
 
 
 def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
@@ -131,11 +129,6 @@ def _finalize_tensors(config: ModelConfig, tensors: Tensors) -> Tensors:
     return out
 
 
-def _progress(items: Iterable[Any], desc: str, total: int | None = None) -> Iterator[Any]:
-    """Wrap ``items`` in a tqdm bar on stderr."""
-    return iter(tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False))
-
-
 def _check_arch(arch: str) -> str:
     """Return ``arch`` or raise the same ValueError ModelConfig would."""
     if arch not in SUPPORTED_ARCHS:
@@ -144,38 +137,6 @@ def _check_arch(arch: str) -> str:
 
 
 # ----------------------------------------------------------------------------- GGUF
-
-
-def open_gguf(path: Path):
-    """Open a GGUF reader; any parse failure becomes ``ValueError("not a valid GGUF file: ...")``."""
-    import gguf
-
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"not a valid GGUF file: {path}: bad magic {magic!r} (expected b'GGUF')")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted IndexError/ValueError on bad input
-        size = path.stat().st_size
-        raise ValueError(
-            f"not a valid GGUF file: {path}: truncated or corrupt ({size} bytes): {exc or type(exc).__name__}"
-        ) from exc
-
-
-def gguf_meta(reader, key: str, default: Any = _MISSING) -> Any:
-    """Scalar/string/list value of GGUF metadata ``key``; ValueError if required and absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
-        return default
-    return field.contents()
-
-
-def _f32(value: Any) -> float:
-    """GGUF stores float32: return its shortest decimal (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
 
 
 def _gguf_sliding(reader, arch: str, num_layers: int, overrides: SlidingOverrides | None) -> SlidingSpec:
@@ -205,8 +166,8 @@ def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) 
         num_heads=heads,
         num_kv_heads=int(gguf_meta(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(gguf_meta(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=_f32(gguf_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=_f32(gguf_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=f32(gguf_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=f32(gguf_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(gguf_meta(reader, f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
@@ -217,16 +178,6 @@ def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) 
         layer_types=sliding.layer_types,
         name=str(gguf_meta(reader, "general.name", path.stem)),
     )
-
-
-def gguf_to_hf_name(gguf_name: str, layer_names: dict, global_names: dict) -> str | None:
-    """HF name of a GGUF tensor through the two name tables, or None for tensors not in them."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
-        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in global_names:
-        return f"{global_names[parts[0]]}.{parts[1]}"
-    return None
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -244,28 +195,17 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
 
 
-def _dequantize(t, path: Path) -> np.ndarray:
-    """Dequantize one GGUF tensor to a writable float32 array of shape [out, in]."""
-    from gguf.quants import dequantize
-
-    shape = tuple(int(d) for d in reversed(t.shape))
-    try:
-        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-    except Exception as exc:
-        raise ValueError(f"not a valid GGUF file: {path}: cannot decode tensor {t.name}: {exc}") from exc
-
-
 def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
     """Read config + dequantized, de-interleaved HF-named tensors from a GGUF file."""
     reader = open_gguf(path)
     config = _gguf_config(reader, path, overrides)
     permute = config.arch in _GGUF_PERMUTED_ARCHS
     tensors: Tensors = {}
-    for t in _progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
+    for t in progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = _dequantize(t, path)
+        w = dequantize_tensor(t, path)
         if permute and ".q_proj." in name:
             w = unpermute_qk(w, config.num_heads)
         elif permute and ".k_proj." in name:
@@ -354,7 +294,7 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[Any, str]]:
 def _load_safetensors(files: list[Path]) -> Tensors:
     """Load every tensor of ``files`` as float32 CPU tensors, one at a time."""
     tensors: Tensors = {}
-    for handle, key in _progress(_iter_safetensors(files), f"loading {files[0].parent.name}"):
+    for handle, key in progress(_iter_safetensors(files), f"loading {files[0].parent.name}"):
         tensors[key] = handle.get_tensor(key).to(torch.float32)
     return tensors
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from cache.handle import KVHandle
 from engine.sampling import SamplerState
-from engine.sampling_params import SamplingParams
+from transfer.wire.sampling_params import SamplingParams
 
 
 class Phase(enum.Enum):

@@ -1,4 +1,4 @@
-"""Per-request sampler state and the batched sampler (parameters: ``engine.sampling_params``).
+"""Per-request sampler state and the batched sampler (parameters: ``transfer.wire.sampling_params``).
 
 Pipeline applied by :meth:`Sampler.sample` to each row of last-position logits (all in float32):
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from transfer.wire.sampling_params import SamplingParams
 
 __all__ = ["SamplerState", "SampleOutput", "Sampler", "token_seed"]
 

@@ -200,10 +200,11 @@ def _gguf_backend(tokens: list[str], merges: list[str], types: list[int], pre: s
 def _from_gguf(path: Path) -> Tokenizer:
     """Tokenizer from GGUF ``tokenizer.ggml.*`` / ``tokenizer.chat_template`` metadata."""
     from engine.gguf_spm_tokenizer import spm_tokenizer_from_gguf  # SentencePiece-style (Gemma)
-    from engine.loader import gguf_meta, open_gguf
+    from engine.gguf_common import gguf_meta, open_gguf
 
     if (spm := spm_tokenizer_from_gguf(path)) is not None:
-        return spm
+        backend, fields = spm
+        return Tokenizer(backend, **fields)
 
     reader = open_gguf(path)
     model = gguf_meta(reader, "tokenizer.ggml.model")

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.scheduler.base import Conn
-from transfer.protocol import KVDestination
+from transfer.wire.outbox import Conn
+from transfer.wire.protocol import KVDestination
 
 Key = tuple[int, int]  # (room, generation)
 GRACE_S = 5.0

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache.kv_pools import FULL, SWA, PoolGeometry
-from engine.scheduler.base import Conn
 from transfer.kv_transport import KVTransport
-from transfer.protocol import KVHandshake, TransferManifest
+from transfer.wire.outbox import Conn
+from transfer.wire.protocol import KVHandshake, TransferManifest
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,14 @@ from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import Conn, Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.timeline import Timeline
 from prefill_worker.bootstrap import BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
-from transfer.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
+from transfer.wire.outbox import Conn, Outbox
+from transfer.wire.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
                                PrefillRequest, TokenDelta, TransferManifest, frame_ids)
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class PrefillScheduler(WorkerScheduler):
         """Finish landed writes, prefill one batch, start the writes it made possible. A step that
         finished handoffs returns before computing, at most every other step: the loop learns that a
         decode worker is about to be busy before it picks this worker's threads for the compute
-        (``server.core_lending``), and the next step computes."""
+        (``server.worker.core_lending``), and the next step computes."""
         out = self._finish_transfers()
         if out.kv_handoffs and self.has_work and not self._compute_deferred:
             self._compute_deferred = True

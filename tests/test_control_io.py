@@ -7,8 +7,8 @@ import time
 import pytest
 import zmq
 
-from server.control_io import ControlIO
-from transfer.protocol import AbortRequest, StatsRequest, WorkerStats, decode, encode
+from server.worker.control_io import ControlIO
+from transfer.wire.protocol import AbortRequest, StatsRequest, WorkerStats, decode, encode
 
 
 def stats(nonce=0):

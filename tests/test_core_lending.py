@@ -1,4 +1,4 @@
-"""Core lending (server.core_lending): the shared ledger, the per-step thread choice, and a real
+"""Core lending (server.worker.core_lending): the shared ledger, the per-step thread choice, and a real
 PD launch whose prefill worker borrows the idle decode worker's core."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from server.core_lending import CoreLedger, CoreLending, borrows
+from server.worker.core_lending import CoreLedger, CoreLending, borrows
 
 
 class Clock:
@@ -44,7 +44,7 @@ def test_ledger_is_shared_through_the_fd_and_starts_idle():
         assert other.slots["busy"].tolist() == [0, 0, 1]
         assert not other.others_idle(0) and other.others_idle(2)
         # a child process that inherits the fd sees and writes the same memory
-        code = ("import sys; from server.core_lending import CoreLedger; l = CoreLedger.open(int(sys.argv[1])); "
+        code = ("import sys; from server.worker.core_lending import CoreLedger; l = CoreLedger.open(int(sys.argv[1])); "
                 "print(l.slots['busy'].tolist()); l.set_busy(1, True); l.set_threads(1, 7)")
         out = subprocess.run([sys.executable, "-c", code, str(fd)], pass_fds=(fd,), capture_output=True, text=True,
                              check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -135,8 +135,8 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
     """Ledger + argv for PD (the prefill worker may borrow, the decode worker only lends); nothing
     with lending off, with pinned placement, with a user's OMP_NUM_THREADS or a single worker."""
     from configs.schema import PdserveConfig
-    from server.launcher import Launcher
-    from server.placement import Placement
+    from server.launch.launcher import Launcher
+    from server.worker.placement import Placement
     from server.router.registry import WorkerSpec
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
@@ -166,7 +166,7 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(monkeypatch)
     """Sequential requests: while the prefill worker computes a prompt, the decode worker waits for
     its KV (idle), so prefill steps run on every core; the decode worker only lends. (Greedy
     outputs against transformers with lending on: tests/test_pd_http.py.)"""
-    from server.subprocess_server import LaunchedServer, free_port
+    from server.testing.subprocess_server import LaunchedServer, free_port
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     total = len(os.sched_getaffinity(0))
@@ -190,9 +190,9 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
     """In process: a decode worker only reserving pages does not run the model (the prefill
     worker may borrow its core); one with a batch does. A prefill step that finished handoffs
     while prompts wait computes nothing (the loop learns of the handoff first); the next one does."""
-    from bench.pd_local import PDHarness
+    from server.testing.pd_harness import PDHarness
     from configs.schema import PdserveConfig
-    from engine.sampling_params import SamplingParams
+    from transfer.wire.sampling_params import SamplingParams
 
     cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
                                         "scheduler": {"chunked_prefill_size": 8},
@@ -234,9 +234,9 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
 def test_decode_worker_answers_the_first_token_before_its_next_decode_step(tiny):
     """The landing turn sends the manifest's first token alone; the decode step (token 2) is the
     next turn's, so PD's time to first token never includes a decode step."""
-    from bench.pd_local import PDHarness
+    from server.testing.pd_harness import PDHarness
     from configs.schema import PdserveConfig
-    from engine.sampling_params import SamplingParams
+    from transfer.wire.sampling_params import SamplingParams
 
     cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
                                         "cluster": {"mode": "pd", "transfer_backend": "loopback"}})

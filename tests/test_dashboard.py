@@ -33,8 +33,8 @@ from server.router.app import build_context
 from server.router.dashboard import snapshot
 from server.router.metrics import LATENCY_BUCKETS
 from server.router.registry import WorkerSpec
-from server.subprocess_server import LaunchedServer, free_port, fresh_metrics, wait_idle
-from transfer.protocol import HistogramData, WorkerStats
+from server.testing.subprocess_server import LaunchedServer, free_port, fresh_metrics, wait_idle
+from transfer.wire.protocol import HistogramData, WorkerStats
 
 HEARTBEAT_S = 0.5
 WORKER_TIMEOUT_S = 10.0

@@ -8,9 +8,9 @@ from cache.page_allocator import PageAllocator
 from configs.scheduler import SchedulerConfig
 from engine.request import Request
 from engine.sampling import SamplerState
-from engine.sampling_params import SamplingParams
 from engine.scheduler.decode_memory import check_decode_mem, retract_decode, victim_order
 from engine.scheduler.ratio import NewTokenRatioTracker
+from transfer.wire.sampling_params import SamplingParams
 
 
 def req(rid, prompt_len, out_len, kv: KVManager, max_new=64) -> Request:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from configs.schema import load_config
-from server.cli import build_parser
-from server.roles import parse_worker_spec
+from server.launch.args import build_parser
+from server.launch.roles import parse_worker_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"

@@ -6,7 +6,7 @@ import torch
 
 from conftest import engine_cfg, sched_cfg
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from transfer.wire.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -48,7 +48,7 @@ def test_greedy_batch_matches_transformers(embedded, hf_reference, page_size):
 
 
 def test_generate_cli_json_matches_transformers(embedded, hf_reference, capsys):
-    from server.cli import main
+    from server.launch.cli import main
 
     ids, ref = hf_reference[0]
     rc = main(["generate", "--prompt", PROMPTS[0], "--max-tokens", str(NEW_TOKENS), "--json",

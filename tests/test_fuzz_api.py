@@ -8,7 +8,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from server.subprocess_server import LaunchedServer, free_port, wait_idle
+from server.testing.subprocess_server import LaunchedServer, free_port, wait_idle
 
 HEARTBEAT_S = 0.2
 

@@ -17,7 +17,7 @@ from engine.forward_batch import ForwardMode
 from engine.gemma3_package import GEMMA3_PACKAGE, INSTALL_HINT
 from engine.llm import LLM, run_batch
 from engine.model_runner import ModelRunner, SeqChunk
-from engine.sampling_params import SamplingParams
+from transfer.wire.sampling_params import SamplingParams
 
 if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
     pytest.skip(f"GEMMA 3 TESTS SKIPPED: package {GEMMA3_PACKAGE!r} is not installed; {INSTALL_HINT}",
@@ -169,7 +169,7 @@ def test_pd_launch_over_http_matches_transformers(prompts, hf_ref):
     and the repeat of one is served from the radix caches with the same tokens."""
     import openai
 
-    from server.subprocess_server import LaunchedServer, free_port
+    from server.testing.subprocess_server import LaunchedServer, free_port
 
     srv = LaunchedServer(["--mode", "pd", "--model", "gemma3-270m", "--port", "0", "--base-port", str(free_port()),
                           "--kv-pool-tokens", "4096", "--page-size", "16", "--log-level", "WARNING"])
@@ -191,7 +191,7 @@ def test_pd_with_the_swa_pool_under_forced_retract_matches_transformers(gemma, p
     the decode radix cache on and a retract every third decode step (offload of the full KV and
     the window, then resume): both long prompts give transformers' greedy tokens, the window
     really drops SWA pages, and every pool is back to its free + cached state."""
-    from bench.pd_local import PDHarness
+    from server.testing.pd_harness import PDHarness
     from configs.schema import PdserveConfig
 
     def cfg(**sched):

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from server.subprocess_server import (REPO_ROOT, LaunchedServer, free_port, fresh_metrics, metric_sum,
+from server.testing.subprocess_server import (REPO_ROOT, LaunchedServer, free_port, fresh_metrics, metric_sum,
                                      wait_idle)
 
 MAX_TOKENS = 40
@@ -29,7 +29,7 @@ CHAT_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _reference_cmd(prompts: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "server.cli", "generate", "--json", "--max-tokens", str(MAX_TOKENS),
+    cmd = [sys.executable, "-m", "server.launch.cli", "generate", "--json", "--max-tokens", str(MAX_TOKENS),
            "--kv-pool-tokens", "4096", "--temperature", "0"]
     for p in prompts:
         cmd += ["--prompt", p]

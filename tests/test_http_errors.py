@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from server.subprocess_server import LaunchedServer, free_port, fresh_metrics, metric_sum, wait_idle
+from server.testing.subprocess_server import LaunchedServer, free_port, fresh_metrics, metric_sum, wait_idle
 
 HEARTBEAT_S = 0.2
 WORKER_TIMEOUT_S = 3.0

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from configs.schema import PdserveConfig
-from server.subprocess_server import LaunchedServer, free_port
+from server.testing.subprocess_server import LaunchedServer, free_port
 
 HEARTBEAT_S = 0.2
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
@@ -127,7 +127,7 @@ def _worker_children() -> list[int]:
             cmd = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and b"server.worker_main" in cmd:
+        if int(fields[1]) == os.getpid() and b"server.worker.main" in cmd:
             pids.append(int(stat.parent.name))
     return pids
 
@@ -135,7 +135,7 @@ def _worker_children() -> list[int]:
 def test_restarts_back_off_then_give_up_with_health_reason(caplog):
     """A worker whose every restart dies: waits 0.2, 0.4, 0.8 s between restarts, then no more
     restarts, an error log line and the reason in /health (on main: restarted every 0.5 s forever)."""
-    from server.launcher import Launcher, worker_argv
+    from server.launch.launcher import Launcher, worker_argv
 
     cfg = PdserveConfig.model_validate({
         "server": {"port": 0, "health_interval_s": HEARTBEAT_S, "log_level": "WARNING"},

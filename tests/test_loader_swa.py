@@ -18,8 +18,8 @@ from configs.scheduler import SchedulerConfig
 from configs.sliding_window import parse_layer_types, validate_swa_pool
 from engine.llm import LLM, run_batch
 from engine.loader import load_for_engine, load_model_weights
-from engine.sampling_params import SamplingParams
 from engine.swa_config import SlidingOverrides, gguf_sliding_spec
+from transfer.wire.sampling_params import SamplingParams
 
 F, S = "full_attention", "sliding_attention"
 VOCAB, LAYERS, WINDOW = 97, 3, 8
@@ -254,7 +254,7 @@ def test_window_larger_than_context_fails_at_start(tmp_path):
 def test_worker_start_up_fails_on_a_bad_window(tmp_path):
     """The worker process's loader path applies the same overrides and checks."""
     from configs.schema import load_config
-    from server.worker_main import load_runner
+    from server.worker.main import load_runner
 
     build_folder("ministral", tmp_path)
     cfg = load_config(cli={"model": str(tmp_path), "kv_pool_tokens": 256, "sliding_window": 4, "layer_types": "alternate"})
@@ -359,7 +359,7 @@ def test_check_startup_reads_no_weights_and_agrees_with_the_load(tmp_path):
 
 
 def test_cli_refuses_a_bad_window_before_starting_workers(tmp_path, capsys):
-    from server.cli import main
+    from server.launch.cli import main
 
     build_folder("ministral", tmp_path)
     rc = main(["launch", "--mode", "colocated", "--model", str(tmp_path), "--sliding-window", "300", "--port", "0"])

@@ -13,19 +13,19 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.pd_local import PDHarness
+from engine.llm import run_batch
+from engine.scheduler.base import RequestRejected
+from server.router.registry import READY, WorkerHandle, WorkerSpec
+from server.testing.pd_harness import PDHarness
 from conftest import engine_cfg, sched_cfg, tiny_config, tiny_weights
 from configs.schema import PdserveConfig
-from engine.llm import run_batch
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler.base import RequestRejected
+from transfer.wire.protocol import GenerateRequest
+from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.colocated import ColocatedScheduler
-from server.core_lending import CoreLedger, CoreLending
+from server.worker.core_lending import CoreLedger, CoreLending
 from server.router.metrics import WORKER_COUNTERS, WORKER_HISTOGRAMS, WorkerCollector
-from server.router.registry import READY, WorkerHandle, WorkerSpec
-from server.worker_loop import worker_stats
-from transfer.protocol import GenerateRequest
+from server.worker.loop import worker_stats
 
 GAUGES = {"pdserve_kv_pool_pages", "pdserve_kv_pool_capacity_pages", "pdserve_queue_requests",
           "pdserve_new_token_ratio", "pdserve_host_kv_pool_bytes", "pdserve_worker_stats_age_seconds",

@@ -29,7 +29,7 @@ import pytest
 
 from conftest import engine_cfg, sched_cfg
 from netns_hosts import NetnsLab, unavailable_reason
-from server.subprocess_server import REPO_ROOT, metric_sum, wait_idle
+from server.testing.subprocess_server import REPO_ROOT, metric_sum, wait_idle
 
 _REASON = unavailable_reason()
 if _REASON:
@@ -48,7 +48,7 @@ UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 
 
 def pdserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "server.cli", "launch", *args]
+    return [sys.executable, "-m", "server.launch.cli", "launch", *args]
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import torch
 
 from conftest import engine_cfg, sched_cfg
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from server.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
+from server.testing.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
+from transfer.wire.sampling_params import SamplingParams
 
 HEARTBEAT_S = 0.2
 NEW_TOKENS = 24

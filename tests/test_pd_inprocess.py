@@ -9,11 +9,12 @@ import pytest
 
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
-from engine.sampling_params import SamplingParams
-from bench.pd_local import PDHarness
+from server.testing.pd_harness import PDHarness
 from engine.request import Phase
-from engine.scheduler.base import Outbox, RequestRejected
-from transfer.protocol import GenerateRequest
+from engine.scheduler.base import RequestRejected
+from transfer.wire.outbox import Outbox
+from transfer.wire.protocol import GenerateRequest
+from transfer.wire.sampling_params import SamplingParams
 
 
 def cfg(pool=4096, page=4, host_gb=0.01, **sched) -> PdserveConfig:
@@ -221,16 +222,16 @@ def test_silent_prefill_peer_fences_pages_until_late_write(harness):
 
 def _decode_only(h: PDHarness, rid: str, prompt: list[int], room: int) -> None:
     """The router's GenerateRequest reaches the decode worker; its PrefillRequest is not sent (yet)."""
-    from bench.pd_local import PREFILL_ADDR, ROUTER
+    from server.testing.pd_harness import PREFILL_ADDR, ROUTER
 
     msg = GenerateRequest(rid=rid, params=GREEDY, room=room, prefill_addr=PREFILL_ADDR)
     h.deliver(h.decode.add(ROUTER, msg, prompt), True)
 
 
 def test_destination_that_comes_before_its_prompt_is_kept(harness, tiny):
-    from bench.pd_local import ROUTER
-    from engine.scheduler.base import Conn
-    from transfer.protocol import PrefillRequest, ids_frame
+    from server.testing.pd_harness import ROUTER
+    from transfer.wire.outbox import Conn
+    from transfer.wire.protocol import PrefillRequest, ids_frame
 
     h = harness()
     p = prompts(1, 12, 12, seed=9)[0]

@@ -1,4 +1,4 @@
-"""PD across real processes: prefill and decode workers (``server.worker_main``) talking typed
+"""PD across real processes: prefill and decode workers (``server.worker.main``) talking typed
 ZMQ messages, KV over UCX through either data plane (NIXL or ucxx: the tests run over both). A
 small driver plays the router. Tiny random model saved as an HF folder, so every output is checked
 against transformers."""
@@ -16,9 +16,9 @@ import zmq
 
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
-from engine.sampling_params import SamplingParams
-from transfer.protocol import (GenerateRequest, PrefillRequest, Shutdown, StatsRequest, TokenBatch, WorkerStats,
+from transfer.wire.protocol import (GenerateRequest, PrefillRequest, Shutdown, StatsRequest, TokenBatch, WorkerStats,
                                decode, encode, frame_ids, ids_frame)
+from transfer.wire.sampling_params import SamplingParams
 
 
 def free_port() -> int:
@@ -63,7 +63,7 @@ class PDPair:
 
     @staticmethod
     def _spawn(role, wid, addr, cfg):
-        return subprocess.Popen([sys.executable, "-m", "server.worker_main", "--role", role, "--worker-id", wid,
+        return subprocess.Popen([sys.executable, "-m", "server.worker.main", "--role", role, "--worker-id", wid,
                                  "--control-addr", addr, "--config-json", cfg.model_dump_json()])
 
     def stats(self, wid: str, timeout: float = 10) -> WorkerStats:

@@ -11,11 +11,11 @@ import zmq
 
 from conftest import hf_greedy
 from decode_worker.peers import PrefillPeers
-from engine.sampling_params import SamplingParams
-from server.control_io import ControlIO
-from server.peer_pinger import PeerPinger
+from server.worker.control_io import ControlIO
+from transfer.wire.protocol import KVHandshake, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
+from server.worker.peer_pinger import PeerPinger
 from test_pd_processes import PDPair, prompts, until_eos, wait_idle
-from transfer.protocol import KVHandshake, WorkerStats
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0)
 

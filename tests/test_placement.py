@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.placement import Placement, parse_cpu_list, plan_placement
+from server.worker.placement import Placement, parse_cpu_list, plan_placement
 
 
 def test_two_workers_on_two_cores_get_one_each_and_the_router_shares():
@@ -27,7 +27,7 @@ def _no_omp_env(monkeypatch):
 def test_unpinned_workers_share_the_cores_threads(monkeypatch):
     import torch
 
-    from server.placement import apply_cpus
+    from server.worker.placement import apply_cpus
 
     assert plan_placement(["p0", "p1", "d0", "d1"], "off", [0, 1]).threads == 1
     assert plan_placement(["p0", "d0"], "off", list(range(8))).threads == 4
@@ -68,7 +68,7 @@ def test_bad_specs_are_refused_with_the_flag(spec, needle):
 def test_launch_pins_each_worker_to_its_cores():
     import os
 
-    from server.subprocess_server import LaunchedServer, free_port
+    from server.testing.subprocess_server import LaunchedServer, free_port
 
     srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()), "--kv-pool-tokens", "512",
                           "--worker-cpus", "prefill-0=0,decode-0=1"])
@@ -89,7 +89,7 @@ def test_launch_gives_unpinned_workers_their_thread_share(monkeypatch):
     torch with cores // 2 threads, and the launcher says so."""
     import os
 
-    from server.subprocess_server import LaunchedServer, free_port
+    from server.testing.subprocess_server import LaunchedServer, free_port
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
@@ -105,6 +105,6 @@ def test_launch_with_a_bad_cpu_list_fails_at_once_naming_the_flag():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "server.cli", "launch", "--mode", "pd", "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "server.launch.cli", "launch", "--mode", "pd", "--port", "0",
                         "--worker-cpus", "decode-0=99"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--worker-cpus: decode-0 asks for cpus 99" in r.stderr

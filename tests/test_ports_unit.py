@@ -7,13 +7,13 @@ import pytest
 from configs.schema import PdserveConfig
 from decode_worker.peers import PrefillPeers
 from prefill_worker.kv_sender import KVSender
-from server.ports import PortUnavailable, listen, reserve_worker_ports, suggest_base_port
-from server.roles import worker_specs
+from server.launch.ports import PortUnavailable, listen, reserve_worker_ports, suggest_base_port
+from server.launch.roles import worker_specs
+from server.launch.supervisor import RestartPolicy
 from server.router.inflight import InflightTable
 from server.router.registry import READY, STARTING, Registry, WorkerSpec
-from server.subprocess_server import free_port
-from server.supervisor import RestartPolicy
-from transfer.protocol import KVHandshake, KVHandshakeAck, WorkerStats
+from server.testing.subprocess_server import free_port
+from transfer.wire.protocol import KVHandshake, KVHandshakeAck, WorkerStats
 
 
 def pd_cfg(base: int) -> PdserveConfig:
@@ -116,7 +116,7 @@ def test_prefill_refuses_a_handshake_from_another_cluster():
 
 
 def test_launch_gets_a_random_cluster_id_only_when_it_runs_everything():
-    from server.launcher import Launcher
+    from server.launch.launcher import Launcher
 
     cfg = PdserveConfig()
     a, b = Launcher(cfg).cfg.cluster.cluster_id, Launcher(cfg).cfg.cluster.cluster_id

@@ -17,13 +17,13 @@ import zmq
 import zmq.asyncio
 
 from configs.schema import PdserveConfig
-from server.cli import main as cli_main
-from server.probe import ProbeError, local, parse_stats, pid1_argv, probe, target_from_argv
-from server.roles import advertised_host, bind_addr, parse_roles, parse_worker_spec, worker_specs
+from server.launch.cli import main as cli_main
+from server.launch.probe import ProbeError, local, parse_stats, pid1_argv, probe, target_from_argv
+from server.launch.roles import advertised_host, bind_addr, parse_roles, parse_worker_spec, worker_specs
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, Registry, WorkerSpec
 from server.router.worker_client import WorkerClient
-from transfer.protocol import StatsRequest, WorkerStats, decode, encode
+from transfer.wire.protocol import StatsRequest, WorkerStats, decode, encode
 
 
 def pd(**cluster) -> PdserveConfig:

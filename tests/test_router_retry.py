@@ -12,14 +12,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from configs.schema import PdserveConfig
-from engine.sampling_params import SamplingParams
+from server.router.session import GenerationSession
+from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
 from server.router.app import build_context, create_app
 from server.router.errors import APIError
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, ROUTING_POLICIES, Registry, WorkerSpec
-from server.router.session import GenerationSession
-from server.subprocess_server import metric_sum
-from transfer.protocol import TokenDelta, WorkerStats
+from server.testing.subprocess_server import metric_sum
 
 PARAMS = SamplingParams(max_new_tokens=4)
 
@@ -280,10 +280,10 @@ def test_decode_worker_with_a_page_size_no_prefill_worker_has_is_never_routed_to
 
 
 def test_fresh_pair_retries_flag_and_default():
-    from server.cli import _load_config, build_parser
+    from server.launch.args import build_parser, load_config
 
     assert PdserveConfig().cluster.fresh_pair_retries == 1
     args = build_parser().parse_args(["launch", "--fresh-pair-retries", "0"])
-    assert _load_config(args, "launch").cluster.fresh_pair_retries == 0
+    assert load_config(args, "launch").cluster.fresh_pair_retries == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["launch", "--fresh-pair-retries", "one"])

@@ -11,13 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from configs.schema import PdserveConfig
-from engine.sampling_params import SamplingParams
+from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
 from server.router.app import build_context, create_app
 from server.router.detok import TextStream
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.worker_client import WorkerUnavailable
-from transfer.protocol import TokenDelta, WorkerStats
 
 CAPACITY, CONTEXT = 256, 512
 PIECES = [" Paris", " is", " the", " capital", " of", " France", "."]
@@ -289,9 +289,9 @@ def test_registry_marks_silent_worker_dead_and_fails_requests():
 
 
 def test_launch_fails_when_worker_dies_at_startup(capsys):
-    from server.launcher import Launcher, LaunchError, worker_specs
+    from server.launch.launcher import Launcher, LaunchError, worker_specs
 
-    from server.subprocess_server import free_port
+    from server.testing.subprocess_server import free_port
 
     cfg = PdserveConfig.model_validate({"server": {"port": 0}, "cluster": {"mode": "colocated",
                                                                           "base_port": free_port()}})
@@ -303,7 +303,7 @@ def test_launch_fails_when_worker_dies_at_startup(capsys):
 
 
 def test_pd_worker_specs_and_routing():
-    from server.launcher import worker_specs
+    from server.launch.launcher import worker_specs
     from server.router.registry import Route, WorkerHandle, route_pd, send_request
 
     specs = worker_specs(PdserveConfig.model_validate({"cluster": {"mode": "pd", "prefill": 2, "decode": 1,
@@ -335,7 +335,7 @@ def test_pd_worker_specs_and_routing():
 
 
 def test_launch_refuses_unknown_config_keys(tmp_path, capsys):
-    from server.cli import main
+    from server.launch.cli import main
 
     preset = tmp_path / "bad.yaml"
     preset.write_text("server:\n  port: 8001\n  colour: blue\n")
@@ -345,7 +345,7 @@ def test_launch_refuses_unknown_config_keys(tmp_path, capsys):
 
 def test_small_preset_loads_and_flags_win():
     from configs.schema import load_config
-    from server.subprocess_server import REPO_ROOT
+    from server.testing.subprocess_server import REPO_ROOT
 
     cfg = load_config(REPO_ROOT / "configs/presets/colocated-small.yaml", {"port": 8123},
                       environ={"PDSERVE_API_KEY": "k"})

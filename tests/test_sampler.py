@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from engine.sampling import SampleOutput, Sampler, SamplerState, token_seed
-from engine.sampling_params import SamplingParams, check_stop
+from transfer.wire.sampling_params import SamplingParams, check_stop
 
 # --------------------------------------------------------------------------- helpers
 

@@ -10,10 +10,10 @@ import pytest
 from conftest import engine_cfg, hf_greedy, sched_cfg
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from transfer.wire.protocol import GenerateRequest
+from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
-from transfer.protocol import GenerateRequest
 
 EOS = 96  # tiny_config's EOS; prompts avoid it and ignore_eos keeps lengths fixed
 

@@ -23,7 +23,7 @@ from bench.serve.servers import config_flags, launch_argv, parse_modes
 from bench.serve.stats import SLO, RunStats, Summary, compute_stats, percentile, summarize
 from bench.serve.workload import (PromptShape, RequestSpec, TokenCounter, WordCounter, make_requests,
                                   poisson_arrivals)
-from server.subprocess_server import REPO_ROOT, free_port
+from server.testing.subprocess_server import REPO_ROOT, free_port
 
 
 def result(ttft, e2e, n, itl=(), ok=True, kind="main", prompt=10, expected=None, error=None) -> RequestResult:
@@ -338,7 +338,7 @@ def test_ratios_and_plot(tmp_path):
 # ---- a real run -------------------------------------------------------------------------------------
 def test_real_run_against_a_launched_colocated_server(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    cmd = [sys.executable, "-m", "server.cli", "bench", "serve", "--compare", "colocated", "--concurrency", "2",
+    cmd = [sys.executable, "-m", "server.launch.cli", "bench", "serve", "--compare", "colocated", "--concurrency", "2",
            "--num-prompts", "4", "--output-len", "8", "--input-len-range", "16,32", "--warmup", "1",
            "--kv-pool-tokens", "2048", "--max-model-len", "512", "--slo-ttft-ms", "600000",
            "--out", str(out), "--plot", str(png), "--no-progress"]
@@ -367,14 +367,14 @@ def test_real_run_against_a_launched_colocated_server(tmp_path):
 
 
 def test_cli_reports_failures_in_json_and_exit_code(tmp_path, capsys):
-    from server.cli import main
+    from bench.cli import main
 
     out = tmp_path / "f.json"
-    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--served-model-name", "m",
+    rc = main(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--served-model-name", "m",
                "--tokenizer", "words", "--num-prompts", "3", "--concurrency", "2", "--warmup", "0",
                "--no-progress", "--out", str(out)])
     assert rc == 1
     stats = json.loads(out.read_text())["runs"][0]["stats"]
     assert (stats["requests"], stats["completed"], stats["failed"]) == (3, 0, 3)
     assert "ConnectError" in stats["errors"][0] and "3 request(s) failed" in capsys.readouterr().out
-    assert main(["bench", "serve", "--concurrency", "1", "--request-rate", "2"]) == 2
+    assert main(["serve", "--concurrency", "1", "--request-rate", "2"]) == 2

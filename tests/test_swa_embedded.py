@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 import torch
 
-from bench.pd_local import PDHarness
 from configs.schema import PdserveConfig
 from engine.llm import LLM, run_batch
-from engine.sampling_params import SamplingParams
+from server.testing.pd_harness import PDHarness
 from tests.conftest import engine_cfg, sched_cfg
+from transfer.wire.sampling_params import SamplingParams
 
 W, NEW, TOP = 61, 12, 5
 TYPES = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(30))

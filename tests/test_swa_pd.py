@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.pd_local import PDHarness
 from cache.swa_window import NO_PAGE
 from configs.schema import PdserveConfig
-from engine.sampling_params import SamplingParams
+from server.testing.pd_harness import PDHarness
 from tests.test_swa_pool import PAGE, hf_reference, prompts, swa_model  # noqa: F401 (fixture)
+from transfer.wire.sampling_params import SamplingParams
 
 
 def cfg(pool=1024, swa=256, host_gb=0.01, radix=True, **sched) -> PdserveConfig:

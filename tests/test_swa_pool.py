@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from tests.conftest import engine_cfg, sched_cfg, tiny_config, tiny_weights
+from transfer.wire.sampling_params import SamplingParams
 
 WINDOW, PAGE = 8, 4
 TYPES = ("sliding_attention", "full_attention") * 2
@@ -109,7 +109,7 @@ def test_swa_pool_holds_only_the_window_while_decoding(swa_model):
     kv = llm.scheduler.kv
     params = SamplingParams(max_new_tokens=4 * WINDOW, temperature=0, ignore_eos=True)
     sched = llm.scheduler
-    from transfer.protocol import GenerateRequest
+    from transfer.wire.protocol import GenerateRequest
 
     sched.add(b"", GenerateRequest(rid="r", params=params), prompts(1, 45)[0])
     sched.step()  # the prefill: it took SWA pages for the whole 45-token prompt, then released
@@ -200,7 +200,7 @@ def test_long_prompt_prefills_in_chunks_through_a_small_swa_pool(swa_model):
     assert llm.scheduler.stats.extend_steps >= 15
     big = make_llm(swa_model, swa=64, chunked_prefill_size=256)
     from engine.scheduler.base import RequestRejected
-    from transfer.protocol import GenerateRequest
+    from transfer.wire.protocol import GenerateRequest
 
     with pytest.raises(RequestRejected, match="--swa-pool-tokens"):
         big.scheduler.add(b"", GenerateRequest(rid="x", params=SamplingParams(max_new_tokens=2)), prompts(1, 120)[0])

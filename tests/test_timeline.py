@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import httpx
 
-from bench.pd_local import PDHarness
 from configs.schema import PdserveConfig
 from conftest import engine_cfg, sched_cfg
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler.base import Outbox
+from server.testing.pd_harness import PDHarness
+from server.testing.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
+from transfer.wire.outbox import Outbox
+from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.scheduler.timeline import PHASES
-from server.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from server.subprocess_server import LaunchedServer, free_port
+from server.testing.subprocess_server import LaunchedServer, free_port
 
 MODES = ("colocated", "pd")
 

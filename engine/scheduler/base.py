@@ -1,9 +1,7 @@
 """The contract between a worker loop and its scheduler (colocated, prefill or decode).
 
-A scheduler does no I/O on control sockets: every call returns an ``Outbox`` of what should be
-sent, and the worker loop (or an in-process harness) delivers it. Destinations are typed:
-``Conn`` is a connection on the worker's own control socket (the router, or a peer worker that
-connected to it), ``Peer`` a worker this one connects to by address (decode -> prefill).
+A scheduler does no I/O on control sockets: every call returns an ``Outbox`` (``transfer.wire.outbox``)
+of what should be sent, and the worker loop (or an in-process harness) delivers it.
 """
 from __future__ import annotations
 
@@ -14,7 +12,8 @@ from dataclasses import dataclass, field
 from cache.handle import KVHandle
 from cache.kv_manager import KVManager
 from engine.scheduler.stats import Histogram, SchedulerStats
-from transfer.protocol import GenerateRequest, Message, TokenDelta, WorkerStats
+from transfer.wire.outbox import Dest, Outbox
+from transfer.wire.protocol import GenerateRequest, Message, TokenDelta, WorkerStats
 
 
 class RequestRejected(ValueError):
@@ -33,61 +32,6 @@ def check_fits(prompt_len: int, max_new_tokens: int, capacity: int, context: int
         raise RequestRejected(f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
                               f"{pool} capacity of {capacity} tokens; lower max_tokens or start the worker with "
                               f"a larger --kv-pool-tokens")
-
-
-@dataclass(frozen=True)
-class Conn:
-    """A connection on this worker's control socket, by its ZMQ identity."""
-
-    ident: bytes
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Another worker, by control address; the loop connects to it on first use."""
-
-    addr: str
-
-
-Dest = Conn | Peer
-
-
-@dataclass(frozen=True)
-class Outbound:
-    to: Dest
-    msg: Message
-    frames: tuple[bytes, ...] = ()
-
-
-@dataclass
-class Outbox:
-    """What one scheduler call wants sent: token deltas (each to its request's owner connection,
-    batched per step by the loop) and control messages; ``kv_handoffs`` counts requests whose KV
-    it finished writing into decode workers (the loop's core lending reads it)."""
-
-    tokens: list[tuple[bytes, TokenDelta]] = field(default_factory=list)
-    messages: list[Outbound] = field(default_factory=list)
-    kv_handoffs: int = 0
-
-    def token(self, owner: bytes, delta: TokenDelta) -> None:
-        self.tokens.append((owner, delta))
-
-    def send(self, to: Dest, msg: Message, *frames: bytes) -> None:
-        self.messages.append(Outbound(to, msg, frames))
-
-    def extend(self, other: "Outbox | None") -> "Outbox":
-        if other is not None:
-            self.tokens += other.tokens
-            self.messages += other.messages
-            self.kv_handoffs += other.kv_handoffs
-        return self
-
-    @property
-    def deltas(self) -> list[TokenDelta]:
-        return [d for _, d in self.tokens]
-
-    def __bool__(self) -> bool:
-        return bool(self.tokens or self.messages)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import Outbox, Outcome, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.timeline import Timeline
-from transfer.protocol import GenerateRequest, Message, TokenDelta
+from transfer.wire.outbox import Outbox
+from transfer.wire.protocol import GenerateRequest, Message, TokenDelta
 
 
 class ColocatedScheduler(WorkerScheduler):

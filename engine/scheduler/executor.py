@@ -11,9 +11,9 @@ from engine.forward_batch import ForwardMode
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.request import Phase, Request
 from engine.sampling import Sampler
-from engine.sampling_params import check_stop
+from transfer.wire.protocol import TokenDelta
+from transfer.wire.sampling_params import check_stop
 from engine.scheduler.admission import ExtendItem
-from transfer.protocol import TokenDelta
 
 
 def token_delta(req: Request, tok: int, logprob: float | None, top: list | None, eos: frozenset[int],

@@ -20,7 +20,7 @@ from engine.scheduler.decode_memory import OOM_ABORT_MESSAGE, check_decode_mem, 
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.ratio import NewTokenRatioTracker
 from engine.scheduler.stats import SchedulerStats
-from transfer.protocol import TokenDelta
+from transfer.wire.protocol import TokenDelta
 
 log = logging.getLogger(__name__)
 

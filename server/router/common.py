@@ -6,12 +6,12 @@ import uuid
 
 from pydantic import ValidationError
 
-from engine.sampling_params import SamplingParams
 from server.router.choices import ChoiceRun
 from server.router.context import RouterContext
 from server.router.errors import APIError, from_validation_error
 from server.router.openai_schemas import SamplingFields
 from server.router.session import GenerationSession
+from transfer.wire.sampling_params import SamplingParams
 
 
 def check_common(ctx: RouterContext, req: SamplingFields) -> None:

@@ -14,7 +14,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from transfer.protocol import TokenDelta
+from transfer.wire.protocol import TokenDelta
 
 
 @dataclass

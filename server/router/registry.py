@@ -25,7 +25,7 @@ from typing import Any
 
 from server.router.inflight import InflightTable
 from server.router.worker_client import WorkerUnavailable
-from transfer.protocol import TokenDelta, WorkerStats
+from transfer.wire.protocol import TokenDelta, WorkerStats
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import time
 import uuid
 from collections.abc import Callable
 
-from engine.sampling_params import SamplingParams
+from transfer.wire.protocol import TokenDelta
+from transfer.wire.sampling_params import SamplingParams
 from server.router.errors import APIError
 from server.router.inflight import Inflight, InflightTable
 from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
-from transfer.protocol import TokenDelta
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from engine.sampling_params import SamplingParams
-from transfer.protocol import (AbortRequest, GenerateRequest, Message, PrefillRequest, ProtocolError, Shutdown,
+from transfer.wire.protocol import (AbortRequest, GenerateRequest, Message, PrefillRequest, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, ids_frame)
+from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

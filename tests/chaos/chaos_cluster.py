@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from stream_client import Outcome, stream_one
-from server.subprocess_server import REPO_ROOT, LaunchedServer, free_port, metric_sum, scrape_metrics, wait_idle
+from server.testing.subprocess_server import REPO_ROOT, LaunchedServer, free_port, metric_sum, scrape_metrics, wait_idle
 
 HEARTBEAT_S = 0.2
 
@@ -62,7 +62,7 @@ class ExternalDecode:
 
     def start(self, *extra: str) -> None:
         """Start (again) with the cluster's flags plus ``extra`` (later flags win)."""
-        cmd = [sys.executable, "-m", "server.cli", "worker", "--role", "decode", "--worker-id", self.worker_id,
+        cmd = [sys.executable, "-m", "server.launch.cli", "worker", "--role", "decode", "--worker-id", self.worker_id,
                "--control-addr", self.addr, *self.args, *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=self.log)
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from chaos_cluster import Cluster, signal_worker
-from server.subprocess_server import metric_sum
+from server.testing.subprocess_server import metric_sum
 
 
 @dataclass(frozen=True)

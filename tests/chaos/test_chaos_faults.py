@@ -22,7 +22,7 @@ import pytest
 
 from chaos_cluster import Cluster, leaks, run_load, signal_worker
 from faults import FAULTS, Fault, inject
-from server.subprocess_server import metric_sum
+from server.testing.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
 
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))

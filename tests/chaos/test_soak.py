@@ -12,7 +12,7 @@ import time
 import httpx
 
 from chaos_cluster import Cluster, leaks, rss_bytes, stream_one
-from server.subprocess_server import metric_sum
+from server.testing.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
 
 REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "5000"))

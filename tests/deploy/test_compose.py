@@ -25,7 +25,7 @@ import pytest
 from compose_stack import ComposeStack
 from stream_client import Outcome, stream_one
 from conftest import engine_cfg, sched_cfg
-from server.subprocess_server import free_port, fresh_metrics, metric_sum, wait_idle
+from server.testing.subprocess_server import free_port, fresh_metrics, metric_sum, wait_idle
 
 WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
 # Small decode pools so 16 requests overcommit them; low initial reservation so admission

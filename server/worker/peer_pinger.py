@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from transfer.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
+from transfer.wire.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 _URL = re.compile(r"pdserve: serving .* at (http://\S+)")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -46,7 +46,7 @@ class LaunchedServer:
 
     def start(self) -> str:
         """Start and wait for readiness; ``RuntimeError`` with the log tail if it fails or times out."""
-        cmd = [sys.executable, "-m", "server.cli", "launch", *self.args]
+        cmd = [sys.executable, "-m", "server.launch.cli", "launch", *self.args]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True, start_new_session=True)
         threading.Thread(target=self._read_stdout, daemon=True).start()

@@ -19,7 +19,7 @@ import uuid
 
 import zmq
 
-from transfer.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
+from transfer.wire.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class ControlIO:
     def __init__(self, ctx: zmq.Context, control_addr: str, stall_limit_s: float = 120.0,
                  listen_fd: int | None = None) -> None:
         """Bind ``control_addr``; with ``listen_fd``, serve on that already listening TCP socket
-        instead (the launcher holds the port across worker restarts, see ``server.ports``)."""
+        instead (the launcher holds the port across worker restarts, see ``server.launch.ports``)."""
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         if listen_fd is not None:

@@ -17,12 +17,12 @@ import time
 from configs.schema import PdserveConfig
 from decode_worker.scheduler import create_decode_scheduler
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler.base import Conn, Outbox, Peer
 from prefill_worker.scheduler import create_prefill_scheduler
-from server.worker_loop import worker_stats
+from transfer.wire.outbox import Conn, Outbox, Peer
+from transfer.wire.protocol import GenerateRequest, PrefillRequest, StatsRequest, TokenDelta, ids_frame
+from transfer.wire.sampling_params import SamplingParams
+from server.worker.loop import worker_stats
 from transfer.loopback import LoopbackTransport
-from transfer.protocol import GenerateRequest, PrefillRequest, StatsRequest, TokenDelta, ids_frame
 
 PREFILL_ADDR = "inproc://p"
 DECODE_CONN = b"d0"

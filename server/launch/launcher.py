@@ -2,13 +2,13 @@
 
 Steps: bind the HTTP socket and every local worker's control port (a busy port fails at once,
 naming the port and the flag to change; the launcher holds the worker ports for the whole launch,
-see ``server.ports``), spawn one process per worker (``python -m server.worker_main`` serving on
+see ``server.launch.ports``), spawn one process per worker (``python -m server.worker.main`` serving on
 its inherited port), load the tokenizer, start uvicorn with the router app in this
 process, wait until ``GET /health`` answers 200, then print ``pdserve: serving MODEL at URL`` on
 stdout. A worker that exits during startup makes the launch fail (exit code 1, message on stderr,
 the worker's own log above it). After startup a worker that exits is marked dead at once (its
 requests fail with 503, ``/health`` says why) and, with ``restart_workers``, started again after
-an exponential back-off, up to ``restart_limit`` times in a row (``server.supervisor``); the new
+an exponential back-off, up to ``restart_limit`` times in a row (``server.launch.supervisor``); the new
 process rejoins through heartbeats (a new ``instance`` id) and serves again. A launch that runs
 the router and all its workers gets a random ``cluster_id`` (unless configured): its router and
 workers refuse any worker of another deployment that answers at one of their addresses.
@@ -36,13 +36,13 @@ import uvicorn
 import zmq.asyncio
 
 from configs.schema import PdserveConfig
-from server.roles import WORKER_ROLES, bind_addr, worker_specs
-from server.core_lending import CoreLedger, borrows
-from server.placement import Placement, plan_placement
-from server.ports import PortUnavailable, reserve_worker_ports
+from server.launch.roles import WORKER_ROLES, bind_addr, worker_specs
+from server.launch.worker_procs import ExternalWorkers, WorkerProcesses
 from server.router.registry import WorkerSpec
-from server.supervisor import RestartPolicy, WorkerSupervisor
-from server.worker_procs import ExternalWorkers, WorkerProcesses
+from server.worker.core_lending import CoreLedger, borrows
+from server.worker.placement import Placement, plan_placement
+from server.launch.ports import PortUnavailable, reserve_worker_ports
+from server.launch.supervisor import RestartPolicy, WorkerSupervisor
 
 __all__ = ["Launcher", "LaunchError", "worker_specs", "worker_argv", "launch_main", "router_main"]
 
@@ -67,7 +67,7 @@ def with_cluster_id(cfg: PdserveConfig, own_workers: bool) -> PdserveConfig:
 
 
 def reserve_ports(specs: list[WorkerSpec], cfg: PdserveConfig) -> dict:
-    """The local workers' listening sockets (``server.ports``); ``LaunchError`` if one is busy."""
+    """The local workers' listening sockets (``server.launch.ports``); ``LaunchError`` if one is busy."""
     try:
         return reserve_worker_ports(specs, cfg)
     except PortUnavailable as e:
@@ -81,7 +81,7 @@ def close_ports(ports: dict) -> None:
 
 def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
     """Command line of one worker process."""
-    return [sys.executable, "-m", "server.worker_main", "--role", spec.role, "--worker-id", spec.worker_id,
+    return [sys.executable, "-m", "server.worker.main", "--role", spec.role, "--worker-id", spec.worker_id,
             "--control-addr", bind_addr(spec, cfg), "--config-json", worker_config(cfg).model_dump_json()]
 
 
@@ -121,7 +121,7 @@ class Launcher:
                  specs: list[WorkerSpec] | None = None, roles: frozenset[str] | None = None,
                  remote: list[WorkerSpec] | None = None) -> None:
         """``specs``: route to these already running workers instead of starting ``cfg``'s own.
-        ``roles``: start only these roles here (see ``server.roles``; without ``router`` no HTTP
+        ``roles``: start only these roles here (see ``server.launch.roles``; without ``router`` no HTTP
         server runs and the launcher only keeps its workers running); ``remote``: workers on other
         hosts that the router routes to besides its own."""
         self.cfg = with_cluster_id(cfg, own_workers=specs is None and not remote and (
@@ -278,7 +278,7 @@ class Launcher:
 
     async def _supervise(self, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> None:
         """Until stopped: a worker whose process exited is marked dead (its requests fail with 503)
-        and restarted by ``server.supervisor`` (back-off, then giving up with the reason in
+        and restarted by ``server.launch.supervisor`` (back-off, then giving up with the reason in
         ``/health``); it serves again once it answers heartbeats."""
         supervisor = WorkerSupervisor(procs, RestartPolicy.from_config(self.cfg.cluster), registry)
         while not self.stop_event.is_set() and not serve_task.done():
@@ -289,7 +289,7 @@ class Launcher:
     async def _run_workers_only(self, local: list[WorkerSpec]) -> int:
         """``--roles`` without ``router``: start the workers, print one line once every one answers
         ``pdserve probe``-style readiness, keep them running (restarts as in :meth:`_supervise`)."""
-        from server.probe import ProbeError, local as local_addr, probe_worker
+        from server.launch.probe import ProbeError, local as local_addr, probe_worker
 
         if not local:
             raise LaunchError("--roles names no worker role of this cluster mode; nothing to start")
@@ -323,7 +323,7 @@ class Launcher:
     async def _supervise_workers(self, procs: WorkerProcesses) -> None:
         """Restart exited workers as :meth:`_supervise` does; with no ``/health`` here to report it,
         giving up on one ends the launch (exit code 1, the reason on stderr)."""
-        from server.probe import ProbeError, local as local_addr, probe_worker
+        from server.launch.probe import ProbeError, local as local_addr, probe_worker
 
         def ready(spec: WorkerSpec) -> bool:
             try:

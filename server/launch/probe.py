@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import zmq
 
-from transfer.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
+from transfer.wire.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
 
 _WILDCARD = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
@@ -74,13 +74,13 @@ def probe_http(url: str, timeout_s: float) -> str:
 
 def target_from_argv(argv: list[str]) -> str:
     """The probe target of a ``pdserve`` command line (``argv`` without the program name)."""
-    from server.cli import _load_config, build_parser
+    from server.launch.args import load_config, parse_args
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "worker":
         return local(args.control_addr)
     if args.command in ("router", "launch"):
-        cfg = _load_config(args, args.command)
+        cfg = load_config(args, args.command)
         if cfg is None:
             raise ValueError("the main process's configuration is invalid")
         return local(f"http://{cfg.server.host}:{cfg.server.port}")
@@ -88,10 +88,10 @@ def target_from_argv(argv: list[str]) -> str:
 
 
 def pid1_argv(path: str = "/proc/1/cmdline") -> list[str]:
-    """PID 1's arguments after the ``pdserve`` program (or ``-m server.cli``)."""
+    """PID 1's arguments after the ``pdserve`` program (or ``-m server.launch.cli``)."""
     parts = [p.decode() for p in Path(path).read_bytes().split(b"\0") if p]
     for i, p in enumerate(parts):
-        if p.endswith("pdserve") or p == "server.cli":
+        if p.endswith("pdserve") or p == "server.launch.cli":
             return parts[i + 1:]
     raise ValueError(f"PID 1 is not a pdserve process: {' '.join(parts)[:200]}")
 

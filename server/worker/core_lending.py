@@ -1,7 +1,7 @@
 """Core lending among the workers of one host's launch.
 
 An unpinned launch of several workers on one host gives each worker a share of the cores as torch
-threads (``server.placement``). Under uneven load a share sits idle: in PD mode on a small host the
+threads (``server.worker.placement``). Under uneven load a share sits idle: in PD mode on a small host the
 decode worker waits for a prompt's KV while the prefill worker computes that prompt with half the
 machine. With lending (``cluster.core_lending``) the launch's workers share a ledger of one slot
 per worker in shared memory (an anonymous ``memfd`` the launcher creates and every worker

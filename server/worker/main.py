@@ -1,4 +1,4 @@
-"""Worker process entry point: ``python -m server.worker_main --role colocated|prefill|decode ...``.
+"""Worker process entry point: ``python -m server.worker.main --role colocated|prefill|decode ...``.
 
 The launcher passes the whole validated config as JSON (``--config-json``) so every process sees
 the same settings; the worker binds its control socket at ``--control-addr``.
@@ -12,8 +12,8 @@ import sys
 import torch
 
 from configs.schema import PdserveConfig
-from server.placement import apply_cpus, parse_cpu_list
-from server.worker_loop import WorkerLoop
+from server.worker.loop import WorkerLoop
+from server.worker.placement import apply_cpus, parse_cpu_list
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def core_lending(args, runner):
     at every thread count a step may use), else None."""
     if args.core_ledger_fd is None:
         return None
-    from server.core_lending import CoreLedger, CoreLending
+    from server.worker.core_lending import CoreLedger, CoreLending
 
     own = torch.get_num_threads()
     cores = CoreLending(CoreLedger.open(args.core_ledger_fd), args.core_slot, own, max(own, args.lend_threads or own))
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen-fd", type=int, default=None,
                    help="serve --control-addr on this inherited, already listening socket (the launcher's)")
     p.add_argument("--core-ledger-fd", type=int, default=None,
-                   help="inherited memfd of the launch's core ledger (server.core_lending)")
+                   help="inherited memfd of the launch's core ledger (server.worker.core_lending)")
     p.add_argument("--core-slot", type=int, default=0, help="this worker's slot in the core ledger")
     p.add_argument("--lend-threads", type=int, default=None,
                    help="torch threads of a step while every other worker of the launch is idle (default: "

@@ -12,7 +12,7 @@ from typing import ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import SamplingParams
+from transfer.wire.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 3  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry
 

@@ -14,8 +14,8 @@ import errno
 import socket
 
 from configs.schema import PdserveConfig
+from server.launch.roles import bind_addr
 from server.router.registry import WorkerSpec
-from server.roles import bind_addr
 
 __all__ = ["PortUnavailable", "host_port", "listen", "reserve_worker_ports", "suggest_base_port"]
 

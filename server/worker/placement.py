@@ -16,7 +16,7 @@ Unpinned workers of one launch still share the cores' *threads*: each runs torch
 Without that, two busy workers on 2 cores run 4 OpenMP threads whose barriers spin-wait on
 descheduled peers: the 2-prefill + 2-decode retract workload of ``tests/deploy`` took 38-83 s
 a round instead of 10-14 s. One worker alone keeps torch's default (every core). A share may
-still grow for a step: see ``server.core_lending`` (a prefill worker runs on every core while the
+still grow for a step: see ``server.worker.core_lending`` (a prefill worker runs on every core while the
 others are idle).
 
 ``auto`` is not the default yet: on a 2-core host it halves the prefill worker's compute, so under

@@ -26,11 +26,12 @@ from collections import defaultdict
 
 import zmq
 
-from engine.scheduler.base import Conn, Outbox, Peer, RequestRejected, WorkerScheduler
-from server.control_io import ControlIO
-from server.core_lending import CoreLending
-from server.peer_pinger import PeerPinger
-from transfer.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
+from engine.scheduler.base import RequestRejected, WorkerScheduler
+from server.worker.control_io import ControlIO
+from server.worker.core_lending import CoreLending
+from server.worker.peer_pinger import PeerPinger
+from transfer.wire.outbox import Conn, Outbox, Peer
+from transfer.wire.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, frame_ids)
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class WorkerLoop:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
         ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine.
-        ``cores``: this worker's slot of its launch's core ledger (``server.core_lending``)."""
+        ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``)."""
         self.worker_id = worker_id
         self.model_name = model_name
         self.cluster_id = cluster_id

@@ -1,0 +1,62 @@
+"""``pdserve bench engine|retract|transfer|serve`` (also ``python -m bench``): the benchmarks'
+command line. The benchmarks sit above every serving package; nothing there imports them."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from bench.serve.options import add_serve_flags
+from configs.cli_flags import add_flags, collect
+from configs.engine import EngineConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``pdserve bench`` / ``python -m bench``."""
+    p = argparse.ArgumentParser(prog="pdserve bench", description="benchmarks")
+    p.add_argument("what", choices=["engine", "retract", "transfer", "serve"],
+                   help="engine: decode/prefill tokens/s vs HF transformers; retract: retract costs "
+                        "(colocated and PD); transfer: KV transfer over NIXL and ucxx vs memcpy; serve: "
+                        "OpenAI-compatible serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, "
+                        "--interference)")
+    p.add_argument("--requests", type=int, default=16, help="retract: requests in the workload")
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--skip-hf", action="store_true", help="measure this engine only")
+    p.add_argument("--backend", default="nixl,ucxx", help="transfer: data planes to measure (nixl, ucxx)")
+    p.add_argument("--ucxx-error-handling", choices=["off", "on", "both"], default="off",
+                   help="transfer: ucxx endpoint error handling to measure")
+    p.add_argument("--dead-peer", action="store_true", help="transfer: also time a write to a killed peer")
+    add_flags(p, EngineConfig)
+    add_serve_flags(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args.what``; returns the exit status."""
+    engine = EngineConfig(**collect(args, EngineConfig))
+    if args.what == "serve":
+        from bench.serve_bench import run_serve_bench
+
+        return run_serve_bench(args, collect(args, EngineConfig))
+    if args.what == "retract":
+        from bench.retract_bench import run_retract_bench
+
+        run_retract_bench(engine, args.requests, args.decode_tokens)
+    elif args.what == "transfer":
+        from bench.transfer_bench import main as transfer_main
+
+        transfer_main(["--backend", args.backend, "--ucxx-error-handling", args.ucxx_error_handling]
+                      + (["--dead-peer"] if args.dead_peer else []))
+    else:
+        from bench.engine_bench import run_engine_bench
+
+        run_engine_bench(engine, args.batch_sizes, args.decode_tokens, args.prefill_tokens, not args.skip_hf)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m bench``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)

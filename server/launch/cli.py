@@ -1,0 +1,133 @@
+"""``pdserve`` command line: ``generate`` (offline batch), ``launch`` (serve over HTTP), ``worker``,
+``router``, ``probe`` and ``bench``.
+
+Parsing lives in ``server.launch.args``; each command here is one function, picked by name.
+``pdserve bench ...`` runs ``python -m bench ...`` in a child process: the benchmarks sit above
+everything and nothing in the serving packages imports them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+
+from configs.cli_flags import collect
+from configs.engine import EngineConfig
+from configs.scheduler import SchedulerConfig
+from server.launch.args import load_config, parse_args
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from engine.llm import LLM
+    from transfer.wire.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, ignore_eos=args.ignore_eos)
+        engine = EngineConfig(**collect(args, EngineConfig))
+        sched = SchedulerConfig(**collect(args, SchedulerConfig))
+    except ValidationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM(engine, sched)
+    except (ValueError, FileNotFoundError) as e:  # unsupported model / flag combination: says what to change
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for r in llm.generate(args.prompt, params, chat=args.chat):
+        if args.json:
+            print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids,
+                              "text": r.text, "finish_reason": r.finish_reason,
+                              **({"error": r.error} if r.error else {})}), flush=True)
+        else:
+            print(r.text if not r.error else f"[error] {r.error}", flush=True)
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from server.launch.launcher import launch_main
+    from server.launch.roles import parse_roles, parse_worker_spec
+
+    cfg = load_config(args, "launch")
+    if cfg is None:
+        return 2
+    try:
+        roles = parse_roles(args.roles, cfg.cluster.mode)
+        remote = [parse_worker_spec(w) for w in args.worker]
+    except ValueError as e:
+        print(f"pdserve launch: {e}", file=sys.stderr)
+        return 2
+    if remote and "router" not in roles:
+        print("pdserve launch: --worker is for the router; add router to --roles", file=sys.stderr)
+        return 2
+    if roles - {"router"} and not _model_fits(cfg):
+        return 2
+    return launch_main(cfg, roles if args.roles else None, remote)
+
+
+def _model_fits(cfg) -> bool:
+    """Start-up check of the model against the engine flags before any worker starts (reads no
+    weights); False after printing what to change."""
+    from engine.loader import check_startup
+    from engine.model_paths import resolve_model_path
+
+    try:
+        check_startup(resolve_model_path(cfg.engine.model), cfg.engine)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve launch: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from server.worker.main import main as worker_main
+
+    cfg = load_config(args, "worker")
+    if cfg is None:
+        return 2
+    return worker_main(["--role", args.role, "--worker-id", args.worker_id, "--control-addr", args.control_addr,
+                        "--config-json", cfg.model_dump_json()])
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from server.launch.launcher import router_main
+    from server.launch.roles import parse_worker_spec
+
+    cfg = load_config(args, "router")
+    if cfg is None:
+        return 2
+    try:
+        specs = [parse_worker_spec(w) for w in args.worker]
+    except ValueError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    return router_main(cfg, specs)
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from server.launch.probe import main as probe_main
+
+    return probe_main(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return subprocess.call([sys.executable, "-m", "bench", *args.bench_argv])
+
+
+COMMANDS = {"generate": _cmd_generate, "launch": _cmd_launch, "worker": _cmd_worker, "router": _cmd_router,
+            "probe": _cmd_probe, "bench": _cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pdserve`` script; returns the exit status."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
