@@ -151,6 +151,22 @@ def test_files_and_classes_stay_small():
     assert (too_long, too_wide) == ([], [])
 
 
+def test_no_dataclass_writes_its_own_init():
+    """A ``@dataclass`` with a hand-written ``__init__`` compares and hashes by fields it never set."""
+    offenders = []
+    for p in MODULES.values():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and any(_names_dataclass(d) for d in node.decorator_list):
+                if any(isinstance(b, ast.FunctionDef) and b.name == "__init__" for b in node.body):
+                    offenders.append(f"{p.relative_to(ROOT)}:{node.name}")
+    assert offenders == []
+
+
+def _names_dataclass(decorator: ast.expr) -> bool:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return getattr(target, "id", getattr(target, "attr", None)) == "dataclass"
+
+
 def test_router_and_protocol_do_not_import_torch():
     code = ("import sys, transfer.wire.protocol, transfer.wire.outbox, server.router.app; "
             "print(sorted(m for m in ('torch', 'engine.sampling', 'engine.model') if m in sys.modules))")
