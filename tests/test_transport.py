@@ -418,6 +418,38 @@ def test_create_transport_takes_the_ucxx_settings_from_the_config():
         d.close()
 
 
+
+@pytest.mark.parametrize("backend", ["loopback", "ucxx"])
+def test_state_checks_are_the_same_on_every_backend(backend):
+    """The checks ``TransportBase`` runs before any backend code: pool registered once and before
+    ``local_metadata``/``write_pages``, nothing but ``close``/``remove_peer``/``peers`` after close."""
+    t = create_transport(backend, f"{backend}-state")
+    try:
+        with pytest.raises(RuntimeError, match="register_pool before local_metadata"):
+            t.local_metadata()
+        with pytest.raises(RuntimeError, match="register_pool before write_pages"):
+            t.write_pages("nobody", [0], [0], b"x")
+        with pytest.raises(ValueError, match="notif must be bytes"):
+            t.write_pages("nobody", [0], [0], 5)
+        with pytest.raises(ValueError, match="page_bytes"):
+            t.register_pool(make_pool(), PAGE_BYTES + 1)
+        t.register_pool(make_pool(), PAGE_BYTES)
+        with pytest.raises(RuntimeError, match="already has a registered pool"):
+            t.register_pool(make_pool(), PAGE_BYTES)
+        md = json.loads(t.local_metadata())
+        assert (md["backend"], md["name"], md["num_pages"], md["length"]) == (
+            backend, f"{backend}-state", SHAPE[0], SHAPE[0] * PAGE_BYTES)
+        assert t.poll_notifs() == [] and t.peers() == []
+    finally:
+        t.close()
+    t.close()  # idempotent
+    t.remove_peer("nobody")
+    assert t.peers() == []
+    for call in (t.local_metadata, t.poll_notifs, lambda: t.register_pool(make_pool(), PAGE_BYTES),
+                 lambda: t.write_pages("nobody", [0], [0], b"x")):
+        with pytest.raises(RuntimeError, match=f"transport '{backend}-state' is closed"):
+            call()
+
 # ---- module structure ------------------------------------------------------------------------
 
 def test_transfer_modules_import_no_cycle_and_the_interface_no_backend():
