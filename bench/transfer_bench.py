@@ -52,7 +52,7 @@ VARIANTS = {"nixl": ("nixl", {}), "ucxx": ("ucxx", {"error_handling": False}),
 
 def _decode_side(conn, num_pages: int, backend: str, opts: dict) -> None:
     """Target: zeroed pool, publish metadata, poll notifications; verify pages on request."""
-    from transfer.kv_transport import create_transport
+    from transfer.factory import create_transport
 
     t = create_transport(backend, "bench-decode", **opts)
     buf = torch.zeros(pool_shape(num_pages), dtype=torch.float32)
@@ -106,7 +106,7 @@ class _Pair:
     """A decode-side process and this process's initiator transport, for one backend variant."""
 
     def __init__(self, label: str, decode_pages: int, prefill_pages: int) -> None:
-        from transfer.kv_transport import create_transport
+        from transfer.factory import create_transport
 
         backend, opts = VARIANTS[label]
         ctx = mp.get_context("spawn")

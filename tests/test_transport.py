@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from transfer.kv_transport import KVTransport, TransferHandle, create_transport
+from transfer.factory import create_transport
+from transfer.kv_transport import KVTransport, TransferHandle
 from transfer.loopback import LoopbackTransport
 
 # A small page-major pool: [pages, layers, 2, page_size, kv_heads, head_dim], fp32.
@@ -415,3 +416,68 @@ def test_create_transport_takes_the_ucxx_settings_from_the_config():
     finally:
         t.close()
         d.close()
+
+
+
+@pytest.mark.parametrize("backend", ["loopback", "ucxx"])
+def test_state_checks_are_the_same_on_every_backend(backend):
+    """The checks ``TransportBase`` runs before any backend code: pool registered once and before
+    ``local_metadata``/``write_pages``, nothing but ``close``/``remove_peer``/``peers`` after close."""
+    t = create_transport(backend, f"{backend}-state")
+    try:
+        with pytest.raises(RuntimeError, match="register_pool before local_metadata"):
+            t.local_metadata()
+        with pytest.raises(RuntimeError, match="register_pool before write_pages"):
+            t.write_pages("nobody", [0], [0], b"x")
+        with pytest.raises(ValueError, match="notif must be bytes"):
+            t.write_pages("nobody", [0], [0], 5)
+        with pytest.raises(ValueError, match="page_bytes"):
+            t.register_pool(make_pool(), PAGE_BYTES + 1)
+        t.register_pool(make_pool(), PAGE_BYTES)
+        with pytest.raises(RuntimeError, match="already has a registered pool"):
+            t.register_pool(make_pool(), PAGE_BYTES)
+        md = json.loads(t.local_metadata())
+        assert (md["backend"], md["name"], md["num_pages"], md["length"]) == (
+            backend, f"{backend}-state", SHAPE[0], SHAPE[0] * PAGE_BYTES)
+        assert t.poll_notifs() == [] and t.peers() == []
+    finally:
+        t.close()
+    t.close()  # idempotent
+    t.remove_peer("nobody")
+    assert t.peers() == []
+    for call in (t.local_metadata, t.poll_notifs, lambda: t.register_pool(make_pool(), PAGE_BYTES),
+                 lambda: t.write_pages("nobody", [0], [0], b"x")):
+        with pytest.raises(RuntimeError, match=f"transport '{backend}-state' is closed"):
+            call()
+
+# ---- module structure ------------------------------------------------------------------------
+
+def test_transfer_modules_import_no_cycle_and_the_interface_no_backend():
+    """``kv_transport`` (the interface) imports no backend; the factory imports the backends;
+    no backend imports the factory: the import graph of ``transfer/`` (lazy imports included) has
+    no cycle."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "transfer"
+    mods = {p.stem for p in root.glob("*.py")}
+    graph = {}
+    for m in mods:
+        deps = set()
+        for node in ast.walk(ast.parse((root / f"{m}.py").read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            deps |= {n.split(".")[1] for n in names if n.startswith("transfer.") and n.split(".")[1] in mods}
+        graph[m] = deps
+    assert graph["kv_transport"] == set()
+    assert {"nixl_transport", "ucxx_transport", "loopback"} <= graph["factory"]
+    assert not any("factory" in deps for m, deps in graph.items() if m != "factory")
+
+    def reach(m, seen):
+        for d in graph[m]:
+            if d not in seen:
+                seen.add(d)
+                reach(d, seen)
+        return seen
+
+    assert [m for m in sorted(graph) if m in reach(m, set())] == []

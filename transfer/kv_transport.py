@@ -7,7 +7,8 @@ target takes no part in the copy; it learns that a request's pages are in place 
 notification that the initiator attaches to the write, which it reads with ``poll_notifs``.
 
 Contract shared by every backend (``NixlTransport``, ``UcxxTransport``, ``LoopbackTransport``; the
-ucxx backend's deadline and its copy-on-the-target timing are described in its module):
+ucxx backend's deadline and its copy-on-the-target timing are described in its module). Build one
+with ``transfer.factory.create_transport``; this module imports no backend.
 
 * ``register_pool`` once, before ``local_metadata``/``add_peer``/``write_pages``. The buffer must
   be contiguous, ``buffer[0]`` must be exactly ``page_bytes`` bytes, and it must stay alive (and
@@ -167,34 +168,6 @@ class KVTransport(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-BACKENDS = ("nixl", "ucxx", "loopback")
-
-
-def create_transport(kind: str, name: str, cluster=None, **kwargs) -> KVTransport:
-    """The one transport factory: ``"nixl"`` -> ``NixlTransport``, ``"ucxx"`` -> ``UcxxTransport``,
-    ``"loopback"`` -> ``LoopbackTransport`` (one process only).
-
-    ``cluster`` (a ``configs.schema.ClusterConfig``, optional) supplies the backend's settings
-    from the config: for ucxx ``ucxx_error_handling`` and, as the write deadline, the peer lease
-    ``peer_timeout_s``. Explicit ``kwargs`` win over it."""
-    if kind == "nixl":
-        from transfer.nixl_transport import NixlTransport
-
-        return NixlTransport(name, **kwargs)
-    if kind == "ucxx":
-        from transfer.ucxx_transport import UcxxTransport
-
-        if cluster is not None:
-            kwargs.setdefault("error_handling", cluster.ucxx_error_handling)
-            kwargs.setdefault("write_timeout_s", cluster.peer_timeout_s)
-        return UcxxTransport(name, **kwargs)
-    if kind == "loopback":
-        from transfer.loopback import LoopbackTransport
-
-        return LoopbackTransport(name, **kwargs)
-    raise ValueError(f"unknown transport {kind!r} (expected one of {', '.join(BACKENDS)})")
 
 
 # ---- helpers shared by the backends ----------------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 import base64
 import importlib
 import logging
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -39,17 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfer.kv_transport import (
-    CompletedHandle,
-    KVTransport,
-    TransferHandle,
-    TransferState,
-    check_notif,
-    check_pages,
-    decode_metadata,
-    device_of,
-    encode_metadata,
-    pool_geometry,
+from transfer.kv_transport import CompletedHandle, TransferHandle
+from transfer.transport_base import (
+    PeerRecord,
+    PendingHandle,
+    RemoteTransportBase,
+    err_text,
+    peer_pool_size,
 )
 
 log = logging.getLogger(__name__)
@@ -72,10 +67,6 @@ def _nixl():
     raise RuntimeError("NIXL python API not importable (" + "; ".join(errors) + ")")
 
 
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 def _page_descs(base: int, page_bytes: int, num_pages: int, dev: int, form: str) -> np.ndarray:
     if form == "strided":
         return np.array([[base, page_bytes, dev, page_bytes, num_pages]], dtype=np.uint64)
@@ -87,66 +78,50 @@ def _page_descs(base: int, page_bytes: int, num_pages: int, dev: int, form: str)
 
 
 @dataclass
-class _Peer:
-    name: str
-    raw: bytes
-    num_pages: int
-    page_bytes: int
+class _Peer(PeerRecord):
+    """A peer loaded into the NIXL agent, with its prepared page descriptor list."""
+
     mem_type: str
     dlist: Any  # nixl_prepped_dlist_handle
 
 
-class NixlHandle(TransferHandle):
+class NixlHandle(PendingHandle):
     """A posted NIXL WRITE. ``poll`` progresses the agent's UCX worker."""
 
-    def __init__(self, transport: "NixlTransport", xfer, state: TransferState, error: str | None) -> None:
-        self._transport = transport
+    def __init__(self, transport: "NixlTransport", xfer) -> None:
+        super().__init__(transport)
         self._xfer = xfer
-        self._state: TransferState = state
-        self.error = error
 
-    def poll(self) -> TransferState:
-        if self._state != "pending":
-            return self._state
+    def _advance(self) -> None:
         t = self._transport
-        with t._lock:
-            if self._state != "pending":
-                return self._state
-            if t._closed or self._xfer is None:
-                self._fail("transport closed before the write completed")
-                return self._state
-            try:
-                status = t._agent.check_xfer_state(self._xfer)
-            except Exception as e:  # nixlRemoteDisconnectError and friends
-                self._fail(_err(e))
-                return self._state
-            if status == "DONE":
-                self._state = "done"
-            elif status == "ERR":
-                self._fail("NIXL reported the transfer failed")
-        return self._state
+        if self._xfer is None:
+            self._fail("transport closed before the write completed")
+            return
+        try:
+            status = t._agent.check_xfer_state(self._xfer)
+        except Exception as e:  # nixlRemoteDisconnectError and friends
+            self._fail(err_text(e))
+            return
+        if status == "DONE":
+            self._state = "done"
+        elif status == "ERR":
+            self._fail("NIXL reported the transfer failed")
 
-    def _fail(self, why: str) -> None:
-        self._state = "error"
-        self.error = why
+    def _on_fail(self) -> None:
         self._transport._saw_error = True
 
-    def release(self) -> None:
-        t = self._transport
-        with t._lock:
-            xfer, self._xfer = self._xfer, None
-            if xfer is None:
-                return
-            if self._state == "pending":
-                self._fail("released before completion")
-            t._handles.discard(self)
-            try:
-                xfer.release()  # NIXL cancels a pending transfer; may refuse (then it is leaked to the agent)
-            except Exception as e:
-                log.warning("releasing NIXL transfer handle failed: %s", _err(e))
+    def _release_resources(self) -> None:
+        xfer, self._xfer = self._xfer, None
+        if xfer is None:
+            return
+        self._transport._handles.discard(self)
+        try:
+            xfer.release()  # NIXL cancels a pending transfer; may refuse (then it is leaked to the agent)
+        except Exception as e:
+            log.warning("releasing NIXL transfer handle failed: %s", err_text(e))
 
 
-class NixlTransport(KVTransport):
+class NixlTransport(RemoteTransportBase):
     """NIXL/UCX implementation of ``KVTransport`` (DRAM or VRAM pools)."""
 
     backend = "nixl"
@@ -158,19 +133,10 @@ class NixlTransport(KVTransport):
             raise ValueError(f"dlist_form must be 'list' or 'strided', got {dlist_form!r}")
         nixl = _nixl()
         self._dlist_form = dlist_form
-        self._lock = threading.RLock()
-        self._closed = False
-        self._peers: dict[str, _Peer] = {}
         self._handles: "weakref.WeakSet[NixlHandle]" = weakref.WeakSet()
         self._saw_error = False
-        self._buffer: torch.Tensor | None = None
         self._reg = None
         self._local_dlist = None
-        self._mem_type = ""
-        self._dev = 0
-        self._base = 0
-        self._page_bytes = 0
-        self._num_pages = 0
         config = nixl.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                         backends=[], capture_telemetry=capture_telemetry)
         self._agent = nixl.nixl_agent(name, config)
@@ -180,147 +146,94 @@ class NixlTransport(KVTransport):
                                            "num_workers": str(int(num_workers))})
 
     # ---- setup --------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"transport {self.name!r} is closed")
-
     @property
     def agent(self):
         """The underlying ``nixl_agent`` (for telemetry/diagnostics; hold no long references)."""
         return self._agent
 
-    def register_pool(self, buffer: torch.Tensor, page_bytes: int) -> None:
-        with self._lock:
-            self._check_open()
-            if self._buffer is not None:
-                raise RuntimeError(f"transport {self.name!r} already has a registered pool")
-            num_pages, length = pool_geometry(buffer, page_bytes)
-            mem_type, dev = device_of(buffer)
-            base = buffer.data_ptr()
-            reg = self._agent.register_memory([(base, length, dev, "")], mem_type)
-            try:
-                local = self._agent.prep_xfer_dlist(
-                    "NIXL_INIT_AGENT", _page_descs(base, int(page_bytes), num_pages, dev, self._dlist_form),
-                    mem_type)
-            except Exception:
-                self._agent.deregister_memory(reg)
-                raise
-            self._buffer, self._reg, self._local_dlist = buffer, reg, local
-            self._mem_type, self._dev, self._base = mem_type, dev, base
-            self._page_bytes, self._num_pages = int(page_bytes), num_pages
+    def _register(self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int,
+                  mem_type: str, dev: int) -> None:
+        base = buffer.data_ptr()
+        reg = self._agent.register_memory([(base, length, dev, "")], mem_type)
+        try:
+            local = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", _page_descs(base, page_bytes, num_pages, dev, self._dlist_form), mem_type)
+        except Exception:
+            self._agent.deregister_memory(reg)
+            raise
+        self._reg, self._local_dlist = reg, local
 
-    def local_metadata(self) -> bytes:
-        with self._lock:
-            self._check_open()
-            if self._buffer is None:
-                raise RuntimeError("register_pool before local_metadata")
-            blob = self._agent.get_agent_metadata()
-            return encode_metadata({
-                "backend": self.backend, "name": self.name, "mem_type": self._mem_type,
-                "device": self._dev, "base": self._base, "length": self._num_pages * self._page_bytes,
-                "page_bytes": self._page_bytes, "num_pages": self._num_pages,
-                "nixl_md": base64.b64encode(bytes(blob)).decode("ascii"),
-            })
+    def _metadata_extra(self) -> dict:
+        blob = self._agent.get_agent_metadata()
+        return {"nixl_md": base64.b64encode(bytes(blob)).decode("ascii")}
 
-    def add_peer(self, peer_metadata: bytes) -> str:
-        raw = bytes(peer_metadata)
-        md = decode_metadata(raw, self.backend)
-        name = str(md["name"])
+    def _parse_peer(self, name: str, md: dict) -> tuple[int, int, bytes]:
         for key in ("mem_type", "device", "base", "nixl_md"):
             if key not in md:
                 raise ValueError(f"peer metadata lacks {key!r}")
         if md["mem_type"] not in ("DRAM", "VRAM"):
             raise ValueError(f"peer {name!r} has unsupported memory type {md['mem_type']!r}")
-        page_bytes, num_pages = int(md["page_bytes"]), int(md["num_pages"])
-        if page_bytes <= 0 or num_pages <= 0:
-            raise ValueError(f"peer {name!r} has an empty pool ({num_pages} pages of {page_bytes} bytes)")
+        page_bytes, num_pages = peer_pool_size(name, md)
         try:
             nixl_md = base64.b64decode(md["nixl_md"], validate=True)
         except (ValueError, TypeError) as e:
             raise ValueError(f"peer {name!r} metadata: bad nixl_md ({e})") from None
-        with self._lock:
-            self._check_open()
-            if name == self.name:
-                raise ValueError(f"peer metadata is this transport's own ({name!r})")
-            if self._buffer is not None and page_bytes != self._page_bytes:
-                raise ValueError(f"peer {name!r} has page_bytes={page_bytes}, "
-                                 f"local pool has {self._page_bytes}")
-            old = self._peers.get(name)
-            if old is not None:
-                if old.raw == raw:
-                    return name
-                self._drop_peer(old)  # the peer restarted: new memory, new connection
-            loaded = self._agent.add_remote_agent(nixl_md)
-            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if loaded != name:
-                self._agent.remove_remote_agent(loaded)
-                raise ValueError(f"peer metadata names {name!r} but its NIXL blob is agent {loaded!r}")
-            try:
-                dlist = self._agent.prep_xfer_dlist(
-                    name, _page_descs(int(md["base"]), page_bytes, num_pages, int(md["device"]),
-                                      self._dlist_form), md["mem_type"])
-            except Exception:
-                self._agent.remove_remote_agent(name)
-                raise
-            self._peers[name] = _Peer(name, raw, num_pages, page_bytes, md["mem_type"], dlist)
-            return name
+        return page_bytes, num_pages, nixl_md
 
-    def _drop_peer(self, peer: _Peer) -> None:
+    def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int,
+                      blob: bytes) -> _Peer:
+        loaded = self._agent.add_remote_agent(blob)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            self._agent.remove_remote_agent(loaded)
+            raise ValueError(f"peer metadata names {name!r} but its NIXL blob is agent {loaded!r}")
+        try:
+            dlist = self._agent.prep_xfer_dlist(
+                name, _page_descs(int(md["base"]), page_bytes, num_pages, int(md["device"]),
+                                  self._dlist_form), md["mem_type"])
+        except Exception:
+            self._agent.remove_remote_agent(name)
+            raise
+        return _Peer(name, raw, num_pages, page_bytes, md["mem_type"], dlist)
+
+    def _drop_peer(self, peer: _Peer, why: str) -> None:
+        """Release the peer's descriptor list and remote agent; never raises. ``why`` is unused:
+        NIXL holds the state of the peer's pending writes, their ``poll`` asks it."""
         self._peers.pop(peer.name, None)
         for what, fn in (("descriptor list", peer.dlist.release),
                          ("remote agent", lambda: self._agent.remove_remote_agent(peer.name))):
             try:
                 fn()
             except Exception as e:
-                log.warning("dropping peer %r: releasing %s failed: %s", peer.name, what, _err(e))
-
-    def remove_peer(self, name: str) -> None:
-        with self._lock:
-            peer = self._peers.get(name)
-            if peer is not None and not self._closed:
-                self._drop_peer(peer)
-
-    def peers(self) -> list[str]:
-        with self._lock:
-            return list(self._peers)
+                log.warning("dropping peer %r: releasing %s failed: %s", peer.name, what, err_text(e))
 
     # ---- data path ----------------------------------------------------------------------------
-    def write_pages(self, peer: str, src_pages: np.ndarray, dst_pages: np.ndarray,
-                    notif: bytes) -> TransferHandle:
-        notif = check_notif(notif)
-        with self._lock:
-            self._check_open()
-            if self._local_dlist is None:
-                raise RuntimeError("register_pool before write_pages")
-            p = self._peers.get(peer)
-            if p is None:
-                raise ValueError(f"unknown peer {peer!r} (known: {sorted(self._peers)})")
-            src, dst = check_pages(src_pages, dst_pages, self._num_pages, p.num_pages, peer)
-            if src.size == 0:
-                try:
-                    self._agent.send_notif(peer, notif)
-                except Exception as e:
-                    self._saw_error = True
-                    return CompletedHandle(error=_err(e))
-                return CompletedHandle()
+    def _write(self, peer: _Peer, src: np.ndarray, dst: np.ndarray, notif: bytes) -> TransferHandle:
+        if src.size == 0:
             try:
-                xfer = self._agent.make_prepped_xfer("WRITE", self._local_dlist, src, p.dlist, dst,
-                                                     notif_msg=notif)
+                self._agent.send_notif(peer.name, notif)
             except Exception as e:
                 self._saw_error = True
-                return CompletedHandle(error=_err(e))
-            handle = NixlHandle(self, xfer, "pending", None)
-            self._handles.add(handle)
-            try:
-                status = self._agent.transfer(xfer)  # blocks for a host-memory copy, GIL released
-            except Exception as e:
-                handle._fail(_err(e))
-                return handle
-            if status == "DONE":
-                handle._state = "done"
-            elif status == "ERR":
-                handle._fail("NIXL failed to post the transfer")
+                return CompletedHandle(error=err_text(e))
+            return CompletedHandle()
+        try:
+            xfer = self._agent.make_prepped_xfer("WRITE", self._local_dlist, src, peer.dlist, dst,
+                                                 notif_msg=notif)
+        except Exception as e:
+            self._saw_error = True
+            return CompletedHandle(error=err_text(e))
+        handle = NixlHandle(self, xfer)
+        self._handles.add(handle)
+        try:
+            status = self._agent.transfer(xfer)  # blocks for a host-memory copy, GIL released
+        except Exception as e:
+            handle._fail(err_text(e))
             return handle
+        if status == "DONE":
+            handle._state = "done"
+        elif status == "ERR":
+            handle._fail("NIXL failed to post the transfer")
+        return handle
 
     def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -328,42 +241,36 @@ class NixlTransport(KVTransport):
             try:
                 self._agent.get_new_notifs()
             except Exception as e:
-                log.debug("progress while closing: %s", _err(e))
+                log.debug("progress while closing: %s", err_text(e))
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.002)
 
-    def poll_notifs(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            self._check_open()
-            got = self._agent.get_new_notifs()
+    def _take_notifs(self) -> list[tuple[str, bytes]]:
+        got = self._agent.get_new_notifs()
         out: list[tuple[str, bytes]] = []
         for sender, msgs in got.items():
             sender = sender.decode() if isinstance(sender, bytes) else str(sender)
             out.extend((sender, bytes(m)) for m in msgs)
         return out
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            for h in list(self._handles):
-                h.release()
-            for p in list(self._peers.values()):
-                self._drop_peer(p)
-            # Let UCX finish purging endpoints: destroying the worker right after a peer failed
-            # (requests still queued on the dead endpoint) trips a UCX assertion (abort).
-            self._drain(0.2 if self._saw_error else 0.02)
-            if self._local_dlist is not None:
-                try:
-                    self._local_dlist.release()
-                except Exception as e:
-                    log.warning("releasing local descriptor list failed: %s", _err(e))
-            if self._reg is not None:
-                try:
-                    self._agent.deregister_memory(self._reg)
-                except Exception as e:
-                    log.warning("deregistering the pool failed: %s", _err(e))
-            self._closed = True
-            self._local_dlist = self._reg = self._buffer = None
-            self._agent = None  # the C++ agent goes away with the last reference
+    def _teardown(self) -> None:
+        for h in list(self._handles):
+            h.release()
+        for p in list(self._peers.values()):
+            self._drop_peer(p, "transport closed before the write completed")
+        # Let UCX finish purging endpoints: destroying the worker right after a peer failed
+        # (requests still queued on the dead endpoint) trips a UCX assertion (abort).
+        self._drain(0.2 if self._saw_error else 0.02)
+        if self._local_dlist is not None:
+            try:
+                self._local_dlist.release()
+            except Exception as e:
+                log.warning("releasing local descriptor list failed: %s", err_text(e))
+        if self._reg is not None:
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception as e:
+                log.warning("deregistering the pool failed: %s", err_text(e))
+        self._local_dlist = self._reg = None
+        self._agent = None  # the C++ agent goes away with the last reference

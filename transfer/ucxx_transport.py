@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import logging
 import secrets
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -42,8 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from transfer.kv_transport import (CompletedHandle, KVTransport, TransferHandle, TransferState, check_notif,
-                                   check_pages, decode_metadata, device_of, encode_metadata, pool_geometry)
+from transfer.kv_transport import CompletedHandle, TransferHandle
+from transfer.transport_base import PeerRecord, PendingHandle, RemoteTransportBase, err_text, peer_pool_size
 from transfer.ucxx_inbox import Inbox, first_error
 from transfer.ucxx_wire import HEADER_TAG, MAX_PAGES_PER_WRITE, WriteHeader, pack_header, page_tag
 
@@ -63,10 +62,6 @@ def _ucxx():
     return ucx, Array
 
 
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 @dataclass(eq=False)
 class _Conn:
     """One endpoint to a peer. Its tags carry ``conn_id``; a reconnect gets a new one."""
@@ -79,63 +74,46 @@ class _Conn:
 
 
 @dataclass
-class _Peer:
-    name: str
-    raw: bytes
-    num_pages: int
-    page_bytes: int
+class _Peer(PeerRecord):
+    """A peer's UCX worker address and, once written to, its connection."""
+
     address: bytes
     conn: _Conn | None = None
 
 
-class UcxxHandle(TransferHandle):
+class UcxxHandle(PendingHandle):
     """The header and page sends of one write. ``poll`` progresses the worker."""
 
     def __init__(self, transport: "UcxxTransport", conn: _Conn, reqs: list, header: np.ndarray,
                  deadline: float) -> None:
-        self._t, self._conn, self._reqs, self._header = transport, conn, reqs, header
+        super().__init__(transport)
+        self._conn, self._reqs, self._header = conn, reqs, header
         self._deadline = deadline
-        self._state: TransferState = "pending"
-        self.error = None
 
-    def poll(self) -> TransferState:
-        if self._state != "pending":
-            return self._state
-        t = self._t
-        with t._lock:
-            if self._state != "pending":
-                return self._state
-            if t._closed:
-                self._fail("transport closed before the write completed")
-                return self._state
-            t._progress()
-            if all(r.completed for r in self._reqs):
-                error = first_error(self._reqs)
-                if error is None:
-                    self._state = "done"
-                    self._conn.handles.discard(self)
-                else:
-                    t._abort_conn(self._conn, f"UCX reported the write failed: {error}")
-            elif time.monotonic() >= self._deadline:
-                t._abort_conn(self._conn, f"no completion within write_timeout_s={t.write_timeout_s:g}s "
-                                          "(peer dead, or alive but not polling): connection aborted")
-        return self._state
+    def _advance(self) -> None:
+        t = self._transport
+        t._progress()
+        if all(r.completed for r in self._reqs):
+            error = first_error(self._reqs)
+            if error is None:
+                self._state = "done"
+                self._conn.handles.discard(self)
+            else:
+                t._abort_conn(self._conn, f"UCX reported the write failed: {error}")
+        elif time.monotonic() >= self._deadline:
+            t._abort_conn(self._conn, f"no completion within write_timeout_s={t.write_timeout_s:g}s "
+                                      "(peer dead, or alive but not polling): connection aborted")
 
-    def _fail(self, why: str) -> None:
-        if self._state == "pending":
-            self._state, self.error = "error", why
-            self._conn.keep.extend((self._reqs, self._header))  # UCX may still hold the buffers
+    def _on_fail(self) -> None:
+        self._conn.keep.extend((self._reqs, self._header))  # UCX may still hold the buffers
 
-    def release(self) -> None:
+    def _release_resources(self) -> None:
         """A pending write cannot be cancelled on its own in ucxx: it is reported failed and runs
         out (or is aborted with its connection at the deadline / on ``close``)."""
-        with self._t._lock:
-            if self._state == "pending":
-                self._fail("released before completion")
-            self._conn.handles.discard(self)
+        self._conn.handles.discard(self)
 
 
-class UcxxTransport(KVTransport):
+class UcxxTransport(RemoteTransportBase):
     """ucxx implementation of ``KVTransport`` for host-memory pools."""
 
     backend = "ucxx"
@@ -150,88 +128,43 @@ class UcxxTransport(KVTransport):
         self._ucx, self._array = _ucxx()
         self.error_handling = bool(error_handling)
         self.write_timeout_s = float(write_timeout_s)
-        self._lock = threading.RLock()
-        self._closed = False
-        self._peers: dict[str, _Peer] = {}
         self._dead: list[_Conn] = []
-        self._buffer: torch.Tensor | None = None
         self._pages: np.ndarray | None = None
         self._inbox: Inbox | None = None
-        self._page_bytes = self._num_pages = 0
         self._context = self._ucx.UCXContext(feature_flags=(self._ucx.Feature.TAG,))
         self._worker = self._ucx.UCXWorker(self._context)
 
     # ---- setup --------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"transport {self.name!r} is closed")
+    def _register(self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int,
+                  mem_type: str, dev: int) -> None:
+        if mem_type != "DRAM":
+            raise ValueError("the ucxx backend moves host-memory pools only; use --transfer-backend nixl "
+                             f"for a pool on {buffer.device}")
+        pages = buffer.view(-1).view(torch.uint8).numpy().reshape(num_pages, page_bytes)
+        self._inbox = Inbox(self._ucx, self._array, self._worker, pages)
+        self._pages = pages
 
-    def register_pool(self, buffer: torch.Tensor, page_bytes: int) -> None:
-        with self._lock:
-            self._check_open()
-            if self._buffer is not None:
-                raise RuntimeError(f"transport {self.name!r} already has a registered pool")
-            num_pages, _ = pool_geometry(buffer, page_bytes)
-            if device_of(buffer)[0] != "DRAM":
-                raise ValueError("the ucxx backend moves host-memory pools only; use --transfer-backend nixl "
-                                 f"for a pool on {buffer.device}")
-            self._pages = buffer.view(-1).view(torch.uint8).numpy().reshape(num_pages, int(page_bytes))
-            self._buffer, self._page_bytes, self._num_pages = buffer, int(page_bytes), num_pages
-            self._inbox = Inbox(self._ucx, self._array, self._worker, self._pages)
+    def _metadata_extra(self) -> dict:
+        address = self._worker.address.tobytes()
+        return {"error_handling": self.error_handling, "ucx_address": base64.b64encode(address).decode("ascii")}
 
-    def local_metadata(self) -> bytes:
-        with self._lock:
-            self._check_open()
-            if self._buffer is None:
-                raise RuntimeError("register_pool before local_metadata")
-            address = self._worker.address.tobytes()
-            return encode_metadata({
-                "backend": self.backend, "name": self.name, "mem_type": "DRAM", "device": 0,
-                "base": self._buffer.data_ptr(), "length": self._num_pages * self._page_bytes,
-                "page_bytes": self._page_bytes, "num_pages": self._num_pages,
-                "error_handling": self.error_handling,
-                "ucx_address": base64.b64encode(address).decode("ascii"),
-            })
-
-    def add_peer(self, peer_metadata: bytes) -> str:
-        raw = bytes(peer_metadata)
-        md = decode_metadata(raw, self.backend)
-        name = str(md["name"])
-        page_bytes, num_pages = int(md["page_bytes"]), int(md["num_pages"])
-        if page_bytes <= 0 or num_pages <= 0:
-            raise ValueError(f"peer {name!r} has an empty pool ({num_pages} pages of {page_bytes} bytes)")
+    def _parse_peer(self, name: str, md: dict) -> tuple[int, int, bytes]:
+        page_bytes, num_pages = peer_pool_size(name, md)
         try:
             address = base64.b64decode(md["ucx_address"], validate=True)
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"peer {name!r} metadata: missing or bad ucx_address ({e})") from None
-        with self._lock:
-            self._check_open()
-            if name == self.name:
-                raise ValueError(f"peer metadata is this transport's own ({name!r})")
-            if self._buffer is not None and page_bytes != self._page_bytes:
-                raise ValueError(f"peer {name!r} has page_bytes={page_bytes}, local pool has {self._page_bytes}")
-            old = self._peers.get(name)
-            if old is not None:
-                if old.raw == raw:
-                    return name
-                self._drop_peer(old, f"peer {name!r} restarted")
-            self._peers[name] = _Peer(name, raw, num_pages, page_bytes, address)
-            return name
+        return page_bytes, num_pages, address
+
+    def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int,
+                      blob: bytes) -> _Peer:
+        return _Peer(name, raw, num_pages, page_bytes, blob)  # connects on its first write
 
     def _drop_peer(self, peer: _Peer, why: str) -> None:
+        """Forget the peer and abort its connection: its pending writes fail with ``why``."""
         self._peers.pop(peer.name, None)
         if peer.conn is not None:
             self._abort_conn(peer.conn, why)
-
-    def remove_peer(self, name: str) -> None:
-        with self._lock:
-            peer = self._peers.get(name)
-            if peer is not None and not self._closed:
-                self._drop_peer(peer, f"peer {name!r} removed")
-
-    def peers(self) -> list[str]:
-        with self._lock:
-            return list(self._peers)
 
     # ---- connections --------------------------------------------------------------------------
     def _connect(self, peer: _Peer) -> _Conn:
@@ -257,7 +190,7 @@ class UcxxTransport(KVTransport):
             try:
                 conn.ep.close_blocking(period=_ABORT_PERIOD_NS, max_attempts=1)
             except Exception as e:  # noqa: BLE001 - the endpoint is already broken
-                log.debug("aborting a ucxx endpoint: %s", _err(e))
+                log.debug("aborting a ucxx endpoint: %s", err_text(e))
             self._dead.append(conn)  # its requests may still reference their buffers
             conn.ep = None
 
@@ -265,27 +198,17 @@ class UcxxTransport(KVTransport):
         try:
             self._worker.progress()
         except Exception as e:  # noqa: BLE001 - failures surface in the requests
-            log.debug("ucxx progress: %s", _err(e))
+            log.debug("ucxx progress: %s", err_text(e))
 
     # ---- data path ----------------------------------------------------------------------------
-    def write_pages(self, peer: str, src_pages: np.ndarray, dst_pages: np.ndarray,
-                    notif: bytes) -> TransferHandle:
-        notif = check_notif(notif)
-        with self._lock:
-            self._check_open()
-            if self._pages is None:
-                raise RuntimeError("register_pool before write_pages")
-            p = self._peers.get(peer)
-            if p is None:
-                raise ValueError(f"unknown peer {peer!r} (known: {sorted(self._peers)})")
-            src, dst = check_pages(src_pages, dst_pages, self._num_pages, p.num_pages, peer)
-            if src.size > MAX_PAGES_PER_WRITE:
-                raise ValueError(f"a ucxx write carries at most {MAX_PAGES_PER_WRITE} pages, got {src.size}")
-            try:
-                conn = self._connect(p)
-            except Exception as e:  # noqa: BLE001 - reported through the handle, never raised
-                return CompletedHandle(error=f"could not connect to {peer!r}: {_err(e)}")
-            return self._post(conn, src, dst, notif)
+    def _write(self, peer: _Peer, src: np.ndarray, dst: np.ndarray, notif: bytes) -> TransferHandle:
+        if src.size > MAX_PAGES_PER_WRITE:
+            raise ValueError(f"a ucxx write carries at most {MAX_PAGES_PER_WRITE} pages, got {src.size}")
+        try:
+            conn = self._connect(peer)
+        except Exception as e:  # noqa: BLE001 - reported through the handle, never raised
+            return CompletedHandle(error=f"could not connect to {peer.name!r}: {err_text(e)}")
+        return self._post(conn, src, dst, notif)
 
     def _post(self, conn: _Conn, src: np.ndarray, dst: np.ndarray, notif: bytes) -> TransferHandle:
         u, seq = self._ucx, conn.seq
@@ -301,31 +224,24 @@ class UcxxTransport(KVTransport):
             for i, s in enumerate(src.tolist()):
                 reqs.append(conn.ep.tag_send(self._array(self._pages[s]), u.UCXXTag(page_tag(conn.conn_id, seq, i))))
         except Exception as e:  # noqa: BLE001 - a broken endpoint: fail this write, reconnect next time
-            self._abort_conn(conn, f"could not post the write: {_err(e)}")
+            self._abort_conn(conn, f"could not post the write: {err_text(e)}")
             return handle
         self._progress()
         return handle
 
-    def poll_notifs(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            self._check_open()
-            if self._inbox is None:
-                self._progress()
-                return []
-            return self._inbox.pump()
+    def _take_notifs(self) -> list[tuple[str, bytes]]:
+        if self._inbox is None:
+            self._progress()
+            return []
+        return self._inbox.pump()
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            for p in list(self._peers.values()):
-                self._drop_peer(p, "transport closed before the write completed")
-            try:
-                self._worker.cancel_inflight_requests()
-                self._worker.progress()
-            except Exception as e:  # noqa: BLE001
-                log.debug("cancelling ucxx requests on close: %s", _err(e))
-            self._closed = True
-            self._inbox = None
-            self._pages = self._buffer = None
-
+    def _teardown(self) -> None:
+        for p in list(self._peers.values()):
+            self._drop_peer(p, "transport closed before the write completed")
+        try:
+            self._worker.cancel_inflight_requests()
+            self._worker.progress()
+        except Exception as e:  # noqa: BLE001
+            log.debug("cancelling ucxx requests on close: %s", err_text(e))
+        self._inbox = None
+        self._pages = None

@@ -53,7 +53,7 @@ def build_colocated(cfg: PdserveConfig, runner, worker_id: str, model_name: str)
 
 def build_prefill(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from prefill_worker.scheduler import create_prefill_scheduler
-    from transfer.kv_transport import create_transport
+    from transfer.factory import create_transport
 
     transport = create_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
     return create_prefill_scheduler(runner, cfg, transport, worker_id, model_name)
@@ -61,7 +61,7 @@ def build_prefill(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
 
 def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from decode_worker.scheduler import create_decode_scheduler
-    from transfer.kv_transport import create_transport
+    from transfer.factory import create_transport
 
     transport = create_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
     return create_decode_scheduler(runner, cfg, transport, worker_id, model_name)

@@ -1,0 +1,37 @@
+"""The one KV transport factory: backend name -> transport object.
+
+It lives apart from ``transfer/kv_transport.py`` (the interface) so that the interface imports no
+backend and the backends import only the interface: ``kv_transport`` <- backends <- ``factory``.
+The backends are still imported lazily, so a process loads only the data plane it uses (NIXL and
+ucxx pull in native libraries).
+"""
+from __future__ import annotations
+
+from transfer.kv_transport import KVTransport
+
+BACKENDS = ("nixl", "ucxx", "loopback")
+
+
+def create_transport(kind: str, name: str, cluster=None, **kwargs) -> KVTransport:
+    """The one transport factory: ``"nixl"`` -> ``NixlTransport``, ``"ucxx"`` -> ``UcxxTransport``,
+    ``"loopback"`` -> ``LoopbackTransport`` (one process only).
+
+    ``cluster`` (a ``configs.schema.ClusterConfig``, optional) supplies the backend's settings
+    from the config: for ucxx ``ucxx_error_handling`` and, as the write deadline, the peer lease
+    ``peer_timeout_s``. Explicit ``kwargs`` win over it. An unknown ``kind`` raises ``ValueError``."""
+    if kind == "nixl":
+        from transfer.nixl_transport import NixlTransport
+
+        return NixlTransport(name, **kwargs)
+    if kind == "ucxx":
+        from transfer.ucxx_transport import UcxxTransport
+
+        if cluster is not None:
+            kwargs.setdefault("error_handling", cluster.ucxx_error_handling)
+            kwargs.setdefault("write_timeout_s", cluster.peer_timeout_s)
+        return UcxxTransport(name, **kwargs)
+    if kind == "loopback":
+        from transfer.loopback import LoopbackTransport
+
+        return LoopbackTransport(name, **kwargs)
+    raise ValueError(f"unknown transport {kind!r} (expected one of {', '.join(BACKENDS)})")
