@@ -119,7 +119,6 @@ def test_every_import_goes_down_the_declared_order():
     assert upward == []
 
 
-@pytest.mark.xfail(strict=True, reason="transfer.kv_transport <-> backends: being removed (issue 23, item 5)")
 def test_no_module_cycles():
     assert _cycles(GRAPH) == []
 
@@ -136,7 +135,7 @@ def test_cycle_finder_finds_a_cycle():
     assert layer_of("server.router.app") < layer_of("server.launch.cli") < layer_of("bench.cli")
 
 
-@pytest.mark.xfail(strict=True, reason="three test files over 400 lines: being split (issue 23, item 6)")
+@pytest.mark.xfail(strict=True, reason="two test files over 400 lines: being split (issue 23, item 6)")
 def test_files_and_classes_stay_small():
     too_long, too_wide = [], []
     for p in [*MODULES.values(), *(ROOT / "tests").rglob("*.py")]:
