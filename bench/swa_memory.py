@@ -5,7 +5,7 @@
 For each layout (``swa``: sliding layers in the SWA pool; ``full``: every layer in the full pool)
 the KV budget in bytes is turned into pools, and the decode worker's own admission code
 (``KVManager.reserve_prompt`` with the SWA tail from ``SWAWindow.prealloc_start`` and the decode
-reservation of ``prompt_growth``) admits ``prompt-len`` prompts until the pools are full. That
+reservation of ``PageBudget.prompt_growth``) admits ``prompt-len`` prompts until the pools are full. That
 gives the maximum number of concurrent requests and the KV bytes each one holds; no forward pass
 is needed for it (the accounting is the one the worker runs). ``--run N`` also serves N requests
 through the colocated engine with the real model in each layout and reports the peak number of
@@ -22,7 +22,7 @@ import dataclasses
 import json
 import time
 
-from cache.kv_budget import prompt_growth
+from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.page_allocator import PageAllocator, ceil_div
 from cache.swa_window import SWAWindow
@@ -65,11 +65,11 @@ def admit_all(mc: ModelConfig, lay: Layout, prompt_len: int, output_len: int, pa
     swa = lay.swa_pages > 0
     kv = KVManager(PageAllocator(lay.full_pages), page, False,
                    PageAllocator(lay.swa_pages) if swa else None, SWAWindow(mc.sliding_window, page) if swa else None)
-    handles = []
+    handles, growth = [], PageBudget(kv).prompt_growth(prompt_len, output_len)
     while True:
         ids = list(range(len(handles) * prompt_len, (len(handles) + 1) * prompt_len))
         start = kv.window.prealloc_start(prompt_len, radix=False) if swa else 0
-        got = kv.reserve_prompt(ids, prompt_len, prompt_growth(kv, prompt_len, output_len), kv.available(), start)
+        got = kv.reserve_prompt(ids, prompt_len, growth, kv.available(), start)
         if got is None:
             break
         handles.append(got[0])

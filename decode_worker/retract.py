@@ -21,12 +21,11 @@ import numpy as np
 import torch
 
 from cache.host_pool import HostKVPool
+from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.kv_pools import KVPools
-from cache.page_count import PageCount
 from decode_worker.jobs import DecodeJob
 from engine.request import Phase, Request
-from engine.scheduler.decode_memory import decode_pages_needed
 from engine.scheduler.stats import Histogram
 
 RETRACT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -54,6 +53,7 @@ class RetractManager:
                  gather: Callable | None = None, costs: RetractCosts | None = None) -> None:
         """``gather(buffer, rows)``: the row gather used to offload from a CUDA pool."""
         self.kv = kv
+        self.budget = PageBudget(kv)
         self.pools = pools
         self.device_buffer = device_buffer = pools.units
         self.host = host
@@ -67,11 +67,11 @@ class RetractManager:
 
     def _rows(self, req: Request) -> tuple[np.ndarray, list[int]]:
         """The unit rows holding ``req``'s KV that a resume needs, and its SWA logical pages."""
-        n_pages = self.kv.pages_for(req.kv_len)
+        n_pages = self.budget.pages_for(req.kv_len)
         swa = req.kv.swa_pages
         if swa is None:
             return self.pools.unit_rows(req.kv.pages[:n_pages]), []
-        keep = self.kv.window.keep_start(req.kv_len) // self.kv.page_size
+        keep = self.budget.window_first_page(req.kv_len)
         index = [j for j in range(keep, min(n_pages, len(swa))) if swa[j] >= 0]
         return self.pools.unit_rows(req.kv.pages[:n_pages], [swa[j] for j in index]), index
 
@@ -109,11 +109,9 @@ class RetractManager:
         resumed: list[DecodeJob] = []
         while self.queue:
             job = self.queue[0]
-            reserve = decode_pages_needed(self.kv, running + [j.req for j in resumed], retract_steps)
-            # capped at the pool: a request parked with a shorter reserve still comes back, alone
-            need = PageCount(min(self.kv.pages_for(job.req.kv_len + retract_steps), self.kv.allocator.num_pages),
-                             len(job.host_kv.swa_index))
-            if not (self.kv.available() - reserve).covers(need) or not self._load(job):
+            need = self.budget.resume_need(job.req.kv_len, retract_steps, len(job.host_kv.swa_index))
+            beside = running + [j.req for j in resumed]
+            if not self.budget.fits_beside(beside, retract_steps, need) or not self._load(job):
                 break
             resumed.append(self.queue.popleft())
         return resumed
@@ -124,7 +122,7 @@ class RetractManager:
         swa_index = job.host_kv.swa_index
         if not self.kv.restore(req.kv, req.kv_len, swa_index):
             return False
-        n_pages = self.kv.pages_for(req.kv_len)
+        n_pages = self.budget.pages_for(req.kv_len)
         rows = self.pools.unit_rows(req.kv.pages[:n_pages], [req.kv.swa_pages[j] for j in swa_index])
         self.host.load(self.device_buffer, job.host_kv, rows.tolist())
         job.host_kv = None

@@ -24,7 +24,6 @@ from engine.kernels import gather_pages
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplerState
-from engine.scheduler.admission import running_reservation_pages
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
@@ -53,7 +52,7 @@ class DecodeScheduler(WorkerScheduler):
             raise RequestRejected("a decode worker needs room and prefill_addr (PD mode)")
         if msg.rid in self.jobs:
             raise RequestRejected(f"duplicate request id {msg.rid!r}")
-        tail = len(prompt) - self.kv.window.prealloc_start(len(prompt), self.kv.tree is not None) if self.kv.has_swa else 0
+        tail = len(prompt) - self.budget.prealloc_start(len(prompt)) if self.kv.has_swa else 0
         self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool", swa_tokens=tail)
         vocab = self.runner.model_config.vocab_size
         req = Request(msg.rid, list(prompt), msg.params, SamplerState.new(msg.params, vocab, prompt), owner=owner)
@@ -179,7 +178,7 @@ class DecodeScheduler(WorkerScheduler):
     def _admit(self) -> Outbox:
         ratio = self.running.ratio.value
         in_flight = [*self.running, *(j.req for j in self.transfers.inflight.values())]
-        free = self.kv.available() - running_reservation_pages(self.kv, in_flight, ratio)
+        free = self.budget.headroom(in_flight, ratio)
         slots = self.cfg.scheduler.max_running_requests - len(in_flight)
         out, unusable = self.transfers.admit(self.peers, free, ratio, slots)
         for job in unusable:

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache.kv_budget import prompt_growth
+from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.page_count import PageCount
 from decode_worker.jobs import DecodeJob
 from decode_worker.manifest import manifest_error, parse_manifest
 from decode_worker.peers import PrefillPeers
 from engine.request import Phase
-from engine.scheduler.admission import admit_prompt, reserved_tokens
+from engine.scheduler.admission import admit_prompt
 from transfer.kv_transport import KVTransport
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import KVDestination, PrefillFailed, PrefillRequest, TransferManifest, ids_frame
@@ -46,6 +46,7 @@ class Landing:
 class TransferTracker:
     def __init__(self, kv: KVManager, transport: KVTransport, worker_id: str) -> None:
         self.kv = kv
+        self.budget = PageBudget(kv)
         self.transport = transport
         self.worker_id = worker_id
         self.prealloc: deque[DecodeJob] = deque()
@@ -91,10 +92,9 @@ class TransferTracker:
     def _reserve(self, job: DecodeJob, free: PageCount, ratio: float) -> PageCount | None:
         """Match the decode radix prefix and take the prompt's pages (for a sliding-window hybrid
         only the SWA tail, from ``SWAWindow.prealloc_start``); None if over budget."""
-        req, kv = job.req, self.kv
-        extra = prompt_growth(kv, job.n_tokens, req.seq_len + reserved_tokens(req, ratio) - job.n_tokens)
-        swa_from = kv.window.prealloc_start(job.n_tokens, kv.tree is not None) if kv.has_swa else 0
-        need = admit_prompt(kv, req, job.n_tokens, extra, free, swa_from)
+        req = job.req
+        extra = self.budget.prompt_reservation(req, ratio, job.n_tokens)
+        need = admit_prompt(self.kv, req, job.n_tokens, extra, free, self.budget.prealloc_start(job.n_tokens))
         if need is not None:
             job.decode_prefix_len = req.kv_len
         return need

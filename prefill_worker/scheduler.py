@@ -104,9 +104,8 @@ class PrefillScheduler(WorkerScheduler):
         req = Request(msg.rid, ids, msg.params, SamplerState.new(msg.params, vocab, ids), owner=source.ident)
         job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic())
         try:
-            self._check_fits(len(ids))
+            self.counting_rejections(lambda: self._check_fits(len(ids)))
         except RequestRejected as e:
-            self.stats.rejected_requests += 1
             return self.finish(job, Outcome.abort(str(e), 400))
         self.jobs[job.key], self.by_req[id(req)] = job, job
         self.waiting.append(req)
@@ -115,12 +114,10 @@ class PrefillScheduler(WorkerScheduler):
         return self._on_destination(early.source, early.msg, *early.pages) if early else Outbox()
 
     def _check_fits(self, n: int) -> None:
-        if n == 0:
-            raise RequestRejected("prompt is empty; send at least one token")
-        if n > self.runner.capacity_tokens:
-            raise RequestRejected(f"prompt ({n} tokens) exceeds the prefill worker's KV pool of "
-                                  f"{self.runner.capacity_tokens} tokens; start it with a larger --kv-pool-tokens")
-        self.check_swa_fits(self.prefill_swa_tokens(n, self.cfg.scheduler.chunked_prefill_size))
+        """``FitCheck.prompt``: the prompt alone (its decode tokens are the decode worker's) and the
+        SWA KV it holds at once while prefilled in chunks."""
+        swa_tokens = self.budget.prefill_swa_tokens(n, self.cfg.scheduler.chunked_prefill_size)
+        self.fit_check().prompt(n, self.budget.swa_pages_at_once(swa_tokens))
 
     def _on_destination(self, source: Conn, msg: KVDestination, pages: np.ndarray, swa: np.ndarray) -> Outbox:
         key = (msg.room, msg.generation)

@@ -8,12 +8,11 @@ Admitted requests get all the pages for their prompt at once, so chunked prefill
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cache.kv_budget import decode_growth, prompt_growth
+from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.page_count import PageCount
 from configs.scheduler import SchedulerConfig
@@ -31,20 +30,6 @@ class ExtendItem:
     @property
     def completes(self) -> bool:
         return self.req.kv_len + self.length == self.req.seq_len
-
-
-def reserved_tokens(req: Request, ratio: float) -> int:
-    """Future decode tokens admission keeps room for (SGLang: ``max_new_tokens * ratio``)."""
-    r = 1.0 if req.params.ignore_eos else ratio
-    return math.ceil(req.remaining_new_tokens() * r)
-
-
-def running_reservation_pages(kv: KVManager, running: Iterable[Request], ratio: float) -> PageCount:
-    """Pages the admitted requests may still take: up to ``seq_len + reserved_tokens`` each."""
-    total = PageCount()
-    for r in running:
-        total += decode_growth(kv, r.kv, r.seq_len, reserved_tokens(r, ratio))
-    return total
 
 
 def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra: PageCount, budget: PageCount,
@@ -71,6 +56,7 @@ class Admission:
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, stats: SchedulerStats, reserve_decode: bool = True) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.budget = PageBudget(kv)
         self.stats = stats  # cached_prompt_tokens: radix hits of first admissions (not recomputes)
         self.reserve_decode = reserve_decode
         self.chunked: Request | None = None
@@ -86,9 +72,7 @@ class Admission:
             self.chunked = None
             items.append(self._chunk(req, budget))
             budget -= items[-1].length
-        free_pages = self.kv.available()
-        if self.reserve_decode:
-            free_pages -= running_reservation_pages(self.kv, running, ratio)
+        free_pages = self.budget.headroom(running, ratio) if self.reserve_decode else self.kv.available()
         while waiting and budget > 0 and self.chunked is None:
             if len(running) + len(items) >= self.cfg.max_running_requests:
                 break
@@ -111,7 +95,7 @@ class Admission:
         """Pages beyond the prompt's that the request's future decode tokens are expected to take."""
         if not self.reserve_decode:
             return PageCount()
-        return prompt_growth(self.kv, req.seq_len, reserved_tokens(req, ratio))
+        return self.budget.prompt_reservation(req, ratio)
 
     def _chunk(self, req: Request, budget: int) -> ExtendItem:
         length = min(req.seq_len - req.kv_len, max(budget, 1))

@@ -9,29 +9,13 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cache.fit import SWA_POOL_EXCEEDED, FitCheck, RequestRejected  # schedulers import RequestRejected here
 from cache.handle import KVHandle
+from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from engine.scheduler.stats import Histogram, SchedulerStats
 from transfer.wire.outbox import Dest, Outbox
 from transfer.wire.protocol import GenerateRequest, Message, TokenDelta, WorkerStats
-
-
-class RequestRejected(ValueError):
-    """The request can never run on this worker (too long for the pool or the context)."""
-
-
-def check_fits(prompt_len: int, max_new_tokens: int, capacity: int, context: int, pool: str = "KV cache pool") -> None:
-    """Raise ``RequestRejected`` with the numbers if ``prompt + max_new_tokens`` can never run."""
-    total = prompt_len + max_new_tokens
-    if prompt_len == 0:
-        raise RequestRejected("prompt is empty; send at least one token")
-    if total > context:
-        raise RequestRejected(f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
-                              f"model context of {context} tokens; shorten the prompt or lower max_tokens")
-    if total > capacity:
-        raise RequestRejected(f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
-                              f"{pool} capacity of {capacity} tokens; lower max_tokens or start the worker with "
-                              f"a larger --kv-pool-tokens")
 
 
 @dataclass(frozen=True)
@@ -76,6 +60,7 @@ class WorkerScheduler(abc.ABC):
     def __init__(self, runner, kv: KVManager) -> None:
         self.runner = runner
         self.kv = kv
+        self.budget = PageBudget(kv)
         self.stats = SchedulerStats()
 
     @abc.abstractmethod
@@ -137,34 +122,27 @@ class WorkerScheduler(abc.ABC):
     def page_size(self) -> int:
         return self.runner.page_size
 
+    def fit_check(self, pool: str = "KV cache pool") -> FitCheck:
+        """The fit check against this worker's pool (named ``pool`` in messages), context and SWA pool."""
+        return FitCheck(self.capacity_tokens, self.max_model_len, pool, swa_pool_pages=self.budget.swa_pool_pages,
+                        page_size=self.kv.page_size)
+
     def reject_if_unfit(self, prompt_len: int, max_new_tokens: int, pool: str = "KV cache pool",
                         swa_tokens: int | None = None) -> None:
-        """``check_fits`` against this worker's pool and context, and against its SWA pool for
-        ``swa_tokens`` (default: the whole prompt) of SWA KV at admission, counting refusals."""
+        """``FitCheck.request`` against this worker's pools and context, with ``swa_tokens``
+        (default: the whole prompt) of SWA KV at admission, counting refusals."""
+        swa_pages = self.budget.swa_pages_at_once(prompt_len if swa_tokens is None else swa_tokens)
+        self.counting_rejections(lambda: self.fit_check(pool).request(prompt_len, max_new_tokens, swa_pages))
+
+    def counting_rejections(self, check) -> None:
+        """Run ``check()``; count a ``RequestRejected`` it raises (and an SWA pool one apart) and re-raise."""
         try:
-            check_fits(prompt_len, max_new_tokens, self.capacity_tokens, self.max_model_len, pool)
-            self.check_swa_fits(prompt_len if swa_tokens is None else swa_tokens)
-        except RequestRejected:
+            check()
+        except RequestRejected as e:
             self.stats.rejected_requests += 1
+            if e.code == SWA_POOL_EXCEEDED:
+                self.stats.swa_rejections += 1
             raise
-
-    def prefill_swa_tokens(self, prompt_len: int, chunk: int) -> int:
-        """SWA KV a prompt holds at once while it is prefilled in chunks of ``chunk`` tokens: one
-        chunk plus the window before it."""
-        window = self.kv.window.max_pages() * self.kv.page_size if self.kv.has_swa else 0
-        return min(prompt_len, chunk + window)
-
-    def check_swa_fits(self, swa_tokens: int) -> None:
-        """Refuse a request whose SWA KV at admission (or its decode window) exceeds the SWA pool."""
-        kv = self.kv
-        if not kv.has_swa:
-            return
-        need, have = max(kv.pages_for(swa_tokens), kv.window.max_pages()), kv.swa_allocator.num_pages
-        if need > have:
-            self.stats.swa_rejections += 1
-            raise RequestRejected(f"this request needs {need} pages of the sliding-window KV pool at once, which "
-                                  f"has {have} ({have * kv.page_size} tokens); shorten the prompt or start the "
-                                  f"worker with a larger --swa-pool-tokens")
 
     def check_integrity(self) -> None:
         """Pool invariant (free + used + cached == total), radix locks, allocator consistency."""

@@ -41,7 +41,7 @@ class ColocatedScheduler(WorkerScheduler):
         if msg.rid in self.requests:
             raise RequestRejected(f"duplicate request id {msg.rid!r}")
         self.reject_if_unfit(len(prompt), msg.params.max_new_tokens,
-                             swa_tokens=self.prefill_swa_tokens(len(prompt), self.cfg.chunked_prefill_size))
+                             swa_tokens=self.budget.prefill_swa_tokens(len(prompt), self.cfg.chunked_prefill_size))
         vocab = self.runner.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cache.kv_budget import fits_alone
+from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
-from cache.page_count import PageCount
 from engine.request import Request
 
 OOM_ABORT_MESSAGE = (
@@ -21,23 +20,14 @@ OOM_ABORT_MESSAGE = (
 )
 
 
-def decode_pages_needed(kv: KVManager, reqs: list[Request], steps: int) -> PageCount:
-    """New pages (per pool) ``reqs`` need to decode ``steps`` more tokens each."""
-    total = PageCount()
-    for r in reqs:
-        total += kv.prompt_demand(r.kv, r.kv_len + steps)
-    return total
-
-
 def check_decode_mem(kv: KVManager, reqs: list[Request], steps: int = 1) -> bool:
     """True iff ``reqs`` can decode ``steps`` more tokens, after evicting the radix cache."""
-    need = decode_pages_needed(kv, reqs, steps)
-    return kv.make_free(need)
+    return kv.make_free(PageBudget(kv).decode_need(reqs, steps))
 
 
 def fits_empty_pool(kv: KVManager, req: Request, steps: int = 1) -> bool:
     """True iff ``req`` could decode ``steps`` more tokens with the whole pool to itself."""
-    return fits_alone(kv, req.kv_len + steps)
+    return PageBudget(kv).fits_alone(req.kv_len + steps)
 
 
 def victim_order(reqs: list[Request]) -> list[Request]:

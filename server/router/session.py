@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from cache.fit import FitCheck, RequestRejected
 from transfer.wire.protocol import TokenDelta
 from transfer.wire.sampling_params import SamplingParams
 from server.router.errors import APIError
@@ -29,19 +30,13 @@ from server.router.registry import NoWorkerAvailable, Registry, Route, send_requ
 from server.router.worker_client import WorkerUnavailable
 
 
-def check_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None:
-    """Raise a 400 ``APIError`` with the numbers if the request can never run on ``route``."""
-    total, ctx, cap = prompt_len + max_new_tokens, route.max_model_len, route.capacity_tokens
-    if prompt_len == 0:
-        raise APIError(400, "prompt is empty; send at least one token", param="prompt")
-    if total > ctx:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
-                            f"model context of {ctx} tokens; shorten the prompt or lower max_tokens",
-                       param="max_tokens", code="context_length_exceeded")
-    if total > cap:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
-                            f"KV cache pool capacity of {cap} tokens; lower max_tokens or start the server with "
-                            f"a larger --kv-pool-tokens", param="max_tokens", code="kv_pool_capacity_exceeded")
+def check_route_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None:
+    """``FitCheck.request`` against ``route``'s context and KV pool; a refusal is a 400 ``APIError``
+    with the same message and its ``param``/``code``."""
+    try:
+        FitCheck(route.capacity_tokens, route.max_model_len, restart="server").request(prompt_len, max_new_tokens)
+    except RequestRejected as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
 
 
 class GenerationSession:
@@ -83,7 +78,7 @@ class GenerationSession:
         if self.auto_max_tokens:
             room = min(self.route.max_model_len, self.route.capacity_tokens) - len(self.prompt_ids)
             self.params = self.params.model_copy(update={"max_new_tokens": max(room, 1)})
-        check_fits(len(self.prompt_ids), self.params.max_new_tokens, self.route)
+        check_route_fits(len(self.prompt_ids), self.params.max_new_tokens, self.route)
 
     def send(self) -> None:
         """Register in the in-flight table and send the request; raises ``APIError`` 503 on failure."""
@@ -148,7 +143,7 @@ class GenerationSession:
         if route is None:
             return False
         try:
-            check_fits(len(self.prompt_ids), self.params.max_new_tokens, route)
+            check_route_fits(len(self.prompt_ids), self.params.max_new_tokens, route)
         except APIError:
             return False
         self._leave(f"retried on another route: {failed.error}")
