@@ -29,12 +29,13 @@ from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerSche
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.timeline import Timeline
+from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed
 
 
 class DecodeScheduler(WorkerScheduler):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, runner: ModelRunner, cfg: PdserveConfig, kv: KVManager, transfers: TransferTracker,
                  retract: RetractManager, peers: PrefillPeers, eos_token_ids: tuple[int, ...]) -> None:
