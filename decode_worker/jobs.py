@@ -1,22 +1,75 @@
-"""Decode-side state of one PD request on top of the shared ``Request``."""
+"""Decode-side state of one PD request on top of the shared ``Request``: ``DecodeState`` and its
+checked transitions.
+
+::
+
+    QUEUED ------> AWAITING_KV ---> RUNNING ---> HOST_PARKED ---> RUNNING   (offload, resume)
+                        ^              |
+                        |              v
+                        +-------- RECOMPUTING                             (KV dropped; prefill again)
+
+    any state but FINISHED -> FINISHED (completion, abort, failure)
+
+Each state maps to the shared ``Phase`` of ``req.status`` (``PHASE_OF``), which ``enter`` keeps in
+step. Only the decode worker's lifecycle (``RetractManager``, ``TransferTracker``, the scheduler's
+``finish`` and landing) moves a job: moving it along an edge not in ``TRANSITIONS`` raises
+``IllegalTransition``. A migration of a host-parked job to another decode worker is one more edge
+out of HOST_PARKED (and one more ``RetractManager`` method that takes it).
+"""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from cache.host_pool import HostKV
-from engine.request import Request
+from engine.request import Phase, Request
 from engine.scheduler.base import Outcome
+
+
+class DecodeState(enum.StrEnum):
+    """Where a PD request is on the decode worker."""
+
+    QUEUED = "queued"              # arrived; waiting for pages before it asks for its KV
+    AWAITING_KV = "awaiting_kv"    # pages reserved, a prefill worker writes the KV into them
+    RUNNING = "running"            # in the decode batch
+    HOST_PARKED = "host_parked"    # retracted: KV in the host pool, waiting in the retracted queue to resume
+    RECOMPUTING = "recomputing"    # retracted: KV dropped, waiting for pages to have it prefilled again
+    FINISHED = "finished"          # ended; its pages are freed (or cached)
+
+
+TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
+    DecodeState.QUEUED: frozenset({DecodeState.AWAITING_KV}),
+    DecodeState.AWAITING_KV: frozenset({DecodeState.RUNNING}),
+    DecodeState.RUNNING: frozenset({DecodeState.HOST_PARKED, DecodeState.RECOMPUTING}),
+    DecodeState.HOST_PARKED: frozenset({DecodeState.RUNNING}),
+    DecodeState.RECOMPUTING: frozenset({DecodeState.AWAITING_KV}),
+    DecodeState.FINISHED: frozenset(),
+}
+
+PHASE_OF: dict[DecodeState, Phase] = {
+    DecodeState.QUEUED: Phase.PREALLOC, DecodeState.AWAITING_KV: Phase.TRANSFER, DecodeState.RUNNING: Phase.RUNNING,
+    DecodeState.HOST_PARKED: Phase.RETRACTED, DecodeState.RECOMPUTING: Phase.PREALLOC,
+    DecodeState.FINISHED: Phase.FINISHED,
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A decode job was moved along an edge its state machine does not have."""
+
+
+def can_move(src: DecodeState, dst: DecodeState) -> bool:
+    """Whether ``src -> dst`` is an edge: one of ``TRANSITIONS``, or to FINISHED from any live state."""
+    return dst in TRANSITIONS[src] or (dst is DecodeState.FINISHED and src is not DecodeState.FINISHED)
 
 
 @dataclass(eq=False)
 class DecodeJob:
-    """A PD request on the decode worker; its phase is ``req.status`` (PREALLOC -> TRANSFER ->
-    RUNNING <-> RETRACTED -> FINISHED).
+    """A PD request on the decode worker, in ``state`` (its ``req.status`` follows, ``PHASE_OF``).
 
     ``generation`` counts prefills of this request: 0 is the router's; each recompute after a
     retract whose KV could not be kept asks the prefill worker again with ``generation + 1`` for
     ``n_tokens = seq_len - 1`` tokens (prompt + output so far, minus the next input token).
-    ``answered`` is set once the client got its last word (an abort): a job still in TRANSFER
+    ``answered`` is set once the client got its last word (an abort): a job still in AWAITING_KV
     then keeps its pages (fenced since ``fenced_at``) until no remote write can land in them.
     """
 
@@ -29,7 +82,20 @@ class DecodeJob:
     host_kv: HostKV | None = None
     answered: Outcome | None = None
     fenced_at: float = 0.0
+    state: DecodeState = DecodeState.QUEUED
+
+    def __post_init__(self) -> None:
+        self.req.status = PHASE_OF[self.state]
 
     @property
     def key(self) -> tuple[int, int]:
         return self.room, self.generation
+
+    def enter(self, state: DecodeState) -> None:
+        """Move to ``state`` (and ``req.status`` to its phase); ``IllegalTransition`` if there is no
+        such edge. FINISHED leaves ``req.status`` to ``Request.finish`` (it records the reason)."""
+        if not can_move(self.state, state):
+            raise IllegalTransition(f"decode job {self.req.rid!r}: {self.state} -> {state}")
+        self.state = state
+        if state is not DecodeState.FINISHED:
+            self.req.status = PHASE_OF[state]

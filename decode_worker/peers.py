@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import KVHandshake, KVHandshakeAck, Message, WorkerStats
 
@@ -123,7 +124,7 @@ class PrefillPeers:
         """Why the worker answering at ``peer.addr`` is not a prefill worker of our cluster, or None.
         Logged once per peer: requests that depend on it then fail with this error."""
         mine = self.handshake.cluster_id
-        if stats.role == "prefill" and stats.cluster_id == mine:
+        if stats.role == Role.PREFILL and stats.cluster_id == mine:
             return None
         error = (f"the worker at {peer.addr} is {stats.worker_id} ({stats.role}) of cluster {stats.cluster_id!r}, "
                  f"not a prefill worker of this decode worker's ({self.handshake.worker_id}) cluster {mine!r}: "

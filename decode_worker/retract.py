@@ -9,6 +9,13 @@ stream that is synchronized before the pages are released, so they are never reu
 The job then waits in ``queue`` (the ``retracted_queue``); ``resume_ready`` brings jobs back, in
 order, as soon as their pages plus the running batch's reserve fit: fresh device pages, KV
 copied back, host pages freed, and the request rejoins the batch exactly where it was.
+
+``RetractManager`` is the decode side's one lifecycle past admission (``DecodeState``):
+``retract`` (a victim of the running batch) -> ``offload`` (RUNNING -> HOST_PARKED) or
+``recompute`` (RUNNING -> RECOMPUTING: generation + 1, back to the transfer tracker), and
+``resume_ready`` (HOST_PARKED -> RUNNING). A host-parked job holds all its state (``host_kv``,
+``generation``, the request): migrating it elsewhere is one more edge out of HOST_PARKED and one
+more method here.
 """
 from __future__ import annotations
 
@@ -24,8 +31,9 @@ from cache.host_pool import HostKVPool
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.kv_pools import KVPools
-from decode_worker.jobs import DecodeJob
-from engine.request import Phase, Request
+from decode_worker.jobs import DecodeJob, DecodeState
+from decode_worker.transfers import TransferTracker
+from engine.request import Release, Request
 from engine.scheduler.stats import Histogram
 
 RETRACT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -49,11 +57,15 @@ class RetractStats:
 
 
 class RetractManager:
-    def __init__(self, kv: KVManager, pools: KVPools, host: HostKVPool | None,
+    """Offload, recompute and resume of the decode worker's retracted jobs (module docstring)."""
+
+    def __init__(self, kv: KVManager, pools: KVPools, host: HostKVPool | None, transfers: TransferTracker,
                  gather: Callable | None = None, costs: RetractCosts | None = None) -> None:
-        """``gather(buffer, rows)``: the row gather used to offload from a CUDA pool."""
+        """``transfers``: where a recompute queues; ``gather(buffer, rows)``: the row gather used to
+        offload from a CUDA pool."""
         self.kv = kv
         self.budget = PageBudget(kv)
+        self.transfers = transfers
         self.pools = pools
         self.device_buffer = device_buffer = pools.units
         self.host = host
@@ -75,20 +87,30 @@ class RetractManager:
         index = [j for j in range(keep, min(n_pages, len(swa))) if swa[j] >= 0]
         return self.pools.unit_rows(req.kv.pages[:n_pages], [swa[j] for j in index]), index
 
-    def choose(self, req: Request) -> str:
-        """"offload" when the host pool has room and copying out and back beats recomputing."""
+    def choose(self, req: Request) -> Release:
+        """OFFLOAD when the host pool has room and copying out and back beats recomputing."""
         rows, _ = self._rows(req)
         if self.host is None or not self.host.can_hold(len(rows)):
-            return "recompute"
+            return Release.RECOMPUTE
         nbytes = len(rows) * self.host.page_bytes
         c = self.costs
         t_copy = 2 * nbytes / c.copy_bytes_per_s
         t_recompute = req.kv_len / c.prefill_tokens_per_s + nbytes / c.transfer_bytes_per_s
-        return "offload" if t_copy <= t_recompute else "recompute"
+        return Release.OFFLOAD if t_copy <= t_recompute else Release.RECOMPUTE
+
+    def retract(self, job: DecodeJob) -> Release:
+        """Take a victim of the running batch out of it: ``offload`` or ``recompute``, whichever
+        ``choose`` says; its device pages are free on return. Returns which one (for the log)."""
+        how = self.choose(job.req)
+        if how is Release.OFFLOAD:
+            self.offload(job)
+        else:
+            self.recompute(job)
+        return how
 
     def offload(self, job: DecodeJob) -> None:
-        """Copy the KV to the host pool, release the device pages (not into the radix cache) and
-        park the job in ``queue``."""
+        """RUNNING -> HOST_PARKED: copy the KV to the host pool, release the device pages (not into
+        the radix cache) and park the job in ``queue``."""
         req, t0 = job.req, time.perf_counter()
         rows, swa_index = self._rows(req)
         job.host_kv = self.host.offload(self.device_buffer, rows.tolist(), req.kv_len, self.stream, self.gather)
@@ -97,15 +119,30 @@ class RetractManager:
             self.stream.synchronize()  # device pages must not be reused before the copy lands
         self.kv.free(req.kv)
         req.retraction_count += 1
-        req.status = Phase.RETRACTED
+        job.enter(DecodeState.HOST_PARKED)
         self.queue.append(job)
         self.stats.offloaded += 1
         self.stats.offload_bytes += len(rows) * self.host.page_bytes
         self.offload_seconds.observe(time.perf_counter() - t0)
 
+    def recompute(self, job: DecodeJob) -> None:
+        """RUNNING -> RECOMPUTING: free the KV and have the prefill worker compute it again, as
+        prefill ``generation + 1`` of ``seq_len - 1`` tokens (all but the next input token). The job
+        goes first in the transfer tracker's queue, which sends the ``PrefillRequest`` (with its
+        ``KVDestination``) once its pages are reserved."""
+        req = job.req
+        self.kv.free(req.kv)
+        req.reset_for_retract()
+        job.enter(DecodeState.RECOMPUTING)
+        job.generation += 1
+        job.n_tokens = req.seq_len - 1
+        self.stats.recomputed += 1
+        self.transfers.queue_recompute(job)
+
     def resume_ready(self, running: list[Request], retract_steps: int) -> list[DecodeJob]:
-        """Bring back, in queue order, every job whose pages fit after the running batch's own
-        ``retract_steps``-step reserve; stop at the first that does not."""
+        """HOST_PARKED -> RUNNING: bring back, in queue order, every job whose pages fit after the
+        running batch's own ``retract_steps``-step reserve; stop at the first that does not. The
+        caller puts the returned jobs' requests into its running batch."""
         resumed: list[DecodeJob] = []
         while self.queue:
             job = self.queue[0]
@@ -126,6 +163,7 @@ class RetractManager:
         rows = self.pools.unit_rows(req.kv.pages[:n_pages], [req.kv.swa_pages[j] for j in swa_index])
         self.host.load(self.device_buffer, job.host_kv, rows.tolist())
         job.host_kv = None
+        job.enter(DecodeState.RUNNING)
         self.stats.resumed += 1
         self.resume_seconds.observe(time.perf_counter() - t0)
         return True

@@ -15,25 +15,26 @@ import time
 from cache.host_pool import HostKVPool
 from cache.kv_manager import KVManager
 from configs.schema import PdserveConfig
-from decode_worker.jobs import DecodeJob
+from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.peers import PrefillPeers, make_handshake
 from decode_worker.retract import RetractManager
 from decode_worker.stats import decode_snapshot
 from decode_worker.transfers import Landing, TransferTracker
 from engine.kernels import gather_pages
 from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.request import Release, Request
 from engine.sampling import SamplerState
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.timeline import Timeline
+from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed
 
 
 class DecodeScheduler(WorkerScheduler):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, runner: ModelRunner, cfg: PdserveConfig, kv: KVManager, transfers: TransferTracker,
                  retract: RetractManager, peers: PrefillPeers, eos_token_ids: tuple[int, ...]) -> None:
@@ -89,6 +90,7 @@ class DecodeScheduler(WorkerScheduler):
             self.stats.finished_requests += 1
         else:
             self.kv.free(req.kv)
+        job.enter(DecodeState.FINISHED)
         req.finish(job.answered.reason)
         self.timeline.done(req)
         self.jobs.pop(req.rid, None)
@@ -158,6 +160,7 @@ class DecodeScheduler(WorkerScheduler):
         if landing.error:
             self.transfer_failures += 1
             return self.finish(job, Outcome.abort(f"KV transfer rejected: {landing.error}", 500))
+        job.enter(DecodeState.RUNNING)
         req.kv_len = job.n_tokens
         self.kv.drop_swa(req.kv, landing.manifest.swa_missing)
         req.mark("landed")
@@ -196,19 +199,9 @@ class DecodeScheduler(WorkerScheduler):
             out.extend(self.finish(self.jobs[req.rid], Outcome(req.finish_reason)))
         return out
 
-    def _release_victim(self, req: Request) -> str:
+    def _release_victim(self, req: Request) -> Release:
         """Offload the victim's KV to the host pool, or free it and queue a recompute."""
-        job, how = self.jobs[req.rid], self.retract.choose(req)
-        if how == "offload":
-            self.retract.offload(job)
-            return how
-        self.kv.free(req.kv)
-        req.reset_for_retract()
-        job.generation += 1
-        job.n_tokens = req.seq_len - 1
-        self.retract.stats.recomputed += 1
-        self.transfers.queue(job, front=True)
-        return how
+        return self.retract.retract(self.jobs[req.rid])
 
     def live_handles(self):
         return [j.req.kv for j in self.jobs.values()]
@@ -233,6 +226,7 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
         host = HostKVPool.for_device_pool(runner.pools.units, int(cfg.cluster.host_kv_pool_gb * 2**30))
     hs = make_handshake(worker_id, model_name, runner.pools, transport, cfg.cluster.cluster_id or "")
     peers = PrefillPeers(hs, cfg.cluster.peer_timeout_s, cfg.cluster.progress_timeout_s)
-    retract = RetractManager(kv, runner.pools, host, gather_pages)
+    transfers = TransferTracker(kv, transport, worker_id)
+    retract = RetractManager(kv, runner.pools, host, transfers, gather_pages)
     eos = tuple(runner.model_config.eos_token_ids) if eos_token_ids is None else eos_token_ids
-    return DecodeScheduler(runner, cfg, kv, TransferTracker(kv, transport, worker_id), retract, peers, eos)
+    return DecodeScheduler(runner, cfg, kv, transfers, retract, peers, eos)

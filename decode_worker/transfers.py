@@ -3,11 +3,12 @@ and the transfers in flight (pages reserved, KV being written by a prefill worke
 
 Admission (``admit``): prompt pages minus the decode radix prefix, plus ``max_new_tokens *
 new_token_ratio`` reserved, FCFS (the first request that does not fit stops admission); an
-admitted request gets its pages and a ``KVDestination`` goes to its prefill worker (with a
-``PrefillRequest`` first for a recompute). A transfer leaves the tracker when its completion
-notification lands (``landed``, manifest checked), when the prefill side reports ``PrefillFailed``
-(``failed``), or, for a fenced job whose client was already answered, when its prefill worker
-restarted or ``transfer_fence_s`` passed (``release_fences``): only then may its pages be reused.
+admitted request gets its pages (QUEUED or RECOMPUTING -> AWAITING_KV) and a ``KVDestination``
+goes to its prefill worker (with a ``PrefillRequest`` first for a recompute, ``prefill_request``).
+A transfer leaves the tracker when its completion notification lands (``landed``, manifest
+checked), when the prefill side reports ``PrefillFailed`` (``failed``), or, for a fenced job whose
+client was already answered, when its prefill worker restarted or ``transfer_fence_s`` passed
+(``release_fences``): only then may its pages be reused.
 """
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ import numpy as np
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.page_count import PageCount
-from decode_worker.jobs import DecodeJob
+from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.manifest import manifest_error, parse_manifest
 from decode_worker.peers import PrefillPeers
-from engine.request import Phase
 from engine.scheduler.admission import admit_prompt
 from transfer.kv_transport import KVTransport
 from transfer.wire.outbox import Outbox, Peer
@@ -43,7 +43,18 @@ class Landing:
     error: str | None = None
 
 
+def prefill_request(job: DecodeJob, decode_worker: str) -> tuple[PrefillRequest, bytes]:
+    """The ``PrefillRequest`` of a recompute and its token-ids frame: prefill ``job.generation``
+    of the first ``job.n_tokens`` tokens of the request (prompt and output so far)."""
+    req = job.req
+    msg = PrefillRequest(rid=req.rid, room=job.room, generation=job.generation, params=req.params,
+                         decode_worker=decode_worker)
+    return msg, ids_frame(req.all_ids[:job.n_tokens])
+
+
 class TransferTracker:
+    """The prealloc queue and the transfers in flight of a decode worker (module docstring)."""
+
     def __init__(self, kv: KVManager, transport: KVTransport, worker_id: str) -> None:
         self.kv = kv
         self.budget = PageBudget(kv)
@@ -52,9 +63,15 @@ class TransferTracker:
         self.prealloc: deque[DecodeJob] = deque()
         self.inflight: dict[tuple[int, int], DecodeJob] = {}
 
-    def queue(self, job: DecodeJob, front: bool = False) -> None:
-        job.req.status = Phase.PREALLOC
-        (self.prealloc.appendleft if front else self.prealloc.append)(job)
+    def queue(self, job: DecodeJob) -> None:
+        """A new (QUEUED) job waits, last in line, for its pages."""
+        self.prealloc.append(job)
+
+    def queue_recompute(self, job: DecodeJob) -> None:
+        """A RECOMPUTING job (``RetractManager.recompute``) waits, first in line, for its pages;
+        admission then sends its ``PrefillRequest`` before the ``KVDestination``."""
+        assert job.state is DecodeState.RECOMPUTING, job.state
+        self.prealloc.appendleft(job)
 
     def writing(self, job: DecodeJob) -> bool:
         """True while a remote write into ``job``'s pages may still land."""
@@ -101,12 +118,11 @@ class TransferTracker:
 
     def _request_kv(self, job: DecodeJob, out: Outbox) -> None:
         req, to = job.req, Peer(job.prefill_addr)
-        req.status = Phase.TRANSFER
+        job.enter(DecodeState.AWAITING_KV)
         req.mark("reserved")
         self.inflight[job.key] = job
         if job.generation > 0:
-            out.send(to, PrefillRequest(rid=req.rid, room=job.room, generation=job.generation, params=req.params,
-                                        decode_worker=self.worker_id), ids_frame(req.all_ids[:job.n_tokens]))
+            out.send(to, *prefill_request(job, self.worker_id))
         log.debug("destination for %s room %d: %d pages", req.rid, job.room, len(req.kv.pages))
         dest = KVDestination(rid=req.rid, room=job.room, generation=job.generation,
                              decode_prefix_len=job.decode_prefix_len, n_tokens=job.n_tokens)

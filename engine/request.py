@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 
 from cache.handle import KVHandle
 from engine.sampling import SamplerState
+from transfer.wire.enums import FinishReason
 from transfer.wire.sampling_params import SamplingParams
 
 
-class Phase(enum.Enum):
+class Phase(enum.StrEnum):
+    """Where a request is in its worker's lifecycle (module docstring)."""
+
     WAITING = "waiting"        # queued for (re-)prefill
     PREFILLING = "prefilling"  # admitted; part of its prompt may be computed (chunked prefill)
     PREALLOC = "prealloc"      # decode worker: waiting for pages before it asks for the KV
@@ -28,6 +31,15 @@ class Phase(enum.Enum):
     RUNNING = "running"        # in the decode batch
     RETRACTED = "retracted"    # decode worker: KV parked in the host pool, waiting to resume
     FINISHED = "finished"
+
+
+class Release(enum.StrEnum):
+    """How a retract victim's device pages were released (``RunningBatch.decode_step``'s
+    ``release_victim`` returns it for the log line)."""
+
+    DROP = "drop"            # colocated: KV freed, the request is prefilled again
+    OFFLOAD = "offload"      # decode worker: KV copied to the host pool, resumed later
+    RECOMPUTE = "recompute"  # decode worker: KV freed, a prefill worker computes it again
 
 
 @dataclass(eq=False)
@@ -50,7 +62,7 @@ class Request:
     status: Phase = Phase.WAITING
     kv: KVHandle = field(default_factory=KVHandle)
     kv_len: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     retraction_count: int = 0
     marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.monotonic()})
 
@@ -77,7 +89,7 @@ class Request:
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.status = Phase.FINISHED
         self.finish_reason = reason
 

@@ -29,6 +29,7 @@ from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.timeline import Timeline
 from prefill_worker.bootstrap import BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
+from transfer.wire.enums import Role
 from transfer.wire.outbox import Conn, Outbox
 from transfer.wire.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
                                PrefillRequest, TokenDelta, TransferManifest, frame_ids)
@@ -56,7 +57,7 @@ class PrefillJob:
 
 
 class PrefillScheduler(WorkerScheduler):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, runner: ModelRunner, cfg: PdserveConfig, sender: KVSender, model_name: str,
                  worker_id: str) -> None:

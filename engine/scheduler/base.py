@@ -14,6 +14,7 @@ from cache.handle import KVHandle
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from engine.scheduler.stats import Histogram, SchedulerStats
+from transfer.wire.enums import FinishReason, Role
 from transfer.wire.outbox import Dest, Outbox
 from transfer.wire.protocol import GenerateRequest, Message, TokenDelta, WorkerStats
 
@@ -23,17 +24,17 @@ class Outcome:
     """How a request ends: "stop"/"length" (completed: its KV may go to the radix cache) or
     "abort" with an error for the client and the HTTP status to answer with."""
 
-    reason: str
+    reason: FinishReason
     error: str | None = None
     status: int | None = None
 
     @classmethod
     def abort(cls, error: str, status: int) -> "Outcome":
-        return cls("abort", error, status)
+        return cls(FinishReason.ABORT, error, status)
 
     @property
     def completed(self) -> bool:
-        return self.reason != "abort"
+        return self.reason != FinishReason.ABORT
 
     def delta(self, rid: str) -> TokenDelta:
         """The closing delta of an abort (a completed request's last delta carries its last token)."""
@@ -55,7 +56,7 @@ class WorkerScheduler(abc.ABC):
     request that can never run; ``abort`` is idempotent; ``handle`` returns None for a message
     this role does not take (the loop logs it)."""
 
-    role: str
+    role: Role
 
     def __init__(self, runner, kv: KVManager) -> None:
         self.runner = runner

@@ -12,19 +12,20 @@ from collections import deque
 from cache.handle import KVHandle
 from configs.scheduler import SchedulerConfig
 from engine.model_runner import ModelRunner
-from engine.request import Phase, Request
+from engine.request import Phase, Release, Request
 from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.timeline import Timeline
+from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox
 from transfer.wire.protocol import GenerateRequest, Message, TokenDelta
 
 
 class ColocatedScheduler(WorkerScheduler):
-    role = "colocated"
+    role = Role.COLOCATED
 
     def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, eos_token_ids: tuple[int, ...]) -> None:
         super().__init__(runner, runner.make_kv_manager(cfg.enable_radix_cache))
@@ -113,9 +114,9 @@ class ColocatedScheduler(WorkerScheduler):
             self.finish(req, Outcome(req.finish_reason))
         return out
 
-    def _drop_victim(self, req: Request) -> str:
+    def _drop_victim(self, req: Request) -> Release:
         self.kv.free(req.kv)
-        return "drop"
+        return Release.DROP
 
     def _collect(self, results: list[tuple[Request, TokenDelta]]) -> Outbox:
         out = Outbox()

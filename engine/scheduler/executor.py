@@ -11,6 +11,7 @@ from engine.forward_batch import ForwardMode
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.request import Phase, Request
 from engine.sampling import Sampler
+from transfer.wire.enums import FinishReason
 from transfer.wire.protocol import TokenDelta
 from transfer.wire.sampling_params import check_stop
 from engine.scheduler.admission import ExtendItem
@@ -26,11 +27,11 @@ def token_delta(req: Request, tok: int, logprob: float | None, top: list | None,
                        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
     reason = check_stop(tok, req.params, eos, len(req.output_ids))
     if reason is None and req.seq_len >= max_model_len:
-        reason = "length"
+        reason = FinishReason.LENGTH
     if reason is not None:
         req.finish(reason)
         delta.finish_reason = reason
-        if reason == "stop":
+        if reason == FinishReason.STOP:
             delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
     return delta
 

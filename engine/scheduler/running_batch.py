@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cache.kv_manager import KVManager
 from configs.scheduler import SchedulerConfig
-from engine.request import Phase, Request
+from engine.request import Phase, Release, Request
 from engine.scheduler.base import Outcome
 from engine.scheduler.decode_memory import OOM_ABORT_MESSAGE, check_decode_mem, retract_decode
 from engine.scheduler.executor import BatchExecutor
@@ -24,7 +24,7 @@ from transfer.wire.protocol import TokenDelta
 
 log = logging.getLogger(__name__)
 
-ReleaseVictim = Callable[[Request], str]
+ReleaseVictim = Callable[[Request], Release]
 
 
 @dataclass
@@ -89,7 +89,7 @@ class RunningBatch:
 
     def _retract(self, forced: bool, release_victim: ReleaseVictim, res: DecodeResult, park_last: bool) -> None:
         before_ratio, before_free = self.ratio.value, self.kv.available_pages()
-        how: dict[str, str] = {}
+        how: dict[str, Release] = {}
 
         def release(req: Request) -> None:
             how[req.rid] = release_victim(req)

@@ -13,21 +13,23 @@ import logging
 from engine.request import Request
 from engine.scheduler.stats import PHASE_BUCKETS, Histogram
 
+from transfer.wire.enums import Role
+
 log = logging.getLogger(__name__)
 
 # role -> ((phase, from milestone, to milestone), ...)
-PHASES: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "colocated": (("queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
+PHASES: dict[Role, tuple[tuple[str, str, str], ...]] = {
+    Role.COLOCATED: (("queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
                   ("decode", "prefilled", "finished")),
-    "prefill": (("prefill_queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
+    Role.PREFILL: (("prefill_queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
                 ("bootstrap_wait", "prefilled", "write_start"), ("transfer", "write_start", "write_done")),
-    "decode": (("decode_queue", "arrived", "reserved"), ("kv_wait", "reserved", "landed"),
+    Role.DECODE: (("decode_queue", "arrived", "reserved"), ("kv_wait", "reserved", "landed"),
                ("first_token", "landed", "first_token"), ("decode", "first_token", "finished")),
 }
 
 
 class Timeline:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: Role) -> None:
         self.phases = PHASES[role]
         self.histograms = {f"phase_{name}": Histogram(PHASE_BUCKETS) for name, _, _ in self.phases}
 

@@ -12,6 +12,7 @@ import sys
 from configs.cli_flags import add_flags, collect
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
+from transfer.wire.enums import ALL_WORKER_ROLES
 
 
 def _generate_parser(sub) -> None:
@@ -75,7 +76,7 @@ def _worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run one worker process (multi-node deployments)",
                        description="One colocated, prefill or decode worker; a router started with "
                                    "'pdserve router --worker ROLE=ID=ADDR' drives it.")
-    p.add_argument("--role", choices=["colocated", "prefill", "decode"], required=True)
+    p.add_argument("--role", choices=[str(r) for r in ALL_WORKER_ROLES], required=True)
     p.add_argument("--worker-id", required=True)
     p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://0.0.0.0:29500")
     _config_flags(p)

@@ -17,6 +17,7 @@ from configs.cli_flags import collect
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from server.launch.args import load_config, parse_args
+from transfer.wire.enums import Role
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -61,10 +62,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve launch: {e}", file=sys.stderr)
         return 2
-    if remote and "router" not in roles:
+    if remote and Role.ROUTER not in roles:
         print("pdserve launch: --worker is for the router; add router to --roles", file=sys.stderr)
         return 2
-    if roles - {"router"} and not _model_fits(cfg):
+    if roles - {Role.ROUTER} and not _model_fits(cfg):
         return 2
     return launch_main(cfg, roles if args.roles else None, remote)
 

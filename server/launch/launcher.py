@@ -43,6 +43,7 @@ from server.worker.core_lending import CoreLedger, borrows
 from server.worker.placement import Placement, plan_placement
 from server.launch.ports import PortUnavailable, reserve_worker_ports
 from server.launch.supervisor import RestartPolicy, WorkerSupervisor
+from transfer.wire.enums import Role
 
 __all__ = ["Launcher", "LaunchError", "worker_specs", "worker_argv", "launch_main", "router_main"]
 
@@ -118,7 +119,7 @@ class Launcher:
 
     def __init__(self, cfg: PdserveConfig, argv: Callable[[WorkerSpec, PdserveConfig], list[str]] = worker_argv,
                  out: TextIO | None = None, startup_timeout_s: float = 600.0, install_signals: bool = True,
-                 specs: list[WorkerSpec] | None = None, roles: frozenset[str] | None = None,
+                 specs: list[WorkerSpec] | None = None, roles: frozenset[Role] | None = None,
                  remote: list[WorkerSpec] | None = None) -> None:
         """``specs``: route to these already running workers instead of starting ``cfg``'s own.
         ``roles``: start only these roles here (see ``server.launch.roles``; without ``router`` no HTTP
@@ -212,7 +213,7 @@ class Launcher:
 
         srv = self.cfg.server
         local = [] if self.external_specs else worker_specs(self.cfg, self.roles)
-        if self.roles is not None and "router" not in self.roles:
+        if self.roles is not None and Role.ROUTER not in self.roles:
             return await self._run_workers_only(local)
         specs = self.external_specs or local + self.remote
         if not specs:
@@ -356,7 +357,7 @@ def router_main(cfg: PdserveConfig, specs: list[WorkerSpec]) -> int:
     return asyncio.run(Launcher(cfg, specs=specs).run())
 
 
-def launch_main(cfg: PdserveConfig, roles: frozenset[str] | None = None,
+def launch_main(cfg: PdserveConfig, roles: frozenset[Role] | None = None,
                 remote: list[WorkerSpec] | None = None) -> int:
     """Run ``pdserve launch`` for ``cfg`` (only ``roles`` here, plus ``remote`` workers for the
     router) in a new event loop; returns the exit code."""

@@ -12,18 +12,19 @@ from __future__ import annotations
 import socket
 
 from configs.schema import PdserveConfig
+from transfer.wire.enums import ALL_WORKER_ROLES, Role
 from server.router.registry import WorkerSpec
 
-WORKER_ROLES = {"colocated": ("colocated",), "pd": ("prefill", "decode")}
+WORKER_ROLES = {"colocated": (Role.COLOCATED,), "pd": (Role.PREFILL, Role.DECODE)}
 _WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
-def parse_roles(text: str | None, mode: str) -> frozenset[str]:
+def parse_roles(text: str | None, mode: str) -> frozenset[Role]:
     """``"router,decode"`` -> {"router", "decode"}; None -> every role of ``mode``.
 
     Raises ``ValueError`` naming the roles ``mode`` allows when one is unknown or none is given.
     """
-    allowed = ("router", *WORKER_ROLES[mode])
+    allowed = (Role.ROUTER, *WORKER_ROLES[mode])
     if text is None:
         return frozenset(allowed)
     roles = {r.strip() for r in text.split(",") if r.strip()}
@@ -31,7 +32,7 @@ def parse_roles(text: str | None, mode: str) -> frozenset[str]:
     if bad or not roles:
         raise ValueError(f"--roles {text!r}: {mode} mode runs {', '.join(allowed)} (comma-separated)"
                          + (f"; unknown: {', '.join(bad)}" if bad else ""))
-    return frozenset(roles)
+    return frozenset(Role(r) for r in roles)
 
 
 def advertised_host(cfg: PdserveConfig) -> str:
@@ -46,14 +47,14 @@ def _addr(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def worker_specs(cfg: PdserveConfig, roles: frozenset[str] | None = None) -> list[WorkerSpec]:
+def worker_specs(cfg: PdserveConfig, roles: frozenset[Role] | None = None) -> list[WorkerSpec]:
     """The workers of ``cfg.cluster.mode`` with a role in ``roles`` (default: all of them).
 
     Addresses use :func:`advertised_host`; ports count up from ``base_port`` over every worker of
     the mode, so a subset keeps the ports the full deployment gives it.
     """
     c = cfg.cluster
-    counts = {"colocated": 1} if c.mode == "colocated" else {"prefill": c.prefill, "decode": c.decode}
+    counts = {Role.COLOCATED: 1} if c.mode == "colocated" else {Role.PREFILL: c.prefill, Role.DECODE: c.decode}
     host = advertised_host(cfg)
     specs, port = [], c.base_port
     for role, count in counts.items():
@@ -73,8 +74,8 @@ def bind_addr(spec: WorkerSpec, cfg: PdserveConfig) -> str:
 def parse_worker_spec(text: str) -> WorkerSpec:
     """``ROLE=ID=ADDR`` -> ``WorkerSpec``; ``ValueError`` with the expected form otherwise."""
     parts = text.split("=", 2)
-    if len(parts) != 3 or parts[0] not in ("colocated", "prefill", "decode") or not parts[1] \
+    if len(parts) != 3 or parts[0] not in ALL_WORKER_ROLES or not parts[1] \
             or not parts[2].startswith("tcp://"):
         raise ValueError(f"--worker {text!r}: expected ROLE=ID=tcp://HOST:PORT with ROLE colocated, "
                          f"prefill or decode")
-    return WorkerSpec(parts[1], parts[0], parts[2])
+    return WorkerSpec(parts[1], Role(parts[0]), parts[2])

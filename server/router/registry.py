@@ -25,6 +25,7 @@ from typing import Any
 
 from server.router.inflight import InflightTable
 from server.router.worker_client import WorkerUnavailable
+from transfer.wire.enums import Role
 from transfer.wire.protocol import TokenDelta, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class WorkerSpec:
     """Where a worker listens and what it does (``role``: colocated, prefill or decode)."""
 
     worker_id: str
-    role: str
+    role: Role
     addr: str
 
 
@@ -97,7 +98,7 @@ def least_outstanding(handles: list[WorkerHandle], load: Load) -> WorkerHandle:
 
 def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
     """Colocated mode: the least loaded ready colocated worker does everything."""
-    workers = [h for h in ready if h.spec.role == "colocated"]
+    workers = [h for h in ready if h.spec.role == Role.COLOCATED]
     if not workers:
         raise NoWorkerAvailable("no ready colocated worker")
     w = least_outstanding(workers, load)
@@ -106,10 +107,10 @@ def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
 
 def route_pd(ready: list[WorkerHandle], load: Load) -> Route:
     """PD mode: the least loaded ready prefill and decode workers; tokens stream from decode."""
-    prefill = [h for h in ready if h.spec.role == "prefill"]
-    decode = [h for h in ready if h.spec.role == "decode"]
+    prefill = [h for h in ready if h.spec.role == Role.PREFILL]
+    decode = [h for h in ready if h.spec.role == Role.DECODE]
     if not prefill or not decode:
-        missing = "prefill" if not prefill else "decode"
+        missing = Role.PREFILL if not prefill else Role.DECODE
         raise NoWorkerAvailable(f"no ready {missing} worker")
     d = least_outstanding(decode, load)
     return Route((least_outstanding(prefill, load), d), d)
@@ -125,11 +126,11 @@ def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], param
     decode worker; the decode worker gets a ``GenerateRequest`` with ``room`` and the prefill
     worker's control address (it asks that worker for the KV). Raises ``WorkerUnavailable``.
     """
-    prefill = next((h for h in route.targets if h.spec.role == "prefill"), None)
+    prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
     for h in route.targets:
-        if h.spec.role == "prefill":
+        if h.spec.role == Role.PREFILL:
             h.client.prefill(rid, room, prompt_ids, params, route.stream_from.worker_id)
-        elif h.spec.role == "decode":
+        elif h.spec.role == Role.DECODE:
             h.client.generate(rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr)
         else:
             h.client.generate(rid, prompt_ids, params)
@@ -264,7 +265,7 @@ class Registry:
     def _page_size_conflict(self, h: WorkerHandle, stats: WorkerStats) -> str | None:
         """PD: why a worker whose KV page size no live worker of the other role shares can never be
         paired (the KV handshake would refuse every request routed to it), or None."""
-        other = {"prefill": "decode", "decode": "prefill"}.get(h.spec.role)
+        other = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}.get(h.spec.role)
         sizes = {o.stats.page_size for o in self.handles.values()
                  if o.spec.role == other and o.stats is not None and o.state != DEAD}
         if not sizes or stats.page_size in sizes:

@@ -14,6 +14,7 @@ import torch
 from configs.schema import PdserveConfig
 from server.worker.loop import WorkerLoop
 from server.worker.placement import apply_cpus, parse_cpu_list
+from transfer.wire.enums import Role
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,12 @@ def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     return create_decode_scheduler(runner, cfg, transport, worker_id, model_name)
 
 
-BUILDERS = {"colocated": build_colocated, "prefill": build_prefill, "decode": build_decode}
+BUILDERS = {Role.COLOCATED: build_colocated, Role.PREFILL: build_prefill, Role.DECODE: build_decode}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve-worker")
-    p.add_argument("--role", choices=sorted(BUILDERS), required=True)
+    p.add_argument("--role", choices=sorted(map(str, BUILDERS)), required=True)
     p.add_argument("--worker-id", required=True)
     p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://127.0.0.1:29500")
     p.add_argument("--config-json", required=True)

@@ -12,6 +12,7 @@ from typing import ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from transfer.wire.enums import FinishReason, Role
 from transfer.wire.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 3  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry
@@ -171,7 +172,7 @@ class TokenDelta(BaseModel):
     token_ids: list[int] = Field(default_factory=list, exclude=True)
     logprobs: list[float | None] = []
     top_logprobs: list[list[tuple[int, float]] | None] = []
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     error_status: int | None = None
     prompt_tokens: int = 0
@@ -180,7 +181,7 @@ class TokenDelta(BaseModel):
     @classmethod
     def failed(cls, rid: str, error: str, status: int) -> "TokenDelta":
         """The last delta of a request that ends with an error and no new tokens."""
-        return cls(rid=rid, finish_reason="abort", error=error, error_status=status)
+        return cls(rid=rid, finish_reason=FinishReason.ABORT, error=error, error_status=status)
 
 
 class TokenBatch(Message):
@@ -226,7 +227,7 @@ class WorkerStats(Message):
     worker_id: str
     cluster_id: str = ""
     instance: str = ""  # random per process start: a new value means the worker restarted
-    role: str
+    role: Role
     model: str
     capacity_tokens: int
     max_model_len: int

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from transfer.wire.enums import FinishReason
+
 MAX_LOGPROBS = 20
 """Largest accepted ``SamplingParams.logprobs`` (number of top alternatives returned)."""
 MAX_LOGIT_BIAS = 1024
@@ -174,7 +176,7 @@ def check_stop(
     params: SamplingParams,
     eos_token_ids: Sequence[int] | set[int] | frozenset[int],
     num_generated: int,
-) -> str | None:
+) -> FinishReason | None:
     """Finish reason after generating ``token_id`` (``num_generated`` counts it), or ``None``.
 
     Returns ``"stop"`` if ``token_id`` is an EOS id (unless ``params.ignore_eos``) or one of
@@ -182,9 +184,9 @@ def check_stop(
     otherwise ``None``. "stop" wins when both apply.
     """
     if token_id in params.stop_token_ids:
-        return "stop"
+        return FinishReason.STOP
     if not params.ignore_eos and token_id in eos_token_ids:
-        return "stop"
+        return FinishReason.STOP
     if num_generated >= params.max_new_tokens:
-        return "length"
+        return FinishReason.LENGTH
     return None
