@@ -27,6 +27,7 @@ from engine.sampling import SamplerState
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
+from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
@@ -120,9 +121,9 @@ class DecodeScheduler(WorkerScheduler):
                                               for j in self.transfers.prealloc))
 
     @property
-    def runs_model(self) -> bool:
+    def has_model_work(self) -> bool:
         """A batch to decode or a retracted request to resume; admitting from the prealloc queue
-        only reserves pages and sends ``KVDestination`` (the prefill worker may borrow our core)."""
+        only reserves pages and sends ``KVDestination`` (no forward pass)."""
         return bool(self.running or self.retract.queue)
 
     def idle_wait_s(self) -> float | None:
@@ -130,7 +131,7 @@ class DecodeScheduler(WorkerScheduler):
             return self.transfers.transport.poll_interval_s
         return self.peers.next_due_s()
 
-    def step(self) -> Outbox:
+    def step(self) -> StepReport:
         out, died = self.peers.tick()
         for peer in died:
             for job in self.transfers.waiting_on(peer.addr):
@@ -145,13 +146,13 @@ class DecodeScheduler(WorkerScheduler):
             out.extend(self._admit())
         if self.running and out.tokens and not self._decode_deferred:
             self._decode_deferred = True  # first tokens out now, not after a decode step; it runs next turn
-            return out
+            return StepReport(out)
         self._decode_deferred = False
         if self.running:
             out.extend(self._decode())
         elif not self.transfers:
             self.running.ratio.idle()
-        return out
+        return StepReport(out)
 
     def _landed(self, landing: Landing) -> Outbox:
         job, req = landing.job, landing.job.req

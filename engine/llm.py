@@ -83,7 +83,7 @@ def run_batch(scheduler, prompts: list[list[int]], params: list[SamplingParams])
         except RequestRejected as e:
             merged[rid] = TokenDelta.failed(rid, str(e), 400)
     while scheduler.has_work:
-        for d in scheduler.step().deltas:
+        for d in scheduler.step().outbox.deltas:
             m = merged[d.rid]
             m.token_ids += d.token_ids
             m.logprobs += d.logprobs

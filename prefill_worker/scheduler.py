@@ -26,6 +26,7 @@ from engine.scheduler.admission import Admission
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
+from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from prefill_worker.bootstrap import BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
@@ -76,7 +77,6 @@ class PrefillScheduler(WorkerScheduler):
         self.transfer_failures = 0
         self.transfer_seconds = Histogram(TRANSFER_BUCKETS)
         self.timeline = Timeline(self.role)
-        self._compute_deferred = False  # the last step finished handoffs and skipped its compute
 
     # ---- messages ---------------------------------------------------------------------------
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
@@ -160,16 +160,10 @@ class PrefillScheduler(WorkerScheduler):
             deadlines.append(early)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
-    def step(self) -> Outbox:
-        """Finish landed writes, prefill one batch, start the writes it made possible. A step that
-        finished handoffs returns before computing, at most every other step: the loop learns that a
-        decode worker is about to be busy before it picks this worker's threads for the compute
-        (``server.worker.core_lending``), and the next step computes."""
-        out = self._finish_transfers()
-        if out.kv_handoffs and self.has_work and not self._compute_deferred:
-            self._compute_deferred = True
-            return out
-        self._compute_deferred = False
+    def step(self) -> StepReport:
+        """Finish landed writes (``settle``), prefill one batch, start the writes it made possible."""
+        report = self.settle()
+        out = report.outbox
         items = self.admission.select(self.waiting, (), 0.0)
         if items:
             self.stats.extend_steps += 1
@@ -179,7 +173,8 @@ class PrefillScheduler(WorkerScheduler):
                 job.manifest = self._manifest(job, delta)
                 req.status = Phase.TRANSFER
         out.extend(self._start_transfers())
-        return out.extend(self._expire())
+        out.extend(self._expire())
+        return report
 
     def _manifest(self, job: PrefillJob, delta: TokenDelta) -> TransferManifest:
         req = job.req
@@ -224,8 +219,10 @@ class PrefillScheduler(WorkerScheduler):
                 missing.append(j)
         return src, dst, missing
 
-    def _finish_transfers(self) -> Outbox:
-        out = Outbox()
+    def settle(self) -> StepReport:
+        """Finish the writes that ended; each one that succeeded hands a request to its decode worker."""
+        report = StepReport()
+        out = report.outbox
         for job, ok, error, nbytes, secs in self.sender.poll():
             job.writing = False
             job.req.mark("write_done")
@@ -233,12 +230,12 @@ class PrefillScheduler(WorkerScheduler):
             if ok:
                 self.transfer_bytes += nbytes
                 self.transfer_seconds.observe(secs)
-                out.kv_handoffs += 1
+                report.handoffs += 1
                 out.extend(self.finish(job, Outcome("length")))
             else:
                 self.transfer_failures += 1
                 out.extend(self.finish(job, Outcome.abort(f"KV transfer to decode worker failed: {error}", 503)))
-        return out
+        return report
 
     def _expire(self) -> Outbox:
         out, timeout = Outbox(), self.cfg.cluster.bootstrap_timeout_s

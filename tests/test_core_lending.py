@@ -106,6 +106,41 @@ def test_a_lender_never_borrows():
     assert ledger.slots["busy"][0] == 0
 
 
+class _Scheduler:
+    """What ``Turns`` reads of a scheduler: ``settle`` and ``step`` reports, ``has_work``."""
+
+    def __init__(self, handoffs: list[int], has_work: bool = True) -> None:
+        self.handoffs, self.has_work, self.calls = handoffs, has_work, []
+
+    def settle(self):
+        from engine.scheduler.step_report import StepReport
+
+        self.calls.append("settle")
+        return StepReport(handoffs=self.handoffs.pop(0) if self.handoffs else 0)
+
+    def step(self):
+        from engine.scheduler.step_report import StepReport
+
+        self.calls.append("step")
+        return StepReport(handoffs=self.settle().handoffs)
+
+
+def test_a_turn_that_finished_handoffs_pauses_before_computing_at_most_every_other_turn():
+    """The worker loop's turns: handoffs while work waits end the turn (the loop tells core lending
+    before it picks the compute's threads); the next turn steps even if it hands off again."""
+    from server.worker.turn import Turns
+
+    s = _Scheduler([1, 1, 0, 0, 0, 2, 0])
+    turns = Turns(s)
+    reports = [turns.run() for _ in range(4)]
+    assert [r.handoffs for r in reports] == [1, 1, 0, 2]  # settle's and step's handoffs, folded
+    assert s.calls == ["settle", "settle", "step", "settle", "settle", "step", "settle", "settle"]
+    assert turns.paused
+    idle = _Scheduler([1], has_work=False)  # nothing waits: no reason to pause
+    Turns(idle).run()
+    assert idle.calls == ["settle", "step", "settle"]
+
+
 def _workers(srv) -> dict[str, list[str]]:
     out = {}
     for pid in srv.worker_pids():
@@ -188,7 +223,7 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(monkeypatch)
 
 def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
     """In process: a decode worker only reserving pages does not run the model (the prefill
-    worker may borrow its core); one with a batch does. A prefill step that finished handoffs
+    worker may borrow its core); one with a batch does. A prefill turn that finished handoffs
     while prompts wait computes nothing (the loop learns of the handoff first); the next one does."""
     from server.testing.pd_harness import PDHarness
     from configs.schema import PdserveConfig
@@ -199,30 +234,30 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
                                         "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
     h = PDHarness(cfg, cfg, tiny[0], tiny[1])
     try:
-        steps, real_step = [], h.prefill.step
+        steps, real_turn = [], h.prefill_turns.run
 
         def recorded():
             waiting, before = h.prefill.has_work, h.prefill.stats.prefill_computed_tokens
-            out = real_step()
-            steps.append((out.kv_handoffs, waiting, h.prefill.stats.prefill_computed_tokens - before))
-            return out
+            report = real_turn()
+            steps.append((report.handoffs, waiting, h.prefill.stats.prefill_computed_tokens - before))
+            return report
 
-        h.prefill.step = recorded
+        h.prefill_turns.run = recorded
         before_decode, real_decode = [], h.decode.step
 
         def decode_recorded():
-            before_decode.append((h.decode.has_work, h.decode.runs_model))
+            before_decode.append((h.decode.has_work, h.decode.has_model_work))
             return real_decode()
 
         h.decode.step = decode_recorded
         for i in range(4):
             prompt = [(7 * i + j) % 90 + 1 for j in range(10)]
             h.submit(f"r{i}", prompt, SamplingParams(max_new_tokens=3, temperature=0))
-        assert not h.decode.runs_model and h.prefill.runs_model
+        assert not h.decode.has_model_work and h.prefill.has_model_work
         while h.busy:
             h.step()
         assert (True, False) in before_decode and (True, True) in before_decode  # reserving only; decoding
-        assert not h.decode.runs_model and not h.prefill.runs_model
+        assert not h.decode.has_model_work and not h.prefill.has_model_work
         h.check_clean()
     finally:
         h.close()

@@ -12,7 +12,7 @@ from conftest import hf_greedy
 from server.testing.pd_harness import PDHarness
 from engine.request import Phase
 from engine.scheduler.base import RequestRejected
-from transfer.wire.outbox import Outbox
+from engine.scheduler.step_report import StepReport
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
 
@@ -186,7 +186,7 @@ def test_last_request_waits_for_pages_a_transfer_holds(harness, tiny):
     assert len(h.decode.running)
     h.submit("b", prompts(1, 40, 40, seed=4)[0], SamplingParams(max_new_tokens=4, temperature=0))
     real_step = h.prefill.step
-    h.prefill.step = lambda: Outbox()  # prefill worker stalls: b's KV does not arrive yet
+    h.prefill.step = lambda: StepReport()  # prefill worker stalls: b's KV does not arrive yet
     for _ in range(60):
         early += [t for d in h.step() if d.rid == "a" for t in d.token_ids]
         if h.decode.retract.queue:
@@ -205,7 +205,7 @@ def test_silent_prefill_peer_fences_pages_until_late_write(harness):
     h = harness()
     h.submit("s", prompts(1, 30, 30, seed=6)[0], GREEDY)
     real_step = h.prefill.step
-    h.prefill.step = lambda: Outbox()  # prefill worker stalls before writing
+    h.prefill.step = lambda: StepReport()  # prefill worker stalls before writing
     for _ in range(3):
         h.step()
     assert "s" in h.decode.jobs and h.decode.jobs["s"].req.status is Phase.TRANSFER

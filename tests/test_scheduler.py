@@ -192,7 +192,7 @@ def test_last_request_oom_abort_then_keeps_serving(tiny):
     stolen = sched.kv.allocator.alloc(sched.kv.allocator.num_free())
     events = []
     while sched.has_work:
-        events += sched.step().deltas
+        events += sched.step().outbox.deltas
     final = [e for e in events if e.finish_reason][-1]
     assert final.finish_reason == "abort" and final.error_status == 500
     assert "KV cache pool is too small" in final.error and sched.stats.oom_aborts == 1

@@ -11,7 +11,7 @@ from engine.llm import run_batch
 from engine.model_runner import ModelRunner
 from server.testing.pd_harness import PDHarness
 from server.testing.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
-from transfer.wire.outbox import Outbox
+from engine.scheduler.step_report import StepReport
 from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.scheduler.timeline import PHASES
@@ -51,7 +51,7 @@ def test_schedulers_with_nothing_to_compute_let_the_loop_block(tiny):
     try:
         assert h.decode.idle_wait_s() is None and h.prefill.idle_wait_s() is None  # nothing at all
         h.submit("a", [1, 2, 3, 4, 5], GREEDY)
-        h.prefill.step = lambda: Outbox()  # the prefill worker is slow: the KV does not come yet
+        h.prefill.step = lambda: StepReport()  # the prefill worker is slow: the KV does not come yet
         h.step()
         assert h.decode.transfers.inflight and not h.decode.has_work  # waiting, not computing
         assert h.decode.idle_wait_s() == h.decode.transfers.transport.poll_interval_s == 0.002

@@ -1,7 +1,8 @@
 """The contract between a worker loop and its scheduler (colocated, prefill or decode).
 
 A scheduler does no I/O on control sockets: every call returns an ``Outbox`` (``transfer.wire.outbox``)
-of what should be sent, and the worker loop (or an in-process harness) delivers it.
+of what should be sent, ``settle`` and ``step`` a ``StepReport`` (that outbox plus facts about the
+step), and the worker loop (or an in-process harness) delivers it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from cache.handle import KVHandle
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from engine.scheduler.stats import Histogram, SchedulerStats
+from engine.scheduler.step_report import StepReport
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.outbox import Dest, Outbox
 from transfer.wire.protocol import GenerateRequest, Message, TokenDelta, WorkerStats
@@ -72,9 +74,15 @@ class WorkerScheduler(abc.ABC):
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
         """End ``rid`` wherever it is (unknown or finished ids: empty outbox)."""
 
+    def settle(self) -> StepReport:
+        """Take in what ended in the background since the last call (a prefill worker's KV
+        writes) without running the model, so a caller learns of handoffs before ``step``.
+        Default: nothing to settle."""
+        return StepReport()
+
     @abc.abstractmethod
-    def step(self) -> Outbox:
-        """Run one scheduling iteration (at most one forward pass)."""
+    def step(self) -> StepReport:
+        """Run one scheduling iteration: ``settle``, then at most one forward pass."""
 
     @abc.abstractmethod
     def handle(self, source: Dest, msg: Message, frames: list[bytes]) -> Outbox | None:
@@ -91,9 +99,9 @@ class WorkerScheduler(abc.ABC):
         """True while ``step`` has compute to do now (the loop must not block on its sockets)."""
 
     @property
-    def runs_model(self) -> bool:
-        """True while the next steps will run the model (what core lending publishes as busy);
-        bookkeeping-only work such as a decode worker's page reservations does not count."""
+    def has_model_work(self) -> bool:
+        """True while ``step`` has a forward pass to run; bookkeeping-only work such as a decode
+        worker's page reservations does not count. Default: ``has_work``."""
         return self.has_work
 
     @abc.abstractmethod

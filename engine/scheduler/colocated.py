@@ -18,6 +18,7 @@ from engine.scheduler.admission import Admission
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.running_batch import RunningBatch
+from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox
@@ -92,15 +93,15 @@ class ColocatedScheduler(WorkerScheduler):
         return [r.kv for r in self.requests.values()]
 
     # ---- one scheduling step --------------------------------------------------------------
-    def step(self) -> Outbox:
+    def step(self) -> StepReport:
         items = self.admission.select(self.waiting, self.running, self.running.ratio.value)
         if items:
             self.stats.extend_steps += 1
             self.stats.prefill_computed_tokens += sum(it.length for it in items)
-            return self._collect(self.executor.extend(items))
+            return StepReport(self._collect(self.executor.extend(items)))
         if not self.running:
             self.running.ratio.idle()
-            return Outbox()
+            return StepReport()
         res = self.running.decode_step(self._drop_victim)
         for r in reversed(res.retracted):
             r.reset_for_retract()
@@ -112,7 +113,7 @@ class ColocatedScheduler(WorkerScheduler):
             out.token(req.owner, delta)
         for req in res.finished:
             self.finish(req, Outcome(req.finish_reason))
-        return out
+        return StepReport(out)
 
     def _drop_victim(self, req: Request) -> Release:
         self.kv.free(req.kv)

@@ -6,8 +6,9 @@ covered by the process-level tests.
 Wiring: the decode side addresses the prefill worker as ``Peer(PREFILL_ADDR)``; those messages
 reach ``prefill.handle`` as from ``Conn(DECODE_CONN)``, and what the prefill side sends to that
 connection comes back to ``decode.handle`` as from the peer. Heartbeats are answered the way the
-worker loop answers them. Token deltas for the router are collected (``step`` returns the decode
-side's; the prefill side's land in ``router_inbox``).
+worker loop answers them. Each side runs the worker loop's turns (``server.worker.turn``: a
+prefill turn that finished KV handoffs pauses before computing). Token deltas for the router are
+collected (``step`` returns the decode side's; the prefill side's land in ``router_inbox``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from transfer.wire.outbox import Conn, Outbox, Peer
 from transfer.wire.protocol import GenerateRequest, PrefillRequest, StatsRequest, TokenDelta, ids_frame
 from transfer.wire.sampling_params import SamplingParams
 from server.worker.loop import worker_stats
+from server.worker.turn import Turns
 from transfer.loopback import LoopbackTransport
 
 PREFILL_ADDR = "inproc://p"
@@ -38,6 +40,7 @@ class PDHarness:
         self.transports = (LoopbackTransport(f"p{n}"), LoopbackTransport(f"d{n}"))
         self.prefill = create_prefill_scheduler(self.p_runner, cfg_p, self.transports[0], "p0", "m", threaded=False)
         self.decode = create_decode_scheduler(self.d_runner, cfg_d, self.transports[1], "d0", "m", tuple(eos))
+        self.prefill_turns, self.decode_turns = Turns(self.prefill), Turns(self.decode)
         self.to_prefill: list = []
         self.to_decode: list = []
         self.router_inbox: list[TokenDelta] = []
@@ -78,7 +81,7 @@ class PDHarness:
         return deltas
 
     def step(self) -> list[TokenDelta]:
-        """One step of each side (prefill first), messages exchanged in between; the decode
+        """One turn of each side (prefill first), messages exchanged in between; the decode
         side's token deltas. Each step first hands the decode side a heartbeat reply of the
         prefill side, as the worker loop's pinger thread would: the in-process peer is alive, so
         wall time spent in long steps (a slow machine) must never get it declared dead
@@ -88,9 +91,9 @@ class PDHarness:
             stats = worker_stats(self.prefill, "p0", "harness", "m")
             deltas += self.deliver(self.decode.peer_heartbeat(PREFILL_ADDR, stats, time.monotonic()), True)
         deltas += self._exchange()
-        self.router_inbox += self.deliver(self.prefill.step(), False)
+        self.router_inbox += self.deliver(self.prefill_turns.run().outbox, False)
         deltas += self._exchange()
-        return deltas + self.deliver(self.decode.step(), True)
+        return deltas + self.deliver(self.decode_turns.run().outbox, True)
 
     @property
     def busy(self) -> bool:

@@ -6,19 +6,23 @@ decode worker waits for a prompt's KV while the prefill worker computes that pro
 machine. With lending (``cluster.core_lending``) the launch's workers share a ledger of one slot
 per worker in shared memory (an anonymous ``memfd`` the launcher creates and every worker
 inherits, so nothing is left behind): each worker publishes whether it is about to run the model
-(``WorkerScheduler.runs_model``: a decode worker that only reserves pages for a prompt being
+(``WorkerScheduler.has_model_work``: a decode worker that only reserves pages for a prompt being
 prefilled is idle), and a *borrower* that is the only worker with model work runs its step with
-every core of the launch instead of its share.
+every core of the launch instead of its share. The worker loop (``server.worker.loop``) makes
+every call here, from its scheduler's state and step reports; schedulers know nothing of lending.
 
 Contract:
 - ``publish(busy)`` is called before a worker blocks and before each of its steps, so a peer reads
   a state at most one step old.
-- Measured why ``runs_model`` and not "has work": with the latter, a prefill that started while
+- Measured why "about to run the model" and not "has work": with the latter, a prefill that started while
   the decode worker was reserving that very prompt's pages ran on one thread, 3 of 10 sequential
   400-token requests (950 instead of 580 ms to the first token).
 - ``begin_step()`` picks the step's thread count: ``total`` when this worker may borrow, every
   other slot is idle and no KV handoff happened in the last ``handoff_grace_s`` (the decode
   worker that just received KV is about to be busy but may not have seen it yet); else ``own``.
+  ``handed_off()`` is called for a turn whose ``StepReport`` has handoffs, and such a turn pauses
+  before computing (``server.worker.turn``): the compute after a handoff picks its threads in
+  the grace.
 - A lender that turns busy during a borrower's step shares its core with it until that step ends
   (one prefill chunk); the borrower's next step runs with its own share again.
 - Only thread counts change, never affinity. oneDNN builds its kernels per thread count, so a

@@ -7,8 +7,13 @@ use. The loop alternates between draining inbound messages and one scheduler ste
 on its sockets whenever the scheduler has nothing to compute (``has_work``), for as long as the
 scheduler allows (``idle_wait_s``: a transfer to poll, a heartbeat or deadline) and at most the
 stats cadence; a message that arrives during a step is handled right after it. Whatever a scheduler call
-returns (an ``Outbox``) is delivered at once: token deltas batched into one ``TokenBatch`` per
-owner connection, control messages to their ``Conn``/``Peer``.
+returns (an ``Outbox``; a turn's ``StepReport`` carries one) is delivered at once: token deltas
+batched into one ``TokenBatch`` per owner connection, control messages to their ``Conn``/``Peer``.
+
+Core lending (``cores``) is decided here, from the scheduler's state and its step reports: before
+blocking and before each turn the loop publishes ``has_model_work``, picks the turn's threads
+(``begin_step``) when there is work, and tells its slot about KV handoffs a turn reports
+(``handed_off``); a turn that finished handoffs pauses before computing (``server.worker.turn``).
 
 Liveness apart from progress: peers' heartbeats are sent and their replies stamped on a
 ``PeerPinger`` thread (every watched ``Peer`` address, every ``heartbeat_s``) and handed to the
@@ -30,6 +35,7 @@ from engine.scheduler.base import RequestRejected, WorkerScheduler
 from server.worker.control_io import ControlIO
 from server.worker.core_lending import CoreLending
 from server.worker.peer_pinger import PeerPinger
+from server.worker.turn import Turns
 from transfer.wire.outbox import Conn, Outbox, Peer
 from transfer.wire.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, frame_ids)
@@ -55,6 +61,7 @@ class WorkerLoop:
         self.cores = cores
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
         self.scheduler: WorkerScheduler | None = None
+        self.turns: Turns | None = None
         self.peers: dict[str, zmq.Socket] = {}
         self.peer_addr: dict[zmq.Socket, str] = {}
         self.instance = uuid.uuid4().hex
@@ -64,6 +71,7 @@ class WorkerLoop:
 
     def run(self, scheduler: WorkerScheduler) -> None:
         self.scheduler = scheduler
+        self.turns = Turns(scheduler)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         log.info("%s worker %s serving", scheduler.role, self.worker_id)
         self.io.publish(self._stats(0))
@@ -79,7 +87,7 @@ class WorkerLoop:
                 self._publish()
                 if busy and self.cores is not None:
                     self.cores.begin_step()
-                self.deliver(scheduler.step())
+                self._turn()
                 if self.step_delay_s and (busy or scheduler.has_work):
                     time.sleep(self.step_delay_s)
                 self._heartbeat()
@@ -92,12 +100,18 @@ class WorkerLoop:
     def _publish(self) -> None:
         """Tell the launch's other workers whether this one is about to run the model."""
         if self.cores is not None:
-            self.cores.publish(self.scheduler.runs_model)
+            self.cores.publish(self.scheduler.has_model_work)
+
+    def _turn(self) -> None:
+        """One scheduler turn, delivered; KV handoffs it reports keep this worker from borrowing
+        cores for a while (the decode workers that got the KV are about to be busy)."""
+        report = self.turns.run()
+        if report.handoffs and self.cores is not None:
+            self.cores.handed_off()
+        self.deliver(report.outbox)
 
     # ---- outbound -------------------------------------------------------------------------------
     def deliver(self, out: Outbox) -> None:
-        if out.kv_handoffs and self.cores is not None:
-            self.cores.handed_off()
         by_owner: dict[bytes, list[TokenDelta]] = defaultdict(list)
         for owner, delta in out.tokens:
             by_owner[owner].append(delta)

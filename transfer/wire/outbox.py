@@ -38,12 +38,10 @@ class Outbound:
 @dataclass
 class Outbox:
     """What one scheduler call wants sent: token deltas (each to its request's owner connection,
-    batched per step by the loop) and control messages; ``kv_handoffs`` counts requests whose KV
-    it finished writing into decode workers (the loop's core lending reads it)."""
+    batched per step by the loop) and control messages."""
 
     tokens: list[tuple[bytes, TokenDelta]] = field(default_factory=list)
     messages: list[Outbound] = field(default_factory=list)
-    kv_handoffs: int = 0
 
     def token(self, owner: bytes, delta: TokenDelta) -> None:
         self.tokens.append((owner, delta))
@@ -55,7 +53,6 @@ class Outbox:
         if other is not None:
             self.tokens += other.tokens
             self.messages += other.messages
-            self.kv_handoffs += other.kv_handoffs
         return self
 
     @property
