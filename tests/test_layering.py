@@ -151,6 +151,7 @@ def test_files_and_classes_stay_small():
     assert (too_long, too_wide) == ([], [])
 
 
+@pytest.mark.process  # a fresh interpreter
 def test_router_and_protocol_do_not_import_torch():
     code = ("import sys, transfer.wire.protocol, transfer.wire.outbox, server.router.app; "
             "print(sorted(m for m in ('torch', 'engine.sampling', 'engine.model') if m in sys.modules))")

@@ -20,6 +20,8 @@ from transfer.wire.protocol import (GenerateRequest, PrefillRequest, Shutdown, S
                                decode, encode, frame_ids, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.process
+
 
 def free_port() -> int:
     with socket.socket() as s:

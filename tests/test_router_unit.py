@@ -73,14 +73,6 @@ class FakeWorker:
             self.on_tokens(self.spec.worker_id, delta)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from engine.model_paths import resolve_model_path
-    from engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(resolve_model_path("default"))
-
-
 @pytest.fixture
 def make_client(tokenizer):
     """``make_client(mode=..., **server_settings)`` -> (TestClient, fake worker); closed after the test."""
@@ -288,6 +280,7 @@ def test_registry_marks_silent_worker_dead_and_fails_requests():
     assert reg.handles["w0"].state == DEAD
 
 
+@pytest.mark.process  # the launcher starts a (failing) worker process
 def test_launch_fails_when_worker_dies_at_startup(capsys):
     from server.launch.launcher import Launcher, LaunchError, worker_specs
 
