@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install test test-chaos test-deploy image wheelhouse base-image serve bench clean chromium
+.PHONY: install test test-fast test-chaos test-deploy image wheelhouse base-image serve bench clean chromium
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ install-gemma3: install
 
 test: install
 	$(PY) -m pytest -q --durations=15 tests --ignore=tests/deploy --ignore=tests/chaos
+
+# The unit tier only (markers: pyproject.toml; tiers: tests/conftest.py): in-process tests, no launched
+# server or child process, nothing slow. Under 2 minutes on 2 cores; `make test` still runs every tier.
+test-fast: install
+	$(PY) -m pytest -q --durations=10 -m "unit and not slow" tests --ignore=tests/deploy --ignore=tests/chaos
 
 # Chaos suite + soak (tests/chaos/): faults at seeded random moments (PDSERVE_CHAOS_SEED) against a
 # launched PD cluster, then 5,000 short requests with every process's RSS sampled; prints the chaos

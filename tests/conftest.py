@@ -1,7 +1,17 @@
-"""Shared fixtures: the embedded model loaded once per session, tiny random models, HF references."""
+"""Shared fixtures: the embedded model loaded once per session, tiny random models, HF references,
+launched servers; and the test tiers.
+
+Tiers (markers registered in pyproject.toml): ``unit`` runs in this process (no child process, no
+launched server); ``process`` launches real processes (``pdserve launch`` via ``LaunchedServer``,
+worker subprocesses, multiprocessing children, netns hosts, docker); ``slow`` takes long on CPU
+(model-equality runs against transformers, soak-like loops). A test file marks its tier with
+``pytestmark``; a test that carries neither ``unit`` nor ``process`` is marked ``unit`` here.
+``make test-fast`` runs ``-m "unit and not slow"``; ``make test`` runs every tier.
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -14,6 +24,19 @@ import pytest  # noqa: E402
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.config import ModelConfig
+from server.testing.subprocess_server import LaunchedServer, free_port
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets a tier: ``unit`` if it is not marked ``process``. A test that uses a
+    launched-server fixture must say ``process``; no test may be both."""
+    for item in items:
+        process = item.get_closest_marker("process") is not None
+        if not process and {"launched_server", "launched_server_per_test"} & set(getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid} launches a server: mark it (or its module) pytest.mark.process")
+        if not process and item.get_closest_marker("unit") is None:
+            item.add_marker(pytest.mark.unit)
+        if process and item.get_closest_marker("unit") is not None:
+            raise pytest.UsageError(f"{item.nodeid} is marked both unit and process")
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +59,15 @@ def hf_embedded(embedded):
     path = embedded[3]
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded model's tokenizer alone (no weights), loaded once per session."""
+    from engine.model_paths import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(resolve_model_path("default"))
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -114,3 +146,52 @@ def tiny_folder(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
     tiny[2].save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+# ---- launched servers ---------------------------------------------------------------------------
+class ServerFactory:
+    """``factory(mode, *flags, base_port=None, env=None, startup_timeout_s=240.0)``: start
+    ``pdserve launch --mode MODE --port 0 --base-port PORT *flags`` (PORT: a free one unless given)
+    and return the ready ``LaunchedServer``. Every server it started is stopped by ``close()``
+    (the fixture's teardown), also when its start failed; ``stop(srv)`` stops one earlier.
+    """
+
+    def __init__(self) -> None:
+        self.running: list[LaunchedServer] = []
+
+    def __call__(self, mode: str, *flags: str, base_port: int | None = None, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 240.0) -> LaunchedServer:
+        port = free_port() if base_port is None else base_port
+        srv = LaunchedServer(["--mode", mode, "--port", "0", "--base-port", str(port), *flags], env=env,
+                             startup_timeout_s=startup_timeout_s)
+        self.running.append(srv)
+        srv.start()
+        return srv
+
+    def stop(self, srv: LaunchedServer) -> None:
+        self.running.remove(srv)
+        srv.stop()
+
+    def close(self) -> None:
+        while self.running:
+            self.running.pop().stop()
+
+
+@pytest.fixture(scope="module")
+def launched_server() -> Iterator[ServerFactory]:
+    """Module-scoped ``ServerFactory``: servers live until the module's last test is done."""
+    factory = ServerFactory()
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+@pytest.fixture
+def launched_server_per_test() -> Iterator[ServerFactory]:
+    """Function-scoped ``ServerFactory``: servers are stopped when the test ends."""
+    factory = ServerFactory()
+    try:
+        yield factory
+    finally:
+        factory.close()

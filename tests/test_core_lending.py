@@ -35,6 +35,7 @@ def test_who_borrows():
         borrows("some", "prefill")
 
 
+@pytest.mark.process
 def test_ledger_is_shared_through_the_fd_and_starts_idle():
     ledger, fd = CoreLedger.create(3)
     try:
@@ -197,24 +198,22 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two cores")
-def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(monkeypatch):
+@pytest.mark.process
+def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(monkeypatch, launched_server_per_test):
     """Sequential requests: while the prefill worker computes a prompt, the decode worker waits for
     its KV (idle), so prefill steps run on every core; the decode worker only lends. (Greedy
     outputs against transformers with lending on: tests/test_pd_http.py.)"""
-    from server.testing.subprocess_server import LaunchedServer, free_port
-
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     total = len(os.sched_getaffinity(0))
     body = {"prompt": "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
-    with LaunchedServer(["--mode", "pd", "--port", "0", "--kv-pool-tokens", "1024", "--log-level", "INFO",
-                         "--base-port", str(free_port())]) as srv:
-        argv = _workers(srv)
-        with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as client:
-            texts = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(4)]
-            metrics = _settled_metrics(client, "prefill-0")
-        assert argv["prefill"][argv["prefill"].index("--lend-threads") + 1] == str(total)
-        assert "--core-ledger-fd" in argv["decode"] and "--lend-threads" not in argv["decode"]
-        assert f"core lending: prefill-0 run on all {total} cores" in srv.log()
+    srv = launched_server_per_test("pd", "--kv-pool-tokens", "1024", "--log-level", "INFO")
+    argv = _workers(srv)
+    with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as client:
+        texts = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(4)]
+        metrics = _settled_metrics(client, "prefill-0")
+    assert argv["prefill"][argv["prefill"].index("--lend-threads") + 1] == str(total)
+    assert "--core-ledger-fd" in argv["decode"] and "--lend-threads" not in argv["decode"]
+    assert f"core lending: prefill-0 run on all {total} cores" in srv.log()
     assert _metric(metrics, "pdserve_worker_borrowed_core_steps_total", "prefill-0") >= 1
     assert _metric(metrics, "pdserve_worker_borrowed_core_steps_total", "decode-0") == 0
     assert _metric(metrics, "pdserve_worker_torch_threads", "decode-0") == total // 2

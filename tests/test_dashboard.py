@@ -33,8 +33,10 @@ from server.router.app import build_context
 from server.router.dashboard import snapshot
 from server.router.metrics import LATENCY_BUCKETS
 from server.router.registry import WorkerSpec
-from server.testing.subprocess_server import LaunchedServer, free_port, fresh_metrics, wait_idle
+from server.testing.subprocess_server import LaunchedServer, fresh_metrics, wait_idle
 from transfer.wire.protocol import HistogramData, WorkerStats
+
+pytestmark = pytest.mark.process
 
 HEARTBEAT_S = 0.5
 WORKER_TIMEOUT_S = 10.0
@@ -69,18 +71,13 @@ def need_chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()), "--api-key", KEY,
-                          "--kv-pool-tokens", str(POOL_TOKENS), "--page-size", "16", "--max-model-len", "1024",
-                          "--host-kv-pool-gb", "0.002", "--init-new-token-ratio", "0.05",
-                          "--retract-test-interval", "12", "--peer-timeout-s", "30", "--bootstrap-timeout-s", "900",
-                          "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", str(WORKER_TIMEOUT_S),
-                          "--log-level", "WARNING"])
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
+def server(launched_server):
+    return launched_server("pd", "--api-key", KEY,
+                           "--kv-pool-tokens", str(POOL_TOKENS), "--page-size", "16", "--max-model-len", "1024",
+                           "--host-kv-pool-gb", "0.002", "--init-new-token-ratio", "0.05",
+                           "--retract-test-interval", "12", "--peer-timeout-s", "30", "--bootstrap-timeout-s", "900",
+                           "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", str(WORKER_TIMEOUT_S),
+                           "--log-level", "WARNING")
 
 
 @pytest.fixture(scope="module")

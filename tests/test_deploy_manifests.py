@@ -130,6 +130,7 @@ def test_compose_router_routes_to_every_worker_service_once_healthy():
         assert (COMPOSE.parent / preset.split(":")[0]).resolve() == PRESET
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_compose_file_is_valid_for_docker_compose():
     r = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True)

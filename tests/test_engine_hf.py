@@ -8,6 +8,8 @@ from conftest import engine_cfg, sched_cfg
 from engine.llm import LLM
 from transfer.wire.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # the embedded model against transformers
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",

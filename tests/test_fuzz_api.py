@@ -8,20 +8,18 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from server.testing.subprocess_server import LaunchedServer, free_port, wait_idle
+from server.testing.subprocess_server import wait_idle
+
+pytestmark = pytest.mark.process
 
 HEARTBEAT_S = 0.2
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LaunchedServer(["--mode", "colocated", "--port", "0", "--base-port", str(free_port()),
-                          "--kv-pool-tokens", "1024", "--max-model-len", "128",
-                          "--health-interval-s", str(HEARTBEAT_S), "--request-timeout-s", "300",
-                          "--log-level", "WARNING"])
-    srv.start()
-    yield srv
-    srv.stop()
+def server(launched_server):
+    return launched_server("colocated", "--kv-pool-tokens", "1024", "--max-model-len", "128",
+                           "--health-interval-s", str(HEARTBEAT_S), "--request-timeout-s", "300",
+                           "--log-level", "WARNING")
 
 
 def operation(url: str, path: str):

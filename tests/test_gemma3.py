@@ -19,6 +19,8 @@ from engine.llm import LLM, run_batch
 from engine.model_runner import ModelRunner, SeqChunk
 from transfer.wire.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # Gemma 3 against transformers
+
 if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
     pytest.skip(f"GEMMA 3 TESTS SKIPPED: package {GEMMA3_PACKAGE!r} is not installed; {INSTALL_HINT}",
                 allow_module_level=True)
@@ -163,27 +165,22 @@ def test_colocated_forced_retract_matches_transformers(gemma, prompts, hf_ref):
     _assert_clean(llm)
 
 
-def test_pd_launch_over_http_matches_transformers(prompts, hf_ref):
+@pytest.mark.process
+def test_pd_launch_over_http_matches_transformers(prompts, hf_ref, launched_server_per_test):
     """`pdserve launch --mode pd --model gemma3-270m`: real router, prefill and decode processes,
     KV over NIXL; both long prompts (token ids, BOS included) give transformers' greedy tokens,
     and the repeat of one is served from the radix caches with the same tokens."""
     import openai
 
-    from server.testing.subprocess_server import LaunchedServer, free_port
-
-    srv = LaunchedServer(["--mode", "pd", "--model", "gemma3-270m", "--port", "0", "--base-port", str(free_port()),
-                          "--kv-pool-tokens", "4096", "--page-size", "16", "--log-level", "WARNING"])
-    try:
-        srv.start()
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        model = client.models.list().data[0].id
-        for p, (ref, _) in [*zip(prompts, hf_ref), (prompts[1], hf_ref[1])]:
-            r = client.completions.create(model=model, prompt=p, max_tokens=NEW, temperature=0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})
-            assert r.choices[0].token_ids == ref
-        assert r.usage.prompt_tokens_details.cached_tokens >= 512
-    finally:
-        srv.stop()
+    srv = launched_server_per_test("pd", "--model", "gemma3-270m", "--kv-pool-tokens", "4096", "--page-size", "16",
+                                   "--log-level", "WARNING")
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    for p, (ref, _) in [*zip(prompts, hf_ref), (prompts[1], hf_ref[1])]:
+        r = client.completions.create(model=model, prompt=p, max_tokens=NEW, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert r.choices[0].token_ids == ref
+    assert r.usage.prompt_tokens_details.cached_tokens >= 512
 
 
 def test_pd_with_the_swa_pool_under_forced_retract_matches_transformers(gemma, prompts, hf_ref):

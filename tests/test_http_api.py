@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 
-from server.testing.subprocess_server import (REPO_ROOT, LaunchedServer, free_port, fresh_metrics, metric_sum,
-                                     wait_idle)
+from server.testing.subprocess_server import REPO_ROOT, fresh_metrics, metric_sum, wait_idle
+
+pytestmark = pytest.mark.process
 
 MAX_TOKENS = 40
 CONCURRENT_MAX_TOKENS = 40
@@ -37,26 +38,16 @@ def _reference_cmd(prompts: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from engine.model_paths import resolve_model_path
-    from engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(resolve_model_path("default"))
-
-
-@pytest.fixture(scope="module")
-def stack(tokenizer):
+def stack(tokenizer, launched_server):
     """(server url, {prompt text: pdserve generate result}) — server and reference run in parallel."""
     chat_text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}])
     ref = subprocess.Popen(_reference_cmd([*PROMPTS, chat_text]), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
-    server = LaunchedServer(["--mode", "colocated", "--port", "0", "--base-port", str(free_port()),
-                             "--kv-pool-tokens", "1024", "--page-size", "16", "--max-model-len", "2048",
-                             "--init-new-token-ratio", "0.05", "--health-interval-s", str(HEARTBEAT_S),
-                             "--worker-timeout-s", "60",  # a 32-request step is slow on a busy CPU
-                             "--log-level", "WARNING"])
     try:
-        url = server.start()
+        url = launched_server("colocated", "--kv-pool-tokens", "1024", "--page-size", "16", "--max-model-len", "2048",
+                              "--init-new-token-ratio", "0.05", "--health-interval-s", str(HEARTBEAT_S),
+                              "--worker-timeout-s", "60",  # a 32-request step is slow on a busy CPU
+                              "--log-level", "WARNING").url
         out, _ = ref.communicate(timeout=600)
         results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert ref.returncode == 0 and len(results) == len(PROMPTS) + 1, out
@@ -66,7 +57,6 @@ def stack(tokenizer):
         if ref.poll() is None:
             ref.kill()
             ref.wait()
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ import httpx
 import openai
 import pytest
 
-from server.testing.subprocess_server import LaunchedServer, free_port, fresh_metrics, metric_sum, wait_idle
+from server.testing.subprocess_server import fresh_metrics, metric_sum, wait_idle
+
+pytestmark = pytest.mark.process
 
 HEARTBEAT_S = 0.2
 WORKER_TIMEOUT_S = 3.0
@@ -24,16 +26,13 @@ LONG = {"prompt": "Count slowly:", "max_tokens": 450, "temperature": 0, "ignore_
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LaunchedServer(["--mode", "colocated", "--port", "0", "--base-port", str(free_port()),
-                          "--kv-pool-tokens", str(POOL), "--max-model-len", str(CONTEXT),
+def server(launched_server):
+    srv = launched_server("colocated", "--kv-pool-tokens", str(POOL), "--max-model-len", str(CONTEXT),
                           "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", str(WORKER_TIMEOUT_S),
-                          "--request-timeout-s", str(REQUEST_TIMEOUT_S), "--log-level", "WARNING"])
-    srv.start()
+                          "--request-timeout-s", str(REQUEST_TIMEOUT_S), "--log-level", "WARNING")
     yield srv
-    for pid in srv.worker_pids():  # the SIGSTOP test may fail half way
+    for pid in srv.worker_pids():  # the SIGSTOP test may fail half way; launched_server stops it after this
         os.kill(pid, signal.SIGCONT)
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,7 @@ def test_auto_backend_is_torch_on_cpu_and_validates():
         paged_decode_attention(q[:, :3], pool.k_layer(0), pool.v_layer(0), bt, sl, 1.0, 4)
 
 
+@pytest.mark.process  # a fresh interpreter
 def test_import_engine_does_not_import_triton():
     code = ("import sys, engine.kernels, engine.attention; "
             "assert 'triton' not in sys.modules, 'triton imported eagerly'")
@@ -326,6 +327,7 @@ print("compiled")
 '''
 
 
+@pytest.mark.process  # a fresh interpreter compiles the kernels
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 def test_kernels_compile_for_sm90_without_gpu():
     """AOT-compile representative configurations to sm_90 cubin (ptxas bundled with triton)."""

@@ -28,6 +28,8 @@ import pytest
 from configs.schema import PdserveConfig
 from server.testing.subprocess_server import LaunchedServer, free_port
 
+pytestmark = pytest.mark.process
+
 HEARTBEAT_S = 0.2
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 
@@ -38,16 +40,11 @@ def base_port():
 
 
 @pytest.fixture(scope="module")
-def first(base_port):
+def first(base_port, launched_server):
     """Launch A: PD mode, prefill-0 at ``base_port``, decode-0 at ``base_port + 1``."""
-    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(base_port), "--kv-pool-tokens", "512",
-                          "--max-model-len", "512", "--health-interval-s", str(HEARTBEAT_S),
-                          "--peer-timeout-s", "4", "--log-level", "WARNING"])
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
+    return launched_server("pd", "--kv-pool-tokens", "512", "--max-model-len", "512",
+                           "--health-interval-s", str(HEARTBEAT_S), "--peer-timeout-s", "4", "--log-level", "WARNING",
+                           base_port=base_port)
 
 
 def complete(url: str) -> dict:

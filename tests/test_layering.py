@@ -135,7 +135,6 @@ def test_cycle_finder_finds_a_cycle():
     assert layer_of("server.router.app") < layer_of("server.launch.cli") < layer_of("bench.cli")
 
 
-@pytest.mark.xfail(strict=True, reason="two test files over 400 lines: being split (issue 23, item 6)")
 def test_files_and_classes_stay_small():
     too_long, too_wide = [], []
     for p in [*MODULES.values(), *(ROOT / "tests").rglob("*.py")]:
@@ -166,6 +165,7 @@ def _names_dataclass(decorator: ast.expr) -> bool:
     return getattr(target, "id", getattr(target, "attr", None)) == "dataclass"
 
 
+@pytest.mark.process  # a fresh interpreter
 def test_router_and_protocol_do_not_import_torch():
     code = ("import sys, transfer.wire.protocol, transfer.wire.outbox, server.router.app; "
             "print(sorted(m for m in ('torch', 'engine.sampling', 'engine.model') if m in sys.modules))")

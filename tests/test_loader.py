@@ -100,6 +100,7 @@ def test_gguf_tensors_are_writable_and_finite(gguf_model):
     assert torch.isfinite(w["model.layers.3.mlp.up_proj.weight"]).all()
 
 
+@pytest.mark.slow  # loads the GGUF through transformers
 @pytest.mark.parametrize("proj", ["q_proj", "k_proj", "v_proj", "o_proj"])
 def test_qk_deinterleave_matches_transformers(gguf_model, hf_gguf_state, proj):
     _, w = gguf_model
@@ -108,6 +109,7 @@ def test_qk_deinterleave_matches_transformers(gguf_model, hf_gguf_state, proj):
         assert torch.equal(w[name], hf_gguf_state[name]), name
 
 
+@pytest.mark.slow  # loads the GGUF through transformers
 def test_embeddings_and_mlp_match_transformers(gguf_model, hf_gguf_state):
     _, w = gguf_model
     for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.5.mlp.gate_proj.weight"):

@@ -132,6 +132,7 @@ def assert_sensitive(model_a, model_b) -> None:
 @pytest.mark.parametrize("case, page_size, chunk", [
     ("ministral", 4, 2048), ("mistral", 16, 16), ("qwen2-max-window-layers", 8, 2048),
     ("qwen2-off", 4, 2048), ("qwen3", 16, 2048)])
+@pytest.mark.slow
 def test_engine_logits_match_transformers(tmp_path, case, page_size, chunk):
     model = build_folder(case, tmp_path, drop_layer_types=case == "qwen2-max-window-layers")
     llm, outs = run_engine(EngineConfig(model=str(tmp_path), page_size=page_size, kv_pool_tokens=1024),
@@ -186,6 +187,7 @@ def test_qwen_sliding_off_ignores_layer_types(tmp_path):
         hf_load(tmp_path)(torch.tensor([PROMPTS[0]]))
 
 
+@pytest.mark.slow
 def test_overrides_run_like_transformers_with_the_same_settings(tmp_path):
     """--layer-types alternate --sliding-window 6 on a ministral folder == transformers given the same."""
     build_folder("ministral", tmp_path)

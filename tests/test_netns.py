@@ -34,7 +34,7 @@ from server.testing.subprocess_server import REPO_ROOT, metric_sum, wait_idle
 _REASON = unavailable_reason()
 if _REASON:
     print(f"\n*** SKIPPING the network-namespace test: {_REASON} ***", file=sys.stderr)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+pytestmark = [pytest.mark.process, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 HEARTBEAT_S = 0.5
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",

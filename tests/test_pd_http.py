@@ -21,8 +21,10 @@ import torch
 
 from conftest import engine_cfg, sched_cfg
 from engine.llm import LLM
-from server.testing.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
+from server.testing.subprocess_server import LaunchedServer, metric_sum, wait_idle
 from transfer.wire.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.process
 
 HEARTBEAT_S = 0.2
 NEW_TOKENS = 24
@@ -37,18 +39,14 @@ QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosy
 
 
 @pytest.fixture(scope="module", params=["nixl", "ucxx"])
-def server(request):
+def server(request, launched_server):
     """One launched PD server per KV data plane; every test below runs against each."""
-    srv = LaunchedServer(["--mode", "pd", "--transfer-backend", request.param,
-                          "--port", "0", "--base-port", str(free_port()),
+    srv = launched_server("pd", "--transfer-backend", request.param,
                           "--kv-pool-tokens", "1024", "--page-size", "16", "--max-model-len", "2048",
                           "--init-new-token-ratio", "0.05", "--health-interval-s", str(HEARTBEAT_S),
-                          "--worker-timeout-s", "30", "--peer-timeout-s", "4", "--log-level", "WARNING"])
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
+                          "--worker-timeout-s", "30", "--peer-timeout-s", "4", "--log-level", "WARNING")
+    yield srv
+    launched_server.stop(srv)  # one backend's server at a time: stopped before the next param's starts
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from engine.scheduler.step_report import StepReport
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # PD in one process against the transformers reference
+
 
 def cfg(pool=4096, page=4, host_gb=0.01, **sched) -> PdserveConfig:
     return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": pool, "page_size": page},

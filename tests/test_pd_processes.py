@@ -17,8 +17,10 @@ import zmq
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
 from transfer.wire.protocol import (GenerateRequest, PrefillRequest, Shutdown, StatsRequest, TokenBatch, WorkerStats,
-                               decode, encode, frame_ids, ids_frame)
+                               decode, encode, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.process
 
 
 def free_port() -> int:

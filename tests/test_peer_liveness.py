@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import pytest
 import zmq
 
 from conftest import hf_greedy
@@ -77,6 +78,7 @@ def test_pinger_hears_a_worker_whose_scheduler_thread_never_reads():
         ctx.term()
 
 
+@pytest.mark.process  # worker subprocesses (PDPair)
 def test_busy_decode_worker_keeps_its_live_prefill_peer(tiny, tiny_folder):
     """The finding: each decode step (here made 2 s long, as on an oversubscribed machine) is
     longer than peer_timeout_s; the prefill worker answers all along. Every request completes."""
@@ -93,6 +95,7 @@ def test_busy_decode_worker_keeps_its_live_prefill_peer(tiny, tiny_folder):
         pair.close()
 
 
+@pytest.mark.process  # worker subprocesses (PDPair)
 def test_stuck_prefill_scheduler_is_failed_by_the_progress_watchdog(tiny_folder):
     """The prefill scheduler thread sleeps for 10 minutes after its first step; its control thread
     keeps answering. The decode side fails the request as stuck, not as silent."""
@@ -111,6 +114,7 @@ def test_stuck_prefill_scheduler_is_failed_by_the_progress_watchdog(tiny_folder)
         pair.close()
 
 
+@pytest.mark.process  # worker subprocesses (PDPair)
 def test_sigstopped_prefill_worker_is_dead_not_stuck(tiny_folder):
     pair = PDPair(tiny_folder, decode_pool=512, host_gb=0.0)
     try:

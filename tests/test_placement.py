@@ -65,42 +65,35 @@ def test_bad_specs_are_refused_with_the_flag(spec, needle):
     assert needle in str(e.value)
 
 
-def test_launch_pins_each_worker_to_its_cores():
+@pytest.mark.process
+def test_launch_pins_each_worker_to_its_cores(launched_server_per_test):
     import os
 
-    from server.testing.subprocess_server import LaunchedServer, free_port
-
-    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()), "--kv-pool-tokens", "512",
-                          "--worker-cpus", "prefill-0=0,decode-0=1"])
-    srv.start()
-    try:
-        by_role = {}
-        for pid in srv.worker_pids():
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            by_role[argv[argv.index(b"--role") + 1].decode()] = os.sched_getaffinity(pid)
-        assert by_role == {"prefill": {0}, "decode": {1}}
-        assert "placement: prefill-0 -> cpus 0, decode-0 -> cpus 1" in srv.log()
-    finally:
-        srv.stop()
+    srv = launched_server_per_test("pd", "--kv-pool-tokens", "512", "--worker-cpus", "prefill-0=0,decode-0=1")
+    by_role = {}
+    for pid in srv.worker_pids():
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        by_role[argv[argv.index(b"--role") + 1].decode()] = os.sched_getaffinity(pid)
+    assert by_role == {"prefill": {0}, "decode": {1}}
+    assert "placement: prefill-0 -> cpus 0, decode-0 -> cpus 1" in srv.log()
 
 
-def test_launch_gives_unpinned_workers_their_thread_share(monkeypatch):
+@pytest.mark.process
+def test_launch_gives_unpinned_workers_their_thread_share(monkeypatch, launched_server_per_test):
     """Default placement (off) on this host: nothing pinned, but each of the 2 workers is told to run
     torch with cores // 2 threads, and the launcher says so."""
     import os
 
-    from server.testing.subprocess_server import LaunchedServer, free_port
-
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    with LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()),
-                         "--kv-pool-tokens", "512"]) as srv:
-        for pid in srv.worker_pids():
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            assert argv[argv.index(b"--threads") + 1].decode() == share
-        assert f"torch threads per worker: {share}" in srv.log()
+    srv = launched_server_per_test("pd", "--kv-pool-tokens", "512")
+    for pid in srv.worker_pids():
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        assert argv[argv.index(b"--threads") + 1].decode() == share
+    assert f"torch threads per worker: {share}" in srv.log()
 
 
+@pytest.mark.process
 def test_launch_with_a_bad_cpu_list_fails_at_once_naming_the_flag():
     import subprocess
     import sys

@@ -174,14 +174,6 @@ class DyingWorker(Client):
             loop.call_soon(self.on_tokens, self.spec.worker_id, d)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from engine.model_paths import resolve_model_path
-    from engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(resolve_model_path("default"))
-
-
 @pytest.mark.parametrize("retries,stream", [(1, False), (1, True), (0, False)])
 def test_http_retry_moves_the_counter_by_exactly_one(tokenizer, retries, stream):
     cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05},

@@ -95,6 +95,7 @@ def test_radix_disabled_computes_everything(tiny):
     assert sched.kv.usage([]).free == sched.kv.usage([]).total
 
 
+@pytest.mark.slow
 def test_forced_retract_keeps_outputs(tiny, refs):
     sched = make_sched(tiny, retract_test_interval=3)
     ps, ref = refs
@@ -104,6 +105,7 @@ def test_forced_retract_keeps_outputs(tiny, refs):
     assert_clean(sched)
 
 
+@pytest.mark.slow
 def test_retract_under_memory_pressure(tiny):
     # 4 requests of 20+16 tokens (9 pages each at the end) in a 24-page pool, all admitted with a
     # small new-token reservation (no ignore_eos, so new_token_ratio applies; no EOS id so lengths
@@ -144,6 +146,7 @@ def test_abort_frees_everything(tiny):
     assert_clean(sched)
 
 
+@pytest.mark.slow
 def test_admission_reserves_new_tokens(tiny):
     # Pool of 128 tokens, ratio 1.0: a 10-token prompt reserving 100 new tokens leaves no room for
     # a second one, so the second waits (NO_TOKEN) instead of being admitted and retracted later.
@@ -159,6 +162,7 @@ def test_admission_reserves_new_tokens(tiny):
     assert_clean(sched)
 
 
+@pytest.mark.slow
 def test_sampled_requests_complete_with_seed(tiny):
     sched = make_sched(tiny, retract_test_interval=2)
     ps = prompts(4, seed=11)
@@ -170,6 +174,7 @@ def test_sampled_requests_complete_with_seed(tiny):
     assert_clean(sched)
 
 
+@pytest.mark.slow
 def test_pool_far_smaller_than_workload(tiny):
     # 16 prompts of 12-24 tokens + 16 new: ~600 tokens of demand against a 128-token pool.
     ps = prompts(16, 12, 24, seed=33)

@@ -181,11 +181,8 @@ def test_unreachable_server_fails_every_request_and_none_is_dropped():
 
 # ---- workload ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def token_counter():
-    from engine.model_paths import resolve_model_path
-    from engine.tokenizer import Tokenizer
-
-    return TokenCounter(Tokenizer.from_path(resolve_model_path("default")))
+def token_counter(tokenizer):
+    return TokenCounter(tokenizer)
 
 
 def test_prompt_lengths_in_tokens_of_the_model(token_counter):
@@ -336,6 +333,7 @@ def test_ratios_and_plot(tmp_path):
 
 
 # ---- a real run -------------------------------------------------------------------------------------
+@pytest.mark.process
 def test_real_run_against_a_launched_colocated_server(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     cmd = [sys.executable, "-m", "server.launch.cli", "bench", "serve", "--compare", "colocated", "--concurrency", "2",

@@ -17,6 +17,8 @@ from server.testing.pd_harness import PDHarness
 from tests.conftest import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # the embedded model against transformers
+
 W, NEW, TOP = 61, 12, 5
 TYPES = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(30))
 

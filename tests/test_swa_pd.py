@@ -42,6 +42,7 @@ def run(h: PDHarness, batch, n: int, tag: str = "r"):
     return [out[f"{tag}{i}"]["tokens"] for i in range(len(batch))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("radix", [True, False])
 def test_pd_swa_matches_transformers(harness, swa_model, radix):  # noqa: F811
     h = harness(d=cfg(radix=radix))
@@ -62,6 +63,7 @@ def test_decode_preallocates_only_the_swa_tail(harness):
     h.run()
 
 
+@pytest.mark.slow
 def test_second_turn_ships_only_its_new_tokens(harness, swa_model):  # noqa: F811
     h = harness()
     turn1 = prompts(1, 30)[0]
@@ -78,6 +80,7 @@ def test_second_turn_ships_only_its_new_tokens(harness, swa_model):  # noqa: F81
     assert swa.cached > 0
 
 
+@pytest.mark.slow
 def test_forced_retract_offloads_the_window_and_resumes(harness, swa_model):  # noqa: F811
     h = harness(d=cfg(retract_test_interval=3))
     batch = prompts(3, 35)
@@ -88,6 +91,7 @@ def test_forced_retract_offloads_the_window_and_resumes(harness, swa_model):  # 
     assert st.offload_bytes < st.offloaded * 2 * (-(-47 // PAGE)) * h.d_runner.pools.unit_bytes
 
 
+@pytest.mark.slow
 def test_recompute_when_the_host_pool_is_off(harness, swa_model):  # noqa: F811
     h = harness(d=cfg(retract_test_interval=3, host_gb=0.0))
     batch = prompts(2, 35)
@@ -102,6 +106,7 @@ def swa_folder(swa_model, tmp_path_factory):  # noqa: F811
     return folder
 
 
+@pytest.mark.process  # worker subprocesses (PDPair)
 def test_pd_processes_swa_pool_over_nixl_with_offload(swa_model, swa_folder):  # noqa: F811
     """Real worker processes and NIXL: the SWA tail crosses as unit rows into the decode worker's
     SWA pool; a small decode pool retracts (offload of the window) and outputs stay exact."""

@@ -84,6 +84,7 @@ def test_swa_pool_is_separate_and_smaller(swa_model):
     assert [p for p, _ in pools.layer_pool] == ["swa", "full", "swa", "full"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("radix", [True, False])
 def test_colocated_swa_matches_transformers(swa_model, radix):
     llm = make_llm(swa_model, enable_radix_cache=radix)
@@ -125,12 +126,14 @@ def test_swa_pool_holds_only_the_window_while_decoding(swa_model):
     assert kv.usage([], "swa").used == 0
 
 
+@pytest.mark.slow
 def test_forced_retract_recompute_with_swa(swa_model):
     llm = make_llm(swa_model, retract_test_interval=3)
     check_outputs(llm, swa_model[2], prompts(3, 30), 10)
     assert llm.scheduler.stats.retractions > 0
 
 
+@pytest.mark.slow
 def test_small_swa_pool_limits_admission_and_stays_exact(swa_model):
     """An SWA pool of 12 pages for four 20-token prompts (5 SWA pages each at prefill): admission
     counts the SWA pool apart from the roomy full pool, so they run in turns, all exact."""
@@ -191,6 +194,7 @@ def test_triton_decode_over_the_swa_pool_matches_the_torch_backend(window):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_long_prompt_prefills_in_chunks_through_a_small_swa_pool(swa_model):
     """A 120-token prompt (30 pages) through a 64-token SWA pool (16 pages), 8-token chunks:
     SWA pages are taken chunk by chunk and released behind the window, so it fits; a prompt that

@@ -4,14 +4,15 @@ with nothing to compute tell the loop how long it may block."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from configs.schema import PdserveConfig
 from conftest import engine_cfg, sched_cfg
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
 from server.testing.pd_harness import PDHarness
-from server.testing.subprocess_server import LaunchedServer, free_port, metric_sum, wait_idle
 from engine.scheduler.step_report import StepReport
+from server.testing.subprocess_server import metric_sum, wait_idle
 from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.scheduler.timeline import PHASES
@@ -63,23 +64,19 @@ def test_schedulers_with_nothing_to_compute_let_the_loop_block(tiny):
         h.close()
 
 
-def test_phase_metrics_through_a_pd_server():
-    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()),
-                          "--kv-pool-tokens", "1024", "--health-interval-s", "0.2"])
-    url = srv.start()
-    try:
-        before = wait_idle(url, 0.2)
-        r = httpx.post(f"{url}/v1/completions", timeout=120,
-                       json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200, r.text
-        m = wait_idle(url, 0.2)
-        name = "pdserve_request_phase_seconds_count"
-        for worker, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
-            for phase, _, _ in PHASES[role]:
-                moved = metric_sum(m, name, worker=worker, phase=phase) - metric_sum(before, name, worker=worker,
-                                                                                     phase=phase)
-                assert moved == 1, (worker, phase)
-        q = "pdserve_router_queue_seconds_count"
-        assert metric_sum(m, q) - metric_sum(before, q) == 1
-    finally:
-        srv.stop()
+@pytest.mark.process
+def test_phase_metrics_through_a_pd_server(launched_server_per_test):
+    url = launched_server_per_test("pd", "--kv-pool-tokens", "1024", "--health-interval-s", "0.2").url
+    before = wait_idle(url, 0.2)
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    m = wait_idle(url, 0.2)
+    name = "pdserve_request_phase_seconds_count"
+    for worker, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        for phase, _, _ in PHASES[role]:
+            moved = metric_sum(m, name, worker=worker, phase=phase) - metric_sum(before, name, worker=worker,
+                                                                                 phase=phase)
+            assert moved == 1, (worker, phase)
+    q = "pdserve_router_queue_seconds_count"
+    assert metric_sum(m, q) - metric_sum(before, q) == 1

@@ -21,6 +21,8 @@ from transfer.factory import create_transport
 
 from transport_pools import PAGE_BYTES, SHAPE, expected_page, make_pool, page_words
 
+pytestmark = pytest.mark.process  # every test spawns a peer process
+
 # ---- real backends in two processes --------------------------------------------------------
 
 # (backend, transport options): every real data plane and each of its modes.

@@ -25,6 +25,8 @@ from faults import FAULTS, Fault, inject
 from server.testing.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
 
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 LEASE_S = 4.0  # worker_timeout_s (router) = peer_timeout_s (decode -> prefill)
 ARGS = ["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512", "--init-new-token-ratio", "0.05",

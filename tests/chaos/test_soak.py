@@ -10,10 +10,13 @@ import os
 import time
 
 import httpx
+import pytest
 
 from chaos_cluster import Cluster, leaks, rss_bytes, stream_one
 from server.testing.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "5000"))
 CONCURRENCY = 64

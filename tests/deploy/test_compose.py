@@ -27,6 +27,8 @@ from stream_client import Outcome, stream_one
 from conftest import engine_cfg, sched_cfg
 from server.testing.subprocess_server import free_port, fresh_metrics, metric_sum, wait_idle
 
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
 WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
 # Small decode pools so 16 requests overcommit them; low initial reservation so admission
 # overcommits and the decode workers must retract.
