@@ -14,6 +14,7 @@ import sys
 
 from bench.serve import report
 from bench.serve.client import ClientConfig, served_model
+from bench.serve.cpu import CpuMeter
 from bench.serve.interference import InterferenceSpec, interference_records, interference_requests
 from bench.serve.options import ServeOptions, add_serve_flags
 from bench.serve.report import RunRecord
@@ -46,23 +47,28 @@ class ServeBench:
             return [(f"c={c}", c, None) for c in self.o.concurrency]
         return [(f"rate={r:g}", None, r) for r in self.o.request_rates]
 
-    def run_target(self, target: str, url: str) -> list[RunRecord]:
-        """Every load level (or the interference study) against the server at ``url``."""
+    def run_target(self, target: str, url: str, launcher_pid: int | None = None) -> list[RunRecord]:
+        """Every load level (or the interference study) against the server at ``url``; with the pid of
+        its launcher, each record also gets the CPU seconds of the router and every worker."""
         cfg = self._client(url)
         show = not self.a.no_progress
         if self.a.interference:
-            measured = asyncio.run(open_loop(cfg, self.interference_specs(), self._warmup(0), show, "interference"))
-            return interference_records(target, measured, self.o.slo, f"short {self.o.request_rates[0]:g}/s")
+            meter = _meter(launcher_pid)
+            measured = asyncio.run(open_loop(cfg, self.interference_specs(), self._warmup(0), show, "interference",
+                                             meter))
+            records = interference_records(target, measured, self.o.slo, f"short {self.o.request_rates[0]:g}/s")
+            return [*records[:-1], _with_cpu(records[-1], meter)]  # CPU belongs to the mixed run as a whole
         records = []
         for level, (load, conc, rate) in enumerate(self._levels()):
             specs = make_requests(self._shape(conc), self.counter, self.a.workload_seed + 1000 * level)
+            meter = _meter(launcher_pid)
             if conc is not None:
-                m = asyncio.run(closed_loop(cfg, specs, conc, self._warmup(level), show))
+                m = asyncio.run(closed_loop(cfg, specs, conc, self._warmup(level), show, meter))
             else:
                 specs = poisson_arrivals(specs, rate, self.a.workload_seed + 1000 * level + 1)
-                m = asyncio.run(open_loop(cfg, specs, self._warmup(level), show, load))
-            records.append(RunRecord(target, load, conc, rate, compute_stats(m.results, m.duration_s, self.o.slo),
-                                     m.results))
+                m = asyncio.run(open_loop(cfg, specs, self._warmup(level), show, load, meter))
+            records.append(_with_cpu(RunRecord(target, load, conc, rate,
+                                               compute_stats(m.results, m.duration_s, self.o.slo), m.results), meter))
             print(report.runs_table(records[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         return records
 
@@ -87,14 +93,26 @@ class ServeBench:
         flags = config_flags(engine_values) + self.o.server_args
         for mode in self.o.modes or []:
             print(f"bench serve: launching {mode} ({' '.join(flags) or 'default flags'})", file=sys.stderr)
-            with launched(mode, flags) as url:
-                records += self.run_target(mode, url)
+            with launched(mode, flags) as srv:
+                records += self.run_target(mode, srv.url, srv.pid)
         for name, url in self.o.targets:
             print(f"bench serve: loading {name} at {url}", file=sys.stderr)
             records += self.run_target(name, url)
         if not self.o.target_names:
             records += self.run_target("server", self.a.base_url)
         return records
+
+    def _print_cpu(self, records: list[RunRecord]) -> None:
+        """Each launched target's CPU table; one line naming the targets whose processes are unknown."""
+        for target in dict.fromkeys(r.target for r in records):
+            table = report.cpu_table([r for r in records if r.target == target])
+            if table:
+                print(f"\nCPU of {target}'s processes over the measured requests (not warm-up):")
+                print(table)
+        unknown = [t for t in dict.fromkeys(r.target for r in records) if t not in (self.o.modes or [])]
+        if unknown:
+            print(f"\nCPU per process: not measured for {', '.join(unknown)} (not launched by the bench, pids "
+                  f"unknown; cpu_s fields are null)")
 
     def finish(self, records: list[RunRecord]) -> dict:
         """Print the tables (runs, ratios, failures) and return the JSON payload."""
@@ -106,6 +124,7 @@ class ServeBench:
             ratio_rows[f"{other}/{modes[0]}"] = rows
             print(f"\nratios {other} / {modes[0]} (same workload, one run):")
             print(report.ratios_table(rows, modes[0], other))
+        self._print_cpu(records)
         failed = sum(r.stats.failed for r in records if r.kind in ("all", "mixed"))
         if failed:
             print(f"\n{failed} request(s) failed; first errors: "
@@ -113,6 +132,15 @@ class ServeBench:
         return {"benchmark": "pdserve bench serve", "argv": sys.argv[1:], "tokenizer": self.counter.name,
                 "settings": {k: v for k, v in vars(self.a).items() if k != "func"},
                 "runs": [r.to_dict() for r in records], "ratios": ratio_rows}
+
+
+def _meter(launcher_pid: int | None) -> CpuMeter | None:
+    return None if launcher_pid is None else CpuMeter(launcher_pid)
+
+
+def _with_cpu(record: RunRecord, meter: CpuMeter | None) -> RunRecord:
+    """``record`` with the meter's CPU seconds (unchanged without a meter)."""
+    return record if meter is None else dataclasses.replace(record, cpu_s=meter.cpu_s, cpu_wall_s=meter.wall_s)
 
 
 def run_serve_bench(args: argparse.Namespace, engine_values: dict) -> int:

@@ -361,6 +361,10 @@ def test_real_run_against_a_launched_colocated_server(tmp_path):
         assert r["prompt_tokens"] == r["expected_prompt_len"] and 16 <= r["prompt_tokens"] <= 32
         assert 0 < r["ttft_s"] < r["e2e_s"]
     assert "| colocated | c=2 | all | 4 | 0 |" in proc.stdout
+    for proc_name in ("router", "colocated-0"):  # CPU of the launched processes over the measured requests
+        assert run["cpu_s"][proc_name] > 0 and run["cpu_s_per_output_token"][proc_name] > 0
+    assert run["router_core_pct_per_100_tok_s"] > 0 and 0 < run["cpu_wall_s"] <= stats["duration_s"] + 0.5
+    assert "CPU of colocated's processes" in proc.stdout and "| c=2 | colocated-0 |" in proc.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -374,5 +378,9 @@ def test_cli_reports_failures_in_json_and_exit_code(tmp_path, capsys):
     assert rc == 1
     stats = json.loads(out.read_text())["runs"][0]["stats"]
     assert (stats["requests"], stats["completed"], stats["failed"]) == (3, 0, 3)
-    assert "ConnectError" in stats["errors"][0] and "3 request(s) failed" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ConnectError" in stats["errors"][0] and "3 request(s) failed" in printed
+    run = json.loads(out.read_text())["runs"][0]  # not launched by the bench: no pids, no CPU figures
+    assert run["cpu_s"] is None and run["router_core_pct_per_100_tok_s"] is None
+    assert "CPU per process: not measured for server" in printed
     assert main(["serve", "--concurrency", "1", "--request-rate", "2"]) == 2

@@ -6,13 +6,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.serve.client import RequestResult
+from bench.serve.cpu import cpu_fields, cpu_rows, router_goal_line
 from bench.serve.stats import RunStats, Summary
 
 
 @dataclass
 class RunRecord:
     """One load level against one target. ``target``: the mode launched (``colocated``/``pd``) or
-    ``server`` for ``--base-url``; ``kind``: which requests ``stats`` covers (``all``, ``short``, ``long``)."""
+    ``server`` for ``--base-url``; ``kind``: which requests ``stats`` covers (``all``, ``short``, ``long``);
+    ``cpu_s``: CPU seconds per server process over ``cpu_wall_s`` (None when the bench did not launch
+    the server, or for the ``short``/``long`` parts of an interference run)."""
 
     target: str
     load: str
@@ -21,9 +24,12 @@ class RunRecord:
     stats: RunStats
     results: list[RequestResult]
     kind: str = "all"
+    cpu_s: dict[str, float] | None = None
+    cpu_wall_s: float = 0.0
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("results", "stats")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("results", "stats", "cpu_s", "cpu_wall_s")}
+        d.update(cpu_fields(self.cpu_s, self.cpu_wall_s, self.stats.output_tokens))
         d["stats"] = self.stats.to_dict()
         d["requests"] = [{**asdict(r), "tpot_s": r.tpot_s} for r in self.results]
         return d
@@ -54,6 +60,21 @@ def markdown_table(head: tuple, rows: list[tuple]) -> str:
 def runs_table(records: list[RunRecord]) -> str:
     """Every run as one row; latencies in ms."""
     return markdown_table(_HEAD, [_row(r) for r in records])
+
+
+def cpu_table(records: list[RunRecord]) -> str:
+    """Per load level and server process: CPU s, CPU ms per output token, % of one core; then the
+    router's % of one core per 100 output tok/s against the goal. Empty if no record has CPU times."""
+    measured = [r for r in records if r.cpu_s is not None]
+    if not measured:
+        return ""
+    rows, goals = [], []
+    for r in measured:
+        f = cpu_fields(r.cpu_s, r.cpu_wall_s, r.stats.output_tokens)
+        rows += cpu_rows(r.load, f)
+        goals.append(router_goal_line(r.load, f["router_core_pct_per_100_tok_s"]))
+    head = ("load", "process", "CPU s", "CPU ms/out tok", "% of one core")
+    return markdown_table(head, rows) + "\n" + "\n".join(goals)
 
 
 def _value(s: RunStats, metric: str) -> float | None:

@@ -1,6 +1,8 @@
 """Load schedules: closed loop (N clients, each sends its next request when the last one ends) and
 open loop (requests sent at their ``arrival_s`` whatever is in flight). Both return every result
 (failures included) and the wall duration of the measured part; warm-up requests are not counted.
+A ``meter`` (anything with ``start()`` and ``stop()``, e.g. ``cpu.CpuMeter``) is started right
+before the first measured request and stopped right after the last one ends.
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 from tqdm import tqdm
@@ -22,6 +25,22 @@ class Measured:
 
     results: list[RequestResult]
     duration_s: float
+
+
+class Meter(Protocol):
+    """Something measured over exactly the measured part of a run."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _NoMeter:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 def _http_client(parallel: int) -> httpx.AsyncClient:
@@ -43,7 +62,7 @@ async def _warm_up(client: httpx.AsyncClient, cfg: ClientConfig, warmup: list[Re
 
 
 async def closed_loop(cfg: ClientConfig, specs: list[RequestSpec], concurrency: int,
-                      warmup: list[RequestSpec] = (), progress: bool = True) -> Measured:
+                      warmup: list[RequestSpec] = (), progress: bool = True, meter: Meter | None = None) -> Measured:
     """Run ``specs`` with ``concurrency`` clients pulling from one queue (in order)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -60,21 +79,26 @@ async def closed_loop(cfg: ClientConfig, specs: list[RequestSpec], concurrency: 
                 results.append(await send(client, cfg, queue.get_nowait()))
                 bar.update(1)
 
+        meter = meter or _NoMeter()
+        meter.start()
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(specs)))))
         duration = time.perf_counter() - t0
+        meter.stop()
         bar.close()
     return Measured(sorted(results, key=lambda r: r.index), duration)
 
 
 async def open_loop(cfg: ClientConfig, specs: list[RequestSpec], warmup: list[RequestSpec] = (),
-                    progress: bool = True, label: str = "open loop") -> Measured:
+                    progress: bool = True, label: str = "open loop", meter: Meter | None = None) -> Measured:
     """Send each spec at its ``arrival_s`` (seconds after the start), not waiting for earlier ones."""
     if any(s.arrival_s is None for s in specs):
         raise ValueError("open loop needs an arrival_s on every request (see workload.poisson_arrivals)")
     async with _http_client(len(specs)) as client:
         await _warm_up(client, cfg, list(warmup), 2)
         bar = _bar(len(specs), label, progress)
+        meter = meter or _NoMeter()
+        meter.start()
         t0 = time.perf_counter()
 
         async def one(spec: RequestSpec) -> RequestResult:
@@ -85,5 +109,6 @@ async def open_loop(cfg: ClientConfig, specs: list[RequestSpec], warmup: list[Re
 
         results = await asyncio.gather(*(one(s) for s in specs))
         duration = time.perf_counter() - t0
+        meter.stop()
         bar.close()
     return Measured(list(results), duration)

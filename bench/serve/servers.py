@@ -41,11 +41,12 @@ def launch_argv(mode: str, flags: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def launched(mode: str, flags: list[str], startup_timeout_s: float = 300.0) -> Iterator[str]:
-    """Start a server in ``mode`` and yield its base URL; stop it on exit (``RuntimeError`` with its
-    log tail if it does not come up)."""
+def launched(mode: str, flags: list[str], startup_timeout_s: float = 300.0) -> Iterator[LaunchedServer]:
+    """Start a server in ``mode`` and yield it once it serves (``.url``; ``.pid`` is the launcher,
+    which runs the router); stop it on exit (``RuntimeError`` with its log tail if it does not come up)."""
     srv = LaunchedServer(launch_argv(mode, flags), startup_timeout_s=startup_timeout_s)
     try:
-        yield srv.start()
+        srv.start()
+        yield srv
     finally:
         srv.stop()

@@ -69,6 +69,11 @@ class LaunchedServer:
             self._lines.put(line)
         self._lines.put(None)
 
+    @property
+    def pid(self) -> int | None:
+        """The launcher's pid (the process that runs the router), None before ``start()``."""
+        return None if self.proc is None else self.proc.pid
+
     def log(self) -> str:
         """The launcher's (and its workers') stderr so far."""
         self._stderr.flush()
