@@ -58,9 +58,9 @@ def gemm_shapes(cfg, rows: int = GEMM_ROWS) -> list[tuple[int, int, int]]:
     return [(rows, h, q + 2 * kv), (rows, h, 2 * i), (rows, i, h)]
 
 
-def matmul_peak(dtype: str, shapes: list[tuple[int, int, int]], reps: int = 5) -> tuple[float, str]:
+def matmul_peak(dtype: str, shapes: list[tuple[int, int, int]], repeats: int = 10) -> tuple[float, str]:
     """(best FLOP/s, where) over ``shapes``, plain ``F.linear`` and, for float32, the engine's
-    oneDNN-packed ``linear``; each timing is the best of 3 runs of ``reps`` calls."""
+    oneDNN-packed ``linear``; each the fastest of ``repeats`` single calls (least disturbed by noise)."""
     dt = _TORCH_DTYPES[dtype]
     best, where = 0.0, ""
     with torch.inference_mode():
@@ -72,7 +72,7 @@ def matmul_peak(dtype: str, shapes: list[tuple[int, int, int]], reps: int = 5) -
                 kinds["packed"] = lambda x=x, pw=pw: linear(x, pw)
             for kind, fn in kinds.items():
                 fn()
-                rate = 2 * rows * k * n * reps / _best(lambda fn=fn: [fn() for _ in range(reps)])
+                rate = 2 * rows * k * n / _best(fn, repeats)
                 if rate > best:
                     best, where = rate, f"{rows}x{k} @ {k}x{n}, {kind}"
     return best, where

@@ -1,6 +1,8 @@
 """The tables ``pdserve bench engine --roofline`` prints (rows from ``bench.roofline_bench``)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from bench import roofline as rl
@@ -13,7 +15,9 @@ _SHORT = {"matmuls": "matmul", "attention": "attn", "norms/rotary/act": "norm/ro
 def print_header(bw: float, nbytes: int, skipped: list[str], llm) -> None:
     """The machine line, the bandwidth and why any dtype is skipped."""
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()] or ["no avx512_bf16/amx_bf16"]
-    print(f"threads={torch.get_num_threads()} device={llm.runner.device} cpu flags: {', '.join(bf16)}")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"threads={torch.get_num_threads()} device={llm.runner.device} cpu flags: {', '.join(bf16)} "
+          f"load average at start: {load} (other busy processes skew every figure)")
     print(f"read bandwidth: {bw / 1e9:.1f} GB/s (torch sum over {nbytes / 2**30:.2f} GiB float32, best of 3)")
     for line in skipped:
         print(line)
@@ -32,7 +36,7 @@ def print_decode(rows: list[dict], bw: float) -> None:
 
 def print_prefill(rows: list[dict], peaks: dict[str, tuple[float, str]]) -> None:
     """Prefill: FLOPs, the matmul peak, the bound, the measured time and the fraction."""
-    print("\nmatmul peak (best of 3): " + "; ".join(f"{d} {p / 1e9:.1f} GFLOP/s ({w})" for d, (p, w) in peaks.items()))
+    print("\nmatmul peak (fastest single call): " + "; ".join(f"{d} {p / 1e9:.1f} GFLOP/s ({w})" for d, (p, w) in peaks.items()))
     print("prefill roofline (bound = FLOPs / matmul peak; FLOPs = 2 x layer weights x N + LM head x 1 "
           "+ causal attention)")
     print(f"{'dtype':<9} {'tokens':>6} {'GFLOP':>7} {'peak GF/s':>9} {'bound ms':>9} {'meas. ms':>9} "
