@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``pdserve bench`` / ``python -m bench``."""
     p = argparse.ArgumentParser(prog="pdserve bench", description="benchmarks")
     p.add_argument("what", choices=["engine", "retract", "transfer", "serve"],
-                   help="engine: decode/prefill tokens/s vs HF transformers; retract: retract costs "
+                   help="engine: decode/prefill tokens/s vs HF transformers (--roofline: against the machine's "
+                        "read bandwidth and matmul peak); retract: retract costs "
                         "(colocated and PD); transfer: KV transfer over NIXL and ucxx vs memcpy; serve: "
                         "OpenAI-compatible serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, "
                         "--interference)")
@@ -23,6 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true", help="measure this engine only")
+    p.add_argument("--roofline", action="store_true",
+                   help="engine: instead of the HF comparison, the roofline: read bandwidth and matmul peak, "
+                        "decode steps and prefills as fractions of their bounds, a decode step by op class")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="engine --roofline: dtypes to measure (bfloat16 only on CPUs with AVX512_BF16/AMX)")
+    p.add_argument("--prefill-lengths", type=int, nargs="*", default=[128, 512, 2048],
+                   help="engine --roofline: prompt lengths of the prefill section")
+    p.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8],
+                   help="engine --roofline: decode batch sizes profiled by op class")
     p.add_argument("--backend", default="nixl,ucxx", help="transfer: data planes to measure (nixl, ucxx)")
     p.add_argument("--ucxx-error-handling", choices=["off", "on", "both"], default="off",
                    help="transfer: ucxx endpoint error handling to measure")
@@ -48,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
 
         transfer_main(["--backend", args.backend, "--ucxx-error-handling", args.ucxx_error_handling]
                       + (["--dead-peer"] if args.dead_peer else []))
+    elif args.roofline:
+        from bench.roofline_bench import run_roofline
+
+        run_roofline(engine, [d for d in args.dtypes.split(",") if d], args.batch_sizes, args.decode_tokens,
+                     args.prefill_lengths, args.profile_batches)
     else:
         from bench.engine_bench import run_engine_bench
 

@@ -1,0 +1,134 @@
+"""Roofline arithmetic of ``pdserve bench engine --roofline``: pure functions, no timing.
+
+A decode step is memory-bound: it reads every matmul weight once (the tied embedding/output matrix
+once, as the LM head's matmul reads it; the embedding gather reads only the batch's rows) plus each
+sequence's KV cache, so its floor is ``bytes / read bandwidth``. A prefill is compute-bound: its floor
+is ``FLOPs / matmul peak``. ``fraction = bound / measured`` (1.0 = at the roof). Activations, the
+logits written and read back by the sampler, and the KV written for the new tokens are left out
+(under 1% at batch 1; about 5% at batch 32 with 100-token contexts, mostly the logits).
+
+``OP_CLASSES`` sorts the profiler's op names into the classes of the per-step breakdown;
+``breakdown`` turns ``(name, self time)`` rows and a wall time into shares.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# class -> op names as torch.profiler reports them ("prefix*" matches a prefix). First match wins,
+# in this order; unmatched ops go to OTHER. The C decode-attention kernel (ctypes, float32 CPU) is
+# no aten op: the bench wraps it in a profiler range named C_ATTENTION (without that its time would
+# land in PYTHON, with the interpreter and batch building).
+C_ATTENTION = "pdserve::paged_decode_f32"
+OP_CLASSES: dict[str, tuple[str, ...]] = {
+    "matmuls": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
+                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear"),
+    "attention": (C_ATTENTION, "aten::scaled_dot_product_attention", "aten::_scaled_dot_product*", "aten::softmax",
+                  "aten::_softmax", "aten::index_put_", "aten::_index_put_impl_", "aten::stack",
+                  "aten::index"),  # KV store; the torch backend's page gather (also rope's small cos/sin lookup)
+    "norms/rotary/act": ("aten::rsqrt", "aten::pow", "aten::mean", "aten::mul", "aten::add", "aten::silu",
+                         "aten::cat", "aten::neg", "aten::sub", "aten::div"),
+    "logits+sampling": ("aten::argmax", "aten::topk", "aten::sort", "aten::log_softmax", "aten::_log_softmax",
+                        "aten::multinomial", "aten::exponential_", "aten::max", "aten::cumsum"),
+}
+OTHER = "other ops"  # copies, indexing, padding, allocation: ops of no class above
+PYTHON = "python+batch"  # wall time minus every op's self time
+CLASSES = (*OP_CLASSES, OTHER, PYTHON)
+
+
+@dataclass(frozen=True)
+class Roof:
+    """One roofline row: ``bound_s`` the floor, ``measured_s`` the time taken."""
+
+    bound_s: float
+    measured_s: float
+
+    @property
+    def fraction(self) -> float:
+        """``bound / measured``: 1.0 means running at the roof."""
+        return fraction(self.bound_s, self.measured_s)
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one decoder layer's matmuls: fused QKV, output projection, gate/up, down."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def lm_head_params(cfg: ModelConfig) -> int:
+    """Weights of the output matmul (the tied embedding matrix when tied)."""
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    """RMSNorm weights: two per layer plus the final one (plus q/k norms when the model has them)."""
+    qk = 2 * cfg.head_dim if cfg.qk_norm else 0
+    return cfg.num_layers * (2 * cfg.hidden_size + qk) + cfg.hidden_size
+
+
+def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int) -> int:
+    """Weight bytes one decode step of ``batch`` sequences reads: every matmul weight once, the norms,
+    and ``batch`` rows of the embedding (a separate matrix's rows when untied, the LM head's when tied:
+    counted once either way, as rows of a gather)."""
+    params = cfg.num_layers * layer_matmul_params(cfg) + lm_head_params(cfg) + norm_params(cfg)
+    return (params + batch * cfg.hidden_size) * DTYPE_BYTES[dtype]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+    """KV cache bytes of one token over all layers: ``layers x 2 x kv_heads x head_dim x dtype``."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
+def decode_step_bytes(cfg: ModelConfig, dtype: str, contexts: Iterable[int]) -> int:
+    """Bytes a decode step reads: weights once plus each sequence's KV over its context
+    (``contexts``: one length per sequence of the batch)."""
+    contexts = list(contexts)
+    return weight_bytes_per_step(cfg, dtype, len(contexts)) + kv_bytes_per_token(cfg, dtype) * sum(contexts)
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int, logits_rows: int = 1) -> float:
+    """FLOPs of a causal prefill of ``tokens`` tokens: ``2 x layer matmul params x tokens``, the LM head
+    on ``logits_rows`` rows (the engine computes logits for the last token only), and attention's
+    ``QK^T`` and ``PV``: ``2 x 2 x layers x heads x head_dim x tokens^2 / 2``."""
+    matmul = 2 * (cfg.num_layers * layer_matmul_params(cfg) * tokens + lm_head_params(cfg) * logits_rows)
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
+    return float(matmul + attention)
+
+
+def bound_s(amount: float, rate: float) -> float:
+    """The roofline floor: ``amount`` (bytes or FLOPs) at ``rate`` (per second)."""
+    return amount / rate
+
+
+def fraction(bound: float, measured: float) -> float:
+    """``bound / measured`` (0 when nothing was measured)."""
+    return bound / measured if measured > 0 else 0.0
+
+
+def classify_op(name: str) -> str:
+    """The breakdown class of profiler op ``name`` (``OTHER`` when no rule of ``OP_CLASSES`` matches)."""
+    for cls, patterns in OP_CLASSES.items():
+        for p in patterns:
+            if (name.startswith(p[:-1]) if p.endswith("*") else name == p):
+                return cls
+    return OTHER
+
+
+def breakdown(rows: Iterable[tuple[str, float]], wall_s: float) -> dict[str, float]:
+    """Seconds per class of ``CLASSES`` from ``(op name, self CPU seconds)`` rows over ``wall_s``;
+    ``PYTHON`` gets what the ops do not account for (never below 0)."""
+    out = dict.fromkeys(CLASSES, 0.0)
+    for name, self_s in rows:
+        out[classify_op(name)] += self_s
+    out[PYTHON] = max(0.0, wall_s - sum(out[c] for c in CLASSES if c != PYTHON))
+    return out
+
+
+def shares(seconds: dict[str, float]) -> dict[str, float]:
+    """Each class's share of the total of ``seconds`` (0 when the total is 0)."""
+    total = sum(seconds.values())
+    return {k: (v / total if total > 0 else 0.0) for k, v in seconds.items()}
