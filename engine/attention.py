@@ -176,21 +176,23 @@ def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | 
 
 
 class CpuBackend(TorchBackend):
-    """CPU float32: decode through the C paged kernel with ``threads`` threads (default: torch's
-    thread count at each call, which core lending may change between steps); the rest as torch."""
+    """CPU float32: decode through the C paged kernel with at most ``threads`` threads (default:
+    torch's thread count at each call, which core lending may change between steps), fewer when the
+    step's keys are too few to pay for starting them (``cpu_native.threads_for``); the rest as torch."""
 
     def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None],
                  threads: int | None = None) -> None:
         super().__init__(pools, num_heads, scale, windows)
         self.threads = threads
-        self._ranges: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # per step
+        self._ranges: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
     def prepare(self, batch: ForwardBatch) -> None:
         super().prepare(batch)
         self._ranges = {}
 
-    def _range_of(self, name: str, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(table, lo, hi)`` int64 of this step: request i attends to keys ``[lo[i], hi[i])``."""
+    def _range_of(self, name: str, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(table, lo, hi, keys)`` of this step (int64 tensors): request i attends to keys
+        ``[lo[i], hi[i])``; ``keys`` is their total over the batch."""
         key = (name, window)
         if key not in self._ranges:
             table = self._batch.pool_index(name)[0].to(torch.int64).contiguous()
@@ -200,16 +202,16 @@ class CpuBackend(TorchBackend):
                 raise IndexError(f"{name} block table holds a page outside 0..{pages - 1}")
             hi = self._batch.seq_lens.to(torch.int64).contiguous()
             lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
-            self._ranges[key] = (table, lo.contiguous(), hi)
+            self._ranges[key] = (table, lo.contiguous(), hi, int((hi - lo).sum()))
         return self._ranges[key]
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        from engine.kernels.cpu_native import paged_decode_f32
+        from engine.kernels.cpu_native import paged_decode_f32, threads_for
 
         name, pool, local = self._layer(layer)
-        table, lo, hi = self._range_of(name, self.windows[layer])
-        out = paged_decode_f32(q.float(), pool.buffer, local, table, lo, hi, self.scale,
-                               self.threads or torch.get_num_threads())
+        table, lo, hi, keys = self._range_of(name, self.windows[layer])
+        threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
+        out = paged_decode_f32(q.float(), pool.buffer, local, table, lo, hi, self.scale, threads)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 

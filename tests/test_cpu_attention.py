@@ -116,3 +116,27 @@ def test_missing_kernel_source_means_the_torch_path(monkeypatch, tmp_path, caplo
         assert "could not build" in caplog.text and "absent.c" in caplog.text
     finally:
         cpu_native.load.cache_clear()
+
+
+def test_kernel_threads_follow_the_work_of_the_step():
+    """Short steps run on the caller's thread (starting pthreads would cost more than the work);
+    long ones use up to every thread offered, never more."""
+    per = cpu_native.WORK_PER_THREAD
+    assert cpu_native.threads_for(0, 9, 64, 2) == 1
+    assert cpu_native.threads_for(8 * 80, 9, 64, 2) == 1  # batch 8 at 80 tokens: ~0.4M multiply-adds
+    assert cpu_native.threads_for(-(-2 * per // (9 * 64)), 9, 64, 2) == 2  # two threads of work
+    assert cpu_native.threads_for(32 * 2048, 9, 64, 2) == 2
+    assert cpu_native.threads_for(32 * 2048, 9, 64, 16) == min(16, 32 * 2048 * 9 * 64 // per) == 9
+
+
+def test_cpu_backend_starts_no_thread_for_a_short_step(monkeypatch):
+    """The backend passes the kernel the threads the step's keys pay for, not torch's count."""
+    seen = []
+    real = cpu_native.paged_decode_f32
+    monkeypatch.setattr(cpu_native, "paged_decode_f32", lambda *a: seen.append(a[-1]) or real(*a))
+    pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
+    batch = _decode_batch(pools, [3, 9], 8)
+    backend = CpuBackend(pools, 4, 0.25, _windows(8), threads=2)
+    backend.prepare(batch)
+    backend._decode(torch.zeros(2, 4, 16), 1, batch)
+    assert seen == [1]

@@ -90,6 +90,19 @@ def supports(pool_buffer: torch.Tensor) -> bool:
             and pool_buffer.stride(-1) == 1 and pool_buffer.shape[-1] <= MAX_HEAD_DIM and load() is not None)
 
 
+# Multiply-adds one kernel thread should have before another is worth starting: the kernel starts and
+# joins its pthreads on every call, and on a busy core (torch's OpenMP workers spin between ops) a
+# start costs hundreds of microseconds. 2^22 is about a millisecond of one core's work.
+WORK_PER_THREAD = 1 << 22
+
+
+def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:
+    """Threads for one call that reads ``keys`` key positions in all (summed over the batch) for
+    ``heads`` query heads of ``head_dim``: one per ``WORK_PER_THREAD`` multiply-adds, at least one,
+    at most ``available``. The result does not change the output (each item is one thread's)."""
+    return max(1, min(available, keys * heads * head_dim // WORK_PER_THREAD))
+
+
 def paged_decode_f32(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
                      lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over keys ``[lo[b], hi[b])`` of request b in ``layer`` of
