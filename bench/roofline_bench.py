@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import roofline as rl
-from bench.engine_bench import PROMPT_LEN, _decode_rate, _ours, _prompts
+from bench.engine_bench import PROMPT_LEN, _decode_rate, _ours, _prompts, _timed
 from bench.roofline_report import (
     print_breakdown,
     print_decode,
@@ -34,21 +34,11 @@ GEMM_ROWS = 512
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _best(fn, repeats: int = 3) -> float:
-    """Best of ``repeats`` wall times of ``fn()``."""
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes/s of ``torch.sum`` over a float32 tensor of ``nbytes``, best of 3 (at the current threads)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
     x.sum()  # first touch
-    return nbytes / _best(x.sum)
+    return nbytes / _timed(x.sum, 3)
 
 
 def gemm_shapes(cfg, rows: int = GEMM_ROWS) -> list[tuple[int, int, int]]:
@@ -72,7 +62,7 @@ def matmul_peak(dtype: str, shapes: list[tuple[int, int, int]], repeats: int = 1
                 kinds["packed"] = lambda x=x, pw=pw: linear(x, pw)
             for kind, fn in kinds.items():
                 fn()
-                rate = 2 * rows * k * n / _best(fn, repeats)
+                rate = 2 * rows * k * n / _timed(fn, repeats)
                 if rate > best:
                     best, where = rate, f"{rows}x{k} @ {k}x{n}, {kind}"
     return best, where
