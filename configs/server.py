@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from configs.api_keys import parse_api_keys
 
 
 class ServerConfig(BaseModel):
@@ -11,10 +13,31 @@ class ServerConfig(BaseModel):
 
     host: str = Field("127.0.0.1", description="HTTP bind address (loopback unless you mean otherwise)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (env PDSERVE_API_KEY)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (env PDSERVE_API_KEY); "
+                                "several keys: KEY[:SHARE],KEY[:SHARE]... each with a share of the "
+                                "router's forwarding slots under overload (default share 1)")
     served_model_name: str | None = Field(None, description="model name in the API; default: the model file's stem")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="largest accepted request body")
     request_timeout_s: float = Field(600.0, gt=0, description="abort a request that runs longer than this")
+    max_queued_requests: int = Field(
+        512, ge=0, description="admission: requests waiting in the router's queue beyond this are refused with 429 "
+                               "(the lowest priority first); 0 = never queue (429 whenever the workers are full)")
+    max_queued_tokens: int | None = Field(
+        None, ge=1, description="admission: refuse with 429 when the queued requests' prompt + max_tokens would "
+                                "exceed this (None = no token bound)")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="admission: refuse with 429 a request whose estimated wait in the router's "
+                                "queue (queued work ahead / measured drain rate) exceeds this (None = off)")
+    max_inflight_per_worker: int | None = Field(
+        None, ge=1, description="admission: requests this router keeps in flight per ready decode (or "
+                                "colocated) worker before queueing the rest itself (None = 2 x "
+                                "max_running_requests)")
     health_interval_s: float = Field(1.0, gt=0, description="worker heartbeat period")
     worker_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("api_key")
+    @classmethod
+    def _keys_parse(cls, v: str | None) -> str | None:
+        parse_api_keys(v)  # raises ValueError saying what to change
+        return v

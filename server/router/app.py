@@ -9,6 +9,7 @@ needs the API key like ``/v1/*`` (``server/router/dashboard.py``). Every error h
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
@@ -21,10 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from configs.api_keys import parse_api_keys
 from configs.schema import PdserveConfig
 from engine.tokenizer import Tokenizer
 from server.router.chat import create_chat_completion
 from server.router.completions import create_completion
+from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits
 from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
 from server.router.errors import APIError
@@ -32,9 +35,10 @@ from server.router.http_util import check_api_key, read_body
 from server.router.inflight import InflightTable
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
-from server.router.registry import ROUTING_POLICIES, Registry, WorkerSpec
+from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream
 from server.router.worker_client import WorkerClient
+from transfer.wire.enums import Role
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +59,45 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
                         interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
                         model_name=model_name, cluster_id=cfg.cluster.cluster_id or "")
-    metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table))
-    return RouterContext(cfg, tokenizer, model_name, registry, table, metrics)
+    admission = build_admission(cfg, registry)
+    keys = [k.name for k in parse_api_keys(cfg.server.api_key)] or [DEFAULT_KEY]
+
+    def queued() -> dict[str, tuple[int, int]]:
+        return {**{k: (0, 0) for k in keys}, **admission.queued_by_key()}
+
+    metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table), queued, table.outstanding)
+    admission.on_refused = lambda refused: metrics.observe_shed(refused.reason)
+    admission.on_granted = lambda grant: metrics.queue_wait.observe(grant.waited_s)
+    return RouterContext(cfg, tokenizer, model_name, registry, table, metrics, admission)
+
+
+def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
+    """The admission stage of ``cfg.server``'s limits: ``max_inflight_per_worker`` (default twice
+    the scheduler's ``max_running_requests``) forwarding slots per ready worker that streams tokens
+    (decode or colocated), the API keys' shares."""
+    server = cfg.server
+    per_worker = server.max_inflight_per_worker or 2 * cfg.scheduler.max_running_requests
+
+    def capacity() -> int:
+        return per_worker * sum(1 for h in registry.handles.values()
+                                if h.state == READY and h.spec.role in (Role.DECODE, Role.COLOCATED))
+
+    limits = AdmissionLimits(server.max_queued_requests, server.max_queued_tokens, server.max_queue_wait_s)
+    return Admission(limits, capacity, shares={k.name: k.share for k in parse_api_keys(server.api_key)})
+
+
+async def _pump(ctx: RouterContext) -> None:
+    """Let queued requests go when workers become ready (capacity grows without a release)."""
+    while True:
+        await asyncio.sleep(ctx.cfg.server.health_interval_s)
+        ctx.admission.pump()
 
 
 def _generation_route(ctx: RouterContext, handler: Handler):
     async def endpoint(request: Request) -> Response:
         """Auth, bounded body, the handler; every outcome is counted in pdserve_requests_total."""
         try:
-            check_api_key(request, ctx.cfg.server.api_key)
+            request.state.api_key_name = check_api_key(request, ctx.cfg.server.api_key)
             body = await read_body(request, ctx.cfg.server.max_body_bytes)
             response = await handler(ctx, request, body)
         except APIError as e:
@@ -139,9 +173,12 @@ def create_app(ctx: RouterContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await ctx.registry.start()
+        pump = asyncio.create_task(_pump(ctx), name="admission-pump")
         try:
             yield
         finally:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
             await ctx.registry.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -52,7 +52,7 @@ async def create_chat_completion(ctx: RouterContext, request: Request, body: byt
     max_tokens, name = _max_tokens(req)
     params = sampling_params(req, max_tokens, _logprobs(req), name)
     run = new_run(ctx, 0, render_prompt(ctx, req), params, req, max_tokens is None, arrival)
-    return await serve_choices(ctx, request, [run], req.stream, ChatFormat(ctx, req))
+    return await serve_choices(ctx, request, [run], req.stream, ChatFormat(ctx, req), priority=req.priority)
 
 
 class ChatFormat:

@@ -55,8 +55,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: SamplingParams, req: SamplingFields,
             auto_max_tokens: bool, arrival: float, prompt_text: str | None = None) -> ChoiceRun:
     """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt."""
+    timeout_s = ctx.cfg.server.request_timeout_s
+    if req.timeout is not None:
+        timeout_s = min(timeout_s, req.timeout)
     session = GenerationSession(ctx.registry, ctx.table, prompt_ids, params,
-                                timeout_s=ctx.cfg.server.request_timeout_s, auto_max_tokens=auto_max_tokens,
+                                timeout_s=timeout_s, auto_max_tokens=auto_max_tokens,
                                 arrival=arrival, retries=ctx.cfg.cluster.fresh_pair_retries,
                                 on_retry=ctx.metrics.retries.inc)
     return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text)

@@ -61,7 +61,7 @@ async def create_completion(ctx: RouterContext, request: Request, body: bytes) -
     prompts = tokenize_prompts(ctx.tokenizer, req.prompt)
     runs = [new_run(ctx, i, ids, params, req, req.max_tokens is None, arrival, text)
             for i, (ids, text) in enumerate(prompts)]
-    return await serve_choices(ctx, request, runs, req.stream, CompletionFormat(ctx, req))
+    return await serve_choices(ctx, request, runs, req.stream, CompletionFormat(ctx, req), priority=req.priority)
 
 
 class CompletionFormat:

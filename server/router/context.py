@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from configs.schema import PdserveConfig
 from engine.tokenizer import Tokenizer
+from server.router.admission import Admission
 from server.router.inflight import InflightTable
 from server.router.metrics import RouterMetrics
 from server.router.registry import Registry
@@ -12,7 +13,8 @@ from server.router.registry import Registry
 
 @dataclass
 class RouterContext:
-    """The router's config, tokenizer, served model name, workers, in-flight table and metrics."""
+    """The router's config, tokenizer, served model name, workers, in-flight table, metrics and
+    admission stage."""
 
     cfg: PdserveConfig
     tokenizer: Tokenizer
@@ -20,3 +22,4 @@ class RouterContext:
     registry: Registry
     table: InflightTable
     metrics: RouterMetrics
+    admission: Admission

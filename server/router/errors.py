@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 499: "client_closed_request",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
           500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
@@ -15,16 +15,18 @@ class APIError(Exception):
     """An error to answer with: HTTP ``status``, a ``message`` for people, and OpenAI fields.
 
     ``type`` defaults from the status (400 -> invalid_request_error, ...); ``param`` names the
-    offending request field when there is one; ``code`` is a short machine-readable reason.
+    offending request field when there is one; ``code`` is a short machine-readable reason;
+    ``headers`` are sent with the response (e.g. ``Retry-After`` on a 429).
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
@@ -33,8 +35,8 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """A ``JSONResponse`` with this error's status and body."""
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
 
 # loc parts that name a union member or validator, not a field (field names are snake_case)

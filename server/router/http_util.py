@@ -10,6 +10,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from configs.api_keys import parse_api_keys
+from server.router.admission import DEFAULT_KEY
 from server.router.errors import APIError, from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
@@ -49,13 +51,19 @@ def parse_model(model: type[M], body: bytes) -> M:
         raise from_validation_error(e) from None
 
 
-def check_api_key(request: Request, api_key: str | None) -> None:
-    """401 ``APIError`` unless ``api_key`` is unset or the request has ``Authorization: Bearer <api_key>``."""
-    if not api_key:
-        return
+def check_api_key(request: Request, api_key: str | None) -> str:
+    """The public name of the key the request presents (``key-<i>``, see ``configs.api_keys``), or
+    ``DEFAULT_KEY`` when no key is configured; 401 ``APIError`` unless the request has
+    ``Authorization: Bearer <one of the keys>``. Every key is compared (constant time each)."""
+    keys = parse_api_keys(api_key)
+    if not keys:
+        return DEFAULT_KEY
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+    given = token.strip().encode()
+    matches = [k.name for k in keys if hmac.compare_digest(given, k.secret.encode())]
+    if scheme.lower() != "bearer" or not matches:
         raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    return matches[0]
 
 
 async def until_disconnected(request: Request, poll_s: float = 0.25) -> None:

@@ -6,6 +6,14 @@ for a client that went away), ``pdserve_inflight_requests``, and the latency his
 ``pdserve_router_retries_total`` (requests sent again on a fresh pair after a worker died before
 their first token).
 
+Admission (``server.router.admission``): ``pdserve_shed_requests_total{reason}`` (requests never
+forwarded: queue_full, queue_tokens, queue_wait, displaced -> 429; deadline -> 504; client_gone
+while queued -> 499), ``pdserve_queue_wait_seconds`` (time each forwarded request spent in the
+router's queue, 0 when it went at once), ``pdserve_queued_requests{key}`` and
+``pdserve_queued_tokens{key}`` (the queue now, by API key name), and
+``pdserve_router_outstanding_tokens{worker}`` (prompt + max_tokens of this router's requests in
+flight on each worker: the work it has handed that worker and not seen finish).
+
 Worker series (label ``worker``) come from each worker's latest ``WorkerStats`` heartbeat via
 ``WorkerCollector``: counters are the worker's cumulative values, gauges its current values, so
 they can lag by up to one heartbeat interval (``pdserve_worker_stats_age_seconds`` says by how much).
@@ -53,6 +61,7 @@ WORKER_HISTOGRAMS = {
     "retract_offload_seconds": ("pdserve_retract_offload_seconds", "Time to copy a retracted request's KV to host"),
     "retract_resume_seconds": ("pdserve_retract_resume_seconds", "Time to copy a retracted request's KV back"),
 }
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -140,11 +149,37 @@ class WorkerCollector(Collector):
         yield from (pages, total, swa, swa_total, queues, ratio, host, age, threads)
 
 
+class AdmissionCollector(Collector):
+    """The admission queue's gauges by key and the router's outstanding tokens by worker."""
+
+    def __init__(self, queued: Callable[[], dict[str, tuple[int, int]]], handles: Callable[[], Iterable[WorkerHandle]],
+                 outstanding: Callable[[str], int]) -> None:
+        self._queued, self._handles, self._outstanding = queued, handles, outstanding
+
+    def collect(self):
+        """Yield ``pdserve_queued_requests``, ``pdserve_queued_tokens`` and ``pdserve_router_outstanding_tokens``."""
+        reqs = GaugeMetricFamily("pdserve_queued_requests", "Requests waiting in the router's admission queue",
+                                 labels=["key"])
+        toks = GaugeMetricFamily("pdserve_queued_tokens", "Prompt + max_tokens of the requests in the router's "
+                                 "admission queue", labels=["key"])
+        for key, (n, t) in sorted(self._queued().items()):
+            reqs.add_metric([key], n)
+            toks.add_metric([key], t)
+        out = GaugeMetricFamily("pdserve_router_outstanding_tokens", "Prompt + max_tokens of this router's requests "
+                                "in flight on each worker", labels=["worker"])
+        for h in self._handles():
+            out.add_metric([h.worker_id], self._outstanding(h.worker_id))
+        yield from (reqs, toks, out)
+
+
 class RouterMetrics:
     """The router's metrics; ``render()`` returns the Prometheus text exposition."""
 
-    def __init__(self, handles: Callable[[], Iterable[WorkerHandle]], inflight: Callable[[], int]) -> None:
-        """``handles``: current worker handles; ``inflight``: number of requests in flight."""
+    def __init__(self, handles: Callable[[], Iterable[WorkerHandle]], inflight: Callable[[], int],
+                 queued: Callable[[], dict[str, tuple[int, int]]] = dict,
+                 outstanding: Callable[[str], int] = lambda _: 0) -> None:
+        """``handles``: current worker handles; ``inflight``: number of requests in flight;
+        ``queued``: admission queue by key, (requests, tokens); ``outstanding``: in-flight tokens of a worker."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "Generation requests by HTTP status", ["status"], registry=r)
@@ -159,7 +194,16 @@ class RouterMetrics:
                                "worker of theirs died before their first token (fresh_pair_retries)", registry=r)
         Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table",
               registry=r).set_function(inflight)
+        self.shed = Counter("pdserve_shed_requests", "Requests the router's admission stage never forwarded, by "
+                            "reason", ["reason"], registry=r)
+        self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time forwarded requests waited in the router's "
+                                    "admission queue", buckets=QUEUE_BUCKETS, registry=r)
         r.register(WorkerCollector(handles))
+        r.register(AdmissionCollector(queued, handles, outstanding))
+
+    def observe_shed(self, reason: str) -> None:
+        """Count one request the admission stage did not forward (``reason``: a ``Refused.reason`` or client_gone)."""
+        self.shed.labels(reason=reason).inc()
 
     def observe_request(self, status: int) -> None:
         """Count one generation request that ended with HTTP ``status``."""

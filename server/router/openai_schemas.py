@@ -46,6 +46,10 @@ class SamplingFields(_Strict):
     return_token_ids: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: int = Field(0, ge=-(2**31), lt=2**31, description="vLLM's extension: under overload a lower value is "
+                          "forwarded sooner (within its API key) and shed later")
+    timeout: float | None = Field(None, gt=0, description="seconds from arrival after which the request is dropped "
+                                  "with 504 (queued or running); the server's request_timeout_s caps it")
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list of non-empty strings."""

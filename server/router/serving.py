@@ -18,6 +18,7 @@ from typing import Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from server.router.admission import DEFAULT_KEY, Demand, Grant, Refused, retry_after_headers
 from server.router.choices import ChoiceRun, Piece, merge
 from server.router.context import RouterContext
 from server.router.errors import APIError
@@ -77,16 +78,18 @@ class SessionStream(StreamingResponse):
     """A ``StreamingResponse`` that closes its sessions and counts its outcome when it ends,
     however it ends (normal end, client disconnect, server shutdown)."""
 
-    def __init__(self, body: AsyncIterator[str], ctx: RouterContext, runs: list[ChoiceRun], outcome: dict) -> None:
+    def __init__(self, body: AsyncIterator[str], ctx: RouterContext, runs: list[ChoiceRun], outcome: dict,
+                 grant: Grant) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._ctx, self._runs, self._outcome = ctx, runs, outcome
+        self._ctx, self._runs, self._outcome, self._grant = ctx, runs, outcome, grant
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             _close_all(self._runs, "client disconnected")
+            self._ctx.admission.release(self._grant)
             status = self._outcome["status"]
             self._ctx.metrics.observe_request(status)
             if status == 200:
@@ -123,13 +126,54 @@ def _start(runs: list[ChoiceRun]) -> None:
         raise
 
 
+def demand_of(request: Request, runs: list[ChoiceRun], priority: int) -> Demand:
+    """The admission ``Demand`` of one HTTP request: its API key's name (set by the route on
+    ``request.state.api_key_name``), one slot and prompt + max_tokens per choice, the earliest deadline."""
+    return Demand(key=getattr(request.state, "api_key_name", DEFAULT_KEY), priority=priority, slots=len(runs),
+                  tokens=sum(len(r.session.prompt_ids) + r.session.params.max_new_tokens for r in runs),
+                  deadline=min(r.session.arrival + r.session.timeout_s for r in runs))
+
+
+async def admit(ctx: RouterContext, request: Request, demand: Demand) -> Grant:
+    """A grant from ``ctx.admission`` (waiting in its queue, watching for the client going away);
+    a refusal becomes a 429 (with ``Retry-After`` / ``retry-after-ms``) or 504 ``APIError``; raises
+    ``ClientGone`` when the client left while queued."""
+    if (grant := ctx.admission.try_grant(demand)) is not None:
+        return grant
+    try:
+        return await unless_disconnected(request, ctx.admission.admit(demand))
+    except Refused as e:
+        headers = retry_after_headers(e.retry_after_s) if e.retry_after_s is not None else None
+        raise APIError(e.status, e.message, code=e.reason, headers=headers) from None
+    except ClientGone:
+        ctx.metrics.observe_shed("client_gone")
+        raise
+
+
 async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool,
-                        fmt: ResponseFormat) -> Response:
-    """Run ``runs`` and answer. Raises ``APIError`` for failures before any byte is sent.
+                        fmt: ResponseFormat, *, priority: int = 0) -> Response:
+    """Pass admission (``ctx.admission``), run ``runs`` and answer. Raises ``APIError`` for failures
+    before any byte is sent (429/504 from admission included: nothing reached a worker then).
 
     Non-streaming responses are counted in the metrics by the caller; a ``SessionStream``
-    counts itself when it ends.
+    counts itself when it ends. The admission grant is released when the request ends, however.
     """
+    try:
+        grant = await admit(ctx, request, demand_of(request, runs, priority))
+    except ClientGone:
+        return Response(status_code=CLIENT_GONE)
+    streaming = False
+    try:
+        response = await _serve(ctx, request, runs, stream, fmt, grant)
+        streaming = isinstance(response, SessionStream)
+        return response
+    finally:
+        if not streaming:  # a SessionStream releases its grant when it ends
+            ctx.admission.release(grant)
+
+
+async def _serve(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool, fmt: ResponseFormat,
+                 grant: Grant) -> Response:
     _start(runs)
     try:
         if not stream:
@@ -147,4 +191,4 @@ async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceR
         if not stream:
             _close_all(runs, "request ended")
     outcome = {"status": CLIENT_GONE}
-    return SessionStream(_events(runs, first, fmt, outcome), ctx, runs, outcome)
+    return SessionStream(_events(runs, first, fmt, outcome), ctx, runs, outcome, grant)

@@ -1,0 +1,329 @@
+"""The router's admission stage: a bounded queue in front of the workers, with load shedding.
+
+Contract of :class:`Admission` (all methods run on the event loop thread):
+
+- ``admit(demand)`` returns a :class:`Grant` once the request may go to the workers, or raises
+  :class:`Refused`. A request is granted at once while the router's forwarding slots
+  (``capacity()``: e.g. a bound per ready decode worker) have room and nobody waits; otherwise it
+  waits in the router's own queue. No worker is touched before the grant.
+- Refusals: **429** at once when queueing it would put the queue over ``max_queued_requests`` or
+  ``max_queued_tokens`` and nothing queued is shed before it (``queue_full`` / ``queue_tokens``),
+  or when its estimated wait (queued work that would be served before it / measured drain rate)
+  exceeds ``max_queue_wait_s`` (``queue_wait``). A queued request can also be pushed out by a
+  newcomer that ranks before it in the shedding order (``displaced``, 429). Every 429 carries
+  ``retry_after_s``, computed from the drain rate (1 s until a rate is measured). **504** when a
+  request is still queued at its ``deadline`` (``deadline``). A cancelled ``admit`` (client gone)
+  leaves the queue and holds nothing.
+- ``release(grant)`` must be called exactly once per grant when the request has ended (idempotent):
+  it frees the grant's slots, feeds the drain rate and lets the next queued requests go.
+- ``pump()`` lets queued requests go while there is room; call it when ``capacity()`` may have
+  grown (a worker became ready). ``release`` and ``admit`` call it themselves.
+
+Ordering: fair across keys first (API keys; one key ``default`` without them), then by priority.
+The next request to go is taken from the key with the fewest granted slots per unit of ``share``
+(ties: the best head of line); within a key, the lowest ``priority`` value goes first (vLLM's
+convention), then arrival order. So a key sending ten times more than another with the same share
+gets the same number of slots under contention and cannot starve it.
+
+Shedding order (who is refused first when the queue is full): the key with the most queued
+requests per unit of share, within it the highest ``priority`` value, then the newest arrival.
+With a single key that is simply lowest priority first, newest first.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_KEY = "default"
+UNKNOWN_RATE_RETRY_S = 1.0
+MAX_RETRY_S = 300.0
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Bounds of the router's queue (see the module docstring); None = no such bound."""
+
+    max_queued_requests: int
+    max_queued_tokens: int | None = None
+    max_queue_wait_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one HTTP request asks for: its ``key`` (tenant), ``priority`` (lower = sooner),
+    forwarding ``slots`` (one per choice), ``tokens`` (prompt + max_tokens over its choices) and the
+    monotonic ``deadline`` past which it is refused with 504 if still queued."""
+
+    key: str
+    priority: int
+    slots: int
+    tokens: int
+    deadline: float
+
+
+class Refused(Exception):
+    """The request is not forwarded: HTTP ``status`` (429 or 504), a ``reason`` (metrics label:
+    queue_full, queue_tokens, queue_wait, displaced, deadline) and, for 429, ``retry_after_s``."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
+
+
+@dataclass
+class Grant:
+    """A granted request: what it asked for and how long it waited in the queue (seconds)."""
+
+    demand: Demand
+    waited_s: float
+    released: bool = False
+
+
+@dataclass
+class _Waiter:
+    demand: Demand
+    seq: int
+    arrival: float
+    future: asyncio.Future = field(repr=False)
+
+
+class DrainRate:
+    """Work (tokens) finished per second over the last ``window_s`` seconds; None until measured."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._done: deque[tuple[float, int]] = deque()
+        self._since: float | None = None
+
+    def start(self, now: float) -> None:
+        """Work began flowing at ``now`` (the first grant); the rate is measured from there."""
+        if self._since is None:
+            self._since = now
+
+    def record(self, now: float, tokens: int) -> None:
+        """A request of ``tokens`` work finished at ``now``."""
+        self._done.append((now, tokens))
+        while self._done and self._done[0][0] < now - self.window_s:
+            self._done.popleft()
+
+    def tokens_per_s(self, now: float) -> float | None:
+        """The measured rate, or None when nothing finished in the window."""
+        while self._done and self._done[0][0] < now - self.window_s:
+            self._done.popleft()
+        if not self._done or self._since is None:
+            return None
+        span = max(1.0, min(self.window_s, now - self._since))
+        return sum(t for _, t in self._done) / span
+
+
+class Admission:
+    """Bounded, fair, priority-ordered admission in front of the workers (module docstring)."""
+
+    def __init__(self, limits: AdmissionLimits, capacity: Callable[[], int], *,
+                 shares: Mapping[str, float] | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_refused: Callable[[Refused], None] | None = None,
+                 on_granted: Callable[[Grant], None] | None = None, drain: DrainRate | None = None) -> None:
+        """``capacity()``: forwarding slots now (0 when no worker is ready: requests are then
+        granted at once so routing answers 503 with the reason). ``shares``: key -> share (keys
+        not named get 1). ``on_refused`` / ``on_granted``: metrics hooks, called once per outcome."""
+        self.limits, self.capacity, self.clock = limits, capacity, clock
+        self.shares: defaultdict[str, float] = defaultdict(lambda: 1.0, shares or {})
+        self.on_refused, self.on_granted = on_refused, on_granted
+        self.drain = drain or DrainRate()
+        self._queues: dict[str, list[_Waiter]] = {}
+        self._granted: dict[str, int] = {}
+        self._inflight = 0
+        self._seq = itertools.count()
+
+    # ---- public --------------------------------------------------------------------------------
+    @property
+    def queued_requests(self) -> int:
+        """Requests waiting in the queue."""
+        return sum(len(q) for q in self._queues.values())
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt + max_tokens of the requests waiting in the queue."""
+        return sum(w.demand.tokens for q in self._queues.values() for w in q)
+
+    @property
+    def inflight_slots(self) -> int:
+        """Slots granted and not yet released."""
+        return self._inflight
+
+    def queued_by_key(self) -> dict[str, tuple[int, int]]:
+        """key -> (queued requests, queued tokens), for every key with something queued."""
+        return {k: (len(q), sum(w.demand.tokens for w in q)) for k, q in self._queues.items() if q}
+
+    def try_grant(self, demand: Demand) -> Grant | None:
+        """A grant at once when nobody waits and there is room, else None (nothing changes)."""
+        if self.queued_requests or not self._room(demand.slots):
+            return None
+        now = self.clock()
+        return self._grant(demand, now, now)
+
+    async def admit(self, demand: Demand) -> Grant:
+        """Wait for a grant or raise ``Refused`` (see the module docstring); cancellation-safe."""
+        if (grant := self.try_grant(demand)) is not None:
+            return grant
+        now = self.clock()
+        if now >= demand.deadline:
+            raise self._refuse(Refused(504, "deadline", "request timed out before it could be queued"))
+        waiter = _Waiter(demand, next(self._seq), now, asyncio.get_running_loop().create_future())
+        self._check_wait(demand, now)
+        self._make_room(waiter)
+        self._queues.setdefault(demand.key, []).append(waiter)
+        self.pump()
+        return await self._wait(waiter)
+
+    def release(self, grant: Grant) -> None:
+        """The granted request ended: free its slots, record its work, let queued requests go."""
+        if grant.released:
+            return
+        grant.released = True
+        d = grant.demand
+        self._inflight -= d.slots
+        self._granted[d.key] = self._granted.get(d.key, 0) - d.slots
+        self.drain.record(self.clock(), d.tokens)
+        self.pump()
+
+    def pump(self) -> None:
+        """Grant queued requests in order while the forwarding slots have room."""
+        while (waiter := self._next()) is not None and self._room(waiter.demand.slots):
+            self._remove(waiter)
+            waiter.future.set_result(self._grant(waiter.demand, waiter.arrival, self.clock()))
+
+    def retry_after_s(self, demand: Demand) -> float:
+        """Seconds until ``demand`` would likely find room: the work queued before it over the
+        drain rate (``UNKNOWN_RATE_RETRY_S`` until a rate is measured), within [0.1, 300]."""
+        rate = self.drain.tokens_per_s(self.clock())
+        if not rate:
+            return UNKNOWN_RATE_RETRY_S
+        return min(MAX_RETRY_S, max(0.1, (self._work_ahead(demand) + demand.tokens) / rate))
+
+    # ---- queue mechanics ---------------------------------------------------------------------
+    def _room(self, slots: int) -> bool:
+        cap = self.capacity()
+        return cap <= 0 or self._inflight == 0 or self._inflight + slots <= cap
+
+    def _grant(self, demand: Demand, arrival: float, now: float) -> Grant:
+        self._inflight += demand.slots
+        self._granted[demand.key] = self._granted.get(demand.key, 0) + demand.slots
+        self.drain.start(now)
+        grant = Grant(demand, now - arrival)
+        if self.on_granted is not None:
+            self.on_granted(grant)
+        return grant
+
+    def _next(self) -> _Waiter | None:
+        """The waiter that goes next: least granted slots per share among keys, then its head."""
+        heads = [min(q, key=lambda w: (w.demand.priority, w.seq)) for q in self._queues.values() if q]
+        if not heads:
+            return None
+        return min(heads, key=lambda w: (self._granted.get(w.demand.key, 0) / self.shares[w.demand.key],
+                                         w.demand.priority, w.seq))
+
+    def _remove(self, waiter: _Waiter) -> None:
+        q = self._queues.get(waiter.demand.key, [])
+        if waiter in q:
+            q.remove(waiter)
+        if not q:
+            self._queues.pop(waiter.demand.key, None)
+
+    async def _wait(self, waiter: _Waiter) -> Grant:
+        timeout = max(0.0, waiter.demand.deadline - self.clock())
+        try:
+            done, _ = await asyncio.wait({waiter.future}, timeout=timeout)
+        except asyncio.CancelledError:  # the client went away while queued
+            self._abandon(waiter)
+            raise
+        if not done:
+            self._abandon(waiter)
+            raise self._refuse(Refused(504, "deadline", f"request timed out after waiting "
+                                                        f"{self.clock() - waiter.arrival:.1f}s in the router's queue "
+                                                        f"(timeout / request_timeout_s); it never reached a worker"))
+        return waiter.future.result()  # a Refused set by _make_room is raised here
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """Leave the queue; a grant that raced with the cancellation is released at once."""
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            self.release(waiter.future.result())
+            return
+        self._remove(waiter)
+        waiter.future.cancel()
+
+    # ---- shedding ------------------------------------------------------------------------------
+    def _refuse(self, refused: Refused) -> Refused:
+        if self.on_refused is not None:
+            self.on_refused(refused)
+        return refused
+
+    def _make_room(self, newcomer: _Waiter) -> None:
+        """Refuse ``newcomer`` (raise) or displace the queued requests that shed before it, so the
+        queue stays within its bounds with it."""
+        everyone = [w for q in self._queues.values() for w in q] + [newcomer]
+        n, tokens = len(everyone), sum(w.demand.tokens for w in everyone)
+        load = {}
+        for w in everyone:
+            load[w.demand.key] = load.get(w.demand.key, 0) + 1
+        order = sorted(everyone, key=lambda w: (load[w.demand.key] / self.shares[w.demand.key],
+                                                w.demand.priority, w.seq), reverse=True)
+        victims = []
+        while (reason := _over(self.limits, n, tokens)) is not None:
+            victim = order.pop(0)
+            if victim is newcomer:
+                limit = (f"max_queued_requests={self.limits.max_queued_requests}" if reason == "queue_full"
+                         else f"max_queued_tokens={self.limits.max_queued_tokens}")
+                raise self._refuse(Refused(429, reason, f"server overloaded: the router's queue is full ({limit}, "
+                                           f"{self.queued_requests} requests / {self.queued_tokens} tokens queued); "
+                                           f"retry later or lower the request's priority value",
+                                           self.retry_after_s(newcomer.demand)))
+            victims.append(victim)
+            n, tokens = n - 1, tokens - victim.demand.tokens
+        for v in victims:
+            self._remove(v)
+            v.future.set_exception(self._refuse(Refused(
+                429, "displaced", "server overloaded: this queued request was displaced by one of a higher "
+                                  "priority or a key under its share; retry later", self.retry_after_s(v.demand))))
+
+    def _check_wait(self, demand: Demand, now: float) -> None:
+        limit = self.limits.max_queue_wait_s
+        rate = self.drain.tokens_per_s(now)
+        if limit is None or not rate:
+            return
+        wait = self._work_ahead(demand) / rate
+        if wait > limit:
+            raise self._refuse(Refused(429, "queue_wait", f"server overloaded: estimated wait in the router's queue "
+                                       f"{wait:.1f}s exceeds max_queue_wait_s={limit:g}; retry later",
+                                       self.retry_after_s(demand)))
+
+    def _work_ahead(self, demand: Demand) -> float:
+        """Queued tokens that would go before ``demand``: its own key's at a better or equal
+        priority, and from every other key as much as that key's share allows meanwhile."""
+        own = sum(w.demand.tokens for w in self._queues.get(demand.key, ()) if w.demand.priority <= demand.priority)
+        share = self.shares[demand.key]
+        ahead = float(own)
+        for key, q in self._queues.items():
+            if key != demand.key and q:
+                ahead += min(sum(w.demand.tokens for w in q), (own + demand.tokens) * self.shares[key] / share)
+        return ahead
+
+
+def _over(limits: AdmissionLimits, n: int, tokens: int) -> str | None:
+    """Which bound a queue of ``n`` requests / ``tokens`` tokens exceeds, or None."""
+    if n > limits.max_queued_requests:
+        return "queue_full"
+    if limits.max_queued_tokens is not None and tokens > limits.max_queued_tokens:
+        return "queue_tokens"
+    return None
+
+
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, at least 1, RFC 9110) and ``retry-after-ms`` (milliseconds,
+    as OpenAI's API and clients use it) for a wait of ``seconds``."""
+    return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
