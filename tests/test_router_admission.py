@@ -5,6 +5,7 @@ fields ``priority`` / ``timeout``, several API keys, and the admission series mo
 expected amounts."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -113,3 +114,35 @@ def test_several_api_keys_each_get_a_queue_series(make_client):
     m = scrape(client)
     assert val(m, "pdserve_queued_requests", key="key-0") == 0 and ("pdserve_queued_requests", (("key", "key-1"),)) in m
     assert not any("alpha" in str(k) or "beta" in str(k) for k in m)  # secrets never exported
+
+
+class GoneRequest:
+    """A starlette ``Request`` stand-in whose client has already disconnected."""
+
+    class state:  # noqa: N801 (mirrors ``Request.state``)
+        api_key_name = "default"
+
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_client_gone_while_queued_is_counted_and_leaves_the_queue(make_client):
+    from server.router.admission import Demand
+    from server.router.http_util import ClientGone
+    from server.router.serving import admit
+
+    client, worker, ctx = make_client(max_inflight_per_worker=1)
+    held = ctx.admission.try_grant(Demand("default", 0, 1, 10, time.monotonic() + 60))
+    m0 = scrape(client)
+
+    async def queued_then_gone():
+        await admit(ctx, GoneRequest(), Demand("default", 0, 1, 10, time.monotonic() + 60))
+
+    with pytest.raises(ClientGone):
+        asyncio.run(queued_then_gone())
+    m1 = scrape(client)
+    assert val(m1, "pdserve_shed_requests_total", reason="client_gone") - \
+        val(m0, "pdserve_shed_requests_total", reason="client_gone") == 1
+    assert ctx.admission.queued_requests == 0 and ctx.admission.inflight_slots == 1 and worker.requests == []
+    ctx.admission.release(held)
+    assert ctx.admission.inflight_slots == 0

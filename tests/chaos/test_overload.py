@@ -1,0 +1,301 @@
+"""Overload (issue 27): a launched PD cluster (router, 1 prefill and 1 decode worker, tiny model, real
+HTTP) behind the router's admission stage.
+
+1. ``test_overload_then_recovery``: unloaded TTFT, then the measured capacity (closed loop), then
+   Poisson arrivals at 3x that capacity for ``PDSERVE_OVERLOAD_S`` seconds (mixed prompt and output
+   lengths), then 0.5x for ``PDSERVE_RECOVER_S``. Asserted: only 200 / 429 / 504, every 200
+   carries all its tokens, every 429 has ``Retry-After`` and is counted in
+   ``pdserve_shed_requests_total``, overload really shed, nothing leaked. Printed (the goals
+   table): 429 latency P99, accepted TTFT P99 against ``max_queue_wait_s`` + one prefill, RSS growth
+   after warm-up, time back to normal latency.
+2. ``test_light_key_under_a_heavy_one``: two API keys with equal shares, one sending 10x the other
+   (and 2x the capacity); asserted: the light key is never refused; printed: its TTFT P99 loaded vs
+   alone.
+3. ``test_soak_under_retract_pressure``: ``PDSERVE_RETRACT_SOAK_REQUESTS`` requests (default 2000)
+   through a decode KV pool of 512 tokens (6 requests in flight of up to ~125 tokens each) and a host
+   pool of a few pages, so retract with offload,
+   resume and recompute happen all along; asserted: every output equals the same prompt's output
+   run alone, retractions / resumes / recomputes all happened, no page or host byte leaked;
+   printed: counts and RSS.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from chaos_cluster import Cluster, leaks, rss_bytes
+from server.testing.subprocess_server import metric_sum
+from tiny_model import save_tiny_model
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+OVERLOAD_S = float(os.environ.get("PDSERVE_OVERLOAD_S", "30"))
+RECOVER_S = float(os.environ.get("PDSERVE_RECOVER_S", "15"))
+SOAK_REQUESTS = int(os.environ.get("PDSERVE_RETRACT_SOAK_REQUESTS", "2000"))
+SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
+QUEUE_WAIT_S = 2.0
+HEAVY, LIGHT = "heavy-secret", "light-secret"
+ADMISSION = ["--max-inflight-per-worker", "8", "--max-queued-requests", "32", "--max-queue-wait-s", str(QUEUE_WAIT_S),
+             "--api-key", f"{HEAVY}:1,{LIGHT}:1"]
+WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
+         "letter market bridge candle orange summer").split()
+SHED_429 = ("queue_full", "queue_tokens", "queue_wait", "displaced")
+ROWS: list[tuple[str, str, str]] = []
+
+
+@dataclass
+class Shot:
+    """One streamed request as the client saw it (monotonic seconds)."""
+
+    key: str
+    max_tokens: int
+    t_start: float
+    status: int | None = None
+    t_head: float | None = None
+    t_first: float | None = None
+    t_end: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    retry_after: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_start
+
+
+def make_prompt(rng: random.Random) -> tuple[str, int]:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 60))), rng.choice([4, 16, 48])
+
+
+async def shoot(c: httpx.AsyncClient, prompt: str, max_tokens: int, key: str = HEAVY) -> Shot:
+    """One greedy streamed completion with ``ignore_eos`` (so a 200 means exactly ``max_tokens`` tokens)."""
+    s = Shot(key, max_tokens, time.monotonic())
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    try:
+        async with c.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+            s.status, s.t_head, s.retry_after = r.status_code, time.monotonic(), r.headers.get("retry-after")
+            if r.status_code != 200:
+                s.error = json.loads(await r.aread())["error"]["message"]
+            else:
+                await _read(r, s)
+    except httpx.HTTPError as e:
+        s.error = f"transport error: {type(e).__name__}: {e}"
+    s.t_end = time.monotonic()
+    return s
+
+
+async def _read(r: httpx.Response, s: Shot) -> None:
+    async for line in r.aiter_lines():
+        data = line.removeprefix("data: ")
+        if not line.startswith("data: ") or data == "[DONE]":
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            s.error = event["error"]["message"]
+        for ch in event.get("choices", ()):
+            if ch.get("token_ids") and s.t_first is None:
+                s.t_first = time.monotonic()
+            s.tokens += ch.get("token_ids") or []
+
+
+def client(url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=1000), trust_env=False)
+
+
+async def closed_loop(url: str, n: int, concurrency: int, rng: random.Random) -> tuple[list[Shot], float]:
+    """``n`` requests, ``concurrency`` at a time; (shots, elapsed seconds)."""
+    work = iter([make_prompt(rng) for _ in range(n)])
+    shots: list[Shot] = []
+    async with client(url) as c:
+        async def worker():
+            for p, m in work:
+                shots.append(await shoot(c, p, m))
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return shots, time.monotonic() - t0
+
+
+async def poisson(c: httpx.AsyncClient, rate: float, duration: float, rng: random.Random, key: str = HEAVY) -> list:
+    """Open loop: Poisson arrivals at ``rate``/s for ``duration`` s; every request's task."""
+    tasks, end = [], time.monotonic() + duration
+    while (now := time.monotonic()) < end:
+        tasks.append(asyncio.create_task(shoot(c, *make_prompt(rng), key=key)))
+        await asyncio.sleep(min(rng.expovariate(rate), end - now))
+    return tasks
+
+
+async def sample_rss(pids: dict[str, int], out: list, every_s: float = 0.5) -> None:
+    while True:
+        out.append((time.monotonic(), {n: rss_bytes(p) for n, p in pids.items()}))
+        await asyncio.sleep(every_s)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def check_outcomes(shots: list[Shot]) -> Counter:
+    """Only 200 / 429 / 504; a 200 has all its tokens and no error event; a 429 has Retry-After."""
+    statuses = Counter(s.status for s in shots)
+    assert set(statuses) <= {200, 429, 504}, [(s.status, s.error) for s in shots if s.status not in (200, 429, 504)][:5]
+    bad = [s for s in shots if s.status == 200 and (s.error or len(s.tokens) != s.max_tokens)]
+    assert not bad, [(b.error, len(b.tokens), b.max_tokens) for b in bad[:5]]
+    assert all(s.retry_after and int(s.retry_after) >= 1 for s in shots if s.status == 429)
+    return statuses
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(save_tiny_model(tmp_path_factory.mktemp("overload-model")), prefill=1, decode=1,
+                args=["--kv-pool-tokens", "4096", "--page-size", "16", *ADMISSION])
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster):
+    """(unloaded TTFT P50, unloaded TTFT P99, capacity in requests/s) of ``cluster``."""
+    rng = random.Random(SEED)
+    asyncio.run(closed_loop(cluster.url, 5, 1, rng))  # warm-up
+    alone, _ = asyncio.run(closed_loop(cluster.url, 30, 1, rng))
+    loaded, elapsed = asyncio.run(closed_loop(cluster.url, 120, 16, rng))
+    check_outcomes(alone + loaded)
+    ttfts = [s.ttft for s in alone]
+    cap = sum(s.status == 200 for s in loaded) / elapsed
+    ROWS.append(("unloaded TTFT P50 / P99", "-", f"{pct(ttfts, .5) * 1e3:.0f} / {pct(ttfts, .99) * 1e3:.0f} ms"))
+    ROWS.append(("capacity (closed loop, 16 clients)", "-", f"{cap:.1f} req/s"))
+    return pct(ttfts, .5), pct(ttfts, .99), cap
+
+
+def test_overload_then_recovery(cluster, baseline):
+    p50, p99, cap = baseline
+    rng = random.Random(SEED + 1)
+    pids = {"router": cluster.router_pid, **{w: cluster.pid(w) for w in ("prefill-0", "decode-0")}}
+    m0 = cluster.metrics()
+
+    async def run():
+        rss: list = []
+        sampler = asyncio.create_task(sample_rss(pids, rss))
+        async with client(cluster.url) as c:
+            over = await poisson(c, 3 * cap, OVERLOAD_S, rng)
+            t_over_end = time.monotonic()
+            calm = await poisson(c, 0.5 * cap, RECOVER_S, rng)
+            over, calm = await asyncio.gather(asyncio.gather(*over), asyncio.gather(*calm))
+        sampler.cancel()
+        return over, calm, t_over_end, rss
+
+    over, calm, t_over_end, rss = asyncio.run(run())
+    m = cluster.wait_recovered()
+    statuses = check_outcomes(over + calm)
+    assert statuses[429] > 0 and statuses[200] > 0, statuses  # it was overloaded, and still served
+    shed = sum(metric_sum(m, "pdserve_shed_requests_total", reason=r) - metric_sum(m0, "pdserve_shed_requests_total",
+                                                                                   reason=r) for r in SHED_429)
+    assert shed == statuses[429]
+    assert metric_sum(m, "pdserve_queued_requests") == 0 and leaks(m) == (0, 0)
+
+    fast = [s.t_head - s.t_start for s in over + calm if s.status == 429]
+    accepted = [s.ttft for s in over if s.status == 200]
+    normal = max(2 * p99, p99 + 0.05)
+    late = [s.t_start - t_over_end for s in calm if s.status != 200 or s.ttft > normal]
+    warm = next(i for i, (t, _) in enumerate(rss) if t >= rss[0][0] + 0.2 * OVERLOAD_S)
+    growth = {n: (rss[-1][1][n] - rss[warm][1][n]) / rss[warm][1][n] for n in pids}
+    ROWS.extend([
+        ("offered load", "3x then 0.5x", f"{3 * cap:.1f} req/s for {OVERLOAD_S:g} s, {0.5 * cap:.1f} for {RECOVER_S:g} s"),
+        ("responses other than 200/429/504", "0", f"0 ({dict(statuses)})"),
+        ("429 answered, P99", "< 50 ms", f"{pct(fast, .99) * 1e3:.1f} ms (P50 {pct(fast, .5) * 1e3:.1f}, n={len(fast)})"),
+        ("accepted TTFT P99 at 3x", f"< {QUEUE_WAIT_S:g} s + one prefill ({QUEUE_WAIT_S + p50:.2f} s)",
+         f"{pct(accepted, .99):.2f} s (n={len(accepted)})"),
+        ("RSS growth after warm-up", "< 5 %", ", ".join(f"{n} {100 * g:+.1f} %" for n, g in growth.items())),
+        ("back to normal TTFT (< " f"{normal * 1e3:.0f} ms) after the overload", "< 10 s",
+         f"{max(late, default=0.0):.1f} s ({len(late)} slow of {len(calm)})"),
+    ])
+
+
+def test_light_key_under_a_heavy_one(cluster, baseline):
+    _, _, cap = baseline
+    rng = random.Random(SEED + 2)
+    light_rate, duration = 0.2 * cap, max(10.0, OVERLOAD_S / 2)
+
+    async def run():
+        async with client(cluster.url) as c:
+            alone = await asyncio.gather(*await poisson(c, light_rate, duration, rng, key=LIGHT))
+            heavy, light = await asyncio.gather(poisson(c, 10 * light_rate, duration, rng, key=HEAVY),
+                                                poisson(c, light_rate, duration, rng, key=LIGHT))
+            return alone, await asyncio.gather(*heavy), await asyncio.gather(*light)
+
+    alone, heavy, light = asyncio.run(run())
+    cluster.wait_recovered()
+    check_outcomes(alone + heavy + light)
+    assert {s.status for s in alone + light} == {200}, Counter(s.status for s in light)  # never shed: under its share
+    before, after = pct([s.ttft for s in alone], .99), pct([s.ttft for s in light], .99)
+    ROWS.append(("light key TTFT P99, heavy key at 10x (2x capacity)", "< 1.5x alone",
+                 f"{after * 1e3:.0f} ms vs {before * 1e3:.0f} ms alone = {after / before:.2f}x; heavy: "
+                 f"{dict(Counter(s.status for s in heavy))}"))
+
+
+def test_soak_under_retract_pressure(tmp_path):
+    cluster = Cluster(save_tiny_model(tmp_path / "model"), prefill=1, decode=1,
+                      args=["--kv-pool-tokens", "512", "--page-size", "16", "--max-model-len", "512",
+                            "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.00005",
+                            "--retract-test-interval", "16", "--test-step-delay-s", "0.005",
+                            "--max-inflight-per-worker", "6", "--max-queued-requests", "64"])
+    rng = random.Random(SEED + 3)
+    distinct = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))), rng.choice([24, 48, 96]))
+                for _ in range(24)]
+    cluster.start()
+    try:
+        pids = {"router": cluster.router_pid, **{w: cluster.pid(w) for w in ("prefill-0", "decode-0")}}
+
+        async def run():
+            async with client(cluster.url) as c:
+                ref = {i: await shoot(c, *distinct[i]) for i in range(len(distinct))}  # alone: no retraction
+                m_ref = cluster.metrics()
+                work, shots, rss = iter(range(SOAK_REQUESTS)), [], []
+
+                async def worker():
+                    for n in work:
+                        shots.append((n % len(distinct), await shoot(c, *distinct[n % len(distinct)])))
+                        if len(shots) % max(1, SOAK_REQUESTS // 10) == 0:
+                            rss.append({name: rss_bytes(p) for name, p in pids.items()})
+                t0 = time.monotonic()
+                await asyncio.gather(*(worker() for _ in range(24)))
+                return ref, m_ref, shots, rss, time.monotonic() - t0
+
+        ref, m_ref, shots, rss, elapsed = asyncio.run(run())
+        m = cluster.wait_recovered()
+    finally:
+        cluster.stop()
+    assert all(r.status == 200 and len(r.tokens) == r.max_tokens for r in ref.values())
+    assert metric_sum(m_ref, "pdserve_retractions_total") == 0
+    check_outcomes([s for _, s in shots])
+    wrong = [(i, s.status, s.error) for i, s in shots if s.tokens != ref[i].tokens]
+    counts = {k: metric_sum(m, f"pdserve_{k}_total") for k in ("retractions", "retract_resumed", "retract_recomputed")}
+    growth = {n: (rss[-1][n] - rss[1][n]) / rss[1][n] for n in pids}
+    ROWS.extend([
+        ("soak under retract pressure", f"{SOAK_REQUESTS} requests",
+         f"{elapsed:.0f} s, retractions {counts['retractions']:.0f}, resumed {counts['retract_resumed']:.0f}, "
+         f"recomputed {counts['retract_recomputed']:.0f}"),
+        ("soak: outputs equal to the reference, leaked pages / host bytes", "all, 0 / 0",
+         f"{len(shots) - len(wrong)} of {len(shots)}, {leaks(m)[0]:.0f} / {leaks(m)[1]:.0f}"),
+        ("soak: RSS growth after the first tenth", "flat", ", ".join(f"{n} {100 * g:+.1f} %" for n, g in growth.items())),
+    ])
+    assert not wrong, wrong[:5]
+    assert all(v > 0 for v in counts.values()), counts
+    assert leaks(m) == (0, 0)
+
+
+def teardown_module() -> None:
+    print("\n| goal | target | measured |\n|---|---|---|")
+    for row in ROWS:
+        print("| " + " | ".join(row) + " |")
