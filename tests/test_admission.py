@@ -260,3 +260,13 @@ def test_api_key_syntax():
             parse_api_keys(bad)
     with pytest.raises(ValueError, match="share must be a positive number"):
         PdserveConfig.model_validate({"server": {"api_key": "k:-1"}})
+
+
+def test_failed_requests_do_not_count_as_drained_work():
+    clock = Clock()
+    adm, _, _ = make(capacity=1, clock=clock)
+    adm.release(adm.try_grant(demand(tokens=500)), drained=False)
+    clock.t += 1.0
+    assert adm.drain.tokens_per_s(clock()) is None and adm.inflight_slots == 0
+    adm.release(adm.try_grant(demand(tokens=50)))
+    assert adm.drain.tokens_per_s(clock()) == pytest.approx(50.0)

@@ -57,6 +57,10 @@ def test_full_router_answers_429_with_retry_after_and_never_touches_a_worker(mak
     assert val(after, "pdserve_shed_requests_total", reason="queue_full") - \
         val(before, "pdserve_shed_requests_total", reason="queue_full") == 1
     assert val(after, "pdserve_requests_total", status="429") - val(before, "pdserve_requests_total", status="429") == 1
+    router = client.get("/dashboard/data").json()["router"]  # the dashboard shows the same numbers
+    assert router["shed"]["queue_full"] == val(after, "pdserve_shed_requests_total", reason="queue_full")
+    assert router["queued"] == {"default": [0, 0]}
+    assert sum(router["queue_wait"]["counts"]) == val(after, "pdserve_queue_wait_seconds_count") == 1
     holder.join(30)
     assert out[0].status_code == 504 and ctx.admission.inflight_slots == 0 and len(ctx.table) == 0
 

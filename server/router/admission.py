@@ -14,8 +14,9 @@ Contract of :class:`Admission` (all methods run on the event loop thread):
   ``retry_after_s``, computed from the drain rate (1 s until a rate is measured). **504** when a
   request is still queued at its ``deadline`` (``deadline``). A cancelled ``admit`` (client gone)
   leaves the queue and holds nothing.
-- ``release(grant)`` must be called exactly once per grant when the request has ended (idempotent):
-  it frees the grant's slots, feeds the drain rate and lets the next queued requests go.
+- ``release(grant)`` must be called once per grant when the request has ended (idempotent): it
+  frees the grant's slots, feeds the drain rate (unless the request failed without running) and
+  lets the next queued requests go.
 - ``pump()`` lets queued requests go while there is room; call it when ``capacity()`` may have
   grown (a worker became ready). ``release`` and ``admit`` call it themselves.
 
@@ -181,15 +182,17 @@ class Admission:
         self.pump()
         return await self._wait(waiter)
 
-    def release(self, grant: Grant) -> None:
-        """The granted request ended: free its slots, record its work, let queued requests go."""
+    def release(self, grant: Grant, drained: bool = True) -> None:
+        """The granted request ended: free its slots, record its work in the drain rate unless
+        ``drained`` is False (it failed without running: a 400/503), let queued requests go."""
         if grant.released:
             return
         grant.released = True
         d = grant.demand
         self._inflight -= d.slots
         self._granted[d.key] = self._granted.get(d.key, 0) - d.slots
-        self.drain.record(self.clock(), d.tokens)
+        if drained:
+            self.drain.record(self.clock(), d.tokens)
         self.pump()
 
     def pump(self) -> None:

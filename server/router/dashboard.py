@@ -76,13 +76,18 @@ class WorkerSnapshot(BaseModel):
 
 
 class RouterSnapshot(BaseModel):
-    """The router's own series: requests by HTTP status (cumulative) and latency histograms."""
+    """The router's own series: requests by HTTP status (cumulative) and latency histograms; the
+    admission stage's requests never forwarded by reason (cumulative), the queue-wait histogram and
+    the queue now by API key name, ``[requests, tokens]``."""
 
     inflight: int
     requests: dict[str, float]
     ttft: HistogramSnapshot
     tpot: HistogramSnapshot
     e2e: HistogramSnapshot
+    shed: dict[str, float]
+    queue_wait: HistogramSnapshot
+    queued: dict[str, list[int]]
 
 
 class DashboardSnapshot(BaseModel):
@@ -148,7 +153,9 @@ def snapshot(ctx: RouterContext, clock: Callable[[], float] = time.monotonic) ->
     healthy, health = ctx.registry.health()
     router = RouterSnapshot(inflight=len(ctx.table), requests=counter_by_label(m.requests, "status"),
                             ttft=histogram_snapshot(m.ttft), tpot=histogram_snapshot(m.tpot),
-                            e2e=histogram_snapshot(m.e2e))
+                            e2e=histogram_snapshot(m.e2e), shed=counter_by_label(m.shed, "reason"),
+                            queue_wait=histogram_snapshot(m.queue_wait),
+                            queued={k: list(v) for k, v in m.queued().items()})
     return DashboardSnapshot(
         t=now, time=time.time(), model=ctx.model_name, mode=ctx.cfg.cluster.mode, healthy=healthy, health=health,
         heartbeat_s=ctx.registry.interval_s, worker_timeout_s=ctx.registry.timeout_s, router=router,

@@ -194,6 +194,7 @@ class RouterMetrics:
                                "worker of theirs died before their first token (fresh_pair_retries)", registry=r)
         Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table",
               registry=r).set_function(inflight)
+        self.queued = queued
         self.shed = Counter("pdserve_shed_requests", "Requests the router's admission stage never forwarded, by "
                             "reason", ["reason"], registry=r)
         self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time forwarded requests waited in the router's "

@@ -89,8 +89,8 @@ class SessionStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             _close_all(self._runs, "client disconnected")
-            self._ctx.admission.release(self._grant)
             status = self._outcome["status"]
+            self._ctx.admission.release(self._grant, drained=status == 200)
             self._ctx.metrics.observe_request(status)
             if status == 200:
                 _record_success(self._ctx, self._runs)
@@ -162,14 +162,14 @@ async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceR
         grant = await admit(ctx, request, demand_of(request, runs, priority))
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
-    streaming = False
+    streaming = ok = False
     try:
         response = await _serve(ctx, request, runs, stream, fmt, grant)
-        streaming = isinstance(response, SessionStream)
+        streaming, ok = isinstance(response, SessionStream), response.status_code == 200
         return response
     finally:
         if not streaming:  # a SessionStream releases its grant when it ends
-            ctx.admission.release(grant)
+            ctx.admission.release(grant, drained=ok)
 
 
 async def _serve(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool, fmt: ResponseFormat,

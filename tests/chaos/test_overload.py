@@ -211,7 +211,9 @@ def test_overload_then_recovery(cluster, baseline):
     warm = next(i for i, (t, _) in enumerate(rss) if t >= rss[0][0] + 0.2 * OVERLOAD_S)
     growth = {n: (rss[-1][1][n] - rss[warm][1][n]) / rss[warm][1][n] for n in pids}
     ROWS.extend([
-        ("offered load", "3x then 0.5x", f"{3 * cap:.1f} req/s for {OVERLOAD_S:g} s, {0.5 * cap:.1f} for {RECOVER_S:g} s"),
+        ("offered load (asked; sent by this client)", "3x then 0.5x",
+         f"{3 * cap:.1f} req/s for {OVERLOAD_S:g} s ({len(over) / OVERLOAD_S:.1f} sent), {0.5 * cap:.1f} for "
+         f"{RECOVER_S:g} s ({len(calm) / RECOVER_S:.1f} sent)"),
         ("responses other than 200/429/504", "0", f"0 ({dict(statuses)})"),
         ("429 answered, P99", "< 50 ms", f"{pct(fast, .99) * 1e3:.1f} ms (P50 {pct(fast, .5) * 1e3:.1f}, n={len(fast)})"),
         ("accepted TTFT P99 at 3x", f"< {QUEUE_WAIT_S:g} s + one prefill ({QUEUE_WAIT_S + p50:.2f} s)",

@@ -271,7 +271,7 @@
   }
 
   function latencyTiles(r, list) {
-    for (const [name, label] of [["ttft", "TTFT"], ["tpot", "TPOT"]]) {
+    for (const [name, label] of [["ttft", "TTFT"], ["tpot", "TPOT"], ["queue_wait", "queue wait"]]) {
       const h = r[name], hist = `pdserve_${name}_seconds`;
       list.push({ label: `${label} count`, value: h.counts.reduce((a, b) => a + b, 0), metric: `${hist}_count` });
       for (const q of [0.5, 0.99]) {
@@ -285,6 +285,13 @@
     const r = snap.router, statuses = Object.keys(r.requests).sort(), list = [];
     list.push({ label: "in flight", value: r.inflight, metric: "pdserve_inflight_requests" });
     for (const s of statuses) list.push({ label: `HTTP ${s}`, value: r.requests[s], metric: "pdserve_requests_total", labels: { status: s } });
+    for (const [key, [n, tokens]] of Object.entries(r.queued).sort()) {
+      list.push({ label: `queued (${key})`, value: n, metric: "pdserve_queued_requests", labels: { key } });
+      list.push({ label: `queued tokens (${key})`, value: tokens, metric: "pdserve_queued_tokens", labels: { key } });
+    }
+    for (const reason of Object.keys(r.shed).sort()) {
+      list.push({ label: `shed: ${reason}`, value: r.shed[reason], metric: "pdserve_shed_requests_total", labels: { reason } });
+    }
     latencyTiles(r, list);
     for (const w of snap.workers.filter((x) => x.role !== "prefill")) {
       list.push({ label: `${w.id} output tokens`, value: w.counters.generation_tokens ?? 0,
