@@ -52,7 +52,11 @@ class ClusterConfig(BaseModel):
         1, ge=0, le=8, description="router: a request whose prefill or decode worker dies before its first token "
                                    "is sent again this many times, each time on another pair (workers outside the "
                                    "failed one when there are, else with the dead worker replaced); 0 = answer 503")
-    restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
+    drain_timeout_s: float = Field(
+        60.0, gt=0, description="worker: after SIGTERM or a router's drain, finish the requests held for at most "
+                                "this long (then fail the rest with 503), and exit 0")
+    restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits "
+                                                    "(not after a drain: a drained worker exits 0 and stays down)")
     restart_limit: int = Field(
         5, ge=0, description="launcher: give up on a worker (it stays dead, /health says why) after this many "
                              "restarts in a row that never got ready")

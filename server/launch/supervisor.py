@@ -105,6 +105,12 @@ class WorkerSupervisor:
     def _on_exit(self, spec: WorkerSpec, rc: int, now: float) -> bool:
         """False when the launcher gives up on the worker."""
         wid = spec.worker_id
+        if rc == 0:  # it drained (SIGTERM or the router's /admin/drain): it stays down on purpose
+            log.warning("worker %s (%s) exited after a drain; not restarting it", wid, spec.role)
+            self.given_up[wid] = "drained: exited 0 after a drain; it stays down until the launch is restarted"
+            if self.registry is not None and wid in self.registry.handles:
+                self.registry.mark_drained(wid, self.given_up[wid])
+            return True
         old = self.registry.handles[wid].instance if self.registry is not None else ""
         self._exit[wid] = (spec, rc, old)
         delay = self.policy.on_exit(wid, now)

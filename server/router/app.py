@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from configs.schema import PdserveConfig
 from engine.tokenizer import Tokenizer
+from server.router.admin import add_admin_routes
 from server.router.chat import create_chat_completion
 from server.router.completions import create_completion
 from server.router.context import RouterContext
@@ -148,5 +149,6 @@ def create_app(ctx: RouterContext) -> FastAPI:
     app.state.ctx = ctx
     _add_routes(app, ctx)
     add_dashboard_routes(app, ctx)
+    add_admin_routes(app, ctx)
     _add_error_handlers(app)
     return app

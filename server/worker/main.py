@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
     WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
                heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
-               step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores).run(scheduler)
+               step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores,
+               drain_timeout_s=cfg.cluster.drain_timeout_s).run(scheduler)
     return 0
 
 
