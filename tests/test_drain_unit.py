@@ -78,7 +78,7 @@ class FakeClient:
 
     def request_stats(self, nonce: int) -> None:
         self.on_stats(self.spec.worker_id, WorkerStats(
-            nonce=nonce, worker_id=self.spec.worker_id, instance="i1", role=self.spec.role, model="m",
+            nonce=nonce, worker_id=self.spec.worker_id, instance="i1", role=self.spec.role, model="m", cluster_id="c1",
             capacity_tokens=1000, max_model_len=512, page_size=16, draining=self.draining, holding=self.holding))
 
     def drain(self, reason: str) -> None:

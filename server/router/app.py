@@ -9,6 +9,7 @@ needs the API key like ``/v1/*`` (``server/router/dashboard.py``). Every error h
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ from server.router.chat import create_chat_completion
 from server.router.completions import create_completion
 from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
+from server.router.discovery_watch import watches
 from server.router.errors import APIError
 from server.router.http_util import check_api_key, read_body
 from server.router.inflight import InflightTable
@@ -55,7 +57,8 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     table = InflightTable()
     registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
                         interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
-                        model_name=model_name, cluster_id=cfg.cluster.cluster_id or "")
+                        model_name=model_name, cluster_id=cfg.cluster.cluster_id or "",
+                        dynamic=bool(cfg.cluster.discovery))
     metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table))
     return RouterContext(cfg, tokenizer, model_name, registry, table, metrics)
 
@@ -96,8 +99,10 @@ def _add_routes(app: FastAPI, ctx: RouterContext) -> None:
         ok, detail = ctx.registry.health()
         if require == "any":
             ok = ctx.registry.can_route()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": detail},
-                            status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "unavailable", "workers": detail}
+        if ctx.registry.notes:  # discovery: watching, or unavailable and keeping the last membership
+            body["discovery"] = "; ".join(ctx.registry.notes.values())
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     document = openapi_document(_version())
 
@@ -140,9 +145,14 @@ def create_app(ctx: RouterContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await ctx.registry.start()
+        tasks = [asyncio.create_task(w.run(), name=f"discovery {w.source}")
+                 for w in watches(ctx.cfg.cluster.discovery, ctx.registry, ctx.cfg.cluster.discovery_interval_s)]
         try:
             yield
         finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await ctx.registry.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -22,6 +22,8 @@ async def add_worker(registry: Registry, spec: WorkerSpec) -> WorkerHandle:
     requests fail with 503); the same spec again is a no-op that cancels a pending leave."""
     old = registry.handles.get(spec.worker_id)
     if old is not None and old.spec == spec:
+        if old.leaving and old.state == DRAINING and not old.drain_asked:  # back (e.g. after an etcd outage)
+            old.state, old.reason = STARTING, "rejoined discovery; waiting for its next heartbeat"
         old.leaving = False
         return old
     if old is not None:

@@ -140,10 +140,10 @@ class Registry:
             return False
 
     def describe(self) -> str:
-        """``id (role): state[: reason]`` for every worker, then each note (discovery status)."""
+        """``id (role): state[: reason]`` for every worker (with none: that, and the discovery notes)."""
         lines = [f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {h.reason}")
                  for h in self.handles.values()]
-        return "; ".join(lines + list(self.notes.values())) or "no worker registered"
+        return "; ".join(lines) or "no worker registered" + "".join(f"; {n}" for n in self.notes.values())
 
     # ---- events from workers and the launcher ------------------------------------------------
     def on_stats(self, worker_id: str, stats: WorkerStats) -> None:
