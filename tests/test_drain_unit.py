@@ -156,3 +156,36 @@ def test_joining_and_leaving_workers_keep_in_flight_requests():
         await reg.close()
 
     asyncio.run(go())
+
+
+def test_dns_watch_follows_the_records_and_keeps_them_when_resolution_fails():
+    from server.discovery.target import parse_discovery
+    from server.router.discovery_watch import DnsWatch
+
+    answers: list = [["10.0.0.5"], ["10.0.0.5", "10.0.0.6"], OSError("Name or service not known"), ["10.0.0.6"]]
+
+    async def resolve(name: str, port: int) -> list[str]:
+        assert (name, port) == ("decode.ns.svc", 29500)
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    async def go():
+        reg = _registry(dynamic=True)
+        await reg.start()
+        watch = DnsWatch(parse_discovery("dns://decode.ns.svc:29500"), reg, 1.0, resolve)
+        await watch.poll()
+        assert [(h.worker_id, h.spec.role, h.spec.addr) for h in reg.handles.values()] == \
+            [("decode@10.0.0.5", "decode", "tcp://10.0.0.5:29500")]
+        await watch.poll()
+        assert sorted(reg.handles) == ["decode@10.0.0.5", "decode@10.0.0.6"]
+        await watch.poll()  # resolution fails: the last membership stays
+        assert sorted(reg.handles) == ["decode@10.0.0.5", "decode@10.0.0.6"]
+        assert "unavailable since" in reg.notes[str(watch.target)] and "(2 worker(s))" in reg.notes[str(watch.target)]
+        await watch.poll()
+        assert sorted(reg.handles) == ["decode@10.0.0.6"] and "1 address(es)" in reg.describe() + str(reg.notes)
+        assert reg.handles["decode@10.0.0.6"].reported_id == "decode@10.0.0.6"  # its stats name it so here
+        await reg.close()
+
+    asyncio.run(go())

@@ -53,6 +53,12 @@ class WorkerHandle:
         """The worker's id (from its spec)."""
         return self.spec.worker_id
 
+    @property
+    def reported_id(self) -> str:
+        """The id the worker gives itself (its stats), which its peers know it by; the spec's id
+        until it reported (DNS discovery names a worker by its address, ``decode@10.0.0.5``)."""
+        return self.stats.worker_id if self.stats is not None else self.spec.worker_id
+
 
 @dataclass(frozen=True)
 class Route:
@@ -112,13 +118,14 @@ def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], param
     """Send one request to every worker of ``route`` in the message its role takes.
 
     Colocated: ``GenerateRequest``. PD: the prefill worker gets a ``PrefillRequest`` naming the
-    decode worker; the decode worker gets a ``GenerateRequest`` with ``room`` and the prefill
-    worker's control address (it asks that worker for the KV). Raises ``WorkerUnavailable``.
+    decode worker by the id it reports (the one its KV handshake carries); the decode worker gets a
+    ``GenerateRequest`` with ``room`` and the prefill worker's control address (it asks that worker
+    for the KV). Raises ``WorkerUnavailable``.
     """
     prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
     for h in route.targets:
         if h.spec.role == Role.PREFILL:
-            h.client.prefill(rid, room, prompt_ids, params, route.stream_from.worker_id)
+            h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
         elif h.spec.role == Role.DECODE:
             h.client.generate(rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr)
         else:
