@@ -116,3 +116,20 @@ def test_router_watch_follows_registrations_and_survives_an_etcd_restart(etcd):
         await registry.close()
 
     asyncio.run(go())
+
+
+def test_two_routers_claim_different_room_tags(etcd):
+    from server.router.load import RoomAllocator
+
+    target = EtcdTarget(etcd.url, "/t3/")
+
+    async def go():
+        regs = [Registry([], FakeClient, InflightTable(), policy=route_pd, dynamic=True) for _ in range(2)]
+        for reg in regs:
+            reg.rooms = RoomAllocator(5)  # the same random pick: the second router must move
+            await EtcdWatch(target, reg, lease_s=2).prepare()
+        assert regs[0].rooms.tag == 5 and regs[1].rooms.tag != 5
+        assert sorted(EtcdClient(etcd.url).get_prefix("/t3/routers/")[1]) == \
+            sorted(f"/t3/routers/{r.rooms.tag}" for r in regs)
+
+    asyncio.run(go())

@@ -104,6 +104,25 @@ async def get_prefix_async(http: httpx.AsyncClient, prefix: str) -> tuple[int, d
     return int(data["header"]["revision"]), kvs
 
 
+async def call_async(http: httpx.AsyncClient, path: str, body: dict) -> dict:
+    """One unary gateway call on an async client; ``EtcdError`` when etcd is unreachable or refuses."""
+    try:
+        r = await http.post(path, json=body)
+    except httpx.HTTPError as e:
+        raise EtcdError(f"etcd at {http.base_url} unreachable ({path}): {type(e).__name__}: {e}") from None
+    data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    if r.status_code != 200 or "error" in data:
+        raise EtcdError(f"etcd at {http.base_url} refused {path}: {data.get('message') or r.text[:300]}")
+    return data
+
+
+async def create_if_absent(http: httpx.AsyncClient, key: str, value: str, lease: int) -> bool:
+    """Put ``key`` attached to ``lease`` only if it does not exist (one transaction); True if it was put."""
+    body = {"compare": [{"target": "CREATE", "key": b64(key), "create_revision": "0"}],
+            "success": [{"request_put": {"key": b64(key), "value": b64(value), "lease": lease}}]}
+    return bool((await call_async(http, "/v3/kv/txn", body)).get("succeeded"))
+
+
 async def watch_prefix(http: httpx.AsyncClient, prefix: str, start_revision: int) -> AsyncIterator[Event]:
     """Every change under ``prefix`` from ``start_revision`` on, until the stream breaks
     (``EtcdError``: etcd went away, or compacted past ``start_revision``)."""

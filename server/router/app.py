@@ -145,8 +145,11 @@ def create_app(ctx: RouterContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await ctx.registry.start()
-        tasks = [asyncio.create_task(w.run(), name=f"discovery {w.source}")
-                 for w in watches(ctx.cfg.cluster.discovery, ctx.registry, ctx.cfg.cluster.discovery_interval_s)]
+        c = ctx.cfg.cluster
+        found = watches(c.discovery, ctx.registry, c.discovery_interval_s, c.discovery_lease_s)
+        for w in found:
+            await w.prepare()
+        tasks = [asyncio.create_task(w.run(), name=f"discovery {w.source}") for w in found]
         try:
             yield
         finally:

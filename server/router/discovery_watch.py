@@ -22,8 +22,9 @@ from collections.abc import Awaitable, Callable
 import httpx
 from pydantic import ValidationError
 
-from server.discovery.etcd import EtcdError, get_prefix_async, watch_prefix
+from server.discovery.etcd import EtcdError, call_async, create_if_absent, get_prefix_async, watch_prefix
 from server.discovery.target import DnsTarget, EtcdTarget, WorkerRecord, parse_targets
+from server.router.load import ROUTER_TAG_BITS, RoomAllocator
 from server.router.membership import add_worker, remove_worker
 from server.router.registry import Registry
 from server.router.workers import WorkerSpec
@@ -67,9 +68,19 @@ class _Watch:
 class EtcdWatch(_Watch):
     """The workers registered under an etcd prefix (see the module docstring)."""
 
-    def __init__(self, target: EtcdTarget, registry: Registry, retry_s: float = 1.0) -> None:
+    def __init__(self, target: EtcdTarget, registry: Registry, retry_s: float = 1.0, lease_s: float = 10.0) -> None:
         super().__init__(registry, str(target))
         self.target, self.retry_s = target, retry_s
+        self.tag = RouterTag(target, registry, lease_s)
+
+    async def prepare(self) -> None:
+        """Before the router serves: claim its room tag (etcd unreachable: a random tag for now, and
+        :meth:`run` claims one once etcd answers)."""
+        async with httpx.AsyncClient(base_url=self.target.base_url, timeout=3.0, trust_env=False) as http:
+            try:
+                await self.tag.claim(http)
+            except EtcdError as e:
+                log.warning("router room tag not claimed yet (random tag %d meanwhile): %s", self.registry.rooms.tag, e)
 
     def spec(self, key: str, value: str) -> WorkerSpec | None:
         """The worker a key's record names, or None (logged) when it is not a valid record of ours."""
@@ -89,17 +100,26 @@ class EtcdWatch(_Watch):
         """Watch until cancelled."""
         prefix = self.target.workers_prefix
         async with httpx.AsyncClient(base_url=self.target.base_url, timeout=5.0, trust_env=False) as http:
-            while True:
-                try:
-                    revision, kvs = await get_prefix_async(http, prefix)
-                    specs = {s.worker_id: s for k, v in kvs.items() if (s := self.spec(k, v)) is not None}
-                    await self.reconcile(specs, f"its key is gone from {self.source}")
-                    self.up(f"watching, {len(specs)} worker(s) registered")
-                    async for ev in watch_prefix(http, prefix, revision + 1):
-                        await self.apply(ev.kind, ev.key, ev.value)
-                except EtcdError as e:
-                    self.down(e)
-                    await asyncio.sleep(self.retry_s)
+            tag_task = asyncio.create_task(self.tag.run(http), name="router tag")
+            try:
+                await self._watch(http, prefix)
+            finally:
+                tag_task.cancel()
+                await asyncio.gather(tag_task, return_exceptions=True)
+
+    async def _watch(self, http: httpx.AsyncClient, prefix: str) -> None:
+        """Read the prefix, reconcile, watch from the next revision; again after every failure."""
+        while True:
+            try:
+                revision, kvs = await get_prefix_async(http, prefix)
+                specs = {s.worker_id: s for k, v in kvs.items() if (s := self.spec(k, v)) is not None}
+                await self.reconcile(specs, f"its key is gone from {self.source}")
+                self.up(f"watching, {len(specs)} worker(s) registered")
+                async for ev in watch_prefix(http, prefix, revision + 1):
+                    await self.apply(ev.kind, ev.key, ev.value)
+            except EtcdError as e:
+                self.down(e)
+                await asyncio.sleep(self.retry_s)
 
     async def apply(self, kind: str, key: str, value: str) -> None:
         """One watch event."""
@@ -112,6 +132,45 @@ class EtcdWatch(_Watch):
             self.known.add(spec.worker_id)
             await add_worker(self.registry, spec)
         self.up(f"watching, {len(self.known)} worker(s) registered")
+
+
+class RouterTag:
+    """This router's room tag, claimed in etcd (``{prefix}routers/{tag}`` under a lease it renews) so
+    no two live routers of the prefix share one (``server.router.load.RoomAllocator``). Lost while
+    etcd was away: claimed again (the same tag when still free, else a new one)."""
+
+    def __init__(self, target: EtcdTarget, registry: Registry, lease_s: float) -> None:
+        self.target, self.registry, self.ttl = target, registry, max(2, round(lease_s))
+        self.lease: int | None = None
+
+    async def claim(self, http: httpx.AsyncClient) -> int:
+        """Claim a free tag (the current one first) and switch the registry's rooms to it."""
+        self.lease = int((await call_async(http, "/v3/lease/grant", {"TTL": self.ttl}))["ID"])
+        tag = self.registry.rooms.tag
+        for _ in range(64):
+            if await create_if_absent(http, f"{self.target.prefix}routers/{tag}", "router", self.lease):
+                if tag != self.registry.rooms.tag:
+                    self.registry.rooms = RoomAllocator(tag)
+                log.info("router room tag %d claimed in %s", tag, self.target)
+                return tag
+            tag = RoomAllocator().tag
+        raise EtcdError(f"no free router tag in {self.target} after 64 tries (2**{ROUTER_TAG_BITS} exist)")
+
+    async def run(self, http: httpx.AsyncClient) -> None:
+        """Keep the claim until cancelled."""
+        while True:
+            try:
+                if self.lease is None:
+                    await self.claim(http)
+                ttl = int((await call_async(http, "/v3/lease/keepalive", {"ID": self.lease})).get("result", {})
+                          .get("TTL", 0))
+                if ttl <= 0:
+                    self.lease = None
+                    continue
+            except EtcdError as e:
+                log.warning("router tag in %s not renewed: %s", self.target, e)
+                self.lease = None
+            await asyncio.sleep(self.ttl / 3)
 
 
 async def resolve_all(name: str, port: int) -> list[str]:
@@ -143,6 +202,10 @@ class DnsWatch(_Watch):
         await self.reconcile(specs, f"{t.name} no longer resolves to it")
         self.up(f"{len(specs)} address(es)")
 
+    async def prepare(self) -> None:
+        """Before the router serves: resolve once, so the workers are known from the start."""
+        await self.poll()
+
     async def run(self) -> None:
         """Poll until cancelled."""
         while True:
@@ -150,9 +213,11 @@ class DnsWatch(_Watch):
             await asyncio.sleep(self.interval_s)
 
 
-def watches(discovery: str | None, registry: Registry, interval_s: float) -> list[EtcdWatch | DnsWatch]:
-    """One watch per target of a ``--discovery`` value (none without one)."""
+def watches(discovery: str | None, registry: Registry, interval_s: float,
+            lease_s: float = 10.0) -> list[EtcdWatch | DnsWatch]:
+    """One watch per target of a ``--discovery`` value (none without one). Call ``prepare()`` on
+    each before serving, then run ``run()`` as a task."""
     if not discovery:
         return []
-    return [EtcdWatch(t, registry) if isinstance(t, EtcdTarget) else DnsWatch(t, registry, interval_s)
+    return [EtcdWatch(t, registry, lease_s=lease_s) if isinstance(t, EtcdTarget) else DnsWatch(t, registry, interval_s)
             for t in parse_targets(discovery)]

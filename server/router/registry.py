@@ -10,19 +10,20 @@ reports it. A worker that answers again becomes ready again, unless it was marke
 Routing: ``route()`` hands the ready workers to a policy function (``ROUTING_POLICIES[mode]``)
 that returns a ``Route``: the workers that receive the request and the one that streams tokens
 back. Colocated mode sends to the least loaded colocated worker; PD mode picks the least loaded
-prefill and decode workers (``least_outstanding``) and streams from the decode worker.
+prefill and decode workers (``least_outstanding``) and streams from the decode worker. Load is
+``server.router.load.BlendedLoad``: the workers' reported queues and KV blended with this router's
+own recent sends, so several routers in front of the same workers see each other's load.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 from server.router.inflight import InflightTable
+from server.router.load import BlendedLoad, RoomAllocator
 from server.router.worker_client import WorkerUnavailable
 from server.router.workers import (DEAD, DRAINED, DRAINING, OUT_OF_ROTATION, READY, RESTARTING, ROUTING_POLICIES,
                                    STARTING, NoWorkerAvailable, Policy, Route, WorkerHandle, WorkerSpec,
@@ -64,12 +65,12 @@ class Registry:
         self.handles = {s.worker_id: WorkerHandle(s, client_factory(s, self.on_tokens, self.on_stats)) for s in specs}
         self._heartbeat_task: asyncio.Task | None = None
         self._nonce = 0
-        # rooms name KV transfers; start from a random base so a restarted router never reuses one
-        self._rooms = itertools.count(random.randrange(1 << 40))
+        self.rooms = RoomAllocator()  # rooms name KV transfers: unique across routers (tag) and requests
+        self.load = BlendedLoad(table, self.handles)
 
     def next_room(self) -> int:
-        """A room number no other request of this router has used."""
-        return next(self._rooms)
+        """A room number no other request of this router, nor of another router, has used."""
+        return self.rooms.next()
 
     async def start(self) -> None:
         """Connect every client and start the heartbeat task."""
@@ -102,7 +103,7 @@ class Registry:
         ready = [h for h in self.handles.values() if h.state == READY]
         try:
             if ready:
-                return self.policy(ready, self.table.outstanding)
+                return self.policy(ready, self.load)
             raise NoWorkerAvailable("no worker is ready")
         except NoWorkerAvailable as e:
             raise NoWorkerAvailable(f"{e} ({self.describe()})") from None
@@ -118,7 +119,7 @@ class Registry:
         for skip in (old, *({w} for w in sorted(old))):
             pool = [h for h in ready if h.worker_id not in skip]
             try:
-                route = self.policy(pool, self.table.outstanding) if pool else None
+                route = self.policy(pool, self.load) if pool else None
             except NoWorkerAvailable:
                 continue
             if route is not None and {h.worker_id for h in route.targets} != old:
@@ -151,7 +152,7 @@ class Registry:
         h = self.handles.get(worker_id)
         if h is None:  # removed while its reply was on the way
             return
-        h.stats, h.last_seen = stats, self.clock()
+        h.stats, h.last_seen, h.sent_since_stats = stats, self.clock(), 0
         h.stats_at = h.last_seen
         if stats.instance != h.instance or h.up_since is None:
             restarted = h.up_since is not None

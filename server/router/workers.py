@@ -47,6 +47,7 @@ class WorkerHandle:
     restarts: int = 0  # how many times ``instance`` changed
     leaving: bool = False  # discovery lost it: dropped once it holds no request
     drain_asked: bool = False  # the router asked this process (``instance``) to drain
+    sent_since_stats: int = 0  # requests this router sent it since its last ``WorkerStats``
 
     @property
     def worker_id(self) -> str:
@@ -82,7 +83,7 @@ class NoWorkerAvailable(RuntimeError):
     """No ready worker can take the request (the message says why)."""
 
 
-Load = Callable[[str], int]
+Load = Callable[[str], Any]  # a sort key: smaller is less loaded
 Policy = Callable[[list[WorkerHandle], Load], Route]
 
 
@@ -124,6 +125,7 @@ def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], param
     """
     prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
     for h in route.targets:
+        h.sent_since_stats += 1
         if h.spec.role == Role.PREFILL:
             h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
         elif h.spec.role == Role.DECODE:
