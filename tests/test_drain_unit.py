@@ -189,3 +189,33 @@ def test_dns_watch_follows_the_records_and_keeps_them_when_resolution_fails():
         await reg.close()
 
     asyncio.run(go())
+
+
+def test_launcher_leaves_a_drained_worker_down_and_restarts_a_crashed_one():
+    from server.launch.supervisor import RestartPolicy, WorkerSupervisor
+    from server.router.registry import RESTARTING
+
+    class Procs:
+        def __init__(self) -> None:
+            self.exits: list = []
+            self.restarted: list[str] = []
+
+        def new_exits(self):
+            out, self.exits = self.exits, []
+            return out
+
+        def restart(self, spec) -> None:
+            self.restarted.append(spec.worker_id)
+
+    clock = Clock()
+    reg = _registry(P0, D0, D1)
+    _beat(reg)
+    procs = Procs()
+    sup = WorkerSupervisor(procs, RestartPolicy(limit=3, base_s=0.0, max_s=0.0), reg, clock=clock)
+    procs.exits = [(D0, 0), (D1, -9)]  # decode-0 drained and exited 0; decode-1 was killed
+    assert sup.tick() == []
+    assert reg.handles["decode-0"].state == DRAINED and "stays down" in reg.handles["decode-0"].reason
+    assert procs.restarted == ["decode-1"] and reg.handles["decode-1"].state == RESTARTING
+    clock.t += 10
+    sup.tick()
+    assert procs.restarted == ["decode-1"]  # decode-0 is never restarted

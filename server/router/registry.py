@@ -191,8 +191,8 @@ class Registry:
 
     def mark_restarting(self, worker_id: str, reason: str) -> None:
         """The launcher started a new process for a dead worker: not routable until it reports."""
-        h = self.handles[worker_id]
-        if not h.permanent:
+        h = self.handles.get(worker_id)  # discovery may have dropped it meanwhile; it registers again
+        if h is not None and not h.permanent:
             h.state, h.reason = RESTARTING, reason
 
     def mark_drained(self, worker_id: str, reason: str) -> None:
@@ -204,8 +204,11 @@ class Registry:
         log.info("worker %s drained: %s", worker_id, reason)
 
     def mark_dead(self, worker_id: str, reason: str, permanent: bool = False) -> list[str]:
-        """Mark a worker dead and fail its in-flight requests with 503; returns their rids."""
-        h = self.handles[worker_id]
+        """Mark a worker dead and fail its in-flight requests with 503; returns their rids (none for a
+        worker discovery already dropped)."""
+        h = self.handles.get(worker_id)
+        if h is None:
+            return []
         if h.state != DEAD:
             log.error("worker %s is dead: %s", worker_id, reason)
         h.state, h.reason, h.permanent = DEAD, reason, h.permanent or permanent
