@@ -16,11 +16,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from transfer.wire.outbox import Outbound, Outbox
 from transfer.wire.protocol import PrefillFailed
 
 log = logging.getLogger(__name__)
+
+
+class HoldsRequests(Protocol):
+    """What a drain asks of a scheduler (every ``WorkerScheduler`` of this repo has it)."""
+
+    def held_rids(self) -> set[str]:
+        """Ids of every request the worker holds (queued, running, retracted, waiting on a
+        transfer): what a drain waits for, and what it fails when it runs out of time."""
 
 
 class Verdict(enum.Enum):

@@ -51,8 +51,9 @@ class WorkerLoop:
                  step_delay_s: float = 0.0, cores: CoreLending | None = None, drain_timeout_s: float = 60.0) -> None:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
-        SIGTERM or a ``Drain`` message drains the worker (``server.worker.drain``): :meth:`run`
-        returns once it holds nothing, or after ``drain_timeout_s`` with the rest failed (503).
+        SIGTERM or a ``Drain`` message drains the worker (``server.worker.drain``; the scheduler
+        must also be a ``HoldsRequests``): :meth:`run` returns once it holds nothing, or after
+        ``drain_timeout_s`` with the rest failed (503).
         ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine.
         ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``)."""
         self.worker_id = worker_id
@@ -113,6 +114,8 @@ class WorkerLoop:
 
     def _drain_check(self) -> None:
         """While draining: stop once nothing is held; past the timeout fail what is left (503)."""
+        if not self.drain.active:
+            return
         held = self.scheduler.held_rids()
         verdict = self.drain.verdict(len(held))
         if verdict is Verdict.EXPIRED:
