@@ -219,3 +219,30 @@ def test_launcher_leaves_a_drained_worker_down_and_restarts_a_crashed_one():
     clock.t += 10
     sup.tick()
     assert procs.restarted == ["decode-1"]  # decode-0 is never restarted
+
+
+def test_admin_drain_needs_the_api_key_and_takes_the_worker_out_at_once():
+    from fastapi.testclient import TestClient
+
+    from configs.schema import PdserveConfig
+    from server.router.app import create_app
+    from server.router.context import RouterContext
+    from server.router.metrics import RouterMetrics
+
+    cfg = PdserveConfig.model_validate({"server": {"api_key": "sekret"}})
+    reg = _registry(P0, D0, D1)
+    ctx = RouterContext(cfg, None, "m", reg, reg.table, RouterMetrics(lambda: reg.handles.values(), lambda: 0))
+    with TestClient(create_app(ctx)) as http:
+        _beat(reg)
+        r = http.post("/admin/drain", json={"worker_id": "decode-0"})
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        auth = {"Authorization": "Bearer sekret"}
+        r = http.post("/admin/drain", json={"worker_id": "decode-0"}, headers=auth)
+        assert r.status_code == 202 and r.json() == {"worker_id": "decode-0", "state": "draining", "in_flight": 0}
+        assert reg.handles["decode-0"].client.drains and reg.route().stream_from.worker_id == "decode-1"
+        r = http.post("/admin/drain", json={"worker_id": "nope"}, headers=auth)
+        assert r.status_code == 404 and "known workers: decode-0, decode-1, prefill-0" in r.json()["error"]["message"]
+        r = http.post("/admin/drain", content=b"[]", headers=auth)
+        assert r.status_code == 400
+        health = http.get("/health").json()
+        assert health["status"] == "ok" and "decode-0 (decode): draining" in health["workers"]

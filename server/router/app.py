@@ -4,8 +4,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``Authorization: Bearer <api_key>`` when an API key is configured), and ``GET /health``,
 ``GET /metrics`` (always open, so load balancers and Prometheus need no secret; they expose no
 request content), and the live dashboard ``GET /dashboard`` whose data, ``GET /dashboard/data``,
-needs the API key like ``/v1/*`` (``server/router/dashboard.py``). Every error has OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}``. The app's lifespan starts and stops the worker registry (connections, heartbeats).
+needs the API key like ``/v1/*`` (``server/router/dashboard.py``), and ``POST /admin/drain`` (API key
+required; ``server/router/admin.py``). Every error has OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}``. The app's lifespan starts and stops the worker registry (connections, heartbeats) and,
+with ``cluster.discovery``, the watches that add and remove workers (``server/router/discovery_watch.py``).
 """
 from __future__ import annotations
 
