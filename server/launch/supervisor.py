@@ -106,6 +106,7 @@ class WorkerSupervisor:
         """False when the launcher gives up on the worker."""
         wid = spec.worker_id
         if rc == 0:  # it drained (SIGTERM or the router's /admin/drain): it stays down on purpose
+            # (a Shutdown message exits with server.worker.loop.EXIT_SHUTDOWN and is restarted)
             log.warning("worker %s (%s) exited after a drain; not restarting it", wid, spec.role)
             self.given_up[wid] = "drained: exited 0 after a drain; it stays down until the launch is restarted"
             if self.registry is not None and wid in self.registry.handles:

@@ -44,6 +44,10 @@ from transfer.wire.protocol import (AbortRequest, Drain as DrainMessage, Generat
 
 log = logging.getLogger(__name__)
 
+# the process exit code after a ``Shutdown`` message: not 0, which a launcher reads as "drained, leave
+# it down" (``server.launch.supervisor``); a worker stopped by a message is restarted as before
+EXIT_SHUTDOWN = 3
+
 
 class WorkerLoop:
     def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
@@ -71,6 +75,7 @@ class WorkerLoop:
         self.peer_addr: dict[zmq.Socket, str] = {}
         self.instance = uuid.uuid4().hex
         self.stopping = False
+        self.exit_code = 0  # what the process exits with once ``run`` returns
         self.drain = Drain(drain_timeout_s, quiet_s=3 * heartbeat_s)
         self.on_drain: list = []  # callables run once when draining starts (leave discovery)
         self.stats_every_s = 0.1
@@ -222,7 +227,8 @@ class WorkerLoop:
         elif isinstance(msg, StatsRequest):
             self.sock.send_multipart([ident, *encode(self._stats(msg.nonce))])
         elif isinstance(msg, Shutdown):
-            self.stopping = True
+            log.warning("Shutdown message from %r: exiting with code %d", ident, EXIT_SHUTDOWN)
+            self.stopping, self.exit_code = True, EXIT_SHUTDOWN
         elif isinstance(msg, DrainMessage):
             self.begin_drain(msg.reason)
         else:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if registration is not None:
             registration.close()
-    return 0
+    return loop.exit_code  # 0 after a drain (a launcher leaves it down), EXIT_SHUTDOWN after a Shutdown
 
 
 def advertise_addr(cfg: PdserveConfig, control_addr: str) -> str:
