@@ -52,7 +52,21 @@ class ClusterConfig(BaseModel):
         1, ge=0, le=8, description="router: a request whose prefill or decode worker dies before its first token "
                                    "is sent again this many times, each time on another pair (workers outside the "
                                    "failed one when there are, else with the dead worker replaced); 0 = answer 503")
-    restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits")
+    discovery: str | None = Field(
+        None, description="where routers find workers: etcd://HOST:PORT[/prefix] (workers register under a lease, "
+                          "routers watch) or dns://NAME:PORT[?role=decode] (a router resolves the name every "
+                          "discovery_interval_s; every A/AAAA record is a worker of that role); several targets "
+                          "comma-separated (dns://prefill.ns.svc:29500,dns://decode.ns.svc:29500)")
+    discovery_lease_s: float = Field(
+        10.0, ge=2, description="etcd discovery: a worker's lease; a worker that dies without leaving is dropped "
+                                "this long after its last renewal")
+    discovery_interval_s: float = Field(
+        3.0, gt=0, description="dns discovery: how often a router resolves the names again")
+    drain_timeout_s: float = Field(
+        60.0, gt=0, description="worker: after SIGTERM or a router's drain, finish the requests held for at most "
+                                "this long (then fail the rest with 503), and exit 0")
+    restart_workers: bool = Field(True, description="launcher: start a worker again when its process exits "
+                                                    "(not after a drain: a drained worker exits 0 and stays down)")
     restart_limit: int = Field(
         5, ge=0, description="launcher: give up on a worker (it stays dead, /health says why) after this many "
                              "restarts in a row that never got ready")

@@ -207,6 +207,9 @@ class DecodeScheduler(WorkerScheduler):
     def live_handles(self):
         return [j.req.kv for j in self.jobs.values()]
 
+    def held_rids(self) -> set[str]:
+        return set(self.jobs)
+
     def check_integrity(self) -> None:
         super().check_integrity()
         self.retract.check_integrity(self.jobs.values())

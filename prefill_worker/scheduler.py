@@ -279,6 +279,9 @@ class PrefillScheduler(WorkerScheduler):
     def live_handles(self):
         return [j.req.kv for j in self.jobs.values()]
 
+    def held_rids(self) -> set[str]:
+        return {j.req.rid for j in self.jobs.values()}
+
     def snapshot(self) -> Snapshot:
         snap = super().snapshot()
         snap.counters.update(kv_transfer_bytes=float(self.transfer_bytes),

@@ -15,6 +15,7 @@ import yaml
 
 from configs.schema import load_config
 from server.launch.args import build_parser
+from server.discovery.target import parse_targets
 from server.launch.roles import parse_worker_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,14 +70,21 @@ def parse(args: list[str]):
     return build_parser().parse_args(args)
 
 
-def test_k8s_router_routes_to_exactly_the_statefulset_pods():
+def test_k8s_router_discovers_the_statefulset_pods_through_their_headless_services():
+    """The router's --discovery names each StatefulSet's headless Service, the role it runs and the
+    port its pods listen on (so ``kubectl scale`` alone changes the workers); no fixed --worker list."""
     sts = by_kind("StatefulSet")
-    expected = {(role, f"{role}-{i}", f"tcp://{role}-{i}.{sts[role]['spec']['serviceName']}:29500")
-                for role in ("prefill", "decode") for i in range(sts[role]["spec"]["replicas"])}
+    expected = {(role, sts[role]["spec"]["serviceName"],
+                 sts[role]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"])
+                for role in ("prefill", "decode")}
     router = by_kind("Deployment")["pdserve-router"]["spec"]["template"]["spec"]["containers"][0]
     args = parse(router["args"])
-    assert args.command == "router" and args.config == "/etc/pdserve/pdserve.yaml"
-    assert {(s.role, s.worker_id, s.addr) for s in map(parse_worker_spec, args.worker)} == expected
+    assert args.command == "router" and args.config == "/etc/pdserve/pdserve.yaml" and args.worker == []
+    assert {(t.role, t.name, t.port) for t in parse_targets(args.discovery)} == expected
+    for role in ("prefill", "decode"):  # drained within the grace period
+        pod = sts[role]["spec"]["template"]["spec"]
+        drain = parse([a.replace("$(POD_NAME)", "x") for a in pod["containers"][0]["args"]]).drain_timeout_s
+        assert 0 < drain < pod["terminationGracePeriodSeconds"]
     assert router["readinessProbe"]["httpGet"]["path"] == "/health?require=any"
     services = by_kind("Service")
     assert services["pdserve"]["spec"]["selector"] == router_labels()

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("configs",),                           # pydantic settings
     ("engine",),                            # model, kernels, sampler, schedulers' shared parts
     ("transfer",),                          # KV data plane (NIXL, ucxx, loopback)
+    ("server.discovery",),                  # discovery targets, the etcd gateway client
     ("prefill_worker", "decode_worker"),    # the PD schedulers
     ("server.router", "server.worker"),     # HTTP router; worker process and loop
     ("server.launch",),                     # CLI, launcher, supervisor, ports, roles, probe

@@ -92,6 +92,9 @@ class ColocatedScheduler(WorkerScheduler):
     def live_handles(self) -> list[KVHandle]:
         return [r.kv for r in self.requests.values()]
 
+    def held_rids(self) -> set[str]:
+        return set(self.requests)
+
     # ---- one scheduling step --------------------------------------------------------------
     def step(self) -> StepReport:
         items = self.admission.select(self.waiting, self.running, self.running.ratio.value)

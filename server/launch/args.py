@@ -56,7 +56,12 @@ def load_config(args: argparse.Namespace, command: str):
     if hasattr(args, "server_log_level"):
         cli["log_level"] = args.server_log_level
     try:
-        return merge(args.config, cli)
+        cfg = merge(args.config, cli)
+        if cfg.cluster.discovery:
+            from server.discovery.target import parse_targets
+
+            parse_targets(cfg.cluster.discovery)  # DiscoveryError (a ValueError) names the accepted forms
+        return cfg
     except (ValidationError, ValueError, OSError) as e:
         print(f"pdserve {command}: invalid configuration: {e}", file=sys.stderr)
         return None
@@ -84,8 +89,8 @@ def _worker_parser(sub) -> None:
 
 def _router_parser(sub) -> None:
     p = sub.add_parser("router", help="run the HTTP router alone, in front of workers started elsewhere")
-    p.add_argument("--worker", action="append", required=True, metavar="ROLE=ID=ADDR",
-                   help="a worker to route to, e.g. decode=d0=tcp://decode0:29500 (repeatable)")
+    p.add_argument("--worker", action="append", default=[], metavar="ROLE=ID=ADDR",
+                   help="a worker to route to, e.g. decode=d0=tcp://decode0:29500 (repeatable; or --discovery)")
     _config_flags(p)
 
 

@@ -106,6 +106,10 @@ def _cmd_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
+    if not specs and not cfg.cluster.discovery:
+        print("pdserve router: name the workers (--worker ROLE=ID=ADDR, repeatable) or where to find them "
+              "(--discovery etcd://HOST:PORT or dns://NAME:PORT)", file=sys.stderr)
+        return 2
     return router_main(cfg, specs)
 
 

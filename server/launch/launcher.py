@@ -83,7 +83,8 @@ def close_ports(ports: dict) -> None:
 def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
     """Command line of one worker process."""
     return [sys.executable, "-m", "server.worker.main", "--role", spec.role, "--worker-id", spec.worker_id,
-            "--control-addr", bind_addr(spec, cfg), "--config-json", worker_config(cfg).model_dump_json()]
+            "--control-addr", bind_addr(spec, cfg), "--advertise-addr", spec.addr,
+            "--config-json", worker_config(cfg).model_dump_json()]
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -212,12 +213,13 @@ class Launcher:
         from server.router.app import build_context, create_app, zmq_client_factory
 
         srv = self.cfg.server
-        local = [] if self.external_specs else worker_specs(self.cfg, self.roles)
+        local = [] if self.external_specs is not None else worker_specs(self.cfg, self.roles)
         if self.roles is not None and Role.ROUTER not in self.roles:
             return await self._run_workers_only(local)
-        specs = self.external_specs or local + self.remote
-        if not specs:
-            raise LaunchError("no worker to route to: --roles starts none here and no --worker was given")
+        specs = self.external_specs if self.external_specs is not None else local + self.remote
+        if not specs and not self.cfg.cluster.discovery:
+            raise LaunchError("no worker to route to: --roles starts none here and neither --worker nor "
+                              "--discovery was given")
         sock = bind_http_socket(srv.host, srv.port)
         try:
             ports = reserve_ports(local, self.cfg)
@@ -262,6 +264,8 @@ class Launcher:
                                       f"startup; its error is in the log above")
                 if serve_task.done():
                     raise LaunchError("the HTTP server stopped during startup; see the log above")
+                if self.server.started and self._discovers_all(procs) and await self._health_ok(client, url, True):
+                    return True  # workers come and go through discovery: serving does not wait for them
                 if self.server.started and registry.health()[0] and await self._health_ok(client, url):
                     return True
                 if time.monotonic() > deadline:
@@ -270,12 +274,19 @@ class Launcher:
                     await asyncio.wait_for(self.stop_event.wait(), 0.2)
         return False
 
+    def _discovers_all(self, procs) -> bool:
+        """Whether every worker of this router comes from discovery (none started or named here)."""
+        return bool(self.cfg.cluster.discovery) and isinstance(procs, ExternalWorkers) and not self.external_specs \
+            and not self.remote
+
     @staticmethod
-    async def _health_ok(client: httpx.AsyncClient, url: str) -> bool:
+    async def _health_ok(client: httpx.AsyncClient, url: str, any_ok: bool = False) -> bool:
+        """``/health`` answers 200 (``any_ok``: it answers at all)."""
         try:
-            return (await client.get(f"{url}/health")).status_code == 200
+            status = (await client.get(f"{url}/health")).status_code
         except httpx.HTTPError:
             return False
+        return status in (200, 503) if any_ok else status == 200
 
     async def _supervise(self, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> None:
         """Until stopped: a worker whose process exited is marked dead (its requests fail with 503)

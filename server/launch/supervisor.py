@@ -78,8 +78,8 @@ class WorkerSupervisor:
         self._exit: dict[str, tuple[WorkerSpec, int, str]] = {}  # last exit: spec, code, old instance
 
     def _registry_ready(self, spec: WorkerSpec) -> bool:
-        h = self.registry.handles[spec.worker_id]
-        return h.state == READY and h.instance != self._exit[spec.worker_id][2]
+        h = self.registry.handles.get(spec.worker_id)
+        return h is not None and h.state == READY and h.instance != self._exit[spec.worker_id][2]
 
     def tick(self) -> list[str]:
         """Handle exits, start due restarts, reset the count of workers ready again. Returns the
@@ -105,7 +105,15 @@ class WorkerSupervisor:
     def _on_exit(self, spec: WorkerSpec, rc: int, now: float) -> bool:
         """False when the launcher gives up on the worker."""
         wid = spec.worker_id
-        old = self.registry.handles[wid].instance if self.registry is not None else ""
+        if rc == 0:  # it drained (SIGTERM or the router's /admin/drain): it stays down on purpose
+            # (a Shutdown message exits with server.worker.loop.EXIT_SHUTDOWN and is restarted)
+            log.warning("worker %s (%s) exited after a drain; not restarting it", wid, spec.role)
+            self.given_up[wid] = "drained: exited 0 after a drain; it stays down until the launch is restarted"
+            if self.registry is not None and wid in self.registry.handles:
+                self.registry.mark_drained(wid, self.given_up[wid])
+            return True
+        h = self.registry.handles.get(wid) if self.registry is not None else None
+        old = h.instance if h is not None else ""
         self._exit[wid] = (spec, rc, old)
         delay = self.policy.on_exit(wid, now)
         if delay is None:

@@ -4,8 +4,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``Authorization: Bearer <api_key>`` when an API key is configured), and ``GET /health``,
 ``GET /metrics`` (always open, so load balancers and Prometheus need no secret; they expose no
 request content), and the live dashboard ``GET /dashboard`` whose data, ``GET /dashboard/data``,
-needs the API key like ``/v1/*`` (``server/router/dashboard.py``). Every error has OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}``. The app's lifespan starts and stops the worker registry (connections, heartbeats).
+needs the API key like ``/v1/*`` (``server/router/dashboard.py``), and ``POST /admin/drain`` (API key
+required; ``server/router/admin.py``). Every error has OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}``. The app's lifespan starts and stops the worker registry (connections, heartbeats) and,
+with ``cluster.discovery``, the watches that add and remove workers (``server/router/discovery_watch.py``).
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ from starlette.responses import JSONResponse, Response
 from configs.api_keys import parse_api_keys
 from configs.schema import PdserveConfig
 from engine.tokenizer import Tokenizer
+from server.router.admin import add_admin_routes
 from server.router.chat import create_chat_completion
 from server.router.completions import create_completion
 from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits
 from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
+from server.router.discovery_watch import watches
 from server.router.errors import APIError
 from server.router.http_util import check_api_key, read_body
 from server.router.inflight import InflightTable
@@ -58,7 +62,8 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     table = InflightTable()
     registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
                         interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
-                        model_name=model_name, cluster_id=cfg.cluster.cluster_id or "")
+                        model_name=model_name, cluster_id=cfg.cluster.cluster_id or "",
+                        dynamic=bool(cfg.cluster.discovery))
     admission = build_admission(cfg, registry)
     keys = [k.name for k in parse_api_keys(cfg.server.api_key)] or [DEFAULT_KEY]
 
@@ -129,8 +134,10 @@ def _add_routes(app: FastAPI, ctx: RouterContext) -> None:
         ok, detail = ctx.registry.health()
         if require == "any":
             ok = ctx.registry.can_route()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": detail},
-                            status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "unavailable", "workers": detail}
+        if ctx.registry.notes:  # discovery: watching, or unavailable and keeping the last membership
+            body["discovery"] = "; ".join(ctx.registry.notes.values())
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     document = openapi_document(_version())
 
@@ -173,17 +180,24 @@ def create_app(ctx: RouterContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await ctx.registry.start()
-        pump = asyncio.create_task(_pump(ctx), name="admission-pump")
+        c = ctx.cfg.cluster
+        found = watches(c.discovery, ctx.registry, c.discovery_interval_s, c.discovery_lease_s)
+        for w in found:
+            await w.prepare()
+        tasks = [asyncio.create_task(w.run(), name=f"discovery {w.source}") for w in found]
+        tasks.append(asyncio.create_task(_pump(ctx), name="admission-pump"))
         try:
             yield
         finally:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await ctx.registry.close()
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     _add_routes(app, ctx)
     add_dashboard_routes(app, ctx)
+    add_admin_routes(app, ctx)
     _add_error_handlers(app)
     return app

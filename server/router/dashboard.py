@@ -51,7 +51,8 @@ class HistogramSnapshot(BaseModel):
 
 
 class WorkerSnapshot(BaseModel):
-    """One worker: registry state (``state``: ready / dead / restarting / starting) and its latest stats.
+    """One worker: registry state (``state``: ready / dead / restarting / starting / draining /
+    drained) and its latest stats.
 
     ``stats_t`` is the router's monotonic time when those stats arrived (rates divide by its deltas);
     ``uptime_s`` counts from the first heartbeat of the current process instance.
@@ -107,8 +108,9 @@ class DashboardSnapshot(BaseModel):
 
 
 def display_state(h: WorkerHandle) -> str:
-    """The registry's state: starting (never heard from), ready, dead, or restarting (the launcher
-    started a new process after the old one exited)."""
+    """The registry's state: starting (never heard from), ready, dead, restarting (the launcher
+    started a new process after the old one exited), draining or drained
+    (``server.router.workers``)."""
     return h.state
 
 

@@ -79,6 +79,10 @@ class InflightTable:
         """Sum of ``cost`` of the requests in flight on ``worker_id`` (least-loaded routing)."""
         return sum(e.cost for e in self._entries.values() if worker_id in e.workers)
 
+    def outstanding_requests(self, worker_id: str) -> int:
+        """How many requests in flight involve ``worker_id``."""
+        return sum(1 for e in self._entries.values() if worker_id in e.workers)
+
     def rids(self) -> list[str]:
         """Ids of every request in flight."""
         return list(self._entries)

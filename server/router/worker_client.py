@@ -21,7 +21,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from transfer.wire.protocol import (AbortRequest, GenerateRequest, Message, PrefillRequest, ProtocolError, Shutdown,
+from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, Message, PrefillRequest, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
@@ -88,6 +88,13 @@ class WorkerClient:
     def request_stats(self, nonce: int) -> None:
         """Send a ``StatsRequest`` (heartbeat); raises ``WorkerUnavailable`` if it cannot be queued."""
         self._send(StatsRequest(nonce=nonce))
+
+    def drain(self, reason: str) -> None:
+        """Ask the worker to drain (finish what it holds, take nothing new, exit); best effort."""
+        try:
+            self._send(Drain(reason=reason))
+        except WorkerUnavailable as e:
+            log.warning("drain of worker %s not delivered: %s", self.worker_id, e)
 
     def shutdown(self) -> None:
         """Ask the worker process to exit (best effort)."""

@@ -34,21 +34,30 @@ import zmq
 from engine.scheduler.base import RequestRejected, WorkerScheduler
 from server.worker.control_io import ControlIO
 from server.worker.core_lending import CoreLending
+from server.worker.drain import Drain, Verdict, as_unavailable
 from server.worker.peer_pinger import PeerPinger
 from server.worker.turn import Turns
 from transfer.wire.outbox import Conn, Outbox, Peer
-from transfer.wire.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
-                               StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, frame_ids)
+from transfer.wire.protocol import (AbortRequest, Drain as DrainMessage, GenerateRequest, HistogramData, Message,
+                                   PrefillRequest, ProtocolError, Shutdown, StatsRequest, TokenBatch, TokenDelta,
+                                   WorkerStats, decode, encode, frame_ids)
 
 log = logging.getLogger(__name__)
+
+# the process exit code after a ``Shutdown`` message: not 0, which a launcher reads as "drained, leave
+# it down" (``server.launch.supervisor``); a worker stopped by a message is restarted as before
+EXIT_SHUTDOWN = 3
 
 
 class WorkerLoop:
     def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
                  listen_fd: int | None = None, heartbeat_s: float = 1.0, progress_timeout_s: float = 120.0,
-                 step_delay_s: float = 0.0, cores: CoreLending | None = None) -> None:
+                 step_delay_s: float = 0.0, cores: CoreLending | None = None, drain_timeout_s: float = 60.0) -> None:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
+        SIGTERM or a ``Drain`` message drains the worker (``server.worker.drain``; the scheduler
+        must also be a ``HoldsRequests``): :meth:`run` returns once it holds nothing, or after
+        ``drain_timeout_s`` with the rest failed (503).
         ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine.
         ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``)."""
         self.worker_id = worker_id
@@ -66,13 +75,16 @@ class WorkerLoop:
         self.peer_addr: dict[zmq.Socket, str] = {}
         self.instance = uuid.uuid4().hex
         self.stopping = False
+        self.exit_code = 0  # what the process exits with once ``run`` returns
+        self.drain = Drain(drain_timeout_s, quiet_s=3 * heartbeat_s)
+        self.on_drain: list = []  # callables run once when draining starts (leave discovery)
         self.stats_every_s = 0.1
         self._stats_at = 0.0
 
     def run(self, scheduler: WorkerScheduler) -> None:
         self.scheduler = scheduler
         self.turns = Turns(scheduler)
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGTERM, lambda *_: self.begin_drain("SIGTERM"))
         log.info("%s worker %s serving", scheduler.role, self.worker_id)
         self.io.publish(self._stats(0))
         self.io.start()
@@ -91,11 +103,36 @@ class WorkerLoop:
                 if self.step_delay_s and (busy or scheduler.has_work):
                     time.sleep(self.step_delay_s)
                 self._heartbeat()
+                self._drain_check()
         finally:
             self.pinger.close()
             self.io.close()
             for s in self.peers.values():
                 s.close(0)
+
+    def begin_drain(self, reason: str) -> None:
+        """Start draining: report it in the stats at once and run the ``on_drain`` hooks."""
+        if self.drain.begin(reason):
+            self.io.publish(self._stats(0))
+            for hook in self.on_drain:
+                hook()
+
+    def _drain_check(self) -> None:
+        """While draining: stop once nothing is held; past the timeout fail what is left (503)."""
+        if not self.drain.active:
+            return
+        held = self.scheduler.held_rids()
+        verdict = self.drain.verdict(len(held))
+        if verdict is Verdict.EXPIRED:
+            log.error("drain timed out with %d request(s) held: failing them with 503", len(held))
+            out = Outbox()
+            for rid in sorted(held):
+                out.extend(self.scheduler.abort(rid, self.drain.expired_error()))
+            self.deliver(as_unavailable(out, self.drain.expired_error()))
+            self.stopping = True
+        elif verdict is Verdict.EXIT:
+            log.warning("drained: no request held; exiting")
+            self.stopping = True
 
     def _publish(self) -> None:
         """Tell the launch's other workers whether this one is about to run the model."""
@@ -180,6 +217,8 @@ class WorkerLoop:
         except ProtocolError as e:
             log.error("bad control message from %r: %s", ident, e)
             return
+        if isinstance(msg, (GenerateRequest, PrefillRequest)) and not getattr(msg, "generation", 0):
+            self.drain.took_request()
         if isinstance(msg, GenerateRequest):
             self._generate(ident, msg, frames)
         elif isinstance(msg, AbortRequest):
@@ -188,7 +227,10 @@ class WorkerLoop:
         elif isinstance(msg, StatsRequest):
             self.sock.send_multipart([ident, *encode(self._stats(msg.nonce))])
         elif isinstance(msg, Shutdown):
-            self.stopping = True
+            log.warning("Shutdown message from %r: exiting with code %d", ident, EXIT_SHUTDOWN)
+            self.stopping, self.exit_code = True, EXIT_SHUTDOWN
+        elif isinstance(msg, DrainMessage):
+            self.begin_drain(msg.reason)
         else:
             self._to_scheduler(Conn(ident), msg, frames)
 
@@ -208,8 +250,11 @@ class WorkerLoop:
             self.deliver(out)
 
     def _stats(self, nonce: int) -> WorkerStats:
-        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
-                            self.cores)
+        stats = worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
+                             self.cores)
+        if not self.drain.active:
+            return stats
+        return stats.model_copy(update={"draining": True, "holding": len(self.scheduler.held_rids())})
 
 
 def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0,

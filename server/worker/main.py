@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 import torch
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve --control-addr on this inherited, already listening socket (the launcher's)")
     p.add_argument("--core-ledger-fd", type=int, default=None,
                    help="inherited memfd of the launch's core ledger (server.worker.core_lending)")
+    p.add_argument("--advertise-addr", default=None,
+                   help="the control address routers reach this worker at, registered in discovery (default: "
+                        "--control-addr, with a wildcard host replaced by advertise_host or the hostname)")
     p.add_argument("--core-slot", type=int, default=0, help="this worker's slot in the core ledger")
     p.add_argument("--lend-threads", type=int, default=None,
                    help="torch threads of a step while every other worker of the launch is idle (default: "
@@ -98,10 +102,47 @@ def main(argv: list[str] | None = None) -> int:
     cores = core_lending(args, runner)
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
-    WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
-               heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
-               step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores).run(scheduler)
-    return 0
+    loop = WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
+                      heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
+                      step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores,
+                      drain_timeout_s=cfg.cluster.drain_timeout_s)
+    registration = register(cfg, args, name)
+    if registration is not None:
+        loop.on_drain.append(registration.leave)
+    try:
+        loop.run(scheduler)
+    finally:
+        if registration is not None:
+            registration.close()
+    return loop.exit_code  # 0 after a drain (a launcher leaves it down), EXIT_SHUTDOWN after a Shutdown
+
+
+def advertise_addr(cfg: PdserveConfig, control_addr: str) -> str:
+    """``control_addr`` as other hosts reach it: a wildcard host becomes ``advertise_host`` or the
+    hostname."""
+    host, _, port = control_addr.removeprefix("tcp://").rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", "*", ""):
+        return control_addr
+    host = cfg.cluster.advertise_host or socket.gethostname()
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def register(cfg: PdserveConfig, args, model_name: str):
+    """This worker's ``EtcdRegistration`` (started) when ``cluster.discovery`` names etcd, else None."""
+    from server.discovery.target import EtcdTarget, WorkerRecord, parse_targets
+    from server.worker.registration import EtcdRegistration
+
+    if not cfg.cluster.discovery:
+        return None
+    targets = [t for t in parse_targets(cfg.cluster.discovery) if isinstance(t, EtcdTarget)]
+    if not targets:
+        return None
+    record = WorkerRecord(worker_id=args.worker_id, role=args.role, model=model_name,
+                          cluster_id=cfg.cluster.cluster_id or "", bind_addr=args.control_addr,
+                          addr=args.advertise_addr or advertise_addr(cfg, args.control_addr))
+    reg = EtcdRegistration(targets[0], record, cfg.cluster.discovery_lease_s)
+    reg.start()
+    return reg
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry
+PROTOCOL_VERSION = 4  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+# 4: Drain, and draining in WorkerStats
 
 
 class ProtocolError(ValueError):
@@ -157,6 +158,13 @@ class Shutdown(Message):
     pass
 
 
+class Drain(Message):
+    """Router -> worker: stop taking new requests, finish the ones held (within the worker's
+    ``drain_timeout_s``), then exit 0, exactly as on SIGTERM. ``reason`` goes to the worker's log."""
+
+    reason: str = "drain requested by the router"
+
+
 # ---- worker -> router ---------------------------------------------------------------------
 class TokenDelta(BaseModel):
     """New tokens of one request: the one shape a token update has from the scheduler step that
@@ -238,10 +246,14 @@ class WorkerStats(Message):
     # seconds since the worker's scheduler thread last finished a loop iteration, as its control
     # thread saw it when answering: an answer proves liveness, this tells progress apart
     stalled_s: float = 0.0
+    # the worker is draining (SIGTERM or ``Drain``): route nothing new to it; it exits once it
+    # holds no request (``holding``: how many it still holds)
+    draining: bool = False
+    holding: int = 0
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, TokenBatch, WorkerStats,
+    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, Drain, TokenBatch, WorkerStats,
                                   PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed)
 }
 

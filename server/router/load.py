@@ -1,0 +1,60 @@
+"""What the router routes by: each worker's load, blended from what the worker reports and what
+this router sent it, and room numbers that no two routers share.
+
+``BlendedLoad(worker_id)`` is a sort key, smaller is less loaded:
+``(requests, KV used fraction, this router's tokens in flight)``. ``requests`` is the larger of
+this router's own requests in flight on the worker and what the worker last reported holding
+(every ``queue_*`` gauge: queued, waiting for KV, running, retracted; all routers' requests) plus
+what this router sent it since that report (``WorkerHandle.sent_since_stats``). With one router the
+two agree; with several, each sees the others' requests through the workers' reports, and its own
+recent sends until the next report covers them. Ties go to the worker with more KV free.
+
+``RoomAllocator``: a room is ``tag << 40 | n`` with ``n`` counting up from a random start; ``tag``
+identifies the router (22 bits: random, or claimed in etcd so no two live routers share it), so two
+routers never hand out the same room (a worker would refuse the second transfer).
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from server.router.inflight import InflightTable
+from server.router.workers import WorkerHandle
+
+ROOM_COUNTER_BITS = 40
+ROUTER_TAG_BITS = 22
+
+
+@dataclass
+class BlendedLoad:
+    """The load sort key of each worker (see the module docstring)."""
+
+    table: InflightTable
+    handles: Mapping[str, WorkerHandle]
+
+    def __call__(self, worker_id: str) -> tuple[float, float, int]:
+        own = self.table.outstanding_requests(worker_id)
+        h = self.handles.get(worker_id)
+        if h is None or h.stats is None:
+            return own, 0.0, self.table.outstanding(worker_id)
+        g = h.stats.gauges
+        reported = sum(v for k, v in g.items() if k.startswith("queue_")) + h.sent_since_stats
+        used = g.get("kv_pages_used", 0.0) / max(g.get("kv_pages_total", 0.0), 1.0)
+        return max(own, reported), round(used, 3), self.table.outstanding(worker_id)
+
+
+class RoomAllocator:
+    """Room numbers ``tag << 40 | n`` (see the module docstring)."""
+
+    def __init__(self, tag: int | None = None) -> None:
+        self.tag = random.randrange(1 << ROUTER_TAG_BITS) if tag is None else tag
+        if not 0 <= self.tag < 1 << ROUTER_TAG_BITS:
+            raise ValueError(f"router tag {self.tag} is not in [0, 2**{ROUTER_TAG_BITS})")
+        # n starts at a random point so a restarted router with the same tag does not reuse a room soon
+        self._n = itertools.count(random.randrange(1 << (ROOM_COUNTER_BITS - 1)))
+
+    def next(self) -> int:
+        """A room no other request of any router with another tag has (wraps after 2**39 rooms)."""
+        return self.tag << ROOM_COUNTER_BITS | next(self._n) % (1 << ROOM_COUNTER_BITS)

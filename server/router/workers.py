@@ -1,0 +1,134 @@
+"""The router's view of workers: specs, handles and their states, routes, and routing policies.
+
+States: ``starting`` (never heard from, or refused: ``reason`` says why), ``ready`` (routed to),
+``draining`` (it finishes what it holds; nothing new is routed to it), ``drained`` (it left after a
+drain; not restarted), ``dead`` (silent or exited; its requests failed with 503), ``restarting``
+(the launcher started a new process). Policies pick a ``Route`` among the ready handles.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transfer.wire.enums import Role
+from transfer.wire.protocol import WorkerStats
+
+STARTING, READY, DEAD, RESTARTING = "starting", "ready", "dead", "restarting"
+DRAINING, DRAINED = "draining", "drained"
+# states a worker is in on purpose: out of rotation, but no reason for /health to fail
+OUT_OF_ROTATION = (DRAINING, DRAINED)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Where a worker listens and what it does (``role``: colocated, prefill or decode)."""
+
+    worker_id: str
+    role: Role
+    addr: str
+
+
+@dataclass
+class WorkerHandle:
+    """A worker as the router sees it: state, latest stats, last sign of life (monotonic s), and
+    since when the router has heard from the current process instance (``up_since``, ``restarts``)."""
+
+    spec: WorkerSpec
+    client: Any
+    state: str = STARTING
+    reason: str = "waiting for its first heartbeat"
+    stats: WorkerStats | None = None
+    last_seen: float | None = None
+    stats_at: float | None = None
+    permanent: bool = False
+    instance: str = ""  # the worker process's instance id (from its stats); a new one means a restart
+    up_since: float | None = None  # when the router first heard from ``instance`` (monotonic s)
+    restarts: int = 0  # how many times ``instance`` changed
+    leaving: bool = False  # discovery lost it: dropped once it holds no request
+    drain_asked: bool = False  # the router asked this process (``instance``) to drain
+    sent_since_stats: int = 0  # requests this router sent it since its last ``WorkerStats``
+
+    @property
+    def worker_id(self) -> str:
+        """The worker's id (from its spec)."""
+        return self.spec.worker_id
+
+    @property
+    def reported_id(self) -> str:
+        """The id the worker gives itself (its stats), which its peers know it by; the spec's id
+        until it reported (DNS discovery names a worker by its address, ``decode@10.0.0.5``)."""
+        return self.stats.worker_id if self.stats is not None else self.spec.worker_id
+
+
+@dataclass(frozen=True)
+class Route:
+    """Workers that receive one request (``targets``) and the one whose tokens are streamed."""
+
+    targets: tuple[WorkerHandle, ...]
+    stream_from: WorkerHandle
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Smallest KV pool capacity among the targets (tokens)."""
+        return min(h.stats.capacity_tokens for h in self.targets)
+
+    @property
+    def max_model_len(self) -> int:
+        """Smallest context limit among the targets (tokens)."""
+        return min(h.stats.max_model_len for h in self.targets)
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No ready worker can take the request (the message says why)."""
+
+
+Load = Callable[[str], Any]  # a sort key: smaller is less loaded
+Policy = Callable[[list[WorkerHandle], Load], Route]
+
+
+def least_outstanding(handles: list[WorkerHandle], load: Load) -> WorkerHandle:
+    """The handle with the least outstanding work (ties: lowest worker id)."""
+    return min(handles, key=lambda h: (load(h.worker_id), h.worker_id))
+
+
+def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
+    """Colocated mode: the least loaded ready colocated worker does everything."""
+    workers = [h for h in ready if h.spec.role == Role.COLOCATED]
+    if not workers:
+        raise NoWorkerAvailable("no ready colocated worker")
+    w = least_outstanding(workers, load)
+    return Route((w,), w)
+
+
+def route_pd(ready: list[WorkerHandle], load: Load) -> Route:
+    """PD mode: the least loaded ready prefill and decode workers; tokens stream from decode."""
+    prefill = [h for h in ready if h.spec.role == Role.PREFILL]
+    decode = [h for h in ready if h.spec.role == Role.DECODE]
+    if not prefill or not decode:
+        missing = Role.PREFILL if not prefill else Role.DECODE
+        raise NoWorkerAvailable(f"no ready {missing} worker")
+    d = least_outstanding(decode, load)
+    return Route((least_outstanding(prefill, load), d), d)
+
+
+ROUTING_POLICIES: dict[str, Policy] = {"colocated": route_colocated, "pd": route_pd}
+
+
+def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], params) -> None:
+    """Send one request to every worker of ``route`` in the message its role takes.
+
+    Colocated: ``GenerateRequest``. PD: the prefill worker gets a ``PrefillRequest`` naming the
+    decode worker by the id it reports (the one its KV handshake carries); the decode worker gets a
+    ``GenerateRequest`` with ``room`` and the prefill worker's control address (it asks that worker
+    for the KV). Raises ``WorkerUnavailable``.
+    """
+    prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
+    for h in route.targets:
+        h.sent_since_stats += 1
+        if h.spec.role == Role.PREFILL:
+            h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
+        elif h.spec.role == Role.DECODE:
+            h.client.generate(rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr)
+        else:
+            h.client.generate(rid, prompt_ids, params)
