@@ -225,13 +225,14 @@ def test_admin_drain_needs_the_api_key_and_takes_the_worker_out_at_once():
     from fastapi.testclient import TestClient
 
     from configs.schema import PdserveConfig
-    from server.router.app import create_app
+    from server.router.app import build_admission, create_app
     from server.router.context import RouterContext
     from server.router.metrics import RouterMetrics
 
     cfg = PdserveConfig.model_validate({"server": {"api_key": "sekret"}})
     reg = _registry(P0, D0, D1)
-    ctx = RouterContext(cfg, None, "m", reg, reg.table, RouterMetrics(lambda: reg.handles.values(), lambda: 0))
+    ctx = RouterContext(cfg, None, "m", reg, reg.table, RouterMetrics(lambda: reg.handles.values(), lambda: 0),
+                        build_admission(cfg, reg))
     with TestClient(create_app(ctx)) as http:
         _beat(reg)
         r = http.post("/admin/drain", json={"worker_id": "decode-0"})
