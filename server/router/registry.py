@@ -136,6 +136,12 @@ def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], param
             h.client.generate(rid, prompt_ids, params)
 
 
+def _reason(h: WorkerHandle) -> str:
+    """Why ``h`` is not ready: a failed control handshake (another cluster key) when its client
+    reports one, else the registry's own reason."""
+    return getattr(h.client, "handshake_error", None) or h.reason
+
+
 class Registry:
     """Workers by id, their health, and request routing. Use from the event loop thread only."""
 
@@ -223,7 +229,7 @@ class Registry:
 
     def describe(self) -> str:
         """``id (role): state[: reason]`` for every worker."""
-        return "; ".join(f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {h.reason}")
+        return "; ".join(f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {_reason(h)}")
                          for h in self.handles.values())
 
     # ---- events from workers and the launcher ------------------------------------------------

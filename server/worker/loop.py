@@ -36,6 +36,7 @@ from server.worker.control_io import ControlIO
 from server.worker.core_lending import CoreLending
 from server.worker.peer_pinger import PeerPinger
 from server.worker.turn import Turns
+from transfer.control_auth import ControlAuth
 from transfer.wire.outbox import Conn, Outbox, Peer
 from transfer.wire.protocol import (AbortRequest, GenerateRequest, HistogramData, Message, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, frame_ids)
@@ -46,17 +47,20 @@ log = logging.getLogger(__name__)
 class WorkerLoop:
     def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
                  listen_fd: int | None = None, heartbeat_s: float = 1.0, progress_timeout_s: float = 120.0,
-                 step_delay_s: float = 0.0, cores: CoreLending | None = None) -> None:
+                 step_delay_s: float = 0.0, cores: CoreLending | None = None, *, auth: ControlAuth) -> None:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
         ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine.
-        ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``)."""
+        ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``).
+        ``auth``: CURVE (or not) on every socket: the control socket and the peer sockets, which
+        carry the KV handshake with the transport's metadata (``transfer.control_auth``)."""
         self.worker_id = worker_id
         self.model_name = model_name
         self.cluster_id = cluster_id
-        self.ctx = zmq.Context.instance()
-        self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s, listen_fd=listen_fd)
-        self.pinger = PeerPinger(self.ctx, heartbeat_s)
+        self.auth = auth
+        self.ctx = zmq.Context()  # its own: one ZAP handler per context
+        self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s, listen_fd=listen_fd, auth=auth)
+        self.pinger = PeerPinger(self.ctx, heartbeat_s, auth=auth)
         self.step_delay_s = step_delay_s
         self.cores = cores
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
@@ -73,7 +77,7 @@ class WorkerLoop:
         self.scheduler = scheduler
         self.turns = Turns(scheduler)
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        log.info("%s worker %s serving", scheduler.role, self.worker_id)
+        log.info("%s worker %s serving; control plane: %s", scheduler.role, self.worker_id, self.auth.describe())
         self.io.publish(self._stats(0))
         self.io.start()
         self.pinger.start()
@@ -96,6 +100,7 @@ class WorkerLoop:
             self.io.close()
             for s in self.peers.values():
                 s.close(0)
+            self.ctx.destroy(linger=0)
 
     def _publish(self) -> None:
         """Tell the launch's other workers whether this one is about to run the model."""
@@ -129,6 +134,7 @@ class WorkerLoop:
         if sock is None:
             sock = self.peers[addr] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            self.auth.client(sock, f"peer {addr}")
             sock.connect(addr)
             self.peer_addr[sock] = addr
             self.pinger.watch(addr)
