@@ -255,4 +255,5 @@ class HandshakeWatch:
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.side == "client" and self.auth.secure:
             return (f"{who}: the CURVE handshake was cut off (most often: the peer does not hold this process's "
                     f"key; this side uses {ours}): give both the same --cluster-key")
-        return f"{who}: handshake failed (event {event}, {value}); this side uses {ours}"
+        return (f"{who}: handshake failed (ZMQ monitor event {event}, value {value}; this side uses {ours}): a peer "
+                f"that should get in needs the same --cluster-key")
