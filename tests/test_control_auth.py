@@ -95,9 +95,11 @@ def worker():
 
 
 def peer(ctx, addr: str, auth: ControlAuth, raw: dict | None = None):
-    """A DEALER to ``addr``: configured by ``auth``, or by raw CURVE options ``raw``."""
+    """A DEALER to ``addr`` that tries to connect once (no reconnection): configured by ``auth``, or by
+    raw CURVE options ``raw``."""
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
+    s.reconnect_ivl = -1
     watch = auth.client(s, "test peer") if raw is None else None
     for k, v in (raw or {}).items():
         setattr(s, k, v)
@@ -145,11 +147,13 @@ def test_a_peer_without_the_cluster_key_gets_nothing_through_and_both_sides_say_
     if watch is not None:  # our own client socket: it knows why
         assert watch.error is not None and "--cluster-key" in watch.error, watch.error
     s.close()
+    assert io.refused_connections == 1  # one attempt, one refusal (pdserve_worker_refused_control_connections)
     # the worker still serves the cluster key afterwards
     good, _ = peer(ctx, addr, auth)
     good.send_multipart(encode(StatsRequest(nonce=11)))
     assert good.poll(5000) and decode(good.recv_multipart())[0].nonce == 11
     good.close()
+    assert io.refused_connections == 1
 
 
 def test_an_insecure_worker_tells_a_keyed_client_why(caplog):
@@ -191,3 +195,34 @@ def test_keygen_writes_a_key_the_worker_accepts(tmp_path, capsys):
     assert read_key_file(path) == key
     assert main(["keygen", "-"]) == 0 and parse_key_text(capsys.readouterr().out, "stdout") != key
     assert os.stat(path).st_mode & 0o077 == 0
+
+
+# ---- the launch's key -------------------------------------------------------------------------
+def test_a_launch_of_everything_makes_an_ephemeral_key_for_its_workers_env(tmp_path):
+    from configs.schema import PdserveConfig
+    from server.launch.launch_auth import launch_auth
+
+    cfg = PdserveConfig()
+    auth, env = launch_auth(cfg, own_workers=True, environ={})
+    assert auth.secure and env == {ENV_SECRET: auth.key.secret.decode()}
+    assert launch_auth(cfg, own_workers=True, environ={})[0].key != auth.key  # one per launch
+    with pytest.raises(ControlAuthError, match="no cluster key"):  # a split launch must share a key
+        launch_auth(cfg, own_workers=False, environ={})
+    write_key_file(tmp_path / "k", key := ClusterKey.generate())
+    given = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"cluster_key": str(tmp_path / "k")})})
+    assert launch_auth(given, own_workers=True, environ={}) == (ControlAuth(key), {})  # children read the file
+    insecure = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"insecure_control_plane": True})})
+    assert launch_auth(insecure, own_workers=True, environ={}) == (ControlAuth.insecure(), {})
+
+
+def test_a_split_launch_without_a_key_fails_before_starting_anything(capsys, monkeypatch):
+    import asyncio
+
+    from configs.schema import PdserveConfig
+    from server.launch.launcher import Launcher
+
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    launcher = Launcher(PdserveConfig(), roles=frozenset({"decode"}), install_signals=False)
+    assert asyncio.run(launcher.run()) == 1
+    err = capsys.readouterr().err
+    assert "no cluster key" in err and "--cluster-key" in err and "--insecure-control-plane" in err

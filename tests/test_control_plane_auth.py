@@ -6,8 +6,9 @@ environment (never on a command line). Against its prefill and decode workers:
 - peers without the key (no key; another cluster key; their own key pair with the worker's public
   key) send one message of every kind in ``transfer.wire.protocol.MESSAGES`` (``Shutdown``,
   ``GenerateRequest``, ``AbortRequest``, ``StatsRequest``, ...): none is answered or accepted (no
-  worker counter moves, no process exits), each refusal is logged naming ``--cluster-key``, and
-  the cluster keeps serving;
+  worker counter moves, no process exits), each refusal is logged naming ``--cluster-key`` and
+  counted (``pdserve_worker_refused_control_connections_total``: one per attempt), and the
+  cluster keeps serving;
 - a peer with the launch's key (read from a worker's environment, as its own user can) is answered;
 - a router given another key shows the refused handshake, naming ``--cluster-key``, in ``/health``;
 - a worker with no key refuses to start (before loading the model) unless
@@ -117,9 +118,14 @@ def attackers(key: ClusterKey) -> dict[str, dict]:
                                                   "curve_secretkey": own.secret}}
 
 
+def refused(url: str) -> dict[str, float]:
+    m = fresh_metrics(url, HEARTBEAT_S)
+    return {dict(lab)["worker"]: v for (n, lab), v in m.items() if n == "pdserve_worker_refused_control_connections_total"}
+
+
 def test_no_message_of_an_unauthenticated_peer_is_accepted(server, launch_key):
     before_pids = worker_procs(server)
-    before = counters(server.url)
+    before, refused_before = counters(server.url), refused(server.url)
     ctx = zmq.Context()
     socks = []
     try:
@@ -127,6 +133,7 @@ def test_no_message_of_an_unauthenticated_peer_is_accepted(server, launch_key):
             for _, addr in before_pids.values():
                 s = ctx.socket(zmq.DEALER)
                 s.linger = 0
+                s.reconnect_ivl = -1  # one connection attempt each: the refusals can be counted exactly
                 for k, v in options.items():
                     setattr(s, k, v)
                 s.connect(addr)
@@ -139,6 +146,8 @@ def test_no_message_of_an_unauthenticated_peer_is_accepted(server, launch_key):
         ctx.destroy(0)
     assert worker_procs(server) == before_pids, "a worker process exited or restarted"
     assert counters(server.url) == before, "an unauthenticated message moved a worker counter"
+    n = len(attackers(launch_key))
+    assert refused(server.url) == {wid: v + n for wid, v in refused_before.items()}
     assert httpx.get(f"{server.url}/health", trust_env=False).status_code == 200
     assert complete(server.url)
     log = server.log()

@@ -119,6 +119,11 @@ class ServerGuard:
         self.zap = zap
         self.watch = watch
 
+    @property
+    def refused(self) -> int:
+        """Connection attempts refused so far (failed handshakes: no key, another key, ZAP denial)."""
+        return self.watch.failures
+
     def close(self) -> None:
         """Stop the ZAP handler (after the socket it served is closed)."""
         if self.zap is not None:
@@ -201,6 +206,7 @@ class HandshakeWatch:
         self.label = label
         self.auth = auth
         self.error: str | None = None
+        self.failures = 0  # failed handshakes seen (one per refused connection attempt)
         self._throttle = LogThrottle()
         endpoint = f"inproc://handshake-watch-{id(self):x}-{time.monotonic_ns()}"
         sock.monitor(endpoint, _EVENTS)
@@ -226,6 +232,7 @@ class HandshakeWatch:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.error = None
             return
+        self.failures += 1
         message = self.explain(event, value, endpoint)
         if message is None:
             return

@@ -49,6 +49,11 @@ class ControlIO:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-io", daemon=True)
 
+    @property
+    def refused_connections(self) -> int:
+        """Connection attempts this socket refused (a peer without the cluster key, or another one)."""
+        return self._guard.refused
+
     def start(self) -> None:
         self._thread.start()
 

@@ -214,8 +214,10 @@ class WorkerLoop:
             self.deliver(out)
 
     def _stats(self, nonce: int) -> WorkerStats:
-        return worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
-                            self.cores)
+        stats = worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
+                             self.cores)
+        stats.counters["refused_control_connections"] = float(self.io.refused_connections)
+        return stats
 
 
 def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0,
