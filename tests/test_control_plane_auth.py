@@ -118,14 +118,14 @@ def attackers(key: ClusterKey) -> dict[str, dict]:
                                                   "curve_secretkey": own.secret}}
 
 
-def refused(url: str) -> dict[str, float]:
+def refused_counts(url: str) -> dict[str, float]:
     m = fresh_metrics(url, HEARTBEAT_S)
     return {dict(lab)["worker"]: v for (n, lab), v in m.items() if n == "pdserve_worker_refused_control_connections_total"}
 
 
 def test_no_message_of_an_unauthenticated_peer_is_accepted(server, launch_key):
     before_pids = worker_procs(server)
-    before, refused_before = counters(server.url), refused(server.url)
+    before, refused_before = counters(server.url), refused_counts(server.url)
     ctx = zmq.Context()
     socks = []
     try:
@@ -147,7 +147,7 @@ def test_no_message_of_an_unauthenticated_peer_is_accepted(server, launch_key):
     assert worker_procs(server) == before_pids, "a worker process exited or restarted"
     assert counters(server.url) == before, "an unauthenticated message moved a worker counter"
     n = len(attackers(launch_key))
-    assert refused(server.url) == {wid: v + n for wid, v in refused_before.items()}
+    assert refused_counts(server.url) == {wid: v + n for wid, v in refused_before.items()}
     assert httpx.get(f"{server.url}/health", trust_env=False).status_code == 200
     assert complete(server.url)
     log = server.log()
