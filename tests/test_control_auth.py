@@ -15,7 +15,8 @@ import zmq
 import zmq.auth
 
 from server.worker.control_io import ControlIO
-from transfer.cluster_key import ClusterKey, ClusterKeyError, key_file_text, parse_key_text, read_key_file, write_key_file
+from transfer.cluster_key import (ClusterKey, ClusterKeyError, key_file_text, parse_key_text, read_key_file,
+                                  write_key_file)
 from transfer.control_auth import ENV_SECRET, ControlAuth, ControlAuthError, LogThrottle, resolve_auth
 from transfer.wire.protocol import AbortRequest, StatsRequest, WorkerStats, decode, encode
 

@@ -120,7 +120,8 @@ def attackers(key: ClusterKey) -> dict[str, dict]:
 
 def refused_counts(url: str) -> dict[str, float]:
     m = fresh_metrics(url, HEARTBEAT_S)
-    return {dict(lab)["worker"]: v for (n, lab), v in m.items() if n == "pdserve_worker_refused_control_connections_total"}
+    name = "pdserve_worker_refused_control_connections_total"
+    return {dict(lab)["worker"]: v for (n, lab), v in m.items() if n == name}
 
 
 def test_no_message_of_an_unauthenticated_peer_is_accepted(server, launch_key):

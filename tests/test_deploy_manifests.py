@@ -108,7 +108,8 @@ def test_k8s_worker_pods_run_their_role_and_probe_their_socket(role):
 
 
 def pod_specs() -> dict[str, dict]:
-    return {name: d["spec"]["template"]["spec"] for name, d in {**by_kind("StatefulSet"), **by_kind("Deployment")}.items()}
+    pods = {**by_kind("StatefulSet"), **by_kind("Deployment")}
+    return {name: d["spec"]["template"]["spec"] for name, d in pods.items()}
 
 
 def git_ignores(path: Path) -> bool:

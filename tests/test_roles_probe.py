@@ -137,6 +137,17 @@ def test_probe_asks_a_worker_socket(answers):
         stop()
 
 
+def test_probe_finds_the_key_the_main_process_was_given(monkeypatch):
+    from server.launch.probe import key_from_argv
+
+    worker = ["worker", "--role", "decode", "--worker-id", "d", "--control-addr", "tcp://0.0.0.0:1"]
+    monkeypatch.delenv("PDSERVE_CLUSTER_KEY", raising=False)
+    assert key_from_argv([*worker, "--cluster-key", "/k/a.key"]) == "/k/a.key"
+    assert key_from_argv(worker) is None
+    monkeypatch.setenv("PDSERVE_CLUSTER_KEY", "/run/secrets/k")  # compose and k8s set it for the probe too
+    assert key_from_argv(worker) == "/run/secrets/k"
+
+
 def test_probe_with_another_key_or_none_says_to_pass_the_cluster_key(tmp_path):
     addr, stop = fake_worker(True)
     try:

@@ -62,7 +62,8 @@ def probe_worker(addr: str, timeout_s: float, auth: ControlAuth) -> WorkerStats:
         sock.connect(addr)
         sock.send_multipart(encode(StatsRequest(nonce=1)))
         if not sock.poll(int(timeout_s * 1000)):
-            raise ProbeError(f"worker at {addr}: no answer in {timeout_s:g}s" + (f" ({watch.error})" if watch.error else ""))
+            why = f" ({watch.error})" if watch.error else ""
+            raise ProbeError(f"worker at {addr}: no answer in {timeout_s:g}s{why}")
         return parse_stats(addr, sock.recv_multipart())
     finally:
         sock.close(0)
