@@ -79,6 +79,13 @@ class ClusterConfig(BaseModel):
                           "is never routed to, handshaken or sent KV. Default: a random id per launch that runs "
                           "the router and all its workers; set the same value on every host of a split "
                           "deployment (--roles, --worker), which is otherwise unchecked")
+    cluster_key: str | None = Field(
+        None, description="file with the cluster's CURVE key pair ('pdserve keygen FILE'): every router, worker "
+                          "and probe of one deployment needs the same one; control sockets refuse any peer without "
+                          "it. A launch that runs the router and all its workers makes an ephemeral one itself")
+    insecure_control_plane: bool = Field(
+        False, description="run the control plane without authentication (plain ZMQ: anyone who reaches a "
+                           "worker's port can drive it); without it a worker with no cluster key refuses to start")
     worker_cpus: str = Field("off", description="launcher: cores per worker on this host: off (every worker may "
                              "use every core), auto (split the cores among the workers, spare ones to the "
                              "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")
@@ -88,8 +95,8 @@ class ClusterConfig(BaseModel):
                                "workers borrow, decode workers only lend), all, or off")
     worker_host: str = Field(
         "127.0.0.1", description="launcher: bind address of this host's worker control sockets (0.0.0.0 to serve "
-                                 "a router on another host; workers have no authentication, keep them on a "
-                                 "private network)")
+                                 "a router on another host; their control sockets take only peers holding the "
+                                 "cluster key)")
     advertise_host: str | None = Field(
         None, description="launcher: the name or address other hosts reach this host's workers by (default: "
                           "worker_host, or this machine's hostname when worker_host is a wildcard)")

@@ -1,5 +1,6 @@
 """The worker's control-socket thread: heartbeats answered during a long scheduler step, other
-messages relayed both ways unchanged, and silence once the scheduler thread has stalled."""
+messages relayed both ways unchanged, and silence once the scheduler thread has stalled (over
+CURVE with a cluster key, as workers serve)."""
 from __future__ import annotations
 
 import time
@@ -8,6 +9,8 @@ import pytest
 import zmq
 
 from server.worker.control_io import ControlIO
+from transfer.cluster_key import ClusterKey
+from transfer.control_auth import ControlAuth
 from transfer.wire.protocol import AbortRequest, StatsRequest, WorkerStats, decode, encode
 
 
@@ -19,10 +22,12 @@ def stats(nonce=0):
 @pytest.fixture
 def io_and_client():
     ctx = zmq.Context()
-    io = ControlIO(ctx, "tcp://127.0.0.1:0", stall_limit_s=0.5)
+    auth = ControlAuth(ClusterKey.generate())
+    io = ControlIO(ctx, "tcp://127.0.0.1:0", stall_limit_s=0.5, auth=auth)
     addr = io.router.getsockopt(zmq.LAST_ENDPOINT).decode()
     client = ctx.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
+    auth.client(client, "test client")
     client.connect(addr)
     io.publish(stats())
     io.start()

@@ -1,7 +1,9 @@
 """Deployment files, checked offline: the Kubernetes manifests validate against the API schemas
 (``kubernetes-validate``, strict), and they and ``docker/compose.yaml`` agree with the CLI they
 run: every command line parses with the real ``pdserve`` parser, the router's ``--worker`` list
-names exactly the workers that exist, the mounted preset is the shipped one and loads."""
+names exactly the workers that exist, the mounted preset is the shipped one and loads, and every
+router and worker gets the cluster key (a Kubernetes Secret from kustomize's secretGenerator, a
+compose secret) from a file that git ignores."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +16,7 @@ import pytest
 import yaml
 
 from configs.schema import load_config
+from transfer.cluster_key import ClusterKey, parse_key_text, write_key_file
 from server.launch.args import build_parser
 from server.discovery.target import parse_targets
 from server.launch.roles import parse_worker_spec
@@ -112,6 +115,50 @@ def test_k8s_worker_pods_run_their_role_and_probe_their_socket(role):
     assert args.config.startswith(mount) and spec["volumes"][0]["configMap"]["name"] == "pdserve-preset"
 
 
+def pod_specs() -> dict[str, dict]:
+    pods = {**by_kind("StatefulSet"), **by_kind("Deployment")}
+    return {name: d["spec"]["template"]["spec"] for name, d in pods.items()}
+
+
+def git_ignores(path: Path) -> bool:
+    return subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=ROOT).returncode == 0
+
+
+def test_k8s_every_pod_gets_the_cluster_key_secret():
+    k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (gen,) = k["secretGenerator"]
+    assert gen["files"] == ["cluster.key"] and git_ignores(K8S / "cluster.key")
+    for name, spec in pod_specs().items():
+        vol = next(v for v in spec["volumes"] if "secret" in v)
+        assert vol["secret"]["secretName"] == gen["name"], name
+        assert vol["secret"]["defaultMode"] & 0o007 == 0, name  # not world-readable
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"], name  # readable by the pod
+        (c,) = spec["containers"]
+        mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == vol["name"])
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["PDSERVE_CLUSTER_KEY"] == f"{mount}/cluster.key", name
+
+
+@pytest.mark.process
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_k8s_kustomize_renders_the_secret_every_pod_mounts(tmp_path):
+    render = tmp_path / "k8s"
+    shutil.copytree(K8S, render)
+    key = ClusterKey.generate()
+    write_key_file(render / "cluster.key", key)
+    r = subprocess.run(["kubectl", "kustomize", str(render)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    (secret,) = [d for d in docs if d["kind"] == "Secret"]
+    kubernetes_validate.validate(secret, kubernetes_validate.latest_version(), strict=True)
+    import base64
+    assert parse_key_text(base64.b64decode(secret["data"]["cluster.key"]).decode(), "secret") == key
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    assert len(pods) == 3
+    for spec in pods:  # kustomize renamed the Secret (content hash) and every reference with it
+        assert secret["metadata"]["name"] in {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+
+
 # ---- docker/compose.yaml -------------------------------------------------------------------------
 COMPOSE = ROOT / "docker" / "compose.yaml"
 
@@ -136,6 +183,16 @@ def test_compose_router_routes_to_every_worker_service_once_healthy():
         assert s["mem_limit"] and "models:/models" in s["volumes"]
         preset = next(v for v in s["volumes"] if v.endswith(":/etc/pdserve/pdserve.yaml:ro"))
         assert (COMPOSE.parent / preset.split(":")[0]).resolve() == PRESET
+
+
+def test_compose_every_service_gets_the_cluster_key_secret():
+    c = compose()
+    (name,) = c["secrets"]
+    default = c["secrets"][name]["file"].split(":-", 1)[1].rstrip("}")
+    assert git_ignores(COMPOSE.parent / default)
+    for service, s in c["services"].items():
+        assert s["secrets"] == [name], service
+        assert s["environment"]["PDSERVE_CLUSTER_KEY"] == f"/run/secrets/{name}", service
 
 
 @pytest.mark.process

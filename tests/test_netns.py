@@ -29,6 +29,7 @@ import pytest
 
 from conftest import engine_cfg, sched_cfg
 from netns_hosts import NetnsLab, unavailable_reason
+from transfer.cluster_key import ClusterKey, write_key_file
 from server.testing.subprocess_server import REPO_ROOT, metric_sum, wait_idle
 
 _REASON = unavailable_reason()
@@ -55,6 +56,8 @@ def pdserve(*args: str) -> list[str]:
 def lab(tmp_path_factory):
     lab = NetnsLab()
     lab.logs = tmp_path_factory.mktemp("netns-logs")
+    lab.key = tmp_path_factory.mktemp("netns-key") / "cluster.key"  # each "host" gets --cluster-key FILE
+    write_key_file(lab.key, ClusterKey.generate())
     try:
         lab.start()
         yield lab
@@ -69,7 +72,8 @@ def logs_tail(lab) -> str:
 
 def start_worker(lab, host: str, role: str):
     env = {**os.environ, **UCX_ENV, "PYTHONPATH": str(REPO_ROOT)}
-    return lab.spawn(host, pdserve("--roles", role, "--advertise-host", f"{role}-0", *WORKER, *COMMON),
+    return lab.spawn(host, pdserve("--roles", role, "--advertise-host", f"{role}-0", "--cluster-key", str(lab.key),
+                                   *WORKER, *COMMON),
                      lab.logs / f"{host}.log", env=env)
 
 
@@ -106,7 +110,8 @@ def router_url(lab):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     lab.spawn("r", pdserve("--roles", "router", "--host", "0.0.0.0", "--port", "8000", "--worker-timeout-s", "3",
                            "--worker", "prefill=prefill-0=tcp://prefill-0:29500",
-                           "--worker", "decode=decode-0=tcp://decode-0:29501", *COMMON),
+                           "--worker", "decode=decode-0=tcp://decode-0:29501", "--cluster-key", str(lab.key),
+                           *COMMON),
               lab.logs / "r.log", env=env)
     return f"http://{r_ip}:8000"
 

@@ -1,10 +1,13 @@
 """PD across real processes: prefill and decode workers (``server.worker.main``) talking typed
 ZMQ messages, KV over UCX through either data plane (NIXL or ucxx: the tests run over both). A
 small driver plays the router. Tiny random model saved as an HF folder, so every output is checked
-against transformers."""
+against transformers. The workers hold a cluster key (``PDSERVE_CLUSTER_SECRET_KEY``, as
+``pdserve launch`` hands it over): every socket, the decode -> prefill KV handshake included,
+is CURVE, and the driver presents the same key."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import socket
 import subprocess
@@ -16,6 +19,8 @@ import zmq
 
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
+from transfer.cluster_key import ClusterKey
+from transfer.control_auth import ENV_SECRET, ControlAuth
 from transfer.wire.protocol import (GenerateRequest, PrefillRequest, Shutdown, StatsRequest, TokenBatch, WorkerStats,
                                decode, encode, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
@@ -50,6 +55,7 @@ class PDPair:
         dcfg.engine.page_size = decode_page_size
         dcfg.cluster.transfer_backend = decode_backend or backend
         self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        self.auth = ControlAuth(ClusterKey.generate())
         self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, pcfg),
                       "d0": self._spawn("decode", "d0", self.d_addr, dcfg)}
         self.ctx = zmq.Context()
@@ -57,16 +63,17 @@ class PDPair:
         for wid, addr in (("p0", self.p_addr), ("d0", self.d_addr)):
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            self.auth.client(s, f"test driver -> {wid}")
             s.connect(addr)
             self.socks[wid] = s
         self.rooms = itertools.count(1)
         for wid in self.socks:
             assert self.stats(wid, timeout=60).role in ("prefill", "decode")
 
-    @staticmethod
-    def _spawn(role, wid, addr, cfg):
+    def _spawn(self, role, wid, addr, cfg):
         return subprocess.Popen([sys.executable, "-m", "server.worker.main", "--role", role, "--worker-id", wid,
-                                 "--control-addr", addr, "--config-json", cfg.model_dump_json()])
+                                 "--control-addr", addr, "--config-json", cfg.model_dump_json()],
+                                env={**os.environ, ENV_SECRET: self.auth.key.secret.decode()})
 
     def stats(self, wid: str, timeout: float = 10) -> WorkerStats:
         s = self.socks[wid]

@@ -13,6 +13,8 @@ import zmq
 from conftest import hf_greedy
 from decode_worker.peers import PrefillPeers
 from server.worker.control_io import ControlIO
+from transfer.cluster_key import ClusterKey
+from transfer.control_auth import ControlAuth
 from transfer.wire.protocol import KVHandshake, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
 from server.worker.peer_pinger import PeerPinger
@@ -58,11 +60,12 @@ def test_answering_but_stuck_peer_fails_then_rejoins_once_it_progresses():
 
 def test_pinger_hears_a_worker_whose_scheduler_thread_never_reads():
     ctx = zmq.Context()
-    io = ControlIO(ctx, "tcp://127.0.0.1:0", stall_limit_s=30)
+    auth = ControlAuth(ClusterKey.generate())  # the pinger's sockets present the worker's cluster key
+    io = ControlIO(ctx, "tcp://127.0.0.1:0", stall_limit_s=30, auth=auth)
     addr = io.router.getsockopt(zmq.LAST_ENDPOINT).decode()
     io.publish(stats())
     io.start()
-    pinger = PeerPinger(ctx, interval_s=0.05)
+    pinger = PeerPinger(ctx, interval_s=0.05, auth=auth)
     pinger.start()
     try:
         pinger.watch(addr)
@@ -135,7 +138,7 @@ def test_pinger_without_peers_sleeps_instead_of_spinning(monkeypatch):
     turns = []
     real = PeerPinger._connect_new
     monkeypatch.setattr(PeerPinger, "_connect_new", lambda self, *a: turns.append(1) or real(self, *a))
-    pinger = PeerPinger(zmq.Context.instance(), interval_s=0.5)
+    pinger = PeerPinger(zmq.Context.instance(), interval_s=0.5, auth=ControlAuth.insecure())
     pinger.start()
     time.sleep(0.5)
     pinger.close()

@@ -23,6 +23,8 @@ from server.launch.roles import advertised_host, bind_addr, parse_roles, parse_w
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, Registry, WorkerSpec
 from server.router.worker_client import WorkerClient
+from transfer.cluster_key import ClusterKey, write_key_file
+from transfer.control_auth import ControlAuth
 from transfer.wire.protocol import StatsRequest, WorkerStats, decode, encode
 
 
@@ -91,10 +93,15 @@ def test_probe_reads_worker_stats_and_refuses_anything_else():
         parse_stats("tcp://x:1", encode(StatsRequest()))
 
 
+KEY = ClusterKey.generate()
+
+
 def fake_worker(answers: bool):
-    """A ROUTER socket answering StatsRequest like a worker (or, not ``answers``, silent); (address, stop)."""
+    """A ROUTER socket with the cluster key ``KEY`` answering StatsRequest like a worker (or, not
+    ``answers``, silent); (address, stop)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
+    guard = ControlAuth(KEY).server(sock, "fake worker")
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     stop = threading.Event()
 
@@ -109,6 +116,7 @@ def fake_worker(answers: bool):
                                                                     model="m", capacity_tokens=64, max_model_len=64,
                                                                     page_size=16))])
         sock.close(0)
+        guard.close()
         ctx.term()
 
     t = threading.Thread(target=serve, daemon=True)
@@ -121,10 +129,35 @@ def test_probe_asks_a_worker_socket(answers):
     addr, stop = fake_worker(answers)
     try:
         if answers:
-            assert probe(addr, 2.0) == f"decode worker d9 at {addr}: ready (m, 64 tokens)"
+            assert probe(addr, 2.0, ControlAuth(KEY)) == f"decode worker d9 at {addr}: ready (m, 64 tokens)"
         else:
             with pytest.raises(ProbeError, match="no answer"):
-                probe(addr, 0.5)
+                probe(addr, 0.5, ControlAuth(KEY))
+    finally:
+        stop()
+
+
+def test_probe_finds_the_key_the_main_process_was_given(monkeypatch):
+    from server.launch.probe import key_from_argv
+
+    worker = ["worker", "--role", "decode", "--worker-id", "d", "--control-addr", "tcp://0.0.0.0:1"]
+    monkeypatch.delenv("PDSERVE_CLUSTER_KEY", raising=False)
+    assert key_from_argv([*worker, "--cluster-key", "/k/a.key"]) == "/k/a.key"
+    assert key_from_argv(worker) is None
+    monkeypatch.setenv("PDSERVE_CLUSTER_KEY", "/run/secrets/k")  # compose and k8s set it for the probe too
+    assert key_from_argv(worker) == "/run/secrets/k"
+
+
+def test_probe_with_another_key_or_none_says_to_pass_the_cluster_key(tmp_path):
+    addr, stop = fake_worker(True)
+    try:
+        with pytest.raises(ProbeError, match="no answer in 1s .*CURVE.*--cluster-key"):
+            probe(addr, 1.0, ControlAuth(ClusterKey.generate()))
+        with pytest.raises(ProbeError, match="no answer in 1s .*requires CURVE.*--cluster-key"):
+            probe(addr, 1.0, ControlAuth.insecure())
+        write_key_file(tmp_path / "k", KEY)
+        with redirect_stderr(io.StringIO()):
+            assert cli_main(["probe", addr, "--cluster-key", str(tmp_path / "k")]) == 0
     finally:
         stop()
 
@@ -135,7 +168,7 @@ def test_probe_of_a_silent_address_fails_after_its_timeout():
         port = s.getsockname()[1]
         t0 = time.monotonic()
         with pytest.raises(ProbeError, match="no answer in 0.3s"):
-            probe(f"tcp://127.0.0.1:{port}", 0.3)
+            probe(f"tcp://127.0.0.1:{port}", 0.3, ControlAuth(KEY))
         assert time.monotonic() - t0 < 5
 
 
@@ -225,7 +258,8 @@ def test_worker_client_finds_a_name_that_resolves_only_later(tmp_path):
     async def scenario():
         nonlocal addr, stop
         ctx = zmq.asyncio.Context()
-        c = WorkerClient("d9", f"tcp://localhost:{port}", ctx, lambda *a: None, lambda w, s: got.append(s))
+        c = WorkerClient("d9", f"tcp://localhost:{port}", ctx, lambda *a: None, lambda w, s: got.append(s),
+                         auth=ControlAuth.insecure())
         await c.start()
         c.request_stats(7)
         await asyncio.sleep(0.5)

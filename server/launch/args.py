@@ -100,6 +100,16 @@ def _probe_parser(sub) -> None:
                                    "control socket). Without one, derived from PID 1's pdserve command line.")
     p.add_argument("target", nargs="?")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    p.add_argument("--cluster-key", metavar="FILE", help="the cluster key to reach a worker with (default: PID 1's "
+                                                         "--cluster-key or PDSERVE_CLUSTER_KEY)")
+
+
+def _keygen_parser(sub) -> None:
+    p = sub.add_parser("keygen", help="write a new cluster key file (CURVE key pair) for --cluster-key",
+                       description="Writes a ZeroMQ CURVE key pair (Z85, ZeroMQ certificate format) with mode "
+                                   "0600. Give every router, worker and probe of a deployment the same file.")
+    p.add_argument("file", help="where to write it ('-' for stdout, e.g. to pipe into a secret store)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
 def _bench_parser(sub) -> None:
@@ -113,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_generate_parser, _launch_parser, _worker_parser, _router_parser, _probe_parser, _bench_parser):
+    for add in (_generate_parser, _launch_parser, _worker_parser, _router_parser, _probe_parser, _keygen_parser,
+                _bench_parser):
         add(sub)
     return parser
 

@@ -1,5 +1,5 @@
 """``pdserve`` command line: ``generate`` (offline batch), ``launch`` (serve over HTTP), ``worker``,
-``router``, ``probe`` and ``bench``.
+``router``, ``probe``, ``keygen`` (a cluster key file) and ``bench``.
 
 Parsing lives in ``server.launch.args``; each command here is one function, picked by name.
 ``pdserve bench ...`` runs ``python -m bench ...`` in a child process: the benchmarks sit above
@@ -119,12 +119,32 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return probe_main(args)
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from transfer.cluster_key import ClusterKey, key_file_text, write_key_file
+
+    key = ClusterKey.generate()
+    if args.file == "-":
+        sys.stdout.write(key_file_text(key))
+        return 0
+    try:
+        write_key_file(args.file, key, overwrite=args.force)
+    except FileExistsError:
+        print(f"pdserve keygen: {args.file} exists; pass --force to replace it (every process holding the old "
+              f"key then needs the new one)", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"pdserve keygen: cannot write {args.file}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"pdserve keygen: wrote cluster key {args.file} (mode 0600, fingerprint {key.fingerprint})")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "bench", *args.bench_argv])
 
 
 COMMANDS = {"generate": _cmd_generate, "launch": _cmd_launch, "worker": _cmd_worker, "router": _cmd_router,
-            "probe": _cmd_probe, "bench": _cmd_bench}
+            "probe": _cmd_probe, "keygen": _cmd_keygen, "bench": _cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ requests fail with 503, ``/health`` says why) and, with ``restart_workers``, sta
 an exponential back-off, up to ``restart_limit`` times in a row (``server.launch.supervisor``); the new
 process rejoins through heartbeats (a new ``instance`` id) and serves again. A launch that runs
 the router and all its workers gets a random ``cluster_id`` (unless configured): its router and
-workers refuse any worker of another deployment that answers at one of their addresses.
+workers refuse any worker of another deployment that answers at one of their addresses; the same
+launch makes an ephemeral cluster key for its control plane (``server.launch.launch_auth``).
 
 Children never outlive the launcher: they ignore SIGINT (Ctrl-C in a terminal reaches the whole
 process group; the launcher stops them itself), get SIGTERM from the kernel if the launcher dies
@@ -43,6 +44,8 @@ from server.worker.core_lending import CoreLedger, borrows
 from server.worker.placement import Placement, plan_placement
 from server.launch.ports import PortUnavailable, reserve_worker_ports
 from server.launch.supervisor import RestartPolicy, WorkerSupervisor
+from server.launch.launch_auth import launch_auth
+from transfer.control_auth import ControlAuth, ControlAuthError
 from transfer.wire.enums import Role
 
 __all__ = ["Launcher", "LaunchError", "worker_specs", "worker_argv", "launch_main", "router_main"]
@@ -126,8 +129,11 @@ class Launcher:
         ``roles``: start only these roles here (see ``server.launch.roles``; without ``router`` no HTTP
         server runs and the launcher only keeps its workers running); ``remote``: workers on other
         hosts that the router routes to besides its own."""
-        self.cfg = with_cluster_id(cfg, own_workers=specs is None and not remote and (
-            roles is None or set(WORKER_ROLES[cfg.cluster.mode]) <= roles))
+        self.own_workers = specs is None and not remote and (
+            roles is None or set(WORKER_ROLES[cfg.cluster.mode]) <= roles)
+        self.cfg = with_cluster_id(cfg, own_workers=self.own_workers)
+        self.auth = ControlAuth.insecure()  # set by run() (launch_auth)
+        self.child_env: dict[str, str] = {}
         self.external_specs = specs
         self.roles = roles
         self.remote = list(remote or [])
@@ -160,7 +166,8 @@ class Launcher:
             return self.argv(spec, self.cfg) + ["--listen-fd", str(fds[spec.worker_id]), *pin, *threads,
                                                 *(lending[1][spec.worker_id] if lending else [])]
 
-        return WorkerProcesses(local, argv, fds, shared_fds=() if ledger_fd is None else (ledger_fd,))
+        return WorkerProcesses(local, argv, fds, shared_fds=() if ledger_fd is None else (ledger_fd,),
+                               env=self.child_env)
 
     def _core_lending(self, local: list[WorkerSpec], plan: Placement) -> tuple[int, dict[str, list[str]]] | None:
         """(ledger memfd, extra argv per worker id) when this launch's workers lend each other idle
@@ -213,6 +220,10 @@ class Launcher:
         from server.router.app import build_context, create_app, zmq_client_factory
 
         srv = self.cfg.server
+        try:
+            self.auth, self.child_env = launch_auth(self.cfg, self.own_workers)
+        except ControlAuthError as e:
+            raise LaunchError(str(e)) from None
         local = [] if self.external_specs is not None else worker_specs(self.cfg, self.roles)
         if self.roles is not None and Role.ROUTER not in self.roles:
             return await self._run_workers_only(local)
@@ -236,7 +247,7 @@ class Launcher:
             except (OSError, ValueError) as e:
                 raise LaunchError(f"cannot load the tokenizer: {e}") from None
             name = srv.served_model_name or path.stem
-            ctx = build_context(self.cfg, tokenizer, name, specs, zmq_client_factory(zctx))
+            ctx = build_context(self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth))
             config = uvicorn.Config(create_app(ctx), log_level=srv.log_level.lower(), lifespan="on",
                                     timeout_graceful_shutdown=5, access_log=srv.log_level == "DEBUG")
             self.server = _Server(config)
@@ -314,7 +325,7 @@ class Launcher:
                 for spec, rc in procs.new_exits():
                     raise LaunchError(f"worker {spec.worker_id} ({spec.role}) exited with code {rc} during startup")
                 try:
-                    await asyncio.to_thread(probe_worker, local_addr(bind_addr(pending[0], self.cfg)), 1.0)
+                    await asyncio.to_thread(probe_worker, local_addr(bind_addr(pending[0], self.cfg)), 1.0, self.auth)
                     pending.pop(0)
                 except ProbeError:
                     if time.monotonic() > deadline:
@@ -339,7 +350,7 @@ class Launcher:
 
         def ready(spec: WorkerSpec) -> bool:
             try:
-                probe_worker(local_addr(bind_addr(spec, self.cfg)), 0.5)
+                probe_worker(local_addr(bind_addr(spec, self.cfg)), 0.5, self.auth)
                 return True
             except ProbeError:
                 return False

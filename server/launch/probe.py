@@ -7,6 +7,11 @@ A target is ``http://HOST:PORT`` (a router or launcher: ready when ``GET /health
 launch ...``) and derives the target from it with the real argument parser and config loader, so
 one image's ``HEALTHCHECK`` fits every role. Exit code 0 = ready, 1 = not ready (the reason on
 stderr), 2 = no target could be derived.
+
+A worker's control socket takes only peers holding the cluster key: the probe uses
+``--cluster-key FILE``, else the key PID 1 was given (its ``--cluster-key`` or ``PDSERVE_CLUSTER_KEY``,
+through the same config loader), else ``PDSERVE_CLUSTER_SECRET_KEY``; with none it tries plain ZMTP,
+and a worker that requires the key makes it fail with a message saying so.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from pathlib import Path
 import httpx
 import zmq
 
+from transfer.control_auth import ControlAuth, ControlAuthError, resolve_auth
 from transfer.wire.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
 
 _WILDCARD = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
@@ -45,16 +51,19 @@ def parse_stats(addr: str, parts: list[bytes]) -> WorkerStats:
     return msg
 
 
-def probe_worker(addr: str, timeout_s: float) -> WorkerStats:
-    """The worker's stats (it answers them once it serves); ``ProbeError`` if it is silent."""
+def probe_worker(addr: str, timeout_s: float, auth: ControlAuth) -> WorkerStats:
+    """The worker's stats (it answers them once it serves); ``ProbeError`` if it is silent (with the
+    reason when the control handshake failed: another cluster key, or none)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        watch = auth.client(sock, "pdserve probe")
         sock.connect(addr)
         sock.send_multipart(encode(StatsRequest(nonce=1)))
         if not sock.poll(int(timeout_s * 1000)):
-            raise ProbeError(f"worker at {addr}: no answer in {timeout_s:g}s")
+            why = f" ({watch.error})" if watch.error else ""
+            raise ProbeError(f"worker at {addr}: no answer in {timeout_s:g}s{why}")
         return parse_stats(addr, sock.recv_multipart())
     finally:
         sock.close(0)
@@ -70,6 +79,26 @@ def probe_http(url: str, timeout_s: float) -> str:
     if r.status_code != 200:
         raise ProbeError(f"{url}/health answered {r.status_code}: {r.text[:300]}")
     return r.text
+
+
+def key_from_argv(argv: list[str]) -> str | None:
+    """The cluster key file a ``pdserve worker/router/launch`` command line (with this process's
+    env) configures, or None."""
+    from server.launch.args import load_config, parse_args
+
+    args = parse_args(argv)
+    if args.command not in ("worker", "router", "launch"):
+        return None
+    cfg = load_config(args, args.command)
+    return cfg.cluster.cluster_key if cfg is not None else None
+
+
+def probe_auth(key_file: str | None, argv: list[str] | None) -> ControlAuth:
+    """The probe's ``ControlAuth``: ``key_file``, else PID 1's (``argv``), else the environment's;
+    plain (insecure) when there is none."""
+    if key_file is None and argv is not None:
+        key_file = key_from_argv(argv)
+    return resolve_auth(key_file, insecure=True)
 
 
 def target_from_argv(argv: list[str]) -> str:
@@ -96,13 +125,25 @@ def pid1_argv(path: str = "/proc/1/cmdline") -> list[str]:
     raise ValueError(f"PID 1 is not a pdserve process: {' '.join(parts)[:200]}")
 
 
-def probe(target: str, timeout_s: float) -> str:
-    """Probe ``target``; returns a one-line description, raises ``ProbeError`` if not ready."""
+def _own_pid1_argv() -> list[str] | None:
+    """PID 1's ``pdserve`` arguments when it is a pdserve process whose command line parses, else None
+    (a probe given its target still finds the key PID 1 was started with)."""
+    try:
+        argv = pid1_argv()
+        key_from_argv(argv)
+        return argv
+    except (ValueError, OSError, SystemExit):
+        return None
+
+
+def probe(target: str, timeout_s: float, auth: ControlAuth) -> str:
+    """Probe ``target`` (a worker with ``auth``); returns a one-line description, raises
+    ``ProbeError`` if not ready."""
     if target.startswith(("http://", "https://")):
         probe_http(target, timeout_s)
         return f"{target}: healthy"
     if target.startswith("tcp://"):
-        s = probe_worker(target, timeout_s)
+        s = probe_worker(target, timeout_s, auth)
         return f"{s.role} worker {s.worker_id} at {target}: ready ({s.model}, {s.capacity_tokens} tokens)"
     raise ValueError(f"probe target {target!r}: expected http://HOST:PORT or tcp://HOST:PORT")
 
@@ -110,12 +151,16 @@ def probe(target: str, timeout_s: float) -> str:
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve probe``."""
     try:
-        target = args.target or target_from_argv(pid1_argv())
-        print(probe(target, args.timeout))
+        argv = _own_pid1_argv() if args.target else pid1_argv()
+        target = args.target or target_from_argv(argv)
+        print(probe(target, args.timeout, probe_auth(args.cluster_key, argv)))
         return 0
     except ProbeError as e:
         print(f"pdserve probe: not ready: {e}", file=sys.stderr)
         return 1
+    except ControlAuthError as e:
+        print(f"pdserve probe: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError, SystemExit) as e:
         print(f"pdserve probe: cannot derive a target ({e}); pass one, e.g. tcp://127.0.0.1:29500", file=sys.stderr)
         return 2

@@ -32,10 +32,13 @@ class WorkerProcesses:
     """The launcher's worker children: start, watch for exits, stop (SIGTERM, then SIGKILL)."""
 
     def __init__(self, specs: list[WorkerSpec], argv: Callable[[WorkerSpec], list[str]],
-                 fds: dict[str, int] | None = None, shared_fds: tuple[int, ...] = ()) -> None:
+                 fds: dict[str, int] | None = None, shared_fds: tuple[int, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         """``fds``: per worker id, a file descriptor its process inherits (its listening socket);
-        ``shared_fds``: inherited by every worker (the core ledger)."""
+        ``shared_fds``: inherited by every worker (the core ledger); ``env``: variables added to
+        this process's environment for every worker (the launch's ephemeral cluster key)."""
         self.argv = argv
+        self.env = {**os.environ, **env} if env else None
         self.fds = dict(fds or {})
         self.shared_fds = tuple(shared_fds)
         self.procs = {s.worker_id: (s, self._popen(s)) for s in specs}
@@ -44,7 +47,8 @@ class WorkerProcesses:
     def _popen(self, spec: WorkerSpec) -> subprocess.Popen:
         fd = self.fds.get(spec.worker_id)
         own = () if fd is None else (fd,)
-        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=own + self.shared_fds)
+        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=own + self.shared_fds,
+                                env=self.env)
 
     def restart(self, spec: WorkerSpec) -> None:
         """Start a fresh process for a worker whose process exited (it rejoins by heartbeat)."""

@@ -43,16 +43,18 @@ from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream
 from server.router.worker_client import WorkerClient
 from transfer.wire.enums import Role
+from transfer.control_auth import ControlAuth
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[RouterContext, Request, bytes], Awaitable[Response]]
 
 
-def zmq_client_factory(zctx: zmq.asyncio.Context) -> Callable[..., WorkerClient]:
-    """A registry ``client_factory`` building one ``WorkerClient`` per spec on ``zctx``."""
+def zmq_client_factory(zctx: zmq.asyncio.Context, auth: ControlAuth) -> Callable[..., WorkerClient]:
+    """A registry ``client_factory`` building one ``WorkerClient`` per spec on ``zctx``, each
+    authenticated by ``auth`` (the cluster key)."""
     def factory(spec: WorkerSpec, on_tokens, on_stats) -> WorkerClient:
-        return WorkerClient(spec.worker_id, spec.addr, zctx, on_tokens, on_stats)
+        return WorkerClient(spec.worker_id, spec.addr, zctx, on_tokens, on_stats, auth=auth)
     return factory
 
 

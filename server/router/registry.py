@@ -38,6 +38,12 @@ __all__ = ["DEAD", "DRAINED", "DRAINING", "READY", "RESTARTING", "ROUTING_POLICI
 log = logging.getLogger(__name__)
 
 
+def _reason(h: WorkerHandle) -> str:
+    """Why ``h`` is not ready: a failed control handshake (another cluster key) when its client
+    reports one, else the registry's own reason."""
+    return getattr(h.client, "handshake_error", None) or h.reason
+
+
 class Registry:
     """Workers by id, their health, and request routing. Use from the event loop thread only."""
 
@@ -142,7 +148,7 @@ class Registry:
 
     def describe(self) -> str:
         """``id (role): state[: reason]`` for every worker (with none: that, and the discovery notes)."""
-        lines = [f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {h.reason}")
+        lines = [f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {_reason(h)}")
                  for h in self.handles.values()]
         return "; ".join(lines) or "no worker registered" + "".join(f"; {n}" for n in self.notes.values())
 

@@ -11,6 +11,10 @@ once it does, and a worker that came back at another address is found again. ZMT
 drop a connection whose peer went silent (a killed container's address answers nothing, and TCP
 alone would wait minutes), which makes libzmq reconnect and resolve again; :meth:`reconnect` does
 the same on demand.
+
+The socket is a CURVE client of the cluster key (``transfer.control_auth``); a handshake the
+worker refuses (another key, no key) is logged naming ``--cluster-key`` and kept in
+``handshake_error`` until a handshake succeeds, so ``/health`` can say why a worker never answers.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from transfer.control_auth import ControlAuth, HandshakeWatch
 from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, Message, PrefillRequest, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
@@ -39,10 +44,13 @@ class WorkerClient:
     """Typed control channel to one worker. Call :meth:`start` inside the event loop."""
 
     def __init__(self, worker_id: str, addr: str, ctx: zmq.asyncio.Context,
-                 on_tokens: TokensCallback, on_stats: StatsCallback) -> None:
-        """Prepare a DEALER for ``addr`` (e.g. ``tcp://127.0.0.1:29500``); nothing connects yet."""
+                 on_tokens: TokensCallback, on_stats: StatsCallback, *, auth: ControlAuth) -> None:
+        """Prepare a DEALER for ``addr`` (e.g. ``tcp://127.0.0.1:29500``) authenticated by ``auth``;
+        nothing connects yet."""
         self.worker_id = worker_id
         self.addr = addr
+        self.auth = auth
+        self._watch: HandshakeWatch | None = None
         self._ctx = ctx
         self._on_tokens = on_tokens
         self._on_stats = on_stats
@@ -57,9 +65,16 @@ class WorkerClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self._watch = self.auth.client(sock, f"router -> worker {self.worker_id}")
         sock.connect(self.addr)
         self._sock = sock
         self._task = asyncio.create_task(self._recv_loop(), name=f"recv-{self.worker_id}")
+
+    @property
+    def handshake_error(self) -> str | None:
+        """Why the latest control handshake with the worker failed (names ``--cluster-key``), or
+        None when none failed since the last one that succeeded."""
+        return self._watch.error if self._watch is not None else None
 
     async def reconnect(self) -> None:
         """Drop the connection and its queued messages, connect again (resolving the name anew)."""

@@ -19,6 +19,7 @@ import uuid
 
 import zmq
 
+from transfer.control_auth import ControlAuth
 from transfer.wire.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,14 @@ log = logging.getLogger(__name__)
 
 class ControlIO:
     def __init__(self, ctx: zmq.Context, control_addr: str, stall_limit_s: float = 120.0,
-                 listen_fd: int | None = None) -> None:
+                 listen_fd: int | None = None, *, auth: ControlAuth) -> None:
         """Bind ``control_addr``; with ``listen_fd``, serve on that already listening TCP socket
-        instead (the launcher holds the port across worker restarts, see ``server.launch.ports``)."""
+        instead (the launcher holds the port across worker restarts, see ``server.launch.ports``).
+        ``auth``: the socket is a CURVE server of the cluster key (``transfer.control_auth``; a
+        peer without the key never gets a message through), or plain with ``ControlAuth.insecure()``."""
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self._guard = auth.server(self.router, f"control socket {control_addr}")
         if listen_fd is not None:
             self.router.setsockopt(zmq.USE_FD, listen_fd)
         self.router.bind(control_addr)
@@ -44,6 +48,11 @@ class ControlIO:
         self.beat = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="control-io", daemon=True)
+
+    @property
+    def refused_connections(self) -> int:
+        """Connection attempts this socket refused (a peer without the cluster key, or another one)."""
+        return self._guard.refused
 
     def start(self) -> None:
         self._thread.start()
@@ -91,3 +100,4 @@ class ControlIO:
             self._thread.join(2)
         for s in (self.router, self._io_end, self.scheduler_end):
             s.close(0)
+        self._guard.close()

@@ -37,6 +37,7 @@ from server.worker.core_lending import CoreLending
 from server.worker.drain import Drain, Verdict, as_unavailable
 from server.worker.peer_pinger import PeerPinger
 from server.worker.turn import Turns
+from transfer.control_auth import ControlAuth
 from transfer.wire.outbox import Conn, Outbox, Peer
 from transfer.wire.protocol import (AbortRequest, Drain as DrainMessage, GenerateRequest, HistogramData, Message,
                                    PrefillRequest, ProtocolError, Shutdown, StatsRequest, TokenBatch, TokenDelta,
@@ -52,20 +53,24 @@ EXIT_SHUTDOWN = 3
 class WorkerLoop:
     def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
                  listen_fd: int | None = None, heartbeat_s: float = 1.0, progress_timeout_s: float = 120.0,
-                 step_delay_s: float = 0.0, cores: CoreLending | None = None, drain_timeout_s: float = 60.0) -> None:
+                 step_delay_s: float = 0.0, cores: CoreLending | None = None, drain_timeout_s: float = 60.0, *,
+                 auth: ControlAuth) -> None:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
         SIGTERM or a ``Drain`` message drains the worker (``server.worker.drain``; the scheduler
         must also be a ``HoldsRequests``): :meth:`run` returns once it holds nothing, or after
         ``drain_timeout_s`` with the rest failed (503).
         ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine.
-        ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``)."""
+        ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``).
+        ``auth``: CURVE (or not) on every socket: the control socket and the peer sockets, which
+        carry the KV handshake with the transport's metadata (``transfer.control_auth``)."""
         self.worker_id = worker_id
         self.model_name = model_name
         self.cluster_id = cluster_id
-        self.ctx = zmq.Context.instance()
-        self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s, listen_fd=listen_fd)
-        self.pinger = PeerPinger(self.ctx, heartbeat_s)
+        self.auth = auth
+        self.ctx = zmq.Context()  # its own: one ZAP handler per context
+        self.io = ControlIO(self.ctx, control_addr, stall_limit_s=progress_timeout_s, listen_fd=listen_fd, auth=auth)
+        self.pinger = PeerPinger(self.ctx, heartbeat_s, auth=auth)
         self.step_delay_s = step_delay_s
         self.cores = cores
         self.sock = self.io.scheduler_end  # frames arrive as [identity, *parts], like a ROUTER's
@@ -85,7 +90,7 @@ class WorkerLoop:
         self.scheduler = scheduler
         self.turns = Turns(scheduler)
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain("SIGTERM"))
-        log.info("%s worker %s serving", scheduler.role, self.worker_id)
+        log.info("%s worker %s serving; control plane: %s", scheduler.role, self.worker_id, self.auth.describe())
         self.io.publish(self._stats(0))
         self.io.start()
         self.pinger.start()
@@ -109,6 +114,7 @@ class WorkerLoop:
             self.io.close()
             for s in self.peers.values():
                 s.close(0)
+            self.ctx.destroy(linger=0)
 
     def begin_drain(self, reason: str) -> None:
         """Start draining: report it in the stats at once and run the ``on_drain`` hooks."""
@@ -166,6 +172,7 @@ class WorkerLoop:
         if sock is None:
             sock = self.peers[addr] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            self.auth.client(sock, f"peer {addr}")
             sock.connect(addr)
             self.peer_addr[sock] = addr
             self.pinger.watch(addr)
@@ -252,6 +259,7 @@ class WorkerLoop:
     def _stats(self, nonce: int) -> WorkerStats:
         stats = worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
                              self.cores)
+        stats.counters["refused_control_connections"] = float(self.io.refused_connections)
         if not self.drain.active:
             return stats
         return stats.model_copy(update={"draining": True, "holding": len(self.scheduler.held_rids())})

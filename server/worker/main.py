@@ -2,6 +2,11 @@
 
 The launcher passes the whole validated config as JSON (``--config-json``) so every process sees
 the same settings; the worker binds its control socket at ``--control-addr``.
+
+The control plane is authenticated (``transfer.control_auth``) with the cluster key from
+``cluster.cluster_key`` (``--cluster-key FILE``) or ``PDSERVE_CLUSTER_SECRET_KEY`` (how ``pdserve
+launch`` hands over its ephemeral key). A worker with neither refuses to start (exit code 2)
+unless ``--insecure-control-plane`` is set, and then warns on every start.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 from configs.schema import PdserveConfig
 from server.worker.loop import WorkerLoop
 from server.worker.placement import apply_cpus, parse_cpu_list
+from transfer.control_auth import ControlAuthError, resolve_auth
 from transfer.wire.enums import Role
 
 log = logging.getLogger(__name__)
@@ -98,6 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = PdserveConfig.model_validate_json(args.config_json)
     logging.basicConfig(level=cfg.server.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{args.worker_id}] %(name)s: %(message)s")
+    try:
+        auth = resolve_auth(cfg.cluster.cluster_key, cfg.cluster.insecure_control_plane)
+    except ControlAuthError as e:
+        print(f"pdserve worker {args.worker_id}: refusing to start: {e}", file=sys.stderr, flush=True)
+        return 2
+    if not auth.secure:
+        log.warning("control plane NOT authenticated (--insecure-control-plane): anyone who can reach %s can "
+                    "submit, abort and shut down requests of this worker; use --cluster-key FILE", args.control_addr)
     runner, path = load_runner(cfg)
     cores = core_lending(args, runner)
     name = cfg.server.served_model_name or path.stem
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
                       heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
                       step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores,
-                      drain_timeout_s=cfg.cluster.drain_timeout_s)
+                      drain_timeout_s=cfg.cluster.drain_timeout_s, auth=auth)
     registration = register(cfg, args, name)
     if registration is not None:
         loop.on_drain.append(registration.leave)

@@ -16,14 +16,17 @@ import time
 
 import zmq
 
+from transfer.control_auth import ControlAuth
 from transfer.wire.protocol import ProtocolError, StatsRequest, WorkerStats, decode, encode
 
 log = logging.getLogger(__name__)
 
 
 class PeerPinger:
-    def __init__(self, ctx: zmq.Context, interval_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, interval_s: float, *, auth: ControlAuth) -> None:
+        """``auth``: how its sockets authenticate to the peers (the worker's own cluster key)."""
         self.ctx = ctx
+        self.auth = auth
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._new: list[str] = []
@@ -80,6 +83,7 @@ class PeerPinger:
                 continue
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            self.auth.client(sock, f"heartbeats to peer {addr}")
             sock.connect(addr)
             socks[sock] = addr
             poller.register(sock, zmq.POLLIN)

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from stream_client import Outcome, stream_one
+from transfer.cluster_key import ClusterKey, write_key_file
 from server.testing.subprocess_server import REPO_ROOT, LaunchedServer, free_port, metric_sum, scrape_metrics, wait_idle
 
 HEARTBEAT_S = 0.2
@@ -80,8 +81,11 @@ class Cluster:
     def __init__(self, model_dir: Path, prefill: int, decode: int, args: list[str],
                  external: list[str] | None = None) -> None:
         """``external``: run one more decode worker with these flags on top of the cluster's."""
+        self._key_dir = tempfile.TemporaryDirectory()  # the launch and the external worker share a key file
+        key = Path(self._key_dir.name) / "cluster.key"
+        write_key_file(key, ClusterKey.generate())
         common = ["--model", str(model_dir), "--health-interval-s", str(HEARTBEAT_S), "--cluster-id",
-                  f"chaos-{os.getpid()}", "--log-level", "WARNING", *args]
+                  f"chaos-{os.getpid()}", "--cluster-key", str(key), "--log-level", "WARNING", *args]
         base = free_port()
         ports = range(base, base + prefill + decode)
         self.external = ExternalDecode(common + external, ports) if external is not None else None

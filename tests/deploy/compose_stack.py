@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from transfer.cluster_key import ClusterKey, write_key_file
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker" / "compose.yaml"
 
@@ -50,7 +52,11 @@ class ComposeStack:
         self.subnet = free_subnet()
         self.override = tmp / "override.yaml"
         self.override.write_text(override)
-        self.env = {**os.environ, "PDSERVE_PORT": str(port), "PDSERVE_SUBNET": self.subnet}
+        key = tmp / "cluster.key"  # the compose secret: a fresh cluster key, readable by the image's user only
+        write_key_file(key, ClusterKey.generate())
+        os.chown(key, 10001, 10001)
+        self.env = {**os.environ, "PDSERVE_PORT": str(port), "PDSERVE_SUBNET": self.subnet,
+                    "PDSERVE_CLUSTER_KEY_FILE": str(key)}
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> str:
         return sh("docker-compose", "-p", self.project, "-f", str(COMPOSE), "-f", str(self.override), *args,
