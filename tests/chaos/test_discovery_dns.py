@@ -22,6 +22,7 @@ from membership_load import SteadyLoad, routed_tokens
 from netns_hosts import NetnsLab, unavailable_reason
 from server.testing.subprocess_server import REPO_ROOT
 from tiny_model import save_tiny_model
+from transfer.cluster_key import ClusterKey, write_key_file
 
 _REASON = unavailable_reason() or (None if shutil.which("dnsmasq") else
                                    "dnsmasq is not installed: apt-get install -y dnsmasq-base (.ci/run does)")
@@ -101,7 +102,9 @@ def test_dns_records_add_and_remove_workers_under_load(lab, tmp_path_factory):
     model = save_tiny_model(tmp_path_factory.mktemp("dns-model"))
     ips = {name: lab.add_host(name) for name in ("r", "p", "d1", "d2")}
     dns = Dns(lab, "r", lab.logs, {"prefill.pd.test": [ips["p"]], "decode.pd.test": [ips["d1"]]})
-    common = ["--model", str(model), *COMMON]
+    key = tmp_path_factory.mktemp("dns-key") / "cluster.key"  # the router and workers share it
+    write_key_file(key, ClusterKey.generate())
+    common = ["--model", str(model), "--cluster-key", str(key), *COMMON]
     router = _spawn(lab, "r", ["launch", "--mode", "pd", "--roles", "router", "--host", "0.0.0.0", "--port", "8000",
                                "--discovery", "dns://prefill.pd.test:29500,dns://decode.pd.test:29500",
                                "--discovery-interval-s", "0.5", *common])

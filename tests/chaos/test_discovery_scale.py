@@ -21,6 +21,7 @@ from server.discovery.etcd import EtcdClient
 from membership_load import SteadyLoad, WorkerProc, first_routed_after_start
 from server.testing.subprocess_server import LaunchedServer
 from tiny_model import save_tiny_model
+from transfer.cluster_key import ClusterKey, write_key_file
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]
 
@@ -34,7 +35,9 @@ def parts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scale")
     etcd = EtcdServer(tmp / "etcd-data")
     etcd.start()
+    write_key_file(tmp / "cluster.key", ClusterKey.generate())  # the router and workers share it
     common = ["--model", str(save_tiny_model(tmp / "model")), "--cluster-id", f"scale-{os.getpid()}",
+              "--cluster-key", str(tmp / "cluster.key"),
               "--discovery", f"etcd://127.0.0.1:{etcd.port}/scale", *COMMON]
     router = LaunchedServer(["--mode", "pd", "--roles", "router", "--port", "0", *common])
     workers: dict[str, WorkerProc] = {}

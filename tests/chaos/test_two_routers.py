@@ -22,6 +22,7 @@ from membership_load import SteadyLoad, WorkerProc, routed_tokens
 from server.discovery.etcd import EtcdClient
 from server.testing.subprocess_server import LaunchedServer, metric_sum, scrape_metrics
 from tiny_model import save_tiny_model
+from transfer.cluster_key import ClusterKey, write_key_file
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]
 
@@ -34,7 +35,9 @@ def parts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two-routers")
     etcd = EtcdServer(tmp / "etcd-data")
     etcd.start()
+    write_key_file(tmp / "cluster.key", ClusterKey.generate())  # routers and workers share it
     common = ["--model", str(save_tiny_model(tmp / "model")), "--cluster-id", f"two-{os.getpid()}",
+              "--cluster-key", str(tmp / "cluster.key"),
               "--discovery", f"etcd://127.0.0.1:{etcd.port}/two", *COMMON]
     routers = [LaunchedServer(["--mode", "pd", "--roles", "router", "--port", "0", *common]) for _ in range(2)]
     workers = {}
