@@ -44,6 +44,8 @@ WORKER_COUNTERS = {
     "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
     "retract_resumed": ("pdserve_retract_resumed", "Retracted requests resumed from the host pool"),
     "retract_recomputed": ("pdserve_retract_recomputed", "Retracted requests re-prefilled (host pool full/costlier)"),
+    "mixed_steps": ("pdserve_worker_mixed_steps", "Forward steps that carried decode rows and a prefill chunk "
+                    "together (mixed batches)"),
     "borrowed_core_steps": ("pdserve_worker_borrowed_core_steps", "Steps a worker ran on every core of its host's "
                             "launch while the other workers were idle (core lending)"),
 }
