@@ -9,7 +9,8 @@ reports it. A worker that answers again becomes ready again, unless it was marke
 
 Routing: ``route()`` hands the ready workers to a policy function (``ROUTING_POLICIES[mode]``)
 that returns a ``Route``: the workers that receive the request and the one that streams tokens
-back. Colocated mode sends to the least loaded colocated worker; PD mode picks the least loaded
+back. Colocated mode sends to the least loaded colocated worker (reported load blended with the
+router's in-flight count, ``route_colocated``); PD mode picks the least loaded
 prefill and decode workers (``least_outstanding``) and streams from the decode worker.
 """
 from __future__ import annotations
@@ -97,11 +98,24 @@ def least_outstanding(handles: list[WorkerHandle], load: Load) -> WorkerHandle:
 
 
 def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
-    """Colocated mode: the least loaded ready colocated worker does everything."""
+    """Colocated mode: the least loaded ready colocated worker (a replica) does everything.
+
+    A replica's load blends what it reports and what this router knows now: its requests are the
+    larger of its latest stats' running + waiting (which count other routers' requests, but lag a
+    heartbeat) and this router's in-flight count to it (current, but only this router's), plus the
+    used fraction of its KV pool (a tie-break below one request: of two equally busy replicas the
+    one nearer to retracting gets less). Ties: lowest worker id."""
     workers = [h for h in ready if h.spec.role == Role.COLOCATED]
     if not workers:
         raise NoWorkerAvailable("no ready colocated worker")
-    w = least_outstanding(workers, load)
+
+    def score(h: WorkerHandle) -> tuple[float, str]:
+        g = h.stats.gauges if h.stats is not None else {}
+        reported = g.get("queue_running", 0.0) + g.get("queue_waiting", 0.0)
+        kv = g.get("kv_pages_used", 0.0) / g["kv_pages_total"] if g.get("kv_pages_total") else 0.0
+        return max(reported, float(load(h.worker_id))) + min(kv, 0.99), h.worker_id
+
+    w = min(workers, key=score)
     return Route((w,), w)
 
 
