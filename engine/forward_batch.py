@@ -60,22 +60,21 @@ class ForwardBatch:
         return len(self.seq_lens_cpu)
 
     def split(self) -> tuple["ForwardBatch", "ForwardBatch"]:
-        """``(decode part, extend part)`` of a MIXED batch: the same tensors sliced by request
-        (first ``num_decode`` rows) and by new token (first ``num_decode`` tokens)."""
+        """``(decode part, extend part)`` of a MIXED batch. Decode rows have one token each, so the
+        first ``num_decode`` requests own exactly the first ``num_decode`` tokens: one cut serves
+        the per-request and the per-token tensors."""
         assert self.mode is ForwardMode.MIXED and 0 < self.num_decode < self.batch_size
-        d = self.num_decode
 
-        def part(mode: ForwardMode, rows: slice, toks: slice) -> ForwardBatch:
-            cut = lambda t: None if t is None else t[toks]  # noqa: E731
+        def part(mode: ForwardMode, s: slice) -> ForwardBatch:
             return ForwardBatch(
-                mode=mode, input_ids=self.input_ids[toks], positions=self.positions[toks],
-                out_slots=self.out_slots[toks], seq_lens=self.seq_lens[rows], extend_lens=self.extend_lens[rows],
-                block_table=self.block_table[rows], seq_lens_cpu=self.seq_lens_cpu[rows],
-                extend_lens_cpu=self.extend_lens_cpu[rows], page_size=self.page_size,
-                swa_block_table=None if self.swa_block_table is None else self.swa_block_table[rows],
-                swa_out_slots=cut(self.swa_out_slots))
+                mode=mode, input_ids=self.input_ids[s], positions=self.positions[s], out_slots=self.out_slots[s],
+                seq_lens=self.seq_lens[s], extend_lens=self.extend_lens[s], block_table=self.block_table[s],
+                seq_lens_cpu=self.seq_lens_cpu[s], extend_lens_cpu=self.extend_lens_cpu[s], page_size=self.page_size,
+                swa_block_table=None if self.swa_block_table is None else self.swa_block_table[s],
+                swa_out_slots=None if self.swa_out_slots is None else self.swa_out_slots[s])
 
-        return part(ForwardMode.DECODE, slice(0, d), slice(0, d)), part(ForwardMode.EXTEND, slice(d, None), slice(d, None))
+        d = self.num_decode
+        return part(ForwardMode.DECODE, slice(0, d)), part(ForwardMode.EXTEND, slice(d, None))
 
     def last_token_indices(self) -> torch.Tensor:
         """Index into the flat new-token axis of each request's last token (for sampling)."""

@@ -15,6 +15,7 @@ from configs.scheduler import SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler.colocated import ColocatedScheduler
 from test_metrics_series import scrape, val
+from test_swa_pool import hf_reference, make_llm, swa_model  # noqa: F401  (swa_model: a fixture)
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
 
@@ -180,6 +181,19 @@ def test_seeded_sampling_does_not_depend_on_mixing(tiny):
         rec = Recorder(make_sched(tiny, mixed_batches=mixed, chunked_prefill_size=7))
         runs.append(rec.run({3 * i: [(f"r{i}", p, sp)] for i, p in enumerate(ps)}))
     assert runs[0] == runs[1]
+
+
+def test_sliding_window_hybrid_in_mixed_steps_matches_hf(swa_model):
+    """Window 8 over a 64-token SWA pool: decode rows release SWA pages behind their window while
+    the prefill chunks beside them take new ones; both pools keep their invariant every step."""
+    llm = make_llm(swa_model, swa=64, chunked_prefill_size=8, max_num_batched_tokens=12, max_running_requests=3)
+    ps = prompts(4, 20, 40, seed=21)
+    rec = Recorder(llm.scheduler)
+    out = rec.run({4 * i: [(f"r{i}", p, greedy(12))] for i, p in enumerate(ps)})
+    assert [out[f"r{i}"] for i in range(len(ps))] == [hf_reference(swa_model[2], p, 12)[0] for p in ps]
+    assert llm.scheduler.stats.mixed_steps >= 8 and all(d + e <= 12 for d, e in rec.forwards)
+    assert llm.scheduler.kv.usage([], "swa").used == 0
+    assert_clean(llm.scheduler)
 
 
 def test_budget_must_exceed_the_decode_rows():
