@@ -115,11 +115,13 @@ class ColocatedScheduler(WorkerScheduler):
 
     def _mixed_step(self) -> StepReport:
         """Decode rows first (retract if short), then prefill in the step's tokens left, one forward."""
+        idle = not self.running
         prepared = self.running.prepare_decode(self._drop_victim)
         out = self._released(prepared)
         res = self.mixed.run(prepared, self.waiting)
         if not res.ran:
-            self.running.ratio.idle()
+            if idle:  # as a step apart: a retract that emptied the batch keeps the ratio it set
+                self.running.ratio.idle()
             return StepReport(out)
         out.extend(self._decoded(res.decode))
         out.extend(self._collect(res.extended))
