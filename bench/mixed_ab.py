@@ -1,10 +1,12 @@
 """Mixed batches on vs off in one process: the colocated scheduler under a closed-loop load, no HTTP.
 
 ``python -m bench.mixed_ab [--concurrency 8] [--prompts-per-client 3] [--input-len-range 112,289]
-[--output-len 64] [--rounds 2] [--max-num-batched-tokens N]`` loads the model once and runs the
+[--output-len-range 16,64] [--rounds 2] [--max-num-batched-tokens N]`` loads the model once and runs the
 same workload (c clients, each sending its next prompt when the previous one finished) with
 ``mixed_batches`` on and off, alternating (on, off, on, off, ...) so a shared machine's drift hits
-both alike. Per run: output tok/s over wall time, CPU ms per output token (``time.process_time``:
+both alike. Output lengths vary (``ignore_eos``, drawn from the range): with one length for all,
+requests admitted together finish together and the next ones start together, so no prefill ever
+meets a running decode. Per run: output tok/s over wall time, CPU ms per output token (``time.process_time``:
 every thread of this process, the figure least moved by other processes on a shared machine), mean
 TTFT and P99 inter-token latency (ms between a request's successive tokens). The serving benchmark
 (``pdserve bench serve --server-args=--no-mixed-batches``) measures the same switch end to end.
@@ -32,14 +34,16 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else 0.0
 
 
-def run_once(llm: LLM, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
-    """Closed loop: ``concurrency`` clients share ``prompts`` in order; returns the run's figures."""
-    sched, sp = llm.scheduler, SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
-    todo, sent, last, ttft, itl, tokens = list(prompts), {}, {}, [], [], 0
+def run_once(llm: LLM, prompts: list[list[int]], concurrency: int, output_lens: list[int]) -> dict:
+    """Closed loop: ``concurrency`` clients share ``prompts`` (with ``output_lens``) in order;
+    returns the run's figures."""
+    sched = llm.scheduler
+    todo, lens, sent, last, ttft, itl, tokens = list(prompts), list(output_lens), {}, {}, [], [], 0
     steps0, mixed0 = sched.stats.decode_steps + sched.stats.extend_steps, sched.stats.mixed_steps
 
     def send() -> None:
         rid = f"r{len(sent)}"
+        sp = SamplingParams(max_new_tokens=lens.pop(0), temperature=0, ignore_eos=True)
         sched.add(b"", GenerateRequest(rid=rid, params=sp), todo.pop(0))
         sent[rid] = time.perf_counter()
 
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompts-per-client", type=int, default=3)
     p.add_argument("--input-len-range", default="112,289")
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len-range", default="16,64")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -81,18 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     loaded = (*load_for_engine(path, engine), Tokenizer.from_path(path))
     rng = random.Random(a.seed)
     vocab = loaded[0].vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
-               for _ in range(a.concurrency * a.prompts_per_client)]
+    n = a.concurrency * a.prompts_per_client
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    out_lo, out_hi = map(int, a.output_len_range.split(","))
+    output_lens = [rng.randint(out_lo, out_hi) for _ in range(n)]
     llms = {mixed: LLM(engine, SchedulerConfig(mixed_batches=mixed, max_num_batched_tokens=a.max_num_batched_tokens),
                        loaded=loaded) for mixed in (True, False)}
-    run_once(llms[True], prompts[:2], 2, 4)  # warm-up: kernels and allocator
-    run_once(llms[False], prompts[:2], 2, 4)
+    run_once(llms[True], prompts[:2], 2, [4, 4])  # warm-up: kernels and allocator
+    run_once(llms[False], prompts[:2], 2, [4, 4])
     runs = []
     print("| round | mixed | tok/s | CPU ms/out tok | TTFT mean ms | ITL p99 ms | steps | mixed steps |")
     print("|---|---|---|---|---|---|---|---|")
     for r in range(1, a.rounds + 1):
         for mixed in (True, False):
-            res = {"round": r, "mixed": mixed, **run_once(llms[mixed], prompts, a.concurrency, a.output_len)}
+            res = {"round": r, "mixed": mixed, **run_once(llms[mixed], prompts, a.concurrency, output_lens)}
             runs.append(res)
             print(f"| {r} | {'on' if mixed else 'off'} | {res['tok_s']:.1f} | {res['cpu_ms_per_tok']:.1f} | "
                   f"{res['ttft_mean_ms']:.0f} | {res['itl_p99_ms']:.0f} | {res['steps']} | {res['mixed_steps']} |",

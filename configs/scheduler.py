@@ -11,8 +11,9 @@ class SchedulerConfig(BaseModel):
 
     max_running_requests: int = Field(64, ge=1, description="decode batch size cap")
     chunked_prefill_size: int = Field(2048, ge=1, description="max prompt tokens computed per step")
-    mixed_batches: bool = Field(True, description="colocated: one forward carries the running decodes plus a chunk "
-                                "of prefill (decode rows first) instead of prefill and decode steps apart")
+    mixed_batches: bool = Field(False, description="colocated: one forward carries the running decodes plus a chunk "
+                                "of prefill (decode rows first) instead of prefill and decode steps apart (off by "
+                                "default until an A/B on a quiet machine shows it wins end to end)")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="mixed batches: tokens of one forward, "
                                                "decode rows (one each) first, then prefill up to "
                                                "chunked_prefill_size; lower it to bound inter-token latency while "

@@ -72,7 +72,7 @@ def test_staggered_mixed_batches_match_transformers(embedded, hf_reference):
 
     cfg, weights, tok, _ = embedded
     llm = LLM(engine_cfg(page_size=16, kv_pool_tokens=2048),
-              sched_cfg(chunked_prefill_size=16, max_num_batched_tokens=24, max_running_requests=4),
+              sched_cfg(chunked_prefill_size=16, max_num_batched_tokens=24, max_running_requests=4, mixed_batches=True),
               loaded=(cfg, weights, tok))
     sched, got, step = llm.scheduler, {}, 0
     while sched.has_work or step < 3 * len(hf_reference):

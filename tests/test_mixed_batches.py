@@ -23,6 +23,7 @@ EOS = 96
 
 
 def make_sched(tiny, kv_pool_tokens=4096, page_size=4, **sched_kw) -> ColocatedScheduler:
+    sched_kw.setdefault("mixed_batches", True)
     cfg, weights, _ = tiny
     runner = ModelRunner(engine_cfg(kv_pool_tokens=kv_pool_tokens, page_size=page_size), cfg, weights)
     return ColocatedScheduler(runner, sched_cfg(**sched_kw), (EOS,))
@@ -186,7 +187,8 @@ def test_seeded_sampling_does_not_depend_on_mixing(tiny):
 def test_sliding_window_hybrid_in_mixed_steps_matches_hf(swa_model):
     """Window 8 over a 64-token SWA pool: decode rows release SWA pages behind their window while
     the prefill chunks beside them take new ones; both pools keep their invariant every step."""
-    llm = make_llm(swa_model, swa=64, chunked_prefill_size=8, max_num_batched_tokens=12, max_running_requests=3)
+    llm = make_llm(swa_model, swa=64, chunked_prefill_size=8, max_num_batched_tokens=12, max_running_requests=3,
+                   mixed_batches=True)
     ps = prompts(4, 20, 40, seed=21)
     rec = Recorder(llm.scheduler)
     out = rec.run({4 * i: [(f"r{i}", p, greedy(12))] for i, p in enumerate(ps)})
@@ -199,6 +201,6 @@ def test_sliding_window_hybrid_in_mixed_steps_matches_hf(swa_model):
 def test_budget_must_exceed_the_decode_rows():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be larger than max_running_requests"):
         SchedulerConfig(max_num_batched_tokens=64)
-    cfg = load_config(cli={"max_num_batched_tokens": 256, "mixed_batches": False})
-    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.mixed_batches) == (256, False)
-    assert SchedulerConfig().mixed_batches is True and SchedulerConfig().max_num_batched_tokens is None
+    cfg = load_config(cli={"max_num_batched_tokens": 256, "mixed_batches": True})
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.mixed_batches) == (256, True)
+    assert SchedulerConfig().mixed_batches is False and SchedulerConfig().max_num_batched_tokens is None

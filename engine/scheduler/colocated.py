@@ -1,6 +1,6 @@
 """Colocated (non-PD) scheduler: prefill and decode in one loop over one KV pool.
 
-Each ``step()`` with ``mixed_batches`` (the default): one forward of every running request's
+Each ``step()`` with ``mixed_batches``: one forward of every running request's
 next token plus a chunk of prefill in the tokens left (``engine.scheduler.mixed_step``). Without:
 an extend batch if any waiting request fits (prefill first, as SGLang does), otherwise one
 ``RunningBatch.decode_step``. Retract victims drop their KV (not cached) and go back to the front
