@@ -9,7 +9,8 @@ requests admitted together finish together and the next ones start together, so 
 meets a running decode. Per run: output tok/s over wall time, CPU ms per output token (``time.process_time``:
 every thread of this process, the figure least moved by other processes on a shared machine), mean
 TTFT and P99 inter-token latency (ms between a request's successive tokens). The serving benchmark
-(``pdserve bench serve --server-args=--no-mixed-batches``) measures the same switch end to end.
+(``pdserve bench serve --server-args=--mixed-batches``) measures the same switch end to end.
+``--forwards`` times single forwards instead: one mixed forward against the two it replaces.
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ import time
 
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
+from engine.forward_batch import ForwardMode
 from engine.llm import LLM
 from engine.loader import load_for_engine
 from engine.model_paths import resolve_model_path
+from engine.model_runner import SeqChunk
 from engine.tokenizer import Tokenizer
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
@@ -67,6 +70,36 @@ def run_once(llm: LLM, prompts: list[list[int]], concurrency: int, output_lens: 
             - steps0, "mixed_steps": sched.stats.mixed_steps - mixed0}
 
 
+def forward_ab(llm: LLM, shapes: list[tuple[int, int]], repeats: int = 4) -> list[dict]:
+    """One MIXED forward of ``d`` decode rows (contexts 200..) plus a fresh ``e``-token prompt
+    against the EXTEND and DECODE forwards apart, interleaved ``repeats`` times: best and median
+    CPU ms (``time.process_time``) of each, per ``(d, e)`` in ``shapes``."""
+    runner, rng = llm.runner, random.Random(1)
+    pages = iter(range(runner.allocator.num_pages))  # scratch KV: these forwards own the pool
+
+    def seq(prefix: int, new: int) -> SeqChunk:
+        return SeqChunk([rng.randrange(3, llm.model_config.vocab_size) for _ in range(new)], prefix,
+                        [next(pages) for _ in range(-(-(prefix + new) // runner.page_size))])
+
+    rows = []
+    for d, e in shapes:
+        dec, ext, cpu = [seq(200 + 10 * i, 1) for i in range(d)], [seq(0, e)], {"apart": [], "mixed": []}
+        for _ in range(repeats):
+            for kind in cpu:
+                c = time.process_time()
+                if kind == "apart":
+                    runner.forward(ForwardMode.EXTEND, ext)
+                    runner.forward(ForwardMode.DECODE, dec)
+                else:
+                    runner.forward(ForwardMode.MIXED, dec + ext, num_decode=d)
+                cpu[kind].append((time.process_time() - c) * 1e3)
+        rows.append({"decode_rows": d, "prompt": e, **{f"{k}_cpu_ms_{f.__name__}": f(v) for k, v in cpu.items()
+                                                       for f in (min, statistics.median)}})
+        print(f"| {d} | {e} | {min(cpu['mixed']):.0f} | {min(cpu['apart']):.0f} | "
+              f"{statistics.median(cpu['mixed']):.0f} | {statistics.median(cpu['apart']):.0f} |", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.mixed_ab", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
@@ -77,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--forwards", action="store_true", help="instead: one mixed forward against the extend and "
+                   "decode forwards apart (7+250, 4+120, 7+40 decode rows + prompt tokens), CPU ms")
     p.add_argument("--out", help="write the runs as JSON here")
     a = p.parse_args(argv)
     lo, hi = map(int, a.input_len_range.split(","))
@@ -89,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     out_lo, out_hi = map(int, a.output_len_range.split(","))
     output_lens = [rng.randint(out_lo, out_hi) for _ in range(n)]
+    if a.forwards:
+        print("| decode rows | prompt | mixed CPU ms (best) | apart (best) | mixed (median) | apart (median) |")
+        print("|---|---|---|---|---|---|")
+        rows = forward_ab(LLM(engine, SchedulerConfig(), loaded=loaded), [(7, 250), (4, 120), (7, 40)])
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"args": vars(a), "forwards": rows}, f, indent=1)
+        return 0
     llms = {mixed: LLM(engine, SchedulerConfig(mixed_batches=mixed, max_num_batched_tokens=a.max_num_batched_tokens),
                        loaded=loaded) for mixed in (True, False)}
     run_once(llms[True], prompts[:2], 2, [4, 4])  # warm-up: kernels and allocator
