@@ -251,7 +251,7 @@ class KVManager:
                     + (self.tree.all_pages() if self.tree else []), "full")
         if self.has_swa:
             self.swa_allocator.check_integrity()
-            _check_pool(self.usage(live, "swa"), [p for h in live for p in h.swa.own]
+            _check_pool(self.usage(live, "swa"), [p for h in live if h.swa is not None for p in h.swa.own]
                         + (self.tree.all_swa_pages() if self.tree else []), "swa")
         if self.tree is not None:
             self.tree.check_integrity()

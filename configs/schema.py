@@ -23,9 +23,11 @@ from configs.server import ServerConfig
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["colocated", "pd"] = Field("pd", description="pd (prefill + decode workers) or colocated (one worker)")
+    mode: Literal["colocated", "pd"] = Field("pd", description="pd (prefill + decode workers) or colocated (workers that do both, --replicas)")
     prefill: int = Field(1, ge=1, description="number of prefill workers (pd mode)")
     decode: int = Field(1, ge=1, description="number of decode workers (pd mode)")
+    replicas: int = Field(1, ge=1, description="number of colocated workers (colocated mode): data-parallel "
+                                               "replicas behind one router, balanced by their reported load")
     base_port: int = Field(29500, ge=1024, le=65000, description="first port of the workers' control sockets")
     transfer_backend: Literal["nixl", "ucxx", "loopback"] = Field(
         "nixl", description="KV data plane: nixl (UCX one-sided writes) or ucxx (UCX tagged messages, needs "

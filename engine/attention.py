@@ -5,6 +5,10 @@ Interface (``AttentionBackend``):
 - ``forward(q, k, v, layer, batch)``: stores the new tokens' K/V into ``batch.out_slots`` of the
   layer, then returns attention output ``[tokens, num_heads * head_dim]`` for the new tokens.
 
+A MIXED batch (decode rows first, then extend rows; ``ForwardBatch.split``) is stored in one call
+and attended in two: its decode rows through the backend's decode path, its extend rows through
+the extend path, each over its own part of the batch; per-step metadata is cached per part.
+
 ``TorchBackend`` runs anywhere (default on CPU): it gathers each request's K/V through the block
 table of the layer's pool (only the keys inside a sliding layer's window) and calls
 ``scaled_dot_product_attention`` with a causal / sliding-window mask.
@@ -65,8 +69,9 @@ class TorchBackend:
         self.scale = scale
         self.windows = windows
         self._batch: ForwardBatch | None = None
-        self._meta: dict[tuple[str, int | None], _Gather] = {}
-        self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
+        self._parts: tuple[ForwardBatch, ForwardBatch] | None = None
+        self._meta: dict[tuple[ForwardMode, str, int | None], _Gather] = {}
+        self._masks: dict[tuple[ForwardMode, str, int | None], torch.Tensor] = {}
 
     @property
     def pool(self) -> KVPool:
@@ -74,16 +79,19 @@ class TorchBackend:
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._batch, self._meta, self._masks = batch, {}, {}
+        self._parts = batch.split() if batch.mode is ForwardMode.MIXED else None
 
     def _layer(self, layer: int) -> tuple[str, KVPool, int]:
         name, local = self.pools.layer_pool[layer]
         return name, self.pools.pool(name), local
 
-    def _gather_of(self, name: str, window: int | None) -> _Gather:
-        if (name, window) not in self._meta:
-            table, _ = self._batch.pool_index(name)
-            self._meta[(name, window)] = _gather_meta(table, self._batch, window)
-        return self._meta[(name, window)]
+    def _gather_of(self, batch: ForwardBatch, name: str, window: int | None) -> _Gather:
+        """Gather indices of ``batch`` (the step's batch or one part of a MIXED one)."""
+        key = (batch.mode, name, window)
+        if key not in self._meta:
+            table, _ = batch.pool_index(name)
+            self._meta[key] = _gather_meta(table, batch, window)
+        return self._meta[key]
 
     def store(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
         name, pool, local = self._layer(layer)
@@ -97,12 +105,15 @@ class TorchBackend:
         self.store(k, v, layer)
         if batch.mode is ForwardMode.DECODE:
             return self._decode(q, layer, batch)
-        return self._extend(q, k, v, layer, batch)
+        if batch.mode is ForwardMode.EXTEND:
+            return self._extend(q, k, v, layer, batch)
+        (dec, ext), d = self._parts, batch.num_decode
+        return torch.cat((self._decode(q[:d], layer, dec), self._extend(q[d:], k[d:], v[d:], layer, ext)))
 
-    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, _Gather]:
-        """``(K, V)`` ``[B, n_pages * P, kv_heads, dim]`` of ``layer`` over the step's pages."""
+    def _gather(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, _Gather]:
+        """``(K, V)`` ``[B, n_pages * P, kv_heads, dim]`` of ``layer`` over ``batch``'s pages."""
         name, pool, local = self._layer(layer)
-        m = self._gather_of(name, self.windows[layer])
+        m = self._gather_of(batch, name, self.windows[layer])
         B, n = m.pages.shape
         k = pool.buffer[m.pages, local, 0].view(B, n * pool.page_size, pool.num_kv_heads, pool.head_dim)
         v = pool.buffer[m.pages, local, 1].view(B, n * pool.page_size, pool.num_kv_heads, pool.head_dim)
@@ -110,16 +121,16 @@ class TorchBackend:
 
     def _mask(self, layer: int, batch: ForwardBatch, m: _Gather) -> torch.Tensor:
         """Decode mask [B, 1, 1, L]: key exists and is inside the sliding window."""
-        key = (self._layer(layer)[0], self.windows[layer])
+        key = (batch.mode, self._layer(layer)[0], self.windows[layer])
         if key not in self._masks:
             mask = m.valid
-            if key[1] is not None:
-                mask = mask & (m.key_pos >= batch.seq_lens.unsqueeze(1) - key[1])
+            if key[2] is not None:
+                mask = mask & (m.key_pos >= batch.seq_lens.unsqueeze(1) - key[2])
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        k, v, m = self._gather(layer)                    # [B, L, Hkv, D]
+        k, v, m = self._gather(layer, batch)             # [B, L, Hkv, D]
         qd = q.unsqueeze(2)                              # [B, H, 1, D]
         kd, vd = k.transpose(1, 2), v.transpose(1, 2)    # [B, Hkv, L, D]
         out = F.scaled_dot_product_attention(
@@ -141,7 +152,7 @@ class TorchBackend:
                 o = _sdpa_4d(qi, ki, vi, self.scale, is_causal=mask is None, mask=mask)
             else:
                 if gathered is None:
-                    gathered = self._gather(layer)
+                    gathered = self._gather(layer, batch)
                 k_all, v_all, m = gathered
                 n = seq - m.starts[i]
                 ki = k_all[i, :n].transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
@@ -184,23 +195,25 @@ class CpuBackend(TorchBackend):
                  threads: int | None = None) -> None:
         super().__init__(pools, num_heads, scale, windows)
         self.threads = threads
-        self._ranges: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        self._ranges: dict[tuple[ForwardMode, str, int | None],
+                           tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
     def prepare(self, batch: ForwardBatch) -> None:
         super().prepare(batch)
         self._ranges = {}
 
-    def _range_of(self, name: str, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """``(table, lo, hi, keys)`` of this step (int64 tensors): request i attends to keys
-        ``[lo[i], hi[i])``; ``keys`` is their total over the batch."""
-        key = (name, window)
+    def _range_of(self, batch: ForwardBatch, name: str,
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(table, lo, hi, keys)`` of ``batch``'s decode rows (int64 tensors): request i attends
+        to keys ``[lo[i], hi[i])``; ``keys`` is their total over the batch."""
+        key = (batch.mode, name, window)
         if key not in self._ranges:
-            table = self._batch.pool_index(name)[0].to(torch.int64).contiguous()
+            table = batch.pool_index(name)[0].to(torch.int64).contiguous()
             pages = self.pools.pool(name).num_pages
             if table.numel() and not (0 <= int(table.min()) and int(table.max()) < pages):
                 # the kernel reads raw memory: a bad page id would crash the process, not raise
                 raise IndexError(f"{name} block table holds a page outside 0..{pages - 1}")
-            hi = self._batch.seq_lens.to(torch.int64).contiguous()
+            hi = batch.seq_lens.to(torch.int64).contiguous()
             lo = (hi - window).clamp(min=0) if window else torch.zeros_like(hi)
             self._ranges[key] = (table, lo.contiguous(), hi, int((hi - lo).sum()))
         return self._ranges[key]
@@ -209,20 +222,27 @@ class CpuBackend(TorchBackend):
         from engine.kernels.cpu_native import paged_decode_f32, threads_for
 
         name, pool, local = self._layer(layer)
-        table, lo, hi, keys = self._range_of(name, self.windows[layer])
+        table, lo, hi, keys = self._range_of(batch, name, self.windows[layer])
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
         out = paged_decode_f32(q.float(), pool.buffer, local, table, lo, hi, self.scale, threads)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
 class TritonBackend(TorchBackend):
-    """CUDA backend: Triton KV store and paged decode attention; extend via the torch path."""
+    """CUDA backend: Triton KV store and paged decode attention; extend via the torch path.
+    ``kernels``: the kernel entry points' ``backend`` (None: Triton on CUDA tensors; "triton"
+    forces it, which on CPU tensors runs the Triton interpreter: tests)."""
+
+    def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None],
+                 kernels: str | None = None) -> None:
+        super().__init__(pools, num_heads, scale, windows)
+        self.kernels = kernels
 
     def store(self, k, v, layer: int) -> None:
         from engine.kernels import store_kv
 
         name, pool, local = self._layer(layer)
-        store_kv(pool.k_layer(local), pool.v_layer(local), self._batch.pool_index(name)[1], k, v)
+        store_kv(pool.k_layer(local), pool.v_layer(local), self._batch.pool_index(name)[1], k, v, backend=self.kernels)
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
         from engine.kernels import paged_decode_attention
@@ -230,7 +250,7 @@ class TritonBackend(TorchBackend):
         name, pool, local = self._layer(layer)
         out = paged_decode_attention(
             q, pool.k_layer(local), pool.v_layer(local), batch.pool_index(name)[0],
-            batch.seq_lens, self.scale, batch.page_size, sliding_window=self.windows[layer],
+            batch.seq_lens, self.scale, batch.page_size, sliding_window=self.windows[layer], backend=self.kernels,
         )
         return out.reshape(q.shape[0], -1)
 

@@ -10,6 +10,7 @@ import torch
 class ForwardMode(enum.Enum):
     EXTEND = "extend"   # new tokens on top of an optional cached prefix (prefill, chunked prefill)
     DECODE = "decode"   # exactly one new token per request
+    MIXED = "mixed"     # the first ``num_decode`` requests decode one token, the rest extend
 
 
 @dataclass
@@ -27,6 +28,9 @@ class ForwardBatch:
     - ``swa_block_table`` / ``swa_out_slots``: the same for the SWA pool of a sliding-window
       hybrid (None without one); entries of pages that are not resident are 0 and never read
       (they lie outside every window of this step).
+    - ``num_decode`` (MIXED mode): the first ``num_decode`` requests are decode rows (one new
+      token each, their KV before it in the pool); the rest are extend rows. ``split`` cuts a MIXED
+      batch into its DECODE and EXTEND parts, which the attention backends run by their own paths.
     All index tensors are int64 on the model's device; ``seq_lens_cpu``/``extend_lens_cpu`` are
     Python lists for host-side loops.
     """
@@ -43,6 +47,7 @@ class ForwardBatch:
     page_size: int
     swa_block_table: torch.Tensor | None = None
     swa_out_slots: torch.Tensor | None = None
+    num_decode: int = 0
 
     def pool_index(self, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_table, out_slots)`` of ``pool`` ("full" or "swa")."""
@@ -53,6 +58,23 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def split(self) -> tuple["ForwardBatch", "ForwardBatch"]:
+        """``(decode part, extend part)`` of a MIXED batch. Decode rows have one token each, so the
+        first ``num_decode`` requests own exactly the first ``num_decode`` tokens: one cut serves
+        the per-request and the per-token tensors."""
+        assert self.mode is ForwardMode.MIXED and 0 < self.num_decode < self.batch_size
+
+        def part(mode: ForwardMode, s: slice) -> ForwardBatch:
+            return ForwardBatch(
+                mode=mode, input_ids=self.input_ids[s], positions=self.positions[s], out_slots=self.out_slots[s],
+                seq_lens=self.seq_lens[s], extend_lens=self.extend_lens[s], block_table=self.block_table[s],
+                seq_lens_cpu=self.seq_lens_cpu[s], extend_lens_cpu=self.extend_lens_cpu[s], page_size=self.page_size,
+                swa_block_table=None if self.swa_block_table is None else self.swa_block_table[s],
+                swa_out_slots=None if self.swa_out_slots is None else self.swa_out_slots[s])
+
+        d = self.num_decode
+        return part(ForwardMode.DECODE, slice(0, d)), part(ForwardMode.EXTEND, slice(d, None))
 
     def last_token_indices(self) -> torch.Tensor:
         """Index into the flat new-token axis of each request's last token (for sampling)."""

@@ -147,8 +147,12 @@ class ModelRunner:
         """The scheduler's KV manager over this runner's pools (and SWA pool, if any)."""
         return KVManager(self.allocator, self.page_size, enable_radix_cache, self.swa_allocator, self.window)
 
-    def build_batch(self, mode: ForwardMode, seqs: list[SeqChunk]) -> ForwardBatch:
+    def build_batch(self, mode: ForwardMode, seqs: list[SeqChunk], num_decode: int = 0) -> ForwardBatch:
+        """The step's ``ForwardBatch``; MIXED: the first ``num_decode`` seqs are one-token decode rows."""
         P = self.page_size
+        if mode is ForwardMode.MIXED and not (0 < num_decode < len(seqs)
+                                              and all(len(s.token_ids) == 1 for s in seqs[:num_decode])):
+            raise ValueError(f"a mixed step needs 1..{len(seqs) - 1} one-token decode rows first, got {num_decode}")
         ext = [len(s.token_ids) for s in seqs]
         seq_lens = [s.prefix_len + e for s, e in zip(seqs, ext)]
         table, slots = _block_table([s.pages for s in seqs], seqs, seq_lens, P, "full")
@@ -160,15 +164,17 @@ class ModelRunner:
             mode=mode, input_ids=as_t(ids), positions=as_t(pos),
             out_slots=as_t(slots), seq_lens=as_t(seq_lens), extend_lens=as_t(ext),
             block_table=as_t(table), seq_lens_cpu=seq_lens, extend_lens_cpu=ext, page_size=P,
+            num_decode=num_decode if mode is ForwardMode.MIXED else 0,
         )
         if self.window is not None:
             swa_table, swa_slots = _block_table([s.swa_pages for s in seqs], seqs, seq_lens, P, SWA)
             batch.swa_block_table, batch.swa_out_slots = as_t(swa_table), as_t(swa_slots)
         return batch
 
-    def forward(self, mode: ForwardMode, seqs: list[SeqChunk]) -> torch.Tensor:
-        """Run one step; return float32 logits ``[len(seqs), vocab]`` of each last new token."""
-        return self.model(self.build_batch(mode, seqs), self.backend)
+    def forward(self, mode: ForwardMode, seqs: list[SeqChunk], num_decode: int = 0) -> torch.Tensor:
+        """Run one step; return float32 logits ``[len(seqs), vocab]`` of each last new token
+        (``num_decode``: MIXED mode's leading decode rows, ``build_batch``)."""
+        return self.model(self.build_batch(mode, seqs, num_decode), self.backend)
 
 
 def _block_table(rows: list, seqs: list[SeqChunk], seq_lens: list[int], P: int, pool: str):

@@ -63,3 +63,29 @@ def test_generate_cli_json_matches_transformers(embedded, hf_reference, capsys):
     assert out["token_ids"] == ref
     assert out["finish_reason"] in ("length", "stop")
     assert out["text"] == embedded[2].decode(ref)
+
+
+def test_staggered_mixed_batches_match_transformers(embedded, hf_reference):
+    """Prompts arrive one every 3 steps while earlier ones decode, prefilled 16 tokens at a time in
+    forwards of at most 24 tokens: every prefill chunk but the first rides with decode rows."""
+    from transfer.wire.protocol import GenerateRequest
+
+    cfg, weights, tok, _ = embedded
+    llm = LLM(engine_cfg(page_size=16, kv_pool_tokens=2048),
+              sched_cfg(chunked_prefill_size=16, max_num_batched_tokens=24, max_running_requests=4, mixed_batches=True),
+              loaded=(cfg, weights, tok))
+    sched, got, step = llm.scheduler, {}, 0
+    while sched.has_work or step < 3 * len(hf_reference):
+        if step % 3 == 0 and step // 3 < len(hf_reference):
+            i = step // 3
+            sched.add(b"", GenerateRequest(rid=f"r{i}", params=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)),
+                      hf_reference[i][0])
+            got[f"r{i}"] = []
+        for d in sched.step().outbox.deltas:
+            got[d.rid] += d.token_ids
+        sched.check_integrity()
+        step += 1
+    assert [got[f"r{i}"] for i in range(len(hf_reference))] == [ref for _, ref in hf_reference]
+    assert sched.stats.mixed_steps == sched.stats.extend_steps - 1 >= 6  # every chunk after the first had company
+    usage = sched.kv.usage([])
+    assert usage.used == 0 and usage.free + usage.cached == usage.total

@@ -61,10 +61,17 @@ class Admission:
         self.reserve_decode = reserve_decode
         self.chunked: Request | None = None
 
-    def select(self, waiting: deque[Request], running: Iterable[Request], ratio: float) -> list[ExtendItem]:
+    def select(self, waiting: deque[Request], running: Iterable[Request], ratio: float,
+               token_budget: int | None = None) -> list[ExtendItem]:
+        """The next extend batch: the chunked request's next chunk first, then waiting requests in
+        order, at most ``chunked_prefill_size`` tokens (and ``token_budget``, when given: what a
+        mixed step leaves after its decode rows) in all. Admitted requests leave ``waiting``."""
         running = list(running)
-        budget = self.cfg.chunked_prefill_size
+        budget = self.cfg.chunked_prefill_size if token_budget is None else min(self.cfg.chunked_prefill_size,
+                                                                                 token_budget)
         items: list[ExtendItem] = []
+        if budget <= 0:
+            return items
         if self.chunked is not None:
             req = self.chunked
             if not self.kv.ensure_pages(req.kv, req.kv_len + min(req.seq_len - req.kv_len, max(budget, 1))):

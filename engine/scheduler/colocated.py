@@ -1,9 +1,11 @@
 """Colocated (non-PD) scheduler: prefill and decode in one loop over one KV pool.
 
-Each ``step()``: admit and run an extend batch if any waiting request fits (prefill first, as
-SGLang does), otherwise one ``RunningBatch.decode_step``. Its retract victims drop their KV (not
-cached) and go back to the front of the waiting queue for re-prefill of prompt + output so far;
-their output tokens and sampler state are kept.
+Each ``step()`` with ``mixed_batches``: one forward of every running request's
+next token plus a chunk of prefill in the tokens left (``engine.scheduler.mixed_step``). Without:
+an extend batch if any waiting request fits (prefill first, as SGLang does), otherwise one
+``RunningBatch.decode_step``. Retract victims drop their KV (not cached) and go back to the front
+of the waiting queue for re-prefill of prompt + output so far; their output tokens and sampler
+state are kept.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
 from engine.scheduler.executor import BatchExecutor
-from engine.scheduler.running_batch import RunningBatch
+from engine.scheduler.mixed_step import MixedStep
+from engine.scheduler.running_batch import DecodeResult, RunningBatch
 from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from transfer.wire.enums import Role
@@ -34,6 +37,7 @@ class ColocatedScheduler(WorkerScheduler):
         self.admission = Admission(cfg, self.kv, self.stats)
         self.executor = BatchExecutor(runner, eos_token_ids, self.kv)
         self.running = RunningBatch(self.kv, self.executor, cfg, self.stats)
+        self.mixed = MixedStep(self.running, self.admission, cfg)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.timeline = Timeline(self.role)
@@ -97,6 +101,8 @@ class ColocatedScheduler(WorkerScheduler):
 
     # ---- one scheduling step --------------------------------------------------------------
     def step(self) -> StepReport:
+        if self.cfg.mixed_batches:
+            return self._mixed_step()
         items = self.admission.select(self.waiting, self.running, self.running.ratio.value)
         if items:
             self.stats.extend_steps += 1
@@ -106,17 +112,42 @@ class ColocatedScheduler(WorkerScheduler):
             self.running.ratio.idle()
             return StepReport()
         res = self.running.decode_step(self._drop_victim)
+        out = self._released(res)
+        out.extend(self._decoded(res))
+        return StepReport(out)
+
+    def _mixed_step(self) -> StepReport:
+        """Decode rows first (retract if short), then prefill in the step's tokens left, one forward."""
+        idle = not self.running
+        prepared = self.running.prepare_decode(self._drop_victim)
+        out = self._released(prepared)
+        res = self.mixed.run(prepared, self.waiting)
+        if not res.ran:
+            if idle:  # as a step apart: a retract that emptied the batch keeps the ratio it set
+                self.running.ratio.idle()
+            return StepReport(out)
+        out.extend(self._decoded(res.decode))
+        out.extend(self._collect(res.extended))
+        return StepReport(out)
+
+    def _released(self, res: DecodeResult) -> Outbox:
+        """Retract victims back to the front of the waiting queue; the OOM-aborted request ended."""
         for r in reversed(res.retracted):
             r.reset_for_retract()
             self.waiting.appendleft(r)
         out = Outbox()
         if res.aborted is not None:
             out.extend(self.finish(res.aborted, self.running.oom_outcome(res.aborted)))
+        return out
+
+    def _decoded(self, res: DecodeResult) -> Outbox:
+        """The decode rows' deltas out; the requests they finished ended."""
+        out = Outbox()
         for req, delta in res.tokens:
             out.token(req.owner, delta)
         for req in res.finished:
             self.finish(req, Outcome(req.finish_reason))
-        return StepReport(out)
+        return out
 
     def _drop_victim(self, req: Request) -> Release:
         self.kv.free(req.kv)

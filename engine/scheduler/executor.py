@@ -54,25 +54,34 @@ class BatchExecutor:
     def extend(self, items: list[ExtendItem]) -> list[tuple[Request, TokenDelta]]:
         """Compute the items' tokens; requests whose prompt completes get their next token and
         become RUNNING (or FINISHED)."""
-        seqs = [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages,
-                         i.req.kv.swa_pages) for i in items]
-        logits = self.runner.forward(ForwardMode.EXTEND, seqs)
+        return self.mixed([], items)[1]
+
+    def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
+        """One token for each request; pages for position ``kv_len`` must already be allocated."""
+        return self.mixed(reqs, [])[0]
+
+    def mixed(self, reqs: list[Request], items: list[ExtendItem]) -> tuple[list[tuple[Request, TokenDelta]],
+                                                                           list[tuple[Request, TokenDelta]]]:
+        """One forward over decode rows ``reqs`` (first) and extend ``items``: ``(decode deltas,
+        extend deltas)``, as ``decode(reqs)`` and ``extend(items)`` would give them apart. Either
+        list may be empty (then the step is a plain DECODE or EXTEND one)."""
+        seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages,
+                         r.kv.swa_pages) for r in reqs]
+        seqs += [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages,
+                          i.req.kv.swa_pages) for i in items]
+        mode = ForwardMode.MIXED if reqs and items else (ForwardMode.DECODE if reqs else ForwardMode.EXTEND)
+        logits = self.runner.forward(mode, seqs, num_decode=len(reqs))
+        for r in reqs:
+            self._advance(r, 1)
         done = [k for k, i in enumerate(items) if i.completes]
         for i in items:
             self._advance(i.req, i.length)
         for k in done:
             items[k].req.status = Phase.RUNNING
             items[k].req.mark("prefilled")
-        return self._sample(logits[done] if len(done) < len(items) else logits, [items[k].req for k in done])
-
-    def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
-        """One token for each request; pages for position ``kv_len`` must already be allocated."""
-        seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages,
-                         r.kv.swa_pages) for r in reqs]
-        logits = self.runner.forward(ForwardMode.DECODE, seqs)
-        for r in reqs:
-            self._advance(r, 1)
-        return self._sample(logits, reqs)
+        rows = [*range(len(reqs)), *(len(reqs) + k for k in done)]
+        out = self._sample(logits[rows] if len(rows) < len(seqs) else logits, [*reqs, *(items[k].req for k in done)])
+        return out[:len(reqs)], out[len(reqs):]
 
     def _sample(self, logits, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
         if not reqs:

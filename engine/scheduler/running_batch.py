@@ -68,24 +68,38 @@ class RunningBatch:
 
         ``park_last``: pages held elsewhere will come back on their own (transfers in flight), so a
         last request that cannot grow is retracted to wait for them instead of aborted."""
+        res = self.prepare_decode(release_victim, park_last)
+        if self.reqs:
+            self.absorb(res, self.executor.decode(self.reqs))
+        return res
+
+    def prepare_decode(self, release_victim: ReleaseVictim, park_last: bool = False) -> DecodeResult:
+        """The first half of a decode step (``decode_step``), for a caller that runs the forward
+        itself (a mixed step): retract if short, then give every request left its page for this
+        step. The requests to decode are ``self.reqs`` afterwards; pass their deltas to ``absorb``.
+        With no request running it does nothing (no step is counted)."""
         res = DecodeResult()
+        if not self.reqs:
+            return res
         self.stats.decode_steps += 1
         interval = self.cfg.retract_test_interval
         forced = bool(interval) and self.stats.decode_steps % interval == 0
         if forced or not check_decode_mem(self.kv, self.reqs, 1):
             self._retract(forced, release_victim, res, park_last)
-        if not self.reqs:
-            return res
         for r in self.reqs:
             assert self.kv.ensure_pages(r.kv, r.kv_len + 1), "check_decode_mem promised room for this step"
-        for req, delta in self.executor.decode(self.reqs):
+        return res
+
+    def absorb(self, res: DecodeResult, tokens: list[tuple[Request, TokenDelta]]) -> None:
+        """The second half: take the step's decode ``tokens`` into ``res`` (finished requests leave
+        the batch) and decay the ratio."""
+        for req, delta in tokens:
             self.stats.generation_tokens += 1
             res.tokens.append((req, delta))
             if req.finished:
                 self.reqs.remove(req)
                 res.finished.append(req)
         self.ratio.step()
-        return res
 
     def _retract(self, forced: bool, release_victim: ReleaseVictim, res: DecodeResult, park_last: bool) -> None:
         before_ratio, before_free = self.ratio.value, self.kv.available_pages()

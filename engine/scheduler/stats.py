@@ -20,6 +20,7 @@ class SchedulerStats:
     aborted_requests: int = 0
     decode_steps: int = 0
     extend_steps: int = 0
+    mixed_steps: int = 0  # forwards that carried decode rows and prefill tokens together
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

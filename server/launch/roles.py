@@ -4,8 +4,8 @@ Roles: ``router`` plus the worker roles of the cluster mode (``prefill`` and ``d
 ``colocated`` in colocated mode). ``pdserve launch --roles decode`` on one host and
 ``pdserve launch --roles router,prefill --worker decode=decode-0=tcp://hostB:29501`` on another
 split one deployment over two machines. Worker ids and control ports are the same on every host
-(``prefill-i`` at ``base_port + i``, ``decode-j`` at ``base_port + prefill + j``), so the ports a
-host uses follow from the shared config alone.
+(``prefill-i`` at ``base_port + i``, ``decode-j`` at ``base_port + prefill + j``, ``colocated-i``
+at ``base_port + i``), so the ports a host uses follow from the shared config alone.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def worker_specs(cfg: PdserveConfig, roles: frozenset[Role] | None = None) -> li
     the mode, so a subset keeps the ports the full deployment gives it.
     """
     c = cfg.cluster
-    counts = {Role.COLOCATED: 1} if c.mode == "colocated" else {Role.PREFILL: c.prefill, Role.DECODE: c.decode}
+    counts = {Role.COLOCATED: c.replicas} if c.mode == "colocated" else {Role.PREFILL: c.prefill, Role.DECODE: c.decode}
     host = advertised_host(cfg)
     specs, port = [], c.base_port
     for role, count in counts.items():

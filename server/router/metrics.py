@@ -54,6 +54,8 @@ WORKER_COUNTERS = {
     "retract_recomputed": ("pdserve_retract_recomputed", "Retracted requests re-prefilled (host pool full/costlier)"),
     "refused_control_connections": ("pdserve_worker_refused_control_connections", "Control connection attempts "
                                     "the worker refused: the peer did not hold the cluster key (--cluster-key)"),
+    "mixed_steps": ("pdserve_worker_mixed_steps", "Forward steps that carried decode rows and a prefill chunk "
+                    "together (mixed batches)"),
     "borrowed_core_steps": ("pdserve_worker_borrowed_core_steps", "Steps a worker ran on every core of its host's "
                             "launch while the other workers were idle (core lending)"),
 }
