@@ -23,7 +23,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # in this order; unmatched ops go to OTHER. The C decode-attention kernel (ctypes, float32 CPU) is
 # no aten op: the bench wraps it in a profiler range named C_ATTENTION (without that its time would
 # land in PYTHON, with the interpreter and batch building).
-C_ATTENTION = "pdserve::paged_decode_f32"
+C_ATTENTION = "pdserve::paged_decode"
 OP_CLASSES: dict[str, tuple[str, ...]] = {
     "matmuls": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
                 "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear"),

@@ -104,17 +104,17 @@ def _labelled_c_attention():
     module attribute reaches it)."""
     from engine.kernels import cpu_native
 
-    plain = cpu_native.paged_decode_f32
+    plain = cpu_native.paged_decode
 
     def labelled(*args, **kw):
         with torch.profiler.record_function(rl.C_ATTENTION):
             return plain(*args, **kw)
 
-    cpu_native.paged_decode_f32 = labelled
+    cpu_native.paged_decode = labelled
     try:
         yield
     finally:
-        cpu_native.paged_decode_f32 = plain
+        cpu_native.paged_decode = plain
 
 
 def profile_decode(llm: LLM, batch: int, steps: int = 6, warm: int = 2) -> tuple[float, dict[str, float]]:

@@ -12,7 +12,7 @@ the extend path, each over its own part of the batch; per-step metadata is cache
 ``TorchBackend`` runs anywhere (default on CPU): it gathers each request's K/V through the block
 table of the layer's pool (only the keys inside a sliding layer's window) and calls
 ``scaled_dot_product_attention`` with a causal / sliding-window mask.
-``CpuBackend`` (default on CPU for float32 pools when the C kernel builds) runs decode with the C
+``CpuBackend`` (default on CPU for float32 and bfloat16 pools when the C kernel builds) runs decode with the C
 kernel of ``engine/kernels/cpu_native.py``, which reads each request's keys in place (no gather,
 no padding to the longest request in the batch); extend steps reuse the torch gather path.
 ``TritonBackend`` (CUDA) stores K/V and runs paged decode attention with the Triton kernels in
@@ -187,7 +187,7 @@ def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | 
 
 
 class CpuBackend(TorchBackend):
-    """CPU float32: decode through the C paged kernel with at most ``threads`` threads (default:
+    """CPU float32/bfloat16 pools: decode through the C paged kernel with at most ``threads`` threads (default:
     torch's thread count at each call, which core lending may change between steps), fewer when the
     step's keys are too few to pay for starting them (``cpu_native.threads_for``); the rest as torch."""
 
@@ -219,12 +219,12 @@ class CpuBackend(TorchBackend):
         return self._ranges[key]
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        from engine.kernels.cpu_native import paged_decode_f32, threads_for
+        from engine.kernels.cpu_native import paged_decode, threads_for
 
         name, pool, local = self._layer(layer)
         table, lo, hi, keys = self._range_of(batch, name, self.windows[layer])
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-        out = paged_decode_f32(q.float(), pool.buffer, local, table, lo, hi, self.scale, threads)
+        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
@@ -271,7 +271,7 @@ def make_backend(name: str, pools: KVPools, num_heads: int, scale: float, window
         return TorchBackend(pools, num_heads, scale, windows)
     if name == "cpu":
         if not _cpu_kernel_fits(pools):
-            raise ValueError("attention_backend=cpu needs a float32 CPU KV pool and a C compiler (cc) to build "
+            raise ValueError("attention_backend=cpu needs a float32 or bfloat16 CPU KV pool and a C compiler (cc) to build "
                              "the kernel; use --attention-backend torch")
         return CpuBackend(pools, num_heads, scale, windows)
     if name == "triton":

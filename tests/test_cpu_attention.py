@@ -22,12 +22,15 @@ def _windows(window):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("window", [5, 8, 13])
-def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, threads):
+def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, threads, dtype):
+    """bfloat16 pools too: the kernel widens each key exactly, so against the torch path on a float32
+    query the sums agree to float32 rounding."""
     g = torch.Generator().manual_seed(window * 10 + threads)
-    pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
-    pools.units.copy_(torch.randn(pools.units.shape, generator=g))
+    pools = KVPools(64, 64, TYPES, PAGE, 2, 16, dtype, "cpu")
+    pools.units.copy_(torch.randn(pools.units.shape, generator=g).to(pools.units.dtype))
     pools.swa.buffer[0] = 1e3  # someone else's page: reading it unmasked would show
     seq_lens = [1, 3, 17, 30, 41]
     batch = _decode_batch(pools, seq_lens, window)
@@ -41,12 +44,13 @@ def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, thr
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group,head_dim", [(1, 8), (3, 64), (4, 256)])
-def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_dim):
+def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_dim, dtype):
     g = torch.Generator().manual_seed(group)
     kv_heads, pages, P = 2, 96, 16
-    pools = KVPools(pages, 0, ("full_attention",) * 2, P, kv_heads, head_dim, torch.float32, "cpu")
-    pools.units.copy_(torch.randn(pools.units.shape, generator=g))
+    pools = KVPools(pages, 0, ("full_attention",) * 2, P, kv_heads, head_dim, dtype, "cpu")
+    pools.units.copy_(torch.randn(pools.units.shape, generator=g).to(pools.units.dtype))
     seq_lens = [700, 5, 64, 1]  # one long request among short ones: no padding to the longest
     order = torch.randperm(pages, generator=g).tolist()
     rows, used = [], 0
@@ -57,11 +61,11 @@ def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_di
     table = torch.tensor(rows)
     hi, lo = torch.tensor(seq_lens), torch.zeros(len(seq_lens), dtype=torch.int64)
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
-    got = cpu_native.paged_decode_f32(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2)
+    got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2)
     for i, n in enumerate(seq_lens):
         pg = table[i, :-(-n // P)]
-        k = pools.full.buffer[pg, 1, 0].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
-        v = pools.full.buffer[pg, 1, 1].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+        k = pools.full.buffer[pg, 1, 0].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        v = pools.full.buffer[pg, 1, 1].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
         ref = torch.nn.functional.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, enable_gqa=True)
         torch.testing.assert_close(got[i], ref.squeeze(1), rtol=1e-5, atol=1e-5)
 
@@ -71,10 +75,12 @@ def test_backend_choice_on_cpu():
     pools16 = KVPools(8, 0, ("full_attention",), 4, 1, 8, torch.bfloat16, "cpu")
     auto = make_backend("auto", pools32, 2, 1.0, [None])
     assert type(auto) is (CpuBackend if cpu_native.load() is not None else TorchBackend)
-    assert type(make_backend("auto", pools16, 2, 1.0, [None])) is TorchBackend  # bf16: the torch path
+    assert type(make_backend("auto", pools16, 2, 1.0, [None])) is type(auto)  # bf16 pools too
     assert type(make_backend("torch", pools32, 2, 1.0, [None])) is TorchBackend
+    pools_f16 = KVPools(8, 0, ("full_attention",), 4, 1, 8, torch.float16, "cpu")
+    assert type(make_backend("auto", pools_f16, 2, 1.0, [None])) is TorchBackend  # float16: the torch path
     with pytest.raises(ValueError, match="--attention-backend torch"):
-        make_backend("cpu", pools16, 2, 1.0, [None])
+        make_backend("cpu", pools_f16, 2, 1.0, [None])
 
 
 @pytest.mark.parametrize("env", [{"PDSERVE_NATIVE_KERNELS": "0"}, {"CC": "/bin/false"}])
@@ -132,8 +138,8 @@ def test_kernel_threads_follow_the_work_of_the_step():
 def test_cpu_backend_starts_no_thread_for_a_short_step(monkeypatch):
     """The backend passes the kernel the threads the step's keys pay for, not torch's count."""
     seen = []
-    real = cpu_native.paged_decode_f32
-    monkeypatch.setattr(cpu_native, "paged_decode_f32", lambda *a: seen.append(a[-1]) or real(*a))
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: seen.append(a[-1]) or real(*a))
     pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
     batch = _decode_batch(pools, [3, 9], 8)
     backend = CpuBackend(pools, 4, 0.25, _windows(8), threads=2)

@@ -28,11 +28,24 @@ def test_packed_linear_equals_f_linear(rows):
 
 
 def test_other_weights_stay_plain():
-    w16 = torch.randn(8, 4).to(torch.bfloat16)
+    w16 = torch.randn(8, 4).to(torch.float16)
     assert pack(w16) is w16
     assert pack(torch.randn(3)).dim() == 1  # not a matrix
-    x = torch.randn(2, 4).to(torch.bfloat16)
+    x = torch.randn(2, 4).to(torch.float16)
     assert torch.equal(linear(x, w16), F.linear(x, w16))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bfloat16_weights_are_packed_only_where_the_cpu_has_bf16_instructions(monkeypatch, fast):
+    monkeypatch.setattr("engine.cpu_linear.has_fast_bf16", lambda: fast)
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    p = pack(w)
+    assert isinstance(p, PackedWeight) == (fast and torch.backends.mkldnn.is_available())
+    if isinstance(p, PackedWeight):
+        x, b = torch.randn(5, 64).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+        # both accumulate in float32 and round once to bfloat16: at most one bfloat16 ulp apart
+        torch.testing.assert_close(linear(x, p, b).float(), F.linear(x, w, b).float(), rtol=1e-2, atol=2e-2)
+        assert warm_up([(p, b)], max_rows=8) == ROW_BUCKETS.index(8) + 1
 
 
 def test_row_buckets_cover_every_count_up_to_a_chunk():

@@ -1,5 +1,5 @@
 """KV-cache kernels: Triton on CUDA, pure torch elsewhere (and as the test oracle); on CPU float32
-the decode attention of ``engine.attention.CpuBackend`` is C (``cpu_native.paged_decode_f32``,
+the decode attention of ``engine.attention.CpuBackend`` is C (``cpu_native.paged_decode``,
 built on first use; not re-exported here so importing this package never runs a compiler).
 
 Importing this package never imports triton; kernels are built on first Triton call, for the

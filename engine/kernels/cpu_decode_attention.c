@@ -1,66 +1,87 @@
-/* Paged decode attention on the CPU, float32: one query token per request against its keys
+/* Paged decode attention on the CPU: one float32 query token per request against its keys
  * [lo, hi) read in place from the page-major KV pool (no gather, no padding to the longest
- * request). Online softmax per page block (flash-decoding); the g query heads of one KV head share
+ * request), float32 or bfloat16 (widened to float32 as it is read; the sums are float32 either way).
+ * Online softmax per page block (flash-decoding); the g query heads of one KV head share
  * each K/V block while it is in L1. Work items are (request, kv head) pairs taken from an atomic
  * counter by `threads` pthreads (the caller's thread is one of them).
  *
- * Pool addressing (in floats): token `pos` of request b, kv head kh, layer base `kv`:
+ * Pool addressing (in elements): token `pos` of request b, kv head kh, layer base `kv`:
  *   kv + table[b * table_stride + pos / P] * page_stride + (pos % P) * tok_stride + kh * head_stride
  * and V is the same address + v_off. head_dim is contiguous. Built by engine/kernels/cpu_native.py.
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <string.h>
 
 #define BLK 64
 
 typedef struct {
-    const float *q, *kv;
+    const float *q;
+    const void *kv;
     const int64_t *table, *lo, *hi;
     float *out;
     int64_t H, Hkv, D, P, table_stride, page_stride, v_off, tok_stride, head_stride, heads_per_item, items;
     float scale;
     int64_t next;
+    int bf16;
 } job_t;
 
-/* One (request, kv head) pair: online softmax over its keys, g query heads at a time. */
-static void one_head(const job_t *j, int64_t b, int64_t kh, float *acc, float *m, float *l) {
-    const int64_t g = j->H / j->Hkv, D = j->D, P = j->P;
-    const float *q = j->q + (b * j->H + kh * g) * D;
-    float s[BLK];
-    for (int64_t pos = j->lo[b], end = j->hi[b]; pos < end;) {
-        const int64_t page = j->table[b * j->table_stride + pos / P], off = pos % P;
-        int64_t n = P - off;
-        if (n > end - pos) n = end - pos;
-        if (n > BLK) n = BLK;
-        const float *kb = j->kv + page * j->page_stride + off * j->tok_stride + kh * j->head_stride;
-        const float *vb = kb + j->v_off;
-        for (int64_t r = 0; r < g; r++) {
-            const float *qr = q + r * D;
-            float *ar = acc + r * D, mb = -INFINITY;
-            for (int64_t t = 0; t < n; t++) {
-                const float *k = kb + t * j->tok_stride;
-                float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-                for (int64_t x = 0; x < D; x++) d += qr[x] * k[x];
-                s[t] = d * j->scale;
-                mb = fmaxf(mb, s[t]);
-            }
-            const float mn = fmaxf(m[r], mb), corr = expf(m[r] - mn);
-            l[r] *= corr;
-#pragma omp simd
-            for (int64_t x = 0; x < D; x++) ar[x] *= corr;
-            for (int64_t t = 0; t < n; t++) {
-                const float p = expf(s[t] - mn), *v = vb + t * j->tok_stride;
-                l[r] += p;
-#pragma omp simd
-                for (int64_t x = 0; x < D; x++) ar[x] += p * v[x];
-            }
-            m[r] = mn;
-        }
-        pos += n;
-    }
+static inline float ld_f32(const float *p, int64_t x) { return p[x]; }
+
+/* bfloat16 is the top half of a float32: widening is a 16-bit shift (vectorizes). */
+static inline float ld_bf16(const uint16_t *p, int64_t x) {
+    const uint32_t u = (uint32_t)p[x] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
+
+/* One (request, kv head) pair: online softmax over its keys, g query heads at a time. Defined once
+ * per element type T with loader LD, so each inner loop is a straight vectorizable loop. */
+#define ONE_HEAD(NAME, T, LD)                                                                           \
+    static void NAME(const job_t *j, int64_t b, int64_t kh, float *acc, float *m, float *l) {           \
+        const int64_t g = j->H / j->Hkv, D = j->D, P = j->P;                                            \
+        const float *q = j->q + (b * j->H + kh * g) * D;                                                \
+        const T *kv = (const T *)j->kv;                                                                 \
+        float s[BLK];                                                                                   \
+        for (int64_t pos = j->lo[b], end = j->hi[b]; pos < end;) {                                      \
+            const int64_t page = j->table[b * j->table_stride + pos / P], off = pos % P;                \
+            int64_t n = P - off;                                                                        \
+            if (n > end - pos) n = end - pos;                                                           \
+            if (n > BLK) n = BLK;                                                                       \
+            const T *kb = kv + page * j->page_stride + off * j->tok_stride + kh * j->head_stride;       \
+            const T *vb = kb + j->v_off;                                                                \
+            for (int64_t r = 0; r < g; r++) {                                                           \
+                const float *qr = q + r * D;                                                            \
+                float *ar = acc + r * D, mb = -INFINITY;                                                \
+                for (int64_t t = 0; t < n; t++) {                                                       \
+                    const T *k = kb + t * j->tok_stride;                                                \
+                    float d = 0.0f;                                                                     \
+                    _Pragma("omp simd reduction(+ : d)")                                                \
+                    for (int64_t x = 0; x < D; x++) d += qr[x] * LD(k, x);                              \
+                    s[t] = d * j->scale;                                                                \
+                    mb = fmaxf(mb, s[t]);                                                               \
+                }                                                                                       \
+                const float mn = fmaxf(m[r], mb), corr = expf(m[r] - mn);                               \
+                l[r] *= corr;                                                                           \
+                _Pragma("omp simd")                                                                     \
+                for (int64_t x = 0; x < D; x++) ar[x] *= corr;                                          \
+                for (int64_t t = 0; t < n; t++) {                                                       \
+                    const float p = expf(s[t] - mn);                                                    \
+                    const T *v = vb + t * j->tok_stride;                                                \
+                    l[r] += p;                                                                          \
+                    _Pragma("omp simd")                                                                 \
+                    for (int64_t x = 0; x < D; x++) ar[x] += p * LD(v, x);                              \
+                }                                                                                       \
+                m[r] = mn;                                                                              \
+            }                                                                                           \
+            pos += n;                                                                                   \
+        }                                                                                               \
+    }
+
+ONE_HEAD(one_head_f32, float, ld_f32)
+ONE_HEAD(one_head_bf16, uint16_t, ld_bf16)
 
 /* Item i covers kv heads [kh0, kh0 + heads_per_item) of one request. */
 static void one_item(const job_t *j, int64_t item) {
@@ -73,7 +94,8 @@ static void one_item(const job_t *j, int64_t item) {
             l[r] = 0.0f;
         }
         for (int64_t x = 0; x < g * D; x++) acc[x] = 0.0f;
-        one_head(j, b, kh, acc, m, l);
+        if (j->bf16) one_head_bf16(j, b, kh, acc, m, l);
+        else one_head_f32(j, b, kh, acc, m, l);
         float *o = j->out + (b * j->H + kh * g) * D;
         for (int64_t r = 0; r < g; r++) {
             const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -88,16 +110,17 @@ static void *worker(void *arg) {
     return 0;
 }
 
-/* Returns 0, or -1 when a thread could not be started (the work is then done by the others). */
-int pdserve_paged_decode_f32(const float *q, const float *kv, const int64_t *table, int64_t table_stride,
-                             const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H,
-                             int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t v_off,
-                             int64_t tok_stride, int64_t head_stride, float scale, int threads) {
+/* Returns 0, or -1 when a thread could not be started (the work is then done by the others).
+ * `kv` holds float32 elements when bf16 == 0, bfloat16 ones otherwise; strides are in elements. */
+int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
+                         const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H,
+                         int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t v_off,
+                         int64_t tok_stride, int64_t head_stride, float scale, int threads) {
     /* whole requests when there are enough to share out (each page is then read once for all
        its heads), else one kv head per item so a small batch still uses every thread */
     const int64_t per = B >= 2 * threads ? Hkv : 1;
     job_t j = {q, kv, table, lo, hi, out, H, Hkv, D, P, table_stride, page_stride, v_off, tok_stride,
-               head_stride, per, B * (Hkv / per), scale, 0};
+               head_stride, per, B * (Hkv / per), scale, 0, bf16};
     pthread_t tid[64];
     int started = 0, rc = 0;
     if (threads > 64) threads = 64;

@@ -1,9 +1,11 @@
 """The C CPU kernels (``cpu_decode_attention.c``): compiled once per machine, loaded with ctypes.
 
-``paged_decode_f32`` is the CPU decode attention of ``engine.attention.CpuBackend``: it reads each
+``paged_decode`` is the CPU decode attention of ``engine.attention.CpuBackend``: it reads each
 request's keys in place from the paged pool, where the torch path gathers every request's pages
 padded to the longest request and runs SDPA on the copy (at batch 32 and 300-token contexts that
 path spent ~250 ms per step of SmolLM2 in attention, the kernel ~40 ms; ``pdserve bench engine``).
+It reads float32 and bfloat16 pools (bfloat16 keys are widened as they are read; the query, the sums
+and the output are float32).
 
 Build: ``cc -O3 -march=native -fopenmp-simd -shared`` (no OpenMP runtime: the kernel starts its own
 pthreads, so it never fights torch's OpenMP pool) into ``$PDSERVE_KERNEL_CACHE`` (default
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 MAX_HEAD_DIM = 1024
-_I64, _F32P = ctypes.c_int64, ctypes.c_void_p
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def cache_dir() -> Path:
@@ -78,15 +81,16 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("could not build the CPU kernels (%s): CPU decode attention stays on the torch path", detail)
         return None
-    fn = lib.pdserve_paged_decode_f32
-    fn.argtypes = [_F32P, _F32P, _F32P, _I64, _F32P, _F32P, _F32P, *([_I64] * 9), ctypes.c_float, ctypes.c_int]
+    fn = lib.pdserve_paged_decode
+    fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *([_I64] * 9), ctypes.c_float,
+                   ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
 
 def supports(pool_buffer: torch.Tensor) -> bool:
-    """True iff ``paged_decode_f32`` can read this ``[pages, layers, 2, P, heads, dim]`` pool."""
-    return (pool_buffer.device.type == "cpu" and pool_buffer.dtype == torch.float32
+    """True iff ``paged_decode`` can read this ``[pages, layers, 2, P, heads, dim]`` pool."""
+    return (pool_buffer.device.type == "cpu" and pool_buffer.dtype in DTYPES
             and pool_buffer.stride(-1) == 1 and pool_buffer.shape[-1] <= MAX_HEAD_DIM and load() is not None)
 
 
@@ -103,20 +107,22 @@ def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:
     return max(1, min(available, keys * heads * head_dim // WORK_PER_THREAD))
 
 
-def paged_decode_f32(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
-                     lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
+def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
+                 lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over keys ``[lo[b], hi[b])`` of request b in ``layer`` of
     the pool; ``table`` ``[B, W]`` int64 maps ``pos // P`` to a page (only entries of pages in the
     range are read); ``lo``/``hi`` int64 ``[B]``. Returns ``[B, H, D]`` float32 (zeros for an empty
-    range). Caller guarantees ``supports(pool_buffer)``, contiguous int64 indices and in-range pages."""
+    range). ``q`` may be any float dtype (it is read as float32). Caller guarantees
+    ``supports(pool_buffer)``, contiguous int64 indices and in-range pages."""
     lib = load()
     B, H, D = q.shape
     _, _, _, P, Hkv, _ = pool_buffer.shape
-    q = q.contiguous()
+    q = q.float().contiguous()
     out = torch.empty_like(q)
     s = pool_buffer.stride()
     base = pool_buffer.data_ptr() + layer * s[1] * pool_buffer.element_size()
-    lib.pdserve_paged_decode_f32(q.data_ptr(), base, table.data_ptr(), table.stride(0), lo.data_ptr(),
+    bf16 = int(pool_buffer.dtype == torch.bfloat16)
+    lib.pdserve_paged_decode(q.data_ptr(), base, bf16, table.data_ptr(), table.stride(0), lo.data_ptr(),
                                  hi.data_ptr(), out.data_ptr(), B, H, Hkv, D, P, s[0], s[2], s[3], s[4],
                                  float(scale), int(threads))
     return out
