@@ -246,3 +246,16 @@ def test_tokenize_needs_the_api_key(make_client):
     assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
     ok = client.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer k"})
     assert ok.status_code == 200 and client.get("/version").status_code == 200
+
+
+def test_tokenizer_exports_a_folder_transformers_loads(tokenizer, tmp_path):
+    """guidellm and aiperf count tokens with transformers' AutoTokenizer; the exported folder gives
+    them the served model's exact tokenizer and chat template, offline."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer.save_hf_folder(tmp_path / "tok"))
+    text = "Hello world, the capital of France is Paris. Ünïcödé ✓"
+    assert hf(text)["input_ids"] == tokenizer.encode(text, add_special_tokens=True)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == tokenizer.apply_chat_template(msgs)
+    assert hf.eos_token_id in tokenizer.eos_token_ids
