@@ -5,7 +5,8 @@ that came with it, and the finish reason on the last one). When a stop string ma
 is cut before it, its finish reason is "stop", and the session is closed (which aborts the
 request in the worker). A stop token the worker ended on (``TokenDelta.stop_token_id``: EOS or a
 ``stop_token_ids`` id) is a generated token of the choice (ids, logprobs, usage), as in vLLM, but
-its text is not part of the output unless ``include_stop``. ``merge()`` interleaves the pieces of several choices for streaming.
+its text is not part of the output unless ``include_stop``. ``merge()`` interleaves the pieces of
+several choices for streaming.
 """
 from __future__ import annotations
 

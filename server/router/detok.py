@@ -56,6 +56,7 @@ class TextStream:
     def _find_stop(self) -> int | None:
         """Where the text ends at the earliest stop string at or after the released text: its start,
         or its end with ``include_stop`` (see module doc)."""
-        hits = [(i, i + len(s) if self._include else i) for s in self._stops if (i := self.text.find(s, self.sent)) >= 0]
+        hits = [(i, i + len(s) if self._include else i)
+                for s in self._stops if (i := self.text.find(s, self.sent)) >= 0]
         return min(hits)[1] if hits else None
 
