@@ -34,7 +34,7 @@ def render_text(ctx: RouterContext, req) -> str:
     extra = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {})}
     try:
         text = ctx.tokenizer.apply_chat_template(messages, req.add_generation_prompt, extra)
-    except (ValueError, TypeError) as e:  # chat_template_kwargs can break a template in many ways
+    except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as e:  # bad template kwargs
         raise APIError(400, str(e), param="messages") from None
     if req.continue_final_message:  # cut what the template writes after the last message's content
         last = messages[-1]["content"]
