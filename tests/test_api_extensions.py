@@ -259,3 +259,10 @@ def test_tokenizer_exports_a_folder_transformers_loads(tokenizer, tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == tokenizer.apply_chat_template(msgs)
     assert hf.eos_token_id in tokenizer.eos_token_ids
+
+
+def test_n_null_means_one(make_client):
+    client, _, _ = make_client()
+    assert completion(client, n=None).status_code == 200
+    r = completion(client, n=3)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "(planned)" in r.json()["error"]["message"]

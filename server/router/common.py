@@ -20,8 +20,8 @@ def check_common(ctx: RouterContext, req: SamplingFields) -> None:
     if req.model is not None and req.model != ctx.model_name:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
-    if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: this server returns exactly one choice per prompt (n=1)",
+    if req.n not in (None, 1):
+        raise APIError(400, f"n={req.n} is not supported (planned): this server returns one choice per prompt (n=1)",
                        param="n")
     check_logit_bias(req.logit_bias, ctx.tokenizer.vocab_size)
     if req.stream_options is not None and not req.stream:

@@ -42,7 +42,7 @@ class SamplingFields(_Strict):
     """Fields shared by completions and chat completions. ``None`` means the OpenAI default."""
 
     model: str | None = None
-    n: int = 1
+    n: int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

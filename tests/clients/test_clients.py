@@ -25,9 +25,10 @@ MODES = {"pd": ("--kv-pool-tokens", "4096"), "colocated": ("--kv-pool-tokens", "
 
 
 def client_env() -> dict[str, str]:
-    """The clients' environment: offline for the Hugging Face hub, no proxy for loopback."""
+    """The clients' environment: no proxy for loopback. (Not HF_HUB_OFFLINE: in offline mode aiperf
+    looks a tokenizer up in the hub cache by repo id and refuses a local folder.)"""
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    return {**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1,localhost"}
+    return {**env, "NO_PROXY": "127.0.0.1,localhost"}
 
 
 def run_client(argv: list[str], log: Path) -> None:
