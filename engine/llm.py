@@ -29,6 +29,7 @@ class GenerationResult:
     finish_reason: str
     error: str | None = None
     logprobs: list[float | None] | None = None
+    stop_token_id: int | None = None  # the EOS / stop_token_ids id that ended it (not in token_ids)
 
 
 class LLM:
@@ -60,7 +61,8 @@ class LLM:
         for p, sp, out in zip(prompts, plist, run_batch(self.scheduler, prompts, plist)):
             results.append(GenerationResult(p, out.token_ids, self.tokenizer.decode(out.token_ids),
                                             out.finish_reason, out.error,
-                                            out.logprobs if sp.logprobs is not None else None))
+                                            out.logprobs if sp.logprobs is not None else None,
+                                            out.stop_token_id))
         return results
 
     def generate(self, prompts: list[str], params: SamplingParams, chat: bool = False) -> list[GenerationResult]:
@@ -91,4 +93,5 @@ def run_batch(scheduler, prompts: list[list[int]], params: list[SamplingParams])
             m.cached_tokens = max(m.cached_tokens, d.cached_tokens)
             if d.finish_reason:
                 m.finish_reason, m.error, m.error_status = d.finish_reason, d.error, d.error_status
+                m.stop_token_id = d.stop_token_id
     return [merged[r] for r in rids]

@@ -79,18 +79,34 @@ class Tokenizer:
         """Vocabulary string of ``token_id`` (byte-level form) or None."""
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def save_hf_folder(self, folder: str | Path) -> Path:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (BOS/EOS, chat template) into
+        ``folder`` so that transformers' ``AutoTokenizer`` loads this tokenizer offline (tools
+        such as guidellm and aiperf count tokens with it). Returns ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(folder / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self.chat_template,
+                  "bos_token": self._token_text(self.bos_token_id) or None,
+                  "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None) or None,
+                  "add_bos_token": self.add_bos}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        return folder
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            extra: dict[str, Any] | None = None) -> str:
         """Render ``messages`` (``{"role", "content"}`` dicts) with the model's Jinja chat
-        template in a sandbox. Raises ``ValueError`` if the model has no template or the
+        template in a sandbox; ``extra`` adds template variables (e.g. ``documents``), never
+        replacing the ones set here. Raises ``ValueError`` if the model has no template or the
         template raises."""
         from jinja2.exceptions import TemplateError
 
         try:
-            return self._compiled_template().render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text(self.bos_token_id),
-                eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
-            )
+            return self._compiled_template().render({
+                **(extra or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "bos_token": self._token_text(self.bos_token_id),
+                "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            })
         except TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
 

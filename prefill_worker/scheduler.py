@@ -181,8 +181,8 @@ class PrefillScheduler(WorkerScheduler):
         lp = req.params.logprobs is not None
         return TransferManifest(rid=req.rid, room=job.room, generation=job.generation, n_tokens=req.kv_len,
                                 n_pages=0, first_token=req.output_ids[-1],
-                                first_logprob=delta.logprobs[0] if lp and delta.logprobs else None,
-                                first_top_logprobs=delta.top_logprobs[0] if lp and delta.top_logprobs else None)
+                                first_logprob=(delta.logprobs or [delta.stop_logprob])[0] if lp else None,
+                                first_top_logprobs=(delta.top_logprobs or [delta.stop_top_logprobs])[0] if lp else None)
 
     def _start_transfers(self) -> Outbox:
         out = Outbox()

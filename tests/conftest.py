@@ -195,3 +195,9 @@ def launched_server_per_test() -> Iterator[ServerFactory]:
         yield factory
     finally:
         factory.close()
+
+
+def strip_eos(ids: list[int], eos_token_ids) -> list[int]:
+    """API ``token_ids`` without the EOS that ended the generation: the API returns and counts it,
+    as vLLM does, while engine references (``LLM.generate_ids``, transformers minus EOS) leave it out."""
+    return list(ids[:-1]) if ids and ids[-1] in eos_token_ids else list(ids)

@@ -28,8 +28,8 @@ def operation(url: str, path: str):
     return next(r.ok() for r in schema.get_all_operations() if r.ok().path == path)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_generation_routes_never_answer_5xx(server, path):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_routes_never_answer_5xx(server, path):
     # schemathesis's pytest plugin does not load under this pytest; its strategies drive hypothesis directly
     @given(case=operation(server.url, path).as_strategy())
     @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None,

@@ -79,6 +79,13 @@ def model(client):
     return client.models.list().data[0].id
 
 
+def output_ids(ref: dict) -> list[int]:
+    """The reference's tokens as the API returns and counts them: with the stop token (EOS) that
+    ended it, as vLLM counts it (``pdserve generate`` leaves it out of ``token_ids``)."""
+    stop = ref.get("stop_token_id")
+    return ref["token_ids"] + ([stop] if stop is not None else [])
+
+
 def fresh(url: str) -> dict:
     return fresh_metrics(url, HEARTBEAT_S)
 
@@ -99,10 +106,10 @@ def test_completion_matches_generate(client, model, refs):
     r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                   extra_body={"return_token_ids": True})
     c = r.choices[0]
-    assert c.token_ids == ref["token_ids"] and c.prompt_token_ids == ref["prompt_token_ids"]
+    assert c.token_ids == output_ids(ref) and c.prompt_token_ids == ref["prompt_token_ids"]
     assert c.text == ref["text"] and c.finish_reason == ref["finish_reason"]
     assert r.usage.prompt_tokens == len(ref["prompt_token_ids"])
-    assert r.usage.completion_tokens == len(ref["token_ids"])
+    assert r.usage.completion_tokens == len(output_ids(ref))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
@@ -126,7 +133,7 @@ def test_completion_stream_matches_generate(client, model, refs):
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref["finish_reason"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(output_ids(ref))
 
 
 def test_batch_of_prompts_and_token_ids(client, model, refs, tokenizer):
@@ -163,14 +170,16 @@ def test_stop_string_cuts_text_and_frees_kv(url, client, model, refs):
     idle(url)
 
 
-def test_chat_matches_generate(client, model, refs):
+def test_chat_matches_generate(client, model, refs, tokenizer):
     ref = refs[CHAT_QUESTION]
     messages = [{"role": "user", "content": CHAT_QUESTION}]
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body={"return_token_ids": True})
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content == ref["text"]
-    assert c.token_ids == ref["token_ids"] and c.finish_reason == ref["finish_reason"]
+    assert c.token_ids == output_ids(ref) and c.finish_reason == ref["finish_reason"]
+    assert ref["finish_reason"] == "stop" and c.token_ids[-1] in tokenizer.eos_token_ids  # ends on EOS: counted
+    assert r.usage.completion_tokens == len(ref["token_ids"]) + 1
     assert r.usage.prompt_tokens == len(ref["prompt_token_ids"])
 
 
@@ -184,7 +193,7 @@ def test_chat_stream(client, model, refs):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref["text"]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [ref["finish_reason"]] and chunks[-2].choices[0].delta.content is None
-    assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+    assert chunks[-1].usage.completion_tokens == len(output_ids(ref))
 
 
 def test_disconnect_mid_stream_frees_kv(url, model):
@@ -236,8 +245,7 @@ def test_32_concurrent_streams_with_retraction(url, model, refs, tokenizer):
              for k in ("pdserve_retractions_total", "pdserve_generation_tokens_total", "pdserve_oom_aborts_total")}
     assert delta["pdserve_retractions_total"] > 0
     assert delta["pdserve_oom_aborts_total"] == 0
-    # the worker also counts each sampled EOS token, which a "stop" finish does not return
-    expected = sum(used for _, _, used in results) + sum(finish == "stop" for _, finish, _ in results)
+    expected = sum(used for _, _, used in results)  # usage counts a sampled EOS, as the worker does
     assert delta["pdserve_generation_tokens_total"] == expected
     assert metric_sum(m, "pdserve_requests_total", status="200") >= 32
     assert metric_sum(m, "pdserve_inflight_requests") == 0

@@ -60,15 +60,21 @@ class FakeWorker:
             self.on_tokens(self.spec.worker_id, TokenDelta.failed(rid, msg, status))
             return
         ids = [t for p in PIECES for t in self.tok.encode(p)][:params.max_new_tokens]
+        eos = self.mode.get("eos")  # end on this stop token (as a worker does) instead of a text token
         for i, t in enumerate(ids):
             await asyncio.sleep(0.001)
             if rid in self.aborted:
                 return
-            last = i == len(ids) - 1
+            last = i == len(ids) - 1 and eos is None
             finish = ("stop" if len(ids) < params.max_new_tokens else "length") if last else None
-            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[-0.5], top_logprobs=[[(t, -0.5)]],
+            top = [(t, -0.5), (t + 1, -1.5)][:params.logprobs] if params.logprobs is not None else None
+            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[-0.5], top_logprobs=[top],
                                finish_reason=finish, prompt_tokens=n_prompt)
             self.on_tokens(self.spec.worker_id, delta)
+        if eos is not None:
+            self.on_tokens(self.spec.worker_id, TokenDelta(rid=rid, finish_reason="stop", prompt_tokens=n_prompt,
+                                                           stop_token_id=eos, stop_logprob=-0.25,
+                                                           stop_top_logprobs=[(eos, -0.25)]))
 
 
 @pytest.fixture

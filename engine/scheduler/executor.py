@@ -2,7 +2,8 @@
 
 Shared by the colocated, prefill and decode workers so every mode samples and finishes requests
 the same way. Each sampled token yields one ``TokenDelta`` (empty ids when the token is the stop
-token itself, which is not part of the output); a request that finished has ``finished`` set.
+token itself, which is not part of the output text: it travels in ``stop_token_id`` with its
+logprobs, for usage and logprobs as vLLM counts them); a request that finished has ``finished`` set.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def token_delta(req: Request, tok: int, logprob: float | None, top: list | None,
         req.finish(reason)
         delta.finish_reason = reason
         if reason == FinishReason.STOP:
+            delta.stop_token_id, delta.stop_logprob, delta.stop_top_logprobs = tok, logprob, top
             delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
     return delta
 

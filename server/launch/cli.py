@@ -42,7 +42,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for r in llm.generate(args.prompt, params, chat=args.chat):
         if args.json:
             print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids,
-                              "text": r.text, "finish_reason": r.finish_reason,
+                              "text": r.text, "finish_reason": r.finish_reason, "stop_token_id": r.stop_token_id,
                               **({"error": r.error} if r.error else {})}), flush=True)
         else:
             print(r.text if not r.error else f"[error] {r.error}", flush=True)

@@ -1,7 +1,8 @@
 """The router's FastAPI app: OpenAI-compatible endpoints, health and metrics.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
-``Authorization: Bearer <api_key>`` when an API key is configured), and ``GET /health``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, vLLM's
+``POST /tokenize`` and ``POST /detokenize`` (these need ``Authorization: Bearer <api_key>`` when
+an API key is configured; ``server/router/tokenize.py``), ``GET /version``, and ``GET /health``,
 ``GET /metrics`` (always open, so load balancers and Prometheus need no secret; they expose no
 request content), and the live dashboard ``GET /dashboard`` whose data, ``GET /dashboard/data``,
 needs the API key like ``/v1/*`` (``server/router/dashboard.py``), and ``POST /admin/drain`` (API key
@@ -29,6 +30,7 @@ from configs.schema import PdserveConfig
 from engine.tokenizer import Tokenizer
 from server.router.admin import add_admin_routes
 from server.router.chat import create_chat_completion
+from server.router.common import served_max_model_len
 from server.router.completions import create_completion
 from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits
 from server.router.context import RouterContext
@@ -41,6 +43,7 @@ from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream
+from server.router.tokenize import add_tokenize_routes
 from server.router.worker_client import WorkerClient
 from transfer.wire.enums import Role
 from transfer.control_auth import ControlAuth
@@ -125,8 +128,7 @@ def _add_routes(app: FastAPI, ctx: RouterContext) -> None:
         """The one served model (API key required when configured)."""
         check_api_key(request, ctx.cfg.server.api_key)
         card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "max_model_len": min((h.stats.max_model_len for h in ctx.registry.handles.values() if h.stats),
-                                     default=None)}
+                "max_model_len": served_max_model_len(ctx)}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
@@ -201,5 +203,6 @@ def create_app(ctx: RouterContext) -> FastAPI:
     _add_routes(app, ctx)
     add_dashboard_routes(app, ctx)
     add_admin_routes(app, ctx)
+    add_tokenize_routes(app, ctx, _version())
     _add_error_handlers(app)
     return app

@@ -2,7 +2,10 @@
 
 Streaming sends, per choice, a role delta first (``{"role": "assistant", "content": ""}``), then
 content deltas, then a chunk with an empty delta and the finish reason, then (with
-``stream_options.include_usage``) one chunk with ``usage`` and no choices.
+``stream_options.include_usage``) one chunk with ``usage`` and no choices. vLLM's template
+extensions are honoured: ``add_generation_prompt``, ``continue_final_message`` (the reply continues
+the last message), ``documents`` and ``chat_template_kwargs`` (template variables), and ``echo``
+(the reply starts with the last message's content when that message is the assistant's).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from starlette.responses import Response
 
 from server.router.choices import ChoiceRun, Piece
 from server.router.common import (check_common, check_max_tokens, new_run, now_s, response_id, sampling_params,
-                                  usage)
+                                  stream_usage, token_label, truncate_prompt, usage)
 from server.router.context import RouterContext
 from server.router.errors import APIError
 from server.router.http_util import parse_model
@@ -21,13 +24,31 @@ from server.router.openai_schemas import ChatCompletionRequest
 from server.router.serving import serve_choices
 
 
-def render_prompt(ctx: RouterContext, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the messages rendered with the chat template (400 if the template fails)."""
+def render_text(ctx: RouterContext, req) -> str:
+    """The messages of ``req`` (a chat or chat-tokenize request) rendered with the chat template;
+    400 ``APIError`` if the template fails or the options contradict each other."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
+                       "add_generation_prompt to false to continue the last message", param="continue_final_message")
+    messages = [m.as_template_dict() for m in req.messages]
+    extra = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {})}
     try:
-        text = ctx.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-    except ValueError as e:
+        text = ctx.tokenizer.apply_chat_template(messages, req.add_generation_prompt, extra)
+    except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as e:  # bad template kwargs
         raise APIError(400, str(e), param="messages") from None
-    return ctx.tokenizer.encode(text)
+    if req.continue_final_message:  # cut what the template writes after the last message's content
+        last = messages[-1]["content"]
+        at = text.rfind(last) if last else -1
+        if at < 0:
+            raise APIError(400, "continue_final_message: the last message's content was not found in the "
+                           "rendered prompt", param="continue_final_message")
+        text = text[:at + len(last)]
+    return text
+
+
+def render_prompt(ctx: RouterContext, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of the rendered messages (special tokens added only if ``add_special_tokens``)."""
+    return ctx.tokenizer.encode(render_text(ctx, req), add_special_tokens=req.add_special_tokens)
 
 
 def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -51,8 +72,10 @@ async def create_chat_completion(ctx: RouterContext, request: Request, body: byt
     check_common(ctx, req)
     max_tokens, name = _max_tokens(req)
     params = sampling_params(req, max_tokens, _logprobs(req), name)
-    run = new_run(ctx, 0, render_prompt(ctx, req), params, req, max_tokens is None, arrival)
-    return await serve_choices(ctx, request, [run], req.stream, ChatFormat(ctx, req), priority=req.priority)
+    run = new_run(ctx, 0, truncate_prompt(ctx, render_prompt(ctx, req), req), params, req, max_tokens is None,
+                  arrival)
+    return await serve_choices(ctx, request, [run], req.stream, ChatFormat(ctx, req), stream_usage(req)[0],
+                              priority=req.priority)
 
 
 class ChatFormat:
@@ -60,14 +83,16 @@ class ChatFormat:
 
     def __init__(self, ctx: RouterContext, req: ChatCompletionRequest) -> None:
         self.ctx, self.req = ctx, req
-        self.id, self.created = response_id("chatcmpl"), now_s()
+        self.id, self.created = response_id("chatcmpl", req.request_id), now_s()
+        last = req.messages[-1]
+        self.echo = last.as_template_dict()["content"] if req.echo and last.role == "assistant" else ""
 
     def _base(self, choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name,
                 "choices": choices}
 
     def _entry(self, token_id: int, logprob: float | None) -> dict:
-        text = self.ctx.tokenizer.decode([token_id])
+        text = token_label(self.ctx.tokenizer, token_id, self.req.return_tokens_as_token_ids)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def _logprobs(self, ids, logprobs, tops) -> dict | None:
@@ -82,7 +107,7 @@ class ChatFormat:
         """The complete ``chat.completion`` response."""
         choices = []
         for r in runs:
-            c = {"index": r.index, "message": {"role": "assistant", "content": r.text},
+            c = {"index": r.index, "message": {"role": "assistant", "content": self.echo + r.text},
                  "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": r.finish_reason}
             if self.req.return_token_ids:
                 c.update(prompt_token_ids=r.session.prompt_ids, token_ids=r.token_ids)
@@ -98,6 +123,9 @@ class ChatFormat:
             if self.req.return_token_ids:
                 c["prompt_token_ids"] = r.session.prompt_ids
             out.append(self._base([c]))
+            if self.echo:
+                out.append(self._base([{"index": r.index, "delta": {"content": self.echo}, "logprobs": None,
+                                        "finish_reason": None}]))
         return out
 
     def chunks(self, run: ChoiceRun, piece: Piece) -> list[dict]:
@@ -117,6 +145,6 @@ class ChatFormat:
 
     def closing(self, runs: list[ChoiceRun]) -> list[dict]:
         """The usage chunk when ``stream_options.include_usage``."""
-        if self.req.stream_options is None or not self.req.stream_options.include_usage:
+        if not stream_usage(self.req)[1]:
             return []
         return [{**self._base([]), "usage": usage(runs)}]

@@ -3,7 +3,10 @@
 ``ChoiceRun.step()`` returns the next ``Piece`` (text released so far, the token ids and logprobs
 that came with it, and the finish reason on the last one). When a stop string matches, the piece
 is cut before it, its finish reason is "stop", and the session is closed (which aborts the
-request in the worker). ``merge()`` interleaves the pieces of several choices for streaming.
+request in the worker). A stop token the worker ended on (``TokenDelta.stop_token_id``: EOS or a
+``stop_token_ids`` id) is a generated token of the choice (ids, logprobs, usage), as in vLLM, but
+its text is not part of the output unless ``include_stop``. ``merge()`` interleaves the pieces of
+several choices for streaming.
 """
 from __future__ import annotations
 
@@ -31,11 +34,12 @@ class ChoiceRun:
     """Drive ``session`` to the end, accumulating the choice's tokens, logprobs and text."""
 
     def __init__(self, index: int, session: GenerationSession, tokenizer: Tokenizer, stop: Iterable[str] = (),
-                 skip_special_tokens: bool = True, prompt_text: str | None = None) -> None:
+                 skip_special_tokens: bool = True, prompt_text: str | None = None, include_stop: bool = False) -> None:
         self.index = index
         self.session = session
         self.prompt_text = prompt_text
-        self.stream = TextStream(tokenizer, stop, skip_special_tokens)
+        self.include_stop = include_stop
+        self.stream = TextStream(tokenizer, stop, skip_special_tokens, include_stop)
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[list[tuple[int, float]] | None] = []
@@ -55,11 +59,17 @@ class ChoiceRun:
     async def step(self) -> Piece:
         """The next piece; raises ``APIError`` from the session. Do not call once ``done``."""
         delta = await self.session.next()
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs
-        self.top_logprobs += delta.top_logprobs
-        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         text = self.stream.push(delta.token_ids)
+        ids, logprobs, tops = delta.token_ids, delta.logprobs, delta.top_logprobs
+        if delta.stop_token_id is not None:
+            ids, logprobs, tops = ids + [delta.stop_token_id], logprobs + [delta.stop_logprob], \
+                tops + [delta.stop_top_logprobs]
+            if self.include_stop:
+                text += self.stream.push([delta.stop_token_id])
+        self.token_ids += ids
+        self.logprobs += logprobs
+        self.top_logprobs += tops
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         finish = delta.finish_reason
         if self.stream.stopped:
             finish = "stop"
@@ -67,7 +77,7 @@ class ChoiceRun:
         elif finish:
             text += self.stream.finish()
         self.finish_reason = finish
-        return Piece(text, delta.token_ids, delta.logprobs, delta.top_logprobs, finish)
+        return Piece(text, ids, logprobs, tops, finish)
 
     async def collect(self) -> None:
         """Run to the end (non-streaming)."""

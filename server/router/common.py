@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from server.router.choices import ChoiceRun
 from server.router.context import RouterContext
 from server.router.errors import APIError, from_validation_error
+from server.router.extensions import check_extensions
 from server.router.openai_schemas import SamplingFields
 from server.router.session import GenerationSession
 from transfer.wire.sampling_params import SamplingParams
@@ -19,12 +20,42 @@ def check_common(ctx: RouterContext, req: SamplingFields) -> None:
     if req.model is not None and req.model != ctx.model_name:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
-    if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: this server returns exactly one choice per prompt (n=1)",
+    if req.n not in (None, 1):
+        raise APIError(400, f"n={req.n} is not supported (planned): this server returns one choice per prompt (n=1)",
                        param="n")
     check_logit_bias(req.logit_bias, ctx.tokenizer.vocab_size)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
+    check_extensions(req)
+
+
+def served_max_model_len(ctx: RouterContext) -> int | None:
+    """The smallest ``max_model_len`` the workers reported (None before any heartbeat)."""
+    return min((h.stats.max_model_len for h in ctx.registry.handles.values() if h.stats), default=None)
+
+
+def truncate_prompt(ctx: RouterContext, ids: list[int], req: SamplingFields) -> list[int]:
+    """``ids`` cut to ``truncate_prompt_tokens`` (vLLM): the last k tokens (``truncation_side``
+    "left", the default) or the first k ("right"); -1 means the served ``max_model_len``."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 (the context length) or >= 1, got 0",
+                       param="truncate_prompt_tokens")
+    if k == -1:
+        k = served_max_model_len(ctx)
+        if k is None:
+            return ids
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[-k:]
+
+
+def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
+    """(usage in every chunk, a final usage chunk) as ``stream_options`` asks."""
+    opts = req.stream_options
+    return (False, False) if opts is None else (opts.usage_every_chunk, opts.final_usage)
 
 
 def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
@@ -62,7 +93,8 @@ def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: Sampl
                                 timeout_s=timeout_s, auto_max_tokens=auto_max_tokens,
                                 arrival=arrival, retries=ctx.cfg.cluster.fresh_pair_retries,
                                 on_retry=ctx.metrics.retries.inc)
-    return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text)
+    return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text,
+                     include_stop=req.include_stop_str_in_output)
 
 
 def usage(runs: list[ChoiceRun]) -> dict:
@@ -73,9 +105,15 @@ def usage(runs: list[ChoiceRun]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)}}
 
 
-def response_id(prefix: str) -> str:
-    """A new response id such as ``cmpl-<hex>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+def response_id(prefix: str, request_id: str | None = None) -> str:
+    """The response id: ``<prefix>-<request_id>`` when the client sent one (vLLM), else
+    ``<prefix>-<random hex>``."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+def token_label(tokenizer, token_id: int, as_ids: bool | None) -> str:
+    """A token as logprobs show it: its text, or ``token_id:<id>`` with ``return_tokens_as_token_ids``."""
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
 
 
 def now_s() -> int:

@@ -9,17 +9,17 @@ from starlette.responses import Response
 from engine.tokenizer import Tokenizer
 from server.router.choices import ChoiceRun, Piece
 from server.router.common import (check_common, check_max_tokens, new_run, now_s, response_id, sampling_params,
-                                  usage)
+                                  stream_usage, token_label, truncate_prompt, usage)
 from server.router.context import RouterContext
-from server.router.detok import token_texts
 from server.router.errors import APIError
 from server.router.http_util import parse_model
 from server.router.openai_schemas import CompletionRequest
 from server.router.serving import serve_choices
 
 
-def tokenize_prompts(tok: Tokenizer, prompt) -> list[tuple[list[int], str]]:
-    """``(token ids, text)`` per prompt; 400 ``APIError`` for empty prompts or ids out of the vocabulary."""
+def tokenize_prompts(tok: Tokenizer, prompt, add_special_tokens: bool = True) -> list[tuple[list[int], str]]:
+    """``(token ids, text)`` per prompt; 400 ``APIError`` for empty prompts or ids out of the vocabulary.
+    Text prompts get the model's BOS when it wants one, unless ``add_special_tokens`` is False."""
     if isinstance(prompt, str):
         items = [prompt]
     elif not prompt:
@@ -31,7 +31,7 @@ def tokenize_prompts(tok: Tokenizer, prompt) -> list[tuple[list[int], str]]:
     out = []
     for p in items:
         if isinstance(p, str):
-            out.append((tok.encode(p, add_special_tokens=True), p))  # BOS when the model wants one (Gemma)
+            out.append((tok.encode(p, add_special_tokens=add_special_tokens), p))  # BOS if the model wants one
             continue
         bad = [t for t in p if not 0 <= t < tok.vocab_size]
         if bad:
@@ -42,10 +42,6 @@ def tokenize_prompts(tok: Tokenizer, prompt) -> list[tuple[list[int], str]]:
 
 def _check(req: CompletionRequest) -> None:
     check_max_tokens(req.max_tokens, "max_tokens")
-    if req.best_of not in (None, 1):
-        raise APIError(400, f"best_of={req.best_of} is not supported (only 1)", param="best_of")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
@@ -58,10 +54,11 @@ async def create_completion(ctx: RouterContext, request: Request, body: bytes) -
     check_common(ctx, req)
     _check(req)
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    prompts = tokenize_prompts(ctx.tokenizer, req.prompt)
-    runs = [new_run(ctx, i, ids, params, req, req.max_tokens is None, arrival, text)
+    prompts = tokenize_prompts(ctx.tokenizer, req.prompt, req.add_special_tokens)
+    runs = [new_run(ctx, i, truncate_prompt(ctx, ids, req), params, req, req.max_tokens is None, arrival, text)
             for i, (ids, text) in enumerate(prompts)]
-    return await serve_choices(ctx, request, runs, req.stream, CompletionFormat(ctx, req), priority=req.priority)
+    return await serve_choices(ctx, request, runs, req.stream, CompletionFormat(ctx, req), stream_usage(req)[0],
+                              priority=req.priority)
 
 
 class CompletionFormat:
@@ -69,7 +66,7 @@ class CompletionFormat:
 
     def __init__(self, ctx: RouterContext, req: CompletionRequest) -> None:
         self.ctx, self.req = ctx, req
-        self.id, self.created = response_id("cmpl"), now_s()
+        self.id, self.created = response_id("cmpl", req.request_id), now_s()
         self._offsets: dict[int, int] = {}
 
     def _base(self, choices: list[dict]) -> dict:
@@ -79,15 +76,21 @@ class CompletionFormat:
     def _logprobs(self, run: ChoiceRun, ids, logprobs, tops) -> dict | None:
         if self.req.logprobs is None:
             return None
-        texts = token_texts(self.ctx.tokenizer, ids)
+        tok, as_ids = self.ctx.tokenizer, self.req.return_tokens_as_token_ids
+        texts = [tok.decode([i]) for i in ids]
         offsets, pos = [], self._offsets.get(run.index, len(run.prompt_text or "") if self.req.echo else 0)
         for t in texts:
             offsets.append(pos)
             pos += len(t)
         self._offsets[run.index] = pos
-        tok = self.ctx.tokenizer
-        top = [None if alts is None else {tok.decode([i]): lp for i, lp in alts} for alts in tops]
-        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
+        top = []
+        for tid, lp, alts in zip(ids, logprobs, tops):
+            entry = {token_label(tok, tid, as_ids): lp}  # vLLM: the sampled token first, then the top ones
+            for i, v in alts or []:
+                entry.setdefault(token_label(tok, i, as_ids), v)
+            top.append(entry)
+        labels = texts if not as_ids else [token_label(tok, i, True) for i in ids]
+        return {"tokens": labels, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
     def full(self, runs: list[ChoiceRun]) -> dict:
         """The complete response: one choice per prompt, ``usage`` over all."""
@@ -128,6 +131,6 @@ class CompletionFormat:
 
     def closing(self, runs: list[ChoiceRun]) -> list[dict]:
         """The usage chunk when ``stream_options.include_usage``."""
-        if self.req.stream_options is None or not self.req.stream_options.include_usage:
+        if not stream_usage(self.req)[1]:
             return []
         return [{**self._base([]), "usage": usage(runs)}]

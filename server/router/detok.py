@@ -1,9 +1,10 @@
-"""Incremental output text with stop strings, and per-token text for logprobs.
+"""Incremental output text with stop strings.
 
 ``TextStream`` turns streamed token ids into text deltas. Stop strings are matched on the
 detokenized text, across token boundaries: the last ``max(len(stop)) - 1`` characters are held
 back until more text shows they cannot start a stop string (or the stream ends). When a stop
-string appears, the text is cut before it and the stream reports ``stopped``.
+string appears, the text is cut before it (after it with ``include_stop``, vLLM's
+``include_stop_str_in_output``) and the stream reports ``stopped``.
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ class TextStream:
     """Text of one generated sequence, released incrementally.
 
     Contract: the concatenation of every string returned by :meth:`push` and :meth:`finish`
-    equals the full decoded output, cut before the earliest stop string if one occurs. After a
-    stop string is seen (``stopped`` is True) further pushes return ''.
+    equals the full decoded output, cut before the earliest stop string if one occurs (after it
+    with ``include_stop``). After a stop string is seen (``stopped`` is True) further pushes return ''.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         """Start an empty stream; empty stop strings are ignored."""
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._include = include_stop
         self._stops = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self.text = ""
@@ -51,11 +54,9 @@ class TextStream:
         return delta
 
     def _find_stop(self) -> int | None:
-        """Earliest start of a stop string at or after the released text (see module doc)."""
-        hits = [i for s in self._stops if (i := self.text.find(s, self.sent)) >= 0]
-        return min(hits) if hits else None
+        """Where the text ends at the earliest stop string at or after the released text: its start,
+        or its end with ``include_stop`` (see module doc)."""
+        hits = [(i, i + len(s) if self._include else i)
+                for s in self._stops if (i := self.text.find(s, self.sent)) >= 0]
+        return min(hits)[1] if hits else None
 
-
-def token_texts(tokenizer: Tokenizer, ids: Iterable[int]) -> list[str]:
-    """Each token's own decoded text (bytes of a split UTF-8 character show as U+FFFD)."""
-    return [tokenizer.decode([i]) for i in ids]

@@ -37,14 +37,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_model(model: type[M], body: bytes) -> M:
-    """Parse a JSON object body into ``model``; 400 ``APIError`` naming the problem otherwise."""
+def parse_object(body: bytes) -> dict:
+    """A JSON object body as a dict; 400 ``APIError`` if it is not valid JSON or not an object."""
     try:
         data = json.loads(body)
     except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    return data
+
+
+def parse_model(model: type[M], body: bytes | dict) -> M:
+    """Parse a JSON object body (or its ``parse_object`` dict) into ``model``; 400 ``APIError``
+    naming the problem otherwise."""
+    data = body if isinstance(body, dict) else parse_object(body)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types, unknown fields refused).
 
-Only what the server implements is declared; anything else is a 400 naming the field, so a
-sampling option is never silently ignored. Non-standard extensions (as in vLLM): ``top_k``,
-``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and
-``return_token_ids`` (adds ``prompt_token_ids`` / ``token_ids`` to each choice).
+Declared here: OpenAI's fields and vLLM's extensions of them (the names of vLLM's OpenAI server).
+A field declared by neither is a 400 naming it. A declared field is one of three kinds (the
+README's field table lists every one): supported; accepted and ignored (it cannot change the
+output here, e.g. ``metadata``, ``user``); or refused unless it has its default value, with a
+message saying why (``server.router.extensions`` holds those two lists and the checks), so a
+sampling option is never silently dropped.
 """
 from __future__ import annotations
 
@@ -19,16 +21,28 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` and no choices."""
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` and no choices;
+    ``continuous_usage_stats`` (vLLM) adds, with ``include_usage``, the usage so far to every chunk."""
 
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+    @property
+    def final_usage(self) -> bool:
+        """Whether the stream ends with a usage-only chunk."""
+        return bool(self.include_usage)
+
+    @property
+    def usage_every_chunk(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM: only together with ``include_usage``)."""
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class SamplingFields(_Strict):
     """Fields shared by completions and chat completions. ``None`` means the OpenAI default."""
 
     model: str | None = None
-    n: int = 1
+    n: int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -45,11 +59,45 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     logit_bias: dict[str, float] | None = None
+    # vLLM extensions, supported
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    return_tokens_as_token_ids: bool | None = None
+    # accepted and ignored (see server.router.extensions.IGNORED)
     user: str | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="vLLM's extension: under overload a lower value is "
                           "forwarded sooner (within its API key) and shed later")
     timeout: float | None = Field(None, gt=0, description="seconds from arrival after which the request is dropped "
                                   "with 504 (queued or running); the server's request_timeout_s caps it")
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    spaces_between_special_tokens: bool = True
+    length_penalty: float = 1.0
+    session_id: str | None = None
+    stream_interval: int | None = Field(None, ge=1)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    thinking_token_budget: int | None = None
+    # refused unless default (see server.router.extensions.REFUSED)
+    min_tokens: int = 0
+    use_beam_search: bool = False
+    watermarking: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
+    ec_transfer_params: dict | None = None
+    repetition_detection: dict | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logits_processors: list | None = None
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list of non-empty strings."""
@@ -79,6 +127,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: str | list[str] | None = None
 
 
 class TextPart(_Strict):
@@ -89,11 +139,16 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One chat message; ``developer`` is treated as ``system``."""
+    """One chat message; ``developer`` is treated as ``system``. ``refusal`` (an assistant
+    message replayed by a client) is accepted and not rendered; ``tool_calls`` and
+    ``tool_call_id`` are declared so that tool history gets a clear 400 (tools are not served)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def as_template_dict(self) -> dict:
         """``{"role", "content"}`` as the chat template expects (text parts joined)."""
@@ -112,3 +167,48 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict | None = None
+    # accepted and ignored (see server.router.extensions.IGNORED)
+    include_reasoning: bool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    parallel_tool_calls: bool | None = None
+    media_io_kwargs: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    # refused unless default (see server.router.extensions.REFUSED)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    chat_template: str | None = None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    """``POST /tokenize`` with ``messages``, rendered as ``/v1/chat/completions`` would (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

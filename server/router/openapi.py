@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from server.router.openai_schemas import ChatCompletionRequest, CompletionRequest
+from server.router.openai_schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                          TokenizeChatRequest, TokenizeCompletionRequest)
 
 _ERROR = {"description": "OpenAI-shaped error: {error: {message, type, param, code}}",
           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
@@ -27,14 +28,24 @@ def _generation(ref: str, summary: str) -> dict:
                                    "503": _ERROR}}}
 
 
+def _utility(schema: dict, summary: str) -> dict:
+    body = {"required": True, "content": {"application/json": {"schema": schema}}}
+    ok = {"description": summary, "content": {"application/json": {"schema": {"type": "object"}}}}
+    return {"post": {"summary": summary, "requestBody": body,
+                     "responses": {"200": ok, "400": _ERROR, "401": _ERROR, "404": _ERROR, "413": _ERROR}}}
+
+
 def _get(summary: str, codes: tuple[str, ...] = ("200",)) -> dict:
     return {"get": {"summary": summary, "responses": {c: {"description": summary} for c in codes}}}
 
 
 def openapi_document(version: str) -> dict:
     """The OpenAPI 3.1 document of the public routes (the dashboard is left out)."""
-    refs, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
-                                    ref_template="#/components/schemas/{model}")
+    models = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+              DetokenizeRequest]
+    refs, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    tokenize_body = {"oneOf": [refs[(TokenizeCompletionRequest, "validation")],
+                               refs[(TokenizeChatRequest, "validation")]]}
     schemas = {**defs.get("$defs", {}), "ErrorResponse": _ERROR_SCHEMA}
     return {
         "openapi": "3.1.0",
@@ -44,6 +55,9 @@ def openapi_document(version: str) -> dict:
             "/v1/chat/completions": _generation(refs[(ChatCompletionRequest, "validation")]["$ref"],
                                                 "Chat completion"),
             "/v1/models": _get("The served model"),
+            "/tokenize": _utility(tokenize_body, "Token ids of a prompt or of chat messages (vLLM)"),
+            "/detokenize": _utility(refs[(DetokenizeRequest, "validation")], "Text of token ids (vLLM)"),
+            "/version": _get("The server's version (vLLM)"),
             "/health": _get("Readiness of every worker", ("200", "503")),
             "/metrics": _get("Prometheus text exposition"),
         },

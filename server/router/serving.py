@@ -6,7 +6,9 @@ Endpoint-specific JSON shapes come from a ``ResponseFormat``.
 
 Streaming: the first piece of every choice is awaited before the HTTP response starts, so early
 failures (refused by the worker, no worker) still get their proper HTTP status. Errors after that
-are sent as an SSE event ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+are sent as an SSE event ``data: {"error": {...}}`` followed by ``data: [DONE]``. With
+``usage_every_chunk`` (vLLM's ``continuous_usage_stats``) every chunk that has choices also
+carries ``usage`` counted up to and including that chunk.
 """
 from __future__ import annotations
 
@@ -96,16 +98,39 @@ class SessionStream(StreamingResponse):
                 _record_success(self._ctx, self._runs)
 
 
-async def _events(runs: list[ChoiceRun], first: list[Piece], fmt: ResponseFormat, outcome: dict):
+def _usage_so_far(runs: list[ChoiceRun], enabled: bool):
+    """``add(run, piece)`` counts a piece's tokens; ``stamp(chunk)`` adds its choice's usage so far
+    (that choice's prompt and completion tokens, as vLLM's ``continuous_usage_stats``) when
+    ``enabled``, else returns the chunk as it is."""
+    prompt = {r.index: len(r.session.prompt_ids) for r in runs}
+    done = dict.fromkeys(prompt, 0)
+
+    def add(run: ChoiceRun, piece: Piece) -> None:
+        done[run.index] += len(piece.ids)
+
+    def stamp(chunk: dict) -> dict:
+        if not enabled or not chunk["choices"]:
+            return chunk
+        i = chunk["choices"][0]["index"]
+        return {**chunk, "usage": {"prompt_tokens": prompt[i], "completion_tokens": done[i],
+                                   "total_tokens": prompt[i] + done[i]}}
+    return add, stamp
+
+
+async def _events(runs: list[ChoiceRun], first: list[Piece], fmt: ResponseFormat, outcome: dict,
+                  usage_every_chunk: bool):
+    add, stamp = _usage_so_far(runs, usage_every_chunk)
     try:
         for c in fmt.opening(runs):
-            yield sse(c)
+            yield sse(stamp(c))
         for run, piece in zip(runs, first):
+            add(run, piece)
             for c in fmt.chunks(run, piece):
-                yield sse(c)
+                yield sse(stamp(c))
         async for run, piece in merge(runs):
+            add(run, piece)
             for c in fmt.chunks(run, piece):
-                yield sse(c)
+                yield sse(stamp(c))
         for c in fmt.closing(runs):
             yield sse(c)
         outcome["status"] = 200
@@ -151,7 +176,8 @@ async def admit(ctx: RouterContext, request: Request, demand: Demand) -> Grant:
 
 
 async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool,
-                        fmt: ResponseFormat, *, priority: int = 0) -> Response:
+                        fmt: ResponseFormat, usage_every_chunk: bool = False, *,
+                        priority: int = 0) -> Response:
     """Pass admission (``ctx.admission``), run ``runs`` and answer. Raises ``APIError`` for failures
     before any byte is sent (429/504 from admission included: nothing reached a worker then).
 
@@ -191,4 +217,4 @@ async def _serve(ctx: RouterContext, request: Request, runs: list[ChoiceRun], st
         if not stream:
             _close_all(runs, "request ended")
     outcome = {"status": CLIENT_GONE}
-    return SessionStream(_events(runs, first, fmt, outcome), ctx, runs, outcome, grant)
+    return SessionStream(_events(runs, first, fmt, outcome, usage_every_chunk), ctx, runs, outcome, grant)

@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 5  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
+# 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 
 
 class ProtocolError(ValueError):
@@ -172,7 +173,11 @@ class TokenDelta(BaseModel):
 
     ``finish_reason`` is set on the request's last delta: "stop", "length" or "abort"; an abort
     carries ``error`` (a message for the client) and ``error_status`` (the HTTP status to answer
-    with). On the wire ``token_ids`` travel in the batch's int32 frame, not in the JSON header.
+    with). ``stop_token_id`` (with ``stop_logprob`` / ``stop_top_logprobs`` when logprobs were asked
+    for) is the stop token (EOS or a ``stop_token_ids`` id) that finished the request: not in
+    ``token_ids`` (it is not text), but the router counts and shows it as vLLM does (usage,
+    ``token_ids``, logprobs). On the wire ``token_ids`` travel in the batch's int32 frame, not in
+    the JSON header.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -181,6 +186,9 @@ class TokenDelta(BaseModel):
     logprobs: list[float | None] = []
     top_logprobs: list[list[tuple[int, float]] | None] = []
     finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    stop_logprob: float | None = None
+    stop_top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     error_status: int | None = None
     prompt_tokens: int = 0

@@ -1,0 +1,114 @@
+"""The official ``openai`` client through every row of the README's request-field table, against a
+real launched colocated server: each supported or ignored field is sent (with what it needs beside
+it) and answered 200; each refused one, sent with a non-default value, gets a 400 whose message
+and ``param`` name it. A row added to the table without a value here fails the test."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.process
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+ASSISTANT_LAST = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+
+# field -> the request fields to send for it (the field itself and what it needs beside it)
+ACCEPTED = {
+    "model": {}, "prompt": {}, "messages": {}, "max_tokens": {"max_tokens": 3},
+    "max_completion_tokens": {"max_completion_tokens": 3}, "stream": {"stream": True},
+    "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
+    "stream_options.include_usage": {"stream": True, "stream_options": {"include_usage": True}},
+    "stream_options.continuous_usage_stats": {"stream": True, "stream_options": {"include_usage": True,
+                                                                                   "continuous_usage_stats": True}},
+    "temperature": {"temperature": 0.5}, "top_p": {"top_p": 0.9}, "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1},
+    "seed": {"seed": 3, "temperature": 1.0}, "presence_penalty": {"presence_penalty": 0.5},
+    "frequency_penalty": {"frequency_penalty": 0.5}, "repetition_penalty": {"repetition_penalty": 1.1},
+    "logit_bias": {"logit_bias": {"1234": 1.0}}, "stop": {"stop": ["\n"]}, "stop_token_ids": {"stop_token_ids": [13]},
+    "include_stop_str_in_output": {"stop": [" "], "include_stop_str_in_output": True},
+    "ignore_eos": {"ignore_eos": True}, "skip_special_tokens": {"skip_special_tokens": False},
+    "logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2}, "echo": {"echo": True},
+    "return_token_ids": {"return_token_ids": True},
+    "return_tokens_as_token_ids": {"logprobs": True, "return_tokens_as_token_ids": True},
+    "request_id": {"request_id": "table-1"}, "truncate_prompt_tokens": {"truncate_prompt_tokens": 4},
+    "truncation_side": {"truncate_prompt_tokens": 4, "truncation_side": "right"},
+    "add_special_tokens": {"add_special_tokens": True}, "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {"messages": ASSISTANT_LAST, "add_generation_prompt": False,
+                               "continue_final_message": True},
+    "documents": {"documents": [{"title": "t", "text": "x"}]}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
+    "priority": {"priority": 1}, "timeout": {"timeout": 60},
+    # ignored
+    "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": True},
+    "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "length_penalty": {"length_penalty": 2.0},
+    "session_id": {"session_id": "s"}, "stream_interval": {"stream_interval": 2}, "vllm_xargs": {"vllm_xargs": {"a": 1}},
+    "thinking_token_budget": {"thinking_token_budget": 8}, "include_reasoning": {"include_reasoning": False},
+    "reasoning_effort": {"reasoning_effort": "low"}, "parallel_tool_calls": {"parallel_tool_calls": False},
+    "media_io_kwargs": {"media_io_kwargs": {}}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
+}
+REFUSED = {
+    "n": 2, "best_of": 2, "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "auto", "min_tokens": 2, "use_beam_search": True, "watermarking": True,
+    "allowed_token_ids": [1], "bad_words": ["x"], "logprob_token_ids": [1], "cache_salt": "s",
+    "kv_transfer_params": {"x": 1}, "ec_transfer_params": {"x": 1}, "repetition_detection": {"x": 1},
+    "logits_processors": ["x"], "prompt_embeds": "AAAA", "suffix": "end", "chat_template": "{{ messages }}",
+}
+
+
+def table_rows() -> list[tuple[str, str, str]]:
+    """(field, kind, where) of every row of the README's field table."""
+    text = README.read_text()
+    table = text[text.index("<!-- field-table -->"):text.index("<!-- /field-table -->")]
+    return re.findall(r"^\| `([a-z_.]+)` \| ([a-z ()]+) \| ([CH ]+) \|", table, re.M)
+
+
+ROWS = table_rows()
+
+
+@pytest.fixture(scope="module")
+def client(launched_server):
+    srv = launched_server("colocated", "--kv-pool-tokens", "2048", "--max-model-len", "1024", "--log-level",
+                          "WARNING")
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _call(client, endpoint: str, fields: dict):
+    """One request through the client; a stream is read to its end. Returns the last object."""
+    model = client.models.list().data[0].id
+    fields = dict(fields)
+    stream, options = fields.pop("stream", False), fields.pop("stream_options", None)
+    kwargs = {"model": model, "stream": stream, "stream_options": options} if stream else {"model": model}
+    if endpoint == "C":
+        fields.pop("messages", None)
+        if isinstance(fields.get("logprobs"), bool):
+            fields["logprobs"] = 1
+        out = client.completions.create(prompt="The capital of France is", max_tokens=fields.pop("max_tokens", 3),
+                                        extra_body=fields, **kwargs)
+    else:
+        messages = fields.pop("messages", [{"role": "user", "content": "Hi"}])
+        out = client.chat.completions.create(messages=messages, max_tokens=fields.pop("max_tokens", 3),
+                                             extra_body=fields, **kwargs)
+    return list(out)[-1] if stream else out
+
+
+def test_table_and_values_agree():
+    fields = {f for f, _, _ in ROWS}
+    assert fields == set(ACCEPTED) | set(REFUSED), fields ^ (set(ACCEPTED) | set(REFUSED))
+    for field, kind, _ in ROWS:
+        assert (field in REFUSED) == kind.startswith("refused"), (field, kind)
+
+
+@pytest.mark.parametrize("field,kind,where", ROWS, ids=[r[0] for r in ROWS])
+def test_every_row(client, field, kind, where):
+    for endpoint in where.split():
+        if kind.startswith("refused"):
+            with pytest.raises(openai.BadRequestError) as err:
+                _call(client, endpoint, {field: REFUSED[field]})
+            assert field in str(err.value.message) and err.value.param == field, err.value.body
+        else:
+            out = _call(client, endpoint, ACCEPTED[field])
+            assert out.id and (out.usage is not None or out.choices), out
