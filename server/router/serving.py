@@ -190,7 +190,7 @@ async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceR
         return Response(status_code=CLIENT_GONE)
     streaming = ok = False
     try:
-        response = await _serve(ctx, request, runs, stream, fmt, grant)
+        response = await _serve(ctx, request, runs, stream, fmt, grant, usage_every_chunk)
         streaming, ok = isinstance(response, SessionStream), response.status_code == 200
         return response
     finally:
@@ -199,7 +199,7 @@ async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceR
 
 
 async def _serve(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool, fmt: ResponseFormat,
-                 grant: Grant) -> Response:
+                 grant: Grant, usage_every_chunk: bool) -> Response:
     _start(runs)
     try:
         if not stream:
