@@ -29,7 +29,7 @@ import zmq
 from server.testing.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
-from transfer.wire.protocol import (MESSAGES, AbortRequest, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
+from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
                                     PrefillFailed, PrefillRequest, Shutdown, StatsRequest, TokenBatch, TokenDelta,
                                     WorkerStats, decode, encode, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
@@ -61,6 +61,7 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "TokenBatch": encode(*TokenBatch.pack([TokenDelta(rid="evil-gen", token_ids=[1])])),
         "WorkerStats": encode(stats),
         "Shutdown": encode(Shutdown()),
+        "Drain": encode(Drain(reason="evil")),  # accepted, it would take the worker out of rotation
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out
