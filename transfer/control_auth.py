@@ -262,5 +262,9 @@ class HandshakeWatch:
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.side == "client" and self.auth.secure:
             return (f"{who}: the CURVE handshake was cut off (most often: the peer does not hold this process's "
                     f"key; this side uses {ours}): give both the same --cluster-key")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.side == "client":
+            # a CURVE server may close on a plain client before the mechanism mismatch reaches it
+            return (f"{who}: the handshake was cut off (most often: the peer requires CURVE but this side has no "
+                    f"cluster key): start it with the cluster's --cluster-key FILE")
         return (f"{who}: handshake failed (ZMQ monitor event {event}, value {value}; this side uses {ours}): a peer "
                 f"that should get in needs the same --cluster-key")
