@@ -19,6 +19,7 @@ namespace, veth, bridge and hosts file; it runs on failure too and can be called
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shutil
@@ -203,3 +204,19 @@ class NetnsLab:
             left.append(self._root_if)
         left += [d.name for d in Path("/etc/netns").glob(f"{self.tag}-*")] if Path("/etc/netns").exists() else []
         return left
+
+
+@contextlib.contextmanager
+def running_lab(logs: Path, **attrs):
+    """A started ``NetnsLab`` logging under ``logs`` (``attrs`` set on it first); closed on exit, and
+    asserted to leave no namespace, link or process behind."""
+    lab = NetnsLab()
+    lab.logs = logs
+    for name, value in attrs.items():
+        setattr(lab, name, value)
+    try:
+        lab.start()
+        yield lab
+    finally:
+        lab.close()
+        assert lab.leftovers() == [], f"left behind: {lab.leftovers()}"

@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from conftest import engine_cfg, sched_cfg, strip_eos
-from netns_hosts import NetnsLab, unavailable_reason
+from netns_hosts import running_lab, unavailable_reason
 from transfer.cluster_key import ClusterKey, write_key_file
 from server.testing.subprocess_server import REPO_ROOT, metric_sum, wait_idle
 
@@ -54,16 +54,10 @@ def pdserve(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    lab = NetnsLab()
-    lab.logs = tmp_path_factory.mktemp("netns-logs")
-    lab.key = tmp_path_factory.mktemp("netns-key") / "cluster.key"  # each "host" gets --cluster-key FILE
-    write_key_file(lab.key, ClusterKey.generate())
-    try:
-        lab.start()
+    key = tmp_path_factory.mktemp("netns-key") / "cluster.key"  # each "host" gets --cluster-key FILE
+    write_key_file(key, ClusterKey.generate())
+    with running_lab(tmp_path_factory.mktemp("netns-logs"), key=key) as lab:
         yield lab
-    finally:
-        lab.close()
-        assert lab.leftovers() == [], f"left behind: {lab.leftovers()}"
 
 
 def logs_tail(lab) -> str:

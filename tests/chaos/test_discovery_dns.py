@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from membership_load import SteadyLoad, routed_tokens
-from netns_hosts import NetnsLab, unavailable_reason
+from netns_hosts import NetnsLab, running_lab, unavailable_reason
 from server.testing.subprocess_server import REPO_ROOT
 from tiny_model import save_tiny_model
 from transfer.cluster_key import ClusterKey, write_key_file
@@ -67,14 +67,8 @@ class Dns:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    lab = NetnsLab()
-    lab.logs = tmp_path_factory.mktemp("dns-logs")
-    try:
-        lab.start()
+    with running_lab(tmp_path_factory.mktemp("dns-logs")) as lab:
         yield lab
-    finally:
-        lab.close()
-        assert lab.leftovers() == [], f"left behind: {lab.leftovers()}"
 
 
 def _spawn(lab: NetnsLab, host: str, args: list[str]):
