@@ -45,7 +45,7 @@ def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, thr
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group,head_dim", [(1, 8), (3, 64), (4, 256)])
+@pytest.mark.parametrize("group,head_dim", [(1, 8), (3, 64), (4, 256), (12, 32)])  # 12: the unspecialized group path
 def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_dim, dtype):
     g = torch.Generator().manual_seed(group)
     kv_heads, pages, P = 2, 96, 16

@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: one float32 query token per request against its keys
  * [lo, hi) read in place from the page-major KV pool (no gather, no padding to the longest
  * request), float32 or bfloat16 (widened to float32 as it is read; the sums are float32 either way).
- * Online softmax per page block (flash-decoding); the g query heads of one KV head share
+ * Online softmax per block of up to BLK positions (flash-decoding); the g query heads of one KV head share
  * each K/V block while it is in L1. Work items are (request, kv head) pairs taken from an atomic
  * counter by `threads` pthreads (the caller's thread is one of them).
  *
@@ -83,6 +83,177 @@ static inline float ld_bf16(const uint16_t *p, int64_t x) {
 ONE_HEAD(one_head_f32, float, ld_f32)
 ONE_HEAD(one_head_bf16, uint16_t, ld_bf16)
 
+/* ---- Vector path (head_dim a multiple of 16): GCC/clang vector extensions, lowered to AVX-512,
+ * AVX2 or SSE by -march=native. A block gathers up to BLK key positions (across pages) first, so the
+ * softmax rescale runs once per block, not once per page; exp is a polynomial on whole vectors (the
+ * libm call per score cost more than the dot products). */
+#define W 16
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
+
+static inline vf vld_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf vld_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    const vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float hsum(vf v) {
+    vf h = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    h = h + __builtin_shufflevector(h, h, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    h = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return h[0] + h[1];
+}
+
+/* e^x for x <= 0 (scores minus their running max), Cephes' expf polynomial: ~2 ulp; clamped at
+ * -87 (below that the weight is < 1.7e-38 and rounds away in the sums). */
+static inline vf vexp(vf x) {
+    const vf lo = (vf){} - 87.0f;
+    const vi below = x < lo;
+    vi xb, lb;
+    memcpy(&xb, &x, sizeof x);
+    memcpy(&lb, &lo, sizeof lo);
+    xb = (xb & ~below) | (lb & below);
+    memcpy(&x, &xb, sizeof x);
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+    const vi over = fl > fx; /* truncation rounded a negative up: floor is one less */
+    fl = fl - __builtin_convertvector(over & 1, vf);
+    const vf r = x - fl * 0.693359375f + fl * 2.12194440e-4f;
+    vf y = (vf){} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const vi e = (__builtin_convertvector(fl, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &e, sizeof scale);
+    return y * scale;
+}
+
+/* One (request, kv head) pair on the vector path: for each block of up to BLK positions, scores of
+ * the G query heads, one online-softmax update per head, then P.V with each V row loaded once for
+ * all G heads. acc [G, D], m [G], l [G] are the running output, max and denominator. G is a
+ * compile-time constant in the specialized copies (GQA group sizes 1-8), so the G accumulators stay
+ * in registers; positions go two at a time so 2G independent FMA chains hide the FMA latency. */
+#define ONE_HEAD_VEC(NAME, T, VLD, GEXPR)                                                               \
+    static void NAME(const job_t *j, int64_t b, int64_t kh, float *acc, float *m, float *l) {           \
+        const int64_t g = (GEXPR), D = j->D, P = j->P, nv = D / W;                                      \
+        const float *q = j->q + (b * j->H + kh * g) * D;                                                \
+        const T *kv = (const T *)j->kv;                                                                 \
+        const T *kp[BLK + 1];                                                                           \
+        float s[g * BLK];                                                                               \
+        for (int64_t pos = j->lo[b], end = j->hi[b]; pos < end;) {                                      \
+            int64_t n = 0, pi = pos / P, off = pos % P;                                                 \
+            const T *pg = kv + j->table[b * j->table_stride + pi] * j->page_stride + kh * j->head_stride; \
+            for (; n < BLK && pos < end; n++, pos++) {                                                  \
+                kp[n] = pg + off * j->tok_stride;                                                       \
+                if (++off == P && pos + 1 < end) {                                                      \
+                    off = 0;                                                                            \
+                    pg = kv + j->table[b * j->table_stride + ++pi] * j->page_stride + kh * j->head_stride; \
+                }                                                                                       \
+            }                                                                                           \
+            kp[n] = kp[n - 1]; /* odd n: the pair's second row is a harmless repeat, its weight 0 */     \
+            for (int64_t t = 0; t < n; t += 2) {                                                        \
+                vf d0[g], d1[g];                                                                        \
+                for (int64_t r = 0; r < g; r++) d0[r] = d1[r] = (vf){};                                 \
+                for (int64_t c = 0; c < nv; c++) {                                                      \
+                    const vf k0 = VLD(kp[t] + c * W), k1 = VLD(kp[t + 1] + c * W);                      \
+                    for (int64_t r = 0; r < g; r++) {                                                   \
+                        const vf qv = vld_f32(q + r * D + c * W);                                       \
+                        d0[r] += qv * k0;                                                               \
+                        d1[r] += qv * k1;                                                               \
+                    }                                                                                   \
+                }                                                                                       \
+                for (int64_t r = 0; r < g; r++) {                                                       \
+                    s[r * BLK + t] = hsum(d0[r]) * j->scale;                                            \
+                    if (t + 1 < n) s[r * BLK + t + 1] = hsum(d1[r]) * j->scale;                         \
+                }                                                                                       \
+            }                                                                                           \
+            for (int64_t r = 0; r < g; r++) {                                                           \
+                float *sr = s + r * BLK, mb = -INFINITY, sum = 0.0f;                                    \
+                _Pragma("omp simd reduction(max : mb)")                                                 \
+                for (int64_t t = 0; t < n; t++) mb = sr[t] > mb ? sr[t] : mb;                           \
+                const float mn = fmaxf(m[r], mb), corr = expf(m[r] - mn);                               \
+                for (int64_t t = 0; t < n; t += W) {                                                    \
+                    const vf p = vexp(vld_f32(sr + t) - mn);                                            \
+                    memcpy(sr + t, &p, sizeof p);                                                       \
+                }                                                                                       \
+                _Pragma("omp simd reduction(+ : sum)")                                                  \
+                for (int64_t t = 0; t < n; t++) sum += sr[t];                                           \
+                if (n & 1) sr[n] = 0.0f;                                                                \
+                l[r] = l[r] * corr + sum;                                                               \
+                m[r] = mn;                                                                              \
+                if (corr != 1.0f)                                                                       \
+                    for (int64_t c = 0; c < nv; c++) {                                                  \
+                        const vf a = vld_f32(acc + r * D + c * W) * corr;                               \
+                        memcpy(acc + r * D + c * W, &a, sizeof a);                                      \
+                    }                                                                                   \
+            }                                                                                           \
+            for (int64_t c = 0; c < nv; c++) {                                                          \
+                vf a0[g], a1[g];                                                                        \
+                for (int64_t r = 0; r < g; r++) {                                                       \
+                    a0[r] = vld_f32(acc + r * D + c * W);                                               \
+                    a1[r] = (vf){};                                                                     \
+                }                                                                                       \
+                for (int64_t t = 0; t < n; t += 2) {                                                    \
+                    const vf v0 = VLD(kp[t] + j->v_off + c * W), v1 = VLD(kp[t + 1] + j->v_off + c * W); \
+                    for (int64_t r = 0; r < g; r++) {                                                   \
+                        a0[r] += s[r * BLK + t] * v0;                                                   \
+                        a1[r] += s[r * BLK + t + 1] * v1;                                               \
+                    }                                                                                   \
+                }                                                                                       \
+                for (int64_t r = 0; r < g; r++) {                                                       \
+                    const vf a = a0[r] + a1[r];                                                         \
+                    memcpy(acc + r * D + c * W, &a, sizeof a);                                          \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+#define VEC_PAIR(G)                                                                                     \
+    ONE_HEAD_VEC(one_head_vec_f32_##G, float, vld_f32, G)                                               \
+    ONE_HEAD_VEC(one_head_vec_bf16_##G, uint16_t, vld_bf16, G)
+VEC_PAIR(1)
+VEC_PAIR(2)
+VEC_PAIR(3)
+VEC_PAIR(4)
+VEC_PAIR(5)
+VEC_PAIR(6)
+VEC_PAIR(7)
+VEC_PAIR(8)
+ONE_HEAD_VEC(one_head_vec_f32_any, float, vld_f32, j->H / j->Hkv)
+ONE_HEAD_VEC(one_head_vec_bf16_any, uint16_t, vld_bf16, j->H / j->Hkv)
+
+typedef void (*head_fn)(const job_t *, int64_t, int64_t, float *, float *, float *);
+static const head_fn VEC_F32[9] = {one_head_vec_f32_any, one_head_vec_f32_1, one_head_vec_f32_2,
+                                   one_head_vec_f32_3, one_head_vec_f32_4, one_head_vec_f32_5,
+                                   one_head_vec_f32_6, one_head_vec_f32_7, one_head_vec_f32_8};
+static const head_fn VEC_BF16[9] = {one_head_vec_bf16_any, one_head_vec_bf16_1, one_head_vec_bf16_2,
+                                    one_head_vec_bf16_3, one_head_vec_bf16_4, one_head_vec_bf16_5,
+                                    one_head_vec_bf16_6, one_head_vec_bf16_7, one_head_vec_bf16_8};
+
+/* The head function for this job: vector path specialized on the group size where there is one. */
+static head_fn pick_head(const job_t *j) {
+    const int64_t g = j->H / j->Hkv;
+    if (j->D % W != 0) return j->bf16 ? one_head_bf16 : one_head_f32;
+    const head_fn *t = j->bf16 ? VEC_BF16 : VEC_F32;
+    return t[g <= 8 ? g : 0];
+}
+
+
 /* Item i covers kv heads [kh0, kh0 + heads_per_item) of one request. */
 static void one_item(const job_t *j, int64_t item) {
     const int64_t per = j->heads_per_item, groups = j->Hkv / per;
@@ -94,8 +265,7 @@ static void one_item(const job_t *j, int64_t item) {
             l[r] = 0.0f;
         }
         for (int64_t x = 0; x < g * D; x++) acc[x] = 0.0f;
-        if (j->bf16) one_head_bf16(j, b, kh, acc, m, l);
-        else one_head_f32(j, b, kh, acc, m, l);
+        pick_head(j)(j, b, kh, acc, m, l);
         float *o = j->out + (b * j->H + kh * g) * D;
         for (int64_t r = 0; r < g; r++) {
             const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
