@@ -14,13 +14,13 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.cpu_linear import linear, pack, warm_up
 from engine.forward_batch import ForwardBatch
+from engine.kernels import fused
 from engine.rope import RotaryEmbedding
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    """RMSNorm of ``x``'s last dim times ``weight`` (fused kernel on CPU, torch elsewhere)."""
+    return fused.rms_norm(x, weight, eps)
 
 
 def checkpoint_getter(state: dict[str, torch.Tensor], device, dtype):
@@ -58,10 +58,8 @@ class DecoderLayer(nn.Module):
         q = rope.apply(q, batch.positions)
         k = rope.apply(k, batch.positions)
         o = attn.forward(q, k, v, self.layer_id, batch)
-        h = h + linear(o, w["o"])
-        x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
-        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, w["down"])
+        h, x = fused.add_rms_norm(h, linear(o, w["o"]), w["post_norm"], cfg.rms_norm_eps)
+        return h + linear(fused.silu_mul(linear(x, w["gate_up"])), w["down"])
 
 
 class LlamaModel(nn.Module):

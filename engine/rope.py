@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import fused
+
 
 class RotaryEmbedding:
     """Precomputed cos/sin tables ``[max_positions, head_dim]`` in float32."""
@@ -16,10 +18,6 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(torch.float32).to(device)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[tokens, heads, head_dim]`` by ``positions`` ``[tokens]``."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        """Rotate ``x`` ``[tokens, heads, head_dim]`` by ``positions`` ``[tokens]``; on the CPU kernel
+        path in place (``engine.kernels.fused.rope``), so callers pass tensors they own."""
+        return fused.rope(x, positions, self.cos, self.sin)

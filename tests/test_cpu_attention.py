@@ -114,7 +114,7 @@ def test_a_page_outside_the_pool_raises_instead_of_reading_memory():
 def test_missing_kernel_source_means_the_torch_path(monkeypatch, tmp_path, caplog):
     """An install without the .c file (package data lost) degrades to the torch path, logged."""
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_native, "SOURCE", tmp_path / "absent.c")
+    monkeypatch.setattr(cpu_native, "SOURCES", (tmp_path / "absent.c",))
     cpu_native.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_native"):

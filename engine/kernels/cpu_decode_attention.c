@@ -87,61 +87,7 @@ ONE_HEAD(one_head_bf16, uint16_t, ld_bf16)
  * AVX2 or SSE by -march=native. A block gathers up to BLK key positions (across pages) first, so the
  * softmax rescale runs once per block, not once per page; exp is a polynomial on whole vectors (the
  * libm call per score cost more than the dot products). */
-#define W 16
-typedef float vf __attribute__((vector_size(4 * W)));
-typedef int32_t vi __attribute__((vector_size(4 * W)));
-typedef uint32_t vu __attribute__((vector_size(4 * W)));
-typedef uint16_t vh __attribute__((vector_size(2 * W)));
-
-static inline vf vld_f32(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline vf vld_bf16(const uint16_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    const vu u = __builtin_convertvector(h, vu) << 16;
-    vf v;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
-
-static inline float hsum(vf v) {
-    vf h = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    h = h + __builtin_shufflevector(h, h, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    h = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    return h[0] + h[1];
-}
-
-/* e^x for x <= 0 (scores minus their running max), Cephes' expf polynomial: ~2 ulp; clamped at
- * -87 (below that the weight is < 1.7e-38 and rounds away in the sums). */
-static inline vf vexp(vf x) {
-    const vf lo = (vf){} - 87.0f;
-    const vi below = x < lo;
-    vi xb, lb;
-    memcpy(&xb, &x, sizeof x);
-    memcpy(&lb, &lo, sizeof lo);
-    xb = (xb & ~below) | (lb & below);
-    memcpy(&x, &xb, sizeof x);
-    vf fx = x * 1.44269504088896341f + 0.5f;
-    vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-    const vi over = fl > fx; /* truncation rounded a negative up: floor is one less */
-    fl = fl - __builtin_convertvector(over & 1, vf);
-    const vf r = x - fl * 0.693359375f + fl * 2.12194440e-4f;
-    vf y = (vf){} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const vi e = (__builtin_convertvector(fl, vi) + 127) << 23;
-    vf scale;
-    memcpy(&scale, &e, sizeof scale);
-    return y * scale;
-}
+#include "cpu_vec.h"
 
 /* One (request, kv head) pair on the vector path: for each block of up to BLK positions, scores of
  * the G query heads, one online-softmax update per head, then P.V with each V row loaded once for

@@ -1,4 +1,5 @@
-"""The C CPU kernels (``cpu_decode_attention.c``): compiled once per machine, loaded with ctypes.
+"""The C CPU kernels (``cpu_decode_attention.c``, and ``cpu_fused.c`` wrapped by ``engine.kernels.fused``):
+compiled once per machine into one library, loaded with ctypes.
 
 ``paged_decode`` is the CPU decode attention of ``engine.attention.CpuBackend``: it reads each
 request's keys in place from the paged pool, where the torch path gathers every request's pages
@@ -33,7 +34,8 @@ from engine.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_fused.c"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 MAX_HEAD_DIM = 1024
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -45,7 +47,7 @@ def cache_dir() -> Path:
 
 
 def _library_path(compiler: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
     key.update(" ".join((compiler, *CFLAGS, platform.machine(), *sorted(cpu_flags()))).encode())
     return cache_dir() / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
 
@@ -55,7 +57,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -85,7 +87,22 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *([_I64] * 9), ctypes.c_float,
                    ctypes.c_int]
     fn.restype = ctypes.c_int
+    _declare_fused(lib)
     return lib
+
+
+def _declare_fused(lib: ctypes.CDLL) -> None:
+    """Argument types of ``cpu_fused.c``'s entry points (wrapped by ``engine.kernels.fused``)."""
+    i32, f32 = ctypes.c_int, ctypes.c_float
+    signatures = {
+        "pdserve_rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, f32, i32, i32],
+        "pdserve_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, f32, i32, i32],
+        "pdserve_rope": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32],
+        "pdserve_silu_mul": [_PTR, _PTR, _I64, _I64, i32, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
 
 
 def supports(pool_buffer: torch.Tensor) -> bool:

@@ -1,0 +1,192 @@
+/* Fused per-layer CPU ops: one pass over memory where the torch reference takes several (and as
+ * many temporaries). Each reads float32 or bfloat16 (bf16 != 0) and computes in float32; bfloat16
+ * results are rounded to nearest-even once. Rows are split across `threads` pthreads (the caller is
+ * one). Built with the attention kernel by engine/kernels/cpu_native.py; references in
+ * engine/kernels/fused.py.
+ *
+ *   rms_norm:      out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w          (x rows strided)
+ *   add_rms_norm:  h[r] += res[r] (rounded to h's dtype), then out[r] = rms_norm(h[r])
+ *   rope:          x[t, head] rotated in place by pos[t] (rotate_half convention, tables [P, D])
+ *   silu_mul:      out[r, i] = silu(gu[r, i]) * gu[r, inter + i]
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+/* Row conversions: every op reads its row into a float32 buffer and writes it back from one, so
+ * each loop below is branch-free and vectorizes (bfloat16 widening is a shift; narrowing rounds to
+ * nearest even, NaN kept a quiet NaN). */
+static void to_f32(const void *src, int64_t off, float *dst, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, (const float *)src + off, n * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src + off;
+    uint32_t *u = (uint32_t *)dst;
+    for (int64_t i = 0; i < n; i++) u[i] = (uint32_t)h[i] << 16;
+}
+
+static void from_f32(const float *src, void *dst, int64_t off, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy((float *)dst + off, src, n * sizeof(float));
+        return;
+    }
+    const uint32_t *u = (const uint32_t *)src;
+    uint16_t *h = (uint16_t *)dst + off;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t x = u[i];
+        const uint32_t r = (x & 0x7fffffffu) > 0x7f800000u ? x | 0x00400000u : x + 0x7fffu + ((x >> 16) & 1u);
+        h[i] = (uint16_t)(r >> 16);
+    }
+}
+
+/* ---- row-parallel driver ---- */
+typedef void (*row_fn)(const void *args, int64_t r0, int64_t r1);
+typedef struct {
+    row_fn fn;
+    const void *args;
+    int64_t rows, chunk, next;
+} par_t;
+
+static void *par_worker(void *arg) {
+    par_t *p = (par_t *)arg;
+    for (int64_t r; (r = __atomic_fetch_add(&p->next, p->chunk, __ATOMIC_RELAXED)) < p->rows;)
+        p->fn(p->args, r, r + p->chunk < p->rows ? r + p->chunk : p->rows);
+    return 0;
+}
+
+static void par_rows(row_fn fn, const void *args, int64_t rows, int threads) {
+    if (threads > 64) threads = 64;
+    if (threads < 1 || rows < 2) threads = 1;
+    par_t p = {fn, args, rows, rows / (threads * 4) > 0 ? rows / (threads * 4) : 1, 0};
+    pthread_t tid[64];
+    int started = 0;
+    for (int t = 1; t < threads; t++)
+        if (pthread_create(&tid[started], 0, par_worker, &p) == 0) started++;
+    par_worker(&p);
+    for (int t = 0; t < started; t++) pthread_join(tid[t], 0);
+}
+
+/* ---- RMSNorm (with the residual add) ---- */
+typedef struct {
+    void *h;
+    const void *x, *res, *w;
+    void *out;
+    int64_t dim, x_stride;
+    float eps;
+    int bf16, add;
+} norm_t;
+
+static void norm_rows(const void *a, int64_t r0, int64_t r1) {
+    const norm_t *n = (const norm_t *)a;
+    const int64_t D = n->dim;
+    float buf[D], res[D], w[D];
+    to_f32(n->w, 0, w, D, n->bf16);
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t xo = r * n->x_stride;
+        to_f32(n->x, xo, buf, D, n->bf16);
+        if (n->add) { /* the sum as stored (rounded to h's dtype) is what the norm and the next add read */
+            to_f32(n->res, r * D, res, D, n->bf16);
+            for (int64_t i = 0; i < D; i++) buf[i] += res[i];
+            from_f32(buf, n->h, xo, D, n->bf16);
+            to_f32(n->h, xo, buf, D, n->bf16);
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < D; i++) ss += buf[i] * buf[i];
+        const float inv = 1.0f / sqrtf(ss / (float)D + n->eps);
+        for (int64_t i = 0; i < D; i++) buf[i] = buf[i] * inv * w[i];
+        from_f32(buf, n->out, r * D, D, n->bf16);
+    }
+}
+
+/* out [rows, dim] contiguous; x rows `x_stride` elements apart; w [dim] in x's dtype. */
+void pdserve_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int64_t dim,
+                      float eps, int bf16, int threads) {
+    norm_t n = {0, x, 0, w, out, dim, x_stride, eps, bf16, 0};
+    par_rows(norm_rows, &n, rows, threads);
+}
+
+/* h [rows, dim] += res [rows, dim] in place, then out = rms_norm(h); all contiguous. */
+void pdserve_add_rms_norm(void *h, const void *res, const void *w, void *out, int64_t rows, int64_t dim,
+                          float eps, int bf16, int threads) {
+    norm_t n = {h, h, res, w, out, dim, dim, eps, bf16, 1};
+    par_rows(norm_rows, &n, rows, threads);
+}
+
+/* ---- rotary, in place ---- */
+typedef struct {
+    void *x;
+    const int64_t *pos;
+    const float *cos, *sin;
+    int64_t heads, head_dim, tok_stride;
+    int bf16;
+} rope_t;
+
+static void rope_rows(const void *a, int64_t t0, int64_t t1) {
+    const rope_t *p = (const rope_t *)a;
+    const int64_t D = p->head_dim, half = D / 2, n = p->heads * D;
+    float x[n], y[n];
+    for (int64_t t = t0; t < t1; t++) {
+        const float *c = p->cos + p->pos[t] * D, *s = p->sin + p->pos[t] * D;
+        to_f32(p->x, t * p->tok_stride, x, n, p->bf16);
+        for (int64_t hd = 0; hd < p->heads; hd++) {
+            const float *x1 = x + hd * D, *x2 = x1 + half;
+            float *y1 = y + hd * D, *y2 = y1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                y1[i] = x1[i] * c[i] - x2[i] * s[i];
+                y2[i] = x2[i] * c[half + i] + x1[i] * s[half + i];
+            }
+        }
+        from_f32(y, p->x, t * p->tok_stride, n, p->bf16);
+    }
+}
+
+/* x: `tokens` rows `tok_stride` elements apart, each `heads` contiguous heads of `head_dim`;
+ * cos/sin float32 [positions, head_dim]; pos int64 [tokens] (caller checks the range). */
+void pdserve_rope(void *x, int64_t tok_stride, const int64_t *pos, const float *cos, const float *sin,
+                  int64_t tokens, int64_t heads, int64_t head_dim, int bf16, int threads) {
+    rope_t p = {x, pos, cos, sin, heads, head_dim, tok_stride, bf16};
+    par_rows(rope_rows, &p, tokens, threads);
+}
+
+/* ---- SiLU(gate) * up ---- */
+typedef struct {
+    const void *gu;
+    void *out;
+    int64_t inter;
+    int bf16;
+} silu_t;
+
+static void silu_rows(const void *a, int64_t r0, int64_t r1) {
+    const silu_t *p = (const silu_t *)a;
+    const int64_t I = p->inter;
+    float g[I], u[I];
+    for (int64_t r = r0; r < r1; r++) {
+        to_f32(p->gu, r * 2 * I, g, I, p->bf16);
+        to_f32(p->gu, r * 2 * I + I, u, I, p->bf16);
+        int64_t i = 0;
+        for (; i + W <= I; i += W) { /* sigmoid from e^-|g|, which never overflows */
+            const vf gv = vld_f32(g + i), e = vexp(-vabs(gv));
+            const vi neg = gv < (vf){};
+            vf num = e, one = (vf){} + 1.0f;
+            vi nb, ob;
+            memcpy(&nb, &num, sizeof nb);
+            memcpy(&ob, &one, sizeof ob);
+            nb = (nb & neg) | (ob & ~neg);
+            memcpy(&num, &nb, sizeof num);
+            vst_f32(g + i, gv * (num / (1.0f + e)) * vld_f32(u + i));
+        }
+        for (; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        from_f32(g, p->out, r * I, I, p->bf16);
+    }
+}
+
+/* gu [rows, 2 * inter] (gate then up), out [rows, inter]; contiguous. */
+void pdserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf16, int threads) {
+    silu_t p = {gu, out, inter, bf16};
+    par_rows(silu_rows, &p, rows, threads);
+}

@@ -1,0 +1,94 @@
+"""The fused CPU ops (engine/kernels/cpu_fused.c through engine/kernels/fused.py) against the torch
+references they replace: float32 to float32 rounding, bfloat16 to one bfloat16 rounding step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import cpu_native, fused
+
+pytestmark = pytest.mark.unit
+needs_kernel = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler: the kernels cannot be built")
+
+TOL = {torch.float32: dict(rtol=2e-6, atol=2e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def _rand(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_the_reference(dtype, rows):
+    x, w = _rand(rows, 576, dtype=dtype), _rand(576, dtype=dtype, seed=1)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_ref(x, w, 1e-5), **TOL[dtype])
+
+
+@needs_kernel
+def test_rms_norm_reads_strided_rows():
+    """A column slice of a wider tensor (rows apart by the full width) is read in place."""
+    wide, w = _rand(5, 100, dtype=torch.float32), _rand(40, dtype=torch.float32, seed=1)
+    x = wide[:, 10:50]
+    assert not x.is_contiguous()
+    got = fused.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(got, fused.rms_norm_ref(x.contiguous(), w, 1e-6), **TOL[torch.float32])
+    assert got.is_contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_updates_the_stream_in_place_and_norms_the_sum(dtype):
+    h, r, w = _rand(9, 64, dtype=dtype), _rand(9, 64, dtype=dtype, seed=2), _rand(64, dtype=dtype, seed=3)
+    want_sum = h + r
+    want = fused.rms_norm_ref(want_sum, w, 1e-5)
+    ptr = h.data_ptr()
+    s, out = fused.add_rms_norm(h, r, w, 1e-5)
+    assert s.data_ptr() == ptr  # the residual stream was updated, not copied
+    torch.testing.assert_close(s, want_sum, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_a_fused_qkv_view_in_place(dtype):
+    from engine.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 512, 10000.0, "cpu")
+    qkv = _rand(11, (9 + 3 + 3) * 64, dtype=dtype)
+    q = qkv[:, :9 * 64].view(11, 9, 64)  # tokens strided by the QKV row, heads contiguous
+    pos = torch.tensor([0, 1, 2, 3, 100, 101, 7, 8, 9, 500, 511])
+    want = fused.rope_ref(q.clone(), pos, rope.cos, rope.sin)
+    untouched = qkv[:, 9 * 64:].clone()
+    got = rope.apply(q, pos)
+    assert got.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(qkv[:, 9 * 64:], untouched, rtol=0, atol=0)  # K and V columns kept
+
+
+@needs_kernel
+def test_rope_refuses_a_position_outside_its_table():
+    from engine.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, 8, 10000.0, "cpu")
+    with pytest.raises(IndexError, match="outside 0..7"):
+        rope.apply(torch.zeros(1, 2, 16), torch.tensor([8]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40 x 3072: under SILU_MAX_ELEMENTS, the kernel
+def test_silu_mul_matches_the_reference_over_a_wide_range(dtype, rows):
+    gu = _rand(rows, 2 * 1536, dtype=dtype) * 8  # |gate| up to ~40: both sigmoid branches, tails
+    gu[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    torch.testing.assert_close(fused.silu_mul(gu), fused.silu_mul_ref(gu), **TOL[dtype])
+
+
+def test_without_the_kernels_every_op_is_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    x, w = _rand(3, 32, dtype=torch.float32), _rand(32, dtype=torch.float32, seed=1)
+    assert torch.equal(fused.rms_norm(x, w, 1e-5), fused.rms_norm_ref(x, w, 1e-5))
+    gu = _rand(3, 64, dtype=torch.float32)
+    assert torch.equal(fused.silu_mul(gu), fused.silu_mul_ref(gu))
+    s, out = fused.add_rms_norm(x.clone(), x, w, 1e-5)
+    assert torch.equal(s, x + x) and torch.equal(out, fused.rms_norm_ref(x + x, w, 1e-5))
