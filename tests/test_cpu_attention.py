@@ -124,15 +124,27 @@ def test_missing_kernel_source_means_the_torch_path(monkeypatch, tmp_path, caplo
         cpu_native.load.cache_clear()
 
 
-def test_kernel_threads_follow_the_work_of_the_step():
-    """Short steps run on the caller's thread (starting pthreads would cost more than the work);
-    long ones use up to every thread offered, never more."""
+def test_kernel_threads_follow_the_work_of_the_step(monkeypatch):
+    """Short steps run on the caller's thread (waking a worker would cost more than the work); long
+    ones use up to every thread offered, never more; one thread whenever the kernels could not share
+    torch's OpenMP runtime."""
     per = cpu_native.WORK_PER_THREAD
+    monkeypatch.setattr(cpu_native, "openmp_shared", lambda: True)
     assert cpu_native.threads_for(0, 9, 64, 2) == 1
-    assert cpu_native.threads_for(8 * 80, 9, 64, 2) == 1  # batch 8 at 80 tokens: ~0.4M multiply-adds
+    assert cpu_native.threads_for(2 * 16, 9, 64, 2) == 1  # batch 2 at 16 tokens: ~18k multiply-adds
     assert cpu_native.threads_for(-(-2 * per // (9 * 64)), 9, 64, 2) == 2  # two threads of work
     assert cpu_native.threads_for(32 * 2048, 9, 64, 2) == 2
-    assert cpu_native.threads_for(32 * 2048, 9, 64, 16) == min(16, 32 * 2048 * 9 * 64 // per) == 9
+    assert cpu_native.threads_for(32 * 2048, 9, 64, 16) == 16
+    monkeypatch.setattr(cpu_native, "openmp_shared", lambda: False)
+    assert cpu_native.threads_for(32 * 2048, 9, 64, 16) == 1
+
+
+@needs_kernel
+def test_the_kernels_run_on_torchs_openmp_runtime():
+    """Loading the kernels maps no second OpenMP runtime next to torch's (where torch uses libgomp)."""
+    cpu_native.load()
+    cpu_native.openmp_shared.cache_clear()
+    assert cpu_native.openmp_shared()
 
 
 def test_cpu_backend_starts_no_thread_for_a_short_step(monkeypatch):

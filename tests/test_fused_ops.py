@@ -19,7 +19,7 @@ def _rand(*shape, dtype, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576: over PARALLEL_ELEMENTS, threads
 def test_rms_norm_matches_the_reference(dtype, rows):
     x, w = _rand(rows, 576, dtype=dtype), _rand(576, dtype=dtype, seed=1)
     torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_ref(x, w, 1e-5), **TOL[dtype])
@@ -77,7 +77,7 @@ def test_rope_refuses_a_position_outside_its_table():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])  # 40 x 3072: under SILU_MAX_ELEMENTS, the kernel
+@pytest.mark.parametrize("rows", [1, 3, 257])  # 257 x 3072: over PARALLEL_ELEMENTS, threads
 def test_silu_mul_matches_the_reference_over_a_wide_range(dtype, rows):
     gu = _rand(rows, 2 * 1536, dtype=dtype) * 8  # |gate| up to ~40: both sigmoid branches, tails
     gu[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])

@@ -3,14 +3,15 @@
  * request), float32 or bfloat16 (widened to float32 as it is read; the sums are float32 either way).
  * Online softmax per block of up to BLK positions (flash-decoding); the g query heads of one KV head share
  * each K/V block while it is in L1. Work items are (request, kv head) pairs taken from an atomic
- * counter by `threads` pthreads (the caller's thread is one of them).
+ * counter by `threads` OpenMP threads. Built with -fopenmp against libgomp.so.1, the runtime torch
+ * already loaded, so these are torch's own warm workers, not a second pool fighting it (cpu_native
+ * checks that only one libgomp is mapped and otherwise passes one thread).
  *
  * Pool addressing (in elements): token `pos` of request b, kv head kh, layer base `kv`:
  *   kv + table[b * table_stride + pos / P] * page_stride + (pos % P) * tok_stride + kh * head_stride
  * and V is the same address + v_off. head_dim is contiguous. Built by engine/kernels/cpu_native.py.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -106,6 +107,10 @@ ONE_HEAD(one_head_bf16, uint16_t, ld_bf16)
             const T *pg = kv + j->table[b * j->table_stride + pi] * j->page_stride + kh * j->head_stride; \
             for (; n < BLK && pos < end; n++, pos++) {                                                  \
                 kp[n] = pg + off * j->tok_stride;                                                       \
+                for (int64_t x = 0; x < D; x += 64 / (int64_t)sizeof(T)) { /* K and V rows in flight */ \
+                    __builtin_prefetch(kp[n] + x);                                                      \
+                    __builtin_prefetch(kp[n] + j->v_off + x);                                           \
+                }                                                                                       \
                 if (++off == P && pos + 1 < end) {                                                      \
                     off = 0;                                                                            \
                     pg = kv + j->table[b * j->table_stride + ++pi] * j->page_stride + kh * j->head_stride; \
@@ -226,8 +231,7 @@ static void *worker(void *arg) {
     return 0;
 }
 
-/* Returns 0, or -1 when a thread could not be started (the work is then done by the others).
- * `kv` holds float32 elements when bf16 == 0, bfloat16 ones otherwise; strides are in elements. */
+/* Returns 0. `kv` holds float32 elements when bf16 == 0, bfloat16 ones otherwise; strides are in elements. */
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H,
                          int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t v_off,
@@ -237,15 +241,12 @@ int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t
     const int64_t per = B >= 2 * threads ? Hkv : 1;
     job_t j = {q, kv, table, lo, hi, out, H, Hkv, D, P, table_stride, page_stride, v_off, tok_stride,
                head_stride, per, B * (Hkv / per), scale, 0, bf16};
-    pthread_t tid[64];
-    int started = 0, rc = 0;
     if (threads > 64) threads = 64;
     if (threads > j.items) threads = (int)j.items;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tid[started], 0, worker, &j) == 0) started++;
-        else rc = -1;
+    if (threads <= 1) worker(&j);
+    else {
+#pragma omp parallel num_threads(threads)
+        worker(&j);
     }
-    worker(&j);
-    for (int t = 0; t < started; t++) pthread_join(tid[t], 0);
-    return rc;
+    return 0;
 }

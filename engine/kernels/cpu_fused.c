@@ -1,7 +1,7 @@
 /* Fused per-layer CPU ops: one pass over memory where the torch reference takes several (and as
  * many temporaries). Each reads float32 or bfloat16 (bf16 != 0) and computes in float32; bfloat16
- * results are rounded to nearest-even once. Rows are split across `threads` pthreads (the caller is
- * one). Built with the attention kernel by engine/kernels/cpu_native.py; references in
+ * results are rounded to nearest-even once. Rows are split across `threads` OpenMP threads (torch's
+ * runtime, as for the attention kernel). Built with the attention kernel by engine/kernels/cpu_native.py; references in
  * engine/kernels/fused.py.
  *
  *   rms_norm:      out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w          (x rows strided)
@@ -10,7 +10,6 @@
  *   silu_mul:      out[r, i] = silu(gu[r, i]) * gu[r, inter + i]
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -62,12 +61,11 @@ static void par_rows(row_fn fn, const void *args, int64_t rows, int threads) {
     if (threads > 64) threads = 64;
     if (threads < 1 || rows < 2) threads = 1;
     par_t p = {fn, args, rows, rows / (threads * 4) > 0 ? rows / (threads * 4) : 1, 0};
-    pthread_t tid[64];
-    int started = 0;
-    for (int t = 1; t < threads; t++)
-        if (pthread_create(&tid[started], 0, par_worker, &p) == 0) started++;
-    par_worker(&p);
-    for (int t = 0; t < started; t++) pthread_join(tid[t], 0);
+    if (threads == 1) par_worker(&p);
+    else {
+#pragma omp parallel num_threads(threads)
+        par_worker(&p);
+    }
 }
 
 /* ---- RMSNorm (with the residual add) ---- */

@@ -8,8 +8,12 @@ path spent ~250 ms per step of SmolLM2 in attention, the kernel ~40 ms; ``pdserv
 It reads float32 and bfloat16 pools (bfloat16 keys are widened as they are read; the query, the sums
 and the output are float32).
 
-Build: ``cc -O3 -march=native -fopenmp-simd -shared`` (no OpenMP runtime: the kernel starts its own
-pthreads, so it never fights torch's OpenMP pool) into ``$PDSERVE_KERNEL_CACHE`` (default
+Build: ``cc -O3 -march=native -fopenmp -shared``, linked to ``libgomp.so.1``: loaded after torch, that
+soname resolves to the runtime torch already mapped, so the kernels' parallel regions run on torch's
+own warm OpenMP workers (a second pool, or pthreads started per call, fought torch's spinning
+workers for the cores: measured slower with two threads than with one). ``openmp_shared()`` checks
+that one OpenMP runtime is mapped; where it is not, every call gets one thread. Into
+``$PDSERVE_KERNEL_CACHE`` (default
 ``~/.cache/pdserve/kernels``) under a name hashed from the source, the flags and the CPU's flags;
 written to a temporary file and renamed, so workers starting together never load a half-written
 library. ``load()`` returns None when there is no compiler or the build fails (logged once): the
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_fused.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM = 1024
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 DTYPES = (torch.float32, torch.bfloat16)
@@ -111,16 +115,33 @@ def supports(pool_buffer: torch.Tensor) -> bool:
             and pool_buffer.stride(-1) == 1 and pool_buffer.shape[-1] <= MAX_HEAD_DIM and load() is not None)
 
 
-# Multiply-adds one kernel thread should have before another is worth starting: the kernel starts and
-# joins its pthreads on every call, and on a busy core (torch's OpenMP workers spin between ops) a
-# start costs hundreds of microseconds. 2^22 is about a millisecond of one core's work.
-WORK_PER_THREAD = 1 << 22
+# Multiply-adds one kernel thread should have before another is worth waking: torch's OpenMP workers
+# are warm (spinning between ops), so a parallel region costs a few microseconds; 2^17 is ~50 us of
+# one core's work on a batch read from memory (measured in a serving step, not from cache).
+WORK_PER_THREAD = 1 << 17
+
+
+@functools.lru_cache(maxsize=1)
+def openmp_shared() -> bool:
+    """True iff at most one OpenMP runtime (libgomp / libiomp) is mapped into this process after the
+    kernels loaded, i.e. their parallel regions use torch's pool. False where it cannot be read."""
+    if load() is None:
+        return False
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "libiomp" in line}
+    return len(paths) <= 1
 
 
 def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:
     """Threads for one call that reads ``keys`` key positions in all (summed over the batch) for
     ``heads`` query heads of ``head_dim``: one per ``WORK_PER_THREAD`` multiply-adds, at least one,
-    at most ``available``. The result does not change the output (each item is one thread's)."""
+    at most ``available``; one when the kernels could not share torch's OpenMP runtime. The result
+    does not change the output (each item is one thread's)."""
+    if not openmp_shared():
+        return 1
     return max(1, min(available, keys * heads * head_dim // WORK_PER_THREAD))
 
 

@@ -13,11 +13,15 @@ import torch.nn.functional as F
 
 from engine.kernels import cpu_native
 
-# The C ops run on the calling thread: a pthread started next to torch's OpenMP workers (which spin
-# between ops) was measured slower than one thread at every prefill size here. Single-threaded,
-# RMSNorm and rotary beat torch's multi-threaded ops at every size; SiLU-and-multiply only while
-# small (its exp is the work), so above SILU_MAX_ELEMENTS it stays on torch.
-SILU_MAX_ELEMENTS = 1 << 17
+# Elements from which an op's rows are split over torch's OpenMP threads (the kernels share torch's
+# runtime, so a parallel region costs microseconds; below this one thread is faster).
+PARALLEL_ELEMENTS = 1 << 15
+
+
+def _threads(elements: int) -> int:
+    if elements < PARALLEL_ELEMENTS or not cpu_native.openmp_shared():
+        return 1
+    return torch.get_num_threads()
 
 
 def _native(*tensors: torch.Tensor):
@@ -48,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     row_stride = x.stride(-2) if x.dim() >= 2 else dim
     out = torch.empty(x.shape, dtype=x.dtype)
     lib.pdserve_rms_norm(x.data_ptr(), row_stride if x.dim() == 2 else dim, weight.data_ptr(), out.data_ptr(),
-                         rows, dim, eps, int(x.dtype == torch.bfloat16), 1)
+                         rows, dim, eps, int(x.dtype == torch.bfloat16), _threads(x.numel()))
     return out
 
 
@@ -64,7 +68,7 @@ def add_rms_norm(h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     dim = h.shape[-1]
     out = torch.empty_like(h)
     lib.pdserve_add_rms_norm(h.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                             h.numel() // dim, dim, eps, int(h.dtype == torch.bfloat16), 1)
+                             h.numel() // dim, dim, eps, int(h.dtype == torch.bfloat16), _threads(h.numel()))
     return h, out
 
 
@@ -90,7 +94,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     if int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]:
         raise IndexError(f"rotary position outside 0..{cos.shape[0] - 1}")
     lib.pdserve_rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     x.shape[0], x.shape[1], x.shape[2], int(x.dtype == torch.bfloat16), 1)
+                     x.shape[0], x.shape[1], x.shape[2], int(x.dtype == torch.bfloat16), _threads(x.numel()))
     return x
 
 
@@ -102,12 +106,11 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``[rows, 2 * inter]`` (gate first): ``[rows, inter]``."""
     lib = _native(gate_up)
-    if (lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2
-            or gate_up.numel() > SILU_MAX_ELEMENTS):
+    if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
         return silu_mul_ref(gate_up)
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     if rows:
         lib.pdserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter,
-                             int(gate_up.dtype == torch.bfloat16), 1)
+                             int(gate_up.dtype == torch.bfloat16), _threads(gate_up.numel()))
     return out
