@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from cache.kv_pool import KVPool
 from cache.kv_pools import KVPools
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.kernels import fused
 
 
 @dataclass
@@ -197,10 +198,26 @@ class CpuBackend(TorchBackend):
         self.threads = threads
         self._ranges: dict[tuple[ForwardMode, str, int | None],
                            tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        self._slots: dict[str, torch.Tensor] = {}
 
     def prepare(self, batch: ForwardBatch) -> None:
         super().prepare(batch)
         self._ranges = {}
+        self._slots: dict[str, torch.Tensor] = {}
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> None:
+        """The C row copy (``fused.store_kv``) where it applies, torch's index_put otherwise. Slots
+        are range-checked once per step and pool: the kernel writes raw memory."""
+        name, pool, local = self._layer(layer)
+        slots = self._slots.get(name)
+        if slots is None:
+            slots = self._batch.pool_index(name)[1].to(torch.int64).contiguous()
+            limit = pool.num_pages * pool.page_size
+            if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < limit):
+                raise IndexError(f"{name} slot outside 0..{limit - 1}")
+            self._slots[name] = slots
+        if not fused.store_kv(pool.buffer, local, slots, k, v):
+            super().store(k, v, layer)
 
     def _range_of(self, batch: ForwardBatch, name: str,
                   window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

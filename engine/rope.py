@@ -16,8 +16,11 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(torch.float32).to(device)
         self.sin = emb.sin().to(torch.float32).to(device)
+        self._checked: torch.Tensor | None = None  # the positions last range-checked (every layer reuses them)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[tokens, heads, head_dim]`` by ``positions`` ``[tokens]``; on the CPU kernel
         path in place (``engine.kernels.fused.rope``), so callers pass tensors they own."""
-        return fused.rope(x, positions, self.cos, self.sin)
+        out = fused.rope(x, positions, self.cos, self.sin, check=positions is not self._checked)
+        self._checked = positions  # reached only if the check passed (or the torch path ran)
+        return out

@@ -92,3 +92,43 @@ def test_without_the_kernels_every_op_is_the_reference(monkeypatch):
     assert torch.equal(fused.silu_mul(gu), fused.silu_mul_ref(gu))
     s, out = fused.add_rms_norm(x.clone(), x, w, 1e-5)
     assert torch.equal(s, x + x) and torch.equal(out, fused.rms_norm_ref(x + x, w, 1e-5))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_index_put_writes_and_nothing_else(dtype):
+    pages, layers, P, heads, dim = 6, 3, 4, 2, 16
+    buf = _rand(pages, layers, 2, P, heads, dim, dtype=dtype)
+    want = buf.clone()
+    qkv = _rand(5, 3 * heads * dim, dtype=dtype, seed=4)
+    k = qkv[:, heads * dim:2 * heads * dim].view(5, heads, dim)  # strided views, as the model passes them
+    v = qkv[:, 2 * heads * dim:].view(5, heads, dim)
+    slots = torch.tensor([0, 5, 7, 22, 13])
+    want[slots // P, 1, :, slots % P] = torch.stack((k, v), 1)
+    assert fused.store_kv(buf, 1, slots, k, v)
+    assert torch.equal(buf, want)
+
+
+def test_store_kv_declines_what_it_cannot_copy():
+    buf = torch.zeros(2, 1, 2, 4, 2, 8)
+    k = torch.zeros(3, 2, 8, dtype=torch.float64)
+    assert not fused.store_kv(buf, 0, torch.tensor([0, 1, 2]), k, k)  # another dtype
+    k32 = torch.zeros(3, 8, 2).transpose(1, 2)  # head rows not contiguous
+    assert not fused.store_kv(buf, 0, torch.tensor([0, 1, 2]), k32, k32)
+
+
+@needs_kernel
+def test_cpu_backend_refuses_a_slot_outside_the_pool():
+    from cache.kv_pools import KVPools
+    from engine.attention import CpuBackend
+    from tests.test_cpu_attention import _decode_batch, _windows, TYPES, PAGE
+
+    pools = KVPools(8, 8, TYPES, PAGE, 2, 16, torch.float32, "cpu")
+    batch = _decode_batch(pools, [3, 9], 8)
+    backend = CpuBackend(pools, 4, 0.25, _windows(8), threads=1)
+    backend.prepare(batch)
+    name = pools.layer_pool[1][0]
+    table, slots = batch.pool_index(name)
+    slots.fill_(pools.pool(name).num_pages * PAGE)  # one past the end
+    with pytest.raises(IndexError, match="slot outside"):
+        backend.store(torch.zeros(2, 2, 16), torch.zeros(2, 2, 16), 1)

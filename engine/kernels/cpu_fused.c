@@ -188,3 +188,20 @@ void pdserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, in
     silu_t p = {gu, out, inter, bf16};
     par_rows(silu_rows, &p, rows, threads);
 }
+
+/* ---- KV store: each new token's K and V rows into its slot of one layer of the paged pool ---- */
+
+/* kv: the layer's base in the pool (element size `esize`); slot s lands at page s / P, offset s % P:
+ * K at kv + page * page_stride + off * tok_stride, V `v_off` elements further. k, v: `tokens` rows of
+ * `row` elements, `k_stride` / `v_stride` elements apart (views of a fused QKV row are fine). The
+ * caller checks every slot is inside the pool. */
+void pdserve_store_kv(void *kv, int64_t page_stride, int64_t v_off, int64_t tok_stride, int64_t P,
+                      const int64_t *slots, const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                      int64_t tokens, int64_t row, int64_t esize) {
+    char *base = (char *)kv;
+    for (int64_t t = 0; t < tokens; t++) {
+        char *dst = base + ((slots[t] / P) * page_stride + (slots[t] % P) * tok_stride) * esize;
+        memcpy(dst, (const char *)k + t * k_stride * esize, row * esize);
+        memcpy(dst + v_off * esize, (const char *)v + t * v_stride * esize, row * esize);
+    }
+}

@@ -103,6 +103,7 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
         "pdserve_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, f32, i32, i32],
         "pdserve_rope": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32],
         "pdserve_silu_mul": [_PTR, _PTR, _I64, _I64, i32, i32],
+        "pdserve_store_kv": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

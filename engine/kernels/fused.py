@@ -80,18 +80,20 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     return (xf * c + rotated * s).to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         check: bool = True) -> torch.Tensor:
     """``x`` ``[tokens, heads, head_dim]`` rotated by ``positions`` (rotate_half convention; ``cos``/
     ``sin`` float32 ``[max_positions, head_dim]``). The kernel path rotates ``x`` in place (heads and
     head_dim contiguous, tokens strided: a view of a fused QKV row is fine) and returns it; the
-    caller must not need the unrotated values."""
+    caller must not need the unrotated values. ``check=False``: the caller already checked these
+    positions against the table (the kernel reads the table at them unchecked)."""
     lib = _native(x)
     ok = (lib is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
           and positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == torch.float32
           and cos.is_contiguous() and sin.is_contiguous() and x.shape[0] == positions.numel())
     if not ok or x.shape[0] == 0:
         return rope_ref(x, positions, cos, sin)
-    if int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]:
+    if check and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
         raise IndexError(f"rotary position outside 0..{cos.shape[0] - 1}")
     lib.pdserve_rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                      x.shape[0], x.shape[1], x.shape[2], int(x.dtype == torch.bfloat16), _threads(x.numel()))
@@ -114,3 +116,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         lib.pdserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter,
                              int(gate_up.dtype == torch.bfloat16), _threads(gate_up.numel()))
     return out
+
+
+def store_kv(buffer: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Write ``k``/``v`` ``[tokens, heads, dim]`` into slots ``slots`` (int64, already checked to be
+    inside the pool) of ``layer`` of a ``[pages, layers, 2, P, heads, dim]`` pool ``buffer``, in
+    place. Returns False (nothing written) where the kernel does not apply: the caller then stores
+    with torch. Rows of ``k``/``v`` may be strided (views of a fused QKV row); each row contiguous."""
+    lib = _native(buffer, k, v)
+    if (lib is None or k.dim() != 3 or v.dim() != 3 or k.shape != v.shape or k.shape[1:] != buffer.shape[4:]
+            or not buffer.is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous()
+            or k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]
+            or slots.numel() != k.shape[0]):
+        return False
+    s = buffer.stride()
+    base = buffer.data_ptr() + layer * s[1] * buffer.element_size()
+    lib.pdserve_store_kv(base, s[0], s[2], s[3], buffer.shape[3], slots.data_ptr(), k.data_ptr(), k.stride(0),
+                         v.data_ptr(), v.stride(0), k.shape[0], k.shape[1] * k.shape[2], buffer.element_size())
+    return True
