@@ -113,3 +113,23 @@ def test_a_mixed_step_needs_decode_rows_first(num_decode):
         runner.build_batch(ForwardMode.MIXED, dec + ext, num_decode=num_decode)
     with pytest.raises(ValueError, match="one-token decode rows first"):  # an extend row of 9 tokens leads
         runner.build_batch(ForwardMode.MIXED, ext + dec, num_decode=1)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_cpu_extend_through_the_paged_kernel_equals_the_torch_backend(window):
+    """A pure EXTEND step (fresh prompt, radix hit, one-token chunk) on the CPU backend, one kernel
+    row per new token reading its keys from the pool, against torch's per-request SDPA."""
+    runner, dec, ext, qkv = _case(seed=7 if window is None else 8)
+    windows, rows = [None, window], slice(len(dec), None)
+    start = runner.pools.units.clone()
+    batch = runner.build_batch(ForwardMode.EXTEND, ext)
+    want = _run(TorchBackend(runner.pools, runner.model_config.num_heads, 0.25, windows), batch, qkv, rows)
+    runner.pools.units.copy_(start)
+    backend = _backend("cpu", runner, windows)
+    kernel = backend._extend_range_of
+    used = []
+    backend._extend_range_of = lambda *a: used.append(1) or kernel(*a)
+    got = _run(backend, batch, qkv, rows)
+    assert len(used) == len(qkv)  # every layer took the kernel (all prompts here are short)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
