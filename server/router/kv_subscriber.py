@@ -94,7 +94,8 @@ class KvSubscriber:
                 if self.sock is not None:
                     self.sock.connect(addr)
                 self.connected[h.worker_id] = addr
-                self.asked_at.pop(h.worker_id, None)
+                # the first ask waits a tick: a snapshot published before the connection is up is lost
+                self.asked_at[h.worker_id] = self.clock() - self.resync_s + self.tick_s
             self._check_behind(h)
             if self.index.needs_snapshot(h.worker_id):
                 known = self.index.workers.get(h.worker_id)
