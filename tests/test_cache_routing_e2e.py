@@ -80,6 +80,12 @@ def test_second_turn_lands_on_the_replica_holding_the_first(launched_server, emb
     assert delta("pdserve_prompt_tokens_total", worker="colocated-0") == 0
     assert delta("pdserve_cached_prompt_tokens_total", worker="colocated-1") >= len(b1_ids) // PAGE * PAGE
     assert delta("pdserve_routing_decisions_total", reason="prefix") == 1
+    # every feed message the workers published in between reached the router's index, and every
+    # snapshot the router asked for was published once
+    published = sum(delta("pdserve_worker_kv_events_published_total", worker=w) for w in workers)
+    assert published >= 1 and delta("pdserve_router_kv_events_total") == published
+    assert sum(metric_sum(m2, "pdserve_worker_kv_snapshots_published_total", worker=w) for w in workers) \
+        == metric_sum(m2, "pdserve_router_kv_resyncs_total") >= 2
     with torch.no_grad():
         out = hf_embedded.generate(torch.tensor([b2_ids]), max_new_tokens=8, do_sample=False)
     assert b2["token_ids"] == out[0, len(b2_ids):].tolist()
