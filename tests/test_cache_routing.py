@@ -151,20 +151,34 @@ def test_a_worker_feed_keeps_the_index_equal_to_its_tree_through_a_lost_message(
             feed.flush()
             await _until(lambda: same() and h.client.asked[-1] == "gap")
             assert index.size("p0") == 0 and h.client.asked.count("gap") == 1
+            # the worker restarts: a new process (instance), a new feed port, a cache of its own
+            tree.insert(PROMPT[:8], [0, 1])
+            feed.flush()
+            await _until(lambda: same() and index.size("p0") == 2)
+            new_tree = RadixCache(PS)
+            new_tree.insert(PROMPT[4:12], [5, 6])
+            restarted.append(KvFeed(new_tree, "tcp://127.0.0.1:9", "p0", "inst-2", auth))
+            h.client.feed = restarted[0]
+            h.stats = h.stats.model_copy(update={"instance": "inst-2", "kv_events_port": restarted[0].port})
+            await _until(lambda: not index.needs_snapshot("p0") and index.held("p0") == frozenset(tree_hashes(new_tree)))
+            assert h.client.asked[-1] == "restart" and index.cached_pages("p0", page_hashes(PROMPT, PS)) == 0
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    restarted: list[KvFeed] = []
     try:
         asyncio.run(scenario())
     finally:
-        feed.close()
+        for f in (feed, *restarted):
+            f.close()
     initial = h.client.asked.count("initial")  # one, or more when a snapshot beat the connection
+    restarts = h.client.asked.count("restart")  # one, or more when the new feed's first snapshot was early
     assert _series(metrics, "pdserve_router_kv_resyncs_total") == {
-        (("cause", "gap"),): 1.0, (("cause", "initial"),): float(initial), (("cause", "restart"),): 0.0}
-    assert 2 <= _series(metrics, "pdserve_router_kv_snapshots_total")[()] <= 1 + initial
-    assert _series(metrics, "pdserve_router_kv_events_total") == {(): 1.0}  # the flush after the gap is not applied
-    assert _series(metrics, "pdserve_router_kv_index_pages") == {(("worker", "p0"),): 0.0}
+        (("cause", "gap"),): 1.0, (("cause", "initial"),): float(initial), (("cause", "restart"),): float(restarts)}
+    assert 3 <= _series(metrics, "pdserve_router_kv_snapshots_total")[()] <= 1 + initial + restarts
+    assert _series(metrics, "pdserve_router_kv_events_total") == {(): 2.0}  # the flush after the gap is not applied
+    assert _series(metrics, "pdserve_router_kv_index_pages") == {(("worker", "p0"),): 2.0}
 
 
 def test_a_router_without_the_cluster_key_gets_nothing_from_a_curve_feed():

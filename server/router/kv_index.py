@@ -108,6 +108,14 @@ class KvIndex:
             w.hashes.popitem(last=False)
             self.counters.dropped += 1
 
+    def observe_instance(self, worker_id: str, instance: str) -> bool:
+        """The worker's heartbeat names its process: True when that is a new process of a worker
+        the index knew (its set is dropped, not synced, until a snapshot of the new process)."""
+        known = self.workers.get(worker_id)
+        restarted = known is not None and bool(known.instance) and known.instance != instance
+        self._entry(worker_id, instance)
+        return restarted
+
     def mark_lost(self, worker_id: str) -> None:
         """The worker's feed went further than this index saw (its heartbeat reported a later
         ``seq`` and no message came): drop its set, not synced, until the next snapshot."""

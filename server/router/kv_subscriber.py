@@ -50,6 +50,7 @@ class KvSubscriber:
         self.asked_at: dict[str, float] = {}  # worker id -> when a snapshot was last requested
         self.resyncs: dict[str, int] = {"initial": 0, "gap": 0, "restart": 0}
         self.behind: dict[str, tuple[int, float]] = {}  # worker id -> (seq its stats reported, when seen)
+        self.cause: dict[str, str] = {}  # worker id -> why its index is out of sync (gap, restart; else initial)
         self.sock: zmq.asyncio.Socket | None = None
 
     def open(self) -> None:
@@ -96,13 +97,13 @@ class KvSubscriber:
                 self.connected[h.worker_id] = addr
                 # the first ask waits a tick: a snapshot published before the connection is up is lost
                 self.asked_at[h.worker_id] = self.clock() - self.resync_s + self.tick_s
+            if self.index.observe_instance(h.worker_id, h.stats.instance):
+                self.cause[h.worker_id] = "restart"
             self._check_behind(h)
             if self.index.needs_snapshot(h.worker_id):
-                known = self.index.workers.get(h.worker_id)
-                cause = "initial" if known is None or known.seq == 0 else "gap"
-                if known is not None and known.instance and h.stats.instance != known.instance:
-                    cause = "restart"
-                self.ask(h, cause)
+                self.ask(h, self.cause.get(h.worker_id, "initial"))
+            else:
+                self.cause.pop(h.worker_id, None)
 
     def _check_behind(self, h: WorkerHandle) -> None:
         """A heartbeat reported a feed ``seq`` the index has not reached: if it still has not after
@@ -117,6 +118,7 @@ class KvSubscriber:
                      h.worker_id, applied, seen[0])
             self.behind.pop(h.worker_id, None)
             self.index.mark_lost(h.worker_id)
+            self.cause[h.worker_id] = "gap"
 
     def _disconnect(self, worker_id: str) -> None:
         addr = self.connected.pop(worker_id, None)
@@ -164,7 +166,8 @@ class KvSubscriber:
             known = self.index.workers.get(h.worker_id)
             restarted = known is not None and bool(known.instance) and known.instance != msg.instance
             if not self.index.apply_events(h.worker_id, msg.instance, msg.seq, msg.unpack(frames[0])) and was_synced:
+                self.cause[h.worker_id] = "restart" if restarted else "gap"
                 self.asked_at.pop(h.worker_id, None)
-                self.ask(h, "restart" if restarted else "gap")
+                self.ask(h, self.cause[h.worker_id])
         except ProtocolError as e:
             log.error("bad KV event feed message: %s", e)
