@@ -16,6 +16,7 @@ from bench.serve import report
 from bench.serve.client import ClientConfig, served_model
 from bench.serve.cpu import CpuMeter
 from bench.serve.interference import InterferenceSpec, interference_records, interference_requests
+from bench.serve.multiturn import multi_turn_records, run_multi_turn
 from bench.serve.options import ServeOptions, add_serve_flags
 from bench.serve.report import RunRecord
 from bench.serve.runner import closed_loop, open_loop
@@ -31,6 +32,7 @@ class ServeBench:
 
     def __init__(self, args: argparse.Namespace, opts: ServeOptions, counter: LengthCounter) -> None:
         self.a, self.o, self.counter = args, opts, counter
+        self.cache_effects: dict[str, dict] = {}  # --multi-turn: target -> CacheEffect.to_dict()
         lo, hi = opts.input_range
         self.shape = PromptShape(args.num_prompts, lo, hi, args.output_len, args.shared_prefix_len)
         self.warm_shape = PromptShape(args.warmup, lo, hi, min(args.output_len, 8), args.shared_prefix_len)
@@ -52,6 +54,12 @@ class ServeBench:
         its launcher, each record also gets the CPU seconds of the router and every worker."""
         cfg = self._client(url)
         show = not self.a.no_progress
+        if self.o.multi_turn is not None:
+            meter = _meter(launcher_pid)
+            measured, effect = run_multi_turn(cfg, self.o.multi_turn, self.counter, self.a.workload_seed, show, meter)
+            self.cache_effects[target] = effect.to_dict()
+            records = multi_turn_records(target, measured, self.o.slo, self.o.multi_turn.turns)
+            return [_with_cpu(records[0], meter), *records[1:]]  # CPU belongs to the whole run
         if self.a.interference:
             meter = _meter(launcher_pid)
             measured = asyncio.run(open_loop(cfg, self.interference_specs(), self._warmup(0), show, "interference",
@@ -125,13 +133,16 @@ class ServeBench:
             print(f"\nratios {other} / {modes[0]} (same workload, one run):")
             print(report.ratios_table(rows, modes[0], other))
         self._print_cpu(records)
+        if self.cache_effects:
+            print("\nmulti-turn cache effect (from each server's /metrics over the run):")
+            print(report.cache_table(self.cache_effects))
         failed = sum(r.stats.failed for r in records if r.kind in ("all", "mixed"))
         if failed:
             print(f"\n{failed} request(s) failed; first errors: "
                   f"{sorted({e for r in records for e in r.stats.errors})[:3]}")
         return {"benchmark": "pdserve bench serve", "argv": sys.argv[1:], "tokenizer": self.counter.name,
                 "settings": {k: v for k, v in vars(self.a).items() if k != "func"},
-                "runs": [r.to_dict() for r in records], "ratios": ratio_rows}
+                "runs": [r.to_dict() for r in records], "ratios": ratio_rows, "cache_effect": self.cache_effects}
 
 
 def _meter(launcher_pid: int | None) -> CpuMeter | None:

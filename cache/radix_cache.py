@@ -57,6 +57,7 @@ from typing import Sequence
 
 import numpy as np
 
+from cache.kv_events import KvEventLog, path_key
 from cache.radix_node import EMPTY_PAGES, InsertResult, MatchResult, TreeNode, as_pages, as_tokens
 
 __all__ = ["RadixCache", "TreeNode", "MatchResult", "InsertResult"]
@@ -71,6 +72,7 @@ class RadixCache:
         self._epoch = 0
         self._next_id = 0
         self._clock = 0
+        self.events: KvEventLog | None = None  # set by a worker that publishes its cache (KV events)
         self._init_tree()
 
     # ------------------------------------------------------------------ internals
@@ -149,6 +151,8 @@ class RadixCache:
             raise ValueError("node handle refers to an evicted node")
 
     def _remove_leaf(self, node: TreeNode) -> None:
+        if self.events is not None:
+            self.events.removed(path_key(node), len(node.pages))
         parent = node.parent
         del parent.children[node.key[: self.page_size]]
         self._leaves.discard(node)
@@ -211,6 +215,8 @@ class RadixCache:
             self._leaves.discard(node)
             self._leaves.add(new)
             self._total += len(new.pages)
+            if self.events is not None:
+                self.events.stored(key, cached_pages)
             # A new leaf under a locked node is itself unlocked: it counts as evictable.
             node = new
         return InsertResult(num_cached_tokens=num_cached, node=node, duplicate_pages=duplicates)
@@ -288,6 +294,8 @@ class RadixCache:
             raise RuntimeError(f"reset() with {self.root.lock_ref} outstanding lock(s)")
         pages = self.all_pages()
         self._init_tree()
+        if self.events is not None:
+            self.events.cleared()
         return pages
 
     def check_integrity(self) -> None:

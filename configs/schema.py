@@ -28,6 +28,13 @@ class ClusterConfig(BaseModel):
     decode: int = Field(1, ge=1, description="number of decode workers (pd mode)")
     replicas: int = Field(1, ge=1, description="number of colocated workers (colocated mode): data-parallel "
                                                "replicas behind one router, balanced by their reported load")
+    routing: Literal["least-loaded", "cache-aware"] = Field(
+        "least-loaded", description="router: how a request picks its workers: least-loaded (fewest requests held), "
+                                    "or cache-aware (the pair whose radix caches hold most of the prompt, from the "
+                                    "workers' KV event feeds, weighed against load: server/router/cache_routing.py)")
+    routing_balance_slack: int = Field(
+        4, ge=0, description="cache-aware routing: a worker holding more than this many requests above the least "
+                             "loaded worker of its role gets none of the cache-driven picks (a hot prefix spills)")
     base_port: int = Field(29500, ge=1024, le=65000, description="first port of the workers' control sockets")
     transfer_backend: Literal["nixl", "ucxx", "loopback"] = Field(
         "nixl", description="KV data plane: nixl (UCX one-sided writes) or ucxx (UCX tagged messages, needs "

@@ -30,8 +30,8 @@ from server.testing.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
 from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
-                                    PrefillFailed, PrefillRequest, Shutdown, StatsRequest, TokenBatch, TokenDelta,
-                                    WorkerStats, decode, encode, ids_frame)
+                                    KvEvents, KvSnapshot, KvSnapshotRequest, PrefillFailed, PrefillRequest, Shutdown, StatsRequest, TokenBatch, TokenDelta,
+                                    WorkerStats, decode, encode, hashes_frame, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.process
@@ -62,6 +62,10 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "WorkerStats": encode(stats),
         "Shutdown": encode(Shutdown()),
         "Drain": encode(Drain(reason="evil")),  # accepted, it would take the worker out of rotation
+        "KvSnapshotRequest": encode(KvSnapshotRequest(reason="evil")),
+        "KvEvents": encode(KvEvents(worker_id="evil", instance="x", seq=1, pool="full", kinds=["cleared"], counts=[0]),
+                           hashes_frame([])),
+        "KvSnapshot": encode(KvSnapshot(worker_id="evil", instance="x", seq=1, pool="full"), hashes_frame([1])),
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out

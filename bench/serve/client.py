@@ -34,6 +34,7 @@ class RequestResult:
     output_tokens: int = 0
     usage_reported: bool = False
     error: str | None = None
+    output_text: str = ""  # what the stream said (multi-turn conversations append it to the next turn)
 
     @property
     def tpot_s(self) -> float | None:
@@ -61,7 +62,8 @@ def request_body(cfg: ClientConfig, spec: RequestSpec) -> dict:
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        turns = spec.messages or (("user", spec.prompt),)
+        body["messages"] = [{"role": role, "content": content} for role, content in turns]
     else:
         body["prompt"] = spec.prompt
     return body
@@ -93,7 +95,8 @@ class StreamRecorder:
             err = event["error"]
             self.r.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
             return
-        if _chunk_text(event):
+        if text := _chunk_text(event):
+            self.r.output_text += text
             if self._last is None:
                 self.r.ttft_s = now - self.r.start_s
             else:

@@ -10,6 +10,7 @@ import math
 import shlex
 from dataclasses import dataclass
 
+from bench.serve.multiturn import MultiTurnSpec
 from bench.serve.servers import parse_modes
 from bench.serve.stats import SLO
 
@@ -56,6 +57,15 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-input-len-range", default="1500,2000", metavar="LO,HI")
     g.add_argument("--long-output-len", type=int, default=16)
     g.add_argument("--long-request-rate", type=float, help="default: spread over the short stream's duration")
+    g.add_argument("--multi-turn", action="store_true",
+                   help="multi-turn chat: --users conversations of --turns turns, each turn resending the "
+                        "conversation so far (an --input-len opening, the answers, --turn-input-len questions) "
+                        "after --think-time-s; reports TTFT per turn, prefix hit rate per side, KV bytes shipped")
+    g.add_argument("--users", type=int, default=16, help="--multi-turn: concurrent conversations")
+    g.add_argument("--turns", type=int, default=6, help="--multi-turn: turns per conversation")
+    g.add_argument("--turn-input-len", type=int, default=64, help="--multi-turn: tokens of each new question")
+    g.add_argument("--think-time-s", type=float, default=1.0,
+                   help="--multi-turn: mean pause between a user's turns (exponential; 0: none)")
 
 
 def _range(text: str, flag: str) -> tuple[int, int]:
@@ -108,6 +118,7 @@ class ServeOptions:
     modes: list[str] | None
     server_args: list[str]
     targets: tuple[tuple[str, str], ...] = ()
+    multi_turn: MultiTurnSpec | None = None
 
     @property
     def target_names(self) -> list[str]:
@@ -116,6 +127,9 @@ class ServeOptions:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "ServeOptions":
+        if a.multi_turn and (a.concurrency or a.request_rate or a.interference):
+            raise ValueError("--multi-turn sets its own load (--users conversations): drop --concurrency, "
+                             "--request-rate and --interference")
         if a.concurrency and a.request_rate:
             raise ValueError("give --concurrency (closed loop) or --request-rate (open loop), not both")
         if a.interference and a.concurrency:
@@ -132,6 +146,8 @@ class ServeOptions:
             raise ValueError("--num-prompts and --output-len must be >= 1, --warmup >= 0")
         inp = _range(a.input_len_range, "--input-len-range") if a.input_len_range else _range(str(a.input_len),
                                                                                               "--input-len")
+        multi = (MultiTurnSpec(a.users, a.turns, inp[0], a.turn_input_len, a.output_len, a.think_time_s)
+                 if a.multi_turn else None)
         return cls(conc, rates, inp, _range(a.long_input_len_range, "--long-input-len-range"),
                    SLO(a.slo_ttft_ms, a.slo_tpot_ms), parse_modes(a.compare) if a.compare else None,
-                   shlex.split(a.server_args), parse_targets(a.target, a.compare))
+                   shlex.split(a.server_args), parse_targets(a.target, a.compare), multi)

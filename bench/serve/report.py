@@ -31,7 +31,8 @@ class RunRecord:
         d = {k: v for k, v in asdict(self).items() if k not in ("results", "stats", "cpu_s", "cpu_wall_s")}
         d.update(cpu_fields(self.cpu_s, self.cpu_wall_s, self.stats.output_tokens))
         d["stats"] = self.stats.to_dict()
-        d["requests"] = [{**asdict(r), "tpot_s": r.tpot_s} for r in self.results]
+        d["requests"] = [{**{k: v for k, v in asdict(r).items() if k != "output_text"}, "tpot_s": r.tpot_s}
+                         for r in self.results]
         return d
 
 
@@ -108,6 +109,15 @@ def ratios_table(rows: list[dict], base: str, other: str) -> str:
     head = ("load", "kind", *(f"{m} {other}/{base}" for m in RATIO_METRICS))
     fmt = [(r["load"], r["kind"], *("-" if r[m] is None else f"{r[m]:.2f}x" for m in RATIO_METRICS)) for r in rows]
     return markdown_table(head, fmt)
+
+
+def cache_table(effects: dict[str, dict]) -> str:
+    """Per target: prefix hit rate of each worker role and KV bytes shipped per request."""
+    roles = sorted({role for e in effects.values() for role in e["hit_rate"]})
+    rows = [(target, *(f"{e['hit_rate'][r]:.1%}" if r in e["hit_rate"] else "-" for r in roles),
+             "-" if e["kv_bytes_per_request"] is None else f"{e['kv_bytes_per_request'] / 1e6:.2f}")
+            for target, e in effects.items()]
+    return markdown_table(("target", *(f"{r} hit rate" for r in roles), "KV MB shipped/req"), rows)
 
 
 def write_json(path: str | Path, payload: dict) -> None:

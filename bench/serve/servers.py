@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from server.testing.subprocess_server import LaunchedServer, free_port
 
 MODES = ("colocated", "pd")
+ROUTINGS = ("least-loaded", "cache-aware")  # a mode may name one: pd+cache-aware launches --routing cache-aware
 
 
 def config_flags(values: dict) -> list[str]:
@@ -26,18 +27,28 @@ def config_flags(values: dict) -> list[str]:
     return flags
 
 
+def _valid(mode: str) -> bool:
+    base, _, routing = mode.partition("+")
+    return base in MODES and (not routing or routing in ROUTINGS)
+
+
 def parse_modes(text: str) -> list[str]:
-    """``"colocated,pd"`` -> ``["colocated", "pd"]``; ``ValueError`` naming an unknown mode."""
+    """``"colocated,pd"`` -> ``["colocated", "pd"]`` (``pd+cache-aware``: a mode with its routing);
+    ``ValueError`` naming an unknown mode."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"--compare takes modes from {', '.join(MODES)} separated by commas; got {text!r}")
+    bad = [m for m in modes if not _valid(m)]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise ValueError(f"--compare takes distinct modes from {', '.join(MODES)}, each optionally +ROUTING "
+                         f"({', '.join(ROUTINGS)}), separated by commas; got {text!r}")
     return modes
 
 
 def launch_argv(mode: str, flags: list[str]) -> list[str]:
-    """``pdserve launch`` arguments for ``mode`` on an ephemeral HTTP port and free worker ports."""
-    return ["--mode", mode, "--port", "0", "--base-port", str(free_port()), "--log-level", "WARNING", *flags]
+    """``pdserve launch`` arguments for ``mode`` (``pd+cache-aware`` adds ``--routing cache-aware``)
+    on an ephemeral HTTP port and free worker ports."""
+    base, _, routing = mode.partition("+")
+    extra = ["--routing", routing] if routing else []
+    return ["--mode", base, *extra, "--port", "0", "--base-port", str(free_port()), "--log-level", "WARNING", *flags]
 
 
 @contextlib.contextmanager

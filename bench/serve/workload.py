@@ -99,6 +99,7 @@ class RequestSpec:
     output_len: int
     kind: str = "main"
     arrival_s: float | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # chat: (role, content) history; None: one user turn
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,8 @@ class Launcher:
             except (OSError, ValueError) as e:
                 raise LaunchError(f"cannot load the tokenizer: {e}") from None
             name = srv.served_model_name or path.stem
-            ctx = build_context(self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth))
+            ctx = build_context(self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth),
+                                auth=self.auth, zctx=zctx)
             config = uvicorn.Config(create_app(ctx), log_level=srv.log_level.lower(), lifespan="on",
                                     timeout_graceful_shutdown=5, access_log=srv.log_level == "DEBUG")
             self.server = _Server(config)

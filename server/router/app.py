@@ -38,7 +38,11 @@ from server.router.dashboard import add_dashboard_routes
 from server.router.discovery_watch import watches
 from server.router.errors import APIError
 from server.router.http_util import check_api_key, read_body
+from server.router.cache_routing import CacheAwarePolicy
 from server.router.inflight import InflightTable
+from server.router.kv_index import KvIndex
+from server.router.kv_metrics import KvIndexCollector
+from server.router.kv_subscriber import KvSubscriber
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
@@ -62,8 +66,11 @@ def zmq_client_factory(zctx: zmq.asyncio.Context, auth: ControlAuth) -> Callable
 
 
 def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, specs: list[WorkerSpec],
-                  client_factory: Callable[..., object]) -> RouterContext:
-    """Wire registry, in-flight table and metrics for ``specs`` (nothing connects until startup)."""
+                  client_factory: Callable[..., object], *, auth: ControlAuth | None = None,
+                  zctx: zmq.asyncio.Context | None = None) -> RouterContext:
+    """Wire registry, in-flight table and metrics for ``specs`` (nothing connects until startup).
+    With ``cluster.routing == "cache-aware"``, also the KV index, its subscriber (on ``zctx``,
+    authenticated by ``auth``; insecure when None) and the cache-aware policy."""
     table = InflightTable()
     registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
                         interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
@@ -78,7 +85,14 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table), queued, table.outstanding)
     admission.on_refused = lambda refused: metrics.observe_shed(refused.reason)
     admission.on_granted = lambda grant: metrics.queue_wait.observe(grant.waited_s)
-    return RouterContext(cfg, tokenizer, model_name, registry, table, metrics, admission)
+    subscriber = None
+    if cfg.cluster.routing == "cache-aware":
+        index = KvIndex()
+        registry.policy = CacheAwarePolicy(index, balance_slack=cfg.cluster.routing_balance_slack,
+                                           on_decision=metrics.observe_routing)
+        subscriber = KvSubscriber(index, lambda: registry.handles, auth or ControlAuth.insecure(), zctx)
+        metrics.registry.register(KvIndexCollector(subscriber))
+    return RouterContext(cfg, tokenizer, model_name, registry, table, metrics, admission, subscriber)
 
 
 def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
@@ -190,6 +204,8 @@ def create_app(ctx: RouterContext) -> FastAPI:
             await w.prepare()
         tasks = [asyncio.create_task(w.run(), name=f"discovery {w.source}") for w in found]
         tasks.append(asyncio.create_task(_pump(ctx), name="admission-pump"))
+        if ctx.kv_subscriber is not None:
+            tasks.append(asyncio.create_task(ctx.kv_subscriber.run(), name="kv-event-feeds"))
         try:
             yield
         finally:

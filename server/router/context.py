@@ -7,6 +7,7 @@ from configs.schema import PdserveConfig
 from engine.tokenizer import Tokenizer
 from server.router.admission import Admission
 from server.router.inflight import InflightTable
+from server.router.kv_subscriber import KvSubscriber
 from server.router.metrics import RouterMetrics
 from server.router.registry import Registry
 
@@ -14,7 +15,7 @@ from server.router.registry import Registry
 @dataclass
 class RouterContext:
     """The router's config, tokenizer, served model name, workers, in-flight table, metrics and
-    admission stage."""
+    admission stage; with cache-aware routing, the subscriber to the workers' KV event feeds."""
 
     cfg: PdserveConfig
     tokenizer: Tokenizer
@@ -23,3 +24,4 @@ class RouterContext:
     table: InflightTable
     metrics: RouterMetrics
     admission: Admission
+    kv_subscriber: KvSubscriber | None = None

@@ -4,7 +4,8 @@ Router series: ``pdserve_requests_total{status}`` (HTTP status of each generatio
 for a client that went away), ``pdserve_inflight_requests``, and the latency histograms
 ``pdserve_ttft_seconds``, ``pdserve_tpot_seconds``, ``pdserve_e2e_seconds`` (successful requests), and
 ``pdserve_router_retries_total`` (requests sent again on a fresh pair after a worker died before
-their first token).
+their first token), ``pdserve_routing_decisions_total{reason}`` (cache-aware routing's picks; its
+index series are in ``server.router.kv_metrics``).
 
 Admission (``server.router.admission``): ``pdserve_shed_requests_total{reason}`` (requests never
 forwarded: queue_full, queue_tokens, queue_wait, displaced -> 429; deadline -> 504; client_gone
@@ -52,6 +53,10 @@ WORKER_COUNTERS = {
     "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
     "retract_resumed": ("pdserve_retract_resumed", "Retracted requests resumed from the host pool"),
     "retract_recomputed": ("pdserve_retract_recomputed", "Retracted requests re-prefilled (host pool full/costlier)"),
+    "kv_events_published": ("pdserve_worker_kv_events_published", "KV event messages the worker published on "
+                            "its feed (cache-aware routing)"),
+    "kv_snapshots_published": ("pdserve_worker_kv_snapshots_published", "KV snapshots the worker published on "
+                               "its feed (a router asked to re-sync)"),
     "refused_control_connections": ("pdserve_worker_refused_control_connections", "Control connection attempts "
                                     "the worker refused: the peer did not hold the cluster key (--cluster-key)"),
     "mixed_steps": ("pdserve_worker_mixed_steps", "Forward steps that carried decode rows and a prefill chunk "
@@ -203,12 +208,19 @@ class RouterMetrics:
                             "reason", ["reason"], registry=r)
         self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time forwarded requests waited in the router's "
                                     "admission queue", buckets=QUEUE_BUCKETS, registry=r)
+        self.routing = Counter("pdserve_routing_decisions", "Cache-aware routing picks by reason: prefix (a chosen "
+                               "worker holds part of the prompt), load (none does), cap (the cheapest worker was "
+                               "over routing_balance_slack)", ["reason"], registry=r)
         r.register(WorkerCollector(handles))
         r.register(AdmissionCollector(queued, handles, outstanding))
 
     def observe_shed(self, reason: str) -> None:
         """Count one request the admission stage did not forward (``reason``: a ``Refused.reason`` or client_gone)."""
         self.shed.labels(reason=reason).inc()
+
+    def observe_routing(self, reason: str) -> None:
+        """Count one cache-aware routing decision (``reason``: prefix, load or cap)."""
+        self.routing.labels(reason=reason).inc()
 
     def observe_request(self, status: int) -> None:
         """Count one generation request that ended with HTTP ``status``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from server.router.inflight import InflightTable
@@ -104,17 +104,18 @@ class Registry:
                 log.info("worker %s removed: %s", h.worker_id, h.reason or "left discovery")
 
     # ---- routing and health ------------------------------------------------------------------
-    def route(self) -> Route:
-        """A route for a new request; raises ``NoWorkerAvailable`` naming each worker's state."""
+    def route(self, prompt_ids: Sequence[int] = ()) -> Route:
+        """A route for a new request of ``prompt_ids`` (the policy may score them against the
+        workers' caches); raises ``NoWorkerAvailable`` naming each worker's state."""
         ready = [h for h in self.handles.values() if h.state == READY]
         try:
             if ready:
-                return self.policy(ready, self.load)
+                return self.policy(ready, self.load, prompt_ids)
             raise NoWorkerAvailable("no worker is ready")
         except NoWorkerAvailable as e:
             raise NoWorkerAvailable(f"{e} ({self.describe()})") from None
 
-    def reroute(self, failed: Route) -> Route | None:
+    def reroute(self, failed: Route, prompt_ids: Sequence[int] = ()) -> Route | None:
         """A route for sending again a request that failed on ``failed`` because a worker of it died:
         the policy's pick among the ready workers outside ``failed`` (a fresh pair) when there is one,
         else among the ready workers but one of ``failed`` (the dead one is not ready; a peer that a
@@ -125,7 +126,7 @@ class Registry:
         for skip in (old, *({w} for w in sorted(old))):
             pool = [h for h in ready if h.worker_id not in skip]
             try:
-                route = self.policy(pool, self.load) if pool else None
+                route = self.policy(pool, self.load, prompt_ids) if pool else None
             except NoWorkerAvailable:
                 continue
             if route is not None and {h.worker_id for h in route.targets} != old:

@@ -72,7 +72,7 @@ class GenerationSession:
     def prepare(self) -> None:
         """Pick the route and check limits; raises ``APIError`` (503 / 400). Nothing is sent."""
         try:
-            self.route = self.registry.route()
+            self.route = self.registry.route(self.prompt_ids)
         except NoWorkerAvailable as e:
             raise APIError(503, f"no worker available: {e}", code="worker_unavailable") from None
         if self.auto_max_tokens:
@@ -139,7 +139,7 @@ class GenerationSession:
         token arrived and a retry is left; True when it went out again (see the module docstring)."""
         if failed.error_status != 503 or self.n_tokens or self.retries_left <= 0:
             return False
-        route = self.registry.reroute(self.route)
+        route = self.registry.reroute(self.route, self.prompt_ids)
         if route is None:
             return False
         try:

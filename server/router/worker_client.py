@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from transfer.control_auth import ControlAuth, HandshakeWatch
-from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, Message, PrefillRequest, ProtocolError, Shutdown,
+from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, KvSnapshotRequest, Message, PrefillRequest, ProtocolError, Shutdown,
                                StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
@@ -103,6 +103,11 @@ class WorkerClient:
     def request_stats(self, nonce: int) -> None:
         """Send a ``StatsRequest`` (heartbeat); raises ``WorkerUnavailable`` if it cannot be queued."""
         self._send(StatsRequest(nonce=nonce))
+
+    def request_kv_snapshot(self, reason: str) -> None:
+        """Ask the worker to publish a ``KvSnapshot`` on its KV event feed; ``WorkerUnavailable``
+        if it cannot be queued."""
+        self._send(KvSnapshotRequest(reason=reason))
 
     def drain(self, reason: str) -> None:
         """Ask the worker to drain (finish what it holds, take nothing new, exit); best effort."""

@@ -7,7 +7,7 @@ drain; not restarted), ``dead`` (silent or exited; its requests failed with 503)
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +84,9 @@ class NoWorkerAvailable(RuntimeError):
 
 
 Load = Callable[[str], Any]  # a sort key: smaller is less loaded
-Policy = Callable[[list[WorkerHandle], Load], Route]
+# (ready handles, load, the request's prompt token ids) -> route; the least-loaded policies ignore the prompt,
+# ``server.router.cache_routing.CacheAwarePolicy`` scores it against the workers' radix caches
+Policy = Callable[[list[WorkerHandle], Load, Sequence[int]], Route]
 
 
 def least_outstanding(handles: list[WorkerHandle], load: Load) -> WorkerHandle:
@@ -92,7 +94,7 @@ def least_outstanding(handles: list[WorkerHandle], load: Load) -> WorkerHandle:
     return min(handles, key=lambda h: (load(h.worker_id), h.worker_id))
 
 
-def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
+def route_colocated(ready: list[WorkerHandle], load: Load, prompt_ids: Sequence[int] = ()) -> Route:
     """Colocated mode: the least loaded ready colocated worker does everything."""
     workers = [h for h in ready if h.spec.role == Role.COLOCATED]
     if not workers:
@@ -101,7 +103,7 @@ def route_colocated(ready: list[WorkerHandle], load: Load) -> Route:
     return Route((w,), w)
 
 
-def route_pd(ready: list[WorkerHandle], load: Load) -> Route:
+def route_pd(ready: list[WorkerHandle], load: Load, prompt_ids: Sequence[int] = ()) -> Route:
     """PD mode: the least loaded ready prefill and decode workers; tokens stream from decode."""
     prefill = [h for h in ready if h.spec.role == Role.PREFILL]
     decode = [h for h in ready if h.spec.role == Role.DECODE]

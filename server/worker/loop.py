@@ -35,12 +35,13 @@ from engine.scheduler.base import RequestRejected, WorkerScheduler
 from server.worker.control_io import ControlIO
 from server.worker.core_lending import CoreLending
 from server.worker.drain import Drain, Verdict, as_unavailable
+from server.worker.kv_feed import KvFeed, feed_bind_host
 from server.worker.peer_pinger import PeerPinger
 from server.worker.turn import Turns
 from transfer.control_auth import ControlAuth
 from transfer.wire.outbox import Conn, Outbox, Peer
-from transfer.wire.protocol import (AbortRequest, Drain as DrainMessage, GenerateRequest, HistogramData, Message,
-                                   PrefillRequest, ProtocolError, Shutdown, StatsRequest, TokenBatch, TokenDelta,
+from transfer.wire.protocol import (AbortRequest, Drain as DrainMessage, GenerateRequest, HistogramData,
+                                   KvSnapshotRequest, Message, PrefillRequest, ProtocolError, Shutdown, StatsRequest, TokenBatch, TokenDelta,
                                    WorkerStats, decode, encode, frame_ids)
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class WorkerLoop:
         ``auth``: CURVE (or not) on every socket: the control socket and the peer sockets, which
         carry the KV handshake with the transport's metadata (``transfer.control_auth``)."""
         self.worker_id = worker_id
+        self.control_addr = control_addr
+        self.kv_feed: KvFeed | None = None  # the radix cache's event feed (``server.worker.kv_feed``)
         self.model_name = model_name
         self.cluster_id = cluster_id
         self.auth = auth
@@ -89,6 +92,9 @@ class WorkerLoop:
     def run(self, scheduler: WorkerScheduler) -> None:
         self.scheduler = scheduler
         self.turns = Turns(scheduler)
+        tree = getattr(getattr(scheduler, "kv", None), "tree", None)
+        if tree is not None and feed_bind_host(self.control_addr) is not None:
+            self.kv_feed = KvFeed(tree, self.control_addr, self.worker_id, self.instance, self.auth)
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain("SIGTERM"))
         log.info("%s worker %s serving; control plane: %s", scheduler.role, self.worker_id, self.auth.describe())
         self.io.publish(self._stats(0))
@@ -98,6 +104,7 @@ class WorkerLoop:
             while not self.stopping:
                 self._publish()
                 self._drain(0.0 if scheduler.has_work else self._idle_timeout())
+                self._flush_kv_events()
                 for addr, stats, at in self.pinger.take():
                     self.deliver(scheduler.peer_heartbeat(addr, stats, at))
                 busy = scheduler.has_work
@@ -105,6 +112,7 @@ class WorkerLoop:
                 if busy and self.cores is not None:
                     self.cores.begin_step()
                 self._turn()
+                self._flush_kv_events()
                 if self.step_delay_s and (busy or scheduler.has_work):
                     time.sleep(self.step_delay_s)
                 self._heartbeat()
@@ -114,7 +122,13 @@ class WorkerLoop:
             self.io.close()
             for s in self.peers.values():
                 s.close(0)
+            if self.kv_feed is not None:
+                self.kv_feed.close()
             self.ctx.destroy(linger=0)
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_feed is not None:
+            self.kv_feed.flush()
 
     def begin_drain(self, reason: str) -> None:
         """Start draining: report it in the stats at once and run the ``on_drain`` hooks."""
@@ -238,6 +252,9 @@ class WorkerLoop:
             self.stopping, self.exit_code = True, EXIT_SHUTDOWN
         elif isinstance(msg, DrainMessage):
             self.begin_drain(msg.reason)
+        elif isinstance(msg, KvSnapshotRequest):
+            if self.kv_feed is not None:
+                self.kv_feed.snapshot()
         else:
             self._to_scheduler(Conn(ident), msg, frames)
 
@@ -260,6 +277,10 @@ class WorkerLoop:
         stats = worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
                              self.cores)
         stats.counters["refused_control_connections"] = float(self.io.refused_connections)
+        if self.kv_feed is not None:
+            stats.counters["kv_events_published"] = float(self.kv_feed.published)
+            stats.counters["kv_snapshots_published"] = float(self.kv_feed.snapshots)
+            stats = stats.model_copy(update={"kv_events_port": self.kv_feed.port, "kv_events_seq": self.kv_feed.seq})
         if not self.drain.active:
             return stats
         return stats.model_copy(update={"draining": True, "holding": len(self.scheduler.held_rids())})

@@ -159,6 +159,13 @@ class Shutdown(Message):
     pass
 
 
+class KvSnapshotRequest(Message):
+    """Router -> worker: publish a ``KvSnapshot`` of your radix cache on your KV event feed (the
+    router lost track: a sequence gap, a new worker process, or it just subscribed)."""
+
+    reason: str = ""
+
+
 class Drain(Message):
     """Router -> worker: stop taking new requests, finish the ones held (within the worker's
     ``drain_timeout_s``), then exit 0, exactly as on SIGTERM. ``reason`` goes to the worker's log."""
@@ -258,11 +265,62 @@ class WorkerStats(Message):
     # holds no request (``holding``: how many it still holds)
     draining: bool = False
     holding: int = 0
+    # the TCP port of the worker's KV event feed (``KvEvents``/``KvSnapshot`` on a ZMQ PUB socket, on
+    # the control address's host); 0: the worker publishes none (no radix cache)
+    kv_events_port: int = 0
+    kv_events_seq: int = 0  # the feed's last message number: a router that saw fewer lost the rest
+
+
+# ---- worker -> routers, on the worker's KV event feed (ZMQ PUB) ------------------------------
+class KvEvents(Message):
+    """Pages that entered or left a worker's radix cache since its previous ``KvEvents``.
+
+    ``seq`` counts this process's feed messages (``KvEvents`` and ``KvSnapshot``) from 1 up, one
+    per message: a subscriber that sees ``seq`` jump missed something and asks for a snapshot.
+    ``instance`` is the worker process's (a new one starts a new sequence). ``kinds[i]`` is
+    "stored", "removed" or "cleared"; ``counts[i]`` of frame 0's hashes (little-endian uint64,
+    ``cache.page_hash`` chained page hashes, all events' concatenated) belong to event ``i``.
+    ``pool``: the KV pool the pages are in ("full").
+    """
+
+    worker_id: str
+    instance: str
+    seq: int
+    pool: str
+    kinds: list[str]
+    counts: list[int]
+    n_frames: ClassVar[int] = 1
+
+    def unpack(self, frame: bytes) -> list[tuple[str, list[int]]]:
+        """``(kind, hashes)`` per event; ``ProtocolError`` if the frame does not match ``counts``."""
+        hashes = frame_hashes(frame)
+        if (len(self.kinds) != len(self.counts) or sum(self.counts) != len(hashes)
+                or min(self.counts, default=0) < 0):
+            raise ProtocolError(f"KvEvents: counts {self.counts} do not match {len(self.kinds)} events and "
+                                f"{len(hashes)} hashes")
+        out, pos = [], 0
+        for kind, n in zip(self.kinds, self.counts):
+            out.append((kind, hashes[pos:pos + n]))
+            pos += n
+        return out
+
+
+class KvSnapshot(Message):
+    """Every page hash a worker's radix cache holds (frame 0, little-endian uint64), as of feed
+    message ``seq`` (this one): a subscriber replaces what it knew and applies ``KvEvents`` from
+    ``seq + 1`` on. Published on the feed itself, so it arrives in order with the events."""
+
+    worker_id: str
+    instance: str
+    seq: int
+    pool: str
+    n_frames: ClassVar[int] = 1
 
 
 MESSAGES: dict[str, type[Message]] = {
     cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, Drain, TokenBatch, WorkerStats,
-                                  PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed)
+                                  PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed,
+                                  KvSnapshotRequest, KvEvents, KvSnapshot)
 }
 
 
@@ -274,6 +332,17 @@ def frame_ids(frame: bytes) -> list[int]:
     if len(frame) % 4:
         raise ProtocolError(f"token frame of {len(frame)} bytes is not a whole number of int32")
     return np.frombuffer(frame, dtype="<i4").tolist()
+
+
+def hashes_frame(hashes) -> bytes:
+    """Page hashes as a little-endian uint64 frame."""
+    return np.asarray(hashes, dtype="<u8").tobytes()
+
+
+def frame_hashes(frame: bytes) -> list[int]:
+    if len(frame) % 8:
+        raise ProtocolError(f"hash frame of {len(frame)} bytes is not a whole number of uint64")
+    return np.frombuffer(frame, dtype="<u8").tolist()
 
 
 def encode(msg: Message, *frames: bytes) -> list[bytes]:

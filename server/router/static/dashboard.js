@@ -297,6 +297,11 @@
       list.push({ label: `${w.id} output tokens`, value: w.counters.generation_tokens ?? 0,
                   metric: "pdserve_generation_tokens_total", labels: { worker: w.id } });
     }
+    for (const w of snap.workers.filter((x) => (x.counters.prompt_tokens ?? 0) > 0)) {
+      // prefix hit rate since the worker started: prompt tokens its radix cache served (decode: KV not shipped)
+      const rate = (w.counters.cached_prompt_tokens ?? 0) / w.counters.prompt_tokens;
+      list.push({ label: `${w.id} (${w.role}) prefix hit rate`, value: rate, text: `${(100 * rate).toFixed(1)}%` });
+    }
     tiles("requests-tiles", list);
     const reqSeries = statuses.map((s) => ({ label: s, color: statusColor(s), points: points(`req/${s}`), fmt: fmt.rate }));
     chart("requests", "req", { fmt: fmt.count, title: "requests/s by status" }).draw(snap.t, reqSeries);
