@@ -270,3 +270,25 @@ def test_failed_requests_do_not_count_as_drained_work():
     assert adm.drain.tokens_per_s(clock()) is None and adm.inflight_slots == 0
     adm.release(adm.try_grant(demand(tokens=50)))
     assert adm.drain.tokens_per_s(clock()) == pytest.approx(50.0)
+
+
+def test_default_forwarding_bound_is_the_batch_plus_a_small_margin():
+    """Without ``--max-inflight-per-worker`` each ready decode (or colocated) worker gets its batch
+    (``max_running_requests``) plus max(2, an eighth) forwarding slots: enough to keep the batch
+    full, and the rest queues in the router where key shares and priorities order it."""
+    from types import SimpleNamespace
+
+    from server.router.app import build_admission
+    from server.router.registry import DEAD, READY
+    from transfer.wire.enums import Role
+
+    def handle(role, state=READY):
+        return SimpleNamespace(state=state, spec=SimpleNamespace(role=role))
+
+    registry = SimpleNamespace(handles={"p": handle(Role.PREFILL), "d0": handle(Role.DECODE),
+                                        "d1": handle(Role.DECODE), "d2": handle(Role.DECODE, state=DEAD)})
+    for running, per_worker in ((64, 72), (16, 18), (4, 6), (1, 3)):
+        cfg = PdserveConfig.model_validate({"scheduler": {"max_running_requests": running}})
+        assert build_admission(cfg, registry).capacity() == 2 * per_worker  # two ready decode workers
+    cfg = PdserveConfig.model_validate({"server": {"max_inflight_per_worker": 5}})
+    assert build_admission(cfg, registry).capacity() == 10  # the flag still wins

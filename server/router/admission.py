@@ -317,6 +317,15 @@ class Admission:
         return ahead
 
 
+def default_inflight_per_worker(max_running_requests: int) -> int:
+    """The forwarding bound per worker when ``--max-inflight-per-worker`` is not given: the
+    worker's batch (``max_running_requests``) plus a margin of an eighth of it (at least 2), so a
+    slot that frees in the batch finds the next request already at the worker (the batch stays
+    full) while everything beyond waits here, where priorities and key shares order it, instead of
+    in the worker's first-come queue."""
+    return max_running_requests + max(2, max_running_requests // 8)
+
+
 def _over(limits: AdmissionLimits, n: int, tokens: int) -> str | None:
     """Which bound a queue of ``n`` requests / ``tokens`` tokens exceeds, or None."""
     if n > limits.max_queued_requests:

@@ -32,7 +32,7 @@ from server.router.admin import add_admin_routes
 from server.router.chat import create_chat_completion
 from server.router.common import served_max_model_len
 from server.router.completions import create_completion
-from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits
+from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits, default_inflight_per_worker
 from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
 from server.router.discovery_watch import watches
@@ -82,11 +82,11 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
 
 
 def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
-    """The admission stage of ``cfg.server``'s limits: ``max_inflight_per_worker`` (default twice
-    the scheduler's ``max_running_requests``) forwarding slots per ready worker that streams tokens
-    (decode or colocated), the API keys' shares."""
+    """The admission stage of ``cfg.server``'s limits: ``max_inflight_per_worker`` (default
+    ``default_inflight_per_worker(max_running_requests)``: the batch plus a small margin)
+    forwarding slots per ready worker that streams tokens (decode or colocated), the API keys' shares."""
     server = cfg.server
-    per_worker = server.max_inflight_per_worker or 2 * cfg.scheduler.max_running_requests
+    per_worker = server.max_inflight_per_worker or default_inflight_per_worker(cfg.scheduler.max_running_requests)
 
     def capacity() -> int:
         return per_worker * sum(1 for h in registry.handles.values()

@@ -47,7 +47,8 @@ SOAK_REQUESTS = int(os.environ.get("PDSERVE_RETRACT_SOAK_REQUESTS", "2000"))
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 QUEUE_WAIT_S = 2.0
 HEAVY, LIGHT = "heavy-secret", "light-secret"
-ADMISSION = ["--max-inflight-per-worker", "8", "--max-queued-requests", "32", "--max-queue-wait-s", str(QUEUE_WAIT_S),
+# a batch of 8 and the default forwarding bound (the batch + 2): beyond that, requests queue in the router
+ADMISSION = ["--max-running-requests", "8", "--max-queued-requests", "32", "--max-queue-wait-s", str(QUEUE_WAIT_S),
              "--api-key", f"{HEAVY}:1,{LIGHT}:1"]
 WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
          "letter market bridge candle orange summer").split()
