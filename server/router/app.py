@@ -37,12 +37,12 @@ from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
 from server.router.discovery_watch import watches
 from server.router.errors import APIError
-from server.router.http_util import check_api_key, read_body
+from server.router.http_util import check_api_key, parse_object, read_body
 from server.router.inflight import InflightTable
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
-from server.router.serving import SessionStream
+from server.router.serving import SessionStream, refuse_early
 from server.router.tokenize import add_tokenize_routes
 from server.router.worker_client import WorkerClient
 from transfer.wire.enums import Role
@@ -50,7 +50,7 @@ from transfer.control_auth import ControlAuth
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[RouterContext, Request, bytes], Awaitable[Response]]
+Handler = Callable[[RouterContext, Request, dict], Awaitable[Response]]
 
 
 def zmq_client_factory(zctx: zmq.asyncio.Context, auth: ControlAuth) -> Callable[..., WorkerClient]:
@@ -108,7 +108,8 @@ def _generation_route(ctx: RouterContext, handler: Handler):
         """Auth, bounded body, the handler; every outcome is counted in pdserve_requests_total."""
         try:
             request.state.api_key_name = check_api_key(request, ctx.cfg.server.api_key)
-            body = await read_body(request, ctx.cfg.server.max_body_bytes)
+            body = parse_object(await read_body(request, ctx.cfg.server.max_body_bytes))
+            refuse_early(ctx, request, body)  # a certain 429 goes out before validation and tokenization
             response = await handler(ctx, request, body)
         except APIError as e:
             ctx.metrics.observe_request(e.status)
