@@ -152,7 +152,7 @@ class PrefillScheduler(WorkerScheduler):
             self.waiting.append(job.req)
         log.debug("destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages),
                   msg.decode_prefix_len)
-        return self._start_transfers()  # the KV may be ready already: write now, not after the next step
+        return Outbox()  # prefilled by a later step, whose KV write starts in that step
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
         """A write in flight is left to finish (its KV is valid and goes to the radix cache)."""
