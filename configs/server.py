@@ -30,8 +30,8 @@ class ServerConfig(BaseModel):
                                 "queue (queued work ahead / measured drain rate) exceeds this (None = off)")
     max_inflight_per_worker: int | None = Field(
         None, ge=1, description="admission: requests this router keeps in flight per ready decode (or "
-                                "colocated) worker before queueing the rest itself (None = 2 x "
-                                "max_running_requests)")
+                                "colocated) worker before queueing the rest itself, where priorities and key "
+                                "shares apply (None = max_running_requests + max(2, max_running_requests // 8))")
     health_interval_s: float = Field(1.0, gt=0, description="worker heartbeat period")
     worker_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -1,11 +1,21 @@
 """Prefill worker scheduler: compute prompts, sample the first token, ship the KV to a decode worker.
 
 Per request (a ``PrefillJob``, keyed by ``(room, generation)``), in ``Phase`` terms:
-  WAITING -> PREFILLING -> TRANSFER (first token known; waiting for the ``KVDestination``, then
-  writing) -> FINISHED.
-The decode worker's ``KVDestination`` may arrive before or after the prefill completes; the
-write starts once both are there. The KV stays locked in this worker's pool until the write
-finished or failed, then goes to the radix cache for later prefix hits. A failure is reported to
+  WAITING (in ``bootstrapping`` until the decode worker's ``KVDestination`` came, then in
+  ``waiting``) -> PREFILLING -> TRANSFER (first token known, writing) -> FINISHED.
+
+A prompt is prefilled only once its decode destination is reserved (SGLang's bootstrap queue does
+the same). That rule is what keeps the two pools from deadlocking: every page this worker's
+requests hold belongs to a request whose decode pages are already reserved, so it needs nothing
+more from the decode worker to finish (compute, one write, done) and its pages always come back;
+and the decode worker only reserves for requests this worker will then prefill in that order as
+pages free up (a prompt larger than this pool is refused when it arrives). Before it, a prefill pool
+full of finished KV that the decode worker had no room to ask for, with the decode pool held by
+destinations of prompts that could not start here (recomputes of retracted requests queue behind
+new prompts), waited for ``bootstrap_timeout_s``.
+
+The KV stays locked in this worker's pool until the write finished or failed, then goes to the
+radix cache for later prefix hits. A failure is reported to
 the decode worker (``PrefillFailed``: nothing was or will be written to its pages) and, for the
 router's own requests (generation 0), to the router as an abort delta.
 """
@@ -69,7 +79,8 @@ class PrefillScheduler(WorkerScheduler):
         self.admission = Admission(cfg.scheduler, self.kv, self.stats, reserve_decode=False)
         self.executor = BatchExecutor(runner, (), self.kv)
         self.sender = sender
-        self.waiting: deque[Request] = deque()
+        self.bootstrapping: deque[Request] = deque()  # prompts whose decode destination has not come
+        self.waiting: deque[Request] = deque()  # destination reserved: prefilled in this order
         self.jobs: dict[tuple[int, int], PrefillJob] = {}
         self.bootstrap = BootstrapTable()
         self.by_req: dict[int, PrefillJob] = {}
@@ -109,7 +120,7 @@ class PrefillScheduler(WorkerScheduler):
         except RequestRejected as e:
             return self.finish(job, Outcome.abort(str(e), 400))
         self.jobs[job.key], self.by_req[id(req)] = job, job
-        self.waiting.append(req)
+        self.bootstrapping.append(req)
         self.stats.prompt_tokens += len(ids)
         early = self.bootstrap.claim(job.key)
         return self._on_destination(early.source, early.msg, *early.pages) if early else Outbox()
@@ -135,9 +146,13 @@ class PrefillScheduler(WorkerScheduler):
                                                   f"{msg.decode_prefix_len}, prefill has {len(job.req.prompt_ids)}",
                                                   500))
         job.dest, job.dest_pages, job.dest_swa = msg, pages, swa
+        job.req.mark("destination")
+        if job.req in self.bootstrapping:  # its decode pages are reserved: it may be prefilled now
+            self.bootstrapping.remove(job.req)
+            self.waiting.append(job.req)
         log.debug("destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages),
                   msg.decode_prefix_len)
-        return self._start_transfers()  # the KV may be ready already: write now, not after the next step
+        return Outbox()  # prefilled by a later step, whose KV write starts in that step
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
         """A write in flight is left to finish (its KV is valid and goes to the radix cache)."""
@@ -252,8 +267,9 @@ class PrefillScheduler(WorkerScheduler):
         worker gets ``PrefillFailed`` (on the connection that asked, else its handshake one), the
         router an abort delta for its own requests, and the KV is dropped."""
         req, out = job.req, Outbox()
-        if req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.bootstrapping, self.waiting):
+            if req in queue:
+                queue.remove(req)
         self.admission.drop(req)
         if self.jobs.pop(job.key, None) is not None:
             self.stats.finished_requests += 1
@@ -287,7 +303,7 @@ class PrefillScheduler(WorkerScheduler):
         snap.counters.update(kv_transfer_bytes=float(self.transfer_bytes),
                              transfer_failures=float(self.transfer_failures))
         snap.gauges.update(queue_waiting=len(self.waiting),
-                           queue_bootstrap=sum(1 for j in self.jobs.values() if j.dest is None),
+                           queue_bootstrap=len(self.bootstrapping),
                            queue_transfer=sum(1 for j in self.jobs.values() if j.writing))
         snap.histograms.update(kv_transfer_seconds=self.transfer_seconds, **self.timeline.histograms)
         return snap

@@ -270,3 +270,91 @@ def test_failed_requests_do_not_count_as_drained_work():
     assert adm.drain.tokens_per_s(clock()) is None and adm.inflight_slots == 0
     adm.release(adm.try_grant(demand(tokens=50)))
     assert adm.drain.tokens_per_s(clock()) == pytest.approx(50.0)
+
+
+def test_default_forwarding_bound_is_the_batch_plus_a_small_margin():
+    """Without ``--max-inflight-per-worker`` each ready decode (or colocated) worker gets its batch
+    (``max_running_requests``) plus max(2, an eighth) forwarding slots: enough to keep the batch
+    full, and the rest queues in the router where key shares and priorities order it."""
+    from types import SimpleNamespace
+
+    from server.router.app import build_admission
+    from server.router.registry import DEAD, READY
+    from transfer.wire.enums import Role
+
+    def handle(role, state=READY):
+        return SimpleNamespace(state=state, spec=SimpleNamespace(role=role))
+
+    registry = SimpleNamespace(handles={"p": handle(Role.PREFILL), "d0": handle(Role.DECODE),
+                                        "d1": handle(Role.DECODE), "d2": handle(Role.DECODE, state=DEAD)})
+    for running, per_worker in ((64, 72), (16, 18), (4, 6), (1, 3)):
+        cfg = PdserveConfig.model_validate({"scheduler": {"max_running_requests": running}})
+        assert build_admission(cfg, registry).capacity() == 2 * per_worker  # two ready decode workers
+    cfg = PdserveConfig.model_validate({"server": {"max_inflight_per_worker": 5}})
+    assert build_admission(cfg, registry).capacity() == 10  # the flag still wins
+
+
+@sync
+async def test_early_refusal_is_exactly_the_refusal_admit_gives():
+    """``refuse_early`` (the fast 429, from key and priority only) refuses exactly the requests
+    ``admit`` refuses at once for the queue bound, with the same reason and a counted refusal,
+    and touches nothing otherwise: random queues of three keys (shares 2/1/1) and priorities."""
+    import random
+
+    rng = random.Random(27)
+    cases = {"early": 0, "queued or displacing": 0}
+    for _ in range(60):
+        adm, refused, _ = make(capacity=1, max_queued=rng.randint(1, 5), shares={"a": 2.0})
+        held = adm.try_grant(demand())
+        assert adm.refuse_early("a", 0) is None  # room is gone, but nothing is queued yet: not certain
+        tasks = await queue(adm, *(demand(key=rng.choice("abc"), priority=rng.randint(0, 3))
+                                   for _ in range(adm.limits.max_queued_requests)))
+        key, priority = rng.choice("abc"), rng.randint(0, 3)
+        before = (adm.queued_requests, len(refused))
+        try:
+            adm.refuse_early(key, priority)
+            early = None
+        except Refused as e:
+            early = e
+        assert adm.queued_requests == before[0] and len(refused) == before[1] + (early is not None)
+        newcomer = asyncio.create_task(adm.admit(demand(key=key, priority=priority)))
+        await settle()
+        if early is not None:
+            cases["early"] += 1
+            with pytest.raises(Refused) as e:
+                await newcomer
+            assert (e.value.status, e.value.reason) == (early.status, early.reason) == (429, "queue_full")
+            assert e.value.message == early.message and early.retry_after_s == 1.0
+        else:
+            cases["queued or displacing"] += 1
+            assert not newcomer.done() or newcomer.exception() is None, newcomer.exception()
+        for t in [*tasks, newcomer]:
+            t.cancel()
+        await asyncio.gather(*tasks, newcomer, return_exceptions=True)
+        adm.release(held)
+    assert min(cases.values()) >= 10, cases  # both outcomes were exercised
+
+
+def test_early_refusal_on_the_estimated_wait():
+    """With a drain rate of 100 tokens/s and 210 tokens queued, ``max_queue_wait_s=2`` refuses early
+    (``queue_wait``) as ``admit`` would; with the queue empty and room, nothing is refused."""
+    clock = Clock()
+    adm, refused, _ = make(capacity=1, max_wait=2.0, clock=clock)
+    assert adm.refuse_early("default", 0) is None
+    grants = [adm.try_grant(demand(tokens=100))]
+    for _ in range(10):
+        clock.t += 1.0
+        adm.release(grants[-1])
+        grants.append(adm.try_grant(demand(tokens=100)))
+
+    async def scenario():
+        tasks = await queue(adm, demand(tokens=150), demand(tokens=60))
+        with pytest.raises(Refused) as e:
+            adm.refuse_early("default", 0, min_tokens=10)
+        assert (e.value.status, e.value.reason) == (429, "queue_wait") and "2.1s" in e.value.message
+        assert e.value.retry_after_s == pytest.approx(2.2)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(scenario())
+    assert [r.reason for r in refused] == ["queue_wait"]

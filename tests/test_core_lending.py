@@ -252,7 +252,11 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
         for i in range(4):
             prompt = [(7 * i + j) % 90 + 1 for j in range(10)]
             h.submit(f"r{i}", prompt, SamplingParams(max_new_tokens=3, temperature=0))
-        assert not h.decode.has_model_work and h.prefill.has_model_work
+        # no forward pass anywhere yet: the prompts wait for their decode pages before prefill
+        assert not h.decode.has_model_work and not h.prefill.has_model_work and len(h.prefill.bootstrapping) == 4
+        while h.busy and not h.prefill.has_model_work:
+            h.step()
+        assert h.prefill.waiting and not h.decode.has_model_work  # destinations came: prefill has work
         while h.busy:
             h.step()
         assert (True, False) in before_decode and (True, True) in before_decode  # reserving only; decoding

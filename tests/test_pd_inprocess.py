@@ -309,3 +309,23 @@ def test_slow_steps_never_make_the_in_process_prefill_peer_dead(harness, refs, m
 
     monkeypatch.setattr(h, "step", slow_step)
     assert run(h, ps[:2]) == ref[:2]
+
+
+def test_small_pools_with_recomputes_never_deadlock(harness, seed=0):
+    """Both pools at 24 pages, 16 requests at once, every retract a recompute (no host pool) and one
+    forced every 4 decode steps. Before prefill waited for its decode destination, the prefill pool
+    filled with finished KV the decode worker had no room to ask for, while the decode pool was
+    held by the destinations of recomputes queued behind it on the prefill side: nothing moved
+    until ``bootstrap_timeout_s``. Now every request ends with all its tokens."""
+    p = cfg(pool=384, page=16, host_gb=0)
+    d = cfg(pool=384, page=16, host_gb=0, init_new_token_ratio=0.05, retract_test_interval=4)
+    h = harness(p, d)
+    rng = random.Random(seed)
+    ps = prompts(16, 40, 80, seed=seed)
+    params = [SamplingParams(max_new_tokens=rng.choice([32, 64]), temperature=0, ignore_eos=True) for _ in ps]
+    for i, (prompt, sp) in enumerate(zip(ps, params)):
+        h.submit(f"r{i}", prompt, sp)
+    out = h.run(max_steps=5000)
+    assert [(out[f"r{i}"]["error"], len(out[f"r{i}"]["tokens"])) for i in range(len(ps))] == \
+        [(None, sp.max_new_tokens) for sp in params]
+    assert h.decode.stats.retractions > 0 and h.prefill.stats.finished_requests > len(ps)  # recomputes ran

@@ -150,3 +150,34 @@ def test_client_gone_while_queued_is_counted_and_leaves_the_queue(make_client):
     assert ctx.admission.queued_requests == 0 and ctx.admission.inflight_slots == 1 and worker.requests == []
     ctx.admission.release(held)
     assert ctx.admission.inflight_slots == 0
+
+
+def test_a_certain_429_goes_out_before_the_body_is_validated_or_tokenized(make_client, monkeypatch):
+    """The fast 429: with the worker full and the queue at its bound, completions and chat requests
+    are refused from the key and ``priority`` alone (tokenizer never called, nothing forwarded,
+    each refusal counted once); a body that is not JSON is still a 400, and one whose ``priority``
+    is not an integer is left to validation (400)."""
+    client, worker, ctx = make_client({"hang": True}, max_inflight_per_worker=1, max_queued_requests=0)
+    holder, out = in_thread(lambda: completion(client, timeout=1.0))
+    wait_until(lambda: len(worker.requests) == 1, "the first request reached the worker")
+    calls: list = []
+    real = ctx.tokenizer.encode
+    monkeypatch.setattr(ctx.tokenizer, "encode", lambda *a, **k: calls.append(a) or real(*a, **k))
+    before = scrape(client)
+    refused = [completion(client, priority=5), completion(client, bogus_field=1),
+               client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 4})]
+    for r in refused:
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+        assert r.headers["retry-after-ms"] == "1000" and r.headers["Retry-After"] == "1"
+    assert calls == [] and len(worker.requests) == 1
+    after = scrape(client)
+    assert val(after, "pdserve_shed_requests_total", reason="queue_full") - \
+        val(before, "pdserve_shed_requests_total", reason="queue_full") == 3
+    assert val(after, "pdserve_requests_total", status="429") - val(before, "pdserve_requests_total", status="429") == 3
+    bad_json = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+    bad_priority = completion(client, priority="high")
+    assert bad_priority.status_code == 400 and "priority" in bad_priority.text
+    holder.join(30)
+    assert out[0].status_code == 504 and ctx.admission.inflight_slots == 0

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 PHASES: dict[Role, tuple[tuple[str, str, str], ...]] = {
     Role.COLOCATED: (("queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
                   ("decode", "prefilled", "finished")),
-    Role.PREFILL: (("prefill_queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
-                ("bootstrap_wait", "prefilled", "write_start"), ("transfer", "write_start", "write_done")),
+    Role.PREFILL: (("bootstrap_wait", "arrived", "destination"), ("prefill_queue", "destination", "admitted"),
+                ("prefill_compute", "admitted", "prefilled"), ("transfer", "write_start", "write_done")),
     Role.DECODE: (("decode_queue", "arrived", "reserved"), ("kv_wait", "reserved", "landed"),
                ("first_token", "landed", "first_token"), ("decode", "first_token", "finished")),
 }

@@ -14,6 +14,9 @@ Contract of :class:`Admission` (all methods run on the event loop thread):
   ``retry_after_s``, computed from the drain rate (1 s until a rate is measured). **504** when a
   request is still queued at its ``deadline`` (``deadline``). A cancelled ``admit`` (client gone)
   leaves the queue and holds nothing.
+- ``refuse_early(key, priority, min_tokens)`` raises the same 429 ``admit`` would, before the
+  request is validated or tokenized, when that outcome is already certain; otherwise it does
+  nothing and ``admit`` decides.
 - ``release(grant)`` must be called once per grant when the request has ended (idempotent): it
   frees the grant's slots, feeds the drain rate (unless the request failed without running) and
   lets the next queued requests go.
@@ -201,13 +204,32 @@ class Admission:
             self._remove(waiter)
             waiter.future.set_result(self._grant(waiter.demand, waiter.arrival, self.clock()))
 
+    def refuse_early(self, key: str, priority: int, min_tokens: int = 1) -> None:
+        """Raise now the 429 ``Refused`` that ``admit`` would raise for any request of ``key`` at
+        ``priority`` with at least ``min_tokens`` tokens (prompt + max_tokens), when that outcome is
+        already certain: no room and its estimated wait (counting ``min_tokens``) over
+        ``max_queue_wait_s`` (``queue_wait``), or the queue at ``max_queued_requests`` with this
+        request first in the shedding order (``queue_full``). Lets the router answer before it
+        validates or tokenizes the body; does nothing when the request might be granted, queued or
+        displace someone (the full ``admit`` then decides, the token bound included)."""
+        if not self.queued_requests and self._room(1):
+            return
+        probe = Demand(key, priority, 1, max(1, min_tokens), math.inf)
+        self._check_wait(probe, self.clock())
+        if self.queued_requests + 1 <= self.limits.max_queued_requests:
+            return
+        load = _load([w.demand for q in self._queues.values() for w in q] + [probe])
+        mine = _shed_rank(probe, load, self.shares)
+        if all(_shed_rank(w.demand, load, self.shares) <= mine for q in self._queues.values() for w in q):
+            raise self._refuse(_queue_full(self, probe, "queue_full"))
+
     def retry_after_s(self, demand: Demand) -> float:
         """Seconds until ``demand`` would likely find room: the work queued before it over the
         drain rate (``UNKNOWN_RATE_RETRY_S`` until a rate is measured), within [0.1, 300]."""
         rate = self.drain.tokens_per_s(self.clock())
         if not rate:
             return UNKNOWN_RATE_RETRY_S
-        return min(MAX_RETRY_S, max(0.1, (self._work_ahead(demand) + demand.tokens) / rate))
+        return min(MAX_RETRY_S, max(0.1, (_work_ahead(self._queues, self.shares, demand) + demand.tokens) / rate))
 
     # ---- queue mechanics ---------------------------------------------------------------------
     def _room(self, slots: int) -> bool:
@@ -271,21 +293,13 @@ class Admission:
         queue stays within its bounds with it."""
         everyone = [w for q in self._queues.values() for w in q] + [newcomer]
         n, tokens = len(everyone), sum(w.demand.tokens for w in everyone)
-        load = {}
-        for w in everyone:
-            load[w.demand.key] = load.get(w.demand.key, 0) + 1
-        order = sorted(everyone, key=lambda w: (load[w.demand.key] / self.shares[w.demand.key],
-                                                w.demand.priority, w.seq), reverse=True)
+        load = _load([w.demand for w in everyone])
+        order = sorted(everyone, key=lambda w: (*_shed_rank(w.demand, load, self.shares), w.seq), reverse=True)
         victims = []
         while (reason := _over(self.limits, n, tokens)) is not None:
             victim = order.pop(0)
             if victim is newcomer:
-                limit = (f"max_queued_requests={self.limits.max_queued_requests}" if reason == "queue_full"
-                         else f"max_queued_tokens={self.limits.max_queued_tokens}")
-                raise self._refuse(Refused(429, reason, f"server overloaded: the router's queue is full ({limit}, "
-                                           f"{self.queued_requests} requests / {self.queued_tokens} tokens queued); "
-                                           f"retry later or lower the request's priority value",
-                                           self.retry_after_s(newcomer.demand)))
+                raise self._refuse(_queue_full(self, newcomer.demand, reason))
             victims.append(victim)
             n, tokens = n - 1, tokens - victim.demand.tokens
         for v in victims:
@@ -299,22 +313,54 @@ class Admission:
         rate = self.drain.tokens_per_s(now)
         if limit is None or not rate:
             return
-        wait = self._work_ahead(demand) / rate
+        wait = _work_ahead(self._queues, self.shares, demand) / rate
         if wait > limit:
             raise self._refuse(Refused(429, "queue_wait", f"server overloaded: estimated wait in the router's queue "
                                        f"{wait:.1f}s exceeds max_queue_wait_s={limit:g}; retry later",
                                        self.retry_after_s(demand)))
 
-    def _work_ahead(self, demand: Demand) -> float:
-        """Queued tokens that would go before ``demand``: its own key's at a better or equal
-        priority, and from every other key as much as that key's share allows meanwhile."""
-        own = sum(w.demand.tokens for w in self._queues.get(demand.key, ()) if w.demand.priority <= demand.priority)
-        share = self.shares[demand.key]
-        ahead = float(own)
-        for key, q in self._queues.items():
-            if key != demand.key and q:
-                ahead += min(sum(w.demand.tokens for w in q), (own + demand.tokens) * self.shares[key] / share)
-        return ahead
+
+def default_inflight_per_worker(max_running_requests: int) -> int:
+    """The forwarding bound per worker when ``--max-inflight-per-worker`` is not given: the
+    worker's batch (``max_running_requests``) plus a margin of an eighth of it (at least 2), so a
+    slot that frees in the batch finds the next request already at the worker (the batch stays
+    full) while everything beyond waits here, where priorities and key shares order it, instead of
+    in the worker's first-come queue."""
+    return max_running_requests + max(2, max_running_requests // 8)
+
+
+def _work_ahead(queues: Mapping[str, list[_Waiter]], shares: Mapping[str, float], demand: Demand) -> float:
+    """Queued tokens that would go before ``demand``: its own key's at a better or equal
+    priority, and from every other key as much as that key's share allows meanwhile."""
+    own = sum(w.demand.tokens for w in queues.get(demand.key, ()) if w.demand.priority <= demand.priority)
+    share = shares[demand.key]
+    ahead = float(own)
+    for key, q in queues.items():
+        if key != demand.key and q:
+            ahead += min(sum(w.demand.tokens for w in q), (own + demand.tokens) * shares[key] / share)
+    return ahead
+
+
+def _load(demands: list[Demand]) -> dict[str, int]:
+    """Queued requests per key (``demands``: the queue with the newcomer)."""
+    load: dict[str, int] = {}
+    for d in demands:
+        load[d.key] = load.get(d.key, 0) + 1
+    return load
+
+
+def _shed_rank(demand: Demand, load: Mapping[str, int], shares: Mapping[str, float]) -> tuple[float, int]:
+    """Shedding order, highest first (then newest first): queued per share of its key, priority value."""
+    return load[demand.key] / shares[demand.key], demand.priority
+
+
+def _queue_full(adm: Admission, demand: Demand, reason: str) -> Refused:
+    """The 429 for a newcomer that does not fit ``adm``'s queue bound ``reason`` (not yet counted)."""
+    limit = (f"max_queued_requests={adm.limits.max_queued_requests}" if reason == "queue_full"
+             else f"max_queued_tokens={adm.limits.max_queued_tokens}")
+    return Refused(429, reason, f"server overloaded: the router's queue is full ({limit}, {adm.queued_requests} "
+                   f"requests / {adm.queued_tokens} tokens queued); retry later or lower the request's priority value",
+                   adm.retry_after_s(demand))
 
 
 def _over(limits: AdmissionLimits, n: int, tokens: int) -> str | None:

@@ -32,13 +32,13 @@ from server.router.admin import add_admin_routes
 from server.router.chat import create_chat_completion
 from server.router.common import served_max_model_len
 from server.router.completions import create_completion
-from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits
+from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits, default_inflight_per_worker
 from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
 from server.router.discovery_watch import watches
 from server.router.errors import APIError
-from server.router.http_util import check_api_key, read_body
 from server.router.cache_routing import CacheAwarePolicy
+from server.router.http_util import check_api_key, parse_object, read_body
 from server.router.inflight import InflightTable
 from server.router.kv_index import KvIndex
 from server.router.kv_metrics import KvIndexCollector
@@ -46,7 +46,7 @@ from server.router.kv_subscriber import KvSubscriber
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
-from server.router.serving import SessionStream
+from server.router.serving import SessionStream, refuse_early
 from server.router.tokenize import add_tokenize_routes
 from server.router.worker_client import WorkerClient
 from transfer.wire.enums import Role
@@ -54,7 +54,7 @@ from transfer.control_auth import ControlAuth
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[RouterContext, Request, bytes], Awaitable[Response]]
+Handler = Callable[[RouterContext, Request, dict], Awaitable[Response]]
 
 
 def zmq_client_factory(zctx: zmq.asyncio.Context, auth: ControlAuth) -> Callable[..., WorkerClient]:
@@ -96,11 +96,11 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
 
 
 def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
-    """The admission stage of ``cfg.server``'s limits: ``max_inflight_per_worker`` (default twice
-    the scheduler's ``max_running_requests``) forwarding slots per ready worker that streams tokens
-    (decode or colocated), the API keys' shares."""
+    """The admission stage of ``cfg.server``'s limits: ``max_inflight_per_worker`` (default
+    ``default_inflight_per_worker(max_running_requests)``: the batch plus a small margin)
+    forwarding slots per ready worker that streams tokens (decode or colocated), the API keys' shares."""
     server = cfg.server
-    per_worker = server.max_inflight_per_worker or 2 * cfg.scheduler.max_running_requests
+    per_worker = server.max_inflight_per_worker or default_inflight_per_worker(cfg.scheduler.max_running_requests)
 
     def capacity() -> int:
         return per_worker * sum(1 for h in registry.handles.values()
@@ -122,7 +122,8 @@ def _generation_route(ctx: RouterContext, handler: Handler):
         """Auth, bounded body, the handler; every outcome is counted in pdserve_requests_total."""
         try:
             request.state.api_key_name = check_api_key(request, ctx.cfg.server.api_key)
-            body = await read_body(request, ctx.cfg.server.max_body_bytes)
+            body = parse_object(await read_body(request, ctx.cfg.server.max_body_bytes))
+            refuse_early(ctx, request, body)  # a certain 429 goes out before validation and tokenization
             response = await handler(ctx, request, body)
         except APIError as e:
             ctx.metrics.observe_request(e.status)

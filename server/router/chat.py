@@ -65,8 +65,8 @@ def _logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-async def create_chat_completion(ctx: RouterContext, request: Request, body: bytes) -> Response:
-    """Handle one chat completions request (body already read); raises ``APIError`` on refusal."""
+async def create_chat_completion(ctx: RouterContext, request: Request, body: dict) -> Response:
+    """Handle one chat completions request (body read and parsed as a JSON object); raises ``APIError`` on refusal."""
     arrival = time.monotonic()
     req = parse_model(ChatCompletionRequest, body)
     check_common(ctx, req)

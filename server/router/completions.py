@@ -47,8 +47,8 @@ def _check(req: CompletionRequest) -> None:
                        param="echo")
 
 
-async def create_completion(ctx: RouterContext, request: Request, body: bytes) -> Response:
-    """Handle one completions request (body already read); raises ``APIError`` on refusal."""
+async def create_completion(ctx: RouterContext, request: Request, body: dict) -> Response:
+    """Handle one completions request (its body read and parsed as a JSON object); raises ``APIError`` on refusal."""
     arrival = time.monotonic()
     req = parse_model(CompletionRequest, body)
     check_common(ctx, req)

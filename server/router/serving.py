@@ -159,6 +159,27 @@ def demand_of(request: Request, runs: list[ChoiceRun], priority: int) -> Demand:
                   deadline=min(r.session.arrival + r.session.timeout_s for r in runs))
 
 
+def refuse_early(ctx: RouterContext, request: Request, body: dict) -> None:
+    """The fast 429: raise the admission stage's refusal (an ``APIError`` with ``Retry-After``)
+    when it is certain from the API key, ``priority`` and ``max_tokens`` of the raw JSON ``body``
+    alone, before the body is validated or tokenized (``Admission.refuse_early``). A body whose
+    ``priority`` is not a plain in-range integer is left to validation (400)."""
+    priority = body.get("priority", 0)
+    if type(priority) is not int or not -(2**31) <= priority < 2**31:
+        return
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    try:
+        ctx.admission.refuse_early(getattr(request.state, "api_key_name", DEFAULT_KEY), priority,
+                                   max_tokens if type(max_tokens) is int and max_tokens > 0 else 1)
+    except Refused as e:
+        raise _api_error(e) from None
+
+
+def _api_error(e: Refused) -> APIError:
+    headers = retry_after_headers(e.retry_after_s) if e.retry_after_s is not None else None
+    return APIError(e.status, e.message, code=e.reason, headers=headers)
+
+
 async def admit(ctx: RouterContext, request: Request, demand: Demand) -> Grant:
     """A grant from ``ctx.admission`` (waiting in its queue, watching for the client going away);
     a refusal becomes a 429 (with ``Retry-After`` / ``retry-after-ms``) or 504 ``APIError``; raises
@@ -168,8 +189,7 @@ async def admit(ctx: RouterContext, request: Request, demand: Demand) -> Grant:
     try:
         return await unless_disconnected(request, ctx.admission.admit(demand))
     except Refused as e:
-        headers = retry_after_headers(e.retry_after_s) if e.retry_after_s is not None else None
-        raise APIError(e.status, e.message, code=e.reason, headers=headers) from None
+        raise _api_error(e) from None
     except ClientGone:
         ctx.metrics.observe_shed("client_gone")
         raise
