@@ -144,6 +144,58 @@ class TransferManifest(BaseModel):
         return zlib.crc32(self._payload()) == self.checksum
 
 
+# ---- migration of a retracted request between decode workers (decode <-> router) ------------
+class MigrationOffer(Message):
+    """Source decode worker -> router: request ``rid`` is parked in my host pool and could not
+    resume here within ``--migrate-after``; move it to a peer decode worker with room for
+    ``pages`` full pages (its KV plus the ``new_token_ratio`` reservation) if there is one. Frame
+    0: prompt + output so far (int32; the first ``prompt_len`` are the prompt), which the router
+    forwards in the ``MigrateRequest`` with ``params``."""
+
+    rid: str
+    n_tokens: int  # tokens whose KV is in the host copy (prompt + output so far, minus the next input)
+    pages: int
+    prompt_len: int
+    params: SamplingParams
+    n_frames: ClassVar[int] = 1
+
+
+class MigrationDeclined(Message):
+    """Router -> source decode worker: no peer takes ``rid`` now; resume it locally (or offer
+    it again after another ``--migrate-after``)."""
+
+    rid: str
+    reason: str
+
+
+class MigrateRequest(Message):
+    """Router -> target decode worker: admit ``rid`` (prompt + output so far in frame 0, the first
+    ``prompt_len`` ids are the prompt) under ``room``; its KV of the first ``n_tokens`` ids comes
+    from the decode worker at ``source_addr`` (which the target handshakes and sends a
+    ``KVDestination`` exactly as to a prefill worker; generation ``generation`` > 0)."""
+
+    rid: str
+    params: SamplingParams
+    room: int
+    generation: int = 1
+    source_addr: str
+    prompt_len: int
+    n_tokens: int
+    n_frames: ClassVar[int] = 1
+
+
+class MigrationEnded(Message):
+    """Source decode worker -> router: the migration of ``rid`` ended. ``ok``: the target has the
+    KV and streams from now on (the source forgot the request); else ``error`` says why and the
+    source keeps the request (its token stream is the source's again)."""
+
+    rid: str
+    ok: bool
+    error: str | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
 class AbortRequest(Message):
     rids: list[str]
     reason: str = "aborted by client"
@@ -262,7 +314,8 @@ class WorkerStats(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, Drain, TokenBatch, WorkerStats,
-                                  PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed)
+                                  PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed,
+                                  MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
 }
 
 
