@@ -1,7 +1,9 @@
 """The decode worker's metrics: scheduler counters plus transfer, retract and host-pool series."""
 from __future__ import annotations
 
+from decode_worker.migration import MIGRATION_BUCKETS
 from engine.scheduler.base import Snapshot
+from engine.scheduler.stats import Histogram
 
 
 def decode_snapshot(s, base: Snapshot) -> Snapshot:
@@ -25,8 +27,7 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
     # what a migrated request could get here now (admission's view): the router's pre-check
     base.gauges["migration_room_pages"] = (0 if s.retract.queue or s.transfers.prealloc else
                                            max(0, s.budget.headroom(in_flight, s.running.ratio.value).full))
-    if s.migration is not None:
-        base.histograms["migration_seconds"] = s.migration.seconds
+    base.histograms["migration_seconds"] = s.migration.seconds if s.migration is not None else Histogram(MIGRATION_BUCKETS)
     base.histograms.update(retract_offload_seconds=s.retract.offload_seconds,
                            retract_resume_seconds=s.retract.resume_seconds, **s.timeline.histograms)
     return base

@@ -16,9 +16,14 @@ from decode_worker.migration import MigrationPolicy
 from engine.request import Request
 from engine.sampling import SamplerState
 from migration_harness import MigrationHarness
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from server.router.inflight import InflightTable
+from server.router.metrics import WorkerCollector
 from server.router.migration import pick_target
 from server.router.workers import READY, WorkerHandle, WorkerSpec
+from server.worker.loop import worker_stats
 from transfer.wire.enums import Role
 from transfer.wire.protocol import TokenDelta, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
@@ -143,10 +148,26 @@ def test_retracted_requests_move_and_match_transformers(harness, tiny):
     assert ms1.out_bytes > 0 and ms1.out_bytes % page_bytes == 0  # whole host rows, straight from the host pool
     moved = [o for o in out.values() if "d2" in o["from"]]
     assert len(moved) == ms1.out_done and all(o["from"][0] == "d1" for o in moved)  # one stream, two sources
-    counters = h.d1.snapshot().counters
-    assert counters["migrations_out_done"] == ms1.out_done and counters["migration_bytes"] == ms1.out_bytes
-    assert h.d2.snapshot().counters["migrations_in_done"] == ms1.out_done
-    assert h.d1.migration.seconds.count == ms1.out_done
+    m = scrape(h)  # what a Prometheus scraper of the router reads
+    assert m[("pdserve_migrations_total", "d1", "out", "done")] == ms1.out_done
+    assert m[("pdserve_migrations_total", "d1", "out", "declined")] == ms1.out_declined
+    assert m[("pdserve_migrations_total", "d2", "in", "done")] == ms1.out_done
+    assert m[("pdserve_migrations_total", "d2", "in", "refused")] == 0
+    assert m[("pdserve_migration_bytes_total", "d1")] == ms1.out_bytes
+    assert m[("pdserve_migration_seconds_count", "d1")] == ms1.out_done
+    assert m[("pdserve_migration_seconds_count", "d2")] == 0
+
+
+def scrape(h: MigrationHarness) -> dict[tuple, float]:
+    """Samples of the router's ``WorkerCollector`` over the harness's workers, keyed by
+    (name, worker[, direction, outcome])."""
+    for w, s in h.workers.items():
+        h.handles[w].stats, h.handles[w].stats_at = worker_stats(s, w, "i", "m"), 0.0
+    reg = CollectorRegistry()
+    reg.register(WorkerCollector(lambda: list(h.handles.values()), clock=lambda: 0.0))
+    fams = text_string_to_metric_families(generate_latest(reg).decode())
+    return {(x.name, *(x.labels[k] for k in ("worker", "direction", "outcome") if k in x.labels)): x.value
+            for f in fams for x in f.samples if "migration" in x.name}
 
 
 @pytest.mark.slow
