@@ -158,9 +158,10 @@ class MigrationHarness:
                 o["tokens"] += d.token_ids
                 if d.token_ids:
                     o["from"].append(e.stream_from)
-                if d.finish_reason:
+                if d.finish_reason:  # the first ending is what the client sees (the session closes)
                     o["finish"], o["error"] = d.finish_reason, d.error
                     self.table.close(rid)
+                    break
 
     @property
     def busy(self) -> bool:

@@ -25,6 +25,7 @@ from server.router.migration import pick_target
 from server.router.workers import READY, WorkerHandle, WorkerSpec
 from server.worker.loop import worker_stats
 from transfer.wire.enums import Role
+from transfer.wire.outbox import Outbox
 from transfer.wire.protocol import TokenDelta, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
 
@@ -217,3 +218,37 @@ def test_abort_while_migrating_frees_everything(harness):
     h.table.close(rid)
     h.run()
     assert rid not in h.d1.jobs and rid not in h.d2.jobs
+
+
+@pytest.mark.slow
+def test_source_dies_mid_migration_fails_explicitly_and_target_frees(harness):
+    """d1 dies after the router sent the request to d2: the router fails it with 503 (what
+    ``Registry.mark_dead`` does) and aborts it on d2, whose reserved pages stay fenced until
+    ``transfer_fence_s`` (a late write may still land) and are then freed."""
+    d2 = cfg()
+    d2.cluster.peer_timeout_s, d2.cluster.progress_timeout_s, d2.cluster.transfer_fence_s = 0.5, 5.0, 0.5
+    h = harness(d2=d2)
+    real = h.d1.migration.destination
+    h.d1.migration.destination = lambda *a, **k: Outbox()  # d1 takes the destination, then dies before writing
+    ps = prompts(SKEW["n"], SKEW["lo"], SKEW["hi"], SKEW["seed"])
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, GREEDY, decode="d1")
+    for _ in range(2000):
+        h.step()
+        if any(j.migrated and j.state is DecodeState.AWAITING_KV for j in h.d2.jobs.values()):
+            break
+    moved = [r for r, j in h.d2.jobs.items() if j.migrated]
+    h.d1.migration.destination = real
+    h.dead.add("d1")
+    h.handles["d1"].state = "dead"
+    workers = {r: h.table.workers_of(r) for r in h.table.rids()}
+    for r in h.table.fail_worker("d1", 503, "worker d1 is unavailable"):
+        for w in workers[r]:
+            if w != "d1":
+                h.handles[w].client.abort([r], "router gave up on the request")
+    deadline = time.monotonic() + 30
+    while h.busy and time.monotonic() < deadline:
+        h.step()
+        time.sleep(0.01)
+    assert moved and all(h.out[r]["finish"] == "abort" and "d1" in h.out[r]["error"] for r in moved)
+    assert not h.d2.jobs and h.d2.migration_stats.in_failed == len(moved) and h.d2.migration_stats.in_done == 0
