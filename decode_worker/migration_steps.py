@@ -64,7 +64,7 @@ def admit_migrated(s, owner: bytes, msg: MigrateRequest, ids: list[int]) -> Outb
     why = None
     if msg.rid in s.jobs:
         why = f"request {msg.rid!r} is already on this decode worker"
-    elif not 0 < msg.prompt_len <= msg.n_tokens < len(ids) or max(ids) >= vocab or min(ids) < 0:
+    elif not 0 < msg.prompt_len <= msg.n_tokens == len(ids) - 1 or max(ids) >= vocab or min(ids) < 0:
         why = f"ids do not match: prompt_len {msg.prompt_len}, n_tokens {msg.n_tokens}, {len(ids)} ids"
     elif s.retract.queue or any(not j.migrated for j in s.transfers.prealloc):
         why = "this decode worker has requests waiting for pages itself"

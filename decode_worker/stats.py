@@ -15,6 +15,7 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
                          retract_offloaded=rs.offloaded)
     base.gauges.update(queue_prealloc=len(s.transfers.prealloc), queue_transfer=len(s.transfers.inflight),
                        queue_running=len(s.running), queue_retracted=len(s.retract.queue),
+                       queue_migrating=len(s.migration.offered) if s.migration is not None else 0,
                        new_token_ratio=s.running.ratio.value,
                        host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,
                        host_kv_pool_bytes_free=host.num_free() * host.page_bytes if host else 0)

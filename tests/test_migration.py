@@ -172,6 +172,24 @@ def scrape(h: MigrationHarness) -> dict[tuple, float]:
 
 
 @pytest.mark.slow
+def test_seeded_sampling_and_penalties_survive_the_move(harness):
+    """Sampled tokens are seeded per output index and the penalty counts are rebuilt from the
+    output so far: a migrated request samples exactly what it would have without pressure."""
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11, frequency_penalty=0.5)
+    ps = prompts(SKEW["n"], SKEW["lo"], SKEW["hi"], SKEW["seed"])
+    calm = harness(d1=cfg(migrate_after="1"))
+    for i, p in enumerate(ps):
+        calm.submit(f"r{i}", p, params, decode="d1")
+    ref = calm.run()
+    h = harness()
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, params, decode="d1")
+    out = h.run()
+    assert h.d1.migration_stats.out_done > 0 and calm.d1.stats.retractions == 0
+    assert [out[f"r{i}"]["tokens"] for i in range(len(ps))] == [ref[f"r{i}"]["tokens"] for i in range(len(ps))]
+
+
+@pytest.mark.slow
 def test_no_peer_room_declines_and_resumes_locally(harness, tiny):
     h = harness(d2=cfg(pool=16))  # 4 pages: never room for a migrated request
     ps = prompts(SKEW["n"], SKEW["lo"], SKEW["hi"], SKEW["seed"])

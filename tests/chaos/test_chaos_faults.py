@@ -32,8 +32,10 @@ LEASE_S = 4.0  # worker_timeout_s (router) = peer_timeout_s (decode -> prefill)
 ARGS = ["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512", "--init-new-token-ratio", "0.05",
         "--chunked-prefill-size", "8", "--test-step-delay-s", "0.005", "--worker-timeout-s", str(LEASE_S),
         "--peer-timeout-s", str(LEASE_S), "--transfer-fence-s", "8", "--restart-backoff-s", "0.5"]
-# decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them
-EXTERNAL_ARGS = ["--kv-pool-tokens", "256", "--retract-test-interval", "4", "--test-step-delay-s", "0.03"]
+# decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them, whose
+# parked requests migrate to decode-0/1 after one step (issue 31): every fault meets migrations too
+EXTERNAL_ARGS = ["--kv-pool-tokens", "256", "--retract-test-interval", "4", "--test-step-delay-s", "0.03",
+                 "--migrate-after", "1"]
 WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
          "letter market bridge candle orange summer").split()
 STREAMS = 12
