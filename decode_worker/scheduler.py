@@ -31,8 +31,8 @@ from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
-from transfer.wire.enums import Role
 from prefill_worker.kv_sender import KVSender
+from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed
 

@@ -229,6 +229,8 @@ def test_fault_under_load(cluster, prompts, refs, rng, fault):
     print(f"\n{row} {sorted({o.error[:90] for o in errors})}")
     assert not late, f"{len(late)} requests failed more than lease + 10 s after the fault"
     assert row["leaks"] == (0, 0)
+    if "migration" in fault.name:  # the moment is real: decode-0/1 took migrated requests in
+        assert metric_sum(m, "pdserve_migrations_total", direction="in", outcome="done") > 0
     check_correct_again(cluster, prompts, refs)
     check_router_unchanged(cluster, router_pid, metric_sum(before, "pdserve_requests_total"), cluster.metrics())
 
