@@ -20,6 +20,19 @@ from configs.scheduler import SchedulerConfig
 from configs.server import ServerConfig
 
 
+def migrate_bound(text: str) -> tuple[int | None, float | None]:
+    """``--migrate-after``: ``"N"`` -> (N steps, None), ``"Ns"`` -> (None, N seconds); ``ValueError``
+    with the accepted forms otherwise."""
+    t = text.strip()
+    try:
+        value = float(t[:-1]) if t.endswith("s") else int(t)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"migrate_after {text!r}: give decode steps (e.g. 20) or seconds (e.g. 2.5s), >= 0")
+    return (None, float(value)) if t.endswith("s") else (int(value), None)
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -57,6 +70,13 @@ class ClusterConfig(BaseModel):
         60.0, gt=0, description="decode side: pages of a transfer whose prefill worker went silent are held this "
                                 "long (a late write may still land) unless it reappears as a new process")
     host_kv_pool_gb: float = Field(1.0, ge=0, description="decode side: pinned host pool for retracted KV (0 = off)")
+    migrate_after: str | None = Field(
+        None, description="decode side: a retracted request that could not resume locally after this many decode "
+                          "steps (N) or seconds (Ns, e.g. 2.5s) is offered, through the router, to a peer decode "
+                          "worker with room; its host KV is written there and its stream moves (off by default)")
+    migrate_timeout_s: float = Field(
+        10.0, gt=0, description="decode side: a migration offer no peer took up (no KV destination) within this "
+                                "long is withdrawn and the request resumes locally")
     fresh_pair_retries: int = Field(
         1, ge=0, le=8, description="router: a request whose prefill or decode worker dies before its first token "
                                    "is sent again this many times, each time on another pair (workers outside the "
@@ -109,6 +129,12 @@ class ClusterConfig(BaseModel):
     advertise_host: str | None = Field(
         None, description="launcher: the name or address other hosts reach this host's workers by (default: "
                           "worker_host, or this machine's hostname when worker_host is a wildcard)")
+
+    @model_validator(mode="after")
+    def _migrate_after_form(self) -> "ClusterConfig":
+        if self.migrate_after is not None:
+            migrate_bound(self.migrate_after)
+        return self
 
     @model_validator(mode="after")
     def _progress_after_liveness(self) -> "ClusterConfig":

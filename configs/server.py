@@ -18,6 +18,9 @@ class ServerConfig(BaseModel):
                                 "router's forwarding slots under overload (default share 1)")
     served_model_name: str | None = Field(None, description="model name in the API; default: the model file's stem")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="largest accepted request body")
+    route_decode: str | None = Field(
+        None, description="pd mode: send every new request to this decode worker (its id, e.g. decode-0) while it is "
+                          "ready: a skewed load for tests and benchmarks of migration (--migrate-after)")
     request_timeout_s: float = Field(600.0, gt=0, description="abort a request that runs longer than this")
     max_queued_requests: int = Field(
         512, ge=0, description="admission: requests waiting in the router's queue beyond this are refused with 429 "

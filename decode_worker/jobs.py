@@ -8,17 +8,24 @@ checked transitions.
                         |              v
                         +-------- RECOMPUTING                             (KV dropped; prefill again)
 
+    HOST_PARKED ---> MIGRATING ---> FINISHED      (offered to a peer decode worker; KV written there)
+                         |
+                         +--------> HOST_PARKED   (declined, withdrawn, or the write failed)
+
     any state but FINISHED -> FINISHED (completion, abort, failure)
 
 Each state maps to the shared ``Phase`` of ``req.status`` (``PHASE_OF``), which ``enter`` keeps in
 step. Only the decode worker's lifecycle (``RetractManager``, ``TransferTracker``, the scheduler's
 ``finish`` and landing) moves a job: moving it along an edge not in ``TRANSITIONS`` raises
-``IllegalTransition``. A migration of a host-parked job to another decode worker is one more edge
-out of HOST_PARKED (and one more ``RetractManager`` method that takes it).
+``IllegalTransition``. A host-parked job that waited too long may be offered to a peer decode
+worker (MIGRATING, ``decode_worker.migration``): it leaves when the peer has its KV, or comes
+back to HOST_PARKED. On the peer a migrated job starts QUEUED with ``migrated`` set, like a
+recompute whose "prefill worker" is the source decode worker.
 """
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 from cache.host_pool import HostKV
@@ -34,6 +41,7 @@ class DecodeState(enum.StrEnum):
     RUNNING = "running"            # in the decode batch
     HOST_PARKED = "host_parked"    # retracted: KV in the host pool, waiting in the retracted queue to resume
     RECOMPUTING = "recomputing"    # retracted: KV dropped, waiting for pages to have it prefilled again
+    MIGRATING = "migrating"        # retracted, offered to (or being written to) a peer decode worker
     FINISHED = "finished"          # ended; its pages are freed (or cached)
 
 
@@ -41,14 +49,16 @@ TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
     DecodeState.QUEUED: frozenset({DecodeState.AWAITING_KV}),
     DecodeState.AWAITING_KV: frozenset({DecodeState.RUNNING}),
     DecodeState.RUNNING: frozenset({DecodeState.HOST_PARKED, DecodeState.RECOMPUTING}),
-    DecodeState.HOST_PARKED: frozenset({DecodeState.RUNNING}),
+    DecodeState.HOST_PARKED: frozenset({DecodeState.RUNNING, DecodeState.MIGRATING}),
+    DecodeState.MIGRATING: frozenset({DecodeState.HOST_PARKED}),
     DecodeState.RECOMPUTING: frozenset({DecodeState.AWAITING_KV}),
     DecodeState.FINISHED: frozenset(),
 }
 
 PHASE_OF: dict[DecodeState, Phase] = {
     DecodeState.QUEUED: Phase.PREALLOC, DecodeState.AWAITING_KV: Phase.TRANSFER, DecodeState.RUNNING: Phase.RUNNING,
-    DecodeState.HOST_PARKED: Phase.RETRACTED, DecodeState.RECOMPUTING: Phase.PREALLOC,
+    DecodeState.HOST_PARKED: Phase.RETRACTED, DecodeState.MIGRATING: Phase.RETRACTED,
+    DecodeState.RECOMPUTING: Phase.PREALLOC,
     DecodeState.FINISHED: Phase.FINISHED,
 }
 
@@ -83,6 +93,9 @@ class DecodeJob:
     answered: Outcome | None = None
     fenced_at: float = 0.0
     state: DecodeState = DecodeState.QUEUED
+    migrated: bool = False     # arrived from a peer decode worker (``prefill_addr`` is that worker's)
+    parked_at: float = 0.0     # monotonic time it last entered HOST_PARKED
+    parked_step: int = 0       # the decode worker's step count then
 
     def __post_init__(self) -> None:
         self.req.status = PHASE_OF[self.state]
@@ -97,5 +110,7 @@ class DecodeJob:
         if not can_move(self.state, state):
             raise IllegalTransition(f"decode job {self.req.rid!r}: {self.state} -> {state}")
         self.state = state
+        if state is DecodeState.HOST_PARKED:
+            self.parked_at, self.parked_step = time.monotonic(), -1  # the step is stamped by the migration policy
         if state is not DecodeState.FINISHED:
             self.req.status = PHASE_OF[state]

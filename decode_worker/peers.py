@@ -124,7 +124,8 @@ class PrefillPeers:
         """Why the worker answering at ``peer.addr`` is not a prefill worker of our cluster, or None.
         Logged once per peer: requests that depend on it then fail with this error."""
         mine = self.handshake.cluster_id
-        if stats.role == Role.PREFILL and stats.cluster_id == mine:
+        # a decode worker is a KV source too: the one a migrated request comes from
+        if stats.role in (Role.PREFILL, Role.DECODE) and stats.cluster_id == mine:
             return None
         error = (f"the worker at {peer.addr} is {stats.worker_id} ({stats.role}) of cluster {stats.cluster_id!r}, "
                  f"not a prefill worker of this decode worker's ({self.handshake.worker_id}) cluster {mine!r}: "

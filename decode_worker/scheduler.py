@@ -16,6 +16,8 @@ from cache.host_pool import HostKVPool
 from cache.kv_manager import KVManager
 from configs.schema import PdserveConfig
 from decode_worker.jobs import DecodeJob, DecodeState
+from decode_worker.migration import MigrationPolicy, MigrationSource, MigrationStats
+from decode_worker.migration_steps import handle_migration, migration_step
 from decode_worker.peers import PrefillPeers, make_handshake
 from decode_worker.retract import RetractManager
 from decode_worker.stats import decode_snapshot
@@ -29,6 +31,7 @@ from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
+from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed
@@ -38,8 +41,13 @@ class DecodeScheduler(WorkerScheduler):
     role = Role.DECODE
 
     def __init__(self, runner: ModelRunner, cfg: PdserveConfig, kv: KVManager, transfers: TransferTracker,
-                 retract: RetractManager, peers: PrefillPeers, eos_token_ids: tuple[int, ...]) -> None:
+                 retract: RetractManager, peers: PrefillPeers, eos_token_ids: tuple[int, ...],
+                 migration: MigrationSource | None = None, worker_id: str = "", model_name: str = "") -> None:
+        """``migration``: the source side of migrations (``--migrate-after``); any decode worker
+        takes migrated requests in (``decode_worker.migration_steps``)."""
         super().__init__(runner, kv)
+        self.migration, self.worker_id, self.model_name = migration, worker_id, model_name
+        self.migration_stats = migration.stats if migration is not None else MigrationStats()
         self.cfg = cfg
         self.transfers, self.retract, self.peers = transfers, retract, peers
         self.executor = BatchExecutor(runner, eos_token_ids, kv)
@@ -79,10 +87,16 @@ class DecodeScheduler(WorkerScheduler):
             job.answered = outcome
             if not outcome.completed:
                 out.token(job.req.owner, outcome.delta(job.req.rid))
+        if self.migration is not None and self.migration.writing(job):
+            return out  # the host copy is being read: freed when the write ends
         if self.transfers.writing(job):
             job.fenced_at = job.fenced_at or time.monotonic()
             return out
         req = job.req
+        if job.migrated and job.state in (DecodeState.RECOMPUTING, DecodeState.AWAITING_KV):
+            self.migration_stats.in_failed += 1
+        if self.migration is not None:
+            self.migration.forget(req.rid)
         self.transfers.discard(job)
         self.retract.discard(job)
         self.running.discard(req)
@@ -99,7 +113,7 @@ class DecodeScheduler(WorkerScheduler):
 
     def handle(self, source, msg: Message, frames: list[bytes]) -> Outbox | None:
         if not isinstance(source, Peer):
-            return None
+            return handle_migration(self, source, msg, frames)
         out = self.peers.on_message(source.addr, msg)
         if isinstance(msg, PrefillFailed) and (job := self.transfers.failed(msg)) is not None:
             out = (out or Outbox()).extend(self.finish(job, Outcome.abort(f"prefill failed: {msg.error}",
@@ -129,6 +143,8 @@ class DecodeScheduler(WorkerScheduler):
     def idle_wait_s(self) -> float | None:
         if self.transfers.inflight:  # notifications have no file descriptor: poll them
             return self.transfers.transport.poll_interval_s
+        if self.migration is not None and (self.migration.offered or self.retract.queue):
+            return self.migration.sender.transport.poll_interval_s
         return self.peers.next_due_s()
 
     def step(self) -> StepReport:
@@ -142,6 +158,8 @@ class DecodeScheduler(WorkerScheduler):
             out.extend(self._landed(landing))
         for job in self.retract.resume_ready(self.running.reqs, self.cfg.scheduler.retract_decode_steps):
             self.running.add(job.req)
+        if self.migration is not None:
+            out.extend(migration_step(self))
         if not self.retract.queue:  # resumes first: no new request takes pages while one waits
             out.extend(self._admit())
         if self.running and out.tokens and not self._decode_deferred:
@@ -165,7 +183,8 @@ class DecodeScheduler(WorkerScheduler):
         req.kv_len = job.n_tokens
         self.kv.drop_swa(req.kv, landing.manifest.swa_missing)
         req.mark("landed")
-        if job.generation > 0:  # recomputed KV: resume decoding from the last output token
+        if job.generation > 0:  # recomputed or migrated KV: resume decoding from the last output token
+            self.migration_stats.in_done += job.migrated
             self.running.add(req)
             return Outbox()
         self.stats.cached_prompt_tokens += job.decode_prefix_len
@@ -219,10 +238,13 @@ class DecodeScheduler(WorkerScheduler):
 
 
 def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, worker_id: str, model_name: str,
-                            eos_token_ids: tuple[int, ...] | None = None) -> DecodeScheduler:
+                            eos_token_ids: tuple[int, ...] | None = None, migration_transport=None,
+                            threaded: bool = True) -> DecodeScheduler:
     """A decode scheduler over ``runner``'s pool, with ``transport`` (pool registered here), its
     prefill peers and, when ``cluster.host_kv_pool_gb > 0``, a host pool for retracted KV.
-    ``eos_token_ids`` defaults to the model's."""
+    ``eos_token_ids`` defaults to the model's. With ``cluster.migrate_after`` and a host pool,
+    ``migration_transport`` (a second transport of the same backend) gets the host pool registered
+    and writes migrated requests' KV to peers (``threaded=False``: writes inline, for unit tests)."""
     transport.register_pool(runner.pools.units, runner.pools.unit_bytes)
     kv = runner.make_kv_manager(cfg.scheduler.enable_radix_cache)
     host = None
@@ -233,4 +255,10 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
     transfers = TransferTracker(kv, transport, worker_id)
     retract = RetractManager(kv, runner.pools, host, transfers, gather_pages)
     eos = tuple(runner.model_config.eos_token_ids) if eos_token_ids is None else eos_token_ids
-    return DecodeScheduler(runner, cfg, kv, transfers, retract, peers, eos)
+    migration = None
+    if migration_transport is not None and host is not None and cfg.cluster.migrate_after is not None:
+        migration_transport.register_pool(host.buffer, host.page_bytes)
+        sender = KVSender(migration_transport, host.page_bytes, threaded=threaded)
+        migration = MigrationSource(MigrationPolicy.from_flag(cfg.cluster.migrate_after), host, sender,
+                                    retract.budget, cfg.cluster.migrate_timeout_s, MigrationStats())
+    return DecodeScheduler(runner, cfg, kv, transfers, retract, peers, eos, migration, worker_id, model_name)

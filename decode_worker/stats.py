@@ -1,7 +1,9 @@
 """The decode worker's metrics: scheduler counters plus transfer, retract and host-pool series."""
 from __future__ import annotations
 
+from decode_worker.migration import MIGRATION_BUCKETS
 from engine.scheduler.base import Snapshot
+from engine.scheduler.stats import Histogram
 
 
 def decode_snapshot(s, base: Snapshot) -> Snapshot:
@@ -13,9 +15,20 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
                          retract_offloaded=rs.offloaded)
     base.gauges.update(queue_prealloc=len(s.transfers.prealloc), queue_transfer=len(s.transfers.inflight),
                        queue_running=len(s.running), queue_retracted=len(s.retract.queue),
+                       queue_migrating=len(s.migration.offered) if s.migration is not None else 0,
                        new_token_ratio=s.running.ratio.value,
                        host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,
                        host_kv_pool_bytes_free=host.num_free() * host.page_bytes if host else 0)
+    ms = s.migration_stats
+    base.counters.update(migrations_out_done=ms.out_done, migrations_out_failed=ms.out_failed,
+                         migrations_out_declined=ms.out_declined, migrations_in_done=ms.in_done,
+                         migrations_in_failed=ms.in_failed, migrations_in_refused=ms.in_refused,
+                         migration_bytes=ms.out_bytes)
+    in_flight = [*s.running, *(j.req for j in s.transfers.inflight.values())]
+    # what a migrated request could get here now (admission's view): the router's pre-check
+    base.gauges["migration_room_pages"] = (0 if s.retract.queue or s.transfers.prealloc else
+                                           max(0, s.budget.headroom(in_flight, s.running.ratio.value).full))
+    base.histograms["migration_seconds"] = s.migration.seconds if s.migration is not None else Histogram(MIGRATION_BUCKETS)
     base.histograms.update(retract_offload_seconds=s.retract.offload_seconds,
                            retract_resume_seconds=s.retract.resume_seconds, **s.timeline.histograms)
     return base

@@ -121,7 +121,7 @@ class TransferTracker:
         job.enter(DecodeState.AWAITING_KV)
         req.mark("reserved")
         self.inflight[job.key] = job
-        if job.generation > 0:
+        if job.generation > 0 and not job.migrated:  # a migrated job's KV is already computed (at its source)
             out.send(to, *prefill_request(job, self.worker_id))
         log.debug("destination for %s room %d: %d pages", req.rid, job.room, len(req.kv.pages))
         dest = KVDestination(rid=req.rid, room=job.room, generation=job.generation,

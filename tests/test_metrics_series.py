@@ -32,7 +32,7 @@ GAUGES = {"pdserve_kv_pool_pages", "pdserve_kv_pool_capacity_pages", "pdserve_qu
           "pdserve_worker_up", "pdserve_swa_pool_pages", "pdserve_swa_pool_capacity_pages",
           "pdserve_worker_torch_threads"}
 COVERED = {*(n for n, _ in WORKER_COUNTERS.values()), *(n for n, _ in WORKER_HISTOGRAMS.values()),
-           "pdserve_request_phase_seconds", *GAUGES}
+           "pdserve_request_phase_seconds", "pdserve_migrations", *GAUGES}  # migrations: tests/test_migration.py
 OUT = 16
 
 

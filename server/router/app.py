@@ -47,6 +47,7 @@ from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream, refuse_early
+from server.router.workers import pinned_pd
 from server.router.tokenize import add_tokenize_routes
 from server.router.worker_client import WorkerClient
 from transfer.wire.enums import Role
@@ -72,7 +73,10 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     With ``cluster.routing == "cache-aware"``, also the KV index, its subscriber (on ``zctx``,
     authenticated by ``auth``; insecure when None) and the cache-aware policy."""
     table = InflightTable()
-    registry = Registry(specs, client_factory, table, policy=ROUTING_POLICIES[cfg.cluster.mode],
+    policy = ROUTING_POLICIES[cfg.cluster.mode]
+    if cfg.cluster.mode == "pd" and cfg.server.route_decode:
+        policy = pinned_pd(cfg.server.route_decode)
+    registry = Registry(specs, client_factory, table, policy=policy,
                         interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
                         model_name=model_name, cluster_id=cfg.cluster.cluster_id or "",
                         dynamic=bool(cfg.cluster.discovery))

@@ -70,6 +70,30 @@ class InflightTable:
             self._entries[rid].queue.put_nowait(TokenDelta.failed(rid, message, status))
         return rids
 
+    def entry(self, rid: str) -> Inflight | None:
+        """The entry of ``rid``, or None if it is not in flight."""
+        return self._entries.get(rid)
+
+    def repoint(self, rid: str, worker_id: str) -> None:
+        """A migration: stream ``rid`` from ``worker_id`` from now on (it joins ``workers``); the
+        request keeps depending on the previous stream worker until the new one sends a token."""
+        e = self._entries.get(rid)
+        if e is None:
+            return
+        if worker_id not in e.workers:
+            e.workers = (*e.workers, worker_id)
+        if e.stream_from != worker_id:
+            e.depends_on = (e.stream_from,) if worker_id not in e.depends_on else e.depends_on
+            e.stream_from = worker_id
+
+    def leave(self, rid: str, worker_id: str) -> None:
+        """``worker_id`` holds no state for ``rid`` any more (a migration moved it, or was undone)."""
+        e = self._entries.get(rid)
+        if e is None:
+            return
+        e.workers = tuple(w for w in e.workers if w != worker_id)
+        e.depends_on = tuple(w for w in e.depends_on if w != worker_id) or (e.stream_from,)
+
     def workers_of(self, rid: str) -> tuple[str, ...]:
         """The workers holding state for ``rid`` (empty if not in flight)."""
         e = self._entries.get(rid)

@@ -32,6 +32,7 @@ async def add_worker(registry: Registry, spec: WorkerSpec) -> WorkerHandle:
         await registry.sweep()
     h = WorkerHandle(spec, registry.client_factory(spec, registry.on_tokens, registry.on_stats))
     registry.handles[spec.worker_id] = h
+    registry.migrations.attach(h)
     log.info("worker %s (%s) at %s joined", spec.worker_id, spec.role, spec.addr)
     if registry.started:
         await h.client.start()

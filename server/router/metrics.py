@@ -61,6 +61,8 @@ WORKER_COUNTERS = {
                                     "the worker refused: the peer did not hold the cluster key (--cluster-key)"),
     "mixed_steps": ("pdserve_worker_mixed_steps", "Forward steps that carried decode rows and a prefill chunk "
                     "together (mixed batches)"),
+    "migration_bytes": ("pdserve_migration_bytes", "KV bytes a decode worker wrote from its host pool into peer "
+                        "decode workers (retracted requests migrated)"),
     "borrowed_core_steps": ("pdserve_worker_borrowed_core_steps", "Steps a worker ran on every core of its host's "
                             "launch while the other workers were idle (core lending)"),
 }
@@ -69,7 +71,11 @@ WORKER_HISTOGRAMS = {
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds", "Prefill -> decode KV write time per request"),
     "retract_offload_seconds": ("pdserve_retract_offload_seconds", "Time to copy a retracted request's KV to host"),
     "retract_resume_seconds": ("pdserve_retract_resume_seconds", "Time to copy a retracted request's KV back"),
+    "migration_seconds": ("pdserve_migration_seconds", "Host pool -> peer decode worker KV write time per "
+                          "migrated request (source side)"),
 }
+# pdserve_migrations_total{worker,direction,outcome}: from the decode workers' migrations_<direction>_<outcome>
+MIGRATION_OUTCOMES = {"out": ("done", "failed", "declined"), "in": ("done", "failed", "refused")}
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -121,6 +127,15 @@ class WorkerCollector(Collector):
             for h in handles:
                 fam.add_metric([h.worker_id], h.stats.counters.get(key, 0.0))
             yield fam
+        moves = CounterMetricFamily("pdserve_migrations", "Retracted requests moved between decode workers: out (this "
+                                    "worker was the source: done, failed, declined by the router) and in (the "
+                                    "target: done, failed, refused)", labels=["worker", "direction", "outcome"])
+        for h in handles:
+            for direction, outcomes in MIGRATION_OUTCOMES.items():
+                for outcome in outcomes:
+                    if (v := h.stats.counters.get(f"migrations_{direction}_{outcome}")) is not None:
+                        moves.add_metric([h.worker_id, direction, outcome], v)
+        yield moves
 
     def _gauges(self, handles: list[WorkerHandle]):
         pages = GaugeMetricFamily("pdserve_kv_pool_pages", "KV pool pages by state", labels=["worker", "state"])

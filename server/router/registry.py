@@ -24,6 +24,7 @@ from typing import Any
 
 from server.router.inflight import InflightTable
 from server.router.load import BlendedLoad, RoomAllocator
+from server.router.migration import Migrations
 from server.router.worker_client import WorkerUnavailable
 from server.router.workers import (DEAD, DRAINED, DRAINING, OUT_OF_ROTATION, READY, RESTARTING, ROUTING_POLICIES,
                                    STARTING, NoWorkerAvailable, Policy, Route, WorkerHandle, WorkerSpec,
@@ -73,6 +74,9 @@ class Registry:
         self._nonce = 0
         self.rooms = RoomAllocator()  # rooms name KV transfers: unique across routers (tag) and requests
         self.load = BlendedLoad(table, self.handles)
+        self.migrations = Migrations(self.handles, table, self.next_room)
+        for h in self.handles.values():
+            self.migrations.attach(h)
 
     def next_room(self) -> int:
         """A room number no other request of this router, nor of another router, has used."""

@@ -131,8 +131,12 @@ class GenerationSession:
         """Remove ``rid`` from the in-flight table and abort it on the route's workers if unfinished."""
         self.table.close(self.rid)
         if self.inflight is not None and not self.finished and self.route is not None:
-            for h in self.route.targets:
-                h.client.abort([self.rid], reason)
+            # the entry's workers, not the route's: a migration may have moved the request
+            handles = {h.worker_id: h for h in self.route.targets}
+            for wid in self.inflight.workers:
+                h = handles.get(wid) or self.registry.handles.get(wid)
+                if h is not None:
+                    h.client.abort([self.rid], reason)
 
     def _retry(self, failed: TokenDelta) -> bool:
         """Send the request again on another route if a worker of this one died (503) before any

@@ -26,8 +26,10 @@ import zmq
 import zmq.asyncio
 
 from transfer.control_auth import ControlAuth, HandshakeWatch
-from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, KvSnapshotRequest, Message, PrefillRequest, ProtocolError, Shutdown,
-                               StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode, ids_frame)
+from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, KvSnapshotRequest, Message, MigrateRequest,
+                                    MigrationDeclined, MigrationEnded, MigrationOffer, PrefillRequest, ProtocolError,
+                                    Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
+                                    frame_ids, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class WorkerClient:
         self._on_stats = on_stats
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
+        # migration messages (``MigrationOffer`` with its ids, ``MigrationEnded``): set by the registry
+        self.on_migration: Callable[[str, Message, list[int]], None] | None = None
 
     async def start(self) -> None:
         """Connect (the worker may bind later; messages queue until it does) and start receiving."""
@@ -92,6 +96,16 @@ class WorkerClient:
         """Send a ``PrefillRequest`` to a PD prefill worker; ``WorkerUnavailable`` if it cannot be queued."""
         self._send(PrefillRequest(rid=rid, room=room, params=params, decode_worker=decode_worker),
                    ids_frame(prompt_ids))
+
+    def migrate(self, rid: str, ids: list[int], params: SamplingParams, room: int, source_addr: str, prompt_len: int,
+                n_tokens: int) -> None:
+        """Send a ``MigrateRequest`` to a decode worker; ``WorkerUnavailable`` if it cannot be queued."""
+        self._send(MigrateRequest(rid=rid, params=params, room=room, source_addr=source_addr, prompt_len=prompt_len,
+                                  n_tokens=n_tokens), ids_frame(ids))
+
+    def decline_migration(self, rid: str, reason: str) -> None:
+        """Tell a decode worker no peer takes ``rid`` (``MigrationDeclined``); ``WorkerUnavailable``."""
+        self._send(MigrationDeclined(rid=rid, reason=reason))
 
     def abort(self, rids: list[str], reason: str) -> None:
         """Send an ``AbortRequest`` (best effort: errors are logged, never raised)."""
@@ -160,5 +174,7 @@ class WorkerClient:
                 self._on_tokens(self.worker_id, delta)
         elif isinstance(msg, WorkerStats):
             self._on_stats(self.worker_id, msg)
+        elif isinstance(msg, (MigrationOffer, MigrationEnded)) and self.on_migration is not None:
+            self.on_migration(self.worker_id, msg, frame_ids(frames[0]) if frames else [])
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, self.worker_id)

@@ -72,7 +72,10 @@ def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from transfer.factory import create_transport
 
     transport = create_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
-    return create_decode_scheduler(runner, cfg, transport, worker_id, model_name)
+    migration = None  # a second transport, over the host pool, to write retracted KV to peers
+    if cfg.cluster.migrate_after is not None and cfg.cluster.host_kv_pool_gb > 0:
+        migration = create_transport(cfg.cluster.transfer_backend, f"{worker_id}-migrate", cfg.cluster)
+    return create_decode_scheduler(runner, cfg, transport, worker_id, model_name, migration_transport=migration)
 
 
 BUILDERS = {Role.COLOCATED: build_colocated, Role.PREFILL: build_prefill, Role.DECODE: build_decode}

@@ -32,8 +32,10 @@ LEASE_S = 4.0  # worker_timeout_s (router) = peer_timeout_s (decode -> prefill)
 ARGS = ["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512", "--init-new-token-ratio", "0.05",
         "--chunked-prefill-size", "8", "--test-step-delay-s", "0.005", "--worker-timeout-s", str(LEASE_S),
         "--peer-timeout-s", str(LEASE_S), "--transfer-fence-s", "8", "--restart-backoff-s", "0.5"]
-# decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them
-EXTERNAL_ARGS = ["--kv-pool-tokens", "256", "--retract-test-interval", "4", "--test-step-delay-s", "0.03"]
+# decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them, whose
+# parked requests migrate to decode-0/1 after one step (issue 31): every fault meets migrations too
+EXTERNAL_ARGS = ["--kv-pool-tokens", "256", "--retract-test-interval", "4", "--test-step-delay-s", "0.03",
+                 "--migrate-after", "1"]
 WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
          "letter market bridge candle orange summer").split()
 STREAMS = 12
@@ -227,6 +229,8 @@ def test_fault_under_load(cluster, prompts, refs, rng, fault):
     print(f"\n{row} {sorted({o.error[:90] for o in errors})}")
     assert not late, f"{len(late)} requests failed more than lease + 10 s after the fault"
     assert row["leaks"] == (0, 0)
+    if "migration" in fault.name:  # the moment is real: decode-0/1 took migrated requests in
+        assert metric_sum(m, "pdserve_migrations_total", direction="in", outcome="done") > 0
     check_correct_again(cluster, prompts, refs)
     check_router_unchanged(cluster, router_pid, metric_sum(before, "pdserve_requests_total"), cluster.metrics())
 

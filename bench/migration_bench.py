@@ -1,0 +1,179 @@
+"""Migration of retracted requests between decode workers (issue 31): the issue's two goals,
+measured in one run.
+
+``python -m bench.migration_bench [--part kv|serve|both] [--json]``
+
+1. ``kv``: a 2,048-token request's KV (SmolLM2-135M geometry, fp32, page 16: 128 pages of
+   737,280 bytes) written by the real transport (``--backend``, default NIXL) from a host pool
+   registered with it into shuffled pages of a decode-side pool in another process, to the
+   handle's ``done``, vs a local resume (``HostKVPool.load`` into shuffled pages of a pool in
+   this process). Goal: migration within 1.5x of the local resume. Median and min over ``--reps``.
+2. ``serve``: ``pdserve launch --mode pd --decode 2 --route-decode decode-0`` (every request on
+   one decode worker, whose small pool makes it retract) run twice on the same prompts: without
+   and with ``--migrate-after``. Per run: failed requests, retractions and migrations (from
+   ``/metrics``), and the end-to-end P50/P99 latency of the retracted requests. A request counts
+   as retracted when the longest gap between two of its streamed tokens exceeds ``--gap-factor``
+   times the run's median inter-token gap (a parked request's stream stops while it waits).
+   Goal: P99 with migration <= 0.5x without; 0 failed; tokens equal across the runs (greedy).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from bench.transfer_bench import PAGE, VARIANTS, _decode_side, fill_pages, page_bytes, pool_shape
+from cache.host_pool import HostKVPool
+
+QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
+             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
+             "What causes tides?", "Why do leaves change color?"]
+SHARED = "You are a helpful assistant. Answer in one short paragraph. Question: "
+
+
+# ---- 1. KV: migration write vs local resume ------------------------------------------------------
+def kv_part(backend: str, tokens: int, reps: int, seed: int = 0) -> dict:
+    from transfer.factory import create_transport
+
+    n = tokens // PAGE
+    rng = np.random.default_rng(seed)
+    host = HostKVPool(2 * n, pool_shape(1)[1:], torch.float32, pinned=torch.cuda.is_available())
+    fill_pages(host.buffer.view(pool_shape(2 * n)))
+    device = torch.zeros(pool_shape(4 * n), dtype=torch.float32)
+    kind, opts = VARIANTS[backend]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_side, args=(child, 4 * n, kind, opts), daemon=True)
+    proc.start()
+    try:
+        if not conn.poll(60):
+            raise RuntimeError("decode-side process published no metadata")
+        md = conn.recv_bytes()
+        t = create_transport(kind, "bench-migrate-source", **opts)
+        t.register_pool(host.buffer, host.page_bytes)
+        peer = t.add_peer(md)
+        migrate, resume = [], []
+        for i in range(reps + 1):
+            src = host.allocator.alloc(n)
+            dst = rng.permutation(4 * n)[:n].astype(np.int32)
+            t0 = time.perf_counter()
+            h = t.write_pages(peer, np.asarray(src, dtype=np.int32), dst, b"migration")
+            state = h.wait(60)
+            dt = time.perf_counter() - t0
+            h.release()
+            if state != "done":
+                raise RuntimeError(f"{backend} write ended {state}: {h.error}")
+            from cache.host_pool import HostKV
+
+            dev_pages = rng.permutation(4 * n)[:n].tolist()
+            t0 = time.perf_counter()
+            host.load(device.view(4 * n, -1), HostKV(src, tokens), dev_pages)  # frees the host pages
+            dr = time.perf_counter() - t0
+            if i:  # the first pair touches cold pages
+                migrate.append(dt)
+                resume.append(dr)
+        conn.send(("bye",))
+        t.close()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    mig, res = statistics.median(migrate), statistics.median(resume)
+    return {"tokens": tokens, "pages": n, "bytes": n * page_bytes(), "backend": backend,
+            "migrate_ms_median": mig * 1e3, "migrate_ms_min": min(migrate) * 1e3,
+            "resume_ms_median": res * 1e3, "resume_ms_min": min(resume) * 1e3, "ratio": mig / res,
+            "goal_met": mig <= 1.5 * res}
+
+
+# ---- 2. serve: P99 of retracted requests without / with migration ----------------------------------
+async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
+    t0 = time.monotonic()
+    stamps, ids, error = [], [], None
+    try:
+        r = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            stream=True, extra_body={"return_token_ids": True})
+        async for chunk in r:
+            got = (getattr(chunk.choices[0], "token_ids", None) or []) if chunk.choices else []
+            if got:
+                ids += got
+                stamps.append(time.monotonic())
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        error = str(e)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"e2e": time.monotonic() - t0, "ids": ids, "error": error, "max_gap": max(gaps, default=0.0),
+            "gaps": gaps}
+
+
+def _serve_run(args, migrate: bool) -> dict:
+    import openai
+
+    from server.testing.subprocess_server import LaunchedServer, metric_sum, wait_idle
+
+    flags = ["--mode", "pd", "--decode", "2", "--port", "0", "--route-decode", "decode-0", "--transfer-backend",
+             args.backend, "--kv-pool-tokens", str(args.pool_tokens), "--page-size", "16", "--max-model-len", "2048",
+             "--init-new-token-ratio", "0.05", "--health-interval-s", "0.5", "--log-level", "WARNING"]
+    if migrate:
+        flags += ["--migrate-after", args.migrate_after]
+    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(args.requests)]
+    with LaunchedServer(flags) as srv:
+        model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
+
+        async def run_all():
+            c = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=1200)
+            try:
+                return await asyncio.gather(*(_one(c, model, p, args.max_tokens) for p in prompts))
+            finally:
+                await c.close()
+
+        results = asyncio.run(run_all())
+        m = wait_idle(srv.url, 0.5, timeout_s=120)
+    median_gap = statistics.median([g for r in results for g in r["gaps"]] or [0.0])
+    retracted = [r for r in results if r["max_gap"] > args.gap_factor * median_gap]
+    lat = sorted(r["e2e"] for r in retracted)
+    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None)
+    return {"migrate": migrate, "failed": sum(r["error"] is not None for r in results),
+            "retractions": metric_sum(m, "pdserve_retractions_total"),
+            "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
+            "retracted_requests": len(retracted), "p50_s": pct(0.5), "p99_s": pct(0.99),
+            "all_p99_s": sorted(r["e2e"] for r in results)[int(0.99 * (len(results) - 1))],
+            "ids": [r["ids"] for r in results]}
+
+
+def serve_part(args) -> dict:
+    off, on = _serve_run(args, False), _serve_run(args, True)
+    same = off.pop("ids") == on.pop("ids")
+    ratio = on["p99_s"] / off["p99_s"] if on["p99_s"] and off["p99_s"] else None
+    return {"without": off, "with": on, "tokens_identical": same, "p99_ratio": ratio,
+            "goal_met": bool(ratio is not None and ratio <= 0.5 and same and on["failed"] == off["failed"] == 0)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("kv", "serve", "both"), default="both")
+    ap.add_argument("--backend", choices=("nixl", "ucxx"), default="nixl")
+    ap.add_argument("--tokens", type=int, default=2048, help="kv: the request's tokens")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=32, help="serve: concurrent streamed requests")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
+    ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
+    ap.add_argument("--gap-factor", type=float, default=5.0, help="serve: a retracted request's longest token gap "
+                                                                  "exceeds this x the median gap")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    out = {}
+    if args.part in ("kv", "both"):
+        out["kv"] = kv_part(args.backend, args.tokens, args.reps)
+    if args.part in ("serve", "both"):
+        out["serve"] = serve_part(args)
+    print(json.dumps(out, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

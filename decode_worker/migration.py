@@ -1,0 +1,197 @@
+"""Migration of host-parked (retracted) requests from this decode worker to a peer decode worker.
+
+Source side (``MigrationSource``), one edge pair out of HOST_PARKED (``decode_worker.jobs``):
+
+1. ``offer``: a job parked longer than ``--migrate-after`` (decode steps or seconds) leaves the
+   retracted queue (HOST_PARKED -> MIGRATING) and a ``MigrationOffer`` goes to the router that
+   owns its stream. The router picks a peer with room and sends it a ``MigrateRequest``, or
+   answers ``MigrationDeclined`` (-> ``back``).
+2. The peer treats this worker as the request's "prefill worker": it handshakes (``KVHandshake``,
+   answered by ``handshake`` through a ``KVSender`` over a second transport whose registered pool
+   is the host pool) and, once admitted, sends a ``KVDestination``. ``destination`` writes the
+   host rows (full pages from the peer's radix prefix on, then the SWA window pages) straight
+   from the host pool into the peer's pages with the same sealed ``TransferManifest`` as a
+   prefill write (a logical SWA page asked for but not in the host copy is ``swa_missing``).
+3. ``ended``: writes that finished. Done: the caller frees the host copy, forgets the request and
+   tells the router (``MigrationEnded(ok=True)``); the peer streams from now on. Failed (peer dead,
+   transport error): the job goes back to the front of the retracted queue (MIGRATING ->
+   HOST_PARKED) with its host copy intact and resumes or recomputes here. An offer that got no
+   destination within ``migrate_timeout_s`` is withdrawn the same way (``expired``); a
+   destination that comes later is answered ``PrefillFailed`` and the peer's pages are freed by
+   its fence, as for a prefill write that never came.
+
+The host copy is never freed while a write that reads it is in flight (``writing``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache.host_pool import HostKVPool
+from cache.kv_budget import PageBudget
+from configs.schema import migrate_bound
+from decode_worker.jobs import DecodeJob, DecodeState
+from engine.scheduler.stats import Histogram
+from prefill_worker.kv_sender import KVSender
+from transfer.wire.outbox import Conn, Outbox
+from transfer.wire.protocol import KVDestination, MigrationOffer, PrefillFailed, TransferManifest, ids_frame
+
+log = logging.getLogger(__name__)
+
+MIGRATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class MigrationStats:
+    """Cumulative counts by direction (out: this worker was the source; in: the target) and outcome."""
+
+    out_done: int = 0
+    out_failed: int = 0
+    out_declined: int = 0
+    in_done: int = 0
+    in_failed: int = 0
+    in_refused: int = 0
+    out_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """When a parked job is offered: after ``steps`` decode steps or ``seconds`` in the retracted
+    queue (exactly one of them is set; ``from_flag`` parses ``--migrate-after``)."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def from_flag(cls, text: str) -> "MigrationPolicy":
+        steps, seconds = migrate_bound(text)
+        return cls(steps, seconds)
+
+    def due(self, job: DecodeJob, step: int, now: float) -> bool:
+        """True when ``job`` (HOST_PARKED since ``parked_step``/``parked_at``) waited long enough."""
+        if self.steps is not None:
+            return step - job.parked_step >= self.steps
+        return now - job.parked_at >= self.seconds
+
+
+class MigrationSource:
+    """The source side of migrations (module docstring). ``sender`` writes from the host pool
+    (its transport has ``host.buffer`` registered); ``budget`` sizes offers."""
+
+    def __init__(self, policy: MigrationPolicy, host: HostKVPool, sender: KVSender, budget: PageBudget,
+                 timeout_s: float, stats: MigrationStats) -> None:
+        self.policy, self.host, self.sender, self.budget = policy, host, sender, budget
+        self.timeout_s = timeout_s
+        self.offered: dict[str, DecodeJob] = {}  # rid -> MIGRATING job
+        self._offered_at: dict[str, float] = {}
+        self._writing: set[str] = set()
+        self.stats = stats
+        self.seconds = Histogram(MIGRATION_BUCKETS)
+        self.step_count = 0
+
+    def writing(self, job: DecodeJob) -> bool:
+        """True while a write that reads ``job``'s host copy may be in flight."""
+        return job.req.rid in self._writing
+
+    def offer(self, queue, ratio: float) -> Outbox:
+        """Offer every due job of the retracted ``queue`` (a deque of HOST_PARKED jobs, which it
+        leaves) to its router; ``ratio``: the ``new_token_ratio`` the peer's reservation uses."""
+        self.step_count += 1
+        out, now = Outbox(), time.monotonic()
+        for job in list(queue):
+            if job.parked_step < 0:
+                job.parked_step = self.step_count
+            if job.answered or not self.policy.due(job, self.step_count, now):
+                continue
+            queue.remove(job)
+            job.enter(DecodeState.MIGRATING)
+            req = job.req
+            reserve = self.budget.prompt_reservation(req, ratio, req.kv_len)
+            pages = self.budget.pages_for(req.kv_len) + reserve.full
+            self.offered[req.rid], self._offered_at[req.rid] = job, now
+            log.info("offering retracted %s (%d tokens, %d pages with reservation) to a peer decode worker",
+                     req.rid, req.kv_len, pages)
+            offer = MigrationOffer(rid=req.rid, n_tokens=req.kv_len, pages=pages, prompt_len=len(req.prompt_ids),
+                                   params=req.params)
+            out.send(Conn(req.owner), offer, ids_frame(req.all_ids))
+        return out
+
+    def back(self, rid: str, queue, why: str) -> DecodeJob | None:
+        """MIGRATING -> HOST_PARKED, first in ``queue``, unless a write is in flight; the job or None."""
+        job = self.offered.get(rid)
+        if job is None or rid in self._writing:
+            return None
+        del self.offered[rid]
+        self._offered_at.pop(rid, None)
+        log.warning("migration of %s did not happen (%s): it stays here", rid, why)
+        job.enter(DecodeState.HOST_PARKED)
+        job.parked_step = self.step_count
+        if not job.answered:
+            queue.appendleft(job)
+        return job
+
+    def expired(self) -> list[str]:
+        """Offers that got no destination within ``timeout_s`` (no write started)."""
+        now = time.monotonic()
+        return [rid for rid, t in self._offered_at.items()
+                if rid not in self._writing and now - t > self.timeout_s]
+
+    def destination(self, source: Conn, msg: KVDestination, pages: np.ndarray, swa: np.ndarray,
+                    peer_id: str) -> Outbox:
+        """The peer's pages for an offered job: start the write from the host copy. A destination
+        for no offered job (withdrawn, finished) is answered ``PrefillFailed``."""
+        job = self.offered.get(msg.rid)
+        if job is None or msg.rid in self._writing or msg.n_tokens != job.req.kv_len or job.answered:
+            out = Outbox()
+            out.send(source, PrefillFailed(rid=msg.rid, room=msg.room, generation=msg.generation, error=(
+                f"decode worker has no migration of {msg.rid} to offer any more (withdrawn or finished)"),
+                error_status=503))
+            return out
+        page_size = self.budget.kv.page_size
+        first, last = msg.decode_prefix_len // page_size, self.budget.pages_for(msg.n_tokens)
+        kv = job.host_kv
+        n_full = len(kv.pages) - len(kv.swa_index)
+        src = list(kv.pages[first:min(last, n_full)])
+        swa_src, swa_dst, missing = [], [], []
+        host_swa = dict(zip(kv.swa_index, kv.pages[n_full:]))
+        for j in range(first, min(last, len(swa))):
+            if swa[j] < 0:
+                continue
+            if j in host_swa:
+                swa_src.append(host_swa[j])
+                swa_dst.append(int(swa[j]))
+            else:
+                missing.append(j)
+        manifest = TransferManifest(rid=msg.rid, room=msg.room, generation=msg.generation, n_tokens=msg.n_tokens,
+                                    n_pages=len(src), swa_pages=len(swa_src), swa_missing=missing,
+                                    first_token=job.req.all_ids[-1]).sealed()
+        dst = self.sender.dest_rows(peer_id, pages[first:first + len(src)], np.asarray(swa_dst, dtype=np.int32))
+        self.sender.start(job, peer_id, np.asarray(src + swa_src, dtype=np.int32), dst, manifest)
+        self._writing.add(msg.rid)
+        self._offered_at.pop(msg.rid, None)
+        return Outbox()
+
+    def ended(self) -> list[tuple[DecodeJob, bool, str | None, int, float]]:
+        """Writes that ended: ``(job, ok, error, nbytes, seconds)``; counts and times them. A done
+        job leaves ``offered`` (the caller finishes it); a failed one stays for ``back``."""
+        done = []
+        for job, ok, error, nbytes, secs in self.sender.poll():
+            rid = job.req.rid
+            self._writing.discard(rid)
+            if ok:
+                self.offered.pop(rid, None)
+                self.stats.out_done += 1
+                self.stats.out_bytes += nbytes
+                self.seconds.observe(secs)
+            else:
+                self.stats.out_failed += 1
+            done.append((job, ok, error, nbytes, secs))
+        return done
+
+    def forget(self, rid: str) -> None:
+        """The job ended here otherwise (abort, no write in flight): drop its offer."""
+        self.offered.pop(rid, None)
+        self._offered_at.pop(rid, None)

@@ -1,0 +1,116 @@
+"""The router's part in moving a retracted request between decode workers (the workers' part is
+``decode_worker.migration``): choose the peer, re-point the token stream, undo on failure.
+
+- ``MigrationOffer`` from decode worker S: ``pick_target`` chooses the ready decode worker, other
+  than S, of S's model and page size whose latest report has the most ``migration_room_pages``
+  (room after the running batch's reservation, nothing waiting there) and at least the offer's
+  ``pages``. The request's in-flight entry then streams from the target T (``workers`` gains T;
+  its death does not fail the request until T sent a token) and T gets a ``MigrateRequest``
+  (a fresh room). No peer (or no entry): S gets ``MigrationDeclined`` and resumes locally.
+- S stops producing tokens for the request when it offers it and T starts only once the KV
+  landed, so the stream has no gap or duplicate: tokens come from S up to the offer and from T
+  after it, into the same queue.
+- ``MigrationEnded`` from S (ok): S leaves the entry. Not ok, from S (the write failed, the offer
+  expired) or from T (it refused): the stream is S's again, T is aborted and leaves the entry;
+  S is told ``MigrationDeclined`` when the refusal came from T.
+
+``pdserve_migrations_total`` and friends come from the workers' counters (``server.router.metrics``).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from server.router.inflight import InflightTable
+from server.router.worker_client import WorkerUnavailable
+from server.router.workers import READY, WorkerHandle
+from transfer.wire.enums import Role
+from transfer.wire.protocol import MigrationEnded, MigrationOffer
+
+log = logging.getLogger(__name__)
+
+
+def pick_target(handles: Iterable[WorkerHandle], source: WorkerHandle, pages: int) -> WorkerHandle | None:
+    """The ready decode worker other than ``source``, of its model and page size, with the most
+    reported ``migration_room_pages`` and at least ``pages`` of it; None if there is none."""
+    best, best_room = None, -1.0
+    src = source.stats
+    for h in handles:
+        if h is source or h.state != READY or h.spec.role != Role.DECODE or h.stats is None or src is None:
+            continue
+        if h.stats.model != src.model or h.stats.page_size != src.page_size:
+            continue
+        room = h.stats.gauges.get("migration_room_pages", 0.0)
+        if room >= pages and room > best_room:
+            best, best_room = h, room
+    return best
+
+
+class Migrations:
+    """Offers and endings of migrations for one router (module docstring). Synchronous; runs on
+    the event loop thread like the registry. ``next_room`` hands out transfer rooms."""
+
+    def __init__(self, handles: Mapping[str, WorkerHandle], table: InflightTable, next_room) -> None:
+        self.handles, self.table, self.next_room = handles, table, next_room
+        self.moving: dict[str, tuple[str, str]] = {}  # rid -> (source, target) while a migration is under way
+
+    def attach(self, h: WorkerHandle) -> None:
+        """Route ``h``'s migration messages here (clients without the hook are left alone)."""
+        if hasattr(h.client, "on_migration"):
+            h.client.on_migration = self.on_message
+
+    def on_message(self, worker_id: str, msg, ids: list[int]) -> None:
+        """A ``MigrationOffer`` (with its ids) or ``MigrationEnded`` from decode worker ``worker_id``."""
+        if isinstance(msg, MigrationOffer):
+            self.on_offer(worker_id, msg, ids)
+        else:
+            self.on_ended(worker_id, msg)
+
+    def on_offer(self, source_id: str, offer: MigrationOffer, ids: list[int]) -> None:
+        """Send the request to a peer with room and stream from it, or decline to ``source_id``."""
+        source = self.handles.get(source_id)
+        entry = self.table.entry(offer.rid)
+        target = None
+        if source is not None and entry is not None and entry.stream_from == source_id:
+            target = pick_target(self.handles.values(), source, offer.pages)
+        if target is None:
+            why = "no peer decode worker has room" if entry is not None else "the router has no such request"
+            self._decline(source_id, offer.rid, why)
+            return
+        self.table.repoint(offer.rid, target.worker_id)
+        self.moving[offer.rid] = (source_id, target.worker_id)
+        log.info("migrating %s from %s to %s (%d tokens)", offer.rid, source_id, target.worker_id, offer.n_tokens)
+        try:
+            target.client.migrate(offer.rid, ids, offer.params, self.next_room(), source.spec.addr, offer.prompt_len,
+                                  offer.n_tokens)
+        except WorkerUnavailable as e:
+            self._undo(offer.rid, f"could not reach {target.worker_id}: {e}", decline=True)
+
+    def on_ended(self, worker_id: str, msg: MigrationEnded) -> None:
+        """A source's report (ok or not), or a target's refusal."""
+        pair = self.moving.get(msg.rid)
+        if pair is None:
+            return
+        source_id, target_id = pair
+        if msg.ok and worker_id == source_id:
+            del self.moving[msg.rid]
+            self.table.leave(msg.rid, source_id)
+        elif not msg.ok:
+            self._undo(msg.rid, msg.error or "migration failed", decline=worker_id == target_id)
+
+    def _undo(self, rid: str, why: str, decline: bool) -> None:
+        source_id, target_id = self.moving.pop(rid)
+        log.warning("migration of %s from %s to %s undone: %s", rid, source_id, target_id, why)
+        self.table.repoint(rid, source_id)
+        self.table.leave(rid, target_id)
+        if (t := self.handles.get(target_id)) is not None:
+            t.client.abort([rid], f"migration undone: {why}")
+        if decline:
+            self._decline(source_id, rid, why)
+
+    def _decline(self, source_id: str, rid: str, why: str) -> None:
+        if (h := self.handles.get(source_id)) is not None:
+            try:
+                h.client.decline_migration(rid, why)
+            except WorkerUnavailable as e:
+                log.warning("decline of migration %s not delivered: %s", rid, e)
