@@ -9,21 +9,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from transfer.wire.base import (PROTOCOL_VERSION, ProtocolError, frame_hashes, frame_ids,  # noqa: F401 (re-exported)
+                                hashes_frame, ids_frame)
 from transfer.wire.enums import FinishReason, Role
+from transfer.wire.manifest import TransferManifest  # noqa: F401 (re-exported)
 from transfer.wire.sampling_params import SamplingParams
-
-PROTOCOL_VERSION = 6  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
-# 4: Drain, and draining in WorkerStats
-# 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
-# 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
-#    migration (MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
-
-
-class ProtocolError(ValueError):
-    """A frame set that is not a valid message of this protocol version."""
 
 
 class Message(BaseModel):
@@ -109,41 +101,6 @@ class PrefillFailed(Message):
     generation: int
     error: str
     error_status: int = 500
-
-
-class TransferManifest(BaseModel):
-    """Travels as the transfer's completion notification (JSON bytes, not a ZMQ message).
-
-    ``checksum`` is CRC32 over the other fields; the decode side recomputes it and checks every
-    field against what it asked for before it uses the KV.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    version: int = PROTOCOL_VERSION
-    rid: str
-    room: int
-    generation: int
-    n_tokens: int
-    n_pages: int
-    swa_pages: int = 0
-    swa_missing: list[int] = []  # logical pages whose SWA KV the prefill side no longer had
-    first_token: int
-    first_logprob: float | None = None
-    first_top_logprobs: list[tuple[int, float]] | None = None
-    checksum: int = 0
-
-    def _payload(self) -> bytes:
-        return self.model_dump_json(exclude={"checksum"}).encode()
-
-    def sealed(self) -> "TransferManifest":
-        import zlib
-
-        return self.model_copy(update={"checksum": zlib.crc32(self._payload())})
-
-    def verify(self) -> bool:
-        import zlib
-
-        return zlib.crc32(self._payload()) == self.checksum
 
 
 # ---- migration of a retracted request between decode workers (decode <-> router) ------------
@@ -377,27 +334,6 @@ MESSAGES: dict[str, type[Message]] = {
                                   KvSnapshotRequest, KvEvents, KvSnapshot, MigrationOffer, MigrationDeclined,
                                   MigrateRequest, MigrationEnded)
 }
-
-
-def ids_frame(ids) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
-
-
-def frame_ids(frame: bytes) -> list[int]:
-    if len(frame) % 4:
-        raise ProtocolError(f"token frame of {len(frame)} bytes is not a whole number of int32")
-    return np.frombuffer(frame, dtype="<i4").tolist()
-
-
-def hashes_frame(hashes) -> bytes:
-    """Page hashes as a little-endian uint64 frame."""
-    return np.asarray(hashes, dtype="<u8").tobytes()
-
-
-def frame_hashes(frame: bytes) -> list[int]:
-    if len(frame) % 8:
-        raise ProtocolError(f"hash frame of {len(frame)} bytes is not a whole number of uint64")
-    return np.frombuffer(frame, dtype="<u8").tolist()
 
 
 def encode(msg: Message, *frames: bytes) -> list[bytes]:

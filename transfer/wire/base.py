@@ -1,0 +1,36 @@
+"""The wire's version, its error, and the raw frames messages carry (token ids as little-endian
+int32, page hashes as little-endian uint64). No pickle anywhere."""
+from __future__ import annotations
+
+import numpy as np
+
+PROTOCOL_VERSION = 6  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+# 4: Drain, and draining in WorkerStats
+# 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
+# 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
+#    migration (MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
+
+
+class ProtocolError(ValueError):
+    """A frame set that is not a valid message of this protocol version."""
+
+
+def ids_frame(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def frame_ids(frame: bytes) -> list[int]:
+    if len(frame) % 4:
+        raise ProtocolError(f"token frame of {len(frame)} bytes is not a whole number of int32")
+    return np.frombuffer(frame, dtype="<i4").tolist()
+
+
+def hashes_frame(hashes) -> bytes:
+    """Page hashes as a little-endian uint64 frame."""
+    return np.asarray(hashes, dtype="<u8").tobytes()
+
+
+def frame_hashes(frame: bytes) -> list[int]:
+    if len(frame) % 8:
+        raise ProtocolError(f"hash frame of {len(frame)} bytes is not a whole number of uint64")
+    return np.frombuffer(frame, dtype="<u8").tolist()
