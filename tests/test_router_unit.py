@@ -67,8 +67,9 @@ class FakeWorker:
                 return
             last = i == len(ids) - 1 and eos is None
             finish = ("stop" if len(ids) < params.max_new_tokens else "length") if last else None
-            top = [(t, -0.5), (t + 1, -1.5)][:params.logprobs] if params.logprobs is not None else None
-            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[-0.5], top_logprobs=[top],
+            lp = self.mode["logprob"](params) if "logprob" in self.mode else -0.5  # per-request logprob if scripted
+            top = [(t, lp), (t + 1, lp - 1.0)][:params.logprobs] if params.logprobs is not None else None
+            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[lp], top_logprobs=[top],
                                finish_reason=finish, prompt_tokens=n_prompt)
             self.on_tokens(self.spec.worker_id, delta)
         if eos is not None:

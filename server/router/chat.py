@@ -15,12 +15,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.router.choices import ChoiceRun, Piece
-from server.router.common import (check_common, check_max_tokens, new_run, now_s, response_id, sampling_params,
+from server.router.common import (check_common, check_max_tokens, new_runs, now_s, response_id, sampling_params,
                                   stream_usage, token_label, truncate_prompt, usage)
 from server.router.context import RouterContext
 from server.router.errors import APIError
 from server.router.http_util import parse_model
 from server.router.openai_schemas import ChatCompletionRequest
+from server.router.parallel import check_n
 from server.router.serving import serve_choices
 
 
@@ -72,9 +73,10 @@ async def create_chat_completion(ctx: RouterContext, request: Request, body: byt
     check_common(ctx, req)
     max_tokens, name = _max_tokens(req)
     params = sampling_params(req, max_tokens, _logprobs(req), name)
-    run = new_run(ctx, 0, truncate_prompt(ctx, render_prompt(ctx, req), req), params, req, max_tokens is None,
-                  arrival)
-    return await serve_choices(ctx, request, [run], req.stream, ChatFormat(ctx, req), stream_usage(req)[0],
+    n, _ = check_n(req.n, None, req.stream)
+    runs = new_runs(ctx, 0, n, truncate_prompt(ctx, render_prompt(ctx, req), req), params, req, max_tokens is None,
+                    arrival)
+    return await serve_choices(ctx, request, runs, req.stream, ChatFormat(ctx, req), stream_usage(req)[0],
                               priority=req.priority)
 
 

@@ -11,6 +11,7 @@ from server.router.context import RouterContext
 from server.router.errors import APIError, from_validation_error
 from server.router.extensions import check_extensions
 from server.router.openai_schemas import SamplingFields
+from server.router.parallel import choice_params
 from server.router.session import GenerationSession
 from transfer.wire.sampling_params import SamplingParams
 
@@ -20,9 +21,6 @@ def check_common(ctx: RouterContext, req: SamplingFields) -> None:
     if req.model is not None and req.model != ctx.model_name:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
-    if req.n not in (None, 1):
-        raise APIError(400, f"n={req.n} is not supported (planned): this server returns one choice per prompt (n=1)",
-                       param="n")
     check_logit_bias(req.logit_bias, ctx.tokenizer.vocab_size)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
@@ -83,6 +81,21 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         raise from_validation_error(e, {"max_new_tokens": max_tokens_name}) from None
 
 
+def new_runs(ctx: RouterContext, first_index: int, count: int, prompt_ids: list[int], params: SamplingParams,
+             req: SamplingFields, auto_max_tokens: bool, arrival: float, prompt_text: str | None = None,
+             ranked: bool = False) -> list[ChoiceRun]:
+    """``count`` choices of one prompt, indexed from ``first_index``: the first leads, the others
+    follow it (same route, sent after its first token) with their own seeds (``parallel.choice_params``;
+    ``ranked``: best_of, the sampled tokens' logprobs are asked for)."""
+    runs: list[ChoiceRun] = []
+    for i in range(count):
+        run = new_run(ctx, first_index + i, prompt_ids, choice_params(params, i, ranked), req, auto_max_tokens,
+                      arrival, prompt_text)
+        run.follows = runs[0] if runs else None
+        runs.append(run)
+    return runs
+
+
 def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: SamplingParams, req: SamplingFields,
             auto_max_tokens: bool, arrival: float, prompt_text: str | None = None) -> ChoiceRun:
     """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt."""
@@ -98,11 +111,13 @@ def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: Sampl
 
 
 def usage(runs: list[ChoiceRun]) -> dict:
-    """OpenAI ``usage`` over all choices (cached prompt tokens in ``prompt_tokens_details``)."""
-    prompt = sum(len(r.session.prompt_ids) for r in runs)
+    """OpenAI ``usage`` over all choices: completion tokens of every choice, prompt tokens (and
+    cached prompt tokens, in ``prompt_tokens_details``) once per prompt however many choices it has."""
+    leaders = [r for r in runs if r.leads]
+    prompt = sum(len(r.session.prompt_ids) for r in leaders)
     completion = sum(len(r.token_ids) for r in runs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in leaders)}}
 
 
 def response_id(prefix: str, request_id: str | None = None) -> str:

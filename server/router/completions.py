@@ -8,12 +8,13 @@ from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
 from server.router.choices import ChoiceRun, Piece
-from server.router.common import (check_common, check_max_tokens, new_run, now_s, response_id, sampling_params,
+from server.router.common import (check_common, check_max_tokens, new_runs, now_s, response_id, sampling_params,
                                   stream_usage, token_label, truncate_prompt, usage)
 from server.router.context import RouterContext
 from server.router.errors import APIError
 from server.router.http_util import parse_model
 from server.router.openai_schemas import CompletionRequest
+from server.router.parallel import best, check_n
 from server.router.serving import serve_choices
 
 
@@ -54,9 +55,11 @@ async def create_completion(ctx: RouterContext, request: Request, body: bytes) -
     check_common(ctx, req)
     _check(req)
     params = sampling_params(req, req.max_tokens, req.logprobs)
+    n, gen = check_n(req.n, req.best_of, req.stream)
     prompts = tokenize_prompts(ctx.tokenizer, req.prompt, req.add_special_tokens)
-    runs = [new_run(ctx, i, truncate_prompt(ctx, ids, req), params, req, req.max_tokens is None, arrival, text)
-            for i, (ids, text) in enumerate(prompts)]
+    runs = [r for p, (ids, text) in enumerate(prompts)
+            for r in new_runs(ctx, p * gen, gen, truncate_prompt(ctx, ids, req), params, req, req.max_tokens is None,
+                              arrival, text, ranked=gen > n)]
     return await serve_choices(ctx, request, runs, req.stream, CompletionFormat(ctx, req), stream_usage(req)[0],
                               priority=req.priority)
 
@@ -92,10 +95,19 @@ class CompletionFormat:
         labels = texts if not as_ids else [token_label(tok, i, True) for i in ids]
         return {"tokens": labels, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
+    def _kept(self, runs: list[ChoiceRun]) -> list[ChoiceRun]:
+        """The choices returned: all of them, or with ``best_of`` > ``n`` the best ``n`` of each
+        prompt's ``best_of`` (by cumulative logprob), indexed ``prompt * n + i``."""
+        n, gen = self.req.n or 1, self.req.best_of or self.req.n or 1
+        if gen == n:
+            return runs
+        return [r for p in range(len(runs) // gen) for r in best(runs[p * gen:(p + 1) * gen], n, p * n)]
+
     def full(self, runs: list[ChoiceRun]) -> dict:
-        """The complete response: one choice per prompt, ``usage`` over all."""
+        """The complete response: ``n`` choices per prompt; ``usage`` over every sequence generated
+        (with ``best_of``, the ones not returned too)."""
         choices = []
-        for r in runs:
+        for r in self._kept(runs):
             c = {"index": r.index, "text": (r.prompt_text if self.req.echo else "") + r.text,
                  "logprobs": self._logprobs(r, r.token_ids, r.logprobs, r.top_logprobs),
                  "finish_reason": r.finish_reason}

@@ -69,7 +69,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("guided_grammar", "structured output is not implemented yet", planned=True),
     Refusal("logits_processors", "custom logits processors cannot be loaded from a request"),
     Refusal("prompt_embeds", "prompts must be text or token ids"),
-    Refusal("best_of", "best_of is not implemented yet (only 1)", lambda v: v in (None, 1), planned=True),
     Refusal("suffix", "suffix (fill-in-the-middle) is not implemented", _falsy),
     Refusal("tools", "tool calling is not implemented yet", _falsy, planned=True),
     Refusal("tool_choice", "tool calling is not implemented yet (only \"none\")", lambda v: v in (None, "none"),

@@ -38,7 +38,7 @@ ACCEPTED = {
     "continue_final_message": {"messages": ASSISTANT_LAST, "add_generation_prompt": False,
                                "continue_final_message": True},
     "documents": {"documents": [{"title": "t", "text": "x"}]}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
-    "priority": {"priority": 1}, "timeout": {"timeout": 60},
+    "priority": {"priority": 1}, "timeout": {"timeout": 60}, "n": {"n": 2}, "best_of": {"best_of": 2, "n": 1},
     # ignored
     "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": True},
     "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "length_penalty": {"length_penalty": 2.0},
@@ -48,7 +48,7 @@ ACCEPTED = {
     "media_io_kwargs": {"media_io_kwargs": {}}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
 }
 REFUSED = {
-    "n": 2, "best_of": 2, "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+    "prompt_logprobs": 1, "response_format": {"type": "json_object"},
     "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
@@ -112,3 +112,25 @@ def test_every_row(client, field, kind, where):
         else:
             out = _call(client, endpoint, ACCEPTED[field])
             assert out.id and (out.usage is not None or out.choices), out
+
+
+def test_n_choices_against_the_model(client):
+    """Greedy choices are equal; seeded choice i is the n=1 stream of seed + i (vLLM's rule), and
+    streamed choices carry their index; usage sums the choices."""
+    model = client.models.list().data[0].id
+    ask = dict(model=model, prompt="Once upon a time", max_tokens=8)
+    greedy = client.completions.create(n=3, temperature=0, **ask)
+    assert len({c.text for c in greedy.choices}) == 1 and [c.index for c in greedy.choices] == [0, 1, 2]
+    one = client.completions.create(n=1, temperature=0, **ask)
+    assert greedy.choices[0].text == one.choices[0].text
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once (vLLM, OpenAI)
+    seeded = client.completions.create(n=2, temperature=1.0, seed=11, **ask)
+    alone = [client.completions.create(n=1, temperature=1.0, seed=s, **ask).choices[0].text for s in (11, 12)]
+    assert [c.text for c in seeded.choices] == alone and alone[0] != alone[1]
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                                max_tokens=6, temperature=1.0, seed=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert all(texts.values()), texts
