@@ -171,6 +171,7 @@ class DecodeScheduler(WorkerScheduler):
         self.stats.cached_prompt_tokens += job.decode_prefix_len
         m, out = landing.manifest, Outbox()
         req.mark("first_token")
+        req.prompt_logprobs = m.prompt_logprobs  # computed by the prefill worker; token_delta sends them
         out.token(req.owner, token_delta(req, m.first_token, m.first_logprob, m.first_top_logprobs,
                                          self.executor.eos, self.max_model_len))
         self.stats.generation_tokens += 1

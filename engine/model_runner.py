@@ -31,12 +31,14 @@ class SeqChunk:
     ``token_ids`` are the new tokens (positions ``prefix_len ..``); ``pages`` cover at least
     ``prefix_len + len(token_ids)`` tokens and hold the prefix's KV already. ``swa_pages``: the
     SWA-pool entries by logical page (sliding-window hybrids), resident over the step's windows.
+    ``logit_rows``: the logits of the first ``logit_rows`` new tokens are wanted too (prompt logprobs).
     """
 
     token_ids: list[int]
     prefix_len: int
     pages: list[int]
     swa_pages: list[int] | None = None
+    logit_rows: int = 0
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -166,14 +168,18 @@ class ModelRunner:
             block_table=as_t(table), seq_lens_cpu=seq_lens, extend_lens_cpu=ext, page_size=P,
             num_decode=num_decode if mode is ForwardMode.MIXED else 0,
         )
+        if any(s.logit_rows for s in seqs):
+            starts = np.cumsum([0, *ext[:-1]])
+            batch.extra_logit_rows = as_t(np.concatenate([st + np.arange(s.logit_rows) for st, s in zip(starts, seqs)]))
         if self.window is not None:
             swa_table, swa_slots = _block_table([s.swa_pages for s in seqs], seqs, seq_lens, P, SWA)
             batch.swa_block_table, batch.swa_out_slots = as_t(swa_table), as_t(swa_slots)
         return batch
 
     def forward(self, mode: ForwardMode, seqs: list[SeqChunk], num_decode: int = 0) -> torch.Tensor:
-        """Run one step; return float32 logits ``[len(seqs), vocab]`` of each last new token
-        (``num_decode``: MIXED mode's leading decode rows, ``build_batch``)."""
+        """Run one step; return float32 logits ``[len(seqs) + sum(logit_rows), vocab]``: each last new
+        token's, then the ``logit_rows`` of each seq in order (``num_decode``: MIXED mode's leading
+        decode rows, ``build_batch``)."""
         return self.model(self.build_batch(mode, seqs, num_decode), self.backend)
 
 

@@ -102,7 +102,8 @@ class PrefillScheduler(WorkerScheduler):
                                                                 f"{msg.generation}", 400))
             return out
         vocab = self.runner.model_config.vocab_size
-        req = Request(msg.rid, ids, msg.params, SamplerState.new(msg.params, vocab, ids), owner=source.ident)
+        params = msg.params if msg.generation == 0 else msg.params.model_copy(update={"prompt_logprobs": None})
+        req = Request(msg.rid, ids, params, SamplerState.new(params, vocab, ids), owner=source.ident)
         job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic())
         try:
             self.counting_rejections(lambda: self._check_fits(len(ids)))
@@ -182,7 +183,8 @@ class PrefillScheduler(WorkerScheduler):
         return TransferManifest(rid=req.rid, room=job.room, generation=job.generation, n_tokens=req.kv_len,
                                 n_pages=0, first_token=req.output_ids[-1],
                                 first_logprob=(delta.logprobs or [delta.stop_logprob])[0] if lp else None,
-                                first_top_logprobs=(delta.top_logprobs or [delta.stop_top_logprobs])[0] if lp else None)
+                                first_top_logprobs=(delta.top_logprobs or [delta.stop_top_logprobs])[0] if lp else None,
+                                prompt_logprobs=delta.prompt_logprobs)
 
     def _start_transfers(self) -> Outbox:
         out = Outbox()

@@ -18,7 +18,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 # a non-default value for each refused field (the message must name the field)
 REFUSED_VALUES = {
     "min_tokens": 2, "use_beam_search": True, "watermarking": True, "allowed_token_ids": [1, 2],
-    "bad_words": ["x"], "prompt_logprobs": 1, "logprob_token_ids": [3], "cache_salt": "salt",
+    "bad_words": ["x"], "logprob_token_ids": [3], "cache_salt": "salt",
     "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"a": 1},
     "repetition_detection": {"max_pattern_size": 4}, "response_format": {"type": "json_object"},
     "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",

@@ -113,6 +113,24 @@ def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated)
     assert got == colo.token_ids and len(colo.token_ids) > 2
 
 
+def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embedded, hf_embedded):
+    """Prompt logprobs computed by the prefill worker (echo + logprobs + max_tokens=0, and the
+    prompt_logprobs field) equal transformers' log-softmax; n=2 greedy choices are equal in PD."""
+    ids = embedded[2].encode(PROMPTS[0])
+    with torch.no_grad():
+        ref = hf_embedded(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    want = [ref[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 2})
+    (c,) = r.choices
+    assert c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    pl = c.model_extra["prompt_logprobs"]
+    assert pl[0] is None and [e[str(t)]["logprob"] for e, t in zip(pl[1:], ids[1:])] == pytest.approx(want, abs=2e-3)
+    two = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, n=2)
+    assert [x.index for x in two.choices] == [0, 1] and two.choices[0].text == two.choices[1].text
+
+
 def test_pd_logit_bias_reaches_prefill_and_decode(client, model):
     # token 0 is sampled on the prefill worker, the rest on the decode worker: both apply the bias
     r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0,

@@ -71,6 +71,9 @@ class FakeWorker:
             top = [(t, lp), (t + 1, lp - 1.0)][:params.logprobs] if params.logprobs is not None else None
             delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[lp], top_logprobs=[top],
                                finish_reason=finish, prompt_tokens=n_prompt)
+            if i == 0 and params.prompt_logprobs is not None:  # token j scores -j, ranks j + 1, top: id 7
+                delta.prompt_logprobs = [None] + [(-float(j), [(7, -0.1)][:params.prompt_logprobs], j + 1)
+                                                  for j in range(1, n_prompt)]
             self.on_tokens(self.spec.worker_id, delta)
         if eos is not None:
             self.on_tokens(self.spec.worker_id, TokenDelta(rid=rid, finish_reason="stop", prompt_tokens=n_prompt,

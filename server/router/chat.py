@@ -22,6 +22,7 @@ from server.router.errors import APIError
 from server.router.http_util import parse_model
 from server.router.openai_schemas import ChatCompletionRequest
 from server.router.parallel import check_n
+from server.router.prompt_logprobs import prompt_logprobs_json
 from server.router.serving import serve_choices
 
 
@@ -114,7 +115,10 @@ class ChatFormat:
             if self.req.return_token_ids:
                 c.update(prompt_token_ids=r.session.prompt_ids, token_ids=r.token_ids)
             choices.append(c)
-        return {**self._base(choices, "chat.completion"), "usage": usage(runs)}
+        out = {**self._base(choices, "chat.completion"), "usage": usage(runs)}
+        if self.req.prompt_logprobs is not None:  # vLLM: one list for the (shared) prompt, top level
+            out["prompt_logprobs"] = prompt_logprobs_json(self.ctx.tokenizer, runs[0])
+        return out
 
     def opening(self, runs: list[ChoiceRun]) -> list[dict]:
         """The role delta of each choice (with prompt token ids if asked for)."""
@@ -124,7 +128,10 @@ class ChatFormat:
                  "finish_reason": None}
             if self.req.return_token_ids:
                 c["prompt_token_ids"] = r.session.prompt_ids
-            out.append(self._base([c]))
+            chunk = self._base([c])
+            if self.req.prompt_logprobs is not None and not out:
+                chunk["prompt_logprobs"] = prompt_logprobs_json(self.ctx.tokenizer, r)
+            out.append(chunk)
             if self.echo:
                 out.append(self._base([{"index": r.index, "delta": {"content": self.echo}, "logprobs": None,
                                         "finish_reason": None}]))

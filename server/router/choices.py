@@ -40,9 +40,12 @@ class ChoiceRun:
 
     def __init__(self, index: int, session: GenerationSession, tokenizer: Tokenizer, stop: Iterable[str] = (),
                  skip_special_tokens: bool = True, prompt_text: str | None = None, include_stop: bool = False,
-                 follows: "ChoiceRun | None" = None) -> None:
+                 follows: "ChoiceRun | None" = None, keep_output: bool = True) -> None:
         self.index = index
         self.follows = follows
+        self.keep_output = keep_output  # False: echo with max_tokens 0, the one token generated is dropped
+        self._prompt_logprobs = None
+        self.leader = follows  # kept after the follower is sent
         self.leads = follows is None  # the prompt's first choice: its prompt counts once in usage
         self.started = asyncio.Event()  # set once this run's first piece came (or its first step failed)
         self.started_ok = False
@@ -87,7 +90,20 @@ class ChoiceRun:
                            code="worker_unavailable")
         self.session.send()
 
+    @property
+    def prompt_logprobs(self):
+        """The prompt's ``PromptLogprobs`` (from the first delta; a follower has its leader's), or None."""
+        if self._prompt_logprobs is None and self.leader is not None:
+            return self.leader.prompt_logprobs
+        return self._prompt_logprobs
+
     def _piece(self, delta) -> Piece:
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+        if not self.keep_output:
+            self.finish_reason = "length"
+            self.session.close("echo with max_tokens 0: only the prompt was asked for")
+            return Piece("", finish_reason="length")
         text = self.stream.push(delta.token_ids)
         ids, logprobs, tops = delta.token_ids, delta.logprobs, delta.top_logprobs
         if delta.stop_token_id is not None:

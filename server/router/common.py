@@ -89,16 +89,20 @@ def new_runs(ctx: RouterContext, first_index: int, count: int, prompt_ids: list[
     ``ranked``: best_of, the sampled tokens' logprobs are asked for)."""
     runs: list[ChoiceRun] = []
     for i in range(count):
-        run = new_run(ctx, first_index + i, prompt_ids, choice_params(params, i, ranked), req, auto_max_tokens,
-                      arrival, prompt_text)
-        run.follows = runs[0] if runs else None
-        runs.append(run)
+        leader = runs[0] if runs else None
+        p = choice_params(params, i, ranked)
+        if leader is not None and p.prompt_logprobs is not None:  # the leader's prompt logprobs serve all
+            p = p.model_copy(update={"prompt_logprobs": None})
+        runs.append(new_run(ctx, first_index + i, prompt_ids, p, req, auto_max_tokens, arrival, prompt_text,
+                            follows=leader))
     return runs
 
 
 def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: SamplingParams, req: SamplingFields,
-            auto_max_tokens: bool, arrival: float, prompt_text: str | None = None) -> ChoiceRun:
-    """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt."""
+            auto_max_tokens: bool, arrival: float, prompt_text: str | None = None,
+            follows: ChoiceRun | None = None) -> ChoiceRun:
+    """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt (``follows``: its leader,
+    ``ChoiceRun``). Completions with ``echo`` and ``max_tokens`` 0 generate one token and drop it."""
     timeout_s = ctx.cfg.server.request_timeout_s
     if req.timeout is not None:
         timeout_s = min(timeout_s, req.timeout)
@@ -106,8 +110,9 @@ def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: Sampl
                                 timeout_s=timeout_s, auto_max_tokens=auto_max_tokens,
                                 arrival=arrival, retries=ctx.cfg.cluster.fresh_pair_retries,
                                 on_retry=ctx.metrics.retries.inc)
+    prompt_only = getattr(req, "echo", False) and getattr(req, "max_tokens", None) == 0
     return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text,
-                     include_stop=req.include_stop_str_in_output)
+                     include_stop=req.include_stop_str_in_output, follows=follows, keep_output=not prompt_only)
 
 
 def usage(runs: list[ChoiceRun]) -> dict:

@@ -52,7 +52,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("watermarking", "output watermarking is not implemented", _falsy),
     Refusal("allowed_token_ids", "restricting the vocabulary is not implemented (logit_bias can ban tokens)"),
     Refusal("bad_words", "banned words are not implemented (logit_bias can ban single tokens)", _falsy),
-    Refusal("prompt_logprobs", "prompt logprobs are not computed yet", planned=True),
     Refusal("logprob_token_ids", "logprobs of chosen token ids are not implemented"),
     Refusal("cache_salt", "the prefix cache is not partitioned by salt; a salt would promise an isolation "
                           "this server does not give"),

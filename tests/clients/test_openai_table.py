@@ -39,6 +39,7 @@ ACCEPTED = {
                                "continue_final_message": True},
     "documents": {"documents": [{"title": "t", "text": "x"}]}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
     "priority": {"priority": 1}, "timeout": {"timeout": 60}, "n": {"n": 2}, "best_of": {"best_of": 2, "n": 1},
+    "prompt_logprobs": {"prompt_logprobs": 1},
     # ignored
     "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": True},
     "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "length_penalty": {"length_penalty": 2.0},
@@ -48,7 +49,7 @@ ACCEPTED = {
     "media_io_kwargs": {"media_io_kwargs": {}}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
 }
 REFUSED = {
-    "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+    "response_format": {"type": "json_object"},
     "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
@@ -134,3 +135,19 @@ def test_n_choices_against_the_model(client):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert all(texts.values()), texts
+
+
+def test_prompt_logprobs_agree_with_the_sampler(client):
+    """The greedy token's logprob from the sampler equals its prompt logprob once it is part of the
+    prompt (echo + logprobs + max_tokens=0, lm-eval's loglikelihood call), and the echoed logprobs
+    cover every prompt token."""
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    gen = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    text, lp = gen.choices[0].text, gen.choices[0].logprobs.token_logprobs[0]
+    echo = client.completions.create(model=model, prompt=prompt + text, max_tokens=0, echo=True, logprobs=2)
+    (c,) = echo.choices
+    assert c.text == prompt + text and echo.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == echo.usage.prompt_tokens
+    assert c.logprobs.token_logprobs[-1] == pytest.approx(lp, abs=1e-3)
+    assert all(len(t) >= 2 for t in c.logprobs.top_logprobs[1:])

@@ -20,6 +20,11 @@ PROTOCOL_VERSION = 5  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pag
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 
 
+PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]
+"""Per prompt token: None for the first, else ``(its logprob, the top (id, logprob) pairs, its rank)``
+(rank 1 = the most likely token), under the raw distribution given the tokens before it."""
+
+
 class ProtocolError(ValueError):
     """A frame set that is not a valid message of this protocol version."""
 
@@ -128,6 +133,7 @@ class TransferManifest(BaseModel):
     first_token: int
     first_logprob: float | None = None
     first_top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # generation 0 with params.prompt_logprobs only
     checksum: int = 0
 
     def _payload(self) -> bytes:
@@ -176,7 +182,8 @@ class TokenDelta(BaseModel):
     with). ``stop_token_id`` (with ``stop_logprob`` / ``stop_top_logprobs`` when logprobs were asked
     for) is the stop token (EOS or a ``stop_token_ids`` id) that finished the request: not in
     ``token_ids`` (it is not text), but the router counts and shows it as vLLM does (usage,
-    ``token_ids``, logprobs). On the wire ``token_ids`` travel in the batch's int32 frame, not in
+    ``token_ids``, logprobs). ``prompt_logprobs`` (the request's first delta, when asked for) holds
+    one ``PromptLogprobs`` entry per prompt token. On the wire ``token_ids`` travel in the batch's int32 frame, not in
     the JSON header.
     """
 
@@ -193,6 +200,7 @@ class TokenDelta(BaseModel):
     error_status: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when params.prompt_logprobs is set
 
     @classmethod
     def failed(cls, rid: str, error: str, status: int) -> "TokenDelta":

@@ -41,6 +41,9 @@ class SamplingParams(BaseModel):
     - ``ignore_eos`` [False]: do not stop on the model's EOS ids.
     - ``logprobs`` [None]: ``None`` = no logprobs; ``n`` in 0..20 = return the chosen token's
       logprob plus the top ``n`` alternatives (``0``: chosen token only).
+    - ``prompt_logprobs`` [None]: ``None`` = none; ``n`` in 0..20 = the logprob of every prompt
+      token after the first (under the raw distribution given the tokens before it) plus the top
+      ``n`` alternatives, computed over the whole prompt (the prefix cache is not used for it).
     - ``logit_bias`` [()]: ``(token_id, bias)`` pairs sorted by id (a ``{id: bias}`` mapping is
       accepted), bias in [-100, 100], added to the logits before penalties and sampling (OpenAI
       semantics: -100 bans a token, +100 all but forces it; greedy rows see it too). Logprobs stay
@@ -63,6 +66,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     @field_validator("max_new_tokens")
@@ -129,11 +133,11 @@ class SamplingParams(BaseModel):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {bad}")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _check_logprobs(cls, v: int | None) -> int | None:
+    def _check_logprobs(cls, v: int | None, info) -> int | None:
         if v is not None and not (0 <= v <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {v}")
+            raise ValueError(f"{info.field_name} must be None or in [0, {MAX_LOGPROBS}], got {v}")
         return v
 
     @field_validator("logit_bias", mode="before")
