@@ -17,7 +17,12 @@ from engine.config import ModelConfig
 from engine.cpu_features import has_fast_bf16
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.gemma3 import Gemma3Model
+from engine.grammar import GrammarCompiler
 from engine.model import LlamaModel
+from engine.model_paths import resolve_model_path
+from engine.sampling import SamplerState
+from engine.tokenizer import Tokenizer
+from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +103,8 @@ class ModelRunner:
         self.backend = make_backend(cfg.attention_backend, self.pools, model_config.num_heads,
                                     _attention_scale(model_config), windows)
         log.info("attention backend: %s", type(self.backend).__name__)
+        self.grammar = GrammarCompiler(lambda: Tokenizer.from_path(resolve_model_path(cfg.model)).backend_json(),
+                                       model_config.vocab_size, model_config.eos_token_ids)
         log.info("KV pool: %d pages x %d tokens%s (%.1f MiB)", full_pages, self.page_size,
                  f" + SWA pool {swa_pages} pages (window {model_config.sliding_window})" if self.window else "",
                  self.pools.nbytes / 2**20)
@@ -148,6 +155,14 @@ class ModelRunner:
     def make_kv_manager(self, enable_radix_cache: bool) -> KVManager:
         """The scheduler's KV manager over this runner's pools (and SWA pool, if any)."""
         return KVManager(self.allocator, self.page_size, enable_radix_cache, self.swa_allocator, self.window)
+
+    def sampler_state(self, params: SamplingParams, prompt_ids: list[int]) -> SamplerState:
+        """A request's fresh ``SamplerState``, with its grammar matcher when ``params.structured``
+        (``ValueError`` for a constraint the grammar engine refuses)."""
+        state = SamplerState.new(params, self.model_config.vocab_size, prompt_ids)
+        if params.structured is not None:
+            state.matcher = self.grammar.matcher(params.structured)
+        return state
 
     def build_batch(self, mode: ForwardMode, seqs: list[SeqChunk], num_decode: int = 0) -> ForwardBatch:
         """The step's ``ForwardBatch``; MIXED: the first ``num_decode`` seqs are one-token decode rows."""

@@ -20,9 +20,7 @@ REFUSED_VALUES = {
     "min_tokens": 2, "use_beam_search": True, "watermarking": True, "allowed_token_ids": [1, 2],
     "bad_words": ["x"], "logprob_token_ids": [3], "cache_salt": "salt",
     "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"a": 1},
-    "repetition_detection": {"max_pattern_size": 4}, "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"", "logits_processors": ["x"],
+    "repetition_detection": {"max_pattern_size": 4}, "logits_processors": ["x"],
     "prompt_embeds": "AAAA", "suffix": "end", "tools": [{"type": "function"}],
     "tool_choice": "auto", "chat_template": "{{ messages }}",
 }

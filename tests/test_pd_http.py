@@ -8,6 +8,7 @@ after the launcher restarts it. These share one server per data plane and run in
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -129,6 +131,20 @@ def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embe
     assert pl[0] is None and [e[str(t)]["logprob"] for e, t in zip(pl[1:], ids[1:])] == pytest.approx(want, abs=2e-3)
     two = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, n=2)
     assert [x.index for x in two.choices] == [0, 1] and two.choices[0].text == two.choices[1].text
+
+
+def test_pd_structured_output_continues_on_the_decode_worker(client, model):
+    """The prefill worker masks the first token, the decode worker replays it into its own matcher
+    and goes on: the JSON is valid against the schema (greedy and sampled)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for seed in (None, 5):
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=48,
+            temperature=0 if seed is None else 1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_pd_logit_bias_reaches_prefill_and_decode(client, model):

@@ -13,6 +13,7 @@ from server.router.extensions import check_extensions
 from server.router.openai_schemas import SamplingFields
 from server.router.parallel import choice_params
 from server.router.session import GenerationSession
+from server.router.structured import structured_output
 from transfer.wire.sampling_params import SamplingParams
 
 
@@ -76,9 +77,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     """Engine params for ``req``; ``max_tokens`` None validates as 1 and the session later sets the
     room the route leaves (see ``auto_max_tokens``)."""
     try:
-        return req.sampling_params(max_tokens if max_tokens is not None else 1, logprobs)
+        params = req.sampling_params(max_tokens if max_tokens is not None else 1, logprobs)
     except ValidationError as e:
         raise from_validation_error(e, {"max_new_tokens": max_tokens_name}) from None
+    so = structured_output(req)
+    return params if so is None else params.model_copy(update={"structured": so})
 
 
 def new_runs(ctx: RouterContext, first_index: int, count: int, prompt_ids: list[int], params: SamplingParams,

@@ -40,6 +40,9 @@ ACCEPTED = {
     "documents": {"documents": [{"title": "t", "text": "x"}]}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
     "priority": {"priority": 1}, "timeout": {"timeout": 60}, "n": {"n": 2}, "best_of": {"best_of": 2, "n": 1},
     "prompt_logprobs": {"prompt_logprobs": 1},
+    "response_format": {"response_format": {"type": "json_object"}}, "structured_outputs": {"structured_outputs": {"regex": "a+"}},
+    "guided_json": {"guided_json": {"type": "object"}}, "guided_regex": {"guided_regex": "a+"},
+    "guided_choice": {"guided_choice": ["a", "b"]}, "guided_grammar": {"guided_grammar": 'start: "a"+'},
     # ignored
     "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": True},
     "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "length_penalty": {"length_penalty": 2.0},
@@ -49,9 +52,6 @@ ACCEPTED = {
     "media_io_kwargs": {"media_io_kwargs": {}}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
 }
 REFUSED = {
-    "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "auto", "min_tokens": 2, "use_beam_search": True, "watermarking": True,
     "allowed_token_ids": [1], "bad_words": ["x"], "logprob_token_ids": [1], "cache_salt": "s",
@@ -151,3 +151,36 @@ def test_prompt_logprobs_agree_with_the_sampler(client):
     assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == echo.usage.prompt_tokens
     assert c.logprobs.token_logprobs[-1] == pytest.approx(lp, abs=1e-3)
     assert all(len(t) >= 2 for t in c.logprobs.top_logprobs[1:])
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_client(client):
+    """json_schema (greedy and sampled, chat and completions, streamed), a choice and a regex: every
+    output is valid (the schema checked with jsonschema)."""
+    import json
+
+    import jsonschema
+
+    client = client.with_options(timeout=600)  # a loaded CI machine: 60 constrained tokens, three times
+    model = client.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    msgs = [{"role": "user", "content": "Give a city and its population as JSON."}]
+    outs = [client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=t, seed=s,
+                                           response_format=fmt).choices[0]
+            for t, s in ((0, None), (1.0, 1), (1.0, 2))]
+    for c in outs:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=60, temperature=0, response_format=fmt, stream=True) if ch.choices)
+    assert streamed == outs[0].message.content
+    pick = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=5, temperature=1.0,
+                                     seed=3, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert pick.choices[0].text in ("red", "green", "blue")
+    code = client.completions.create(model=model, prompt="A code:", max_tokens=8, temperature=1.0, seed=4,
+                                     extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].text), code.choices[0].text
