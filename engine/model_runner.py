@@ -17,7 +17,12 @@ from engine.config import ModelConfig
 from engine.cpu_features import has_fast_bf16
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.gemma3 import Gemma3Model
+from engine.grammar import GrammarCompiler
 from engine.model import LlamaModel
+from engine.model_paths import resolve_model_path
+from engine.sampling import SamplerState
+from engine.tokenizer import Tokenizer
+from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +36,14 @@ class SeqChunk:
     ``token_ids`` are the new tokens (positions ``prefix_len ..``); ``pages`` cover at least
     ``prefix_len + len(token_ids)`` tokens and hold the prefix's KV already. ``swa_pages``: the
     SWA-pool entries by logical page (sliding-window hybrids), resident over the step's windows.
+    ``logit_rows``: the logits of the first ``logit_rows`` new tokens are wanted too (prompt logprobs).
     """
 
     token_ids: list[int]
     prefix_len: int
     pages: list[int]
     swa_pages: list[int] | None = None
+    logit_rows: int = 0
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -96,6 +103,8 @@ class ModelRunner:
         self.backend = make_backend(cfg.attention_backend, self.pools, model_config.num_heads,
                                     _attention_scale(model_config), windows)
         log.info("attention backend: %s", type(self.backend).__name__)
+        self.grammar = GrammarCompiler(lambda: Tokenizer.from_path(resolve_model_path(cfg.model)).backend_json(),
+                                       model_config.vocab_size, model_config.eos_token_ids)
         log.info("KV pool: %d pages x %d tokens%s (%.1f MiB)", full_pages, self.page_size,
                  f" + SWA pool {swa_pages} pages (window {model_config.sliding_window})" if self.window else "",
                  self.pools.nbytes / 2**20)
@@ -147,6 +156,14 @@ class ModelRunner:
         """The scheduler's KV manager over this runner's pools (and SWA pool, if any)."""
         return KVManager(self.allocator, self.page_size, enable_radix_cache, self.swa_allocator, self.window)
 
+    def sampler_state(self, params: SamplingParams, prompt_ids: list[int]) -> SamplerState:
+        """A request's fresh ``SamplerState``, with its grammar matcher when ``params.structured``
+        (``ValueError`` for a constraint the grammar engine refuses)."""
+        state = SamplerState.new(params, self.model_config.vocab_size, prompt_ids)
+        if params.structured is not None:
+            state.matcher = self.grammar.matcher(params.structured)
+        return state
+
     def build_batch(self, mode: ForwardMode, seqs: list[SeqChunk], num_decode: int = 0) -> ForwardBatch:
         """The step's ``ForwardBatch``; MIXED: the first ``num_decode`` seqs are one-token decode rows."""
         P = self.page_size
@@ -166,14 +183,18 @@ class ModelRunner:
             block_table=as_t(table), seq_lens_cpu=seq_lens, extend_lens_cpu=ext, page_size=P,
             num_decode=num_decode if mode is ForwardMode.MIXED else 0,
         )
+        if any(s.logit_rows for s in seqs):
+            starts = np.cumsum([0, *ext[:-1]])
+            batch.extra_logit_rows = as_t(np.concatenate([st + np.arange(s.logit_rows) for st, s in zip(starts, seqs)]))
         if self.window is not None:
             swa_table, swa_slots = _block_table([s.swa_pages for s in seqs], seqs, seq_lens, P, SWA)
             batch.swa_block_table, batch.swa_out_slots = as_t(swa_table), as_t(swa_slots)
         return batch
 
     def forward(self, mode: ForwardMode, seqs: list[SeqChunk], num_decode: int = 0) -> torch.Tensor:
-        """Run one step; return float32 logits ``[len(seqs), vocab]`` of each last new token
-        (``num_decode``: MIXED mode's leading decode rows, ``build_batch``)."""
+        """Run one step; return float32 logits ``[len(seqs) + sum(logit_rows), vocab]``: each last new
+        token's, then the ``logit_rows`` of each seq in order (``num_decode``: MIXED mode's leading
+        decode rows, ``build_batch``)."""
         return self.model(self.build_batch(mode, seqs, num_decode), self.backend)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from cache.handle import KVHandle
 from engine.sampling import SamplerState
 from transfer.wire.enums import FinishReason
+from transfer.wire.protocol import PromptLogprobs
 from transfer.wire.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
     kv_len: int = 0
     finish_reason: FinishReason | None = None
     retraction_count: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # engine.prompt_logprobs: filled by the prefill, sent once
     marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.monotonic()})
 
     @property

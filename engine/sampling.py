@@ -4,7 +4,8 @@ Pipeline applied by :meth:`Sampler.sample` to each row of last-position logits (
 
 1. logit adjustments (only rows that use them): ``logit_bias`` (OpenAI, added as is), then
    repetition (HF semantics, over prompt + generated ids), then frequency / presence (OpenAI
-   semantics, over generated ids only);
+   semantics, over generated ids only); then structured output: tokens the request's grammar
+   matcher does not allow next go to ``-inf`` (one masked fill over all constrained rows);
 2. greedy rows (``temperature == 0``): ``argmax``;
 3. other rows: temperature -> top-k -> top-p -> min-p -> one draw from the request's own
    generator (exponential race ``argmax(probs / Exp(1))``), so a seeded request's tokens depend
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from engine.grammar import allowed_masks
 from transfer.wire.sampling_params import SamplingParams
 
 __all__ = ["SamplerState", "SampleOutput", "Sampler", "token_seed"]
@@ -63,6 +66,7 @@ class SamplerState:
     output_counts: torch.Tensor | None = None
     seen_mask: torch.Tensor | None = None
     num_generated: int = 0
+    matcher: Any = None  # engine.grammar.Matcher of a structured-output request, else None
 
     @classmethod
     def new(
@@ -110,6 +114,8 @@ class SamplerState:
         if not (0 <= token_id < self.vocab_size):
             raise ValueError(f"token_id must be in [0, {self.vocab_size}), got {token_id}")
         self.num_generated += 1
+        if self.matcher is not None:
+            self.matcher.consume(token_id)
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
         if self.seen_mask is not None:
@@ -178,15 +184,20 @@ class Sampler:
             return SampleOutput([], [], [])
 
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        masks = [(i, m) for i, s in enumerate(states) if s.matcher is not None and (m := s.matcher.bitmask())]
         all_greedy = all(p.is_greedy for p in params)
 
-        if all_greedy and not pen_rows:
+        if all_greedy and not pen_rows and not masks:
             # Fast path: one argmax over the whole batch (argmax is dtype-agnostic).
             tokens_t = logits.argmax(dim=-1)
         else:
-            x = logits.to(torch.float32, copy=bool(pen_rows))
+            x = logits.to(torch.float32, copy=bool(pen_rows or masks))
             if pen_rows:
                 self._apply_penalties(x, pen_rows, params, states)
+            if masks:  # structured output: one masked_fill over every constrained row
+                idx = torch.tensor([i for i, _ in masks], device=x.device)
+                allowed = allowed_masks([m for _, m in masks], x.shape[1]).to(x.device)
+                x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~allowed, float("-inf")))
             if all_greedy:
                 tokens_t = x.argmax(dim=-1)
             else:

@@ -46,6 +46,10 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template: tuple[str, Any] | None = None  # (source, compiled)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer as its JSON text (what grammar engines build their vocabulary from)."""
+        return self._tok.to_str()
+
     @classmethod
     def from_path(cls, path: str | Path) -> "Tokenizer":
         """Build from a ``.gguf`` file or a HF folder (``tokenizer.json`` + configs).

@@ -31,9 +31,8 @@ import numpy as np
 from configs.schema import PdserveConfig
 from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
-from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, sampler_state
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.step_report import StepReport
@@ -112,8 +111,17 @@ class PrefillScheduler(WorkerScheduler):
             out.token(source.ident, TokenDelta.failed(msg.rid, f"duplicate room {msg.room} generation "
                                                                 f"{msg.generation}", 400))
             return out
-        vocab = self.runner.model_config.vocab_size
-        req = Request(msg.rid, ids, msg.params, SamplerState.new(msg.params, vocab, ids), owner=source.ident)
+        # a recompute (generation > 0) only rebuilds KV: its sampled token is not used, so neither
+        # prompt logprobs nor the grammar (which the decode worker keeps) are needed
+        params = msg.params if msg.generation == 0 else msg.params.model_copy(update={"prompt_logprobs": None,
+                                                                                       "structured": None})
+        try:
+            state = sampler_state(self.runner, params, ids)
+        except RequestRejected as e:
+            out = Outbox()
+            out.token(source.ident, TokenDelta.failed(msg.rid, str(e), 400))
+            return out
+        req = Request(msg.rid, ids, params, state, owner=source.ident)
         job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic())
         try:
             self.counting_rejections(lambda: self._check_fits(len(ids)))
@@ -197,7 +205,8 @@ class PrefillScheduler(WorkerScheduler):
         return TransferManifest(rid=req.rid, room=job.room, generation=job.generation, n_tokens=req.kv_len,
                                 n_pages=0, first_token=req.output_ids[-1],
                                 first_logprob=(delta.logprobs or [delta.stop_logprob])[0] if lp else None,
-                                first_top_logprobs=(delta.top_logprobs or [delta.stop_top_logprobs])[0] if lp else None)
+                                first_top_logprobs=(delta.top_logprobs or [delta.stop_top_logprobs])[0] if lp else None,
+                                prompt_logprobs=delta.prompt_logprobs)
 
     def _start_transfers(self) -> Outbox:
         out = Outbox()

@@ -8,6 +8,7 @@ after the launcher restarts it. These share one server per data plane and run in
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -111,6 +113,38 @@ def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated)
     colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=24, temperature=1.0, seed=7))[0]
     got = strip_eos(r.choices[0].token_ids, embedded[2].eos_token_ids)
     assert got == colo.token_ids and len(colo.token_ids) > 2
+
+
+def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embedded, hf_embedded):
+    """Prompt logprobs computed by the prefill worker (echo + logprobs + max_tokens=0, and the
+    prompt_logprobs field) equal transformers' log-softmax; n=2 greedy choices are equal in PD."""
+    ids = embedded[2].encode(PROMPTS[0])
+    with torch.no_grad():
+        ref = hf_embedded(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    want = [ref[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 2})
+    (c,) = r.choices
+    assert c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    pl = c.model_extra["prompt_logprobs"]
+    assert pl[0] is None and [e[str(t)]["logprob"] for e, t in zip(pl[1:], ids[1:])] == pytest.approx(want, abs=2e-3)
+    two = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, n=2)
+    assert [x.index for x in two.choices] == [0, 1] and two.choices[0].text == two.choices[1].text
+
+
+def test_pd_structured_output_continues_on_the_decode_worker(client, model):
+    """The prefill worker masks the first token, the decode worker replays it into its own matcher
+    and goes on: the JSON is valid against the schema (greedy and sampled)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for seed in (None, 5):
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=48,
+            temperature=0 if seed is None else 1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_pd_logit_bias_reaches_prefill_and_decode(client, model):

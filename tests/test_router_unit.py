@@ -67,9 +67,13 @@ class FakeWorker:
                 return
             last = i == len(ids) - 1 and eos is None
             finish = ("stop" if len(ids) < params.max_new_tokens else "length") if last else None
-            top = [(t, -0.5), (t + 1, -1.5)][:params.logprobs] if params.logprobs is not None else None
-            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[-0.5], top_logprobs=[top],
+            lp = self.mode["logprob"](params) if "logprob" in self.mode else -0.5  # per-request logprob if scripted
+            top = [(t, lp), (t + 1, lp - 1.0)][:params.logprobs] if params.logprobs is not None else None
+            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[lp], top_logprobs=[top],
                                finish_reason=finish, prompt_tokens=n_prompt)
+            if i == 0 and params.prompt_logprobs is not None:  # token j scores -j, ranks j + 1, top: id 7
+                delta.prompt_logprobs = [None] + [(-float(j), [(7, -0.1)][:params.prompt_logprobs], j + 1)
+                                                  for j in range(1, n_prompt)]
             self.on_tokens(self.spec.worker_id, delta)
         if eos is not None:
             self.on_tokens(self.spec.worker_id, TokenDelta(rid=rid, finish_reason="stop", prompt_tokens=n_prompt,

@@ -16,6 +16,7 @@ from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.page_count import PageCount
 from configs.scheduler import SchedulerConfig
+from engine.prompt_logprobs import wants_prompt_logprobs
 from engine.request import Phase, Request
 from engine.scheduler.stats import SchedulerStats
 
@@ -38,7 +39,9 @@ def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra: PageCount, b
     ``swa_from``, for the first ``swa_chunk`` uncached tokens only when given) if they (and
     ``extra``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len`` (the cached tokens). Returns
     the pages charged, or None with ``req`` untouched."""
-    got = kv.reserve_prompt(req.all_ids, n_tokens, extra, budget, swa_from, swa_chunk)
+    # prompt logprobs need the logits of every prompt position: no cached prefix for them
+    ids = [] if wants_prompt_logprobs(req) else req.all_ids
+    got = kv.reserve_prompt(ids, n_tokens, extra, budget, swa_from, swa_chunk)
     if got is None:
         return None
     req.kv, charged = got

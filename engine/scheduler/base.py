@@ -14,11 +14,22 @@ from cache.fit import SWA_POOL_EXCEEDED, FitCheck, RequestRejected  # schedulers
 from cache.handle import KVHandle
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
+from engine.sampling import SamplerState
 from engine.scheduler.stats import Histogram, SchedulerStats
 from engine.scheduler.step_report import StepReport
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.outbox import Dest, Outbox
 from transfer.wire.protocol import GenerateRequest, Message, TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
+
+
+def sampler_state(runner, params: SamplingParams, prompt: Sequence[int]) -> SamplerState:
+    """``runner.sampler_state`` (a ``ModelRunner``'s: with the grammar matcher of a structured-output
+    request); a constraint the grammar engine refuses is a ``RequestRejected`` (400) naming it."""
+    try:
+        return runner.sampler_state(params, list(prompt))
+    except (ValueError, ModuleNotFoundError) as e:
+        raise RequestRejected(str(e), param="response_format") from None
 
 
 @dataclass(frozen=True)

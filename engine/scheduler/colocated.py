@@ -15,9 +15,8 @@ from cache.handle import KVHandle
 from configs.scheduler import SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.request import Phase, Release, Request
-from engine.sampling import SamplerState
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, sampler_state
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.mixed_step import MixedStep
 from engine.scheduler.running_batch import DecodeResult, RunningBatch
@@ -51,7 +50,7 @@ class ColocatedScheduler(WorkerScheduler):
         vocab = self.runner.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
-        req = Request(msg.rid, list(prompt), msg.params, SamplerState.new(msg.params, vocab, prompt), owner=owner)
+        req = Request(msg.rid, list(prompt), msg.params, sampler_state(self.runner, msg.params, prompt), owner=owner)
         self.requests[req.rid] = req
         self.stats.prompt_tokens += len(prompt)
         self.waiting.append(req)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from cache.kv_manager import KVManager
 from engine.forward_batch import ForwardMode
 from engine.model_runner import ModelRunner, SeqChunk
+from engine.prompt_logprobs import prompt_rows, record
 from engine.request import Phase, Request
 from engine.sampling import Sampler
 from transfer.wire.enums import FinishReason
@@ -22,10 +23,13 @@ def token_delta(req: Request, tok: int, logprob: float | None, top: list | None,
                 max_model_len: int) -> TokenDelta:
     """Append ``tok`` to ``req`` (output and sampler state), apply the stop checks (finishing
     ``req`` if one hits), and return the token's delta."""
+    first = not req.output_ids
     req.sampler_state.append(tok)
     req.output_ids.append(tok)
     delta = TokenDelta(rid=req.rid, token_ids=[tok], logprobs=[logprob], top_logprobs=[top],
                        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+    if first and req.prompt_logprobs is not None:  # they travel with the first token, once
+        delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
     reason = check_stop(tok, req.params, eos, len(req.output_ids))
     if reason is None and req.seq_len >= max_model_len:
         reason = FinishReason.LENGTH
@@ -70,9 +74,16 @@ class BatchExecutor:
         seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages,
                          r.kv.swa_pages) for r in reqs]
         seqs += [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages,
-                          i.req.kv.swa_pages) for i in items]
+                          i.req.kv.swa_pages, prompt_rows(i.req, i.req.kv_len, i.length)) for i in items]
         mode = ForwardMode.MIXED if reqs and items else (ForwardMode.DECODE if reqs else ForwardMode.EXTEND)
         logits = self.runner.forward(mode, seqs, num_decode=len(reqs))
+        if len(logits) > len(seqs):  # prompt logprobs rows follow the last-token rows
+            at = len(seqs)
+            for s, i in zip(seqs[len(reqs):], items):
+                if s.logit_rows:
+                    record(i.req, s.prefix_len, logits[at:at + s.logit_rows])
+                    at += s.logit_rows
+            logits = logits[:len(seqs)]
         for r in reqs:
             self._advance(r, 1)
         done = [k for k, i in enumerate(items) if i.completes]

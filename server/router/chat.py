@@ -15,12 +15,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.router.choices import ChoiceRun, Piece
-from server.router.common import (check_common, check_max_tokens, new_run, now_s, response_id, sampling_params,
+from server.router.common import (check_common, check_max_tokens, new_runs, now_s, response_id, sampling_params,
                                   stream_usage, token_label, truncate_prompt, usage)
 from server.router.context import RouterContext
 from server.router.errors import APIError
 from server.router.http_util import parse_model
 from server.router.openai_schemas import ChatCompletionRequest
+from server.router.parallel import check_n
+from server.router.prompt_logprobs import prompt_logprobs_json
 from server.router.serving import serve_choices
 
 
@@ -72,9 +74,10 @@ async def create_chat_completion(ctx: RouterContext, request: Request, body: dic
     check_common(ctx, req)
     max_tokens, name = _max_tokens(req)
     params = sampling_params(req, max_tokens, _logprobs(req), name)
-    run = new_run(ctx, 0, truncate_prompt(ctx, render_prompt(ctx, req), req), params, req, max_tokens is None,
-                  arrival)
-    return await serve_choices(ctx, request, [run], req.stream, ChatFormat(ctx, req), stream_usage(req)[0],
+    n, _ = check_n(req.n, None, req.stream)
+    runs = new_runs(ctx, 0, n, truncate_prompt(ctx, render_prompt(ctx, req), req), params, req, max_tokens is None,
+                    arrival)
+    return await serve_choices(ctx, request, runs, req.stream, ChatFormat(ctx, req), stream_usage(req)[0],
                               priority=req.priority)
 
 
@@ -112,7 +115,10 @@ class ChatFormat:
             if self.req.return_token_ids:
                 c.update(prompt_token_ids=r.session.prompt_ids, token_ids=r.token_ids)
             choices.append(c)
-        return {**self._base(choices, "chat.completion"), "usage": usage(runs)}
+        out = {**self._base(choices, "chat.completion"), "usage": usage(runs)}
+        if self.req.prompt_logprobs is not None:  # vLLM: one list for the (shared) prompt, top level
+            out["prompt_logprobs"] = prompt_logprobs_json(self.ctx.tokenizer, runs[0])
+        return out
 
     def opening(self, runs: list[ChoiceRun]) -> list[dict]:
         """The role delta of each choice (with prompt token ids if asked for)."""
@@ -122,7 +128,10 @@ class ChatFormat:
                  "finish_reason": None}
             if self.req.return_token_ids:
                 c["prompt_token_ids"] = r.session.prompt_ids
-            out.append(self._base([c]))
+            chunk = self._base([c])
+            if self.req.prompt_logprobs is not None and not out:
+                chunk["prompt_logprobs"] = prompt_logprobs_json(self.ctx.tokenizer, r)
+            out.append(chunk)
             if self.echo:
                 out.append(self._base([{"index": r.index, "delta": {"content": self.echo}, "logprobs": None,
                                         "finish_reason": None}]))

@@ -7,6 +7,10 @@ request in the worker). A stop token the worker ended on (``TokenDelta.stop_toke
 ``stop_token_ids`` id) is a generated token of the choice (ids, logprobs, usage), as in vLLM, but
 its text is not part of the output unless ``include_stop``. ``merge()`` interleaves the pieces of
 several choices for streaming.
+
+A run that ``follows`` another (a later choice of the same prompt, ``n`` > 1) is not sent by the
+caller: its first ``step()`` waits until the leader has its first piece (or has failed), then sends
+its session on the leader's route, so the prompt the leader's workers just cached is reused.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.tokenizer import Tokenizer
 from server.router.detok import TextStream
+from server.router.errors import APIError
 from server.router.session import GenerationSession
 
 
@@ -34,8 +39,16 @@ class ChoiceRun:
     """Drive ``session`` to the end, accumulating the choice's tokens, logprobs and text."""
 
     def __init__(self, index: int, session: GenerationSession, tokenizer: Tokenizer, stop: Iterable[str] = (),
-                 skip_special_tokens: bool = True, prompt_text: str | None = None, include_stop: bool = False) -> None:
+                 skip_special_tokens: bool = True, prompt_text: str | None = None, include_stop: bool = False,
+                 follows: "ChoiceRun | None" = None, keep_output: bool = True) -> None:
         self.index = index
+        self.follows = follows
+        self.keep_output = keep_output  # False: echo with max_tokens 0, the one token generated is dropped
+        self._prompt_logprobs = None
+        self.leader = follows  # kept after the follower is sent
+        self.leads = follows is None  # the prompt's first choice: its prompt counts once in usage
+        self.started = asyncio.Event()  # set once this run's first piece came (or its first step failed)
+        self.started_ok = False
         self.session = session
         self.prompt_text = prompt_text
         self.include_stop = include_stop
@@ -58,7 +71,39 @@ class ChoiceRun:
 
     async def step(self) -> Piece:
         """The next piece; raises ``APIError`` from the session. Do not call once ``done``."""
-        delta = await self.session.next()
+        try:
+            if self.follows is not None:
+                await self._send_after_leader()
+            piece = self._piece(await self.session.next())
+            self.started_ok = True
+            return piece
+        finally:
+            self.started.set()
+
+    async def _send_after_leader(self) -> None:
+        """Send this run's session (prepared on the leader's route) once the leader has its first
+        piece; 503 ``APIError`` without sending when the leader failed first."""
+        leader, self.follows = self.follows, None
+        await leader.started.wait()
+        if not leader.started_ok or self.session.closed:
+            raise APIError(503, "not sent: the first choice of this prompt failed before its first token",
+                           code="worker_unavailable")
+        self.session.send()
+
+    @property
+    def prompt_logprobs(self):
+        """The prompt's ``PromptLogprobs`` (from the first delta; a follower has its leader's), or None."""
+        if self._prompt_logprobs is None and self.leader is not None:
+            return self.leader.prompt_logprobs
+        return self._prompt_logprobs
+
+    def _piece(self, delta) -> Piece:
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+        if not self.keep_output:
+            self.finish_reason = "length"
+            self.session.close("echo with max_tokens 0: only the prompt was asked for")
+            return Piece("", finish_reason="length")
         text = self.stream.push(delta.token_ids)
         ids, logprobs, tops = delta.token_ids, delta.logprobs, delta.top_logprobs
         if delta.stop_token_id is not None:

@@ -11,7 +11,9 @@ from server.router.context import RouterContext
 from server.router.errors import APIError, from_validation_error
 from server.router.extensions import check_extensions
 from server.router.openai_schemas import SamplingFields
+from server.router.parallel import choice_params
 from server.router.session import GenerationSession
+from server.router.structured import structured_output
 from transfer.wire.sampling_params import SamplingParams
 
 
@@ -20,9 +22,6 @@ def check_common(ctx: RouterContext, req: SamplingFields) -> None:
     if req.model is not None and req.model != ctx.model_name:
         raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
-    if req.n not in (None, 1):
-        raise APIError(400, f"n={req.n} is not supported (planned): this server returns one choice per prompt (n=1)",
-                       param="n")
     check_logit_bias(req.logit_bias, ctx.tokenizer.vocab_size)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
@@ -78,14 +77,35 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     """Engine params for ``req``; ``max_tokens`` None validates as 1 and the session later sets the
     room the route leaves (see ``auto_max_tokens``)."""
     try:
-        return req.sampling_params(max_tokens if max_tokens is not None else 1, logprobs)
+        params = req.sampling_params(max_tokens if max_tokens is not None else 1, logprobs)
     except ValidationError as e:
         raise from_validation_error(e, {"max_new_tokens": max_tokens_name}) from None
+    so = structured_output(req)
+    return params if so is None else params.model_copy(update={"structured": so})
+
+
+def new_runs(ctx: RouterContext, first_index: int, count: int, prompt_ids: list[int], params: SamplingParams,
+             req: SamplingFields, auto_max_tokens: bool, arrival: float, prompt_text: str | None = None,
+             ranked: bool = False) -> list[ChoiceRun]:
+    """``count`` choices of one prompt, indexed from ``first_index``: the first leads, the others
+    follow it (same route, sent after its first token) with their own seeds (``parallel.choice_params``;
+    ``ranked``: best_of, the sampled tokens' logprobs are asked for)."""
+    runs: list[ChoiceRun] = []
+    for i in range(count):
+        leader = runs[0] if runs else None
+        p = choice_params(params, i, ranked)
+        if leader is not None and p.prompt_logprobs is not None:  # the leader's prompt logprobs serve all
+            p = p.model_copy(update={"prompt_logprobs": None})
+        runs.append(new_run(ctx, first_index + i, prompt_ids, p, req, auto_max_tokens, arrival, prompt_text,
+                            follows=leader))
+    return runs
 
 
 def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: SamplingParams, req: SamplingFields,
-            auto_max_tokens: bool, arrival: float, prompt_text: str | None = None) -> ChoiceRun:
-    """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt."""
+            auto_max_tokens: bool, arrival: float, prompt_text: str | None = None,
+            follows: ChoiceRun | None = None) -> ChoiceRun:
+    """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt (``follows``: its leader,
+    ``ChoiceRun``). Completions with ``echo`` and ``max_tokens`` 0 generate one token and drop it."""
     timeout_s = ctx.cfg.server.request_timeout_s
     if req.timeout is not None:
         timeout_s = min(timeout_s, req.timeout)
@@ -93,16 +113,19 @@ def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: Sampl
                                 timeout_s=timeout_s, auto_max_tokens=auto_max_tokens,
                                 arrival=arrival, retries=ctx.cfg.cluster.fresh_pair_retries,
                                 on_retry=ctx.metrics.retries.inc)
+    prompt_only = getattr(req, "echo", False) and getattr(req, "max_tokens", None) == 0
     return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text,
-                     include_stop=req.include_stop_str_in_output)
+                     include_stop=req.include_stop_str_in_output, follows=follows, keep_output=not prompt_only)
 
 
 def usage(runs: list[ChoiceRun]) -> dict:
-    """OpenAI ``usage`` over all choices (cached prompt tokens in ``prompt_tokens_details``)."""
-    prompt = sum(len(r.session.prompt_ids) for r in runs)
+    """OpenAI ``usage`` over all choices: completion tokens of every choice, prompt tokens (and
+    cached prompt tokens, in ``prompt_tokens_details``) once per prompt however many choices it has."""
+    leaders = [r for r in runs if r.leads]
+    prompt = sum(len(r.session.prompt_ids) for r in leaders)
     completion = sum(len(r.token_ids) for r in runs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in leaders)}}
 
 
 def response_id(prefix: str, request_id: str | None = None) -> str:

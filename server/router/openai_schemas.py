@@ -99,6 +99,11 @@ class SamplingFields(_Strict):
     guided_grammar: str | None = None
     logits_processors: list | None = None
 
+    def wanted_prompt_logprobs(self) -> int | None:
+        """How many top alternatives per prompt token the engine must compute (None: none):
+        ``prompt_logprobs``, and on completions ``echo`` with ``logprobs`` (the echoed prompt's logprobs)."""
+        return self.prompt_logprobs
+
     def stop_strings(self) -> list[str]:
         """``stop`` as a list of non-empty strings."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -113,7 +118,7 @@ class SamplingFields(_Strict):
         if self.top_k is not None:
             kw["top_k"] = -1 if self.top_k == 0 else self.top_k
         return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.wanted_prompt_logprobs(),
                               logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()}, **kw)
 
 
@@ -129,6 +134,12 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
     prompt_embeds: str | list[str] | None = None
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` and ``logprobs`` at least ``logprobs`` (vLLM)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class TextPart(_Strict):

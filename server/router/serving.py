@@ -142,10 +142,15 @@ async def _events(runs: list[ChoiceRun], first: list[Piece], fmt: ResponseFormat
 
 def _start(runs: list[ChoiceRun]) -> None:
     try:
+        for r in runs:  # leaders first: a follower shares its leader's route and is sent by its first step
+            if r.follows is None:
+                r.session.prepare()
         for r in runs:
-            r.session.prepare()
+            if r.follows is not None:
+                r.session.prepare(r.follows.session.route)
         for r in runs:
-            r.session.send()
+            if r.follows is None:
+                r.session.send()
     except BaseException:
         _close_all(runs, "request refused")
         raise

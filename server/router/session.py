@@ -69,10 +69,11 @@ class GenerationSession:
         self.t_last: float | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Pick the route and check limits; raises ``APIError`` (503 / 400). Nothing is sent."""
+    def prepare(self, route: Route | None = None) -> None:
+        """Pick the route (``route`` when given: another choice of the same prompt shares it) and
+        check limits; raises ``APIError`` (503 / 400). Nothing is sent."""
         try:
-            self.route = self.registry.route(self.prompt_ids)
+            self.route = route or self.registry.route(self.prompt_ids)
         except NoWorkerAvailable as e:
             raise APIError(503, f"no worker available: {e}", code="worker_unavailable") from None
         if self.auto_max_tokens:

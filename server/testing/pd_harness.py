@@ -107,6 +107,8 @@ class PDHarness:
             for d in self.step():
                 o = out.setdefault(d.rid, {"tokens": [], "finish": None, "error": None})
                 o["tokens"] += d.token_ids
+                if d.prompt_logprobs is not None:
+                    o["prompt_logprobs"] = d.prompt_logprobs
                 if d.finish_reason:
                     o["finish"], o["error"] = d.finish_reason, d.error
         assert not self.busy, "PD harness did not drain"

@@ -38,7 +38,11 @@ ACCEPTED = {
     "continue_final_message": {"messages": ASSISTANT_LAST, "add_generation_prompt": False,
                                "continue_final_message": True},
     "documents": {"documents": [{"title": "t", "text": "x"}]}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
-    "priority": {"priority": 1}, "timeout": {"timeout": 60},
+    "priority": {"priority": 1}, "timeout": {"timeout": 60}, "n": {"n": 2}, "best_of": {"best_of": 2, "n": 1},
+    "prompt_logprobs": {"prompt_logprobs": 1},
+    "response_format": {"response_format": {"type": "json_object"}}, "structured_outputs": {"structured_outputs": {"regex": "a+"}},
+    "guided_json": {"guided_json": {"type": "object"}}, "guided_regex": {"guided_regex": "a+"},
+    "guided_choice": {"guided_choice": ["a", "b"]}, "guided_grammar": {"guided_grammar": 'start: "a"+'},
     # ignored
     "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": True},
     "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "length_penalty": {"length_penalty": 2.0},
@@ -48,9 +52,6 @@ ACCEPTED = {
     "media_io_kwargs": {"media_io_kwargs": {}}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
 }
 REFUSED = {
-    "n": 2, "best_of": 2, "prompt_logprobs": 1, "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "auto", "min_tokens": 2, "use_beam_search": True, "watermarking": True,
     "allowed_token_ids": [1], "bad_words": ["x"], "logprob_token_ids": [1], "cache_salt": "s",
@@ -112,3 +113,74 @@ def test_every_row(client, field, kind, where):
         else:
             out = _call(client, endpoint, ACCEPTED[field])
             assert out.id and (out.usage is not None or out.choices), out
+
+
+def test_n_choices_against_the_model(client):
+    """Greedy choices are equal; seeded choice i is the n=1 stream of seed + i (vLLM's rule), and
+    streamed choices carry their index; usage sums the choices."""
+    model = client.models.list().data[0].id
+    ask = dict(model=model, prompt="Once upon a time", max_tokens=8)
+    greedy = client.completions.create(n=3, temperature=0, **ask)
+    assert len({c.text for c in greedy.choices}) == 1 and [c.index for c in greedy.choices] == [0, 1, 2]
+    one = client.completions.create(n=1, temperature=0, **ask)
+    assert greedy.choices[0].text == one.choices[0].text
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once (vLLM, OpenAI)
+    seeded = client.completions.create(n=2, temperature=1.0, seed=11, **ask)
+    alone = [client.completions.create(n=1, temperature=1.0, seed=s, **ask).choices[0].text for s in (11, 12)]
+    assert [c.text for c in seeded.choices] == alone and alone[0] != alone[1]
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                                max_tokens=6, temperature=1.0, seed=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert all(texts.values()), texts
+
+
+def test_prompt_logprobs_agree_with_the_sampler(client):
+    """The greedy token's logprob from the sampler equals its prompt logprob once it is part of the
+    prompt (echo + logprobs + max_tokens=0, lm-eval's loglikelihood call), and the echoed logprobs
+    cover every prompt token."""
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    gen = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+    text, lp = gen.choices[0].text, gen.choices[0].logprobs.token_logprobs[0]
+    echo = client.completions.create(model=model, prompt=prompt + text, max_tokens=0, echo=True, logprobs=2)
+    (c,) = echo.choices
+    assert c.text == prompt + text and echo.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == echo.usage.prompt_tokens
+    assert c.logprobs.token_logprobs[-1] == pytest.approx(lp, abs=1e-3)
+    assert all(len(t) >= 2 for t in c.logprobs.top_logprobs[1:])
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_client(client):
+    """json_schema (greedy and sampled, chat and completions, streamed), a choice and a regex: every
+    output is valid (the schema checked with jsonschema)."""
+    import json
+
+    import jsonschema
+
+    client = client.with_options(timeout=600)  # a loaded CI machine: 60 constrained tokens, three times
+    model = client.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    msgs = [{"role": "user", "content": "Give a city and its population as JSON."}]
+    outs = [client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=t, seed=s,
+                                           response_format=fmt).choices[0]
+            for t, s in ((0, None), (1.0, 1), (1.0, 2))]
+    for c in outs:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=60, temperature=0, response_format=fmt, stream=True) if ch.choices)
+    assert streamed == outs[0].message.content
+    pick = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=5, temperature=1.0,
+                                     seed=3, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert pick.choices[0].text in ("red", "green", "blue")
+    code = client.completions.create(model=model, prompt="A code:", max_tokens=8, temperature=1.0, seed=4,
+                                     extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].text), code.choices[0].text

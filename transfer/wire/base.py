@@ -11,6 +11,11 @@ PROTOCOL_VERSION = 6  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pag
 #    migration (MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
 
 
+PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]
+"""Per prompt token: None for the first, else ``(its logprob, the top (id, logprob) pairs, its rank)``
+(rank 1 = the most likely token), under the raw distribution given the tokens before it."""
+
+
 class ProtocolError(ValueError):
     """A frame set that is not a valid message of this protocol version."""
 

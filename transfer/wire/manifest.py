@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from transfer.wire.base import PROTOCOL_VERSION
+from transfer.wire.base import PROTOCOL_VERSION, PromptLogprobs
 
 
 class TransferManifest(BaseModel):
@@ -25,6 +25,7 @@ class TransferManifest(BaseModel):
     first_token: int
     first_logprob: float | None = None
     first_top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # generation 0 with params.prompt_logprobs only
     checksum: int = 0
 
     def _payload(self) -> bytes:

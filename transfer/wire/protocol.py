@@ -11,8 +11,8 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from transfer.wire.base import (PROTOCOL_VERSION, ProtocolError, frame_hashes, frame_ids,  # noqa: F401 (re-exported)
-                                hashes_frame, ids_frame)
+from transfer.wire.base import (PROTOCOL_VERSION, PromptLogprobs, ProtocolError, frame_hashes,  # noqa: F401
+                                frame_ids, hashes_frame, ids_frame)
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.manifest import TransferManifest  # noqa: F401 (re-exported)
 from transfer.wire.sampling_params import SamplingParams
@@ -194,7 +194,8 @@ class TokenDelta(BaseModel):
     with). ``stop_token_id`` (with ``stop_logprob`` / ``stop_top_logprobs`` when logprobs were asked
     for) is the stop token (EOS or a ``stop_token_ids`` id) that finished the request: not in
     ``token_ids`` (it is not text), but the router counts and shows it as vLLM does (usage,
-    ``token_ids``, logprobs). On the wire ``token_ids`` travel in the batch's int32 frame, not in
+    ``token_ids``, logprobs). ``prompt_logprobs`` (the request's first delta, when asked for) holds
+    one ``PromptLogprobs`` entry per prompt token. On the wire ``token_ids`` travel in the batch's int32 frame, not in
     the JSON header.
     """
 
@@ -211,6 +212,7 @@ class TokenDelta(BaseModel):
     error_status: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when params.prompt_logprobs is set
 
     @classmethod
     def failed(cls, rid: str, error: str, status: int) -> "TokenDelta":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -19,6 +20,20 @@ MAX_LOGIT_BIAS = 1024
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the output, enforced token by token with a grammar engine's masks.
+
+    ``kind``: "json" (``spec`` is a JSON schema, as JSON text), "regex" (a regular expression the
+    whole output matches), "choice" (``spec`` is a JSON list of strings: the output is one of them)
+    or "grammar" (a Lark grammar, llguidance's dialect).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    spec: str
 
 
 class SamplingParams(BaseModel):
@@ -41,6 +56,11 @@ class SamplingParams(BaseModel):
     - ``ignore_eos`` [False]: do not stop on the model's EOS ids.
     - ``logprobs`` [None]: ``None`` = no logprobs; ``n`` in 0..20 = return the chosen token's
       logprob plus the top ``n`` alternatives (``0``: chosen token only).
+    - ``prompt_logprobs`` [None]: ``None`` = none; ``n`` in 0..20 = the logprob of every prompt
+      token after the first (under the raw distribution given the tokens before it) plus the top
+      ``n`` alternatives, computed over the whole prompt (the prefix cache is not used for it).
+    - ``structured`` [None]: a ``StructuredOutput``: tokens the constraint cannot continue with are
+      masked before sampling (greedy rows too); logprobs stay those of the raw distribution.
     - ``logit_bias`` [()]: ``(token_id, bias)`` pairs sorted by id (a ``{id: bias}`` mapping is
       accepted), bias in [-100, 100], added to the logits before penalties and sampling (OpenAI
       semantics: -100 bans a token, +100 all but forces it; greedy rows see it too). Logprobs stay
@@ -63,6 +83,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     @field_validator("max_new_tokens")
@@ -129,11 +151,11 @@ class SamplingParams(BaseModel):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {bad}")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _check_logprobs(cls, v: int | None) -> int | None:
+    def _check_logprobs(cls, v: int | None, info) -> int | None:
         if v is not None and not (0 <= v <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {v}")
+            raise ValueError(f"{info.field_name} must be None or in [0, {MAX_LOGPROBS}], got {v}")
         return v
 
     @field_validator("logit_bias", mode="before")
