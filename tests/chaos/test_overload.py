@@ -42,8 +42,8 @@ from tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-OVERLOAD_S = float(os.environ.get("PDSERVE_OVERLOAD_S", "30"))
-RECOVER_S = float(os.environ.get("PDSERVE_RECOVER_S", "15"))
+OVERLOAD_S = float(os.environ.get("PDSERVE_OVERLOAD_S", "20"))
+RECOVER_S = float(os.environ.get("PDSERVE_RECOVER_S", "10"))
 SOAK_REQUESTS = int(os.environ.get("PDSERVE_RETRACT_SOAK_REQUESTS", "600"))
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 QUEUE_WAIT_S = 2.0
