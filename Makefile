@@ -41,9 +41,11 @@ test-fast: install
 
 # Chaos suite + soak (tests/chaos/): faults at seeded random moments (PDSERVE_CHAOS_SEED) against a
 # launched PD cluster, then 5,000 short requests with every process's RSS sampled; prints the chaos
-# table and the RSS figures. .ci/run runs it after `make test`.
+# table and the RSS figures. The overload test offers 3x capacity for PDSERVE_OVERLOAD_S (20 s), the
+# retract soak sends PDSERVE_RETRACT_SOAK_REQUESTS (600); raise them for longer runs. .ci/run runs it
+# after `make test`.
 test-chaos: install
-	$(PY) -m pytest -q -s -p no:cacheprovider tests/chaos
+	$(PY) -m pytest -q -s -p no:cacheprovider --durations=10 tests/chaos
 
 # The ecosystem's clients, unmodified (tests/clients/): guidellm and aiperf (pinned in
 # tests/clients/requirements.txt, in their own venv .venv-clients so their dependencies never meet
@@ -57,7 +59,7 @@ $(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
 	touch $@
 
 test-clients: install $(CLIENTS_VENV)/.installed
-	PDSERVE_CLIENTS_VENV=$(CURDIR)/$(CLIENTS_VENV) $(PY) -m pytest -q -s -p no:cacheprovider tests/clients
+	PDSERVE_CLIENTS_VENV=$(CURDIR)/$(CLIENTS_VENV) $(PY) -m pytest -q -s -p no:cacheprovider --durations=10 tests/clients
 
 # Headless Chromium for the dashboard's browser test (tests/test_dashboard.py), from Debian; needs
 # root (or sudo). .ci/run calls this; without it that test skips with a loud reason.

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
     launched-server fixture must say ``process``; no test may be both."""
     for item in items:
         process = item.get_closest_marker("process") is not None
-        if not process and {"launched_server", "launched_server_per_test"} & set(getattr(item, "fixturenames", ())):
+        if not process and {"launched_server", "launched_server_per_test", "pd_server"} & set(getattr(item, "fixturenames", ())):
             raise pytest.UsageError(f"{item.nodeid} launches a server: mark it (or its module) pytest.mark.process")
         if not process and item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.unit)
@@ -195,6 +195,29 @@ def launched_server_per_test() -> Iterator[ServerFactory]:
         yield factory
     finally:
         factory.close()
+
+
+# The shared default PD launch (``pd_server``): its heartbeat (for ``wait_idle``) and flags.
+PD_SERVER_HEARTBEAT_S = 0.2
+PD_SERVER_FLAGS = ("--kv-pool-tokens", "1024", "--health-interval-s", str(PD_SERVER_HEARTBEAT_S),
+                   "--worker-timeout-s", "30", "--log-level", "INFO")
+
+
+@pytest.fixture(scope="session")
+def pd_server() -> Iterator[LaunchedServer]:
+    """One default PD launch (router, prefill-0 and decode-0 on a free base port, ``PD_SERVER_FLAGS``)
+    shared by every test that only needs what a default launch does (its ephemeral cluster key,
+    placement argv, core lending, phase metrics): started on first use, stopped when the session
+    ends. ``OMP_NUM_THREADS`` is not passed on, so the launcher picks thread shares and core lending
+    itself. Its users run one at a time; each measures deltas of what it reads (others' requests
+    land on it too), sends nothing that outlives it, and leaves every worker running."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()), *PD_SERVER_FLAGS], env=env)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
 
 
 def strip_eos(ids: list[int], eos_token_ids) -> list[int]:

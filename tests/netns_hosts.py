@@ -179,16 +179,22 @@ class NetnsLab:
                 pass
             p.wait(20)
 
-    def close(self) -> None:
-        """Stop every spawned process, delete every namespace (their veths go with them), the
-        root port and the hosts files. Safe to call more than once."""
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    self.kill(p)
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stop every spawned process (SIGTERM to all at once, SIGKILL to what is left after
+        ``grace_s``), delete every namespace (their veths go with them), the root port and the
+        hosts files. Safe to call more than once."""
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(p)
         self.procs.clear()
         for ns in reversed(self._created):
             run("ip", "netns", "del", ns, check=False)

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from configs.schema import load_config
+from conftest import engine_cfg, sched_cfg
 from server.launch.roles import worker_specs
 from server.router.inflight import InflightTable
 from server.router.load import BlendedLoad
@@ -69,10 +70,14 @@ def _complete(url: str, prompt: str) -> list[int]:
 
 
 @pytest.mark.process
-def test_two_pinned_replicas_share_the_load_with_a_single_workers_outputs(launched_server_per_test):
-    flags = ("--kv-pool-tokens", "1024", "--page-size", "16", "--health-interval-s", "0.2")
+def test_two_pinned_replicas_share_the_load_with_a_single_workers_outputs(launched_server_per_test, embedded):
+    """Both replicas serve, and every output equals the one a single colocated worker's engine
+    (built in this process from the same weights, pool and page size) gives the prompt alone."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
     two = launched_server_per_test("colocated", "--replicas", "2", "--worker-cpus", "auto", "--log-level", "INFO",
-                                   *flags)
+                                   "--kv-pool-tokens", "1024", "--page-size", "16", "--health-interval-s", "0.2")
     assert "colocated-0 -> cpus" in two.log() and "colocated-1 -> cpus" in two.log()
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(lambda p: _complete(two.url, p), PROMPTS))
@@ -80,5 +85,7 @@ def test_two_pinned_replicas_share_the_load_with_a_single_workers_outputs(launch
     per_worker = [metric_sum(m, "pdserve_worker_finished_requests_total", worker=f"colocated-{i}") for i in (0, 1)]
     assert sum(per_worker) == len(PROMPTS) and min(per_worker) >= 2, per_worker
     launched_server_per_test.stop(two)
-    one = launched_server_per_test("colocated", *flags)
-    assert [_complete(one.url, p) for p in PROMPTS] == got
+    cfg, weights, tok, _ = embedded
+    one = LLM(engine_cfg(kv_pool_tokens=1024, page_size=16), sched_cfg(), loaded=(cfg, weights, tok))
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    assert [one.generate_ids([tok.encode(p)], params)[0].token_ids for p in PROMPTS] == got

@@ -26,6 +26,7 @@ import httpx
 import pytest
 import zmq
 
+from conftest import PD_SERVER_HEARTBEAT_S
 from server.testing.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
@@ -36,7 +37,7 @@ from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.process
 
-HEARTBEAT_S = 0.2
+HEARTBEAT_S = PD_SERVER_HEARTBEAT_S
 COUNTERS = ("pdserve_prompt_tokens_total", "pdserve_generation_tokens_total", "pdserve_worker_finished_requests_total",
             "pdserve_worker_aborted_requests_total", "pdserve_worker_rejected_requests_total",
             "pdserve_kv_transfer_bytes_total", "pdserve_transfer_failures_total")
@@ -87,9 +88,9 @@ def counters(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(launched_server):
-    return launched_server("pd", "--kv-pool-tokens", "1024", "--health-interval-s", str(HEARTBEAT_S),
-                           "--worker-timeout-s", "30", "--log-level", "WARNING")
+def server(pd_server):
+    """The session's default PD launch (conftest ``pd_server``; its heartbeat is ``HEARTBEAT_S``)."""
+    return pd_server
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
+from conftest import PD_SERVER_HEARTBEAT_S as HEARTBEAT_S
+from server.testing.subprocess_server import metric_sum, wait_idle
 from server.worker.core_lending import CoreLedger, CoreLending, borrows
 
 
@@ -150,23 +151,6 @@ def _workers(srv) -> dict[str, list[str]]:
     return out
 
 
-def _metric(text: str, name: str, worker: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(f'{name}{{worker="{worker}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def _settled_metrics(client: httpx.Client, worker: str) -> str:
-    """/metrics once ``worker``'s stats heartbeat shows its finished requests (stats lag a beat)."""
-    deadline = time.monotonic() + 10
-    while True:
-        text = client.get("/metrics").text
-        if _metric(text, "pdserve_worker_finished_requests_total", worker) == 4 or time.monotonic() > deadline:
-            return text
-        time.sleep(0.2)
-
-
 def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypatch):
     """Ledger + argv for PD (the prefill worker may borrow, the decode worker only lends); nothing
     with lending off, with pinned placement, with a user's OMP_NUM_THREADS or a single worker."""
@@ -199,24 +183,28 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two cores")
 @pytest.mark.process
-def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(monkeypatch, launched_server_per_test):
+def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
     """Sequential requests: while the prefill worker computes a prompt, the decode worker waits for
     its KV (idle), so prefill steps run on every core; the decode worker only lends. (Greedy
-    outputs against transformers with lending on: tests/test_pd_http.py.)"""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    outputs against transformers with lending on: tests/test_pd_http.py.) The launch is the
+    session's default one (no OMP_NUM_THREADS), shared with other tests: counters are read as deltas."""
     total = len(os.sched_getaffinity(0))
     body = {"prompt": "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
-    srv = launched_server_per_test("pd", "--kv-pool-tokens", "1024", "--log-level", "INFO")
-    argv = _workers(srv)
-    with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as client:
+    argv = _workers(pd_server)
+    before = wait_idle(pd_server.url, HEARTBEAT_S)
+    with httpx.Client(base_url=pd_server.url, timeout=120, trust_env=False) as client:
         texts = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(4)]
-        metrics = _settled_metrics(client, "prefill-0")
+    after = wait_idle(pd_server.url, HEARTBEAT_S)  # fresh heartbeats: every finished request counted
+
+    def moved(name: str, worker: str) -> float:
+        return metric_sum(after, name, worker=worker) - metric_sum(before, name, worker=worker)
     assert argv["prefill"][argv["prefill"].index("--lend-threads") + 1] == str(total)
     assert "--core-ledger-fd" in argv["decode"] and "--lend-threads" not in argv["decode"]
-    assert f"core lending: prefill-0 run on all {total} cores" in srv.log()
-    assert _metric(metrics, "pdserve_worker_borrowed_core_steps_total", "prefill-0") >= 1
-    assert _metric(metrics, "pdserve_worker_borrowed_core_steps_total", "decode-0") == 0
-    assert _metric(metrics, "pdserve_worker_torch_threads", "decode-0") == total // 2
+    assert f"core lending: prefill-0 run on all {total} cores" in pd_server.log()
+    assert moved("pdserve_worker_finished_requests_total", "prefill-0") == 4
+    assert moved("pdserve_worker_borrowed_core_steps_total", "prefill-0") >= 1
+    assert metric_sum(after, "pdserve_worker_borrowed_core_steps_total", worker="decode-0") == 0
+    assert metric_sum(after, "pdserve_worker_torch_threads", worker="decode-0") == total // 2
     assert len(set(texts)) == 1 and texts[0]
 
 

@@ -178,3 +178,17 @@ def test_restarts_back_off_then_give_up_with_health_reason(caplog):
     assert gaps[0] >= 0.4 and gaps[1] >= 0.8, gaps  # back-off doubles (the first wait, 0.2 s, follows the kill)
     errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
     assert any("colocated-0" in m and "gave up restarting it" in m for m in errors), errors
+
+
+def test_a_stopped_launch_drains_its_workers_and_all_exit_0(first, launched_server):
+    """SIGTERM to launch A (last in this file: it ends A): its workers drain and exit by themselves,
+    within the launcher's stop grace (no "did not stop ...; killing it"), and the launcher exits 0.
+    Before ``server.worker.process_exit`` the interpreter's final garbage collection alone outlasted
+    the grace on a busy host, so every clean drain ended in SIGKILL."""
+    workers = first.worker_pids()
+    launched_server.stop(first)
+    log = first.log()
+    assert first.proc.returncode == 0, log[-3000:]
+    assert "did not stop in" not in log, log[-3000:]
+    assert log.count("drained: no request held; exiting") == len(workers) == 2, log[-3000:]
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]

@@ -7,13 +7,15 @@ files play cluster DNS. The scenario, in order:
 1. routes are checked before any traffic (every host reaches the others over its eth0, the test
    reaches them over its own veth, no host has a default route);
 2. the router starts while ``decode-0`` does not even resolve: /health says 503 and names it;
-   the decode host comes up later and joins without a router restart;
+   once the name resolves, the decode host joins without a router restart (its worker loads
+   meanwhile, on a host no name points to yet: the start-ups overlap);
 3. greedy outputs through the router equal the colocated engine's, and the prefill host's eth0
    sent at least the KV bytes the workers report (the KV crossed the bridge, not shared memory);
 4. the decode host vanishes under load (its link goes down, then its process is killed, so no
    FIN or RST reaches anyone, as when a machine loses power): its requests fail with 503 within
-   10 s; decode-0 comes back on another host at another address; the router notices the silent
-   connection, connects again, re-resolves the name and serves.
+   10 s; decode-0 comes back on another host at another address (its worker starts loading at
+   once, as an orchestrator replaces a lost machine; the name moves to it after those 503s); the
+   router notices the silent connection, connects again, re-resolves the name and serves.
 Every namespace, veth, bridge and hosts file is removed at the end, also on failure.
 """
 from __future__ import annotations
@@ -97,10 +99,14 @@ def colocated(embedded):
 
 @pytest.fixture(scope="module")
 def router_url(lab):
+    """The router host's URL; the prefill host (named ``prefill-0``) and the decode host (no name
+    yet: ``decode-0`` resolves nowhere) are starting their workers."""
     r_ip, p_ip = lab.add_host("r"), lab.add_host("p")
+    lab.add_host("d")
     lab.verify_routes()
     lab.set_name("prefill-0", p_ip)
     start_worker(lab, "p", "prefill")
+    start_worker(lab, "d", "decode")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     lab.spawn("r", pdserve("--roles", "router", "--host", "0.0.0.0", "--port", "8000", "--worker-timeout-s", "3",
                            "--worker", "prefill=prefill-0=tcp://prefill-0:29500",
@@ -129,10 +135,7 @@ def test_router_waits_for_a_decode_host_that_does_not_exist_yet(lab, router_url)
         assert time.monotonic() < deadline, f"prefill never ready: {r and r.text}\n{logs_tail(lab)}"
         time.sleep(0.5)
     assert r.status_code == 503 and "decode-0 (decode): starting" in r.text
-    d_ip = lab.add_host("d")
-    lab.verify_routes()
-    lab.set_name("decode-0", d_ip)  # the name resolves only now
-    start_worker(lab, "d", "decode")
+    lab.set_name("decode-0", lab.hosts["d"][1])  # the name resolves only now
     wait_healthy(lab, router_url)
 
 
@@ -153,7 +156,7 @@ def test_greedy_outputs_across_hosts_equal_colocated(lab, router_url, colocated,
 
 
 def test_decode_host_vanishes_then_returns_elsewhere_under_the_same_name(lab, router_url):
-    decode_proc = lab.procs[-1]
+    decode_proc = next(p for p in lab.procs if p.args[3] == lab.hosts["d"][0])  # ip netns exec NS ...
     c = openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0, timeout=60,
                            http_client=httpx.AsyncClient(trust_env=False, timeout=60))
 
@@ -166,20 +169,20 @@ def test_decode_host_vanishes_then_returns_elsewhere_under_the_same_name(lab, ro
         t_kill = time.monotonic()
         lab.unplug("d")
         lab.kill(decode_proc)
+        new_ip = lab.add_host("d2")  # the replacement loads while the router finds the old one gone
+        start_worker(lab, "d2", "decode")
         results = await task
+        elapsed = time.monotonic() - t_kill
         await c.close()
-        return results, time.monotonic() - t_kill
+        return (results, new_ip), elapsed
 
-    results, elapsed = asyncio.run(kill_during_load())
+    (results, new_ip), elapsed = asyncio.run(kill_during_load())
     errors = [r for r in results if isinstance(r, Exception)]
     odd = [r for r in results if not (isinstance(r, openai.APIStatusError) and r.status_code == 503)]
     assert errors and not odd, [repr(r)[:300] for r in odd]
     assert elapsed < 10
-    old_ip = lab.hosts["d"][1]
-    new_ip = lab.add_host("d2")
-    assert new_ip != old_ip
+    assert new_ip != lab.hosts["d"][1]
     lab.verify_routes()
     lab.set_name("decode-0", new_ip)
-    start_worker(lab, "d2", "decode")
     wait_healthy(lab, router_url)
     assert len(greedy(router_url, PROMPTS[0])) == NEW_TOKENS

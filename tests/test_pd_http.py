@@ -90,19 +90,29 @@ def idle(url):
     return wait_idle(url, HEARTBEAT_S, timeout_s=60)
 
 
-def test_pd_greedy_matches_transformers_and_colocated(client, model, embedded, hf_embedded, colocated):
-    tok = embedded[2]
+@pytest.fixture(scope="module")
+def greedy_refs(embedded, hf_embedded, colocated) -> dict[str, list[int]]:
+    """transformers' greedy continuation of each of ``PROMPTS`` (EOS dropped), asserted equal to the
+    colocated engine's; computed once for both data planes (it does not depend on the server)."""
+    tok, refs = embedded[2], {}
     for text in PROMPTS:
         ids = tok.encode(text)
         with torch.no_grad():
             out = hf_embedded.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        ref = [t for t in out[0, len(ids):].tolist() if t not in tok.eos_token_ids]
+        refs[text] = [t for t in out[0, len(ids):].tolist() if t not in tok.eos_token_ids]
+        colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0]
+        assert colo.token_ids == refs[text], text
+    return refs
+
+
+def test_pd_greedy_matches_transformers_and_colocated(client, model, embedded, greedy_refs):
+    tok = embedded[2]
+    for text in PROMPTS:
+        ref = greedy_refs[text]
         choice = complete(client, model, text)
-        assert choice.prompt_token_ids == ids
+        assert choice.prompt_token_ids == tok.encode(text)
         assert strip_eos(choice.token_ids, tok.eos_token_ids) == ref, text
         assert choice.text == tok.decode(ref)
-        colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0]
-        assert colo.token_ids == ref
 
 
 def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated):
@@ -170,7 +180,10 @@ def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url)
     assert cached > 0 and moved == cached
 
 
-def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, colocated):
+@pytest.fixture(scope="module")
+def shared_prefix_case(embedded, colocated) -> tuple[list[str], list[int], dict[int, list[int]]]:
+    """(32 prompts sharing ``SHARED``, their max_tokens, each one's colocated greedy output run
+    alone); computed once for both data planes."""
     tok = embedded[2]
     rng = random.Random(3)
     prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(32)]
@@ -179,6 +192,12 @@ def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, coloc
     for i, p in enumerate(prompts):
         refs[i] = colocated.generate_ids([tok.encode(p)], SamplingParams(max_new_tokens=lengths[i],
                                                                          temperature=0))[0].token_ids
+    return prompts, lengths, refs
+
+
+def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, shared_prefix_case):
+    tok = embedded[2]
+    prompts, lengths, refs = shared_prefix_case
 
     async def one(c, i):
         r = await c.completions.create(model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0,

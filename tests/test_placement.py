@@ -79,18 +79,19 @@ def test_launch_pins_each_worker_to_its_cores(launched_server_per_test):
 
 
 @pytest.mark.process
-def test_launch_gives_unpinned_workers_their_thread_share(monkeypatch, launched_server_per_test):
+def test_launch_gives_unpinned_workers_their_thread_share(pd_server):
     """Default placement (off) on this host: nothing pinned, but each of the 2 workers is told to run
-    torch with cores // 2 threads, and the launcher says so."""
+    torch with cores // 2 threads, and the launcher says so. (The session's default PD launch, which
+    gets no OMP_NUM_THREADS.)"""
     import os
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    srv = launched_server_per_test("pd", "--kv-pool-tokens", "512")
-    for pid in srv.worker_pids():
+    pids = pd_server.worker_pids()
+    assert len(pids) == 2
+    for pid in pids:
         argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         assert argv[argv.index(b"--threads") + 1].decode() == share
-    assert f"torch threads per worker: {share}" in srv.log()
+    assert f"torch threads per worker: {share}" in pd_server.log()
 
 
 @pytest.mark.process

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from configs.schema import PdserveConfig
-from conftest import engine_cfg, sched_cfg
+from conftest import PD_SERVER_HEARTBEAT_S, engine_cfg, sched_cfg
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
 from server.testing.pd_harness import PDHarness
@@ -65,13 +65,13 @@ def test_schedulers_with_nothing_to_compute_let_the_loop_block(tiny):
 
 
 @pytest.mark.process
-def test_phase_metrics_through_a_pd_server(launched_server_per_test):
-    url = launched_server_per_test("pd", "--kv-pool-tokens", "1024", "--health-interval-s", "0.2").url
-    before = wait_idle(url, 0.2)
+def test_phase_metrics_through_a_pd_server(pd_server):
+    url = pd_server.url
+    before = wait_idle(url, PD_SERVER_HEARTBEAT_S)
     r = httpx.post(f"{url}/v1/completions", timeout=120,
                    json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
-    m = wait_idle(url, 0.2)
+    m = wait_idle(url, PD_SERVER_HEARTBEAT_S)
     name = "pdserve_request_phase_seconds_count"
     for worker, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         for phase, _, _ in PHASES[role]:

@@ -17,6 +17,7 @@ from configs.cli_flags import collect
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from server.launch.args import load_config, parse_args
+from server.worker.process_exit import exit_now
 from transfer.wire.enums import Role
 
 
@@ -148,11 +149,17 @@ COMMANDS = {"generate": _cmd_generate, "launch": _cmd_launch, "worker": _cmd_wor
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pdserve`` script; returns the exit status."""
+    """Run one ``pdserve`` command (``argv``: the process's own by default); returns the exit status."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return COMMANDS[args.command](args)
 
 
+def entry() -> None:
+    """Entry point of the ``pdserve`` script and of ``python -m server.launch.cli``: ``main``, then
+    the process ends with its status at once (``exit_now``: no interpreter teardown)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

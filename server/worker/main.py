@@ -20,6 +20,7 @@ import torch
 from configs.schema import PdserveConfig
 from server.worker.loop import WorkerLoop
 from server.worker.placement import apply_cpus, parse_cpu_list
+from server.worker.process_exit import exit_now
 from transfer.control_auth import ControlAuthError, resolve_auth
 from transfer.wire.enums import Role
 
@@ -163,4 +164,4 @@ def register(cfg: PdserveConfig, args, model_name: str):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
