@@ -31,8 +31,9 @@ from server.testing.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
 from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
-                                    KvEvents, KvSnapshot, KvSnapshotRequest, PrefillFailed, PrefillRequest, Shutdown, StatsRequest, TokenBatch, TokenDelta,
-                                    WorkerStats, decode, encode, hashes_frame, ids_frame)
+                                    KvEvents, KvSnapshot, KvSnapshotRequest, MigrateRequest, MigrationDeclined,
+                                    MigrationEnded, MigrationOffer, PrefillFailed, PrefillRequest, Shutdown, StatsRequest,
+                                    TokenBatch, TokenDelta, WorkerStats, decode, encode, hashes_frame, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.process
@@ -67,6 +68,14 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "KvEvents": encode(KvEvents(worker_id="evil", instance="x", seq=1, pool="full", kinds=["cleared"], counts=[0]),
                            hashes_frame([])),
         "KvSnapshot": encode(KvSnapshot(worker_id="evil", instance="x", seq=1, pool="full"), hashes_frame([1])),
+        # a decode worker would admit the request and write KV for it from an address the attacker names
+        "MigrateRequest": encode(MigrateRequest(rid="evil-mig", params=SamplingParams(max_new_tokens=4), room=9,
+                                                source_addr="tcp://127.0.0.1:9", prompt_len=2, n_tokens=3),
+                                 ids_frame([1, 2, 3])),
+        "MigrationOffer": encode(MigrationOffer(rid="evil-gen", n_tokens=3, pages=1, prompt_len=2,
+                                                params=SamplingParams(max_new_tokens=4)), ids_frame([1, 2, 3])),
+        "MigrationDeclined": encode(MigrationDeclined(rid="evil-gen", reason="evil")),
+        "MigrationEnded": encode(MigrationEnded(rid="evil-gen", ok=False, error="evil")),
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out

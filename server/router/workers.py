@@ -117,8 +117,8 @@ def route_pd(ready: list[WorkerHandle], load: Load, prompt_ids: Sequence[int] = 
 def pinned_pd(decode_id: str) -> Policy:
     """PD routing with every request's decode worker pinned to ``decode_id`` while it is ready (else
     ``route_pd``'s choice): the skewed load of ``--route-decode``."""
-    def route(ready: list[WorkerHandle], load: Load) -> Route:
-        chosen = route_pd(ready, load)
+    def route(ready: list[WorkerHandle], load: Load, prompt_ids: Sequence[int] = ()) -> Route:
+        chosen = route_pd(ready, load, prompt_ids)
         d = next((h for h in ready if h.worker_id == decode_id and h.spec.role == Role.DECODE), chosen.stream_from)
         return Route((chosen.targets[0], d), d)
     return route
