@@ -16,6 +16,7 @@ from decode_worker.migration import MigrationPolicy
 from engine.request import Request
 from engine.sampling import SamplerState
 from migration_harness import MigrationHarness
+from server.testing.pd_harness import checked_harnesses
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -113,18 +114,8 @@ def test_repoint_keeps_source_dependency_until_the_target_streams():
 # ---- the whole path, in process --------------------------------------------------------------------
 @pytest.fixture
 def harness(tiny):
-    made = []
-
-    def make(d1=None, d2=None):
-        h = MigrationHarness(cfg(), d1 or cfg(pool=96, migrate_after="1", init_new_token_ratio=0.1),
-                             d2 or cfg(), tiny[0], tiny[1])
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.check_clean()
-        h.close()
+    yield from checked_harnesses(lambda d1=None, d2=None: MigrationHarness(
+        cfg(), d1 or cfg(pool=96, migrate_after="1", init_new_token_ratio=0.1), d2 or cfg(), tiny[0], tiny[1]))
 
 
 SKEW = dict(n=4, lo=20, hi=20, seed=21)  # 4 x (20 + 16) tokens into a 24-page pool: d1 must retract

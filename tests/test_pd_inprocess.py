@@ -9,7 +9,7 @@ import pytest
 
 from configs.schema import PdserveConfig
 from conftest import hf_greedy
-from server.testing.pd_harness import PDHarness
+from server.testing.pd_harness import PDHarness, checked_harnesses
 from engine.request import Phase
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.step_report import StepReport
@@ -48,17 +48,7 @@ def run(h: PDHarness, ps, params=GREEDY) -> list[list[int]]:
 
 @pytest.fixture
 def harness(tiny):
-    made = []
-
-    def make(p=None, d=None):
-        h = PDHarness(p or cfg(), d or cfg(), tiny[0], tiny[1])
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.check_clean()
-        h.close()
+    yield from checked_harnesses(lambda p=None, d=None: PDHarness(p or cfg(), d or cfg(), tiny[0], tiny[1]))
 
 
 def test_pd_matches_hf(harness, refs):
@@ -298,7 +288,7 @@ def test_slow_steps_never_make_the_in_process_prefill_peer_dead(harness, refs, m
     import time
 
     slow = cfg()
-    slow.cluster.peer_timeout_s, slow.cluster.progress_timeout_s = 0.05, 1.0
+    slow.cluster.peer_timeout_s, slow.cluster.progress_timeout_s = 0.05, 30.0
     h = harness(d=slow)
     ps, ref = refs
     real_step = h.step

@@ -7,7 +7,7 @@ import pytest
 
 from cache.swa_window import NO_PAGE
 from configs.schema import PdserveConfig
-from server.testing.pd_harness import PDHarness
+from server.testing.pd_harness import PDHarness, checked_harnesses
 from tests.test_swa_pool import PAGE, hf_reference, prompts, swa_model  # noqa: F401 (fixture)
 from transfer.wire.sampling_params import SamplingParams
 
@@ -21,17 +21,8 @@ def cfg(pool=1024, swa=256, host_gb=0.01, radix=True, **sched) -> PdserveConfig:
 
 @pytest.fixture
 def harness(swa_model):  # noqa: F811
-    made = []
-
-    def make(p=None, d=None):
-        h = PDHarness(p or cfg(), d or cfg(), swa_model[0], swa_model[1], eos=(96,))
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.check_clean()
-        h.close()
+    yield from checked_harnesses(lambda p=None, d=None: PDHarness(p or cfg(), d or cfg(), swa_model[0], swa_model[1],
+                                                                  eos=(96,)))
 
 
 def run(h: PDHarness, batch, n: int, tag: str = "r"):

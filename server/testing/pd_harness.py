@@ -82,16 +82,15 @@ class PDHarness:
 
     def step(self) -> list[TokenDelta]:
         """One turn of each side (prefill first), messages exchanged in between; the decode
-        side's token deltas. Each step first hands the decode side a heartbeat reply of the
-        prefill side, as the worker loop's pinger thread would: the in-process peer is alive, so
-        wall time spent in long steps (a slow machine) must never get it declared dead
-        (``heartbeats = False`` silences it)."""
-        deltas: list[TokenDelta] = []
+        side's token deltas. Right before the decode turn the decode side gets a heartbeat reply of
+        the prefill side, as the worker loop's pinger thread would: the in-process peer is alive, so
+        wall time spent in long steps (a slow or loaded machine, the prefill turn included) must
+        never get it declared dead (``heartbeats = False`` silences it)."""
+        deltas = self._exchange()
+        self.router_inbox += self.deliver(self.prefill_turns.run().outbox, False)
         if self.heartbeats:
             stats = worker_stats(self.prefill, "p0", "harness", "m")
             deltas += self.deliver(self.decode.peer_heartbeat(PREFILL_ADDR, stats, time.monotonic()), True)
-        deltas += self._exchange()
-        self.router_inbox += self.deliver(self.prefill_turns.run().outbox, False)
         deltas += self._exchange()
         return deltas + self.deliver(self.decode_turns.run().outbox, True)
 
@@ -127,3 +126,19 @@ class PDHarness:
         self.prefill.sender.close()
         for t in self.transports:
             t.close()
+
+
+def checked_harnesses(build):
+    """For a pytest fixture (``yield from checked_harnesses(build)``): yields ``make``, which calls
+    ``build(*args, **kwargs)`` and remembers the harness; at teardown every harness made is checked
+    clean (``check_clean``: allocator invariants, nothing held) and closed."""
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(build(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.check_clean()
+        h.close()
