@@ -187,14 +187,15 @@ def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | 
     return mask
 
 
-# Longest request (prefix + new tokens) whose prefill attention runs through the C paged kernel; a
-# bfloat16 256-token prompt took 107 ms that way against 118 with SDPA, a 1,024-token one 740 vs 659.
+# Longest request (prefix + new tokens) whose prefill attention runs through the per-row C paged kernel
+# when the tiled one does not take the shape; a bfloat16 256-token prompt took 107 ms that way against
+# 118 with SDPA, a 1,024-token one 740 vs 659.
 KERNEL_EXTEND_MAX_SEQ = 512
 
 
 class CpuBackend(TorchBackend):
-    """CPU float32/bfloat16 pools: decode, and prefill of requests up to ``KERNEL_EXTEND_MAX_SEQ`` tokens,
-    through the C paged kernel with at most ``threads`` threads (default:
+    """CPU float32/bfloat16 pools: decode and prefill through the C paged kernels (prefill: the tiled
+    kernel where the shape fits, see ``_extend``) with at most ``threads`` threads (default:
     torch's thread count at each call, which core lending may change between steps), fewer when the
     step's keys are too few to pay for starting them (``cpu_native.threads_for``); the rest as torch."""
 
@@ -202,8 +203,7 @@ class CpuBackend(TorchBackend):
                  threads: int | None = None) -> None:
         super().__init__(pools, num_heads, scale, windows)
         self.threads = threads
-        self._ranges: dict[tuple[ForwardMode, str, int | None],
-                           tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        self._ranges: dict[tuple[ForwardMode, str, int | str | None], tuple] = {}
         self._slots: dict[str, torch.Tensor] = {}
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -262,19 +262,38 @@ class CpuBackend(TorchBackend):
         return table, pages
 
     def _extend(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Prefill attention through the paged kernel, one row per new token (its keys, prefix
-        included, are already in the pool: ``store`` ran first), all requests in one call, when
-        every request is at most ``KERNEL_EXTEND_MAX_SEQ`` tokens; longer ones take torch's flash
-        SDPA (quadratic work the kernel's per-row passes do slower: measured at 1,024 tokens)."""
-        from engine.kernels.cpu_native import paged_decode, threads_for
+        """Prefill attention read from the pool (``store`` ran first, so every key, prefix included,
+        is there), all requests in one call: the tiled kernel (``cpu_native.paged_extend``) where the
+        shape fits it, else the per-row paged kernel up to ``KERNEL_EXTEND_MAX_SEQ`` tokens, else
+        torch's flash SDPA."""
+        from engine.kernels.cpu_native import extend_supported, paged_decode, paged_extend, threads_for
 
+        name, pool, local = self._layer(layer)
+        window = self.windows[layer]
+        if extend_supported(q.shape[1], pool.num_kv_heads, q.shape[2]):
+            table, qstart, pos0, ext, keys = self._extend_tiles_of(batch, name)
+            threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
+            out = paged_extend(q, pool.buffer, local, table, qstart, pos0, ext, window, self.scale, threads)
+            return out.to(q.dtype).reshape(q.shape[0], -1)
         if max(batch.seq_lens_cpu, default=0) > KERNEL_EXTEND_MAX_SEQ:
             return super()._extend(q, k, v, layer, batch)
-        name, pool, local = self._layer(layer)
-        table, lo, hi, keys = self._extend_range_of(batch, name, self.windows[layer])
+        table, lo, hi, keys = self._extend_range_of(batch, name, window)
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
         out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads)
         return out.to(q.dtype).reshape(q.shape[0], -1)
+
+    def _extend_tiles_of(self, batch: ForwardBatch, name: str):
+        """``(table, qstart, pos0, ext, keys)`` of ``batch`` (EXTEND) for ``paged_extend``: request
+        i's new tokens are rows ``[qstart[i], +ext[i])`` at positions ``pos0[i] + j``; ``keys`` is
+        the causal key count summed over the rows (an upper bound under a window: threads only)."""
+        key = (batch.mode, name, "tiles")
+        if key not in self._ranges:
+            table, _ = self._range_of_table(batch, name)
+            ext = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64)
+            seq = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64)
+            keys = int(sum(e * s - e * (e - 1) // 2 for e, s in zip(batch.extend_lens_cpu, batch.seq_lens_cpu)))
+            self._ranges[key] = (table, (torch.cumsum(ext, 0) - ext).contiguous(), (seq - ext).contiguous(), ext, keys)
+        return self._ranges[key]
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
         from engine.kernels.cpu_native import paged_decode, threads_for

@@ -158,3 +158,59 @@ def test_cpu_backend_starts_no_thread_for_a_short_step(monkeypatch):
     backend.prepare(batch)
     backend._decode(torch.zeros(2, 4, 16), 1, batch)
     assert seen == [1]
+
+
+def _extend_reference(q, pool, layer, table, pos0, ext, window, scale):
+    """Dense float64 causal (windowed) attention of each request's new tokens over its keys."""
+    P, outs, row = pool.shape[3], [], 0
+    for b, (p0, n) in enumerate(zip(pos0.tolist(), ext.tolist())):
+        seq = p0 + n
+        pages = table[b, : -(-seq // P)]
+        k = pool[pages, layer, 0].reshape(-1, *pool.shape[4:])[:seq].double()  # [seq, Hkv, D]
+        v = pool[pages, layer, 1].reshape(-1, *pool.shape[4:])[:seq].double()
+        qb = q[row:row + n].double()                                            # [n, H, D]
+        g = q.shape[1] // k.shape[1]
+        s = torch.einsum("nhd,shd->hns", qb, k.repeat_interleave(g, 1)) * scale
+        qpos, kpos = torch.arange(p0, seq)[:, None], torch.arange(seq)[None]
+        ok = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
+        s = s.masked_fill(~ok, float("-inf"))
+        outs.append(torch.einsum("hns,shd->nhd", s.softmax(-1), v.repeat_interleave(g, 1)))
+        row += n
+    return torch.cat(outs).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [
+    (9, 3, 64, None),    # SmolLM2: 16 query tokens a tile
+    (4, 1, 256, 40),     # Gemma 3's shape, a window shorter than the prompt
+    (8, 8, 64, None),    # MHA: 48 tokens a tile
+    (6, 1, 128, 7),      # group 6: tiles of 8 tokens, pad rows
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_extend_kernel_equals_dense_attention(dtype, heads, kv_heads, head_dim, window, threads):
+    """Requests with and without a cached prefix, lengths that are not a multiple of the tile, a
+    one-token chunk, pages shuffled through the pool; every page not in a table is poisoned."""
+    g = torch.Generator().manual_seed(heads * 100 + head_dim + threads)
+    P, layers, pos0, ext = 16, 2, [0, 60, 3, 0], [100, 37, 1, 150]
+    need = [-(-(p + n) // P) for p, n in zip(pos0, ext)]
+    pool = torch.randn(sum(need) + 4, layers, 2, P, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(pool.shape[0], generator=g).tolist()
+    table = torch.zeros(len(ext), max(need), dtype=torch.int64)
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    for p in perm:
+        pool[p] = 1e4  # nobody's page: reading it would show
+    q = torch.randn(sum(ext), heads, head_dim, generator=g)
+    ext_t, pos0_t = torch.tensor(ext), torch.tensor(pos0)
+    qstart = torch.cumsum(ext_t, 0) - ext_t
+    assert cpu_native.extend_supported(heads, kv_heads, head_dim)
+    got = cpu_native.paged_extend(q, pool, 1, table, qstart, pos0_t, ext_t, window, head_dim ** -0.5, threads)
+    want = _extend_reference(q, pool, 1, table, pos0_t, ext_t, window, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_tiled_extend_shape_limits():
+    assert not cpu_native.extend_supported(9, 3, 32)      # head_dim not 4 vectors
+    assert not cpu_native.extend_supported(64, 1, 64)     # group over 48 rows
+    assert cpu_native.extend_supported(48, 1, 64)

@@ -38,7 +38,8 @@ from engine.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_fused.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_extend_attention.c",
+                                                     "cpu_fused.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM = 1024
@@ -89,6 +90,10 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.pdserve_paged_decode
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *([_I64] * 9), ctypes.c_float,
+                   ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.pdserve_paged_extend
+    fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, *([_I64] * 10), ctypes.c_float,
                    ctypes.c_int]
     fn.restype = ctypes.c_int
     _declare_fused(lib)
@@ -164,4 +169,40 @@ def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: 
     lib.pdserve_paged_decode(q.data_ptr(), base, bf16, table.data_ptr(), table.stride(0), lo.data_ptr(),
                                  hi.data_ptr(), out.data_ptr(), B, H, Hkv, D, P, s[0], s[2], s[3], s[4],
                                  float(scale), int(threads))
+    return out
+
+
+# The tiled extend kernel's shape limits (cpu_extend_attention.c): head_dim a multiple of 4 vectors
+# of 16 floats, at most 48 query heads per kv head.
+EXTEND_DIM_MULTIPLE, EXTEND_MAX_GROUP = 64, 48
+
+
+def extend_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """True iff ``paged_extend`` takes this attention shape."""
+    return head_dim % EXTEND_DIM_MULTIPLE == 0 and num_heads // num_kv_heads <= EXTEND_MAX_GROUP
+
+
+def paged_extend(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
+                 qstart: torch.Tensor, pos0: torch.Tensor, ext: torch.Tensor, window: int | None, scale: float,
+                 threads: int = 1) -> torch.Tensor:
+    """Prefill attention of ``q`` ``[T, H, D]`` (the new tokens of B requests, request after
+    request): request b's tokens are rows ``[qstart[b], qstart[b] + ext[b])`` at absolute positions
+    ``pos0[b] + i``, and each attends to its request's keys ``[max(0, p - window + 1), p]`` (all of
+    ``[0, p]`` without a window) read through ``table`` row b from ``layer`` of the pool, where they
+    already are (the step stored them). ``qstart``/``pos0``/``ext`` int64 ``[B]``, ``table`` int64
+    ``[B, W]`` with in-range pages. Returns ``[T, H, D]`` float32. Caller guarantees
+    ``supports(pool_buffer)`` and ``extend_supported`` for the shape."""
+    lib = load()
+    T, H, D = q.shape
+    _, _, _, P, Hkv, _ = pool_buffer.shape
+    q = q.float().contiguous()
+    out = torch.zeros_like(q)
+    s = pool_buffer.stride()
+    base = pool_buffer.data_ptr() + layer * s[1] * pool_buffer.element_size()
+    bf16 = int(pool_buffer.dtype == torch.bfloat16)
+    rc = lib.pdserve_paged_extend(q.data_ptr(), base, bf16, table.data_ptr(), table.stride(0), qstart.data_ptr(),
+                                  pos0.data_ptr(), ext.data_ptr(), out.data_ptr(), ext.shape[0], H, Hkv, D, P, s[0],
+                                  s[2], s[3], s[4], int(window or 0), float(scale), int(threads))
+    if rc != 0:
+        raise MemoryError("paged_extend: scratch allocation failed or the shape is not supported")
     return out
