@@ -182,6 +182,7 @@ class ServeBench:
                   f"{sorted({e for r in records for e in r.stats.errors})[:3]}")
         return {"benchmark": "pdserve bench serve", "argv": sys.argv[1:], "tokenizer": self.counter.name,
                 "settings": {k: v for k, v in vars(self.a).items() if k != "func"},
+                "lengths": {"input": list(self.o.input_range), "output": list(self.o.output_range)},
                 "runs": [r.to_dict() for r in records], "ratios": ratio_rows, "cache_effect": self.cache_effects,
                 "goodput": self._goodput_payload()}
 

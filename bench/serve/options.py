@@ -73,8 +73,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", "--json-out", dest="out", help="write the results as JSON here")
     g.add_argument("--plot", help="write a PNG of latency and throughput against load here (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    g.add_argument("--compare", help="launch these modes one after the other (e.g. colocated,pd) with the same "
-                                     "engine flags and run the same workload against each; prints the ratios")
+    g.add_argument("--compare", help="launch these modes one after the other (e.g. colocated,pd; colocated-x2: two "
+                                     "colocated replicas pinned to their share of the cores) with the same engine "
+                                     "flags and run the same workload against each; prints the ratios")
     g.add_argument("--target", action="append", default=[], metavar="NAME=URL",
                    help="also load this running server (e.g. vllm=http://127.0.0.1:8100) in the same run, "
                         "after the --compare modes; repeatable; ratios are against the first target")
@@ -144,7 +145,7 @@ def _lengths(a: argparse.Namespace) -> tuple[tuple[int, int], tuple[int, int]]:
                              f"{', '.join(given)} (or drop --workload)")
         return WORKLOADS[a.workload].input_range, WORKLOADS[a.workload].output_range
     inp = (_range(a.input_len_range, "--input-len-range") if a.input_len_range
-           else _range(str(a.input_len or DEFAULT_INPUT_LEN), "--input-len"))
+           else _range(str(DEFAULT_INPUT_LEN if a.input_len is None else a.input_len), "--input-len"))
     out = (_range(a.output_len_range, "--output-len-range") if a.output_len_range
            else _range(str(DEFAULT_OUTPUT_LEN if a.output_len is None else a.output_len), "--output-len"))
     return inp, out
