@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "read bandwidth and matmul peak); retract: retract costs "
                         "(colocated and PD); transfer: KV transfer over NIXL and ucxx vs memcpy; serve: "
                         "OpenAI-compatible serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, "
-                        "--interference)")
+                        "--interference, --goodput)")
     p.add_argument("--requests", type=int, default=16, help="retract: requests in the workload")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--decode-tokens", type=int, default=32)

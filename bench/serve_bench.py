@@ -1,6 +1,7 @@
 """``pdserve bench serve``: load an OpenAI-compatible server (or launch colocated and PD servers
 with ``--compare`` and load each the same way) and report TTFT / TPOT / ITL / E2E, throughput and
-goodput per load level, the ratios between modes, JSON and a PNG. See ``bench/serve/``.
+goodput per load level, the ratios between modes, JSON and a PNG; with ``--goodput``, search each
+target's highest request rate within both SLOs instead (``bench/serve/goodput.py``). See ``bench/serve/``.
 
 Prompts differ between load levels (a radix cache must not serve level 2 from level 1) but are the
 same for every target, so targets see exactly the same workload.
@@ -12,9 +13,10 @@ import asyncio
 import dataclasses
 import sys
 
-from bench.serve import report
+from bench.serve import goodput_report, report
 from bench.serve.client import ClientConfig, served_model
 from bench.serve.cpu import CpuMeter
+from bench.serve.goodput import GoodputPoint, GoodputResult, measure_point, search_goodput
 from bench.serve.interference import InterferenceSpec, interference_records, interference_requests
 from bench.serve.multiturn import multi_turn_records, run_multi_turn
 from bench.serve.options import ServeOptions, add_serve_flags
@@ -22,7 +24,8 @@ from bench.serve.report import RunRecord
 from bench.serve.runner import closed_loop, open_loop
 from bench.serve.servers import config_flags, launched
 from bench.serve.stats import compute_stats
-from bench.serve.workload import LengthCounter, PromptShape, load_counter, make_requests, poisson_arrivals
+from bench.serve.workload import (LengthCounter, PromptShape, RequestSpec, load_counter, make_requests,
+                                  poisson_arrivals)
 
 __all__ = ["add_serve_flags", "run_serve_bench"]
 
@@ -33,9 +36,12 @@ class ServeBench:
     def __init__(self, args: argparse.Namespace, opts: ServeOptions, counter: LengthCounter) -> None:
         self.a, self.o, self.counter = args, opts, counter
         self.cache_effects: dict[str, dict] = {}  # --multi-turn: target -> CacheEffect.to_dict()
+        self.goodputs: list[GoodputResult] = []  # --goodput: one per target, in run order
         lo, hi = opts.input_range
-        self.shape = PromptShape(args.num_prompts, lo, hi, args.output_len, args.shared_prefix_len)
-        self.warm_shape = PromptShape(args.warmup, lo, hi, min(args.output_len, 8), args.shared_prefix_len)
+        out_lo, out_hi = opts.output_range
+        self.shape = PromptShape(args.num_prompts, lo, hi, out_lo, args.shared_prefix_len,
+                                 output_max=out_hi if out_hi != out_lo else None)
+        self.warm_shape = PromptShape(args.warmup, lo, hi, min(out_lo, 8), args.shared_prefix_len)
 
     def _client(self, url: str) -> ClientConfig:
         model = self.a.served_model_name or served_model(url, self.a.api_key)
@@ -54,6 +60,8 @@ class ServeBench:
         its launcher, each record also gets the CPU seconds of the router and every worker."""
         cfg = self._client(url)
         show = not self.a.no_progress
+        if self.o.goodput is not None:
+            return self._goodput_target(target, cfg, launcher_pid)
         if self.o.multi_turn is not None:
             meter = _meter(launcher_pid)
             measured, effect = run_multi_turn(cfg, self.o.multi_turn, self.counter, self.a.workload_seed, show, meter)
@@ -80,6 +88,33 @@ class ServeBench:
             print(report.runs_table(records[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         return records
 
+    def probe_requests(self, rate: float) -> list[RequestSpec]:
+        """The requests of a ``--goodput`` probe at ``rate``: ``--num-requests`` prompts with Poisson
+        arrivals. They depend only on the rate and ``--workload-seed``: every target that probes a rate
+        gets the same requests there, and two probes of one target (two rates) share no prompt."""
+        seed = self.a.workload_seed + round(rate * 10_000) * 2
+        return poisson_arrivals(make_requests(self.shape, self.counter, seed), rate, seed + 1)
+
+    def _goodput_target(self, target: str, cfg: ClientConfig, launcher_pid: int | None) -> list[RunRecord]:
+        """Search ``target``'s goodput (``probe_requests`` at each rate); every probe is also a record
+        (load ``rate=R``)."""
+        spec, records = self.o.goodput, []
+
+        def probe(rate: float) -> GoodputPoint:
+            specs = self.probe_requests(rate)
+            meter = _meter(launcher_pid)
+            m = asyncio.run(open_loop(cfg, specs, self._warmup(len(records)), not self.a.no_progress,
+                                      f"rate={rate:.4g}", meter))
+            records.append(_with_cpu(RunRecord(target, f"rate={rate:.4g}", None, rate,
+                                               compute_stats(m.results, m.duration_s, spec.slo), m.results), meter))
+            point = measure_point(rate, m.results, m.duration_s, spec.slo, spec.attainment)
+            print(goodput_report.markdown_table(goodput_report.POINT_HEAD, [goodput_report.point_row(target, point)])
+                  .splitlines()[-1], file=sys.stderr, flush=True)
+            return point
+
+        self.goodputs.append(search_goodput(target, spec, probe))
+        return records
+
     def _shape(self, concurrency: int | None) -> PromptShape:
         """The measured prompts of a level: ``--prompts-per-client`` x clients in a closed loop if given."""
         if concurrency is None or self.a.prompts_per_client is None:
@@ -88,7 +123,7 @@ class ServeBench:
 
     def interference_specs(self):
         lo, hi = self.o.long_range
-        spec = InterferenceSpec(PromptShape(self.a.num_prompts, *self.o.input_range, self.a.output_len,
+        spec = InterferenceSpec(PromptShape(self.a.num_prompts, *self.o.input_range, self.o.output_range[0],
                                             self.a.shared_prefix_len, kind="short"),
                                 self.o.request_rates[0],
                                 PromptShape(self.a.long_prompts, lo, hi, self.a.long_output_len, kind="long"),
@@ -136,13 +171,28 @@ class ServeBench:
         if self.cache_effects:
             print("\nmulti-turn cache effect (from each server's /metrics over the run):")
             print(report.cache_table(self.cache_effects))
+        if self.goodputs:
+            print("\ngoodput search, every point (latencies in ms over the successful requests):")
+            print(goodput_report.points_table(self.goodputs))
+            print("\ngoodput per target:")
+            print(goodput_report.goodput_table(self.goodputs, self.o.goodput))
         failed = sum(r.stats.failed for r in records if r.kind in ("all", "mixed"))
         if failed:
             print(f"\n{failed} request(s) failed; first errors: "
                   f"{sorted({e for r in records for e in r.stats.errors})[:3]}")
         return {"benchmark": "pdserve bench serve", "argv": sys.argv[1:], "tokenizer": self.counter.name,
                 "settings": {k: v for k, v in vars(self.a).items() if k != "func"},
-                "runs": [r.to_dict() for r in records], "ratios": ratio_rows, "cache_effect": self.cache_effects}
+                "lengths": {"input": list(self.o.input_range), "output": list(self.o.output_range)},
+                "runs": [r.to_dict() for r in records], "ratios": ratio_rows, "cache_effect": self.cache_effects,
+                "goodput": self._goodput_payload()}
+
+    def _goodput_payload(self) -> dict | None:
+        """The SLOs and each target's search (``--goodput``), or None."""
+        g = self.o.goodput
+        if g is None:
+            return None
+        return {"slo_ttft_ms": g.slo.ttft_ms, "slo_tpot_ms": g.slo.tpot_ms, "attainment": g.attainment,
+                "targets": [r.to_dict() for r in self.goodputs]}
 
 
 def _meter(launcher_pid: int | None) -> CpuMeter | None:
@@ -176,7 +226,10 @@ def run_serve_bench(args: argparse.Namespace, engine_values: dict) -> int:
         print(f"results: {args.out}")
     if args.plot:
         try:
-            report.plot(records, args.plot)
+            if bench.goodputs:
+                goodput_report.plot_goodput(bench.goodputs, opts.goodput, args.plot)
+            else:
+                report.plot(records, args.plot)
         except RuntimeError as e:
             print(f"pdserve bench serve: {e}", file=sys.stderr)
             return 1

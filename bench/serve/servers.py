@@ -1,13 +1,18 @@
 """Servers that ``--compare`` starts itself: ``pdserve launch --mode MODE`` on free loopback ports,
-with the same model/pool flags for every mode, stopped (with everything they started) afterwards."""
+with the same model/pool flags for every mode, stopped (with everything they started) afterwards.
+``colocated-xN`` is N colocated replicas behind one router, each pinned to its share of this host's
+cores (``--replicas N --worker-cpus auto``): the same hardware as 1P+1D split into colocated copies,
+which is what DistServe and SGLang compare a PD split against."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 from server.testing.subprocess_server import LaunchedServer, free_port
 
-MODES = ("colocated", "pd")
+MODES = ("colocated", "pd", "colocated-xN")
+_REPLICATED = re.compile(r"colocated-x([1-9][0-9]*)")  # colocated-x2: two pinned colocated replicas
 ROUTINGS = ("least-loaded", "cache-aware")  # a mode may name one: pd+cache-aware launches --routing cache-aware
 
 
@@ -29,12 +34,12 @@ def config_flags(values: dict) -> list[str]:
 
 def _valid(mode: str) -> bool:
     base, _, routing = mode.partition("+")
-    return base in MODES and (not routing or routing in ROUTINGS)
+    return (base in ("colocated", "pd") or _REPLICATED.fullmatch(base) is not None) and (not routing or routing in ROUTINGS)
 
 
 def parse_modes(text: str) -> list[str]:
-    """``"colocated,pd"`` -> ``["colocated", "pd"]`` (``pd+cache-aware``: a mode with its routing);
-    ``ValueError`` naming an unknown mode."""
+    """``"colocated,pd"`` -> ``["colocated", "pd"]`` (``pd+cache-aware``: a mode with its routing;
+    ``colocated-x2``: two pinned replicas); ``ValueError`` naming an unknown mode."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if not _valid(m)]
     if bad or not modes or len(set(modes)) != len(modes):
@@ -44,10 +49,13 @@ def parse_modes(text: str) -> list[str]:
 
 
 def launch_argv(mode: str, flags: list[str]) -> list[str]:
-    """``pdserve launch`` arguments for ``mode`` (``pd+cache-aware`` adds ``--routing cache-aware``)
-    on an ephemeral HTTP port and free worker ports."""
+    """``pdserve launch`` arguments for ``mode`` (``pd+cache-aware`` adds ``--routing cache-aware``;
+    ``colocated-xN`` is ``--mode colocated --replicas N --worker-cpus auto``) on an ephemeral HTTP
+    port and free worker ports; ``flags`` come last, so they win over what the mode implies."""
     base, _, routing = mode.partition("+")
     extra = ["--routing", routing] if routing else []
+    if replicated := _REPLICATED.fullmatch(base):
+        base, extra = "colocated", ["--replicas", replicated.group(1), "--worker-cpus", "auto", *extra]
     return ["--mode", base, *extra, "--port", "0", "--base-port", str(free_port()), "--log-level", "WARNING", *flags]
 
 

@@ -105,7 +105,8 @@ class RequestSpec:
 @dataclass(frozen=True)
 class PromptShape:
     """Prompt lengths uniform in ``[input_min, input_max]`` tokens, the first ``shared_prefix_len``
-    of them the same for every prompt, and ``output_len`` generated tokens."""
+    of them the same for every prompt, and ``output_len`` generated tokens (uniform in
+    ``[output_len, output_max]`` when ``output_max`` is given)."""
 
     num_prompts: int
     input_min: int
@@ -113,6 +114,7 @@ class PromptShape:
     output_len: int
     shared_prefix_len: int = 0
     kind: str = "main"
+    output_max: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.input_min <= self.input_max:
@@ -122,10 +124,13 @@ class PromptShape:
                              f"({self.input_min} tokens)")
         if self.num_prompts < 0 or self.output_len < 1:
             raise ValueError("num_prompts must be >= 0 and output_len >= 1")
+        if self.output_max is not None and self.output_max < self.output_len:
+            raise ValueError(f"output lengths must satisfy min <= max, got {self.output_len}..{self.output_max}")
 
 
 def make_requests(shape: PromptShape, counter: LengthCounter, seed: int, start_index: int = 0) -> list[RequestSpec]:
-    """``shape.num_prompts`` requests with lengths drawn from ``shape``; deterministic in ``seed``."""
+    """``shape.num_prompts`` requests with lengths drawn from ``shape``; deterministic in ``seed`` (a
+    shape without ``output_max`` draws nothing for the output, so its prompts do not depend on it)."""
     rng = random.Random(seed)
     prefix = counter.make_text(shape.shared_prefix_len, rng) if shape.shared_prefix_len else ""
     out = []
@@ -133,7 +138,8 @@ def make_requests(shape: PromptShape, counter: LengthCounter, seed: int, start_i
         n = rng.randint(shape.input_min, shape.input_max)
         body = counter.make_text(n - shape.shared_prefix_len, rng)
         text = f"{prefix} {body}" if prefix else body
-        out.append(RequestSpec(start_index + i, text, counter.count(text), shape.output_len, shape.kind))
+        out_len = shape.output_len if shape.output_max is None else rng.randint(shape.output_len, shape.output_max)
+        out.append(RequestSpec(start_index + i, text, counter.count(text), out_len, shape.kind))
     return out
 
 
@@ -158,3 +164,22 @@ def merge_by_arrival(*streams: list[RequestSpec]) -> list[RequestSpec]:
     """Streams merged in arrival order, re-indexed 0..n-1 (their ``kind`` tells them apart)."""
     merged = sorted((r for s in streams for r in s), key=lambda r: (r.arrival_s or 0.0, r.kind, r.index))
     return [replace(r, index=i) for i, r in enumerate(merged)]
+
+
+@dataclass(frozen=True)
+class NamedWorkload:
+    """A preset of prompt and output lengths (``--workload NAME``), inclusive token ranges."""
+
+    name: str
+    input_range: tuple[int, int]
+    output_range: tuple[int, int]
+    about: str
+
+
+# As DistServe evaluates: a chatbot (short prompts, long answers) and summarization (long prompts,
+# short answers). Summarize needs room for 2,064 tokens per request in flight (see the README).
+WORKLOADS = {
+    "chat": NamedWorkload("chat", (64, 256), (128, 128), "chat: prompts of 64-256 tokens, 128 output tokens"),
+    "summarize": NamedWorkload("summarize", (1500, 2000), (32, 64),
+                               "summarization: prompts of 1500-2000 tokens, 32-64 output tokens"),
+}
