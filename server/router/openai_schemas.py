@@ -241,7 +241,7 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict | None = None
     # tool calling (server.router.tools)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" (checked with a clear 400)
     parallel_tool_calls: bool | None = None
     # refused unless default (see server.router.extensions.REFUSED)
     chat_template: str | None = None

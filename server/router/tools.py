@@ -87,6 +87,9 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     """The checked ``ToolPlan`` of ``req`` or None (see the module docstring)."""
     choice = req.tool_choice
     tools = req.tools or []
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
     if not isinstance(choice, str) and choice is not None:
         name = choice.function.name
         if name not in {t.function.name for t in tools}:
