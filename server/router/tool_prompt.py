@@ -24,11 +24,9 @@ from server.router.openai_schemas import ChatMessage
 from server.router.tools import CLOSE_TAG, OPEN_TAG, ToolPlan
 
 _INSTRUCTION = (
-    "You can call functions to answer the user. Their signatures are listed as JSON between <tools> and "
-    "</tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, write a JSON object with its name and its "
-    "arguments between <tool_call> and </tool_call>, one block per call:\n"
-    f"{OPEN_TAG}\n{{{{\"name\": <function name>, \"arguments\": <arguments object>}}}}\n{CLOSE_TAG}\n"
-    "Use only the functions listed, and only arguments their parameters describe.")
+    "You may call functions, listed in <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call one, write its name and arguments as JSON between <tool_call></tool_call> tags:\n"
+    f"{OPEN_TAG}\n{{{{\"name\": <function name>, \"arguments\": <arguments object>}}}}\n{CLOSE_TAG}")
 _FORCED = {"required": "Answer with a function call now.",
            "named": "Answer with a call of the function {name} now."}
 
