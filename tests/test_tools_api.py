@@ -144,3 +144,16 @@ def test_tool_call_output_streams_as_openai_does(make_client):
     assert all("id" not in p and "name" not in p["function"] for p in parts[1:])
     assert json.loads("".join(p["function"]["arguments"] for p in parts)) == {"city": "Paris"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_each_streamed_choice_has_its_own_calls(make_client):
+    client, worker, _ = make_client({"pieces": ["Hi <tool_", 'call>{"name": "get_time"}</tool_call>']})
+    r = chat(client, tools=[WEATHER, TIME], stream=True, n=2, max_tokens=30)
+    chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+    for index in (0, 1):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert "".join(d.get("content") or "" for d in deltas) == "Hi"
+        heads = [d["tool_calls"][0] for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
+        assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "get_time")]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["tool_calls", "tool_calls"]
