@@ -59,7 +59,8 @@ class FakeWorker:
             status, msg = self.mode["error"]
             self.on_tokens(self.spec.worker_id, TokenDelta.failed(rid, msg, status))
             return
-        ids = [t for p in PIECES for t in self.tok.encode(p)][:params.max_new_tokens]
+        pieces = self.mode.get("pieces", PIECES)  # the text to play, one token per step
+        ids = [t for p in pieces for t in self.tok.encode(p)][:params.max_new_tokens]
         eos = self.mode.get("eos")  # end on this stop token (as a worker does) instead of a text token
         for i, t in enumerate(ids):
             await asyncio.sleep(0.001)

@@ -6,6 +6,13 @@ content deltas, then a chunk with an empty delta and the finish reason, then (wi
 extensions are honoured: ``add_generation_prompt``, ``continue_final_message`` (the reply continues
 the last message), ``documents`` and ``chat_template_kwargs`` (template variables), and ``echo``
 (the reply starts with the last message's content when that message is the assistant's).
+
+Tools (``tools``, ``tool_choice``; ``server.router.tools``): the tools are rendered into the prompt
+(``server.router.tool_prompt``); ``required`` and a named tool constrain the output to one call with
+the grammar engine; unless ``tool_choice`` is "none", every choice's output is parsed
+(``server.router.tool_parser``): calls go to ``message.tool_calls`` (streamed: ``delta.tool_calls``,
+a chunk with the call's index, id, type and name and empty arguments, then one with its arguments),
+the rest is content, and a finish by stop after a call is reported as ``"tool_calls"``.
 """
 from __future__ import annotations
 
@@ -24,16 +31,20 @@ from server.router.openai_schemas import ChatCompletionRequest
 from server.router.parallel import check_n
 from server.router.prompt_logprobs import prompt_logprobs_json
 from server.router.serving import serve_choices
+from server.router.tool_parser import ParsedCall, ToolCallStream, parse_tool_calls
+from server.router.tool_prompt import template_input
+from server.router.tools import ToolPlan, tool_plan
 
 
-def render_text(ctx: RouterContext, req) -> str:
-    """The messages of ``req`` (a chat or chat-tokenize request) rendered with the chat template;
-    400 ``APIError`` if the template fails or the options contradict each other."""
+def render_text(ctx: RouterContext, req, plan: ToolPlan | None = None) -> str:
+    """The messages of ``req`` (a chat or chat-tokenize request) rendered with the chat template,
+    with ``plan``'s tools; 400 ``APIError`` if the template fails or the options contradict each other."""
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
                        "add_generation_prompt to false to continue the last message", param="continue_final_message")
-    messages = [m.as_template_dict() for m in req.messages]
-    extra = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {})}
+    messages, tool_vars = template_input(ctx.tokenizer.chat_template, req.messages, plan)
+    extra = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {}),
+             **tool_vars}
     try:
         text = ctx.tokenizer.apply_chat_template(messages, req.add_generation_prompt, extra)
     except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as e:  # bad template kwargs
@@ -48,9 +59,9 @@ def render_text(ctx: RouterContext, req) -> str:
     return text
 
 
-def render_prompt(ctx: RouterContext, req: ChatCompletionRequest) -> list[int]:
+def render_prompt(ctx: RouterContext, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
     """Token ids of the rendered messages (special tokens added only if ``add_special_tokens``)."""
-    return ctx.tokenizer.encode(render_text(ctx, req), add_special_tokens=req.add_special_tokens)
+    return ctx.tokenizer.encode(render_text(ctx, req, plan), add_special_tokens=req.add_special_tokens)
 
 
 def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -74,18 +85,28 @@ async def create_chat_completion(ctx: RouterContext, request: Request, body: dic
     check_common(ctx, req)
     max_tokens, name = _max_tokens(req)
     params = sampling_params(req, max_tokens, _logprobs(req), name)
+    plan = tool_plan(req)
+    forced = plan.constraint() if plan else None
+    if forced is not None:
+        params = params.model_copy(update={"structured": forced})
     n, _ = check_n(req.n, None, req.stream)
-    runs = new_runs(ctx, 0, n, truncate_prompt(ctx, render_prompt(ctx, req), req), params, req, max_tokens is None,
-                    arrival)
-    return await serve_choices(ctx, request, runs, req.stream, ChatFormat(ctx, req), stream_usage(req)[0],
-                              priority=req.priority)
+    runs = new_runs(ctx, 0, n, truncate_prompt(ctx, render_prompt(ctx, req, plan), req), params, req,
+                    max_tokens is None, arrival)
+    return await serve_choices(ctx, request, runs, req.stream, ChatFormat(ctx, req, plan is not None),
+                               stream_usage(req)[0], priority=req.priority)
+
+
+def _finish_reason(reason: str | None, calls: list[ParsedCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 class ChatFormat:
     """OpenAI chat completion response and ``chat.completion.chunk`` chunks."""
 
-    def __init__(self, ctx: RouterContext, req: ChatCompletionRequest) -> None:
+    def __init__(self, ctx: RouterContext, req: ChatCompletionRequest, parse_tools: bool = False) -> None:
         self.ctx, self.req = ctx, req
+        self.parse_tools = parse_tools
+        self._streams: dict[int, ToolCallStream] = {}  # choice index -> its tool-call parser (streaming)
         self.id, self.created = response_id("chatcmpl", req.request_id), now_s()
         last = req.messages[-1]
         self.echo = last.as_template_dict()["content"] if req.echo and last.role == "assistant" else ""
@@ -110,8 +131,15 @@ class ChatFormat:
         """The complete ``chat.completion`` response."""
         choices = []
         for r in runs:
-            c = {"index": r.index, "message": {"role": "assistant", "content": self.echo + r.text},
-                 "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": r.finish_reason}
+            message, reason = {"role": "assistant", "content": self.echo + r.text}, r.finish_reason
+            if self.parse_tools:
+                content, calls = parse_tool_calls(r.text)
+                if calls:
+                    message = {"role": "assistant", "content": (self.echo + content) or None,
+                               "tool_calls": [c.as_message_json() for c in calls]}
+                    reason = _finish_reason(reason, calls)
+            c = {"index": r.index, "message": message,
+                 "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": reason}
             if self.req.return_token_ids:
                 c.update(prompt_token_ids=r.session.prompt_ids, token_ids=r.token_ids)
             choices.append(c)
@@ -140,17 +168,36 @@ class ChatFormat:
     def chunks(self, run: ChoiceRun, piece: Piece) -> list[dict]:
         """A content delta (if there is text or tokens to show), then the finish chunk on the last piece."""
         out = []
+        text, calls = piece.text, []
+        if self.parse_tools:
+            stream = self._streams.setdefault(run.index, ToolCallStream())
+            step = stream.feed(piece.text)
+            if piece.finish_reason:
+                last = stream.finish()
+                step.content, step.calls = step.content + last.content, step.calls + last.calls
+            text, calls = step.content, step.calls
         wants_tokens = self.req.logprobs or self.req.return_token_ids
-        if piece.text or (wants_tokens and piece.ids):
-            c = {"index": run.index, "delta": {"content": piece.text},
+        if text or (wants_tokens and piece.ids):
+            c = {"index": run.index, "delta": {"content": text},
                  "logprobs": self._logprobs(piece.ids, piece.logprobs, piece.top_logprobs), "finish_reason": None}
             if self.req.return_token_ids:
                 c["token_ids"] = piece.ids
             out.append(self._base([c]))
+        for call in calls:
+            out.extend(self._call_chunks(run.index, self._streams[run.index].calls.index(call), call))
         if piece.finish_reason:
-            out.append(self._base([{"index": run.index, "delta": {}, "logprobs": None,
-                                    "finish_reason": piece.finish_reason}]))
+            reason = piece.finish_reason
+            if self.parse_tools:
+                reason = _finish_reason(reason, self._streams[run.index].calls)
+            out.append(self._base([{"index": run.index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
         return out
+
+    def _call_chunks(self, index: int, k: int, call: ParsedCall) -> list[dict]:
+        """The ``delta.tool_calls`` chunks of call ``k`` of choice ``index``: id, type and name, then arguments."""
+        head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        tail = {"index": k, "function": {"arguments": call.arguments}}
+        return [self._base([{"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                             "finish_reason": None}]) for part in (head, tail)]
 
     def closing(self, runs: list[ChoiceRun]) -> list[dict]:
         """The usage chunk when ``stream_options.include_usage``."""

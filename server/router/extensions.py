@@ -26,7 +26,8 @@ IGNORED: dict[str, str] = {
     "thinking_token_budget": "the served models do not think (no reasoning section to budget)",
     "include_reasoning": "the served models produce no separate reasoning",
     "reasoning_effort": "the served models have no reasoning mode",
-    "parallel_tool_calls": "only meaningful with tools, which are refused",
+    "parallel_tool_calls": "tool_choice auto returns every call the model writes; a forced call (required or "
+                           "a named tool) is always exactly one",
     "media_io_kwargs": "the served models are text only",
     "mm_processor_kwargs": "the served models are text only",
 }
@@ -62,9 +63,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("logits_processors", "custom logits processors cannot be loaded from a request"),
     Refusal("prompt_embeds", "prompts must be text or token ids"),
     Refusal("suffix", "suffix (fill-in-the-middle) is not implemented", _falsy),
-    Refusal("tools", "tool calling is not implemented yet", _falsy, planned=True),
-    Refusal("tool_choice", "tool calling is not implemented yet (only \"none\")", lambda v: v in (None, "none"),
-            planned=True),
     Refusal("chat_template", "a chat template sent with the request is not trusted (as in vLLM without "
                              "--trust-request-chat-template); the model's own template is used"),
 )
@@ -80,12 +78,6 @@ def check_extensions(req: SamplingFields) -> None:
             later = " (planned)" if rule.planned else ""
             raise APIError(400, f"{rule.field}={_short(value)} is not supported{later}: {rule.reason}",
                            param=rule.field)
-    if isinstance(req, ChatCompletionRequest):
-        for i, m in enumerate(req.messages):
-            if m.tool_calls or m.tool_call_id is not None:
-                field = "tool_calls" if m.tool_calls else "tool_call_id"
-                raise APIError(400, f"messages[{i}].{field} is not supported (planned): tool calling is not "
-                               f"implemented yet", param=f"messages.{i}.{field}")
 
 
 def _short(value: Any) -> str:

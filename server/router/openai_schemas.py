@@ -149,25 +149,75 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDef(_Strict):
+    """A tool's function: ``name`` (letters, digits, ``_`` and ``-``, at most 64), what it does, and
+    its arguments' JSON schema (``parameters``; absent: any JSON object). ``strict`` is accepted:
+    a forced call always follows the schema here."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    """One entry of ``tools`` (OpenAI's shape; functions are the only kind)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    """The function a named ``tool_choice`` forces."""
+
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` ``{"type": "function", "function": {"name": ...}}``: call exactly that tool."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Strict):
+    """The function of a replayed tool call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A tool call of an assistant message replayed by the client (``message.tool_calls[i]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     """One chat message; ``developer`` is treated as ``system``. ``refusal`` (an assistant
-    message replayed by a client) is accepted and not rendered; ``tool_calls`` and
-    ``tool_call_id`` are declared so that tool history gets a clear 400 (tools are not served)."""
+    message replayed by a client) is accepted and not rendered; ``tool_calls`` (assistant) and
+    ``tool_call_id`` (``role: "tool"``, the call it answers) carry tool history, rendered by
+    ``server.router.tool_prompt``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
-    def as_template_dict(self) -> dict:
-        """``{"role", "content"}`` as the chat template expects (text parts joined)."""
+    def text(self) -> str:
+        """The content as one string (text parts joined; none: "")."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        return content or ""
+
+    def as_template_dict(self) -> dict:
+        """``{"role", "content"}`` as the chat template expects (text parts joined)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -187,12 +237,13 @@ class ChatCompletionRequest(SamplingFields):
     # accepted and ignored (see server.router.extensions.IGNORED)
     include_reasoning: bool = True
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    parallel_tool_calls: bool | None = None
     media_io_kwargs: dict | None = None
     mm_processor_kwargs: dict | None = None
+    # tool calling (server.router.tools)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" (checked with a clear 400)
+    parallel_tool_calls: bool | None = None
     # refused unless default (see server.router.extensions.REFUSED)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
     chat_template: str | None = None
 
 

@@ -50,10 +50,11 @@ ACCEPTED = {
     "thinking_token_budget": {"thinking_token_budget": 8}, "include_reasoning": {"include_reasoning": False},
     "reasoning_effort": {"reasoning_effort": "low"}, "parallel_tool_calls": {"parallel_tool_calls": False},
     "media_io_kwargs": {"media_io_kwargs": {}}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
+    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
 }
 REFUSED = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "auto", "min_tokens": 2, "use_beam_search": True, "watermarking": True,
+    "min_tokens": 2, "use_beam_search": True, "watermarking": True,
     "allowed_token_ids": [1], "bad_words": ["x"], "logprob_token_ids": [1], "cache_salt": "s",
     "kv_transfer_params": {"x": 1}, "ec_transfer_params": {"x": 1}, "repetition_detection": {"x": 1},
     "logits_processors": ["x"], "prompt_embeds": "AAAA", "suffix": "end", "chat_template": "{{ messages }}",
@@ -184,3 +185,10 @@ def test_structured_output_through_the_client(client):
     code = client.completions.create(model=model, prompt="A code:", max_tokens=8, temperature=1.0, seed=4,
                                      extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].text), code.choices[0].text
+
+
+def test_forced_tool_calls_through_the_client(client):
+    """tool_choice required and a named tool, greedy and sampled, whole and streamed (tests/tools_cases.py)."""
+    from tools_cases import check_forced_tool_calls
+
+    check_forced_tool_calls(client.with_options(timeout=600))
