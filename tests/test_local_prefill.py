@@ -268,30 +268,3 @@ def test_swa_second_turn_local_then_forced_retract(swa_harness, swa_model, mixed
     assert d[R.TOO_LONG] == 1 and d[R.TAKEN] == 2 and h.decode.stats.retractions > 0, str(d)
     assert h.decode.stats.mixed_steps > 0 if mixed else h.decode.stats.mixed_steps == 0
 
-
-# ---- real worker processes ------------------------------------------------------------------------
-@pytest.mark.process
-@pytest.mark.slow
-def test_processes_local_prefill_over_zmq_and_nixl(tiny, tiny_folder):
-    """Real prefill and decode worker processes (ZMQ control, NIXL KV): short prompts are
-    prefilled by the decode worker (``PrefillWithdrawn`` over the wire), long ones shipped by the
-    prefill worker; outputs equal transformers and both workers end with nothing held."""
-    from tests.test_pd_processes import PDPair, until_eos, wait_idle
-    from tests.test_pd_processes import prompts as proc_prompts
-
-    pair = PDPair(tiny_folder, decode_pool=1024, host_gb=0.0, cluster={"local_prefill_max_tokens": 16})
-    try:
-        ps = proc_prompts(2, 8, 12, seed=5) + proc_prompts(2, 30, 40, seed=6)
-        pair.submit("r0", ps[0], GREEDY)
-        out = pair.collect(["r0"])  # alone: the next short one does not find it in the backlog (busy)
-        for i, p in enumerate(ps[1:], 1):
-            pair.submit(f"r{i}", p, GREEDY)
-        out.update(pair.collect([f"r{i}" for i in range(1, 4)]))
-        assert [out[f"r{i}"]["tokens"] for i in range(4)] == [until_eos(hf_greedy(tiny[2], q, 16)) for q in ps]
-        d, p = wait_idle(pair, "d0"), wait_idle(pair, "p0")
-        assert d.counters["local_prefill_taken"] == 2 and d.counters["local_prefill_too_long"] == 2
-        assert d.counters["local_prefill_tokens"] >= len(ps[0])
-        assert p.gauges["queue_bootstrap"] == 0 and p.gauges["kv_pages_used"] == 0 and d.gauges["kv_pages_used"] == 0
-        assert p.counters["kv_transfer_bytes"] > 0
-    finally:
-        pair.close()
