@@ -16,6 +16,7 @@ Counters: ``decisions`` (per ``LocalPrefillReason``: ``pdserve_local_prefill_tot
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 
@@ -33,6 +34,8 @@ from engine.request import Request
 from engine.scheduler.admission import Admission, ExtendItem
 from engine.scheduler.mixed_step import prefill_budget
 from engine.scheduler.stats import SchedulerStats
+
+log = logging.getLogger(__name__)
 
 
 class LocalPrefillQueue:
@@ -68,11 +71,12 @@ class LocalPrefillQueue:
             self.kv.tree.match_prefix(req.prompt_ids[:n - 1]).num_tokens  # what admission's match will give
         need = self.kv.pages_for(n) - self.kv.pages_for(cached) + self.budget.prompt_reservation(req, ratio).full
         since = None if self._last_retract_step is None else self.stats.decode_steps - self._last_retract_step
-        d = self.policy.decide(LocalPrefillInputs(
-            prompt_tokens=n, cached_tokens=cached, backlog_tokens=self.backlog_tokens, retracted_queue=retracted,
-            steps_since_retract=since, prealloc_queue=prealloc, need_pages=need,
-            headroom_pages=self.budget.headroom(admitted, ratio).full))
+        x = LocalPrefillInputs(prompt_tokens=n, cached_tokens=cached, backlog_tokens=self.backlog_tokens,
+                               retracted_queue=retracted, steps_since_retract=since, prealloc_queue=prealloc,
+                               need_pages=need, headroom_pages=self.budget.headroom(admitted, ratio).full)
+        d = self.policy.decide(x)
         self.decisions[d.reason] += 1
+        log.debug("local prefill of %s: %s, %s", req.rid, d.reason, x)
         if d.local:
             req.mark("local_prefill")
             self.waiting.append(req)
