@@ -74,6 +74,12 @@ class ClusterConfig(BaseModel):
         None, description="decode side: a retracted request that could not resume locally after this many decode "
                           "steps (N) or seconds (Ns, e.g. 2.5s) is offered, through the router, to a peer decode "
                           "worker with room; its host KV is written there and its stream moves (off by default)")
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="decode side (selective disaggregation): a request whose prompt, minus what this "
+                             "decode worker's radix cache holds, is at most this many tokens is prefilled by the "
+                             "decode worker itself (chunks within its decode steps) instead of a prefill worker, "
+                             "when its KV headroom allows and it has not retracted lately "
+                             "(decode_worker/local_prefill.py); 0 = off (default until an A/B says otherwise)")
     migrate_timeout_s: float = Field(
         10.0, gt=0, description="decode side: a migration offer no peer took up (no KV destination) within this "
                                 "long is withdrawn and the request resumes locally")

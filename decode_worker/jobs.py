@@ -4,9 +4,11 @@ checked transitions.
 ::
 
     QUEUED ------> AWAITING_KV ---> RUNNING ---> HOST_PARKED ---> RUNNING   (offload, resume)
-                        ^              |
-                        |              v
-                        +-------- RECOMPUTING                             (KV dropped; prefill again)
+      |                 ^           ^  |
+      |                 |           |  v
+      |                 +-----------|- RECOMPUTING                        (KV dropped; prefill again)
+      |                             |
+      +-----> LOCAL_PREFILL --------+           (selective disaggregation: this worker prefills it)
 
     HOST_PARKED ---> MIGRATING ---> FINISHED      (offered to a peer decode worker; KV written there)
                          |
@@ -41,12 +43,14 @@ class DecodeState(enum.StrEnum):
     RUNNING = "running"            # in the decode batch
     HOST_PARKED = "host_parked"    # retracted: KV in the host pool, waiting in the retracted queue to resume
     RECOMPUTING = "recomputing"    # retracted: KV dropped, waiting for pages to have it prefilled again
+    LOCAL_PREFILL = "local_prefill"  # prefilled by this decode worker itself (decode_worker.local_prefill)
     MIGRATING = "migrating"        # retracted, offered to (or being written to) a peer decode worker
     FINISHED = "finished"          # ended; its pages are freed (or cached)
 
 
 TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
-    DecodeState.QUEUED: frozenset({DecodeState.AWAITING_KV}),
+    DecodeState.QUEUED: frozenset({DecodeState.AWAITING_KV, DecodeState.LOCAL_PREFILL}),
+    DecodeState.LOCAL_PREFILL: frozenset({DecodeState.RUNNING}),
     DecodeState.AWAITING_KV: frozenset({DecodeState.RUNNING}),
     DecodeState.RUNNING: frozenset({DecodeState.HOST_PARKED, DecodeState.RECOMPUTING}),
     DecodeState.HOST_PARKED: frozenset({DecodeState.RUNNING, DecodeState.MIGRATING}),
@@ -58,7 +62,7 @@ TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
 PHASE_OF: dict[DecodeState, Phase] = {
     DecodeState.QUEUED: Phase.PREALLOC, DecodeState.AWAITING_KV: Phase.TRANSFER, DecodeState.RUNNING: Phase.RUNNING,
     DecodeState.HOST_PARKED: Phase.RETRACTED, DecodeState.MIGRATING: Phase.RETRACTED,
-    DecodeState.RECOMPUTING: Phase.PREALLOC,
+    DecodeState.RECOMPUTING: Phase.PREALLOC, DecodeState.LOCAL_PREFILL: Phase.WAITING,
     DecodeState.FINISHED: Phase.FINISHED,
 }
 

@@ -3,10 +3,12 @@ in-flight KV), the retract manager (``retracted_queue`` in the host pool) and th
 
 Every ``step``: peers' liveness -> fences -> landed transfers -> ``resume_ready`` (first; while
 anything waits there no new request is admitted, so resumes cannot starve) -> admission -> one
-``RunningBatch.decode_step`` whose victims are offloaded or recomputed. A step that has first
-tokens of landed requests (or errors) to answer returns them before decoding, and the next step
-decodes whatever it finds (so time to first token never waits for a decode step, and at most
-every other step skips its decode). Every ending goes through ``finish``.
+decode step whose victims are offloaded or recomputed. With ``--local-prefill-max-tokens`` a new
+request may be prefilled here instead of by its prefill worker (``decode_worker.local_prefill``:
+decided in ``add``; ``decode_worker.local_queue``: its chunks ride in the decode steps). A step
+that has first tokens of landed requests (or errors) to answer returns them before decoding, and
+the next step decodes whatever it finds (so time to first token never waits for a decode step,
+and at most every other step skips its decode). Every ending goes through ``finish``.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from cache.host_pool import HostKVPool
 from cache.kv_manager import KVManager
 from configs.schema import PdserveConfig
 from decode_worker.jobs import DecodeJob, DecodeState
+from decode_worker.local_prefill import LocalPrefillPolicy
+from decode_worker.local_queue import LocalPrefillQueue
 from decode_worker.migration import MigrationPolicy, MigrationSource, MigrationStats
 from decode_worker.migration_steps import handle_migration, migration_step
 from decode_worker.peers import PrefillPeers, make_handshake
@@ -33,7 +37,7 @@ from engine.scheduler.timeline import Timeline
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed
+from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed, PrefillWithdrawn, TokenDelta
 
 
 class DecodeScheduler(WorkerScheduler):
@@ -55,6 +59,8 @@ class DecodeScheduler(WorkerScheduler):
         self.transfer_failures = 0
         self.timeline = Timeline(self.role)
         self._decode_deferred = False  # the last step answered landings and skipped its decode
+        self.local = LocalPrefillQueue(LocalPrefillPolicy(cfg.cluster.local_prefill_max_tokens), cfg.scheduler, kv,
+                                       self.stats)
 
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
         if msg.room is None or msg.prefill_addr is None:
@@ -65,9 +71,21 @@ class DecodeScheduler(WorkerScheduler):
         self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool", swa_tokens=tail)
         req = Request(msg.rid, list(prompt), msg.params, sampler_state(self.runner, msg.params, prompt), owner=owner)
         job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt))
-        self.transfers.queue(job)
         self.stats.prompt_tokens += len(prompt)
-        return self.peers.connect(msg.prefill_addr)
+        out = self.peers.connect(msg.prefill_addr)  # a recompute after a retract needs it either way
+        decision = self.local.consider(req, self._admitted(), self.running.ratio.value, len(self.retract.queue),
+                                       len(self.transfers.prealloc))
+        if decision is None or not decision.local:
+            self.transfers.queue(job)
+            return out
+        job.enter(DecodeState.LOCAL_PREFILL)
+        out.send(Peer(msg.prefill_addr), PrefillWithdrawn(rid=msg.rid, room=msg.room))
+        return out
+
+    def _admitted(self) -> list[Request]:
+        """Every request whose pages are reserved: running, in flight, being prefilled here."""
+        chunked = self.local.chunked
+        return [*self.running, *(j.req for j in self.transfers.inflight.values()), *([chunked] if chunked else [])]
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
         job = self.jobs.get(rid)
@@ -96,6 +114,7 @@ class DecodeScheduler(WorkerScheduler):
         if self.migration is not None:
             self.migration.forget(req.rid)
         self.transfers.discard(job)
+        self.local.discard(req)
         self.retract.discard(job)
         self.running.discard(req)
         if job.answered.completed:
@@ -125,18 +144,18 @@ class DecodeScheduler(WorkerScheduler):
     def has_work(self) -> bool:
         """A batch to decode, or (with no transfer in flight that could be holding the pages) a
         retracted request to resume or a queued one whose prefill worker is ready."""
-        if self.running:
+        if self.running or self.local.chunked:
             return True
         if self.transfers.inflight:
             return False  # what could start now waits for pages they hold: poll them instead
-        return bool(self.retract.queue or any((p := self.peers.get(j.prefill_addr)) and p.ready
-                                              for j in self.transfers.prealloc))
+        return bool(self.retract.queue or self.local or any((p := self.peers.get(j.prefill_addr)) and p.ready
+                                                            for j in self.transfers.prealloc))
 
     @property
     def has_model_work(self) -> bool:
         """A batch to decode or a retracted request to resume; admitting from the prealloc queue
         only reserves pages and sends ``KVDestination`` (no forward pass)."""
-        return bool(self.running or self.retract.queue)
+        return bool(self.running or self.retract.queue or self.local)
 
     def idle_wait_s(self) -> float | None:
         if self.transfers.inflight:  # notifications have no file descriptor: poll them
@@ -146,6 +165,7 @@ class DecodeScheduler(WorkerScheduler):
         return self.peers.next_due_s()
 
     def step(self) -> StepReport:
+        self.local.observe()
         out, died = self.peers.tick()
         for peer in died:
             for job in self.transfers.waiting_on(peer.addr):
@@ -164,7 +184,7 @@ class DecodeScheduler(WorkerScheduler):
             self._decode_deferred = True  # first tokens out now, not after a decode step; it runs next turn
             return StepReport(out)
         self._decode_deferred = False
-        if self.running:
+        if self.running or self.local:
             out.extend(self._decode())
         elif not self.transfers:
             self.running.ratio.idle()
@@ -199,7 +219,7 @@ class DecodeScheduler(WorkerScheduler):
 
     def _admit(self) -> Outbox:
         ratio = self.running.ratio.value
-        in_flight = [*self.running, *(j.req for j in self.transfers.inflight.values())]
+        in_flight = self._admitted()
         free = self.budget.headroom(in_flight, ratio)
         slots = self.cfg.scheduler.max_running_requests - len(in_flight)
         out, unusable = self.transfers.admit(self.peers, free, ratio, slots)
@@ -209,13 +229,41 @@ class DecodeScheduler(WorkerScheduler):
         return out
 
     def _decode(self) -> Outbox:
-        res, out = self.running.decode_step(self._release_victim, park_last=bool(self.transfers.inflight)), Outbox()
+        """One decode step of the running batch plus this step's local prefill chunk (one mixed
+        forward with ``mixed_batches``, else an extend forward right before the decode one)."""
+        res = self.running.prepare_decode(self._release_victim, park_last=bool(self.transfers.inflight))
+        rows = list(self.running.reqs)
+        admit_new = not (self.retract.queue or res.retracted)  # resumes and recomputes first
+        items = self.local.select(len(rows), self._admitted(), self.running.ratio.value, admit_new)
+        if self.cfg.scheduler.mixed_batches:
+            decoded, prefilled = self.executor.mixed(rows, items)
+        else:
+            prefilled = self.executor.extend(items) if items else []
+            decoded = self.executor.decode(rows) if rows else []
+        if rows:
+            self.running.absorb(res, decoded)
+        out = Outbox()
         if res.aborted is not None:
             out.extend(self.finish(self.jobs[res.aborted.rid], self.running.oom_outcome(res.aborted)))
         for req, delta in res.tokens:
             out.token(req.owner, delta)
         for req in res.finished:
             out.extend(self.finish(self.jobs[req.rid], Outcome(req.finish_reason)))
+        return out.extend(self._prefilled(prefilled))
+
+    def _prefilled(self, results: list[tuple[Request, TokenDelta]]) -> Outbox:
+        """Locally prefilled requests' first tokens out; they join the running batch (or end)."""
+        out = Outbox()
+        for req, delta in results:
+            job = self.jobs[req.rid]
+            req.mark("first_token")
+            self.stats.generation_tokens += 1
+            out.token(req.owner, delta)
+            if req.finished:  # its first token stopped it: LOCAL_PREFILL -> FINISHED
+                out.extend(self.finish(job, Outcome(req.finish_reason)))
+            else:
+                job.enter(DecodeState.RUNNING)
+                self.running.add(req)
         return out
 
     def _release_victim(self, req: Request) -> Release:

@@ -12,9 +12,10 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
     rs, host = s.retract.stats, s.retract.host
     base.counters.update(transfer_failures=s.transfer_failures, retract_offload_bytes=rs.offload_bytes,
                          retract_resumed=rs.resumed, retract_recomputed=rs.recomputed,
-                         retract_offloaded=rs.offloaded)
+                         retract_offloaded=rs.offloaded, **s.local.counters())
     base.gauges.update(queue_prealloc=len(s.transfers.prealloc), queue_transfer=len(s.transfers.inflight),
                        queue_running=len(s.running), queue_retracted=len(s.retract.queue),
+                       queue_local_prefill=len(s.local.waiting) + (s.local.chunked is not None),
                        queue_migrating=len(s.migration.offered) if s.migration is not None else 0,
                        new_token_ratio=s.running.ratio.value,
                        host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,

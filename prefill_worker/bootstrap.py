@@ -20,6 +20,7 @@ from transfer.wire.protocol import KVDestination
 
 Key = tuple[int, int]  # (room, generation)
 GRACE_S = 5.0
+WITHDRAWN = "prefilled by its decode worker"  # ``ended`` reason of a ``PrefillWithdrawn`` room
 
 
 @dataclass

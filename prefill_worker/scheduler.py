@@ -14,6 +14,10 @@ full of finished KV that the decode worker had no room to ask for, with the deco
 destinations of prompts that could not start here (recomputes of retracted requests queue behind
 new prompts), waited for ``bootstrap_timeout_s``.
 
+A decode worker that prefills a request itself (``--local-prefill-max-tokens``) says so with
+``PrefillWithdrawn`` instead of a destination: the job leaves silently (``_withdraw``), or, when
+the withdrawal came first, its ``PrefillRequest`` is dropped on arrival.
+
 The KV stays locked in this worker's pool until the write finished or failed, then goes to the
 radix cache for later prefix hits. A failure is reported to
 the decode worker (``PrefillFailed``: nothing was or will be written to its pages) and, for the
@@ -37,12 +41,12 @@ from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
-from prefill_worker.bootstrap import BootstrapTable, EarlyDestination
+from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
-from transfer.wire.enums import Role
+from transfer.wire.enums import FinishReason, Role
 from transfer.wire.outbox import Conn, Outbox
 from transfer.wire.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
-                               PrefillRequest, TokenDelta, TransferManifest, frame_ids)
+                                    PrefillRequest, PrefillWithdrawn, TokenDelta, TransferManifest, frame_ids)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,7 @@ class PrefillScheduler(WorkerScheduler):
         self.by_req: dict[int, PrefillJob] = {}
         self.transfer_bytes = 0
         self.transfer_failures = 0
+        self.withdrawn = 0  # requests their decode worker prefilled itself (PrefillWithdrawn)
         self.transfer_seconds = Histogram(TRANSFER_BUCKETS)
         self.timeline = Timeline(self.role)
 
@@ -99,6 +104,8 @@ class PrefillScheduler(WorkerScheduler):
         if isinstance(msg, KVDestination):
             return self._on_destination(source, msg, np.frombuffer(frames[0], dtype="<i4").copy(),
                                         np.frombuffer(frames[1], dtype="<i4").copy())
+        if isinstance(msg, PrefillWithdrawn):
+            return self._withdraw(msg)
         if isinstance(msg, KVHandshake):
             error = self.sender.accept_peer(source, msg, self.model_name, self.runner.pools.layout_descriptor(),
                                             self.cfg.cluster.cluster_id or "", self.worker_id)
@@ -106,6 +113,9 @@ class PrefillScheduler(WorkerScheduler):
         return None
 
     def _on_prefill(self, source: Conn, msg: PrefillRequest, ids: list[int]) -> Outbox:
+        if self.bootstrap.gone((msg.room, msg.generation)) == WITHDRAWN:
+            self.withdrawn += 1
+            return Outbox()  # its decode worker prefills it itself and said so first
         if (msg.room, msg.generation) in self.jobs:
             out = Outbox()
             out.token(source.ident, TokenDelta.failed(msg.rid, f"duplicate room {msg.room} generation "
@@ -132,6 +142,25 @@ class PrefillScheduler(WorkerScheduler):
         self.stats.prompt_tokens += len(ids)
         early = self.bootstrap.claim(job.key)
         return self._on_destination(early.source, early.msg, *early.pages) if early else Outbox()
+
+    def _withdraw(self, msg: PrefillWithdrawn) -> Outbox:
+        """The decode worker prefills ``msg``'s room itself: the job (still waiting for a
+        destination, which will never come, so it holds no pages) leaves without a word to
+        anyone; when the ``PrefillRequest`` has not come yet it is dropped on arrival."""
+        key = (msg.room, msg.generation)
+        job = self.jobs.get(key)
+        if job is not None and job.dest is not None:
+            log.warning("%s room %d withdrawn after its destination came: ignored", msg.rid, msg.room)
+            return Outbox()
+        self.bootstrap.ended(key, WITHDRAWN)
+        if job is not None:
+            self.bootstrapping.remove(job.req)
+            del self.jobs[key]
+            self.by_req.pop(id(job.req), None)
+            self.kv.free(job.req.kv)
+            job.req.finish(FinishReason.ABORT)
+            self.withdrawn += 1
+        return Outbox()
 
     def _check_fits(self, n: int) -> None:
         """``FitCheck.prompt``: the prompt alone (its decode tokens are the decode worker's) and the

@@ -32,8 +32,9 @@ from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
 from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
                                     KvEvents, KvSnapshot, KvSnapshotRequest, MigrateRequest, MigrationDeclined,
-                                    MigrationEnded, MigrationOffer, PrefillFailed, PrefillRequest, Shutdown, StatsRequest,
-                                    TokenBatch, TokenDelta, WorkerStats, decode, encode, hashes_frame, ids_frame)
+                                    MigrationEnded, MigrationOffer, PrefillFailed, PrefillRequest, PrefillWithdrawn,
+                                    Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
+                                    hashes_frame, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.process
@@ -58,6 +59,8 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "KVDestination": encode(KVDestination(rid="evil-pre", room=7, generation=0, decode_prefix_len=0, n_tokens=3),
                                 ids_frame([0]), ids_frame([])),
         "PrefillFailed": encode(PrefillFailed(rid="evil-gen", room=7, generation=0, error="x")),
+        # a prefill worker would drop the request silently (its decode worker "prefills it itself")
+        "PrefillWithdrawn": encode(PrefillWithdrawn(rid="evil-pre", room=7)),
         "AbortRequest": encode(AbortRequest(rids=["evil-gen", "evil-pre"])),
         "StatsRequest": encode(StatsRequest(nonce=66)),
         "TokenBatch": encode(*TokenBatch.pack([TokenDelta(rid="evil-gen", token_ids=[1])])),

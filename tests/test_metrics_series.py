@@ -32,7 +32,8 @@ GAUGES = {"pdserve_kv_pool_pages", "pdserve_kv_pool_capacity_pages", "pdserve_qu
           "pdserve_worker_up", "pdserve_swa_pool_pages", "pdserve_swa_pool_capacity_pages",
           "pdserve_worker_torch_threads"}
 COVERED = {*(n for n, _ in WORKER_COUNTERS.values()), *(n for n, _ in WORKER_HISTOGRAMS.values()),
-           "pdserve_request_phase_seconds", "pdserve_migrations", *GAUGES}  # migrations: tests/test_migration.py
+           "pdserve_request_phase_seconds", "pdserve_migrations", "pdserve_local_prefill",  # tests/test_migration.py,
+           *GAUGES}  # tests/test_local_prefill.py (local_prefill_tokens too)
 OUT = 16
 
 

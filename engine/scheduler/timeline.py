@@ -24,8 +24,14 @@ PHASES: dict[Role, tuple[tuple[str, str, str], ...]] = {
     Role.PREFILL: (("bootstrap_wait", "arrived", "destination"), ("prefill_queue", "destination", "admitted"),
                 ("prefill_compute", "admitted", "prefilled"), ("transfer", "write_start", "write_done")),
     Role.DECODE: (("decode_queue", "arrived", "reserved"), ("kv_wait", "reserved", "landed"),
-               ("first_token", "landed", "first_token"), ("decode", "first_token", "finished")),
+               ("first_token", "landed", "first_token"), ("decode", "first_token", "finished"),
+               # prefilled by the decode worker itself (selective disaggregation)
+               ("local_prefill_queue", "local_prefill", "admitted"), ("local_prefill", "admitted", "prefilled")),
 }
+
+# decode phases of a request the decode worker prefilled itself (decode_worker.local_prefill); such a
+# request has no decode_queue, kv_wait or first_token phase, a shipped one none of these
+LOCAL_PREFILL_PHASES = ("local_prefill_queue", "local_prefill")
 
 
 class Timeline:

@@ -63,6 +63,8 @@ WORKER_COUNTERS = {
                     "together (mixed batches)"),
     "migration_bytes": ("pdserve_migration_bytes", "KV bytes a decode worker wrote from its host pool into peer "
                         "decode workers (retracted requests migrated)"),
+    "local_prefill_tokens": ("pdserve_local_prefill_tokens", "Prompt tokens a decode worker prefilled itself "
+                             "instead of a prefill worker (selective disaggregation)"),
     "borrowed_core_steps": ("pdserve_worker_borrowed_core_steps", "Steps a worker ran on every core of its host's "
                             "launch while the other workers were idle (core lending)"),
 }
@@ -75,6 +77,7 @@ WORKER_HISTOGRAMS = {
                           "migrated request (source side)"),
 }
 # pdserve_migrations_total{worker,direction,outcome}: from the decode workers' migrations_<direction>_<outcome>
+# pdserve_local_prefill_total{worker,reason}: the decode workers' local_prefill_<reason> (decode_worker.local_prefill)
 MIGRATION_OUTCOMES = {"out": ("done", "failed", "declined"), "in": ("done", "failed", "refused")}
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -136,6 +139,14 @@ class WorkerCollector(Collector):
                     if (v := h.stats.counters.get(f"migrations_{direction}_{outcome}")) is not None:
                         moves.add_metric([h.worker_id, direction, outcome], v)
         yield moves
+        local = CounterMetricFamily("pdserve_local_prefill", "Selective disaggregation decisions of the decode "
+                                    "workers: taken (prefilled by the decode worker) or why the request went to a "
+                                    "prefill worker", labels=["worker", "reason"])
+        for h in handles:
+            for key, v in sorted(h.stats.counters.items()):
+                if key.startswith("local_prefill_") and key != "local_prefill_tokens":
+                    local.add_metric([h.worker_id, key.removeprefix("local_prefill_")], v)
+        yield local
 
     def _gauges(self, handles: list[WorkerHandle]):
         pages = GaugeMetricFamily("pdserve_kv_pool_pages", "KV pool pages by state", labels=["worker", "state"])

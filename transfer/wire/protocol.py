@@ -103,6 +103,16 @@ class PrefillFailed(Message):
     error_status: int = 500
 
 
+class PrefillWithdrawn(Message):
+    """Decode -> prefill: the decode worker prefills this room/generation itself (selective
+    disaggregation, ``--local-prefill-max-tokens``); drop it without an answer to anyone. It may
+    come before the router's ``PrefillRequest``: that one is then dropped when it arrives."""
+
+    rid: str
+    room: int
+    generation: int = 0
+
+
 # ---- migration of a retracted request between decode workers (decode <-> router) ------------
 class MigrationOffer(Message):
     """Source decode worker -> router: request ``rid`` is parked in my host pool and could not
@@ -333,8 +343,8 @@ class KvSnapshot(Message):
 MESSAGES: dict[str, type[Message]] = {
     cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, Drain, TokenBatch, WorkerStats,
                                   PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed,
-                                  KvSnapshotRequest, KvEvents, KvSnapshot, MigrationOffer, MigrationDeclined,
-                                  MigrateRequest, MigrationEnded)
+                                  PrefillWithdrawn, KvSnapshotRequest, KvEvents, KvSnapshot, MigrationOffer,
+                                  MigrationDeclined, MigrateRequest, MigrationEnded)
 }
 
 

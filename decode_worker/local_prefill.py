@@ -1,0 +1,114 @@
+"""Selective disaggregation: whether a decode worker prefills a new request itself.
+
+``--local-prefill-max-tokens N`` (0 = off). A PD request whose uncached suffix (its prompt minus
+the longest prefix this decode worker's radix cache holds) is at most ``N`` tokens is computed by
+the decode worker, in chunks within its own steps, instead of by a prefill worker: short prompts
+and follow-up turns stop paying the handoff (prefill queue, KV write, completion notification)
+when the decode worker has the room. The inputs and their order (the first that refuses names the
+reason, ``LocalPrefillReason``, counted in ``pdserve_local_prefill_total{reason}``):
+
+1. **retract pressure**: a decode worker with a non-empty retracted queue, or that retracted in
+   its last ``RETRACT_COOLDOWN_STEPS`` decode steps, sends everything to prefill (its pages are
+   spoken for; a local prefill would take what a resume needs).
+2. **size**: the uncached suffix must be at most ``max_tokens``; this also bounds the decode
+   batch's stall: each step's prefill chunk is at most ``chunked_prefill_size`` (and
+   ``max_num_batched_tokens`` minus the decode rows with mixed batches).
+3. **busy**: the tokens already waiting for a local prefill plus this suffix must stay within
+   ``max_tokens``, so a burst is split: the decode worker takes its share, the rest goes to
+   the prefill worker at once instead of queueing behind the decode worker's own prefills.
+4. **KV headroom**: nothing may wait in the prealloc queue (FCFS: a local request must not
+   overtake a remote one that waits for pages) and the suffix's pages plus the request's
+   ``max_new_tokens * new_token_ratio`` reservation must fit the headroom admission sees now
+   (obtainable pages minus the running and in-flight requests' reservations).
+
+**Where it is decided: on the decode worker, when the ``GenerateRequest`` arrives.** Only the
+decode worker knows its radix prefix, headroom and retracts now (the router sees them one
+heartbeat late), and the router keeps sending every PD request to both workers as before: the
+decision costs one new message, ``PrefillWithdrawn`` (decode -> prefill), and no new race. The
+prefill worker never prefills a request before its decode worker's ``KVDestination`` (bootstrap
+rule), and a locally prefilled request never sends one, so the withdrawn job holds no pages and
+has computed nothing; a withdrawal that overtakes the router's ``PrefillRequest`` is remembered
+and that request dropped on arrival. The router tracks the request as before: the decode worker
+streams its tokens, and the prefill worker never answers for it. A retract of a locally
+prefilled request goes the usual way (host offload and resume, or a recompute by the prefill
+worker as generation 1).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+RETRACT_COOLDOWN_STEPS = 64  # decode steps after a retract during which nothing is prefilled locally
+
+
+class LocalPrefillReason(enum.StrEnum):
+    """Outcome of one decision: taken, or why the request went to a prefill worker."""
+
+    TAKEN = "taken"
+    RETRACT_PRESSURE = "retract_pressure"  # retracted queue not empty, or a retract within the cooldown
+    TOO_LONG = "too_long"                  # uncached suffix above --local-prefill-max-tokens
+    BUSY = "busy"                          # local prefill backlog + this suffix above the bound
+    NO_HEADROOM = "no_headroom"            # prealloc queue not empty, or pages + reservation do not fit
+
+
+@dataclass(frozen=True)
+class LocalPrefillInputs:
+    """What the decode worker knows about a new request and itself when it arrives.
+
+    ``cached_tokens``: its radix prefix hit; ``backlog_tokens``: uncached tokens already waiting
+    for (or in) a local prefill; ``steps_since_retract``: decode steps since the last retract
+    (None: never); ``need_pages``/``headroom_pages``: full-pool pages the suffix plus its decode
+    reservation takes, and what admission may hand out now."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    backlog_tokens: int
+    retracted_queue: int
+    steps_since_retract: int | None
+    prealloc_queue: int
+    need_pages: int
+    headroom_pages: int
+
+    @property
+    def suffix_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class LocalPrefillDecision:
+    """``local``: prefill on the decode worker; ``reason``: why (``TAKEN`` iff ``local``)."""
+
+    reason: LocalPrefillReason
+    suffix_tokens: int
+
+    @property
+    def local(self) -> bool:
+        return self.reason is LocalPrefillReason.TAKEN
+
+
+@dataclass(frozen=True)
+class LocalPrefillPolicy:
+    """The cost model of the module docstring; ``max_tokens`` 0 turns it off (``enabled``)."""
+
+    max_tokens: int
+    retract_cooldown_steps: int = RETRACT_COOLDOWN_STEPS
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0
+
+    def decide(self, x: LocalPrefillInputs) -> LocalPrefillDecision:
+        """The decision for one request (the inputs are checked in the module docstring's order)."""
+        return LocalPrefillDecision(self._reason(x), x.suffix_tokens)
+
+    def _reason(self, x: LocalPrefillInputs) -> LocalPrefillReason:
+        recent = x.steps_since_retract is not None and x.steps_since_retract < self.retract_cooldown_steps
+        if x.retracted_queue or recent:
+            return LocalPrefillReason.RETRACT_PRESSURE
+        if x.suffix_tokens > self.max_tokens:
+            return LocalPrefillReason.TOO_LONG
+        if x.backlog_tokens + x.suffix_tokens > self.max_tokens:
+            return LocalPrefillReason.BUSY
+        if x.prealloc_queue or x.need_pages > x.headroom_pages:
+            return LocalPrefillReason.NO_HEADROOM
+        return LocalPrefillReason.TAKEN

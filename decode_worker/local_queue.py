@@ -1,0 +1,130 @@
+"""The decode worker's own prefills (selective disaggregation; the decision is
+``decode_worker.local_prefill``).
+
+A request the policy takes waits here, FCFS, until ``select`` admits it the way a colocated
+worker admits a prompt (``engine.scheduler.admission.Admission``: its cached prefix, pages for the
+prompt and its ``new_token_ratio`` reservation within the headroom left by the running batch and
+the transfers in flight) and hands out its chunks: each step's chunk is at most
+``chunked_prefill_size`` tokens, and with ``mixed_batches`` what ``max_num_batched_tokens`` leaves
+after the decode rows (``prefill_budget``), so the decode batch's stall per step is bounded. The
+decode worker runs the chunk in the same forward as its decode rows (mixed batches) or as an
+extend forward of its own right before them; a request whose prompt completes has its first token
+sampled there by the same executor and sampler as every other token, and joins the running batch.
+
+Counters: ``decisions`` (per ``LocalPrefillReason``: ``pdserve_local_prefill_total{reason}``) and
+``tokens`` (prompt tokens computed here: ``pdserve_local_prefill_tokens_total``).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from cache.kv_budget import PageBudget
+from cache.kv_manager import KVManager
+from configs.scheduler import SchedulerConfig
+from decode_worker.local_prefill import (
+    LocalPrefillDecision,
+    LocalPrefillInputs,
+    LocalPrefillPolicy,
+    LocalPrefillReason,
+)
+from engine.prompt_logprobs import wants_prompt_logprobs
+from engine.request import Request
+from engine.scheduler.admission import Admission, ExtendItem
+from engine.scheduler.mixed_step import prefill_budget
+from engine.scheduler.stats import SchedulerStats
+
+log = logging.getLogger(__name__)
+
+
+class LocalPrefillQueue:
+    """Decides (``consider``), queues and admits (``select``) the decode worker's own prefills."""
+
+    def __init__(self, policy: LocalPrefillPolicy, cfg: SchedulerConfig, kv: KVManager, stats: SchedulerStats) -> None:
+        self.policy, self.cfg, self.kv, self.stats = policy, cfg, kv, stats
+        self.budget = PageBudget(kv)
+        self.admission = Admission(cfg, kv, stats)
+        self.waiting: deque[Request] = deque()
+        self._suffix: dict[str, int] = {}  # rid -> uncached prompt tokens when taken, while waiting
+        self.decisions: dict[LocalPrefillReason, int] = dict.fromkeys(LocalPrefillReason, 0)
+        self.tokens = 0
+        self._retractions_seen = 0
+        self._last_retract_step: int | None = None
+
+    # ---- the decision ---------------------------------------------------------------------------
+    def observe(self) -> None:
+        """Once per scheduler step: note the decode step of the latest retract."""
+        if self.stats.retractions != self._retractions_seen:
+            self._retractions_seen, self._last_retract_step = self.stats.retractions, self.stats.decode_steps
+
+    def consider(self, req: Request, admitted: Iterable[Request], ratio: float, retracted: int,
+                 prealloc: int) -> LocalPrefillDecision | None:
+        """Decide for new request ``req`` (None when the policy is off; nothing is counted then)
+        and count the outcome; a taken request is queued here. ``admitted``: the requests whose
+        pages are reserved (running, in flight, being prefilled here); ``retracted`` and
+        ``prealloc``: the lengths of the retracted and prealloc queues."""
+        if not self.policy.enabled:
+            return None
+        n = len(req.prompt_ids)
+        cached = 0 if wants_prompt_logprobs(req) or self.kv.tree is None else \
+            self.kv.tree.match_prefix(req.prompt_ids[:n - 1]).num_tokens  # what admission's match will give
+        need = self.kv.pages_for(n) - self.kv.pages_for(cached) + self.budget.prompt_reservation(req, ratio).full
+        since = None if self._last_retract_step is None else self.stats.decode_steps - self._last_retract_step
+        x = LocalPrefillInputs(prompt_tokens=n, cached_tokens=cached, backlog_tokens=self.backlog_tokens,
+                               retracted_queue=retracted, steps_since_retract=since, prealloc_queue=prealloc,
+                               need_pages=need, headroom_pages=self.budget.headroom(admitted, ratio).full)
+        d = self.policy.decide(x)
+        self.decisions[d.reason] += 1
+        log.debug("local prefill of %s: %s, %s", req.rid, d.reason, x)
+        if d.local:
+            req.mark("local_prefill")
+            self.waiting.append(req)
+            self._suffix[req.rid] = d.suffix_tokens
+        return d
+
+    @property
+    def backlog_tokens(self) -> int:
+        """Prompt tokens not computed yet of the requests waiting here (their uncached suffix
+        when taken) or being chunked."""
+        chunked = self.admission.chunked
+        return sum(self._suffix.values()) + (chunked.seq_len - chunked.kv_len if chunked else 0)
+
+    # ---- the path -------------------------------------------------------------------------------
+    def select(self, rows: int, admitted: Iterable[Request], ratio: float, admit_new: bool) -> list[ExtendItem]:
+        """This step's prefill items beside ``rows`` decode rows: the chunked request's next
+        chunk, then (``admit_new``) waiting requests admitted against the headroom ``admitted``
+        (every request holding pages) leaves. Counts the tokens (here and as prefill compute)."""
+        waiting = self.waiting if admit_new else deque()
+        budget = prefill_budget(self.cfg, rows) if self.cfg.mixed_batches else self.cfg.chunked_prefill_size
+        items = self.admission.select(waiting, admitted, ratio, budget)
+        for i in items:
+            self._suffix.pop(i.req.rid, None)
+        if items:
+            n = sum(i.length for i in items)
+            self.tokens += n
+            self.stats.extend_steps += 1
+            self.stats.prefill_computed_tokens += n
+            self.stats.mixed_steps += bool(rows) and self.cfg.mixed_batches
+        return items
+
+    def discard(self, req: Request) -> None:
+        """``req`` ended (abort): it leaves the queue or stops being chunked."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._suffix.pop(req.rid, None)
+        self.admission.drop(req)
+
+    @property
+    def chunked(self) -> Request | None:
+        """The request admitted and partly prefilled, if any (it holds pages)."""
+        return self.admission.chunked
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self.admission.chunked)
+
+    def counters(self) -> dict[str, float]:
+        """The worker counters: ``local_prefill_<reason>`` and ``local_prefill_tokens``."""
+        out = {f"local_prefill_{r.value}": float(v) for r, v in self.decisions.items()}
+        out["local_prefill_tokens"] = float(self.tokens)
+        return out
