@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 6  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 7  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 # 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
 #    migration (MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
+# 7: PrefillWithdrawn (a decode worker prefilled the request itself: selective disaggregation)
 
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]
