@@ -4,13 +4,19 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+CPU_CHUNKED_PREFILL, GPU_CHUNKED_PREFILL = 512, 2048
+
+
 class SchedulerConfig(BaseModel):
     """Batching, admission and retract knobs (defaults follow SGLang)."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_running_requests: int = Field(64, ge=1, description="decode batch size cap")
-    chunked_prefill_size: int = Field(2048, ge=1, description="max prompt tokens computed per step")
+    chunked_prefill_size: int | None = Field(
+        None, ge=1, description="max prompt tokens computed per step (unset: 512 on CPU, 2048 on CUDA; on the 2-core "
+                                "CPU box 512 gave 0.57x / 0.68x the mean TTFT of 2048 at c=8 / 32 and 1.10x / 1.19x "
+                                "the output tok/s: a prompt that arrives while others prefill waits for a shorter step)")
     mixed_batches: bool = Field(False, description="colocated: one forward carries the running decodes plus a chunk "
                                 "of prefill (decode rows first) instead of prefill and decode steps apart (off by "
                                 "default until an A/B on a quiet machine shows it wins end to end)")
@@ -28,6 +34,14 @@ class SchedulerConfig(BaseModel):
     test_step_delay_s: float = Field(0.0, ge=0, description="testing: the worker loop sleeps this long after every "
                                      "step that had work (a slow, oversubscribed machine)")
     enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")
+
+    def for_device(self, device_type: str) -> "SchedulerConfig":
+        """This config with ``chunked_prefill_size`` set for ``device_type`` ("cpu", "cuda") when
+        unset; schedulers call it once with their runner's device and read the field as an int."""
+        if self.chunked_prefill_size is not None:
+            return self
+        size = CPU_CHUNKED_PREFILL if device_type == "cpu" else GPU_CHUNKED_PREFILL
+        return self.model_copy(update={"chunked_prefill_size": size})
 
     @model_validator(mode="after")
     def _budget_above_decode_rows(self) -> "SchedulerConfig":

@@ -51,7 +51,7 @@ class DecodeScheduler(WorkerScheduler):
         super().__init__(runner, kv)
         self.migration, self.worker_id, self.model_name = migration, worker_id, model_name
         self.migration_stats = migration.stats if migration is not None else MigrationStats()
-        self.cfg = cfg
+        self.cfg = cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.for_device(runner.device.type)})
         self.transfers, self.retract, self.peers = transfers, retract, peers
         self.executor = BatchExecutor(runner, eos_token_ids, kv)
         self.running = RunningBatch(kv, self.executor, cfg.scheduler, self.stats)

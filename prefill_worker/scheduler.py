@@ -76,7 +76,7 @@ class PrefillScheduler(WorkerScheduler):
     def __init__(self, runner: ModelRunner, cfg: PdserveConfig, sender: KVSender, model_name: str,
                  worker_id: str) -> None:
         super().__init__(runner, runner.make_kv_manager(cfg.scheduler.enable_radix_cache))
-        self.cfg = cfg
+        self.cfg = cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.for_device(runner.device.type)})
         self.worker_id = worker_id
         self.model_name = model_name
         self.admission = Admission(cfg.scheduler, self.kv, self.stats, reserve_decode=False)

@@ -218,3 +218,19 @@ def test_request_that_fits_an_empty_pool_is_admitted(tiny):
             break
     assert not sched.has_work and sched.stats.finished_requests == 1
     assert_clean(sched)
+
+
+def test_chunked_prefill_size_defaults_by_device():
+    """Unset, the prefill chunk is 512 tokens on CPU and 2048 on CUDA (README, session 11 A/B); a
+    value given is kept on either."""
+    from configs.scheduler import SchedulerConfig
+
+    assert SchedulerConfig().chunked_prefill_size is None
+    assert SchedulerConfig().for_device("cpu").chunked_prefill_size == 512
+    assert SchedulerConfig().for_device("cuda").chunked_prefill_size == 2048
+    assert SchedulerConfig(chunked_prefill_size=96).for_device("cpu").chunked_prefill_size == 96
+
+
+def test_a_colocated_scheduler_on_cpu_prefills_512_tokens_a_step(tiny):
+    sched = make_sched(tiny)
+    assert sched.cfg.chunked_prefill_size == 512 and sched.admission.cfg.chunked_prefill_size == 512

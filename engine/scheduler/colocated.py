@@ -32,7 +32,7 @@ class ColocatedScheduler(WorkerScheduler):
 
     def __init__(self, runner: ModelRunner, cfg: SchedulerConfig, eos_token_ids: tuple[int, ...]) -> None:
         super().__init__(runner, runner.make_kv_manager(cfg.enable_radix_cache))
-        self.cfg = cfg
+        self.cfg = cfg = cfg.for_device(runner.device.type)
         self.admission = Admission(cfg, self.kv, self.stats)
         self.executor = BatchExecutor(runner, eos_token_ids, self.kv)
         self.running = RunningBatch(self.kv, self.executor, cfg, self.stats)
