@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -158,18 +159,32 @@ def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: 
     range are read); ``lo``/``hi`` int64 ``[B]``. Returns ``[B, H, D]`` float32 (zeros for an empty
     range). ``q`` may be any float dtype (it is read as float32). Caller guarantees
     ``supports(pool_buffer)``, contiguous int64 indices and in-range pages."""
-    lib = load()
     B, H, D = q.shape
-    _, _, _, P, Hkv, _ = pool_buffer.shape
     q = q.float().contiguous()
     out = torch.empty_like(q)
-    s = pool_buffer.stride()
-    base = pool_buffer.data_ptr() + layer * s[1] * pool_buffer.element_size()
-    bf16 = int(pool_buffer.dtype == torch.bfloat16)
-    lib.pdserve_paged_decode(q.data_ptr(), base, bf16, table.data_ptr(), table.stride(0), lo.data_ptr(),
-                                 hi.data_ptr(), out.data_ptr(), B, H, Hkv, D, P, s[0], s[2], s[3], s[4],
-                                 float(scale), int(threads))
+    pool = _PoolView.of(pool_buffer, layer)
+    load().pdserve_paged_decode(q.data_ptr(), pool.base, pool.bf16, table.data_ptr(), table.stride(0), lo.data_ptr(),
+                                hi.data_ptr(), out.data_ptr(), B, H, pool.kv_heads, D, *pool.geometry, float(scale),
+                                int(threads))
     return out
+
+
+@dataclass(frozen=True)
+class _PoolView:
+    """One layer of a ``[pages, layers, 2, P, kv_heads, dim]`` pool as the kernels address it:
+    base address, element type flag, kv heads and ``(P, page, V offset, token, head)`` strides."""
+
+    base: int
+    bf16: int
+    kv_heads: int
+    geometry: tuple[int, int, int, int, int]
+
+    @classmethod
+    def of(cls, pool_buffer: torch.Tensor, layer: int) -> "_PoolView":
+        _, _, _, P, kv_heads, _ = pool_buffer.shape
+        s = pool_buffer.stride()
+        return cls(pool_buffer.data_ptr() + layer * s[1] * pool_buffer.element_size(),
+                   int(pool_buffer.dtype == torch.bfloat16), kv_heads, (P, s[0], s[2], s[3], s[4]))
 
 
 # The tiled extend kernel's shape limits (cpu_extend_attention.c): head_dim a multiple of 4 vectors
@@ -192,17 +207,13 @@ def paged_extend(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: 
     already are (the step stored them). ``qstart``/``pos0``/``ext`` int64 ``[B]``, ``table`` int64
     ``[B, W]`` with in-range pages. Returns ``[T, H, D]`` float32. Caller guarantees
     ``supports(pool_buffer)`` and ``extend_supported`` for the shape."""
-    lib = load()
     T, H, D = q.shape
-    _, _, _, P, Hkv, _ = pool_buffer.shape
     q = q.float().contiguous()
     out = torch.zeros_like(q)
-    s = pool_buffer.stride()
-    base = pool_buffer.data_ptr() + layer * s[1] * pool_buffer.element_size()
-    bf16 = int(pool_buffer.dtype == torch.bfloat16)
-    rc = lib.pdserve_paged_extend(q.data_ptr(), base, bf16, table.data_ptr(), table.stride(0), qstart.data_ptr(),
-                                  pos0.data_ptr(), ext.data_ptr(), out.data_ptr(), ext.shape[0], H, Hkv, D, P, s[0],
-                                  s[2], s[3], s[4], int(window or 0), float(scale), int(threads))
+    pool = _PoolView.of(pool_buffer, layer)
+    rc = load().pdserve_paged_extend(q.data_ptr(), pool.base, pool.bf16, table.data_ptr(), table.stride(0),
+                                     qstart.data_ptr(), pos0.data_ptr(), ext.data_ptr(), out.data_ptr(), ext.shape[0],
+                                     H, pool.kv_heads, D, *pool.geometry, int(window or 0), float(scale), int(threads))
     if rc != 0:
         raise MemoryError("paged_extend: scratch allocation failed or the shape is not supported")
     return out
