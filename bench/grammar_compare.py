@@ -137,6 +137,32 @@ class Llguidance(Engine):
         return M()
 
 
+class LlguidanceFill(Llguidance):
+    """llguidance filling a preallocated bitmask tensor (``llguidance.torch.fill_next_token_bitmask``,
+    as xgrammar and outlines-core are driven here) instead of returning new bytes per token as
+    pdserve's ``Matcher.bitmask()`` does: separates the engine's mask cost from that allocation."""
+
+    name = "llguidance (fill)"
+
+    def matcher(self, compiled):
+        import llguidance.torch as lt
+        m = self.lg.LLMatcher(self.tok, compiled, log_level=0)
+        bitmask = lt.allocate_token_bitmask(1, self.tok.vocab_size)
+
+        class M:
+            def fill(self):
+                lt.fill_next_token_bitmask(m, bitmask, 0)
+                return bitmask
+
+            def allowed(self, raw) -> np.ndarray:
+                return _bits(raw[0].numpy())
+
+            def advance(self, t: int) -> None:
+                if not m.consume_token(t):
+                    raise ValueError(m.get_error())
+        return M()
+
+
 class Xgrammar(Engine):
     name, module = "xgrammar", "xgrammar"
 
@@ -220,7 +246,7 @@ class OutlinesCore(Engine):
         return M()
 
 
-ENGINES: tuple[Callable[[], Engine], ...] = (Llguidance, Xgrammar, OutlinesCore)
+ENGINES: tuple[Callable[[], Engine], ...] = (Llguidance, LlguidanceFill, Xgrammar, OutlinesCore)
 
 
 def available(engines: Sequence[Callable[[], Engine]] = ENGINES) -> tuple[list[Engine], list[str]]:
