@@ -26,6 +26,7 @@ import json
 import re
 import statistics
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ class Row:
     note: str = ""
 
 
-class Engine:
+class Engine(ABC):
     """One grammar engine behind a common interface. ``build(vocab)`` prepares the per-tokenizer
     state (timed as the tokenizer build); ``compile(case)`` returns a compiled constraint;
     ``matcher(compiled)`` a fresh matcher with ``fill()`` (the engine's own next-token bitmask, the
@@ -84,14 +85,14 @@ class Engine:
     name = ""
     module = ""
 
-    def build(self, vocab: Vocab) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def build(self, vocab: Vocab) -> None: ...
 
-    def compile(self, case: Case):
-        raise NotImplementedError
+    @abstractmethod
+    def compile(self, case: Case): ...
 
-    def matcher(self, compiled):
-        raise NotImplementedError
+    @abstractmethod
+    def matcher(self, compiled): ...
 
 
 def _bits(words: np.ndarray) -> np.ndarray:
@@ -116,7 +117,8 @@ class Llguidance(Engine):
         else:
             grammar = m.grammar_from_lark(f"start: {json.dumps(TOOL_PREFIX)} call {json.dumps(TOOL_SUFFIX)}\n"
                                           f"call: %json {case.spec}")
-        matcher = self.lg.LLMatcher(self.tok, grammar, log_level=0)  # compiles (lazily, per matcher)
+        # llguidance compiles per matcher, lazily (the rest shows in the first replay's mask time)
+        matcher = self.lg.LLMatcher(self.tok, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return grammar

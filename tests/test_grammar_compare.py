@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from bench.grammar_compare import Case, Engine, Llguidance, available, compare, table, vocab_of  # noqa: E402
+from bench.grammar_compare import Case, Llguidance, available, compare, table, vocab_of  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -37,10 +37,10 @@ def test_compare_on_llguidance_makes_the_table(tokenizer):
 
 
 def test_a_missing_engine_is_skipped_with_a_line():
-    class Absent(Engine):
+    class Absent(Llguidance):
         name, module = "absent-engine", "no_such_grammar_module_here"
 
     found, missing = available([Llguidance, Absent])
     assert [e.name for e in found] == ["llguidance"]
-    assert missing == ["skipped absent-engine: `no_such_grammar_module_here` is not installed "
-                       "(pip install 'pdserve[grammar-bench]')"]
+    assert missing == [("skipped absent-engine: `no_such_grammar_module_here` is not installed "
+                        "(pip install 'pdserve[grammar-bench]')")]
