@@ -346,7 +346,7 @@ def compare(engines: Sequence[Engine], case_list: Sequence[Case], vocab: Vocab, 
                 compiled[e.name, c.label] = e.compile(c)
                 note = ""
             except Exception as err:  # an engine refusing a constraint is a result, not a crash
-                note = f"cannot compile: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                note = f"cannot compile: {type(err).__name__}: {str(err).splitlines()[0][:80]}".replace("|", "/")
             rows[e.name, c.label] = Row(e.name, c.label, len(ids[c.label]), (time.perf_counter() - t0) * 1e6,
                                         accepted=not note, note=note)
     for _ in range(repeat):

@@ -1,6 +1,7 @@
 """bench.grammar_compare's core on llguidance alone (the engine `make install` has), on the real
 tokenizer with a tiny regex: the engine accepts its valid output and refuses a wrong one, every
-repeat is recorded, the table has the tokenizer line and one well-formed row per case, and an
+repeat is recorded, the table has the tokenizer line and one well-formed row per case (a constraint the engine cannot
+compile is a row saying so), and an
 engine whose module is missing is skipped with a line naming the install."""
 from __future__ import annotations
 
@@ -21,19 +22,23 @@ def test_compare_on_llguidance_makes_the_table(tokenizer):
     assert all(vocab.token_bytes[e] is None for e in vocab.eos_ids)  # special tokens carry no bytes
     ok = Case("digits", "regex", r"[0-9]{3}-[a-z]+", "123-abc")
     bad = Case("wrong output", "regex", r"[0-9]{3}-[a-z]+", "12-abc")
-    builds, rows = compare([Llguidance()], [ok, bad], vocab, tokenizer.encode, repeat=2)
+    broken = Case("broken", "regex", "[0-9", "1")
+    builds, rows = compare([Llguidance()], [ok, bad, broken], vocab, tokenizer.encode, repeat=2)
     assert list(builds) == ["llguidance"] and builds["llguidance"] > 0
     by_case = {r.case: r for r in rows}
     assert by_case["digits"].accepted and not by_case["wrong output"].accepted
+    assert not by_case["broken"].accepted and by_case["broken"].note.startswith("cannot compile: ")
+    assert by_case["broken"].mask_us == []  # never replayed
     assert len(by_case["digits"].mask_us) == 2 and all(t > 0 for t in by_case["digits"].mask_us)
     text = table(builds, rows).splitlines()
     assert text[:3] == ["| engine | tokenizer build (once per worker) |", "|---|---|", text[2]]
     assert text[2].startswith("| llguidance | ") and text[2].endswith(" ms |")
     header, sep, *body = text[4:]
     cols = header.count("|")
-    assert sep.count("|") == cols and len(body) == 2 and all(line.count("|") == cols for line in body)
-    assert body[0].startswith("| llguidance | digits | 5 |") and body[0].endswith("| yes |")
-    assert body[1].startswith("| llguidance | wrong output |") and body[1].endswith("| NO |")
+    assert sep.count("|") == cols and len(body) == 3 and all(line.count("|") == cols for line in body)
+    assert body[0].startswith("| llguidance | broken | 1 | - |") and "cannot compile" in body[0]
+    assert body[1].startswith("| llguidance | digits | 5 |") and body[1].endswith("| yes |")
+    assert body[2].startswith("| llguidance | wrong output |") and body[2].endswith("| NO |")
 
 
 def test_a_missing_engine_is_skipped_with_a_line():
