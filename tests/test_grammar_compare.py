@@ -1,15 +1,16 @@
-"""bench.grammar_compare's core on llguidance alone (the engine `make install` has), on the real
-tokenizer with a tiny regex: the engine accepts its valid output and refuses a wrong one, every
-repeat is recorded, the table has the tokenizer line and one well-formed row per case (a constraint the engine cannot
-compile is a row saying so), and an
-engine whose module is missing is skipped with a line naming the install."""
+"""bench.grammar_compare's core and bench.grammar_engines on llguidance alone (the engine `make
+install` has), on the real tokenizer with a tiny regex: the engine accepts its valid output and
+refuses a wrong one, every repeat is recorded, the table has the tokenizer line and one well-formed
+row per case (a constraint the engine cannot compile is a row saying so), and an engine whose module
+is missing is skipped with a line naming the install."""
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("llguidance")
 
-from bench.grammar_compare import Case, Llguidance, available, compare, table, vocab_of  # noqa: E402
+from bench.grammar_compare import compare, table  # noqa: E402
+from bench.grammar_engines import Case, Llguidance, available, vocab_of  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
