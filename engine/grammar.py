@@ -71,8 +71,9 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         try:
             self._tokenizer()
-        except Exception:  # a daemon thread has no caller: log, and let the first request retry
-            log.exception("building the grammar engine's tokenizer failed; the first structured request retries")
+        except Exception as e:  # a daemon thread has no caller: log, and let the first request retry
+            log.warning("building the grammar engine's tokenizer failed (%s: %s); the first structured request "
+                        "retries", type(e).__name__, e)
             return
         log.info("grammar engine tokenizer built in %.2f s (background, at start)", time.perf_counter() - t0)
 

@@ -73,8 +73,8 @@ def test_a_failed_background_build_is_logged_and_retried_by_the_first_matcher(to
     b = Builder(tokenizer, fail_first=True)
     b.release.set()
     c = compiler(tokenizer, b)
-    with caplog.at_level(logging.ERROR, logger="engine.grammar"):
+    with caplog.at_level(logging.WARNING, logger="engine.grammar"):
         c.prepare_in_background().join(30)
-    assert "building the grammar engine's tokenizer failed" in caplog.text
+    assert "building the grammar engine's tokenizer failed (OSError: tokenizer file unreadable)" in caplog.text
     assert c.matcher(DIGITS).bitmask() is not None
     assert b.calls == ["grammar-tokenizer", threading.current_thread().name]
