@@ -1,7 +1,9 @@
 """Grammar matchers for structured output (llguidance), one per constrained request.
 
-``GrammarCompiler(tokenizer_json, vocab_size, eos_ids)`` builds llguidance's tokenizer on first use
-(about a second: a worker pays it with its first constrained request); ``matcher(so)`` returns a
+``GrammarCompiler(tokenizer_json, vocab_size, eos_ids)`` builds llguidance's tokenizer once (about 3 s
+on CPU with the GGUF tokenizer read); a worker starts that build at start in a background thread
+(``prepare_in_background``), so its first constrained request does not build it inside the worker
+loop (that request waits only for the rest of a build still running); ``matcher(so)`` returns a
 fresh ``Matcher`` for one request. A ``Matcher`` follows the request's output: ``consume(tok)``
 after every token (the sampler state calls it), ``bitmask()`` for the next step. The state is a
 function of the constraint and the tokens consumed, so a PD decode worker rebuilds it by
@@ -12,6 +14,10 @@ one bool tensor ``[rows, vocab]`` (True: allowed), for the sampler to apply in o
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -19,6 +25,8 @@ import torch
 
 from engine.grammar_spec import _llguidance, grammar_of
 from transfer.wire.sampling_params import StructuredOutput
+
+log = logging.getLogger(__name__)
 
 
 class Matcher:
@@ -41,18 +49,45 @@ class Matcher:
 
 
 class GrammarCompiler:
-    """Makes ``Matcher``s for one tokenizer; ``tokenizer_json`` is called once, on first use."""
+    """Makes ``Matcher``s for one tokenizer; ``tokenizer_json`` is called once, by
+    ``prepare_in_background``'s thread or else by the first ``matcher`` (thread-safe)."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._json, self._vocab, self._eos = tokenizer_json, vocab_size, list(eos_ids)
         self._tok = None
+        self._lock = threading.Lock()  # held while the tokenizer is built: a matcher waits for the build
+
+    def prepare_in_background(self) -> threading.Thread | None:
+        """Start building llguidance's tokenizer in a daemon thread and return it; None (nothing
+        started) when llguidance is not installed. A failed build is logged; the next ``matcher``
+        then builds again and raises the error to its request."""
+        if importlib.util.find_spec("llguidance") is None:
+            return None
+        thread = threading.Thread(target=self._prepare, name="grammar-tokenizer", daemon=True)
+        thread.start()
+        return thread
+
+    def _prepare(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._tokenizer()
+        except Exception as e:  # a daemon thread has no caller: log, and let the first request retry
+            log.warning("building the grammar engine's tokenizer failed (%s: %s); the first structured request "
+                        "retries", type(e).__name__, e)
+            return
+        log.info("grammar engine tokenizer built in %.2f s (background, at start)", time.perf_counter() - t0)
+
+    def _tokenizer(self):
+        """llguidance's tokenizer, built on the first call (later callers wait for that build)."""
+        with self._lock:
+            if self._tok is None:
+                self._tok = _llguidance().LLTokenizer(self._json(), n_vocab=self._vocab, eos_token=self._eos)
+            return self._tok
 
     def matcher(self, so: StructuredOutput) -> Matcher:
         """A fresh matcher for ``so``; ``ValueError`` with llguidance's message if it is invalid."""
-        lg = _llguidance()
-        if self._tok is None:
-            self._tok = lg.LLTokenizer(self._json(), n_vocab=self._vocab, eos_token=self._eos)
-        m = lg.LLMatcher(self._tok, grammar_of(so), log_level=0)
+        tok = self._tokenizer()
+        m = _llguidance().LLMatcher(tok, grammar_of(so), log_level=0)
         if m.is_error():
             raise ValueError(f"invalid {so.kind} constraint: {m.get_error()}")
         return Matcher(m)

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("control plane NOT authenticated (--insecure-control-plane): anyone who can reach %s can "
                     "submit, abort and shut down requests of this worker; use --cluster-key FILE", args.control_addr)
     runner, path = load_runner(cfg)
+    runner.grammar.prepare_in_background()  # not in the loop at the first structured request
     cores = core_lending(args, runner)
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
