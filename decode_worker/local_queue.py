@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
@@ -58,11 +58,12 @@ class LocalPrefillQueue:
         if self.stats.retractions != self._retractions_seen:
             self._retractions_seen, self._last_retract_step = self.stats.retractions, self.stats.decode_steps
 
-    def consider(self, req: Request, admitted: Iterable[Request], ratio: float, retracted: int,
+    def consider(self, req: Request, admitted: Callable[[], Iterable[Request]], ratio: float, retracted: int,
                  prealloc: int) -> LocalPrefillDecision | None:
         """Decide for new request ``req`` (None when the policy is off; nothing is counted then)
-        and count the outcome; a taken request is queued here. ``admitted``: the requests whose
-        pages are reserved (running, in flight, being prefilled here); ``retracted`` and
+        and count the outcome; a taken request is queued here. ``admitted()``: the requests whose
+        pages are reserved (running, in flight, being prefilled here; asked only when the policy is
+        on); ``retracted`` and
         ``prealloc``: the lengths of the retracted and prealloc queues."""
         if not self.policy.enabled:
             return None
@@ -73,7 +74,7 @@ class LocalPrefillQueue:
         since = None if self._last_retract_step is None else self.stats.decode_steps - self._last_retract_step
         x = LocalPrefillInputs(prompt_tokens=n, cached_tokens=cached, backlog_tokens=self.backlog_tokens,
                                retracted_queue=retracted, steps_since_retract=since, prealloc_queue=prealloc,
-                               need_pages=need, headroom_pages=self.budget.headroom(admitted, ratio).full)
+                               need_pages=need, headroom_pages=self.budget.headroom(admitted(), ratio).full)
         d = self.policy.decide(x)
         self.decisions[d.reason] += 1
         log.debug("local prefill of %s: %s, %s", req.rid, d.reason, x)

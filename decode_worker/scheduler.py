@@ -73,7 +73,7 @@ class DecodeScheduler(WorkerScheduler):
         job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt))
         self.stats.prompt_tokens += len(prompt)
         out = self.peers.connect(msg.prefill_addr)  # a recompute after a retract needs it either way
-        decision = self.local.consider(req, self._admitted(), self.running.ratio.value, len(self.retract.queue),
+        decision = self.local.consider(req, self._admitted, self.running.ratio.value, len(self.retract.queue),
                                        len(self.transfers.prealloc))
         if decision is None or not decision.local:
             self.transfers.queue(job)
@@ -234,7 +234,9 @@ class DecodeScheduler(WorkerScheduler):
         res = self.running.prepare_decode(self._release_victim, park_last=bool(self.transfers.inflight))
         rows = list(self.running.reqs)
         admit_new = not (self.retract.queue or res.retracted)  # resumes and recomputes first
-        items = self.local.select(len(rows), self._admitted(), self.running.ratio.value, admit_new)
+        items = []
+        if self.local:  # a request queued or chunked for local prefill
+            items = self.local.select(len(rows), self._admitted(), self.running.ratio.value, admit_new)
         if self.cfg.scheduler.mixed_batches:
             decoded, prefilled = self.executor.mixed(rows, items)
         else:

@@ -203,7 +203,7 @@ static void one_item(const ext_job_t *j, int64_t item, scratch_t *w) {
 static void worker(ext_job_t *j) {
     const int64_t D = j->D;
     float *buf = malloc(sizeof(float) * (size_t)(D * R_MAX + 2 * KB * D + KB * R_MAX + R_MAX * D));
-    if (buf == 0) return; /* the caller zero-filled out and checks the return code */
+    if (buf == 0) return; /* other threads take the items; if none could, the return code says so */
     scratch_t w = {buf, buf + D * R_MAX, buf + D * R_MAX + KB * D, buf + D * R_MAX + 2 * KB * D,
                    buf + D * R_MAX + 2 * KB * D + KB * R_MAX};
     for (int64_t i; (i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED)) < j->items;) one_item(j, i, &w);

@@ -209,7 +209,7 @@ def paged_extend(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: 
     ``supports(pool_buffer)`` and ``extend_supported`` for the shape."""
     T, H, D = q.shape
     q = q.float().contiguous()
-    out = torch.zeros_like(q)
+    out = torch.empty_like(q)  # every row is written, or the call raises
     pool = _PoolView.of(pool_buffer, layer)
     rc = load().pdserve_paged_extend(q.data_ptr(), pool.base, pool.bf16, table.data_ptr(), table.stride(0),
                                      qstart.data_ptr(), pos0.data_ptr(), ext.data_ptr(), out.data_ptr(), ext.shape[0],
