@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from cache.pool_memory import zeroed
+
 
 class KVPool:
     """Device KV buffer for ``num_layers`` layers. Owns memory only: which request holds which
@@ -42,7 +44,7 @@ class KVPool:
         self.device = torch.device(device)
         shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
         if buffer is None:
-            buffer = torch.zeros(shape, dtype=dtype, device=device)
+            buffer = zeroed(shape, dtype, device)
         elif tuple(buffer.shape) != shape or buffer.dtype != dtype:
             raise ValueError(f"KV pool buffer is {tuple(buffer.shape)} {buffer.dtype}, expected {shape} {dtype}")
         self.buffer = buffer

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cache.kv_pool import KVPool
+from cache.pool_memory import zeroed
 
 FULL, SWA = "full", "swa"
 
@@ -53,8 +54,7 @@ class KVPools:
         full_units, swa_units = n_full // self.unit_layers, n_swa // self.unit_layers
         self.geometry = PoolGeometry(full_pages, full_units, swa_units)
         rows = full_pages * full_units + swa_pages * swa_units
-        self.units = torch.zeros((rows, self.unit_layers, 2, page_size, num_kv_heads, head_dim),
-                                 dtype=dtype, device=device)
+        self.units = zeroed((rows, self.unit_layers, 2, page_size, num_kv_heads, head_dim), dtype, device)
         split = full_pages * full_units
         shape = (2, page_size, num_kv_heads, head_dim)
         self.full = KVPool(full_pages, n_full, page_size, num_kv_heads, head_dim, dtype, device,
