@@ -9,7 +9,10 @@ inputs (measured on one AVX-512 core: 1536x576 at 8 rows 0.15 vs 0.30 ms, the 49
 at 8 rows 10.8 vs 26.4 ms, 512 rows 9.1 vs 10.9 ms). Results equal ``F.linear`` up to float32
 rounding (another summation order). bfloat16 gains as much at decode sizes on an AVX512_BF16 core
 (measured there: 3072x576 at 1 row 0.12 vs 0.50 ms, the LM head at 1 row 1.0 vs 2.0 ms); on CPUs
-without native bfloat16 the engine runs float32 anyway, so those weights stay plain.
+without native bfloat16 the engine runs float32 anyway, so those weights stay plain. Where the CPU
+has AVX512-BF16, a bfloat16 weight of up to GEMV_MAX_BYTES also keeps its plain layout, and calls of
+1-8 rows (a small decode batch) go to ``cpu_gemv.c`` instead: oneDNN spends a fixed ~15-20 us per
+call, most of a small matmul's time (1.5-2.4x on the model's 576-wide weights at 1-2 rows).
 
 Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it, and
 a server sees every row count from 1 to thousands. Fed raw row counts, a process grew from 250 MB
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_features import has_fast_bf16
+from engine.kernels import cpu_native
 
 PACK_BATCH_HINT = 32  # row count oneDNN picks the blocked layout for (any count works)
 CHUNK_ROWS = 512
@@ -42,12 +46,22 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 19
                448, 480, CHUNK_ROWS)  # steps of 32 above 128: a prompt pads at most 31 rows (64 wasted ~12%)
 
 
+# A bfloat16 weight up to this size also keeps its plain layout for the small-batch kernel
+# (``cpu_gemv.c``): there oneDNN's fixed per-call cost is most of the call. Larger weights run at
+# memory bandwidth through oneDNN already (the 56 MB LM head: 773 us packed, 755 us plain kernel).
+GEMV_MAX_BYTES = 16 << 20
+GEMV_ALIGN_IN, GEMV_ALIGN_OUT = 32, 8  # the kernel's chunk of inputs and largest block of outputs
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A ``[out, in]`` weight in oneDNN's layout; ``shape`` is the original one."""
+    """A ``[out, in]`` weight in oneDNN's layout; ``shape`` is the original one. ``plain`` is the
+    original contiguous weight where the small-batch bfloat16 kernel serves calls of up to
+    ``GEMV_MAX_ROWS`` rows (it costs the weight's bytes once more), else None."""
 
     data: torch.Tensor
     shape: torch.Size
+    plain: torch.Tensor | None = None
 
 
 def packing_enabled(w: torch.Tensor) -> bool:
@@ -61,7 +75,16 @@ def pack(w: torch.Tensor) -> torch.Tensor | PackedWeight:
     """``w`` prepared for ``linear`` (reordered for oneDNN where that pays, else ``w`` itself)."""
     if not packing_enabled(w):
         return w
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape)
+    plain = w.contiguous() if _gemv_takes(w) else None
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape, plain)
+
+
+def _gemv_takes(w: torch.Tensor) -> bool:
+    """True iff calls of few rows on ``w`` go to ``cpu_gemv.c``: a bfloat16 weight of at most
+    GEMV_MAX_BYTES whose shape fits the kernel, on a CPU where it was built with AVX512-BF16."""
+    out, inp = w.shape
+    return (w.dtype == torch.bfloat16 and w.numel() * w.element_size() <= GEMV_MAX_BYTES
+            and inp % GEMV_ALIGN_IN == 0 and out % GEMV_ALIGN_OUT == 0 and cpu_native.gemv_available())
 
 
 def bucket_rows(rows: int) -> int:
@@ -86,6 +109,11 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
+    if w.plain is not None and x2.shape[0] <= cpu_native.GEMV_MAX_ROWS and x2.dtype == torch.bfloat16 \
+            and x2.stride(-1) == 1 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
+        y = cpu_native.gemv_bf16(x2, w.plain, bias)
+        if y is not None:
+            return y.view(*x.shape[:-1], w.shape[0])
     if x2.shape[0] <= CHUNK_ROWS:
         y = _packed_rows(x2.contiguous(), w, bias)
     else:

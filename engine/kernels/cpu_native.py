@@ -40,7 +40,7 @@ from engine.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_extend_attention.c",
-                                                     "cpu_fused.c"))
+                                                     "cpu_fused.c", "cpu_gemv.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM = 1024
@@ -111,9 +111,34 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
         "pdserve_silu_mul": [_PTR, _PTR, _I64, _I64, i32, i32],
         "pdserve_store_kv": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
     }
+    lib.pdserve_gemv_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
+    lib.pdserve_gemv_bf16.restype = i32
+    lib.pdserve_gemv_bf16_available.argtypes, lib.pdserve_gemv_bf16_available.restype = [], i32
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+
+
+GEMV_MAX_ROWS = 8  # cpu_gemv.c's MAX_ROWS
+
+
+@functools.lru_cache(maxsize=1)
+def gemv_available() -> bool:
+    """True iff this build has ``cpu_gemv.c``'s bfloat16 kernel (the CPU has AVX512-BF16)."""
+    lib = load()
+    return lib is not None and lib.pdserve_gemv_bf16_available() == 1
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ w.T + bias`` for 2-D bfloat16 ``x`` of 1..GEMV_MAX_ROWS rows (last dim contiguous) and a
+    contiguous bfloat16 ``[out, in]`` ``w``, or None where the kernel does not take the shape (the
+    caller then uses another path). The result is a new ``[rows, out]`` bfloat16 tensor."""
+    rows, out = x.shape[0], w.shape[0]
+    y = torch.empty(rows, out, dtype=torch.bfloat16)
+    threads = torch.get_num_threads() if openmp_shared() else 1
+    rc = load().pdserve_gemv_bf16(x.data_ptr(), x.stride(0), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                  y.data_ptr(), rows, w.shape[1], out, threads)
+    return y if rc == 0 else None
 
 
 def supports(pool_buffer: torch.Tensor) -> bool:

@@ -1,0 +1,75 @@
+"""The small-batch bfloat16 matmul kernel (engine/kernels/cpu_gemv.c) behind engine.cpu_linear."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_linear
+from engine.cpu_linear import GEMV_MAX_BYTES, linear, pack
+from engine.kernels import cpu_native
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(not cpu_native.gemv_available(),
+                                 reason="this CPU has no AVX512-BF16: the gemv kernel is not built here")]
+
+
+def _exact_rounded(x, w, bias):
+    ref = x.double() @ w.double().T
+    if bias is not None:
+        ref = ref + bias.double()
+    return ref
+
+
+def _check(y, ref):
+    """Every output is the exact result rounded to bfloat16, up to one bfloat16 step where the
+    float32 sum sat next to a rounding boundary."""
+    step = ref.abs().float().clamp_min(1e-30) * 2.0 ** -7
+    assert ((y.double() - ref).abs() <= step.double()).all()
+    assert (y == ref.to(torch.bfloat16)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (64, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_the_exact_product(shape, rows, with_bias):
+    torch.manual_seed(rows)
+    w = torch.randn(*shape).bfloat16()
+    bias = torch.randn(shape[0]).bfloat16() if with_bias else None
+    x = torch.randn(rows, shape[1]).bfloat16()
+    y = cpu_native.gemv_bf16(x, w, bias)
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, shape[0])
+    _check(y, _exact_rounded(x, w, bias))
+
+
+def test_strided_rows_and_refused_shapes():
+    w = torch.randn(64, 96).bfloat16()
+    base = torch.randn(3, 160).bfloat16()
+    x = base[:, :96]  # rows 160 apart
+    _check(cpu_native.gemv_bf16(x, w, None), _exact_rounded(x, w, None))
+    assert cpu_native.gemv_bf16(torch.randn(9, 96).bfloat16(), w, None) is None  # over 8 rows
+    assert cpu_native.gemv_bf16(torch.randn(1, 80).bfloat16(), torch.randn(64, 80).bfloat16(), None) is None
+
+
+def test_pack_keeps_the_plain_weight_only_where_the_kernel_takes_it():
+    if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
+        pytest.skip("bfloat16 weights are not packed on this CPU")
+    assert pack(torch.randn(960, 576).bfloat16()).plain is not None
+    assert pack(torch.randn(100, 576).bfloat16()).plain is None  # 100 outputs: not a multiple of 8
+    assert pack(torch.randn(960, 576)).plain is None  # float32
+    big = torch.empty(GEMV_MAX_BYTES // (2 * 576) + 8, 576, dtype=torch.bfloat16)
+    assert pack(big).plain is None
+
+
+def test_linear_routes_small_batches_to_the_kernel(monkeypatch):
+    if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
+        pytest.skip("bfloat16 weights are not packed on this CPU")
+    calls = []
+    real = cpu_native.gemv_bf16
+    monkeypatch.setattr(cpu_native, "gemv_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    w = torch.randn(576, 576).bfloat16()
+    p = pack(w)
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(2, rows, 576).bfloat16()[0]
+        y = linear(x, p)
+        assert y.shape == (rows, 576)
+        torch.testing.assert_close(y.float(), F.linear(x, w).float(), rtol=1.6e-2, atol=1e-2)
+    assert calls == [1, 8]  # 9 and 64 rows stay on oneDNN
