@@ -11,7 +11,7 @@ rounding (another summation order). bfloat16 gains as much at decode sizes on an
 (measured there: 3072x576 at 1 row 0.12 vs 0.50 ms, the LM head at 1 row 1.0 vs 2.0 ms); on CPUs
 without native bfloat16 the engine runs float32 anyway, so those weights stay plain. Where the CPU
 has AVX512-BF16, a bfloat16 weight of up to GEMV_MAX_BYTES also keeps its plain layout, and calls of
-1-8 rows (a small decode batch) go to ``cpu_gemv.c`` instead: oneDNN spends a fixed ~15-20 us per
+1-4 rows (a small decode batch) go to ``cpu_gemv.c`` instead: oneDNN spends a fixed ~15-20 us per
 call, most of a small matmul's time (1.5-2.4x on the model's 576-wide weights at 1-2 rows).
 
 Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it, and
@@ -51,13 +51,16 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 19
 # memory bandwidth through oneDNN already (the 56 MB LM head: 773 us packed, 755 us plain kernel).
 GEMV_MAX_BYTES = 16 << 20
 GEMV_ALIGN_IN, GEMV_ALIGN_OUT = 32, 8  # the kernel's chunk of inputs and largest block of outputs
+# Calls of up to this many rows take the kernel: a decode step A/B (batch 1 / 2 / 4 / 8, the model
+# alternating between paths) gave 1.12x / 1.14x / 1.05x / 0.99x; at 8 rows oneDNN's blocking wins.
+GEMV_ROWS = 4
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A ``[out, in]`` weight in oneDNN's layout; ``shape`` is the original one. ``plain`` is the
     original contiguous weight where the small-batch bfloat16 kernel serves calls of up to
-    ``GEMV_MAX_ROWS`` rows (it costs the weight's bytes once more), else None."""
+    ``GEMV_ROWS`` rows (it costs the weight's bytes once more), else None."""
 
     data: torch.Tensor
     shape: torch.Size
@@ -109,7 +112,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
-    if w.plain is not None and x2.shape[0] <= cpu_native.GEMV_MAX_ROWS and x2.dtype == torch.bfloat16 \
+    if w.plain is not None and x2.shape[0] <= GEMV_ROWS and x2.dtype == torch.bfloat16 \
             and x2.stride(-1) == 1 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
         y = cpu_native.gemv_bf16(x2, w.plain, bias)
         if y is not None:

@@ -67,9 +67,10 @@ def test_linear_routes_small_batches_to_the_kernel(monkeypatch):
     monkeypatch.setattr(cpu_native, "gemv_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     w = torch.randn(576, 576).bfloat16()
     p = pack(w)
-    for rows in (1, 8, 9, 64):
+    top = cpu_linear.GEMV_ROWS
+    for rows in (1, top, top + 1, 64):
         x = torch.randn(2, rows, 576).bfloat16()[0]
         y = linear(x, p)
         assert y.shape == (rows, 576)
         torch.testing.assert_close(y.float(), F.linear(x, w).float(), rtol=1.6e-2, atol=1e-2)
-    assert calls == [1, 8]  # 9 and 64 rows stay on oneDNN
+    assert calls == [1, top]  # more rows stay on oneDNN
