@@ -30,7 +30,7 @@ serve() { # name -> starts it on port 8400, prints its pid
 }
 for t in $TARGETS; do
   pid=$(serve $t)
-  for i in $(seq 300); do curl -sf 127.0.0.1:8400/v1/models >/dev/null && break; sleep 1; done
+  for i in $(seq 300); do curl -sf 127.0.0.1:8400/health >/dev/null && break; sleep 1; done  # ready: every worker too
   sleep 3; echo "== $t ($(uptime))"
   (cd $NEW && $PY -m bench serve --target $t=http://127.0.0.1:8400 "${LOAD[@]}" > /tmp/pseq_$t.log 2>&1)
   grep -E "^\| $t " /tmp/pseq_$t.log | sort -u
