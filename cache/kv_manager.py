@@ -158,34 +158,6 @@ class KVManager:
             handle.swa.pages.extend(self.swa_allocator.alloc(need.swa))
         return True
 
-    def share_prefix(self, handle: KVHandle, token_ids: Sequence[int]) -> int:
-        """Insert on prefill: the full pages of ``token_ids`` (tokens whose KV is computed in
-        ``handle``, in order) go to the radix cache while the request keeps reading them, so a
-        request with the same prefix (a sibling choice, ``n`` > 1) matches them instead of
-        computing them again. They become ``handle``'s shared prefix, locked by it (copy on write:
-        the pages after them, the last partial one included, stay the request's own and every
-        sibling writes its own). Where the tree already held a page for the same tokens (another
-        request inserted them first) the handle switches to the tree's page and its duplicate is
-        freed: call only between forwards, when no kernel reads the handle. Returns the pages newly
-        shared; 0, with nothing changed, without a radix cache, with an SWA pool (whose tree
-        tracks windows per node) or when nothing beyond the shared prefix is a full page."""
-        if self.tree is None or self.has_swa:
-            return 0
-        n_full = len(token_ids) // self.page_size
-        full = handle.full
-        if n_full <= full.num_shared:
-            return 0
-        key = token_ids[: n_full * self.page_size]
-        res = self.tree.insert(key, full.pages[:n_full])
-        self.tree.lock(res.node)
-        if res.duplicate_pages:
-            full.pages[:n_full] = [int(p) for p in self.tree.match_prefix(key).pages]
-            self.allocator.free(res.duplicate_pages)
-        if full.node is not None:
-            self.tree.unlock(full.node)
-        shared, full.node, full.num_shared = n_full - full.num_shared, res.node, n_full
-        return shared
-
     # ---- giving back -------------------------------------------------------------------------
     def release_window(self, handle: KVHandle, kv_len: int) -> int:
         """Free the request's own SWA pages before ``window.keep_start(kv_len)``; returns how many."""

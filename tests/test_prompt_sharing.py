@@ -1,5 +1,5 @@
 """Parallel sampling shares the prompt's KV pages in the colocated scheduler (insert on prefill,
-``KVManager.share_prefix``), on the tiny random model: the choices of one prompt arrive as the
+``cache.prefix_share``), on the tiny random model: the choices of one prompt arrive as the
 router sends them (the first, then the others once it has its first token) and match the first
 one's full prompt pages instead of computing them again; each computes only its last page, into
 pages of its own. Seeded and greedy outputs equal those of separate requests (greedy: of HF), the
