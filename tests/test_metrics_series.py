@@ -120,13 +120,14 @@ def test_colocated_series(tiny):
     with pytest.raises(RequestRejected):
         sched.add(b"", GenerateRequest(rid="big", params=greedy(200)), a)
     sched.add(b"", GenerateRequest(rid="cut", params=greedy()), b)
-    sched.step()
+    sched.step()  # its prefill: the prompt's full pages are the radix cache's (insert on prefill)
+    sched.step()  # a decode step: the page of its first output token is its own
     mid = scrape(sched)
     assert val(mid, "pdserve_queue_requests", queue="running") == 1 and val(mid, "pdserve_kv_pool_pages", state="used") > 0
     sched.abort("cut")
     m = scrape(sched)
     assert val(m, "pdserve_prompt_tokens_total") == 20 + 20 + 19 + 20
-    assert val(m, "pdserve_generation_tokens_total") == 3 * OUT + 1
+    assert val(m, "pdserve_generation_tokens_total") == 3 * OUT + 2  # cut: its first token and one more
     assert [len(d.token_ids) for d in first + third] == [OUT] * 3
     assert val(m, "pdserve_worker_finished_requests_total") == 3
     assert val(m, "pdserve_worker_aborted_requests_total") == 1

@@ -157,3 +157,18 @@ def test_each_streamed_choice_has_its_own_calls(make_client):
         assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "get_time")]
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert finishes == ["tool_calls", "tool_calls"]
+
+
+def test_streamed_arguments_arrive_piecewise_and_match_the_whole_answer(make_client):
+    """The output arrives in pieces: the arguments come in several chunks, as the model writes them,
+    and their concatenation is exactly the non-streamed answer's ``arguments``."""
+    cut = [0, 12, 25, 40, 52, 60, 66, 70, len(CALL_TEXT)]
+    client, _, _ = make_client({"pieces": [CALL_TEXT[a:b] for a, b in zip(cut, cut[1:])]})
+    whole = chat(client, tools=[WEATHER]).json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    r = chat(client, tools=[WEATHER], stream=True)
+    chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+    parts = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks
+             if c["choices"] and "tool_calls" in c["choices"][0]["delta"]]
+    fragments = [p["function"]["arguments"] for p in parts[1:]]
+    assert parts[0]["function"] == {"name": "get_weather", "arguments": ""} and len(fragments) >= 3, parts
+    assert "".join(fragments) == whole["arguments"] == '{"city": "Paris"}'

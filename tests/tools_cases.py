@@ -1,7 +1,8 @@
 """The end-to-end tool-call cases, shared by the colocated server (tests/clients/test_openai_table.py)
 and the PD one (tests/test_tools_e2e.py): the real model through the official ``openai`` client,
 unmodified. ``required`` (greedy) and a named tool (sampled, seeded), whole and streamed (the
-same call both ways): every answer is
+same call both ways; the stream's arguments arrive in several fragments and are put together by
+the SDK's own stream accumulator): every answer is
 exactly one call of an allowed tool whose arguments validate against its schema, and the call
 replayed with its result is accepted."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -25,19 +27,26 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
 def _streamed(client, **kw) -> tuple[str, list[dict], str]:
-    """(content, calls as {id, name, arguments}, finish reason) of a streamed answer, put together
-    from ``delta.tool_calls`` the way OpenAI's clients do."""
-    content, calls, finish = "", {}, None
+    """(content, calls as {id, name, arguments, fragments}, finish reason) of a streamed answer, put
+    together from ``delta.tool_calls`` by the ``openai`` SDK's own accumulator
+    (``ChatCompletionStreamState``, what ``client.chat.completions.stream`` uses); checks that each
+    call's first delta carries id, type and name and the later ones only index and arguments, and
+    counts the argument fragments."""
+    state, heads, fragments = ChatCompletionStreamState(), {}, {}
     for chunk in client.chat.completions.create(stream=True, **kw):
+        state.handle_chunk(chunk)
         for c in chunk.choices:
-            content += c.delta.content or ""
             for part in c.delta.tool_calls or []:
-                call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
-                call["id"] = part.id or call["id"]
-                call["name"] += (part.function.name or "") if part.function else ""
-                call["arguments"] += (part.function.arguments or "") if part.function else ""
-            finish = c.finish_reason or finish
-    return content, [calls[k] for k in sorted(calls)], finish
+                if part.index not in heads:
+                    heads[part.index] = part
+                    assert part.id and part.type == "function" and part.function.name, part
+                else:
+                    assert part.id is None and part.function.name is None and part.function.arguments, part
+                    fragments[part.index] = fragments.get(part.index, 0) + 1
+    choice = state.get_final_completion().choices[0]
+    calls = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments,
+              "fragments": fragments.get(k, 0)} for k, t in enumerate(choice.message.tool_calls or [])]
+    return choice.message.content or "", calls, choice.finish_reason
 
 
 def _valid(name: str, arguments: str, allowed: set[str]) -> None:
@@ -64,7 +73,7 @@ def check_forced_tool_calls(client) -> None:
         content, calls, finish = _streamed(client, **kw)
         assert finish == "tool_calls" and content == "" and len(calls) == 1, (content, calls, finish)
         _valid(calls[0]["name"], calls[0]["arguments"], allowed)
-        assert calls[0]["id"].startswith("call_")
+        assert calls[0]["id"].startswith("call_") and calls[0]["fragments"] > 1, calls  # streamed piecewise
         assert (calls[0]["name"], calls[0]["arguments"]) == (call.function.name, call.function.arguments)
         first = first or msg
     # the call replayed with its result (the client's own message object) is rendered and answered

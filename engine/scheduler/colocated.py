@@ -3,15 +3,23 @@
 Each ``step()`` with ``mixed_batches``: one forward of every running request's
 next token plus a chunk of prefill in the tokens left (``engine.scheduler.mixed_step``). Without:
 an extend batch if any waiting request fits (prefill first, as SGLang does), otherwise one
-``RunningBatch.decode_step``. Retract victims drop their KV (not cached) and go back to the front
+``RunningBatch.decode_step``. Retract victims drop their own KV (not cached) and go back to the front
 of the waiting queue for re-prefill of prompt + output so far; their output tokens and sampler
 state are kept.
+
+Insert on prefill: when a request's prefill completes, the full pages of what it computed go to the
+radix cache at once (``cache.prefix_share``), locked by the request, instead of only when it
+finishes. The choices of an ``n`` > 1 request (the router sends the others once the first has its
+first token) and any request with the same prefix then match those pages and compute only the rest
+(at most the last page), each with its own pages from there on (copy on write at the last partial
+page). A retracted or aborted request keeps nothing locked; the prefix stays cached (evictable).
 """
 from __future__ import annotations
 
 from collections import deque
 
 from cache.handle import KVHandle
+from cache.prefix_share import share_prefix
 from configs.scheduler import SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.request import Phase, Release, Request
@@ -160,6 +168,7 @@ class ColocatedScheduler(WorkerScheduler):
             if req.finished:
                 self.finish(req, Outcome(req.finish_reason))
             elif req.status is Phase.RUNNING:
+                share_prefix(self.kv, req.kv, req.all_ids[:req.kv_len])
                 self.running.add(req)
         return out
 

@@ -11,8 +11,10 @@ Tools (``tools``, ``tool_choice``; ``server.router.tools``): the tools are rende
 (``server.router.tool_prompt``); ``required`` and a named tool constrain the output to one call with
 the grammar engine; unless ``tool_choice`` is "none", every choice's output is parsed
 (``server.router.tool_parser``): calls go to ``message.tool_calls`` (streamed: ``delta.tool_calls``,
-a chunk with the call's index, id, type and name and empty arguments, then one with its arguments),
-the rest is content, and a finish by stop after a call is reported as ``"tool_calls"``.
+a chunk with the call's index, id, type and name and empty arguments as soon as the name is known,
+then chunks with only the index and fragments of the arguments as the model writes them, whose
+concatenation is the non-streamed ``arguments``), the rest is content, and a finish by stop after a
+call is reported as ``"tool_calls"``.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from server.router.openai_schemas import ChatCompletionRequest
 from server.router.parallel import check_n
 from server.router.prompt_logprobs import prompt_logprobs_json
 from server.router.serving import serve_choices
-from server.router.tool_parser import ParsedCall, ToolCallStream, parse_tool_calls
+from server.router.tool_parser import CallDelta, ParsedCall, ToolCallStream, parse_tool_calls
 from server.router.tool_prompt import template_input
 from server.router.tools import ToolPlan, tool_plan
 
@@ -168,14 +170,14 @@ class ChatFormat:
     def chunks(self, run: ChoiceRun, piece: Piece) -> list[dict]:
         """A content delta (if there is text or tokens to show), then the finish chunk on the last piece."""
         out = []
-        text, calls = piece.text, []
+        text, deltas = piece.text, []
         if self.parse_tools:
             stream = self._streams.setdefault(run.index, ToolCallStream())
             step = stream.feed(piece.text)
             if piece.finish_reason:
                 last = stream.finish()
-                step.content, step.calls = step.content + last.content, step.calls + last.calls
-            text, calls = step.content, step.calls
+                step.content, step.deltas = step.content + last.content, step.deltas + last.deltas
+            text, deltas = step.content, step.deltas
         wants_tokens = self.req.logprobs or self.req.return_token_ids
         if text or (wants_tokens and piece.ids):
             c = {"index": run.index, "delta": {"content": text},
@@ -183,8 +185,7 @@ class ChatFormat:
             if self.req.return_token_ids:
                 c["token_ids"] = piece.ids
             out.append(self._base([c]))
-        for call in calls:
-            out.extend(self._call_chunks(run.index, self._streams[run.index].calls.index(call), call))
+        out.extend(self._call_chunk(run.index, d) for d in deltas)
         if piece.finish_reason:
             reason = piece.finish_reason
             if self.parse_tools:
@@ -192,12 +193,10 @@ class ChatFormat:
             out.append(self._base([{"index": run.index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
         return out
 
-    def _call_chunks(self, index: int, k: int, call: ParsedCall) -> list[dict]:
-        """The ``delta.tool_calls`` chunks of call ``k`` of choice ``index``: id, type and name, then arguments."""
-        head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        tail = {"index": k, "function": {"arguments": call.arguments}}
-        return [self._base([{"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
-                             "finish_reason": None}]) for part in (head, tail)]
+    def _call_chunk(self, index: int, delta: CallDelta) -> dict:
+        """The ``delta.tool_calls`` chunk of one piece of a call of choice ``index``."""
+        return self._base([{"index": index, "delta": {"tool_calls": [delta.as_delta_json()]}, "logprobs": None,
+                            "finish_reason": None}])
 
     def closing(self, runs: list[ChoiceRun]) -> list[dict]:
         """The usage chunk when ``stream_options.include_usage``."""

@@ -4,9 +4,12 @@ it) and answered 200; each refused one, sent with a non-default value, gets a 40
 and ``param`` name it. A row added to the table without a value here fails the test."""
 from __future__ import annotations
 
+import random
 import re
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -136,6 +139,32 @@ def test_n_choices_against_the_model(client):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert all(texts.values()), texts
+
+
+def _worker_counter(base: str, name: str) -> float:
+    """Sum over workers of the counter ``name`` on the router's /metrics."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def test_n_choices_prefill_the_prompt_once(client):
+    """n=4 on a fresh 256-token prompt: the three later choices match the first one's full prompt
+    pages (inserted into the radix cache at its prefill) and compute only the last page: the
+    worker's cached prompt tokens grow by 3 x 240 (page size 16) of the 4 x 256 accepted."""
+    model = client.models.list().data[0].id
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    prompt = [random.Random(26).randrange(1000, 20000) for _ in range(256)]
+    names = ("pdserve_prompt_tokens_total", "pdserve_cached_prompt_tokens_total")
+    before = [_worker_counter(base, n) for n in names]
+    r = client.completions.create(model=model, prompt=prompt, n=4, max_tokens=4, temperature=1.0, seed=5)
+    assert len(r.choices) == 4 and r.usage.prompt_tokens == 256
+    deadline = time.monotonic() + 30
+    while True:  # worker counters reach the router with the worker's next heartbeat
+        delta = [_worker_counter(base, n) - b for n, b in zip(names, before)]
+        if delta[0] >= 4 * 256 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta == [4 * 256, 3 * 240], delta
 
 
 def test_prompt_logprobs_agree_with_the_sampler(client):
