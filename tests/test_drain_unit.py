@@ -9,7 +9,7 @@ import pytest
 
 from server.router.inflight import InflightTable
 from server.router.membership import add_worker, drain_worker, remove_worker
-from server.router.registry import DRAINED, DRAINING, READY, Registry, WorkerSpec, route_pd
+from server.router.registry import DEAD, DRAINED, DRAINING, READY, STARTING, Registry, WorkerSpec, route_pd
 from server.worker.drain import Drain, Verdict, as_unavailable
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import PrefillFailed, TokenDelta, WorkerStats
@@ -279,3 +279,28 @@ def test_openapi_document_states_admin_drain_its_body_answers_and_bearer_key():
     (scheme,) = op["security"][0]
     assert doc["components"]["securitySchemes"][scheme] == {
         "type": "http", "scheme": "bearer", "description": "One of the router's --api-key values"}
+
+
+def test_a_worker_that_rejoins_discovery_while_silent_still_fails_its_requests():
+    """A container killed and restarted at the same address: DNS drops it, then lists it again,
+    before it answers. Its requests in flight must still fail once it has been silent too long."""
+    async def go():
+        clock = Clock()
+        reg = Registry([], FakeClient, InflightTable(), policy=route_pd, model_name="m", dynamic=True,
+                       clock=clock, timeout_s=8)
+        await reg.start()
+        for spec in (P0, D0):
+            await add_worker(reg, spec)
+        route = reg.route()
+        reg.table.open("r1", tuple(h.worker_id for h in route.targets), route.stream_from.worker_id, 10)
+        await remove_worker(reg, "decode-0", "decode no longer resolves to it")
+        await add_worker(reg, D0)  # listed again (restarted at the same address), not answering yet
+        assert reg.handles["decode-0"].state == STARTING
+        clock.t += 9
+        reg.handles["prefill-0"].client.request_stats(2)
+        assert [h.worker_id for h in reg.check_liveness()] == ["decode-0"]
+        assert reg.handles["decode-0"].state == DEAD and "no heartbeat for 9.0s" in reg.handles["decode-0"].reason
+        assert reg.handles["prefill-0"].client.aborts == ["r1"]  # r1 failed with 503 (aborted everywhere)
+        await reg.close()
+
+    asyncio.run(go())
