@@ -5,7 +5,7 @@ decode containers through compose's DNS, KV over UCX/TCP between them) brought u
 In order: routes to every container go through the project's bridge; greedy outputs through each
 of the two routers equal the colocated engine's; ``--scale decode=2`` adds a worker that both
 routers list without any edit and that serves a completion; 16 concurrent requests against small
-decode pools retract and still equal it; a decode container that crashes (its main process
+decode pools retract and still equal it; the busiest decode container crashing (its main process
 SIGKILLed, as an OOM kill would) fails only its own requests, fast, while the other decode worker
 keeps serving, and comes back through its restart policy and serves; ``docker kill`` stops a
 container for good (Docker never restarts a container it was told to kill), the rest keep serving,
@@ -27,11 +27,12 @@ import pytest
 from compose_stack import ComposeStack, sh
 from stream_client import Outcome, stream_one
 from conftest import engine_cfg, sched_cfg, strip_eos
-from server.testing.subprocess_server import free_port, fresh_metrics, metric_sum, wait_idle
+from server.testing.subprocess_server import free_port, fresh_metrics, metric_sum, scrape_metrics, wait_idle
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 SERVICES = ["prefill", "decode", "router", "router-b"]
+LONG = 128  # output tokens of the streams a decode replica is lost under (still running at the loss)
 # Small decode pools so 16 requests overcommit them; low initial reservation so admission
 # overcommits and the decode workers must retract.
 OVERRIDE = """
@@ -178,9 +179,10 @@ def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedd
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
 
 
-async def load_while(url: str, action, n: int = 8, max_tokens: int = 64) -> list[tuple[Outcome, float]]:
+async def load_while(url: str, action, n: int = 8, max_tokens: int = 64, choose=None) -> list[tuple[Outcome, float]]:
     """``n`` concurrent streamed requests; ``action()`` runs once every one has streamed a token (so
-    none can be retried on a fresh pair: the router retries only before a first token).
+    none can be retried on a fresh pair: the router retries only before a first token); with
+    ``choose``, ``action(choose())``, where ``choose`` runs before the clock starts.
     [(outcome, seconds from the action until that request ended)]."""
     first = [asyncio.Event() for _ in range(n)]
     limits = httpx.Limits(max_connections=n + 2)
@@ -188,8 +190,9 @@ async def load_while(url: str, action, n: int = 8, max_tokens: int = 64) -> list
         tasks = [asyncio.create_task(stream_one(c, f"{SHARED}{q}", max_tokens, i, first[i]))
                  for i, q in enumerate(QUESTIONS[:n])]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 240)
+        chosen = choose() if choose is not None else None
         t_action = time.monotonic()
-        action()
+        action() if choose is None else action(chosen)
         return [(o, o.t_end - t_action) for o in await asyncio.gather(*tasks)]
 
 
@@ -236,10 +239,23 @@ def two_decodes(stack) -> list[dict]:
     return infos
 
 
+def busiest_decode(url: str, infos: list[dict]) -> dict:
+    """Of the decode replicas ``infos``, the one holding the most KV in the router's latest
+    heartbeats (one scrape, no wait: it runs between the first tokens and the action): the one
+    whose loss fails requests in flight, whichever replica the routers picked for them."""
+    m = scrape_metrics(url)
+    return max(infos, key=lambda i: metric_sum(m, "pdserve_kv_pool_pages", worker=dns_id(i), state="used"))
+
+
 def test_crashed_decode_container_fails_fast_and_restart_policy_brings_it_back(stack):
-    info = two_decodes(stack)[0]
-    restarts, pid = info["RestartCount"], int(info["State"]["Pid"])
-    check_split(asyncio.run(load_while(stack.url, lambda: os.kill(pid, signal.SIGKILL))))
+    infos, crashed = two_decodes(stack), {}
+
+    def choose() -> dict:
+        crashed["info"] = busiest_decode(stack.url, infos)
+        return crashed["info"]
+    check_split(asyncio.run(load_while(stack.url, lambda i: os.kill(int(i["State"]["Pid"]), signal.SIGKILL),
+                                       max_tokens=LONG, choose=choose)), max_tokens=LONG)
+    info, restarts = crashed["info"], crashed["info"]["RestartCount"]
     t0 = time.monotonic()
     while (info := stack.inspect(info["Id"]))["RestartCount"] == restarts:
         assert time.monotonic() - t0 < 60, "the restart policy did not restart the decode container"
@@ -251,8 +267,14 @@ def test_crashed_decode_container_fails_fast_and_restart_policy_brings_it_back(s
 
 
 def test_docker_kill_stops_decode_for_good_until_started_again(stack):
-    cid = two_decodes(stack)[1]["Id"]
-    check_split(asyncio.run(load_while(stack.url, lambda: sh("docker", "kill", cid))))
+    infos, killed = two_decodes(stack), {}
+
+    def choose() -> str:
+        killed["cid"] = busiest_decode(stack.url, infos)["Id"]
+        return killed["cid"]
+    check_split(asyncio.run(load_while(stack.url, lambda cid: sh("docker", "kill", cid), max_tokens=LONG,
+                                       choose=choose)), max_tokens=LONG)
+    cid = killed["cid"]
     assert stack.inspect(cid)["State"]["Status"] == "exited"  # a manual stop: no restart policy
     hello(stack.url)  # the other decode replica alone serves
     sh("docker", "start", cid)
