@@ -14,7 +14,7 @@ import dataclasses
 import sys
 
 from bench.serve import goodput_report, report
-from bench.serve.client import ClientConfig, served_model
+from bench.serve.client import ClientConfig, served_model, split_urls
 from bench.serve.cpu import CpuMeter
 from bench.serve.goodput import GoodputPoint, GoodputResult, measure_point, search_goodput
 from bench.serve.interference import InterferenceSpec, interference_records, interference_requests
@@ -44,8 +44,11 @@ class ServeBench:
         self.warm_shape = PromptShape(args.warmup, lo, hi, min(out_lo, 8), args.shared_prefix_len)
 
     def _client(self, url: str) -> ClientConfig:
-        model = self.a.served_model_name or served_model(url, self.a.api_key)
-        return ClientConfig(url, model, self.a.endpoint, self.a.api_key, self.a.ignore_eos, self.a.request_timeout_s)
+        """Where ``url`` (one server, or several comma-separated routers, round-robin) is loaded."""
+        urls = split_urls(url, "--base-url")
+        model = self.a.served_model_name or served_model(urls[0], self.a.api_key)
+        return ClientConfig(urls[0], model, self.a.endpoint, self.a.api_key, self.a.ignore_eos, self.a.request_timeout_s,
+                            urls if len(urls) > 1 else ())
 
     def _warmup(self, level: int):
         return make_requests(self.warm_shape, self.counter, self.a.workload_seed + 7919 + level)

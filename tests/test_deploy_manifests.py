@@ -1,7 +1,7 @@
 """Deployment files, checked offline: the Kubernetes manifests validate against the API schemas
 (``kubernetes-validate``, strict), and they and ``docker/compose.yaml`` agree with the CLI they
-run: every command line parses with the real ``pdserve`` parser, the router's ``--worker`` list
-names exactly the workers that exist, the mounted preset is the shipped one and loads, and every
+run: every command line parses with the real ``pdserve`` parser, the routers' ``--worker`` list
+or ``--discovery`` targets name exactly the workers that exist, the mounted preset is the shipped one and loads, and every
 router and worker gets the cluster key (a Kubernetes Secret from kustomize's secretGenerator, a
 compose secret) from a file that git ignores."""
 from __future__ import annotations
@@ -167,17 +167,25 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def test_compose_router_routes_to_every_worker_service_once_healthy():
+def test_compose_routers_find_every_worker_service_through_dns():
+    """Two routers, each resolving exactly the worker services (role, service name, control port)
+    through compose's DNS; the workers name themselves (no --worker-id: replicas differ by hostname);
+    each router publishes its own loopback port."""
     services = compose()["services"]
-    workers = {n: parse(s["command"]) for n, s in services.items() if n != "router"}
-    assert sorted(workers) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    routers = {n: parse(s["command"]) for n, s in services.items() if parse(s["command"]).command == "router"}
+    workers = {n: parse(s["command"]) for n, s in services.items() if n not in routers}
+    assert sorted(routers) == ["router", "router-b"] and sorted(workers) == ["decode", "prefill"]
     for name, a in workers.items():
-        assert a.command == "worker" and a.worker_id == name and a.role == name.split("-")[0]
-    router = services["router"]
-    args = parse(router["command"])
-    specs = {(s.role, s.worker_id, s.addr) for s in map(parse_worker_spec, args.worker)}
-    assert specs == {(a.role, n, f"tcp://{n}:{a.control_addr.rsplit(':', 1)[1]}") for n, a in workers.items()}
-    assert router["depends_on"] == {n: {"condition": "service_healthy"} for n in workers}
+        assert a.command == "worker" and a.worker_id is None and a.role == name
+    expected = {(a.role, n, int(a.control_addr.rsplit(":", 1)[1])) for n, a in workers.items()}
+    ports = set()
+    for name, a in routers.items():
+        assert a.worker == [] and {(t.role, t.name, t.port) for t in parse_targets(a.discovery)} == expected, name
+        assert services[name]["depends_on"] == {n: {"condition": "service_healthy"} for n in workers}
+        (published,) = services[name]["ports"]
+        assert published.startswith("127.0.0.1:") and published.endswith(":8000")
+        ports.add(published)
+    assert len(ports) == 2, "each router needs its own host port"
     for s in services.values():
         assert s["healthcheck"]["test"] == ["CMD", "pdserve", "probe"] and s["restart"] == "unless-stopped"
         assert s["mem_limit"] and "models:/models" in s["volumes"]

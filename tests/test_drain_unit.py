@@ -9,7 +9,7 @@ import pytest
 
 from server.router.inflight import InflightTable
 from server.router.membership import add_worker, drain_worker, remove_worker
-from server.router.registry import DRAINED, DRAINING, READY, Registry, WorkerSpec, route_pd
+from server.router.registry import DEAD, DRAINED, DRAINING, READY, STARTING, Registry, WorkerSpec, route_pd
 from server.worker.drain import Drain, Verdict, as_unavailable
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import PrefillFailed, TokenDelta, WorkerStats
@@ -221,19 +221,24 @@ def test_launcher_leaves_a_drained_worker_down_and_restarts_a_crashed_one():
     assert procs.restarted == ["decode-1"]  # decode-0 is never restarted
 
 
-def test_admin_drain_needs_the_api_key_and_takes_the_worker_out_at_once():
-    from fastapi.testclient import TestClient
-
+def _admin_app(reg: Registry):
+    """The router's real app over ``reg`` (fake workers), with API key ``sekret``."""
     from configs.schema import PdserveConfig
     from server.router.app import build_admission, create_app
     from server.router.context import RouterContext
     from server.router.metrics import RouterMetrics
 
     cfg = PdserveConfig.model_validate({"server": {"api_key": "sekret"}})
-    reg = _registry(P0, D0, D1)
     ctx = RouterContext(cfg, None, "m", reg, reg.table, RouterMetrics(lambda: reg.handles.values(), lambda: 0),
                         build_admission(cfg, reg))
-    with TestClient(create_app(ctx)) as http:
+    return create_app(ctx)
+
+
+def test_admin_drain_needs_the_api_key_and_takes_the_worker_out_at_once():
+    from fastapi.testclient import TestClient
+
+    reg = _registry(P0, D0, D1)
+    with TestClient(_admin_app(reg)) as http:
         _beat(reg)
         r = http.post("/admin/drain", json={"worker_id": "decode-0"})
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
@@ -245,5 +250,57 @@ def test_admin_drain_needs_the_api_key_and_takes_the_worker_out_at_once():
         assert r.status_code == 404 and "known workers: decode-0, decode-1, prefill-0" in r.json()["error"]["message"]
         r = http.post("/admin/drain", content=b"[]", headers=auth)
         assert r.status_code == 400
+        r = http.post("/admin/drain", json={"worker_id": "decode-0"}, headers=auth)
+        assert r.status_code == 202  # asking again resends Drain
         health = http.get("/health").json()
         assert health["status"] == "ok" and "decode-0 (decode): draining" in health["workers"]
+        reg.handles["decode-0"].state = DRAINED
+        r = http.post("/admin/drain", json={"worker_id": "decode-0"}, headers=auth)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "worker_not_serving"
+        assert "decode-0 is drained" in r.json()["error"]["message"]
+
+
+def test_openapi_document_states_admin_drain_its_body_answers_and_bearer_key():
+    from fastapi.testclient import TestClient
+
+    from server.router.admin import DrainBody
+
+    with TestClient(_admin_app(_registry(P0, D0))) as http:
+        doc = http.get("/openapi.json").json()
+    op = doc["paths"]["/admin/drain"]["post"]
+    ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    body = doc["components"]["schemas"][ref.rsplit("/", 1)[-1]]
+    assert ref.endswith("/DrainBody") and body["required"] == ["worker_id"]
+    assert set(body["properties"]) == set(DrainBody.model_fields) and body["additionalProperties"] is False
+    assert set(op["responses"]) == {"202", "400", "401", "404", "409", "413"}
+    answer = op["responses"]["202"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+    assert set(doc["components"]["schemas"][answer]["properties"]) == {"worker_id", "state", "in_flight"}
+    assert op["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    (scheme,) = op["security"][0]
+    assert doc["components"]["securitySchemes"][scheme] == {
+        "type": "http", "scheme": "bearer", "description": "One of the router's --api-key values"}
+
+
+def test_a_worker_that_rejoins_discovery_while_silent_still_fails_its_requests():
+    """A container killed and restarted at the same address: DNS drops it, then lists it again,
+    before it answers. Its requests in flight must still fail once it has been silent too long."""
+    async def go():
+        clock = Clock()
+        reg = Registry([], FakeClient, InflightTable(), policy=route_pd, model_name="m", dynamic=True,
+                       clock=clock, timeout_s=8)
+        await reg.start()
+        for spec in (P0, D0):
+            await add_worker(reg, spec)
+        route = reg.route()
+        reg.table.open("r1", tuple(h.worker_id for h in route.targets), route.stream_from.worker_id, 10)
+        await remove_worker(reg, "decode-0", "decode no longer resolves to it")
+        await add_worker(reg, D0)  # listed again (restarted at the same address), not answering yet
+        assert reg.handles["decode-0"].state == STARTING
+        clock.t += 9
+        reg.handles["prefill-0"].client.request_stats(2)
+        assert [h.worker_id for h in reg.check_liveness()] == ["decode-0"]
+        assert reg.handles["decode-0"].state == DEAD and "no heartbeat for 9.0s" in reg.handles["decode-0"].reason
+        assert reg.handles["prefill-0"].client.aborts == ["r1"]  # r1 failed with 503 (aborted everywhere)
+        await reg.close()
+
+    asyncio.run(go())

@@ -330,3 +330,15 @@ def test_health_require_any(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_worker_id_defaults_to_role_and_hostname(monkeypatch):
+    import socket
+
+    from server.launch.args import parse_args
+    from server.launch.cli import worker_id
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "3f2a9c1d0b7e")
+    args = parse_args(["worker", "--role", "decode", "--control-addr", "tcp://0.0.0.0:29500"])
+    assert args.worker_id is None and worker_id(args.role, args.worker_id) == "decode-3f2a9c1d0b7e"
+    assert worker_id("decode", "decode-0") == "decode-0"

@@ -8,6 +8,7 @@ ucxx pull in native libraries).
 from __future__ import annotations
 
 from transfer.kv_transport import KVTransport
+from transfer.notif_seal import seal_for
 
 BACKENDS = ("nixl", "ucxx", "loopback")
 
@@ -18,7 +19,18 @@ def create_transport(kind: str, name: str, cluster=None, **kwargs) -> KVTranspor
 
     ``cluster`` (a ``configs.schema.ClusterConfig``, optional) supplies the backend's settings
     from the config: for ucxx ``ucxx_error_handling`` and, as the write deadline, the peer lease
-    ``peer_timeout_s``. Explicit ``kwargs`` win over it. An unknown ``kind`` raises ``ValueError``."""
+    ``peer_timeout_s``. Explicit ``kwargs`` win over it. An unknown ``kind`` raises ``ValueError``.
+
+    With a cluster key (``cluster.cluster_key`` or ``PDSERVE_CLUSTER_SECRET_KEY``) the transport
+    seals the notifications it sends and drops received ones whose seal does not verify
+    (``transfer.notif_seal``)."""
+    transport = _backend(kind, name, cluster, **kwargs)
+    if cluster is not None:
+        transport.use_seal(seal_for(cluster.cluster_key))
+    return transport
+
+
+def _backend(kind: str, name: str, cluster, **kwargs) -> KVTransport:
     if kind == "nixl":
         from transfer.nixl_transport import NixlTransport
 

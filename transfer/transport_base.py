@@ -28,6 +28,8 @@ import abc
 import threading
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -42,6 +44,9 @@ from transfer.kv_transport import (
     encode_metadata,
     pool_geometry,
 )
+
+if TYPE_CHECKING:
+    from transfer.notif_seal import NotifSeal
 
 
 def err_text(e: BaseException) -> str:
@@ -138,6 +143,7 @@ class TransportBase(KVTransport):
         self._buffer: torch.Tensor | None = None
         self._page_bytes = self._num_pages = 0
         self._mem_type, self._dev, self._base = "", 0, 0
+        self._seal: NotifSeal | None = None
 
     # ---- checks -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -207,11 +213,19 @@ class TransportBase(KVTransport):
         with self._lock:
             return list(self._peers)
 
+    def use_seal(self, seal: "NotifSeal | None") -> None:
+        """Seal every notification this transport sends with ``seal`` and deliver only received ones
+        whose seal verifies (``transfer.notif_seal``); None (the default): plain notifications."""
+        with self._lock, self._notif_lock:
+            self._seal = seal
+
     def write_pages(self, peer: str, src_pages: np.ndarray, dst_pages: np.ndarray,
                     notif: bytes) -> TransferHandle:
         """Check the notif, the transport's state, the peer and both page lists (``check_pages``
-        against both pools), then ``_write``."""
+        against both pools), then ``_write`` (the notif sealed when ``use_seal`` gave a seal)."""
         notif = check_notif(notif)
+        if self._seal is not None:
+            notif = self._seal.seal(self.name, notif)
         with self._lock:
             self._check_open()
             self._check_registered("write_pages")
@@ -228,10 +242,15 @@ class TransportBase(KVTransport):
         backend's own."""
 
     def poll_notifs(self) -> list[tuple[str, bytes]]:
-        """Check the transport is open, then ``_take_notifs`` (under ``_notif_lock``)."""
+        """Check the transport is open, then ``_take_notifs`` (under ``_notif_lock``); with a seal,
+        only the notifications whose seal verifies, unsealed (the others are dropped and logged)."""
         with self._notif_lock:
             self._check_open()
-            return self._take_notifs()
+            got = self._take_notifs()
+            if self._seal is None:
+                return got
+            opened = [(sender, self._seal.open(sender, notif)) for sender, notif in got]
+            return [(sender, notif) for sender, notif in opened if notif is not None]
 
     @abc.abstractmethod
     def _take_notifs(self) -> list[tuple[str, bytes]]:

@@ -45,7 +45,9 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Where and how to send: ``endpoint`` is ``completions`` or ``chat``."""
+    """Where and how to send: ``endpoint`` is ``completions`` or ``chat``. ``base_urls``: several
+    routers in front of the same workers, taken round-robin by request index (``url_for``); empty:
+    ``base_url`` alone."""
 
     base_url: str
     model: str
@@ -53,6 +55,24 @@ class ClientConfig:
     api_key: str | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
+    base_urls: tuple[str, ...] = ()
+
+    def url_for(self, index: int) -> str:
+        """The server request ``index`` goes to: ``base_urls[index % n]``, or ``base_url``."""
+        return self.base_urls[index % len(self.base_urls)] if self.base_urls else self.base_url
+
+
+def split_urls(text: str, flag: str) -> tuple[str, ...]:
+    """``"http://a:8000,http://b:8001/"`` -> ``("http://a:8000", "http://b:8001")``; ``ValueError``
+    naming ``flag`` for an entry that is not an http(s) URL or a URL given twice."""
+    urls = tuple(u.strip().rstrip("/") for u in text.split(","))
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ValueError(f"{flag} takes http://HOST:PORT, or several comma-separated (routers of one "
+                             f"deployment, loaded round-robin); got {u!r} in {text!r}")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"{flag}: {text!r} names a URL twice")
+    return urls
 
 
 def request_body(cfg: ClientConfig, spec: RequestSpec) -> dict:
@@ -129,7 +149,7 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec) 
     rec = StreamRecorder(RequestResult(spec.index, spec.kind, False, spec.prompt_len, spec.output_len,
                                        start_s=time.perf_counter()))
     try:
-        async with client.stream("POST", cfg.base_url.rstrip("/") + path, json=request_body(cfg, spec),
+        async with client.stream("POST", cfg.url_for(spec.index).rstrip("/") + path, json=request_body(cfg, spec),
                                  headers=headers, timeout=cfg.timeout_s) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")

@@ -10,6 +10,7 @@ import math
 import shlex
 from dataclasses import dataclass
 
+from bench.serve.client import split_urls
 from bench.serve.goodput import DEFAULT_ATTAINMENT, GoodputSpec
 from bench.serve.multiturn import MultiTurnSpec
 from bench.serve.servers import parse_modes
@@ -28,7 +29,9 @@ GOODPUT_KNOBS = {"--slo-attainment": ("slo_attainment", DEFAULT_ATTAINMENT),
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """Add the ``bench serve`` flags to ``p``."""
     g = p.add_argument_group("bench serve (OpenAI-compatible load generator)")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (without /v1)")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server to load (without /v1); several comma-separated (routers in front of the same "
+                        "workers): requests go round-robin across them, e.g. http://h:8000,http://h:8001")
     g.add_argument("--served-model-name", help="model field of the requests; default: first of GET /v1/models")
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -78,7 +81,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                                      "flags and run the same workload against each; prints the ratios")
     g.add_argument("--target", action="append", default=[], metavar="NAME=URL",
                    help="also load this running server (e.g. vllm=http://127.0.0.1:8100) in the same run, "
-                        "after the --compare modes; repeatable; ratios are against the first target")
+                        "after the --compare modes; repeatable; ratios are against the first target. URL may "
+                        "be several comma-separated routers, loaded round-robin (two=http://h:8000,http://h:8001)")
     g.add_argument("--server-args", default="", help="--compare: more 'pdserve launch' flags for every server")
     g.add_argument("--interference", action="store_true",
                    help="short requests at --request-rate (Poisson) plus --long-prompts long ones at random")
@@ -125,9 +129,10 @@ def parse_targets(specs: list[str], compare: str | None) -> tuple[tuple[str, str
     taken = set(parse_modes(compare)) if compare else set()
     for spec in specs:
         name, _, url = spec.partition("=")
-        name, url = name.strip(), url.strip().rstrip("/")
+        name, url = name.strip(), url.strip()
         if not name or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--target takes NAME=http://HOST:PORT, got {spec!r}")
+            raise ValueError(f"--target takes NAME=http://HOST:PORT[,http://HOST2:PORT2...], got {spec!r}")
+        url = ",".join(split_urls(url, "--target"))
         if name in taken:
             raise ValueError(f"--target name {name!r} is used twice; give each target its own name")
         taken.add(name)
@@ -213,6 +218,7 @@ class ServeOptions:
             conc = [1]
         if a.prompts_per_client is not None and (conc is None or a.prompts_per_client < 1):
             raise ValueError("--prompts-per-client takes a number >= 1 and needs --concurrency (closed loop)")
+        split_urls(a.base_url, "--base-url")
         if a.num_prompts < 1 or a.warmup < 0:
             raise ValueError("--num-prompts must be >= 1, --warmup >= 0")
         inp, out = _lengths(a)

@@ -82,7 +82,8 @@ def _worker_parser(sub) -> None:
                        description="One colocated, prefill or decode worker; a router started with "
                                    "'pdserve router --worker ROLE=ID=ADDR' drives it.")
     p.add_argument("--role", choices=[str(r) for r in ALL_WORKER_ROLES], required=True)
-    p.add_argument("--worker-id", required=True)
+    p.add_argument("--worker-id", help="this worker's name in logs, etcd and peers' messages (default: "
+                                       "ROLE-HOSTNAME, unique per container or pod, so replicas need no flag)")
     p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://0.0.0.0:29500")
     _config_flags(p)
 

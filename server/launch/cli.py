@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import subprocess
 import sys
 
@@ -85,13 +86,20 @@ def _model_fits(cfg) -> bool:
     return True
 
 
+def worker_id(role: str, given: str | None) -> str:
+    """``given``, or ``ROLE-HOSTNAME`` when ``--worker-id`` was left out (a container's or pod's
+    hostname is its own, so scaled replicas get distinct ids with one command line)."""
+    return given or f"{role}-{socket.gethostname()}"
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from server.worker.main import main as worker_main
 
     cfg = load_config(args, "worker")
     if cfg is None:
         return 2
-    return worker_main(["--role", args.role, "--worker-id", args.worker_id, "--control-addr", args.control_addr,
+    return worker_main(["--role", args.role, "--worker-id", worker_id(args.role, args.worker_id),
+                        "--control-addr", args.control_addr,
                         "--config-json", cfg.model_dump_json()])
 
 

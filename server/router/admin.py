@@ -26,10 +26,19 @@ class DrainBody(BaseModel):
     reason: str = Field("drain requested through the router's /admin/drain", max_length=500)
 
 
+class DrainAnswer(BaseModel):
+    """The 202 answer of ``POST /admin/drain``: the worker's state once the router took it out of
+    rotation, and how many requests it still holds (they finish; none is cut)."""
+
+    worker_id: str
+    state: str = Field(description="the worker's state in the router, 'draining' once accepted")
+    in_flight: int = Field(ge=0, description="requests this router still has on that worker")
+
+
 def add_admin_routes(app: FastAPI, ctx: RouterContext) -> None:
     """Register ``POST /admin/drain`` on ``app``."""
 
-    @app.post("/admin/drain")
+    @app.post("/admin/drain", include_in_schema=False)  # stated in server.router.openapi
     async def drain(request: Request) -> JSONResponse:
         """Take a worker out of rotation and drain it (see the module docstring)."""
         check_api_key(request, ctx.cfg.server.api_key)
@@ -42,5 +51,6 @@ def add_admin_routes(app: FastAPI, ctx: RouterContext) -> None:
                            code="unknown_worker") from None
         except ValueError as e:
             raise APIError(409, f"cannot drain: {e}", param="worker_id", code="worker_not_serving") from None
-        return JSONResponse({"worker_id": h.worker_id, "state": h.state,
-                             "in_flight": ctx.table.outstanding_requests(h.worker_id)}, status_code=202)
+        answer = DrainAnswer(worker_id=h.worker_id, state=h.state,
+                             in_flight=ctx.table.outstanding_requests(h.worker_id))
+        return JSONResponse(answer.model_dump(), status_code=202)

@@ -240,14 +240,16 @@ class Registry:
 
     def check_liveness(self) -> list[WorkerHandle]:
         """Mark dead every ready worker silent for more than ``timeout_s``; returns those handles. A
-        draining one that went silent has exited: drained when it held nothing here, else dead."""
+        draining one that went silent has exited: drained when it held nothing here, else dead. A
+        starting one that holds requests here (it rejoined discovery, e.g. a container restarted at
+        its old address, before answering again) is dead too: its requests fail instead of waiting."""
         now = self.clock()
         silent = []
         for h in list(self.handles.values()):
             gone = h.last_seen is not None and now - h.last_seen > self.timeout_s
             if gone and h.state == DRAINING and not self.table.outstanding(h.worker_id):
                 self.mark_drained(h.worker_id, "stopped answering after its drain")
-            elif gone and h.state in (READY, DRAINING):
+            elif gone and (h.state in (READY, DRAINING) or (h.state == STARTING and self.table.outstanding(h.worker_id))):
                 self.mark_dead(h.worker_id, f"no heartbeat for {now - h.last_seen:.1f}s "
                                             f"(worker_timeout_s={self.timeout_s:g})")
                 silent.append(h)

@@ -45,17 +45,18 @@ def free_subnet() -> str:
 class ComposeStack:
     """One project of ``docker/compose.yaml`` plus an override file written by the test."""
 
-    def __init__(self, override: str, port: int, tmp: Path) -> None:
+    def __init__(self, override: str, port: int, port_b: int, tmp: Path) -> None:
         self.project = f"pdtest{os.getpid()}"
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://127.0.0.1:{port}"      # service router
+        self.url_b = f"http://127.0.0.1:{port_b}"  # service router-b, in front of the same workers
         self.subnet = free_subnet()
         self.override = tmp / "override.yaml"
         self.override.write_text(override)
         key = tmp / "cluster.key"  # the compose secret: a fresh cluster key, readable by the image's user only
         write_key_file(key, ClusterKey.generate())
         os.chown(key, 10001, 10001)
-        self.env = {**os.environ, "PDSERVE_PORT": str(port), "PDSERVE_SUBNET": self.subnet,
+        self.env = {**os.environ, "PDSERVE_PORT": str(port), "PDSERVE_PORT_B": str(port_b), "PDSERVE_SUBNET": self.subnet,
                     "PDSERVE_CLUSTER_KEY_FILE": str(key)}
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> str:
@@ -76,36 +77,55 @@ class ComposeStack:
                 + sh("docker", "network", "ls", "-q", "--filter", label).split()
                 + sh("docker", "volume", "ls", "-q", "--filter", label).split())
 
+    def containers(self, service: str) -> list[dict]:
+        """``docker inspect`` of every replica of ``service``, oldest replica first."""
+        cids = self.compose("ps", "-q", service).split()
+        assert cids, f"no container for {service}"
+        infos = json.loads(sh("docker", "inspect", *cids))
+        return sorted(infos, key=lambda i: i["Config"]["Labels"].get("com.docker.compose.container-number", "0").zfill(4))
+
     def container(self, service: str) -> dict:
-        cid = self.compose("ps", "-q", service).strip()
-        assert cid, f"no container for {service}"
+        """``docker inspect`` of the one container of ``service``."""
+        (info,) = self.containers(service)
+        return info
+
+    def inspect(self, cid: str) -> dict:
         return json.loads(sh("docker", "inspect", cid))[0]
+
+    @staticmethod
+    def address(info: dict) -> str:
+        """The container's address on the project network (the one network it is on)."""
+        (net,) = info["NetworkSettings"]["Networks"].values()
+        return net["IPAddress"]
 
     def verify_routes(self, services: list[str]) -> None:
         """Each container's address is routed via the project network's bridge (nothing else)."""
         for s in services:
-            info = self.container(s)
-            (net,) = info["NetworkSettings"]["Networks"].values()
-            addr = net["IPAddress"]
-            assert ipaddress.ip_address(addr) in ipaddress.ip_network(self.subnet), (s, addr, self.subnet)
-            out = sh("ip", "-o", "route", "get", addr).split()
-            assert out[out.index("dev") + 1] == "br-" + net["NetworkID"][:12], f"{s} ({addr}): {' '.join(out)}"
-
-    def host_pid(self, service: str) -> int:
-        return int(self.container(service)["State"]["Pid"])
+            for info in self.containers(s):
+                (net,) = info["NetworkSettings"]["Networks"].values()
+                addr = net["IPAddress"]
+                assert ipaddress.ip_address(addr) in ipaddress.ip_network(self.subnet), (s, addr, self.subnet)
+                out = sh("ip", "-o", "route", "get", addr).split()
+                assert out[out.index("dev") + 1] == "br-" + net["NetworkID"][:12], f"{s} ({addr}): {' '.join(out)}"
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40", check=False)[-8000:]
 
-    def wait_healthy(self, timeout_s: float = 300) -> float:
-        """Seconds until the router's /health answered 200."""
+    def wait_healthy(self, timeout_s: float = 300, url: str | None = None, listing: str = "") -> float:
+        """Seconds until the router at ``url`` (default: service router) answered /health with 200
+        and, when ``listing`` is given, its ``workers`` text contains it."""
+        url = url or self.url
         t0 = time.monotonic()
+        last = ""
         while True:
             try:
-                if httpx.get(f"{self.url}/health", timeout=5, trust_env=False).status_code == 200:
+                r = httpx.get(f"{url}/health", timeout=5, trust_env=False)
+                last = r.text
+                if r.status_code == 200 and listing in r.json().get("workers", ""):
                     return time.monotonic() - t0
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"router not healthy after {timeout_s}s\n{self.logs()}")
+                raise TimeoutError(f"router {url} not healthy{f' with {listing!r}' if listing else ''} after "
+                                   f"{timeout_s}s: {last[:500]}\n{self.logs()}")
             time.sleep(0.5)

@@ -1,14 +1,16 @@
-"""``make test-deploy``: the shipped ``docker/compose.yaml`` (router, 2 prefill, 2 decode
-containers, KV over UCX/TCP between them) brought up from the ``pdserve:latest`` image.
+"""``make test-deploy``: the shipped ``docker/compose.yaml`` (two routers finding prefill and
+decode containers through compose's DNS, KV over UCX/TCP between them) brought up from the
+``pdserve:latest`` image (``PDSERVE_IMAGE`` picks another).
 
-In order: routes to every container go through the project's bridge; greedy outputs through the
-router equal the colocated engine's; 16 concurrent requests against small decode pools retract
-and still equal it; a decode container that crashes (its main process SIGKILLed, as an OOM kill
-would) fails only its own requests, fast, while the other decode worker keeps serving, and comes
-back through its restart policy and serves; ``docker kill`` stops a container for good (Docker
-never restarts a container it was told to kill), the rest keep serving, ``docker-compose start``
-brings it back. ``docker-compose down -v`` runs at the end whatever happened, and nothing of the
-project is left. Timings are printed (``-s``), never asserted.
+In order: routes to every container go through the project's bridge; greedy outputs through each
+of the two routers equal the colocated engine's; ``--scale decode=2`` adds a worker that both
+routers list without any edit and that serves a completion; 16 concurrent requests against small
+decode pools retract and still equal it; the busiest decode container crashing (its main process
+SIGKILLed, as an OOM kill would) fails only its own requests, fast, while the other decode worker
+keeps serving, and comes back through its restart policy and serves; ``docker kill`` stops a
+container for good (Docker never restarts a container it was told to kill), the rest keep serving,
+``docker start`` brings it back. ``docker-compose down -v`` runs at the end whatever happened, and
+nothing of the project is left. Timings are printed (``-s``), never asserted.
 """
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ import httpx
 import openai
 import pytest
 
-from compose_stack import ComposeStack
+from compose_stack import ComposeStack, sh
 from stream_client import Outcome, stream_one
 from conftest import engine_cfg, sched_cfg, strip_eos
-from server.testing.subprocess_server import free_port, fresh_metrics, metric_sum, wait_idle
+from server.testing.subprocess_server import free_port, fresh_metrics, metric_sum, scrape_metrics, wait_idle
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+SERVICES = ["prefill", "decode", "router", "router-b"]
+LONG = 128  # output tokens of the streams a decode replica is lost under (still running at the loss)
 # Small decode pools so 16 requests overcommit them; low initial reservation so admission
 # overcommits and the decode workers must retract.
 OVERRIDE = """
@@ -45,7 +48,7 @@ x-env: &env
   PDSERVE_PEER_TIMEOUT_S: "30"
   PDSERVE_LOG_LEVEL: WARNING
 services:
-""" + "".join(f"  {s}: {{environment: *env}}\n" for s in WORKERS + ["router"])
+""" + "".join(f"  {s}: {{environment: *env}}\n" for s in SERVICES)
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"]
 SHARED = ("You are a helpful assistant that answers questions about geography, history and science "
@@ -57,13 +60,14 @@ QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosy
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = ComposeStack(OVERRIDE, free_port(), tmp_path_factory.mktemp("compose"))
+    s = ComposeStack(OVERRIDE, free_port(), free_port(), tmp_path_factory.mktemp("compose"))
     try:
         t0 = time.monotonic()
         s.up()
         t_up = time.monotonic() - t0
-        s.verify_routes(WORKERS + ["router"])
+        s.verify_routes(SERVICES)
         t_health = t_up + s.wait_healthy()
+        s.wait_healthy(url=s.url_b)
         t_first = t_health + first_request(s.url)
         print(f"\n[deploy] compose up -d (workers healthy, router started): {t_up:.1f}s; router healthy: "
               f"{t_health:.1f}s; first served request: {t_first:.1f}s after up")
@@ -114,18 +118,37 @@ def references(colocated, tok, prompts: list[str], lengths: list[int]) -> list[l
     return [r.token_ids for r in res]
 
 
-def test_greedy_outputs_through_the_router_equal_colocated(stack, colocated, embedded):
-    c = client(stack.url)
-    model = c.models.list().data[0].id
-    for text in PROMPTS:
-        r = c.completions.create(model=model, prompt=text, max_tokens=24, temperature=0,
-                                 extra_body={"return_token_ids": True})
-        got = strip_eos(r.choices[0].token_ids, embedded[2].eos_token_ids)  # the API returns the EOS, as vLLM
-        assert got == reference(colocated, embedded[2], text, 24), text
+def test_greedy_outputs_through_both_routers_equal_colocated(stack, colocated, embedded):
+    for url in (stack.url, stack.url_b):
+        c = client(url)
+        model = c.models.list().data[0].id
+        for text in PROMPTS:
+            r = c.completions.create(model=model, prompt=text, max_tokens=24, temperature=0,
+                                     extra_body={"return_token_ids": True})
+            got = strip_eos(r.choices[0].token_ids, embedded[2].eos_token_ids)  # the API returns the EOS, as vLLM
+            assert got == reference(colocated, embedded[2], text, 24), (url, text)
     # the image's base has gcc: every worker built the C decode kernel for its CPU at start-up
-    for worker in WORKERS:
+    for worker in ("prefill", "decode"):
         built = stack.compose("exec", "-T", worker, "ls", "/home/pdserve/.cache/pdserve/kernels", check=False)
         assert ".so" in built, (worker, built)
+
+
+def dns_id(info: dict) -> str:
+    """The id a router gives a worker it found through DNS: ROLE@ADDRESS."""
+    return f"{info['Config']['Labels']['com.docker.compose.service']}@{ComposeStack.address(info)}"
+
+
+def test_scaling_decode_to_two_is_seen_by_both_routers_without_an_edit(stack):
+    (first,) = stack.containers("decode")
+    t0 = time.monotonic()
+    stack.compose("up", "-d", "--no-recreate", "--no-build", "--scale", "decode=2")
+    infos = stack.containers("decode")
+    assert len(infos) == 2 and infos[0]["Id"] == first["Id"], "the running decode replica must be kept"
+    new = dns_id(infos[1])
+    for url in (stack.url, stack.url_b):  # both routers' DNS watches list the new replica, ready
+        stack.wait_healthy(url=url, listing=f"{new} (decode): ready")
+    print(f"\n[deploy] --scale decode=2: both routers route to {new} {time.monotonic() - t0:.1f}s after up")
+    served_by_new_process(stack.url_b, new)
 
 
 def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedded):
@@ -156,9 +179,10 @@ def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedd
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
 
 
-async def load_while(url: str, action, n: int = 8, max_tokens: int = 64) -> list[tuple[Outcome, float]]:
+async def load_while(url: str, action, n: int = 8, max_tokens: int = 64, choose=None) -> list[tuple[Outcome, float]]:
     """``n`` concurrent streamed requests; ``action()`` runs once every one has streamed a token (so
-    none can be retried on a fresh pair: the router retries only before a first token).
+    none can be retried on a fresh pair: the router retries only before a first token); with
+    ``choose``, ``action(choose())``, where ``choose`` runs before the clock starts.
     [(outcome, seconds from the action until that request ended)]."""
     first = [asyncio.Event() for _ in range(n)]
     limits = httpx.Limits(max_connections=n + 2)
@@ -166,8 +190,9 @@ async def load_while(url: str, action, n: int = 8, max_tokens: int = 64) -> list
         tasks = [asyncio.create_task(stream_one(c, f"{SHARED}{q}", max_tokens, i, first[i]))
                  for i, q in enumerate(QUESTIONS[:n])]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 240)
+        chosen = choose() if choose is not None else None
         t_action = time.monotonic()
-        action()
+        action() if choose is None else action(chosen)
         return [(o, o.t_end - t_action) for o in await asyncio.gather(*tasks)]
 
 
@@ -208,25 +233,52 @@ def served_by_new_process(url: str, worker: str, attempts: int = 5) -> None:
     raise AssertionError(f"{worker} served none of {4 * attempts} requests after its restart")
 
 
+def two_decodes(stack) -> list[dict]:
+    infos = stack.containers("decode")
+    assert len(infos) == 2, "test_scaling_decode_to_two... runs first and leaves two decode replicas"
+    return infos
+
+
+def busiest_decode(url: str, infos: list[dict]) -> dict:
+    """Of the decode replicas ``infos``, the one holding the most KV in the router's latest
+    heartbeats (one scrape, no wait: it runs between the first tokens and the action): the one
+    whose loss fails requests in flight, whichever replica the routers picked for them."""
+    m = scrape_metrics(url)
+    return max(infos, key=lambda i: metric_sum(m, "pdserve_kv_pool_pages", worker=dns_id(i), state="used"))
+
+
 def test_crashed_decode_container_fails_fast_and_restart_policy_brings_it_back(stack):
-    restarts = stack.container("decode-0")["RestartCount"]
-    pid = stack.host_pid("decode-0")
-    check_split(asyncio.run(load_while(stack.url, lambda: os.kill(pid, signal.SIGKILL))))
+    infos, crashed = two_decodes(stack), {}
+
+    def choose() -> dict:
+        crashed["info"] = busiest_decode(stack.url, infos)
+        return crashed["info"]
+    check_split(asyncio.run(load_while(stack.url, lambda i: os.kill(int(i["State"]["Pid"]), signal.SIGKILL),
+                                       max_tokens=LONG, choose=choose)), max_tokens=LONG)
+    info, restarts = crashed["info"], crashed["info"]["RestartCount"]
     t0 = time.monotonic()
-    while stack.container("decode-0")["RestartCount"] == restarts:
-        assert time.monotonic() - t0 < 60, "the restart policy did not restart decode-0"
+    while (info := stack.inspect(info["Id"]))["RestartCount"] == restarts:
+        assert time.monotonic() - t0 < 60, "the restart policy did not restart the decode container"
         time.sleep(0.5)
-    back = stack.wait_healthy()
-    print(f"\n[deploy] decode-0 crashed and restarted; router healthy again after {back:.1f}s more")
-    served_by_new_process(stack.url, "decode-0")
+    worker = dns_id(info)  # docker may give the restarted container another address: DNS follows it
+    back = stack.wait_healthy(listing=f"{worker} (decode): ready")
+    print(f"\n[deploy] {worker} crashed and restarted; router healthy again after {back:.1f}s more")
+    served_by_new_process(stack.url, worker)
 
 
 def test_docker_kill_stops_decode_for_good_until_started_again(stack):
-    check_split(asyncio.run(load_while(stack.url, lambda: stack.compose("kill", "decode-1"))))
-    assert stack.container("decode-1")["State"]["Status"] == "exited"  # a manual stop: no restart policy
-    hello(stack.url)  # decode-0 alone serves
-    stack.compose("start", "decode-1")
-    stack.wait_healthy()
+    infos, killed = two_decodes(stack), {}
+
+    def choose() -> str:
+        killed["cid"] = busiest_decode(stack.url, infos)["Id"]
+        return killed["cid"]
+    check_split(asyncio.run(load_while(stack.url, lambda cid: sh("docker", "kill", cid), max_tokens=LONG,
+                                       choose=choose)), max_tokens=LONG)
+    cid = killed["cid"]
+    assert stack.inspect(cid)["State"]["Status"] == "exited"  # a manual stop: no restart policy
+    hello(stack.url)  # the other decode replica alone serves
+    sh("docker", "start", cid)
+    stack.wait_healthy(listing=f"{dns_id(stack.inspect(cid))} (decode): ready")
     m = wait_idle(stack.url, 0.5, timeout_s=60)
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
     assert metric_sum(m, "pdserve_host_kv_pool_bytes", state="used") == 0
