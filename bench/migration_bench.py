@@ -1,7 +1,9 @@
 """Migration of retracted requests between decode workers (issue 31): the issue's two goals,
 measured in one run.
 
-``python -m bench.migration_bench [--part kv|serve|both] [--json]``
+``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--migrate-on-retract] [--json]``
+
+The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv: ...``).
 
 1. ``kv``: a 2,048-token request's KV (SmolLM2-135M geometry, fp32, page 16: 128 pages of
    737,280 bytes) written by the real transport (``--backend``, default NIXL) from a host pool
@@ -10,7 +12,8 @@ measured in one run.
    this process). Goal: migration within 1.5x of the local resume. Median and min over ``--reps``.
 2. ``serve``: ``pdserve launch --mode pd --decode 2 --route-decode decode-0`` (every request on
    one decode worker, whose small pool makes it retract) run twice on the same prompts: without
-   and with ``--migrate-after``. Per run: failed requests, retractions and migrations (from
+   and with ``--migrate-after`` (plus ``--migrate-on-retract`` when given: live migration for
+   balance, a request is offered the moment it is retracted). Per run: failed requests, retractions and migrations (from
    ``/metrics``), and the end-to-end P50/P99 latency of the retracted requests. A request counts
    as retracted when the longest gap between two of its streamed tokens exceeds ``--gap-factor``
    times the run's median inter-token gap (a parked request's stream stops while it waits).
@@ -119,7 +122,7 @@ def _serve_run(args, migrate: bool) -> dict:
              args.backend, "--kv-pool-tokens", str(args.pool_tokens), "--page-size", "16", "--max-model-len", "2048",
              "--init-new-token-ratio", "0.05", "--health-interval-s", "0.5", "--log-level", "WARNING"]
     if migrate:
-        flags += ["--migrate-after", args.migrate_after]
+        flags += ["--migrate-after", args.migrate_after] + (["--migrate-on-retract"] if args.migrate_on_retract else [])
     prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(args.requests)]
     with LaunchedServer(flags) as srv:
         model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
     ap.add_argument("--gap-factor", type=float, default=5.0, help="serve: a retracted request's longest token gap "
                                                                   "exceeds this x the median gap")
+    ap.add_argument("--migrate-on-retract", action="store_true",
+                    help="serve: the run with migration also offers a request the moment it is retracted")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = {}
@@ -173,6 +178,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("serve", "both"):
         out["serve"] = serve_part(args)
     print(json.dumps(out, indent=None if args.json else 2))
+    for line in goal_lines(out):
+        print(line)
+
+
+def _num(x: float | None, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:.3g}{unit}"
+
+
+def goal_lines(out: dict) -> list[str]:
+    """The issue's two goals as one line each, for the parts that ran: the serve part's P99 ratio
+    of the retracted requests (with / without migration; goal <= 0.5, 0 failed, tokens identical)
+    and the kv part's migration / local resume time of one request (goal <= 1.5)."""
+    lines = []
+    if (s := out.get("serve")) is not None:
+        w, o = s["with"], s["without"]
+        lines.append(f"goal serve: P99 e2e of retracted requests with/without migration = {_num(s['p99_ratio'])} "
+                     f"({_num(w['p99_s'], 's')} / {_num(o['p99_s'], 's')}; goal <= 0.5), failed {w['failed']}+"
+                     f"{o['failed']}, tokens identical {s['tokens_identical']}, migrations {w['migrations']:g}, "
+                     f"retracted requests {w['retracted_requests']}/{o['retracted_requests']}: "
+                     f"{'met' if s['goal_met'] else 'NOT met'}")
+    if (k := out.get("kv")) is not None:
+        lines.append(f"goal kv: {k['tokens']}-token migration / local resume = {_num(k['ratio'])} "
+                     f"({k['migrate_ms_median']:.3g} ms / {k['resume_ms_median']:.3g} ms median, {k['backend']}; "
+                     f"goal <= 1.5): {'met' if k['goal_met'] else 'NOT met'}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -80,6 +80,11 @@ class ClusterConfig(BaseModel):
                              "decode worker itself (chunks within its decode steps) instead of a prefill worker, "
                              "when its KV headroom allows and it has not retracted lately "
                              "(decode_worker/local_prefill.py); 0 = off (default until an A/B says otherwise)")
+    migrate_on_retract: bool = Field(
+        False, description="decode side (live migration for balance; needs migrate_after): a running request this "
+                           "worker retracts for lack of pages, its KV just copied to the host pool, is offered to a "
+                           "peer decode worker with room at once instead of after migrate_after; an offer no peer "
+                           "takes waits migrate_after before the next one (off by default)")
     migrate_timeout_s: float = Field(
         10.0, gt=0, description="decode side: a migration offer no peer took up (no KV destination) within this "
                                 "long is withdrawn and the request resumes locally")
@@ -140,6 +145,9 @@ class ClusterConfig(BaseModel):
     def _migrate_after_form(self) -> "ClusterConfig":
         if self.migrate_after is not None:
             migrate_bound(self.migrate_after)
+        elif self.migrate_on_retract:
+            raise ValueError("migrate_on_retract needs migrate_after (how long a request no peer took waits before "
+                             "it is offered again): add --migrate-after, e.g. --migrate-after 20")
         return self
 
     @model_validator(mode="after")

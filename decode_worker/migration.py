@@ -2,7 +2,9 @@
 
 Source side (``MigrationSource``), one edge pair out of HOST_PARKED (``decode_worker.jobs``):
 
-1. ``offer``: a job parked longer than ``--migrate-after`` (decode steps or seconds) leaves the
+1. ``offer``: a job parked longer than ``--migrate-after`` (decode steps or seconds), or with
+   ``--migrate-on-retract`` one just retracted (never offered since it entered HOST_PARKED from
+   RUNNING: live migration for balance, its KV copied to the host pool by the retract), leaves the
    retracted queue (HOST_PARKED -> MIGRATING) and a ``MigrationOffer`` goes to the router that
    owns its stream. The router picks a peer with room and sends it a ``MigrateRequest``, or
    answers ``MigrationDeclined`` (-> ``back``).
@@ -60,18 +62,23 @@ class MigrationStats:
 @dataclass(frozen=True)
 class MigrationPolicy:
     """When a parked job is offered: after ``steps`` decode steps or ``seconds`` in the retracted
-    queue (exactly one of them is set; ``from_flag`` parses ``--migrate-after``)."""
+    queue (exactly one of them is set; ``from_flag`` parses ``--migrate-after``), or, with
+    ``on_retract`` (``--migrate-on-retract``), at once when it was just retracted."""
 
     steps: int | None = None
     seconds: float | None = None
+    on_retract: bool = False
 
     @classmethod
-    def from_flag(cls, text: str) -> "MigrationPolicy":
+    def from_flag(cls, text: str, on_retract: bool = False) -> "MigrationPolicy":
         steps, seconds = migrate_bound(text)
-        return cls(steps, seconds)
+        return cls(steps, seconds, on_retract)
 
-    def due(self, job: DecodeJob, step: int, now: float) -> bool:
-        """True when ``job`` (HOST_PARKED since ``parked_step``/``parked_at``) waited long enough."""
+    def due(self, job: DecodeJob, step: int, now: float, fresh: bool = False) -> bool:
+        """True when ``job`` (HOST_PARKED since ``parked_step``/``parked_at``) waited long enough;
+        ``fresh``: it came from the running batch (a retract) and was not offered since."""
+        if fresh and self.on_retract:
+            return True
         if self.steps is not None:
             return step - job.parked_step >= self.steps
         return now - job.parked_at >= self.seconds
@@ -102,9 +109,10 @@ class MigrationSource:
         self.step_count += 1
         out, now = Outbox(), time.monotonic()
         for job in list(queue):
-            if job.parked_step < 0:
+            fresh = job.parked_step < 0  # entered HOST_PARKED by a retract (``back`` stamps its step)
+            if fresh:
                 job.parked_step = self.step_count
-            if job.answered or not self.policy.due(job, self.step_count, now):
+            if job.answered or not self.policy.due(job, self.step_count, now, fresh):
                 continue
             queue.remove(job)
             job.enter(DecodeState.MIGRATING)

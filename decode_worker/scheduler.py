@@ -308,6 +308,7 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
     if migration_transport is not None and host is not None and cfg.cluster.migrate_after is not None:
         migration_transport.register_pool(host.buffer, host.page_bytes)
         sender = KVSender(migration_transport, host.page_bytes, threaded=threaded)
-        migration = MigrationSource(MigrationPolicy.from_flag(cfg.cluster.migrate_after), host, sender,
-                                    retract.budget, cfg.cluster.migrate_timeout_s, MigrationStats())
+        policy = MigrationPolicy.from_flag(cfg.cluster.migrate_after, cfg.cluster.migrate_on_retract)
+        migration = MigrationSource(policy, host, sender, retract.budget, cfg.cluster.migrate_timeout_s,
+                                    MigrationStats())
     return DecodeScheduler(runner, cfg, kv, transfers, retract, peers, eos, migration, worker_id, model_name)

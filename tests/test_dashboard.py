@@ -58,8 +58,10 @@ REQUIRED_SERIES = {"pdserve_worker_up", "pdserve_kv_pool_pages", "pdserve_host_k
                    "pdserve_new_token_ratio", "pdserve_retractions_total", "pdserve_retract_resumed_total",
                    "pdserve_oom_aborts_total", "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_count",
                    "pdserve_transfer_failures_total", "pdserve_requests_total", "pdserve_inflight_requests",
-                   "pdserve_ttft_seconds_count", "pdserve_tpot_seconds_count", "pdserve_generation_tokens_total"}
-PANELS = ("workers", "pools", "queues", "retract", "transfer", "requests")
+                   "pdserve_ttft_seconds_count", "pdserve_tpot_seconds_count", "pdserve_generation_tokens_total",
+                   "pdserve_migrations_total", "pdserve_migration_bytes_total", "pdserve_migration_seconds_count"}
+PANELS = ("workers", "pools", "queues", "retract", "transfer", "migration", "requests")
+IDLE_PANELS = {"migration"}  # drawn, but flat here: this server has one decode worker (tests/test_migration_e2e.py moves)
 
 
 def need_chromium() -> str:
@@ -358,7 +360,7 @@ def test_page_through_a_retract_storm(page, url, shots):
     assert fill["workers"][0] == 2
     for panel in PANELS[1:]:
         rows, series, top = fill[panel]
-        assert series >= 1 and top > 0, f"panel {panel} is empty: {fill[panel]}"
+        assert series >= 1 and (top > 0 or panel in IDLE_PANELS), f"panel {panel} is empty: {fill[panel]}"
     markers = page.evaluate("document.querySelectorAll('[data-panel=retract] svg g.marker.retract').length")
     events = page.evaluate("[...document.querySelectorAll('#retract-events li.retract')].map(e => e.textContent)")
     assert markers >= 2 and events and all("tokens freed" in e and "offload" in e for e in events)

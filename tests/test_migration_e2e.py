@@ -1,16 +1,26 @@
 """Migration end to end (issue 31): ``pdserve launch`` with 1 prefill + 2 decode worker processes,
-KV over NIXL, the real model and HTTP API. ``--route-decode decode-0`` sends every request to one
-decode worker whose small pool makes it retract; ``--migrate-after 2`` moves parked requests to
-decode-1. Every streamed request ends with the colocated engine's greedy tokens (equal to
-transformers, tests/test_pd_http.py) and its usage; a migration happened (metric); nothing is
-left in either worker's device or host pool."""
+KV over NIXL and over ucxx (one launch per backend; the host pool is registered with the backend
+and the migration writes straight from it), the real model and HTTP API. ``--route-decode
+decode-0`` sends every request to one decode worker whose small pool makes it retract
+(``--retract-test-interval`` adds a forced retract every 16 decode steps, so that it retracts even
+when this shared machine is too slow for the requests to overlap); ``--migrate-after 2`` moves
+parked requests to decode-1. Every streamed request ends with the colocated engine's greedy tokens
+(equal to transformers, tests/test_pd_http.py) and its usage; a migration happened (metric);
+nothing is left in either worker's device or host pool. On the NIXL launch the dashboard
+(``/dashboard`` in headless Chromium, open through the load) shows one marker per migration: the
+markers' counts add up to ``pdserve_migrations_total`` on both sides, and the panel's tiles equal
+``/metrics``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 
 import openai
 import pytest
 
+from chromium_cdp import Browser, find_chromium
 from conftest import strip_eos
 from server.testing.subprocess_server import metric_sum, wait_idle
 from transfer.wire.sampling_params import SamplingParams
@@ -24,19 +34,56 @@ QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosy
              "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
              "What causes tides?", "Why do leaves change color?"]
 NEW_TOKENS = 48
+CHROMIUM = find_chromium()
+# the counts on the migration markers of the panel's first chart (labels "⇢N" / "⇠N"), by worker
+MARKED = """(() => {{ const svg = document.querySelector('#migration svg');
+  return svg ? [...svg.querySelectorAll('g.marker.migrate.{direction} text')]
+    .reduce((a, t) => a + Number(t.textContent.slice(1)), 0) : 0; }})()"""
+TILE = """(() => {{ const e = [...document.querySelectorAll('[data-metric=pdserve_migrations_total]')]
+  .find((x) => x.dataset.labels === '{labels}'); return e ? Number(e.dataset.value) : null; }})()"""
 
 
-def test_skewed_load_migrates_retracted_requests(launched_server, embedded):
+def dashboard(url: str, backend: str):
+    """A headless Chromium page on ``url``'s dashboard (the NIXL launch only, one browser per run), or
+    None: on the ucxx launch, or without Chromium unless CI requires it (PDSERVE_REQUIRE_CHROMIUM=1)."""
+    if backend != "nixl":
+        return contextlib.nullcontext()
+    if not CHROMIUM:
+        assert os.environ.get("PDSERVE_REQUIRE_CHROMIUM") != "1", "chromium is not installed"
+        return contextlib.nullcontext()
+    return Browser(CHROMIUM)
+
+
+def check_markers(page, moved: int) -> None:
+    """The page drew migrations worth ``moved`` on each side and its tiles agree with /metrics."""
+    for direction in ("out", "in"):
+        page.wait_for(f"{MARKED.format(direction=direction)} === {moved}", 15)
+    for worker, direction in (("decode-0", "out"), ("decode-1", "in")):
+        labels = json.dumps({"direction": direction, "outcome": "done", "worker": worker}, separators=(",", ":"))
+        page.wait_for(f"{TILE.format(labels=labels)} === {moved}", 15)
+    assert page.errors() == []
+
+
+@pytest.fixture(scope="module")
+def refs(embedded):
+    """The colocated engine's greedy tokens of every prompt (computed once for both launches)."""
     from engine.llm import LLM
     from conftest import engine_cfg, sched_cfg
 
     tok = embedded[2]
     colocated = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(), loaded=(embedded[0], embedded[1], tok))
+    return [colocated.generate_ids([tok.encode(SHARED + q)], SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                                             temperature=0))[0].token_ids
+            for q in QUESTIONS]
+
+
+@pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs, backend):
+    tok = embedded[2]
     prompts = [SHARED + q for q in QUESTIONS]
-    refs = [colocated.generate_ids([tok.encode(p)], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0]
-            .token_ids for p in prompts]
-    srv = launched_server("pd", "--decode", "2", "--transfer-backend", "nixl", "--route-decode", "decode-0",
-                          "--migrate-after", "2", "--kv-pool-tokens", "384", "--page-size", "16",
+    srv = launched_server("pd", "--decode", "2", "--transfer-backend", backend, "--route-decode", "decode-0",
+                          "--migrate-after", "2", "--retract-test-interval", "16", "--kv-pool-tokens", "384",
+                          "--page-size", "16",
                           "--max-model-len", "512", "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.25",
                           "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", "30",
                           "--peer-timeout-s", "4", "--log-level", "WARNING")
@@ -60,13 +107,24 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded):
             await c.close()
 
     model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
-    results = asyncio.run(run_all())
+    with dashboard(srv.url, backend) as browser:
+        page = None
+        if browser is not None:
+            page = browser.open()
+            page.navigate(f"{srv.url}/dashboard")
+            page.wait_for("document.querySelectorAll('#migration-tiles .tile').length > 0", 30)
+        results = asyncio.run(run_all())
+        check_idle(srv.url, results, prompts, refs, tok, page)
+
+
+def check_idle(url, results, prompts, refs, tok, page) -> None:
+    """Tokens, usage, metrics once idle and, when ``page`` is open, the dashboard's migration markers."""
     assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == refs
     assert all(u is not None and u.completion_tokens == len(ids) for ids, u in results)
-    m = wait_idle(srv.url, HEARTBEAT_S)
+    m = wait_idle(url, HEARTBEAT_S)
     assert metric_sum(m, "pdserve_retractions_total", worker="decode-0") > 0
     moved = metric_sum(m, "pdserve_migrations_total", worker="decode-0", direction="out", outcome="done")
-    assert moved > 0, srv.log()[-4000:]
+    assert moved > 0
     assert metric_sum(m, "pdserve_migrations_total", worker="decode-1", direction="in", outcome="done") == moved
     assert metric_sum(m, "pdserve_migration_bytes_total", worker="decode-0") > 0
     assert metric_sum(m, "pdserve_migration_seconds_count", worker="decode-0") == moved
@@ -75,3 +133,5 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded):
         assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0
         assert metric_sum(m, "pdserve_host_kv_pool_bytes", worker=w, state="used") == 0
         assert metric_sum(m, "pdserve_worker_aborted_requests_total", worker=w) == 0
+    if page is not None:
+        check_markers(page, moved)

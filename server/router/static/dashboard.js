@@ -14,7 +14,7 @@
   const prevWorker = new Map();  // worker id -> last stats seen (for counter deltas)
   const windows = new Map();     // histogram key -> [[t, histogram], ...] for windowed percentiles
   const charts = new Map();      // chart key -> TimeChart
-  const events = [];             // retract / OOM events, oldest first
+  const events = [];             // retract / OOM / migration events, oldest first
   const view = { span: SPAN, last: null };  // shown time span (s) and the latest snapshot
   const routerRing = [];          // router request counters over the last RATE_S seconds
 
@@ -99,7 +99,22 @@
       events.push({ t, worker: w.id, cls: "oom", label: "OOM",
                     text: `${w.id}: ${delta.oom_aborts} request(s) aborted: KV pool too small even alone` });
     }
+    noteMigrations(w, delta);
     while (events.length && events[0].t < t - SPAN) events.shift();
+  }
+
+  /** One marker per heartbeat in which `w` moved retracted requests (out: it was the source; in: the
+   * target) or a migration failed; `n` is how many, so the markers of a worker add up to its counters. */
+  function noteMigrations(w, delta) {
+    const t = w.stats_t, bytes = fmt.bytes(delta.migration_bytes || 0);
+    for (const [key, cls, label, what] of [
+      ["migrations_out_done", "migrate out", "⇢", `migrated N retracted req to a peer decode worker (${bytes})`],
+      ["migrations_in_done", "migrate in", "⇠", "took N migrated req in from a peer decode worker"],
+      ["migrations_out_failed", "migrate failed", "✗", "N migration(s) out failed: resumed or recomputed here"],
+      ["migrations_in_failed", "migrate failed", "✗", "N migration(s) in failed: the request was answered an error"]]) {
+      const n = delta[key] || 0;
+      if (n > 0) events.push({ t, worker: w.id, cls, n, label: `${label}${n}`, text: `${w.id}: ${what.replace("N", n)}` });
+    }
   }
 
   function ingestWorker(w, t, heartbeat) {
@@ -112,10 +127,13 @@
     if (delta) noteEvents(w, delta, before);
     for (const k of ["retractions", "retract_resumed", "oom_aborts", "generation_tokens", "kv_transfer_bytes",
                      "retract_offload_bytes"]) record(`rate/${id}/${k}`, t, rates[k] ?? null);
-    const h = w.histograms.kv_transfer_seconds;
-    const [p50, p99] = h ? windowQuantiles(`xfer/${id}`, t, h) : [null, null];
-    record(`xfer/${id}/p50`, t, p50);
-    record(`xfer/${id}/p99`, t, p99);
+    record(`rate/${id}/migration_bytes`, t, rates.migration_bytes ?? null);
+    for (const [prefix, name] of [["xfer", "kv_transfer_seconds"], ["mig", "migration_seconds"]]) {
+      const h = w.histograms[name];
+      const [p50, p99] = h ? windowQuantiles(`${prefix}/${id}`, t, h) : [null, null];
+      record(`${prefix}/${id}/p50`, t, p50);
+      record(`${prefix}/${id}/p99`, t, p99);
+    }
     return rates.generation_tokens ?? null;
   }
 
@@ -211,7 +229,7 @@
   function renderRetract(snap) {
     const list = [], workers = snap.workers.filter((w) => "new_token_ratio" in w.gauges);
     for (const w of workers) {
-      const c = w.counters, lab = { worker: w.id }, mine = events.filter((e) => e.worker === w.id);
+      const c = w.counters, lab = { worker: w.id }, mine = events.filter((e) => e.worker === w.id && !e.cls.startsWith("migrate"));
       const marks = mine.map((e) => ({ t: e.t, label: e.label, title: e.text, cls: e.cls }));
       chart("retract", `ratio/${w.id}`, { fmt: fmt.ratio, title: `${w.id}: new_token_ratio` }).draw(snap.t, [{
         label: "new_token_ratio", color: LINES[0], points: points(`ratio/${w.id}`), fmt: fmt.ratio,
@@ -230,11 +248,12 @@
     tiles("retract-tiles", list);
     const ol = document.getElementById("retract-events");
     ol.replaceChildren();
-    for (const e of events.slice(-MAX_EVENTS).reverse()) {
+    const retracts = events.filter((e) => !e.cls.startsWith("migrate"));
+    for (const e of retracts.slice(-MAX_EVENTS).reverse()) {
       const li = htmlEl("li", e.cls, ol, `${new Date((snap.time - (snap.t - e.t)) * 1000).toLocaleTimeString()}  ${e.text}`);
       li.dataset.worker = e.worker;
     }
-    if (!events.length) htmlEl("li", "muted", ol, "no retractions in the last 10 minutes");
+    if (!retracts.length) htmlEl("li", "muted", ol, "no retractions in the last 10 minutes");
   }
 
   function renderTransfer(snap) {
@@ -264,6 +283,45 @@
     if (!rates.length) return;
     chart("transfer", "xfer-rate", { fmt: fmt.bytes, title: "throughput (bytes/s)" }).draw(snap.t, rates);
     chart("transfer", "xfer-lat", { fmt: fmt.seconds, title: `latency (last ${WINDOW_S}s)` }).draw(snap.t, lat);
+  }
+
+  /** Decode workers' migrations: counters by direction and outcome, bytes, write time, one marker per move. */
+  function renderMigration(snap) {
+    const rates = [], lat = [], list = [], workers = snap.workers.filter((w) => "migrations_out_done" in w.counters);
+    workers.forEach((w, i) => {
+      const c = w.counters, lab = { worker: w.id }, color = LINES[i % LINES.length];
+      rates.push({ label: `${w.id} → peer`, color, points: points(`rate/${w.id}/migration_bytes`), fmt: fmt.byteRate });
+      lat.push({ label: `${w.id} P50`, color, points: points(`mig/${w.id}/p50`) },
+               { label: `${w.id} P99`, color: LINES[(i + 4) % LINES.length], points: points(`mig/${w.id}/p99`) });
+      for (const [direction, outcomes] of [["out", ["done", "failed", "declined"]], ["in", ["done", "failed", "refused"]]]) {
+        for (const outcome of outcomes) {
+          list.push({ label: `${w.id} ${direction} ${outcome}`, value: c[`migrations_${direction}_${outcome}`] ?? 0,
+                      metric: "pdserve_migrations_total", labels: { worker: w.id, direction, outcome } });
+        }
+      }
+      const h = w.histograms.migration_seconds, n = h ? h.counts.reduce((a, b) => a + b, 0) : 0;
+      list.push({ label: `${w.id} bytes out`, value: c.migration_bytes ?? 0, text: fmt.bytes(c.migration_bytes ?? 0),
+                  metric: "pdserve_migration_bytes_total", labels: lab },
+                { label: "writes timed", value: n, metric: "pdserve_migration_seconds_count", labels: lab });
+      for (const q of [0.5, 0.99]) {
+        const v = h ? quantile(q, h) : null;
+        list.push({ label: `P${q * 100} (all)`, value: v, text: fmt.seconds(v), hist: "pdserve_migration_seconds", q, labels: lab });
+      }
+    });
+    tiles("migration-tiles", list);
+    const moves = events.filter((e) => e.cls.startsWith("migrate"));
+    const marks = moves.map((e) => ({ t: e.t, label: e.label, title: e.text, cls: e.cls }));
+    if (rates.length) {
+      chart("migration", "mig-rate", { fmt: fmt.bytes, title: "KV moved host pool → peer (bytes/s)" }).draw(snap.t, rates, marks);
+      chart("migration", "mig-lat", { fmt: fmt.seconds, title: `write time per request (last ${WINDOW_S}s)` }).draw(snap.t, lat, marks);
+    }
+    const ol = document.getElementById("migration-events");
+    ol.replaceChildren();
+    for (const e of moves.slice(-MAX_EVENTS).reverse()) {
+      const li = htmlEl("li", e.cls, ol, `${new Date((snap.time - (snap.t - e.t)) * 1000).toLocaleTimeString()}  ${e.text}`);
+      Object.assign(li.dataset, { worker: e.worker, n: String(e.n) });
+    }
+    if (!moves.length) htmlEl("li", "muted", ol, "no migrations in the last 10 minutes");
   }
 
   function statusColor(s) {
@@ -326,6 +384,7 @@
     renderQueues(snap);
     renderRetract(snap);
     renderTransfer(snap);
+    renderMigration(snap);
     renderRequests(snap);
   }
 
