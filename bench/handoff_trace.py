@@ -1,8 +1,9 @@
 """Where one PD request's time to first token goes, hop by hop, against colocated (issue 29 item 3).
 
 Launches each mode (``--modes pd,colocated``; ``--repo`` runs another checkout too, e.g. an older
-main, for an A/B in one sitting) with ``--log-level DEBUG``, sends ``--requests`` sequential
-streamed completions of ``--prompt-len`` random token ids (a fresh prompt each, so no prefix cache
+main, for an A/B in one sitting) with ``--log-level DEBUG``, all at once, and sends ``--requests``
+sequential streamed completions (round-robin over the servers, one at a time, so a change in the
+machine's load hits them alike) of ``--prompt-len`` random token ids (a fresh prompt each, so no prefix cache
 helps) with ``max_tokens`` ``--max-tokens``, and lines up the stamps of each request on one clock:
 the client's (send, first byte), the router's (arrival, sent to the workers, first token received)
 and every worker's milestones (``engine.scheduler.timeline``'s DEBUG line of monotonic stamps;
@@ -15,6 +16,7 @@ stamp after the client's send and of each hop between consecutive stamps, then t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -112,7 +114,8 @@ def one_request(http: httpx.Client, url: str, prompt: list[int], max_tokens: int
     t0 = time.monotonic()
     first = None
     with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:500]}")
         for line in r.iter_lines():
             if first is None and line.startswith("data: {"):
                 first = time.monotonic()
@@ -121,27 +124,10 @@ def one_request(http: httpx.Client, url: str, prompt: list[int], max_tokens: int
     return t0, first
 
 
-def run_server(label: str, mode: str, repo: Path | None, args) -> list[Trace]:
-    """Launch ``mode`` from ``repo``, run the sequential requests, return their lined-up traces;
-    prints each process's CPU time per measured request (what polling costs shows here)."""
-    flags = launch_argv(mode, ["--log-level", "DEBUG", *args.server_args.split()])  # later flags win
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.warmup + args.requests)]
-    spans: list[tuple[float, float]] = []
-    with LaunchedServer(flags, repo=repo) as srv, httpx.Client(timeout=120, trust_env=False) as http:
-        pids, cpu0 = server_pids(srv), {}
-        for i, prompt in enumerate(prompts):
-            if i == args.warmup:
-                cpu0 = cpu_seconds(pids)
-            t0, first = one_request(http, srv.url, prompt, args.max_tokens)
-            if i >= args.warmup:
-                spans.append((t0, first))
-            time.sleep(args.gap_s)
-        cpu1 = cpu_seconds(pids)
-        time.sleep(1.0)  # the last request's DEBUG lines
-        marks = parse_marks(srv.log())
-    per_req = {k: (cpu1[k] - cpu0[k]) / max(1, args.requests) * 1e3 for k in cpu1 if k in cpu0}
-    print(f"{label}: CPU ms per request: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_req.items())))
+def line_up(spans: list[tuple[float, float]], log_text: str) -> list[Trace]:
+    """One ``Trace`` per (client send, first byte): the stamps of the request the router received
+    in that window (requests to one server are sequential, so the window names it)."""
+    marks = parse_marks(log_text)
     router = [(rid, roles["router"]) for rid, roles in marks.items() if "router" in roles]
     traces = []
     for t0, first in spans:
@@ -151,8 +137,44 @@ def run_server(label: str, mode: str, repo: Path | None, args) -> list[Trace]:
                 for role, ms in marks[rid].items():
                     tr.stamps.update({(role, k): v for k, v in ms.items()})
         traces.append(tr)
-    print(f"{label}: {len(traces)} requests, {sum(('router', 'arrived') in t.stamps for t in traces)} traced")
     return traces
+
+
+def run_all(servers: list[tuple[str, str, Path | None]], args) -> list[tuple[str, list[Trace]]]:
+    """Launch every ``(label, mode, repo)`` at once, then send the sequential requests round-robin,
+    one at a time (request i goes to every server before request i+1 goes to any), so a change
+    of the machine's load hits every server alike; returns each server's lined-up traces and
+    prints each process's CPU time per measured request (what polling costs shows there)."""
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.warmup + args.requests)]
+    with contextlib.ExitStack() as stack:
+        http = stack.enter_context(httpx.Client(timeout=300, trust_env=False))
+        srvs = []
+        for label, mode, repo in servers:
+            flags = launch_argv(mode, ["--log-level", "DEBUG", *args.server_args.split()])  # later flags win
+            srvs.append(stack.enter_context(LaunchedServer(flags, repo=repo, startup_timeout_s=args.startup_timeout_s)))
+        pids = [server_pids(srv) for srv in srvs]
+        spans: list[list[tuple[float, float]]] = [[] for _ in srvs]
+        cpu0: list[dict[str, float]] = [{} for _ in srvs]
+        for i, prompt in enumerate(prompts):
+            for k, srv in enumerate(srvs):
+                if i == args.warmup:
+                    cpu0[k] = cpu_seconds(pids[k])
+                t0, first = one_request(http, srv.url, prompt, args.max_tokens)
+                if i >= args.warmup:
+                    spans[k].append((t0, first))
+                time.sleep(args.gap_s)
+        cpu1 = [cpu_seconds(p) for p in pids]
+        time.sleep(1.0)  # the last requests' DEBUG lines
+        logs = [srv.log() for srv in srvs]
+    out = []
+    for k, (label, _, _) in enumerate(servers):
+        per_req = {w: (cpu1[k][w] - cpu0[k][w]) / max(1, args.requests) * 1e3 for w in cpu1[k] if w in cpu0[k]}
+        print(f"{label}: CPU ms per request: " + ", ".join(f"{w} {v:.1f}" for w, v in sorted(per_req.items())))
+        traces = line_up(spans[k], logs[k])
+        print(f"{label}: {len(traces)} requests, {sum(('router', 'arrived') in t.stamps for t in traces)} traced")
+        out.append((label, traces))
+    return out
 
 
 def report(label: str, traces: list[Trace]) -> float:
@@ -182,17 +204,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=250)
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--gap-s", type=float, default=0.2, help="pause between requests (the workers go idle)")
+    p.add_argument("--other-first", action="store_true", help="--repo's servers first in every round")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout-s", type=float, default=900.0, help="per server (a loaded machine is slow)")
     p.add_argument("--server-args", default="", help="more `pdserve launch` flags for every server")
     args = p.parse_args(argv)
     repos: list[tuple[str, Path | None]] = [("this", None)] + ([("other", args.repo)] if args.repo else [])
+    if args.other_first:  # each round's first server can fare differently: swap to check
+        repos.reverse()
+    servers = [(f"{mode} ({tag} checkout)" if args.repo else mode, mode, repo)
+               for tag, repo in repos for mode in args.modes.split(",")]
     ttft: dict[str, float] = {}
-    results = []
-    for tag, repo in repos:
-        for mode in args.modes.split(","):
-            label = f"{mode} ({tag} checkout)" if args.repo else mode
-            results.append((label, run_server(label, mode, repo, args)))
-    for label, traces in results:
+    for label, traces in run_all(servers, args):
         ttft[label] = report(label, traces)
     print("\n| server | median TTFT ms | / first |\n|---|---|---|")
     base = next(iter(ttft.values()))

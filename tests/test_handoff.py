@@ -111,3 +111,18 @@ def test_trace_lines_up_router_and_worker_stamps():
     assert got == {"req-1": {"router": {"arrived": 10.0, "sent": 10.001},
                              "prefill": {"arrived": 10.002, "destination": 10.003},
                              "decode": {"arrived": 10.0015, "landed": 10.5}}}
+
+
+def test_burst_split_sums_each_sides_prefill_seconds():
+    """``bench.burst_split`` reads each role's prefill seconds from the phase histograms' sums."""
+    from bench.burst_split import phase_sum
+
+    name = "pdserve_request_phase_seconds_sum"
+    m = {(name, (("phase", "prefill_compute"), ("worker", "prefill-0"))): 2.5,
+         (name, (("phase", "prefill_compute"), ("worker", "prefill-1"))): 1.0,
+         (name, (("phase", "local_prefill"), ("worker", "decode-0"))): 0.75,
+         (name, (("phase", "decode"), ("worker", "decode-0"))): 9.0,
+         ("pdserve_request_phase_seconds_count", (("phase", "prefill_compute"), ("worker", "prefill-0"))): 7.0}
+    assert phase_sum(m, "prefill", "prefill_compute") == 3.5
+    assert phase_sum(m, "decode", "local_prefill") == 0.75
+    assert phase_sum(m, "decode", "prefill_compute") == 0.0
