@@ -98,6 +98,7 @@ class DecodeJob:
     fenced_at: float = 0.0
     state: DecodeState = DecodeState.QUEUED
     migrated: bool = False     # arrived from a peer decode worker (``prefill_addr`` is that worker's)
+    write_posted: bool = False  # the writer said the KV write into its pages started (``KVWriteStarted``)
     parked_at: float = 0.0     # monotonic time it last entered HOST_PARKED
     parked_step: int = 0       # the decode worker's step count then
 

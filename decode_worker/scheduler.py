@@ -37,7 +37,7 @@ from engine.scheduler.timeline import Timeline
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import GenerateRequest, Message, PrefillFailed, PrefillWithdrawn, TokenDelta
+from transfer.wire.protocol import GenerateRequest, KVWriteStarted, Message, PrefillFailed, PrefillWithdrawn, TokenDelta
 
 
 class DecodeScheduler(WorkerScheduler):
@@ -132,6 +132,8 @@ class DecodeScheduler(WorkerScheduler):
         if not isinstance(source, Peer):
             return handle_migration(self, source, msg, frames)
         out = self.peers.on_message(source.addr, msg)
+        if isinstance(msg, KVWriteStarted):
+            self.transfers.posted(msg)
         if isinstance(msg, PrefillFailed) and (job := self.transfers.failed(msg)) is not None:
             out = (out or Outbox()).extend(self.finish(job, Outcome.abort(f"prefill failed: {msg.error}",
                                                                           msg.error_status)))
@@ -158,7 +160,7 @@ class DecodeScheduler(WorkerScheduler):
         return bool(self.running or self.retract.queue or self.local)
 
     def idle_wait_s(self) -> float | None:
-        if self.transfers.inflight:  # notifications have no file descriptor: poll them
+        if self.transfers.polling:  # a write under way; its notification has no file descriptor: poll it
             return self.transfers.transport.poll_interval_s
         if self.migration is not None and (self.migration.offered or self.retract.queue):
             return self.migration.sender.transport.poll_interval_s

@@ -5,10 +5,12 @@ Admission (``admit``): prompt pages minus the decode radix prefix, plus ``max_ne
 new_token_ratio`` reserved, FCFS (the first request that does not fit stops admission); an
 admitted request gets its pages (QUEUED or RECOMPUTING -> AWAITING_KV) and a ``KVDestination``
 goes to its prefill worker (with a ``PrefillRequest`` first for a recompute, ``prefill_request``).
-A transfer leaves the tracker when its completion notification lands (``landed``, manifest
-checked), when the prefill side reports ``PrefillFailed`` (``failed``), or, for a fenced job whose
-client was already answered, when its prefill worker restarted or ``transfer_fence_s`` passed
-(``release_fences``): only then may its pages be reused.
+The transport is polled for notifications only while a write is under way (``polling``: the
+prefill worker announced it with ``KVWriteStarted``). A transfer leaves the tracker when its
+completion notification lands (``landed``, manifest checked), when the prefill side reports
+``PrefillFailed`` (``failed``), or, for a fenced job whose client was already answered, when its
+prefill worker restarted or ``transfer_fence_s`` passed (``release_fences``): only then may its
+pages be reused.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from decode_worker.peers import PrefillPeers
 from engine.scheduler.admission import admit_prompt
 from transfer.kv_transport import KVTransport
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import KVDestination, PrefillFailed, PrefillRequest, TransferManifest, ids_frame
+from transfer.wire.protocol import (KVDestination, KVWriteStarted, PrefillFailed, PrefillRequest, TransferManifest,
+                                    ids_frame)
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,22 @@ class TransferTracker:
         if job is None:
             job = next((j for j in self.prealloc if j.key == key), None)
         return job
+
+    def posted(self, msg: KVWriteStarted) -> None:
+        """The prefill worker started writing ``msg``'s room: its landing is polled for from now on
+        (a room no longer in flight, e.g. aborted and released, is ignored)."""
+        job = self.inflight.get((msg.room, msg.generation))
+        if job is not None:
+            job.write_posted = True
+            job.req.mark("write_posted")
+
+    @property
+    def polling(self) -> bool:
+        """True while a landing may come that only polling the transport reveals: a write the
+        prefill worker announced (``KVWriteStarted``), or one whose writer announces nothing (a
+        migration source). Rooms whose prefill is still computing need no polling: the
+        announcement wakes the worker loop like any message."""
+        return any(j.write_posted or j.migrated for j in self.inflight.values())
 
     def waiting_on(self, addr: str) -> list[DecodeJob]:
         """Jobs that depend on the prefill worker at ``addr`` (queued or in flight)."""

@@ -18,6 +18,9 @@ A decode worker that prefills a request itself (``--local-prefill-max-tokens``) 
 ``PrefillWithdrawn`` instead of a destination: the job leaves silently (``_withdraw``), or, when
 the withdrawal came first, its ``PrefillRequest`` is dropped on arrival.
 
+A write's start is announced to its decode worker (``KVWriteStarted``, in the step that posts it):
+the decode worker polls its transport for the landing from then on only, not all through the prefill.
+
 The KV stays locked in this worker's pool until the write finished or failed, then goes to the
 radix cache for later prefix hits. A failure is reported to
 the decode worker (``PrefillFailed``: nothing was or will be written to its pages) and, for the
@@ -45,8 +48,9 @@ from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.outbox import Conn, Outbox
-from transfer.wire.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, Message, PrefillFailed,
-                                    PrefillRequest, PrefillWithdrawn, TokenDelta, TransferManifest, frame_ids)
+from transfer.wire.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, KVWriteStarted,
+                                    Message, PrefillFailed, PrefillRequest, PrefillWithdrawn, TokenDelta,
+                                    TransferManifest, frame_ids)
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +256,8 @@ class PrefillScheduler(WorkerScheduler):
                 src = self.runner.pools.unit_rows(full, swa_src)
                 dst = self.sender.dest_rows(job.decode_worker, job.dest_pages[first:last], swa_dst)
                 self.sender.start(job, job.decode_worker, src, dst, manifest)
+                if job.dest_conn is not None:  # the decode worker polls for this landing from now on
+                    out.send(job.dest_conn, KVWriteStarted(rid=job.req.rid, room=job.room, generation=job.generation))
             except Exception as e:  # noqa: BLE001 - any transport error fails this request only
                 job.writing = False
                 out.extend(self.finish(job, Outcome.abort(f"KV transfer could not start: {e}", 503)))

@@ -4,7 +4,8 @@ Schedulers stamp milestones on the request (``Request.mark``: first stamp wins, 
 and re-admitted request keeps its first pass) and hand the request to ``Timeline.done`` when it
 ends. Each role names its phases as spans between two milestones; every phase with both ends
 stamped is observed in a histogram (shipped to the router as ``phase_<name>``, exported as
-``pdserve_request_phase_seconds{worker, phase}``) and one DEBUG line per request lists them.
+``pdserve_request_phase_seconds{worker, phase}``) and one DEBUG line per request lists them (a
+second one its milestones' monotonic stamps, for ``bench.handoff_trace``).
 """
 from __future__ import annotations
 
@@ -50,3 +51,11 @@ class Timeline:
                 spans.append(f"{name}={dt * 1e3:.1f}")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s (%s) phases in ms: %s", req.rid, req.finish_reason, " ".join(spans) or "-")
+            log.debug("request %s marks (monotonic s): %s", req.rid, marks_text(req.marks))
+
+
+def marks_text(marks: dict[str, float]) -> str:
+    """``name=seconds`` for every milestone, in stamp order: CLOCK_MONOTONIC is one clock for every
+    process of a machine, so ``bench.handoff_trace`` lines up the router's and each worker's stamps
+    of one request."""
+    return " ".join(f"{k}={v:.6f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1]))

@@ -17,6 +17,7 @@ in ``finally`` blocks of cancelled tasks):
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from server.router.errors import APIError
 from server.router.inflight import Inflight, InflightTable
 from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
+
+log = logging.getLogger(__name__)
 
 
 def check_route_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None:
@@ -127,6 +130,11 @@ class GenerationSession:
             return
         self.closed = True
         self._leave(reason)
+        if log.isEnabledFor(logging.DEBUG):  # one line per request: bench.handoff_trace lines up the hops
+            stamps = {"arrived": self.arrival, "sent": self.t_sent, "first_token": self.t_first,
+                      "last_token": self.t_last}
+            log.debug("request %s marks (monotonic s): %s", self.rid,
+                      " ".join(f"{k}={v:.6f}" for k, v in stamps.items() if v is not None))
 
     def _leave(self, reason: str) -> None:
         """Remove ``rid`` from the in-flight table and abort it on the route's workers if unfinished."""

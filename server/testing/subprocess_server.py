@@ -35,7 +35,10 @@ class LaunchedServer:
     ``url`` is set once the launcher printed its ready line. ``log()`` returns its stderr so far.
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout_s: float = 240.0) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout_s: float = 240.0,
+                 repo: Path | None = None) -> None:
+        """``repo``: the checkout to run (default: this one), e.g. an older main for an A/B."""
+        self.repo = REPO_ROOT if repo is None else Path(repo)
         self.args = list(args)
         self.env = env
         self.startup_timeout_s = startup_timeout_s
@@ -47,7 +50,10 @@ class LaunchedServer:
     def start(self) -> str:
         """Start and wait for readiness; ``RuntimeError`` with the log tail if it fails or times out."""
         cmd = [sys.executable, "-m", "server.launch.cli", "launch", *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=subprocess.PIPE, stderr=self._stderr,
+        env = self.env
+        if self.repo != REPO_ROOT:  # the other checkout's modules win in the launcher and its workers
+            env = {**(os.environ if env is None else env), "PYTHONPATH": str(self.repo)}
+        self.proc = subprocess.Popen(cmd, cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True, start_new_session=True)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         deadline = time.monotonic() + self.startup_timeout_s

@@ -113,6 +113,17 @@ class PrefillWithdrawn(Message):
     generation: int = 0
 
 
+class KVWriteStarted(Message):
+    """Prefill -> decode: the KV write into this room/generation's pages was posted in this step;
+    its completion notification follows on the data plane. Until this comes the decode worker does
+    not poll its transport for the room (the prefill worker is still computing it): the wait is
+    event-driven, not a poll every few ms that takes CPU from the prefill compute."""
+
+    rid: str
+    room: int
+    generation: int = 0
+
+
 # ---- migration of a retracted request between decode workers (decode <-> router) ------------
 class MigrationOffer(Message):
     """Source decode worker -> router: request ``rid`` is parked in my host pool and could not
@@ -343,8 +354,8 @@ class KvSnapshot(Message):
 MESSAGES: dict[str, type[Message]] = {
     cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, Drain, TokenBatch, WorkerStats,
                                   PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed,
-                                  PrefillWithdrawn, KvSnapshotRequest, KvEvents, KvSnapshot, MigrationOffer,
-                                  MigrationDeclined, MigrateRequest, MigrationEnded)
+                                  PrefillWithdrawn, KVWriteStarted, KvSnapshotRequest, KvEvents, KvSnapshot,
+                                  MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
 }
 
 
