@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 7  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 8  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 # 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
 #    migration (MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
 # 7: PrefillWithdrawn (a decode worker prefilled the request itself: selective disaggregation)
+# 8: KVWriteStarted (prefill -> decode: the write is posted, start polling); with a cluster key the
+#    transports' notifications are sealed (transfer/notif_seal.py)
 
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]
