@@ -35,11 +35,7 @@ static void from_f32(const float *src, void *dst, int64_t off, int64_t n, int bf
     }
     const uint32_t *u = (const uint32_t *)src;
     uint16_t *h = (uint16_t *)dst + off;
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t x = u[i];
-        const uint32_t r = (x & 0x7fffffffu) > 0x7f800000u ? x | 0x00400000u : x + 0x7fffu + ((x >> 16) & 1u);
-        h[i] = (uint16_t)(r >> 16);
-    }
+    for (int64_t i = 0; i < n; i++) h[i] = bits_to_bf16(u[i]);
 }
 
 /* ---- row-parallel driver ---- */

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_vec.h"
+
 #define MAX_ROWS 8
 #define PF 2048
 
@@ -26,20 +28,6 @@ int pdserve_gemv_bf16_available(void);
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    const uint32_t r = (x & 0x7fffffffu) > 0x7f800000u ? x | 0x00400000u : x + 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(r >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* Output rows [o0, o0 + RB) for R x rows; RB * R accumulators stay in registers. */
 #define BLOCK(NAME, R, RB)                                                                               \
@@ -58,9 +46,9 @@ static inline float bf16_to_f32(uint16_t h) {
                 for (int k = 0; k < RB; k++) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], xv, wv[k]);         \
             }                                                                                            \
         }                                                                                                \
-        for (int k = 0; k < RB && o0 + k < out; k++) {                                                   \
+        for (int k = 0; k < RB; k++) { /* whole blocks: out % RB == 0 */                               \
             const float b = bias ? bf16_to_f32(bias[o0 + k]) : 0.0f;                                     \
-            for (int r = 0; r < R; r++) y[r * out + o0 + k] = to_bf16(_mm512_reduce_add_ps(acc[r][k]) + b); \
+            for (int r = 0; r < R; r++) y[r * out + o0 + k] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][k]) + b); \
         }                                                                                                \
     }
 

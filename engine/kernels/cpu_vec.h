@@ -71,4 +71,23 @@ static inline vf vabs(vf v) {
 
 static inline void vst_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* float32 bits -> bfloat16, round to nearest even, a NaN kept a quiet NaN. */
+static inline uint16_t bits_to_bf16(uint32_t x) {
+    const uint32_t r = (x & 0x7fffffffu) > 0x7f800000u ? x | 0x00400000u : x + 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(r >> 16);
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    return bits_to_bf16(x);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 #endif
