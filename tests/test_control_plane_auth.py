@@ -31,7 +31,7 @@ from server.testing.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
 from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
-                                    KvEvents, KvSnapshot, KvSnapshotRequest, MigrateRequest, MigrationDeclined,
+                                    KvEvents, KvSnapshot, KvSnapshotRequest, KVWriteStarted, MigrateRequest, MigrationDeclined,
                                     MigrationEnded, MigrationOffer, PrefillFailed, PrefillRequest, PrefillWithdrawn,
                                     Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
                                     hashes_frame, ids_frame)
@@ -61,6 +61,8 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "PrefillFailed": encode(PrefillFailed(rid="evil-gen", room=7, generation=0, error="x")),
         # a prefill worker would drop the request silently (its decode worker "prefills it itself")
         "PrefillWithdrawn": encode(PrefillWithdrawn(rid="evil-pre", room=7)),
+        # a decode worker would start polling its transport for a landing that never comes
+        "KVWriteStarted": encode(KVWriteStarted(rid="evil-pre", room=7, generation=0)),
         "AbortRequest": encode(AbortRequest(rids=["evil-gen", "evil-pre"])),
         "StatsRequest": encode(StatsRequest(nonce=66)),
         "TokenBatch": encode(*TokenBatch.pack([TokenDelta(rid="evil-gen", token_ids=[1])])),
