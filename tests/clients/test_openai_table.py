@@ -147,6 +147,20 @@ def _worker_counter(base: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
 
 
+def _settled_counters(base: str, names: tuple[str, ...]) -> list[float]:
+    """The counters once they stop moving across two worker heartbeats (1 s apart): an earlier
+    test's requests reach the router's /metrics up to a heartbeat late and must not count here."""
+    last = [_worker_counter(base, n) for n in names]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(2.5)
+        now = [_worker_counter(base, n) for n in names]
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"worker counters {names} kept moving for 30 s: {last}")
+
+
 def test_n_choices_prefill_the_prompt_once(client):
     """n=4 on a fresh 256-token prompt: the three later choices match the first one's full prompt
     pages (inserted into the radix cache at its prefill) and compute only the last page: the
@@ -155,7 +169,7 @@ def test_n_choices_prefill_the_prompt_once(client):
     base = str(client.base_url).rstrip("/").removesuffix("/v1")
     prompt = [random.Random(26).randrange(1000, 20000) for _ in range(256)]
     names = ("pdserve_prompt_tokens_total", "pdserve_cached_prompt_tokens_total")
-    before = [_worker_counter(base, n) for n in names]
+    before = _settled_counters(base, names)
     r = client.completions.create(model=model, prompt=prompt, n=4, max_tokens=4, temperature=1.0, seed=5)
     assert len(r.choices) == 4 and r.usage.prompt_tokens == 256
     deadline = time.monotonic() + 30
