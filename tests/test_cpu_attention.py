@@ -188,9 +188,14 @@ def _extend_reference(q, pool, layer, table, pos0, ext, window, scale):
     (6, 1, 128, 7),      # group 6: tiles of 8 tokens, pad rows
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_tiled_extend_kernel_equals_dense_attention(dtype, heads, kv_heads, head_dim, window, threads):
+@pytest.mark.parametrize("dot", [False, True])
+def test_tiled_extend_kernel_equals_dense_attention(dtype, heads, kv_heads, head_dim, window, threads, dot):
     """Requests with and without a cached prefix, lengths that are not a multiple of the tile, a
-    one-token chunk, pages shuffled through the pool; every page not in a table is poisoned."""
+    one-token chunk, pages shuffled through the pool; every page not in a table is poisoned. The
+    bfloat16-product path (``dot`` on a bfloat16 pool, where the CPU has AVX512-BF16) rounds the
+    scaled queries and the softmax weights to bfloat16 once each: against a reference given the same
+    rounded queries it is within the weights' rounding (2^-9 relative), and it is not the float32
+    path (outputs differ)."""
     g = torch.Generator().manual_seed(heads * 100 + head_dim + threads)
     P, layers, pos0, ext = 16, 2, [0, 60, 3, 0], [100, 37, 1, 150]
     need = [-(-(p + n) // P) for p, n in zip(pos0, ext)]
@@ -205,9 +210,19 @@ def test_tiled_extend_kernel_equals_dense_attention(dtype, heads, kv_heads, head
     ext_t, pos0_t = torch.tensor(ext), torch.tensor(pos0)
     qstart = torch.cumsum(ext_t, 0) - ext_t
     assert cpu_native.extend_supported(heads, kv_heads, head_dim)
-    got = cpu_native.paged_extend(q, pool, 1, table, qstart, pos0_t, ext_t, window, head_dim ** -0.5, threads)
-    want = _extend_reference(q, pool, 1, table, pos0_t, ext_t, window, head_dim ** -0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    scale = head_dim ** -0.5
+    got = cpu_native.paged_extend(q, pool, 1, table, qstart, pos0_t, ext_t, window, scale, threads, dot)
+    if not (dot and dtype == torch.bfloat16 and cpu_native.extend_dot_available()):
+        want = _extend_reference(q, pool, 1, table, pos0_t, ext_t, window, scale)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+        return
+    rounded = (q.double() * scale).to(torch.bfloat16).double() / scale
+    want = _extend_reference(rounded, pool, 1, table, pos0_t, ext_t, window, scale)
+    err = (got - want).norm() / want.norm()
+    assert err < 2 ** -9, err
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+    fp32_math = cpu_native.paged_extend(q, pool, 1, table, qstart, pos0_t, ext_t, window, scale, threads, False)
+    assert not torch.equal(got, fp32_math)
 
 
 def test_tiled_extend_shape_limits():
