@@ -130,9 +130,11 @@ class ClusterConfig(BaseModel):
                              "use every core), auto (split the cores among the workers, spare ones to the "
                              "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")
     core_lending: Literal["off", "prefill", "all"] = Field(
-        "prefill", description="launcher: a worker that is the only one of this host's unpinned launch with work "
-                               "runs its step on every core (server.worker.core_lending): prefill (default: prefill "
-                               "workers borrow, decode workers only lend), all, or off")
+        "all", description="launcher: a worker that is the only one of this host's unpinned launch with work "
+                           "runs its step on every core (server.worker.core_lending): all (default: any worker "
+                           "whose step matmuls measure >= 1.1x faster on every core at start-up borrows; a "
+                           "decode worker not while a prefill worker computes for it), prefill (decode workers "
+                           "only lend), or off")
     worker_host: str = Field(
         "127.0.0.1", description="launcher: bind address of this host's worker control sockets (0.0.0.0 to serve "
                                  "a router on another host; their control sockets take only peers holding the "

@@ -159,6 +159,12 @@ class DecodeScheduler(WorkerScheduler):
         only reserves pages and sends ``KVDestination`` (no forward pass)."""
         return bool(self.running or self.retract.queue or self.local)
 
+    @property
+    def awaits_peer_compute(self) -> bool:
+        """Requests waiting for pages or for their KV: their prompts are (or are about to be) on a
+        prefill worker."""
+        return len(self.transfers) > 0
+
     def idle_wait_s(self) -> float | None:
         if self.transfers.polling:  # a write under way; its notification has no file descriptor: poll it
             return self.transfers.transport.poll_interval_s

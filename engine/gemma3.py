@@ -107,9 +107,13 @@ class Gemma3Model(nn.Module):
             layer.w = w
         self.warm_up()
 
+    def linear_weights(self) -> list[tuple]:
+        """Every layer matmul's ``(weight, None)``, in forward order (the LM head apart)."""
+        return [(l.w[n], None) for l in self.layers for n in ("qkv", "o", "gate_up", "down")]
+
     def warm_up(self) -> None:
         """Build the packed matmuls' kernels for the current torch thread count (``cpu_linear.warm_up``)."""
-        warm_up((l.w[n], None) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
+        warm_up(self.linear_weights())
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:

@@ -103,9 +103,13 @@ class LlamaModel(nn.Module):
             layer.w = w
         self.warm_up()
 
+    def linear_weights(self) -> list[tuple]:
+        """Every layer matmul's ``(weight, bias)``, in forward order (the LM head apart)."""
+        return [(l.w[n], l.w.get(n + "_bias")) for l in self.layers for n in ("qkv", "o", "gate_up", "down")]
+
     def warm_up(self) -> None:
         """Build the packed matmuls' kernels for the current torch thread count (``cpu_linear.warm_up``)."""
-        warm_up((l.w[n], l.w.get(n + "_bias")) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))
+        warm_up(self.linear_weights())
         # the LM head sees one row per request of a step: warmed up to the default decode batch cap
         # (64); larger steps build their primitives when they first occur
         warm_up([(self.lm_head, None)], max_rows=64)

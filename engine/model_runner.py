@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,6 +148,28 @@ class ModelRunner:
                     self.model.warm_up()
         finally:
             torch.set_num_threads(current)
+
+    def matmul_seconds(self, threads: int, rows: int, repeats: int = 5) -> float:
+        """Best of ``repeats`` timings of one pass of the model's layer matmuls on ``rows`` rows (the
+        bulk of a step of that many tokens) at ``threads`` torch threads; the count is restored.
+        Core lending asks it whether a worker's steps gain from more cores on this machine."""
+        from engine.cpu_linear import linear
+
+        current, best = torch.get_num_threads(), float("inf")
+        pairs = self.model.linear_weights()
+        inputs = {w.shape[1]: torch.zeros(rows, w.shape[1], dtype=self.dtype, device=self.device) for w, _ in pairs}
+        try:
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                for attempt in range(repeats + 1):  # the first pass warms caches and thread pools
+                    start = time.perf_counter()
+                    for w, b in pairs:
+                        linear(inputs[w.shape[1]], w, b)
+                    if attempt:
+                        best = min(best, time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(current)
+        return best
 
     @property
     def capacity_tokens(self) -> int:

@@ -97,6 +97,59 @@ def test_no_borrowing_right_after_a_kv_handoff():
     assert cores.begin_step() == 2 and cores.borrowed_steps == 1
 
 
+def test_a_worker_a_peer_is_about_to_compute_for_does_not_borrow():
+    """A decode worker whose requests wait for a prefill worker keeps its share even though that
+    worker's slot still reads idle (it is about to compute the prompt)."""
+    ledger, fd = CoreLedger.create(2)
+    os.close(fd)
+    cores, calls = lending(ledger)
+    assert cores.begin_step(yield_to_peers=True) == 1 and calls == [] and cores.borrowed_steps == 0
+    assert cores.begin_step() == 2 and cores.borrowed_steps == 1
+    assert cores.begin_step(yield_to_peers=True) == 1 and calls == [2, 1]
+
+
+class _Runner:
+    """What ``core_lending`` reads of a runner: its device, step matmul timings, the warm-up."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        import torch
+
+        self.device, self.seconds, self.asked, self.warmed = torch.device("cpu"), seconds, [], None
+
+    def matmul_seconds(self, threads: int, rows: int) -> float:
+        self.asked.append((threads, rows))
+        return self.seconds[threads]
+
+    def warm_up_threads(self, counts) -> None:
+        self.warmed = tuple(counts)
+
+
+@pytest.mark.parametrize("role,seconds,borrows_", [
+    ("decode", {1: 1.0, 2: 0.95}, False),   # 1.05x: under the 1.1x bar, it only lends
+    ("decode", {1: 1.0, 2: 0.69}, True),    # the Zen 5's 1.45x
+    ("prefill", {1: 1.0, 2: 0.6}, True),
+])
+def test_a_worker_borrows_only_where_its_measured_matmuls_gain(monkeypatch, role, seconds, borrows_):
+    import argparse
+
+    import torch
+
+    from server.worker.main import LENDING_PROBE_ROUNDS, LENDING_PROBE_ROWS, core_lending
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    ledger, fd = CoreLedger.create(2)
+    try:
+        runner = _Runner(seconds)
+        args = argparse.Namespace(core_ledger_fd=fd, core_slot=1, lend_threads=2, role=role)
+        cores = core_lending(args, runner)
+    finally:
+        os.close(fd)
+    rows = LENDING_PROBE_ROWS[role]
+    assert runner.asked == [(1, rows), (2, rows)] * LENDING_PROBE_ROUNDS
+    assert (cores.own, cores.total) == ((1, 2) if borrows_ else (1, 1))
+    assert runner.warmed == cores.thread_counts
+
+
 def test_a_lender_never_borrows():
     ledger, fd = CoreLedger.create(2)
     os.close(fd)
@@ -185,9 +238,11 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
 @pytest.mark.process
 def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
     """Sequential requests: while the prefill worker computes a prompt, the decode worker waits for
-    its KV (idle), so prefill steps run on every core; the decode worker only lends. (Greedy
-    outputs against transformers with lending on: tests/test_pd_http.py.) The launch is the
-    session's default one (no OMP_NUM_THREADS), shared with other tests: counters are read as deltas."""
+    its KV (idle), so prefill steps run on every core; while it decodes alone, the decode worker
+    borrows the prefill worker's core if its start-up measurement said its steps gain (it logs the
+    verdict), else it only lends. (Greedy outputs against transformers with lending on:
+    tests/test_pd_http.py.) The launch is the session's default one (no OMP_NUM_THREADS), shared
+    with other tests: counters are read as deltas."""
     total = len(os.sched_getaffinity(0))
     body = {"prompt": "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
     argv = _workers(pd_server)
@@ -198,13 +253,19 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
 
     def moved(name: str, worker: str) -> float:
         return metric_sum(after, name, worker=worker) - metric_sum(before, name, worker=worker)
-    assert argv["prefill"][argv["prefill"].index("--lend-threads") + 1] == str(total)
-    assert "--core-ledger-fd" in argv["decode"] and "--lend-threads" not in argv["decode"]
-    assert f"core lending: prefill-0 run on all {total} cores" in pd_server.log()
+    for role in ("prefill", "decode"):
+        assert argv[role][argv[role].index("--lend-threads") + 1] == str(total)
+    log = pd_server.log()
+    assert f"core lending: prefill-0, decode-0 run on all {total} cores" in log
     assert moved("pdserve_worker_finished_requests_total", "prefill-0") == 4
     assert moved("pdserve_worker_borrowed_core_steps_total", "prefill-0") >= 1
-    assert metric_sum(after, "pdserve_worker_borrowed_core_steps_total", worker="decode-0") == 0
-    assert metric_sum(after, "pdserve_worker_torch_threads", worker="decode-0") == total // 2
+    verdicts = [line for line in log.splitlines() if "[decode-0]" in line and "step matmuls" in line]
+    assert len(verdicts) == 1, verdicts
+    decode_borrowed = moved("pdserve_worker_borrowed_core_steps_total", "decode-0")
+    if verdicts[0].endswith("borrows"):  # 8 tokens each decoded while the prefill worker is idle
+        assert decode_borrowed >= 4 and metric_sum(after, "pdserve_worker_torch_threads", worker="decode-0") == total
+    else:
+        assert decode_borrowed == 0 and metric_sum(after, "pdserve_worker_torch_threads", worker="decode-0") == total // 2
     assert len(set(texts)) == 1 and texts[0]
 
 
@@ -242,6 +303,7 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
             h.submit(f"r{i}", prompt, SamplingParams(max_new_tokens=3, temperature=0))
         # no forward pass anywhere yet: the prompts wait for their decode pages before prefill
         assert not h.decode.has_model_work and not h.prefill.has_model_work and len(h.prefill.bootstrapping) == 4
+        assert h.decode.awaits_peer_compute and not h.prefill.awaits_peer_compute
         while h.busy and not h.prefill.has_model_work:
             h.step()
         assert h.prefill.waiting and not h.decode.has_model_work  # destinations came: prefill has work
@@ -249,6 +311,7 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
             h.step()
         assert (True, False) in before_decode and (True, True) in before_decode  # reserving only; decoding
         assert not h.decode.has_model_work and not h.prefill.has_model_work
+        assert not h.decode.awaits_peer_compute
         h.check_clean()
     finally:
         h.close()

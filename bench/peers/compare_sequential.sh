@@ -21,6 +21,7 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-pd) dir=$NEW; args=(--mode pd) ;;
     new-pd-local) dir=$NEW; args=(--mode pd --local-prefill-max-tokens 256) ;;   # selective disaggregation
     new-colocated-mixed) dir=$NEW; args=(--mode colocated --mixed-batches) ;;
+    new-pd-lend-all) dir=$NEW; args=(--mode pd --core-lending all) ;;      # the decode worker borrows too
     vllm-bf16) (cd $NEW && exec bench/peers/vllm_cpu.sh bfloat16 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
                echo $!; return ;;
   esac

@@ -115,6 +115,13 @@ class WorkerScheduler(abc.ABC):
         worker's page reservations does not count. Default: ``has_work``."""
         return self.has_work
 
+    @property
+    def awaits_peer_compute(self) -> bool:
+        """True while another worker computes for this one (a decode worker's requests whose prompt
+        a prefill worker holds or is about to get): core lending keeps such a worker from borrowing
+        the cores that peer is about to need. Default: False."""
+        return False
+
     @abc.abstractmethod
     def idle_wait_s(self) -> float | None:
         """With no work: how long the loop may block on its sockets before ``step`` is due anyway

@@ -28,11 +28,17 @@ Contract:
 - Only thread counts change, never affinity. oneDNN builds its kernels per thread count, so a
   borrower warms up at ``total`` threads too before it serves (``thread_counts``).
 
-Who borrows is measured, not assumed (``core_lending``): ``prefill`` (default) lets prefill
-workers borrow, since prompt compute is matmul-bound and scales with cores (SmolLM2 fp32, 256-token
-prefill: 383 -> 578 tok/s from one thread to two); a decode step on small batches does not (batch 8:
-130 -> 102 tok/s, batch 32: 223 -> 215) so decode workers only lend. ``all`` lets every worker
-borrow; ``off`` shares nothing.
+Who borrows is measured, not assumed (``core_lending``): with ``all`` (the default) the launcher
+lets every worker borrow, and each worker times its steps' matmuls at start-up on its own share and
+on every core (``server.worker.main.core_lending``), borrowing only at >= 1.1x. A prefill chunk
+always gains (SmolLM2 fp32, 256 tokens: 383 -> 578 tok/s from one thread to two); a decode step
+gains on some machines and not on others (an AVX-512 Xeon in fp32, batch 8: 130 -> 102 tok/s; a
+Zen 5 in bf16 with the small-batch kernel: 1.45x at batch 1-32). A decode worker whose requests wait
+for a prefill worker (``WorkerScheduler.awaits_peer_compute``) does not borrow even if that
+worker's slot still reads idle: the prompt is about to be computed there. Measured on the Zen 5, PD
+c = 1 / 8 / 32 (bench/peers/compare_sequential.sh, two runs): decode borrowing without that rule
++18% / -15% / -15% output tok/s, with it +18% / +7% / +6%. ``prefill`` keeps decode workers
+lending only; ``off`` shares nothing.
 """
 from __future__ import annotations
 
@@ -128,9 +134,12 @@ class CoreLending:
         """KV just went to a decode worker: it is about to be busy, whatever its slot says yet."""
         self._quiet_until = self.clock() + self.handoff_grace_s
 
-    def begin_step(self) -> int:
-        """Set (if changed) and return the thread count of the step about to run."""
-        borrow = self.total > self.own and self.clock() >= self._quiet_until and self.ledger.others_idle(self.slot)
+    def begin_step(self, yield_to_peers: bool = False) -> int:
+        """Set (if changed) and return the thread count of the step about to run. ``yield_to_peers``:
+        another worker is about to compute for this one (``WorkerScheduler.awaits_peer_compute``),
+        so this step keeps its own share even if that peer's slot still reads idle."""
+        borrow = (self.total > self.own and not yield_to_peers and self.clock() >= self._quiet_until
+                  and self.ledger.others_idle(self.slot))
         n = self.total if borrow else self.own
         if n != self.threads:
             self.set_threads(n)

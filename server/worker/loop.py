@@ -110,7 +110,7 @@ class WorkerLoop:
                 busy = scheduler.has_work
                 self._publish()
                 if busy and self.cores is not None:
-                    self.cores.begin_step()
+                    self.cores.begin_step(yield_to_peers=scheduler.awaits_peer_compute)
                 self._turn()
                 self._flush_kv_events()
                 if self.step_delay_s and (busy or scheduler.has_work):
