@@ -40,6 +40,13 @@ from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import GenerateRequest, KVWriteStarted, Message, PrefillFailed, PrefillWithdrawn, TokenDelta
 
 
+def admitted(running, transfers: TransferTracker, local) -> list[Request]:
+    """Every request of a decode worker whose pages are reserved: ``running``, with KV in flight
+    (``transfers``), being prefilled there (``local``'s chunked one)."""
+    chunked = local.chunked
+    return [*running, *(j.req for j in transfers.inflight.values()), *([chunked] if chunked else [])]
+
+
 class DecodeScheduler(WorkerScheduler):
     role = Role.DECODE
 
@@ -73,19 +80,14 @@ class DecodeScheduler(WorkerScheduler):
         job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt))
         self.stats.prompt_tokens += len(prompt)
         out = self.peers.connect(msg.prefill_addr)  # a recompute after a retract needs it either way
-        decision = self.local.consider(req, self._admitted, self.running.ratio.value, len(self.retract.queue),
-                                       len(self.transfers.prealloc))
+        decision = self.local.consider(req, lambda: admitted(self.running, self.transfers, self.local),
+                                       self.running.ratio.value, len(self.retract.queue), len(self.transfers.prealloc))
         if decision is None or not decision.local:
             self.transfers.queue(job)
             return out
         job.enter(DecodeState.LOCAL_PREFILL)
         out.send(Peer(msg.prefill_addr), PrefillWithdrawn(rid=msg.rid, room=msg.room))
         return out
-
-    def _admitted(self) -> list[Request]:
-        """Every request whose pages are reserved: running, in flight, being prefilled here."""
-        chunked = self.local.chunked
-        return [*self.running, *(j.req for j in self.transfers.inflight.values()), *([chunked] if chunked else [])]
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
         job = self.jobs.get(rid)
@@ -227,7 +229,7 @@ class DecodeScheduler(WorkerScheduler):
 
     def _admit(self) -> Outbox:
         ratio = self.running.ratio.value
-        in_flight = self._admitted()
+        in_flight = admitted(self.running, self.transfers, self.local)
         free = self.budget.headroom(in_flight, ratio)
         slots = self.cfg.scheduler.max_running_requests - len(in_flight)
         out, unusable = self.transfers.admit(self.peers, free, ratio, slots)
@@ -244,7 +246,8 @@ class DecodeScheduler(WorkerScheduler):
         admit_new = not (self.retract.queue or res.retracted)  # resumes and recomputes first
         items = []
         if self.local:  # a request queued or chunked for local prefill
-            items = self.local.select(len(rows), self._admitted(), self.running.ratio.value, admit_new)
+            reserved = admitted(self.running, self.transfers, self.local)
+            items = self.local.select(len(rows), reserved, self.running.ratio.value, admit_new)
         if self.cfg.scheduler.mixed_batches:
             decoded, prefilled = self.executor.mixed(rows, items)
         else:

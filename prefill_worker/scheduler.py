@@ -244,7 +244,7 @@ class PrefillScheduler(WorkerScheduler):
     def _start_transfers(self) -> Outbox:
         out = Outbox()
         for job in [j for j in self.jobs.values() if not j.writing and j.manifest and j.dest]:
-            first, last = job.dest.decode_prefix_len // self.page_size, self.kv.pages_for(job.req.kv_len)
+            first, last = job.dest.decode_prefix_len // self.kv.page_size, self.kv.pages_for(job.req.kv_len)
             full = np.asarray(job.req.kv.pages[first:last], dtype=np.int32)
             swa_src, swa_dst, missing = self._swa_pairs(job, first, last)
             manifest = job.manifest.model_copy(update={"n_pages": len(full), "swa_pages": len(swa_src),

@@ -145,10 +145,6 @@ class WorkerScheduler(abc.ABC):
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    @property
-    def page_size(self) -> int:
-        return self.runner.page_size
-
     def fit_check(self, pool: str = "KV cache pool") -> FitCheck:
         """The fit check against this worker's pool (named ``pool`` in messages), context and SWA pool."""
         return FitCheck(self.capacity_tokens, self.max_model_len, pool, swa_pool_pages=self.budget.swa_pool_pages,

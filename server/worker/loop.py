@@ -297,5 +297,5 @@ def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, 
         snap.gauges.update(gauges)
     histograms = {k: HistogramData(**h.as_dict()) for k, h in snap.histograms.items()}
     return WorkerStats(nonce=nonce, worker_id=worker_id, cluster_id=cluster_id, instance=instance, role=s.role,
-                       model=model, capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.page_size,
+                       model=model, capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.kv.page_size,
                        counters=snap.counters, gauges=snap.gauges, histograms=histograms)
