@@ -108,10 +108,10 @@ def test_dead_peer_reports_error_then_restarted_peer_works(backend, opts, limit_
 
     The scenario (``transport_dead_peer.scenario``, every assertion there) runs in a fresh child
     process holding only this backend's UCX, so a native crash is one failed test with the child's
-    signal and faulthandler stack, not the death of the run. In the pytest process (ucxx loaded,
-    then NIXL's UCX copy set up, then ucxx used) the ucxx-eh-on case crashed every time before the
-    fix above; in its own process it never crashed (32 runs under load). No retry: a crash here
-    is a bug to look at."""
+    signal and faulthandler stack, not the death of the run. In one process in CI's order (ucxx
+    loaded, then NIXL's UCX copy set up, then ucxx used) the ucxx-eh-on case crashed in every run
+    until the ucxx backend stopped posting page sends on a failed endpoint; alone in a process it
+    never crashed (32 runs under load). No retry: a crash here is a bug to look at."""
     res = run_child(backend, opts, limit_s, env)
     assert res.returncode == 0, res.describe()
 
