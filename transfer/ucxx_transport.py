@@ -24,6 +24,11 @@ Differences from the NIXL backend a caller can see:
   (UCX's peer error handling) excludes those transports and falls back to TCP. Measured here
   (``pdserve bench transfer --backend ucxx --ucxx-error-handling both``): see the issue-15 note.
 * Host (DRAM) pools only; a CUDA pool raises ``ValueError`` (use NIXL there).
+* No sends on an endpoint UCX reported failed (error handling on: the endpoint's ``alive``): a
+  write progresses the worker once after its header and, if the peer is gone, fails and aborts
+  the connection without posting its pages; the next write replaces a failed connection. UCX
+  1.21 segfaults when a rendezvous page send fails at once on a dead peer in a context without a
+  registration cache (``UCX_RCACHE_ENABLE=n``, or NIXL's UCX copy set up first in the process).
 
 One UCX context and worker per transport, no progress thread (on 2 cores ucxx's thread competes
 with the scheduler): progress happens inside ``write_pages``, ``TransferHandle.poll``,
@@ -168,6 +173,9 @@ class UcxxTransport(RemoteTransportBase):
 
     # ---- connections --------------------------------------------------------------------------
     def _connect(self, peer: _Peer) -> _Conn:
+        """The peer's connection; a new one if it has none or UCX reported its endpoint failed."""
+        if peer.conn is not None and not peer.conn.ep.alive:
+            self._abort_conn(peer.conn, "UCX reported the connection failed (peer gone)")
         if peer.conn is None:
             u = self._ucx
             addr = u.UCXAddress.create_from_buffer(np.frombuffer(peer.address, dtype=np.uint8))
@@ -221,6 +229,10 @@ class UcxxTransport(RemoteTransportBase):
         conn.handles.add(handle)
         try:
             reqs.append(conn.ep.tag_send(self._array(header), u.UCXXTag(HEADER_TAG)))
+            self._progress()  # lets UCX report a peer the header found dead (error handling on)
+            if not conn.ep.alive:  # no page sends on a failed endpoint (see the module docstring)
+                self._abort_conn(conn, "UCX reported the connection failed (peer gone)")
+                return handle
             for i, s in enumerate(src.tolist()):
                 reqs.append(conn.ep.tag_send(self._array(self._pages[s]), u.UCXXTag(page_tag(conn.conn_id, seq, i))))
         except Exception as e:  # noqa: BLE001 - a broken endpoint: fail this write, reconnect next time
