@@ -42,8 +42,8 @@ from server.router.http_util import check_api_key, parse_object, read_body
 from server.router.inflight import InflightTable
 from server.router.kv_index import KvIndex
 from server.router.kv_metrics import KvIndexCollector
-from server.router.load import PrefillBacklog
 from server.router.kv_subscriber import KvSubscriber
+from server.router.load import PrefillBacklog
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
