@@ -18,6 +18,9 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
                        queue_local_prefill=len(s.local.waiting) + (s.local.chunked is not None),
                        queue_migrating=len(s.migration.offered) if s.migration is not None else 0,
                        new_token_ratio=s.running.ratio.value,
+                       # for cache-aware routing's local-prefill option (server/router/cache_routing.py)
+                       local_prefill_max_tokens=s.local.policy.max_tokens,
+                       local_prefill_backlog_tokens=s.local.backlog_tokens,
                        host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,
                        host_kv_pool_bytes_free=host.num_free() * host.page_bytes if host else 0)
     ms = s.migration_stats

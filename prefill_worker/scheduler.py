@@ -68,6 +68,7 @@ class PrefillJob:
     dest_swa: np.ndarray | None = None  # SWA pages by logical page (-1: not wanted); empty without SWA
     manifest: TransferManifest | None = None
     writing: bool = False
+    uncached: int = 0  # prompt tokens the radix cache did not hold on arrival (gauge prefill_backlog_tokens)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -136,7 +137,8 @@ class PrefillScheduler(WorkerScheduler):
             out.token(source.ident, TokenDelta.failed(msg.rid, str(e), 400))
             return out
         req = Request(msg.rid, ids, params, state, owner=source.ident)
-        job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic())
+        cached = self.kv.tree.match_prefix(ids[:len(ids) - 1]).num_tokens if self.kv.tree is not None else 0
+        job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic(), uncached=len(ids) - cached)
         try:
             self.counting_rejections(lambda: self._check_fits(len(ids)))
         except RequestRejected as e:
@@ -349,6 +351,12 @@ class PrefillScheduler(WorkerScheduler):
         snap.gauges.update(queue_waiting=len(self.waiting),
                            queue_bootstrap=len(self.bootstrapping),
                            queue_transfer=sum(1 for j in self.jobs.values() if j.writing))
+        # prompt tokens not computed yet (uncached on arrival, or the chunked one's rest): what
+        # cache-aware routing weighs this worker's load by (server/router/load.py, PrefillBacklog)
+        chunked = self.admission.chunked
+        snap.gauges["prefill_backlog_tokens"] = float(
+            sum(self.by_req[id(r)].uncached for r in (*self.bootstrapping, *self.waiting) if id(r) in self.by_req)
+            + (chunked.seq_len - chunked.kv_len if chunked is not None else 0))
         snap.histograms.update(kv_transfer_seconds=self.transfer_seconds, **self.timeline.histograms)
         return snap
 

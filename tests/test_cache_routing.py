@@ -15,13 +15,15 @@ from cache.radix_cache import RadixCache
 from server.router.cache_routing import CacheAwarePolicy
 from server.router.kv_index import KvIndex
 from server.router.kv_metrics import KvIndexCollector
+from server.router.inflight import InflightTable
 from server.router.kv_subscriber import KvSubscriber
+from server.router.load import PrefillBacklog
 from server.router.metrics import RouterMetrics
 from server.router.registry import READY, WorkerHandle, WorkerSpec, route_pd
 from server.worker.kv_feed import KvFeed
 from transfer.cluster_key import ClusterKey
 from transfer.control_auth import ControlAuth
-from transfer.wire.protocol import WorkerStats
+from transfer.wire.protocol import TokenDelta, WorkerStats
 
 PS = 4
 PROMPT = list(range(100, 141))  # 41 tokens: 10 whole pages of the first 40
@@ -34,9 +36,16 @@ def _handle(wid: str, role: str, addr: str = "tcp://127.0.0.1:1", **stats) -> Wo
     return h
 
 
-def _pd(index: KvIndex, metrics: RouterMetrics | None = None, slack: int = 4):
-    handles = [_handle(w, "prefill" if w[0] == "p" else "decode") for w in ("p0", "p1", "d0", "d1")]
-    policy = CacheAwarePolicy(index, balance_slack=slack, on_decision=metrics.observe_routing if metrics else None)
+def _pd(index: KvIndex, metrics: RouterMetrics | None = None, slack: int = 4, backlog: dict[str, int] | None = None,
+        local_max: dict[str, int] | None = None):
+    """Two prefill and two decode workers (``local_max``: decode workers' --local-prefill-max-tokens
+    as their stats report it) and a policy whose backlog is ``backlog`` (tokens by worker)."""
+    local_max = local_max or {}
+    handles = [_handle(w, "prefill" if w[0] == "p" else "decode",
+                       gauges={"local_prefill_max_tokens": float(local_max[w])} if w in local_max else {})
+               for w in ("p0", "p1", "d0", "d1")]
+    policy = CacheAwarePolicy(index, balance_slack=slack, on_decision=metrics.observe_routing if metrics else None,
+                              backlog=(lambda w: backlog.get(w, 0)) if backlog else None)
     return handles, policy
 
 
@@ -70,16 +79,93 @@ def test_the_pair_holding_the_prompt_wins_and_counts_as_prefix():
     assert _decisions(metrics) == {"prefix": 1.0}
 
 
-def test_load_outweighs_a_hit_past_two_requests_and_the_cap_spills():
+def test_prefill_load_is_uncached_tokens_not_requests_and_the_cap_spills():
     index = KvIndex()
-    handles, policy = _pd(index, slack=4)
-    _holds(index, "p1", 10)  # the whole prompt but its last token: cost 1 + 0.5 * 41 * q
-    assert _ids(policy(handles, _load({"p1": 1}), PROMPT))[0] == "p1"  # 21.5 < 41
-    assert _ids(policy(handles, _load({"p1": 2}), PROMPT))[0] == "p0"  # 42 > 41
+    _holds(index, "p1", 10)  # the whole prompt but its last token: P(p1) = 1 + B(p1), P(p0) = 41 + B(p0)
+    for backlog, q, expected in (({"p1": 39}, {"p1": 3}, "p1"),   # 40 < 41: three cached requests queued are cheap
+                                 ({"p1": 41}, {}, "p0"),          # 42 > 41
+                                 ({"p1": 20, "p0": 30}, {}, "p1")):  # 21 < 71
+        handles, policy = _pd(index, backlog=backlog)
+        assert _ids(policy(handles, _load(q), PROMPT))[0] == expected, (backlog, q)
     metrics = RouterMetrics(lambda: [], lambda: 0)
     handles, policy = _pd(index, metrics, slack=0)
     assert _ids(policy(handles, _load({"p1": 1}), PROMPT))[0] == "p0"  # cheapest, but over the cap
     assert _decisions(metrics) == {"cap": 1.0}
+
+
+def test_late_turns_spread_by_the_work_queued_not_by_the_number_of_requests():
+    # p0: one long uncached prompt ahead (a fresh conversation); p1: four follow-up turns whose
+    # prefixes it held (a few uncached tokens each). Counting requests sent the next prompt to p0.
+    index = KvIndex()
+    handles, policy = _pd(index, backlog={"p0": 512, "p1": 4 * 24})
+    route = policy(handles, _load({"p0": 1, "p1": 4}), PROMPT)
+    assert _ids(route)[0] == "p1" and route.prefill == ("p1", 41)
+    assert _ids(route_pd(handles, _load({"p0": 1, "p1": 4})))[0] == "p0"
+
+
+def test_a_decode_worker_holding_all_but_a_short_suffix_is_expected_to_prefill_it_itself():
+    index, metrics = KvIndex(), RouterMetrics(lambda: [], lambda: 0)
+    _holds(index, "p1", 10)
+    _holds(index, "d1", 8)  # the conversation so far (prompt and answer): 32 tokens, suffix 9
+    handles, policy = _pd(index, metrics, local_max={"d1": 16})
+    route = policy(handles, _load({}), PROMPT)
+    # local(d1) = 9 against remote(p1, d0) = 1 + 0.5 * 41 = 21.5: d1 computes it, p1 is the fallback
+    assert _ids(route) == ["p1", "d1"] and route.prefill == ("d1", 9)
+    # a local backlog that would pass --local-prefill-max-tokens: the decode worker refuses, so
+    # remote: d1 still ships least (1 + 4.5 against 1 + 20.5), p1 computes
+    handles, policy = _pd(index, metrics, local_max={"d1": 16}, backlog={"d1": 8})
+    route = policy(handles, _load({}), PROMPT)
+    assert _ids(route) == ["p1", "d1"] and route.prefill == ("p1", 1)
+    # local prefill off on d1 (gauge 0 or absent): remote
+    handles, policy = _pd(index, metrics)
+    assert policy(handles, _load({}), PROMPT).prefill == ("p1", 1)
+    assert _decisions(metrics) == {"local": 1.0, "prefix": 2.0}
+
+
+def test_the_local_option_can_change_the_decode_worker():
+    # d1 holds 8 pages (suffix 9, local max 16) and runs 2 requests; no prefill worker holds
+    # anything (P = 41). d0 idle: remote(d0) = 41 + 20.5 = 61.5 < local(d1) = 9 + 2 * 64 = 137.
+    # d0 running 2 as well: remote(d0) = 189.5 > local(d1) = 137 (remote(d1) would be 173.5).
+    index = KvIndex()
+    _holds(index, "d1", 8)
+    handles, policy = _pd(index, local_max={"d1": 16})
+    assert _ids(policy(handles, _load({"d1": 2}), PROMPT))[1] == "d0"
+    route = policy(handles, _load({"d1": 2, "d0": 2}), PROMPT)
+    assert _ids(route)[1] == "d1" and route.prefill == ("d1", 9)
+
+
+def test_the_routers_own_pending_prefills_count_until_the_first_token():
+    """``Route.prefill`` goes into the in-flight table; ``PrefillBacklog`` counts it (or the worker's
+    reported backlog, whichever is larger) until the streaming worker's first token."""
+    index, table = KvIndex(), InflightTable()
+    _holds(index, "d1", 8)
+    handles, _ = _pd(index, local_max={"d1": 16})
+    by_id = {h.worker_id: h for h in handles}
+    backlog = PrefillBacklog(table, by_id)
+    policy = CacheAwarePolicy(index, backlog=backlog)
+
+    def send(rid: str):
+        route = policy(handles, _load({}), PROMPT)
+        table.open(rid, tuple(h.worker_id for h in route.targets), route.stream_from.worker_id, 50,
+                   prefill=route.prefill)
+        return route
+
+    assert send("a").prefill == ("d1", 9) and backlog("d1") == 9
+    assert send("b").prefill == ("p0", 41)  # 9 + 9 > 16: d1 would refuse; p0 computes the whole prompt
+    assert (backlog("p0"), backlog("p1")) == (41, 0)
+    assert send("c").prefill == ("p1", 41)  # p0 has 41 tokens queued
+    assert table.dispatch("p0", TokenDelta(rid="b", token_ids=[1])) is False  # only the stream worker's tokens
+    assert backlog("p0") == 41
+    assert table.entry("b").stream_from == "d1"  # remote, but d1 still ships least (4.5 against 20.5)
+    table.dispatch("d1", TokenDelta(rid="a", token_ids=[5]))
+    assert (backlog("d1"), backlog("p0")) == (0, 41)
+    table.dispatch("d1", TokenDelta(rid="b", token_ids=[5]))
+    assert backlog("p0") == 0
+    by_id["p1"].stats.gauges["prefill_backlog_tokens"] = 100.0  # all routers' work the worker reports
+    assert backlog("p1") == 100
+    table.close("c")
+    by_id["d1"].stats.gauges["local_prefill_backlog_tokens"] = 12.0
+    assert backlog("d1") == 12 and send("d").prefill == ("p0", 41)
 
 
 def test_without_any_cache_it_is_least_loaded():

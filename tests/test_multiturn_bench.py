@@ -54,7 +54,9 @@ def test_each_turn_resends_the_conversation_and_a_failure_ends_only_its_own(endp
     if endpoint == "completions":
         grown = [b["prompt"] for b in ok]
         # a later turn of a user starts with that user's previous prompt and the answer it got
-        assert any(later.startswith(earlier + "\n A") for earlier in grown for later in grown)
+        # (right after it: the answer continues the prompt), then the new question on a new line
+        assert any(later.startswith(earlier + " A") and "\n" in later[len(earlier):] for earlier in grown
+                   for later in grown)
         assert {len(p.split()) for p in grown[:2]} == {5}
     else:
         roles = [[m["role"] for m in b["messages"]] for b in ok]

@@ -55,8 +55,11 @@ def conversation_texts(spec: MultiTurnSpec, counter: LengthCounter, seed: int) -
 def turn_request(cfg: ClientConfig, index: int, turn: int, history: list[tuple[str, str]], output_len: int,
                  counter: LengthCounter) -> RequestSpec:
     """The request of ``turn`` (0-based) given the conversation so far (``(role, text)`` pairs, the
-    new question last): chat sends the messages, completions their texts joined by newlines."""
-    prompt = "\n".join(text for _, text in history)
+    new question last): chat sends the messages; completions sends the text so far, each answer
+    right after the prompt it continues (as the server produced it: the answer's tokens then follow
+    the previous prompt's, so a cache that holds the previous turn's prompt and output matches) and
+    each user text on a new line."""
+    prompt = "".join(text if role == "assistant" or i == 0 else "\n" + text for i, (role, text) in enumerate(history))
     messages = tuple(history) if cfg.endpoint == "chat" else None
     return RequestSpec(index, prompt, counter.count(prompt), output_len, kind=f"turn{turn + 1}", messages=messages)
 

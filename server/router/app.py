@@ -43,6 +43,7 @@ from server.router.inflight import InflightTable
 from server.router.kv_index import KvIndex
 from server.router.kv_metrics import KvIndexCollector
 from server.router.kv_subscriber import KvSubscriber
+from server.router.load import PrefillBacklog
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
@@ -92,7 +93,8 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     subscriber = None
     if cfg.cluster.routing == "cache-aware":
         index = KvIndex()
-        registry.policy = CacheAwarePolicy(index, balance_slack=cfg.cluster.routing_balance_slack,
+        registry.policy = CacheAwarePolicy(index, backlog=PrefillBacklog(table, registry.handles),
+                                           balance_slack=cfg.cluster.routing_balance_slack,
                                            on_decision=metrics.observe_routing)
         subscriber = KvSubscriber(index, lambda: registry.handles, auth or ControlAuth.insecure(), zctx)
         metrics.registry.register(KvIndexCollector(subscriber))

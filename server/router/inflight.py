@@ -7,6 +7,11 @@ its workers are forwarded too. ``fail_worker`` ends every entry that touches a d
 worker the others are done with the request (in PD mode the KV has landed on the decode worker,
 which reports any later need of a prefill worker, e.g. a recompute, itself): from then on only the
 streaming worker's death fails it.
+
+``prefill``: where the request's prompt is expected to be computed and how many of its tokens that
+worker's cache did not hold when it was routed (the routing policy's estimate, ``Route.prefill``);
+it counts in ``pending_prefill_tokens`` until the streaming worker's first token shows the prompt
+was computed, so cache-aware routing weighs each worker's queued prefill work in tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class Inflight:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
     depends_on: tuple[str, ...] = ()  # whose death fails it: ``workers``, then only ``stream_from``
+    prefill: tuple[str, int] | None = None  # (worker, uncached prompt tokens) until the first token
 
     def __post_init__(self) -> None:
         self.depends_on = self.depends_on or self.workers
@@ -39,11 +45,13 @@ class InflightTable:
     def __init__(self) -> None:
         self._entries: dict[str, Inflight] = {}
 
-    def open(self, rid: str, workers: tuple[str, ...], stream_from: str, cost: int) -> Inflight:
-        """Register a request; raises ``KeyError`` if ``rid`` is already in flight."""
+    def open(self, rid: str, workers: tuple[str, ...], stream_from: str, cost: int,
+             prefill: tuple[str, int] | None = None) -> Inflight:
+        """Register a request (``prefill``: see the module docstring); raises ``KeyError`` if
+        ``rid`` is already in flight."""
         if rid in self._entries:
             raise KeyError(f"request id {rid!r} is already in flight")
-        entry = Inflight(rid, workers, stream_from, cost)
+        entry = Inflight(rid, workers, stream_from, cost, prefill=prefill)
         self._entries[rid] = entry
         return entry
 
@@ -60,6 +68,7 @@ class InflightTable:
             return False
         if worker_id == inflight.stream_from and delta.token_ids:
             inflight.depends_on = (worker_id,)
+            inflight.prefill = None
         inflight.queue.put_nowait(delta)
         return True
 
@@ -106,6 +115,11 @@ class InflightTable:
     def outstanding_requests(self, worker_id: str) -> int:
         """How many requests in flight involve ``worker_id``."""
         return sum(1 for e in self._entries.values() if worker_id in e.workers)
+
+    def pending_prefill_tokens(self, worker_id: str) -> int:
+        """Uncached prompt tokens of the requests expected to be prefilled on ``worker_id`` whose
+        first token has not come yet (``Inflight.prefill``)."""
+        return sum(e.prefill[1] for e in self._entries.values() if e.prefill is not None and e.prefill[0] == worker_id)
 
     def rids(self) -> list[str]:
         """Ids of every request in flight."""

@@ -9,6 +9,13 @@ what this router sent it since that report (``WorkerHandle.sent_since_stats``). 
 two agree; with several, each sees the others' requests through the workers' reports, and its own
 recent sends until the next report covers them. Ties go to the worker with more KV free.
 
+``PrefillBacklog(worker_id)`` is the prompt work waiting on a worker, in uncached tokens: the
+larger of what this router sent it and its cache did not hold at routing time, not yet computed
+(``InflightTable.pending_prefill_tokens``: until the request's first token), and what the worker
+reports waiting (gauges ``prefill_backlog_tokens`` of a prefill worker, ``local_prefill_backlog_tokens``
+of a decode worker prefilling prompts itself; all routers' work, one heartbeat old). The larger,
+not the sum: with one router both count the same requests.
+
 ``RoomAllocator``: a room is ``tag << 40 | n`` with ``n`` counting up from a random start; ``tag``
 identifies the router (22 bits: random, or claimed in etcd so no two live routers share it), so two
 routers never hand out the same room (a worker would refuse the second transfer).
@@ -43,6 +50,24 @@ class BlendedLoad:
         reported = sum(v for k, v in g.items() if k.startswith("queue_")) + h.sent_since_stats
         used = g.get("kv_pages_used", 0.0) / max(g.get("kv_pages_total", 0.0), 1.0)
         return max(own, reported), round(used, 3), self.table.outstanding(worker_id)
+
+
+REPORTED_BACKLOG_GAUGES = ("prefill_backlog_tokens", "local_prefill_backlog_tokens")
+
+
+@dataclass
+class PrefillBacklog:
+    """Each worker's waiting prompt work in uncached tokens (see the module docstring)."""
+
+    table: InflightTable
+    handles: Mapping[str, WorkerHandle]
+
+    def __call__(self, worker_id: str) -> int:
+        own = self.table.pending_prefill_tokens(worker_id)
+        h = self.handles.get(worker_id)
+        if h is None or h.stats is None:
+            return own
+        return max(own, int(sum(h.stats.gauges.get(k, 0.0) for k in REPORTED_BACKLOG_GAUGES)))
 
 
 class RoomAllocator:

@@ -234,9 +234,10 @@ class RouterMetrics:
                             "reason", ["reason"], registry=r)
         self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time forwarded requests waited in the router's "
                                     "admission queue", buckets=QUEUE_BUCKETS, registry=r)
-        self.routing = Counter("pdserve_routing_decisions", "Cache-aware routing picks by reason: prefix (a chosen "
-                               "worker holds part of the prompt), load (none does), cap (the cheapest worker was "
-                               "over routing_balance_slack)", ["reason"], registry=r)
+        self.routing = Counter("pdserve_routing_decisions", "Cache-aware routing picks by reason: local (the decode "
+                               "worker is expected to prefill the uncached suffix itself), prefix (a chosen worker "
+                               "holds part of the prompt), load (none does), cap (the cheapest worker was over "
+                               "routing_balance_slack)", ["reason"], registry=r)
         r.register(WorkerCollector(handles))
         r.register(AdmissionCollector(queued, handles, outstanding))
 
@@ -245,7 +246,7 @@ class RouterMetrics:
         self.shed.labels(reason=reason).inc()
 
     def observe_routing(self, reason: str) -> None:
-        """Count one cache-aware routing decision (``reason``: prefix, load or cap)."""
+        """Count one cache-aware routing decision (``reason``: local, prefix, load or cap)."""
         self.routing.labels(reason=reason).inc()
 
     def observe_request(self, status: int) -> None:

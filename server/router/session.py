@@ -98,7 +98,7 @@ class GenerationSession:
         """Open the in-flight entry for ``rid`` and send to ``route``; raises ``WorkerUnavailable``."""
         cost = len(self.prompt_ids) + self.params.max_new_tokens
         self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
-                                        self.route.stream_from.worker_id, cost)
+                                        self.route.stream_from.worker_id, cost, prefill=self.route.prefill)
         send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params)
 
     async def next(self) -> TokenDelta:

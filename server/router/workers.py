@@ -67,6 +67,10 @@ class Route:
 
     targets: tuple[WorkerHandle, ...]
     stream_from: WorkerHandle
+    # (worker id, prompt tokens its cache does not hold): where the policy expects the prompt to be
+    # computed (a prefill worker, a colocated replica, or a decode worker that prefills it itself);
+    # None: the policy did not look (least-loaded). Feeds ``InflightTable.pending_prefill_tokens``.
+    prefill: tuple[str, int] | None = None
 
     @property
     def capacity_tokens(self) -> int:
