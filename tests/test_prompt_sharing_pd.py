@@ -9,6 +9,9 @@ import random
 
 import pytest
 
+from cache.kv_manager import KVManager
+from cache.page_allocator import PageAllocator
+from cache.prefix_share import share_prefix
 from configs.schema import PdserveConfig
 from server.testing.pd_harness import PDHarness, checked_harnesses
 from transfer.wire.sampling_params import SamplingParams
@@ -78,3 +81,60 @@ def test_shared_choices_survive_forced_retracts(harness):
     rs = h.decode.retract.stats
     assert h.decode.stats.retractions > 0 and rs.resumed > 0
     assert [shared[f"c{i}"] for i in range(4)] == alone(harness, params)
+
+
+def test_parked_choice_copies_only_its_own_pages(harness):
+    """A retracted choice leaves the prompt pages the other choices hold on the device, locked by
+    its parked handle (``KVManager.park``): the host pool holds exactly the parked choices' own
+    pages, the resume copies back only those, and the outputs equal separate requests."""
+    params = choices(4)
+    h = harness(cfg(retract_test_interval=3))
+    retract, full_pages = h.decode.retract, (len(PROMPT) - 1) // PAGE
+    parked: list[tuple[int, int, int, int, int]] = []
+    real_offload = retract.offload
+
+    def offload(job):
+        real_offload(job)
+        own = retract.budget.pages_for(job.req.kv_len) - job.host_kv.first_page
+        held = sum(len(j.host_kv.pages) for j in retract.queue)
+        parked.append((job.host_kv.first_page, len(job.host_kv.pages), own, retract.host.used_pages(), held))
+
+    retract.offload = offload
+    shared = run_choices(h, PROMPT, params)
+    assert parked and retract.stats.resumed > 0
+    assert all(first == full_pages and n_host == own for first, n_host, own, _, _ in parked), parked
+    assert all(used == held for _, _, _, used, held in parked), parked  # the host holds own pages only
+    assert retract.stats.kept_shared_pages == full_pages * retract.stats.offloaded
+    assert retract.stats.offload_bytes == sum(n for _, n, _, _, _ in parked) * retract.host.page_bytes
+    assert h.decode.kv.tree.protected_size() == 0  # every lock a parked handle took is given back
+    assert [shared[f"c{i}"] for i in range(4)] == alone(harness, params)
+
+
+def test_park_keeps_only_the_prefix_another_request_holds():
+    """``KVManager.park``: the longest radix prefix another handle locks stays in the parked handle
+    (locked), the rest is freed exactly as ``free`` would; ``restore`` grows the handle from it;
+    with no other holder everything is given back; the pool invariant holds throughout."""
+    kv = KVManager(PageAllocator(32), PAGE, True)
+    prompt = list(range(3 * PAGE))
+    a = kv.match_prefix(prompt)
+    assert kv.ensure_pages(a, len(prompt) + 2) and share_prefix(kv, a, prompt) == 3
+    b = kv.match_prefix(prompt + [99])
+    assert b.full.num_shared == 3 and kv.ensure_pages(b, len(prompt) + 2)
+    d = kv.match_prefix(prompt[:2 * PAGE] + [50] * PAGE)  # a shorter holder: the first 2 pages
+    assert d.full.num_shared == 2
+
+    free = kv.allocator.num_free()
+    assert kv.shared_elsewhere(b) == 3 and kv.park(b) == 3
+    assert b.pages == a.pages[:3] and b.full.num_shared == 3 and kv.allocator.num_free() == free + 1
+    kv.check_integrity([a, b, d])
+    assert kv.restore(b, len(prompt) + 2, []) and b.pages[:3] == a.pages[:3] and len(b.pages) == 4
+    kv.check_integrity([a, b, d])
+
+    kv.free(b)
+    assert kv.shared_elsewhere(a) == 2 and kv.park(a) == 2  # only d's 2 pages are held elsewhere
+    assert len(a.pages) == 2 and a.full.num_shared == 2
+    kv.check_integrity([a, d])
+    kv.free(d)
+    assert kv.shared_elsewhere(a) == 0 and kv.park(a) == 0 and a.empty
+    assert kv.tree.protected_size() == 0
+    kv.check_integrity([a, b, d])
