@@ -166,6 +166,7 @@ class MigrationSource:
         page_size = self.budget.kv.page_size
         first, last = msg.decode_prefix_len // page_size, self.budget.pages_for(msg.n_tokens)
         kv = job.host_kv
+        assert kv.first_page == 0, "offered jobs hold their whole KV on the host (host_copy_whole)"
         n_full = len(kv.pages) - len(kv.swa_index)
         src = list(kv.pages[first:min(last, n_full)])
         swa_src, swa_dst, missing = [], [], []
