@@ -23,7 +23,7 @@ class HostKV:
     offloaded. ``swa_index``: the logical pages whose SWA KV is among them (sliding-window
     hybrids: rows of the full pages come first, then those of these SWA pages). ``first_page``:
     the logical page of the first full row; the pages before it stayed on the device (a radix
-    prefix that another request holds too, ``KVManager.park``)."""
+    prefix that another request holds too, ``cache.prefix_share.park``)."""
 
     pages: list[int]
     num_tokens: int

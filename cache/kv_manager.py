@@ -184,7 +184,7 @@ class KVManager:
             swa.pages[j] = NO_PAGE
 
     def restore(self, handle: KVHandle, num_tokens: int, swa_index: Sequence[int]) -> bool:
-        """Resume: ``handle`` (empty, or holding only the prefix ``park`` kept) gets full pages for
+        """Resume: ``handle`` (empty, or holding only the prefix ``cache.prefix_share.park`` kept) gets full pages for
         the rest of ``num_tokens`` tokens and, with an SWA pool (empty handles only), SWA pages
         exactly at the logical pages ``swa_index``. False, with nothing changed, if a pool is short."""
         n = self.pages_for(num_tokens)
@@ -202,32 +202,6 @@ class KVManager:
     def free(self, handle: KVHandle) -> None:
         """Give back every page of ``handle`` without caching it (abort, retract); empties it."""
         self._release(handle, handle.full.num_shared)
-
-    def shared_elsewhere(self, handle: KVHandle) -> int:
-        """Leading pages of ``handle``'s radix prefix that another holder locks too: they stay on
-        the device whatever this handle does. 0 without a radix cache, with an SWA pool, or when
-        the handle holds no cached prefix. Changes nothing."""
-        if self.tree is None or self.has_swa or handle.full.node is None:
-            return 0
-        return self.tree.held_elsewhere(handle.full.node)[1]
-
-    def park(self, handle: KVHandle) -> int:
-        """Retract to the host: give back every page of ``handle`` except its ``shared_elsewhere``
-        prefix, which stays in the handle, read-only and locked (now on the deepest node another
-        holder locks too), so parking frees exactly what ``free`` would and the prefix need not
-        be copied out or back (``restore`` grows the handle from it). Returns the pages kept."""
-        if self.tree is None or self.has_swa or handle.full.node is None:
-            self.free(handle)
-            return 0
-        node, kept = self.tree.held_elsewhere(handle.full.node)
-        if kept == 0:
-            self.free(handle)
-            return 0
-        pages = handle.full.pages[:kept]
-        self.tree.lock(node)
-        self._release(handle, handle.full.num_shared)
-        handle.full.pages, handle.full.num_shared, handle.full.node = pages, kept, node
-        return kept
 
     def free_into_cache(self, handle: KVHandle, token_ids: Sequence[int]) -> None:
         """Finish: the full pages of ``token_ids`` (the tokens whose KV is in ``handle``, in order)

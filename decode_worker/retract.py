@@ -6,7 +6,7 @@ step's input) and, for a sliding-window hybrid, only the SWA pages of its window
 (``SWAWindow.keep_start`` on), as unit rows of ``KVPools``, into host rows, then frees the
 device pages. A radix prefix that another request locks too (the prompt of an ``n`` > 1 request,
 shared on landing) is not copied: freeing it would free nothing, so it stays on the device, locked
-by the parked handle (``KVManager.park``; ``HostKV.first_page`` says where the host rows start),
+by the parked handle (``cache.prefix_share.park``; ``HostKV.first_page`` says where the host rows start),
 and only the request's own pages go to the host. On CUDA the copy runs on a side
 stream that is synchronized before the pages are released, so they are never reused early.
 The job then waits in ``queue`` (the ``retracted_queue``); ``resume_ready`` brings jobs back, in
@@ -37,6 +37,7 @@ from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.kv_pools import KVPools
 from cache.page_count import PageCount
+from cache.prefix_share import park, shared_elsewhere
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.transfers import TransferTracker
 from engine.request import Release, Request
@@ -99,7 +100,7 @@ class RetractManager:
     def choose(self, req: Request) -> Release:
         """OFFLOAD when the host pool has room and copying out and back beats recomputing (the
         prefix another request holds too is neither copied nor recomputed)."""
-        rows, _ = self._rows(req, self.kv.shared_elsewhere(req.kv))
+        rows, _ = self._rows(req, shared_elsewhere(self.kv, req.kv))
         if self.host is None or not self.host.can_hold(len(rows)):
             return Release.RECOMPUTE
         nbytes = len(rows) * self.host.page_bytes
@@ -123,13 +124,13 @@ class RetractManager:
         release the device pages (not into the radix cache; the prefix stays locked, ``park``)
         and park the job in ``queue``."""
         req, t0 = job.req, time.perf_counter()
-        first = self.kv.shared_elsewhere(req.kv)
+        first = shared_elsewhere(self.kv, req.kv)
         rows, swa_index = self._rows(req, first)
         job.host_kv = self.host.offload(self.device_buffer, rows.tolist(), req.kv_len, self.stream, self.gather)
         job.host_kv.swa_index, job.host_kv.first_page = swa_index, first
         if self.stream is not None:
             self.stream.synchronize()  # device pages must not be reused before the copy lands
-        kept = self.kv.park(req.kv)
+        kept = park(self.kv, req.kv)
         assert kept == first, (kept, first)
         req.retraction_count += 1
         job.enter(DecodeState.HOST_PARKED)

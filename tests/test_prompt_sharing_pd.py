@@ -11,7 +11,7 @@ import pytest
 
 from cache.kv_manager import KVManager
 from cache.page_allocator import PageAllocator
-from cache.prefix_share import share_prefix
+from cache.prefix_share import park, share_prefix, shared_elsewhere
 from configs.schema import PdserveConfig
 from server.testing.pd_harness import PDHarness, checked_harnesses
 from transfer.wire.sampling_params import SamplingParams
@@ -85,7 +85,7 @@ def test_shared_choices_survive_forced_retracts(harness):
 
 def test_parked_choice_copies_only_its_own_pages(harness):
     """A retracted choice leaves the prompt pages the other choices hold on the device, locked by
-    its parked handle (``KVManager.park``): the host pool holds exactly the parked choices' own
+    its parked handle (``cache.prefix_share.park``): the host pool holds exactly the parked choices' own
     pages, the resume copies back only those, and the outputs equal separate requests."""
     params = choices(4)
     h = harness(cfg(retract_test_interval=3))
@@ -111,7 +111,7 @@ def test_parked_choice_copies_only_its_own_pages(harness):
 
 
 def test_park_keeps_only_the_prefix_another_request_holds():
-    """``KVManager.park``: the longest radix prefix another handle locks stays in the parked handle
+    """``cache.prefix_share.park``: the longest radix prefix another handle locks stays in the parked handle
     (locked), the rest is freed exactly as ``free`` would; ``restore`` grows the handle from it;
     with no other holder everything is given back; the pool invariant holds throughout."""
     kv = KVManager(PageAllocator(32), PAGE, True)
@@ -124,17 +124,17 @@ def test_park_keeps_only_the_prefix_another_request_holds():
     assert d.full.num_shared == 2
 
     free = kv.allocator.num_free()
-    assert kv.shared_elsewhere(b) == 3 and kv.park(b) == 3
+    assert shared_elsewhere(kv, b) == 3 and park(kv, b) == 3
     assert b.pages == a.pages[:3] and b.full.num_shared == 3 and kv.allocator.num_free() == free + 1
     kv.check_integrity([a, b, d])
     assert kv.restore(b, len(prompt) + 2, []) and b.pages[:3] == a.pages[:3] and len(b.pages) == 4
     kv.check_integrity([a, b, d])
 
     kv.free(b)
-    assert kv.shared_elsewhere(a) == 2 and kv.park(a) == 2  # only d's 2 pages are held elsewhere
+    assert shared_elsewhere(kv, a) == 2 and park(kv, a) == 2  # only d's 2 pages are held elsewhere
     assert len(a.pages) == 2 and a.full.num_shared == 2
     kv.check_integrity([a, d])
     kv.free(d)
-    assert kv.shared_elsewhere(a) == 0 and kv.park(a) == 0 and a.empty
+    assert shared_elsewhere(kv, a) == 0 and park(kv, a) == 0 and a.empty
     assert kv.tree.protected_size() == 0
     kv.check_integrity([a, b, d])
