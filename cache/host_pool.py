@@ -21,11 +21,14 @@ from cache.page_allocator import PageAllocator
 class HostKV:
     """A retracted request's KV in the host pool: ``pages[i]`` holds the i-th device row that was
     offloaded. ``swa_index``: the logical pages whose SWA KV is among them (sliding-window
-    hybrids: rows of the full pages come first, then those of these SWA pages)."""
+    hybrids: rows of the full pages come first, then those of these SWA pages). ``first_page``:
+    the logical page of the first full row; the pages before it stayed on the device (a radix
+    prefix that another request holds too, ``cache.prefix_share.park``)."""
 
     pages: list[int]
     num_tokens: int
     swa_index: list[int] = field(default_factory=list)
+    first_page: int = 0
 
 
 def _runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:

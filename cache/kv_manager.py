@@ -184,12 +184,15 @@ class KVManager:
             swa.pages[j] = NO_PAGE
 
     def restore(self, handle: KVHandle, num_tokens: int, swa_index: Sequence[int]) -> bool:
-        """Resume: an empty ``handle`` gets full pages for ``num_tokens`` tokens and SWA pages
-        exactly at the logical pages ``swa_index``. False, with nothing held, if a pool is short."""
+        """Resume: ``handle`` (empty, or holding only the prefix ``cache.prefix_share.park`` kept) gets full pages for
+        the rest of ``num_tokens`` tokens and, with an SWA pool (empty handles only), SWA pages
+        exactly at the logical pages ``swa_index``. False, with nothing changed, if a pool is short."""
         n = self.pages_for(num_tokens)
-        if not self.make_free(PageCount(n, len(swa_index))):
+        kept = len(handle.full.pages)
+        assert kept == handle.full.num_shared and not (kept and self.has_swa), "restore: not a parked handle"
+        if not self.make_free(PageCount(n - kept, len(swa_index))):
             return False
-        handle.full.pages = self.allocator.alloc(n)
+        handle.full.pages = handle.full.pages + self.allocator.alloc(n - kept)
         if self.has_swa:
             handle.swa = PoolPages(pages=[NO_PAGE] * n)
             for j, p in zip(swa_index, self.swa_allocator.alloc(len(swa_index))):

@@ -60,7 +60,7 @@ import numpy as np
 from cache.kv_events import KvEventLog, path_key
 from cache.radix_node import EMPTY_PAGES, InsertResult, MatchResult, TreeNode, as_pages, as_tokens
 
-__all__ = ["RadixCache", "TreeNode", "MatchResult", "InsertResult"]
+__all__ = ["RadixCache", "TreeNode", "MatchResult", "InsertResult", "held_elsewhere"]
 
 class RadixCache:
     """Radix tree over token ids whose edges carry KV page ids. See the module docstring."""
@@ -339,3 +339,20 @@ class RadixCache:
         assert self.protected_size() + self.evictable_size() == self.total_size()
         assert self.evictable_size() >= 0
         assert leaves == self._leaves, "leaf set out of sync"
+
+
+def held_elsewhere(tree: RadixCache, node: TreeNode) -> tuple[TreeNode, int]:
+    """For a caller holding one lock on ``node`` of ``tree``: the deepest node of its root path
+    (``node`` included) that someone else also keeps locked, and the pages from the root through
+    it. Those pages stay in the tree whatever the caller does with its own lock. ``(root, 0)`` when
+    nobody else holds any of the path. Changes nothing (not even access times)."""
+    tree._check_handle(node)
+    if node.lock_ref <= 0:
+        raise RuntimeError(f"held_elsewhere of a node the caller does not lock: {node!r}")
+    while node.parent is not None and node.lock_ref < 2:
+        node = node.parent
+    held, top = node, 0
+    while node is not None:
+        top += len(node.pages)
+        node = node.parent
+    return held, top

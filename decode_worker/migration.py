@@ -6,7 +6,9 @@ Source side (``MigrationSource``), one edge pair out of HOST_PARKED (``decode_wo
    ``--migrate-on-retract`` one just retracted (never offered since it entered HOST_PARKED from
    RUNNING: live migration for balance, its KV copied to the host pool by the retract), leaves the
    retracted queue (HOST_PARKED -> MIGRATING) and a ``MigrationOffer`` goes to the router that
-   owns its stream. The router picks a peer with room and sends it a ``MigrateRequest``, or
+   owns its stream (its host copy first made whole: a prefix it kept on the device, shared with
+   other requests, is copied to the host too, ``RetractManager.host_copy_whole``; without host room
+   for it the job stays parked). The router picks a peer with room and sends it a ``MigrateRequest``, or
    answers ``MigrationDeclined`` (-> ``back``).
 2. The peer treats this worker as the request's "prefill worker": it handshakes (``KVHandshake``,
    answered by ``handshake`` through a ``KVSender`` over a second transport whose registered pool
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,16 +106,18 @@ class MigrationSource:
         """True while a write that reads ``job``'s host copy may be in flight."""
         return job.req.rid in self._writing
 
-    def offer(self, queue, ratio: float) -> Outbox:
+    def offer(self, queue, ratio: float, whole: Callable[[DecodeJob], bool]) -> Outbox:
         """Offer every due job of the retracted ``queue`` (a deque of HOST_PARKED jobs, which it
-        leaves) to its router; ``ratio``: the ``new_token_ratio`` the peer's reservation uses."""
+        leaves) to its router; ``ratio``: the ``new_token_ratio`` the peer's reservation uses;
+        ``whole(job)`` makes the job's host copy hold its whole KV (``RetractManager.host_copy_whole``)
+        or says it cannot: such a job stays parked here."""
         self.step_count += 1
         out, now = Outbox(), time.monotonic()
         for job in list(queue):
             fresh = job.parked_step < 0  # entered HOST_PARKED by a retract (``back`` stamps its step)
             if fresh:
                 job.parked_step = self.step_count
-            if job.answered or not self.policy.due(job, self.step_count, now, fresh):
+            if job.answered or not self.policy.due(job, self.step_count, now, fresh) or not whole(job):
                 continue
             queue.remove(job)
             job.enter(DecodeState.MIGRATING)
@@ -161,6 +166,7 @@ class MigrationSource:
         page_size = self.budget.kv.page_size
         first, last = msg.decode_prefix_len // page_size, self.budget.pages_for(msg.n_tokens)
         kv = job.host_kv
+        assert kv.first_page == 0, "offered jobs hold their whole KV on the host (host_copy_whole)"
         n_full = len(kv.pages) - len(kv.swa_index)
         src = list(kv.pages[first:min(last, n_full)])
         swa_src, swa_dst, missing = [], [], []

@@ -122,5 +122,5 @@ def migration_step(s) -> Outbox:
         out.extend(_back(s, rid, f"no peer asked for the KV within {m.timeout_s:g}s (migrate_timeout_s)",
                          tell_router=True))
     if s.retract.queue:
-        out.extend(m.offer(s.retract.queue, s.running.ratio.value))
+        out.extend(m.offer(s.retract.queue, s.running.ratio.value, s.retract.host_copy_whole))
     return out

@@ -4,11 +4,16 @@ have the prefill worker recompute it, whichever the cost model says is cheaper.
 Offload copies ``pages_for(kv_len)`` full pages (every token but the newest, which is the next
 step's input) and, for a sliding-window hybrid, only the SWA pages of its window
 (``SWAWindow.keep_start`` on), as unit rows of ``KVPools``, into host rows, then frees the
-device pages. On CUDA the copy runs on a side
+device pages. A radix prefix that another request locks too (the prompt of an ``n`` > 1 request,
+shared on landing) is not copied: freeing it would free nothing, so it stays on the device, locked
+by the parked handle (``cache.prefix_share.park``; ``HostKV.first_page`` says where the host rows start),
+and only the request's own pages go to the host. On CUDA the copy runs on a side
 stream that is synchronized before the pages are released, so they are never reused early.
 The job then waits in ``queue`` (the ``retracted_queue``); ``resume_ready`` brings jobs back, in
-order, as soon as their pages plus the running batch's reserve fit: fresh device pages, KV
-copied back, host pages freed, and the request rejoins the batch exactly where it was.
+order, as soon as their pages plus the running batch's reserve fit: fresh device pages after the
+kept prefix, KV copied back, host pages freed, and the request rejoins the batch exactly where it
+was. A migration needs the whole KV on the host: ``host_copy_whole`` copies the kept prefix out
+first (and drops its lock).
 
 ``RetractManager`` is the decode side's one lifecycle past admission (``DecodeState``):
 ``retract`` (a victim of the running batch) -> ``offload`` (RUNNING -> HOST_PARKED) or
@@ -31,6 +36,8 @@ from cache.host_pool import HostKVPool
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
 from cache.kv_pools import KVPools
+from cache.page_count import PageCount
+from cache.prefix_share import park, shared_elsewhere
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.transfers import TransferTracker
 from engine.request import Release, Request
@@ -52,6 +59,7 @@ class RetractCosts:
 class RetractStats:
     offloaded: int = 0
     offload_bytes: int = 0
+    kept_shared_pages: int = 0  # radix-prefix pages parked requests left on the device (not copied)
     resumed: int = 0
     recomputed: int = 0
 
@@ -77,19 +85,22 @@ class RetractManager:
         self.resume_seconds = Histogram(RETRACT_BUCKETS)
         self.stream = torch.cuda.Stream() if device_buffer.is_cuda else None
 
-    def _rows(self, req: Request) -> tuple[np.ndarray, list[int]]:
-        """The unit rows holding ``req``'s KV that a resume needs, and its SWA logical pages."""
+    def _rows(self, req: Request, first: int = 0) -> tuple[np.ndarray, list[int]]:
+        """The unit rows holding ``req``'s KV that a resume needs (full pages from logical page
+        ``first`` on: the ones before stay on the device), and its SWA logical pages."""
         n_pages = self.budget.pages_for(req.kv_len)
         swa = req.kv.swa_pages
         if swa is None:
-            return self.pools.unit_rows(req.kv.pages[:n_pages]), []
+            return self.pools.unit_rows(req.kv.pages[first:n_pages]), []
+        assert first == 0, "an SWA pool keeps no prefix on the device"
         keep = self.budget.window_first_page(req.kv_len)
         index = [j for j in range(keep, min(n_pages, len(swa))) if swa[j] >= 0]
         return self.pools.unit_rows(req.kv.pages[:n_pages], [swa[j] for j in index]), index
 
     def choose(self, req: Request) -> Release:
-        """OFFLOAD when the host pool has room and copying out and back beats recomputing."""
-        rows, _ = self._rows(req)
+        """OFFLOAD when the host pool has room and copying out and back beats recomputing (the
+        prefix another request holds too is neither copied nor recomputed)."""
+        rows, _ = self._rows(req, shared_elsewhere(self.kv, req.kv))
         if self.host is None or not self.host.can_hold(len(rows)):
             return Release.RECOMPUTE
         nbytes = len(rows) * self.host.page_bytes
@@ -109,19 +120,23 @@ class RetractManager:
         return how
 
     def offload(self, job: DecodeJob) -> None:
-        """RUNNING -> HOST_PARKED: copy the KV to the host pool, release the device pages (not into
-        the radix cache) and park the job in ``queue``."""
+        """RUNNING -> HOST_PARKED: copy the KV but its prefix held elsewhere to the host pool,
+        release the device pages (not into the radix cache; the prefix stays locked, ``park``)
+        and park the job in ``queue``."""
         req, t0 = job.req, time.perf_counter()
-        rows, swa_index = self._rows(req)
+        first = shared_elsewhere(self.kv, req.kv)
+        rows, swa_index = self._rows(req, first)
         job.host_kv = self.host.offload(self.device_buffer, rows.tolist(), req.kv_len, self.stream, self.gather)
-        job.host_kv.swa_index = swa_index
+        job.host_kv.swa_index, job.host_kv.first_page = swa_index, first
         if self.stream is not None:
             self.stream.synchronize()  # device pages must not be reused before the copy lands
-        self.kv.free(req.kv)
+        kept = park(self.kv, req.kv)
+        assert kept == first, (kept, first)
         req.retraction_count += 1
         job.enter(DecodeState.HOST_PARKED)
         self.queue.append(job)
         self.stats.offloaded += 1
+        self.stats.kept_shared_pages += kept
         self.stats.offload_bytes += len(rows) * self.host.page_bytes
         self.offload_seconds.observe(time.perf_counter() - t0)
 
@@ -147,6 +162,7 @@ class RetractManager:
         while self.queue:
             job = self.queue[0]
             need = self.budget.resume_need(job.req.kv_len, retract_steps, len(job.host_kv.swa_index))
+            need -= PageCount(job.host_kv.first_page)  # on the device already
             beside = running + [j.req for j in resumed]
             if not self.budget.fits_beside(beside, retract_steps, need) or not self._load(job):
                 break
@@ -156,16 +172,34 @@ class RetractManager:
     def _load(self, job: DecodeJob) -> bool:
         """Copy the KV back into fresh pages. False (nothing changed) if the pages are not there."""
         req, t0 = job.req, time.perf_counter()
-        swa_index = job.host_kv.swa_index
+        swa_index, first = job.host_kv.swa_index, job.host_kv.first_page
         if not self.kv.restore(req.kv, req.kv_len, swa_index):
             return False
         n_pages = self.budget.pages_for(req.kv_len)
-        rows = self.pools.unit_rows(req.kv.pages[:n_pages], [req.kv.swa_pages[j] for j in swa_index])
+        rows = self.pools.unit_rows(req.kv.pages[first:n_pages], [req.kv.swa_pages[j] for j in swa_index])
         self.host.load(self.device_buffer, job.host_kv, rows.tolist())
         job.host_kv = None
         job.enter(DecodeState.RUNNING)
         self.stats.resumed += 1
         self.resume_seconds.observe(time.perf_counter() - t0)
+        return True
+
+    def host_copy_whole(self, job: DecodeJob) -> bool:
+        """Make a HOST_PARKED job's host copy hold its whole KV (a migration writes from it): copy
+        the prefix it kept on the device (``HostKV.first_page`` pages) in front of its host rows
+        and release that prefix's lock. True when the copy is whole; False, with nothing changed,
+        when the host pool has no room for the prefix."""
+        kv, req = job.host_kv, job.req
+        if kv.first_page == 0:
+            return True
+        rows = self.pools.unit_rows(req.kv.pages[:kv.first_page]).tolist()
+        if not self.host.can_hold(len(rows)):
+            return False
+        head = self.host.offload(self.device_buffer, rows, req.kv_len, self.stream, self.gather)
+        if self.stream is not None:
+            self.stream.synchronize()  # the prefix may be evicted and reused once unlocked
+        kv.pages, kv.first_page = head.pages + kv.pages, 0
+        self.kv.free(req.kv)
         return True
 
     def discard(self, job: DecodeJob) -> None:

@@ -16,6 +16,7 @@ import time
 
 from cache.host_pool import HostKVPool
 from cache.kv_manager import KVManager
+from cache.prefix_share import share_prefix
 from configs.schema import PdserveConfig
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.local_prefill import LocalPrefillPolicy
@@ -224,6 +225,10 @@ class DecodeScheduler(WorkerScheduler):
         self.stats.generation_tokens += 1
         if req.finished:
             return out.extend(self.finish(job, Outcome(req.finish_reason)))
+        # insert on landing: the prompt's full pages go to the decode radix cache now, not when the
+        # request ends, so the other choices of an n > 1 request (sent once this one has its first
+        # token) match them and the prefill worker ships only their last page (copy on write there)
+        share_prefix(self.kv, req.kv, req.prompt_ids[:job.n_tokens])
         self.running.add(req)
         return out
 

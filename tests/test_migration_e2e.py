@@ -33,6 +33,13 @@ SHARED = ("You are a helpful assistant that answers questions about geography, h
 QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
              "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
              "What causes tides?", "Why do leaves change color?"]
+# after SHARED and the question: every prompt's own pages. The decode worker shares SHARED's full page
+# among the requests it holds (inserted when the first one's KV landed), so the pool pressure that
+# parks requests long enough to be migrated comes from here: 3 pages of its own per prompt (about 57
+# tokens, page 16), 8 prompts > the 24-page pool before a token is decoded
+TAIL = (" Answer for a curious student in two plain sentences: first the main cause, then one concrete example "
+        "that a twelve-year-old could check at home.")
+PROMPTS = [SHARED + q + TAIL for q in QUESTIONS]
 NEW_TOKENS = 48
 CHROMIUM = find_chromium()
 # the counts on the migration markers of the panel's first chart (labels "⇢N" / "⇠N"), by worker
@@ -72,15 +79,14 @@ def refs(embedded):
 
     tok = embedded[2]
     colocated = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(), loaded=(embedded[0], embedded[1], tok))
-    return [colocated.generate_ids([tok.encode(SHARED + q)], SamplingParams(max_new_tokens=NEW_TOKENS,
-                                                                             temperature=0))[0].token_ids
-            for q in QUESTIONS]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
+    return [colocated.generate_ids([tok.encode(p)], params)[0].token_ids for p in PROMPTS]
 
 
 @pytest.mark.parametrize("backend", ["nixl", "ucxx"])
 def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs, backend):
     tok = embedded[2]
-    prompts = [SHARED + q for q in QUESTIONS]
+    prompts = PROMPTS
     srv = launched_server("pd", "--decode", "2", "--transfer-backend", backend, "--route-decode", "decode-0",
                           "--migrate-after", "2", "--retract-test-interval", "16", "--kv-pool-tokens", "384",
                           "--page-size", "16",

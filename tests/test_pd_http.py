@@ -38,6 +38,10 @@ SHARED = ("You are a helpful assistant that answers questions about geography, h
 QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
              "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
              "What causes tides?", "Why do leaves change color?"]
+# after SHARED and a question: the 32-request case's private pages (the decode worker shares SHARED's
+# full page among every request it holds, so the pool pressure must come from what follows it)
+TAIL = (" Answer for a curious student in two plain sentences: first the main cause, then one concrete example "
+        "that a twelve-year-old could check at home.")
 
 
 @pytest.fixture(scope="module", params=["nixl", "ucxx"])
@@ -174,19 +178,25 @@ def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url)
     r = client.completions.create(model=model, prompt=base + " Answer in one word.", max_tokens=4, temperature=0)
     cached = r.usage.prompt_tokens_details.cached_tokens
     after = idle(url)
-    decode = [dict(lab)["worker"] for (n, lab) in after if n == "pdserve_worker_up" and dict(lab)["role"] == "decode"]
-    moved = sum(metric_sum(after, "pdserve_cached_prompt_tokens_total", worker=w)
-                - metric_sum(before, "pdserve_cached_prompt_tokens_total", worker=w) for w in decode)
-    assert cached > 0 and moved == cached
+    assert cached > 0 and decode_cached_tokens(after) - decode_cached_tokens(before) == cached
+
+
+def decode_cached_tokens(m) -> float:
+    """The decode workers' ``pdserve_cached_prompt_tokens_total`` (their radix hits) in scrape ``m``."""
+    decode = [dict(lab)["worker"] for (n, lab) in m if n == "pdserve_worker_up" and dict(lab)["role"] == "decode"]
+    return sum(metric_sum(m, "pdserve_cached_prompt_tokens_total", worker=w) for w in decode)
 
 
 @pytest.fixture(scope="module")
 def shared_prefix_case(embedded, colocated) -> tuple[list[str], list[int], dict[int, list[int]]]:
     """(32 prompts sharing ``SHARED``, their max_tokens, each one's colocated greedy output run
-    alone); computed once for both data planes."""
+    alone); computed once for both data planes. SHARED is one full page (shared on the decode worker
+    once the first request's KV landed); each prompt differs from every other from its second page
+    on and holds 3 pages of its own (about 60 tokens, page 16), so 32 of them need 96 private pages
+    of the 64-page decode pool before they decode a token."""
     tok = embedded[2]
     rng = random.Random(3)
-    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(32)]
+    prompts = [f"{SHARED}[{i + 1}] {QUESTIONS[i % len(QUESTIONS)]}{TAIL}" for i in range(32)]
     lengths = [rng.choice([16, 32, 48]) for _ in prompts]
     refs = {}
     for i, p in enumerate(prompts):
@@ -214,11 +224,14 @@ def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, share
         finally:
             await c.close()
 
+    before = idle(url)
     got = [strip_eos(ids, tok.eos_token_ids) for ids in asyncio.run(run_all())]
     assert got == [refs[i] for i in range(32)]
     m = idle(url)
-    assert metric_sum(m, "pdserve_retractions_total") > 0  # the decode pool holds ~1/3 of the demand
-    assert metric_sum(m, "pdserve_kv_transfer_bytes_total") > 0
+    for series in ("pdserve_retractions_total",  # the decode pool holds ~1/3 of the demand
+                   "pdserve_kv_transfer_bytes_total"):
+        assert metric_sum(m, series) > metric_sum(before, series), series
+    assert decode_cached_tokens(m) > decode_cached_tokens(before)  # SHARED's page matched on the decode worker
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
     assert metric_sum(m, "pdserve_host_kv_pool_bytes", state="used") == 0
 
