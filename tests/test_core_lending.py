@@ -138,6 +138,7 @@ def test_a_worker_borrows_only_where_its_measured_matmuls_gain(monkeypatch, role
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     ledger, fd = CoreLedger.create(2)
+    ledger.set_loaded(0)  # the launch's other worker has loaded: this one measures at once
     try:
         runner = _Runner(seconds)
         args = argparse.Namespace(core_ledger_fd=fd, core_slot=1, lend_threads=2, role=role)
@@ -147,7 +148,17 @@ def test_a_worker_borrows_only_where_its_measured_matmuls_gain(monkeypatch, role
     rows = LENDING_PROBE_ROWS[role]
     assert runner.asked == [(1, rows), (2, rows)] * LENDING_PROBE_ROUNDS
     assert (cores.own, cores.total) == ((1, 2) if borrows_ else (1, 1))
-    assert runner.warmed == cores.thread_counts
+    assert runner.warmed == (1, cores.total)
+    assert ledger.slots["loaded"].tolist() == [1, 1]
+
+
+def test_a_worker_waits_for_every_load_but_not_forever():
+    ledger, fd = CoreLedger.create(2)
+    os.close(fd)
+    assert not ledger.wait_all_loaded(0.05, poll_s=0.01)  # slot 1 never loaded: gives up
+    ledger.set_loaded(0)
+    ledger.set_loaded(1)
+    assert ledger.wait_all_loaded(0.0)
 
 
 def test_a_lender_never_borrows():

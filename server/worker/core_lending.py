@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SLOT = np.dtype([("busy", "<i4"), ("threads", "<i4")])
+SLOT = np.dtype([("busy", "<i4"), ("threads", "<i4"), ("loaded", "<i4")])
 LENDING_MODES = ("off", "prefill", "all")
 
 
@@ -62,8 +62,8 @@ def borrows(mode: str, role: str) -> bool:
 
 
 class CoreLedger:
-    """``n`` slots (busy flag, threads of the latest step) over a shared buffer. Each slot is
-    written by its own worker only; 4-byte aligned stores, so readers never see a torn value."""
+    """``n`` slots (busy flag, threads of the latest step, model loaded) over a shared buffer. Each
+    slot is written by its own worker only; 4-byte aligned stores, so readers never see a torn value."""
 
     def __init__(self, buf) -> None:
         self._buf = buf  # keeps the mapping alive as long as the view
@@ -92,6 +92,19 @@ class CoreLedger:
 
     def set_threads(self, slot: int, threads: int) -> None:
         self.slots["threads"][slot] = threads
+
+    def set_loaded(self, slot: int) -> None:
+        self.slots["loaded"][slot] = 1
+
+    def wait_all_loaded(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Block until every slot says its worker has loaded its model (True), or ``timeout_s``
+        passed (False: a worker that died before loading must not hold the others back)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.slots["loaded"].all():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
 
     def others_idle(self, slot: int) -> bool:
         busy = self.slots["busy"]

@@ -43,13 +43,9 @@ def load_runner(cfg: PdserveConfig):
 
 
 @contextlib.contextmanager
-def launch_turn(ledger_fd: int | None):
-    """With a core ledger: this worker's turn among the launch's workers (an exclusive ``flock`` on
-    the ledger they share), so the one measuring its matmuls in ``core_lending`` is not timing
-    against another's model load. A launch of two workers starts ~5 s later (SmolLM2)."""
-    if ledger_fd is None:
-        yield
-        return
+def measuring_turn(ledger_fd: int):
+    """This worker's turn among the launch's workers (an exclusive ``flock`` on the ledger they
+    share) to time its matmuls in ``core_lending`` with no other worker measuring beside it."""
     # a lock belongs to an open file description, and the inherited fd is one description shared by
     # every worker: each opens its own
     own = os.open(f"/proc/self/fd/{ledger_fd}", os.O_RDONLY)
@@ -65,36 +61,48 @@ def launch_turn(ledger_fd: int | None):
 LENDING_PROBE_ROWS = {"decode": 8, "prefill": 256, "colocated": 256}
 LENDING_MIN_GAIN = 1.1
 LENDING_PROBE_ROUNDS = 4
+LENDING_LOAD_WAIT_S = 300.0  # the longest a worker waits for the others' loads before it measures
 
 
 def core_lending(args, runner):
     """This worker's ``CoreLending`` when the launcher passed a core ledger (its kernels warmed up
     at every thread count a step may use), else None. A worker the launcher lets borrow does so only
     if its steps' matmuls measure ``LENDING_MIN_GAIN`` x faster on every core than on its own share
-    (``ModelRunner.matmul_seconds`` at its role's ``LENDING_PROBE_ROWS``); else it only lends."""
+    (``ModelRunner.matmul_seconds`` at its role's ``LENDING_PROBE_ROWS``); else it only lends. The
+    workers load in parallel; each measures once every worker of the launch has loaded (ledger
+    slots), one at a time (``measuring_turn``), so no measurement runs beside another's load."""
     if args.core_ledger_fd is None:
         return None
     from server.worker.core_lending import CoreLedger, CoreLending
 
+    ledger = CoreLedger.open(args.core_ledger_fd)
+    ledger.set_loaded(args.core_slot)
     own = torch.get_num_threads()
     total = max(own, args.lend_threads or own)
     if total > own and runner.device.type == "cpu":
-        rows = LENDING_PROBE_ROWS.get(args.role, 8)
-        alone = shared = float("inf")
-        for _ in range(LENDING_PROBE_ROUNDS):  # alternating: a slow moment (a fresh thread, a page fault
-            alone = min(alone, runner.matmul_seconds(own, rows))  # storm after the load) hits both sides
-            shared = min(shared, runner.matmul_seconds(total, rows))
-        gain = alone / shared if shared > 0 else 1.0
-        log.info("core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s", rows,
-                 alone * 1e3, own, shared * 1e3, total, gain,
-                 "borrows" if gain >= LENDING_MIN_GAIN else f"only lends (under {LENDING_MIN_GAIN}x)")
-        if gain < LENDING_MIN_GAIN:
-            total = own
-    cores = CoreLending(CoreLedger.open(args.core_ledger_fd), args.core_slot, own, total)
-    runner.warm_up_threads(cores.thread_counts)
+        if not ledger.wait_all_loaded(LENDING_LOAD_WAIT_S):
+            log.warning("core lending: not every worker loaded within %.0f s; measuring anyway", LENDING_LOAD_WAIT_S)
+        with measuring_turn(args.core_ledger_fd):  # the warm-up too: it builds kernels, a load of its own
+            total = _measured_total(runner, args.role, own, total)
+            runner.warm_up_threads((own, total))
+    cores = CoreLending(ledger, args.core_slot, own, total)
     log.info("core lending: slot %d, %d torch threads, %d while the launch's other workers are idle",
              cores.slot, cores.own, cores.total)
     return cores
+
+
+def _measured_total(runner, role: str, own: int, total: int) -> int:
+    """``total`` if this worker's step matmuls gain ``LENDING_MIN_GAIN`` x on it, else ``own``."""
+    rows = LENDING_PROBE_ROWS.get(role, 8)
+    alone = shared = float("inf")
+    for _ in range(LENDING_PROBE_ROUNDS):  # alternating: a slow moment (a fresh thread, a page fault
+        alone = min(alone, runner.matmul_seconds(own, rows))  # storm after the load) hits both sides
+        shared = min(shared, runner.matmul_seconds(total, rows))
+    gain = alone / shared if shared > 0 else 1.0
+    log.info("core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s", rows,
+             alone * 1e3, own, shared * 1e3, total, gain,
+             "borrows" if gain >= LENDING_MIN_GAIN else f"only lends (under {LENDING_MIN_GAIN}x)")
+    return total if gain >= LENDING_MIN_GAIN else own
 
 
 def build_colocated(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
@@ -159,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if not auth.secure:
         log.warning("control plane NOT authenticated (--insecure-control-plane): anyone who can reach %s can "
                     "submit, abort and shut down requests of this worker; use --cluster-key FILE", args.control_addr)
-    with launch_turn(args.core_ledger_fd):  # a quiet machine for core lending's measurement
-        runner, path = load_runner(cfg)
-        cores = core_lending(args, runner)
+    runner, path = load_runner(cfg)
+    cores = core_lending(args, runner)
     runner.grammar.prepare_in_background()  # not in the loop at the first structured request
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
