@@ -35,6 +35,11 @@ class ServerConfig(BaseModel):
         None, ge=1, description="admission: requests this router keeps in flight per ready decode (or "
                                 "colocated) worker before queueing the rest itself, where priorities and key "
                                 "shares apply (None = max_running_requests + max(2, max_running_requests // 8))")
+    fair_headroom_per_worker: int | None = Field(
+        None, ge=0, description="admission: forwarding slots per ready worker that a key already holding its share "
+                                "leaves free while other API keys are active, so their next request starts at "
+                                "once (None = the forwarding margin beyond the batch + 1, i.e. one free place in "
+                                "each worker's batch; 0 = off)")
     health_interval_s: float = Field(1.0, gt=0, description="worker heartbeat period")
     worker_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -12,6 +12,7 @@ from configs.api_keys import parse_api_keys
 from configs.schema import PdserveConfig
 from server.router.admission import (Admission, AdmissionLimits, Demand, DrainRate, Refused,
                                      retry_after_headers)
+from server.router.fair_headroom import FairHeadroom
 
 pytestmark = pytest.mark.unit
 
@@ -38,10 +39,11 @@ def demand(key="default", priority=0, slots=1, tokens=10, deadline=FAR) -> Deman
     return Demand(key, priority, slots, tokens, deadline)
 
 
-def make(capacity=1, max_queued=100, max_tokens=None, max_wait=None, shares=None, clock=None):
-    refused, granted = [], []
+def make(capacity=1, max_queued=100, max_tokens=None, max_wait=None, shares=None, clock=None, headroom=0):
+    refused, granted, clock = [], [], clock or Clock()
     adm = Admission(AdmissionLimits(max_queued, max_tokens, max_wait), lambda: capacity, shares=shares,
-                    clock=clock or Clock(), on_refused=refused.append, on_granted=granted.append)
+                    clock=clock, on_refused=refused.append, on_granted=granted.append,
+                    headroom=FairHeadroom(lambda: headroom, clock))
     return adm, refused, granted
 
 
@@ -289,9 +291,15 @@ def test_default_forwarding_bound_is_the_batch_plus_a_small_margin():
                                         "d1": handle(Role.DECODE), "d2": handle(Role.DECODE, state=DEAD)})
     for running, per_worker in ((64, 72), (16, 18), (4, 6), (1, 3)):
         cfg = PdserveConfig.model_validate({"scheduler": {"max_running_requests": running}})
-        assert build_admission(cfg, registry).capacity() == 2 * per_worker  # two ready decode workers
+        adm = build_admission(cfg, registry)
+        assert adm.capacity() == 2 * per_worker  # two ready decode workers
+        # the fair headroom keeps one place of each batch free: the margin beyond the batch, plus one
+        assert adm.headroom.slots() == 2 * (per_worker - running + 1)
     cfg = PdserveConfig.model_validate({"server": {"max_inflight_per_worker": 5}})
     assert build_admission(cfg, registry).capacity() == 10  # the flag still wins
+    assert build_admission(cfg, registry).headroom.slots() == 0  # 5 in flight never fill a batch of 64
+    cfg = PdserveConfig.model_validate({"server": {"fair_headroom_per_worker": 0}})
+    assert build_admission(cfg, registry).headroom.slots() == 0  # off
 
 
 @sync

@@ -29,6 +29,11 @@ The next request to go is taken from the key with the fewest granted slots per u
 convention), then arrival order. So a key sending ten times more than another with the same share
 gets the same number of slots under contention and cannot starve it.
 
+Headroom for keys under their share (:class:`~server.router.fair_headroom.FairHeadroom`): while
+two or more keys are active, a key already holding its share of the slots may not take the last
+few, so a key under its share starts at once instead of waiting for a heavy key's request to
+finish; with one active key every slot is used (work-conserving).
+
 Shedding order (who is refused first when the queue is full): the key with the most queued
 requests per unit of share, within it the highest ``priority`` value, then the newest arrival.
 With a single key that is simply lowest priority first, newest first.
@@ -42,6 +47,8 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from server.router.fair_headroom import FairHeadroom
 
 DEFAULT_KEY = "default"
 UNKNOWN_RATE_RETRY_S = 1.0
@@ -131,11 +138,15 @@ class Admission:
     def __init__(self, limits: AdmissionLimits, capacity: Callable[[], int], *,
                  shares: Mapping[str, float] | None = None, clock: Callable[[], float] = time.monotonic,
                  on_refused: Callable[[Refused], None] | None = None,
-                 on_granted: Callable[[Grant], None] | None = None, drain: DrainRate | None = None) -> None:
+                 on_granted: Callable[[Grant], None] | None = None, drain: DrainRate | None = None,
+                 headroom: FairHeadroom | None = None) -> None:
         """``capacity()``: forwarding slots now (0 when no worker is ready: requests are then
         granted at once so routing answers 503 with the reason). ``shares``: key -> share (keys
-        not named get 1). ``on_refused`` / ``on_granted``: metrics hooks, called once per outcome."""
+        not named get 1). ``on_refused`` / ``on_granted``: metrics hooks, called once per outcome.
+        ``headroom``: the slots a key at its share leaves free for others (module docstring; None =
+        none)."""
         self.limits, self.capacity, self.clock = limits, capacity, clock
+        self.headroom = headroom or FairHeadroom(lambda: 0, clock)
         self.shares: defaultdict[str, float] = defaultdict(lambda: 1.0, shares or {})
         self.on_refused, self.on_granted = on_refused, on_granted
         self.drain = drain or DrainRate()
@@ -165,10 +176,12 @@ class Admission:
         return {k: (len(q), sum(w.demand.tokens for w in q)) for k, q in self._queues.items() if q}
 
     def try_grant(self, demand: Demand) -> Grant | None:
-        """A grant at once when nobody waits and there is room, else None (nothing changes)."""
-        if self.queued_requests or not self._room(demand.slots):
-            return None
+        """A grant at once when nobody waits and there is room, else None (only the key's last
+        arrival is noted)."""
         now = self.clock()
+        self.headroom.arrived(demand.key, now)
+        if self.queued_requests or not self._room(demand):
+            return None
         return self._grant(demand, now, now)
 
     async def admit(self, demand: Demand) -> Grant:
@@ -200,7 +213,7 @@ class Admission:
 
     def pump(self) -> None:
         """Grant queued requests in order while the forwarding slots have room."""
-        while (waiter := self._next()) is not None and self._room(waiter.demand.slots):
+        while (waiter := self._next()) is not None and self._room(waiter.demand):
             self._remove(waiter)
             waiter.future.set_result(self._grant(waiter.demand, waiter.arrival, self.clock()))
 
@@ -212,9 +225,9 @@ class Admission:
         request first in the shedding order (``queue_full``). Lets the router answer before it
         validates or tokenizes the body; does nothing when the request might be granted, queued or
         displace someone (the full ``admit`` then decides, the token bound included)."""
-        if not self.queued_requests and self._room(1):
-            return
         probe = Demand(key, priority, 1, max(1, min_tokens), math.inf)
+        if not self.queued_requests and self._room(probe):
+            return
         self._check_wait(probe, self.clock())
         if self.queued_requests + 1 <= self.limits.max_queued_requests:
             return
@@ -232,9 +245,12 @@ class Admission:
         return min(MAX_RETRY_S, max(0.1, (_work_ahead(self._queues, self.shares, demand) + demand.tokens) / rate))
 
     # ---- queue mechanics ---------------------------------------------------------------------
-    def _room(self, slots: int) -> bool:
+    def _room(self, demand: Demand) -> bool:
         cap = self.capacity()
-        return cap <= 0 or self._inflight == 0 or self._inflight + slots <= cap
+        if cap <= 0 or self._inflight == 0:
+            return True
+        kept = self.headroom.kept_from(demand.key, demand.slots, cap, self._granted, self._queues.keys(), self.shares)
+        return self._inflight + demand.slots <= cap - kept
 
     def _grant(self, demand: Demand, arrival: float, now: float) -> Grant:
         self._inflight += demand.slots
@@ -376,3 +392,4 @@ def retry_after_headers(seconds: float) -> dict[str, str]:
     """``Retry-After`` (whole seconds, at least 1, RFC 9110) and ``retry-after-ms`` (milliseconds,
     as OpenAI's API and clients use it) for a wait of ``seconds``."""
     return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Literal
@@ -37,6 +38,7 @@ from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
 from server.router.discovery_watch import watches
 from server.router.errors import APIError
+from server.router.fair_headroom import FairHeadroom, default_fair_headroom
 from server.router.cache_routing import CacheAwarePolicy
 from server.router.http_util import check_api_key, parse_object, read_body
 from server.router.inflight import InflightTable
@@ -104,16 +106,23 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
 def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
     """The admission stage of ``cfg.server``'s limits: ``max_inflight_per_worker`` (default
     ``default_inflight_per_worker(max_running_requests)``: the batch plus a small margin)
-    forwarding slots per ready worker that streams tokens (decode or colocated), the API keys' shares."""
-    server = cfg.server
-    per_worker = server.max_inflight_per_worker or default_inflight_per_worker(cfg.scheduler.max_running_requests)
+    forwarding slots per ready worker that streams tokens (decode or colocated), the API keys'
+    shares, and ``fair_headroom_per_worker`` slots per such worker kept for keys under their share
+    (default ``default_fair_headroom``)."""
+    server, running = cfg.server, cfg.scheduler.max_running_requests
+    per_worker = server.max_inflight_per_worker or default_inflight_per_worker(running)
+    per_worker_headroom = server.fair_headroom_per_worker
+    if per_worker_headroom is None:
+        per_worker_headroom = default_fair_headroom(per_worker, running)
 
-    def capacity() -> int:
-        return per_worker * sum(1 for h in registry.handles.values()
-                                if h.state == READY and h.spec.role in (Role.DECODE, Role.COLOCATED))
+    def streaming_workers() -> int:
+        return sum(1 for h in registry.handles.values()
+                   if h.state == READY and h.spec.role in (Role.DECODE, Role.COLOCATED))
 
     limits = AdmissionLimits(server.max_queued_requests, server.max_queued_tokens, server.max_queue_wait_s)
-    return Admission(limits, capacity, shares={k.name: k.share for k in parse_api_keys(server.api_key)})
+    return Admission(limits, lambda: per_worker * streaming_workers(),
+                     shares={k.name: k.share for k in parse_api_keys(server.api_key)},
+                     headroom=FairHeadroom(lambda: per_worker_headroom * streaming_workers(), time.monotonic))
 
 
 async def _pump(ctx: RouterContext) -> None:
