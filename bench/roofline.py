@@ -1,8 +1,9 @@
 """Roofline arithmetic of ``pdserve bench engine --roofline``: pure functions, no timing.
 
-A decode step is memory-bound: it reads every matmul weight once (the tied embedding/output matrix
-once, as the LM head's matmul reads it; the embedding gather reads only the batch's rows) plus each
-sequence's KV cache, so its floor is ``bytes / read bandwidth``. A prefill is compute-bound: its floor
+A decode step reads every matmul weight once (the tied embedding/output matrix once, as the LM
+head's matmul reads it; the embedding gather reads only the batch's rows) plus each sequence's KV
+cache, and multiplies every weight by each of its B rows: its floor is the larger of
+``bytes / read bandwidth`` (small batches) and ``FLOPs / matmul peak`` (large ones). A prefill is compute-bound: its floor
 is ``FLOPs / matmul peak``. ``fraction = bound / measured`` (1.0 = at the roof). Activations, the
 logits written and read back by the sampler, and the KV written for the new tokens are left out
 (under 1% at batch 1; about 5% at batch 32 with 100-token contexts, mostly the logits).
@@ -20,17 +21,22 @@ from engine.config import ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # class -> op names as torch.profiler reports them ("prefix*" matches a prefix). First match wins,
-# in this order; unmatched ops go to OTHER. The C decode-attention kernel (ctypes, float32 CPU) is
-# no aten op: the bench wraps it in a profiler range named C_ATTENTION (without that its time would
-# land in PYTHON, with the interpreter and batch building).
+# in this order; unmatched ops go to OTHER. The C kernels (ctypes calls: attention, the bfloat16
+# GEMV of small batches, the fused norm/rotary/SiLU ops) are no aten ops: the bench wraps each in a
+# profiler range named below (without that their time would land in PYTHON, with the interpreter
+# and batch building).
 C_ATTENTION = "pdserve::paged_decode"
+C_EXTEND = "pdserve::paged_extend"
+C_GEMV = "pdserve::gemv_bf16"
+C_FUSED = "pdserve::fused"
+C_STORE = "pdserve::store_kv"
 OP_CLASSES: dict[str, tuple[str, ...]] = {
     "matmuls": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear"),
-    "attention": (C_ATTENTION, "aten::scaled_dot_product_attention", "aten::_scaled_dot_product*", "aten::softmax",
+                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear", C_GEMV),
+    "attention": (C_ATTENTION, C_EXTEND, C_STORE, "aten::scaled_dot_product_attention", "aten::_scaled_dot_product*", "aten::softmax",
                   "aten::_softmax", "aten::index_put_", "aten::_index_put_impl_", "aten::stack",
                   "aten::index"),  # KV store; the torch backend's page gather (also rope's small cos/sin lookup)
-    "norms/rotary/act": ("aten::rsqrt", "aten::pow", "aten::mean", "aten::mul", "aten::add", "aten::silu",
+    "norms/rotary/act": (C_FUSED, "aten::rsqrt", "aten::pow", "aten::mean", "aten::mul", "aten::add", "aten::silu",
                          "aten::cat", "aten::neg", "aten::sub", "aten::div"),
     "logits+sampling": ("aten::argmax", "aten::topk", "aten::sort", "aten::log_softmax", "aten::_log_softmax",
                         "aten::multinomial", "aten::exponential_", "aten::max", "aten::cumsum"),
@@ -97,6 +103,22 @@ def prefill_flops(cfg: ModelConfig, tokens: int, logits_rows: int = 1) -> float:
     matmul = 2 * (cfg.num_layers * layer_matmul_params(cfg) * tokens + lm_head_params(cfg) * logits_rows)
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
     return float(matmul + attention)
+
+
+def decode_step_flops(cfg: ModelConfig, contexts: Iterable[int]) -> float:
+    """FLOPs of a decode step, one new token per sequence (``contexts``: one length per sequence):
+    ``2 x (layer matmul params + LM head) x B`` plus attention's ``QK^T`` and ``PV`` over each context,
+    ``2 x 2 x layers x heads x head_dim x context``."""
+    contexts = list(contexts)
+    matmul = 2 * (cfg.num_layers * layer_matmul_params(cfg) + lm_head_params(cfg)) * len(contexts)
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * sum(contexts)
+    return float(matmul + attention)
+
+
+def decode_bound_s(nbytes: float, bandwidth: float, flops: float, peak: float) -> float:
+    """A decode step's floor: the slower of reading ``nbytes`` at ``bandwidth`` and computing
+    ``flops`` at the matmul ``peak`` (``peak`` 0: bandwidth only)."""
+    return max(nbytes / bandwidth, flops / peak if peak > 0 else 0.0)
 
 
 def bound_s(amount: float, rate: float) -> float:

@@ -74,16 +74,19 @@ def _llm(engine: EngineConfig, dtype: str, tokens: int, max_batch: int, loaded=N
                loaded=loaded)
 
 
-def decode_rows(llm: LLM, dtype: str, batch_sizes: list[int], decode_tokens: int, bw: float) -> list[dict]:
-    """Per batch size: bytes per step, bound, measured step time (``B / decode tok/s``), fraction."""
+def decode_rows(llm: LLM, dtype: str, batch_sizes: list[int], decode_tokens: int, bw: float,
+                peak: float = 0.0) -> list[dict]:
+    """Per batch size: bytes and FLOPs per step, the bound (the slower of bytes at ``bw`` and FLOPs
+    at the matmul ``peak``), measured step time (``B / decode tok/s``), fraction."""
     cfg, rows = llm.model_config, []
     context = PROMPT_LEN + decode_tokens // 2  # mean context over the timed steps
     for b in batch_sizes:
         rate = _decode_rate(lambda p, n: _ours(llm, p, n), _prompts(b, PROMPT_LEN, cfg.vocab_size, seed=b),
                             decode_tokens)
-        nbytes = rl.decode_step_bytes(cfg, dtype, [context] * b)
-        roof = rl.Roof(rl.bound_s(nbytes, bw), b / rate)
-        rows.append({"dtype": dtype, "batch": b, "context": context, "bytes": nbytes, "roof": roof})
+        nbytes, flops = rl.decode_step_bytes(cfg, dtype, [context] * b), rl.decode_step_flops(cfg, [context] * b)
+        roof = rl.Roof(rl.decode_bound_s(nbytes, bw, flops, peak), b / rate)
+        rows.append({"dtype": dtype, "batch": b, "context": context, "bytes": nbytes, "flops": flops,
+                     "compute_s": flops / peak if peak > 0 else 0.0, "roof": roof})
     return rows
 
 
@@ -97,24 +100,40 @@ def prefill_rows(llm: LLM, dtype: str, lengths: list[int], peak: float) -> list[
     return rows
 
 
+# (module, function, profiler range): the C kernels' ctypes entry points, called through their
+# module's attribute on every call, so patching the attribute reaches every caller
+_C_KERNELS = (("engine.kernels.cpu_native", "paged_decode", rl.C_ATTENTION),
+              ("engine.kernels.cpu_native", "paged_extend", rl.C_EXTEND),
+              ("engine.kernels.cpu_native", "gemv_bf16", rl.C_GEMV),
+              ("engine.kernels.fused", "rms_norm", rl.C_FUSED),
+              ("engine.kernels.fused", "add_rms_norm", rl.C_FUSED),
+              ("engine.kernels.fused", "rope", rl.C_FUSED),
+              ("engine.kernels.fused", "silu_mul", rl.C_FUSED),
+              ("engine.kernels.fused", "store_kv", rl.C_STORE))
+
+
 @contextlib.contextmanager
-def _labelled_c_attention():
-    """While open, the C decode-attention kernel (a ctypes call, no aten op) runs inside a profiler
-    range named ``rl.C_ATTENTION`` (the backend imports the function on each call, so patching the
-    module attribute reaches it)."""
-    from engine.kernels import cpu_native
+def _labelled_c_kernels():
+    """While open, each C kernel's call (a ctypes call, no aten op) runs inside a profiler range
+    named for it (``_C_KERNELS``), so the breakdown counts it in its class."""
+    import importlib
 
-    plain = cpu_native.paged_decode
+    def labelled(fn, name):
+        def call(*args, **kw):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kw)
+        return call
 
-    def labelled(*args, **kw):
-        with torch.profiler.record_function(rl.C_ATTENTION):
-            return plain(*args, **kw)
-
-    cpu_native.paged_decode = labelled
+    saved = []
+    for module, attr, name in _C_KERNELS:
+        mod = importlib.import_module(module)
+        saved.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, labelled(getattr(mod, attr), name))
     try:
         yield
     finally:
-        cpu_native.paged_decode = plain
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
 
 
 def profile_decode(llm: LLM, batch: int, steps: int = 6, warm: int = 2) -> tuple[float, dict[str, float]]:
@@ -132,7 +151,7 @@ def profile_decode(llm: LLM, batch: int, steps: int = 6, warm: int = 2) -> tuple
         sched.step()
     for _ in range(warm):
         sched.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof, _labelled_c_attention():
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _labelled_c_kernels():
         t = time.perf_counter()
         for _ in range(steps):
             sched.step()
@@ -171,7 +190,7 @@ def run_roofline(engine: EngineConfig, dtypes: list[str], batch_sizes: list[int]
         peak, where = matmul_peak(dtype, gemm_shapes(llm.model_config))
         out["peaks"][dtype] = (peak, where)
         _ours(llm, _prompts(2, 16, llm.model_config.vocab_size), 4)  # warm-up
-        out["decode"] += decode_rows(llm, dtype, batch_sizes, decode_tokens, bw)
+        out["decode"] += decode_rows(llm, dtype, batch_sizes, decode_tokens, bw, peak)
         out["prefill"] += prefill_rows(llm, dtype, prefill_lengths, peak)
         for b in profile_batches:
             wall, secs = profile_decode(llm, b)

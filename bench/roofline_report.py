@@ -24,13 +24,16 @@ def print_header(bw: float, nbytes: int, skipped: list[str], llm) -> None:
 
 
 def print_decode(rows: list[dict], bw: float) -> None:
-    """Decode: bytes read per step, the bandwidth bound, the measured step and the fraction."""
-    print(f"\ndecode roofline (bound = bytes read per step / {bw / 1e9:.1f} GB/s; weights once + KV of each context)")
-    print(f"{'dtype':<9} {'batch':>5} {'ctx':>4} {'MB/step':>8} {'bound ms':>9} {'step ms':>8} {'tok/s':>8} "
-          f"{'fraction':>8}")
+    """Decode: bytes read per step and their time at the bandwidth, FLOPs and their time at the
+    matmul peak, the bound (the slower of the two), the measured step and the fraction."""
+    print(f"\ndecode roofline (bound = max(bytes read per step / {bw / 1e9:.1f} GB/s, FLOPs / matmul peak); "
+          "weights once + KV of each context)")
+    print(f"{'dtype':<9} {'batch':>5} {'ctx':>4} {'MB/step':>8} {'mem ms':>7} {'GFLOP':>6} {'comp ms':>7} "
+          f"{'bound ms':>9} {'step ms':>8} {'tok/s':>8} {'fraction':>8}")
     for r in rows:
         roof = r["roof"]
-        print(f"{r['dtype']:<9} {r['batch']:>5} {r['context']:>4} {r['bytes'] / 1e6:>8.1f} {roof.bound_s * 1e3:>9.1f} "
+        print(f"{r['dtype']:<9} {r['batch']:>5} {r['context']:>4} {r['bytes'] / 1e6:>8.1f} {r['bytes'] / bw * 1e3:>7.1f} "
+              f"{r.get('flops', 0.0) / 1e9:>6.2f} {r.get('compute_s', 0.0) * 1e3:>7.1f} {roof.bound_s * 1e3:>9.1f} "
               f"{roof.measured_s * 1e3:>8.1f} {r['batch'] / roof.measured_s:>8.1f} {roof.fraction:>8.2f}")
 
 

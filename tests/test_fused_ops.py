@@ -84,6 +84,18 @@ def test_silu_mul_matches_the_reference_over_a_wide_range(dtype, rows):
     torch.testing.assert_close(fused.silu_mul(gu), fused.silu_mul_ref(gu), **TOL[dtype])
 
 
+@needs_kernel
+def test_bfloat16_silu_mul_is_within_one_rounding_of_the_exact_value():
+    """The bfloat16 kernel (a fast exp and reciprocal on AVX512-BF16) rounds to the nearest bfloat16
+    of the float64 value, or to its neighbour when that value sits on a rounding edge: never further."""
+    gu = _rand(257, 2 * 1536, dtype=torch.bfloat16) * 8
+    gu[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    got, exact = fused.silu_mul(gu).double(), fused.silu_mul_ref(gu.double())
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)  # bfloat16 spacing at exact
+    assert bool(((got - exact).abs() <= ulp + 1e-30).all())
+    assert (got != exact.bfloat16().double()).float().mean() < 1e-3  # almost always the nearest
+
+
 def test_without_the_kernels_every_op_is_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_native, "load", lambda: None)
     x, w = _rand(3, 32, dtype=torch.float32), _rand(32, dtype=torch.float32, seed=1)

@@ -38,6 +38,17 @@ def test_prefill_flops_tiny():
     assert rl.prefill_flops(cfg, 8, logits_rows=8) == matmul + 2 * 7 * HEAD + attention
 
 
+def test_decode_step_flops_and_bound_tiny():
+    cfg = tiny_config()
+    matmul = 2 * (2 * LAYER + HEAD) * 2  # two sequences, one new token each
+    attention = 2 * 2 * 2 * 4 * 16 * (10 + 20)
+    assert rl.decode_step_flops(cfg, [10, 20]) == matmul + attention
+    # small batches are bound by the bytes, large ones by the FLOPs
+    assert rl.decode_bound_s(1e9, 1e10, 1e9, 1e12) == pytest.approx(0.1)
+    assert rl.decode_bound_s(1e9, 1e10, 1e12, 1e12) == pytest.approx(1.0)
+    assert rl.decode_bound_s(1e9, 1e10, 1e12, 0.0) == pytest.approx(0.1)  # no peak measured: bytes only
+
+
 def test_bound_and_fraction():
     assert rl.bound_s(538e6, 21.5e9) == pytest.approx(0.025023, rel=1e-4)
     roof = rl.Roof(bound_s=0.025, measured_s=0.05)
