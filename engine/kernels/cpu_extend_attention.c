@@ -277,23 +277,6 @@ static void scores_dot(const ext_job_t *j, const item_t *it, int64_t first, int6
     }
 }
 
-/* e^x for x <= 0 to ~1e-7 relative (its result is rounded to bfloat16 next): 2^n by vscalefps times a
- * degree-6 Taylor polynomial of 2^f, |f| <= 1/2; clamped at -87 like vexp. */
-static inline __m512 exp_dot(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 y = _mm512_set1_ps(1.5252734e-5f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-4f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* softmax_block for the bfloat16-product path, fused with the packing of P: the weights go straight
  * to P [KB/2, R_MAX] pairs (word r of pair row t/2 holds row r's weights of keys t and t + 1, 0 past
  * n). A block no row masks (below the diagonal, inside every window: `masked` 0) skips the masking. */
@@ -319,7 +302,7 @@ static void softmax_pack(const float *s, int64_t first, int64_t n, int masked, c
         const __mmask16 live = _mm512_cmp_ps_mask(mn, ninf, _CMP_GT_OQ);
         const __m512 base = _mm512_maskz_mov_ps(live, mn);
         const __mmask16 had = _mm512_cmp_ps_mask(old, ninf, _CMP_GT_OQ);
-        const __m512 cr = _mm512_maskz_mov_ps(had, exp_dot(_mm512_sub_ps(old, base)));
+        const __m512 cr = _mm512_maskz_mov_ps(had, exp512(_mm512_sub_ps(old, base)));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t += 2) {
             __m512 p[2];
@@ -329,7 +312,7 @@ static void softmax_pack(const float *s, int64_t first, int64_t n, int masked, c
                     continue;
                 }
                 const __m512 v = _mm512_loadu_ps(s + (t + k) * R_MAX + c * W);
-                p[k] = exp_dot(_mm512_sub_ps(v, base));
+                p[k] = exp512(_mm512_sub_ps(v, base));
                 if (masked) {
                     const __m512 kpos = _mm512_set1_ps((float)(first + t + k));
                     const __mmask16 ok = _mm512_cmp_ps_mask(kpos, hi, _CMP_LE_OQ) & _mm512_cmp_ps_mask(kpos, lo, _CMP_GE_OQ);

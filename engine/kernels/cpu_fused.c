@@ -180,26 +180,12 @@ static void silu_rows(const void *a, int64_t r0, int64_t r1) {
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
-
-/* bfloat16 rows on AVX512-BF16, read and written in place (no float32 row buffers): e^-g as
- * 2^n x a degree-6 polynomial of 2^f (vscalefps), clamped so it never overflows (g < -87: the
- * weight's 1 / (1 + e) is ~1e-38, the product ~0); 1 / (1 + e) from vrcp14ps and one Newton step
- * (~1e-8 relative). Both stay far below the bfloat16 rounding of the result. */
+/* bfloat16 rows on AVX512-BF16, read and written in place (no float32 row buffers): e^-g from
+ * exp512 (clamped, so it never overflows: for g < -87 the weight 1 / (1 + e) is ~1e-38 and the
+ * product ~0); 1 / (1 + e) from vrcp14ps and one Newton step (~1e-8 relative). Both stay far below
+ * the bfloat16 rounding of the result. */
 static inline __m512 silu_fast(__m512 g) {
-    const __m512 t = _mm512_mul_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(87.0f)),
-                                   _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 y = _mm512_set1_ps(1.5252734e-5f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-4f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(y, n), _mm512_set1_ps(1.0f));
+    const __m512 d = _mm512_add_ps(exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)), _mm512_set1_ps(1.0f));
     __m512 r = _mm512_rcp14_ps(d);
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
     return _mm512_mul_ps(g, r);

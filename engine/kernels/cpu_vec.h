@@ -90,4 +90,27 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* e^x to ~1e-7 relative for x in [-87, 87] (clamped there: no overflow, no denormal): 2^n by
+ * vscalefps times a degree-6 Taylor polynomial of 2^f, |f| <= 1/2. Shared by the bfloat16 paths
+ * (softmax weights, SiLU), whose results are rounded to bfloat16 next. */
+static inline __m512 exp512(__m512 x) {
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
+    const __m512 t = _mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_set1_ps(1.5252734e-5f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530e-4f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
 #endif
