@@ -29,7 +29,7 @@ import signal
 import sys
 
 from bench.multirouter.cluster import ClusterSpec, RouterCluster, StartError
-from bench.multirouter.phases import PhaseResult, run_phase, tagged
+from bench.multirouter.phases import PhaseResult, failed, run_phase, tagged
 from bench.multirouter.table import Summary, phases_table
 from bench.serve.client import ClientConfig, served_model
 from bench.serve.runner import closed_loop
@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input-len-range", default="112,289", metavar="LO,HI", help="prompt tokens, uniform")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens of every request (ignore_eos)")
     g.add_argument("--rounds", type=int, default=2, help="A B rounds (A B A B ...: drift cancels)")
-    g.add_argument("--warmup", type=int, default=4, help="unmeasured requests over both routers first")
+    g.add_argument("--warmup", type=int, default=None,
+                   help="unmeasured requests over both routers first, at --concurrency and the full lengths, so "
+                        "the first phase (an A) pays no first-batch costs (default: --concurrency)")
     g.add_argument("--workload-seed", type=int, default=0)
     g.add_argument("--out", help="write the phases and the summary as JSON here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -72,7 +74,7 @@ def _validate(a: argparse.Namespace) -> tuple[int, int]:
         raise ValueError(f"--input-len-range takes LO,HI, got {a.input_len_range!r}") from None
     checks = {"--input-len-range (1 <= LO <= HI)": 1 <= lo <= hi, "--output-len >= 1": a.output_len >= 1,
               "--rounds >= 1": a.rounds >= 1, "--concurrency >= 1": a.concurrency >= 1,
-              "--num-requests >= 1": a.num_requests >= 1, "--warmup >= 0": a.warmup >= 0,
+              "--num-requests >= 1": a.num_requests >= 1, "--warmup >= 0": a.warmup is None or a.warmup >= 0,
               "--colocated >= 0": a.colocated >= 0, "--heartbeat-s > 0": a.heartbeat_s > 0,
               "--prefill >= 1 and --decode >= 2 (without --colocated)": a.colocated or (a.prefill >= 1 and a.decode >= 2),
               "--colocated N needs N >= 2 (a spread needs two workers)": a.colocated != 1}
@@ -100,9 +102,13 @@ def measure(a: argparse.Namespace, cluster: RouterCluster, lo: int, hi: int) -> 
     model = served_model(urls[0])
     body = make_requests(PromptShape(a.num_requests, lo, hi, a.output_len), counter, a.workload_seed)
     both = ClientConfig(urls[0], model, base_urls=tuple(urls))
-    warm = tagged(make_requests(PromptShape(a.warmup, lo, hi, min(8, a.output_len)), counter, a.workload_seed + 1),
-                  0, counter)
-    asyncio.run(closed_loop(both, warm, max(1, min(a.concurrency, len(warm))), progress=False))
+    warmup = a.concurrency if a.warmup is None else a.warmup
+    if warmup:
+        warm = tagged(make_requests(PromptShape(warmup, lo, hi, a.output_len), counter, a.workload_seed + 1), 0, counter)
+        _say(f"two-routers: warm-up, {warmup} requests over both routers")
+        bad = failed(asyncio.run(closed_loop(both, warm, a.concurrency, progress=False)).results)
+        if bad:
+            raise RuntimeError(f"warm-up request {bad[0].index} failed: {bad[0].error}")
     phases: list[PhaseResult] = []
     for r in range(1, a.rounds + 1):
         for kind, cfg in (("A", ClientConfig(urls[0], model)), ("B", both)):

@@ -94,13 +94,16 @@ class WorkerLaunch:
         self.proc: subprocess.Popen | None = None
         self._lines: queue.Queue = queue.Queue()
 
-    def start(self, timeout_s: float) -> None:
-        """Start it and wait for its ready line; ``StartError`` with its log tail otherwise."""
+    def spawn(self) -> None:
+        """Start it (``wait_ready`` waits for its workers)."""
         cmd = [sys.executable, "-m", "server.launch.cli", "launch", *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
                                          start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait for its ready line; ``StartError`` with its log tail if it exits or times out first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with contextlib.suppress(queue.Empty):
@@ -202,13 +205,14 @@ class RouterCluster:
                   "--health-interval-s", str(s.heartbeat_s), "--log-level", "WARNING", *s.engine_flags]
         workers = WorkerLaunch(s.workers_argv(common), work / "workers.log")
         self._stack.callback(workers.stop)
-        workers.start(s.startup_timeout_s)
+        workers.spawn()  # the routers start meanwhile: a discovery router is up before any worker is
         for _ in range(s.routers):
             r = LaunchedServer(["--mode", s.mode, "--roles", "router", "--port", "0", *common],
                                startup_timeout_s=s.startup_timeout_s)
             self._stack.callback(r.stop)
             r.start()
             self.routers.append(r)
+        workers.wait_ready(s.startup_timeout_s)
         self.urls = [r.url for r in self.routers]
         for url in self.urls:
             self._wait_all_ready(url, s.startup_timeout_s)
