@@ -61,7 +61,7 @@ class EtcdProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 120.0) -> None:
         """Start it and wait until its JSON gateway answers; ``StartError`` otherwise."""
         binary = shutil.which("etcd")
         if binary is None:
