@@ -64,3 +64,9 @@ def test_summary_takes_medians_over_rounds_and_pools_b():
     assert "50.0% (NOT met)" in s.verdict()[1] and "(met at >= 0.95)" in s.verdict()[0]
     table = phases_table(phases, {"http://a": "router-a", "http://b": "router-b"})
     assert "| B1 | router-a+router-b | 4 | 0 | 8.0 |" in table and "1 / 3 | 100.0%" in table
+
+
+def test_a_run_stopped_before_any_b_phase_says_so():
+    s = Summary.of([_phase("A1", 1.0, WorkerSplit({"d0": 2, "d1": 2}, {"d0": 8, "d1": 8}))])
+    assert s.ratio["tok/s"] is None and s.spread_lines("decode")[0] == "B (two routers): no phase ran to the end"
+    assert "NOT met" in s.verdict()[0] and "NOT met" in s.verdict()[1]

@@ -84,6 +84,9 @@ class Summary:
         """The pooled split of B (and of A, for reference) against the goal."""
         out = []
         for name, split in (("B (two routers)", self.pooled_b), ("A (one router)", self.pooled_a)):
+            if not split.finished:
+                out.append(f"{name}: no phase ran to the end")
+                continue
             workers = ", ".join(sorted(split.finished))
             out.append(f"{name}, every round pooled, per {role} worker ({workers}): finished "
                        f"{_counts(split.finished)} (spread {_pct(split.finished_spread)}), generated tokens "
