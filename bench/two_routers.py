@@ -114,7 +114,7 @@ def measure(a: argparse.Namespace, cluster: RouterCluster, lo: int, hi: int) -> 
         for kind, cfg in (("A", ClientConfig(urls[0], model)), ("B", both)):
             name = f"{kind}{r}"
             p = run_phase(name, cfg, tagged(body, len(phases) + 1, counter), a.concurrency, urls,
-                          spec.spread_ids(), spec.heartbeat_s, not a.no_progress)
+                          spec.spread_ids(), spec.heartbeat_s, not a.no_progress, cluster.processes())
             phases.append(p)
             s = p.stats
             _say(f"{name}: {s.output_throughput:.1f} tok/s, {s.request_throughput:.2f} req/s, "

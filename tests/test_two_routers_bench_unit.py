@@ -50,8 +50,9 @@ def test_every_phase_gets_the_same_prompts_behind_its_own_tag():
 
 def _phase(name: str, duration: float, split: WorkerSplit) -> PhaseResult:
     results = [_result(i, ttft=0.1 * (i + 1)) for i in range(4)]
+    cpu = {"router-a": 0.016, "router-b": 0.016 if name[0] == "B" else 0.0, "prefill-0": 0.1, "decode-0": 0.1}
     return PhaseResult(name, ["http://a"] if name[0] == "A" else ["http://a", "http://b"],
-                       compute_stats(results, duration), split, [])
+                       compute_stats(results, duration), split, [], cpu)
 
 
 def test_summary_takes_medians_over_rounds_and_pools_b():
@@ -60,6 +61,8 @@ def test_summary_takes_medians_over_rounds_and_pools_b():
     s = Summary.of(phases)
     assert s.median_a["tok/s"] == pytest.approx(12.0)  # 16 tokens in 1 s and in 2 s: median 12
     assert s.ratio["tok/s"] == pytest.approx(1.0) and s.ratio["TTFT p50 ms"] == pytest.approx(1.0)
+    assert s.median_a["routers CPU ms/tok"] == pytest.approx(1.0)  # 16 ms over 16 tokens
+    assert s.ratio["routers CPU ms/tok"] == pytest.approx(2.0) and s.median_b["workers CPU ms/tok"] == pytest.approx(12.5)
     assert s.pooled_b.finished == {"d0": 3, "d1": 5} and s.pooled_b.finished_spread == pytest.approx(0.5)
     assert "50.0% (NOT met)" in s.verdict()[1] and "(met at >= 0.95)" in s.verdict()[0]
     table = phases_table(phases, {"http://a": "router-a", "http://b": "router-b"})

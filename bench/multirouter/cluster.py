@@ -203,7 +203,7 @@ class RouterCluster:
         common = ["--cluster-id", f"two-routers-{os.getpid()}", "--cluster-key", str(key),
                   "--discovery", f"etcd://127.0.0.1:{self.etcd.port}{self.prefix}",
                   "--health-interval-s", str(s.heartbeat_s), "--log-level", "WARNING", *s.engine_flags]
-        workers = WorkerLaunch(s.workers_argv(common), work / "workers.log")
+        self._workers = workers = WorkerLaunch(s.workers_argv(common), work / "workers.log")
         self._stack.callback(workers.stop)
         workers.spawn()  # the routers start meanwhile: a discovery router is up before any worker is
         for _ in range(s.routers):
@@ -228,6 +228,14 @@ class RouterCluster:
             time.sleep(0.3)
         raise StartError(f"router {url} sees {sorted(up)} ready of {sorted(want)} after {timeout_s:.0f}s; "
                          f"its /health: {httpx.get(url + '/health', trust_env=False, timeout=10).text[:1000]}")
+
+    def processes(self) -> dict[str, int]:
+        """Pid by name of every router (``router-a``, ``router-b``, ...) and worker (its id)."""
+        from bench.serve.cpu import ROUTER, server_processes
+
+        out = {f"router-{chr(ord('a') + i)}": r.pid for i, r in enumerate(self.routers)}
+        out.update({n: pid for n, pid in server_processes(self._workers.proc.pid).items() if n != ROUTER})
+        return out
 
     def router_tags(self) -> list[int]:
         """The room tags the routers claimed in etcd (keys ``{prefix}routers/{tag}``), sorted."""

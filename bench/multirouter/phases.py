@@ -9,7 +9,9 @@ Counters come from a router's ``/metrics`` (the workers' cumulative counters as 
 heartbeat), scraped fresh (every worker series newer than the scrape's start) once the phase's
 last stream closed: the delta of ``pdserve_worker_finished_requests_total`` and
 ``pdserve_generation_tokens_total`` per worker is what each worker did in the phase; the delta of
-each router's ``pdserve_requests_total{status="200"}`` is what each router served.
+each router's ``pdserve_requests_total{status="200"}`` is what each router served. CPU seconds of
+every router and worker process (``/proc/PID/stat``, as ``bench serve`` reads them) over the load
+say what a phase cost whatever else the host ran.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from bench.serve.client import ClientConfig, RequestResult
+from bench.serve.cpu import cpu_seconds
 from bench.serve.runner import closed_loop
 from bench.serve.stats import RunStats, compute_stats
 from bench.serve.workload import LengthCounter, RequestSpec
@@ -105,14 +108,20 @@ class PhaseResult:
     stats: RunStats
     split: WorkerSplit
     failures: list[RequestResult]
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process over the load
 
     @property
     def kind(self) -> str:
         return self.name[0]
 
+    def cpu_ms_per_token(self, prefix: str | tuple[str, ...]) -> float | None:
+        """CPU ms per output token of the processes whose name starts with ``prefix`` (together)."""
+        spent = [v for k, v in self.cpu_s.items() if k.startswith(prefix)]
+        return 1000 * sum(spent) / self.stats.output_tokens if spent and self.stats.output_tokens else None
+
     def to_dict(self) -> dict:
         return {"phase": self.name, "routers": self.routers, "stats": self.stats.to_dict(),
-                "split": self.split.to_dict(),
+                "split": self.split.to_dict(), "cpu_s": self.cpu_s,
                 "failures": [{"index": r.index, "error": r.error} for r in self.failures]}
 
 
@@ -127,15 +136,28 @@ def failed(results: list[RequestResult]) -> list[RequestResult]:
     return out
 
 
+def cpu_between(before: dict[str, float | None], pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each process of ``pids`` used since ``before`` (its CPU seconds then)."""
+    out = {}
+    for name, pid in pids.items():
+        now = cpu_seconds(pid)
+        if now is not None and before.get(name) is not None:
+            out[name] = now - before[name]
+    return out
+
+
 def run_phase(name: str, cfg: ClientConfig, specs: list[RequestSpec], concurrency: int, all_urls: list[str],
-              worker_ids: list[str], heartbeat_s: float, progress: bool) -> PhaseResult:
-    """Load ``cfg``'s router(s) with ``specs`` at ``concurrency`` and read the counters around it."""
+              worker_ids: list[str], heartbeat_s: float, progress: bool, pids: dict[str, int]) -> PhaseResult:
+    """Load ``cfg``'s router(s) with ``specs`` at ``concurrency``; read the counters around it and the
+    CPU seconds of every process of ``pids`` (name -> pid) over the load itself."""
     before = snapshot(all_urls, worker_ids, heartbeat_s)
+    cpu0 = {n: cpu_seconds(p) for n, p in pids.items()}
     m = asyncio.run(closed_loop(cfg, specs, concurrency, progress=progress))
+    cpu = cpu_between(cpu0, pids)
     after = snapshot(all_urls, worker_ids, heartbeat_s)
     routers = list(cfg.base_urls) or [cfg.base_url]
     return PhaseResult(name, routers, compute_stats(m.results, m.duration_s), split_between(before, after),
-                       failed(m.results))
+                       failed(m.results), cpu)
 
 
 def median_of(phases: list[PhaseResult], value) -> float | None:

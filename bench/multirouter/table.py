@@ -2,7 +2,9 @@
 
 Per phase: output tok/s, req/s, TTFT p50/p99, TPOT p50 (ms), failed requests, the requests each
 router served, and what each worker of the measured role finished (requests, generated tokens) with
-the spread (max - min) / mean. Then the medians of A and of B over their rounds and B/A, and the
+the spread (max - min) / mean, and the CPU ms per output token of the routers and of the workers
+(CPU time does not depend on what else the host runs: on a busy host it tells whether B costs more
+work than A, where tok/s cannot). Then the medians of A and of B over their rounds and B/A, and the
 split of every B phase pooled: the figure the goal "load spread within 20 %" is about.
 """
 from __future__ import annotations
@@ -18,6 +20,10 @@ METRICS = {  # column -> value of a phase (None when the phase has no such sampl
     "TTFT p50 ms": lambda p: p.stats.ttft.p50_ms if p.stats.ttft else None,
     "TTFT p99 ms": lambda p: p.stats.ttft.p99_ms if p.stats.ttft else None,
     "TPOT p50 ms": lambda p: p.stats.tpot.p50_ms if p.stats.tpot else None,
+}
+CPU = {  # column -> CPU ms per output token of a phase's processes (independent of the host's other load)
+    "routers CPU ms/tok": lambda p: p.cpu_ms_per_token("router-"),
+    "workers CPU ms/tok": lambda p: p.cpu_ms_per_token(("prefill", "decode", "colocated")),
 }
 SPREAD_GOAL = 0.20
 THROUGHPUT_GOAL = 0.95  # B/A tok/s at or above this is "the same throughput" within a quiet host's noise
@@ -42,13 +48,14 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
 
 def phases_table(phases: list[PhaseResult], router_names: dict[str, str]) -> str:
     """One row per phase, in run order."""
-    head = ["phase", "routers", "requests", "failed", *METRICS, "served per router", "finished per worker",
+    head = ["phase", "routers", "requests", "failed", *METRICS, *CPU, "served per router", "finished per worker",
             "spread", "tokens per worker", "spread"]
     rows = []
     for p in phases:
         served = " / ".join(f"{router_names[u]} {p.split.router_ok.get(u, 0):.0f}" for u in router_names)
         rows.append([p.name, "+".join(router_names[u] for u in p.routers), str(p.stats.requests),
-                     str(len(p.failures)), *(_num(f(p)) for f in METRICS.values()), served,
+                     str(len(p.failures)), *(_num(f(p)) for f in METRICS.values()),
+                     *(_num(f(p), 2) for f in CPU.values()), served,
                      _counts(p.split.finished), _pct(p.split.finished_spread), _counts(p.split.tokens),
                      _pct(p.split.tokens_spread)])
     return _markdown(head, rows)
@@ -68,17 +75,17 @@ class Summary:
     def of(cls, phases: list[PhaseResult]) -> "Summary":
         a = [p for p in phases if p.kind == "A"]
         b = [p for p in phases if p.kind == "B"]
-        ma = {k: median_of(a, f) for k, f in METRICS.items()}
-        mb = {k: median_of(b, f) for k, f in METRICS.items()}
-        ratio = {k: (mb[k] / ma[k] if ma[k] and mb[k] is not None else None) for k in METRICS}
+        ma = {k: median_of(a, f) for k, f in {**METRICS, **CPU}.items()}
+        mb = {k: median_of(b, f) for k, f in {**METRICS, **CPU}.items()}
+        ratio = {k: (mb[k] / ma[k] if ma[k] and mb[k] is not None else None) for k in ma}
         pool = lambda ps: reduce(WorkerSplit.plus, (p.split for p in ps), WorkerSplit())  # noqa: E731
         return cls(ma, mb, ratio, pool(b), pool(a))
 
     def table(self) -> str:
-        rows = [["A (one router), median", *(_num(v) for v in self.median_a.values())],
-                ["B (two routers), median", *(_num(v) for v in self.median_b.values())],
+        rows = [["A (one router), median", *(_num(v, 1 if k in METRICS else 2) for k, v in self.median_a.items())],
+                ["B (two routers), median", *(_num(v, 1 if k in METRICS else 2) for k, v in self.median_b.items())],
                 ["B / A", *(_num(v, 3) for v in self.ratio.values())]]
-        return _markdown(["", *METRICS], rows)
+        return _markdown(["", *METRICS, *CPU], rows)
 
     def spread_lines(self, role: str) -> list[str]:
         """The pooled split of B (and of A, for reference) against the goal."""

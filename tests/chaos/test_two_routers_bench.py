@@ -41,8 +41,11 @@ def test_bench_runs_a_b_a_b_and_reads_the_workers_counters(tmp_path, capsys):
         assert sorted(split["finished"]) == ["decode-0", "decode-1"]
         assert sum(split["finished"].values()) == N and sum(split["tokens"].values()) == N * OUT
         assert split["finished_spread"] is not None
+        assert set(p["cpu_s"]) == {"router-a", "router-b", "prefill-0", "decode-0", "decode-1"}
+        assert p["cpu_s"]["decode-0"] > 0 and p["cpu_s"]["router-a"] > 0  # both took part in every phase
     summary = d["summary"]
-    assert set(summary["b_over_a"]) == {"tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms"}
+    assert set(summary["b_over_a"]) == {"tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                                        "routers CPU ms/tok", "workers CPU ms/tok"}
     assert all(v is not None and v > 0 for v in summary["b_over_a"].values())
     assert sum(summary["pooled_b"]["finished"].values()) == 2 * N
     for text in ("| phase | routers |", "| B / A |", "goal 'load spread within 20%'", "router-a 4 / router-b 4"):
