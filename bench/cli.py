@@ -1,18 +1,29 @@
-"""``pdserve bench engine|retract|transfer|serve`` (also ``python -m bench``): the benchmarks'
-command line. The benchmarks sit above every serving package; nothing there imports them."""
+"""``pdserve bench engine|retract|transfer|serve|two-routers`` (also ``python -m bench``): the
+benchmarks' command line. The benchmarks sit above every serving package; nothing there imports them.
+
+``STANDALONE`` benchmarks have a parser of their own: ``pdserve bench NAME ARGS`` hands ARGS to that
+module's ``main`` (``pdserve bench two-routers --help`` shows its flags)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import sys
 
 from bench.serve.options import add_serve_flags
 from configs.cli_flags import add_flags, collect
 from configs.engine import EngineConfig
 
+# name -> module with ``main(argv) -> int``, run with the arguments after the name
+STANDALONE = {"two-routers": "bench.two_routers"}
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``pdserve bench`` / ``python -m bench``."""
-    p = argparse.ArgumentParser(prog="pdserve bench", description="benchmarks")
+    p = argparse.ArgumentParser(prog="pdserve bench", description="benchmarks",
+                                epilog="also: " + ", ".join(f"'pdserve bench {n} --help'" for n in STANDALONE)
+                                       + " (benchmarks with flags of their own; two-routers: one router against two "
+                                         "in front of the same workers, and the load spread across them)")
     p.add_argument("what", choices=["engine", "retract", "transfer", "serve"],
                    help="engine: decode/prefill tokens/s vs HF transformers (--roofline: against the machine's "
                         "read bandwidth and matmul peak); retract: retract costs "
@@ -72,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m bench``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in STANDALONE:
+        logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return importlib.import_module(STANDALONE[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(args)

@@ -2,12 +2,15 @@
 this router sent it, and room numbers that no two routers share.
 
 ``BlendedLoad(worker_id)`` is a sort key, smaller is less loaded:
-``(requests, KV used fraction, this router's tokens in flight)``. ``requests`` is the larger of
-this router's own requests in flight on the worker and what the worker last reported holding
-(every ``queue_*`` gauge: queued, waiting for KV, running, retracted; all routers' requests) plus
-what this router sent it since that report (``WorkerHandle.sent_since_stats``). With one router the
-two agree; with several, each sees the others' requests through the workers' reports, and its own
-recent sends until the next report covers them. Ties go to the worker with more KV free.
+``(requests, KV used fraction, this router's tokens in flight)``. ``requests`` is this router's own
+requests in flight on the worker now (exact) plus the other routers' as of the worker's last report:
+what it reported holding (every ``queue_*`` gauge: queued, waiting for KV, running, retracted; all
+routers' requests) less this router's own in flight when that report arrived
+(``WorkerHandle.own_at_stats``), at least 0. Only the other routers' part is a heartbeat old: this
+router's own requests that finished since the report no longer count (a report counts them until
+the next one, up to a heartbeat period, which steered new requests away from the worker that just
+finished some), and its own sends since the report count at once. With one router ``requests`` is
+its own in-flight count. Ties go to the worker with more KV free.
 
 ``PrefillBacklog(worker_id)`` is the prompt work waiting on a worker, in uncached tokens: the
 larger of what this router sent it and its cache did not hold at routing time, not yet computed
@@ -47,9 +50,9 @@ class BlendedLoad:
         if h is None or h.stats is None:
             return own, 0.0, self.table.outstanding(worker_id)
         g = h.stats.gauges
-        reported = sum(v for k, v in g.items() if k.startswith("queue_")) + h.sent_since_stats
+        others = max(0.0, sum(v for k, v in g.items() if k.startswith("queue_")) - h.own_at_stats)
         used = g.get("kv_pages_used", 0.0) / max(g.get("kv_pages_total", 0.0), 1.0)
-        return max(own, reported), round(used, 3), self.table.outstanding(worker_id)
+        return own + others, round(used, 3), self.table.outstanding(worker_id)
 
 
 REPORTED_BACKLOG_GAUGES = ("prefill_backlog_tokens", "local_prefill_backlog_tokens")

@@ -11,8 +11,9 @@ Routing: ``route()`` hands the ready workers to a policy function (``ROUTING_POL
 that returns a ``Route``: the workers that receive the request and the one that streams tokens
 back. Colocated mode sends to the least loaded colocated worker; PD mode picks the least loaded
 prefill and decode workers (``least_outstanding``) and streams from the decode worker. Load is
-``server.router.load.BlendedLoad``: the workers' reported queues and KV blended with this router's
-own recent sends, so several routers in front of the same workers see each other's load.
+``server.router.load.BlendedLoad``: this router's own requests in flight plus the other routers'
+as the workers last reported them, and KV, so several routers in front of the same workers see
+each other's load.
 """
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ class Registry:
         h = self.handles.get(worker_id)
         if h is None:  # removed while its reply was on the way
             return
-        h.stats, h.last_seen, h.sent_since_stats = stats, self.clock(), 0
+        h.stats, h.last_seen = stats, self.clock()
+        h.own_at_stats = self.table.outstanding_requests(worker_id)  # what of the report is this router's
         h.stats_at = h.last_seen
         if stats.instance != h.instance or h.up_since is None:
             restarted = h.up_since is not None

@@ -47,7 +47,7 @@ class WorkerHandle:
     restarts: int = 0  # how many times ``instance`` changed
     leaving: bool = False  # discovery lost it: dropped once it holds no request
     drain_asked: bool = False  # the router asked this process (``instance``) to drain
-    sent_since_stats: int = 0  # requests this router sent it since its last ``WorkerStats``
+    own_at_stats: int = 0  # this router's requests in flight on it when its last ``WorkerStats`` arrived
 
     @property
     def worker_id(self) -> str:
@@ -141,7 +141,6 @@ def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], param
     """
     prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
     for h in route.targets:
-        h.sent_since_stats += 1
         if h.spec.role == Role.PREFILL:
             h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
         elif h.spec.role == Role.DECODE:
