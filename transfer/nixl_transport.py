@@ -25,9 +25,10 @@ How it maps onto NIXL (nixl 1.5 python API):
   ``--migration-copy-threads``): NIXL's UCX thread pool (``num_threads``/``split_batch_size``
   backend parameters, N dedicated UCX workers each on its own thread). A write of at least
   ``split_pages`` descriptors is cut into N chunks copied in parallel (on one host: N concurrent
-  CMA copies, which a single ``process_vm_writev`` stream cannot saturate); ``write_pages``
-  returns once every chunk is posted and the notification goes out only after every chunk
-  completed. The agent then runs in NIXL's RW sync mode (UCX workers in multi-thread mode), since
+  CMA copies, which a single ``process_vm_writev`` stream cannot saturate). NIXL sends the
+  notification only after every chunk completed, from a status call, so for host-to-host writes
+  ``write_pages`` waits for the chunks (as it blocks for a single-threaded copy; at most
+  ``HOST_COPY_WAIT_S``) and the notification leaves as the last page lands. The agent then runs in NIXL's RW sync mode (UCX workers in multi-thread mode), since
   ``poll_notifs`` progresses the pool's workers from the caller's thread.
 
 Metadata (``local_metadata``) is JSON: name, memory type, device, base, length, page size, page
@@ -61,6 +62,8 @@ _NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl._api", "nixl")
 
 #: ``copy_threads``: a write of fewer descriptors than this stays on the caller's thread.
 DEFAULT_SPLIT_PAGES = 8
+#: ``copy_threads``: how long ``write_pages`` waits for a host-to-host write's chunks (then ``poll`` does).
+HOST_COPY_WAIT_S = 1.0
 
 
 def _nixl():
@@ -259,7 +262,21 @@ class NixlTransport(RemoteTransportBase):
             handle._state = "done"
         elif status == "ERR":
             handle._fail("NIXL failed to post the transfer")
+        elif self.copy_threads and self._mem_type == "DRAM" and peer.mem_type == "DRAM":
+            self._finish_host_copy(handle)
         return handle
+
+    def _finish_host_copy(self, handle: NixlHandle) -> None:
+        """Wait (at most ``HOST_COPY_WAIT_S``) for the copy threads' chunks of a host-to-host write,
+        as a single-threaded write blocks for its copy: NIXL sends the notification only from a
+        status call after the last chunk, so without this the target would hear of the pages at
+        the caller's next ``poll`` (a scheduler step later), not when they landed."""
+        deadline = time.monotonic() + HOST_COPY_WAIT_S
+        while True:
+            handle._advance()
+            if handle._state != "pending" or time.monotonic() >= deadline:
+                return
+            time.sleep(0.00002)
 
     def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
