@@ -1,7 +1,8 @@
 """Migration of retracted requests between decode workers (issue 31): the issue's two goals,
 measured in one run.
 
-``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--migrate-on-retract] [--json]``
+``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
+[--migrate-on-retract] [--json]``
 
 The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv: ...``).
 
@@ -9,7 +10,13 @@ The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv
    737,280 bytes) written by the real transport (``--backend``, default NIXL) from a host pool
    registered with it into shuffled pages of a decode-side pool in another process, to the
    handle's ``done``, vs a local resume (``HostKVPool.load`` into shuffled pages of a pool in
-   this process). Goal: migration within 1.5x of the local resume. Median and min over ``--reps``.
+   this process). Both destination pools are allocated as a decode worker's KV pool is
+   (``cache.pool_memory.zeroed``, transparent huge pages where the host allows). NIXL uses the
+   migration transport's ``--migration-copy-threads`` (``--copy-threads``; a list measures each,
+   interleaved). Per variant: the time inside ``write_pages`` (NIXL without copy threads: the
+   whole CMA copy happens there), from its return to ``done`` (ucxx: the target pulls the pages
+   then), and the descriptors left after merging runs adjacent on both sides; ``--trace`` prints
+   every write. Goal: migration within 1.5x of the local resume. Median and min over ``--reps``.
 2. ``serve``: ``pdserve launch --mode pd --decode 2 --route-decode decode-0`` (every request on
    one decode worker, whose small pool makes it retract) run twice on the same prompts: without
    and with ``--migrate-after`` (plus ``--migrate-on-retract`` when given: live migration for
@@ -26,6 +33,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -33,6 +41,10 @@ import torch
 
 from bench.transfer_bench import PAGE, VARIANTS, _decode_side, fill_pages, page_bytes, pool_shape
 from cache.host_pool import HostKVPool
+from configs.schema import ClusterConfig
+
+#: The decode worker's default ``--migration-copy-threads`` (what its NIXL migration transport uses).
+DEFAULT_COPY = ClusterConfig.model_fields["migration_copy_threads"].default
 
 QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
              "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
@@ -41,57 +53,119 @@ SHARED = "You are a helpful assistant. Answer in one short paragraph. Question: 
 
 
 # ---- 1. KV: migration write vs local resume ------------------------------------------------------
-def kv_part(backend: str, tokens: int, reps: int, seed: int = 0) -> dict:
-    from transfer.factory import create_transport
+def _runs(src: list[int], dst: list[int]) -> int:
+    """Descriptors NIXL leaves after merging pages adjacent on both sides."""
+    return 1 + sum(1 for i in range(1, len(src)) if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1) if src else 0
+
+
+class _Migrator:
+    """One transport variant: a decode-side process (its pool allocated as a decode worker's) and
+    this process's transport over the shared host pool."""
+
+    def __init__(self, backend: str, copy_threads: int, host: HostKVPool, num_pages: int) -> None:
+        from transfer.factory import create_transport
+
+        kind, opts = VARIANTS[backend]
+        if kind == "nixl":
+            opts = {**opts, "copy_threads": copy_threads}
+        self.label = f"{backend}" + (f" copy_threads={copy_threads}" if kind == "nixl" else "")
+        self.copy_threads = copy_threads if kind == "nixl" else None
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_decode_side, args=(child, num_pages, kind, opts, True), daemon=True)
+        self.proc.start()
+        self.t = None
+        if not self.conn.poll(60):
+            raise RuntimeError(f"{self.label}: decode-side process published no metadata")
+        md = self.conn.recv_bytes()
+        self.t = create_transport(kind, f"bench-migrate-source-{len(self.label)}-{copy_threads}", **opts)
+        self.t.register_pool(host.buffer, host.page_bytes)
+        self.peer = self.t.add_peer(md)
+        self.total, self.post, self.complete = [], [], []
+
+    def write(self, src: np.ndarray, dst: np.ndarray, keep: bool) -> tuple[float, float]:
+        """One write to ``done``: (seconds in ``write_pages``, seconds from its return to done)."""
+        t0 = time.perf_counter()
+        h = self.t.write_pages(self.peer, src, dst, b"migration")
+        t1 = time.perf_counter()
+        state = h.wait(60)
+        t2 = time.perf_counter()
+        h.release()
+        if state != "done":
+            raise RuntimeError(f"{self.label} write ended {state}: {h.error}")
+        if keep:
+            self.total.append(t2 - t0)
+            self.post.append(t1 - t0)
+            self.complete.append(t2 - t1)
+        return t1 - t0, t2 - t1
+
+    def summary(self, nbytes: int) -> dict:
+        med = statistics.median(self.total)
+        return {"label": self.label, "copy_threads": self.copy_threads, "migrate_ms_median": med * 1e3,
+                "migrate_ms_min": min(self.total) * 1e3, "post_ms_median": statistics.median(self.post) * 1e3,
+                "complete_ms_median": statistics.median(self.complete) * 1e3, "gbps": nbytes / med / 1e9}
+
+    def close(self) -> None:
+        if self.t is not None:
+            self.t.close()
+        if self.proc.is_alive():
+            self.conn.send(("bye",))
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: tuple[int, ...] = (DEFAULT_COPY,),
+            trace: bool = False) -> dict:
+    """Every variant (one per ``copy_threads`` value for NIXL) and the local resume, interleaved per
+    rep on the same host pages; the headline (``migrate_ms_*``, ``ratio``) is the last variant."""
+    from cache.host_pool import HostKV
+    from cache.pool_memory import zeroed
 
     n = tokens // PAGE
     rng = np.random.default_rng(seed)
     host = HostKVPool(2 * n, pool_shape(1)[1:], torch.float32, pinned=torch.cuda.is_available())
     fill_pages(host.buffer.view(pool_shape(2 * n)))
-    device = torch.zeros(pool_shape(4 * n), dtype=torch.float32)
-    kind, opts = VARIANTS[backend]
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(child, 4 * n, kind, opts), daemon=True)
-    proc.start()
+    device = zeroed(pool_shape(4 * n), torch.float32, "cpu")  # a decode worker's pool, as the targets'
+    threads = copy_threads if VARIANTS[backend][0] == "nixl" else copy_threads[-1:]
+    movers: list[_Migrator] = []
+    resume, descs = [], []
     try:
-        if not conn.poll(60):
-            raise RuntimeError("decode-side process published no metadata")
-        md = conn.recv_bytes()
-        t = create_transport(kind, "bench-migrate-source", **opts)
-        t.register_pool(host.buffer, host.page_bytes)
-        peer = t.add_peer(md)
-        migrate, resume = [], []
+        for c in threads:
+            movers.append(_Migrator(backend, c, host, 4 * n))
         for i in range(reps + 1):
             src = host.allocator.alloc(n)
-            dst = rng.permutation(4 * n)[:n].astype(np.int32)
-            t0 = time.perf_counter()
-            h = t.write_pages(peer, np.asarray(src, dtype=np.int32), dst, b"migration")
-            state = h.wait(60)
-            dt = time.perf_counter() - t0
-            h.release()
-            if state != "done":
-                raise RuntimeError(f"{backend} write ended {state}: {h.error}")
-            from cache.host_pool import HostKV
-
+            for m in movers:
+                dst = rng.permutation(4 * n)[:n].astype(np.int32)
+                descs.append(_runs(src, dst.tolist()) if m.copy_threads is not None else n + 1)
+                post, done = m.write(np.asarray(src, dtype=np.int32), dst, keep=i > 0)
+                if trace:
+                    unit = "descriptors" if m.copy_threads is not None else "messages"
+                    print(f"trace rep {i} {m.label}: write_pages {post * 1e3:.2f} ms, then done after "
+                          f"{done * 1e3:.2f} ms ({descs[-1]} {unit})", file=sys.stderr)
             dev_pages = rng.permutation(4 * n)[:n].tolist()
             t0 = time.perf_counter()
             host.load(device.view(4 * n, -1), HostKV(src, tokens), dev_pages)  # frees the host pages
             dr = time.perf_counter() - t0
-            if i:  # the first pair touches cold pages
-                migrate.append(dt)
+            if trace:
+                print(f"trace rep {i} local resume: {dr * 1e3:.2f} ms", file=sys.stderr)
+            if i:  # the first rep touches cold pages
                 resume.append(dr)
-        conn.send(("bye",))
-        t.close()
     finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    mig, res = statistics.median(migrate), statistics.median(resume)
-    return {"tokens": tokens, "pages": n, "bytes": n * page_bytes(), "backend": backend,
-            "migrate_ms_median": mig * 1e3, "migrate_ms_min": min(migrate) * 1e3,
-            "resume_ms_median": res * 1e3, "resume_ms_min": min(resume) * 1e3, "ratio": mig / res,
-            "goal_met": mig <= 1.5 * res}
+        for m in movers:
+            m.close()
+    nbytes = n * page_bytes()
+    variants = [m.summary(nbytes) for m in movers]
+    res = statistics.median(resume)
+    for v in variants:
+        v["ratio"] = v["migrate_ms_median"] / 1e3 / res
+    head = variants[-1]
+    # NIXL: descriptors after merging adjacent runs; ucxx: tagged messages (a header + one per page)
+    return {"tokens": tokens, "pages": n, "bytes": nbytes, "backend": backend, "writes_per_migration": 1,
+            "descriptors_or_messages_median": statistics.median(descs), "variants": variants,
+            "migrate_ms_median": head["migrate_ms_median"], "migrate_ms_min": head["migrate_ms_min"],
+            "resume_ms_median": res * 1e3, "resume_ms_min": min(resume) * 1e3, "ratio": head["ratio"],
+            "goal_met": head["ratio"] <= 1.5}
 
 
 # ---- 2. serve: P99 of retracted requests without / with migration ----------------------------------
@@ -162,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", choices=("nixl", "ucxx"), default="nixl")
     ap.add_argument("--tokens", type=int, default=2048, help="kv: the request's tokens")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--copy-threads", default=str(DEFAULT_COPY),
+                    help="kv, NIXL: the migration transport's copy threads (--migration-copy-threads); a comma "
+                         "list (0,2) measures each, interleaved in one run, the last one is the headline")
+    ap.add_argument("--trace", action="store_true", help="kv: print every write's phases to stderr")
     ap.add_argument("--requests", type=int, default=32, help="serve: concurrent streamed requests")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
@@ -174,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     out = {}
     if args.part in ("kv", "both"):
-        out["kv"] = kv_part(args.backend, args.tokens, args.reps)
+        threads = tuple(int(x) for x in args.copy_threads.split(","))
+        out["kv"] = kv_part(args.backend, args.tokens, args.reps, copy_threads=threads, trace=args.trace)
     if args.part in ("serve", "both"):
         out["serve"] = serve_part(args)
     print(json.dumps(out, indent=None if args.json else 2))

@@ -50,12 +50,16 @@ VARIANTS = {"nixl": ("nixl", {}), "ucxx": ("ucxx", {"error_handling": False}),
             "ucxx-eh": ("ucxx", {"error_handling": True})}
 
 
-def _decode_side(conn, num_pages: int, backend: str, opts: dict) -> None:
-    """Target: zeroed pool, publish metadata, poll notifications; verify pages on request."""
+def _decode_side(conn, num_pages: int, backend: str, opts: dict, real_pool: bool = False) -> None:
+    """Target: zeroed pool, publish metadata, poll notifications; verify pages on request.
+    ``real_pool``: the pool is allocated as a decode worker's is (``cache.pool_memory.zeroed``: on
+    transparent huge pages where the host allows), else a plain ``torch.zeros``."""
+    from cache.pool_memory import zeroed
     from transfer.factory import create_transport
 
     t = create_transport(backend, "bench-decode", **opts)
-    buf = torch.zeros(pool_shape(num_pages), dtype=torch.float32)
+    shape = pool_shape(num_pages)
+    buf = zeroed(shape, torch.float32, "cpu") if real_pool else torch.zeros(shape, dtype=torch.float32)
     t.register_pool(buf, page_bytes())
     conn.send_bytes(t.local_metadata())
     n_notifs = 0

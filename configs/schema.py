@@ -85,6 +85,10 @@ class ClusterConfig(BaseModel):
                            "worker retracts for lack of pages, its KV just copied to the host pool, is offered to a "
                            "peer decode worker with room at once instead of after migrate_after; an offer no peer "
                            "takes waits migrate_after before the next one (off by default)")
+    migration_copy_threads: int = Field(
+        2, ge=0, le=16, description="decode side, NIXL backend: threads that copy one migration's KV in parallel "
+                                    "chunks (NIXL's UCX thread pool; on one host a single CMA copy stream is the "
+                                    "migration's bottleneck); 0 = the migration sender's own thread copies it all")
     migrate_timeout_s: float = Field(
         10.0, gt=0, description="decode side: a migration offer no peer took up (no KV destination) within this "
                                 "long is withdrawn and the request resumes locally")

@@ -97,6 +97,7 @@ class MigrationSource:
         self.timeout_s = timeout_s
         self.offered: dict[str, DecodeJob] = {}  # rid -> MIGRATING job
         self._offered_at: dict[str, float] = {}
+        self._timeline: dict[str, tuple[float, float]] = {}  # rid -> (offered, destination came): for the log
         self._writing: set[str] = set()
         self.stats = stats
         self.seconds = Histogram(MIGRATION_BUCKETS)
@@ -185,7 +186,8 @@ class MigrationSource:
         dst = self.sender.dest_rows(peer_id, pages[first:first + len(src)], np.asarray(swa_dst, dtype=np.int32))
         self.sender.start(job, peer_id, np.asarray(src + swa_src, dtype=np.int32), dst, manifest)
         self._writing.add(msg.rid)
-        self._offered_at.pop(msg.rid, None)
+        offered = self._offered_at.pop(msg.rid, None)
+        self._timeline[msg.rid] = (offered if offered is not None else time.monotonic(), time.monotonic())
         return Outbox()
 
     def ended(self) -> list[tuple[DecodeJob, bool, str | None, int, float]]:
@@ -195,6 +197,7 @@ class MigrationSource:
         for job, ok, error, nbytes, secs in self.sender.poll():
             rid = job.req.rid
             self._writing.discard(rid)
+            self._log_phases(rid, ok, nbytes, secs)
             if ok:
                 self.offered.pop(rid, None)
                 self.stats.out_done += 1
@@ -204,6 +207,17 @@ class MigrationSource:
                 self.stats.out_failed += 1
             done.append((job, ok, error, nbytes, secs))
         return done
+
+    def _log_phases(self, rid: str, ok: bool, nbytes: int, secs: float) -> None:
+        """One INFO line per ended write: where the migration's time went, source side."""
+        offered, dest = self._timeline.pop(rid, (None, None))
+        if offered is None:
+            return
+        now = time.monotonic()
+        log.info("migration of %s %s: offer -> KV destination %.1f ms (router pick, peer admission, handshake), "
+                 "destination -> write ended %.1f ms, of which the write %.1f ms (%d bytes, %.2f GB/s)",
+                 rid, "done" if ok else "failed", (dest - offered) * 1e3, (now - dest) * 1e3, secs * 1e3, nbytes,
+                 nbytes / secs / 1e9 if secs > 0 else 0.0)
 
     def forget(self, rid: str) -> None:
         """The job ended here otherwise (abort, no write in flight): drop its offer."""

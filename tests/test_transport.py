@@ -27,9 +27,12 @@ pytestmark = pytest.mark.process  # every test spawns a peer process
 # ---- real backends in two processes --------------------------------------------------------
 
 # (backend, transport options): every real data plane and each of its modes.
+# nixl-threads: NIXL's UCX thread pool (the migration transport's copy threads); split_pages=4 cuts
+# the 20-page write below into parallel chunks, the single-page writes stay on the caller's thread.
 BACKENDS = [("nixl", {"dlist_form": "list"}), ("nixl", {"dlist_form": "strided"}),
+            ("nixl", {"copy_threads": 2, "split_pages": 4}),
             ("ucxx", {"error_handling": False}), ("ucxx", {"error_handling": True})]
-IDS = ["nixl-list", "nixl-strided", "ucxx-eh-off", "ucxx-eh-on"]
+IDS = ["nixl-list", "nixl-strided", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on"]
 
 
 @pytest.mark.parametrize("backend,opts", BACKENDS, ids=IDS)
@@ -95,13 +98,15 @@ def test_two_process_write(backend, opts):
 # UCX 1.21 then dereferences a NULL rcache when a rendezvous send fails at once on a dead peer
 # (ucp_proto_rndv_rts_abort -> ucp_memh_invalidate): SIGSEGV inside tag_send, 100% of runs, until
 # the ucxx backend stopped posting page sends on an endpoint UCX reported failed.
-DEAD_PEER = [("nixl", {}, 3.0, {}), ("ucxx", {"error_handling": False, "write_timeout_s": 1.5}, 3.0, {}),
+# nixl-threads: split_pages=2 cuts the scenario's 3-page writes into chunks on the pool's threads.
+DEAD_PEER = [("nixl", {}, 3.0, {}), ("nixl", {"copy_threads": 2, "split_pages": 2}, 3.0, {}),
+             ("ucxx", {"error_handling": False, "write_timeout_s": 1.5}, 3.0, {}),
              ("ucxx", {"error_handling": True}, 3.0, {}),
              ("ucxx", {"error_handling": True}, 3.0, {"UCX_RCACHE_ENABLE": "n"})]
 
 
 @pytest.mark.parametrize("backend,opts,limit_s,env", DEAD_PEER,
-                         ids=["nixl", "ucxx-eh-off", "ucxx-eh-on", "ucxx-eh-on-no-rcache"])
+                         ids=["nixl", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-eh-on-no-rcache"])
 def test_dead_peer_reports_error_then_restarted_peer_works(backend, opts, limit_s, env):
     """kill -9 of the target: the write ends ``"error"`` within ``limit_s`` (for ucxx without error
     handling that is its write deadline), never hangs; the restarted target works again.

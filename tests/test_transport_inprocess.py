@@ -179,6 +179,28 @@ def test_create_transport_takes_the_ucxx_settings_from_the_config():
 
 
 
+def test_migration_transport_takes_its_copy_threads_from_the_config():
+    """A decode worker's migration transport: NIXL gets ``--migration-copy-threads`` (default 2),
+    the other backends nothing; bad values are refused before NIXL is loaded (no NIXL in this
+    process: see test_transport.py's note on the UCX libraries' order)."""
+    from pydantic import ValidationError
+
+    from configs.schema import ClusterConfig
+    from transfer.factory import migration_options
+    from transfer.nixl_transport import NixlTransport
+
+    assert migration_options("nixl", ClusterConfig()) == {"copy_threads": 2}
+    assert migration_options("nixl", ClusterConfig(migration_copy_threads=0)) == {"copy_threads": 0}
+    assert migration_options("ucxx", ClusterConfig(migration_copy_threads=4)) == {}
+    assert migration_options("loopback", ClusterConfig()) == {}
+    with pytest.raises(ValidationError, match="migration_copy_threads"):
+        ClusterConfig(migration_copy_threads=-1)
+    with pytest.raises(ValueError, match="copy_threads must be 0..64"):
+        NixlTransport("nx-bad", copy_threads=-1)
+    with pytest.raises(ValueError, match="split_pages must be >= 1"):
+        NixlTransport("nx-bad", copy_threads=2, split_pages=0)
+
+
 @pytest.mark.parametrize("backend", ["loopback", "ucxx"])
 def test_state_checks_are_the_same_on_every_backend(backend):
     """The checks ``TransportBase`` runs before any backend code: pool registered once and before

@@ -30,6 +30,14 @@ def create_transport(kind: str, name: str, cluster=None, **kwargs) -> KVTranspor
     return transport
 
 
+def migration_options(kind: str, cluster) -> dict:
+    """Options of a decode worker's migration transport (it writes retracted KV from the host pool
+    to a peer): for NIXL, ``copy_threads`` = ``cluster.migration_copy_threads``; none otherwise."""
+    if kind == "nixl" and cluster is not None:
+        return {"copy_threads": cluster.migration_copy_threads}
+    return {}
+
+
 def _backend(kind: str, name: str, cluster, **kwargs) -> KVTransport:
     if kind == "nixl":
         from transfer.nixl_transport import NixlTransport

@@ -21,6 +21,15 @@ How it maps onto NIXL (nixl 1.5 python API):
   on CUDA memory (``cuda_ipc``/RDMA) it returns while the copy runs and ``poll`` tracks it.
   The notification (UCX active message, TCP on a single host) is sent after the data and is only
   completed when the target progresses its worker, i.e. calls ``poll_notifs``.
+* ``copy_threads=N`` (default 0; the decode worker's migration transport uses
+  ``--migration-copy-threads``): NIXL's UCX thread pool (``num_threads``/``split_batch_size``
+  backend parameters, N dedicated UCX workers each on its own thread). A write of at least
+  ``split_pages`` descriptors is cut into N chunks copied in parallel (on one host: N concurrent
+  CMA copies, which a single ``process_vm_writev`` stream cannot saturate). NIXL sends the
+  notification only after every chunk completed, from a status call, so for host-to-host writes
+  ``write_pages`` waits for the chunks (as it blocks for a single-threaded copy; at most
+  ``HOST_COPY_WAIT_S``) and the notification leaves as the last page lands. The agent then runs in NIXL's RW sync mode (UCX workers in multi-thread mode), since
+  ``poll_notifs`` progresses the pool's workers from the caller's thread.
 
 Metadata (``local_metadata``) is JSON: name, memory type, device, base, length, page size, page
 count and NIXL's own agent metadata blob as base64. No pickle anywhere.
@@ -50,6 +59,11 @@ from transfer.transport_base import (
 log = logging.getLogger(__name__)
 
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl._api", "nixl")
+
+#: ``copy_threads``: a write of fewer descriptors than this stays on the caller's thread.
+DEFAULT_SPLIT_PAGES = 8
+#: ``copy_threads``: how long ``write_pages`` waits for a host-to-host write's chunks (then ``poll`` does).
+HOST_COPY_WAIT_S = 1.0
 
 
 def _nixl():
@@ -127,23 +141,38 @@ class NixlTransport(RemoteTransportBase):
     backend = "nixl"
 
     def __init__(self, name: str, *, dlist_form: str = "list", num_workers: int = 1,
-                 capture_telemetry: bool = False) -> None:
+                 capture_telemetry: bool = False, copy_threads: int = 0,
+                 split_pages: int = DEFAULT_SPLIT_PAGES) -> None:
+        """``copy_threads`` > 0: NIXL's UCX thread pool (see the module docstring) copies a write of at
+        least ``split_pages`` descriptors in that many parallel chunks; 0 (default): the caller's
+        thread copies every write."""
         super().__init__(name)
         if dlist_form not in ("list", "strided"):
             raise ValueError(f"dlist_form must be 'list' or 'strided', got {dlist_form!r}")
+        if not 0 <= int(copy_threads) <= 64:
+            raise ValueError(f"copy_threads must be 0..64, got {copy_threads!r}")
+        if int(split_pages) < 1:
+            raise ValueError(f"split_pages must be >= 1, got {split_pages!r}")
         nixl = _nixl()
         self._dlist_form = dlist_form
+        self.copy_threads = int(copy_threads)
         self._handles: "weakref.WeakSet[NixlHandle]" = weakref.WeakSet()
         self._saw_error = False
         self._reg = None
         self._local_dlist = None
+        extra = {}
+        if self.copy_threads:  # UCX workers in multi-thread mode: ours progress the pool's workers too
+            extra["sync_mode"] = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
         config = nixl.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                        backends=[], capture_telemetry=capture_telemetry)
+                                        backends=[], capture_telemetry=capture_telemetry, **extra)
         self._agent = nixl.nixl_agent(name, config)
         if "UCX" not in self._agent.get_plugin_list():
             raise RuntimeError(f"NIXL has no UCX plugin (plugins: {self._agent.get_plugin_list()})")
-        self._agent.create_backend("UCX", {"ucx_error_handling_mode": "peer",
-                                           "num_workers": str(int(num_workers))})
+        params = {"ucx_error_handling_mode": "peer", "num_workers": str(int(num_workers))}
+        if self.copy_threads:
+            params.update(num_threads=str(self.copy_threads), split_batch_size=str(int(split_pages)),
+                          num_workers=str(max(int(num_workers), self.copy_threads + 1)))
+        self._agent.create_backend("UCX", params)
 
     # ---- setup --------------------------------------------------------------------------------
     @property
@@ -233,7 +262,21 @@ class NixlTransport(RemoteTransportBase):
             handle._state = "done"
         elif status == "ERR":
             handle._fail("NIXL failed to post the transfer")
+        elif self.copy_threads and self._mem_type == "DRAM" and peer.mem_type == "DRAM":
+            self._finish_host_copy(handle)
         return handle
+
+    def _finish_host_copy(self, handle: NixlHandle) -> None:
+        """Wait (at most ``HOST_COPY_WAIT_S``) for the copy threads' chunks of a host-to-host write,
+        as a single-threaded write blocks for its copy: NIXL sends the notification only from a
+        status call after the last chunk, so without this the target would hear of the pages at
+        the caller's next ``poll`` (a scheduler step later), not when they landed."""
+        deadline = time.monotonic() + HOST_COPY_WAIT_S
+        while True:
+            handle._advance()
+            if handle._state != "pending" or time.monotonic() >= deadline:
+                return
+            time.sleep(0.00002)
 
     def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
