@@ -33,9 +33,11 @@ ARGS = ["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512"
         "--chunked-prefill-size", "8", "--test-step-delay-s", "0.005", "--worker-timeout-s", str(LEASE_S),
         "--peer-timeout-s", str(LEASE_S), "--transfer-fence-s", "8", "--restart-backoff-s", "0.5"]
 # decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them, whose
-# parked requests migrate to decode-0/1 after one step (issue 31): every fault meets migrations too
+# parked requests migrate to decode-0/1 after one step (issue 31): every fault meets migrations too.
+# It reports every 50 ms: a parked request now leaves within ~0.1 s (the migration write takes a few
+# ms), and the faults that wait for "retracted"/"migrating" see it only through these reports.
 EXTERNAL_ARGS = ["--kv-pool-tokens", "128", "--retract-test-interval", "4", "--test-step-delay-s", "0.03",
-                 "--migrate-after", "1"]
+                 "--migrate-after", "1", "--health-interval-s", "0.05"]
 WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
          "letter market bridge candle orange summer").split()
 STREAMS = 12
