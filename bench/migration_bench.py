@@ -39,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-from bench.transfer_bench import PAGE, VARIANTS, _decode_side, fill_pages, page_bytes, pool_shape
+from bench.transfer_bench import PAGE, VARIANTS, _decode_side, close_pair, fill_pages, page_bytes, pool_shape
 from cache.host_pool import HostKVPool
 from configs.schema import ClusterConfig
 
@@ -106,13 +106,7 @@ class _Migrator:
                 "complete_ms_median": statistics.median(self.complete) * 1e3, "gbps": nbytes / med / 1e9}
 
     def close(self) -> None:
-        if self.t is not None:
-            self.t.close()
-        if self.proc.is_alive():
-            self.conn.send(("bye",))
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+        close_pair(self.t, self.proc, self.conn)
 
 
 def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: tuple[int, ...] = (DEFAULT_COPY,),

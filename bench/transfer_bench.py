@@ -83,6 +83,19 @@ def _decode_side(conn, num_pages: int, backend: str, opts: dict, real_pool: bool
     t.close()
 
 
+def close_pair(transport, proc, conn) -> None:
+    """Close this side's ``transport`` (if any), then ask the decode-side child ``proc`` to leave
+    over ``conn``; kill it if it has not within 10 s."""
+    if transport is not None:
+        transport.close()
+    if proc.is_alive():
+        conn.send(("bye",))
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+    proc.join(5)
+
+
 def _timed(fn, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
@@ -154,14 +167,7 @@ class _Pair:
             raise RuntimeError(f"decode side found wrong bytes after the {self.t.backend} writes")
 
     def close(self) -> None:
-        if self.t is not None:
-            self.t.close()
-        if self.proc.is_alive():
-            self.conn.send(("bye",))
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
+        close_pair(self.t, self.proc, self.conn)
 
 
 def measure(label: str, tokens: int, reps: int, seed: int = 0) -> dict:
