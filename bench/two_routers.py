@@ -27,6 +27,7 @@ import json
 import shlex
 import signal
 import sys
+import time
 
 from bench.multirouter.cluster import ClusterSpec, RouterCluster, StartError
 from bench.multirouter.phases import PhaseResult, failed, run_phase, tagged
@@ -146,6 +147,16 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through the cluster's __exit__: every process is stopped
 
 
+def _claimed_tags(cluster: RouterCluster, timeout_s: float = 30.0) -> list[int]:
+    """The routers' room tags in etcd once both are there (a router claims its tag in the background
+    as it starts, and a loaded host can show it a moment after ``/health``), or what is there at
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while len(set(tags := cluster.router_tags())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return tags
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every request succeeded, 1 on a failed request or a cluster that
     did not start, 2 on invalid flags."""
@@ -159,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _say(f"two-routers: starting etcd, the workers ({', '.join(cluster_spec(a).worker_ids())}) and two routers")
         with RouterCluster(cluster_spec(a)) as cluster:
-            tags = cluster.router_tags()
+            tags = _claimed_tags(cluster)
             if len(set(tags)) != 2:
                 print(f"pdserve bench two-routers: the routers claimed {len(set(tags))} distinct room tag(s) in etcd, "
                       f"expected 2: {tags}", file=sys.stderr)

@@ -26,8 +26,9 @@ def test_bench_runs_a_b_a_b_and_reads_the_workers_counters(tmp_path, capsys):
                    "--heartbeat-s", "0.2", "--server-args", "--page-size 16 --max-model-len 512",
                    "--concurrency", "4", "--num-requests", str(N), "--input-len-range", "16,48",
                    "--output-len", str(OUT), "--rounds", "2", "--warmup", "2", "--no-progress", "--out", str(out)])
-    printed = capsys.readouterr().out
-    assert rc == 0, printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert rc == 0, f"{printed}\n--- stderr ---\n{captured.err[-4000:]}"
     d = json.loads(out.read_text())
     a, b = d["routers"]
     assert [p["phase"] for p in d["phases"]] == ["A1", "B1", "A2", "B2"]
