@@ -43,7 +43,7 @@ def make(capacity=1, max_queued=100, max_tokens=None, max_wait=None, shares=None
     refused, granted, clock = [], [], clock or Clock()
     adm = Admission(AdmissionLimits(max_queued, max_tokens, max_wait), lambda: capacity, shares=shares,
                     clock=clock, on_refused=refused.append, on_granted=granted.append,
-                    headroom=FairHeadroom(lambda: headroom, clock))
+                    headroom=FairHeadroom(lambda: headroom))
     return adm, refused, granted
 
 

@@ -146,7 +146,7 @@ class Admission:
         ``headroom``: the slots a key at its share leaves free for others (module docstring; None =
         none)."""
         self.limits, self.capacity, self.clock = limits, capacity, clock
-        self.headroom = headroom or FairHeadroom(lambda: 0, clock)
+        self.headroom = headroom or FairHeadroom(lambda: 0)
         self.shares: defaultdict[str, float] = defaultdict(lambda: 1.0, shares or {})
         self.on_refused, self.on_granted = on_refused, on_granted
         self.drain = drain or DrainRate()
@@ -249,7 +249,8 @@ class Admission:
         cap = self.capacity()
         if cap <= 0 or self._inflight == 0:
             return True
-        kept = self.headroom.kept_from(demand.key, demand.slots, cap, self._granted, self._queues.keys(), self.shares)
+        kept = self.headroom.kept_from(demand.key, demand.slots, cap, self._granted, self._queues.keys(), self.shares,
+                                       self.clock())
         return self._inflight + demand.slots <= cap - kept
 
     def _grant(self, demand: Demand, arrival: float, now: float) -> Grant:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Literal
@@ -122,7 +121,7 @@ def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
     limits = AdmissionLimits(server.max_queued_requests, server.max_queued_tokens, server.max_queue_wait_s)
     return Admission(limits, lambda: per_worker * streaming_workers(),
                      shares={k.name: k.share for k in parse_api_keys(server.api_key)},
-                     headroom=FairHeadroom(lambda: per_worker_headroom * streaming_workers(), time.monotonic))
+                     headroom=FairHeadroom(lambda: per_worker_headroom * streaming_workers()))
 
 
 async def _pump(ctx: RouterContext) -> None:

@@ -16,8 +16,8 @@ class FairHeadroom:
     """Slots kept free for keys under their share; ``slots()`` is read at each decision (it grows
     with the ready workers)."""
 
-    def __init__(self, slots: Callable[[], int], clock: Callable[[], float], active_window_s: float = 5.0) -> None:
-        self.slots, self.clock, self.active_window_s = slots, clock, active_window_s
+    def __init__(self, slots: Callable[[], int], active_window_s: float = 5.0) -> None:
+        self.slots, self.active_window_s = slots, active_window_s
         self._last_arrival: dict[str, float] = {}
 
     def arrived(self, key: str, now: float) -> None:
@@ -25,20 +25,21 @@ class FairHeadroom:
         self._last_arrival[key] = now
 
     def kept_from(self, key: str, slots: int, capacity: int, granted: Mapping[str, int], queued: Collection[str],
-                  shares: Mapping[str, float]) -> int:
-        """Slots of ``capacity`` that a grant of ``slots`` to ``key`` must leave free, given each
-        key's ``granted`` slots, the keys with requests ``queued`` and the keys' ``shares``."""
+                  shares: Mapping[str, float], now: float) -> int:
+        """Slots of ``capacity`` that a grant of ``slots`` to ``key`` must leave free at ``now`` (the
+        caller's clock, the one ``arrived`` was given), given each key's ``granted`` slots, the keys
+        with requests ``queued`` and the keys' ``shares``."""
         headroom = self.slots()
         if headroom <= 0:
             return 0
-        active = self._active(granted, queued) | {key}
+        active = self._active(granted, queued, now) | {key}
         if len(active) < 2:
             return 0
         share = capacity * shares[key] / sum(shares[k] for k in active)
         return min(headroom, capacity - 1) if granted.get(key, 0) + slots > share else 0
 
-    def _active(self, granted: Mapping[str, int], queued: Collection[str]) -> set[str]:
-        horizon = self.clock() - self.active_window_s
+    def _active(self, granted: Mapping[str, int], queued: Collection[str], now: float) -> set[str]:
+        horizon = now - self.active_window_s
         for k in [k for k, t in self._last_arrival.items() if t < horizon]:
             del self._last_arrival[k]
         return {k for k, n in granted.items() if n > 0} | set(queued) | set(self._last_arrival)
