@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from server.testing.subprocess_server import LaunchedServer, free_port
+from server.testing.subprocess_server import LaunchedServer, free_base_port
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -32,7 +32,7 @@ def _name(pid: int) -> str:
 
 def measure_idle(mode: str, seconds: float, settle_s: float, extra: list[str]) -> dict[str, float]:
     """% of a core per process of a ``pdserve launch --mode mode`` left idle for ``seconds``."""
-    args = ["--mode", mode, "--port", "0", "--base-port", str(free_port()), *extra]
+    args = ["--mode", mode, "--port", "0", "--base-port", str(free_base_port(8)), *extra]
     with LaunchedServer(args) as srv:
         time.sleep(settle_s)  # start-up work (model load, warm-up) is not idle time
         pids = [srv.proc.pid, *srv.worker_pids()]

@@ -101,6 +101,7 @@ class DecodeJob:
     write_posted: bool = False  # the writer said the KV write into its pages started (``KVWriteStarted``)
     parked_at: float = 0.0     # monotonic time it last entered HOST_PARKED
     parked_step: int = 0       # the decode worker's step count then
+    preempt: bool = False      # ``GenerateRequest.preempt``: may displace a running job without it
 
     def __post_init__(self) -> None:
         self.req.status = PHASE_OF[self.state]

@@ -154,12 +154,13 @@ class RetractManager:
         self.stats.recomputed += 1
         self.transfers.queue_recompute(job)
 
-    def resume_ready(self, running: list[Request], retract_steps: int) -> list[DecodeJob]:
+    def resume_ready(self, running: list[Request], retract_steps: int, slots: int | None = None) -> list[DecodeJob]:
         """HOST_PARKED -> RUNNING: bring back, in queue order, every job whose pages fit after the
-        running batch's own ``retract_steps``-step reserve; stop at the first that does not. The
-        caller puts the returned jobs' requests into its running batch."""
+        running batch's own ``retract_steps``-step reserve, at most ``slots`` of them (places left
+        in the batch; None = no bound); stop at the first that does not fit. The caller puts the
+        returned jobs' requests into its running batch."""
         resumed: list[DecodeJob] = []
-        while self.queue:
+        while self.queue and (slots is None or len(resumed) < slots):
             job = self.queue[0]
             need = self.budget.resume_need(job.req.kv_len, retract_steps, len(job.host_kv.swa_index))
             need -= PageCount(job.host_kv.first_page)  # on the device already

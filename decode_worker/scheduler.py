@@ -1,11 +1,13 @@
 """Decode worker scheduler (PD mode): wires the prefill peers, the transfer tracker (prealloc and
 in-flight KV), the retract manager (``retracted_queue`` in the host pool) and the running batch.
 
-Every ``step``: peers' liveness -> fences -> landed transfers -> ``resume_ready`` (first; while
-anything waits there no new request is admitted, so resumes cannot starve) -> admission -> one
-decode step whose victims are offloaded or recomputed. With ``--local-prefill-max-tokens`` a new
-request may be prefilled here instead of by its prefill worker (``decode_worker.local_prefill``:
-decided in ``add``; ``decode_worker.local_queue``: its chunks ride in the decode steps). A step
+Every ``step``: peers' liveness -> fences -> landed transfers -> ``resume_ready`` (first, within
+the batch's free places; while anything waits there no new request is admitted, so resumes cannot
+starve, but for preempting ones) -> admission -> one decode step whose victims are offloaded or
+recomputed. Preemption for API keys under their share: ``decode_worker.preemption``. With
+``--local-prefill-max-tokens`` a new request may be prefilled here instead of by its prefill worker
+(``decode_worker.local_prefill``: decided in ``add``; ``decode_worker.local_queue``: its chunks ride
+in the decode steps). A step
 that has first tokens of landed requests (or errors) to answer returns them before decoding, and
 the next step decodes whatever it finds (so time to first token never waits for a decode step,
 and at most every other step skips its decode). Every ending goes through ``finish``.
@@ -24,6 +26,7 @@ from decode_worker.local_queue import LocalPrefillQueue
 from decode_worker.migration import MigrationPolicy, MigrationSource, MigrationStats
 from decode_worker.migration_steps import handle_migration, migration_step
 from decode_worker.peers import PrefillPeers, make_handshake
+from decode_worker.preemption import admitted, places_left, preempt_for_waiting
 from decode_worker.retract import RetractManager
 from decode_worker.stats import decode_snapshot
 from decode_worker.transfers import Landing, TransferTracker
@@ -39,13 +42,6 @@ from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import GenerateRequest, KVWriteStarted, Message, PrefillFailed, PrefillWithdrawn, TokenDelta
-
-
-def admitted(running, transfers: TransferTracker, local) -> list[Request]:
-    """Every request of a decode worker whose pages are reserved: ``running``, with KV in flight
-    (``transfers``), being prefilled there (``local``'s chunked one)."""
-    chunked = local.chunked
-    return [*running, *(j.req for j in transfers.inflight.values()), *([chunked] if chunked else [])]
 
 
 class DecodeScheduler(WorkerScheduler):
@@ -78,7 +74,8 @@ class DecodeScheduler(WorkerScheduler):
         tail = len(prompt) - self.budget.prealloc_start(len(prompt)) if self.kv.has_swa else 0
         self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool", swa_tokens=tail)
         req = Request(msg.rid, list(prompt), msg.params, sampler_state(self.runner, msg.params, prompt), owner=owner)
-        job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt))
+        job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt),
+                                             preempt=msg.preempt)
         self.stats.prompt_tokens += len(prompt)
         out = self.peers.connect(msg.prefill_addr)  # a recompute after a retract needs it either way
         decision = self.local.consider(req, lambda: admitted(self.running, self.transfers, self.local),
@@ -185,12 +182,12 @@ class DecodeScheduler(WorkerScheduler):
             out.extend(self.finish(job, job.answered))
         for landing in self.transfers.landed():
             out.extend(self._landed(landing))
-        for job in self.retract.resume_ready(self.running.reqs, self.cfg.scheduler.retract_decode_steps):
+        for job in self.retract.resume_ready(self.running.reqs, self.cfg.scheduler.retract_decode_steps,
+                                             places_left(self)):
             self.running.add(job.req)
         if self.migration is not None:
             out.extend(migration_step(self))
-        if not self.retract.queue:  # resumes first: no new request takes pages while one waits
-            out.extend(self._admit())
+        out.extend(self._admit())
         if self.running and out.tokens and not self._decode_deferred:
             self._decode_deferred = True  # first tokens out now, not after a decode step; it runs next turn
             return StepReport(out)
@@ -233,11 +230,14 @@ class DecodeScheduler(WorkerScheduler):
         return out
 
     def _admit(self) -> Outbox:
+        """Reserve pages for queued requests; while a retracted one waits to resume (resumes
+        first) only for preempting ones, after ``preempt_for_waiting`` made them places."""
+        preempt_for_waiting(self)
         ratio = self.running.ratio.value
         in_flight = admitted(self.running, self.transfers, self.local)
         free = self.budget.headroom(in_flight, ratio)
         slots = self.cfg.scheduler.max_running_requests - len(in_flight)
-        out, unusable = self.transfers.admit(self.peers, free, ratio, slots)
+        out, unusable = self.transfers.admit(self.peers, free, ratio, slots, only_preempting=bool(self.retract.queue))
         for job in unusable:
             out.extend(self.finish(job, Outcome.abort(self.peers.get(job.prefill_addr).error
                                                       or "prefill worker unavailable", 503)))

@@ -67,14 +67,26 @@ class TransferTracker:
         self.inflight: dict[tuple[int, int], DecodeJob] = {}
 
     def queue(self, job: DecodeJob) -> None:
-        """A new (QUEUED) job waits, last in line, for its pages."""
-        self.prealloc.append(job)
+        """A new (QUEUED) job waits for its pages: last in line, or with ``job.preempt`` after the
+        other preempting jobs but before every job without the mark (recomputes included)."""
+        if not job.preempt:
+            self.prealloc.append(job)
+            return
+        at = next((i for i, j in enumerate(self.prealloc) if not j.preempt), len(self.prealloc))
+        self.prealloc.insert(at, job)
+
+    def first_preempting(self, peers: PrefillPeers) -> DecodeJob | None:
+        """The first queued job with ``preempt`` whose prefill worker is ready, if any."""
+        return next((j for j in self.prealloc if j.preempt and (p := peers.get(j.prefill_addr)) is not None
+                     and p.ready), None)
 
     def queue_recompute(self, job: DecodeJob) -> None:
-        """A RECOMPUTING job (``RetractManager.recompute``) waits, first in line, for its pages;
-        admission then sends its ``PrefillRequest`` before the ``KVDestination``."""
+        """A RECOMPUTING job (``RetractManager.recompute``) waits for its pages, first in line but
+        behind the jobs with ``preempt`` (it may be one they displaced); admission then sends its
+        ``PrefillRequest`` before the ``KVDestination``."""
         assert job.state is DecodeState.RECOMPUTING, job.state
-        self.prealloc.appendleft(job)
+        at = next((i for i, j in enumerate(self.prealloc) if not j.preempt), len(self.prealloc))
+        self.prealloc.insert(at, job)
 
     def writing(self, job: DecodeJob) -> bool:
         """True while a remote write into ``job``'s pages may still land."""
@@ -88,12 +100,14 @@ class TransferTracker:
         return len(self.prealloc) + len(self.inflight)
 
     # ---- admission ----------------------------------------------------------------------------
-    def admit(self, peers: PrefillPeers, free: PageCount, ratio: float, slots: int) -> tuple[Outbox, list[DecodeJob]]:
-        """Reserve pages for prealloc jobs within ``free`` pages and ``slots`` requests.
+    def admit(self, peers: PrefillPeers, free: PageCount, ratio: float, slots: int,
+              only_preempting: bool = False) -> tuple[Outbox, list[DecodeJob]]:
+        """Reserve pages for prealloc jobs within ``free`` pages and ``slots`` requests (with
+        ``only_preempting``: only jobs with ``preempt``, which stand first in line).
         Returns (messages to prefill workers, jobs whose prefill worker is unusable)."""
         out, unusable = Outbox(), []
         for job in list(self.prealloc):
-            if slots <= 0:
+            if slots <= 0 or (only_preempting and not job.preempt):
                 break
             peer = peers.get(job.prefill_addr)
             if peer is not None and peer.unusable:

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.config import ModelConfig
-from server.testing.subprocess_server import LaunchedServer, free_port
+from server.testing.subprocess_server import LaunchedServer, free_base_port
 
 def pytest_collection_modifyitems(config, items):
     """Every test gets a tier: ``unit`` if it is not marked ``process``. A test that uses a
@@ -161,7 +161,7 @@ class ServerFactory:
 
     def __call__(self, mode: str, *flags: str, base_port: int | None = None, env: dict[str, str] | None = None,
                  startup_timeout_s: float = 240.0) -> LaunchedServer:
-        port = free_port() if base_port is None else base_port
+        port = free_base_port(8) if base_port is None else base_port
         srv = LaunchedServer(["--mode", mode, "--port", "0", "--base-port", str(port), *flags], env=env,
                              startup_timeout_s=startup_timeout_s)
         self.running.append(srv)
@@ -212,7 +212,7 @@ def pd_server() -> Iterator[LaunchedServer]:
     itself. Its users run one at a time; each measures deltas of what it reads (others' requests
     land on it too), sends nothing that outlives it, and leaves every worker running."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_port()), *PD_SERVER_FLAGS], env=env)
+    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_base_port(2)), *PD_SERVER_FLAGS], env=env)
     try:
         srv.start()
         yield srv

@@ -10,8 +10,8 @@ import pytest
 
 from configs.api_keys import parse_api_keys
 from configs.schema import PdserveConfig
-from server.router.admission import (Admission, AdmissionLimits, Demand, DrainRate, Refused,
-                                     retry_after_headers)
+from server.router.admission import Admission, AdmissionLimits, Demand, Refused, retry_after_headers
+from server.router.drain_rate import DrainRate
 from server.router.fair_headroom import FairHeadroom
 
 pytestmark = pytest.mark.unit
@@ -39,11 +39,12 @@ def demand(key="default", priority=0, slots=1, tokens=10, deadline=FAR) -> Deman
     return Demand(key, priority, slots, tokens, deadline)
 
 
-def make(capacity=1, max_queued=100, max_tokens=None, max_wait=None, shares=None, clock=None, headroom=0):
+def make(capacity=1, max_queued=100, max_tokens=None, max_wait=None, shares=None, clock=None, headroom=0,
+         preempt=False):
     refused, granted, clock = [], [], clock or Clock()
     adm = Admission(AdmissionLimits(max_queued, max_tokens, max_wait), lambda: capacity, shares=shares,
                     clock=clock, on_refused=refused.append, on_granted=granted.append,
-                    headroom=FairHeadroom(lambda: headroom))
+                    headroom=FairHeadroom(lambda: headroom, preempt=preempt))
     return adm, refused, granted
 
 

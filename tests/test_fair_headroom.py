@@ -62,3 +62,63 @@ async def test_headroom_never_blocks_an_idle_router_or_a_key_under_its_share():
     assert adm.try_grant(demand("a")) is not None  # nothing in flight: always granted
     assert adm.try_grant(demand("a")) is None  # a past its share (1.5 of 3): 1 + 1 > 3 - 2
     assert adm.try_grant(demand("b")) is not None  # b under its share: only the capacity bounds it
+
+
+@sync
+async def test_grants_within_a_keys_share_are_marked_preempt():
+    """``Grant.preempt`` (with ``FairHeadroom.preempt``): set while another key is active and the
+    grant keeps its key within its share (capacity x share / active shares), never with one key
+    alone, never without ``preempt``."""
+    off, _, _ = make(capacity=4)
+    off.try_grant(demand("a"))
+    assert not off.try_grant(demand("b")).preempt
+    adm, _, _ = make(capacity=4, shares={"a": 1, "b": 3}, preempt=True)
+    alone = [adm.try_grant(demand("a")) for _ in range(2)]
+    assert [g.preempt for g in alone] == [False, False]  # one active key: nothing to protect
+    b = adm.try_grant(demand("b"))
+    assert b.preempt  # b's share of 4 is 3: 1 <= 3
+    for g in alone:
+        adm.release(g)
+    a = adm.try_grant(demand("a"))
+    assert a.preempt  # a's share is 1 (1 of 1 + 3): within it
+    assert not adm.try_grant(demand("a")).preempt  # a second one takes a past its share
+
+
+@sync
+async def test_with_preempt_a_key_under_its_share_is_granted_past_a_full_router():
+    """With ``FairHeadroom.preempt`` (PD: the decode worker retracts for it) a key is granted even
+    when every slot is taken while it stays within its share of the slots, or below the other key in
+    slots held or in service lately (work granted per second, per share); past that it waits like
+    anyone; an over-share key never goes past the slots."""
+    for light_tokens, granted in ((100, 5), (10, 6)):
+        adm, _, _ = make(capacity=6, preempt=True)
+        heavy = [adm.try_grant(demand("heavy", tokens=100)) for _ in range(6)]
+        assert all(heavy) and adm.try_grant(demand("heavy")) is None
+        light = [adm.try_grant(demand("light", tokens=light_tokens)) for _ in range(7)]
+        # 3 within its share of 3, then 4 and 5 held < heavy's 6; a 6th only while served < 0.8 x heavy's
+        # 600 tokens/s (500 is not; 50 is); never past twice the slots (12)
+        assert [g is not None for g in light] == [True] * granted + [False] * (7 - granted), light_tokens
+        assert all(g.preempt for g in light[:granted])
+        tasks = await queue(adm, demand("heavy"))
+        adm.release(heavy[0])
+        await settle()
+        assert not tasks[0].done()  # still past capacity: heavy (past its share, served more) waits
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_past_the_slots_stays_within_twice_them():
+    adm, _, _ = make(capacity=2, preempt=True)
+    heavy = [adm.try_grant(demand("heavy", tokens=1000)) for _ in range(2)]
+    light = [adm.try_grant(demand("light", tokens=1)) for _ in range(4)]
+    assert all(heavy) and all(light[:2]) and light[2] is None  # 4 in flight = twice the 2 slots
+    assert adm.inflight_slots == 4
+
+
+@sync
+async def test_without_preempt_a_full_router_grants_nobody():
+    adm, _, _ = make(capacity=2)
+    held = [adm.try_grant(demand("heavy")) for _ in range(2)]
+    assert all(held)
+    assert adm.try_grant(demand("light")) is None

@@ -94,7 +94,10 @@ def test_pd_worker_specs_and_routing():
     send_request(route, "r1", 77, [1, 2, 3], params)
     assert handles[1].client.calls == [("prefill", ("r1", 77, [1, 2, 3], params, "decode-0"), {})]
     assert handles[2].client.calls == [("generate", ("r1", [1, 2, 3], params),
-                                        {"room": 77, "prefill_addr": "tcp://127.0.0.1:30001"})]
+                                        {"room": 77, "prefill_addr": "tcp://127.0.0.1:30001", "preempt": False})]
+    send_request(route, "r2", 78, [1], params, preempt=True)  # the admission grant's mark reaches decode only
+    assert handles[1].client.calls[-1] == ("prefill", ("r2", 78, [1], params, "decode-0"), {})
+    assert handles[2].client.calls[-1][2]["preempt"] is True
     assert isinstance(route, Route)
 
 

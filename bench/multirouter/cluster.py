@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from server.testing.subprocess_server import REPO_ROOT, LaunchedServer, free_port, metric_sum, scrape_metrics
+from server.testing.subprocess_server import (REPO_ROOT, LaunchedServer, free_base_port, free_port, metric_sum,
+                                              scrape_metrics)
 from transfer.cluster_key import ClusterKey, write_key_file
 
 ETCD_HINT = "etcd is not installed: apt-get install -y etcd-server"
@@ -161,7 +162,8 @@ class ClusterSpec:
     def workers_argv(self, common: list[str]) -> list[str]:
         counts = (["--replicas", str(self.colocated), "--roles", "colocated"] if self.colocated else
                   ["--prefill", str(self.prefill), "--decode", str(self.decode), "--roles", "prefill,decode"])
-        return ["--mode", self.mode, *counts, "--base-port", str(free_port()), *common]
+        n = self.colocated or self.prefill + self.decode
+        return ["--mode", self.mode, *counts, "--base-port", str(free_base_port(n)), *common]
 
 
 @dataclass

@@ -9,7 +9,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-from server.testing.subprocess_server import LaunchedServer, free_port
+from server.testing.subprocess_server import LaunchedServer, free_base_port
 
 MODES = ("colocated", "pd", "colocated-xN")
 _REPLICATED = re.compile(r"colocated-x([1-9][0-9]*)")  # colocated-x2: two pinned colocated replicas
@@ -56,7 +56,7 @@ def launch_argv(mode: str, flags: list[str]) -> list[str]:
     extra = ["--routing", routing] if routing else []
     if replicated := _REPLICATED.fullmatch(base):
         base, extra = "colocated", ["--replicas", replicated.group(1), "--worker-cpus", "auto", *extra]
-    return ["--mode", base, *extra, "--port", "0", "--base-port", str(free_port()), "--log-level", "WARNING", *flags]
+    return ["--mode", base, *extra, "--port", "0", "--base-port", str(free_base_port(8)), "--log-level", "WARNING", *flags]
 
 
 @contextlib.contextmanager

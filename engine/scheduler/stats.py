@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 @dataclass
 class SchedulerStats:
     retractions: int = 0
+    preemptions: int = 0  # running requests retracted to start one of an API key under its share (PD decode)
     retracted_input_tokens: int = 0
     retracted_output_tokens: int = 0
     oom_aborts: int = 0

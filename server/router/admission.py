@@ -32,7 +32,10 @@ gets the same number of slots under contention and cannot starve it.
 Headroom for keys under their share (:class:`~server.router.fair_headroom.FairHeadroom`): while
 two or more keys are active, a key already holding its share of the slots may not take the last
 few, so a key under its share starts at once instead of waiting for a heavy key's request to
-finish; with one active key every slot is used (work-conserving).
+finish; with one active key every slot is used (work-conserving). With ``FairHeadroom.preempt`` (PD),
+a grant that keeps its key within its share while another key is active
+(``FairHeadroom.under_share``) is made even when every slot is taken and is marked ``Grant.preempt``
+(a PD decode worker with a full batch retracts a request without the mark to start it).
 
 Shedding order (who is refused first when the queue is full): the key with the most queued
 requests per unit of share, within it the highest ``priority`` value, then the newest arrival.
@@ -44,10 +47,11 @@ import asyncio
 import itertools
 import math
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from server.router.drain_rate import DrainRate
 from server.router.fair_headroom import FairHeadroom
 
 DEFAULT_KEY = "default"
@@ -88,11 +92,14 @@ class Refused(Exception):
 
 @dataclass
 class Grant:
-    """A granted request: what it asked for and how long it waited in the queue (seconds)."""
+    """A granted request: what it asked for, how long it waited in the queue (seconds) and whether
+    it kept its key within its share while another key was active (``preempt``: it may displace a
+    running request of an over-share key)."""
 
     demand: Demand
     waited_s: float
     released: bool = False
+    preempt: bool = False
 
 
 @dataclass
@@ -101,35 +108,6 @@ class _Waiter:
     seq: int
     arrival: float
     future: asyncio.Future = field(repr=False)
-
-
-class DrainRate:
-    """Work (tokens) finished per second over the last ``window_s`` seconds; None until measured."""
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self._done: deque[tuple[float, int]] = deque()
-        self._since: float | None = None
-
-    def start(self, now: float) -> None:
-        """Work began flowing at ``now`` (the first grant); the rate is measured from there."""
-        if self._since is None:
-            self._since = now
-
-    def record(self, now: float, tokens: int) -> None:
-        """A request of ``tokens`` work finished at ``now``."""
-        self._done.append((now, tokens))
-        while self._done and self._done[0][0] < now - self.window_s:
-            self._done.popleft()
-
-    def tokens_per_s(self, now: float) -> float | None:
-        """The measured rate, or None when nothing finished in the window."""
-        while self._done and self._done[0][0] < now - self.window_s:
-            self._done.popleft()
-        if not self._done or self._since is None:
-            return None
-        span = max(1.0, min(self.window_s, now - self._since))
-        return sum(t for _, t in self._done) / span
 
 
 class Admission:
@@ -212,8 +190,10 @@ class Admission:
         self.pump()
 
     def pump(self) -> None:
-        """Grant queued requests in order while the forwarding slots have room."""
-        while (waiter := self._next()) is not None and self._room(waiter.demand):
+        """Grant queued requests in order while the forwarding slots have room: the first head in
+        ``_heads`` order that has room goes (a key held back by its share does not hold back a key
+        under its share, which may have room past the slots)."""
+        while (waiter := next((w for w in self._heads() if self._room(w.demand)), None)) is not None:
             self._remove(waiter)
             waiter.future.set_result(self._grant(waiter.demand, waiter.arrival, self.clock()))
 
@@ -249,26 +229,30 @@ class Admission:
         cap = self.capacity()
         if cap <= 0 or self._inflight == 0:
             return True
+        if self.headroom.preempt and self._inflight + demand.slots <= 2 * cap and _under_share(self, demand, cap):
+            return True  # past the slots: a PD decode worker preempts for it (bounded at twice them)
         kept = self.headroom.kept_from(demand.key, demand.slots, cap, self._granted, self._queues.keys(), self.shares,
                                        self.clock())
         return self._inflight + demand.slots <= cap - kept
 
     def _grant(self, demand: Demand, arrival: float, now: float) -> Grant:
+        cap = self.capacity()
+        preempt = self.headroom.preempt and cap > 0 and _under_share(self, demand, cap)
         self._inflight += demand.slots
         self._granted[demand.key] = self._granted.get(demand.key, 0) + demand.slots
         self.drain.start(now)
-        grant = Grant(demand, now - arrival)
+        self.headroom.granted(demand.key, demand.tokens, now)
+        grant = Grant(demand, now - arrival, preempt=preempt)
         if self.on_granted is not None:
             self.on_granted(grant)
         return grant
 
-    def _next(self) -> _Waiter | None:
-        """The waiter that goes next: least granted slots per share among keys, then its head."""
+    def _heads(self) -> list[_Waiter]:
+        """Each key's head of line (lowest priority value, then arrival), keys in the order they go:
+        least granted slots per share first."""
         heads = [min(q, key=lambda w: (w.demand.priority, w.seq)) for q in self._queues.values() if q]
-        if not heads:
-            return None
-        return min(heads, key=lambda w: (self._granted.get(w.demand.key, 0) / self.shares[w.demand.key],
-                                         w.demand.priority, w.seq))
+        return sorted(heads, key=lambda w: (self._granted.get(w.demand.key, 0) / self.shares[w.demand.key],
+                                            w.demand.priority, w.seq))
 
     def _remove(self, waiter: _Waiter) -> None:
         q = self._queues.get(waiter.demand.key, [])
@@ -335,6 +319,12 @@ class Admission:
             raise self._refuse(Refused(429, "queue_wait", f"server overloaded: estimated wait in the router's queue "
                                        f"{wait:.1f}s exceeds max_queue_wait_s={limit:g}; retry later",
                                        self.retry_after_s(demand)))
+
+
+def _under_share(adm: Admission, demand: Demand, cap: int) -> bool:
+    """``FairHeadroom.under_share`` of ``demand`` against ``adm``'s grants, queue and shares now."""
+    return adm.headroom.under_share(demand.key, demand.slots, cap, adm._granted, adm._queues.keys(), adm.shares,
+                                    adm.clock())
 
 
 def default_inflight_per_worker(max_running_requests: int) -> int:

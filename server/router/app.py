@@ -107,7 +107,8 @@ def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
     ``default_inflight_per_worker(max_running_requests)``: the batch plus a small margin)
     forwarding slots per ready worker that streams tokens (decode or colocated), the API keys'
     shares, and ``fair_headroom_per_worker`` slots per such worker kept for keys under their share
-    (default ``default_fair_headroom``)."""
+    (default ``default_fair_headroom``); in PD mode with ``fair_preemption`` a key under its share
+    is granted past the bound (its decode worker preempts for it)."""
     server, running = cfg.server, cfg.scheduler.max_running_requests
     per_worker = server.max_inflight_per_worker or default_inflight_per_worker(running)
     per_worker_headroom = server.fair_headroom_per_worker
@@ -121,7 +122,8 @@ def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
     limits = AdmissionLimits(server.max_queued_requests, server.max_queued_tokens, server.max_queue_wait_s)
     return Admission(limits, lambda: per_worker * streaming_workers(),
                      shares={k.name: k.share for k in parse_api_keys(server.api_key)},
-                     headroom=FairHeadroom(lambda: per_worker_headroom * streaming_workers()))
+                     headroom=FairHeadroom(lambda: per_worker_headroom * streaming_workers(),
+                                           preempt=server.fair_preemption and cfg.cluster.mode == "pd"))
 
 
 async def _pump(ctx: RouterContext) -> None:

@@ -39,6 +39,8 @@ WORKER_COUNTERS = {
     "prompt_tokens": ("pdserve_prompt_tokens", "Prompt tokens of requests accepted by the worker"),
     "generation_tokens": ("pdserve_generation_tokens", "Tokens generated (sampled) by the worker"),
     "retractions": ("pdserve_retractions", "Requests retracted under KV memory pressure"),
+    "preemptions": ("pdserve_preemptions", "Running requests retracted to start a request of an API key under its "
+                                           "share (PD decode workers, fair_preemption)"),
     "retracted_input_tokens": ("pdserve_retracted_input_tokens", "Prompt tokens of retracted requests"),
     "retracted_output_tokens": ("pdserve_retracted_output_tokens", "Output tokens of retracted requests"),
     "oom_aborts": ("pdserve_oom_aborts", "Requests aborted because even alone they could not fit the KV pool"),

@@ -213,6 +213,8 @@ async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceR
         grant = await admit(ctx, request, demand_of(request, runs, priority))
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
+    for r in runs:  # a PD decode worker with a full batch retracts an over-share key's request for it
+        r.session.preempt = grant.preempt
     streaming = ok = False
     try:
         response = await _serve(ctx, request, runs, stream, fmt, grant, usage_every_chunk)

@@ -64,6 +64,7 @@ class GenerationSession:
         self.timeout_s = timeout_s
         self.arrival = time.monotonic() if arrival is None else arrival
         self.route: Route | None = None
+        self.preempt = False  # the admission grant's mark (``Grant.preempt``), sent to the decode worker
         self.inflight: Inflight | None = None
         self.finished = self.closed = False
         self.n_tokens = 0
@@ -99,7 +100,7 @@ class GenerationSession:
         cost = len(self.prompt_ids) + self.params.max_new_tokens
         self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
                                         self.route.stream_from.worker_id, cost, prefill=self.route.prefill)
-        send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params)
+        send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params, self.preempt)
 
     async def next(self) -> TokenDelta:
         """The next delta. Raises ``APIError`` on a worker error or timeout (already closed then)."""

@@ -86,10 +86,10 @@ class WorkerClient:
         await self.start()
 
     def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int | None = None,
-                 prefill_addr: str | None = None) -> None:
-        """Send a ``GenerateRequest`` (PD decode workers also get ``room`` and the prefill worker's
-        address); raises ``WorkerUnavailable`` if it cannot be queued."""
-        self._send(GenerateRequest(rid=rid, params=params, room=room, prefill_addr=prefill_addr),
+                 prefill_addr: str | None = None, preempt: bool = False) -> None:
+        """Send a ``GenerateRequest`` (PD decode workers also get ``room``, the prefill worker's
+        address and ``preempt``); raises ``WorkerUnavailable`` if it cannot be queued."""
+        self._send(GenerateRequest(rid=rid, params=params, room=room, prefill_addr=prefill_addr, preempt=preempt),
                    ids_frame(prompt_ids))
 
     def prefill(self, rid: str, room: int, prompt_ids: list[int], params: SamplingParams, decode_worker: str) -> None:

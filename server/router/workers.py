@@ -131,19 +131,19 @@ def pinned_pd(decode_id: str) -> Policy:
 ROUTING_POLICIES: dict[str, Policy] = {"colocated": route_colocated, "pd": route_pd}
 
 
-def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], params) -> None:
+def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], params, preempt: bool = False) -> None:
     """Send one request to every worker of ``route`` in the message its role takes.
 
     Colocated: ``GenerateRequest``. PD: the prefill worker gets a ``PrefillRequest`` naming the
     decode worker by the id it reports (the one its KV handshake carries); the decode worker gets a
-    ``GenerateRequest`` with ``room`` and the prefill worker's control address (it asks that worker
-    for the KV). Raises ``WorkerUnavailable``.
+    ``GenerateRequest`` with ``room``, the prefill worker's control address (it asks that worker
+    for the KV) and ``preempt`` (``Grant.preempt``). Raises ``WorkerUnavailable``.
     """
     prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
     for h in route.targets:
         if h.spec.role == Role.PREFILL:
             h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
         elif h.spec.role == Role.DECODE:
-            h.client.generate(rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr)
+            h.client.generate(rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr, preempt=preempt)
         else:
             h.client.generate(rid, prompt_ids, params)

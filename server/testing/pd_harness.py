@@ -58,10 +58,10 @@ class PDHarness:
                 self.to_decode.append((m.msg, list(m.frames)))
         return out.deltas if out else []
 
-    def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams, preempt: bool = False) -> None:
         room = next(self.room)
-        self.deliver(self.decode.add(ROUTER, GenerateRequest(rid=rid, params=params, room=room,
-                                                             prefill_addr=PREFILL_ADDR), prompt), True)
+        self.deliver(self.decode.add(ROUTER, GenerateRequest(rid=rid, params=params, room=room, prefill_addr=PREFILL_ADDR,
+                                                             preempt=preempt), prompt), True)
         msg = PrefillRequest(rid=rid, room=room, params=params, decode_worker="d0")
         self.router_inbox += self.deliver(self.prefill.handle(Conn(ROUTER), msg, [ids_frame(prompt)]), False)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -27,6 +28,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_base_port(count: int) -> int:
+    """A ``--base-port`` whose ``count`` consecutive ports could all be bound on 127.0.0.1 a moment
+    ago, below Linux's ephemeral range (32768 on): ``free_port()`` + 1 and + 2 may be the next
+    ``free_port()`` another part of the same test takes (an etcd peer port, a router), and
+    outgoing connections draw their source ports from that range too (a chaos run once failed so)."""
+    from server.launch.ports import suggest_base_port
+
+    for _ in range(20):
+        base = suggest_base_port("127.0.0.1", count, random.randrange(20000, 32000 - count))
+        if base is not None and base + count <= 32768:
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found below 32768 on 127.0.0.1")
 
 
 class LaunchedServer:

@@ -24,7 +24,8 @@ import httpx
 
 from stream_client import Outcome, stream_one
 from transfer.cluster_key import ClusterKey, write_key_file
-from server.testing.subprocess_server import REPO_ROOT, LaunchedServer, free_port, metric_sum, scrape_metrics, wait_idle
+from server.testing.subprocess_server import (REPO_ROOT, LaunchedServer, free_base_port, free_port, metric_sum,
+                                              scrape_metrics, wait_idle)
 
 HEARTBEAT_S = 0.2
 
@@ -86,7 +87,7 @@ class Cluster:
         write_key_file(key, ClusterKey.generate())
         common = ["--model", str(model_dir), "--health-interval-s", str(HEARTBEAT_S), "--cluster-id",
                   f"chaos-{os.getpid()}", "--cluster-key", str(key), "--log-level", "WARNING", *args]
-        base = free_port()
+        base = free_base_port(prefill + decode)
         ports = range(base, base + prefill + decode)
         self.external = ExternalDecode(common + external, ports) if external is not None else None
         remote = ["--worker", f"decode={self.external.worker_id}={self.external.addr}"] if self.external else []

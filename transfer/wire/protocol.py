@@ -31,13 +31,16 @@ class GenerateRequest(Message):
     """Start a request. Frame 0: prompt token ids (int32).
 
     PD mode (sent to a decode worker): ``room`` identifies the KV transfer and ``prefill_addr``
-    is the control address of the prefill worker that computes the prompt.
+    is the control address of the prefill worker that computes the prompt. ``preempt``: the
+    router granted it to an API key under its share while another key is over its own; a PD decode
+    worker whose batch is full retracts a running request without the flag to start it at once.
     """
 
     rid: str
     params: SamplingParams
     room: int | None = None
     prefill_addr: str | None = None
+    preempt: bool = False
     n_frames: ClassVar[int] = 1
 
 
