@@ -33,10 +33,13 @@ def places_left(sched) -> int:
 def preempt_for_waiting(sched) -> None:
     """Retract ``sched``'s newest running requests without ``preempt``, one per preempting job whose
     prefill worker is ready, whose pages fit, and that finds no place in the batch (module docstring)."""
+    prealloc = sched.transfers.prealloc
+    if not prealloc or not prealloc[0].preempt:  # they stand first: none waits (every step without preemption)
+        return
     ratio, budget = sched.running.ratio.value, sched.budget
     room = budget.headroom(admitted(sched.running, sched.transfers, sched.local), ratio)
     waiting = 0
-    for job in sched.transfers.prealloc:
+    for job in prealloc:
         if not job.preempt:
             break
         if not ((p := sched.peers.get(job.prefill_addr)) and p.ready):
