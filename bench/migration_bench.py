@@ -18,13 +18,20 @@ The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv
    then), and the descriptors left after merging runs adjacent on both sides; ``--trace`` prints
    every write. Goal: migration within 1.5x of the local resume. Median and min over ``--reps``.
 2. ``serve``: ``pdserve launch --mode pd --decode 2 --route-decode decode-0`` (every request on
-   one decode worker, whose small pool makes it retract) run twice on the same prompts: without
-   and with ``--migrate-after`` (plus ``--migrate-on-retract`` when given: live migration for
-   balance, a request is offered the moment it is retracted). Per run: failed requests, retractions and migrations (from
+   one decode worker, whose small pool makes it retract: 32 streamed essay prompts of 128 greedy
+   tokens each, 10 pages apiece at the end, into 64-page pools, admitted at a
+   ``new_token_ratio`` of 0.05) run twice on the same prompts: without and with
+   ``--migrate-after`` (plus ``--migrate-on-retract`` when given: live migration for balance, a
+   request is offered the moment it is retracted). Each decode worker is pinned to its own half of
+   the cores (``--decode-cores split``, the default: a device each, which is what migration is
+   for; ``shared`` lets both use every core, where moving work to the idle one adds no compute).
+   One untimed warm-up request first. Per run: failed requests, retractions and migrations (from
    ``/metrics``), and the end-to-end P50/P99 latency of the retracted requests. A request counts
    as retracted when the longest gap between two of its streamed tokens exceeds ``--gap-factor``
    times the run's median inter-token gap (a parked request's stream stops while it waits).
    Goal: P99 with migration <= 0.5x without; 0 failed; tokens equal across the runs (greedy).
+   Bound: the burst's demand is ~2.5x both pools, so a second decode worker at best halves the
+   makespan, which the retracted requests' P99 follows: ~0.5x is the ceiling, not a margin.
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -46,10 +55,11 @@ from configs.schema import ClusterConfig
 #: The decode worker's default ``--migration-copy-threads`` (what its NIXL migration transport uses).
 DEFAULT_COPY = ClusterConfig.model_fields["migration_copy_threads"].default
 
-QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
-             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
-             "What causes tides?", "Why do leaves change color?"]
-SHARED = "You are a helpful assistant. Answer in one short paragraph. Question: "
+# Essay prompts: greedy SmolLM2 writes 256+ tokens for each without an EOS, so every request runs to
+# ``--max-tokens`` and the decode pool really fills (short answers end after 6-40 tokens: no pressure).
+QUESTIONS = ["why the sky is blue", "who built the pyramids", "photosynthesis", "Mount Everest",
+             "the fall of the Roman Empire", "how volcanoes form", "what causes tides", "why leaves change color"]
+SHARED = "Write a long, detailed essay of at least ten paragraphs. Topic: "
 
 
 # ---- 1. KV: migration write vs local resume ------------------------------------------------------
@@ -181,6 +191,21 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
             "gaps": gaps}
 
 
+def _cpus(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def split_decode_cpus(n: int) -> list[str]:
+    """``--worker-cpus`` giving each decode worker its own half of the host's ``n`` cores (the
+    prefill worker all of them): each decode worker then stands for a device of its own, which is
+    what migration is for. Unpinned, both decode workers share every core, and moving work to the
+    idle one adds no compute. Nothing on a one-core host."""
+    if n < 2:
+        return []
+    half = n // 2
+    return ["--worker-cpus", f"prefill-0={_cpus(0, n - 1)},decode-0={_cpus(0, half - 1)},decode-1={_cpus(half, n - 1)}"]
+
+
 def _serve_run(args, migrate: bool) -> dict:
     import openai
 
@@ -189,15 +214,19 @@ def _serve_run(args, migrate: bool) -> dict:
     flags = ["--mode", "pd", "--decode", "2", "--port", "0", "--route-decode", "decode-0", "--transfer-backend",
              args.backend, "--kv-pool-tokens", str(args.pool_tokens), "--page-size", "16", "--max-model-len", "2048",
              "--init-new-token-ratio", "0.05", "--health-interval-s", "0.5", "--log-level", "WARNING"]
+    if args.step_delay_s:
+        flags += ["--test-step-delay-s", str(args.step_delay_s)]
+    flags += (split_decode_cpus(os.cpu_count() or 1) if args.decode_cores == "split" else []) + shlex.split(args.server_args)
     if migrate:
         flags += ["--migrate-after", args.migrate_after] + (["--migrate-on-retract"] if args.migrate_on_retract else [])
-    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(args.requests)]
+    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + "." + " " * (i // len(QUESTIONS)) for i in range(args.requests)]
     with LaunchedServer(flags) as srv:
         model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
 
         async def run_all():
             c = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=1200)
             try:
+                await _one(c, model, "Hello", 4)  # warm-up (first forward, first KV connection): not timed
                 return await asyncio.gather(*(_one(c, model, p, args.max_tokens) for p in prompts))
             finally:
                 await c.close()
@@ -235,13 +264,20 @@ def main(argv: list[str] | None = None) -> None:
                          "list (0,2) measures each, interleaved in one run, the last one is the headline")
     ap.add_argument("--trace", action="store_true", help="kv: print every write's phases to stderr")
     ap.add_argument("--requests", type=int, default=32, help="serve: concurrent streamed requests")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
     ap.add_argument("--gap-factor", type=float, default=5.0, help="serve: a retracted request's longest token gap "
                                                                   "exceeds this x the median gap")
     ap.add_argument("--migrate-on-retract", action="store_true",
                     help="serve: the run with migration also offers a request the moment it is retracted")
+    ap.add_argument("--step-delay-s", type=float, default=0.0,
+                    help="serve: every worker sleeps this long after each step (--test-step-delay-s): model-like "
+                         "steps whose time does not come out of the host's shared cores")
+    ap.add_argument("--decode-cores", choices=("split", "shared"), default="split",
+                    help="serve: split: each decode worker pinned to its own half of the cores (a device each); "
+                         "shared: every worker on every core")
+    ap.add_argument("--server-args", default="", help="serve: more pdserve launch flags for both runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = {}

@@ -30,7 +30,10 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
                          migration_bytes=ms.out_bytes)
     in_flight = [*s.running, *(j.req for j in s.transfers.inflight.values())]
     # what a migrated request could get here now (admission's view): the router's pre-check
-    base.gauges["migration_room_pages"] = (0 if s.retract.queue or s.transfers.prealloc else
+    # (none while it parks requests, has some waiting or offers its own to a peer: it is under
+    # pressure itself, and two workers would swap their parked requests)
+    offering = s.migration is not None and bool(s.migration.offered)
+    base.gauges["migration_room_pages"] = (0 if s.retract.queue or s.transfers.prealloc or offering else
                                            max(0, s.budget.headroom(in_flight, s.running.ratio.value).full))
     base.histograms["migration_seconds"] = s.migration.seconds if s.migration is not None else Histogram(MIGRATION_BUCKETS)
     base.histograms.update(retract_offload_seconds=s.retract.offload_seconds,

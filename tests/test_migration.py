@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.router.inflight import InflightTable
 from server.router.metrics import WorkerCollector
-from server.router.migration import pick_target
+from server.router.migration import Migrations, pick_target
 from server.router.workers import READY, WorkerHandle, WorkerSpec
 from server.worker.loop import worker_stats
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox
-from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.protocol import MigrationOffer, TokenDelta, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
@@ -95,6 +95,38 @@ def test_pick_target_needs_room_model_and_page_size():
     assert pick_target([src, *peers], src, 8).worker_id == "d3"  # the most room among the compatible
     assert pick_target([src, *peers], src, 51) is None  # no compatible peer reports that much room
     assert pick_target([src], src, 1) is None  # never itself
+
+
+class _Client:
+    def __init__(self):
+        self.sent = []
+
+    def migrate(self, rid, *a):
+        self.sent.append(("migrate", rid))
+
+    def decline_migration(self, rid, why):
+        self.sent.append(("declined", rid))
+
+
+def test_offers_between_reports_share_the_reported_room():
+    """A report is up to a heartbeat old: offers granted since it count against its room, and a
+    new report starts afresh (a burst of offers once all went to one peer and overfilled it)."""
+    src, dst = _handle("d1", 0), _handle("d2", 50)
+    src.client, dst.client = _Client(), _Client()
+    table = InflightTable()
+    moves = Migrations({"d1": src, "d2": dst}, table, iter(range(100)).__next__)
+    params = SamplingParams(max_new_tokens=8)
+    for rid in ("a", "b", "c"):
+        table.open(rid, ("p0", "d1"), "d1", 10)
+    offer = lambda rid: moves.on_offer("d1", MigrationOffer(rid=rid, n_tokens=40, pages=30, prompt_len=8,
+                                                             params=params), [1] * 40)
+    offer("a")
+    offer("b")  # 50 - 30 left: declined
+    assert dst.client.sent == [("migrate", "a")] and src.client.sent == [("declined", "b")]
+    dst.stats = dst.stats.model_copy()  # the next report (its own view of the room: 50 again)
+    offer("c")
+    assert dst.client.sent == [("migrate", "a"), ("migrate", "c")]
+    assert moves.granted_since_report(dst) == 30
 
 
 def test_repoint_keeps_source_dependency_until_the_target_streams():
@@ -189,6 +221,23 @@ def test_no_peer_room_declines_and_resumes_locally(harness, tiny):
     ms = h.d1.migration_stats
     assert ms.out_declined > 0 and ms.out_done == 0 and h.d2.migration_stats.in_done == 0
     assert h.d1.retract.stats.resumed > 0
+
+
+def test_a_worker_offering_its_own_requests_reports_no_room(harness):
+    """While d1 offers parked requests it is under pressure itself: it reports no room for
+    migrations in (two full workers would swap their parked requests), and room again after."""
+    h = harness()
+    for i, p in enumerate(prompts(SKEW["n"], SKEW["lo"], SKEW["hi"], SKEW["seed"])):
+        h.submit(f"r{i}", p, GREEDY, decode="d1")
+    offering_seen = 0
+    while h.busy:
+        h.step()
+        room = worker_stats(h.d1, "d1", "i", "m").gauges["migration_room_pages"]
+        if h.d1.migration.offered:
+            offering_seen += 1
+            assert room == 0
+    assert offering_seen > 0
+    assert worker_stats(h.d1, "d1", "i", "m").gauges["migration_room_pages"] > 0
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@
 
 - ``MigrationOffer`` from decode worker S: ``pick_target`` chooses the ready decode worker, other
   than S, of S's model and page size whose latest report has the most ``migration_room_pages``
-  (room after the running batch's reservation, nothing waiting there) and at least the offer's
-  ``pages``. The request's in-flight entry then streams from the target T (``workers`` gains T;
+  (room after the running batch's reservation, nothing waiting, parked or offered there), less
+  the pages of offers sent its way since that report, and at least the offer's ``pages``. The request's in-flight entry then streams from the target T (``workers`` gains T;
   its death does not fail the request until T sent a token) and T gets a ``MigrateRequest``
   (a fresh room). No peer (or no entry): S gets ``MigrationDeclined`` and resumes locally.
 - S stops producing tokens for the request when it offers it and T starts only once the KV
@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from server.router.inflight import InflightTable
 from server.router.worker_client import WorkerUnavailable
@@ -30,9 +30,11 @@ from transfer.wire.protocol import MigrationEnded, MigrationOffer
 log = logging.getLogger(__name__)
 
 
-def pick_target(handles: Iterable[WorkerHandle], source: WorkerHandle, pages: int) -> WorkerHandle | None:
+def pick_target(handles: Iterable[WorkerHandle], source: WorkerHandle, pages: int,
+                granted: Callable[[WorkerHandle], int] = lambda h: 0) -> WorkerHandle | None:
     """The ready decode worker other than ``source``, of its model and page size, with the most
-    reported ``migration_room_pages`` and at least ``pages`` of it; None if there is none."""
+    reported ``migration_room_pages`` less ``granted(h)`` (pages of offers sent its way since that
+    report) and at least ``pages`` of it; None if there is none."""
     best, best_room = None, -1.0
     src = source.stats
     for h in handles:
@@ -40,7 +42,7 @@ def pick_target(handles: Iterable[WorkerHandle], source: WorkerHandle, pages: in
             continue
         if h.stats.model != src.model or h.stats.page_size != src.page_size:
             continue
-        room = h.stats.gauges.get("migration_room_pages", 0.0)
+        room = h.stats.gauges.get("migration_room_pages", 0.0) - granted(h)
         if room >= pages and room > best_room:
             best, best_room = h, room
     return best
@@ -53,6 +55,14 @@ class Migrations:
     def __init__(self, handles: Mapping[str, WorkerHandle], table: InflightTable, next_room) -> None:
         self.handles, self.table, self.next_room = handles, table, next_room
         self.moving: dict[str, tuple[str, str]] = {}  # rid -> (source, target) while a migration is under way
+        # worker -> (the report it was granted against, pages granted since): a report is up to a
+        # heartbeat old, and offers of one burst must not all count on the same room
+        self.granted: dict[str, tuple[object, int]] = {}
+
+    def granted_since_report(self, h: WorkerHandle) -> int:
+        """Pages of offers sent to ``h`` since its latest report (0 once a new report came)."""
+        report, pages = self.granted.get(h.worker_id, (None, 0))
+        return pages if report is h.stats else 0
 
     def attach(self, h: WorkerHandle) -> None:
         """Route ``h``'s migration messages here (clients without the hook are left alone)."""
@@ -72,12 +82,13 @@ class Migrations:
         entry = self.table.entry(offer.rid)
         target = None
         if source is not None and entry is not None and entry.stream_from == source_id:
-            target = pick_target(self.handles.values(), source, offer.pages)
+            target = pick_target(self.handles.values(), source, offer.pages, self.granted_since_report)
         if target is None:
             why = "no peer decode worker has room" if entry is not None else "the router has no such request"
             self._decline(source_id, offer.rid, why)
             return
         self.table.repoint(offer.rid, target.worker_id)
+        self.granted[target.worker_id] = (target.stats, self.granted_since_report(target) + offer.pages)
         self.moving[offer.rid] = (source_id, target.worker_id)
         log.info("migrating %s from %s to %s (%d tokens)", offer.rid, source_id, target.worker_id, offer.n_tokens)
         try:
