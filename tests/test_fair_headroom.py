@@ -65,10 +65,10 @@ async def test_headroom_never_blocks_an_idle_router_or_a_key_under_its_share():
 
 
 @sync
-async def test_grants_within_a_keys_share_are_marked_preempt():
+async def test_grants_that_leave_a_key_below_another_are_marked_preempt():
     """``Grant.preempt`` (with ``FairHeadroom.preempt``): set while another key is active and the
-    grant keeps its key within its share (capacity x share / active shares), never with one key
-    alone, never without ``preempt``."""
+    grant leaves its key below it per unit of share, never with one key alone, never without
+    ``preempt``; within its own share is not enough."""
     off, _, _ = make(capacity=4)
     off.try_grant(demand("a"))
     assert not off.try_grant(demand("b")).preempt
@@ -76,12 +76,13 @@ async def test_grants_within_a_keys_share_are_marked_preempt():
     alone = [adm.try_grant(demand("a")) for _ in range(2)]
     assert [g.preempt for g in alone] == [False, False]  # one active key: nothing to protect
     b = adm.try_grant(demand("b"))
-    assert b.preempt  # b's share of 4 is 3: 1 <= 3
+    assert b.preempt  # 1 slot per 3 of share against a's 2 per 1
     for g in alone:
         adm.release(g)
     a = adm.try_grant(demand("a"))
-    assert a.preempt  # a's share is 1 (1 of 1 + 3): within it
-    assert not adm.try_grant(demand("a")).preempt  # a second one takes a past its share
+    assert not a.preempt  # within a's share of 1, but 1 per 1 is not below b's 1 per 3
+    b2 = adm.try_grant(demand("b"))
+    assert b2.preempt  # 2 per 3 < a's 1 per 1
 
 
 @sync

@@ -33,8 +33,7 @@ Headroom for keys under their share (:class:`~server.router.fair_headroom.FairHe
 two or more keys are active, a key already holding its share of the slots may not take the last
 few, so a key under its share starts at once instead of waiting for a heavy key's request to
 finish; with one active key every slot is used (work-conserving). With ``FairHeadroom.preempt`` (PD),
-a grant that keeps its key within its share while another key is active
-(``FairHeadroom.under_share``) is made even when every slot is taken and is marked ``Grant.preempt``
+a grant that leaves its key below another active key (``FairHeadroom.under_share``) is made even when every slot is taken and is marked ``Grant.preempt``
 (a PD decode worker with a full batch retracts a request without the mark to start it).
 
 Shedding order (who is refused first when the queue is full): the key with the most queued
@@ -93,8 +92,8 @@ class Refused(Exception):
 @dataclass
 class Grant:
     """A granted request: what it asked for, how long it waited in the queue (seconds) and whether
-    it kept its key within its share while another key was active (``preempt``: it may displace a
-    running request of an over-share key)."""
+    it left its key below another active key (``preempt``: it may displace a running request
+    without the mark)."""
 
     demand: Demand
     waited_s: float

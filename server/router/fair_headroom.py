@@ -7,11 +7,14 @@ its share of the forwarding slots (capacity x its share / the active keys' share
 its share then finds a free place in a worker's batch and starts at once instead of waiting for a
 heavy key's request to finish. With one active key nothing is kept back (work-conserving).
 
-``under_share``: whether, while another key is active, a grant keeps a key within its share of
-the slots, or leaves it below another active key, in slots held or in service lately (``served``:
-work granted per second over the last seconds, below ``SERVICE_GAP`` times the other's), both per
-unit of share: a light key whose requests last long needs more than its share of the slots for
-less than its share of the service, and gets them. Service counts at the grant, not at the finish:
+``under_share``: whether, while another key is active, a grant leaves a key below another active
+key, in slots held or in service lately (``served``: work granted per second over the last
+seconds, below ``SERVICE_GAP`` times the other's), both per unit of share: a light key whose
+requests last long needs more than its share of the slots for less than its share of the service,
+and gets them. Being within its own share is not enough: while a heavy key ramps up its grants are
+within its share too, and marked they filled a decode batch with requests nobody could preempt and
+stood in the decode worker's queue before the light key's (seen: 150-400 ms of the light key's
+TTFT in the first seconds of a heavy burst). Service counts at the grant, not at the finish:
 a heavy key that has just arrived and filled the slots has finished nothing yet, and counted by
 finishes it would look starved, go past the slots and displace the light key's requests (seen);
 slots held cover the seconds in which a heavy key's service is still ramping up.
@@ -72,16 +75,13 @@ class FairHeadroom:
 
     def under_share(self, key: str, slots: int, capacity: int, granted: Mapping[str, int], queued: Collection[str],
                     shares: Mapping[str, float], now: float) -> bool:
-        """True when another key is active and a grant of ``slots`` to ``key`` keeps it within its
-        share of ``capacity``, or below another active key per unit of share: in slots held after
-        the grant, or in ``served`` (work granted lately, tokens per second; ``granted`` records it)
-        below ``SERVICE_GAP`` times the other's; arguments as ``kept_from``."""
-        share = self._share(key, capacity, granted, queued, shares, now)
-        if share is None:
+        """True when another key is active and a grant of ``slots`` to ``key`` leaves it below another
+        active key per unit of share: in slots held after the grant, or in ``served`` (work granted
+        lately, tokens per second; ``granted`` records it) below ``SERVICE_GAP`` times the other's;
+        arguments as ``kept_from``."""
+        if self._share(key, capacity, granted, queued, shares, now) is None:
             return False
         held = granted.get(key, 0) + slots
-        if held <= share:
-            return True
         mine, w = self.served(key, now) / shares[key], shares[key]
         return any(held / w < granted.get(k, 0) / shares[k] or mine < SERVICE_GAP * self.served(k, now) / shares[k]
                    for k in self._active(granted, queued, now) - {key})
