@@ -25,7 +25,8 @@ The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv
    request is offered the moment it is retracted). Each decode worker is pinned to its own half of
    the cores (``--decode-cores split``, the default: a device each, which is what migration is
    for; ``shared`` lets both use every core, where moving work to the idle one adds no compute).
-   One untimed warm-up request first. Per run: failed requests, retractions and migrations (from
+   ``--rate R`` sends them as Poisson arrivals at R per second instead (the same schedule in both
+   runs): a sustained skewed load. One untimed warm-up request first. Per run: failed requests, retractions and migrations (from
    ``/metrics``), and the end-to-end P50/P99 latency of the retracted requests. A request counts
    as retracted when the longest gap between two of its streamed tokens exceeds ``--gap-factor``
    times the run's median inter-token gap (a parked request's stream stops while it waits).
@@ -40,6 +41,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import random
 import shlex
 import statistics
 import sys
@@ -206,6 +208,15 @@ def split_decode_cpus(n: int) -> list[str]:
     return ["--worker-cpus", f"prefill-0={_cpus(0, n - 1)},decode-0={_cpus(0, half - 1)},decode-1={_cpus(half, n - 1)}"]
 
 
+def arrival_gaps(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds to wait before each of ``n`` requests: all 0 (one burst) for ``rate`` 0, else
+    Poisson arrivals at ``rate`` per second, the same schedule for every run (seeded)."""
+    if rate <= 0:
+        return [0.0] * n
+    rng = random.Random(seed)
+    return [rng.expovariate(rate) for _ in range(n)]
+
+
 def _serve_run(args, migrate: bool) -> dict:
     import openai
 
@@ -227,7 +238,11 @@ def _serve_run(args, migrate: bool) -> dict:
             c = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=1200)
             try:
                 await _one(c, model, "Hello", 4)  # warm-up (first forward, first KV connection): not timed
-                return await asyncio.gather(*(_one(c, model, p, args.max_tokens) for p in prompts))
+                tasks = []
+                for p, delay in zip(prompts, arrival_gaps(len(prompts), args.rate)):
+                    await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(_one(c, model, p, args.max_tokens)))
+                return await asyncio.gather(*tasks)
             finally:
                 await c.close()
 
@@ -263,7 +278,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="kv, NIXL: the migration transport's copy threads (--migration-copy-threads); a comma "
                          "list (0,2) measures each, interleaved in one run, the last one is the headline")
     ap.add_argument("--trace", action="store_true", help="kv: print every write's phases to stderr")
-    ap.add_argument("--requests", type=int, default=32, help="serve: concurrent streamed requests")
+    ap.add_argument("--requests", type=int, default=32, help="serve: streamed requests")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="serve: Poisson arrivals at this many requests/s (the same schedule in both runs); "
+                         "0 = all at once (one burst)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")

@@ -57,6 +57,10 @@ QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosy
              "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
              "What causes tides?", "Why do leaves change color?"]
 
+ESSAY = "Write a long, detailed essay of at least ten paragraphs. Topic: "
+TOPICS = ["why the sky is blue", "who built the pyramids", "photosynthesis", "Mount Everest",
+          "the fall of the Roman Empire", "how volcanoes form", "what causes tides", "why leaves change color"]
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
@@ -154,8 +158,10 @@ def test_scaling_decode_to_two_is_seen_by_both_routers_without_an_edit(stack):
 def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedded):
     tok = embedded[2]
     rng = random.Random(3)
-    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)) for i in range(16)]
-    lengths = [rng.choice([48, 64, 80]) for _ in prompts]  # ~800 tokens per decode pool of 384
+    # essays run to max_tokens (the short answers above end at an EOS after 6-40 tokens, and spread
+    # over the scale test's two decode workers they once stayed under both pools: 0 retractions)
+    prompts = [ESSAY + TOPICS[i % len(TOPICS)] + "." + " " * (i // len(TOPICS)) for i in range(16)]
+    lengths = [rng.choice([64, 80, 96]) for _ in prompts]  # ~1,600 tokens into two decode pools of 384
     refs = references(colocated, tok, prompts, lengths)
     before = metric_sum(wait_idle(stack.url, 0.5), "pdserve_retractions_total")
 
