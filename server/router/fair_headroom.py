@@ -79,12 +79,11 @@ class FairHeadroom:
         active key per unit of share: in slots held after the grant, or in ``served`` (work granted
         lately, tokens per second; ``granted`` records it) below ``SERVICE_GAP`` times the other's;
         arguments as ``kept_from``."""
-        if self._share(key, capacity, granted, queued, shares, now) is None:
-            return False
+        others = self._active(granted, queued, now) - {key}  # empty: no other key active
         held = granted.get(key, 0) + slots
         mine, w = self.served(key, now) / shares[key], shares[key]
         return any(held / w < granted.get(k, 0) / shares[k] or mine < SERVICE_GAP * self.served(k, now) / shares[k]
-                   for k in self._active(granted, queued, now) - {key})
+                   for k in others)
 
     def _share(self, key: str, capacity: int, granted: Mapping[str, int], queued: Collection[str],
                shares: Mapping[str, float], now: float) -> float | None:
