@@ -2,7 +2,7 @@
 measured in one run.
 
 ``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
-[--migrate-on-retract] [--json]``
+[--migrate-on-retract] [--migrate-queued] [--json]``
 
 The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv: ...``).
 
@@ -13,7 +13,9 @@ The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv
    this process). Both destination pools are allocated as a decode worker's KV pool is
    (``cache.pool_memory.zeroed``, transparent huge pages where the host allows). NIXL uses the
    migration transport's ``--migration-copy-threads`` (``--copy-threads``; a list measures each,
-   interleaved). Per variant: the time inside ``write_pages`` (NIXL without copy threads: the
+   interleaved); ucxx, whose target pulls the pages, uses the same list as the target's copy lanes
+   (the decode worker's ``--ucxx-copy-lanes``: that many UCX workers, each on its own thread, pull
+   the pages in parallel; ``transfer/ucxx_lanes.py``). Per variant: the time inside ``write_pages`` (NIXL without copy threads: the
    whole CMA copy happens there), from its return to ``done`` (ucxx: the target pulls the pages
    then), and the descriptors left after merging runs adjacent on both sides; ``--trace`` prints
    every write. Goal: migration within 1.5x of the local resume. Median and min over ``--reps``.
@@ -21,7 +23,8 @@ The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv
    one decode worker, whose small pool makes it retract: 32 streamed essay prompts of 128 greedy
    tokens each, 10 pages apiece at the end, into 64-page pools, admitted at a
    ``new_token_ratio`` of 0.05) run twice on the same prompts: without and with
-   ``--migrate-after`` (plus ``--migrate-on-retract`` when given: live migration for balance, a
+   ``--migrate-after`` (plus ``--migrate-queued`` when given: requests waiting for pages move before
+   their prefill; plus ``--migrate-on-retract`` when given: live migration for balance, a
    request is offered the moment it is retracted). Each decode worker is pinned to its own half of
    the cores (``--decode-cores split``, the default: a device each, which is what migration is
    for; ``shared`` lets both use every core, where moving work to the idle one adds no compute).
@@ -56,6 +59,8 @@ from configs.schema import ClusterConfig
 
 #: The decode worker's default ``--migration-copy-threads`` (what its NIXL migration transport uses).
 DEFAULT_COPY = ClusterConfig.model_fields["migration_copy_threads"].default
+#: The decode worker's default ``--ucxx-copy-lanes`` (its ucxx transport's receiving lanes).
+DEFAULT_LANES = ClusterConfig.model_fields["ucxx_copy_lanes"].default
 
 # Essay prompts: greedy SmolLM2 writes 256+ tokens for each without an EOS, so every request runs to
 # ``--max-tokens`` and the decode pool really fills (short answers end after 6-40 tokens: no pressure).
@@ -72,7 +77,8 @@ def _runs(src: list[int], dst: list[int]) -> int:
 
 class _Migrator:
     """One transport variant: a decode-side process (its pool allocated as a decode worker's) and
-    this process's transport over the shared host pool."""
+    this process's transport over the shared host pool. ``copy_threads``: NIXL's copy threads on
+    this (the writing) side, or ucxx's copy lanes on the decode side (its target pulls)."""
 
     def __init__(self, backend: str, copy_threads: int, host: HostKVPool, num_pages: int) -> None:
         from transfer.factory import create_transport
@@ -80,11 +86,14 @@ class _Migrator:
         kind, opts = VARIANTS[backend]
         if kind == "nixl":
             opts = {**opts, "copy_threads": copy_threads}
-        self.label = f"{backend}" + (f" copy_threads={copy_threads}" if kind == "nixl" else "")
-        self.copy_threads = copy_threads if kind == "nixl" else None
+            target_opts = opts
+        else:
+            target_opts = {**opts, "copy_lanes": copy_threads}
+        self.label = f"{backend} " + ("copy_threads" if kind == "nixl" else "copy_lanes") + f"={copy_threads}"
+        self.kind, self.copy_threads = kind, copy_threads
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_side, args=(child, num_pages, kind, opts, True), daemon=True)
+        self.proc = ctx.Process(target=_decode_side, args=(child, num_pages, kind, target_opts, True), daemon=True)
         self.proc.start()
         self.t = None
         if not self.conn.poll(60):
@@ -123,7 +132,7 @@ class _Migrator:
 
 def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: tuple[int, ...] = (DEFAULT_COPY,),
             trace: bool = False) -> dict:
-    """Every variant (one per ``copy_threads`` value for NIXL) and the local resume, interleaved per
+    """Every variant (one per ``copy_threads`` value: NIXL copy threads, ucxx copy lanes) and the local resume, interleaved per
     rep on the same host pages; the headline (``migrate_ms_*``, ``ratio``) is the last variant."""
     from cache.host_pool import HostKV
     from cache.pool_memory import zeroed
@@ -133,7 +142,7 @@ def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: t
     host = HostKVPool(2 * n, pool_shape(1)[1:], torch.float32, pinned=torch.cuda.is_available())
     fill_pages(host.buffer.view(pool_shape(2 * n)))
     device = zeroed(pool_shape(4 * n), torch.float32, "cpu")  # a decode worker's pool, as the targets'
-    threads = copy_threads if VARIANTS[backend][0] == "nixl" else copy_threads[-1:]
+    threads = copy_threads
     movers: list[_Migrator] = []
     resume, descs = [], []
     try:
@@ -143,10 +152,10 @@ def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: t
             src = host.allocator.alloc(n)
             for m in movers:
                 dst = rng.permutation(4 * n)[:n].astype(np.int32)
-                descs.append(_runs(src, dst.tolist()) if m.copy_threads is not None else n + 1)
+                descs.append(_runs(src, dst.tolist()) if m.kind == "nixl" else n + 1)
                 post, done = m.write(np.asarray(src, dtype=np.int32), dst, keep=i > 0)
                 if trace:
-                    unit = "descriptors" if m.copy_threads is not None else "messages"
+                    unit = "descriptors" if m.kind == "nixl" else "messages"
                     print(f"trace rep {i} {m.label}: write_pages {post * 1e3:.2f} ms, then done after "
                           f"{done * 1e3:.2f} ms ({descs[-1]} {unit})", file=sys.stderr)
             dev_pages = rng.permutation(4 * n)[:n].tolist()
@@ -230,6 +239,7 @@ def _serve_run(args, migrate: bool) -> dict:
     flags += (split_decode_cpus(os.cpu_count() or 1) if args.decode_cores == "split" else []) + shlex.split(args.server_args)
     if migrate:
         flags += ["--migrate-after", args.migrate_after] + (["--migrate-on-retract"] if args.migrate_on_retract else [])
+        flags += ["--migrate-queued"] if args.migrate_queued else []
     prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + "." + " " * (i // len(QUESTIONS)) for i in range(args.requests)]
     with LaunchedServer(flags) as srv:
         model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
@@ -255,6 +265,7 @@ def _serve_run(args, migrate: bool) -> dict:
     return {"migrate": migrate, "failed": sum(r["error"] is not None for r in results),
             "retractions": metric_sum(m, "pdserve_retractions_total"),
             "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
+            "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
             "retracted_requests": len(retracted), "p50_s": pct(0.5), "p99_s": pct(0.99),
             "all_p99_s": sorted(r["e2e"] for r in results)[int(0.99 * (len(results) - 1))],
             "ids": [r["ids"] for r in results]}
@@ -274,9 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", choices=("nixl", "ucxx"), default="nixl")
     ap.add_argument("--tokens", type=int, default=2048, help="kv: the request's tokens")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--copy-threads", default=str(DEFAULT_COPY),
-                    help="kv, NIXL: the migration transport's copy threads (--migration-copy-threads); a comma "
-                         "list (0,2) measures each, interleaved in one run, the last one is the headline")
+    ap.add_argument("--copy-threads", default=None,
+                    help="kv: NIXL: the migration transport's copy threads (--migration-copy-threads, default "
+                         f"{DEFAULT_COPY}); ucxx: the target's copy lanes (--ucxx-copy-lanes, default {DEFAULT_LANES}); "
+                         "a comma list (0,2) measures each, interleaved in one run, the last one is the headline")
     ap.add_argument("--trace", action="store_true", help="kv: print every write's phases to stderr")
     ap.add_argument("--requests", type=int, default=32, help="serve: streamed requests")
     ap.add_argument("--rate", type=float, default=0.0,
@@ -287,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
     ap.add_argument("--gap-factor", type=float, default=5.0, help="serve: a retracted request's longest token gap "
                                                                   "exceeds this x the median gap")
+    ap.add_argument("--migrate-queued", action="store_true",
+                    help="serve: the run with migration also moves requests waiting for pages (before their prefill)")
     ap.add_argument("--migrate-on-retract", action="store_true",
                     help="serve: the run with migration also offers a request the moment it is retracted")
     ap.add_argument("--step-delay-s", type=float, default=0.0,
@@ -300,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     out = {}
     if args.part in ("kv", "both"):
-        threads = tuple(int(x) for x in args.copy_threads.split(","))
+        spec = args.copy_threads or str(DEFAULT_COPY if args.backend == "nixl" else DEFAULT_LANES)
+        threads = tuple(int(x) for x in spec.split(","))
         out["kv"] = kv_part(args.backend, args.tokens, args.reps, copy_threads=threads, trace=args.trace)
     if args.part in ("serve", "both"):
         out["serve"] = serve_part(args)
@@ -323,7 +338,9 @@ def goal_lines(out: dict) -> list[str]:
         lines.append(f"goal serve: P99 e2e of retracted requests with/without migration = {_num(s['p99_ratio'])} "
                      f"({_num(w['p99_s'], 's')} / {_num(o['p99_s'], 's')}; goal <= 0.5), failed {w['failed']}+"
                      f"{o['failed']}, tokens identical {s['tokens_identical']}, migrations {w['migrations']:g}, "
-                     f"retracted requests {w['retracted_requests']}/{o['retracted_requests']}: "
+                     f"queued moves {w.get('queued_moves', 0):g}, retracted requests "
+                     f"{w['retracted_requests']}/{o['retracted_requests']}, all requests' P99 "
+                     f"{_num(w['all_p99_s'] / o['all_p99_s'] if o['all_p99_s'] else None)}x: "
                      f"{'met' if s['goal_met'] else 'NOT met'}")
     if (k := out.get("kv")) is not None:
         lines.append(f"goal kv: {k['tokens']}-token migration / local resume = {_num(k['ratio'])} "

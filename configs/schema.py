@@ -56,6 +56,12 @@ class ClusterConfig(BaseModel):
         False, description="ucxx backend: UCX endpoint error handling. Off: shared memory/cma, a dead decode "
                            "worker is detected by the write deadline (peer_timeout_s); on: UCX reports it at "
                            "once but falls back to TCP, ~10x slower (issue-15 note)")
+    ucxx_copy_lanes: int = Field(
+        2, ge=0, le=64, description="ucxx backend, decode side: UCX workers, each with its own thread, that pull "
+                                    "the pages of a large KV write (8+ pages: a prompt's KV from a prefill worker, "
+                                    "a migration from a peer) into the pool in parallel (the target of a ucxx write "
+                                    "does the copy; on one host one CMA stream per worker); 0 = the worker loop's "
+                                    "own UCX worker copies every page")
     bootstrap_timeout_s: float = Field(
         300.0, gt=0, description="prefill side: drop computed KV that no decode worker asked for after this "
                                  "(a busy decode worker admits late; the held pages throttle prefill meanwhile)")
@@ -85,6 +91,12 @@ class ClusterConfig(BaseModel):
                            "worker retracts for lack of pages, its KV just copied to the host pool, is offered to a "
                            "peer decode worker with room at once instead of after migrate_after; an offer no peer "
                            "takes waits migrate_after before the next one (off by default)")
+    migrate_queued: bool = Field(
+        False, description="decode side (needs migrate_after): a request waiting here for pages, not prefilled yet, "
+                           "for migrate_after is offered too; the router sends it with its prefill worker to a peer "
+                           "decode worker with room instead (a re-route before its prefill: no KV to move). What "
+                           "spreads a steady skewed load, which waits for admission rather than being retracted "
+                           "(decode_worker/queued_moves.py; off by default)")
     migration_copy_threads: int = Field(
         2, ge=0, le=16, description="decode side, NIXL backend: threads that copy one migration's KV in parallel "
                                     "chunks (NIXL's UCX thread pool; on one host a single CMA copy stream is the "
@@ -154,6 +166,9 @@ class ClusterConfig(BaseModel):
         elif self.migrate_on_retract:
             raise ValueError("migrate_on_retract needs migrate_after (how long a request no peer took waits before "
                              "it is offered again): add --migrate-after, e.g. --migrate-after 20")
+        elif self.migrate_queued:
+            raise ValueError("migrate_queued needs migrate_after (how long a request waits for pages before it is "
+                             "offered): add --migrate-after, e.g. --migrate-after 0.5s")
         return self
 
     @model_validator(mode="after")

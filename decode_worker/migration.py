@@ -82,9 +82,13 @@ class MigrationPolicy:
         ``fresh``: it came from the running batch (a retract) and was not offered since."""
         if fresh and self.on_retract:
             return True
+        return self.waited(job.parked_step, job.parked_at, step, now)
+
+    def waited(self, since_step: int, since: float, step: int, now: float) -> bool:
+        """Whether a wait that began at step ``since_step`` / time ``since`` has reached the bound."""
         if self.steps is not None:
-            return step - job.parked_step >= self.steps
-        return now - job.parked_at >= self.seconds
+            return step - since_step >= self.steps
+        return now - since >= self.seconds
 
 
 class MigrationSource:

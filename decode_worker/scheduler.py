@@ -27,6 +27,7 @@ from decode_worker.migration import MigrationPolicy, MigrationSource, MigrationS
 from decode_worker.migration_steps import handle_migration, migration_step
 from decode_worker.peers import PrefillPeers, make_handshake
 from decode_worker.preemption import admitted, places_left, preempt_for_waiting
+from decode_worker.queued_moves import QueuedMoves, queued_answer, queued_step
 from decode_worker.retract import RetractManager
 from decode_worker.stats import decode_snapshot
 from decode_worker.transfers import Landing, TransferTracker
@@ -65,6 +66,10 @@ class DecodeScheduler(WorkerScheduler):
         self._decode_deferred = False  # the last step answered landings and skipped its decode
         self.local = LocalPrefillQueue(LocalPrefillPolicy(cfg.cluster.local_prefill_max_tokens), cfg.scheduler, kv,
                                        self.stats)
+        self.queued: QueuedMoves | None = None  # --migrate-queued: queued requests move before their prefill
+        if cfg.cluster.migrate_queued and cfg.cluster.migrate_after is not None:
+            self.queued = QueuedMoves(MigrationPolicy.from_flag(cfg.cluster.migrate_after),
+                                      cfg.cluster.migrate_timeout_s)
 
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
         if msg.room is None or msg.prefill_addr is None:
@@ -113,6 +118,8 @@ class DecodeScheduler(WorkerScheduler):
             self.migration_stats.in_failed += 1
         if self.migration is not None:
             self.migration.forget(req.rid)
+        if self.queued is not None:
+            self.queued.forget(req.rid)
         self.transfers.discard(job)
         self.local.discard(req)
         self.retract.discard(job)
@@ -130,7 +137,8 @@ class DecodeScheduler(WorkerScheduler):
 
     def handle(self, source, msg: Message, frames: list[bytes]) -> Outbox | None:
         if not isinstance(source, Peer):
-            return handle_migration(self, source, msg, frames)
+            answer = queued_answer(self, msg)
+            return answer if answer is not None else handle_migration(self, source, msg, frames)
         out = self.peers.on_message(source.addr, msg)
         if isinstance(msg, KVWriteStarted):
             self.transfers.posted(msg)
@@ -187,6 +195,8 @@ class DecodeScheduler(WorkerScheduler):
             self.running.add(job.req)
         if self.migration is not None:
             out.extend(migration_step(self))
+        if self.queued is not None and self.transfers.prealloc:
+            out.extend(queued_step(self))
         out.extend(self._admit())
         if self.running and out.tokens and not self._decode_deferred:
             self._decode_deferred = True  # first tokens out now, not after a decode step; it runs next turn
@@ -237,7 +247,9 @@ class DecodeScheduler(WorkerScheduler):
         in_flight = admitted(self.running, self.transfers, self.local)
         free = self.budget.headroom(in_flight, ratio)
         slots = self.cfg.scheduler.max_running_requests - len(in_flight)
-        out, unusable = self.transfers.admit(self.peers, free, ratio, slots, only_preempting=bool(self.retract.queue))
+        held = self.queued.offered if self.queued is not None else ()
+        out, unusable = self.transfers.admit(self.peers, free, ratio, slots, only_preempting=bool(self.retract.queue),
+                                             held=held)
         for job in unusable:
             out.extend(self.finish(job, Outcome.abort(self.peers.get(job.prefill_addr).error
                                                       or "prefill worker unavailable", 503)))

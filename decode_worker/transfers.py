@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,14 +101,17 @@ class TransferTracker:
 
     # ---- admission ----------------------------------------------------------------------------
     def admit(self, peers: PrefillPeers, free: PageCount, ratio: float, slots: int,
-              only_preempting: bool = False) -> tuple[Outbox, list[DecodeJob]]:
+              only_preempting: bool = False, held: Container[str] = ()) -> tuple[Outbox, list[DecodeJob]]:
         """Reserve pages for prealloc jobs within ``free`` pages and ``slots`` requests (with
-        ``only_preempting``: only jobs with ``preempt``, which stand first in line).
+        ``only_preempting``: only jobs with ``preempt``, which stand first in line), skipping the
+        ``held`` request ids (offered to a peer: ``decode_worker.queued_moves``).
         Returns (messages to prefill workers, jobs whose prefill worker is unusable)."""
         out, unusable = Outbox(), []
         for job in list(self.prealloc):
             if slots <= 0 or (only_preempting and not job.preempt):
                 break
+            if job.req.rid in held:
+                continue
             peer = peers.get(job.prefill_addr)
             if peer is not None and peer.unusable:
                 unusable.append(job)

@@ -141,3 +141,49 @@ def check_idle(url, results, prompts, refs, tok, page) -> None:
         assert metric_sum(m, "pdserve_worker_aborted_requests_total", worker=w) == 0
     if page is not None:
         check_markers(page, moved)
+
+
+def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server, embedded, refs):
+    """``--migrate-queued``: every request pinned to decode-0, whose 24-page pool holds a few of them;
+    the ones waiting there for pages longer than ``--migrate-after`` are re-routed to decode-1
+    before their prefill (no KV to move). Every stream ends with the colocated engine's greedy
+    tokens and its usage, the router counts the moves, decode-1 finished the moved requests,
+    nothing was aborted or failed, and both pools are empty once idle."""
+    tok, new_tokens = embedded[2], 24  # a prefix of the references: the queue forms from the prompts' pages
+    srv = launched_server("pd", "--decode", "2", "--route-decode", "decode-0", "--migrate-after", "0.2s",
+                          "--migrate-queued", "--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len",
+                          "512", "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.25",
+                          "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", "30",
+                          "--peer-timeout-s", "4", "--log-level", "WARNING")
+
+    async def run_all():
+        c = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        model = (await c.models.list()).data[0].id
+
+        async def one(prompt):
+            r = await c.completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"return_token_ids": True})
+            ids, usage = [], None
+            async for chunk in r:
+                if chunk.choices:
+                    ids += getattr(chunk.choices[0], "token_ids", None) or []
+                usage = chunk.usage or usage
+            return ids, usage
+        try:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            await c.close()
+
+    results = asyncio.run(run_all())
+    assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == [r[:new_tokens] for r in refs]
+    assert all(u is not None and u.completion_tokens == len(ids) for ids, u in results)
+    m = wait_idle(srv.url, HEARTBEAT_S)
+    moved = metric_sum(m, "pdserve_router_queued_moves_total")
+    assert moved > 0
+    assert metric_sum(m, "pdserve_requests_total", status="200") == len(PROMPTS)
+    migrated = metric_sum(m, "pdserve_migrations_total", worker="decode-1", direction="in", outcome="done")
+    assert metric_sum(m, "pdserve_worker_finished_requests_total", worker="decode-1") == moved + migrated
+    for w in ("decode-0", "decode-1", "prefill-0"):
+        assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0
+        assert metric_sum(m, "pdserve_worker_aborted_requests_total", worker=w) == 0

@@ -119,6 +119,18 @@ def test_pd_greedy_matches_transformers_and_colocated(client, model, embedded, g
         assert choice.text == tok.decode(ref)
 
 
+def test_pd_long_prompt_matches_colocated(client, model, embedded, colocated):
+    """A ~280-token prompt (17+ pages of 16): its KV lands in one write of 8+ pages, which over
+    ucxx the decode worker pulls on its copy lanes (``--ucxx-copy-lanes``, default 2: page i on
+    lane i % 2, transfer/ucxx_lanes.py); the greedy tokens equal the colocated engine's."""
+    text = " ".join(f"{q}{TAIL}" for q in QUESTIONS)
+    ids = embedded[2].encode(text)
+    assert len(ids) >= 8 * 16 + 16
+    colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=16, temperature=0))[0]
+    choice = complete(client, model, text, max_tokens=16)
+    assert strip_eos(choice.token_ids, embedded[2].eos_token_ids) == colo.token_ids and colo.token_ids
+
+
 def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated):
     # issue 13: temperature=1, seed=7 gave [2684, 282, ...] colocated and [2684, 2422, ...] in PD
     ids = embedded[2].encode(PROMPTS[0])

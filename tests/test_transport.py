@@ -31,8 +31,11 @@ pytestmark = pytest.mark.process  # every test spawns a peer process
 # the 20-page write below into parallel chunks, the single-page writes stay on the caller's thread.
 BACKENDS = [("nixl", {"dlist_form": "list"}), ("nixl", {"dlist_form": "strided"}),
             ("nixl", {"copy_threads": 2, "split_pages": 4}),
-            ("ucxx", {"error_handling": False}), ("ucxx", {"error_handling": True})]
-IDS = ["nixl-list", "nixl-strided", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on"]
+            ("ucxx", {"error_handling": False}), ("ucxx", {"error_handling": True}),
+            ("ucxx", {"error_handling": False, "copy_lanes": 2}), ("ucxx", {"error_handling": True, "copy_lanes": 3})]
+IDS = ["nixl-list", "nixl-strided", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-lanes", "ucxx-eh-on-lanes"]
+# ucxx-lanes: the target pulls the 20-page write on its copy lanes (transfer/ucxx_lanes.py), the
+# single-page writes on its main worker.
 
 
 @pytest.mark.parametrize("backend,opts", BACKENDS, ids=IDS)
@@ -45,6 +48,8 @@ def test_two_process_write(backend, opts):
         assert meta["backend"] == backend and meta["page_bytes"] == PAGE_BYTES
         assert meta["num_pages"] == SHAPE[0] and meta["mem_type"] == "DRAM"
         assert base64.b64decode(meta["nixl_md" if backend == "nixl" else "ucx_address"])
+        if backend == "ucxx":
+            assert len(meta["ucx_lanes"]) == opts.get("copy_lanes", 0)
 
         t = create_transport(backend, f"{backend}-pre", **opts)
         t.register_pool(make_pool(fill=True), PAGE_BYTES)
@@ -72,6 +77,7 @@ def test_two_process_write(backend, opts):
         rep = check(conn, src, dst, 2)
         assert rep["bad_pages"] == [], f"pages with wrong bytes: {rep['bad_pages']}"
         assert rep["notifs"] == [(f"{backend}-pre", b"req-1"), (f"{backend}-pre", b"req-2")]
+        assert rep["lane_writes"] == ((1 if opts.get("copy_lanes") else 0) if backend == "ucxx" else None)
         assert elapsed < 5
 
         # several writes in flight at once: every notif exactly once (NIXL may reorder concurrent
@@ -84,6 +90,7 @@ def test_two_process_write(backend, opts):
         assert sorted(rep["notifs"]) == want
         if backend == "ucxx":
             assert rep["notifs"] == want
+            assert rep["lane_writes"] == (1 if opts.get("copy_lanes") else 0)  # small writes: main worker
         conn.send(("bye",))
         p.join(10)
         assert p.exitcode == 0
@@ -98,15 +105,19 @@ def test_two_process_write(backend, opts):
 # UCX 1.21 then dereferences a NULL rcache when a rendezvous send fails at once on a dead peer
 # (ucp_proto_rndv_rts_abort -> ucp_memh_invalidate): SIGSEGV inside tag_send, 100% of runs, until
 # the ucxx backend stopped posting page sends on an endpoint UCX reported failed.
-# nixl-threads: split_pages=2 cuts the scenario's 3-page writes into chunks on the pool's threads.
+# nixl-threads: split_pages=2 cuts the scenario's 3-page writes into chunks on the pool's threads;
+# ucxx-lanes: lane_min_pages=2 sends them over the target's copy lanes.
 DEAD_PEER = [("nixl", {}, 3.0, {}), ("nixl", {"copy_threads": 2, "split_pages": 2}, 3.0, {}),
              ("ucxx", {"error_handling": False, "write_timeout_s": 1.5}, 3.0, {}),
              ("ucxx", {"error_handling": True}, 3.0, {}),
-             ("ucxx", {"error_handling": True}, 3.0, {"UCX_RCACHE_ENABLE": "n"})]
+             ("ucxx", {"error_handling": True}, 3.0, {"UCX_RCACHE_ENABLE": "n"}),
+             ("ucxx", {"error_handling": False, "write_timeout_s": 1.5, "copy_lanes": 2, "lane_min_pages": 2}, 3.0, {}),
+             ("ucxx", {"error_handling": True, "copy_lanes": 2, "lane_min_pages": 2}, 3.0, {})]
 
 
 @pytest.mark.parametrize("backend,opts,limit_s,env", DEAD_PEER,
-                         ids=["nixl", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-eh-on-no-rcache"])
+                         ids=["nixl", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-eh-on-no-rcache",
+                              "ucxx-lanes", "ucxx-eh-on-lanes"])
 def test_dead_peer_reports_error_then_restarted_peer_works(backend, opts, limit_s, env):
     """kill -9 of the target: the write ends ``"error"`` within ``limit_s`` (for ucxx without error
     handling that is its write deadline), never hangs; the restarted target works again.

@@ -128,6 +128,13 @@ def test_ucxx_header_wire_format():
         unpack_header(pack_header(h).tobytes()[:-1])
     with pytest.raises(ValueError, match="at most"):
         pack_header(WriteHeader("x", 1, 0, np.zeros(70_000, dtype=np.int32), b"", 0.0))
+    assert back.lanes == 0  # default: every page on the target's main worker
+    laned = unpack_header(pack_header(WriteHeader("pre-0", 5, 1, np.arange(9, dtype=np.int32), b"", 1.0, 3)).tobytes())
+    assert laned.lanes == 3
+    from transfer.ucxx_wire import page_lane
+    assert [page_lane(i, 3) for i in range(5)] == [0, 1, 2, 0, 1] and page_lane(4, 0) == -1
+    with pytest.raises(ValueError, match="0..64 copy lanes"):
+        pack_header(WriteHeader("x", 1, 0, np.zeros(1, dtype=np.int32), b"", 0.0, 65))
 
 
 def test_ucxx_bad_args_in_one_process():
@@ -177,6 +184,26 @@ def test_create_transport_takes_the_ucxx_settings_from_the_config():
         t.close()
         d.close()
 
+
+
+def test_decode_transport_takes_its_ucxx_copy_lanes_from_the_config():
+    """A decode worker's main transport: ucxx gets ``--ucxx-copy-lanes`` (default 2), NIXL nothing
+    (its initiator copies); a transport built so publishes that many lane addresses."""
+    from pydantic import ValidationError
+
+    from configs.schema import ClusterConfig
+    from transfer.factory import create_transport, receive_options
+
+    assert receive_options("ucxx", ClusterConfig()) == {"copy_lanes": 2}
+    assert receive_options("ucxx", ClusterConfig(ucxx_copy_lanes=0)) == {"copy_lanes": 0}
+    assert receive_options("nixl", ClusterConfig(ucxx_copy_lanes=4)) == {}
+    with pytest.raises(ValidationError, match="ucxx_copy_lanes"):
+        ClusterConfig(ucxx_copy_lanes=65)
+    with pytest.raises(ValueError, match="copy_lanes must be 0..64"):
+        create_transport("ucxx", "ux-lanes-bad", copy_lanes=-1)
+    with create_transport("ucxx", "ux-lanes", ClusterConfig(), **receive_options("ucxx", ClusterConfig())) as t:
+        t.register_pool(torch.zeros(4, 64), 256)
+        assert len(json.loads(t.local_metadata())["ucx_lanes"]) == 2
 
 
 def test_migration_transport_takes_its_copy_threads_from_the_config():

@@ -45,7 +45,7 @@ def _target(conn, backend: str, name: str, opts: dict) -> None:
             bad = [i for i in range(buf.shape[0])
                    if not torch.equal(page_words(buf, i), expected_page(where[i]) if i in where
                                       else torch.zeros_like(page_words(buf, i)))]
-            conn.send({"notifs": got, "bad_pages": bad})
+            conn.send({"notifs": got, "bad_pages": bad, "lane_writes": getattr(t, "lane_writes", None)})
             got = []
         time.sleep(0.0005)
     t.close()
@@ -72,7 +72,8 @@ def reap(p) -> None:
 
 def check(conn, src, dst, n_notifs: int) -> dict:
     """Ask the target to verify its pool against ``dst[i] <- src[i]`` once ``n_notifs`` arrived:
-    ``{"notifs": [(sender, notif), ...], "bad_pages": [page ids with wrong bytes]}``."""
+    ``{"notifs": [(sender, notif), ...], "bad_pages": [page ids with wrong bytes], "lane_writes": the
+    ucxx target's writes received over its copy lanes so far (None for other backends)}``."""
     conn.send(("check", list(map(int, src)), list(map(int, dst)), n_notifs))
     assert conn.poll(20), "target did not report"
     return conn.recv()

@@ -38,6 +38,15 @@ def migration_options(kind: str, cluster) -> dict:
     return {}
 
 
+def receive_options(kind: str, cluster) -> dict:
+    """Options of a decode worker's main transport (it receives prompts' KV and migrations): for
+    ucxx, ``copy_lanes`` = ``cluster.ucxx_copy_lanes``; none otherwise (a NIXL write is copied by
+    its initiator)."""
+    if kind == "ucxx" and cluster is not None:
+        return {"copy_lanes": cluster.ucxx_copy_lanes}
+    return {}
+
+
 def _backend(kind: str, name: str, cluster, **kwargs) -> KVTransport:
     if kind == "nixl":
         from transfer.nixl_transport import NixlTransport

@@ -30,9 +30,17 @@ Differences from the NIXL backend a caller can see:
   1.21 segfaults when a rendezvous page send fails at once on a dead peer in a context without a
   registration cache (``UCX_RCACHE_ENABLE=n``, or NIXL's UCX copy set up first in the process).
 
-One UCX context and worker per transport, no progress thread (on 2 cores ucxx's thread competes
-with the scheduler): progress happens inside ``write_pages``, ``TransferHandle.poll``,
+One UCX context and main worker per transport, no progress thread on it (on 2 cores ucxx's thread
+competes with the scheduler): its progress happens inside ``write_pages``, ``TransferHandle.poll``,
 ``poll_notifs`` and ``close``, serialized by one lock.
+
+Copy lanes (``copy_lanes=N``, target side; the decode worker's ``ucxx_copy_lanes``): N more UCX
+workers, each owned by a thread that sleeps until a write's pages arrive for it
+(``transfer/ucxx_lanes.py``); their addresses go in the metadata (``ucx_lanes``). An initiator
+splits a write of at least ``LANE_MIN_PAGES`` pages over them (page ``i`` on lane ``i % N``), so N
+rendezvous copies run in parallel and move while the target's worker loop computes; smaller writes
+(a decode step's few pages) stay on the main worker, where a thread hand-off would cost more than
+it saves.
 """
 from __future__ import annotations
 
@@ -48,13 +56,18 @@ import torch
 
 from transfer.kv_transport import CompletedHandle, TransferHandle
 from transfer.transport_base import PeerRecord, PendingHandle, RemoteTransportBase, err_text, peer_pool_size
-from transfer.ucxx_inbox import Inbox, first_error
-from transfer.ucxx_wire import HEADER_TAG, MAX_PAGES_PER_WRITE, WriteHeader, pack_header, page_tag
+from transfer.ucxx_inbox import Inbox
+from transfer.ucxx_lanes import CopyLane, first_error
+from transfer.ucxx_wire import (HEADER_TAG, MAX_LANES, MAX_PAGES_PER_WRITE, WriteHeader, pack_header, page_lane,
+                                page_tag)
 
 log = logging.getLogger(__name__)
 
 #: How long ``close_blocking`` may wait for UCX's endpoint teardown (ns).
 _ABORT_PERIOD_NS = 100_000_000
+
+#: A write of fewer pages than this goes to the target's main worker even when it has copy lanes.
+LANE_MIN_PAGES = 8
 
 
 def _ucxx():
@@ -69,10 +82,12 @@ def _ucxx():
 
 @dataclass(eq=False)
 class _Conn:
-    """One endpoint to a peer. Its tags carry ``conn_id``; a reconnect gets a new one."""
+    """Endpoints to a peer: ``ep`` to its main worker (headers, small writes) and ``lane_eps`` to its
+    copy lanes. Its tags carry ``conn_id``; a reconnect gets a new one."""
 
     ep: object
     conn_id: int
+    lane_eps: list = field(default_factory=list)
     seq: int = 0
     handles: "weakref.WeakSet[UcxxHandle]" = field(default_factory=weakref.WeakSet)
     keep: list = field(default_factory=list)  # requests + buffers of writes aborted on this conn
@@ -80,9 +95,10 @@ class _Conn:
 
 @dataclass
 class _Peer(PeerRecord):
-    """A peer's UCX worker address and, once written to, its connection."""
+    """A peer's UCX worker addresses (main, copy lanes) and, once written to, its connection."""
 
     address: bytes
+    lane_addresses: list[bytes] = field(default_factory=list)
     conn: _Conn | None = None
 
 
@@ -124,8 +140,17 @@ class UcxxTransport(RemoteTransportBase):
     backend = "ucxx"
     poll_interval_s = 0.0  # rendezvous sends and receives move only inside our progress calls
 
-    def __init__(self, name: str, *, error_handling: bool = False, write_timeout_s: float = 8.0) -> None:
+    def __init__(self, name: str, *, error_handling: bool = False, write_timeout_s: float = 8.0,
+                 copy_lanes: int = 0, lane_min_pages: int = LANE_MIN_PAGES) -> None:
+        """``copy_lanes``: UCX workers with their own threads that receive the pages of large writes
+        into this transport's pool (0..64; see the module docstring); created with the pool.
+        ``lane_min_pages``: as initiator, a write of at least this many pages is split over the
+        target's copy lanes (tests lower it)."""
         super().__init__(name)
+        if not 0 <= int(copy_lanes) <= MAX_LANES:
+            raise ValueError(f"copy_lanes must be 0..{MAX_LANES}, got {copy_lanes!r}")
+        self.copy_lanes = int(copy_lanes)
+        self.lane_min_pages = max(1, int(lane_min_pages))
         if len(name.encode()) > 255:
             raise ValueError("ucxx transport names are at most 255 bytes")
         if not write_timeout_s > 0:
@@ -146,24 +171,31 @@ class UcxxTransport(RemoteTransportBase):
             raise ValueError("the ucxx backend moves host-memory pools only; use --transfer-backend nixl "
                              f"for a pool on {buffer.device}")
         pages = buffer.view(-1).view(torch.uint8).numpy().reshape(num_pages, page_bytes)
-        self._inbox = Inbox(self._ucx, self._array, self._worker, pages)
+        lanes = [CopyLane(self._ucx, self._array, self._context, f"ucxx-lane-{k}") for k in range(self.copy_lanes)]
+        self._inbox = Inbox(self._ucx, self._array, self._worker, pages, lanes)
         self._pages = pages
 
     def _metadata_extra(self) -> dict:
-        address = self._worker.address.tobytes()
-        return {"error_handling": self.error_handling, "ucx_address": base64.b64encode(address).decode("ascii")}
+        b64 = lambda a: base64.b64encode(a).decode("ascii")  # noqa: E731
+        lanes = [b64(lane.address) for lane in self._inbox.lanes] if self._inbox is not None else []
+        return {"error_handling": self.error_handling, "ucx_address": b64(self._worker.address.tobytes()),
+                "ucx_lanes": lanes}
 
-    def _parse_peer(self, name: str, md: dict) -> tuple[int, int, bytes]:
+    def _parse_peer(self, name: str, md: dict) -> tuple[int, int, tuple[bytes, list[bytes]]]:
         page_bytes, num_pages = peer_pool_size(name, md)
         try:
             address = base64.b64decode(md["ucx_address"], validate=True)
+            lanes = [base64.b64decode(a, validate=True) for a in md.get("ucx_lanes", [])]
         except (KeyError, ValueError, TypeError) as e:
-            raise ValueError(f"peer {name!r} metadata: missing or bad ucx_address ({e})") from None
-        return page_bytes, num_pages, address
+            raise ValueError(f"peer {name!r} metadata: missing or bad ucx_address / ucx_lanes ({e})") from None
+        if len(lanes) > MAX_LANES:
+            raise ValueError(f"peer {name!r} metadata: {len(lanes)} copy lanes, at most {MAX_LANES}")
+        return page_bytes, num_pages, (address, lanes)
 
     def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int,
-                      blob: bytes) -> _Peer:
-        return _Peer(name, raw, num_pages, page_bytes, blob)  # connects on its first write
+                      blob) -> _Peer:
+        address, lanes = blob
+        return _Peer(name, raw, num_pages, page_bytes, address, lanes)  # connects on its first write
 
     def _drop_peer(self, peer: _Peer, why: str) -> None:
         """Forget the peer and abort its connection: its pending writes fail with ``why``."""
@@ -174,17 +206,22 @@ class UcxxTransport(RemoteTransportBase):
     # ---- connections --------------------------------------------------------------------------
     def _connect(self, peer: _Peer) -> _Conn:
         """The peer's connection; a new one if it has none or UCX reported its endpoint failed."""
-        if peer.conn is not None and not peer.conn.ep.alive:
+        if peer.conn is not None and not _alive(peer.conn):
             self._abort_conn(peer.conn, "UCX reported the connection failed (peer gone)")
         if peer.conn is None:
-            u = self._ucx
-            addr = u.UCXAddress.create_from_buffer(np.frombuffer(peer.address, dtype=np.uint8))
-            ep = self._worker.create_endpoint_from_worker_address(addr, self.error_handling)
             conn_id = 0
             while conn_id == HEADER_TAG:
                 conn_id = secrets.randbits(32)
-            peer.conn = _Conn(ep, conn_id)
+            conn = _Conn(self._endpoint(peer.address), conn_id)
+            peer.conn = conn  # set first: a failing lane endpoint aborts it with the others
+            for a in peer.lane_addresses:
+                conn.lane_eps.append(self._endpoint(a))
         return peer.conn
+
+    def _endpoint(self, address: bytes):
+        u = self._ucx
+        addr = u.UCXAddress.create_from_buffer(np.frombuffer(address, dtype=np.uint8))
+        return self._worker.create_endpoint_from_worker_address(addr, self.error_handling)
 
     def _abort_conn(self, conn: _Conn, why: str) -> None:
         """Fail every pending write on ``conn`` with ``why`` and abort its endpoint (idempotent)."""
@@ -195,12 +232,13 @@ class UcxxTransport(RemoteTransportBase):
             if p.conn is conn:
                 p.conn = None
         if conn.ep is not None:
-            try:
-                conn.ep.close_blocking(period=_ABORT_PERIOD_NS, max_attempts=1)
-            except Exception as e:  # noqa: BLE001 - the endpoint is already broken
-                log.debug("aborting a ucxx endpoint: %s", err_text(e))
+            for ep in (conn.ep, *conn.lane_eps):
+                try:
+                    ep.close_blocking(period=_ABORT_PERIOD_NS, max_attempts=1)
+                except Exception as e:  # noqa: BLE001 - the endpoint is already broken
+                    log.debug("aborting a ucxx endpoint: %s", err_text(e))
             self._dead.append(conn)  # its requests may still reference their buffers
-            conn.ep = None
+            conn.ep, conn.lane_eps = None, []
 
     def _progress(self) -> None:
         try:
@@ -215,6 +253,8 @@ class UcxxTransport(RemoteTransportBase):
         try:
             conn = self._connect(peer)
         except Exception as e:  # noqa: BLE001 - reported through the handle, never raised
+            if peer.conn is not None:
+                self._abort_conn(peer.conn, f"could not connect: {err_text(e)}")
             return CompletedHandle(error=f"could not connect to {peer.name!r}: {err_text(e)}")
         return self._post(conn, src, dst, notif)
 
@@ -222,24 +262,32 @@ class UcxxTransport(RemoteTransportBase):
         u, seq = self._ucx, conn.seq
         conn.seq = (conn.seq + 1) & 0xFFFF
         deadline = time.monotonic() + self.write_timeout_s
+        lanes = len(conn.lane_eps) if src.size >= self.lane_min_pages else 0
         header = pack_header(WriteHeader(self.name, conn.conn_id, seq, dst, notif,
-                                         time.time() + self.write_timeout_s))
+                                         time.time() + self.write_timeout_s, lanes))
         reqs: list = []
         handle = UcxxHandle(self, conn, reqs, header, deadline)
         conn.handles.add(handle)
         try:
             reqs.append(conn.ep.tag_send(self._array(header), u.UCXXTag(HEADER_TAG)))
             self._progress()  # lets UCX report a peer the header found dead (error handling on)
-            if not conn.ep.alive:  # no page sends on a failed endpoint (see the module docstring)
+            if not _alive(conn):  # no page sends on a failed endpoint (see the module docstring)
                 self._abort_conn(conn, "UCX reported the connection failed (peer gone)")
                 return handle
             for i, s in enumerate(src.tolist()):
-                reqs.append(conn.ep.tag_send(self._array(self._pages[s]), u.UCXXTag(page_tag(conn.conn_id, seq, i))))
+                k = page_lane(i, lanes)
+                ep = conn.lane_eps[k] if k >= 0 else conn.ep
+                reqs.append(ep.tag_send(self._array(self._pages[s]), u.UCXXTag(page_tag(conn.conn_id, seq, i))))
         except Exception as e:  # noqa: BLE001 - a broken endpoint: fail this write, reconnect next time
             self._abort_conn(conn, f"could not post the write: {err_text(e)}")
             return handle
         self._progress()
         return handle
+
+    @property
+    def lane_writes(self) -> int:
+        """Writes received so far whose pages came over the copy lanes."""
+        return self._inbox.lane_writes if self._inbox is not None else 0
 
     def _take_notifs(self) -> list[tuple[str, bytes]]:
         if self._inbox is None:
@@ -255,5 +303,12 @@ class UcxxTransport(RemoteTransportBase):
             self._worker.progress()
         except Exception as e:  # noqa: BLE001
             log.debug("cancelling ucxx requests on close: %s", err_text(e))
+        if self._inbox is not None:
+            self._inbox.close()
         self._inbox = None
         self._pages = None
+
+
+def _alive(conn: _Conn) -> bool:
+    """Whether UCX still reports every endpoint of ``conn`` usable."""
+    return conn.ep is not None and conn.ep.alive and all(ep.alive for ep in conn.lane_eps)

@@ -16,11 +16,17 @@ Tags (64 bits): ``conn_id (32) | seq (16) | page index (16)``.
 * ``page index`` is the page's position in this write, so a write carries at most 65,535 pages.
 
 Header: little-endian ``struct`` :data:`HEADER` (magic, version, name length, conn_id, seq, page
-count, notification length, deadline) then the initiator's name (UTF-8), the destination page ids
+count, notification length, deadline, lanes) then the initiator's name (UTF-8), the destination page ids
 (int32) and the notification bytes. ``deadline`` is the wall-clock time (``time.time()``, the
 same clock for every process on a host) at which the initiator gives up on the write and aborts
 the connection; a target that reads the header after it no longer posts receives into its pool.
 No pickle: a fixed binary layout with a version field.
+
+``lanes`` (version 2): 0 = every page message goes to the target's main UCX worker (the one its
+metadata's ``ucx_address`` names, which also takes the header); ``L`` > 0 = page ``i`` goes to the
+target's copy lane ``i % L`` (its metadata's ``ucx_lanes``, ``transfer/ucxx_lanes.py``), so L
+workers pull the write's pages in parallel. An initiator uses at most as many lanes as the target
+publishes.
 """
 from __future__ import annotations
 
@@ -30,11 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 HEADER_TAG = 0
 MAX_PAGES_PER_WRITE = 0xFFFF
 MAX_NAME_BYTES = 255
-HEADER = struct.Struct("<4sHHIIIId")
+HEADER = struct.Struct("<4sHHIIIIdH")
+MAX_LANES = 64
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,12 @@ class WriteHeader:
     dst_pages: np.ndarray  # int32, one per page message, in tag-index order
     notif: bytes
     deadline: float  # time.time() at which the initiator aborts the write
+    lanes: int = 0  # 0: pages on the main worker; L: page i on copy lane i % L
+
+
+def page_lane(index: int, lanes: int) -> int:
+    """The copy lane page message ``index`` travels on (-1: the main worker)."""
+    return index % lanes if lanes else -1
 
 
 def page_tag(conn_id: int, seq: int, index: int) -> int:
@@ -62,16 +75,20 @@ def pack_header(h: WriteHeader) -> np.ndarray:
     pages = np.ascontiguousarray(h.dst_pages, dtype="<i4")
     if pages.size > MAX_PAGES_PER_WRITE:
         raise ValueError(f"a ucxx write carries at most {MAX_PAGES_PER_WRITE} pages, got {pages.size}")
+    if not 0 <= h.lanes <= MAX_LANES:
+        raise ValueError(f"a ucxx write uses 0..{MAX_LANES} copy lanes, got {h.lanes}")
     fixed = HEADER.pack(MAGIC, VERSION, len(name), h.conn_id, h.seq & 0xFFFF, pages.size,
-                        len(h.notif), h.deadline)
+                        len(h.notif), h.deadline, h.lanes)
     return np.frombuffer(fixed + name + pages.tobytes() + h.notif, dtype=np.uint8).copy()
 
 
 def unpack_header(buf: bytes) -> WriteHeader:
     """Parse a header; ``ValueError`` saying what is wrong (bad magic, version, length)."""
+    if len(buf) >= 6 and buf[:4] == MAGIC and struct.unpack_from("<H", buf, 4)[0] != VERSION:
+        raise ValueError(f"ucxx header version {struct.unpack_from('<H', buf, 4)[0]}, this worker speaks {VERSION}")
     if len(buf) < HEADER.size:
         raise ValueError(f"ucxx header is {len(buf)} bytes, shorter than the fixed {HEADER.size}")
-    magic, version, name_len, conn_id, seq, n_pages, notif_len, deadline = HEADER.unpack_from(buf)
+    magic, version, name_len, conn_id, seq, n_pages, notif_len, deadline, lanes = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise ValueError(f"not a pdserve ucxx header (magic {magic!r})")
     if version != VERSION:
@@ -84,4 +101,6 @@ def unpack_header(buf: bytes) -> WriteHeader:
     at += name_len
     pages = np.frombuffer(bytes(buf[at:at + 4 * n_pages]), dtype="<i4").astype(np.int32)
     at += 4 * n_pages
-    return WriteHeader(sender, conn_id, seq, pages, bytes(buf[at:at + notif_len]), deadline)
+    if lanes > MAX_LANES:
+        raise ValueError(f"ucxx header names {lanes} copy lanes; at most {MAX_LANES}")
+    return WriteHeader(sender, conn_id, seq, pages, bytes(buf[at:at + notif_len]), deadline, lanes)

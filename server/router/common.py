@@ -112,7 +112,7 @@ def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: Sampl
     session = GenerationSession(ctx.registry, ctx.table, prompt_ids, params,
                                 timeout_s=timeout_s, auto_max_tokens=auto_max_tokens,
                                 arrival=arrival, retries=ctx.cfg.cluster.fresh_pair_retries,
-                                on_retry=ctx.metrics.retries.inc)
+                                on_retry=ctx.metrics.retries.inc, on_move=ctx.metrics.queued_moves.inc)
     prompt_only = getattr(req, "echo", False) and getattr(req, "max_tokens", None) == 0
     return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text,
                      include_stop=req.include_stop_str_in_output, follows=follows, keep_output=not prompt_only)

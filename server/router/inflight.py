@@ -1,7 +1,7 @@
 """The router's in-flight table: every request between submission and its last token or error.
 
 Each entry owns an ``asyncio.Queue`` of ``TokenDelta``s fed by the workers' receive
-tasks. An entry names the workers that hold state for it (``workers``; in PD mode a prefill and a
+tasks (and, for a queued move, one ``Moved`` marker). An entry names the workers that hold state for it (``workers``; in PD mode a prefill and a
 decode worker) and the one whose token stream is forwarded (``stream_from``); errors from any of
 its workers are forwarded too. ``fail_worker`` ends every entry that touches a dead worker. Once tokens arrive from the streaming
 worker the others are done with the request (in PD mode the KV has landed on the decode worker,
@@ -22,6 +22,15 @@ from dataclasses import dataclass, field
 from transfer.wire.protocol import TokenDelta
 
 
+@dataclass(frozen=True)
+class Moved:
+    """Queued in an entry instead of a delta: the request, not prefilled yet, goes to decode worker
+    ``target`` (its decode worker offered it: ``decode_worker.queued_moves``); the session sends it
+    there under a new request id."""
+
+    target: str
+
+
 @dataclass
 class Inflight:
     """One request in flight. ``cost`` (prompt + max new tokens) feeds the routing policy."""
@@ -34,6 +43,7 @@ class Inflight:
     created: float = field(default_factory=time.monotonic)
     depends_on: tuple[str, ...] = ()  # whose death fails it: ``workers``, then only ``stream_from``
     prefill: tuple[str, int] | None = None  # (worker, uncached prompt tokens) until the first token
+    streamed: bool = False  # tokens came from the streaming worker
 
     def __post_init__(self) -> None:
         self.depends_on = self.depends_on or self.workers
@@ -69,6 +79,7 @@ class InflightTable:
         if worker_id == inflight.stream_from and delta.token_ids:
             inflight.depends_on = (worker_id,)
             inflight.prefill = None
+            inflight.streamed = True
         inflight.queue.put_nowait(delta)
         return True
 
@@ -94,6 +105,15 @@ class InflightTable:
         if e.stream_from != worker_id:
             e.depends_on = (e.stream_from,) if worker_id not in e.depends_on else e.depends_on
             e.stream_from = worker_id
+
+    def move(self, rid: str, target: str) -> bool:
+        """Queue a ``Moved`` marker for ``rid`` (its session re-sends it to ``target``) if it is in
+        flight and nothing streamed yet; whether it was queued."""
+        e = self._entries.get(rid)
+        if e is None or e.streamed:
+            return False
+        e.queue.put_nowait(Moved(target))
+        return True
 
     def leave(self, rid: str, worker_id: str) -> None:
         """``worker_id`` holds no state for ``rid`` any more (a migration moved it, or was undone)."""

@@ -4,7 +4,9 @@ Router series: ``pdserve_requests_total{status}`` (HTTP status of each generatio
 for a client that went away), ``pdserve_inflight_requests``, and the latency histograms
 ``pdserve_ttft_seconds``, ``pdserve_tpot_seconds``, ``pdserve_e2e_seconds`` (successful requests), and
 ``pdserve_router_retries_total`` (requests sent again on a fresh pair after a worker died before
-their first token), ``pdserve_routing_decisions_total{reason}`` (cache-aware routing's picks; its
+their first token), ``pdserve_router_queued_moves_total`` (requests a decode worker offered while they
+waited for pages, sent to a peer decode worker before their prefill: ``--migrate-queued``),
+``pdserve_routing_decisions_total{reason}`` (cache-aware routing's picks; its
 index series are in ``server.router.kv_metrics``).
 
 Admission (``server.router.admission``): ``pdserve_shed_requests_total{reason}`` (requests never
@@ -229,6 +231,9 @@ class RouterMetrics:
                                       "(parse, tokenize, route)", buckets=PHASE_BUCKETS, registry=r)
         self.retries = Counter("pdserve_router_retries", "Requests sent again on another worker pair because a "
                                "worker of theirs died before their first token (fresh_pair_retries)", registry=r)
+        self.queued_moves = Counter("pdserve_router_queued_moves", "Requests sent to another decode worker before "
+                                    "their prefill because theirs offered them while they waited for pages "
+                                    "(migrate_queued)", registry=r)
         Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table",
               registry=r).set_function(inflight)
         self.queued = queued

@@ -14,7 +14,14 @@
   expired) or from T (it refused): the stream is S's again, T is aborted and leaves the entry;
   S is told ``MigrationDeclined`` when the refusal came from T.
 
-``pdserve_migrations_total`` and friends come from the workers' counters (``server.router.metrics``).
+A ``QueuedOffer`` (``--migrate-queued``: a request still waiting for pages on S, not prefilled):
+the same pick; with a target, S gets ``QueuedMove`` (it drops the request and withdraws its
+prefill) and the request's session a ``Moved`` marker (it sends the request to its prefill worker
+and T under a new id); with none, ``MigrationDeclined``. Nothing has streamed yet, so the client
+sees only a later first token.
+
+``pdserve_migrations_total`` and friends come from the workers' counters (``server.router.metrics``);
+queued moves are counted by the sessions (``pdserve_router_queued_moves_total``).
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from server.router.inflight import InflightTable
 from server.router.worker_client import WorkerUnavailable
 from server.router.workers import READY, WorkerHandle
 from transfer.wire.enums import Role
-from transfer.wire.protocol import MigrationEnded, MigrationOffer
+from transfer.wire.protocol import MigrationEnded, MigrationOffer, QueuedOffer
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,8 @@ class Migrations:
         """A ``MigrationOffer`` (with its ids) or ``MigrationEnded`` from decode worker ``worker_id``."""
         if isinstance(msg, MigrationOffer):
             self.on_offer(worker_id, msg, ids)
+        elif isinstance(msg, QueuedOffer):
+            self.on_queued_offer(worker_id, msg)
         else:
             self.on_ended(worker_id, msg)
 
@@ -96,6 +105,27 @@ class Migrations:
                                   offer.n_tokens)
         except WorkerUnavailable as e:
             self._undo(offer.rid, f"could not reach {target.worker_id}: {e}", decline=True)
+
+    def on_queued_offer(self, source_id: str, offer: QueuedOffer) -> None:
+        """Move a request waiting for pages on ``source_id`` to a peer with room, or decline."""
+        source = self.handles.get(source_id)
+        entry = self.table.entry(offer.rid)
+        target = None
+        if source is not None and entry is not None and entry.stream_from == source_id and not entry.streamed:
+            target = pick_target(self.handles.values(), source, offer.pages, self.granted_since_report)
+        if target is None:
+            why = "no peer decode worker has room" if entry is not None else "the router has no such request"
+            self._decline(source_id, offer.rid, why)
+            return
+        try:
+            source.client.move_queued(offer.rid, target.worker_id)
+        except WorkerUnavailable as e:
+            log.warning("queued move of %s not delivered to %s: %s", offer.rid, source_id, e)
+            return
+        self.granted[target.worker_id] = (target.stats, self.granted_since_report(target) + offer.pages)
+        log.info("moving queued %s from %s to %s (waited %.2fs)", offer.rid, source_id, target.worker_id,
+                 offer.waited_s)
+        self.table.move(offer.rid, target.worker_id)
 
     def on_ended(self, worker_id: str, msg: MigrationEnded) -> None:
         """A source's report (ok or not), or a target's refusal."""

@@ -10,7 +10,11 @@ in ``finally`` blocks of cancelled tasks):
    or the request timeout raises ``APIError`` (the request is then already aborted and closed).
    A 503 (a worker of the route died) before any token arrived is retried instead, up to
    ``retries`` times, on another route when the registry has one (``Registry.reroute``): the old
-   route's workers get an abort, the request goes out again under a new request id.
+   route's workers get an abort, the request goes out again under a new request id. A ``Moved``
+   marker (its decode worker offered it while it waited for pages, ``--migrate-queued``, and the
+   router found a peer with room) sends it again the same way to its prefill worker and that peer,
+   without aborts (the old decode worker dropped it and withdrew its prefill) and without using a
+   retry.
 4. ``close()``: idempotent; removes the in-flight entry and, if the worker has not finished the
    request, sends ``AbortRequest`` so its KV is freed (client gone, stop string, error, timeout).
 """
@@ -26,9 +30,10 @@ from cache.fit import FitCheck, RequestRejected
 from transfer.wire.protocol import TokenDelta
 from transfer.wire.sampling_params import SamplingParams
 from server.router.errors import APIError
-from server.router.inflight import Inflight, InflightTable
+from server.router.inflight import Inflight, InflightTable, Moved
 from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
+from transfer.wire.enums import Role
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +56,14 @@ class GenerationSession:
 
     def __init__(self, registry: Registry, table: InflightTable, prompt_ids: list[int], params: SamplingParams, *,
                  timeout_s: float, auto_max_tokens: bool = False, arrival: float | None = None,
-                 retries: int = 0, on_retry: Callable[[], None] | None = None) -> None:
+                 retries: int = 0, on_retry: Callable[[], None] | None = None,
+                 on_move: Callable[[], None] | None = None) -> None:
         """``retries``: how many times a request whose worker died before its first token is sent
-        again on another route; ``on_retry`` is called once per retry (the metrics counter)."""
+        again on another route; ``on_retry`` is called once per retry and ``on_move`` once per queued
+        move (the metrics counters)."""
         self.registry, self.table = registry, table
         self.rid = f"req-{uuid.uuid4().hex}"
-        self.retries_left, self.on_retry = retries, on_retry
+        self.retries_left, self.on_retry, self.on_move = retries, on_retry, on_move
         self.attempt = 0
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -113,6 +120,9 @@ class GenerationSession:
                 self.close(f"request timed out after {self.timeout_s:g}s")
                 raise APIError(504, f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was "
                                     f"aborted", code="timeout") from None
+            if isinstance(delta, Moved):
+                self._move(delta.target)
+                continue
             if delta.finish_reason != "abort" or not self._retry(delta):
                 break
         if delta.finish_reason == "abort":  # the other workers of the route may still hold its state
@@ -170,6 +180,29 @@ class GenerationSession:
         if self.on_retry is not None:
             self.on_retry()
         return True
+
+    def _move(self, target_id: str) -> None:
+        """Send the request again to its prefill worker and decode worker ``target_id`` (a queued
+        move: the old decode worker dropped it, nothing streamed); ``APIError`` 503 (closed) if
+        that cannot be done."""
+        target = self.registry.handles.get(target_id)
+        prefill = [h for h in self.route.targets if h.spec.role == Role.PREFILL]
+        self.table.close(self.rid)  # no aborts: the old decode worker dropped it and withdrew its prefill
+        if target is None or not prefill:
+            self.inflight = None
+            self.close("moved to a decode worker that left")
+            raise APIError(503, f"request moved to decode worker {target_id}, which is gone", code="worker_unavailable")
+        self.route = Route((*prefill, target), target, self.route.prefill)
+        self.attempt += 1
+        self.rid = f"{self.rid.split('~')[0]}~{self.attempt}"
+        try:
+            self._dispatch()
+        except WorkerUnavailable as e:
+            self.close("could not reach every worker of the new route")
+            raise APIError(503, f"request moved to {target_id} but could not be sent: {e}",
+                           code="worker_unavailable") from None
+        if self.on_move is not None:
+            self.on_move()
 
     # ---- timing ----------------------------------------------------------------------------------
     def _clock_tokens(self, n: int) -> None:

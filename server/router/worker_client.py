@@ -28,8 +28,8 @@ import zmq.asyncio
 from transfer.control_auth import ControlAuth, HandshakeWatch
 from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, KvSnapshotRequest, Message, MigrateRequest,
                                     MigrationDeclined, MigrationEnded, MigrationOffer, PrefillRequest, ProtocolError,
-                                    Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
-                                    frame_ids, ids_frame)
+                                    QueuedMove, QueuedOffer, Shutdown, StatsRequest, TokenBatch, TokenDelta,
+                                    WorkerStats, decode, encode, frame_ids, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class WorkerClient:
         self._on_stats = on_stats
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
-        # migration messages (``MigrationOffer`` with its ids, ``MigrationEnded``): set by the registry
+        # migration messages (``MigrationOffer`` with its ids, ``MigrationEnded``, ``QueuedOffer``): set by the registry
         self.on_migration: Callable[[str, Message, list[int]], None] | None = None
 
     async def start(self) -> None:
@@ -106,6 +106,11 @@ class WorkerClient:
     def decline_migration(self, rid: str, reason: str) -> None:
         """Tell a decode worker no peer takes ``rid`` (``MigrationDeclined``); ``WorkerUnavailable``."""
         self._send(MigrationDeclined(rid=rid, reason=reason))
+
+    def move_queued(self, rid: str, target: str) -> None:
+        """Tell a decode worker its offered queued ``rid`` went to ``target`` (``QueuedMove``);
+        ``WorkerUnavailable`` if it cannot be queued."""
+        self._send(QueuedMove(rid=rid, target=target))
 
     def abort(self, rids: list[str], reason: str) -> None:
         """Send an ``AbortRequest`` (best effort: errors are logged, never raised)."""
@@ -174,7 +179,7 @@ class WorkerClient:
                 self._on_tokens(self.worker_id, delta)
         elif isinstance(msg, WorkerStats):
             self._on_stats(self.worker_id, msg)
-        elif isinstance(msg, (MigrationOffer, MigrationEnded)) and self.on_migration is not None:
+        elif isinstance(msg, (MigrationOffer, MigrationEnded, QueuedOffer)) and self.on_migration is not None:
             self.on_migration(self.worker_id, msg, frame_ids(frames[0]) if frames else [])
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, self.worker_id)

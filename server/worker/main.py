@@ -121,12 +121,12 @@ def build_prefill(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
 
 def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from decode_worker.scheduler import create_decode_scheduler
-    from transfer.factory import create_transport, migration_options
+    from transfer.factory import create_transport, migration_options, receive_options
 
-    transport = create_transport(cfg.cluster.transfer_backend, worker_id, cfg.cluster)
+    backend = cfg.cluster.transfer_backend
+    transport = create_transport(backend, worker_id, cfg.cluster, **receive_options(backend, cfg.cluster))
     migration = None  # a second transport, over the host pool, to write retracted KV to peers
     if cfg.cluster.migrate_after is not None and cfg.cluster.host_kv_pool_gb > 0:
-        backend = cfg.cluster.transfer_backend
         migration = create_transport(backend, f"{worker_id}-migrate", cfg.cluster,
                                      **migration_options(backend, cfg.cluster))
     return create_decode_scheduler(runner, cfg, transport, worker_id, model_name, migration_transport=migration)

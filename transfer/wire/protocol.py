@@ -15,15 +15,10 @@ from transfer.wire.base import (PROTOCOL_VERSION, PromptLogprobs, ProtocolError,
                                 frame_ids, hashes_frame, ids_frame)
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.manifest import TransferManifest  # noqa: F401 (re-exported)
+from transfer.wire.message import Message
+from transfer.wire.migration_messages import (MigrateRequest, MigrationDeclined, MigrationEnded,  # noqa: F401
+                                              MigrationOffer, QueuedMove, QueuedOffer)
 from transfer.wire.sampling_params import SamplingParams
-
-
-class Message(BaseModel):
-    """Base of every control message. ``frames`` says how many raw frames follow the header."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    version: int = PROTOCOL_VERSION
-    n_frames: ClassVar[int] = 0
 
 
 # ---- router -> worker ---------------------------------------------------------------------
@@ -125,58 +120,6 @@ class KVWriteStarted(Message):
     rid: str
     room: int
     generation: int = 0
-
-
-# ---- migration of a retracted request between decode workers (decode <-> router) ------------
-class MigrationOffer(Message):
-    """Source decode worker -> router: request ``rid`` is parked in my host pool and could not
-    resume here within ``--migrate-after``; move it to a peer decode worker with room for
-    ``pages`` full pages (its KV plus the ``new_token_ratio`` reservation) if there is one. Frame
-    0: prompt + output so far (int32; the first ``prompt_len`` are the prompt), which the router
-    forwards in the ``MigrateRequest`` with ``params``."""
-
-    rid: str
-    n_tokens: int  # tokens whose KV is in the host copy (prompt + output so far, minus the next input)
-    pages: int
-    prompt_len: int
-    params: SamplingParams
-    n_frames: ClassVar[int] = 1
-
-
-class MigrationDeclined(Message):
-    """Router -> source decode worker: no peer takes ``rid`` now; resume it locally (or offer
-    it again after another ``--migrate-after``)."""
-
-    rid: str
-    reason: str
-
-
-class MigrateRequest(Message):
-    """Router -> target decode worker: admit ``rid`` (prompt + output so far in frame 0, the first
-    ``prompt_len`` ids are the prompt) under ``room``; its KV of the first ``n_tokens`` ids comes
-    from the decode worker at ``source_addr`` (which the target handshakes and sends a
-    ``KVDestination`` exactly as to a prefill worker; generation ``generation`` > 0)."""
-
-    rid: str
-    params: SamplingParams
-    room: int
-    generation: int = 1
-    source_addr: str
-    prompt_len: int
-    n_tokens: int
-    n_frames: ClassVar[int] = 1
-
-
-class MigrationEnded(Message):
-    """Source decode worker -> router: the migration of ``rid`` ended. ``ok``: the target has the
-    KV and streams from now on (the source forgot the request); else ``error`` says why and the
-    source keeps the request (its token stream is the source's again)."""
-
-    rid: str
-    ok: bool
-    error: str | None = None
-    nbytes: int = 0
-    seconds: float = 0.0
 
 
 class AbortRequest(Message):
@@ -358,7 +301,8 @@ MESSAGES: dict[str, type[Message]] = {
     cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, Drain, TokenBatch, WorkerStats,
                                   PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed,
                                   PrefillWithdrawn, KVWriteStarted, KvSnapshotRequest, KvEvents, KvSnapshot,
-                                  MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded)
+                                  MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded, QueuedOffer,
+                                  QueuedMove)
 }
 
 
