@@ -58,7 +58,7 @@ class ClusterConfig(BaseModel):
                            "once but falls back to TCP, ~10x slower (issue-15 note)")
     ucxx_copy_lanes: int = Field(
         2, ge=0, le=64, description="ucxx backend, decode side: UCX workers, each with its own thread, that pull "
-                                    "the pages of a large KV write (8+ pages: a prompt's KV from a prefill worker, "
+                                    "the pages of a large KV write (8 MiB or more: a long prompt's KV from a prefill worker, "
                                     "a migration from a peer) into the pool in parallel (the target of a ucxx write "
                                     "does the copy; on one host one CMA stream per worker); 0 = the worker loop's "
                                     "own UCX worker copies every page")

@@ -120,9 +120,9 @@ def test_pd_greedy_matches_transformers_and_colocated(client, model, embedded, g
 
 
 def test_pd_long_prompt_matches_colocated(client, model, embedded, colocated):
-    """A ~280-token prompt (17+ pages of 16): its KV lands in one write of 8+ pages, which over
-    ucxx the decode worker pulls on its copy lanes (``--ucxx-copy-lanes``, default 2: page i on
-    lane i % 2, transfer/ucxx_lanes.py); the greedy tokens equal the colocated engine's."""
+    """A ~280-token prompt (17+ float32 pages of 16, 13 MB): its KV lands in one write of 8 MiB or
+    more, which over ucxx the decode worker pulls on its copy lanes (``--ucxx-copy-lanes``, default
+    2: page i on lane i % 2, transfer/ucxx_lanes.py); the greedy tokens equal the colocated engine's."""
     text = " ".join(f"{q}{TAIL}" for q in QUESTIONS)
     ids = embedded[2].encode(text)
     assert len(ids) >= 8 * 16 + 16

@@ -32,10 +32,11 @@ pytestmark = pytest.mark.process  # every test spawns a peer process
 BACKENDS = [("nixl", {"dlist_form": "list"}), ("nixl", {"dlist_form": "strided"}),
             ("nixl", {"copy_threads": 2, "split_pages": 4}),
             ("ucxx", {"error_handling": False}), ("ucxx", {"error_handling": True}),
-            ("ucxx", {"error_handling": False, "copy_lanes": 2}), ("ucxx", {"error_handling": True, "copy_lanes": 3})]
+            ("ucxx", {"error_handling": False, "copy_lanes": 2, "lane_min_bytes": 8 * PAGE_BYTES}),
+            ("ucxx", {"error_handling": True, "copy_lanes": 3, "lane_min_bytes": 8 * PAGE_BYTES})]
 IDS = ["nixl-list", "nixl-strided", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-lanes", "ucxx-eh-on-lanes"]
 # ucxx-lanes: the target pulls the 20-page write on its copy lanes (transfer/ucxx_lanes.py), the
-# single-page writes on its main worker.
+# single-page writes on its main worker (lane_min_bytes: 8 of these small pages).
 
 
 @pytest.mark.parametrize("backend,opts", BACKENDS, ids=IDS)
@@ -106,13 +107,13 @@ def test_two_process_write(backend, opts):
 # (ucp_proto_rndv_rts_abort -> ucp_memh_invalidate): SIGSEGV inside tag_send, 100% of runs, until
 # the ucxx backend stopped posting page sends on an endpoint UCX reported failed.
 # nixl-threads: split_pages=2 cuts the scenario's 3-page writes into chunks on the pool's threads;
-# ucxx-lanes: lane_min_pages=2 sends them over the target's copy lanes.
+# ucxx-lanes: lane_min_bytes of 2 pages sends them over the target's copy lanes.
 DEAD_PEER = [("nixl", {}, 3.0, {}), ("nixl", {"copy_threads": 2, "split_pages": 2}, 3.0, {}),
              ("ucxx", {"error_handling": False, "write_timeout_s": 1.5}, 3.0, {}),
              ("ucxx", {"error_handling": True}, 3.0, {}),
              ("ucxx", {"error_handling": True}, 3.0, {"UCX_RCACHE_ENABLE": "n"}),
-             ("ucxx", {"error_handling": False, "write_timeout_s": 1.5, "copy_lanes": 2, "lane_min_pages": 2}, 3.0, {}),
-             ("ucxx", {"error_handling": True, "copy_lanes": 2, "lane_min_pages": 2}, 3.0, {})]
+             ("ucxx", {"error_handling": False, "write_timeout_s": 1.5, "copy_lanes": 2, "lane_min_bytes": 2 * PAGE_BYTES}, 3.0, {}),
+             ("ucxx", {"error_handling": True, "copy_lanes": 2, "lane_min_bytes": 2 * PAGE_BYTES}, 3.0, {})]
 
 
 @pytest.mark.parametrize("backend,opts,limit_s,env", DEAD_PEER,

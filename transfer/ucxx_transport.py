@@ -37,10 +37,11 @@ competes with the scheduler): its progress happens inside ``write_pages``, ``Tra
 Copy lanes (``copy_lanes=N``, target side; the decode worker's ``ucxx_copy_lanes``): N more UCX
 workers, each owned by a thread that sleeps until a write's pages arrive for it
 (``transfer/ucxx_lanes.py``); their addresses go in the metadata (``ucx_lanes``). An initiator
-splits a write of at least ``LANE_MIN_PAGES`` pages over them (page ``i`` on lane ``i % N``), so N
+splits a write of at least ``LANE_MIN_BYTES`` over them (page ``i`` on lane ``i % N``), so N
 rendezvous copies run in parallel and move while the target's worker loop computes; smaller writes
-(a decode step's few pages) stay on the main worker, where a thread hand-off would cost more than
-it saves.
+stay on the main worker: a prompt's few MB copy in well under a millisecond, and on 2 cores lanes
+for them cost ~3% of PD throughput at 8 clients (bfloat16 prompts of 112-289 tokens, 2-7 MB), while
+a 2,048-token migration (94 MB) copies 1.3x faster on 2 lanes.
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ log = logging.getLogger(__name__)
 #: How long ``close_blocking`` may wait for UCX's endpoint teardown (ns).
 _ABORT_PERIOD_NS = 100_000_000
 
-#: A write of fewer pages than this goes to the target's main worker even when it has copy lanes.
-LANE_MIN_PAGES = 8
+#: A write of fewer bytes than this goes to the target's main worker even when it has copy lanes.
+LANE_MIN_BYTES = 8 << 20
 
 
 def _ucxx():
@@ -141,16 +142,16 @@ class UcxxTransport(RemoteTransportBase):
     poll_interval_s = 0.0  # rendezvous sends and receives move only inside our progress calls
 
     def __init__(self, name: str, *, error_handling: bool = False, write_timeout_s: float = 8.0,
-                 copy_lanes: int = 0, lane_min_pages: int = LANE_MIN_PAGES) -> None:
+                 copy_lanes: int = 0, lane_min_bytes: int = LANE_MIN_BYTES) -> None:
         """``copy_lanes``: UCX workers with their own threads that receive the pages of large writes
         into this transport's pool (0..64; see the module docstring); created with the pool.
-        ``lane_min_pages``: as initiator, a write of at least this many pages is split over the
+        ``lane_min_bytes``: as initiator, a write of at least this many bytes is split over the
         target's copy lanes (tests lower it)."""
         super().__init__(name)
         if not 0 <= int(copy_lanes) <= MAX_LANES:
             raise ValueError(f"copy_lanes must be 0..{MAX_LANES}, got {copy_lanes!r}")
         self.copy_lanes = int(copy_lanes)
-        self.lane_min_pages = max(1, int(lane_min_pages))
+        self.lane_min_bytes = max(1, int(lane_min_bytes))
         if len(name.encode()) > 255:
             raise ValueError("ucxx transport names are at most 255 bytes")
         if not write_timeout_s > 0:
@@ -262,7 +263,7 @@ class UcxxTransport(RemoteTransportBase):
         u, seq = self._ucx, conn.seq
         conn.seq = (conn.seq + 1) & 0xFFFF
         deadline = time.monotonic() + self.write_timeout_s
-        lanes = len(conn.lane_eps) if src.size >= self.lane_min_pages else 0
+        lanes = len(conn.lane_eps) if src.size * self._pages.shape[1] >= self.lane_min_bytes else 0
         header = pack_header(WriteHeader(self.name, conn.conn_id, seq, dst, notif,
                                          time.time() + self.write_timeout_s, lanes))
         reqs: list = []
