@@ -94,8 +94,23 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
                           "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", "30",
                           "--peer-timeout-s", "4", "--log-level", "WARNING")
 
-    async def one(c, i):
-        r = await c.completions.create(model=model, prompt=prompts[i], max_tokens=NEW_TOKENS, temperature=0,
+    with dashboard(srv.url, backend) as browser:
+        page = None
+        if browser is not None:
+            page = browser.open()
+            page.navigate(f"{srv.url}/dashboard")
+            page.wait_for("document.querySelectorAll('#migration-tiles .tile').length > 0", 30)
+        results = asyncio.run(stream_all(srv.url, prompts, NEW_TOKENS))
+        check_idle(srv.url, results, prompts, refs, tok, page)
+
+
+async def stream_all(url: str, prompts: list[str], max_tokens: int) -> list[tuple[list[int], object]]:
+    """Every prompt streamed at once, greedy: ``(token ids, usage)`` per prompt, in order."""
+    c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = (await c.models.list()).data[0].id
+
+    async def one(prompt):
+        r = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"return_token_ids": True})
         ids, usage = [], None
@@ -104,23 +119,10 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
                 ids += getattr(chunk.choices[0], "token_ids", None) or []
             usage = chunk.usage or usage
         return ids, usage
-
-    async def run_all():
-        c = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=600)
-        try:
-            return await asyncio.gather(*(one(c, i) for i in range(len(prompts))))
-        finally:
-            await c.close()
-
-    model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
-    with dashboard(srv.url, backend) as browser:
-        page = None
-        if browser is not None:
-            page = browser.open()
-            page.navigate(f"{srv.url}/dashboard")
-            page.wait_for("document.querySelectorAll('#migration-tiles .tile').length > 0", 30)
-        results = asyncio.run(run_all())
-        check_idle(srv.url, results, prompts, refs, tok, page)
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await c.close()
 
 
 def check_idle(url, results, prompts, refs, tok, page) -> None:
@@ -156,26 +158,7 @@ def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server,
                           "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", "30",
                           "--peer-timeout-s", "4", "--log-level", "WARNING")
 
-    async def run_all():
-        c = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=600)
-        model = (await c.models.list()).data[0].id
-
-        async def one(prompt):
-            r = await c.completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0,
-                                           stream=True, stream_options={"include_usage": True},
-                                           extra_body={"return_token_ids": True})
-            ids, usage = [], None
-            async for chunk in r:
-                if chunk.choices:
-                    ids += getattr(chunk.choices[0], "token_ids", None) or []
-                usage = chunk.usage or usage
-            return ids, usage
-        try:
-            return await asyncio.gather(*(one(p) for p in PROMPTS))
-        finally:
-            await c.close()
-
-    results = asyncio.run(run_all())
+    results = asyncio.run(stream_all(srv.url, PROMPTS, new_tokens))
     assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == [r[:new_tokens] for r in refs]
     assert all(u is not None and u.completion_tokens == len(ids) for ids, u in results)
     m = wait_idle(srv.url, HEARTBEAT_S)
