@@ -9,8 +9,10 @@ parallel (ucxx's ``progress`` releases the GIL), and they move while the worker 
 
 Contract:
 
-* Every UCX call on a lane's worker happens on the lane's thread (UCX workers are single-threaded);
-  other threads only ``submit`` jobs and ``take_done`` results, through thread-safe queues.
+* Every UCX call on a lane's worker happens on the lane's thread; other threads only ``submit``
+  jobs and ``take_done`` results, through thread-safe queues. Each lane has its own UCX context:
+  ucxx creates contexts without ``mt_workers_shared``, so workers of one context must not be
+  driven from several threads.
 * A job is the page receives of one write on this lane. It ends ``done`` (every receive completed;
   ``error`` is the first failure's text or ``None``). A job's buffers must stay valid until it ends.
 * With receives pending the thread progresses without sleeping (the copies are its work); once
@@ -51,11 +53,12 @@ _STOP = object()
 
 
 class CopyLane:
-    """One UCX worker on ``context`` and the thread that posts and progresses its receives."""
+    """One UCX context and worker and the thread that posts and progresses its receives."""
 
-    def __init__(self, ucx, array_type, context, name: str) -> None:
+    def __init__(self, ucx, array_type, name: str) -> None:
         self._ucx, self._array = ucx, array_type
-        self._worker = ucx.UCXWorker(context)
+        self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG,))
+        self._worker = ucx.UCXWorker(self._context)
         self.address: bytes = self._worker.address.tobytes()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[tuple[tuple[int, int], str | None]] = deque()

@@ -35,7 +35,7 @@ competes with the scheduler): its progress happens inside ``write_pages``, ``Tra
 ``poll_notifs`` and ``close``, serialized by one lock.
 
 Copy lanes (``copy_lanes=N``, target side; the decode worker's ``ucxx_copy_lanes``): N more UCX
-workers, each owned by a thread that sleeps until a write's pages arrive for it
+workers (each in its own context), each owned by a thread that sleeps until a write's pages arrive for it
 (``transfer/ucxx_lanes.py``); their addresses go in the metadata (``ucx_lanes``). An initiator
 splits a write of at least ``LANE_MIN_BYTES`` over them (page ``i`` on lane ``i % N``), so N
 rendezvous copies run in parallel and move while the target's worker loop computes; smaller writes
@@ -172,7 +172,7 @@ class UcxxTransport(RemoteTransportBase):
             raise ValueError("the ucxx backend moves host-memory pools only; use --transfer-backend nixl "
                              f"for a pool on {buffer.device}")
         pages = buffer.view(-1).view(torch.uint8).numpy().reshape(num_pages, page_bytes)
-        lanes = [CopyLane(self._ucx, self._array, self._context, f"ucxx-lane-{k}") for k in range(self.copy_lanes)]
+        lanes = [CopyLane(self._ucx, self._array, f"ucxx-lane-{k}") for k in range(self.copy_lanes)]
         self._inbox = Inbox(self._ucx, self._array, self._worker, pages, lanes)
         self._pages = pages
 
