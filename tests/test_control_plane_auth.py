@@ -33,7 +33,7 @@ from transfer.control_auth import ENV_SECRET, ControlAuth
 from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
                                     KvEvents, KvSnapshot, KvSnapshotRequest, KVWriteStarted, MigrateRequest, MigrationDeclined,
                                     MigrationEnded, MigrationOffer, PrefillFailed, PrefillRequest, PrefillWithdrawn,
-                                    Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
+                                    QueuedMove, QueuedOffer, Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
                                     hashes_frame, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
 
@@ -81,6 +81,9 @@ def every_message_kind() -> dict[str, list[bytes]]:
                                                 params=SamplingParams(max_new_tokens=4)), ids_frame([1, 2, 3])),
         "MigrationDeclined": encode(MigrationDeclined(rid="evil-gen", reason="evil")),
         "MigrationEnded": encode(MigrationEnded(rid="evil-gen", ok=False, error="evil")),
+        "QueuedOffer": encode(QueuedOffer(rid="evil-gen", pages=1, waited_s=1.0)),
+        # a decode worker would drop the queued request silently and withdraw its prefill
+        "QueuedMove": encode(QueuedMove(rid="evil-gen", target="decode-1")),
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out
