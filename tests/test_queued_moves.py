@@ -126,5 +126,5 @@ def test_router_moves_a_queued_request_to_the_peer_with_room_or_declines():
     dst.stats = dst.stats.model_copy()  # a fresh report: room again
     moves.on_message("d1", QueuedOffer(rid="c", pages=1, waited_s=1.0), [])
     assert src.client.sent[-1] == ("declined", "c") and c.queue.empty()
-    moves.on_message("d2", QueuedOffer(rid="x", pages=1, waited_s=1.0), [])  # unknown request
-    assert dst.client.sent == [("declined", "x")]
+    moves.on_message("d2", QueuedOffer(rid="x", pages=1, waited_s=1.0), [])  # its session ended: no answer
+    assert dst.client.sent == []  # (a decline would race the session's abort on the worker)

@@ -110,12 +110,13 @@ class Migrations:
         """Move a request waiting for pages on ``source_id`` to a peer with room, or decline."""
         source = self.handles.get(source_id)
         entry = self.table.entry(offer.rid)
+        if entry is None:
+            return  # its session ended: the abort it sent ends the request on the worker
         target = None
-        if source is not None and entry is not None and entry.stream_from == source_id and not entry.streamed:
+        if source is not None and entry.stream_from == source_id and not entry.streamed:
             target = pick_target(self.handles.values(), source, offer.pages, self.granted_since_report)
         if target is None:
-            why = "no peer decode worker has room" if entry is not None else "the router has no such request"
-            self._decline(source_id, offer.rid, why)
+            self._decline(source_id, offer.rid, "no peer decode worker has room")
             return
         try:
             source.client.move_queued(offer.rid, target.worker_id)
