@@ -149,8 +149,9 @@ def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server,
     """``--migrate-queued``: every request pinned to decode-0, whose 24-page pool holds a few of them;
     the ones waiting there for pages longer than ``--migrate-after`` are re-routed to decode-1
     before their prefill (no KV to move). Every stream ends with the colocated engine's greedy
-    tokens and its usage, the router counts the moves, decode-1 finished the moved requests,
-    nothing was aborted or failed, and both pools are empty once idle."""
+    tokens and its usage, the router counts the moves, every request finished once over the two
+    decode workers (decode-1 some of them), nothing was aborted or failed, and both pools are empty
+    once idle."""
     tok, new_tokens = embedded[2], 24  # a prefix of the references: the queue forms from the prompts' pages
     srv = launched_server("pd", "--decode", "2", "--route-decode", "decode-0", "--migrate-after", "0.2s",
                           "--migrate-queued", "--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len",
@@ -165,8 +166,10 @@ def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server,
     moved = metric_sum(m, "pdserve_router_queued_moves_total")
     assert moved > 0
     assert metric_sum(m, "pdserve_requests_total", status="200") == len(PROMPTS)
-    migrated = metric_sum(m, "pdserve_migrations_total", worker="decode-1", direction="in", outcome="done")
-    assert metric_sum(m, "pdserve_worker_finished_requests_total", worker="decode-1") == moved + migrated
+    # each request finished once, on one of the two (a moved or migrated one may move again: both
+    # decode workers offer what waits too long, so only the sum is exact), and decode-1 took some
+    finished = [metric_sum(m, "pdserve_worker_finished_requests_total", worker=w) for w in ("decode-0", "decode-1")]
+    assert sum(finished) == len(PROMPTS) and finished[1] > 0, finished
     for w in ("decode-0", "decode-1", "prefill-0"):
         assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0
         assert metric_sum(m, "pdserve_worker_aborted_requests_total", worker=w) == 0
