@@ -110,6 +110,11 @@ class PageBudget:
         n = req.seq_len if n_tokens is None else n_tokens
         return self.prompt_growth(n, req.seq_len + self.reserved_tokens(req, ratio) - n)
 
+    def full_pages_to_admit(self, req: Budgeted, ratio: float, n_tokens: int) -> int:
+        """Full pages a peer needs to take ``req`` with the KV of its first ``n_tokens`` tokens:
+        those tokens' pages plus the ``prompt_reservation`` (what a migration offer asks for)."""
+        return self.pages_for(n_tokens) + self.prompt_reservation(req, ratio, n_tokens).full
+
     def running_reservation(self, running: Iterable[Budgeted], ratio: float) -> PageCount:
         """Pages the admitted requests may still take: up to ``seq_len + reserved_tokens`` each."""
         total = PageCount()

@@ -127,8 +127,7 @@ class MigrationSource:
             queue.remove(job)
             job.enter(DecodeState.MIGRATING)
             req = job.req
-            reserve = self.budget.prompt_reservation(req, ratio, req.kv_len)
-            pages = self.budget.pages_for(req.kv_len) + reserve.full
+            pages = self.budget.full_pages_to_admit(req, ratio, req.kv_len)
             self.offered[req.rid], self._offered_at[req.rid] = job, now
             log.info("offering retracted %s (%d tokens, %d pages with reservation) to a peer decode worker",
                      req.rid, req.kv_len, pages)

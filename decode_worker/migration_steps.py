@@ -75,7 +75,7 @@ def admit_migrated(s, owner: bytes, msg: MigrateRequest, ids: list[int]) -> Outb
             req.output_ids.append(t)
             req.sampler_state.append(t)
         in_flight = [*s.running, *(j.req for j in s.transfers.inflight.values())]
-        need = s.budget.pages_for(msg.n_tokens) + s.budget.prompt_reservation(req, ratio, msg.n_tokens).full
+        need = s.budget.full_pages_to_admit(req, ratio, msg.n_tokens)
         need += sum(s.budget.pages_for(j.n_tokens) for j in s.transfers.prealloc)  # migrated ones taken already
         if s.budget.headroom(in_flight, ratio).full < need:
             why = f"no room: {need} pages needed with the reservation"

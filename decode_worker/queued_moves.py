@@ -98,7 +98,7 @@ def queued_step(s) -> Outbox:
     ratio = s.running.ratio.value
 
     def pages_of(job: DecodeJob) -> int:
-        return s.budget.pages_for(job.n_tokens) + s.budget.prompt_reservation(job.req, ratio, job.n_tokens).full
+        return s.budget.full_pages_to_admit(job.req, ratio, job.n_tokens)
 
     return s.queued.offer(s.transfers.prealloc, pages_of)
 
