@@ -75,11 +75,6 @@ class TransferTracker:
         at = next((i for i, j in enumerate(self.prealloc) if not j.preempt), len(self.prealloc))
         self.prealloc.insert(at, job)
 
-    def first_preempting(self, peers: PrefillPeers) -> DecodeJob | None:
-        """The first queued job with ``preempt`` whose prefill worker is ready, if any."""
-        return next((j for j in self.prealloc if j.preempt and (p := peers.get(j.prefill_addr)) is not None
-                     and p.ready), None)
-
     def queue_recompute(self, job: DecodeJob) -> None:
         """A RECOMPUTING job (``RetractManager.recompute``) waits for its pages, first in line but
         behind the jobs with ``preempt`` (it may be one they displaced); admission then sends its
