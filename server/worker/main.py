@@ -60,7 +60,10 @@ def measuring_turn(ledger_fd: int):
 # and the gain that makes borrowing worth a thread switch per step.
 LENDING_PROBE_ROWS = {"decode": 8, "prefill": 256, "colocated": 256}
 LENDING_MIN_GAIN = 1.1
-LENDING_PROBE_ROUNDS = 4
+LENDING_PROBE_ROUNDS = 4  # at most; fewer once LENDING_PROBE_BUDGET_S is spent (2 at least)
+LENDING_PROBE_MIN_ROUNDS = 2
+LENDING_PROBE_REPEATS = 2  # timed passes per probe (after one warm-up pass)
+LENDING_PROBE_BUDGET_S = 2.0  # a prefill's 256-row probe is ~0.5 s a pair on 2 cores: 2 rounds, not 4
 LENDING_LOAD_WAIT_S = 300.0  # the longest a worker waits for the others' loads before it measures
 
 
@@ -95,9 +98,15 @@ def _measured_total(runner, role: str, own: int, total: int) -> int:
     """``total`` if this worker's step matmuls gain ``LENDING_MIN_GAIN`` x on it, else ``own``."""
     rows = LENDING_PROBE_ROWS.get(role, 8)
     alone = shared = float("inf")
-    for _ in range(LENDING_PROBE_ROUNDS):  # alternating: a slow moment (a fresh thread, a page fault
-        alone = min(alone, runner.matmul_seconds(own, rows))  # storm after the load) hits both sides
-        shared = min(shared, runner.matmul_seconds(total, rows))
+    spent = 0.0  # the probes' time (passes x best pass): deterministic, and what start-up pays
+    # alternating rounds: a slow moment (a fresh thread, a page fault storm after the load) hits both
+    for done in range(1, LENDING_PROBE_ROUNDS + 1):
+        a = runner.matmul_seconds(own, rows, LENDING_PROBE_REPEATS)
+        b = runner.matmul_seconds(total, rows, LENDING_PROBE_REPEATS)
+        alone, shared = min(alone, a), min(shared, b)
+        spent += (a + b) * (LENDING_PROBE_REPEATS + 1)
+        if done >= LENDING_PROBE_MIN_ROUNDS and spent >= LENDING_PROBE_BUDGET_S:
+            break
     gain = alone / shared if shared > 0 else 1.0
     log.info("core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s", rows,
              alone * 1e3, own, shared * 1e3, total, gain,
