@@ -206,15 +206,16 @@ def _cpus(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-def split_decode_cpus(n: int) -> list[str]:
-    """``--worker-cpus`` giving each decode worker its own half of the host's ``n`` cores (the
-    prefill worker all of them): each decode worker then stands for a device of its own, which is
-    what migration is for. Unpinned, both decode workers share every core, and moving work to the
-    idle one adds no compute. Nothing on a one-core host."""
+def split_decode_cpus(n: int, decode: int = 2) -> list[str]:
+    """``--worker-cpus`` giving decode-0 (the loaded one) its own half of the host's ``n`` cores and
+    its ``decode - 1`` peers the other half (the prefill worker all of them): the loaded worker then
+    stands for a device of its own, which is what migration is for. Unpinned, every decode worker
+    shares every core, and moving work to an idle one adds no compute. Nothing on a one-core host."""
     if n < 2:
         return []
     half = n // 2
-    return ["--worker-cpus", f"prefill-0={_cpus(0, n - 1)},decode-0={_cpus(0, half - 1)},decode-1={_cpus(half, n - 1)}"]
+    peers = ",".join(f"decode-{i}={_cpus(half, n - 1)}" for i in range(1, decode))
+    return ["--worker-cpus", f"prefill-0={_cpus(0, n - 1)},decode-0={_cpus(0, half - 1)},{peers}"]
 
 
 def arrival_gaps(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -231,12 +232,12 @@ def _serve_run(args, migrate: bool) -> dict:
 
     from server.testing.subprocess_server import LaunchedServer, metric_sum, wait_idle
 
-    flags = ["--mode", "pd", "--decode", "2", "--port", "0", "--route-decode", "decode-0", "--transfer-backend",
+    flags = ["--mode", "pd", "--decode", str(args.decode_workers), "--port", "0", "--route-decode", "decode-0", "--transfer-backend",
              args.backend, "--kv-pool-tokens", str(args.pool_tokens), "--page-size", "16", "--max-model-len", "2048",
              "--init-new-token-ratio", "0.05", "--health-interval-s", "0.5", "--log-level", "WARNING"]
     if args.step_delay_s:
         flags += ["--test-step-delay-s", str(args.step_delay_s)]
-    flags += (split_decode_cpus(os.cpu_count() or 1) if args.decode_cores == "split" else []) + shlex.split(args.server_args)
+    flags += (split_decode_cpus(os.cpu_count() or 1, args.decode_workers) if args.decode_cores == "split" else []) + shlex.split(args.server_args)
     if migrate:
         flags += ["--migrate-after", args.migrate_after] + (["--migrate-on-retract"] if args.migrate_on_retract else [])
         flags += ["--migrate-queued"] if args.migrate_queued else []
@@ -268,12 +269,16 @@ def _serve_run(args, migrate: bool) -> dict:
             "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
             "retracted_requests": len(retracted), "p50_s": pct(0.5), "p99_s": pct(0.99),
             "all_p99_s": sorted(r["e2e"] for r in results)[int(0.99 * (len(results) - 1))],
-            "ids": [r["ids"] for r in results]}
+            "ids": [r["ids"] for r in results],
+            "requests": [{"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2),
+                          "retracted": r["max_gap"] > args.gap_factor * median_gap} for r in results]}
 
 
 def serve_part(args) -> dict:
     off, on = _serve_run(args, False), _serve_run(args, True)
     same = off.pop("ids") == on.pop("ids")
+    if not args.per_request:
+        off.pop("requests"), on.pop("requests")
     ratio = on["p99_s"] / off["p99_s"] if on["p99_s"] and off["p99_s"] else None
     return {"without": off, "with": on, "tokens_identical": same, "p99_ratio": ratio,
             "goal_met": bool(ratio is not None and ratio <= 0.5 and same and on["failed"] == off["failed"] == 0)}
@@ -309,7 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-cores", choices=("split", "shared"), default="split",
                     help="serve: split: each decode worker pinned to its own half of the cores (a device each); "
                          "shared: every worker on every core")
+    ap.add_argument("--decode-workers", type=int, default=2,
+                    help="serve: decode workers (decode-0 gets every request; the others are its peers and "
+                         "share the other half of the cores under --decode-cores split)")
     ap.add_argument("--server-args", default="", help="serve: more pdserve launch flags for both runs")
+    ap.add_argument("--per-request", action="store_true", help="serve: print every request's e2e and longest gap")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = {}
