@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.serve.client import ClientConfig
-from bench.serve.multiturn import MultiTurnSpec, multi_turn_records, run_conversations
+from bench.serve.multiturn import MultiTurnSpec, multi_turn_records, run_conversations, user_starts
 from bench.serve.options import ServeOptions, add_serve_flags
 from bench.serve.report import cache_table
 from bench.serve.server_metrics import cache_effect
@@ -67,6 +67,28 @@ def test_each_turn_resends_the_conversation_and_a_failure_ends_only_its_own(endp
     assert [(r.kind, r.stats.requests) for r in records] == [("all", 5), ("turn1", 2), ("turn2", 2), ("turn3", 1)]
 
 
+def test_users_arrive_one_after_another_when_asked():
+    together = MultiTurnSpec(users=3, turns=1, first_len=5, question_len=2, output_len=2, think_s=0)
+    assert user_starts(together, seed=1) == [0.0, 0.0, 0.0]
+    spread = MultiTurnSpec(users=200, turns=1, first_len=5, question_len=2, output_len=2, think_s=0, arrival_s=2.0)
+    starts = user_starts(spread, seed=1)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] == 0.0 and all(g > 0 for g in gaps) and 1.6 < sum(gaps) / len(gaps) < 2.4
+    assert starts == user_starts(spread, seed=1) != user_starts(spread, seed=2)
+
+    sent: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(asyncio.get_running_loop().time())
+        return httpx.Response(200, text=_sse(" A"), headers={"content-type": "text/event-stream"})
+
+    spec = MultiTurnSpec(users=2, turns=1, first_len=5, question_len=2, output_len=2, think_s=0, arrival_s=0.3)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    asyncio.run(run_conversations(ClientConfig("http://srv", "m"), spec, WordCounter(), seed=3, progress=False,
+                                  client=client))
+    assert sent[1] - sent[0] >= user_starts(spec, 3)[1] - 0.01  # the second user waited its arrival gap
+
+
 def _sample(name: str, value: float, **labels: str):
     return (name, tuple(sorted(labels.items()))), value
 
@@ -105,6 +127,10 @@ def test_routing_variants_and_multi_turn_flags():
     o = ServeOptions.from_args(p.parse_args(["--multi-turn", "--users", "4", "--turns", "3", "--input-len", "300",
                                              "--turn-input-len", "40", "--think-time-s", "0.5"]))
     assert o.multi_turn == MultiTurnSpec(4, 3, 300, 40, 64, 0.5)
+    o = ServeOptions.from_args(p.parse_args(["--multi-turn", "--users", "4", "--user-arrival-s", "2"]))
+    assert o.multi_turn.arrival_s == 2.0
+    with pytest.raises(ValueError, match="--user-arrival-s"):
+        ServeOptions.from_args(p.parse_args(["--multi-turn", "--user-arrival-s", "-1"]))
     with pytest.raises(ValueError, match="--multi-turn"):
         ServeOptions.from_args(p.parse_args(["--multi-turn", "--concurrency", "2"]))
     with pytest.raises(ValueError, match="--users"):

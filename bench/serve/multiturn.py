@@ -3,7 +3,9 @@
 Every user has its own opening context (``first_len`` tokens); each later turn sends the whole
 conversation so far (previous prompt, the answer the server streamed, a new question of
 ``question_len`` tokens), as a chat client does, after a think time (exponential, mean
-``think_s``; 0: none). Users run concurrently, each one turn at a time, so the prompts of a
+``think_s``; 0: none). Users start together (``arrival_s`` 0) or one after another (exponential gaps of
+mean ``arrival_s``, seeded: chat sessions arrive over time, so the first turns do not all land in one
+burst). Users run concurrently, each one turn at a time, so the prompts of a
 conversation share ever longer prefixes: what cache-aware routing is for. A failed turn ends that
 user's conversation (the failure is counted; later turns are not sent). Records: one per turn
 (``kind`` ``turn1``..) and one over every request (``all``), so TTFT can be read per turn.
@@ -37,12 +39,25 @@ class MultiTurnSpec:
     question_len: int
     output_len: int
     think_s: float = 1.0
+    arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.users < 1 or self.turns < 1 or self.first_len < 1 or self.question_len < 1 or self.output_len < 1:
             raise ValueError("--users, --turns, --input-len, --turn-input-len and --output-len must be >= 1")
         if self.think_s < 0:
             raise ValueError(f"--think-time-s must be >= 0, got {self.think_s}")
+        if self.arrival_s < 0:
+            raise ValueError(f"--user-arrival-s must be >= 0, got {self.arrival_s}")
+
+
+def user_starts(spec: MultiTurnSpec, seed: int) -> list[float]:
+    """Seconds from the run's start to each user's first turn: all 0 for ``arrival_s`` 0, else the
+    sums of exponential gaps of mean ``arrival_s`` (the first user at 0); deterministic per seed."""
+    rng, t, out = random.Random(seed + 2), 0.0, []
+    for u in range(spec.users):
+        out.append(t)
+        t += rng.expovariate(1 / spec.arrival_s) if spec.arrival_s else 0.0
+    return out
 
 
 def conversation_texts(spec: MultiTurnSpec, counter: LengthCounter, seed: int) -> list[list[str]]:
@@ -72,12 +87,15 @@ async def run_conversations(cfg: ClientConfig, spec: MultiTurnSpec, counter: Len
     rng = random.Random(seed + 1)
     thinks = [[rng.expovariate(1 / spec.think_s) if spec.think_s else 0.0 for _ in range(spec.turns)]
               for _ in range(spec.users)]
+    starts = user_starts(spec, seed)
     results: list[RequestResult] = []
     async with client or _http_client(spec.users) as client:
         bar = _bar(spec.users * spec.turns, "multi-turn", progress)
 
         async def user(u: int) -> None:
             history: list[tuple[str, str]] = []
+            if starts[u]:
+                await asyncio.sleep(starts[u])
             for t in range(spec.turns):
                 history.append(("user", texts[u][t]))
                 r = await send(client, cfg, turn_request(cfg, u * spec.turns + t, t, history, spec.output_len,

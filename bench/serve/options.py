@@ -99,6 +99,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turn-input-len", type=int, default=64, help="--multi-turn: tokens of each new question")
     g.add_argument("--think-time-s", type=float, default=1.0,
                    help="--multi-turn: mean pause between a user's turns (exponential; 0: none)")
+    g.add_argument("--user-arrival-s", type=float, default=0.0,
+                   help="--multi-turn: mean gap between users' first turns (exponential, seeded; 0: every user "
+                        "starts at once)")
 
 
 def _range(text: str, flag: str) -> tuple[int, int]:
@@ -225,8 +228,8 @@ class ServeOptions:
         if (a.multi_turn or a.interference) and out[0] != out[1]:
             raise ValueError("--output-len-range applies to --concurrency, --request-rate and --goodput runs: "
                              "give --output-len")
-        multi = (MultiTurnSpec(a.users, a.turns, inp[0], a.turn_input_len, out[0], a.think_time_s)
-                 if a.multi_turn else None)
+        multi = (MultiTurnSpec(a.users, a.turns, inp[0], a.turn_input_len, out[0], a.think_time_s,
+                                a.user_arrival_s) if a.multi_turn else None)
         return cls(conc, rates, inp, _range(a.long_input_len_range, "--long-input-len-range"), slo,
                    parse_modes(a.compare) if a.compare else None, shlex.split(a.server_args),
                    parse_targets(a.target, a.compare), multi, out, goodput)
