@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from configs.schema import PdserveConfig
+from server.launch.ports import listen
 from conftest import hf_greedy
 from transfer.cluster_key import ClusterKey
 from transfer.control_auth import ENV_SECRET, ControlAuth
@@ -28,10 +29,10 @@ from transfer.wire.sampling_params import SamplingParams
 pytestmark = pytest.mark.process
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def held_port() -> socket.socket:
+    """A listening socket on a free loopback port, handed to the worker (``--listen-fd``) as the
+    launcher does: a port picked, closed and bound again later can be taken in between."""
+    return listen("127.0.0.1", 0)
 
 
 class PDPair:
@@ -54,7 +55,8 @@ class PDPair:
         dcfg.engine.kv_pool_tokens = decode_pool
         dcfg.engine.page_size = decode_page_size
         dcfg.cluster.transfer_backend = decode_backend or backend
-        self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        self.held = {wid: held_port() for wid in ("p0", "d0")}
+        self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{self.held[w].getsockname()[1]}" for w in ("p0", "d0"))
         self.auth = ControlAuth(ClusterKey.generate())
         self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, pcfg),
                       "d0": self._spawn("decode", "d0", self.d_addr, dcfg)}
@@ -71,9 +73,11 @@ class PDPair:
             assert self.stats(wid, timeout=60).role in ("prefill", "decode")
 
     def _spawn(self, role, wid, addr, cfg):
+        fd = self.held[wid].fileno()
         return subprocess.Popen([sys.executable, "-m", "server.worker.main", "--role", role, "--worker-id", wid,
-                                 "--control-addr", addr, "--config-json", cfg.model_dump_json()],
-                                env={**os.environ, ENV_SECRET: self.auth.key.secret.decode()})
+                                 "--control-addr", addr, "--listen-fd", str(fd), "--config-json",
+                                 cfg.model_dump_json()],
+                                env={**os.environ, ENV_SECRET: self.auth.key.secret.decode()}, pass_fds=(fd,))
 
     def stats(self, wid: str, timeout: float = 10) -> WorkerStats:
         s = self.socks[wid]
@@ -121,6 +125,8 @@ class PDPair:
             except subprocess.TimeoutExpired:
                 p.kill()
         self.ctx.destroy(0)
+        for sock in self.held.values():
+            sock.close()
 
 
 def prompts(n, lo, hi, seed):
