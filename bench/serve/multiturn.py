@@ -13,6 +13,7 @@ user's conversation (the failure is counted; later turns are not sent). Records:
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from bench.serve.report import RunRecord
 from bench.serve.runner import Measured, Meter, _bar, _http_client
 from bench.serve.server_metrics import CacheEffect, cache_effect, scrape
 from bench.serve.stats import SLO, compute_stats
-from bench.serve.workload import LengthCounter, RequestSpec
+from bench.serve.workload import LengthCounter, RequestSpec, poisson_offsets
 
 HEARTBEAT_WAIT_S = 2.5  # workers' counters reach /metrics with their next heartbeat (default every 1 s)
 
@@ -53,11 +54,7 @@ class MultiTurnSpec:
 def user_starts(spec: MultiTurnSpec, seed: int) -> list[float]:
     """Seconds from the run's start to each user's first turn: all 0 for ``arrival_s`` 0, else the
     sums of exponential gaps of mean ``arrival_s`` (the first user at 0); deterministic per seed."""
-    rng, t, out = random.Random(seed + 2), 0.0, []
-    for u in range(spec.users):
-        out.append(t)
-        t += rng.expovariate(1 / spec.arrival_s) if spec.arrival_s else 0.0
-    return out
+    return poisson_offsets(spec.users, 1 / spec.arrival_s if spec.arrival_s else math.inf, seed + 2)
 
 
 def conversation_texts(spec: MultiTurnSpec, counter: LengthCounter, seed: int) -> list[list[str]]:

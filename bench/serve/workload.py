@@ -143,21 +143,28 @@ def make_requests(shape: PromptShape, counter: LengthCounter, seed: int, start_i
     return out
 
 
-def poisson_arrivals(requests: list[RequestSpec], rate: float, seed: int,
-                     first_at_zero: bool = True) -> list[RequestSpec]:
-    """Requests with exponential inter-arrival gaps of mean ``1/rate`` s (``rate=inf``: all at 0).
-    The first arrives at 0, or after one random gap when ``first_at_zero`` is False."""
+def poisson_offsets(n: int, rate: float, seed: int, first_at_zero: bool = True) -> list[float]:
+    """``n`` arrival times (s) with exponential gaps of mean ``1/rate`` s (``rate=inf``: all at 0),
+    seeded. The first is 0, or one random gap when ``first_at_zero`` is False."""
     if not rate > 0:
         raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
     rng = random.Random(seed)
     t, out = 0.0, []
     if not first_at_zero and not math.isinf(rate):
         t = rng.expovariate(rate)
-    for r in requests:
-        out.append(replace(r, arrival_s=t))
+    for _ in range(n):
+        out.append(t)
         if not math.isinf(rate):
             t += rng.expovariate(rate)
     return out
+
+
+def poisson_arrivals(requests: list[RequestSpec], rate: float, seed: int,
+                     first_at_zero: bool = True) -> list[RequestSpec]:
+    """Requests with exponential inter-arrival gaps of mean ``1/rate`` s (``rate=inf``: all at 0).
+    The first arrives at 0, or after one random gap when ``first_at_zero`` is False."""
+    times = poisson_offsets(len(requests), rate, seed, first_at_zero)
+    return [replace(r, arrival_s=t) for r, t in zip(requests, times)]
 
 
 def merge_by_arrival(*streams: list[RequestSpec]) -> list[RequestSpec]:
