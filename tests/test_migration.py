@@ -23,11 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.router.inflight import InflightTable
 from server.router.metrics import WorkerCollector
 from server.router.migration import Migrations, pick_target
+from server.router.registry import Registry
+from server.router.workers import route_pd
 from server.router.workers import READY, WorkerHandle, WorkerSpec
 from server.worker.loop import worker_stats
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox
-from transfer.wire.protocol import MigrationOffer, TokenDelta, WorkerStats
+from transfer.wire.protocol import MigrationEnded, MigrationOffer, TokenDelta, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
@@ -141,6 +143,68 @@ def test_repoint_keeps_source_dependency_until_the_target_streams():
     assert e.depends_on == ("d2",)
     t.leave("r", "d1")
     assert e.workers == ("p0", "d2")
+
+
+class _RegClient(_Client):
+    def __init__(self, spec, on_tokens, on_stats):
+        super().__init__()
+
+    def abort(self, rids, reason):
+        self.sent += [("abort", r) for r in rids]
+
+
+def _moving(target_room=50):
+    """A registry whose d1 offered ``r`` (streamed from d1 so far) and the router sent it to d2."""
+    specs = [WorkerSpec(w, Role.DECODE, f"inproc://{w}") for w in ("d1", "d2")]
+    reg = Registry(specs, _RegClient, InflightTable(), policy=route_pd)
+    for wid, room in (("d1", 0), ("d2", target_room)):
+        h = reg.handles[wid]
+        h.state, h.stats = READY, _handle(wid, room).stats
+    e = reg.table.open("r", ("p0", "d1"), "d1", 10)
+    reg.table.dispatch("d1", TokenDelta(rid="r", token_ids=[3]))
+    reg.migrations.on_offer("d1", MigrationOffer(rid="r", n_tokens=40, pages=30, prompt_len=8,
+                                                  params=SamplingParams(max_new_tokens=8)), [1] * 40)
+    assert reg.handles["d2"].client.sent == [("migrate", "r")] and e.stream_from == "d2"
+    e.queue.get_nowait()
+    return reg, e
+
+
+@pytest.mark.parametrize("write_ok", [False, True])
+def test_target_lost_before_the_source_reports(write_ok):
+    """The router gives the target up (no heartbeat) while the source's write may be under way:
+    the migration is undone (the source is told, the target aborted) and the stream is the
+    source's again; a write that failed leaves the request to the source, one that finished anyway
+    (the source forgot it) fails it explicitly instead of leaving the client waiting forever."""
+    reg, e = _moving()
+    assert reg.mark_dead("d2", "no heartbeat") == []  # it had not streamed from d2: not failed with it
+    assert e.stream_from == "d1" and "d2" not in e.workers and "r" not in reg.migrations.moving
+    assert reg.handles["d1"].client.sent == [("declined", "r")] and ("abort", "r") in reg.handles["d2"].client.sent
+    reg.migrations.on_ended("d2", MigrationEnded(rid="r", ok=True))  # not the source: ignored
+    assert e.queue.empty()
+    reg.migrations.on_ended("d1", MigrationEnded(rid="r", ok=write_ok, error=None if write_ok else "peer gone"))
+    if write_ok:
+        delta = e.queue.get_nowait()
+        assert delta.error_status == 503 and "which was lost before it could stream" in delta.error
+    else:
+        assert e.queue.empty() and reg.table.dispatch("d1", TokenDelta(rid="r", token_ids=[4]))
+    assert reg.migrations.abandoned == {}
+
+
+def test_target_lost_after_it_streamed_fails_the_request_only_once():
+    reg, e = _moving()
+    assert reg.table.dispatch("d2", TokenDelta(rid="r", token_ids=[4]))  # d2 streams before d1's ok came
+    e.queue.get_nowait()
+    assert reg.mark_dead("d2", "no heartbeat") == ["r"]
+    assert e.queue.get_nowait().error_status == 503 and e.queue.empty()
+    assert reg.migrations.moving == {} and reg.migrations.abandoned == {}
+    assert ("declined", "r") not in reg.handles["d1"].client.sent
+
+
+def test_source_lost_mid_migration_fails_it_and_forgets_the_move():
+    reg, e = _moving()
+    assert reg.mark_dead("d1", "no heartbeat") == ["r"]
+    assert e.queue.get_nowait().error_status == 503
+    assert reg.migrations.moving == {} and ("abort", "r") in reg.handles["d2"].client.sent
 
 
 # ---- the whole path, in process --------------------------------------------------------------------

@@ -90,6 +90,13 @@ class InflightTable:
             self._entries[rid].queue.put_nowait(TokenDelta.failed(rid, message, status))
         return rids
 
+    def fail(self, rid: str, status: int, message: str) -> bool:
+        """End ``rid`` with an error (whoever streams it); whether it was in flight."""
+        e = self._entries.get(rid)
+        if e is not None:
+            e.queue.put_nowait(TokenDelta.failed(rid, message, status))
+        return e is not None
+
     def entry(self, rid: str) -> Inflight | None:
         """The entry of ``rid``, or None if it is not in flight."""
         return self._entries.get(rid)

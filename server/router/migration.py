@@ -13,6 +13,11 @@
 - ``MigrationEnded`` from S (ok): S leaves the entry. Not ok, from S (the write failed, the offer
   expired) or from T (it refused): the stream is S's again, T is aborted and leaves the entry;
   S is told ``MigrationDeclined`` when the refusal came from T.
+- T lost (dead, restarted, drained: ``target_lost``) before S reported: undone as above (S is
+  told), unless the request already streamed from T (then it failed with T). S may finish a write
+  that was under way and forget the request all the same (a decline cannot stop a write): its
+  ``MigrationEnded(ok=True)`` then fails the request with an explicit error instead of leaving
+  the client waiting for tokens that neither worker will send.
 
 A ``QueuedOffer`` (``--migrate-queued``: a request still waiting for pages on S, not prefilled):
 the same pick; with a target, S gets ``QueuedMove`` (it drops the request and withdraws its
@@ -62,6 +67,7 @@ class Migrations:
     def __init__(self, handles: Mapping[str, WorkerHandle], table: InflightTable, next_room) -> None:
         self.handles, self.table, self.next_room = handles, table, next_room
         self.moving: dict[str, tuple[str, str]] = {}  # rid -> (source, target) while a migration is under way
+        self.abandoned: dict[str, tuple[str, str]] = {}  # undone because the target was lost; the source may not know
         # worker -> (the report it was granted against, pages granted since): a report is up to a
         # heartbeat old, and offers of one burst must not all count on the same room
         self.granted: dict[str, tuple[object, int]] = {}
@@ -128,10 +134,26 @@ class Migrations:
                  offer.waited_s)
         self.table.move(offer.rid, target.worker_id)
 
+    def target_lost(self, worker_id: str, why: str, failed: Iterable[str] = ()) -> None:
+        """``worker_id`` is gone: forget the migrations of the requests in ``failed`` (they ended
+        with it); undo every other migration headed to it, telling each source, and remember it
+        (``on_ended``)."""
+        failed = set(failed)
+        self.abandoned = {rid: pair for rid, pair in self.abandoned.items() if rid in self.table}
+        for rid, (source_id, target_id) in list(self.moving.items()):
+            if rid in failed:  # it ended with the lost worker (its source or its target)
+                del self.moving[rid]
+                continue
+            if target_id != worker_id:
+                continue
+            self._undo(rid, f"the target {worker_id} was lost: {why}", decline=True)
+            self.abandoned[rid] = (source_id, target_id)
+
     def on_ended(self, worker_id: str, msg: MigrationEnded) -> None:
         """A source's report (ok or not), or a target's refusal."""
         pair = self.moving.get(msg.rid)
         if pair is None:
+            self._abandoned_ended(worker_id, msg)
             return
         source_id, target_id = pair
         if msg.ok and worker_id == source_id:
@@ -139,6 +161,18 @@ class Migrations:
             self.table.leave(msg.rid, source_id)
         elif not msg.ok:
             self._undo(msg.rid, msg.error or "migration failed", decline=worker_id == target_id)
+
+    def _abandoned_ended(self, worker_id: str, msg: MigrationEnded) -> None:
+        """The source of a migration undone by ``target_lost`` reports its write's end: failed, it
+        resumes the request itself; done, it dropped the request: fail it explicitly."""
+        pair = self.abandoned.get(msg.rid)
+        if pair is None or worker_id != pair[0]:
+            return
+        del self.abandoned[msg.rid]
+        if msg.ok:
+            log.warning("migration of %s from %s to %s finished after the target was lost: failing it", msg.rid, *pair)
+            self.table.fail(msg.rid, 503, f"request {msg.rid} moved to decode worker {pair[1]}, which was lost "
+                                          f"before it could stream; retry the request")
 
     def _undo(self, rid: str, why: str, decline: bool) -> None:
         source_id, target_id = self.moving.pop(rid)

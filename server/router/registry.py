@@ -228,7 +228,8 @@ class Registry:
         return self._fail_requests(worker_id, f"worker {worker_id} is unavailable: {reason}")
 
     def _fail_requests(self, worker_id: str, message: str) -> list[str]:
-        """Fail with 503 every request in flight that depends on ``worker_id``; returns their rids."""
+        """Fail with 503 every request in flight that depends on ``worker_id``, undo the migrations
+        headed to it (their sources resume them); returns the failed rids."""
         workers_of = {rid: self.table.workers_of(rid) for rid in self.table.rids()}
         rids = self.table.fail_worker(worker_id, 503, message)
         by_worker: dict[str, list[str]] = {}
@@ -238,6 +239,7 @@ class Registry:
         for wid, wrids in by_worker.items():
             if wid in self.handles:
                 self.handles[wid].client.abort(wrids, f"router gave up on the request: {message}")
+        self.migrations.target_lost(worker_id, message, failed=rids)
         return rids
 
     def check_liveness(self) -> list[WorkerHandle]:

@@ -113,6 +113,15 @@ class Cluster:
     def url(self) -> str:
         return self.server.url
 
+    def log_tail(self, chars: int = 6000) -> str:
+        """The end of the launcher's (and its workers') log and of the external worker's."""
+        text = f"--- launcher and its workers ---\n{self.server.log()[-chars:]}"
+        if self.external is not None:
+            fd = self.external.log.fileno()  # pread: the worker writes through the same file offset
+            tail = os.pread(fd, chars, max(0, os.fstat(fd).st_size - chars)).decode(errors="replace")
+            text += f"\n--- {self.external.worker_id} ---\n{tail}"
+        return text
+
     @property
     def router_pid(self) -> int:
         """The launcher process, which runs the router."""

@@ -218,7 +218,11 @@ def test_fault_under_load(cluster, prompts, refs, rng, fault):
     outcomes, injected = asyncio.run(_wave(cluster, fault, rng, load))
     for o, i in zip(outcomes, order):
         o.prompt = i
-    errors = check_outcomes(outcomes, refs)
+    try:
+        errors = check_outcomes(outcomes, refs)
+    except AssertionError:
+        print(cluster.log_tail())  # what the workers and the router said (CI keeps only the output)
+        raise
     late = [o for o in errors if o.t_end > injected.t + LEASE_S + 10]
     extra = restore(cluster, fault, prompts, refs)
     errors += [o for o in extra if o.error is not None]
