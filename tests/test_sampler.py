@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SampleOutput, Sampler, SamplerState, token_seed
+from engine.sampling import SampleOutput, Sampler, SamplerState, row_argmax, token_seed
 from transfer.wire.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------- helpers
@@ -340,3 +340,16 @@ def test_shape_and_state_errors():
     with pytest.raises(ValueError):
         st.append(4)
     assert Sampler().sample(torch.zeros(0, 4), [], []).token_ids == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_on_ties_nan_and_inf(dtype):
+    """``row_argmax`` (``max(-1)`` on CPU, for speed) picks exactly what ``argmax`` picks: the
+    first of tied maxima, a NaN over any number, the first index of an all ``-inf`` row."""
+    g = torch.Generator().manual_seed(0)
+    ties = torch.randint(-3, 4, (16, 4099), generator=g).to(dtype)
+    nan = torch.randn(4, 4099, generator=g).to(dtype)
+    nan[0, 7] = nan[0, 9] = nan[2, 4000] = float("nan")
+    for x in (ties, nan, torch.full((3, 4099), float("-inf"), dtype=dtype)):
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert row_argmax(nan)[0] == 7 and row_argmax(ties).tolist() == [r.tolist().index(3) for r in ties]
