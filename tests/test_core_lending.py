@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -353,3 +354,36 @@ def test_decode_worker_answers_the_first_token_before_its_next_decode_step(tiny)
         h.check_clean()
     finally:
         h.close()
+
+
+def test_the_probe_waits_for_a_busy_peer_but_not_forever(monkeypatch):
+    """A peer still at work (its slot busy) holds the probe back until it is idle, at most
+    ``LENDING_QUIET_WAIT_S``: a probe beside a busy core measures no gain from borrowing it."""
+    import argparse
+    import threading
+
+    import torch
+
+    import server.worker.main as wm
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    ledger, fd = CoreLedger.create(2)
+    ledger.set_loaded(0)
+    ledger.set_busy(0, True)
+    runner = _Runner({1: 0.01, 2: 0.006})
+    started = []
+    real = runner.matmul_seconds
+    runner.matmul_seconds = lambda *a: (started.append(bool(ledger.slots["busy"][0])), real(*a))[1]
+    threading.Timer(0.2, ledger.set_busy, (0, False)).start()
+    try:
+        t0 = time.monotonic()
+        cores = wm.core_lending(argparse.Namespace(core_ledger_fd=fd, core_slot=1, lend_threads=2, role="decode"), runner)
+        waited = time.monotonic() - t0
+        assert started and not any(started) and waited >= 0.2 and cores.total == 2
+        ledger.set_busy(0, True)  # a peer that stays busy: measured anyway after the wait
+        monkeypatch.setattr(wm, "LENDING_QUIET_WAIT_S", 0.1)
+        started.clear()
+        wm.core_lending(argparse.Namespace(core_ledger_fd=fd, core_slot=1, lend_threads=2, role="decode"), runner)
+        assert started and all(started)
+    finally:
+        os.close(fd)

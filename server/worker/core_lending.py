@@ -106,6 +106,15 @@ class CoreLedger:
             time.sleep(poll_s)
         return True
 
+    def wait_others_idle(self, slot: int, timeout_s: float, poll_s: float = 0.01) -> bool:
+        """Block until no other slot reads busy (True), or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.others_idle(slot):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
     def others_idle(self, slot: int) -> bool:
         busy = self.slots["busy"]
         return not (busy[:slot].any() or busy[slot + 1:].any())

@@ -65,6 +65,7 @@ LENDING_PROBE_MIN_ROUNDS = 2
 LENDING_PROBE_REPEATS = 2  # timed passes per probe (after one warm-up pass)
 LENDING_PROBE_BUDGET_S = 2.0  # a prefill's 256-row probe is ~0.5 s a pair on 2 cores: 2 rounds, not 4
 LENDING_LOAD_WAIT_S = 300.0  # the longest a worker waits for the others' loads before it measures
+LENDING_QUIET_WAIT_S = 3.0  # ... and then for a busy peer to go idle (a restarted worker among serving ones: not long)
 
 
 def core_lending(args, runner):
@@ -73,7 +74,12 @@ def core_lending(args, runner):
     if its steps' matmuls measure ``LENDING_MIN_GAIN`` x faster on every core than on its own share
     (``ModelRunner.matmul_seconds`` at its role's ``LENDING_PROBE_ROWS``); else it only lends. The
     workers load in parallel; each measures once every worker of the launch has loaded (ledger
-    slots), one at a time (``measuring_turn``), so no measurement runs beside another's load."""
+    slots: call this once the worker's start-up work is done, ``main``), one at a time
+    (``measuring_turn``), and with no other worker's slot busy, so no measurement runs beside
+    another's load or start-up. Measured why: with a peer still building its scheduler and grammar
+    tokenizer after its own probe, a decode worker timed 23.8 ms on two threads against 21.8 on
+    one (0.92x: "only lends") where a quiet probe gives 1.80x; that launch then decoded at 35 ms a
+    token instead of 21 at low load (PD, chat workload, AMX host)."""
     if args.core_ledger_fd is None:
         return None
     from server.worker.core_lending import CoreLedger, CoreLending
@@ -86,6 +92,9 @@ def core_lending(args, runner):
         if not ledger.wait_all_loaded(LENDING_LOAD_WAIT_S):
             log.warning("core lending: not every worker loaded within %.0f s; measuring anyway", LENDING_LOAD_WAIT_S)
         with measuring_turn(args.core_ledger_fd):  # the warm-up too: it builds kernels, a load of its own
+            if not ledger.wait_others_idle(args.core_slot, LENDING_QUIET_WAIT_S):
+                log.warning("core lending: another worker stayed busy for %.0f s; measuring anyway",
+                            LENDING_QUIET_WAIT_S)
             total = _measured_total(runner, args.role, own, total)
             runner.warm_up_threads((own, total))
     cores = CoreLending(ledger, args.core_slot, own, total)
@@ -179,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("control plane NOT authenticated (--insecure-control-plane): anyone who can reach %s can "
                     "submit, abort and shut down requests of this worker; use --cluster-key FILE", args.control_addr)
     runner, path = load_runner(cfg)
-    cores = core_lending(args, runner)
-    runner.grammar.prepare_in_background()  # not in the loop at the first structured request
+    grammar = runner.grammar.prepare_in_background()  # not in the loop at the first structured request
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
+    if grammar is not None and args.core_ledger_fd is not None:
+        grammar.join()  # start-up work done before the launch's lending probes time anything (core_lending)
+    cores = core_lending(args, runner)
     loop = WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
                       heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
                       step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores,
