@@ -23,8 +23,8 @@ class SchedulerConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(None, ge=1, description="mixed batches: tokens of one forward, "
                                                "decode rows (one each) first, then prefill up to "
                                                "chunked_prefill_size; lower it to bound inter-token latency while "
-                                               "prompts arrive (None: chunked_prefill_size of prefill on top of "
-                                               "the decode rows)")
+                                               "prompts arrive (None: chunked_prefill_size in all, the prefill "
+                                               "never less than half of it)")
     schedule_conservativeness: float = Field(1.0, gt=0, description="scales new_token_ratio; raise it if retracts are frequent")
     init_new_token_ratio: float = Field(0.7, gt=0, le=1, description="initial reservation ratio (x conservativeness)")
     min_new_token_ratio_factor: float = Field(0.14, gt=0, le=1, description="floor = init ratio x this")

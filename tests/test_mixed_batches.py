@@ -14,6 +14,7 @@ from configs.schema import load_config
 from configs.scheduler import SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.scheduler.colocated import ColocatedScheduler
+from engine.scheduler.mixed_step import prefill_budget
 from test_metrics_series import scrape, val
 from test_swa_pool import hf_reference, make_llm, swa_model  # noqa: F401  (swa_model: a fixture)
 from transfer.wire.protocol import GenerateRequest
@@ -161,17 +162,27 @@ def test_token_budget_puts_decode_rows_first(tiny):
 
 
 def test_mixed_steps_series_counts_each_mixed_forward(tiny):
-    """A (4 tokens) alone: 1 extend step. B arrives: 1 mixed step. C (10 tokens, chunks of 4)
-    arrives while A and B decode: 3 mixed steps. Nothing else mixes."""
-    sched = make_sched(tiny, chunked_prefill_size=4)
+    """A (4 tokens) alone: 1 extend step. B arrives: 1 mixed step. C (10 tokens) arrives while A
+    and B decode: 2 mixed steps, of 6 and 4 tokens (a step's rows in all stay within the chunk of
+    8). Nothing else mixes."""
+    sched = make_sched(tiny, chunked_prefill_size=8)
     a, b, c = prompts(1, 4, 4, seed=1)[0], prompts(1, 4, 4, seed=2)[0], prompts(1, 10, 10, seed=3)[0]
     rec = Recorder(sched)
     assert val(scrape(sched), "pdserve_worker_mixed_steps_total") == 0
     rec.run({0: [("a", a, greedy())], 1: [("b", b, greedy())], 3: [("c", c, greedy())]})
     m = scrape(sched)
-    assert val(m, "pdserve_worker_mixed_steps_total") == 4 and sched.stats.extend_steps == 5
-    assert rec.forwards[:6] == [(0, 4), (1, 4), (2, 0), (2, 4), (2, 4), (2, 2)]
+    assert val(m, "pdserve_worker_mixed_steps_total") == 3 and sched.stats.extend_steps == 4
+    assert rec.forwards[:6] == [(0, 4), (1, 4), (2, 0), (2, 6), (2, 4), (3, 0)]
     assert_clean(sched)
+
+
+def test_unset_token_budget_keeps_a_step_within_the_chunk():
+    """Without max_num_batched_tokens the decode rows come out of the chunk (one matmul piece on
+    CPU), the prefill never getting less than half of it; with it, what it leaves."""
+    cfg = sched_cfg(chunked_prefill_size=512)
+    assert [prefill_budget(cfg, rows) for rows in (0, 32, 256, 400)] == [512, 480, 256, 256]
+    capped = sched_cfg(chunked_prefill_size=512, max_num_batched_tokens=300, max_running_requests=8)
+    assert [prefill_budget(capped, rows) for rows in (0, 8)] == [300, 292]
 
 
 def test_seeded_sampling_does_not_depend_on_mixing(tiny):
