@@ -86,6 +86,12 @@ class ClusterConfig(BaseModel):
                              "decode worker itself (chunks within its decode steps) instead of a prefill worker, "
                              "when its KV headroom allows and it has not retracted lately "
                              "(decode_worker/local_prefill.py); 0 = off (default until an A/B says otherwise)")
+    local_prefill_backlog_ratio: float = Field(
+        0.0, ge=0, description="decode side (selective disaggregation): a request above local_prefill_max_tokens is "
+                               "still prefilled here when the prompt tokens this decode worker waits for from prefill "
+                               "workers are at least this many times its own local prefill backlog with the request "
+                               "(its queue would then finish first even prefilling this much slower); 0 = off "
+                               "(default). For prefill-bound loads (long prompts) on few cores")
     migrate_on_retract: bool = Field(
         False, description="decode side (live migration for balance; needs migrate_after): a running request this "
                            "worker retracts for lack of pages, its KV just copied to the host pool, is offered to a "

@@ -13,6 +13,14 @@ reason, ``LocalPrefillReason``, counted in ``pdserve_local_prefill_total{reason}
 2. **size**: the uncached suffix must be at most ``max_tokens``; this also bounds the decode
    batch's stall: each step's prefill chunk is at most ``chunked_prefill_size`` (and
    ``max_num_batched_tokens`` minus the decode rows with mixed batches).
+   With ``--local-prefill-backlog-ratio R`` > 0 a longer request is still taken
+   (``TAKEN_BACKLOG``) when the prefill workers are the queue: the uncached prompt tokens this
+   decode worker waits for from them (``remote_backlog_tokens``: its prealloc queue and the
+   reserved transfers whose write has not started) are at least ``R`` times its own local backlog
+   with this request, i.e. its queue would finish first even if it prefills ``R`` times slower than
+   a prefill worker (it decodes too). One burst of long prompts is then split between the two
+   workers instead of queueing on the prefill worker alone; on a summarization load on 2 cores the
+   prefill worker was the bottleneck while the decode worker had most of a core to spare.
 3. **busy**: the tokens already waiting for a local prefill plus this suffix must stay within
    ``max_tokens``, so a burst is split: the decode worker takes its share, the rest goes to
    the prefill worker at once instead of queueing behind the decode worker's own prefills.
@@ -45,6 +53,7 @@ class LocalPrefillReason(enum.StrEnum):
     """Outcome of one decision: taken, or why the request went to a prefill worker."""
 
     TAKEN = "taken"
+    TAKEN_BACKLOG = "taken_backlog"        # above the size bound, taken because the prefill workers are the queue
     RETRACT_PRESSURE = "retract_pressure"  # retracted queue not empty, or a retract within the cooldown
     TOO_LONG = "too_long"                  # uncached suffix above --local-prefill-max-tokens
     BUSY = "busy"                          # local prefill backlog + this suffix above the bound
@@ -58,7 +67,8 @@ class LocalPrefillInputs:
     ``cached_tokens``: its radix prefix hit; ``backlog_tokens``: uncached tokens already waiting
     for (or in) a local prefill; ``steps_since_retract``: decode steps since the last retract
     (None: never); ``need_pages``/``headroom_pages``: full-pool pages the suffix plus its decode
-    reservation takes, and what admission may hand out now."""
+    reservation takes, and what admission may hand out now; ``remote_backlog_tokens``: uncached
+    prompt tokens of this worker's requests whose prefill workers have not started their write."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -68,6 +78,7 @@ class LocalPrefillInputs:
     prealloc_queue: int
     need_pages: int
     headroom_pages: int
+    remote_backlog_tokens: int = 0
 
     @property
     def suffix_tokens(self) -> int:
@@ -83,19 +94,21 @@ class LocalPrefillDecision:
 
     @property
     def local(self) -> bool:
-        return self.reason is LocalPrefillReason.TAKEN
+        return self.reason in (LocalPrefillReason.TAKEN, LocalPrefillReason.TAKEN_BACKLOG)
 
 
 @dataclass(frozen=True)
 class LocalPrefillPolicy:
-    """The cost model of the module docstring; ``max_tokens`` 0 turns it off (``enabled``)."""
+    """The cost model of the module docstring; ``max_tokens`` and ``backlog_ratio`` both 0 turn
+    it off (``enabled``)."""
 
     max_tokens: int
     retract_cooldown_steps: int = RETRACT_COOLDOWN_STEPS
+    backlog_ratio: float = 0.0
 
     @property
     def enabled(self) -> bool:
-        return self.max_tokens > 0
+        return self.max_tokens > 0 or self.backlog_ratio > 0
 
     def decide(self, x: LocalPrefillInputs) -> LocalPrefillDecision:
         """The decision for one request (the inputs are checked in the module docstring's order)."""
@@ -106,9 +119,18 @@ class LocalPrefillPolicy:
         if x.retracted_queue or recent:
             return LocalPrefillReason.RETRACT_PRESSURE
         if x.suffix_tokens > self.max_tokens:
-            return LocalPrefillReason.TOO_LONG
-        if x.backlog_tokens + x.suffix_tokens > self.max_tokens:
+            if not self._remote_is_the_queue(x):
+                return LocalPrefillReason.TOO_LONG
+            taken = LocalPrefillReason.TAKEN_BACKLOG
+        elif x.backlog_tokens + x.suffix_tokens > self.max_tokens:
             return LocalPrefillReason.BUSY
+        else:
+            taken = LocalPrefillReason.TAKEN
         if x.prealloc_queue or x.need_pages > x.headroom_pages:
             return LocalPrefillReason.NO_HEADROOM
-        return LocalPrefillReason.TAKEN
+        return taken
+
+    def _remote_is_the_queue(self, x: LocalPrefillInputs) -> bool:
+        """The prefill workers' backlog is at least ``backlog_ratio`` times the local one with ``x``."""
+        return self.backlog_ratio > 0 and x.remote_backlog_tokens >= self.backlog_ratio * (x.backlog_tokens
+                                                                                          + x.suffix_tokens)

@@ -59,12 +59,13 @@ class LocalPrefillQueue:
             self._retractions_seen, self._last_retract_step = self.stats.retractions, self.stats.decode_steps
 
     def consider(self, req: Request, admitted: Callable[[], Iterable[Request]], ratio: float, retracted: int,
-                 prealloc: int) -> LocalPrefillDecision | None:
+                 prealloc: int, remote_backlog: int = 0) -> LocalPrefillDecision | None:
         """Decide for new request ``req`` (None when the policy is off; nothing is counted then)
         and count the outcome; a taken request is queued here. ``admitted()``: the requests whose
         pages are reserved (running, in flight, being prefilled here; asked only when the policy is
-        on); ``retracted`` and
-        ``prealloc``: the lengths of the retracted and prealloc queues."""
+        on); ``retracted`` and ``prealloc``: the lengths of the retracted and prealloc queues;
+        ``remote_backlog``: prompt tokens prefill workers still compute for this worker
+        (``TransferTracker.backlog_tokens``)."""
         if not self.policy.enabled:
             return None
         n = len(req.prompt_ids)
@@ -74,7 +75,8 @@ class LocalPrefillQueue:
         since = None if self._last_retract_step is None else self.stats.decode_steps - self._last_retract_step
         x = LocalPrefillInputs(prompt_tokens=n, cached_tokens=cached, backlog_tokens=self.backlog_tokens,
                                retracted_queue=retracted, steps_since_retract=since, prealloc_queue=prealloc,
-                               need_pages=need, headroom_pages=self.budget.headroom(admitted(), ratio).full)
+                               need_pages=need, headroom_pages=self.budget.headroom(admitted(), ratio).full,
+                               remote_backlog_tokens=remote_backlog)
         d = self.policy.decide(x)
         self.decisions[d.reason] += 1
         log.debug("local prefill of %s: %s, %s", req.rid, d.reason, x)

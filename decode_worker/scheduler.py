@@ -64,8 +64,9 @@ class DecodeScheduler(WorkerScheduler):
         self.transfer_failures = 0
         self.timeline = Timeline(self.role)
         self._decode_deferred = False  # the last step answered landings and skipped its decode
-        self.local = LocalPrefillQueue(LocalPrefillPolicy(cfg.cluster.local_prefill_max_tokens), cfg.scheduler, kv,
-                                       self.stats)
+        policy = LocalPrefillPolicy(cfg.cluster.local_prefill_max_tokens,
+                                    backlog_ratio=cfg.cluster.local_prefill_backlog_ratio)
+        self.local = LocalPrefillQueue(policy, cfg.scheduler, kv, self.stats)
         self.queued: QueuedMoves | None = None  # --migrate-queued: queued requests move before their prefill
         if cfg.cluster.migrate_queued and cfg.cluster.migrate_after is not None:
             self.queued = QueuedMoves(MigrationPolicy.from_flag(cfg.cluster.migrate_after),
@@ -84,7 +85,8 @@ class DecodeScheduler(WorkerScheduler):
         self.stats.prompt_tokens += len(prompt)
         out = self.peers.connect(msg.prefill_addr)  # a recompute after a retract needs it either way
         decision = self.local.consider(req, lambda: admitted(self.running, self.transfers, self.local),
-                                       self.running.ratio.value, len(self.retract.queue), len(self.transfers.prealloc))
+                                       self.running.ratio.value, len(self.retract.queue), len(self.transfers.prealloc),
+                                       self.transfers.backlog_tokens())
         if decision is None or not decision.local:
             self.transfers.queue(job)
             return out

@@ -94,6 +94,13 @@ class TransferTracker:
     def __len__(self) -> int:
         return len(self.prealloc) + len(self.inflight)
 
+    def backlog_tokens(self) -> int:
+        """Prompt tokens prefill workers still have to compute for this worker: the prealloc
+        queue's whole prompts (their prefix match is not known yet) and, of the reserved transfers
+        whose write has not started, what the decode prefix does not hold."""
+        queued = sum(j.n_tokens for j in self.prealloc)
+        return queued + sum(j.n_tokens - j.req.kv_len for j in self.inflight.values() if not j.write_posted)
+
     # ---- admission ----------------------------------------------------------------------------
     def admit(self, peers: PrefillPeers, free: PageCount, ratio: float, slots: int,
               only_preempting: bool = False, held: Container[str] = ()) -> tuple[Outbox, list[DecodeJob]]:

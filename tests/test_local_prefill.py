@@ -87,6 +87,26 @@ def test_decision(kw, reason):
     assert not LocalPrefillPolicy(0).enabled
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("kw, reason", [
+    ({"prompt_tokens": 500, "remote_backlog_tokens": 500}, R.TAKEN_BACKLOG),  # its queue finishes first
+    ({"prompt_tokens": 500, "remote_backlog_tokens": 499}, R.TOO_LONG),
+    ({"prompt_tokens": 500, "backlog_tokens": 100, "remote_backlog_tokens": 550}, R.TOO_LONG),  # < 600
+    ({"prompt_tokens": 500, "remote_backlog_tokens": 500, "need_pages": 101}, R.NO_HEADROOM),
+    ({"prompt_tokens": 500, "remote_backlog_tokens": 500, "prealloc_queue": 1}, R.NO_HEADROOM),
+    ({"prompt_tokens": 500, "remote_backlog_tokens": 5000, "retracted_queue": 1}, R.RETRACT_PRESSURE),
+    ({"remote_backlog_tokens": 5000, "backlog_tokens": 30}, R.BUSY),  # short: the size bound's rules
+])
+def test_decision_with_a_backlog_ratio(kw, reason):
+    d = LocalPrefillPolicy(64, backlog_ratio=1.0).decide(inputs(**kw))
+    assert d.reason is reason and d.local == (reason is R.TAKEN_BACKLOG)
+    off = LocalPrefillPolicy(64).decide(inputs(**kw))  # no ratio: the size bound alone
+    assert off.reason is not R.TAKEN_BACKLOG
+    assert LocalPrefillPolicy(0, backlog_ratio=2.0).enabled
+    assert LocalPrefillPolicy(0, backlog_ratio=2.0).decide(inputs(remote_backlog_tokens=160)).reason is R.TAKEN_BACKLOG
+    assert LocalPrefillPolicy(0, backlog_ratio=2.0).decide(inputs(remote_backlog_tokens=79)).reason is R.TOO_LONG
+
+
 # ---- the path, against transformers ---------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("local", [0, 64])
@@ -268,3 +288,53 @@ def test_swa_second_turn_local_then_forced_retract(swa_harness, swa_model, mixed
     assert d[R.TOO_LONG] == 1 and d[R.TAKEN] == 2 and h.decode.stats.retractions > 0, str(d)
     assert h.decode.stats.mixed_steps > 0 if mixed else h.decode.stats.mixed_steps == 0
 
+
+
+@pytest.mark.slow
+def test_backlogged_prefill_worker_gives_a_long_prompt_to_the_decode_worker(harness, tiny):
+    """``--local-prefill-backlog-ratio 1`` with the size bound off: the first long prompt goes to
+    the prefill worker; the second arrives while the first is reserved but not written yet (30
+    tokens of remote backlog against its own 30) and is prefilled by the decode worker. Both equal
+    transformers; the counter and the withdrawal say which went where."""
+    d = lp_cfg(0)
+    d.cluster.local_prefill_backlog_ratio = 1.0
+    h = harness(d=d)
+    a, b = prompts(2, 30, 30, seed=41)
+    h.submit("a", a, GREEDY)
+    for _ in range(20):  # until a's pages are reserved (its prefill worker has not written yet)
+        h.router_inbox += h.step()
+        if any(j.req.rid == "a" for j in h.decode.transfers.inflight.values()):
+            break
+    assert h.decode.transfers.backlog_tokens() == 30
+    h.submit("b", b, GREEDY)
+    out = h.run()
+    got = {rid: [t for dl in h.router_inbox if dl.rid == rid for t in dl.token_ids] + out.get(rid, {}).get("tokens", [])
+           for rid in ("a", "b")}
+    assert got == {"a": hf_greedy(tiny[2], a, 16), "b": hf_greedy(tiny[2], b, 16)}
+    dec = h.decode.local.decisions
+    assert (dec[R.TOO_LONG], dec[R.TAKEN_BACKLOG], dec[R.TAKEN]) == (1, 1, 0)
+    assert h.prefill.withdrawn == 1 and h.prefill.stats.finished_requests == 1 and h.decode.local.tokens == 30
+    m = scrape(h.decode)
+    assert val(m, "pdserve_local_prefill_total", reason="taken_backlog") == 1
+    assert val(m, "pdserve_local_prefill_total", reason="too_long") == 1
+    assert h.decode.transfers.backlog_tokens() == 0
+
+
+@pytest.mark.slow
+def test_mixed_step_with_nothing_to_run_is_no_forward(harness, tiny):
+    """A decode worker with ``--mixed-batches`` whose local request cannot be admitted this step
+    (no pages yet) while nothing runs: the step runs no forward (it crashed the worker with an
+    empty batch once), and the request is prefilled in a later step."""
+    d = lp_cfg(64)
+    d.scheduler.mixed_batches = True
+    h = harness(d=d)
+    p = prompts(1, 20, 20, seed=51)[0]
+    h.submit("a", p, GREEDY)
+    assert h.decode.local.waiting and not h.decode.running
+    select, calls = h.decode.local.select, []
+    h.decode.local.select = lambda *a, **k: calls.append(1) or []  # admission refuses once
+    h.decode.step()
+    assert calls and h.decode.local.waiting and h.decode.stats.extend_steps == 0
+    h.decode.local.select = select
+    assert h.run()["a"]["tokens"] == hf_greedy(tiny[2], p, 16)
+    assert h.decode.local.decisions[R.TAKEN] == 1

@@ -70,7 +70,9 @@ class BatchExecutor:
                                                                            list[tuple[Request, TokenDelta]]]:
         """One forward over decode rows ``reqs`` (first) and extend ``items``: ``(decode deltas,
         extend deltas)``, as ``decode(reqs)`` and ``extend(items)`` would give them apart. Either
-        list may be empty (then the step is a plain DECODE or EXTEND one)."""
+        list may be empty (then the step is a plain DECODE or EXTEND one); both empty: no forward."""
+        if not reqs and not items:  # e.g. a decode worker whose local prefill waits for pages, nothing running
+            return [], []
         seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages,
                          r.kv.swa_pages) for r in reqs]
         seqs += [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages,
