@@ -22,6 +22,7 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-pd-local) dir=$NEW; args=(--mode pd --local-prefill-max-tokens 256) ;;   # selective disaggregation
     new-colocated-mixed) dir=$NEW; args=(--mode colocated --mixed-batches) ;;
     new-pd-lend-all) dir=$NEW; args=(--mode pd --core-lending all) ;;      # the decode worker borrows too
+    new-pd-backlog) dir=$NEW; args=(--mode pd --local-prefill-backlog-ratio 1 --mixed-batches) ;;  # D prefills when P is the queue
     vllm-bf16|vllm-fp32) dt=bfloat16; [ $1 = vllm-fp32 ] && dt=float32
                (cd $NEW && exec bench/peers/vllm_cpu.sh $dt 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
                echo $!; return ;;
