@@ -289,7 +289,6 @@ def test_swa_second_turn_local_then_forced_retract(swa_harness, swa_model, mixed
     assert h.decode.stats.mixed_steps > 0 if mixed else h.decode.stats.mixed_steps == 0
 
 
-
 @pytest.mark.slow
 def test_backlogged_prefill_worker_gives_a_long_prompt_to_the_decode_worker(harness, tiny):
     """``--local-prefill-backlog-ratio 1`` with the size bound off: the first long prompt goes to
