@@ -201,8 +201,11 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None],
                  threads: int | None = None) -> None:
+        from engine.kernels import decode_prefetch
+
         super().__init__(pools, num_heads, scale, windows)
         self.threads = threads
+        self.prefetch = decode_prefetch.mode()  # timed once per process: speed only, never the output
         self._ranges: dict[tuple[ForwardMode, str, int | str | None], tuple] = {}
         self._slots: dict[str, torch.Tensor] = {}
 
@@ -279,7 +282,7 @@ class CpuBackend(TorchBackend):
             return super()._extend(q, k, v, layer, batch)
         table, lo, hi, keys = self._extend_range_of(batch, name, window)
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads)
+        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
     def _extend_tiles_of(self, batch: ForwardBatch, name: str):
@@ -301,7 +304,7 @@ class CpuBackend(TorchBackend):
         name, pool, local = self._layer(layer)
         table, lo, hi, keys = self._range_of(batch, name, self.windows[layer])
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads)
+        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 

@@ -44,9 +44,11 @@ def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, thr
 
 
 @needs_kernel
+@pytest.mark.parametrize("prefetch", [cpu_native.PREFETCH_L1_FAR, cpu_native.PREFETCH_L2_NEAR])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group,head_dim", [(1, 8), (3, 64), (4, 256), (12, 32)])  # 12: the unspecialized group path
-def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_dim, dtype):
+def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_dim, dtype, prefetch):
+    """Either row prefetch mode: the same output to the bit (prefetching moves no arithmetic)."""
     g = torch.Generator().manual_seed(group)
     kv_heads, pages, P = 2, 96, 16
     pools = KVPools(pages, 0, ("full_attention",) * 2, P, kv_heads, head_dim, dtype, "cpu")
@@ -61,7 +63,9 @@ def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_di
     table = torch.tensor(rows)
     hi, lo = torch.tensor(seq_lens), torch.zeros(len(seq_lens), dtype=torch.int64)
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
-    got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2)
+    got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, prefetch)
+    other = cpu_native.PREFETCH_L2_NEAR if prefetch == cpu_native.PREFETCH_L1_FAR else cpu_native.PREFETCH_L1_FAR
+    assert torch.equal(got, cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, other))
     for i, n in enumerate(seq_lens):
         pg = table[i, :-(-n // P)]
         k = pools.full.buffer[pg, 1, 0].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()

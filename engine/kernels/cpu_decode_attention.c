@@ -2,9 +2,15 @@
  * [lo, hi) read in place from the page-major KV pool (no gather, no padding to the longest
  * request), float32 or bfloat16 (widened to float32 as it is read; the sums are float32 either way).
  * Online softmax per block of up to BLK positions (flash-decoding); the g query heads of one KV head share
- * each K/V block while it is in L1. The loop is bound by memory latency more than by arithmetic: rows
- * are prefetched AHEAD positions before they are needed (1.56x at 32 requests of 275 positions, 1.71x
- * at 700, measured on a 2-core Zen 5 against prefetching each block just before its use), and the
+ * each K/V block while it is in L1. The loop is bound by memory more than by arithmetic: while a block's
+ * row pointers are gathered, rows further on are prefetched. Where to, and how far ahead, depends on
+ * the machine (`prefetch`, chosen per process by engine/kernels/decode_prefetch.py, which times both
+ * on a pool larger than the last-level cache): PREFETCH_L1_FAR puts rows 64 positions ahead into L1
+ * (prefetcht0; 1.56x at 32 requests of 275 positions against prefetching each block just before its
+ * use on a 2-core Zen 5, where L2 prefetches were slower), PREFETCH_L2_NEAR puts rows 8 positions
+ * ahead into L2 (prefetcht1; on a 2-core Zen 4 1.7-1.9x from DRAM where L1 prefetches of any distance
+ * ran no faster than none: 32 requests of 250 positions, 30 layers, two threads 19.0 -> 10.3-11.6 ms).
+ * Outputs do not depend on it. The
  * scores' horizontal sums are done 16 at a time by one butterfly (same summation order as one at a
  * time). Work items are (request, kv head) pairs taken from an atomic counter by `threads` OpenMP
  * threads. Built with -fopenmp against libgomp.so.1, the runtime torch
@@ -20,7 +26,10 @@
 #include <string.h>
 
 #define BLK 64
-#define AHEAD 64 /* positions the row prefetch runs ahead of the block being computed */
+enum { PREFETCH_L1_FAR = 0, PREFETCH_L2_NEAR = 1 };
+/* one row's prefetch (the `prefetch` mode's cache level; the locality hint must be a constant) */
+#define PREFETCH_ROW(j, p) \
+    ((j)->prefetch == PREFETCH_L2_NEAR ? __builtin_prefetch((p), 0, 2) : __builtin_prefetch((p), 0, 3))
 
 typedef struct {
     const float *q;
@@ -31,6 +40,8 @@ typedef struct {
     float scale;
     int64_t next;
     int bf16;
+    int prefetch;  /* PREFETCH_L1_FAR or PREFETCH_L2_NEAR */
+    int64_t ahead; /* positions the row prefetch runs ahead: 64 or 8 */
 } job_t;
 
 static inline float ld_f32(const float *p, int64_t x) { return p[x]; }
@@ -154,19 +165,19 @@ static inline vf reduce16(const vf *v) {
             const T *pg = kv + j->table[b * j->table_stride + pi] * j->page_stride + kh * j->head_stride; \
             for (; n < BLK && pos < end; n++, pos++) {                                                  \
                 kp[n] = pg + off * j->tok_stride;                                                       \
-                if (pos + AHEAD < end) { /* the row AHEAD positions on streams in while this block runs */ \
-                    const int64_t fp = pos + AHEAD;                                                     \
+                if (pos + j->ahead < end) { /* the row `ahead` positions on streams in meanwhile */     \
+                    const int64_t fp = pos + j->ahead;                                                  \
                     const T *fr = kv + j->table[b * j->table_stride + fp / P] * j->page_stride +         \
                                   (fp % P) * j->tok_stride + kh * j->head_stride;                       \
                     for (int64_t x = 0; x < D; x += 64 / (int64_t)sizeof(T)) {                          \
-                        __builtin_prefetch(fr + x);                                                     \
-                        __builtin_prefetch(fr + j->v_off + x);                                          \
+                        PREFETCH_ROW(j, fr + x);                                                        \
+                        PREFETCH_ROW(j, fr + j->v_off + x);                                             \
                     }                                                                                   \
                 }                                                                                       \
-                if (pos - j->lo[b] < AHEAD) /* the first rows: nothing ran ahead of them */             \
+                if (pos - j->lo[b] < j->ahead) /* the first rows: nothing ran ahead of them */          \
                     for (int64_t x = 0; x < D; x += 64 / (int64_t)sizeof(T)) {                          \
-                        __builtin_prefetch(kp[n] + x);                                                  \
-                        __builtin_prefetch(kp[n] + j->v_off + x);                                       \
+                        PREFETCH_ROW(j, kp[n] + x);                                                     \
+                        PREFETCH_ROW(j, kp[n] + j->v_off + x);                                          \
                     }                                                                                   \
                 if (++off == P && pos + 1 < end) {                                                      \
                     off = 0;                                                                            \
@@ -282,12 +293,14 @@ static void *worker(void *arg) {
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H,
                          int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t v_off,
-                         int64_t tok_stride, int64_t head_stride, float scale, int threads) {
+                         int64_t tok_stride, int64_t head_stride, float scale, int threads,
+                         int prefetch) {
     /* whole requests when there are enough to share out (each page is then read once for all
        its heads), else one kv head per item so a small batch still uses every thread */
     const int64_t per = B >= 2 * threads ? Hkv : 1;
     job_t j = {q, kv, table, lo, hi, out, H, Hkv, D, P, table_stride, page_stride, v_off, tok_stride,
-               head_stride, per, B * (Hkv / per), scale, 0, bf16};
+               head_stride, per, B * (Hkv / per), scale, 0, bf16, prefetch,
+               prefetch == PREFETCH_L2_NEAR ? 8 : 64};
     if (threads > 64) threads = 64;
     if (threads > j.items) threads = (int)j.items;
     if (threads <= 1) worker(&j);

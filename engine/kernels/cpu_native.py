@@ -91,7 +91,7 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.pdserve_paged_decode
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *([_I64] * 9), ctypes.c_float,
-                   ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn = lib.pdserve_paged_extend
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, *([_I64] * 10), ctypes.c_float,
@@ -178,20 +178,26 @@ def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:
     return max(1, min(available, keys * heads * head_dim // WORK_PER_THREAD))
 
 
+PREFETCH_L1_FAR, PREFETCH_L2_NEAR = 0, 1  # cpu_decode_attention.c's row prefetch modes
+
+
 def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
-                 lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1) -> torch.Tensor:
+                 lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1,
+                 prefetch: int = PREFETCH_L1_FAR) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over keys ``[lo[b], hi[b])`` of request b in ``layer`` of
     the pool; ``table`` ``[B, W]`` int64 maps ``pos // P`` to a page (only entries of pages in the
     range are read); ``lo``/``hi`` int64 ``[B]``. Returns ``[B, H, D]`` float32 (zeros for an empty
-    range). ``q`` may be any float dtype (it is read as float32). Caller guarantees
-    ``supports(pool_buffer)``, contiguous int64 indices and in-range pages."""
+    range). ``q`` may be any float dtype (it is read as float32). ``prefetch``: how the kernel
+    prefetches rows (``PREFETCH_*``; speed only, the output is the same; the machine's faster one is
+    ``engine.kernels.decode_prefetch.mode()``). Caller guarantees ``supports(pool_buffer)``,
+    contiguous int64 indices and in-range pages."""
     B, H, D = q.shape
     q = q.float().contiguous()
     out = torch.empty_like(q)
     pool = _PoolView.of(pool_buffer, layer)
     load().pdserve_paged_decode(q.data_ptr(), pool.base, pool.bf16, table.data_ptr(), table.stride(0), lo.data_ptr(),
                                 hi.data_ptr(), out.data_ptr(), B, H, pool.kv_heads, D, *pool.geometry, float(scale),
-                                int(threads))
+                                int(threads), int(prefetch))
     return out
 
 
