@@ -205,7 +205,7 @@ class CpuBackend(TorchBackend):
 
         super().__init__(pools, num_heads, scale, windows)
         self.threads = threads
-        self.prefetch = decode_prefetch.mode()  # timed once per process: speed only, never the output
+        self.prefetch = decode_prefetch.modes().attention  # timed once per process: speed only
         self._ranges: dict[tuple[ForwardMode, str, int | str | None], tuple] = {}
         self._slots: dict[str, torch.Tensor] = {}
 

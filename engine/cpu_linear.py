@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_features import has_fast_bf16
-from engine.kernels import cpu_native
+from engine.kernels import cpu_native, decode_prefetch
 
 PACK_BATCH_HINT = 32  # row count oneDNN picks the blocked layout for (any count works)
 CHUNK_ROWS = 512
@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
         return x.new_empty(*x.shape[:-1], w.shape[0])
     if w.plain is not None and x2.shape[0] <= GEMV_ROWS and x2.dtype == torch.bfloat16 \
             and x2.stride(-1) == 1 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
-        y = cpu_native.gemv_bf16(x2, w.plain, bias)
+        y = cpu_native.gemv_bf16(x2, w.plain, bias, decode_prefetch.modes().gemv)
         if y is not None:
             return y.view(*x.shape[:-1], w.shape[0])
     if x2.shape[0] <= CHUNK_ROWS:

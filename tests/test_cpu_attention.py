@@ -44,7 +44,7 @@ def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, thr
 
 
 @needs_kernel
-@pytest.mark.parametrize("prefetch", [cpu_native.PREFETCH_L1_FAR, cpu_native.PREFETCH_L2_NEAR])
+@pytest.mark.parametrize("prefetch", [cpu_native.PREFETCH_L1, cpu_native.PREFETCH_L2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group,head_dim", [(1, 8), (3, 64), (4, 256), (12, 32)])  # 12: the unspecialized group path
 def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_dim, dtype, prefetch):
@@ -64,7 +64,7 @@ def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_di
     hi, lo = torch.tensor(seq_lens), torch.zeros(len(seq_lens), dtype=torch.int64)
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
     got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, prefetch)
-    other = cpu_native.PREFETCH_L2_NEAR if prefetch == cpu_native.PREFETCH_L1_FAR else cpu_native.PREFETCH_L1_FAR
+    other = cpu_native.PREFETCH_L2 if prefetch == cpu_native.PREFETCH_L1 else cpu_native.PREFETCH_L1
     assert torch.equal(got, cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, other))
     for i, n in enumerate(seq_lens):
         pg = table[i, :-(-n // P)]

@@ -31,13 +31,15 @@ def _check(y, ref):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_the_exact_product(shape, rows, with_bias):
+    """Either prefetch mode, the same bits (prefetching moves no arithmetic)."""
     torch.manual_seed(rows)
     w = torch.randn(*shape).bfloat16()
     bias = torch.randn(shape[0]).bfloat16() if with_bias else None
     x = torch.randn(rows, shape[1]).bfloat16()
-    y = cpu_native.gemv_bf16(x, w, bias)
+    y = cpu_native.gemv_bf16(x, w, bias, cpu_native.PREFETCH_L1)
     assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, shape[0])
     _check(y, _exact_rounded(x, w, bias))
+    assert torch.equal(y, cpu_native.gemv_bf16(x, w, bias, cpu_native.PREFETCH_L2))
 
 
 def test_strided_rows_and_refused_shapes():

@@ -1,57 +1,72 @@
-"""The decode attention kernel's row prefetch mode: the env override, the pick of the faster timed
-mode, the last-level cache read from sysfs and the probe's size (engine/kernels/decode_prefetch.py).
-That both modes give the same output is tested with the kernel (test_cpu_attention.py)."""
+"""How the decode step's memory-streaming kernels prefetch (engine/kernels/decode_prefetch.py): the
+env override, the pick of the faster timed mode per kernel, the last-level cache read from sysfs
+and the probes' size. That both modes give the same output is tested with each kernel
+(test_cpu_attention.py, test_cpu_gemv.py)."""
 from __future__ import annotations
 
 import pytest
 
 from engine.kernels import cpu_native, decode_prefetch
-from engine.kernels.cpu_native import PREFETCH_L1_FAR, PREFETCH_L2_NEAR
+from engine.kernels.cpu_native import PREFETCH_L1, PREFETCH_L2
+from engine.kernels.decode_prefetch import Modes
+
+needs_kernel = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler for the CPU kernels")
 
 
 @pytest.fixture
-def fresh_mode(monkeypatch):
-    """``mode()`` uncached before and after, with no override from the environment."""
+def fresh_modes(monkeypatch):
+    """``modes()`` uncached before and after, with no override from the environment."""
     monkeypatch.delenv(decode_prefetch.ENV, raising=False)
-    decode_prefetch.mode.cache_clear()
+    decode_prefetch.modes.cache_clear()
     yield
-    decode_prefetch.mode.cache_clear()
+    decode_prefetch.modes.cache_clear()
 
 
 def _no_timing(*_a, **_k):
     raise AssertionError("the override must not time anything")
 
 
-@pytest.mark.parametrize("name,want", [("l1-far", PREFETCH_L1_FAR), ("L2-Near", PREFETCH_L2_NEAR)])
-def test_env_sets_the_mode_without_timing(fresh_mode, monkeypatch, name, want):
+@pytest.mark.parametrize("name,want", [("l1", PREFETCH_L1), (" L2 ", PREFETCH_L2)])
+def test_env_sets_both_modes_without_timing(fresh_modes, monkeypatch, name, want):
     monkeypatch.setenv(decode_prefetch.ENV, name)
-    monkeypatch.setattr(decode_prefetch, "time_modes", _no_timing)
-    assert decode_prefetch.mode() == want
+    monkeypatch.setattr(decode_prefetch, "time_attention", _no_timing)
+    monkeypatch.setattr(decode_prefetch, "time_gemv", _no_timing)
+    assert decode_prefetch.modes() == Modes(want, want)
 
 
-def test_env_naming_no_mode_is_an_error_that_lists_the_modes(fresh_mode, monkeypatch):
+def test_env_naming_no_mode_is_an_error_that_lists_the_modes(fresh_modes, monkeypatch):
     monkeypatch.setenv(decode_prefetch.ENV, "l3")
-    with pytest.raises(ValueError, match="l1-far, l2-near"):
-        decode_prefetch.mode()
+    with pytest.raises(ValueError, match="l1, l2"):
+        decode_prefetch.modes()
 
 
-@pytest.mark.parametrize("times,want", [({PREFETCH_L1_FAR: 2.0, PREFETCH_L2_NEAR: 1.0}, PREFETCH_L2_NEAR),
-                                        ({PREFETCH_L1_FAR: 1.0, PREFETCH_L2_NEAR: 1.5}, PREFETCH_L1_FAR)])
-def test_the_faster_timed_mode_is_kept_for_the_process(fresh_mode, monkeypatch, times, want):
-    if cpu_native.load() is None:
-        pytest.skip("no C compiler for the CPU kernel")
+@needs_kernel
+def test_each_kernel_keeps_its_faster_mode_for_the_process(fresh_modes, monkeypatch):
     calls = []
-    monkeypatch.setattr(decode_prefetch, "time_modes", lambda nbytes: calls.append(nbytes) or times)
-    assert decode_prefetch.mode() == want
-    assert decode_prefetch.mode() == want
-    assert len(calls) == 1  # timed once
+    monkeypatch.setattr(decode_prefetch, "time_attention",
+                        lambda n: calls.append("attention") or {PREFETCH_L1: 2.0, PREFETCH_L2: 1.0})
+    monkeypatch.setattr(decode_prefetch, "time_gemv",
+                        lambda n: calls.append("gemv") or {PREFETCH_L1: 1.0, PREFETCH_L2: 1.5})
+    monkeypatch.setattr(cpu_native, "gemv_available", lambda: True)
+    assert decode_prefetch.modes() == Modes(attention=PREFETCH_L2, gemv=PREFETCH_L1)
+    assert decode_prefetch.modes() == Modes(attention=PREFETCH_L2, gemv=PREFETCH_L1)
+    assert calls == ["attention", "gemv"]  # timed once
 
 
-@pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler for the CPU kernel")
-def test_time_modes_times_both_modes_on_a_real_pool():
-    times = decode_prefetch.time_modes(8 << 20, rounds=1)
-    assert set(times) == {PREFETCH_L1_FAR, PREFETCH_L2_NEAR}
-    assert all(0 < t < 10 for t in times.values())
+@needs_kernel
+def test_without_the_matmul_kernel_only_attention_is_timed(fresh_modes, monkeypatch):
+    monkeypatch.setattr(decode_prefetch, "time_attention", lambda n: {PREFETCH_L1: 2.0, PREFETCH_L2: 1.0})
+    monkeypatch.setattr(decode_prefetch, "time_gemv", _no_timing)
+    monkeypatch.setattr(cpu_native, "gemv_available", lambda: False)
+    assert decode_prefetch.modes() == Modes(attention=PREFETCH_L2, gemv=PREFETCH_L1)
+
+
+@needs_kernel
+def test_the_probes_time_both_modes_on_real_data():
+    for times in (decode_prefetch.time_attention(8 << 20, rounds=1),
+                  *([decode_prefetch.time_gemv(8 << 20, rounds=1)] if cpu_native.gemv_available() else [])):
+        assert set(times) == {PREFETCH_L1, PREFETCH_L2}
+        assert all(0 < t < 10 for t in times.values())
 
 
 def test_last_level_cache_is_the_highest_level_in_sysfs(tmp_path):

@@ -5,9 +5,9 @@
  * each K/V block while it is in L1. The loop is bound by memory more than by arithmetic: while a block's
  * row pointers are gathered, rows further on are prefetched. Where to, and how far ahead, depends on
  * the machine (`prefetch`, chosen per process by engine/kernels/decode_prefetch.py, which times both
- * on a pool larger than the last-level cache): PREFETCH_L1_FAR puts rows 64 positions ahead into L1
+ * on a pool larger than the last-level cache): `prefetch` 0 puts rows 64 positions ahead into L1
  * (prefetcht0; 1.56x at 32 requests of 275 positions against prefetching each block just before its
- * use on a 2-core Zen 5, where L2 prefetches were slower), PREFETCH_L2_NEAR puts rows 8 positions
+ * use on a 2-core Zen 5, where L2 prefetches were slower), `prefetch` 1 puts rows 8 positions
  * ahead into L2 (prefetcht1; on a 2-core Zen 4 1.7-1.9x from DRAM where L1 prefetches of any distance
  * ran no faster than none: 32 requests of 250 positions, 30 layers, two threads 19.0 -> 10.3-11.6 ms).
  * Outputs do not depend on it. The
@@ -26,10 +26,10 @@
 #include <string.h>
 
 #define BLK 64
-enum { PREFETCH_L1_FAR = 0, PREFETCH_L2_NEAR = 1 };
+enum { PREFETCH_L1 = 0, PREFETCH_L2 = 1 };
 /* one row's prefetch (the `prefetch` mode's cache level; the locality hint must be a constant) */
 #define PREFETCH_ROW(j, p) \
-    ((j)->prefetch == PREFETCH_L2_NEAR ? __builtin_prefetch((p), 0, 2) : __builtin_prefetch((p), 0, 3))
+    ((j)->prefetch == PREFETCH_L2 ? __builtin_prefetch((p), 0, 2) : __builtin_prefetch((p), 0, 3))
 
 typedef struct {
     const float *q;
@@ -40,7 +40,7 @@ typedef struct {
     float scale;
     int64_t next;
     int bf16;
-    int prefetch;  /* PREFETCH_L1_FAR or PREFETCH_L2_NEAR */
+    int prefetch;  /* PREFETCH_L1 or PREFETCH_L2 */
     int64_t ahead; /* positions the row prefetch runs ahead: 64 or 8 */
 } job_t;
 
@@ -300,7 +300,7 @@ int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t
     const int64_t per = B >= 2 * threads ? Hkv : 1;
     job_t j = {q, kv, table, lo, hi, out, H, Hkv, D, P, table_stride, page_stride, v_off, tok_stride,
                head_stride, per, B * (Hkv / per), scale, 0, bf16, prefetch,
-               prefetch == PREFETCH_L2_NEAR ? 8 : 64};
+               prefetch == PREFETCH_L2 ? 8 : 64};
     if (threads > 64) threads = 64;
     if (threads > j.items) threads = (int)j.items;
     if (threads <= 1) worker(&j);

@@ -7,10 +7,15 @@
  * model's 120 small matmuls per step lost ~2.4 ms of an 8.7 ms step).
  *
  * How: each thread takes a contiguous range of output rows (one forward stream through W, which the
- * hardware prefetcher follows; a software prefetch runs PF bytes ahead). For RB weight rows at a time
- * every 32-element chunk is loaded once and multiplied into all the x rows (vdpbf16ps: bfloat16
- * pairs multiplied exactly, summed in float32), so W is read once whatever the row count. The
- * float32 sums (+ bias) are rounded to bfloat16 once (round to nearest even), as oneDNN does.
+ * hardware prefetcher follows; a software prefetch runs ahead of it: `prefetch` 0 puts W's lines
+ * PF_L1 bytes ahead into L1, 1 puts them PF_L2 bytes ahead into L2. Which is faster depends on the
+ * machine (engine/kernels/decode_prefetch.py times both once per process): on a 2-core Zen 4 the L1
+ * prefetch ran no faster than none and the L2 one 1.3-1.7x faster, 30 layers' weights at 1 / 2 / 4
+ * rows 10.2 / 10.7 / 12.3 -> 7.9 / 7.7 / 7.2 ms, 27-30 GB/s of the ~32 a core streams). For RB
+ * weight rows at a time every 32-element chunk is loaded once and multiplied into all the x rows
+ * (vdpbf16ps: bfloat16 pairs multiplied exactly, summed in float32), so W is read once whatever the
+ * row count. The float32 sums (+ bias) are rounded to bfloat16 once (round to nearest even), as
+ * oneDNN does.
  *
  * Contract: in % 32 == 0, rows in 1..MAX_ROWS, x rows x_stride elements apart, y [rows, out]
  * contiguous bfloat16, bias NULL or [out] bfloat16. Returns 0, or -1 where this build has no
@@ -22,7 +27,8 @@
 #include "cpu_vec.h"
 
 #define MAX_ROWS 8
-#define PF 2048
+#define PF_L1 2048  /* bytes ahead, prefetch 0 (into L1) */
+#define PF_L2 8192  /* bytes ahead, prefetch 1 (into L2) */
 
 int pdserve_gemv_bf16_available(void);
 
@@ -32,13 +38,17 @@ int pdserve_gemv_bf16_available(void);
 /* Output rows [o0, o0 + RB) for R x rows; RB * R accumulators stay in registers. */
 #define BLOCK(NAME, R, RB)                                                                               \
     static void NAME(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *bias, uint16_t *y, \
-                     int64_t in, int64_t out, int64_t o0) {                                               \
+                     int64_t in, int64_t out, int64_t o0, int prefetch) {                                 \
         __m512 acc[R][RB];                                                                               \
         for (int r = 0; r < R; r++)                                                                      \
             for (int k = 0; k < RB; k++) acc[r][k] = _mm512_setzero_ps();                                \
         const uint16_t *wb = w + o0 * in;                                                                \
         for (int64_t c = 0; c < in; c += 32) {                                                           \
-            for (int k = 0; k < RB; k++) _mm_prefetch((const char *)(wb + k * in + c) + PF, _MM_HINT_T0); \
+            for (int k = 0; k < RB; k++) {                                                               \
+                const char *row = (const char *)(wb + k * in + c);                                       \
+                if (prefetch) _mm_prefetch(row + PF_L2, _MM_HINT_T1);                                    \
+                else _mm_prefetch(row + PF_L1, _MM_HINT_T0);                                             \
+            }                                                                                            \
             __m512bh wv[RB];                                                                             \
             for (int k = 0; k < RB; k++) wv[k] = (__m512bh)_mm512_loadu_si512(wb + k * in + c);          \
             for (int r = 0; r < R; r++) {                                                                \
@@ -63,13 +73,13 @@ BLOCK(block_7, 7, 2)
 BLOCK(block_8, 8, 2)
 
 typedef void (*block_fn)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *, int64_t,
-                         int64_t, int64_t);
+                         int64_t, int64_t, int);
 static const block_fn BLOCKS[MAX_ROWS + 1] = {0, block_1, block_2, block_3, block_4,
                                               block_5, block_6, block_7, block_8};
 static const int RBS[MAX_ROWS + 1] = {0, 8, 8, 4, 4, 2, 2, 2, 2};
 
 int pdserve_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int64_t rows, int64_t in, int64_t out, int threads) {
+                      int64_t rows, int64_t in, int64_t out, int threads, int prefetch) {
     if (rows < 1 || rows > MAX_ROWS || in % 32 != 0) return -1;
     const block_fn fn = BLOCKS[rows];
     const int64_t rb = RBS[rows], blocks = (out + rb - 1) / rb;
@@ -81,7 +91,7 @@ int pdserve_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, co
         /* contiguous block ranges: one forward stream through W per thread */
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t per = (blocks + nt - 1) / nt, b0 = id * per, b1 = b0 + per < blocks ? b0 + per : blocks;
-        for (int64_t b = b0; b < b1; b++) fn(x, x_stride, w, bias, y, in, out, b * rb);
+        for (int64_t b = b0; b < b1; b++) fn(x, x_stride, w, bias, y, in, out, b * rb, prefetch);
     }
     return 0;
 }
@@ -89,8 +99,9 @@ int pdserve_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, co
 int pdserve_gemv_bf16_available(void) { return 1; }
 #else
 int pdserve_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                      int64_t rows, int64_t in, int64_t out, int threads) {
+                      int64_t rows, int64_t in, int64_t out, int threads, int prefetch) {
     (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)threads;
+    (void)prefetch;
     return -1;
 }
 

@@ -112,7 +112,7 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
         "pdserve_silu_mul": [_PTR, _PTR, _I64, _I64, i32, i32],
         "pdserve_store_kv": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
     }
-    lib.pdserve_gemv_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
+    lib.pdserve_gemv_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32]
     lib.pdserve_gemv_bf16.restype = i32
     lib.pdserve_gemv_bf16_available.argtypes, lib.pdserve_gemv_bf16_available.restype = [], i32
     for name, argtypes in signatures.items():
@@ -121,6 +121,10 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
 
 
 GEMV_MAX_ROWS = 8  # cpu_gemv.c's MAX_ROWS
+# How the memory-streaming kernels (decode attention, small-batch matmul) prefetch: into L1 or L2,
+# each at its own distance. Speed only, never the output; the machine's faster one per kernel is
+# ``engine.kernels.decode_prefetch.modes()``.
+PREFETCH_L1, PREFETCH_L2 = 0, 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,15 +134,17 @@ def gemv_available() -> bool:
     return lib is not None and lib.pdserve_gemv_bf16_available() == 1
 
 
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+              prefetch: int = PREFETCH_L1) -> torch.Tensor | None:
     """``x @ w.T + bias`` for 2-D bfloat16 ``x`` of 1..GEMV_MAX_ROWS rows (last dim contiguous) and a
     contiguous bfloat16 ``[out, in]`` ``w``, or None where the kernel does not take the shape (the
-    caller then uses another path). The result is a new ``[rows, out]`` bfloat16 tensor."""
+    caller then uses another path). The result is a new ``[rows, out]`` bfloat16 tensor.
+    ``prefetch``: ``PREFETCH_L1`` or ``PREFETCH_L2`` (speed only)."""
     rows, out = x.shape[0], w.shape[0]
     y = torch.empty(rows, out, dtype=torch.bfloat16)
     threads = torch.get_num_threads() if openmp_shared() else 1
     rc = load().pdserve_gemv_bf16(x.data_ptr(), x.stride(0), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                  y.data_ptr(), rows, w.shape[1], out, threads)
+                                  y.data_ptr(), rows, w.shape[1], out, threads, int(prefetch))
     return y if rc == 0 else None
 
 
@@ -178,19 +184,15 @@ def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:
     return max(1, min(available, keys * heads * head_dim // WORK_PER_THREAD))
 
 
-PREFETCH_L1_FAR, PREFETCH_L2_NEAR = 0, 1  # cpu_decode_attention.c's row prefetch modes
-
-
 def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1,
-                 prefetch: int = PREFETCH_L1_FAR) -> torch.Tensor:
+                 prefetch: int = PREFETCH_L1) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over keys ``[lo[b], hi[b])`` of request b in ``layer`` of
     the pool; ``table`` ``[B, W]`` int64 maps ``pos // P`` to a page (only entries of pages in the
     range are read); ``lo``/``hi`` int64 ``[B]``. Returns ``[B, H, D]`` float32 (zeros for an empty
-    range). ``q`` may be any float dtype (it is read as float32). ``prefetch``: how the kernel
-    prefetches rows (``PREFETCH_*``; speed only, the output is the same; the machine's faster one is
-    ``engine.kernels.decode_prefetch.mode()``). Caller guarantees ``supports(pool_buffer)``,
-    contiguous int64 indices and in-range pages."""
+    range). ``q`` may be any float dtype (it is read as float32). ``prefetch``: ``PREFETCH_L1`` or
+    ``PREFETCH_L2`` (speed only). Caller guarantees ``supports(pool_buffer)``, contiguous int64
+    indices and in-range pages."""
     B, H, D = q.shape
     q = q.float().contiguous()
     out = torch.empty_like(q)

@@ -1,13 +1,14 @@
-"""Which row prefetch the CPU decode attention kernel uses on this machine, timed once per process.
+"""How the memory-streaming CPU kernels of a decode step prefetch on this machine, timed once per process.
 
-``cpu_decode_attention.c`` prefetches the rows of the block after the one it computes either far
-ahead into L1 (``PREFETCH_L1_FAR``) or near ahead into L2 (``PREFETCH_L2_NEAR``). Which one is
-faster depends on the CPU, by a lot: on a 2-core Zen 5 L1 prefetches made the kernel 1.56x faster
-and L2 ones were slower; on a 2-core Zen 4 L1 prefetches of any distance ran no faster than none,
-and L2 ones made it 1.7-1.9x faster from DRAM. ``mode()`` times both on a pool larger than the
-last-level cache (scattered pages, as a serving step reads them) and keeps the faster for the
-process. ``PDSERVE_DECODE_PREFETCH=l1-far|l2-near`` sets it instead, with no timing. The choice
-never changes an output, only the time to it.
+Decode attention (``cpu_decode_attention.c``) and the small-batch bfloat16 matmul (``cpu_gemv.c``)
+stream KV and weights from memory and prefetch ahead of their loads, either into L1
+(``PREFETCH_L1``) or into L2 (``PREFETCH_L2``), each kernel at its own distances. Which is faster
+depends on the CPU, by a lot: on a 2-core Zen 5 L1 prefetches made the attention kernel 1.56x faster
+and L2 ones were slower; on a 2-core Zen 4 L1 prefetches ran no faster than none, and L2 ones made
+the attention kernel 1.7-1.9x and the matmul 1.3-1.7x faster. ``modes()`` times both modes of each
+kernel on data twice the last-level cache (the attention on scattered pages, as a serving step reads
+them) and keeps the faster per kernel for the process (logged). ``PDSERVE_DECODE_PREFETCH=l1|l2``
+sets both instead, with no timing. The choice never changes an output, only the time to it.
 """
 from __future__ import annotations
 
@@ -15,20 +16,31 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.kernels import cpu_native
-from engine.kernels.cpu_native import PREFETCH_L1_FAR, PREFETCH_L2_NEAR
+from engine.kernels.cpu_native import PREFETCH_L1, PREFETCH_L2
 
 log = logging.getLogger(__name__)
 
 ENV = "PDSERVE_DECODE_PREFETCH"
-MODES = {"l1-far": PREFETCH_L1_FAR, "l2-near": PREFETCH_L2_NEAR}
-# the probe's step: 32 requests of 256 positions, SmolLM2's heads (9 query, 3 kv, 64 dims), 16-token pages
+MODES = {"l1": PREFETCH_L1, "l2": PREFETCH_L2}
+# the attention probe's step: 32 requests of 256 positions, SmolLM2's heads (9 query, 3 kv, 64 dims), 16-token pages
 _BATCH, _CONTEXT, _HEADS, _KV_HEADS, _DIM, _PAGE = 32, 256, 9, 3, 64, 16
+_WEIGHT = (3072, 576)  # the matmul probe's weight shape (SmolLM2's gate/up projection)
 _MIN_BYTES, _MAX_BYTES = 64 << 20, 256 << 20
+
+
+@dataclass(frozen=True)
+class Modes:
+    """The prefetch mode (``PREFETCH_L1`` / ``PREFETCH_L2``) of each kernel."""
+
+    attention: int
+    gemv: int
 
 
 def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
@@ -48,52 +60,74 @@ def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache"
 
 
 def probe_bytes(llc: int | None) -> int:
-    """KV bytes the probe reads per pass: twice the last-level cache, within 64-256 MiB."""
+    """Bytes each probe reads per pass: twice the last-level cache, within 64-256 MiB."""
     return min(_MAX_BYTES, max(_MIN_BYTES, 2 * (llc or 0)))
 
 
-def time_modes(pool_bytes: int, rounds: int = 3) -> dict[int, float]:
-    """Best seconds per mode (``PREFETCH_*``) of one pass of decode attention over ``pool_bytes`` of
-    bfloat16 KV (layer after layer, each a batch's scattered pages), modes alternating for
-    ``rounds`` rounds so drift hits both alike."""
-    from cache.pool_memory import zeroed
-
-    per_layer = _BATCH * _CONTEXT * _KV_HEADS * _DIM * 2 * 2  # K and V, bfloat16
-    layers = max(2, pool_bytes // per_layer)
-    pages_each = _CONTEXT // _PAGE
-    pool = zeroed((_BATCH * pages_each, layers, 2, _PAGE, _KV_HEADS, _DIM), torch.bfloat16, "cpu")
-    gen = torch.Generator().manual_seed(0)
-    table = torch.randperm(pool.shape[0], generator=gen).view(_BATCH, pages_each).contiguous()
-    lo = torch.zeros(_BATCH, dtype=torch.int64)
-    hi = torch.full((_BATCH,), _CONTEXT, dtype=torch.int64)
-    q = torch.ones(_BATCH, _HEADS, _DIM)
-    threads = cpu_native.threads_for(_BATCH * _CONTEXT, _HEADS, _DIM, torch.get_num_threads())
+def _best_of(run: Callable[[int], None], rounds: int) -> dict[int, float]:
+    """Best seconds of ``run(mode)`` per mode, modes alternating ``rounds`` times (drift hits both)."""
     best = dict.fromkeys(MODES.values(), float("inf"))
     for _ in range(rounds):
         for m in best:
             t = time.perf_counter()
-            for layer in range(layers):
-                cpu_native.paged_decode(q, pool, layer, table, lo, hi, 0.125, threads, prefetch=m)
+            run(m)
             best[m] = min(best[m], time.perf_counter() - t)
     return best
 
 
+def time_attention(nbytes: int, rounds: int = 3) -> dict[int, float]:
+    """Seconds per mode of decode attention over ``nbytes`` of bfloat16 KV, layer after layer."""
+    from cache.pool_memory import zeroed
+
+    per_layer = _BATCH * _CONTEXT * _KV_HEADS * _DIM * 2 * 2  # K and V, bfloat16
+    layers = max(2, nbytes // per_layer)
+    pages_each = _CONTEXT // _PAGE
+    pool = zeroed((_BATCH * pages_each, layers, 2, _PAGE, _KV_HEADS, _DIM), torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(pool.shape[0], generator=gen).view(_BATCH, pages_each).contiguous()
+    lo, hi = torch.zeros(_BATCH, dtype=torch.int64), torch.full((_BATCH,), _CONTEXT, dtype=torch.int64)
+    q = torch.ones(_BATCH, _HEADS, _DIM)
+    threads = cpu_native.threads_for(_BATCH * _CONTEXT, _HEADS, _DIM, torch.get_num_threads())
+
+    def run(mode: int) -> None:
+        for layer in range(layers):
+            cpu_native.paged_decode(q, pool, layer, table, lo, hi, 0.125, threads, prefetch=mode)
+    return _best_of(run, rounds)
+
+
+def time_gemv(nbytes: int, rounds: int = 3) -> dict[int, float]:
+    """Seconds per mode of one-row bfloat16 matmuls over ``nbytes`` of weights."""
+    out, inp = _WEIGHT
+    weights = [torch.zeros(out, inp, dtype=torch.bfloat16) for _ in range(max(2, nbytes // (out * inp * 2)))]
+    x = torch.zeros(1, inp, dtype=torch.bfloat16)
+
+    def run(mode: int) -> None:
+        for w in weights:
+            cpu_native.gemv_bf16(x, w, None, prefetch=mode)
+    return _best_of(run, rounds)
+
+
+def _faster(kernel: str, times: dict[int, float], nbytes: int) -> int:
+    chosen = min(times, key=times.get)
+    names = {v: k for k, v in MODES.items()}
+    log.info("%s prefetch: %s (%s over %d MiB)", kernel, names[chosen],
+             ", ".join(f"{names[m]} {s * 1e3:.1f} ms" for m, s in times.items()), nbytes >> 20)
+    return chosen
+
+
 @functools.lru_cache(maxsize=1)
-def mode() -> int:
-    """This process's prefetch mode: ``PDSERVE_DECODE_PREFETCH`` if set (``ValueError`` if it names
-    no mode), else the faster of the two on this machine (timed on first call, ~0.1 s), else
-    ``PREFETCH_L1_FAR`` where the kernels are not built."""
+def modes() -> Modes:
+    """This process's modes: both ``PDSERVE_DECODE_PREFETCH`` if set (``ValueError`` if it names no
+    mode), else each kernel's faster on this machine (timed on first call, ~0.1-0.3 s), else
+    ``PREFETCH_L1`` where a kernel is not built."""
     forced = os.environ.get(ENV, "").strip().lower()
     if forced:
         if forced not in MODES:
             raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(MODES)}")
-        return MODES[forced]
+        return Modes(MODES[forced], MODES[forced])
     if cpu_native.load() is None:
-        return PREFETCH_L1_FAR
+        return Modes(PREFETCH_L1, PREFETCH_L1)
     nbytes = probe_bytes(last_level_cache_bytes())
-    times = time_modes(nbytes)
-    chosen = min(times, key=times.get)
-    names = {v: k for k, v in MODES.items()}
-    log.info("decode attention prefetch: %s (%s over %d MiB of KV)", names[chosen],
-             ", ".join(f"{names[m]} {s * 1e3:.1f} ms" for m, s in times.items()), nbytes >> 20)
-    return chosen
+    attention = _faster("decode attention", time_attention(nbytes), nbytes)
+    gemv = _faster("small-batch matmul", time_gemv(nbytes), nbytes) if cpu_native.gemv_available() else PREFETCH_L1
+    return Modes(attention, gemv)
