@@ -29,6 +29,10 @@ other rows of its call (padding rows are zeros and are dropped).
 from __future__ import annotations
 
 import bisect
+import functools
+import logging
+import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,6 +41,8 @@ import torch.nn.functional as F
 
 from engine.cpu_features import has_fast_bf16
 from engine.kernels import cpu_native, decode_prefetch
+
+log = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 32  # row count oneDNN picks the blocked layout for (any count works)
 CHUNK_ROWS = 512
@@ -51,8 +57,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 19
 # memory bandwidth through oneDNN already (the 56 MB LM head: 773 us packed, 755 us plain kernel).
 GEMV_MAX_BYTES = 16 << 20
 GEMV_ALIGN_IN, GEMV_ALIGN_OUT = 32, 8  # the kernel's chunk of inputs and largest block of outputs
-# Calls of up to this many rows take the kernel: a decode step A/B (batch 1 / 2 / 4 / 8, the model
-# alternating between paths) gave 1.12x / 1.14x / 1.05x / 0.99x; at 8 rows oneDNN's blocking wins.
+# Calls of up to ``gemv_rows()`` rows take the kernel: GEMV_ROWS by default (a decode step A/B on a
+# Zen 5, batch 1 / 2 / 4 / 8, the model alternating between paths, gave 1.12x / 1.14x / 1.05x /
+# 0.99x), all it can take (8) where the process's probe finds it faster than oneDNN at 8 rows.
 GEMV_ROWS = 4
 
 
@@ -60,7 +67,7 @@ GEMV_ROWS = 4
 class PackedWeight:
     """A ``[out, in]`` weight in oneDNN's layout; ``shape`` is the original one. ``plain`` is the
     original contiguous weight where the small-batch bfloat16 kernel serves calls of up to
-    ``GEMV_ROWS`` rows (it costs the weight's bytes once more), else None."""
+    ``gemv_rows()`` rows (it costs the weight's bytes once more), else None."""
 
     data: torch.Tensor
     shape: torch.Size
@@ -112,7 +119,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
-    if w.plain is not None and x2.shape[0] <= GEMV_ROWS and x2.dtype == torch.bfloat16 \
+    if w.plain is not None and x2.shape[0] <= gemv_rows() and x2.dtype == torch.bfloat16 \
             and x2.stride(-1) == 1 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
         y = cpu_native.gemv_bf16(x2, w.plain, bias, decode_prefetch.modes().gemv)
         if y is not None:
@@ -122,6 +129,42 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     else:
         y = torch.cat([_packed_rows(c.contiguous(), w, bias) for c in x2.split(CHUNK_ROWS)])
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+@functools.lru_cache(maxsize=1)
+def gemv_rows() -> int:
+    """The most rows a bfloat16 call may have to take the small-batch kernel: GEMV_ROWS, or
+    ``cpu_native.GEMV_MAX_ROWS`` where the kernel (in this process's prefetch mode) beats oneDNN's
+    packed primitive at that many rows over weights twice the last-level cache (timed once, ~50 ms;
+    on a Zen 4 with L2 prefetches 7.4 against 11.8 ms over 30 layers' weights). GEMV_ROWS without
+    timing where the kernel or packing is missing or ``PDSERVE_DECODE_PREFETCH`` is set."""
+    if (not cpu_native.gemv_available() or not packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16))
+            or os.environ.get(decode_prefetch.ENV, "").strip()):
+        return GEMV_ROWS
+    kernel, onednn = time_against_onednn(decode_prefetch.probe_bytes(decode_prefetch.last_level_cache_bytes()),
+                                         decode_prefetch.modes().gemv)
+    rows = cpu_native.GEMV_MAX_ROWS if kernel < onednn else GEMV_ROWS
+    log.info("small-batch matmul takes up to %d rows (%d rows: kernel %.1f ms, oneDNN %.1f ms)",
+             rows, cpu_native.GEMV_MAX_ROWS, kernel * 1e3, onednn * 1e3)
+    return rows
+
+
+def time_against_onednn(nbytes: int, prefetch: int, rounds: int = 3) -> tuple[float, float]:
+    """(kernel, oneDNN) best seconds of ``GEMV_MAX_ROWS``-row bfloat16 matmuls over ``nbytes`` of
+    probe weights, the kernel in mode ``prefetch``, oneDNN on the packed weights the model would use."""
+    weights = decode_prefetch.probe_weights(nbytes)
+    packed = [pack(w) for w in weights]
+    x = torch.zeros(cpu_native.GEMV_MAX_ROWS, weights[0].shape[1], dtype=torch.bfloat16)
+    kernel = onednn = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for w in weights:
+            cpu_native.gemv_bf16(x, w, None, prefetch)
+        kernel, t = min(kernel, time.perf_counter() - t), time.perf_counter()
+        for p in packed:
+            _packed_rows(x, p, None)
+        onednn = min(onednn, time.perf_counter() - t)
+    return kernel, onednn
 
 
 def warm_up(pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | None]],

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from engine import cpu_linear
 from engine.cpu_linear import GEMV_MAX_BYTES, linear, pack
-from engine.kernels import cpu_native
+from engine.kernels import cpu_native, decode_prefetch
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not cpu_native.gemv_available(),
@@ -64,15 +64,48 @@ def test_pack_keeps_the_plain_weight_only_where_the_kernel_takes_it():
 def test_linear_routes_small_batches_to_the_kernel(monkeypatch):
     if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
         pytest.skip("bfloat16 weights are not packed on this CPU")
+    top = cpu_linear.gemv_rows()  # 4 or 8 as this machine's probe found (timed before the patch below)
     calls = []
     real = cpu_native.gemv_bf16
     monkeypatch.setattr(cpu_native, "gemv_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     w = torch.randn(576, 576).bfloat16()
     p = pack(w)
-    top = cpu_linear.GEMV_ROWS
     for rows in (1, top, top + 1, 64):
         x = torch.randn(2, rows, 576).bfloat16()[0]
         y = linear(x, p)
         assert y.shape == (rows, 576)
         torch.testing.assert_close(y.float(), F.linear(x, w).float(), rtol=1.6e-2, atol=1e-2)
     assert calls == [1, top]  # more rows stay on oneDNN
+
+
+@pytest.mark.parametrize("kernel_s,onednn_s,want", [(1.0, 2.0, cpu_native.GEMV_MAX_ROWS), (2.0, 1.0, cpu_linear.GEMV_ROWS)])
+def test_the_kernel_takes_eight_rows_only_where_it_beats_onednn_there(monkeypatch, kernel_s, onednn_s, want):
+    if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
+        pytest.skip("bfloat16 weights are not packed on this CPU")
+    monkeypatch.delenv(decode_prefetch.ENV, raising=False)
+    seen = []
+    monkeypatch.setattr(cpu_linear, "time_against_onednn", lambda n, mode: seen.append(mode) or (kernel_s, onednn_s))
+    cpu_linear.gemv_rows.cache_clear()
+    try:
+        assert cpu_linear.gemv_rows() == want
+        assert cpu_linear.gemv_rows() == want
+    finally:
+        cpu_linear.gemv_rows.cache_clear()
+    assert seen == [decode_prefetch.modes().gemv]  # timed once, in the kernel's chosen mode
+
+
+def test_a_forced_prefetch_mode_keeps_the_default_rows_untimed(monkeypatch):
+    monkeypatch.setenv(decode_prefetch.ENV, "l2")
+    monkeypatch.setattr(cpu_linear, "time_against_onednn", lambda *a: pytest.fail("must not time"))
+    cpu_linear.gemv_rows.cache_clear()
+    try:
+        assert cpu_linear.gemv_rows() == cpu_linear.GEMV_ROWS
+    finally:
+        cpu_linear.gemv_rows.cache_clear()
+
+
+def test_kernel_against_onednn_times_both_on_real_weights():
+    if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
+        pytest.skip("bfloat16 weights are not packed on this CPU")
+    kernel, onednn = cpu_linear.time_against_onednn(8 << 20, cpu_native.PREFETCH_L2, rounds=1)
+    assert 0 < kernel < 10 and 0 < onednn < 10

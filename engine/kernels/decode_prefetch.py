@@ -95,11 +95,16 @@ def time_attention(nbytes: int, rounds: int = 3) -> dict[int, float]:
     return _best_of(run, rounds)
 
 
+def probe_weights(nbytes: int) -> list[torch.Tensor]:
+    """Zero bfloat16 weights of the probe's shape, ``nbytes`` of them (at least two)."""
+    out, inp = _WEIGHT
+    return [torch.zeros(out, inp, dtype=torch.bfloat16) for _ in range(max(2, nbytes // (out * inp * 2)))]
+
+
 def time_gemv(nbytes: int, rounds: int = 3) -> dict[int, float]:
     """Seconds per mode of one-row bfloat16 matmuls over ``nbytes`` of weights."""
-    out, inp = _WEIGHT
-    weights = [torch.zeros(out, inp, dtype=torch.bfloat16) for _ in range(max(2, nbytes // (out * inp * 2)))]
-    x = torch.zeros(1, inp, dtype=torch.bfloat16)
+    weights = probe_weights(nbytes)
+    x = torch.zeros(1, weights[0].shape[1], dtype=torch.bfloat16)
 
     def run(mode: int) -> None:
         for w in weights:
