@@ -31,8 +31,6 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -139,7 +137,7 @@ def gemv_rows() -> int:
     on a Zen 4 with L2 prefetches 7.4 against 11.8 ms over 30 layers' weights). GEMV_ROWS without
     timing where the kernel or packing is missing or ``PDSERVE_DECODE_PREFETCH`` is set."""
     if (not cpu_native.gemv_available() or not packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16))
-            or os.environ.get(decode_prefetch.ENV, "").strip()):
+            or decode_prefetch.forced_mode() is not None):
         return GEMV_ROWS
     kernel, onednn = time_against_onednn(decode_prefetch.probe_bytes(decode_prefetch.last_level_cache_bytes()),
                                          decode_prefetch.modes().gemv)
@@ -155,16 +153,9 @@ def time_against_onednn(nbytes: int, prefetch: int, rounds: int = 3) -> tuple[fl
     weights = decode_prefetch.probe_weights(nbytes)
     packed = [pack(w) for w in weights]
     x = torch.zeros(cpu_native.GEMV_MAX_ROWS, weights[0].shape[1], dtype=torch.bfloat16)
-    kernel = onednn = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for w in weights:
-            cpu_native.gemv_bf16(x, w, None, prefetch)
-        kernel, t = min(kernel, time.perf_counter() - t), time.perf_counter()
-        for p in packed:
-            _packed_rows(x, p, None)
-        onednn = min(onednn, time.perf_counter() - t)
-    return kernel, onednn
+    best = decode_prefetch.best_of({"kernel": lambda: [cpu_native.gemv_bf16(x, w, None, prefetch) for w in weights],
+                                    "onednn": lambda: [_packed_rows(x, p, None) for p in packed]}, rounds)
+    return best["kernel"], best["onednn"]
 
 
 def warm_up(pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | None]],
@@ -175,6 +166,8 @@ def warm_up(pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | No
     oneDNN builds a primitive the first time it sees a shape; doing that for all of them at load
     time means a served request never waits for a JIT compile and the process's memory is final
     before it serves (the soak's RSS-growth check measures exactly that). Plain weights are skipped.
+    Where a weight keeps a plain copy for the small-batch kernel, its row count (``gemv_rows``, timed
+    once per process) is settled here too, not at a served request's first matmul.
     """
     seen: set[tuple[torch.Size, bool]] = set()
     buckets = [r for r in ROW_BUCKETS if r <= max(max_rows, 1)]
@@ -184,6 +177,8 @@ def warm_up(pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | No
             if key is None or key in seen:
                 continue
             seen.add(key)
+            if w.plain is not None:
+                gemv_rows()
             for rows in buckets:
                 _packed_rows(torch.zeros(rows, w.shape[1], dtype=w.data.dtype), w, bias)
     return len(seen) * len(buckets)

@@ -16,7 +16,6 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,14 +63,15 @@ def probe_bytes(llc: int | None) -> int:
     return min(_MAX_BYTES, max(_MIN_BYTES, 2 * (llc or 0)))
 
 
-def _best_of(run: Callable[[int], None], rounds: int) -> dict[int, float]:
-    """Best seconds of ``run(mode)`` per mode, modes alternating ``rounds`` times (drift hits both)."""
-    best = dict.fromkeys(MODES.values(), float("inf"))
+def best_of(runs: dict, rounds: int) -> dict:
+    """Best seconds of each ``runs[key]()``, the runs alternating ``rounds`` times so a drifting
+    machine's drift hits them alike."""
+    best = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
-        for m in best:
+        for key, run in runs.items():
             t = time.perf_counter()
-            run(m)
-            best[m] = min(best[m], time.perf_counter() - t)
+            run()
+            best[key] = min(best[key], time.perf_counter() - t)
     return best
 
 
@@ -92,7 +92,7 @@ def time_attention(nbytes: int, rounds: int = 3) -> dict[int, float]:
     def run(mode: int) -> None:
         for layer in range(layers):
             cpu_native.paged_decode(q, pool, layer, table, lo, hi, 0.125, threads, prefetch=mode)
-    return _best_of(run, rounds)
+    return best_of({m: functools.partial(run, m) for m in MODES.values()}, rounds)
 
 
 def probe_weights(nbytes: int) -> list[torch.Tensor]:
@@ -109,7 +109,7 @@ def time_gemv(nbytes: int, rounds: int = 3) -> dict[int, float]:
     def run(mode: int) -> None:
         for w in weights:
             cpu_native.gemv_bf16(x, w, None, prefetch=mode)
-    return _best_of(run, rounds)
+    return best_of({m: functools.partial(run, m) for m in MODES.values()}, rounds)
 
 
 def _faster(kernel: str, times: dict[int, float], nbytes: int) -> int:
@@ -120,16 +120,23 @@ def _faster(kernel: str, times: dict[int, float], nbytes: int) -> int:
     return chosen
 
 
+def forced_mode() -> int | None:
+    """The mode ``PDSERVE_DECODE_PREFETCH`` forces on both kernels, None if unset; ``ValueError``
+    if it names no mode."""
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced and forced not in MODES:
+        raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(MODES)}")
+    return MODES[forced] if forced else None
+
+
 @functools.lru_cache(maxsize=1)
 def modes() -> Modes:
     """This process's modes: both ``PDSERVE_DECODE_PREFETCH`` if set (``ValueError`` if it names no
     mode), else each kernel's faster on this machine (timed on first call, ~0.1-0.3 s), else
     ``PREFETCH_L1`` where a kernel is not built."""
-    forced = os.environ.get(ENV, "").strip().lower()
-    if forced:
-        if forced not in MODES:
-            raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(MODES)}")
-        return Modes(MODES[forced], MODES[forced])
+    forced = forced_mode()
+    if forced is not None:
+        return Modes(forced, forced)
     if cpu_native.load() is None:
         return Modes(PREFETCH_L1, PREFETCH_L1)
     nbytes = probe_bytes(last_level_cache_bytes())
