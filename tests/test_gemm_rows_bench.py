@@ -1,0 +1,21 @@
+"""bench.gemm_rows: the matmul-by-rows microbenchmark measures the serving path's projections."""
+from __future__ import annotations
+
+from bench import gemm_rows
+
+
+def test_measure_times_every_row_count_and_counts_the_flops():
+    got = gemm_rows.measure([4, 16], "float32", reps=1)
+    assert [m for m, _, _ in got] == [4, 16]
+    for m, ms, gflops in got:
+        assert ms > 0
+        # GFLOP/s is the four projections' FLOPs over 30 layers for m rows, over the step's time
+        flops = sum(2 * o * i for o, i in gemm_rows.SHAPES) * gemm_rows.LAYERS * m
+        assert abs(gflops - flops / (ms / 1e3) / 1e9) <= 1e-6 * gflops
+
+
+def test_cli_prints_one_row_per_thread_count_and_row_count(capsys):
+    gemm_rows.main(["--rows", "8", "--threads", "1", "--dtype", "float32", "--reps", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("| threads | rows |") and len(lines) == 3
+    assert lines[2].startswith("| 1 | 8 | ")
