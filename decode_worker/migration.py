@@ -197,7 +197,8 @@ class MigrationSource:
         """Writes that ended: ``(job, ok, error, nbytes, seconds)``; counts and times them. A done
         job leaves ``offered`` (the caller finishes it); a failed one stays for ``back``."""
         done = []
-        for job, ok, error, nbytes, secs in self.sender.poll():
+        for w in self.sender.poll():
+            job, ok, error, nbytes, secs = w.job, w.ok, w.error, w.nbytes, w.seconds
             rid = job.req.rid
             self._writing.discard(rid)
             self._log_phases(rid, ok, nbytes, secs)

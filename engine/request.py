@@ -84,9 +84,10 @@ class Request:
     def finished(self) -> bool:
         return self.status is Phase.FINISHED
 
-    def mark(self, milestone: str) -> None:
-        """Stamp ``milestone`` now, unless it was stamped before (the first pass counts)."""
-        self.marks.setdefault(milestone, time.monotonic())
+    def mark(self, milestone: str, at: float | None = None) -> None:
+        """Stamp ``milestone`` now (or at monotonic ``at``), unless it was stamped before (the first
+        pass counts)."""
+        self.marks.setdefault(milestone, time.monotonic() if at is None else at)
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))

@@ -33,9 +33,22 @@ class _Peer:
 @dataclass
 class _InFlight:
     job: object
-    future: Future  # -> TransferHandle (write_pages may block for the copy: it runs on a thread)
-    started: float
+    future: Future  # -> (TransferHandle, monotonic end or None): write_pages may block for the copy
+    started: float  # time.monotonic()
     nbytes: int
+
+
+@dataclass(frozen=True)
+class WriteEnded:
+    """A write that ended: ``ok`` or ``error``; ``seconds`` from ``start`` to its end, which is
+    ``ended_at`` (monotonic): when the writing thread saw it end, or else when ``poll`` did."""
+
+    job: object
+    ok: bool
+    error: str | None
+    nbytes: int
+    seconds: float
+    ended_at: float
 
 
 class KVSender:
@@ -100,30 +113,31 @@ class KVSender:
         else:
             future = Future()
             try:
-                future.set_result(self.transport.write_pages(peer.transport_name, src, dst, notif))
+                future.set_result((self.transport.write_pages(peer.transport_name, src, dst, notif), None))
             except Exception as e:  # noqa: BLE001 - reported through the future like the threaded path
                 future.set_exception(e)
-        self.inflight.append(_InFlight(job, future, time.perf_counter(), len(src) * self.page_bytes))
+        self.inflight.append(_InFlight(job, future, time.monotonic(), len(src) * self.page_bytes))
 
     def _write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes):
         """On the writing thread: post the write and, where the transport ``notifies_on_poll``,
         poll it for up to ``SETTLE_WAIT_S`` so its notification leaves when the pages are there.
-        The scheduler's thread touches the handle only after this returned (through the future)."""
+        The scheduler's thread touches the handle only after this returned (through the future).
+        Returns the handle and, if it ended here, when."""
         handle = self.transport.write_pages(peer, src, dst, notif)
-        if self.transport.notifies_on_poll:
-            handle.wait(SETTLE_WAIT_S)
-        return handle
+        if self.transport.notifies_on_poll and handle.wait(SETTLE_WAIT_S) != "pending":
+            return handle, time.monotonic()
+        return handle, None
 
-    def poll(self) -> list[tuple[object, bool, str | None, int, float]]:
-        """``(job, ok, error, nbytes, seconds)`` for every write that ended since the last call."""
+    def poll(self) -> list[WriteEnded]:
+        """Every write that ended since the last call."""
         ended, still = [], []
         for f in self.inflight:
             state, error = self._state(f)
             if state == "pending":
                 still.append(f)
                 continue
-            ok = state == "done"
-            ended.append((f.job, ok, error, f.nbytes, time.perf_counter() - f.started))
+            end = (f.future.exception() is None and f.future.result()[1]) or time.monotonic()
+            ended.append(WriteEnded(f.job, state == "done", error, f.nbytes, end - f.started, end))
         self.inflight = still
         return ended
 
@@ -133,7 +147,7 @@ class KVSender:
             return "pending", None
         if f.future.exception() is not None:
             return "error", f"could not start the KV write: {f.future.exception()}"
-        handle = f.future.result()
+        handle = f.future.result()[0]
         state = handle.poll()
         if state != "pending":
             handle.release()

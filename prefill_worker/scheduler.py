@@ -284,18 +284,19 @@ class PrefillScheduler(WorkerScheduler):
         """Finish the writes that ended; each one that succeeded hands a request to its decode worker."""
         report = StepReport()
         out = report.outbox
-        for job, ok, error, nbytes, secs in self.sender.poll():
+        for w in self.sender.poll():
+            job = w.job
             job.writing = False
-            job.req.mark("write_done")
-            log.debug("transfer %s room %d ended ok=%s in %.4fs", job.req.rid, job.room, ok, secs)
-            if ok:
-                self.transfer_bytes += nbytes
-                self.transfer_seconds.observe(secs)
+            job.req.mark("write_done", at=w.ended_at)
+            log.debug("transfer %s room %d ended ok=%s in %.4fs", job.req.rid, job.room, w.ok, w.seconds)
+            if w.ok:
+                self.transfer_bytes += w.nbytes
+                self.transfer_seconds.observe(w.seconds)
                 report.handoffs += 1
                 out.extend(self.finish(job, Outcome("length")))
             else:
                 self.transfer_failures += 1
-                out.extend(self.finish(job, Outcome.abort(f"KV transfer to decode worker failed: {error}", 503)))
+                out.extend(self.finish(job, Outcome.abort(f"KV transfer to decode worker failed: {w.error}", 503)))
         return report
 
     def _expire(self) -> Outbox:

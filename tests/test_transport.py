@@ -207,7 +207,9 @@ def test_prefill_sender_write_reaches_its_target_before_the_scheduler_polls_it()
         assert rep["bad_pages"] == []
         assert [n for _, n in rep["notifs"]] == [manifest.model_dump_json().encode()]
         ended = sender.poll()
-        assert [(job, ok) for job, ok, *_ in ended] == [("job", True)] and not sender.busy
+        assert [(w.job, w.ok) for w in ended] == [("job", True)] and not sender.busy
+        # the write's end is the writing thread's (not this later poll's): the check above took 0.2 s+
+        assert ended[0].seconds < 0.15 and ended[0].ended_at < time.monotonic() - 0.15
         conn.send(("bye",))
         p.join(10)
     finally:
