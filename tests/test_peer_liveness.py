@@ -100,10 +100,12 @@ def test_busy_decode_worker_keeps_its_live_prefill_peer(tiny, tiny_folder):
 
 @pytest.mark.process  # worker subprocesses (PDPair)
 def test_stuck_prefill_scheduler_is_failed_by_the_progress_watchdog(tiny_folder):
-    """The prefill scheduler thread sleeps for 10 minutes after its first step; its control thread
-    keeps answering. The decode side fails the request as stuck, not as silent."""
+    """The prefill scheduler thread sleeps for 10 minutes after its first step, the first 4-token
+    chunk of a 10-token prompt (so no KV write was posted: a posted one completes on the writing
+    thread); its control thread keeps answering. The decode side fails the request as stuck, not
+    as silent."""
     pair = PDPair(tiny_folder, decode_pool=512, host_gb=0.0, cluster={"peer_timeout_s": 2.0, "progress_timeout_s": 4.0},
-                  prefill_sched={"test_step_delay_s": 600.0})
+                  prefill_sched={"test_step_delay_s": 600.0, "chunked_prefill_size": 4})
     try:
         pair.submit("s", prompts(1, 10, 10, seed=3)[0], GREEDY)
         res = pair.collect(["s"], timeout=30)["s"]
