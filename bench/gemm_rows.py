@@ -5,8 +5,8 @@
 Runs the model's four projections per layer (SmolLM2-135M: qkv 576->960, o 576->576, gate_up
 576->3072, down 1536->576) over 30 layers through ``engine.cpu_linear.linear`` (the serving path:
 oneDNN's packed primitive, the small-batch kernel for the rows it takes) at each row count, best of
-``--reps`` rounds after a warm-up, and prints ms per step and GFLOP/s. Each thread count runs in
-its own process (oneDNN builds its kernels per thread count). Session 23, a 2-core Zen 4: 375-406
+``--reps`` rounds (the row counts alternating) after a warm-up, and prints ms per step and GFLOP/s.
+Each thread count runs in its own process (oneDNN builds its kernels per thread count). Session 23, a 2-core Zen 4: 375-406
 GFLOP/s from 64 to 512 rows on two threads, 198-207 on one.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) per layer
 LAYERS = 30
@@ -25,25 +24,23 @@ def measure(rows: list[int], dtype: str, reps: int) -> list[tuple[int, float, fl
     import torch
 
     from engine import cpu_linear
+    from engine.kernels.decode_prefetch import best_of
 
     dt = getattr(torch, dtype)
     torch.manual_seed(0)
     ws = [cpu_linear.pack(torch.randn(o, i, dtype=dt) * 0.02) for o, i in SHAPES]
     flop_row = sum(2 * o * i for o, i in SHAPES) * LAYERS
-    out = []
-    for m in rows:
-        xs = [torch.randn(m, i, dtype=dt) for _, i in SHAPES]
-        for x, w in zip(xs, ws):
-            cpu_linear.linear(x, w)
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(LAYERS):
-                for x, w in zip(xs, ws):
-                    cpu_linear.linear(x, w)
-            best = min(best, time.perf_counter() - t0)
-        out.append((m, best * 1e3, flop_row * m / best / 1e9))
-    return out
+
+    def step(xs: list) -> None:
+        for _ in range(LAYERS):
+            for x, w in zip(xs, ws):
+                cpu_linear.linear(x, w)
+
+    inputs = {m: [torch.randn(m, i, dtype=dt) for _, i in SHAPES] for m in rows}
+    for xs in inputs.values():  # warm-up: oneDNN builds a primitive per shape
+        step(xs)
+    best = best_of({m: (lambda xs=xs: step(xs)) for m, xs in inputs.items()}, reps)  # row counts alternate
+    return [(m, best[m] * 1e3, flop_row * m / best[m] / 1e9) for m in rows]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -132,26 +132,27 @@ class KVSender:
         """Every write that ended since the last call."""
         ended, still = [], []
         for f in self.inflight:
-            state, error = self._state(f)
+            state, error, end = self._state(f)
             if state == "pending":
                 still.append(f)
                 continue
-            end = (f.future.exception() is None and f.future.result()[1]) or time.monotonic()
+            end = end or time.monotonic()
             ended.append(WriteEnded(f.job, state == "done", error, f.nbytes, end - f.started, end))
         self.inflight = still
         return ended
 
     @staticmethod
-    def _state(f: _InFlight) -> tuple[str, str | None]:
+    def _state(f: _InFlight) -> tuple[str, str | None, float | None]:
+        """(state, error, when the writing thread saw it end or None)."""
         if not f.future.done():
-            return "pending", None
+            return "pending", None, None
         if f.future.exception() is not None:
-            return "error", f"could not start the KV write: {f.future.exception()}"
-        handle = f.future.result()[0]
+            return "error", f"could not start the KV write: {f.future.exception()}", None
+        handle, ended_at = f.future.result()
         state = handle.poll()
         if state != "pending":
             handle.release()
-        return state, getattr(handle, "error", None) or (None if state != "error" else "transport error")
+        return state, getattr(handle, "error", None) or (None if state != "error" else "transport error"), ended_at
 
     def close(self) -> None:
         if self.pool is not None:
