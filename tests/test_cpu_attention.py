@@ -155,7 +155,8 @@ def test_cpu_backend_starts_no_thread_for_a_short_step(monkeypatch):
     """The backend passes the kernel the threads the step's keys pay for, not torch's count."""
     seen = []
     real = cpu_native.paged_decode
-    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: seen.append(a[-1]) or real(*a))
+    # paged_decode(q, pool, layer, table, lo, hi, scale, threads, prefetch): threads is a[7]
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: seen.append(a[7]) or real(*a))
     pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
     batch = _decode_batch(pools, [3, 9], 8)
     backend = CpuBackend(pools, 4, 0.25, _windows(8), threads=2)

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from configs.schema import PdserveConfig
-from server.testing.subprocess_server import LaunchedServer, free_port
+from server.testing.subprocess_server import LaunchedServer, free_base_port
 
 pytestmark = pytest.mark.process
 
@@ -36,7 +36,7 @@ PROMPT = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 
 
 @pytest.fixture(scope="module")
 def base_port():
-    return free_port()
+    return free_base_port(2)  # prefill-0 and decode-0 both: base_port + 1 must be free too
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_restarts_back_off_then_give_up_with_health_reason(caplog):
     cfg = PdserveConfig.model_validate({
         "server": {"port": 0, "health_interval_s": HEARTBEAT_S, "log_level": "WARNING"},
         "engine": {"kv_pool_tokens": 256, "max_model_len": 256},
-        "cluster": {"mode": "colocated", "base_port": free_port(), "restart_limit": 3, "restart_backoff_s": 0.2}})
+        "cluster": {"mode": "colocated", "base_port": free_base_port(1), "restart_limit": 3, "restart_backoff_s": 0.2}})
     starts: list[float] = []
     die = [sys.executable, "-c", "import sys; print('worker: simulated crash at start', file=sys.stderr); sys.exit(1)"]
 

@@ -55,10 +55,10 @@ def test_registry_marks_silent_worker_dead_and_fails_requests():
 def test_launch_fails_when_worker_dies_at_startup(capsys):
     from server.launch.launcher import Launcher
 
-    from server.testing.subprocess_server import free_port
+    from server.testing.subprocess_server import free_base_port
 
     cfg = PdserveConfig.model_validate({"server": {"port": 0}, "cluster": {"mode": "colocated",
-                                                                          "base_port": free_port()}})
+                                                                          "base_port": free_base_port(1)}})
     die = [sys.executable, "-c", "import sys; print('worker: no such model', file=sys.stderr); sys.exit(3)"]
     out = io.StringIO()
     rc = asyncio.run(Launcher(cfg, argv=lambda spec, c: die, out=out, install_signals=False).run())
