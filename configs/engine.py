@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from configs.sliding_window import check_layer_types_syntax
 
@@ -24,6 +24,9 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on CPU, bfloat16 on CUDA")
+    weight_dtype: Literal["auto", "int8"] = Field(
+        "auto", description="matmul weights: auto = --dtype; int8 = weight-only int8 (one scale per output "
+        "row; needs --dtype bfloat16 on a CPU with AVX512-BF16; decode steps read half the bytes)")
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
     kv_pool_tokens: int | None = Field(None, ge=1, description="KV pool capacity in tokens")
     kv_pool_fraction: float | None = Field(
@@ -44,6 +47,13 @@ class EngineConfig(BaseModel):
         None, description="experiments: override which layers slide: 'alternate' (layer 0 sliding, 1 full, ...) "
                           "or one kind per layer, comma-separated: sliding,full,... (needs a window: the "
                           "model's or --sliding-window)")
+
+    @model_validator(mode="after")
+    def _int8_needs_bfloat16(self):
+        if self.weight_dtype == "int8" and self.dtype != "bfloat16":
+            raise ValueError(f"--weight-dtype int8 needs --dtype bfloat16 (got --dtype {self.dtype}): its kernel "
+                             "multiplies bfloat16 activations by the int8 weights; add --dtype bfloat16")
+        return self
 
     @field_validator("layer_types", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ Per-layer windows reach the attention backend through ``layer_types`` / ``slidin
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.cpu_linear import linear, pack, warm_up
+from engine.cpu_linear import linear, warm_up
+from engine.cpu_linear import pack as pack_weight
 from engine.forward_batch import ForwardBatch
 from engine.model import checkpoint_getter
 from engine.rope import RotaryEmbedding
@@ -73,13 +75,14 @@ class Gemma3Model(nn.Module):
     """Gemma 3 decoder stack with tied LM head; same ``load_weights`` / ``forward`` contract as
     ``LlamaModel`` (HF-named float tensors in, float32 logits of each last new token out)."""
 
-    def __init__(self, cfg: Gemma3Config, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Gemma3Config, device: torch.device, dtype: torch.dtype, int8: bool = False) -> None:
         super().__init__()
         if not isinstance(cfg, Gemma3Config):
             raise TypeError(f"Gemma3Model needs a Gemma3Config, got {type(cfg).__name__}")
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        self.int8 = int8  # weight-only int8 layer matmuls (the 262k-row LM head stays plain)
         self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
         n = cfg.max_position_embeddings
         self.rope_global = RotaryEmbedding(cfg.head_dim, n, cfg.rope_theta, device)
@@ -91,6 +94,7 @@ class Gemma3Model(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take HF Gemma 3 names; fuse q/k/v and gate/up, cast and move. Raises on a missing tensor."""
         get = checkpoint_getter(state, self.device, self.dtype)
+        pack = functools.partial(pack_weight, int8=self.int8)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")

@@ -8,12 +8,15 @@ batch names in ``extra_logit_rows`` (prompt logprobs).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.cpu_linear import linear, pack, warm_up
+from engine.cpu_linear import linear, warm_up
+from engine.cpu_linear import pack as pack_weight
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
 from engine.rope import RotaryEmbedding
@@ -66,11 +69,12 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack + tied/untied LM head. ``forward`` needs an attention backend per call."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, int8: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
+        self.int8 = int8  # weight-only int8 matmul weights, LM head included (engine.cpu_linear)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
         self.embed: torch.Tensor | None = None
@@ -80,6 +84,7 @@ class LlamaModel(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take HF-named float tensors; fuse, cast and move them. Raises on a missing tensor."""
         get = checkpoint_getter(state, self.device, self.dtype)
+        pack = functools.partial(pack_weight, int8=self.int8)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")

@@ -90,7 +90,7 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         model_cls = Gemma3Model if model_config.arch == "gemma3" else LlamaModel
-        self.model = model_cls(model_config, self.device, self.dtype)
+        self.model = model_cls(model_config, self.device, self.dtype, int8=cfg.weight_dtype == "int8")
         self.model.load_weights(weights)
         full_pages, swa_pages = self._pool_pages()
         self.pools = KVPools(full_pages, swa_pages, model_config.layer_types, self.page_size,

@@ -114,6 +114,8 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
     }
     lib.pdserve_gemv_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32]
     lib.pdserve_gemv_bf16.restype = i32
+    lib.pdserve_gemv_i8w.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32]
+    lib.pdserve_gemv_i8w.restype = i32
     lib.pdserve_gemv_bf16_available.argtypes, lib.pdserve_gemv_bf16_available.restype = [], i32
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -145,6 +147,21 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     threads = torch.get_num_threads() if openmp_shared() else 1
     rc = load().pdserve_gemv_bf16(x.data_ptr(), x.stride(0), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                   y.data_ptr(), rows, w.shape[1], out, threads, int(prefetch))
+    return y if rc == 0 else None
+
+
+def gemv_i8w(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             prefetch: int = PREFETCH_L1) -> torch.Tensor | None:
+    """``(x @ q.T) * scale + bias`` for 2-D bfloat16 ``x`` of 1..GEMV_MAX_ROWS rows (last dim
+    contiguous), a contiguous int8 ``[out, in]`` ``q`` and float32 ``[out]`` ``scale`` (a weight-only
+    int8 weight): a new ``[rows, out]`` bfloat16 tensor, or None where the kernel does not take the
+    shape. The products are exact, the sums float32, the result rounded to bfloat16 once."""
+    rows, out = x.shape[0], q.shape[0]
+    y = torch.empty(rows, out, dtype=torch.bfloat16)
+    threads = torch.get_num_threads() if openmp_shared() else 1
+    rc = load().pdserve_gemv_i8w(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(),
+                                 0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, q.shape[1], out,
+                                 threads, int(prefetch))
     return y if rc == 0 else None
 
 
