@@ -33,7 +33,7 @@ def handle_migration(s, source: Conn, msg: Message, frames: list[bytes]) -> Outb
     if m is None:
         return None
     if isinstance(msg, KVHandshake):
-        error = m.sender.accept_peer(source, msg, s.model_name, s.runner.pools.layout_descriptor(),
+        error = m.sender.accept_peer(source, msg, s.model_name, s.runner.kv_descriptor(),
                                      s.cfg.cluster.cluster_id or "", s.worker_id)
         out = Outbox()
         out.send(source, KVHandshakeAck(ok=error is None, worker_id=s.worker_id, error=error))

@@ -166,11 +166,11 @@ class PrefillPeers:
         return Outbox(), died
 
 
-def make_handshake(worker_id: str, model: str, pools, transport, cluster_id: str = "") -> KVHandshake:
-    """The handshake a decode worker sends each prefill worker it takes KV from (``pools``: its
-    ``KVPools``: the layout both sides must share, and where its pools sit in its unit rows)."""
-    g = pools.geometry
-    return KVHandshake(worker_id=worker_id, cluster_id=cluster_id, model=model, layout=pools.layout_descriptor(),
+def make_handshake(worker_id: str, model: str, runner, transport, cluster_id: str = "") -> KVHandshake:
+    """The handshake a decode worker sends each prefill worker it takes KV from (``runner``: its
+    ``ModelRunner``: the KV descriptor both sides must share, and where its pools sit in its unit rows)."""
+    g = runner.pools.geometry
+    return KVHandshake(worker_id=worker_id, cluster_id=cluster_id, model=model, layout=runner.kv_descriptor(),
                        pool_geometry=(g.full_pages, g.full_units, g.swa_units),
                        transport=transport.backend,
                        transport_metadata=base64.b64encode(transport.local_metadata()).decode())

@@ -329,7 +329,7 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
     host = None
     if cfg.cluster.host_kv_pool_gb > 0:
         host = HostKVPool.for_device_pool(runner.pools.units, int(cfg.cluster.host_kv_pool_gb * 2**30))
-    hs = make_handshake(worker_id, model_name, runner.pools, transport, cfg.cluster.cluster_id or "")
+    hs = make_handshake(worker_id, model_name, runner, transport, cfg.cluster.cluster_id or "")
     peers = PrefillPeers(hs, cfg.cluster.peer_timeout_s, cfg.cluster.progress_timeout_s)
     transfers = TransferTracker(kv, transport, worker_id)
     retract = RetractManager(kv, runner.pools, host, transfers, gather_pages)

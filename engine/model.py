@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.cpu_linear import linear, warm_up
+from engine.cpu_linear import int8_supported, linear, warm_up
 from engine.cpu_linear import pack as pack_weight
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
@@ -89,7 +89,9 @@ class LlamaModel(nn.Module):
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in state
-        self.lm_head = pack(self.embed if tied else get("lm_head.weight"))
+        head = self.embed if tied else get("lm_head.weight")
+        # a vocabulary the int8 kernel cannot block (not a multiple of 8 rows) keeps a bfloat16 head
+        self.lm_head = pack_weight(head, int8=self.int8 and int8_supported(head) is None)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."

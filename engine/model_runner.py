@@ -171,6 +171,14 @@ class ModelRunner:
             torch.set_num_threads(current)
         return best
 
+    def kv_descriptor(self) -> dict:
+        """What a peer must share with this runner to exchange KV (the handshake compares every
+        key): the pools' layout (``KVPools.layout_descriptor``) plus the matmul weights that computed
+        the KV ("int8" or the dtype): a decode worker continuing int8-computed KV with bfloat16
+        weights would produce neither model's tokens, silently."""
+        return {**self.pools.layout_descriptor(),
+                "weights": "int8" if self.cfg.weight_dtype == "int8" else str(self.dtype).removeprefix("torch.")}
+
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_slots

