@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine: instead of the HF comparison, the roofline: read bandwidth and matmul peak, "
                         "decode steps and prefills as fractions of their bounds, a decode step by op class")
     p.add_argument("--dtypes", default="float32,bfloat16",
-                   help="engine --roofline: dtypes to measure (bfloat16 only on CPUs with AVX512_BF16/AMX)")
+                   help="engine --roofline: dtypes to measure (bfloat16 only on CPUs with AVX512_BF16/AMX; int8: "
+                        "bfloat16 with --weight-dtype int8, on CPUs with AVX512_BF16)")
     p.add_argument("--prefill-lengths", type=int, nargs="*", default=[128, 512, 2048],
                    help="engine --roofline: prompt lengths of the prefill section")
     p.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8],

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 
 from engine.config import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2}
+# "int8" is the engine's --dtype bfloat16 --weight-dtype int8: bfloat16 activations, KV and norms
+# (DTYPE_BYTES), matmul weights of one byte plus one float32 scale per output row
+MATMUL_WEIGHT_BYTES = {"int8": 1}
+SCALE_BYTES = 4
 
 # class -> op names as torch.profiler reports them ("prefix*" matches a prefix). First match wins,
 # in this order; unmatched ops go to OTHER. The C kernels (ctypes calls: attention, the bfloat16
@@ -28,11 +32,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 C_ATTENTION = "pdserve::paged_decode"
 C_EXTEND = "pdserve::paged_extend"
 C_GEMV = "pdserve::gemv_bf16"
+C_GEMV_I8 = "pdserve::gemv_i8w"
 C_FUSED = "pdserve::fused"
 C_STORE = "pdserve::store_kv"
 OP_CLASSES: dict[str, tuple[str, ...]] = {
     "matmuls": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear", C_GEMV),
+                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear", C_GEMV, C_GEMV_I8),
     "attention": (C_ATTENTION, C_EXTEND, C_STORE, "aten::scaled_dot_product_attention", "aten::_scaled_dot_product*", "aten::softmax",
                   "aten::_softmax", "aten::index_put_", "aten::_index_put_impl_", "aten::stack",
                   "aten::index"),  # KV store; the torch backend's page gather (also rope's small cos/sin lookup)
@@ -79,9 +84,19 @@ def norm_params(cfg: ModelConfig) -> int:
 def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int) -> int:
     """Weight bytes one decode step of ``batch`` sequences reads: every matmul weight once, the norms,
     and ``batch`` rows of the embedding (a separate matrix's rows when untied, the LM head's when tied:
-    counted once either way, as rows of a gather)."""
-    params = cfg.num_layers * layer_matmul_params(cfg) + lm_head_params(cfg) + norm_params(cfg)
-    return (params + batch * cfg.hidden_size) * DTYPE_BYTES[dtype]
+    counted once either way, as rows of a gather). "int8": the matmul weights at one byte each plus
+    their per-row scales, the rest bfloat16."""
+    matmul = cfg.num_layers * layer_matmul_params(cfg) + lm_head_params(cfg)
+    rest = (norm_params(cfg) + batch * cfg.hidden_size) * DTYPE_BYTES[dtype]
+    if dtype not in MATMUL_WEIGHT_BYTES:
+        return matmul * DTYPE_BYTES[dtype] + rest
+    return matmul * MATMUL_WEIGHT_BYTES[dtype] + matmul_output_rows(cfg) * SCALE_BYTES + rest
+
+
+def matmul_output_rows(cfg: ModelConfig) -> int:
+    """Output rows of every matmul weight of a step (one int8 scale each): the layers' and the head's."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (q + 2 * kv + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size) + cfg.vocab_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:

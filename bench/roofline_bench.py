@@ -26,12 +26,14 @@ from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.cpu_features import has_fast_bf16
 from engine.cpu_linear import linear, pack
+from engine.kernels import cpu_native
 from engine.llm import LLM
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
 
 GEMM_ROWS = 512
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "int8": --dtype bfloat16 --weight-dtype int8 (prompts run the bfloat16 GEMM: its peak is bfloat16's)
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -69,7 +71,8 @@ def matmul_peak(dtype: str, shapes: list[tuple[int, int, int]], repeats: int = 1
 
 
 def _llm(engine: EngineConfig, dtype: str, tokens: int, max_batch: int, loaded=None) -> LLM:
-    engine = engine.model_copy(update={"dtype": dtype, "kv_pool_tokens": engine.kv_pool_tokens or tokens})
+    weights = {"dtype": "bfloat16", "weight_dtype": "int8"} if dtype == "int8" else {"dtype": dtype}
+    engine = engine.model_copy(update={**weights, "kv_pool_tokens": engine.kv_pool_tokens or tokens})
     return LLM(engine, SchedulerConfig(max_running_requests=max(max_batch, 8), chunked_prefill_size=8192),
                loaded=loaded)
 
@@ -105,6 +108,7 @@ def prefill_rows(llm: LLM, dtype: str, lengths: list[int], peak: float) -> list[
 _C_KERNELS = (("engine.kernels.cpu_native", "paged_decode", rl.C_ATTENTION),
               ("engine.kernels.cpu_native", "paged_extend", rl.C_EXTEND),
               ("engine.kernels.cpu_native", "gemv_bf16", rl.C_GEMV),
+              ("engine.kernels.cpu_native", "gemv_i8w", rl.C_GEMV_I8),
               ("engine.kernels.fused", "rms_norm", rl.C_FUSED),
               ("engine.kernels.fused", "add_rms_norm", rl.C_FUSED),
               ("engine.kernels.fused", "rope", rl.C_FUSED),
@@ -170,6 +174,8 @@ def usable_dtypes(dtypes: list[str]) -> tuple[list[str], list[str]]:
             why.append(f"{d}: not measured (roofline dtypes: {', '.join(_TORCH_DTYPES)})")
         elif d == "bfloat16" and has_fast_bf16() is False:
             why.append("bfloat16: skipped, this CPU has no AVX512_BF16/AMX (the engine would run float32)")
+        elif d == "int8" and not (has_fast_bf16() is True and cpu_native.gemv_available()):
+            why.append("int8: skipped, int8 weights need AVX512-BF16 and the C kernels")
         else:
             keep.append(d)
     return keep, why

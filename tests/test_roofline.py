@@ -25,6 +25,10 @@ def test_decode_step_bytes_tiny():
     cfg = tiny_config()
     assert rl.weight_bytes_per_step(cfg, "float32", 3) == (2 * LAYER + HEAD + NORMS + 3 * 64) * 4 == 321792
     assert rl.weight_bytes_per_step(cfg, "bfloat16", 3) == 321792 // 2
+    # int8 weights: one byte per matmul weight + a float32 scale per output row, norms/embedding bfloat16
+    rows = 2 * ((64 + 2 * 32) + 64 + 2 * 128 + 64) + 97  # per layer qkv, o, gate/up, down; the head
+    assert rl.matmul_output_rows(cfg) == rows == 1121
+    assert rl.weight_bytes_per_step(cfg, "int8", 3) == (2 * LAYER + HEAD) + 4 * rows + (NORMS + 3 * 64) * 2
     assert rl.kv_bytes_per_token(cfg, "float32") == 2 * 2 * 2 * 16 * 4 == 512
     # two sequences at contexts 10 and 20: weights with 2 embedding rows + 30 tokens of KV
     assert rl.decode_step_bytes(cfg, "float32", [10, 20]) == (2 * LAYER + HEAD + NORMS + 2 * 64) * 4 + 512 * 30
