@@ -1,7 +1,9 @@
 """Weight-only int8 (``--weight-dtype int8``): the kernel (``cpu_gemv.c``'s ``pdserve_gemv_i8w``)
 against the exact product, the quantizer's bound, ``linear``'s routing, the config's refusal, and the
 real model against its dequantized reference (the same int8 weights widened to bfloat16 and served by
-the bfloat16 path) and against float32 by logits tolerance."""
+the bfloat16 path) and against float32 by logits tolerance. Measured on a Zen 4 (the paragraph's
+prompt logprobs against float32): mean |delta| 0.084, max 0.62, top-1 agreement 0.92 (bfloat16
+weights: 0.035 / 0.20 / 0.96 on a Zen 5, ``test_bf16_engine.py``)."""
 from __future__ import annotations
 
 import pytest
