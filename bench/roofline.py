@@ -96,7 +96,8 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int) -> int:
 def matmul_output_rows(cfg: ModelConfig) -> int:
     """Output rows of every matmul weight of a step (one int8 scale each): the layers' and the head's."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return cfg.num_layers * (q + 2 * kv + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size) + cfg.vocab_size
+    per_layer = (q + 2 * kv) + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size  # qkv, o, gate/up, down
+    return cfg.num_layers * per_layer + cfg.vocab_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:

@@ -85,8 +85,8 @@ def quantize_int8(w: torch.Tensor) -> Int8Rows:
     """Symmetric per-output-row int8 of a 2-D weight: scale = max |row| / 127 (1 for an all-zero
     row), q = round(w / scale). Every element is within scale / 2 of ``w``."""
     wf = w.float()
-    scale = (wf.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = torch.where(wf.abs().amax(dim=1) > 0, scale, torch.ones_like(scale))
+    absmax = wf.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, (absmax / 127).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(absmax))
     q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return Int8Rows(q.contiguous(), scale.contiguous())
 
@@ -122,7 +122,8 @@ def int8_supported(w: torch.Tensor) -> str | None:
         return "int8 weights need a CPU with AVX512-BF16, a C compiler and torch with oneDNN"
     out, inp = w.shape
     if inp % GEMV_ALIGN_IN or out % GEMV_ALIGN_OUT:
-        return f"a [{out}, {inp}] weight: the int8 kernel needs in % {GEMV_ALIGN_IN} == 0 and out % {GEMV_ALIGN_OUT} == 0"
+        return (f"a [{out}, {inp}] weight: the int8 kernel needs in % {GEMV_ALIGN_IN} == 0 and "
+                f"out % {GEMV_ALIGN_OUT} == 0")
     return None
 
 
