@@ -86,6 +86,9 @@ class ModelRunner:
         self.model_config = model_config
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if cfg.weight_dtype == "int8" and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
+            raise ValueError(f"--weight-dtype int8 runs on CPUs with AVX512-BF16 (this worker runs {self.device.type} "
+                             f"in {str(self.dtype).removeprefix('torch.')}): drop --weight-dtype int8")
         self.page_size = cfg.page_size
         self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)

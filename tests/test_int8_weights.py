@@ -115,6 +115,17 @@ def test_pack_int8_names_the_missing_instruction(monkeypatch):
         pack(torch.randn(64, 64).bfloat16(), int8=True)
 
 
+def test_a_cpu_without_bfloat16_refuses_int8_weights_at_load(embedded, monkeypatch):
+    """--dtype bfloat16 falls back to float32 on such a CPU (a warning); int8 weights cannot, and
+    the worker says so before loading anything."""
+    from engine import model_runner
+
+    monkeypatch.setattr(model_runner, "has_fast_bf16", lambda flags=None: False)
+    with pytest.raises(ValueError, match=r"--weight-dtype int8 runs on CPUs with AVX512-BF16 \(this worker runs "
+                                         r"cpu in float32\): drop --weight-dtype int8"):
+        LLM(engine_cfg(dtype="bfloat16", weight_dtype="int8"), sched_cfg(), loaded=embedded[:3])
+
+
 def test_config_refuses_int8_weights_without_bfloat16():
     with pytest.raises(ValidationError, match="--weight-dtype int8 needs --dtype bfloat16"):
         EngineConfig(weight_dtype="int8")
