@@ -64,10 +64,17 @@ class Roof:
         return fraction(self.bound_s, self.measured_s)
 
 
-def layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of one decoder layer's matmuls: fused QKV, output projection, gate/up, down."""
+def layer_matmul_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """``(out, in)`` of one decoder layer's matmul weights: fused QKV, output projection, fused
+    gate/up, down."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one decoder layer's matmuls."""
+    return sum(out * inp for out, inp in layer_matmul_shapes(cfg))
 
 
 def lm_head_params(cfg: ModelConfig) -> int:
@@ -95,9 +102,7 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int) -> int:
 
 def matmul_output_rows(cfg: ModelConfig) -> int:
     """Output rows of every matmul weight of a step (one int8 scale each): the layers' and the head's."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = (q + 2 * kv) + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size  # qkv, o, gate/up, down
-    return cfg.num_layers * per_layer + cfg.vocab_size
+    return cfg.num_layers * sum(out for out, _ in layer_matmul_shapes(cfg)) + cfg.vocab_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:

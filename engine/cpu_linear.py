@@ -120,11 +120,17 @@ def int8_supported(w: torch.Tensor) -> str | None:
         return f"int8 weights run on CPU with bfloat16 activations (this weight is {w.dtype} on {w.device.type})"
     if not packing_enabled(w) or not cpu_native.gemv_available():
         return "int8 weights need a CPU with AVX512-BF16, a C compiler and torch with oneDNN"
-    out, inp = w.shape
-    if inp % GEMV_ALIGN_IN or out % GEMV_ALIGN_OUT:
+    if not _kernel_shape(w):
+        out, inp = w.shape
         return (f"a [{out}, {inp}] weight: the int8 kernel needs in % {GEMV_ALIGN_IN} == 0 and "
                 f"out % {GEMV_ALIGN_OUT} == 0")
     return None
+
+
+def _kernel_shape(w: torch.Tensor) -> bool:
+    """True iff ``cpu_gemv.c`` can block ``w``'s ``[out, in]`` (either of its kernels)."""
+    out, inp = w.shape
+    return inp % GEMV_ALIGN_IN == 0 and out % GEMV_ALIGN_OUT == 0
 
 
 def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
@@ -147,9 +153,8 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
 def _gemv_takes(w: torch.Tensor) -> bool:
     """True iff calls of few rows on ``w`` go to ``cpu_gemv.c``: a bfloat16 weight of at most
     GEMV_MAX_BYTES whose shape fits the kernel, on a CPU where it was built with AVX512-BF16."""
-    out, inp = w.shape
     return (w.dtype == torch.bfloat16 and w.numel() * w.element_size() <= GEMV_MAX_BYTES
-            and inp % GEMV_ALIGN_IN == 0 and out % GEMV_ALIGN_OUT == 0 and cpu_native.gemv_available())
+            and _kernel_shape(w) and cpu_native.gemv_available())
 
 
 def bucket_rows(rows: int) -> int:
@@ -174,9 +179,10 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
-    y = _small_rows(x2, w, bias)
-    if y is not None:
-        return y.view(*x.shape[:-1], w.shape[0])
+    if w.int8 is not None or w.plain is not None:  # float32 and large weights skip the call
+        y = _small_rows(x2, w, bias)
+        if y is not None:
+            return y.view(*x.shape[:-1], w.shape[0])
     if x2.shape[0] <= CHUNK_ROWS:
         y = _packed_rows(x2.contiguous(), w, bias)
     else:
@@ -187,8 +193,6 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
 def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The small-batch kernel's result where it takes this call (int8 or plain bfloat16 weight, few
     bfloat16 rows, contiguous last dim, bfloat16 bias), else None."""
-    if w.int8 is None and w.plain is None:
-        return None
     if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == torch.bfloat16
                                                                                   and bias.is_contiguous())):
         return None
