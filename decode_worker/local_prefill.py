@@ -1,7 +1,7 @@
 """Selective disaggregation: whether a decode worker prefills a new request itself.
 
-``--local-prefill-max-tokens N`` (0 = off). A PD request whose uncached suffix (its prompt minus
-the longest prefix this decode worker's radix cache holds) is at most ``N`` tokens is computed by
+``--local-prefill-max-tokens N`` (default 0 = off). A PD request whose uncached suffix (its
+prompt minus the longest prefix this decode worker's radix cache holds) is at most ``N`` tokens is computed by
 the decode worker, in chunks within its own steps, instead of by a prefill worker: short prompts
 and follow-up turns stop paying the handoff (prefill queue, KV write, completion notification)
 when the decode worker has the room. The inputs and their order (the first that refuses names the
@@ -13,7 +13,7 @@ reason, ``LocalPrefillReason``, counted in ``pdserve_local_prefill_total{reason}
 2. **size**: the uncached suffix must be at most ``max_tokens``; this also bounds the decode
    batch's stall: each step's prefill chunk is at most ``chunked_prefill_size`` (and
    ``max_num_batched_tokens`` minus the decode rows with mixed batches).
-   With ``--local-prefill-backlog-ratio R`` > 0 a longer request is still taken
+   With ``--local-prefill-backlog-ratio R`` > 0 (default 1) a longer request is still taken
    (``TAKEN_BACKLOG``) when the prefill workers are the queue: the uncached prompt tokens this
    decode worker waits for from them (``remote_backlog_tokens``: its prealloc queue and the
    reserved transfers whose write has not started) are at least ``R`` times its own local backlog
