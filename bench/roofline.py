@@ -35,7 +35,11 @@ C_GEMV = "pdserve::gemv_bf16"
 C_GEMV_I8 = "pdserve::gemv_i8w"
 C_FUSED = "pdserve::fused"
 C_STORE = "pdserve::store_kv"
+# engine.decode_stack: a small decode step's layers in one C call (matmuls, attention, norms inside
+# it are not told apart: they are one range)
+C_STACK = "pdserve::decode_stack"
 OP_CLASSES: dict[str, tuple[str, ...]] = {
+    "C layer stack": (C_STACK,),
     "matmuls": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
                 "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear", C_GEMV, C_GEMV_I8),
     "attention": (C_ATTENTION, C_EXTEND, C_STORE, "aten::scaled_dot_product_attention", "aten::_scaled_dot_product*", "aten::softmax",

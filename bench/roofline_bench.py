@@ -103,8 +103,8 @@ def prefill_rows(llm: LLM, dtype: str, lengths: list[int], peak: float) -> list[
     return rows
 
 
-# (module, function, profiler range): the C kernels' ctypes entry points, called through their
-# module's attribute on every call, so patching the attribute reaches every caller
+# (module, function or Class.method, profiler range): the C kernels' ctypes entry points, called
+# through their module's (or class's) attribute on every call, so patching it reaches every caller
 _C_KERNELS = (("engine.kernels.cpu_native", "paged_decode", rl.C_ATTENTION),
               ("engine.kernels.cpu_native", "paged_extend", rl.C_EXTEND),
               ("engine.kernels.cpu_native", "gemv_bf16", rl.C_GEMV),
@@ -113,7 +113,8 @@ _C_KERNELS = (("engine.kernels.cpu_native", "paged_decode", rl.C_ATTENTION),
               ("engine.kernels.fused", "add_rms_norm", rl.C_FUSED),
               ("engine.kernels.fused", "rope", rl.C_FUSED),
               ("engine.kernels.fused", "silu_mul", rl.C_FUSED),
-              ("engine.kernels.fused", "store_kv", rl.C_STORE))
+              ("engine.kernels.fused", "store_kv", rl.C_STORE),
+              ("engine.decode_stack", "DecodeStack.run", rl.C_STACK))
 
 
 @contextlib.contextmanager
@@ -129,15 +130,18 @@ def _labelled_c_kernels():
         return call
 
     saved = []
-    for module, attr, name in _C_KERNELS:
-        mod = importlib.import_module(module)
-        saved.append((mod, attr, getattr(mod, attr)))
-        setattr(mod, attr, labelled(getattr(mod, attr), name))
+    for module, path, name in _C_KERNELS:
+        owner = importlib.import_module(module)
+        *outer, attr = path.split(".")  # "Class.method": the method is patched on its class
+        for part in outer:
+            owner = getattr(owner, part)
+        saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, labelled(getattr(owner, attr), name))
     try:
         yield
     finally:
-        for mod, attr, fn in saved:
-            setattr(mod, attr, fn)
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
 
 
 def profile_decode(llm: LLM, batch: int, steps: int = 6, warm: int = 2) -> tuple[float, dict[str, float]]:

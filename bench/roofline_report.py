@@ -8,7 +8,7 @@ import torch
 from bench import roofline as rl
 from engine.cpu_features import cpu_flags
 
-_SHORT = {"matmuls": "matmul", "attention": "attn", "norms/rotary/act": "norm/rope/act",
+_SHORT = {"C layer stack": "C layers", "matmuls": "matmul", "attention": "attn", "norms/rotary/act": "norm/rope/act",
           "logits+sampling": "logits+samp", rl.OTHER: "other ops", rl.PYTHON: "python+batch"}
 
 
@@ -55,8 +55,9 @@ def print_breakdown(rows: list[dict]) -> None:
     """Share of a decode step per op class (torch.profiler self CPU time; python+batch = the rest)."""
     if not rows:
         return
-    print("\ndecode step by op class (share of the profiled step: torch.profiler self CPU time; the C "
-          "attention kernel in a labelled range; python+batch = wall - all ops)")
+    print("\ndecode step by op class (share of the profiled step: torch.profiler self CPU time; each C "
+          "kernel in a labelled range, C layers = a small decode step's whole layer stack in one call; "
+          "python+batch = wall - all ops)")
     print(f"{'dtype':<9} {'batch':>5} {'step ms':>8} " + " ".join(f"{_SHORT[c]:>13}" for c in rl.CLASSES))
     for r in rows:
         share = rl.shares(r["seconds"])

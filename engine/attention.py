@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from cache.kv_pool import KVPool
-from cache.kv_pools import KVPools
+from cache.kv_pools import FULL, KVPools
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels import fused
 
@@ -218,15 +218,27 @@ class CpuBackend(TorchBackend):
         """The C row copy (``fused.store_kv``) where it applies, torch's index_put otherwise. Slots
         are range-checked once per step and pool: the kernel writes raw memory."""
         name, pool, local = self._layer(layer)
+        if not fused.store_kv(pool.buffer, local, self._checked_slots(name), k, v):
+            super().store(k, v, layer)
+
+    def _checked_slots(self, name: str) -> torch.Tensor:
+        """The step's out slots of pool ``name`` as contiguous int64, each checked once per step."""
         slots = self._slots.get(name)
         if slots is None:
+            pool = self.pools.pool(name)
             slots = self._batch.pool_index(name)[1].to(torch.int64).contiguous()
             limit = pool.num_pages * pool.page_size
             if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < limit):
                 raise IndexError(f"{name} slot outside 0..{limit - 1}")
             self._slots[name] = slots
-        if not fused.store_kv(pool.buffer, local, slots, k, v):
-            super().store(k, v, layer)
+        return slots
+
+    def full_pool_decode(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(table, lo, hi, slots, keys)`` of the prepared DECODE ``batch`` over the full pool without a
+        window, every page and slot checked against the pool (int64, contiguous): what the C decode
+        stack (``engine.decode_stack``) reads for all layers of the step."""
+        table, lo, hi, keys = self._range_of(batch, FULL, None)
+        return table, lo, hi, self._checked_slots(FULL), keys
 
     def _range_of(self, batch: ForwardBatch, name: str,
                   window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

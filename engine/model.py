@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.cpu_linear import int8_supported, linear, warm_up
+from engine.decode_stack import DecodeStack
 from engine.cpu_linear import pack as pack_weight
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
@@ -80,6 +81,7 @@ class LlamaModel(nn.Module):
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
+        self.stack: DecodeStack | None = None  # small decode steps' layers in one C call (set at load)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take HF-named float tensors; fuse, cast and move them. Raises on a missing tensor."""
@@ -109,6 +111,7 @@ class LlamaModel(nn.Module):
                 w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
             layer.w = w
         self.warm_up()
+        self.stack = DecodeStack.build(self)
 
     def linear_weights(self) -> list[tuple]:
         """Every layer matmul's ``(weight, bias)``, in forward order (the LM head apart)."""
@@ -127,8 +130,11 @@ class LlamaModel(nn.Module):
         (``ForwardBatch.logit_indices``)."""
         attn.prepare(batch)
         h = F.embedding(batch.input_ids, self.embed)
-        for layer in self.layers:
-            h = layer(h, batch, self.rope, attn)
+        if self.stack is not None and self.stack.takes(batch, attn):
+            h = self.stack.run(h, batch, attn)
+        else:
+            for layer in self.layers:
+                h = layer(h, batch, self.rope, attn)
         h = h[batch.logit_indices()]
         h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         return linear(h, self.lm_head).float()

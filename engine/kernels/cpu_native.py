@@ -40,7 +40,7 @@ from engine.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_extend_attention.c",
-                                                     "cpu_fused.c", "cpu_gemv.c"))
+                                                     "cpu_fused.c", "cpu_gemv.c", "cpu_decode_stack.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM = 1024
@@ -117,6 +117,7 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
     lib.pdserve_gemv_i8w.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32]
     lib.pdserve_gemv_i8w.restype = i32
     lib.pdserve_gemv_bf16_available.argtypes, lib.pdserve_gemv_bf16_available.restype = [], i32
+    lib.pdserve_decode_stack.argtypes, lib.pdserve_decode_stack.restype = [_PTR, _PTR], i32
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
