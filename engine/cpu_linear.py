@@ -14,6 +14,13 @@ has AVX512-BF16, a bfloat16 weight of up to GEMV_MAX_BYTES also keeps its plain 
 1-4 rows (a small decode batch) go to ``cpu_gemv.c`` instead: oneDNN spends a fixed ~15-20 us per
 call, most of a small matmul's time (1.5-2.4x on the model's 576-wide weights at 1-2 rows).
 
+Pair panels (session 26): where a small-batch weight's shape allows it (out % 64 == 0), it is kept
+in ``cpu_gemm_pairs.c``'s layout instead of plain (``to_pairs``; int8 weights keep ``q`` and add
+it), and calls of up to ``pairs_rows()`` rows (timed once per process against oneDNN, up to 64) run
+that kernel: no per-output horizontal sums, so it also serves the 16-64-row decode steps of a busy
+server (30 layers of SmolLM2 at 32 rows 21.2 against oneDNN's 24.5 ms on a 2-core Zen 4, at 1 row
+4.6-6.7 against cpu_gemv.c's 6.7-7.7 ms). Weights it cannot take keep the rules above.
+
 Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it, and
 a server sees every row count from 1 to thousands. Fed raw row counts, a process grew from 250 MB
 to 1.6 GB in 20,000 random-shaped calls (neither ``LRU_CACHE_CAPACITY`` nor
@@ -72,10 +79,12 @@ GEMV_ROWS = 4
 @dataclass(frozen=True)
 class Int8Rows:
     """A weight-only int8 ``[out, in]`` weight: ``q`` int8 (|q| <= 127), ``scale`` float32 ``[out]``;
-    it stands for ``q * scale[:, None]``."""
+    it stands for ``q * scale[:, None]``. ``pairs``: ``q`` in the pair-panel layout (``to_pairs``)
+    where the shape allows it and the kernel is built, else None."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    pairs: torch.Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(dtype)
@@ -87,8 +96,20 @@ def quantize_int8(w: torch.Tensor) -> Int8Rows:
     wf = w.float()
     absmax = wf.abs().amax(dim=1)
     scale = torch.where(absmax > 0, (absmax / 127).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(absmax))
-    q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Rows(q.contiguous(), scale.contiguous())
+    q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return Int8Rows(q, scale.contiguous(), to_pairs(q) if _pairs_shape(q) and cpu_native.pairs_available() else None)
+
+
+def _pairs_shape(w: torch.Tensor) -> bool:
+    out, inp = w.shape
+    return out % cpu_native.PAIRS_PANEL == 0 and inp % 2 == 0 and inp > 0
+
+
+def to_pairs(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[out, in]`` (out % 64 == 0, in even) in ``cpu_gemm_pairs.c``'s pair-panel layout
+    ``[out / 64][in / 2][4][16][2]``: element ``(o, k)`` at ``[o // 64][k // 2][o % 64 // 16][o % 16][k % 2]``."""
+    out, inp = w.shape
+    return w.reshape(out // 64, 4, 16, inp // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,7 @@ class PackedWeight:
     shape: torch.Size
     plain: torch.Tensor | None = None
     int8: Int8Rows | None = None
+    pairs: torch.Tensor | None = None
 
 
 def packing_enabled(w: torch.Tensor) -> bool:
@@ -146,8 +168,11 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(deq, PACK_BATCH_HINT), w.shape, None, rows)
     if not packing_enabled(w):
         return w
-    plain = w.contiguous() if _gemv_takes(w) else None
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape, plain)
+    small = _gemv_takes(w)
+    pairs = to_pairs(w) if small and _pairs_shape(w) and cpu_native.pairs_available() else None
+    plain = w.contiguous() if small and pairs is None else None
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape, plain,
+                        None, pairs)
 
 
 def _gemv_takes(w: torch.Tensor) -> bool:
@@ -179,7 +204,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
-    if w.int8 is not None or w.plain is not None:  # float32 and large weights skip the call
+    if w.int8 is not None or w.plain is not None or w.pairs is not None:  # float32 and large weights skip the call
         y = _small_rows(x2, w, bias)
         if y is not None:
             return y.view(*x.shape[:-1], w.shape[0])
@@ -196,12 +221,71 @@ def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) ->
     if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == torch.bfloat16
                                                                                   and bias.is_contiguous())):
         return None
-    rows, prefetch = x2.shape[0], decode_prefetch.modes().gemv
+    rows = x2.shape[0]
+    if rows > small_rows(w):
+        return None
+    if w.pairs is not None:
+        return cpu_native.gemm_pairs(x2, w.pairs, w.shape[0], bias)
+    if w.int8 is not None and w.int8.pairs is not None:
+        return cpu_native.gemm_pairs(x2, w.int8.pairs, w.shape[0], bias, w.int8.scale)
+    prefetch = decode_prefetch.modes().gemv
     if w.int8 is not None:
-        if rows > cpu_native.GEMV_MAX_ROWS:
-            return None
         return cpu_native.gemv_i8w(x2, w.int8.q, w.int8.scale, bias, prefetch)
-    return cpu_native.gemv_bf16(x2, w.plain, bias, prefetch) if rows <= gemv_rows() else None
+    return cpu_native.gemv_bf16(x2, w.plain, bias, prefetch)
+
+
+def small_rows(w) -> int:
+    """The most rows of a call on ``w`` that its small-batch kernel takes (``_small_rows``; 0: none):
+    ``pairs_rows()`` for a pair-panel weight, else ``GEMV_MAX_ROWS`` (int8) or ``gemv_rows()``
+    (plain bfloat16) for ``cpu_gemv.c``."""
+    if not isinstance(w, PackedWeight):
+        return 0
+    if w.pairs is not None or (w.int8 is not None and w.int8.pairs is not None):
+        return pairs_rows()
+    if w.int8 is not None:
+        return cpu_native.GEMV_MAX_ROWS
+    return gemv_rows() if w.plain is not None else 0
+
+
+# Row counts the pair-panel kernel is timed at against oneDNN (largest first): calls of up to the
+# largest it wins take it. PAIRS_ROWS where it is not timed; PAIRS_MIN_ROWS where it wins none (at
+# 1-4 rows it reads the weight once at bandwidth, where oneDNN's per-call cost is most of the call).
+PAIRS_PROBE_ROWS = (64, 32, 16, 8)
+PAIRS_ROWS, PAIRS_MIN_ROWS = 32, 4
+
+
+# A decoder layer's matmul shapes ([out, in]: QKV, O, gate/up, down of a 576-wide model): the probe
+# times the kernel on the mix a decode step runs, where oneDNN's efficiency differs by shape.
+_PROBE_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def _layer_probe(nbytes: int) -> list[torch.Tensor]:
+    """Zero bfloat16 weights of ``_PROBE_LAYER``'s shapes, layer after layer, ``nbytes`` in all."""
+    layer = sum(o * i * 2 for o, i in _PROBE_LAYER)
+    return [torch.zeros(o, i, dtype=torch.bfloat16) for _ in range(max(1, nbytes // layer)) for o, i in _PROBE_LAYER]
+
+
+@functools.lru_cache(maxsize=1)
+def pairs_rows() -> int:
+    """The most rows a call may have to take the pair-panel kernel (``cpu_gemm_pairs.c``), timed once
+    per process against oneDNN's packed primitive over weights twice the last-level cache (~0.1 s; on a
+    2-core Zen 4, 30 layers of SmolLM2 at 32 rows: 21.2 against 24.5 ms, at 64: 38 against 44)."""
+    if not cpu_native.pairs_available() or not packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
+        return PAIRS_MIN_ROWS
+    if decode_prefetch.forced_mode() is not None:
+        return PAIRS_ROWS
+    weights = _layer_probe(decode_prefetch.probe_bytes(decode_prefetch.last_level_cache_bytes()))
+    pairs, packed = [to_pairs(w) for w in weights], [pack(w).data for w in weights]
+    for rows in PAIRS_PROBE_ROWS:
+        xs = {k: torch.zeros(rows, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
+        best = decode_prefetch.best_of({
+            "pairs": lambda: [cpu_native.gemm_pairs(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, pairs)],
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], d, None, "none", [], "")
+                               for w, d in zip(weights, packed)]}, 3)
+        log.info("pair-panel matmul at %d rows: %.1f ms, oneDNN %.1f ms", rows, best["pairs"] * 1e3, best["onednn"] * 1e3)
+        if best["pairs"] < best["onednn"]:
+            return rows
+    return PAIRS_MIN_ROWS
 
 
 @functools.lru_cache(maxsize=1)
@@ -252,9 +336,8 @@ def warm_up(pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | No
             if key is None or key in seen:
                 continue
             seen.add(key)
-            if w.plain is not None:
-                gemv_rows()
-            elif w.int8 is not None:
+            small_rows(w)  # the small-batch kernel's row limit: timed here, once per process
+            if w.int8 is not None or w.plain is not None:
                 decode_prefetch.modes()
             for rows in buckets:
                 _packed_rows(torch.zeros(rows, w.shape[1], dtype=w.data.dtype), w, bias)

@@ -7,6 +7,10 @@ bfloat16 step 13.3 ms, of which the matmul kernels 8.2 ms, the five fused ops an
 kernel 2.4 ms over 211 calls (~11 us each, mostly call overhead), and ~2.3 ms more of Python glue.
 The stack runs the same kernels in the same order from C, with scratch rows that stay in cache.
 
+Its row limit is the matmul kernels' (``cpu_linear.small_rows``): up to 64 where every weight is in
+the pair-panel layout (``cpu_gemm_pairs.c``), so a busy server's 32-row decode steps run as one call
+too (session 26, bfloat16 step at 32 rows 39.8 -> 33.8 ms, int8 45.5 -> 36.2 ms).
+
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16
 CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, no
 kernel library, or ``PDSERVE_DECODE_STACK=0``). ``takes(batch, attn)`` is True for a DECODE step
@@ -22,7 +26,7 @@ import os
 
 import torch
 
-from engine.cpu_linear import PackedWeight, gemv_rows
+from engine.cpu_linear import PackedWeight, small_rows
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels import cpu_native, decode_prefetch
 
@@ -37,7 +41,24 @@ class _Layer(ctypes.Structure):
     """``layer_t``: one layer's tensor addresses (0 where absent; a matmul with scale 0 is bfloat16)."""
 
     _fields_ = [(n, _I64) for n in ("qkv", "qkv_scale", "qkv_bias", "o", "o_scale", "gate_up", "gate_up_scale",
-                                    "down", "down_scale", "input_norm", "post_norm", "kv_base")]
+                                    "down", "down_scale", "input_norm", "post_norm", "kv_base",
+                                    "qkv_kind", "o_kind", "gate_up_kind", "down_kind")]
+
+
+# cpu_decode_stack.c's matmul kinds: which kernel runs a weight (the one ``cpu_linear.linear`` sends
+# calls of up to ``small_rows(w)`` rows to)
+GEMV_BF16, GEMV_I8, PAIRS_BF16, PAIRS_I8 = range(4)
+
+
+def _kind(w: PackedWeight) -> tuple[int, int, int]:
+    """``(kind, weight address, scale address)`` of a weight ``small_rows`` accepts."""
+    if w.pairs is not None:
+        return PAIRS_BF16, w.pairs.data_ptr(), 0
+    if w.int8 is not None and w.int8.pairs is not None:
+        return PAIRS_I8, w.int8.pairs.data_ptr(), w.int8.scale.data_ptr()
+    if w.int8 is not None:
+        return GEMV_I8, w.int8.q.data_ptr(), w.int8.scale.data_ptr()
+    return GEMV_BF16, w.plain.data_ptr(), 0
 
 
 class StackArgs(ctypes.Structure):
@@ -53,15 +74,6 @@ class StackArgs(ctypes.Structure):
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def _matmul_rows(w) -> int:
-    """The most rows the small-batch kernel takes on ``w`` (what ``cpu_linear.linear`` sends it), 0 if none."""
-    if not isinstance(w, PackedWeight):
-        return 0
-    if w.int8 is not None:
-        return cpu_native.GEMV_MAX_ROWS
-    return gemv_rows() if w.plain is not None else 0
 
 
 def _addr(t: torch.Tensor | None) -> int:
@@ -90,7 +102,7 @@ class DecodeStack:
         elif cpu_native.load() is None or not cpu_native.gemv_available():
             why = "no small-batch matmul kernel here"
         if why is None:
-            rows = min(_matmul_rows(layer.w[n]) for layer in model.layers for n in _MATMULS)
+            rows = min(small_rows(layer.w[n]) for layer in model.layers for n in _MATMULS)
             bias_ok = all(layer.w.get("qkv_bias") is None or layer.w["qkv_bias"].is_contiguous() for layer in model.layers)
             why = None if rows and bias_ok else "a layer matmul the small-batch kernel does not take"
         if why is not None:
@@ -116,12 +128,10 @@ class DecodeStack:
             for i, layer in enumerate(self.model.layers):
                 w, a = layer.w, arr[i]
                 for n in _MATMULS:
-                    pw = w[n]
-                    if pw.int8 is not None:
-                        setattr(a, n, pw.int8.q.data_ptr())
-                        setattr(a, n + "_scale", pw.int8.scale.data_ptr())
-                    else:
-                        setattr(a, n, pw.plain.data_ptr())
+                    kind, weight, scale = _kind(w[n])
+                    setattr(a, n, weight)
+                    setattr(a, n + "_scale", scale)
+                    setattr(a, n + "_kind", kind)
                 a.qkv_bias = _addr(w.get("qkv_bias"))
                 a.input_norm, a.post_norm = w["input_norm"].data_ptr(), w["post_norm"].data_ptr()
                 local = pools.layer_pool[i][1]

@@ -54,7 +54,10 @@ def test_strided_rows_and_refused_shapes():
 def test_pack_keeps_the_plain_weight_only_where_the_kernel_takes_it():
     if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
         pytest.skip("bfloat16 weights are not packed on this CPU")
-    assert pack(torch.randn(960, 576).bfloat16()).plain is not None
+    assert pack(torch.randn(968, 576).bfloat16()).plain is not None  # 968 outputs: no 64-output panels
+    if cpu_native.pairs_available():  # where the pair-panel kernel takes the shape it holds that layout instead
+        p = pack(torch.randn(960, 576).bfloat16())
+        assert p.plain is None and p.pairs is not None
     assert pack(torch.randn(100, 576).bfloat16()).plain is None  # 100 outputs: not a multiple of 8
     assert pack(torch.randn(960, 576)).plain is None  # float32
     big = torch.empty(GEMV_MAX_BYTES // (2 * 576) + 8, 576, dtype=torch.bfloat16)
@@ -68,12 +71,12 @@ def test_linear_routes_small_batches_to_the_kernel(monkeypatch):
     calls = []
     real = cpu_native.gemv_bf16
     monkeypatch.setattr(cpu_native, "gemv_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    w = torch.randn(576, 576).bfloat16()
+    w = torch.randn(584, 576).bfloat16()  # 584 outputs: this kernel's (8 | out), not the pair panels' (64)
     p = pack(w)
     for rows in (1, top, top + 1, 64):
         x = torch.randn(2, rows, 576).bfloat16()[0]
         y = linear(x, p)
-        assert y.shape == (rows, 576)
+        assert y.shape == (rows, 584)
         torch.testing.assert_close(y.float(), F.linear(x, w).float(), rtol=1.6e-2, atol=1e-2)
     assert calls == [1, top]  # more rows stay on oneDNN
 

@@ -82,10 +82,11 @@ def test_int8_kernel_refuses_what_it_cannot_take():
 @needs_kernel
 def test_linear_takes_the_kernel_for_a_decode_step_and_onednn_for_a_prompt(monkeypatch):
     """Up to 8 rows: the int8 kernel, the exact product with q * scale rounded once; more: oneDNN
-    on q * scale rounded to bfloat16 (the same weights up to bfloat16's rounding)."""
-    w, _ = _int8((576, 576))
+    on q * scale rounded to bfloat16 (the same weights up to bfloat16's rounding). 584 outputs: no
+    64-output panels, so cpu_gemv.c's kernel (test_gemm_pairs.py routes the pair-panel one)."""
+    w, _ = _int8((584, 576))
     p = pack(w, int8=True)
-    assert isinstance(p, PackedWeight) and p.int8 is not None and p.plain is None
+    assert isinstance(p, PackedWeight) and p.int8 is not None and p.plain is None and p.int8.pairs is None
     exact_w, rounded_w = p.int8.dequantize(torch.float64), p.int8.dequantize(torch.bfloat16).double()
     calls = []
     real = cpu_native.gemv_i8w
@@ -93,7 +94,7 @@ def test_linear_takes_the_kernel_for_a_decode_step_and_onednn_for_a_prompt(monke
     for rows in (1, 8, 9, 64):
         x = torch.randn(rows, 576).bfloat16()
         y = linear(x, p)
-        assert y.shape == (rows, 576)
+        assert y.shape == (rows, 584)
         if rows <= 8:
             _check(y, x.double() @ exact_w.T, x.double().abs() @ exact_w.abs().T)
         else:

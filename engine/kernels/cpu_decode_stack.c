@@ -13,8 +13,9 @@
  * h + down as float32 sum rounded to bfloat16. So the step's output is bitwise the Python path's
  * (tests/test_decode_stack.py holds it to torch.equal).
  *
- * Contract: bfloat16 activations, weights and KV pool; rows 1..8; every weight is either plain
- * bfloat16 (scale 0) or weight-only int8 with float32 row scales, with in % 32 == 0 and out % 8 == 0;
+ * Contract: bfloat16 activations, weights and KV pool; rows 1..8 where a matmul runs cpu_gemv.c (in %
+ * 32 == 0, out % 8 == 0), any where all run cpu_gemm_pairs.c (out % 64 == 0, in even); each weight
+ * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind;
  * every layer attends over the whole sequence (no window) of one pool; the caller has checked the
  * positions against the rotary tables and every slot and table entry against the pool. Returns 0, -1
  * when scratch cannot be allocated, -2 when a matmul refuses its shape (nothing of a later layer has
@@ -39,15 +40,23 @@ int pdserve_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, co
                       int64_t rows, int64_t in, int64_t out, int threads, int prefetch);
 int pdserve_gemv_i8w(const uint16_t *x, int64_t x_stride, const int8_t *w, const float *scale, const uint16_t *bias,
                      uint16_t *y, int64_t rows, int64_t in, int64_t out, int threads, int prefetch);
+int pdserve_gemm_pairs_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                            int64_t rows, int64_t in, int64_t out, int threads);
+int pdserve_gemm_pairs_i8w(const uint16_t *x, int64_t x_stride, const int8_t *w, const float *scale,
+                           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t in, int64_t out, int threads);
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H, int64_t Hkv,
                          int64_t D, int64_t P, int64_t page_stride, int64_t v_off, int64_t tok_stride,
                          int64_t head_stride, float scale, int threads, int prefetch);
 
-/* One layer's tensors (addresses; 0 where absent). A matmul with scale 0 is plain bfloat16. */
+/* How a matmul's weight is stored, i.e. which kernel runs it (engine/decode_stack.py's KINDS). */
+enum { GEMV_BF16 = 0, GEMV_I8 = 1, PAIRS_BF16 = 2, PAIRS_I8 = 3 };
+
+/* One layer's tensors (addresses; 0 where absent; scale only for the int8 kinds) and matmul kinds. */
 typedef struct {
     int64_t qkv, qkv_scale, qkv_bias, o, o_scale, gate_up, gate_up_scale, down, down_scale;
     int64_t input_norm, post_norm, kv_base; /* kv_base: the layer's K of page 0 in the pool */
+    int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
 } layer_t;
 
 /* The step: shapes, per-token indices, pool geometry (strides in elements), threads. Mirrored by
@@ -62,13 +71,18 @@ typedef struct {
     int64_t attn_threads, attn_prefetch, mm_threads, mm_prefetch;
 } stack_t;
 
-static int matmul(const stack_t *s, const uint16_t *x, int64_t w, int64_t scale, int64_t bias, uint16_t *y,
-                  int64_t in, int64_t out) {
-    if (scale)
-        return pdserve_gemv_i8w(x, in, (const int8_t *)w, (const float *)scale, (const uint16_t *)bias, y, s->rows, in,
-                                out, (int)s->mm_threads, (int)s->mm_prefetch);
-    return pdserve_gemv_bf16(x, in, (const uint16_t *)w, (const uint16_t *)bias, y, s->rows, in, out,
-                             (int)s->mm_threads, (int)s->mm_prefetch);
+static int matmul(const stack_t *s, int64_t kind, const uint16_t *x, int64_t w, int64_t scale, int64_t bias,
+                  uint16_t *y, int64_t in, int64_t out) {
+    const int th = (int)s->mm_threads, pf = (int)s->mm_prefetch;
+    const uint16_t *b = (const uint16_t *)bias;
+    switch (kind) {
+    case GEMV_BF16: return pdserve_gemv_bf16(x, in, (const uint16_t *)w, b, y, s->rows, in, out, th, pf);
+    case GEMV_I8: return pdserve_gemv_i8w(x, in, (const int8_t *)w, (const float *)scale, b, y, s->rows, in, out, th, pf);
+    case PAIRS_BF16: return pdserve_gemm_pairs_bf16(x, in, (const uint16_t *)w, b, y, s->rows, in, out, th);
+    case PAIRS_I8:
+        return pdserve_gemm_pairs_i8w(x, in, (const int8_t *)w, (const float *)scale, b, y, s->rows, in, out, th);
+    }
+    return -1;
 }
 
 /* Scratch rows of one step, carved from one allocation. */
@@ -87,7 +101,7 @@ static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scra
     const int64_t R = s->rows, Hd = s->hidden, D = s->head_dim, qs = s->heads * D, kvs = s->kv_heads * D;
     const int64_t qkv_w = qs + 2 * kvs;
     pdserve_rms_norm(h, Hd, (const void *)l->input_norm, b->x, R, Hd, s->eps, 1, 1);
-    if (matmul(s, b->x, l->qkv, l->qkv_scale, l->qkv_bias, b->qkv, Hd, qkv_w)) return -2;
+    if (matmul(s, l->qkv_kind, b->x, l->qkv, l->qkv_scale, l->qkv_bias, b->qkv, Hd, qkv_w)) return -2;
     pdserve_rope(b->qkv, qkv_w, s->positions, s->cos, s->sin, R, s->heads, D, 1, 1);
     pdserve_rope(b->qkv + qs, qkv_w, s->positions, s->cos, s->sin, R, s->kv_heads, D, 1, 1);
     pdserve_store_kv((void *)l->kv_base, s->page_stride, s->v_off, s->tok_stride, s->P, s->slots, b->qkv + qs, qkv_w,
@@ -98,11 +112,11 @@ static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scra
                          s->heads, s->kv_heads, D, s->P, s->page_stride, s->v_off, s->tok_stride, s->head_stride,
                          s->scale, (int)s->attn_threads, (int)s->attn_prefetch);
     for (int64_t i = 0; i < R * qs; i++) b->attn[i] = f32_to_bf16(b->of[i]);
-    if (matmul(s, b->attn, l->o, l->o_scale, 0, b->tmp, qs, Hd)) return -2;
+    if (matmul(s, l->o_kind, b->attn, l->o, l->o_scale, 0, b->tmp, qs, Hd)) return -2;
     pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 1, 1);
-    if (matmul(s, b->x, l->gate_up, l->gate_up_scale, 0, b->gate_up, Hd, 2 * s->inter)) return -2;
+    if (matmul(s, l->gate_up_kind, b->x, l->gate_up, l->gate_up_scale, 0, b->gate_up, Hd, 2 * s->inter)) return -2;
     pdserve_silu_mul(b->gate_up, b->act, R, s->inter, 1, 1);
-    if (matmul(s, b->act, l->down, l->down_scale, 0, b->tmp, s->inter, Hd)) return -2;
+    if (matmul(s, l->down_kind, b->act, l->down, l->down_scale, 0, b->tmp, s->inter, Hd)) return -2;
     for (int64_t i = 0; i < R * Hd; i++) h[i] = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(b->tmp[i]));
     return 0;
 }

@@ -40,7 +40,8 @@ from engine.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_extend_attention.c",
-                                                     "cpu_fused.c", "cpu_gemv.c", "cpu_decode_stack.c"))
+                                                     "cpu_fused.c", "cpu_gemv.c", "cpu_gemm_pairs.c",
+                                                     "cpu_decode_stack.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM = 1024
@@ -118,6 +119,11 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
     lib.pdserve_gemv_i8w.restype = i32
     lib.pdserve_gemv_bf16_available.argtypes, lib.pdserve_gemv_bf16_available.restype = [], i32
     lib.pdserve_decode_stack.argtypes, lib.pdserve_decode_stack.restype = [_PTR, _PTR], i32
+    lib.pdserve_gemm_pairs_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
+    lib.pdserve_gemm_pairs_bf16.restype = i32
+    lib.pdserve_gemm_pairs_i8w.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
+    lib.pdserve_gemm_pairs_i8w.restype = i32
+    lib.pdserve_gemm_pairs_available.argtypes, lib.pdserve_gemm_pairs_available.restype = [], i32
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
@@ -163,6 +169,35 @@ def gemv_i8w(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.
     rc = load().pdserve_gemv_i8w(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(),
                                  0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, q.shape[1], out,
                                  threads, int(prefetch))
+    return y if rc == 0 else None
+
+
+PAIRS_PANEL = 64  # cpu_gemm_pairs.c's outputs per panel: a pair-panel weight has out % 64 == 0
+
+
+@functools.lru_cache(maxsize=1)
+def pairs_available() -> bool:
+    """True iff this build has ``cpu_gemm_pairs.c``'s kernels (the CPU has AVX512-BF16)."""
+    lib = load()
+    return lib is not None and lib.pdserve_gemm_pairs_available() == 1
+
+
+def gemm_pairs(x: torch.Tensor, pairs: torch.Tensor, out: int, bias: torch.Tensor | None,
+               scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ W.T (* scale) + bias`` for 2-D bfloat16 ``x`` (any rows, last dim contiguous) and ``W``
+    ``[out, in]`` in the pair-panel layout (``engine.cpu_linear.to_pairs``): bfloat16, or int8 with
+    float32 row ``scale``. A new ``[rows, out]`` bfloat16 tensor, or None where the kernel does not
+    take the shape."""
+    rows = x.shape[0]
+    y = torch.empty(rows, out, dtype=torch.bfloat16)
+    threads = torch.get_num_threads() if openmp_shared() else 1
+    b = 0 if bias is None else bias.data_ptr()
+    if scale is None:
+        rc = load().pdserve_gemm_pairs_bf16(x.data_ptr(), x.stride(0), pairs.data_ptr(), b, y.data_ptr(), rows,
+                                            x.shape[1], out, threads)
+    else:
+        rc = load().pdserve_gemm_pairs_i8w(x.data_ptr(), x.stride(0), pairs.data_ptr(), scale.data_ptr(), b,
+                                           y.data_ptr(), rows, x.shape[1], out, threads)
     return y if rc == 0 else None
 
 

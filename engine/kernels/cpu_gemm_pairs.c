@@ -1,0 +1,149 @@
+/* y = x @ W.T (+ bias) for up to a few dozen rows of bfloat16 x, on cores with AVX512-BF16, against a
+ * weight stored in "pair panels": the decode-step matmuls of small and medium batches.
+ *
+ * Layout: W [out, in] is cut into panels of 64 outputs; a panel holds, for each pair of inputs
+ * (k, k + 1), the 64 outputs' two weights side by side: [out / 64][in / 2][4][16][2]. One 64-byte
+ * vector then holds 16 outputs' weights for one input pair, which is what vdpbf16ps multiplies
+ * against a broadcast pair of x: every lane accumulates one output, so no horizontal sum is needed
+ * (cpu_gemv.c's row-major kernel reduces 16 lanes per output and row, ~half its time at in = 576).
+ *
+ * How: each thread takes a contiguous range of (panel, row block) items; for a row block of up to 6
+ * rows, 6 x 4 accumulators stay in registers while the panel streams past (from memory for the
+ * first row block, then from L2: a panel is 64 * in * 2 bytes, 72 KiB at in = 576). Per input
+ * pair: 4 weight vectors, one broadcast per row, 4 dot products per row. The float32 sums are
+ * scaled (int8), biased and rounded to bfloat16 once (round to nearest even).
+ *
+ * pdserve_gemm_pairs_i8w: the same over weight-only int8 weights in the same layout (32 bytes per
+ * vector, widened to bfloat16 in registers: exact for |q| <= 127), one float32 scale per output.
+ *
+ * Contract: in % 2 == 0, out % 64 == 0, rows >= 1; x rows x_stride elements apart; y [rows, out]
+ * contiguous bfloat16; bias NULL or [out] bfloat16; scale [out] float32. Returns 0, or -1 for a
+ * shape outside the contract or a build without AVX512-BF16 (the caller then takes another path).
+ * Built by engine/kernels/cpu_native.py; the layout by engine/cpu_linear.py's to_pairs. */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+#define PANEL 64 /* outputs per panel */
+#define NV 4     /* vectors of 16 outputs per panel */
+#define RB 6     /* rows per register block: 24 accumulators + 4 weights + 1 broadcast */
+#ifndef PF
+#define PF 8192  /* prefetch distance in bytes (the panel streams forward) */
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+
+int pdserve_gemm_pairs_available(void);
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline __m512bh w_bf16(const char *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+static inline __m512bh w_i8(const char *p) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* R rows [r0, r0 + R) of one panel (outputs [o0, o0 + 64)); VB bytes per weight vector. */
+#define MICRO(NAME, LOAD, VB, R)                                                                           \
+    static void NAME(const uint16_t *x, int64_t xs, const char *panel, const char *pf, int64_t kpairs,     \
+                     const float *scale, const uint16_t *bias, uint16_t *y, int64_t out, int64_t o0) {     \
+        __m512 acc[R][NV];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                        \
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();                                  \
+        for (int64_t kp = 0; kp < kpairs; kp++) {                                                          \
+            const char *wp = panel + kp * (NV * VB);                                                       \
+            const char *pp = pf + kp * (NV * VB);                                                          \
+            _mm_prefetch(pp, PF_HINT);                                                                     \
+            if (NV * VB > 64) _mm_prefetch(pp + 64, PF_HINT);                                              \
+            __m512bh w[NV];                                                                                \
+            for (int v = 0; v < NV; v++) w[v] = LOAD(wp + v * VB);                                         \
+            for (int r = 0; r < R; r++) {                                                                  \
+                int32_t pair;                                                                              \
+                memcpy(&pair, x + r * xs + 2 * kp, 4);                                                     \
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                     \
+                for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, w[v]);            \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int v = 0; v < NV; v++) {                                                                     \
+            const int64_t o = o0 + 16 * v;                                                                 \
+            const __m512 s = scale ? _mm512_loadu_ps(scale + o) : _mm512_set1_ps(1.0f);                    \
+            const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(                                 \
+                                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + o))), 16)) \
+                                  : _mm512_setzero_ps();                                                   \
+            for (int r = 0; r < R; r++)                                                                    \
+                _mm256_storeu_si256((__m256i *)(y + r * out + o),                                          \
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][v], s, b)));        \
+        }                                                                                                  \
+    }
+
+#define MICROS(P, LOAD, VB)                                                                                \
+    MICRO(P##1, LOAD, VB, 1) MICRO(P##2, LOAD, VB, 2) MICRO(P##3, LOAD, VB, 3) MICRO(P##4, LOAD, VB, 4)     \
+    MICRO(P##5, LOAD, VB, 5) MICRO(P##6, LOAD, VB, 6)
+MICROS(bf16_rows_, w_bf16, 64)
+MICROS(i8_rows_, w_i8, 32)
+
+typedef void (*micro_fn)(const uint16_t *, int64_t, const char *, const char *, int64_t, const float *,
+                         const uint16_t *, uint16_t *, int64_t, int64_t);
+static const micro_fn BF16[RB + 1] = {0, bf16_rows_1, bf16_rows_2, bf16_rows_3, bf16_rows_4, bf16_rows_5, bf16_rows_6};
+static const micro_fn I8[RB + 1] = {0, i8_rows_1, i8_rows_2, i8_rows_3, i8_rows_4, i8_rows_5, i8_rows_6};
+
+static int run(const micro_fn *micro, int64_t vb, const uint16_t *x, int64_t xs, const void *w, const float *scale,
+               const uint16_t *bias, uint16_t *y, int64_t rows, int64_t in, int64_t out, int threads) {
+    if (rows < 1 || in % 2 != 0 || out % PANEL != 0 || in < 2) return -1;
+    const int64_t kpairs = in / 2, panel_bytes = kpairs * NV * vb, panels = out / PANEL;
+    const int64_t blocks = (rows + RB - 1) / RB, items = panels * blocks;
+    if (threads > 64) threads = 64;
+    if (threads < 1 || items < 2) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        /* contiguous item ranges, panel-major: a thread's row blocks of one panel reuse it from L2 */
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (items + nt - 1) / nt, i0 = id * per, i1 = i0 + per < items ? i0 + per : items;
+        for (int64_t i = i0; i < i1; i++) {
+            /* rows split evenly over the blocks (8 rows: 4 + 4, not 6 + 2) */
+            const int64_t p = i / blocks, b = i % blocks, base = rows / blocks, extra = rows % blocks;
+            const int64_t r0 = b * base + (b < extra ? b : extra), R = base + (b < extra);
+            const char *panel = (const char *)w + p * panel_bytes;
+            /* the first block streams its panel from memory (prefetching PF ahead); later blocks read it
+               from L2 and prefetch the next panel meanwhile, so memory never waits on their compute */
+            const char *pf = b == 0 ? panel + PF : (p + 1 < panels ? panel + panel_bytes : panel);
+            micro[R](x + r0 * xs, xs, panel, pf, kpairs, scale, bias, y + r0 * out, out, p * PANEL);
+        }
+    }
+    return 0;
+}
+
+int pdserve_gemm_pairs_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                            int64_t rows, int64_t in, int64_t out, int threads) {
+    return run(BF16, 64, x, x_stride, w, NULL, bias, y, rows, in, out, threads);
+}
+
+int pdserve_gemm_pairs_i8w(const uint16_t *x, int64_t x_stride, const int8_t *w, const float *scale,
+                           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t in, int64_t out, int threads) {
+    return run(I8, 32, x, x_stride, w, scale, bias, y, rows, in, out, threads);
+}
+
+int pdserve_gemm_pairs_available(void) { return 1; }
+#else
+int pdserve_gemm_pairs_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                            int64_t rows, int64_t in, int64_t out, int threads) {
+    (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)threads;
+    return -1;
+}
+
+int pdserve_gemm_pairs_i8w(const uint16_t *x, int64_t x_stride, const int8_t *w, const float *scale,
+                           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t in, int64_t out, int threads) {
+    (void)x, (void)x_stride, (void)w, (void)scale, (void)bias, (void)y, (void)rows, (void)in, (void)out;
+    (void)threads;
+    return -1;
+}
+
+int pdserve_gemm_pairs_available(void) { return 0; }
+#endif
