@@ -33,6 +33,7 @@ C_ATTENTION = "pdserve::paged_decode"
 C_EXTEND = "pdserve::paged_extend"
 C_GEMV = "pdserve::gemv_bf16"
 C_GEMV_I8 = "pdserve::gemv_i8w"
+C_PAIRS = "pdserve::gemm_pairs"
 C_FUSED = "pdserve::fused"
 C_STORE = "pdserve::store_kv"
 # engine.decode_stack: a small decode step's layers in one C call (matmuls, attention, norms inside
@@ -41,7 +42,8 @@ C_STACK = "pdserve::decode_stack"
 OP_CLASSES: dict[str, tuple[str, ...]] = {
     "C layer stack": (C_STACK,),
     "matmuls": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear", C_GEMV, C_GEMV_I8),
+                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear", C_GEMV, C_GEMV_I8,
+                C_PAIRS),
     "attention": (C_ATTENTION, C_EXTEND, C_STORE, "aten::scaled_dot_product_attention", "aten::_scaled_dot_product*", "aten::softmax",
                   "aten::_softmax", "aten::index_put_", "aten::_index_put_impl_", "aten::stack",
                   "aten::index"),  # KV store; the torch backend's page gather (also rope's small cos/sin lookup)

@@ -19,3 +19,16 @@ def test_cli_prints_one_row_per_thread_count_and_row_count(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("| threads | rows |") and len(lines) == 3
     assert lines[2].startswith("| 1 | 8 | ")
+
+
+def test_kernels_mode_times_each_kernel_it_can_run_at_each_row_count():
+    import pytest
+
+    from engine.kernels import cpu_native
+
+    if not cpu_native.pairs_available():
+        pytest.skip("no AVX512-BF16: the small-batch kernels are not built here")
+    got = gemm_rows.measure_kernels([2, 16], ["onednn", "pairs", "gemv", "pairs-int8"], reps=1)
+    assert [(m, k) for m, k, _ in got] == [(2, "onednn"), (2, "pairs"), (2, "gemv"), (2, "pairs-int8"),
+                                           (16, "onednn"), (16, "pairs"), (16, "pairs-int8")]  # gemv: <= 8 rows
+    assert all(ms > 0 for _, _, ms in got)
