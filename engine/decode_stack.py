@@ -38,7 +38,8 @@ _MATMULS = ("qkv", "o", "gate_up", "down")
 
 
 class _Layer(ctypes.Structure):
-    """``layer_t``: one layer's tensor addresses (0 where absent; a matmul with scale 0 is bfloat16)."""
+    """``layer_t``: one layer's tensor addresses (0 where absent; a scale only for the int8 kinds) and
+    each matmul's kind (the kernel that runs it)."""
 
     _fields_ = [(n, _I64) for n in ("qkv", "qkv_scale", "qkv_bias", "o", "o_scale", "gate_up", "gate_up_scale",
                                     "down", "down_scale", "input_norm", "post_norm", "kv_base",
@@ -167,4 +168,3 @@ class DecodeStack:
         if rc != 0:
             raise (MemoryError if rc == -1 else RuntimeError)(f"decode stack failed ({rc})")
         return h
-

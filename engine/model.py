@@ -16,8 +16,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.cpu_linear import int8_supported, linear, warm_up
-from engine.decode_stack import DecodeStack
 from engine.cpu_linear import pack as pack_weight
+from engine.decode_stack import DecodeStack
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
 from engine.rope import RotaryEmbedding
