@@ -67,6 +67,7 @@ DEFAULT_LANES = ClusterConfig.model_fields["ucxx_copy_lanes"].default
 QUESTIONS = ["why the sky is blue", "who built the pyramids", "photosynthesis", "Mount Everest",
              "the fall of the Roman Empire", "how volcanoes form", "what causes tides", "why leaves change color"]
 SHARED = "Write a long, detailed essay of at least ten paragraphs. Topic: "
+LONG_PREFIX = "You are a careful writer who never stops early and covers every angle of a subject. "
 
 
 # ---- 1. KV: migration write vs local resume ------------------------------------------------------
@@ -242,6 +243,10 @@ def _serve_run(args, migrate: bool) -> dict:
         flags += ["--migrate-after", args.migrate_after] + (["--migrate-on-retract"] if args.migrate_on_retract else [])
         flags += ["--migrate-queued"] if args.migrate_queued else []
     prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + "." + " " * (i // len(QUESTIONS)) for i in range(args.requests)]
+    # --long: the first N are long answers with longer prompts (retraction takes the shortest input
+    # first among equals, so the short answers are the ones parked while the long ones hold the pool)
+    prompts = [(LONG_PREFIX + p if i < args.long else p) for i, p in enumerate(prompts)]
+    max_tokens = [args.long_max_tokens if i < args.long else args.max_tokens for i in range(args.requests)]
     with LaunchedServer(flags) as srv:
         model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
 
@@ -250,9 +255,9 @@ def _serve_run(args, migrate: bool) -> dict:
             try:
                 await _one(c, model, "Hello", 4)  # warm-up (first forward, first KV connection): not timed
                 tasks = []
-                for p, delay in zip(prompts, arrival_gaps(len(prompts), args.rate)):
+                for p, n, delay in zip(prompts, max_tokens, arrival_gaps(len(prompts), args.rate)):
                     await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(_one(c, model, p, args.max_tokens)))
+                    tasks.append(asyncio.create_task(_one(c, model, p, n)))
                 return await asyncio.gather(*tasks)
             finally:
                 await c.close()
@@ -300,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="serve: Poisson arrivals at this many requests/s (the same schedule in both runs); "
                          "0 = all at once (one burst)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--long", type=int, default=0,
+                    help="serve: the first N requests are long (--long-max-tokens, a longer prompt): a mixed-length "
+                         "skewed load, where the short ones are parked while the long ones hold the pool")
+    ap.add_argument("--long-max-tokens", type=int, default=512)
     ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
     ap.add_argument("--gap-factor", type=float, default=5.0, help="serve: a retracted request's longest token gap "
