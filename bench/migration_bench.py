@@ -2,7 +2,8 @@
 measured in one run.
 
 ``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
-[--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--per-request] [--json]``
+[--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M] [--per-request]
+[--json]``
 
 The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv: ...``).
 
