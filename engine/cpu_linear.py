@@ -221,30 +221,47 @@ def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) ->
     if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == torch.bfloat16
                                                                                   and bias.is_contiguous())):
         return None
-    rows = x2.shape[0]
-    if rows > small_rows(w):
+    kernel = small_kernel(w)
+    if kernel is None or x2.shape[0] > small_rows(w):
+        return None
+    kind, weight, scale = kernel
+    if kind in (PAIRS_BF16, PAIRS_I8):
+        return cpu_native.gemm_pairs(x2, weight, w.shape[0], bias, scale)
+    prefetch = decode_prefetch.modes().gemv
+    if kind == GEMV_I8:
+        return cpu_native.gemv_i8w(x2, weight, scale, bias, prefetch)
+    return cpu_native.gemv_bf16(x2, weight, bias, prefetch)
+
+
+# The small-batch kernels a weight can be stored for (``small_kernel``); the numbers are
+# ``cpu_decode_stack.c``'s matmul kinds.
+GEMV_BF16, GEMV_I8, PAIRS_BF16, PAIRS_I8 = range(4)
+
+
+def small_kernel(w) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+    """``(kind, weight as that kernel reads it, float32 row scales or None)`` of the small-batch
+    kernel that serves ``w``'s calls of up to ``small_rows(w)`` rows; None where none does. The
+    one routing rule: pair panels where ``w`` has them, else ``cpu_gemv.c``."""
+    if not isinstance(w, PackedWeight):
         return None
     if w.pairs is not None:
-        return cpu_native.gemm_pairs(x2, w.pairs, w.shape[0], bias)
-    if w.int8 is not None and w.int8.pairs is not None:
-        return cpu_native.gemm_pairs(x2, w.int8.pairs, w.shape[0], bias, w.int8.scale)
-    prefetch = decode_prefetch.modes().gemv
+        return PAIRS_BF16, w.pairs, None
     if w.int8 is not None:
-        return cpu_native.gemv_i8w(x2, w.int8.q, w.int8.scale, bias, prefetch)
-    return cpu_native.gemv_bf16(x2, w.plain, bias, prefetch)
+        if w.int8.pairs is not None:
+            return PAIRS_I8, w.int8.pairs, w.int8.scale
+        return GEMV_I8, w.int8.q, w.int8.scale
+    return (GEMV_BF16, w.plain, None) if w.plain is not None else None
 
 
 def small_rows(w) -> int:
-    """The most rows of a call on ``w`` that its small-batch kernel takes (``_small_rows``; 0: none):
-    ``pairs_rows()`` for a pair-panel weight, else ``GEMV_MAX_ROWS`` (int8) or ``gemv_rows()``
-    (plain bfloat16) for ``cpu_gemv.c``."""
-    if not isinstance(w, PackedWeight):
+    """The most rows of a call on ``w`` that its small-batch kernel takes (0: none): ``pairs_rows()``
+    for a pair-panel weight, else ``GEMV_MAX_ROWS`` (int8) or ``gemv_rows()`` (plain bfloat16)."""
+    kernel = small_kernel(w)
+    if kernel is None:
         return 0
-    if w.pairs is not None or (w.int8 is not None and w.int8.pairs is not None):
+    if kernel[0] in (PAIRS_BF16, PAIRS_I8):
         return pairs_rows()
-    if w.int8 is not None:
-        return cpu_native.GEMV_MAX_ROWS
-    return gemv_rows() if w.plain is not None else 0
+    return cpu_native.GEMV_MAX_ROWS if kernel[0] == GEMV_I8 else gemv_rows()
 
 
 # Row counts the pair-panel kernel is timed at against oneDNN (largest first): calls of up to the
@@ -275,7 +292,8 @@ def pairs_rows() -> int:
     if decode_prefetch.forced_mode() is not None:
         return PAIRS_ROWS
     weights = _layer_probe(decode_prefetch.probe_bytes(decode_prefetch.last_level_cache_bytes()))
-    pairs, packed = [to_pairs(w) for w in weights], [pack(w).data for w in weights]
+    pairs = [to_pairs(w) for w in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
     for rows in PAIRS_PROBE_ROWS:
         xs = {k: torch.zeros(rows, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
         best = decode_prefetch.best_of({

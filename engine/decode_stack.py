@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from engine.cpu_linear import PackedWeight, small_rows
+from engine.cpu_linear import small_kernel, small_rows
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels import cpu_native, decode_prefetch
 
@@ -39,27 +39,11 @@ _MATMULS = ("qkv", "o", "gate_up", "down")
 
 class _Layer(ctypes.Structure):
     """``layer_t``: one layer's tensor addresses (0 where absent; a scale only for the int8 kinds) and
-    each matmul's kind (the kernel that runs it)."""
+    each matmul's kind (``cpu_linear.small_kernel``: the kernel that runs it)."""
 
     _fields_ = [(n, _I64) for n in ("qkv", "qkv_scale", "qkv_bias", "o", "o_scale", "gate_up", "gate_up_scale",
                                     "down", "down_scale", "input_norm", "post_norm", "kv_base",
                                     "qkv_kind", "o_kind", "gate_up_kind", "down_kind")]
-
-
-# cpu_decode_stack.c's matmul kinds: which kernel runs a weight (the one ``cpu_linear.linear`` sends
-# calls of up to ``small_rows(w)`` rows to)
-GEMV_BF16, GEMV_I8, PAIRS_BF16, PAIRS_I8 = range(4)
-
-
-def _kind(w: PackedWeight) -> tuple[int, int, int]:
-    """``(kind, weight address, scale address)`` of a weight ``small_rows`` accepts."""
-    if w.pairs is not None:
-        return PAIRS_BF16, w.pairs.data_ptr(), 0
-    if w.int8 is not None and w.int8.pairs is not None:
-        return PAIRS_I8, w.int8.pairs.data_ptr(), w.int8.scale.data_ptr()
-    if w.int8 is not None:
-        return GEMV_I8, w.int8.q.data_ptr(), w.int8.scale.data_ptr()
-    return GEMV_BF16, w.plain.data_ptr(), 0
 
 
 class StackArgs(ctypes.Structure):
@@ -129,9 +113,9 @@ class DecodeStack:
             for i, layer in enumerate(self.model.layers):
                 w, a = layer.w, arr[i]
                 for n in _MATMULS:
-                    kind, weight, scale = _kind(w[n])
-                    setattr(a, n, weight)
-                    setattr(a, n + "_scale", scale)
+                    kind, weight, scale = small_kernel(w[n])
+                    setattr(a, n, weight.data_ptr())
+                    setattr(a, n + "_scale", _addr(scale))
                     setattr(a, n + "_kind", kind)
                 a.qkv_bias = _addr(w.get("qkv_bias"))
                 a.input_norm, a.post_norm = w["input_norm"].data_ptr(), w["post_norm"].data_ptr()
