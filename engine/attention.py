@@ -294,7 +294,8 @@ class CpuBackend(TorchBackend):
             return super()._extend(q, k, v, layer, batch)
         table, lo, hi, keys = self._extend_range_of(batch, name, window)
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch)
+        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch,
+                           dot=q.dtype == torch.bfloat16)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
     def _extend_tiles_of(self, batch: ForwardBatch, name: str):
@@ -316,7 +317,9 @@ class CpuBackend(TorchBackend):
         name, pool, local = self._layer(layer)
         table, lo, hi, keys = self._range_of(batch, name, self.windows[layer])
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch)
+        # a bfloat16 query loses nothing to bfloat16 products (the decode stack takes the same path)
+        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch,
+                           dot=q.dtype == torch.bfloat16)
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 

@@ -63,15 +63,54 @@ def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_di
     table = torch.tensor(rows)
     hi, lo = torch.tensor(seq_lens), torch.zeros(len(seq_lens), dtype=torch.int64)
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
-    got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, prefetch)
+    got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, prefetch, dot=False)
     other = cpu_native.PREFETCH_L2 if prefetch == cpu_native.PREFETCH_L1 else cpu_native.PREFETCH_L1
-    assert torch.equal(got, cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, other))
+    assert torch.equal(got, cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, other,
+                                                    dot=False))
     for i, n in enumerate(seq_lens):
         pg = table[i, :-(-n // P)]
         k = pools.full.buffer[pg, 1, 0].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
         v = pools.full.buffer[pg, 1, 1].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
         ref = torch.nn.functional.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, enable_gqa=True)
         torch.testing.assert_close(got[i], ref.squeeze(1), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_native.decode_dot_available(), reason="the kernels were built without AVX512-BF16")
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 32), (8, 128), (12, 64)])  # 12: the unspecialized group
+@pytest.mark.parametrize("prefetch", [cpu_native.PREFETCH_L1, cpu_native.PREFETCH_L2])
+def test_cpu_decode_bfloat16_products_within_one_rounding_of_the_weights(group, head_dim, prefetch):
+    """``dot`` on a bfloat16 pool: products in bfloat16 (the query is a bfloat16 one, so exact), the
+    softmax weights rounded to bfloat16 for P.V. Against float64 attention on the same values the
+    error is within twice the weights' rounding (2^-9 relative each), for ranges that start mid-page, end on
+    odd and even counts, span blocks of 64 and pages shuffled through the pool; every page outside
+    the tables is poisoned. Either prefetch mode gives the same bits, and the result is not the
+    float32-math path's (the flag reaches the kernel)."""
+    g = torch.Generator().manual_seed(group * 7 + head_dim)
+    kv_heads, pages, P = 2, 120, 16
+    pool = torch.randn(pages, 2, 2, P, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    spans = [(0, 700), (5, 6), (3, 64), (0, 1), (17, 130), (0, 129)]
+    order = torch.randperm(pages, generator=g).tolist()
+    table = torch.zeros(len(spans), 44, dtype=torch.int64)
+    for i, (_, hi_) in enumerate(spans):
+        for j in range(-(-hi_ // P)):
+            table[i, j] = order.pop()
+    for p in order:
+        pool[p] = 1e4
+    lo, hi = torch.tensor([a for a, _ in spans]), torch.tensor([b for _, b in spans])
+    q = torch.randn(len(spans), kv_heads * group, head_dim, generator=g).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    got = cpu_native.paged_decode(q, pool, 1, table, lo, hi, scale, 2, prefetch, dot=True)
+    assert torch.equal(got, cpu_native.paged_decode(q, pool, 1, table, lo, hi, scale, 1, 1 - prefetch, dot=True))
+    for i, (a, b) in enumerate(spans):
+        pg = table[i, :-(-b // P)]
+        k = pool[pg, 1, 0].reshape(-1, kv_heads, head_dim)[a:b].transpose(0, 1).double()
+        v = pool[pg, 1, 1].reshape(-1, kv_heads, head_dim)[a:b].transpose(0, 1).double()
+        ref = torch.nn.functional.scaled_dot_product_attention(q[i].double().unsqueeze(1), k, v, scale=scale,
+                                                               enable_gqa=True).squeeze(1)
+        err = (got[i].double() - ref).norm() / ref.norm()
+        assert err < 2 ** -8, (i, err)
+    assert not torch.equal(got, cpu_native.paged_decode(q, pool, 1, table, lo, hi, scale, 2, prefetch, dot=False))
 
 
 def test_backend_choice_on_cpu():
@@ -155,8 +194,8 @@ def test_cpu_backend_starts_no_thread_for_a_short_step(monkeypatch):
     """The backend passes the kernel the threads the step's keys pay for, not torch's count."""
     seen = []
     real = cpu_native.paged_decode
-    # paged_decode(q, pool, layer, table, lo, hi, scale, threads, prefetch): threads is a[7]
-    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a: seen.append(a[7]) or real(*a))
+    # paged_decode(q, pool, layer, table, lo, hi, scale, threads, prefetch, dot=...): threads is a[7]
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a, **kw: seen.append(a[7]) or real(*a, **kw))
     pools = KVPools(64, 64, TYPES, PAGE, 2, 16, torch.float32, "cpu")
     batch = _decode_batch(pools, [3, 9], 8)
     backend = CpuBackend(pools, 4, 0.25, _windows(8), threads=2)

@@ -42,6 +42,7 @@ typedef struct {
     int bf16;
     int prefetch;  /* PREFETCH_L1 or PREFETCH_L2 */
     int64_t ahead; /* positions the row prefetch runs ahead: 64 or 8 */
+    int dot;       /* bfloat16 pool: products in bfloat16 (ONE_HEAD_DOT) where built */
 } job_t;
 
 static inline float ld_f32(const float *p, int64_t x) { return p[x]; }
@@ -254,9 +255,187 @@ static const head_fn VEC_BF16[9] = {one_head_vec_bf16_any, one_head_vec_bf16_1, 
                                     one_head_vec_bf16_3, one_head_vec_bf16_4, one_head_vec_bf16_5,
                                     one_head_vec_bf16_6, one_head_vec_bf16_7, one_head_vec_bf16_8};
 
-/* The head function for this job: vector path specialized on the group size where there is one. */
+
+/* ---- bfloat16 products (AVX512-BF16; `dot`, bfloat16 pools only) ----------------------------------
+ * The float32-math path spends most of its instructions widening bfloat16 keys and values and on
+ * FMAs of one product each; vdpbf16ps multiplies 32 bfloat16 pairs into 16 float32 sums in one. Q.K:
+ * the query, rounded to bfloat16 once (exact for a bfloat16 model's query), against 32 key elements
+ * read in place. P.V: the softmax weights rounded to bfloat16 and V re-laid as pairs of positions
+ * (unpacklo/hi of two V rows: lane i of the low half is dimension (i / 4) * 8 + i % 4 of a 32-chunk,
+ * of the high half 4 more), so each accumulator lane is one output dimension in that order, put back
+ * in order once at the end. Products are exact, sums float32, the softmax (max, exp, denominator)
+ * float32: the result differs from the float32-math path by the weights' one bfloat16 rounding
+ * (2^-9 relative), as in flash attention and paged_extend's dot path. */
+#if defined(__AVX512BF16__)
+#define DOT_AVAILABLE 1
+#define DOT_DIMS 32 /* bfloat16 elements per vector */
+
+static inline __m512bh bh_load(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
+
+/* acc [D] of one head from lane order (see above) back to dimension order, in place. */
+static void dot_unpermute(float *acc, int64_t D) {
+    for (int64_t c = 0; c < D; c += DOT_DIMS) {
+        float t[DOT_DIMS];
+        for (int i = 0; i < 16; i++) {
+            t[(i / 4) * 8 + i % 4] = acc[c + i];
+            t[(i / 4) * 8 + 4 + i % 4] = acc[c + 16 + i];
+        }
+        memcpy(acc + c, t, sizeof t);
+    }
+}
+
+#define ONE_HEAD_DOT(NAME, GEXPR)                                                                       \
+    static void NAME(const job_t *j, int64_t b, int64_t kh, float *acc, float *m, float *l) {           \
+        const int64_t g = (GEXPR), D = j->D, P = j->P, nc = D / DOT_DIMS;                               \
+        const float *q = j->q + (b * j->H + kh * g) * D;                                                \
+        const uint16_t *kv = (const uint16_t *)j->kv;                                                   \
+        const uint16_t *kp[BLK + 4];                                                                    \
+        float s[g * BLK];                                                                               \
+        uint16_t ps[g * (BLK + 4)];                                                                     \
+        __m512 dv[g * BLK];                                                                             \
+        __m512bh qb[g * nc];                                                                            \
+        for (int64_t r = 0; r < g; r++)                                                                 \
+            for (int64_t c = 0; c < nc; c++) {                                                          \
+                const float *x = q + r * D + c * DOT_DIMS;                                              \
+                qb[r * nc + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));      \
+            }                                                                                           \
+        const int64_t *tb = j->table + b * j->table_stride, hd = kh * j->head_stride;                   \
+        const int64_t lo = j->lo[b], end = j->hi[b];                                                    \
+        /* two cursors (page index, offset) walk the rows: `pos` and the prefetch `pos + ahead` */      \
+        int64_t pi = lo / P, off = lo % P, fpos = lo, fpi = pi, foff = off;                             \
+        for (; fpos < end && fpos < lo + j->ahead; fpos++) { /* the first rows: nothing ran ahead */    \
+            const uint16_t *r0 = kv + tb[fpi] * j->page_stride + foff * j->tok_stride + hd;             \
+            for (int64_t x = 0; x < D; x += 32) {                                                       \
+                PREFETCH_ROW(j, r0 + x);                                                                \
+                PREFETCH_ROW(j, r0 + j->v_off + x);                                                     \
+            }                                                                                           \
+            if (++foff == P) foff = 0, fpi++;                                                           \
+        }                                                                                               \
+        for (int64_t pos = lo; pos < end;) {                                                            \
+            int64_t n = 0;                                                                              \
+            const uint16_t *pg = kv + tb[pi] * j->page_stride + hd;                                     \
+            for (; n < BLK && pos < end; n++, pos++) {                                                  \
+                kp[n] = pg + off * j->tok_stride;                                                       \
+                if (fpos < end) { /* the row `ahead` positions on streams in meanwhile */               \
+                    const uint16_t *fr = kv + tb[fpi] * j->page_stride + foff * j->tok_stride + hd;     \
+                    for (int64_t x = 0; x < D; x += 32) {                                               \
+                        PREFETCH_ROW(j, fr + x);                                                        \
+                        PREFETCH_ROW(j, fr + j->v_off + x);                                             \
+                    }                                                                                   \
+                    fpos++;                                                                             \
+                    if (++foff == P) foff = 0, fpi++;                                                   \
+                }                                                                                       \
+                if (++off == P) {                                                                       \
+                    off = 0;                                                                            \
+                    if (pos + 1 < end) pg = kv + tb[++pi] * j->page_stride + hd;                        \
+                }                                                                                       \
+            }                                                                                           \
+            const int64_t n4 = (n + 3) & ~(int64_t)3; /* P.V takes two pairs at a time */               \
+            for (int64_t t = n; t < n4; t++) kp[t] = kp[n - 1]; /* repeats, weight 0 */                 \
+            for (int64_t t = 0; t < n; t += 2) {                                                        \
+                __m512 d0[g], d1[g];                                                                    \
+                for (int64_t r = 0; r < g; r++) d0[r] = d1[r] = _mm512_setzero_ps();                    \
+                for (int64_t c = 0; c < nc; c++) {                                                      \
+                    const __m512bh k0 = bh_load(kp[t] + c * DOT_DIMS), k1 = bh_load(kp[t + 1] + c * DOT_DIMS); \
+                    for (int64_t r = 0; r < g; r++) {                                                   \
+                        d0[r] = _mm512_dpbf16_ps(d0[r], k0, qb[r * nc + c]);                            \
+                        d1[r] = _mm512_dpbf16_ps(d1[r], k1, qb[r * nc + c]);                            \
+                    }                                                                                   \
+                }                                                                                       \
+                for (int64_t r = 0; r < g; r++) {                                                       \
+                    dv[r * BLK + t] = d0[r];                                                            \
+                    dv[r * BLK + t + 1] = d1[r];                                                        \
+                }                                                                                       \
+            }                                                                                           \
+            for (int64_t r = 0; r < g; r++)                                                             \
+                for (int64_t t = 0; t < n; t += W) {                                                    \
+                    const vf sc = reduce16((const vf *)(dv + (r * BLK + t))) * j->scale;                \
+                    memcpy(s + r * BLK + t, &sc, sizeof sc);                                            \
+                }                                                                                       \
+            for (int64_t r = 0; r < g; r++) {                                                           \
+                float *sr = s + r * BLK, mb = -INFINITY, sum = 0.0f;                                    \
+                uint16_t *pr = ps + r * (BLK + 4);                                                      \
+                _Pragma("omp simd reduction(max : mb)")                                                 \
+                for (int64_t t = 0; t < n; t++) mb = sr[t] > mb ? sr[t] : mb;                           \
+                const float mn = fmaxf(m[r], mb), corr = expf(m[r] - mn);                               \
+                for (int64_t t = 0; t < n; t += W) {                                                    \
+                    const vf p = vexp(vld_f32(sr + t) - mn);                                            \
+                    memcpy(sr + t, &p, sizeof p);                                                       \
+                    const __m256bh pb = _mm512_cvtneps_pbh((__m512)p);                                  \
+                    memcpy(pr + t, &pb, sizeof pb);                                                     \
+                }                                                                                       \
+                _Pragma("omp simd reduction(+ : sum)")                                                  \
+                for (int64_t t = 0; t < n; t++) sum += sr[t];                                           \
+                for (int64_t t = n; t < n4; t++) pr[t] = 0;                                             \
+                l[r] = l[r] * corr + sum;                                                               \
+                m[r] = mn;                                                                              \
+                if (corr != 1.0f)                                                                       \
+                    for (int64_t x = 0; x < D; x += W) {                                                \
+                        const vf a = vld_f32(acc + r * D + x) * corr;                                   \
+                        memcpy(acc + r * D + x, &a, sizeof a);                                          \
+                    }                                                                                   \
+            }                                                                                           \
+            for (int64_t c = 0; c < nc; c++) {                                                          \
+                __m512 lo0[g], hi0[g], lo1[g], hi1[g];                                                  \
+                for (int64_t r = 0; r < g; r++) {                                                       \
+                    lo0[r] = _mm512_loadu_ps(acc + r * D + c * DOT_DIMS);                               \
+                    hi0[r] = _mm512_loadu_ps(acc + r * D + c * DOT_DIMS + 16);                          \
+                    lo1[r] = hi1[r] = _mm512_setzero_ps();                                              \
+                }                                                                                       \
+                for (int64_t t = 0; t < n4; t += 4) {                                                   \
+                    const __m512i a0 = _mm512_loadu_si512(kp[t] + j->v_off + c * DOT_DIMS),             \
+                                  a1 = _mm512_loadu_si512(kp[t + 1] + j->v_off + c * DOT_DIMS),         \
+                                  b0 = _mm512_loadu_si512(kp[t + 2] + j->v_off + c * DOT_DIMS),         \
+                                  b1 = _mm512_loadu_si512(kp[t + 3] + j->v_off + c * DOT_DIMS);         \
+                    const __m512bh al = (__m512bh)_mm512_unpacklo_epi16(a0, a1),                        \
+                                   ah = (__m512bh)_mm512_unpackhi_epi16(a0, a1),                        \
+                                   bl = (__m512bh)_mm512_unpacklo_epi16(b0, b1),                        \
+                                   bh = (__m512bh)_mm512_unpackhi_epi16(b0, b1);                        \
+                    for (int64_t r = 0; r < g; r++) {                                                   \
+                        uint32_t w0, w1;                                                                \
+                        memcpy(&w0, ps + r * (BLK + 4) + t, sizeof w0);                                 \
+                        memcpy(&w1, ps + r * (BLK + 4) + t + 2, sizeof w1);                             \
+                        const __m512bh p0 = (__m512bh)_mm512_set1_epi32((int)w0),                       \
+                                       p1 = (__m512bh)_mm512_set1_epi32((int)w1);                       \
+                        lo0[r] = _mm512_dpbf16_ps(lo0[r], al, p0);                                      \
+                        hi0[r] = _mm512_dpbf16_ps(hi0[r], ah, p0);                                      \
+                        lo1[r] = _mm512_dpbf16_ps(lo1[r], bl, p1);                                      \
+                        hi1[r] = _mm512_dpbf16_ps(hi1[r], bh, p1);                                      \
+                    }                                                                                   \
+                }                                                                                       \
+                for (int64_t r = 0; r < g; r++) {                                                       \
+                    _mm512_storeu_ps(acc + r * D + c * DOT_DIMS, _mm512_add_ps(lo0[r], lo1[r]));        \
+                    _mm512_storeu_ps(acc + r * D + c * DOT_DIMS + 16, _mm512_add_ps(hi0[r], hi1[r]));   \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t r = 0; r < g; r++) dot_unpermute(acc + r * D, D);                                  \
+    }
+
+ONE_HEAD_DOT(one_head_dot_1, 1)
+ONE_HEAD_DOT(one_head_dot_2, 2)
+ONE_HEAD_DOT(one_head_dot_3, 3)
+ONE_HEAD_DOT(one_head_dot_4, 4)
+ONE_HEAD_DOT(one_head_dot_5, 5)
+ONE_HEAD_DOT(one_head_dot_6, 6)
+ONE_HEAD_DOT(one_head_dot_7, 7)
+ONE_HEAD_DOT(one_head_dot_8, 8)
+ONE_HEAD_DOT(one_head_dot_any, j->H / j->Hkv)
+static const head_fn DOT[9] = {one_head_dot_any, one_head_dot_1, one_head_dot_2, one_head_dot_3, one_head_dot_4,
+                               one_head_dot_5, one_head_dot_6, one_head_dot_7, one_head_dot_8};
+#else
+#define DOT_AVAILABLE 0
+#endif
+
+int pdserve_decode_dot_available(void) { return DOT_AVAILABLE; }
+
+/* The head function for this job: the bfloat16-product path where asked for and built, else the
+ * vector path specialized on the group size where there is one. */
 static head_fn pick_head(const job_t *j) {
     const int64_t g = j->H / j->Hkv;
+#if DOT_AVAILABLE
+    if (j->dot && j->bf16 && j->D % DOT_DIMS == 0) return DOT[g <= 8 ? g : 0];
+#endif
     if (j->D % W != 0) return j->bf16 ? one_head_bf16 : one_head_f32;
     const head_fn *t = j->bf16 ? VEC_BF16 : VEC_F32;
     return t[g <= 8 ? g : 0];
@@ -289,18 +468,19 @@ static void *worker(void *arg) {
     return 0;
 }
 
-/* Returns 0. `kv` holds float32 elements when bf16 == 0, bfloat16 ones otherwise; strides are in elements. */
+/* Returns 0. `kv` holds float32 elements when bf16 == 0, bfloat16 ones otherwise; strides are in elements.
+ * `dot` != 0: a bfloat16 pool takes its products in bfloat16 where built (pdserve_decode_dot_available). */
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H,
                          int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t v_off,
                          int64_t tok_stride, int64_t head_stride, float scale, int threads,
-                         int prefetch) {
+                         int prefetch, int dot) {
     /* whole requests when there are enough to share out (each page is then read once for all
        its heads), else one kv head per item so a small batch still uses every thread */
     const int64_t per = B >= 2 * threads ? Hkv : 1;
     job_t j = {q, kv, table, lo, hi, out, H, Hkv, D, P, table_stride, page_stride, v_off, tok_stride,
                head_stride, per, B * (Hkv / per), scale, 0, bf16, prefetch,
-               prefetch == PREFETCH_L2 ? 8 : 64};
+               prefetch == PREFETCH_L2 ? 8 : 64, dot};
     if (threads > 64) threads = 64;
     if (threads > j.items) threads = (int)j.items;
     if (threads <= 1) worker(&j);

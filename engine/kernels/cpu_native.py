@@ -92,8 +92,9 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.pdserve_paged_decode
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *([_I64] * 9), ctypes.c_float,
-                   ctypes.c_int, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.pdserve_decode_dot_available.restype = ctypes.c_int
     fn = lib.pdserve_paged_extend
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, *([_I64] * 10), ctypes.c_float,
                    ctypes.c_int, ctypes.c_int]
@@ -239,20 +240,23 @@ def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:
 
 def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
                  lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1,
-                 prefetch: int = PREFETCH_L1) -> torch.Tensor:
+                 prefetch: int = PREFETCH_L1, dot: bool = True) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over keys ``[lo[b], hi[b])`` of request b in ``layer`` of
     the pool; ``table`` ``[B, W]`` int64 maps ``pos // P`` to a page (only entries of pages in the
     range are read); ``lo``/``hi`` int64 ``[B]``. Returns ``[B, H, D]`` float32 (zeros for an empty
     range). ``q`` may be any float dtype (it is read as float32). ``prefetch``: ``PREFETCH_L1`` or
-    ``PREFETCH_L2`` (speed only). Caller guarantees ``supports(pool_buffer)``, contiguous int64
-    indices and in-range pages."""
+    ``PREFETCH_L2`` (speed only). ``dot``: a bfloat16 pool takes its products in bfloat16 where
+    ``decode_dot_available()`` (the query and the softmax weights rounded to bfloat16 once each, sums
+    and softmax float32: ~2^-9 relative from the float32-math path, which a bfloat16 model's query
+    loses nothing to; ~2x fewer instructions). Caller guarantees ``supports(pool_buffer)``,
+    contiguous int64 indices and in-range pages."""
     B, H, D = q.shape
     q = q.float().contiguous()
     out = torch.empty_like(q)
     pool = _PoolView.of(pool_buffer, layer)
     load().pdserve_paged_decode(q.data_ptr(), pool.base, pool.bf16, table.data_ptr(), table.stride(0), lo.data_ptr(),
                                 hi.data_ptr(), out.data_ptr(), B, H, pool.kv_heads, D, *pool.geometry, float(scale),
-                                int(threads), int(prefetch))
+                                int(threads), int(prefetch), int(dot))
     return out
 
 
@@ -277,6 +281,12 @@ class _PoolView:
 # The tiled extend kernel's shape limits (cpu_extend_attention.c): head_dim a multiple of 4 vectors
 # of 16 floats, at most 48 query heads per kv head.
 EXTEND_DIM_MULTIPLE, EXTEND_MAX_GROUP = 64, 48
+
+
+def decode_dot_available() -> bool:
+    """True iff the kernels built here take bfloat16 products in ``paged_decode`` (AVX512-BF16)."""
+    lib = load()
+    return lib is not None and bool(lib.pdserve_decode_dot_available())
 
 
 EXTEND_DOT_MAX_DIM = 512  # the bfloat16-product path's zero key row holds 512 dimensions
