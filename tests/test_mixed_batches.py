@@ -178,11 +178,11 @@ def test_mixed_steps_series_counts_each_mixed_forward(tiny):
 
 def test_prefill_budget_is_a_chunk_when_idle_and_a_small_step_beside_decodes():
     """Nothing decoding: a whole chunk. Decoding: the rows the budget leaves, never fewer than the
-    decode rows, never more than the chunk. The CPU default bounds a step at 128 rows."""
+    decode rows, never more than the chunk. The CPU default bounds a step at 256 rows."""
     cfg = sched_cfg(chunked_prefill_size=512, max_num_batched_tokens=300, max_running_requests=8)
     assert [prefill_budget(cfg, rows) for rows in (0, 8, 200, 400, 600)] == [512, 292, 200, 400, 512]
     cpu = sched_cfg().for_device("cpu")
-    assert [prefill_budget(cpu, rows) for rows in (0, 1, 8, 64, 100)] == [512, 127, 120, 64, 100]
+    assert [prefill_budget(cpu, rows) for rows in (0, 1, 8, 64, 100, 200)] == [512, 255, 248, 192, 156, 200]
     gpu = sched_cfg().for_device("cuda")
     assert [prefill_budget(gpu, rows) for rows in (0, 48)] == [2048, 2000]
 
@@ -215,5 +215,5 @@ def test_budget_defaults_and_config_path():
     cfg = load_config(cli={"max_num_batched_tokens": 256, "mixed_batches": False})
     assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.mixed_batches) == (256, False)
     assert SchedulerConfig().mixed_batches is True and SchedulerConfig().max_num_batched_tokens is None
-    assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 128
+    assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 256
     assert SchedulerConfig(max_num_batched_tokens=64).for_device("cpu").max_num_batched_tokens == 64
