@@ -21,6 +21,12 @@ that kernel: no per-output horizontal sums, so it also serves the 16-64-row deco
 server (30 layers of SmolLM2 at 32 rows 21.2 against oneDNN's 24.5 ms on a 2-core Zen 4, at 1 row
 4.6-6.7 against cpu_gemv.c's 6.7-7.7 ms). Weights it cannot take keep the rules above.
 
+Float32 panels (session 27): a float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES also
+keeps ``cpu_gemm_pairs.c``'s float32 panel layout (``to_panels_f32``, the weight's bytes once more),
+and calls of up to ``PANELS_F32_ROWS`` rows run that kernel: one FMA per 16 outputs against a
+broadcast input, summed in input order, streaming the weight at bandwidth (30 layers of SmolLM2 at
+1 row 9.4 against oneDNN's 17.6 ms on a 2-core Zen 4). The float32 decode stack runs the same kernel.
+
 Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it, and
 a server sees every row count from 1 to thousands. Fed raw row counts, a process grew from 250 MB
 to 1.6 GB in 20,000 random-shaped calls (neither ``LRU_CACHE_CAPACITY`` nor
@@ -105,6 +111,13 @@ def _pairs_shape(w: torch.Tensor) -> bool:
     return out % cpu_native.PAIRS_PANEL == 0 and inp % 2 == 0 and inp > 0
 
 
+def to_panels_f32(w: torch.Tensor) -> torch.Tensor:
+    """float32 ``w`` ``[out, in]`` (out % 64 == 0) in ``cpu_gemm_pairs.c``'s float32 panel layout
+    ``[out / 64][in][4][16]``: element ``(o, k)`` at ``[o // 64][k][o % 64 // 16][o % 16]``."""
+    out, inp = w.shape
+    return w.reshape(out // 64, 4, 16, inp).permute(0, 3, 1, 2).contiguous()
+
+
 def to_pairs(w: torch.Tensor) -> torch.Tensor:
     """``w`` ``[out, in]`` (out % 64 == 0, in even) in ``cpu_gemm_pairs.c``'s pair-panel layout
     ``[out / 64][in / 2][4][16][2]``: element ``(o, k)`` at ``[o // 64][k // 2][o % 64 // 16][o % 16][k % 2]``."""
@@ -124,7 +137,7 @@ class PackedWeight:
     shape: torch.Size
     plain: torch.Tensor | None = None
     int8: Int8Rows | None = None
-    pairs: torch.Tensor | None = None
+    pairs: torch.Tensor | None = None  # bfloat16 pair panels, or float32 panels (``to_panels_f32``)
 
 
 def packing_enabled(w: torch.Tensor) -> bool:
@@ -168,6 +181,10 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(deq, PACK_BATCH_HINT), w.shape, None, rows)
     if not packing_enabled(w):
         return w
+    if w.dtype == torch.float32:
+        panels = to_panels_f32(w) if _panels_f32_takes(w) else None
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape,
+                            pairs=panels)
     small = _gemv_takes(w)
     pairs = to_pairs(w) if small and _pairs_shape(w) and cpu_native.pairs_available() else None
     plain = w.contiguous() if small and pairs is None else None
@@ -180,6 +197,13 @@ def _gemv_takes(w: torch.Tensor) -> bool:
     GEMV_MAX_BYTES whose shape fits the kernel, on a CPU where it was built with AVX512-BF16."""
     return (w.dtype == torch.bfloat16 and w.numel() * w.element_size() <= GEMV_MAX_BYTES
             and _kernel_shape(w) and cpu_native.gemv_available())
+
+
+def _panels_f32_takes(w: torch.Tensor) -> bool:
+    """True iff a float32 weight also keeps the float32 panel layout: out % 64 == 0, at most
+    GEMV_MAX_BYTES (the LM head stays oneDNN's alone), the kernel built here (AVX-512F)."""
+    return (w.shape[0] % cpu_native.PAIRS_PANEL == 0 and w.numel() * w.element_size() <= GEMV_MAX_BYTES
+            and cpu_native.panels_f32_available())
 
 
 def bucket_rows(rows: int) -> int:
@@ -204,7 +228,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
-    if w.int8 is not None or w.plain is not None or w.pairs is not None:  # float32 and large weights skip the call
+    if w.int8 is not None or w.plain is not None or w.pairs is not None:  # large weights skip the call
         y = _small_rows(x2, w, bias)
         if y is not None:
             return y.view(*x.shape[:-1], w.shape[0])
@@ -216,15 +240,17 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
 
 
 def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The small-batch kernel's result where it takes this call (int8 or plain bfloat16 weight, few
-    bfloat16 rows, contiguous last dim, bfloat16 bias), else None."""
-    if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == torch.bfloat16
-                                                                                  and bias.is_contiguous())):
-        return None
+    """The small-batch kernel's result where it takes this call (few rows of the weight's activation
+    dtype, contiguous last dim, a contiguous bias of that dtype or none), else None."""
     kernel = small_kernel(w)
+    act = torch.float32 if kernel is not None and kernel[0] == PANELS_F32 else torch.bfloat16
+    if x2.dtype != act or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == act and bias.is_contiguous())):
+        return None
     if kernel is None or x2.shape[0] > small_rows(w):
         return None
     kind, weight, scale = kernel
+    if kind == PANELS_F32:
+        return cpu_native.gemm_panels_f32(x2, weight, w.shape[0], bias)
     if kind in (PAIRS_BF16, PAIRS_I8):
         return cpu_native.gemm_pairs(x2, weight, w.shape[0], bias, scale)
     prefetch = decode_prefetch.modes().gemv
@@ -235,17 +261,21 @@ def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) ->
 
 # The small-batch kernels a weight can be stored for (``small_kernel``); the numbers are
 # ``cpu_decode_stack.c``'s matmul kinds.
-GEMV_BF16, GEMV_I8, PAIRS_BF16, PAIRS_I8 = range(4)
+GEMV_BF16, GEMV_I8, PAIRS_BF16, PAIRS_I8, PANELS_F32 = range(5)
+# Rows up to which float32 panels serve a call: on a 2-core Zen 4 (30 layers of SmolLM2's shapes,
+# streamed) 9.4 / 9.7 / 13.8 / 20.2 / 34.6 ms at 1 / 4 / 8 / 16 / 32 rows against oneDNN's
+# 17.6 / 13.5 / 17.7 / 23.4 / 39.7 (session 27); not timed beyond.
+PANELS_F32_ROWS = 32
 
 
 def small_kernel(w) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
     """``(kind, weight as that kernel reads it, float32 row scales or None)`` of the small-batch
     kernel that serves ``w``'s calls of up to ``small_rows(w)`` rows; None where none does. The
-    one routing rule: pair panels where ``w`` has them, else ``cpu_gemv.c``."""
+    one routing rule: (pair) panels where ``w`` has them, else ``cpu_gemv.c``."""
     if not isinstance(w, PackedWeight):
         return None
     if w.pairs is not None:
-        return PAIRS_BF16, w.pairs, None
+        return (PANELS_F32 if w.pairs.dtype == torch.float32 else PAIRS_BF16), w.pairs, None
     if w.int8 is not None:
         if w.int8.pairs is not None:
             return PAIRS_I8, w.int8.pairs, w.int8.scale
@@ -254,11 +284,13 @@ def small_kernel(w) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
 
 
 def small_rows(w) -> int:
-    """The most rows of a call on ``w`` that its small-batch kernel takes (0: none): ``pairs_rows()``
-    for a pair-panel weight, else ``GEMV_MAX_ROWS`` (int8) or ``gemv_rows()`` (plain bfloat16)."""
+    """The most rows of a call on ``w`` that its small-batch kernel takes (0: none): ``PANELS_F32_ROWS``
+    for a float32 panel weight, ``pairs_rows()`` for a pair-panel weight, else ``GEMV_MAX_ROWS`` (int8) or ``gemv_rows()`` (plain bfloat16)."""
     kernel = small_kernel(w)
     if kernel is None:
         return 0
+    if kernel[0] == PANELS_F32:
+        return PANELS_F32_ROWS
     if kernel[0] in (PAIRS_BF16, PAIRS_I8):
         return pairs_rows()
     return cpu_native.GEMV_MAX_ROWS if kernel[0] == GEMV_I8 else gemv_rows()

@@ -11,8 +11,12 @@ Its row limit is the matmul kernels' (``cpu_linear.small_rows``): up to 64 where
 the pair-panel layout (``cpu_gemm_pairs.c``), so a busy server's 32-row decode steps run as one call
 too (session 26, bfloat16 step at 32 rows 39.8 -> 33.8 ms, int8 45.5 -> 36.2 ms).
 
-Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16
-CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, no
+float32 models too (session 27): their layer weights also keep ``cpu_gemm_pairs.c``'s float32 panels
+(``cpu_linear.to_panels_f32``), which serve the Python path's calls of up to 32 rows as well, so the
+two paths agree to the bit.
+
+Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
+float32 CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, no
 kernel library, or ``PDSERVE_DECODE_STACK=0``). ``takes(batch, attn)`` is True for a DECODE step
 of at most ``max_rows`` requests on the C attention backend with one full-attention pool, no window;
 ``run`` then returns the last layer's hidden states, bitwise what the per-layer Python path computes
@@ -54,7 +58,7 @@ class StackArgs(ctypes.Structure):
                 *((n, ctypes.c_void_p) for n in ("positions", "slots", "table", "lo", "hi")),
                 *((n, _I64) for n in ("table_stride", "P", "page_stride", "v_off", "tok_stride", "head_stride")),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                *((n, _I64) for n in ("attn_threads", "attn_prefetch", "mm_threads", "mm_prefetch"))]
+                *((n, _I64) for n in ("attn_threads", "attn_prefetch", "mm_threads", "mm_prefetch", "f32"))]
 
 
 def enabled() -> bool:
@@ -80,12 +84,12 @@ class DecodeStack:
         cfg, why = model.cfg, None
         if not enabled():
             why = f"{ENV}=0"
-        elif model.device.type != "cpu" or model.dtype != torch.bfloat16:
-            why = "not a bfloat16 CPU model"
+        elif model.device.type != "cpu" or model.dtype not in (torch.bfloat16, torch.float32):
+            why = "not a bfloat16 or float32 CPU model"
         elif cfg.qk_norm or cfg.head_dim % 2:
             why = "qk-norm or odd head_dim"
-        elif cpu_native.load() is None or not cpu_native.gemv_available():
-            why = "no small-batch matmul kernel here"
+        elif cpu_native.load() is None:
+            why = "no kernel library here"
         if why is None:
             rows = min(small_rows(layer.w[n]) for layer in model.layers for n in _MATMULS)
             bias_ok = all(layer.w.get("qkv_bias") is None or layer.w["qkv_bias"].is_contiguous() for layer in model.layers)
@@ -97,13 +101,13 @@ class DecodeStack:
 
     def takes(self, batch: ForwardBatch, attn) -> bool:
         """True iff ``run`` serves this step: DECODE, 1..max_rows requests, the C attention backend over
-        one bfloat16 full-attention pool without windows."""
+        one full-attention pool of the model's dtype without windows."""
         from engine.attention import CpuBackend
 
         if batch.mode is not ForwardMode.DECODE or not 1 <= batch.batch_size <= self.max_rows:
             return False
         return (type(attn) is CpuBackend and attn.pools.swa is None and all(w is None for w in attn.windows)
-                and attn.pools.full.buffer.dtype == torch.bfloat16)
+                and attn.pools.full.buffer.dtype == self.model.dtype)
 
     def _layers_for(self, pools) -> ctypes.Array:
         """The layer array with each layer's K base in ``pools.full`` (rebuilt if the pool moved)."""
@@ -147,7 +151,7 @@ class DecodeStack:
             eps=cfg.rms_norm_eps, scale=attn.scale,
             attn_threads=cpu_native.threads_for(keys, cfg.num_heads, cfg.head_dim, attn.threads or torch_threads),
             attn_prefetch=attn.prefetch, mm_threads=torch_threads if cpu_native.openmp_shared() else 1,
-            mm_prefetch=decode_prefetch.modes().gemv)
+            mm_prefetch=decode_prefetch.modes().gemv, f32=int(m.dtype == torch.float32))
         rc = cpu_native.load().pdserve_decode_stack(ctypes.addressof(args), h.data_ptr())
         if rc != 0:
             raise (MemoryError if rc == -1 else RuntimeError)(f"decode stack failed ({rc})")

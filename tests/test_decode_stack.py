@@ -50,13 +50,15 @@ class _BothPaths:
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "float32"])
 def test_a_decode_step_through_the_stack_is_bitwise_the_layer_path(embedded, weights):
+    """float32: the model's weights in float32 panels, its pool float32, nothing rounded between kernels."""
     extra = {"weight_dtype": "int8"} if weights == "int8" else {}
-    llm = LLM(engine_cfg(dtype="bfloat16", **extra),
-              sched_cfg(max_running_requests=cpu_linear.pairs_rows(), chunked_prefill_size=8192), loaded=embedded[:3])
+    limit = cpu_linear.PANELS_F32_ROWS if weights == "float32" else cpu_linear.pairs_rows()
+    llm = LLM(engine_cfg(dtype="float32" if weights == "float32" else "bfloat16", **extra),
+              sched_cfg(max_running_requests=limit, chunked_prefill_size=8192), loaded=embedded[:3])
     stack = llm.runner.model.stack
-    assert stack is not None and stack.max_rows == cpu_linear.pairs_rows()  # every SmolLM2 matmul is pair-panel
+    assert stack is not None and stack.max_rows == limit  # every SmolLM2 matmul is (pair-)panel
     both = _BothPaths(llm.runner.model)
     vocab = llm.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -114,6 +116,9 @@ def test_the_stack_is_built_only_where_it_can_run(monkeypatch):
     cfg = tiny_config()
     f32 = LlamaModel(cfg, torch.device("cpu"), torch.float32)
     f32.load_weights(tiny_weights(cfg))
-    assert f32.stack is None  # float32 matmuls run oneDNN, not the small-batch kernel
+    assert f32.stack is not None and f32.stack.max_rows == cpu_linear.PANELS_F32_ROWS  # float32 panels
+    f16 = LlamaModel(cfg, torch.device("cpu"), torch.float16)
+    f16.load_weights(tiny_weights(cfg))
+    assert f16.stack is None  # no float16 kernels
     monkeypatch.setenv(ENV, "0")
     assert _tiny_bf16().stack is None and DecodeStack.build(_tiny_bf16()) is None

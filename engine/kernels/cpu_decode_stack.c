@@ -13,7 +13,11 @@
  * h + down as float32 sum rounded to bfloat16. So the step's output is bitwise the Python path's
  * (tests/test_decode_stack.py holds it to torch.equal).
  *
- * Contract: bfloat16 activations, weights and KV pool; rows 1..8 where a matmul runs cpu_gemv.c (in %
+ * float32 models (s->f32): float32 activations, KV pool and weights in cpu_gemm_pairs.c's float32
+ * panels; the same kernels in float32 with nothing rounded between them (the residual add is the
+ * float32 sum torch computes), so it is bitwise the Python path there too.
+ *
+ * Contract: bfloat16 activations, weights and KV pool (or all float32, above); rows 1..8 where a matmul runs cpu_gemv.c (in %
  * 32 == 0, out % 8 == 0), any where all run cpu_gemm_pairs.c (out % 64 == 0, in even); each weight
  * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind;
  * every layer attends over the whole sequence (no window) of one pool; the caller has checked the
@@ -22,6 +26,7 @@
  * run then, but earlier layers' KV is stored: the caller fails the step). */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_vec.h"
 
@@ -44,13 +49,15 @@ int pdserve_gemm_pairs_bf16(const uint16_t *x, int64_t x_stride, const uint16_t 
                             int64_t rows, int64_t in, int64_t out, int threads);
 int pdserve_gemm_pairs_i8w(const uint16_t *x, int64_t x_stride, const int8_t *w, const float *scale,
                            const uint16_t *bias, uint16_t *y, int64_t rows, int64_t in, int64_t out, int threads);
+int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+                            int64_t rows, int64_t in, int64_t out, int threads);
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H, int64_t Hkv,
                          int64_t D, int64_t P, int64_t page_stride, int64_t v_off, int64_t tok_stride,
                          int64_t head_stride, float scale, int threads, int prefetch, int dot);
 
 /* How a matmul's weight is stored, i.e. which kernel runs it (engine/decode_stack.py's KINDS). */
-enum { GEMV_BF16 = 0, GEMV_I8 = 1, PAIRS_BF16 = 2, PAIRS_I8 = 3 };
+enum { GEMV_BF16 = 0, GEMV_I8 = 1, PAIRS_BF16 = 2, PAIRS_I8 = 3, PANELS_F32 = 4 };
 
 /* One layer's tensors (addresses; 0 where absent; scale only for the int8 kinds) and matmul kinds. */
 typedef struct {
@@ -69,6 +76,7 @@ typedef struct {
     const float *cos, *sin;
     float eps, scale;
     int64_t attn_threads, attn_prefetch, mm_threads, mm_prefetch;
+    int64_t f32; /* 1: float32 activations, weights (PANELS_F32) and pool; 0: bfloat16 */
 } stack_t;
 
 static int matmul(const stack_t *s, int64_t kind, const uint16_t *x, int64_t w, int64_t scale, int64_t bias,
@@ -121,9 +129,63 @@ static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scra
     return 0;
 }
 
-/* h: [rows, hidden] bfloat16, the residual stream after the embedding; updated in place to the
- * last layer's output (before the final norm). */
+/* ---- float32 layers: the same order over float32 rows (no roundings between the kernels) ---- */
+typedef struct {
+    float *x, *qkv, *qf, *of, *tmp, *gate_up, *act;
+} scratch_f32_t;
+
+static int matmul_f32(const stack_t *s, int64_t kind, const float *x, int64_t w, int64_t bias, float *y, int64_t in,
+                      int64_t out) {
+    if (kind != PANELS_F32) return -1;
+    return pdserve_gemm_panels_f32(x, in, (const float *)w, (const float *)bias, y, s->rows, in, out, (int)s->mm_threads);
+}
+
+static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scratch_f32_t *b) {
+    const int64_t R = s->rows, Hd = s->hidden, D = s->head_dim, qs = s->heads * D, kvs = s->kv_heads * D;
+    const int64_t qkv_w = qs + 2 * kvs;
+    pdserve_rms_norm(h, Hd, (const void *)l->input_norm, b->x, R, Hd, s->eps, 0, 1);
+    if (matmul_f32(s, l->qkv_kind, b->x, l->qkv, l->qkv_bias, b->qkv, Hd, qkv_w)) return -2;
+    pdserve_rope(b->qkv, qkv_w, s->positions, s->cos, s->sin, R, s->heads, D, 0, 1);
+    pdserve_rope(b->qkv + qs, qkv_w, s->positions, s->cos, s->sin, R, s->kv_heads, D, 0, 1);
+    pdserve_store_kv((void *)l->kv_base, s->page_stride, s->v_off, s->tok_stride, s->P, s->slots, b->qkv + qs, qkv_w,
+                     b->qkv + qs + kvs, qkv_w, R, kvs, 4);
+    for (int64_t r = 0; r < R; r++) memcpy(b->qf + r * qs, b->qkv + r * qkv_w, qs * sizeof(float));
+    pdserve_paged_decode(b->qf, (const void *)l->kv_base, 0, s->table, s->table_stride, s->lo, s->hi, b->of, R,
+                         s->heads, s->kv_heads, D, s->P, s->page_stride, s->v_off, s->tok_stride, s->head_stride,
+                         s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 0);
+    if (matmul_f32(s, l->o_kind, b->of, l->o, 0, b->tmp, qs, Hd)) return -2;
+    pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 0, 1);
+    if (matmul_f32(s, l->gate_up_kind, b->x, l->gate_up, 0, b->gate_up, Hd, 2 * s->inter)) return -2;
+    pdserve_silu_mul(b->gate_up, b->act, R, s->inter, 0, 1);
+    if (matmul_f32(s, l->down_kind, b->act, l->down, 0, b->tmp, s->inter, Hd)) return -2;
+    for (int64_t i = 0; i < R * Hd; i++) h[i] += b->tmp[i];
+    return 0;
+}
+
+static int stack_f32(const stack_t *s, float *h) {
+    const int64_t R = s->rows, qs = s->heads * s->head_dim, kvs = s->kv_heads * s->head_dim;
+    const int64_t widest = s->hidden > qs ? s->hidden : qs;
+    const int64_t bytes = 64 * 8 + 4 * R * (widest + (qs + 2 * kvs) + 2 * qs + widest + 3 * s->inter);
+    char *mem = malloc(bytes), *p = mem;
+    if (!mem) return -1;
+    scratch_f32_t b;
+    b.x = carve(&p, 4 * R * widest);
+    b.qkv = carve(&p, 4 * R * (qs + 2 * kvs));
+    b.qf = carve(&p, 4 * R * qs);
+    b.of = carve(&p, 4 * R * qs);
+    b.tmp = carve(&p, 4 * R * widest);
+    b.gate_up = carve(&p, 4 * R * 2 * s->inter);
+    b.act = carve(&p, 4 * R * s->inter);
+    int rc = 0;
+    for (int64_t i = 0; i < s->num_layers && rc == 0; i++) rc = one_layer_f32(s, s->layers + i, h, &b);
+    free(mem);
+    return rc;
+}
+
+/* h: [rows, hidden] bfloat16 (float32 when s->f32), the residual stream after the embedding; updated
+ * in place to the last layer's output (before the final norm). */
 int pdserve_decode_stack(const stack_t *s, uint16_t *h) {
+    if (s->f32) return stack_f32(s, (float *)h);
     const int64_t R = s->rows, qs = s->heads * s->head_dim, kvs = s->kv_heads * s->head_dim;
     const int64_t widest = s->hidden > qs ? s->hidden : qs;
     const int64_t bytes = 64 * 8 + R * (2 * (widest + (qs + 2 * kvs) + qs + s->hidden + 3 * s->inter) + 4 * 2 * qs);

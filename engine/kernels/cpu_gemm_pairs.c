@@ -16,6 +16,10 @@
  * pdserve_gemm_pairs_i8w: the same over weight-only int8 weights in the same layout (32 bytes per
  * vector, widened to bfloat16 in registers: exact for |q| <= 127), one float32 scale per output.
  *
+ * pdserve_gemm_panels_f32: float32 x and weights in panels of 64 outputs without the pairing,
+ * [out / 64][in][4][16] (AVX-512F): per input, 4 weight vectors and one FMA per row and vector against
+ * the broadcast x, summed in input order (float32 models' decode steps; the stack's float32 layers).
+ *
  * Contract: in % 2 == 0, out % 64 == 0, rows >= 1; x rows x_stride elements apart; y [rows, out]
  * contiguous bfloat16; bias NULL or [out] bfloat16; scale [out] float32. Returns 0, or -1 for a
  * shape outside the contract or a build without AVX512-BF16 (the caller then takes another path).
@@ -142,4 +146,72 @@ int pdserve_gemm_pairs_i8w(const uint16_t *x, int64_t x_stride, const int8_t *w,
 }
 
 int pdserve_gemm_pairs_available(void) { return 0; }
+#endif
+
+/* ---- float32 panels (AVX-512F) ---- */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* R rows [r0, r0 + R) of one float32 panel (outputs [o0, o0 + 64)); 256 bytes per input. */
+#define MICRO_F32(NAME, R)                                                                                 \
+    static void NAME(const float *x, int64_t xs, const float *panel, const char *pf, int64_t in,          \
+                     const float *bias, float *y, int64_t out, int64_t o0) {                               \
+        __m512 acc[R][NV];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                        \
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();                                  \
+        for (int64_t k = 0; k < in; k++) {                                                                 \
+            const float *wp = panel + k * (NV * 16);                                                       \
+            const char *pp = pf + k * (NV * 64);                                                           \
+            for (int c = 0; c < NV; c++) _mm_prefetch(pp + 64 * c, PF_HINT);                               \
+            __m512 w[NV];                                                                                  \
+            for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_ps(wp + 16 * v);                              \
+            for (int r = 0; r < R; r++) {                                                                  \
+                const __m512 xb = _mm512_set1_ps(x[r * xs + k]);                                           \
+                for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(xb, w[v], acc[r][v]);             \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int v = 0; v < NV; v++) {                                                                     \
+            const int64_t o = o0 + 16 * v;                                                                 \
+            const __m512 b = bias ? _mm512_loadu_ps(bias + o) : _mm512_setzero_ps();                       \
+            for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * out + o, _mm512_add_ps(acc[r][v], b));    \
+        }                                                                                                  \
+    }
+MICRO_F32(f32_rows_1, 1) MICRO_F32(f32_rows_2, 2) MICRO_F32(f32_rows_3, 3) MICRO_F32(f32_rows_4, 4)
+MICRO_F32(f32_rows_5, 5) MICRO_F32(f32_rows_6, 6)
+typedef void (*micro_f32_fn)(const float *, int64_t, const float *, const char *, int64_t, const float *, float *,
+                             int64_t, int64_t);
+static const micro_f32_fn F32[RB + 1] = {0, f32_rows_1, f32_rows_2, f32_rows_3, f32_rows_4, f32_rows_5, f32_rows_6};
+
+int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+                            int64_t rows, int64_t in, int64_t out, int threads) {
+    if (rows < 1 || out % PANEL != 0 || in < 1) return -1;
+    const int64_t panel_floats = in * PANEL, panels = out / PANEL;
+    const int64_t blocks = (rows + RB - 1) / RB, items = panels * blocks;
+    if (threads > 64) threads = 64;
+    if (threads < 1 || items < 2) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {   /* as run() above: contiguous panel-major item ranges, rows split evenly over the blocks */
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t per = (items + nt - 1) / nt, i0 = id * per, i1 = i0 + per < items ? i0 + per : items;
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t p = i / blocks, b = i % blocks, base = rows / blocks, extra = rows % blocks;
+            const int64_t r0 = b * base + (b < extra ? b : extra), R = base + (b < extra);
+            const float *panel = w + p * panel_floats;
+            const char *pf = b == 0 ? (const char *)panel + PF
+                                    : (const char *)(p + 1 < panels ? panel + panel_floats : panel);
+            F32[R](x + r0 * x_stride, x_stride, panel, pf, in, bias, y + r0 * out, out, p * PANEL);
+        }
+    }
+    return 0;
+}
+
+int pdserve_gemm_panels_f32_available(void) { return 1; }
+#else
+int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+                            int64_t rows, int64_t in, int64_t out, int threads) {
+    (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)threads;
+    return -1;
+}
+
+int pdserve_gemm_panels_f32_available(void) { return 0; }
 #endif

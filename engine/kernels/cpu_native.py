@@ -125,6 +125,9 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
     lib.pdserve_gemm_pairs_i8w.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
     lib.pdserve_gemm_pairs_i8w.restype = i32
     lib.pdserve_gemm_pairs_available.argtypes, lib.pdserve_gemm_pairs_available.restype = [], i32
+    lib.pdserve_gemm_panels_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
+    lib.pdserve_gemm_panels_f32.restype = i32
+    lib.pdserve_gemm_panels_f32_available.argtypes, lib.pdserve_gemm_panels_f32_available.restype = [], i32
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
@@ -199,6 +202,27 @@ def gemm_pairs(x: torch.Tensor, pairs: torch.Tensor, out: int, bias: torch.Tenso
     else:
         rc = load().pdserve_gemm_pairs_i8w(x.data_ptr(), x.stride(0), pairs.data_ptr(), scale.data_ptr(), b,
                                            y.data_ptr(), rows, x.shape[1], out, threads)
+    return y if rc == 0 else None
+
+
+@functools.lru_cache(maxsize=1)
+def panels_f32_available() -> bool:
+    """True iff this build has the float32 panel kernel (``pdserve_gemm_panels_f32``; AVX-512F)."""
+    lib = load()
+    return lib is not None and lib.pdserve_gemm_panels_f32_available() == 1
+
+
+def gemm_panels_f32(x: torch.Tensor, panels: torch.Tensor, out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W.T + bias`` for 2-D float32 ``x`` (any rows, last dim contiguous) and ``W`` ``[out, in]``
+    in the float32 panel layout (``engine.cpu_linear.to_panels_f32``), ``bias`` None or ``[out]``
+    float32 contiguous. A new ``[rows, out]`` float32 tensor (sums in input order), or None where the
+    kernel does not take the shape."""
+    rows = x.shape[0]
+    y = torch.empty(rows, out, dtype=torch.float32)
+    threads = torch.get_num_threads() if openmp_shared() else 1
+    rc = load().pdserve_gemm_panels_f32(x.data_ptr(), x.stride(0), panels.data_ptr(),
+                                        0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, x.shape[1], out,
+                                        threads)
     return y if rc == 0 else None
 
 

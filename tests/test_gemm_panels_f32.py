@@ -1,0 +1,69 @@
+"""The float32 panel matmul (``pdserve_gemm_panels_f32`` in ``engine/kernels/cpu_gemm_pairs.c``) behind
+``engine.cpu_linear``: its layout, its products against float64 ones (1-64 rows, bias, strided rows),
+its refusals, which float32 weights keep the layout and which calls ``linear`` sends it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_linear
+from engine.cpu_linear import PANELS_F32, linear, pack, to_panels_f32
+from engine.kernels import cpu_native
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(not cpu_native.panels_f32_available(),
+                                 reason="this CPU has no AVX-512F: the float32 panel kernel is not built here")]
+
+
+def test_the_layout_puts_sixteen_outputs_of_one_input_side_by_side():
+    w = torch.arange(128 * 6, dtype=torch.float32).view(128, 6)
+    p = to_panels_f32(w)
+    assert p.shape == (2, 6, 4, 16)
+    for o, k in ((0, 0), (17, 3), (64, 5), (127, 4), (80, 1)):
+        assert p[o // 64, k, o % 64 // 16, o % 16] == w[o, k]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 64])
+@pytest.mark.parametrize("shape", [(960, 576), (64, 95), (576, 1536)])
+def test_products_are_float32_sums_of_the_exact_ones(rows, shape):
+    """Every output within float32 summation error of the float64 product (relative to the terms'
+    magnitudes), odd input widths and a row stride other than the width included."""
+    g = torch.Generator().manual_seed(rows * 7 + shape[0])
+    w = torch.randn(*shape, generator=g) * 0.05
+    bias = torch.randn(shape[0], generator=g)
+    x = torch.randn(rows, shape[1] + 10, generator=g)[:, 5:5 + shape[1]]  # strided rows
+    y = cpu_native.gemm_panels_f32(x, to_panels_f32(w), shape[0], bias)
+    assert y is not None and y.shape == (rows, shape[0]) and y.dtype == torch.float32
+    ref = x.double() @ w.double().T + bias.double()
+    magnitude = x.double().abs() @ w.double().abs().T + bias.double().abs()
+    assert ((y.double() - ref).abs() <= magnitude * shape[1] * 2.0 ** -24).all()
+    assert not torch.equal(y, torch.zeros_like(y))
+
+
+def test_the_kernel_refuses_what_it_cannot_take():
+    w = to_panels_f32(torch.randn(64, 96))
+    assert cpu_native.gemm_panels_f32(torch.randn(1, 96), w, 96, None) is None  # out % 64
+    assert cpu_native.gemm_panels_f32(torch.randn(0, 96), w, 64, None) is None  # no rows
+
+
+def test_which_float32_weights_keep_panels():
+    layer = pack(torch.randn(192, 576))
+    assert layer.pairs is not None and layer.pairs.dtype == torch.float32
+    assert cpu_linear.small_kernel(layer)[0] == PANELS_F32 and cpu_linear.small_rows(layer) == cpu_linear.PANELS_F32_ROWS
+    assert pack(torch.randn(72, 96)).pairs is None  # 72 outputs: no panels
+    head = pack(torch.randn(cpu_linear.GEMV_MAX_BYTES // (4 * 64) + 64, 64))  # over GEMV_MAX_BYTES: oneDNN alone
+    assert head.pairs is None and cpu_linear.small_rows(head) == 0
+
+
+def test_linear_sends_float32_calls_of_up_to_the_limit_to_the_kernel(monkeypatch):
+    top = cpu_linear.PANELS_F32_ROWS
+    w, bias = torch.randn(192, 576) * 0.05, torch.randn(192)
+    p = pack(w)
+    calls, real = [], cpu_native.gemm_panels_f32
+    monkeypatch.setattr(cpu_native, "gemm_panels_f32", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, top, top + 1):
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(linear(x, p, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    linear(torch.randn(2, 576).bfloat16(), pack(w.bfloat16()))  # a bfloat16 call never reaches it
+    assert calls == [1, top]  # more rows stay on oneDNN
