@@ -65,7 +65,7 @@ def measure_kernels(rows: list[int], kernels: list[str], reps: int) -> list[tupl
     q8 = [[cpu_linear.quantize_int8(w) for w in layer] for layer in ws]
     prep = {"onednn": lambda w, q: cpu_linear.pack(w).data, "pairs": lambda w, q: cpu_linear.to_pairs(w),
             "gemv": lambda w, q: w, "pairs-int8": lambda w, q: q, "gemv-int8": lambda w, q: q,
-            "onednn-f32": lambda w, q: cpu_linear.pack(w.float()).data,
+            "onednn-f32": lambda w, q: torch.ops.mkldnn._reorder_linear_weight(w.float(), cpu_linear.PACK_BATCH_HINT),
             "panels-f32": lambda w, q: cpu_linear.to_panels_f32(w.float())}
     mm = {"onednn": lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
           "pairs": lambda x, p, w: cpu_native.gemm_pairs(x, p, w.shape[0], None),

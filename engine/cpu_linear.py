@@ -1,15 +1,13 @@
 """``x @ W.T`` with the weight prepared once for the device: oneDNN-packed on CPU float32 (and
 bfloat16 where the CPU has native bfloat16 instructions).
 
-torch's ``F.linear`` on CPU float32 goes to MKL sgemm with the plain ``[out, in]`` weight. At the
-row counts of a decode step (1-64) that runs at a fraction of the core's speed; a weight reordered
-once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, the path torch's own
-inductor uses for frozen CPU linears) is 1.3-2.4x faster there and no slower for prefill-sized
-inputs (measured on one AVX-512 core: 1536x576 at 8 rows 0.15 vs 0.30 ms, the 49152x576 LM head
-at 8 rows 10.8 vs 26.4 ms, 512 rows 9.1 vs 10.9 ms). Results equal ``F.linear`` up to float32
-rounding (another summation order). bfloat16 gains as much at decode sizes on an AVX512_BF16 core
-(measured there: 3072x576 at 1 row 0.12 vs 0.50 ms, the LM head at 1 row 1.0 vs 2.0 ms); on CPUs
-without native bfloat16 the engine runs float32 anyway, so those weights stay plain. Where the CPU
+torch's ``F.linear`` on CPU float32 goes to MKL sgemm with the plain ``[out, in]`` weight, a fraction
+of the core's speed at a decode step's 1-64 rows; reordered once into oneDNN's blocked layout
+(``mkldnn._reorder_linear_weight``, as torch's inductor does for frozen CPU linears) it is 1.3-2.4x
+faster there and no slower for prompts (one AVX-512 core: the 49152x576 LM head at 8 rows 10.8 vs
+26.4 ms, 512 rows 9.1 vs 10.9 ms). Results equal ``F.linear`` up to float32 rounding. bfloat16
+gains as much on an AVX512_BF16 core (3072x576 at 1 row 0.12 vs 0.50 ms); on CPUs without native
+bfloat16 the engine runs float32 anyway, so those weights stay plain. Where the CPU
 has AVX512-BF16, a bfloat16 weight of up to GEMV_MAX_BYTES also keeps its plain layout, and calls of
 1-4 rows (a small decode batch) go to ``cpu_gemv.c`` instead: oneDNN spends a fixed ~15-20 us per
 call, most of a small matmul's time (1.5-2.4x on the model's 576-wide weights at 1-2 rows).
@@ -21,18 +19,20 @@ that kernel: no per-output horizontal sums, so it also serves the 16-64-row deco
 server (30 layers of SmolLM2 at 32 rows 21.2 against oneDNN's 24.5 ms on a 2-core Zen 4, at 1 row
 4.6-6.7 against cpu_gemv.c's 6.7-7.7 ms). Weights it cannot take keep the rules above.
 
-Float32 panels (session 27): a float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES also
-keeps ``cpu_gemm_pairs.c``'s float32 panel layout (``to_panels_f32``, the weight's bytes once more),
-and calls of up to ``PANELS_F32_ROWS`` rows run that kernel: one FMA per 16 outputs against a
-broadcast input, summed in input order, streaming the weight at bandwidth (30 layers of SmolLM2 at
-1 row 9.4 against oneDNN's 17.6 ms on a 2-core Zen 4). The float32 decode stack runs the same kernel.
+Float32 panels (session 27): a float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is kept
+in ``cpu_gemm_pairs.c``'s float32 panel layout instead of oneDNN's (``to_panels_f32``; the LM head
+and other shapes keep oneDNN), and every call on it runs that kernel: one FMA per 16 outputs against a
+broadcast input, summed in input order. It streams the weight at bandwidth for a decode step (30
+layers of SmolLM2 at 1 row 9.4 against oneDNN's 17.6 ms on a 2-core Zen 4) and matches oneDNN on
+prompts (221-222 against 213-222 GFLOP/s from 64 to 512 rows; at 4 / 8 / 16 / 32 rows 9.7 / 13.8 /
+20.2 / 34.6 against 13.5 / 17.7 / 23.4 / 39.7 ms), so one copy serves both, and the float32 decode
+stack runs it too.
 
-Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it, and
-a server sees every row count from 1 to thousands. Fed raw row counts, a process grew from 250 MB
-to 1.6 GB in 20,000 random-shaped calls (neither ``LRU_CACHE_CAPACITY`` nor
-``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` bounded it); fed only the shapes of ``ROW_BUCKETS`` it stayed
-flat. So inputs are zero-padded up to the next bucket, and inputs longer than ``CHUNK_ROWS`` run in
-``CHUNK_ROWS``-row pieces: at most ``len(ROW_BUCKETS)`` shapes per weight, ever.
+Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it. Fed
+raw row counts, a process grew from 250 MB to 1.6 GB in 20,000 random-shaped calls (neither
+``LRU_CACHE_CAPACITY`` nor ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` bounded it); fed ``ROW_BUCKETS`` it
+stayed flat. So inputs are zero-padded up to the next bucket, longer ones run in ``CHUNK_ROWS``
+pieces: at most ``len(ROW_BUCKETS)`` shapes per weight, ever.
 
 Weight-only int8 (``pack(w, int8=True)``, ``--weight-dtype int8``): each output row of ``w`` becomes
 int8 values ``q`` and one float32 scale (symmetric, ``max |w_row| / 127``). Calls of up to
@@ -43,9 +43,9 @@ bytes of bfloat16: the 30 layers' matmuls of SmolLM2 at 1 row 4.75 against 6.98 
 relative, below the quantization step).
 
 Contract: ``pack(w)`` returns what ``linear(x, packed, bias)`` takes; ``linear`` of a plain tensor
-is ``F.linear``. Packing happens only for 2-D float32 CPU weights when this torch has oneDNN;
-bfloat16 ones where ``has_fast_bf16()``; anything else (CUDA, float16, no oneDNN) stays a plain tensor. A row's result never depends on the
-other rows of its call (padding rows are zeros and are dropped).
+is ``F.linear``. Packing happens only for 2-D float32 CPU weights when this torch has oneDNN, bfloat16
+ones where ``has_fast_bf16()``; anything else (CUDA, float16, no oneDNN) stays a plain tensor. A
+row's result never depends on the other rows of its call (padding rows are zeros and are dropped).
 """
 from __future__ import annotations
 
@@ -71,9 +71,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 19
                448, 480, CHUNK_ROWS)  # steps of 32 above 128: a prompt pads at most 31 rows (64 wasted ~12%)
 
 
-# A bfloat16 weight up to this size also keeps its plain layout for the small-batch kernel
-# (``cpu_gemv.c``): there oneDNN's fixed per-call cost is most of the call. Larger weights run at
-# memory bandwidth through oneDNN already (the 56 MB LM head: 773 us packed, 755 us plain kernel).
+# A bfloat16 weight up to this size also keeps its plain layout for ``cpu_gemv.c`` (oneDNN's per-call
+# cost is most of a small call); larger ones run at bandwidth in oneDNN (LM head: 773 vs 755 us).
 GEMV_MAX_BYTES = 16 << 20
 GEMV_ALIGN_IN, GEMV_ALIGN_OUT = 32, 8  # the kernel's chunk of inputs and largest block of outputs
 # Calls of up to ``gemv_rows()`` rows take the kernel: GEMV_ROWS by default (a decode step A/B on a
@@ -138,6 +137,7 @@ class PackedWeight:
     plain: torch.Tensor | None = None
     int8: Int8Rows | None = None
     pairs: torch.Tensor | None = None  # bfloat16 pair panels, or float32 panels (``to_panels_f32``)
+    onednn: bool = True  # False: a float32 weight kept only as panels (``data`` is ``pairs``), every call the panel kernel
 
 
 def packing_enabled(w: torch.Tensor) -> bool:
@@ -181,10 +181,9 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(deq, PACK_BATCH_HINT), w.shape, None, rows)
     if not packing_enabled(w):
         return w
-    if w.dtype == torch.float32:
-        panels = to_panels_f32(w) if _panels_f32_takes(w) else None
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape,
-                            pairs=panels)
+    if w.dtype == torch.float32 and _panels_f32_takes(w):
+        panels = to_panels_f32(w)
+        return PackedWeight(panels, w.shape, pairs=panels, onednn=False)
     small = _gemv_takes(w)
     pairs = to_pairs(w) if small and _pairs_shape(w) and cpu_native.pairs_available() else None
     plain = w.contiguous() if small and pairs is None else None
@@ -200,8 +199,8 @@ def _gemv_takes(w: torch.Tensor) -> bool:
 
 
 def _panels_f32_takes(w: torch.Tensor) -> bool:
-    """True iff a float32 weight also keeps the float32 panel layout: out % 64 == 0, at most
-    GEMV_MAX_BYTES (the LM head stays oneDNN's alone), the kernel built here (AVX-512F)."""
+    """True iff a float32 weight is kept as float32 panels instead of oneDNN's layout: out % 64 == 0,
+    at most GEMV_MAX_BYTES (the LM head stays oneDNN's), the kernel built here (AVX-512F)."""
     return (w.shape[0] % cpu_native.PAIRS_PANEL == 0 and w.numel() * w.element_size() <= GEMV_MAX_BYTES
             and cpu_native.panels_f32_available())
 
@@ -228,6 +227,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
+    if not w.onednn:
+        return _panels_f32(x2, w, bias).view(*x.shape[:-1], w.shape[0])
     if w.int8 is not None or w.plain is not None or w.pairs is not None:  # large weights skip the call
         y = _small_rows(x2, w, bias)
         if y is not None:
@@ -239,18 +240,28 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def _panels_f32(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A panels-only float32 weight's call, any rows: the kernel on float32 rows with a contiguous
+    last dimension (other inputs are made so first; a bias it cannot take is added after)."""
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.float().contiguous()
+    fused = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    y = cpu_native.gemm_panels_f32(x2, w.pairs, w.shape[0], bias if fused else None)
+    if y is None:
+        raise RuntimeError(f"float32 panel kernel refused a [{x2.shape[0]}, {x2.shape[1]}] input for {tuple(w.shape)}")
+    return y if fused else y + bias
+
+
 def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The small-batch kernel's result where it takes this call (few rows of the weight's activation
-    dtype, contiguous last dim, a contiguous bias of that dtype or none), else None."""
-    kernel = small_kernel(w)
-    act = torch.float32 if kernel is not None and kernel[0] == PANELS_F32 else torch.bfloat16
-    if x2.dtype != act or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == act and bias.is_contiguous())):
+    """The small-batch kernel's result where it takes this call (int8 or plain bfloat16 weight, few
+    bfloat16 rows, contiguous last dim, bfloat16 bias), else None. (float32 panels: ``_panels_f32``.)"""
+    if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == torch.bfloat16
+                                                                                  and bias.is_contiguous())):
         return None
+    kernel = small_kernel(w)
     if kernel is None or x2.shape[0] > small_rows(w):
         return None
     kind, weight, scale = kernel
-    if kind == PANELS_F32:
-        return cpu_native.gemm_panels_f32(x2, weight, w.shape[0], bias)
     if kind in (PAIRS_BF16, PAIRS_I8):
         return cpu_native.gemm_pairs(x2, weight, w.shape[0], bias, scale)
     prefetch = decode_prefetch.modes().gemv
@@ -262,10 +273,7 @@ def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) ->
 # The small-batch kernels a weight can be stored for (``small_kernel``); the numbers are
 # ``cpu_decode_stack.c``'s matmul kinds.
 GEMV_BF16, GEMV_I8, PAIRS_BF16, PAIRS_I8, PANELS_F32 = range(5)
-# Rows up to which float32 panels serve a call: on a 2-core Zen 4 (30 layers of SmolLM2's shapes,
-# streamed) 9.4 / 9.7 / 13.8 / 20.2 / 34.6 ms at 1 / 4 / 8 / 16 / 32 rows against oneDNN's
-# 17.6 / 13.5 / 17.7 / 23.4 / 39.7 (session 27); not timed beyond.
-PANELS_F32_ROWS = 32
+PANELS_F32_ROWS = CHUNK_ROWS  # float32 panels serve every call (module docstring); the decode stack's limit
 
 
 def small_kernel(w) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
@@ -296,15 +304,13 @@ def small_rows(w) -> int:
     return cpu_native.GEMV_MAX_ROWS if kernel[0] == GEMV_I8 else gemv_rows()
 
 
-# Row counts the pair-panel kernel is timed at against oneDNN (largest first): calls of up to the
-# largest it wins take it. PAIRS_ROWS where it is not timed; PAIRS_MIN_ROWS where it wins none (at
-# 1-4 rows it reads the weight once at bandwidth, where oneDNN's per-call cost is most of the call).
+# Row counts the pair-panel kernel is timed at against oneDNN (largest first; calls of up to the
+# largest it wins take it). PAIRS_ROWS where untimed; PAIRS_MIN_ROWS where it wins none (at 1-4 rows
+# it reads the weight once at bandwidth, where oneDNN's per-call cost is most of the call).
 PAIRS_PROBE_ROWS = (64, 32, 16, 8)
 PAIRS_ROWS, PAIRS_MIN_ROWS = 32, 4
-
-
-# A decoder layer's matmul shapes ([out, in]: QKV, O, gate/up, down of a 576-wide model): the probe
-# times the kernel on the mix a decode step runs, where oneDNN's efficiency differs by shape.
+# A decoder layer's matmul shapes ([out, in]: QKV, O, gate/up, down of a 576-wide model): the mix a
+# decode step runs, where oneDNN's efficiency differs by shape.
 _PROBE_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
@@ -374,15 +380,15 @@ def warm_up(pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | No
 
     oneDNN builds a primitive the first time it sees a shape; doing that for all of them at load
     time means a served request never waits for a JIT compile and the process's memory is final
-    before it serves (the soak's RSS-growth check measures exactly that). Plain weights are skipped.
-    Where a weight keeps a plain copy for the small-batch kernel, its row count (``gemv_rows``, timed
-    once per process) is settled here too, not at a served request's first matmul.
+    before it serves (the soak's RSS-growth check measures exactly that). Plain weights and float32
+    panels (no primitive) are skipped. The small-batch kernels' row limits (timed once per process)
+    are settled here too, not at a served request's first matmul.
     """
     seen: set[tuple[torch.Size, bool]] = set()
     buckets = [r for r in ROW_BUCKETS if r <= max(max_rows, 1)]
     with torch.inference_mode():
         for w, bias in pairs:
-            key = (w.shape, bias is not None) if isinstance(w, PackedWeight) else None
+            key = (w.shape, bias is not None) if isinstance(w, PackedWeight) and w.onednn else None
             if key is None or key in seen:
                 continue
             seen.add(key)

@@ -47,23 +47,32 @@ def test_the_kernel_refuses_what_it_cannot_take():
     assert cpu_native.gemm_panels_f32(torch.randn(0, 96), w, 64, None) is None  # no rows
 
 
-def test_which_float32_weights_keep_panels():
+def test_which_float32_weights_are_kept_as_panels():
+    """A layer's weight: panels only (no oneDNN copy: one copy of the bytes). The LM-head-sized weight
+    and shapes the kernel cannot take keep oneDNN's layout."""
     layer = pack(torch.randn(192, 576))
-    assert layer.pairs is not None and layer.pairs.dtype == torch.float32
+    assert layer.pairs is not None and layer.pairs.dtype == torch.float32 and not layer.onednn
+    assert layer.data is layer.pairs
     assert cpu_linear.small_kernel(layer)[0] == PANELS_F32 and cpu_linear.small_rows(layer) == cpu_linear.PANELS_F32_ROWS
-    assert pack(torch.randn(72, 96)).pairs is None  # 72 outputs: no panels
-    head = pack(torch.randn(cpu_linear.GEMV_MAX_BYTES // (4 * 64) + 64, 64))  # over GEMV_MAX_BYTES: oneDNN alone
-    assert head.pairs is None and cpu_linear.small_rows(head) == 0
+    odd = pack(torch.randn(72, 96))  # 72 outputs: no panels
+    assert odd.pairs is None and odd.onednn
+    head = pack(torch.randn(cpu_linear.GEMV_MAX_BYTES // (4 * 64) + 64, 64))  # over GEMV_MAX_BYTES: oneDNN
+    assert head.pairs is None and head.onednn and cpu_linear.small_rows(head) == 0
 
 
-def test_linear_sends_float32_calls_of_up_to_the_limit_to_the_kernel(monkeypatch):
-    top = cpu_linear.PANELS_F32_ROWS
+def test_linear_sends_every_float32_call_on_a_panel_weight_to_the_kernel(monkeypatch):
+    """Decode-sized and prompt-sized calls (beyond oneDNN's 512-row chunks too), a leading batch
+    dimension, a strided input and a strided bias all give F.linear's result through the kernel."""
     w, bias = torch.randn(192, 576) * 0.05, torch.randn(192)
     p = pack(w)
     calls, real = [], cpu_native.gemm_panels_f32
     monkeypatch.setattr(cpu_native, "gemm_panels_f32", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, top, top + 1):
+    for rows in (1, 33, 700):
         x = torch.randn(rows, 576)
         torch.testing.assert_close(linear(x, p, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
-    linear(torch.randn(2, 576).bfloat16(), pack(w.bfloat16()))  # a bfloat16 call never reaches it
-    assert calls == [1, top]  # more rows stay on oneDNN
+    x3 = torch.randn(2, 5, 600)[..., 10:586]  # strided rows of a 3-D input
+    b2 = torch.randn(384)[::2]                # a strided bias: added after the kernel
+    torch.testing.assert_close(linear(x3, p, b2), F.linear(x3, w, b2), rtol=1e-5, atol=1e-5)
+    linear(torch.randn(2, 576).bfloat16(), pack(w.bfloat16()))  # a bfloat16 weight never reaches it
+    assert calls == [1, 33, 700, 10]
+    assert cpu_linear.warm_up([(p, bias)]) == 0  # no oneDNN primitive to build for it
