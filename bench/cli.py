@@ -15,7 +15,7 @@ from configs.cli_flags import add_flags, collect
 from configs.engine import EngineConfig
 
 # name -> module with ``main(argv) -> int``, run with the arguments after the name
-STANDALONE = {"two-routers": "bench.two_routers"}
+STANDALONE = {"two-routers": "bench.two_routers", "compose-multiturn": "bench.compose_multiturn"}
 
 
 def build_parser() -> argparse.ArgumentParser:

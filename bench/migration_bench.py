@@ -2,7 +2,7 @@
 measured in one run.
 
 ``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
-[--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M] [--per-request]
+[--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M --long-delay-s S] [--per-request]
 [--json]``
 
 The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv: ...``).
@@ -186,7 +186,9 @@ def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: t
 
 
 # ---- 2. serve: P99 of retracted requests without / with migration ----------------------------------
-async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
+async def _one(client, model: str, prompt: str, max_tokens: int, start_after_s: float = 0.0) -> dict:
+    """One streamed greedy completion, sent ``start_after_s`` from now; its e2e counts from the send."""
+    await asyncio.sleep(start_after_s)
     t0 = time.monotonic()
     stamps, ids, error = [], [], None
     try:
@@ -256,9 +258,10 @@ def _serve_run(args, migrate: bool) -> dict:
             try:
                 await _one(c, model, "Hello", 4)  # warm-up (first forward, first KV connection): not timed
                 tasks = []
-                for p, n, delay in zip(prompts, max_tokens, arrival_gaps(len(prompts), args.rate)):
+                for i, (p, n, delay) in enumerate(zip(prompts, max_tokens, arrival_gaps(len(prompts), args.rate))):
                     await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(_one(c, model, p, n)))
+                    late = args.long_delay_s if i < args.long else 0.0
+                    tasks.append(asyncio.create_task(_one(c, model, p, n, late)))
                 return await asyncio.gather(*tasks)
             finally:
                 await c.close()
@@ -310,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="serve: the first N requests are long (--long-max-tokens, a longer prompt): a mixed-length "
                          "skewed load, where the short ones are parked while the long ones hold the pool")
     ap.add_argument("--long-max-tokens", type=int, default=512)
+    ap.add_argument("--long-delay-s", type=float, default=0.0,
+                    help="serve: the --long requests are sent this long after the short ones (short answers under "
+                         "way when long essays arrive: the victims, most output first, are then the short ones)")
     ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
     ap.add_argument("--gap-factor", type=float, default=5.0, help="serve: a retracted request's longest token gap "

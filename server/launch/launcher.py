@@ -51,6 +51,12 @@ from transfer.wire.enums import Role
 __all__ = ["Launcher", "LaunchError", "worker_specs", "worker_argv", "launch_main", "router_main"]
 
 log = logging.getLogger("pdserve.launch")
+# Seconds the router keeps an idle HTTP/1.1 connection open. Client pools reuse an idle connection
+# until their own expiry (httpx 5 s, aiohttp 15 s); a server closing at the same moment (uvicorn's
+# default is 5 s) races them, and a request sent on a connection just closed fails with a transport
+# error instead of a response (the overload chaos test saw a ReadError). Longer than the clients'
+# expiry, the client is the side that closes.
+KEEP_ALIVE_S = 75
 
 class LaunchError(RuntimeError):
     """Startup failed; the message says what to fix."""
@@ -253,7 +259,8 @@ class Launcher:
             ctx = build_context(self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth),
                                 auth=self.auth, zctx=zctx)
             config = uvicorn.Config(create_app(ctx), log_level=srv.log_level.lower(), lifespan="on",
-                                    timeout_graceful_shutdown=5, access_log=srv.log_level == "DEBUG")
+                                    timeout_graceful_shutdown=5, access_log=srv.log_level == "DEBUG",
+                                    timeout_keep_alive=KEEP_ALIVE_S)
             self.server = _Server(config)
             serve_task = asyncio.create_task(self.server.serve(sockets=[sock]))
             url = public_url(srv.host, sock.getsockname()[1])
