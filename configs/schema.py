@@ -42,9 +42,10 @@ class ClusterConfig(BaseModel):
     replicas: int = Field(1, ge=1, description="number of colocated workers (colocated mode): data-parallel "
                                                "replicas behind one router, balanced by their reported load")
     routing: Literal["least-loaded", "cache-aware"] = Field(
-        "least-loaded", description="router: how a request picks its workers: least-loaded (fewest requests held), "
-                                    "or cache-aware (the pair whose radix caches hold most of the prompt, from the "
-                                    "workers' KV event feeds, weighed against load: server/router/cache_routing.py)")
+        "cache-aware", description="router: how a request picks its workers: cache-aware (the pair whose radix caches "
+                                   "hold most of the prompt, from the workers' KV event feeds, weighed against load: "
+                                   "server/router/cache_routing.py; with nothing cached it is least-loaded), or "
+                                   "least-loaded (fewest requests held, blind to the caches)")
     routing_balance_slack: int = Field(
         4, ge=0, description="cache-aware routing: a worker holding more than this many requests above the least "
                              "loaded worker of its role gets none of the cache-driven picks (a hot prefix spills)")

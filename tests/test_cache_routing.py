@@ -287,3 +287,21 @@ def test_a_router_without_the_cluster_key_gets_nothing_from_a_curve_feed():
     finally:
         feed.close()
     assert h.client.asked and index.needs_snapshot("p0") and index.counters.snapshots == 0
+
+
+def test_cache_aware_is_the_default_and_a_decode_pin_wins_over_it():
+    """``PdserveConfig()`` routes cache-aware (index, feed subscriber, policy); ``--route-decode``
+    pins every PD request's decode worker whatever ``--routing`` says (the migration tests and
+    benches load one decode worker through it), so no cache-aware policy or subscriber is built."""
+    from configs.schema import PdserveConfig
+    from server.router.app import build_context
+
+    specs = [WorkerSpec("prefill-0", "prefill", "tcp://x"), WorkerSpec("decode-0", "decode", "tcp://y"),
+             WorkerSpec("decode-1", "decode", "tcp://z")]
+    default = build_context(PdserveConfig(), None, "m", specs, lambda *a: object())
+    assert isinstance(default.registry.policy, CacheAwarePolicy) and default.kv_subscriber is not None
+    pinned = build_context(PdserveConfig.model_validate({"server": {"route_decode": "decode-0"}}), None, "m", specs,
+                           lambda *a: object())
+    assert not isinstance(pinned.registry.policy, CacheAwarePolicy) and pinned.kv_subscriber is None
+    route = pinned.registry.policy(list(pinned.registry.handles.values()), lambda worker_id: 0, [1, 2, 3])
+    assert route.stream_from.worker_id == "decode-0"

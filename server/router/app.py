@@ -73,11 +73,11 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
                   zctx: zmq.asyncio.Context | None = None) -> RouterContext:
     """Wire registry, in-flight table and metrics for ``specs`` (nothing connects until startup).
     With ``cluster.routing == "cache-aware"``, also the KV index, its subscriber (on ``zctx``,
-    authenticated by ``auth``; insecure when None) and the cache-aware policy."""
+    authenticated by ``auth``; insecure when None) and the cache-aware policy, unless
+    ``server.route_decode`` pins every PD request's decode worker (the pin wins over any policy)."""
     table = InflightTable()
-    policy = ROUTING_POLICIES[cfg.cluster.mode]
-    if cfg.cluster.mode == "pd" and cfg.server.route_decode:
-        policy = pinned_pd(cfg.server.route_decode)
+    pinned = cfg.cluster.mode == "pd" and bool(cfg.server.route_decode)
+    policy = pinned_pd(cfg.server.route_decode) if pinned else ROUTING_POLICIES[cfg.cluster.mode]
     registry = Registry(specs, client_factory, table, policy=policy,
                         interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
                         model_name=model_name, cluster_id=cfg.cluster.cluster_id or "",
@@ -92,7 +92,7 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     admission.on_refused = lambda refused: metrics.observe_shed(refused.reason)
     admission.on_granted = lambda grant: metrics.queue_wait.observe(grant.waited_s)
     subscriber = None
-    if cfg.cluster.routing == "cache-aware":
+    if cfg.cluster.routing == "cache-aware" and not pinned:
         index = KvIndex()
         registry.policy = CacheAwarePolicy(index, backlog=PrefillBacklog(table, registry.handles),
                                            balance_slack=cfg.cluster.routing_balance_slack,
