@@ -91,8 +91,11 @@ class Cluster:
         ports = range(base, base + prefill + decode)
         self.external = ExternalDecode(common + external, ports) if external is not None else None
         remote = ["--worker", f"decode={self.external.worker_id}={self.external.addr}"] if self.external else []
+        # least-loaded: the fault tests know their victim's route from its tie order (an idle router
+        # sends to prefill-0 + decode-0); cache-aware routing would follow the prompts' cached pages
         self.server = LaunchedServer(["--mode", "pd", "--prefill", str(prefill), "--decode", str(decode),
-                                      "--port", "0", "--base-port", str(base), *common, *remote])
+                                      "--port", "0", "--base-port", str(base), "--routing", "least-loaded",
+                                      *common, *remote])
 
     def start(self) -> str:
         """Start everything; the URL once ``/health`` is 200 (every worker ready)."""
