@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--kv-pool-tokens", type=int, default=32768)
     p.add_argument("--local-prefill-max-tokens", type=int, default=256)
+    p.add_argument("--dtype", default=None, help="the workers' --dtype (default: the preset's), e.g. bfloat16 as "
+                                                 "the one-host multi-turn runs")
     p.add_argument("--image", default="pdserve:latest")
     p.add_argument("--port", type=int, default=18600, help="the router's port on 127.0.0.1")
     p.add_argument("--subnet", default="10.214.241.0/24", help="the project's own subnet (must be unused)")
@@ -48,11 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def override(routing: str, kv_pool_tokens: int, local_max: int) -> str:
-    """The compose override: the policy and pool settings on every service (routers read routing,
-    workers the rest; each ignores what is not its own)."""
+def override(routing: str, kv_pool_tokens: int, local_max: int, dtype: str | None = None) -> str:
+    """The compose override: the policy and pool settings (and ``dtype`` when given) on every
+    service (routers read routing, workers the rest; each ignores what is not its own)."""
     env = {"PDSERVE_ROUTING": routing, "PDSERVE_KV_POOL_TOKENS": str(kv_pool_tokens),
-           "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": str(local_max)}
+           "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": str(local_max), **({"PDSERVE_DTYPE": dtype} if dtype else {})}
     lines = ["services:"]
     for service in ("prefill", "decode", "router", "router-b"):
         lines.append(f"  {service}:\n    environment:")
@@ -83,7 +85,7 @@ def wait_ready(url: str, prefill: int, decode: int, timeout_s: float = 400) -> f
 def run_policy(a: argparse.Namespace, routing: str, tmp: Path, key: Path) -> Path:
     """One compose project under ``routing``: up, the multi-turn bench, down. Returns its JSON path."""
     ovr = tmp / f"override-{routing}.yaml"
-    ovr.write_text(override(routing, a.kv_pool_tokens, a.local_prefill_max_tokens))
+    ovr.write_text(override(routing, a.kv_pool_tokens, a.local_prefill_max_tokens, a.dtype))
     env = {**os.environ, "PDSERVE_PORT": str(a.port), "PDSERVE_PORT_B": str(a.port + 1), "PDSERVE_SUBNET": a.subnet,
            "PDSERVE_CLUSTER_KEY_FILE": str(key), "PDSERVE_IMAGE": a.image}
     compose = ["docker-compose", "-p", f"pdmt{os.getpid()}{routing.replace('-', '')}", "-f", str(COMPOSE), "-f", str(ovr)]

@@ -19,6 +19,8 @@ def test_override_sets_the_policy_and_pool_on_every_service():
                        "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": "256"}
         nested = env_overrides(env)  # every variable names a config field the services read
         assert sum(len(v) for v in nested.values()) == 3
+    env = yaml.safe_load(override("least-loaded", 4096, 0, "bfloat16"))["services"]["decode"]["environment"]
+    assert env_overrides(env)["engine"]["dtype"] == "bfloat16" and env["PDSERVE_ROUTING"] == "least-loaded"
 
 
 def test_ready_counts_reads_the_health_listing():
