@@ -7,9 +7,10 @@ project from ``pdserve:latest`` (``--image``) with ``--scale prefill=P --scale d
 container given ``PDSERVE_ROUTING`` and the pool / local-prefill settings through an override file,
 waits until the router lists every worker ready, runs ``pdserve bench serve --multi-turn`` (the
 arguments after ``--``) against the router's loopback port, and takes the project down (``down -v``,
-whatever happened). Each policy's run starts from empty caches. Then it prints, per turn and over
-all requests, each policy's TTFT mean and p99 and output tok/s, the ratios of the later policies
-to the first, and the KV bytes shipped per request from each run's ``/metrics``.
+whatever happened, Ctrl-C and SIGTERM included). Each policy's run starts from empty caches. Then
+it prints, per turn and over all requests, each policy's TTFT mean and p99 and output tok/s, the
+ratios of the later policies to the first, and the KV bytes shipped per request from each run's
+``/metrics``.
 
 Only the router's port on 127.0.0.1 is connected to; the project has its own subnet
 (``--subnet``) and name. Needs Docker, docker-compose and the image (``make image``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,6 +126,7 @@ def compare(base: dict[str, dict], other: dict[str, dict]) -> list[tuple[str, st
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM too runs each project's `down -v`
     routings = a.routings.split(",")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
