@@ -20,7 +20,8 @@ class ServerConfig(BaseModel):
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="largest accepted request body")
     route_decode: str | None = Field(
         None, description="pd mode: send every new request to this decode worker (its id, e.g. decode-0) while it is "
-                          "ready: a skewed load for tests and benchmarks of migration (--migrate-after); it wins over --routing")
+                          "ready: a skewed load for tests and benchmarks of migration (--migrate-after); it wins "
+                          "over --routing")
     request_timeout_s: float = Field(600.0, gt=0, description="abort a request that runs longer than this")
     max_queued_requests: int = Field(
         512, ge=0, description="admission: requests waiting in the router's queue beyond this are refused with 429 "
