@@ -16,7 +16,7 @@ Pair panels (session 26): where a small-batch weight's shape allows it (out % 64
 in ``cpu_gemm_pairs.c``'s layout instead of plain (``to_pairs``; int8 weights keep ``q`` and add
 it), and calls of up to ``pairs_rows()`` rows (timed once per process against oneDNN, up to 64) run
 that kernel: no per-output horizontal sums, so it also serves the 16-64-row decode steps of a busy
-server (30 layers of SmolLM2 at 32 rows 21.2 against oneDNN's 24.5 ms on a 2-core Zen 4, at 1 row
+server (30 layers of SmolLM2 at 32 rows 18.6 against oneDNN's 23.0 ms on a 2-core Zen 4, at 1 row
 4.6-6.7 against cpu_gemv.c's 6.7-7.7 ms). Weights it cannot take keep the rules above.
 
 Float32 panels (session 27): a float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is kept
