@@ -13,20 +13,17 @@ has AVX512-BF16, a bfloat16 weight of up to GEMV_MAX_BYTES also keeps its plain 
 call, most of a small matmul's time (1.5-2.4x on the model's 576-wide weights at 1-2 rows).
 
 Pair panels (session 26): where a small-batch weight's shape allows it (out % 64 == 0), it is kept
-in ``cpu_gemm_pairs.c``'s layout instead of plain (``to_pairs``; int8 weights keep ``q`` and add
-it), and calls of up to ``pairs_rows()`` rows (timed once per process against oneDNN, up to 64) run
-that kernel: no per-output horizontal sums, so it also serves the 16-64-row decode steps of a busy
-server (30 layers of SmolLM2 at 32 rows 18.6 against oneDNN's 23.0 ms on a 2-core Zen 4, at 1 row
-4.6-6.7 against cpu_gemv.c's 6.7-7.7 ms). Weights it cannot take keep the rules above.
-
-Float32 panels (session 27): a float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is kept
-in ``cpu_gemm_pairs.c``'s float32 panel layout instead of oneDNN's (``to_panels_f32``; the LM head
-and other shapes keep oneDNN), and every call on it runs that kernel: one FMA per 16 outputs against a
-broadcast input, summed in input order. It streams the weight at bandwidth for a decode step (30
-layers of SmolLM2 at 1 row 9.4 against oneDNN's 17.6 ms on a 2-core Zen 4) and matches oneDNN on
-prompts (221-222 against 213-222 GFLOP/s from 64 to 512 rows; at 4 / 8 / 16 / 32 rows 9.7 / 13.8 /
-20.2 / 34.6 against 13.5 / 17.7 / 23.4 / 39.7 ms), so one copy serves both, and the float32 decode
-stack runs it too.
+in ``cpu_gemm_pairs.c``'s layout (``to_pairs``; int8 weights keep ``q`` and add it): no per-output
+horizontal sums, so it also serves a busy server's 16-64-row decode steps (30 layers of SmolLM2 at 32
+rows 18.6 against oneDNN's 23.0 ms on a 2-core Zen 4, at 1 row 4.6-6.7 against cpu_gemv.c's 6.7-7.7).
+A bfloat16 one is then held ONLY as pairs and every call runs the kernel, prompts too, where
+``pairs_take_all()`` (AVX512-BF16 without AMX: at 256 rows 126.8 against oneDNN's 130.7 ms, and no
+padding to a row bucket); else, and for int8, calls of up to ``pairs_rows()`` rows (timed once per
+process against oneDNN, up to 64) take it and longer ones oneDNN. Float32 panels (session 27): a
+float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is held only in the float32 panel
+layout (``to_panels_f32``; the LM head keeps oneDNN's), every call that kernel (one FMA per 16 outputs
+against a broadcast input, in input order): at 1 row 9.4 against oneDNN's 17.6 ms, on prompts 221-222
+against 213-222 GFLOP/s. Either way one copy of the bytes, and the decode stack runs the same kernel.
 
 Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it. Fed
 raw row counts, a process grew from 250 MB to 1.6 GB in 20,000 random-shaped calls (neither
@@ -52,14 +49,16 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_features import has_fast_bf16
+from engine.cpu_features import cpu_flags, has_fast_bf16
 from engine.kernels import cpu_native, decode_prefetch
+from engine.weight_layout import Int8Rows, pairs_shape, quantize_int8, to_panels_f32, to_pairs
 
 log = logging.getLogger(__name__)
 
@@ -82,49 +81,6 @@ GEMV_ROWS = 4
 
 
 @dataclass(frozen=True)
-class Int8Rows:
-    """A weight-only int8 ``[out, in]`` weight: ``q`` int8 (|q| <= 127), ``scale`` float32 ``[out]``;
-    it stands for ``q * scale[:, None]``. ``pairs``: ``q`` in the pair-panel layout (``to_pairs``)
-    where the shape allows it and the kernel is built, else None."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    pairs: torch.Tensor | None = None
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.q.float() * self.scale[:, None]).to(dtype)
-
-
-def quantize_int8(w: torch.Tensor) -> Int8Rows:
-    """Symmetric per-output-row int8 of a 2-D weight: scale = max |row| / 127 (1 for an all-zero
-    row), q = round(w / scale). Every element is within scale / 2 of ``w``."""
-    wf = w.float()
-    absmax = wf.abs().amax(dim=1)
-    scale = torch.where(absmax > 0, (absmax / 127).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(absmax))
-    q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return Int8Rows(q, scale.contiguous(), to_pairs(q) if _pairs_shape(q) and cpu_native.pairs_available() else None)
-
-
-def _pairs_shape(w: torch.Tensor) -> bool:
-    out, inp = w.shape
-    return out % cpu_native.PAIRS_PANEL == 0 and inp % 2 == 0 and inp > 0
-
-
-def to_panels_f32(w: torch.Tensor) -> torch.Tensor:
-    """float32 ``w`` ``[out, in]`` (out % 64 == 0) in ``cpu_gemm_pairs.c``'s float32 panel layout
-    ``[out / 64][in][4][16]``: element ``(o, k)`` at ``[o // 64][k][o % 64 // 16][o % 16]``."""
-    out, inp = w.shape
-    return w.reshape(out // 64, 4, 16, inp).permute(0, 3, 1, 2).contiguous()
-
-
-def to_pairs(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ``[out, in]`` (out % 64 == 0, in even) in ``cpu_gemm_pairs.c``'s pair-panel layout
-    ``[out / 64][in / 2][4][16][2]``: element ``(o, k)`` at ``[o // 64][k // 2][o % 64 // 16][o % 16][k % 2]``."""
-    out, inp = w.shape
-    return w.reshape(out // 64, 4, 16, inp // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
-
-
-@dataclass(frozen=True)
 class PackedWeight:
     """A ``[out, in]`` weight in oneDNN's layout; ``shape`` is the original one. ``plain`` is the
     original contiguous weight where the small-batch bfloat16 kernel serves calls of up to
@@ -137,7 +93,7 @@ class PackedWeight:
     plain: torch.Tensor | None = None
     int8: Int8Rows | None = None
     pairs: torch.Tensor | None = None  # bfloat16 pair panels, or float32 panels (``to_panels_f32``)
-    onednn: bool = True  # False: a float32 weight kept only as panels (``data`` is ``pairs``), every call the panel kernel
+    onednn: bool = True  # False: kept only as (pair) panels (``data`` is ``pairs``), every call their kernel
 
 
 def packing_enabled(w: torch.Tensor) -> bool:
@@ -185,7 +141,9 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
         panels = to_panels_f32(w)
         return PackedWeight(panels, w.shape, pairs=panels, onednn=False)
     small = _gemv_takes(w)
-    pairs = to_pairs(w) if small and _pairs_shape(w) and cpu_native.pairs_available() else None
+    pairs = to_pairs(w) if small and pairs_shape(w) and cpu_native.pairs_available() else None
+    if pairs is not None and pairs_take_all():
+        return PackedWeight(pairs, w.shape, pairs=pairs, onednn=False)
     plain = w.contiguous() if small and pairs is None else None
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape, plain,
                         None, pairs)
@@ -228,7 +186,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], w.shape[0])
     if not w.onednn:
-        return _panels_f32(x2, w, bias).view(*x.shape[:-1], w.shape[0])
+        return _panels(x2, w, bias).view(*x.shape[:-1], w.shape[0])
     if w.int8 is not None or w.plain is not None or w.pairs is not None:  # large weights skip the call
         y = _small_rows(x2, w, bias)
         if y is not None:
@@ -240,21 +198,24 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def _panels_f32(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """A panels-only float32 weight's call, any rows: the kernel on float32 rows with a contiguous
-    last dimension (other inputs are made so first; a bias it cannot take is added after)."""
-    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
-        x2 = x2.float().contiguous()
-    fused = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-    y = cpu_native.gemm_panels_f32(x2, w.pairs, w.shape[0], bias if fused else None)
+def _panels(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A panels-only weight's call, any rows: float32 panels or bfloat16 pairs on rows of the weight's
+    dtype with a contiguous last dimension (other inputs are made so first; a bias the kernel cannot
+    take is added after)."""
+    dt = w.pairs.dtype
+    if x2.dtype != dt or x2.stride(-1) != 1:
+        x2 = x2.to(dt).contiguous()
+    fused = bias is None or (bias.dtype == dt and bias.is_contiguous())
+    kernel = cpu_native.gemm_panels_f32 if dt == torch.float32 else cpu_native.gemm_pairs
+    y = kernel(x2, w.pairs, w.shape[0], bias if fused else None)
     if y is None:
-        raise RuntimeError(f"float32 panel kernel refused a [{x2.shape[0]}, {x2.shape[1]}] input for {tuple(w.shape)}")
+        raise RuntimeError(f"panel kernel refused a [{x2.shape[0]}, {x2.shape[1]}] input for {tuple(w.shape)}")
     return y if fused else y + bias
 
 
 def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The small-batch kernel's result where it takes this call (int8 or plain bfloat16 weight, few
-    bfloat16 rows, contiguous last dim, bfloat16 bias), else None. (float32 panels: ``_panels_f32``.)"""
+    bfloat16 rows, contiguous last dim, bfloat16 bias), else None. (panels-only weights: ``_panels``.)"""
     if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == torch.bfloat16
                                                                                   and bias.is_contiguous())):
         return None
@@ -273,7 +234,7 @@ def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) ->
 # The small-batch kernels a weight can be stored for (``small_kernel``); the numbers are
 # ``cpu_decode_stack.c``'s matmul kinds.
 GEMV_BF16, GEMV_I8, PAIRS_BF16, PAIRS_I8, PANELS_F32 = range(5)
-PANELS_F32_ROWS = CHUNK_ROWS  # float32 panels serve every call (module docstring); the decode stack's limit
+PANELS_ROWS = CHUNK_ROWS  # panels-only weights serve every call (module docstring); the decode stack's limit
 
 
 def small_kernel(w) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
@@ -292,13 +253,14 @@ def small_kernel(w) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
 
 
 def small_rows(w) -> int:
-    """The most rows of a call on ``w`` that its small-batch kernel takes (0: none): ``PANELS_F32_ROWS``
-    for a float32 panel weight, ``pairs_rows()`` for a pair-panel weight, else ``GEMV_MAX_ROWS`` (int8) or ``gemv_rows()`` (plain bfloat16)."""
+    """The most rows of a call on ``w`` that its small-batch kernel takes (0: none): ``PANELS_ROWS`` for a
+    panels-only weight, ``pairs_rows()`` for another pair-panel one, else ``GEMV_MAX_ROWS`` (int8) or
+    ``gemv_rows()`` (plain bfloat16)."""
     kernel = small_kernel(w)
     if kernel is None:
         return 0
-    if kernel[0] == PANELS_F32:
-        return PANELS_F32_ROWS
+    if not w.onednn:
+        return PANELS_ROWS
     if kernel[0] in (PAIRS_BF16, PAIRS_I8):
         return pairs_rows()
     return cpu_native.GEMV_MAX_ROWS if kernel[0] == GEMV_I8 else gemv_rows()
@@ -342,6 +304,16 @@ def pairs_rows() -> int:
         if best["pairs"] < best["onednn"]:
             return rows
     return PAIRS_MIN_ROWS
+
+
+@functools.lru_cache(maxsize=1)
+def pairs_take_all() -> bool:
+    """True iff a bfloat16 weight with pair panels is held only as them, every call (prompts too) the
+    pair kernel: where it is built and the CPU has no AMX (oneDNN's tiles run prompts several times
+    faster there), unless ``PDSERVE_PAIRS_ALL=0``. A fixed rule, not a timing, so every process of a
+    cluster on this machine computes a prompt the same way."""
+    return (os.environ.get("PDSERVE_PAIRS_ALL", "1") != "0" and cpu_native.pairs_available()
+            and "amx_bf16" not in cpu_flags())
 
 
 @functools.lru_cache(maxsize=1)

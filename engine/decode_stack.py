@@ -9,7 +9,8 @@ The stack runs the same kernels in the same order from C, with scratch rows that
 
 Its row limit is the matmul kernels' (``cpu_linear.small_rows``): up to 64 where every weight is in
 the pair-panel layout (``cpu_gemm_pairs.c``), so a busy server's 32-row decode steps run as one call
-too (session 26, bfloat16 step at 32 rows 39.8 -> 33.8 ms, int8 45.5 -> 36.2 ms).
+too (session 26, bfloat16 step at 32 rows 39.8 -> 33.8 ms, int8 45.5 -> 36.2 ms); any decode step
+where those weights are held only as pairs (``cpu_linear.pairs_take_all``, session 29).
 
 float32 models too (session 27): their layer weights also keep ``cpu_gemm_pairs.c``'s float32 panels
 (``cpu_linear.to_panels_f32``), which serve the Python path's calls of up to 32 rows as well, so the

@@ -54,8 +54,9 @@ class _BothPaths:
 def test_a_decode_step_through_the_stack_is_bitwise_the_layer_path(embedded, weights):
     """float32: the model's weights in float32 panels, its pool float32, nothing rounded between kernels."""
     extra = {"weight_dtype": "int8"} if weights == "int8" else {}
-    limit = cpu_linear.PANELS_F32_ROWS if weights == "float32" else cpu_linear.pairs_rows()
-    top = 40 if weights == "float32" else limit  # float32 panels take any rows: 40 is seven register blocks
+    every = weights == "float32" or (weights == "bfloat16" and cpu_linear.pairs_take_all())  # panels only
+    limit = cpu_linear.PANELS_ROWS if every else cpu_linear.pairs_rows()
+    top = 40 if every else limit  # panels-only weights take any rows: 40 is seven register blocks
     llm = LLM(engine_cfg(dtype="float32" if weights == "float32" else "bfloat16", **extra),
               sched_cfg(max_running_requests=top, chunked_prefill_size=8192), loaded=embedded[:3])
     stack = llm.runner.model.stack
@@ -74,9 +75,11 @@ def test_a_decode_step_through_the_stack_is_bitwise_the_layer_path(embedded, wei
 
 
 @needs_kernel
-def test_the_stack_leaves_other_steps_to_the_layer_path(embedded):
+def test_the_stack_leaves_other_steps_to_the_layer_path(embedded, monkeypatch):
     """Prompt steps, decode steps above ``max_rows`` and other attention backends run the layers."""
     from engine.attention import TorchBackend
+
+    monkeypatch.setattr(cpu_linear, "pairs_take_all", lambda: False)  # a row limit of pairs_rows()
 
     llm = LLM(engine_cfg(dtype="bfloat16"), sched_cfg(max_running_requests=cpu_linear.pairs_rows() + 2),
               loaded=embedded[:3])
@@ -117,7 +120,7 @@ def test_the_stack_is_built_only_where_it_can_run(monkeypatch):
     cfg = tiny_config()
     f32 = LlamaModel(cfg, torch.device("cpu"), torch.float32)
     f32.load_weights(tiny_weights(cfg))
-    assert f32.stack is not None and f32.stack.max_rows == cpu_linear.PANELS_F32_ROWS  # float32 panels
+    assert f32.stack is not None and f32.stack.max_rows == cpu_linear.PANELS_ROWS  # float32 panels
     f16 = LlamaModel(cfg, torch.device("cpu"), torch.float16)
     f16.load_weights(tiny_weights(cfg))
     assert f16.stack is None  # no float16 kernels

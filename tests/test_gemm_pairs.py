@@ -65,6 +65,7 @@ def test_linear_sends_calls_of_up_to_pairs_rows_to_the_kernel(monkeypatch, int8)
     if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
         pytest.skip("bfloat16 weights are not packed on this CPU")
     top = cpu_linear.pairs_rows()  # as this machine's probe found (timed before the patch below)
+    monkeypatch.setattr(cpu_linear, "pairs_take_all", lambda: False)  # both copies: oneDNN for long calls
     w = (torch.randn(192, 576) * 0.05).bfloat16()
     p = pack(w, int8=int8)
     assert (p.int8.pairs if int8 else p.pairs) is not None and p.plain is None
@@ -76,6 +77,39 @@ def test_linear_sends_calls_of_up_to_pairs_rows_to_the_kernel(monkeypatch, int8)
         x = torch.randn(rows, 576).bfloat16()
         torch.testing.assert_close(linear(x, p).float(), F.linear(x, ref_w).float(), rtol=1.6e-2, atol=1e-2)
     assert calls == [1, top]  # more rows stay on oneDNN
+
+
+def test_a_bfloat16_weight_kept_only_as_pairs_serves_every_call(monkeypatch):
+    if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
+        pytest.skip("bfloat16 weights are not packed on this CPU")
+    monkeypatch.setattr(cpu_linear, "pairs_take_all", lambda: True)
+    w, bias = (torch.randn(192, 576) * 0.05).bfloat16(), torch.randn(192).bfloat16()
+    p = pack(w)
+    assert not p.onednn and p.data is p.pairs and p.plain is None and cpu_linear.small_rows(p) == cpu_linear.PANELS_ROWS
+    calls, real = [], cpu_native.gemm_pairs
+    monkeypatch.setattr(cpu_native, "gemm_pairs", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows, b in ((1, None), (200, bias), (700, bias), (3, bias.float())):  # a float32 bias: added after
+        x = torch.randn(rows, 576).bfloat16()
+        torch.testing.assert_close(linear(x, p, b).float(), F.linear(x, w, b if b is None else b.bfloat16()).float(),
+                                   rtol=1.6e-2, atol=1e-2)
+    x = torch.randn(2, 5, 576)  # float32 rows on a bfloat16 weight: made bfloat16 first
+    assert linear(x, p).shape == (2, 5, 192) and linear(x, p).dtype == torch.bfloat16
+    assert calls[:4] == [1, 200, 700, 3]  # every row count, no padding to a bucket, no oneDNN
+
+
+def test_pairs_take_all_only_without_amx(monkeypatch):
+    from engine import cpu_features
+
+    try:
+        for flags, env, want in ((frozenset({"avx512_bf16"}), "1", True), (frozenset({"avx512_bf16", "amx_bf16"}), "1", False),
+                                 (frozenset({"avx512_bf16"}), "0", False)):
+            monkeypatch.setattr(cpu_linear, "cpu_flags", lambda f=flags: f)
+            monkeypatch.setenv("PDSERVE_PAIRS_ALL", env)
+            cpu_linear.pairs_take_all.cache_clear()
+            assert cpu_linear.pairs_take_all() is want
+    finally:
+        cpu_linear.pairs_take_all.cache_clear()
+    assert cpu_features.cpu_flags is not None
 
 
 def _probe(monkeypatch, pairs_s: dict[int, float]):

@@ -53,7 +53,7 @@ def test_which_float32_weights_are_kept_as_panels():
     layer = pack(torch.randn(192, 576))
     assert layer.pairs is not None and layer.pairs.dtype == torch.float32 and not layer.onednn
     assert layer.data is layer.pairs
-    assert cpu_linear.small_kernel(layer)[0] == PANELS_F32 and cpu_linear.small_rows(layer) == cpu_linear.PANELS_F32_ROWS
+    assert cpu_linear.small_kernel(layer)[0] == PANELS_F32 and cpu_linear.small_rows(layer) == cpu_linear.PANELS_ROWS
     odd = pack(torch.randn(72, 96))  # 72 outputs: no panels
     assert odd.pairs is None and odd.onednn
     head = pack(torch.randn(cpu_linear.GEMV_MAX_BYTES // (4 * 64) + 64, 64))  # over GEMV_MAX_BYTES: oneDNN
