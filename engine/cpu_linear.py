@@ -16,10 +16,10 @@ Pair panels (session 26): where a small-batch weight's shape allows it (out % 64
 in ``cpu_gemm_pairs.c``'s layout (``to_pairs``; int8 weights keep ``q`` and add it): no per-output
 horizontal sums, so it also serves a busy server's 16-64-row decode steps (30 layers of SmolLM2 at 32
 rows 18.6 against oneDNN's 23.0 ms on a 2-core Zen 4, at 1 row 4.6-6.7 against cpu_gemv.c's 6.7-7.7).
-A bfloat16 one is then held ONLY as pairs and every call runs the kernel, prompts too, where
-``pairs_take_all()`` (AVX512-BF16 without AMX: at 256 rows 126.8 against oneDNN's 130.7 ms, and no
-padding to a row bucket); else, and for int8, calls of up to ``pairs_rows()`` rows (timed once per
-process against oneDNN, up to 64) take it and longer ones oneDNN. Float32 panels (session 27): a
+A bfloat16 weight of that shape, any size (the LM head too), is held ONLY as pairs and every call
+runs the kernel, prompts too, where ``pairs_take_all()`` (AVX512-BF16 without AMX: at 256 rows 126.8
+against oneDNN's 130.7 ms, and no padding to a row bucket); else, and for int8, calls of up to
+``pairs_rows()`` rows (timed once per process against oneDNN, up to 64) take it, longer ones oneDNN. Float32 panels (session 27): a
 float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is held only in the float32 panel
 layout (``to_panels_f32``; the LM head keeps oneDNN's), every call that kernel (one FMA per 16 outputs
 against a broadcast input, in input order): at 1 row 9.4 against oneDNN's 17.6 ms, on prompts 221-222
@@ -140,10 +140,12 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
     if w.dtype == torch.float32 and _panels_f32_takes(w):
         panels = to_panels_f32(w)
         return PackedWeight(panels, w.shape, pairs=panels, onednn=False)
-    small = _gemv_takes(w)
-    pairs = to_pairs(w) if small and pairs_shape(w) and cpu_native.pairs_available() else None
-    if pairs is not None and pairs_take_all():
+    pairs_ok = w.dtype == torch.bfloat16 and pairs_shape(w) and cpu_native.pairs_available()
+    if pairs_ok and pairs_take_all():  # any size: the LM head too (49152 x 576 at 1 / 32 rows 1.4 / 4.7 ms
+        pairs = to_pairs(w)            # against oneDNN's 2.0 / 5.2)
         return PackedWeight(pairs, w.shape, pairs=pairs, onednn=False)
+    small = _gemv_takes(w)
+    pairs = to_pairs(w) if small and pairs_ok else None
     plain = w.contiguous() if small and pairs is None else None
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape, plain,
                         None, pairs)

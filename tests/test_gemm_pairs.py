@@ -95,6 +95,8 @@ def test_a_bfloat16_weight_kept_only_as_pairs_serves_every_call(monkeypatch):
     x = torch.randn(2, 5, 576)  # float32 rows on a bfloat16 weight: made bfloat16 first
     assert linear(x, p).shape == (2, 5, 192) and linear(x, p).dtype == torch.bfloat16
     assert calls[:4] == [1, 200, 700, 3]  # every row count, no padding to a bucket, no oneDNN
+    head = pack(torch.randn(16384, 576).bfloat16())  # 18.9 MB: past GEMV_MAX_BYTES, an LM head's size class
+    assert not head.onednn and head.pairs is not None and cpu_linear.small_rows(head) == cpu_linear.PANELS_ROWS
 
 
 def test_pairs_take_all_only_without_amx(monkeypatch):
