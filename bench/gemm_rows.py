@@ -63,7 +63,9 @@ def measure_kernels(rows: list[int], kernels: list[str], reps: int) -> list[tupl
     torch.manual_seed(0)
     ws = [[(torch.randn(o, i) * 0.02).bfloat16() for o, i in SHAPES] for _ in range(LAYERS)]
     q8 = [[cpu_linear.quantize_int8(w) for w in layer] for layer in ws]
-    prep = {"onednn": lambda w, q: cpu_linear.pack(w).data, "pairs": lambda w, q: cpu_linear.to_pairs(w),
+    # oneDNN in its own layout, not pack()'s choice: pack keeps a bfloat16 weight as pairs where it can
+    prep = {"onednn": lambda w, q: torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT),
+            "pairs": lambda w, q: cpu_linear.to_pairs(w),
             "gemv": lambda w, q: w, "pairs-int8": lambda w, q: q, "gemv-int8": lambda w, q: q,
             "onednn-f32": lambda w, q: torch.ops.mkldnn._reorder_linear_weight(w.float(), cpu_linear.PACK_BATCH_HINT),
             "panels-f32": lambda w, q: cpu_linear.to_panels_f32(w.float())}

@@ -338,9 +338,10 @@ def gemv_rows() -> int:
 
 def time_against_onednn(nbytes: int, prefetch: int, rounds: int = 3) -> tuple[float, float]:
     """(kernel, oneDNN) best seconds of ``GEMV_MAX_ROWS``-row bfloat16 matmuls over ``nbytes`` of
-    probe weights, the kernel in mode ``prefetch``, oneDNN on the packed weights the model would use."""
+    probe weights, the kernel in mode ``prefetch``, oneDNN on them in its packed layout (not ``pack``'s
+    choice: that may be pair panels, which oneDNN cannot read)."""
     weights = decode_prefetch.probe_weights(nbytes)
-    packed = [pack(w) for w in weights]
+    packed = [PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT), w.shape) for w in weights]
     x = torch.zeros(cpu_native.GEMV_MAX_ROWS, weights[0].shape[1], dtype=torch.bfloat16)
     best = decode_prefetch.best_of({"kernel": lambda: [cpu_native.gemv_bf16(x, w, None, prefetch) for w in weights],
                                     "onednn": lambda: [_packed_rows(x, p, None) for p in packed]}, rounds)

@@ -107,8 +107,14 @@ def test_a_forced_prefetch_mode_keeps_the_default_rows_untimed(monkeypatch):
         cpu_linear.gemv_rows.cache_clear()
 
 
-def test_kernel_against_onednn_times_both_on_real_weights():
+@pytest.mark.parametrize("pairs_all", [False, True])
+def test_kernel_against_onednn_times_both_on_real_weights(monkeypatch, pairs_all):
+    """oneDNN is timed on its own layout even where ``pack`` would keep the weight as pair panels."""
     if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
         pytest.skip("bfloat16 weights are not packed on this CPU")
+    monkeypatch.setattr(cpu_linear, "pairs_take_all", lambda: pairs_all)
+    seen, real = [], cpu_linear._packed_rows
+    monkeypatch.setattr(cpu_linear, "_packed_rows", lambda x, w, b: seen.append(w.data.layout) or real(x, w, b))
     kernel, onednn = cpu_linear.time_against_onednn(8 << 20, cpu_native.PREFETCH_L2, rounds=1)
     assert 0 < kernel < 10 and 0 < onednn < 10
+    assert seen and set(seen) == {torch._mkldnn}
