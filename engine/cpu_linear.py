@@ -19,9 +19,9 @@ rows 18.6 against oneDNN's 23.0 ms on a 2-core Zen 4, at 1 row 4.6-6.7 against c
 A bfloat16 weight of that shape, any size (the LM head too), is held ONLY as pairs and every call
 runs the kernel, prompts too, where ``pairs_take_all()`` (AVX512-BF16 without AMX: at 256 rows 126.8
 against oneDNN's 130.7 ms, and no padding to a row bucket); else, and for int8, calls of up to
-``pairs_rows()`` rows (timed once per process against oneDNN, up to 64) take it, longer ones oneDNN. Float32 panels (session 27): a
-float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is held only in the float32 panel
-layout (``to_panels_f32``; the LM head keeps oneDNN's), every call that kernel (one FMA per 16 outputs
+``pairs_rows()`` rows (timed once per process against oneDNN, up to 64) take it, longer ones oneDNN.
+Float32 panels (session 27): a float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is held
+only in the float32 panel layout (``to_panels_f32``; the LM head keeps oneDNN's), every call that kernel (one FMA per 16 outputs
 against a broadcast input, in input order): at 1 row 9.4 against oneDNN's 17.6 ms, on prompts 221-222
 against 213-222 GFLOP/s. Either way one copy of the bytes, and the decode stack runs the same kernel.
 
@@ -82,11 +82,11 @@ GEMV_ROWS = 4
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A ``[out, in]`` weight in oneDNN's layout; ``shape`` is the original one. ``plain`` is the
-    original contiguous weight where the small-batch bfloat16 kernel serves calls of up to
-    ``gemv_rows()`` rows (it costs the weight's bytes once more), else None. ``int8``: the weight
-    is weight-only int8 (``data`` then holds its dequantized bfloat16 values), and calls of up to
-    ``GEMV_MAX_ROWS`` rows go to the int8 kernel."""
+    """A ``[out, in]`` weight in oneDNN's layout, or only in panels (``onednn`` False); ``shape`` is the
+    original one. ``plain`` is the original contiguous weight where the small-batch bfloat16 kernel
+    serves calls of up to ``gemv_rows()`` rows (it costs the weight's bytes once more), else None.
+    ``int8``: the weight is weight-only int8 (``data`` then holds its dequantized bfloat16 values),
+    and calls of up to ``GEMV_MAX_ROWS`` rows go to the int8 kernel."""
 
     data: torch.Tensor
     shape: torch.Size
