@@ -63,11 +63,10 @@ def measure_kernels(rows: list[int], kernels: list[str], reps: int) -> list[tupl
     torch.manual_seed(0)
     ws = [[(torch.randn(o, i) * 0.02).bfloat16() for o, i in SHAPES] for _ in range(LAYERS)]
     q8 = [[cpu_linear.quantize_int8(w) for w in layer] for layer in ws]
-    # oneDNN in its own layout, not pack()'s choice: pack keeps a bfloat16 weight as pairs where it can
-    prep = {"onednn": lambda w, q: torch.ops.mkldnn._reorder_linear_weight(w, cpu_linear.PACK_BATCH_HINT),
+    prep = {"onednn": lambda w, q: cpu_linear.onednn_layout(w),
             "pairs": lambda w, q: cpu_linear.to_pairs(w),
             "gemv": lambda w, q: w, "pairs-int8": lambda w, q: q, "gemv-int8": lambda w, q: q,
-            "onednn-f32": lambda w, q: torch.ops.mkldnn._reorder_linear_weight(w.float(), cpu_linear.PACK_BATCH_HINT),
+            "onednn-f32": lambda w, q: cpu_linear.onednn_layout(w.float()),
             "panels-f32": lambda w, q: cpu_linear.to_panels_f32(w.float())}
     mm = {"onednn": lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
           "pairs": lambda x, p, w: cpu_native.gemm_pairs(x, p, w.shape[0], None),

@@ -96,6 +96,12 @@ class PackedWeight:
     onednn: bool = True  # False: kept only as (pair) panels (``data`` is ``pairs``), every call their kernel
 
 
+def onednn_layout(w: torch.Tensor) -> torch.Tensor:
+    """``w`` reordered into oneDNN's packed layout, what its linear primitive reads (``pack`` may keep
+    a weight as panels instead; probes and benches that time oneDNN take this)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT)
+
+
 def packing_enabled(w: torch.Tensor) -> bool:
     """True iff ``w`` is a weight ``pack`` would reorder on this machine."""
     if w.device.type != "cpu" or w.dim() != 2 or not torch.backends.mkldnn.is_available():
@@ -134,7 +140,7 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
             raise ValueError(why)
         rows = quantize_int8(w)
         deq = rows.dequantize(w.dtype).contiguous()
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(deq, PACK_BATCH_HINT), w.shape, None, rows)
+        return PackedWeight(onednn_layout(deq), w.shape, None, rows)
     if not packing_enabled(w):
         return w
     if w.dtype == torch.float32 and _panels_f32_takes(w):
@@ -147,8 +153,7 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
     small = _gemv_takes(w)
     pairs = to_pairs(w) if small and pairs_ok else None
     plain = w.contiguous() if small and pairs is None else None
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT), w.shape, plain,
-                        None, pairs)
+    return PackedWeight(onednn_layout(w), w.shape, plain, None, pairs)
 
 
 def _gemv_takes(w: torch.Tensor) -> bool:
@@ -295,7 +300,7 @@ def pairs_rows() -> int:
         return PAIRS_ROWS
     weights = _layer_probe(decode_prefetch.probe_bytes(decode_prefetch.last_level_cache_bytes()))
     pairs = [to_pairs(w) for w in weights]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
+    packed = [onednn_layout(w) for w in weights]
     for rows in PAIRS_PROBE_ROWS:
         xs = {k: torch.zeros(rows, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
         best = decode_prefetch.best_of({
@@ -341,7 +346,7 @@ def time_against_onednn(nbytes: int, prefetch: int, rounds: int = 3) -> tuple[fl
     probe weights, the kernel in mode ``prefetch``, oneDNN on them in its packed layout (not ``pack``'s
     choice: that may be pair panels, which oneDNN cannot read)."""
     weights = decode_prefetch.probe_weights(nbytes)
-    packed = [PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT), w.shape) for w in weights]
+    packed = [PackedWeight(onednn_layout(w), w.shape) for w in weights]
     x = torch.zeros(cpu_native.GEMV_MAX_ROWS, weights[0].shape[1], dtype=torch.bfloat16)
     best = decode_prefetch.best_of({"kernel": lambda: [cpu_native.gemv_bf16(x, w, None, prefetch) for w in weights],
                                     "onednn": lambda: [_packed_rows(x, p, None) for p in packed]}, rounds)
