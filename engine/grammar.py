@@ -1,9 +1,10 @@
 """Grammar matchers for structured output (llguidance), one per constrained request.
 
-``GrammarCompiler(tokenizer_json, vocab_size, eos_ids)`` builds llguidance's tokenizer once (about 3 s
-on CPU with the GGUF tokenizer read); a worker starts that build at start in a background thread
-(``prepare_in_background``), so its first constrained request does not build it inside the worker
-loop (that request waits only for the rest of a build still running); ``matcher(so)`` returns a
+``GrammarCompiler(tokenizer_json, vocab_size, eos_ids)`` builds llguidance's tokenizer once (about
+0.5 s on CPU with the GGUF tokenizer read); a worker starts that build at start in a background
+thread (``prepare_in_background``), beside the rest of its start-up, and joins it before it serves,
+so no constrained request builds it inside the worker loop and no build competes with the loop for
+the GIL; ``matcher(so)`` returns a
 fresh ``Matcher`` for one request. A ``Matcher`` follows the request's output: ``consume(tok)``
 after every token (the sampler state calls it), ``bitmask()`` for the next step. The state is a
 function of the constraint and the tokens consumed, so a PD decode worker rebuilds it by

@@ -2,7 +2,8 @@
 official ``openai`` client. The cases (tests/tools_cases.py) also run against a colocated server in
 tests/clients/test_openai_table.py. In PD the prefill worker masks the first token of the call and
 the decode worker continues the grammar. Both workers built the grammar engine's tokenizer in their
-background thread at start (logged by engine.grammar), not inside the loop at the first request."""
+background thread at start (logged by engine.grammar) and joined it before serving, not inside the
+loop at the first request."""
 from __future__ import annotations
 
 import re
@@ -21,3 +22,7 @@ def test_forced_tool_calls_in_pd(pd_server):
     built = re.findall(r"\[(\S+)\] engine\.grammar: grammar engine tokenizer built in [0-9.]+ s \(background, at start\)",
                        pd_server.log())
     assert sorted(built) == ["decode-0", "prefill-0"], pd_server.log()[-3000:]
+    log = pd_server.log()
+    for worker in built:  # joined before the worker serves: no build beside its loop's first requests
+        built_at = log.index(f"[{worker}] engine.grammar: grammar engine tokenizer built")
+        assert built_at < log.index(f"[{worker}] server.worker.loop: {worker.split('-')[0]} worker {worker} serving")

@@ -191,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     grammar = runner.grammar.prepare_in_background()  # not in the loop at the first structured request
     name = cfg.server.served_model_name or path.stem
     scheduler = BUILDERS[args.role](cfg, runner, args.worker_id, name)
-    if grammar is not None and args.core_ledger_fd is not None:
-        grammar.join()  # start-up work done before the launch's lending probes time anything (core_lending)
+    if grammar is not None:
+        # start-up work done before the worker serves (a build beside the loop held the GIL for
+        # seconds of its first requests) and before the launch's lending probes time anything
+        grammar.join()
     cores = core_lending(args, runner)
     loop = WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
                       heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
