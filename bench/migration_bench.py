@@ -2,7 +2,7 @@
 measured in one run.
 
 ``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
-[--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M --long-delay-s S] [--per-request]
+[--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M --long-prompt-words W --long-delay-s S --short-delay-s S] [--per-request]
 [--json]``
 
 The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv: ...``).
@@ -34,20 +34,17 @@ The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv
    ``/metrics``), and the end-to-end P50/P99 latency of the retracted requests. A request counts
    as retracted when the longest gap between two of its streamed tokens exceeds ``--gap-factor``
    times the run's median inter-token gap (a parked request's stream stops while it waits).
-   Goal: P99 with migration <= 0.5x without; 0 failed; tokens equal across the runs (greedy).
+   Goal: P99 with migration <= 0.5x without, both over each run's own retracted requests and over
+   the same requests (those retracted without migration); 0 failed; tokens equal across the runs
+   (greedy).
    Bound: the burst's demand is ~2.5x both pools, so a second decode worker at best halves the
    makespan, which the retracted requests' P99 follows: ~0.5x is the ceiling, not a margin.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
-import os
-import random
-import shlex
-import statistics
 import sys
 import time
 
@@ -65,10 +62,7 @@ DEFAULT_LANES = ClusterConfig.model_fields["ucxx_copy_lanes"].default
 
 # Essay prompts: greedy SmolLM2 writes 256+ tokens for each without an EOS, so every request runs to
 # ``--max-tokens`` and the decode pool really fills (short answers end after 6-40 tokens: no pressure).
-QUESTIONS = ["why the sky is blue", "who built the pyramids", "photosynthesis", "Mount Everest",
-             "the fall of the Roman Empire", "how volcanoes form", "what causes tides", "why leaves change color"]
-SHARED = "Write a long, detailed essay of at least ten paragraphs. Topic: "
-LONG_PREFIX = "You are a careful writer who never stops early and covers every angle of a subject. "
+from bench.migration_serve import serve_part
 
 
 # ---- 1. KV: migration write vs local resume ------------------------------------------------------
@@ -185,117 +179,6 @@ def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: t
             "goal_met": head["ratio"] <= 1.5}
 
 
-# ---- 2. serve: P99 of retracted requests without / with migration ----------------------------------
-async def _one(client, model: str, prompt: str, max_tokens: int, start_after_s: float = 0.0) -> dict:
-    """One streamed greedy completion, sent ``start_after_s`` from now; its e2e counts from the send."""
-    await asyncio.sleep(start_after_s)
-    t0 = time.monotonic()
-    stamps, ids, error = [], [], None
-    try:
-        r = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            stream=True, extra_body={"return_token_ids": True})
-        async for chunk in r:
-            got = (getattr(chunk.choices[0], "token_ids", None) or []) if chunk.choices else []
-            if got:
-                ids += got
-                stamps.append(time.monotonic())
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        error = str(e)
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"e2e": time.monotonic() - t0, "ids": ids, "error": error, "max_gap": max(gaps, default=0.0),
-            "gaps": gaps}
-
-
-def _cpus(lo: int, hi: int) -> str:
-    return str(lo) if lo == hi else f"{lo}-{hi}"
-
-
-def split_decode_cpus(n: int, decode: int = 2) -> list[str]:
-    """``--worker-cpus`` giving decode-0 (the loaded one) its own half of the host's ``n`` cores and
-    its ``decode - 1`` peers and the prefill worker the other half: the loaded worker then stands for
-    a device of its own, which is what migration is for. Unpinned, every decode worker shares every
-    core, and moving work to an idle one adds no compute. The prefill worker is not spread over both
-    halves: its threads meet at a barrier every layer, so one busy core (decode-0's, or a peer's once
-    migrations arrive) stalled every prefill step (a 19-prompt prefill took 0.85 s without migration
-    and 1.6 s with it, session 30). Nothing on a one-core host."""
-    if n < 2:
-        return []
-    half = n // 2
-    peers = ",".join(f"decode-{i}={_cpus(half, n - 1)}" for i in range(1, decode))
-    return ["--worker-cpus", f"prefill-0={_cpus(half, n - 1)},decode-0={_cpus(0, half - 1)},{peers}"]
-
-
-def arrival_gaps(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Seconds to wait before each of ``n`` requests: all 0 (one burst) for ``rate`` 0, else
-    Poisson arrivals at ``rate`` per second, the same schedule for every run (seeded)."""
-    if rate <= 0:
-        return [0.0] * n
-    rng = random.Random(seed)
-    return [rng.expovariate(rate) for _ in range(n)]
-
-
-def _serve_run(args, migrate: bool) -> dict:
-    import openai
-
-    from server.testing.subprocess_server import LaunchedServer, metric_sum, wait_idle
-
-    flags = ["--mode", "pd", "--decode", str(args.decode_workers), "--port", "0", "--route-decode", "decode-0", "--transfer-backend",
-             args.backend, "--kv-pool-tokens", str(args.pool_tokens), "--page-size", "16", "--max-model-len", "2048",
-             "--init-new-token-ratio", "0.05", "--health-interval-s", "0.5", "--log-level", "WARNING"]
-    if args.step_delay_s:
-        flags += ["--test-step-delay-s", str(args.step_delay_s)]
-    flags += (split_decode_cpus(os.cpu_count() or 1, args.decode_workers) if args.decode_cores == "split" else []) + shlex.split(args.server_args)
-    if migrate:
-        flags += ["--migrate-after", args.migrate_after] + (["--migrate-on-retract"] if args.migrate_on_retract else [])
-        flags += ["--migrate-queued"] if args.migrate_queued else []
-    prompts = [SHARED + QUESTIONS[i % len(QUESTIONS)] + "." + " " * (i // len(QUESTIONS)) for i in range(args.requests)]
-    # --long: the first N are long answers with longer prompts (retraction takes the shortest input
-    # first among equals, so the short answers are the ones parked while the long ones hold the pool)
-    prompts = [(LONG_PREFIX + p if i < args.long else p) for i, p in enumerate(prompts)]
-    max_tokens = [args.long_max_tokens if i < args.long else args.max_tokens for i in range(args.requests)]
-    with LaunchedServer(flags) as srv:
-        model = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused").models.list().data[0].id
-
-        async def run_all():
-            c = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=1200)
-            try:
-                await _one(c, model, "Hello", 4)  # warm-up (first forward, first KV connection): not timed
-                tasks = []
-                for i, (p, n, delay) in enumerate(zip(prompts, max_tokens, arrival_gaps(len(prompts), args.rate))):
-                    await asyncio.sleep(delay)
-                    late = args.long_delay_s if i < args.long else 0.0
-                    tasks.append(asyncio.create_task(_one(c, model, p, n, late)))
-                return await asyncio.gather(*tasks)
-            finally:
-                await c.close()
-
-        results = asyncio.run(run_all())
-        m = wait_idle(srv.url, 0.5, timeout_s=120)
-    median_gap = statistics.median([g for r in results for g in r["gaps"]] or [0.0])
-    retracted = [r for r in results if r["max_gap"] > args.gap_factor * median_gap]
-    lat = sorted(r["e2e"] for r in retracted)
-    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None)
-    return {"migrate": migrate, "failed": sum(r["error"] is not None for r in results),
-            "retractions": metric_sum(m, "pdserve_retractions_total"),
-            "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
-            "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
-            "retracted_requests": len(retracted), "p50_s": pct(0.5), "p99_s": pct(0.99),
-            "all_p99_s": sorted(r["e2e"] for r in results)[int(0.99 * (len(results) - 1))],
-            "ids": [r["ids"] for r in results],
-            "requests": [{"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2),
-                          "retracted": r["max_gap"] > args.gap_factor * median_gap} for r in results]}
-
-
-def serve_part(args) -> dict:
-    off, on = _serve_run(args, False), _serve_run(args, True)
-    same = off.pop("ids") == on.pop("ids")
-    if not args.per_request:
-        off.pop("requests"), on.pop("requests")
-    ratio = on["p99_s"] / off["p99_s"] if on["p99_s"] and off["p99_s"] else None
-    return {"without": off, "with": on, "tokens_identical": same, "p99_ratio": ratio,
-            "goal_met": bool(ratio is not None and ratio <= 0.5 and same and on["failed"] == off["failed"] == 0)}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("kv", "serve", "both"), default="both")
@@ -316,6 +199,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="serve: the first N requests are long (--long-max-tokens, a longer prompt): a mixed-length "
                          "skewed load, where the short ones are parked while the long ones hold the pool")
     ap.add_argument("--long-max-tokens", type=int, default=512)
+    ap.add_argument("--long-prompt-words", type=int, default=0,
+                    help="serve: the --long requests' prompts open with this many words of background notes")
+    ap.add_argument("--short-delay-s", type=float, default=0.0,
+                    help="serve: the other (short) requests are sent this long after the --long ones (long answers "
+                         "under way when short ones arrive)")
     ap.add_argument("--long-delay-s", type=float, default=0.0,
                     help="serve: the --long requests are sent this long after the short ones (short answers under "
                          "way when long essays arrive: the victims, most output first, are then the short ones)")
@@ -364,7 +252,8 @@ def goal_lines(out: dict) -> list[str]:
     if (s := out.get("serve")) is not None:
         w, o = s["with"], s["without"]
         lines.append(f"goal serve: P99 e2e of retracted requests with/without migration = {_num(s['p99_ratio'])} "
-                     f"({_num(w['p99_s'], 's')} / {_num(o['p99_s'], 's')}; goal <= 0.5), failed {w['failed']}+"
+                     f"({_num(w['p99_s'], 's')} / {_num(o['p99_s'], 's')}), of the requests retracted without it "
+                     f"{_num(s.get('matched_p99_ratio'))} (goal: both <= 0.5), failed {w['failed']}+"
                      f"{o['failed']}, tokens identical {s['tokens_identical']}, migrations {w['migrations']:g}, "
                      f"queued moves {w.get('queued_moves', 0):g}, retracted requests "
                      f"{w['retracted_requests']}/{o['retracted_requests']}, all requests' P99 "
