@@ -349,12 +349,13 @@ class PrefillScheduler(WorkerScheduler):
         snap = super().snapshot()
         snap.counters.update(kv_transfer_bytes=float(self.transfer_bytes),
                              transfer_failures=float(self.transfer_failures))
+        chunked = self.admission.chunked
         snap.gauges.update(queue_waiting=len(self.waiting),
+                           queue_prefilling=int(chunked is not None),  # a prompt part-way through its chunks
                            queue_bootstrap=len(self.bootstrapping),
                            queue_transfer=sum(1 for j in self.jobs.values() if j.writing))
         # prompt tokens not computed yet (uncached on arrival, or the chunked one's rest): what
         # cache-aware routing weighs this worker's load by (server/router/load.py, PrefillBacklog)
-        chunked = self.admission.chunked
         snap.gauges["prefill_backlog_tokens"] = float(
             sum(self.by_req[id(r)].uncached for r in (*self.bootstrapping, *self.waiting) if id(r) in self.by_req)
             + (chunked.seq_len - chunked.kv_len if chunked is not None else 0))

@@ -85,3 +85,23 @@ def test_the_routers_local_prediction_matches_the_decode_workers_decision(harnes
     h.submit("b", turn2, GREEDY)
     assert h.run()["b"]["tokens"] == hf_greedy(tiny[2], turn2, 16)
     assert h.decode.local.decisions[LocalPrefillReason.TAKEN] == 1 and h.decode.local.tokens == len(turn2) - 48
+
+
+def test_a_prompt_part_way_through_its_chunks_is_reported_prefilling(harness, tiny):
+    """``queue_prefilling`` (``pdserve_queue_requests{queue="prefilling"}``): 1 while a prompt has
+    chunks left, in no other queue then (it left ``waiting``; its KV is not being written yet)."""
+    h = PDHarness(cfg(chunked_prefill_size=8), lp_cfg(0), tiny[0], tiny[1])
+    try:
+        p = prompts(1, 30, 30, seed=11)[0]
+        h.submit("a", p, GREEDY)
+        seen = []
+        while h.busy:
+            h.step()
+            g = _gauges(h.prefill, "p0")
+            seen.append((g["queue_prefilling"], g["queue_waiting"]))
+        # first turn: the destination comes; then 30 tokens in chunks of 8 (the fourth chunk ends it)
+        assert [pf for pf, _ in seen[:5]] == [0, 1, 1, 1, 0] and sum(pf for pf, _ in seen) == 3
+        assert all(w == 0 for _, w in seen)  # it left "waiting" when its first chunk ran
+        h.check_clean()
+    finally:
+        h.close()

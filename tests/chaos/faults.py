@@ -101,7 +101,7 @@ def inject(cluster: Cluster, fault: Fault, rng: random.Random) -> Injected:
 
 
 FAULTS = [
-    Fault("kill -9 prefill mid-prefill", "kill", "prefill", ("waiting",)),
+    Fault("kill -9 prefill mid-prefill", "kill", "prefill", ("waiting", "prefilling")),
     Fault("kill -9 prefill mid-transfer", "kill", "prefill", ("bootstrap", "transfer")),
     Fault("kill -9 decode mid-decode", "kill", "decode", ("running",)),
     # decode-x, the decode worker the test runs itself, retracts a request every 4 steps (a test knob)

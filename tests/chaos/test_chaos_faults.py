@@ -30,8 +30,11 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 LEASE_S = 4.0  # worker_timeout_s (router) = peer_timeout_s (decode -> prefill)
 ARGS = ["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512", "--init-new-token-ratio", "0.05",
-        "--chunked-prefill-size", "8", "--test-step-delay-s", "0.005", "--worker-timeout-s", str(LEASE_S),
-        "--peer-timeout-s", str(LEASE_S), "--transfer-fence-s", "8", "--restart-backoff-s", "0.5"]
+        "--chunked-prefill-size", "4", "--test-step-delay-s", "0.005", "--worker-timeout-s", str(LEASE_S),
+        "--peer-timeout-s", str(LEASE_S), "--transfer-fence-s", "8", "--restart-backoff-s", "0.5",
+        # reports every 50 ms (the cluster's default is 0.2 s): a prefill worker holds a wave's prompts
+        # in "waiting" for ~0.1-0.2 s, and the mid-prefill fault sees that queue only through its reports
+        "--health-interval-s", "0.05"]
 # decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them, whose
 # parked requests migrate to decode-0/1 after three steps (issue 31): every fault meets migrations too.
 # The faults that wait for "retracted"/"migrating" see a parked request only through decode-x's

@@ -6,7 +6,7 @@
   const { TimeChart, fmt, htmlEl } = PdChart;
   const SPAN = 600, POLL_MS = 1000, WINDOW_S = 30, RATE_S = 5, KEY = "pdserve.apiKey", MAX_EVENTS = 6;
   const POOL = { used: "#d9534f", cached: "#f0ad4e", free: "#9fd39b" };
-  const QUEUES = { waiting: "#4e79a7", bootstrap: "#9c755f", prealloc: "#f28e2b", transfer: "#76b7b2",
+  const QUEUES = { waiting: "#4e79a7", prefilling: "#b07aa1", bootstrap: "#9c755f", prealloc: "#f28e2b", transfer: "#76b7b2",
                    running: "#59a14f", retracted: "#e15759" };
   const LINES = ["#4e79a7", "#e15759", "#59a14f", "#b07aa1", "#f28e2b", "#76b7b2", "#9c755f", "#edc948"];
 
