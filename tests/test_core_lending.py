@@ -257,8 +257,8 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
     tests/test_pd_http.py.) The launch is the session's default one (no OMP_NUM_THREADS), shared
     with other tests: counters are read as deltas."""
     total = len(os.sched_getaffinity(0))
-    # a distinct prompt each: a repeated one is cached after the first (the decode worker then prefills
-    # the short rest itself), leaving one prefill step to observe borrowing in instead of four
+    # a distinct prompt each: a repeated one is cached after the first, so its later prefills compute a
+    # few tokens at most; distinct ones give every request a whole prefill step to borrow for
     bodies = [{"prompt": f"Part {i}. " + "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
               for i in range(4)]
     argv = _workers(pd_server)
