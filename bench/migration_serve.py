@@ -121,12 +121,11 @@ def _serve_run(args, migrate: bool) -> dict:
     median_gap = statistics.median([g for r in results for g in r["gaps"]] or [0.0])
     retracted = [r for r in results if r["max_gap"] > args.gap_factor * median_gap]
     lat = [r["e2e"] for r in retracted]
-    pct = (lambda q: percentile(lat, q))
     return {"migrate": migrate, "failed": sum(r["error"] is not None for r in results),
             "retractions": metric_sum(m, "pdserve_retractions_total"),
             "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
             "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
-            "retracted_requests": len(retracted), "p50_s": pct(0.5), "p99_s": pct(0.99),
+            "retracted_requests": len(retracted), "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99),
             "all_p99_s": sorted(r["e2e"] for r in results)[int(0.99 * (len(results) - 1))],
             "ids": [r["ids"] for r in results],
             "requests": [{"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2),

@@ -25,16 +25,14 @@ SPM_MODEL = "llama"
 _CHAT_TEMPLATES = {"gemma3": "gemma3_chat_template.jinja"}
 
 
-def spm_tokenizer_from_gguf(path: Path) -> tuple[_HFTokenizer, dict] | None:
-    """The backend of ``path`` and the keyword arguments of ``engine.tokenizer.Tokenizer`` when its
-    vocabulary is SentencePiece-style, else None (this module does not import ``Tokenizer``).
+def spm_tokenizer_from_gguf(reader: FastGGUF) -> tuple[_HFTokenizer, dict] | None:
+    """The backend of the GGUF file ``reader`` parsed (``engine.gguf_common.open_gguf``) and the
+    keyword arguments of ``engine.tokenizer.Tokenizer`` when its vocabulary is SentencePiece-style,
+    else None (this module does not import ``Tokenizer``).
 
     Raises ``ValueError`` for malformed vocabulary metadata.
     """
-    try:
-        reader = FastGGUF(path)
-    except ValueError:
-        return None  # not readable here: the byte-level path reports the file's problem
+    path = reader.path
     if reader.meta("tokenizer.ggml.model", None) != SPM_MODEL:
         return None
     tokens = reader.meta("tokenizer.ggml.tokens")

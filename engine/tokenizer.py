@@ -222,11 +222,10 @@ def _from_gguf(path: Path) -> Tokenizer:
     from engine.gguf_spm_tokenizer import spm_tokenizer_from_gguf  # SentencePiece-style (Gemma)
     from engine.gguf_common import gguf_meta, open_gguf
 
-    if (spm := spm_tokenizer_from_gguf(path)) is not None:
+    reader = open_gguf(path)  # parsed once for both vocabulary kinds
+    if (spm := spm_tokenizer_from_gguf(reader)) is not None:
         backend, fields = spm
         return Tokenizer(backend, **fields)
-
-    reader = open_gguf(path)
     model = gguf_meta(reader, "tokenizer.ggml.model")
     if model not in _SUPPORTED_GGUF_MODELS:
         raise ValueError(f"unsupported GGUF tokenizer model {model!r} in {path}; supported: {_SUPPORTED_GGUF_MODELS}")
