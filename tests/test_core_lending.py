@@ -129,7 +129,7 @@ class _Runner:
     ("decode", {1: 0.01, 2: 0.0095}, False, 4),  # 1.05x: under the 1.1x bar, it only lends
     ("decode", {1: 0.01, 2: 0.0069}, True, 4),   # the Zen 5's 1.45x
     ("prefill", {1: 0.33, 2: 0.18}, True, 2),    # slow probes: the time budget stops them after 2 rounds
-    ("prefill", {1: 0.1, 2: 0.06}, True, 3),     # 0.48 s a round: the budget is spent in the third
+    ("prefill", {1: 0.2, 2: 0.12}, True, 3),     # 0.96 s a round: the budget is spent in the third
 ])
 def test_a_worker_borrows_only_where_its_measured_matmuls_gain(monkeypatch, role, seconds, borrows_, rounds):
     import argparse

@@ -58,13 +58,12 @@ def measuring_turn(ledger_fd: int):
 
 # Core lending: rows of the step a role's borrowing is judged by (a decode batch, a prefill chunk),
 # and the gain that makes borrowing worth a thread switch per step.
-# 64 rows gain what 256 do (1.88-1.98x against 1.93-2.01x on 2 cores, session 30) at a quarter of the time
-LENDING_PROBE_ROWS = {"decode": 8, "prefill": 64, "colocated": 64}
+LENDING_PROBE_ROWS = {"decode": 8, "prefill": 256, "colocated": 256}
 LENDING_MIN_GAIN = 1.1
 LENDING_PROBE_ROUNDS = 4  # at most; fewer once LENDING_PROBE_BUDGET_S is spent (2 at least)
 LENDING_PROBE_MIN_ROUNDS = 2
 LENDING_PROBE_REPEATS = 2  # timed passes per probe (after one warm-up pass)
-LENDING_PROBE_BUDGET_S = 1.0  # a prefill's 64-row probe is ~0.6 s a round on 2 cores: 2 rounds, not 4
+LENDING_PROBE_BUDGET_S = 2.0  # a prefill's 256-row probe is ~0.5 s a pair on 2 cores: 2 rounds, not 4
 LENDING_LOAD_WAIT_S = 300.0  # the longest a worker waits for the others' loads before it measures
 LENDING_QUIET_WAIT_S = 3.0  # ... and then for a busy peer to go idle (a restarted worker among serving ones: not long)
 
