@@ -1,6 +1,8 @@
 """Scheduler settings shared by colocated, prefill and decode workers."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -35,6 +37,12 @@ class SchedulerConfig(BaseModel):
     min_new_token_ratio_factor: float = Field(0.14, gt=0, le=1, description="floor = init ratio x this")
     new_token_ratio_decay_steps: int = Field(600, ge=1, description="decode steps from init to floor")
     retract_decode_steps: int = Field(20, ge=1, description="decode steps of room left to each request after a retract")
+    retract_order: Literal["most-output", "least-output"] = Field(
+        "most-output", description="which running request a retract takes first: most-output (most output tokens, "
+        "then shortest input: the seed's reading, DESIGN.md) parks the request nearest its end, which waits at "
+        "most about as long as it has run; least-output (least output, then longest input: SGLang's "
+        "retract_decode code) parks the newest, which waits for the older ones and is what --migrate-after "
+        "rescues (README, Migration)")
     retract_test_interval: int | None = Field(None, ge=1, description="force a retract every N decode steps (testing)")
     test_step_delay_s: float = Field(0.0, ge=0, description="testing: the worker loop sleeps this long after every "
                                      "step that had work (a slow, oversubscribed machine)")

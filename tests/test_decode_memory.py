@@ -27,6 +27,24 @@ def test_victim_order_most_output_then_shortest_input():
     assert [r.rid for r in victim_order([a, b, c])] == ["b", "c", "a"]
 
 
+def test_victim_order_least_output_then_longest_input():
+    kv = KVManager(PageAllocator(100), 4, False)
+    a, b, c, d = req("a", 10, 5, kv), req("b", 4, 9, kv), req("c", 3, 5, kv), req("d", 2, 1, kv)
+    assert [r.rid for r in victim_order([a, b, c, d], "least-output")] == ["d", "a", "c", "b"]
+    with pytest.raises(ValueError, match="most-output or least-output"):
+        victim_order([a], "oldest")
+
+
+@pytest.mark.parametrize("order, first", [("most-output", "old"), ("least-output", "new")])
+def test_retract_takes_victims_in_the_configured_order(order, first):
+    kv = KVManager(PageAllocator(8), 4, False)
+    old, new = req("old", 7, 5, kv), req("new", 7, 1, kv)  # 3 + 2 pages used, 3 free
+    res = retract_decode(kv, [old, new], retract_steps=8, release_victim=lambda r: kv.free(r.kv),
+                         retract_order=order)
+    assert [r.rid for r in res.retracted] == [first]
+    assert check_decode_mem(kv, res.kept, 8)
+
+
 def test_retract_until_room_for_steps():
     kv = KVManager(PageAllocator(12), 4, False)
     reqs = [req(f"r{i}", 7, 1, kv) for i in range(4)]  # kv_len 7 -> 2 pages each, 8 used, 4 free

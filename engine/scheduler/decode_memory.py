@@ -30,9 +30,16 @@ def fits_empty_pool(kv: KVManager, req: Request, steps: int = 1) -> bool:
     return PageBudget(kv).fits_alone(req.kv_len + steps)
 
 
-def victim_order(reqs: list[Request]) -> list[Request]:
-    """Retract order: most output tokens first, then shortest input."""
-    return sorted(reqs, key=lambda r: (-len(r.output_ids), len(r.prompt_ids)))
+def victim_order(reqs: list[Request], order: str = "most-output") -> list[Request]:
+    """Retract order (first victim first). ``most-output``: most output tokens, then shortest input
+    (the seed's prose, DESIGN.md). ``least-output``: least output tokens, then longest input (what
+    SGLang's ``retract_decode`` pops: the request with the least progress, freeing the most pages).
+    Ties keep the running order (the sort is stable)."""
+    if order == "least-output":
+        return sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+    if order == "most-output":
+        return sorted(reqs, key=lambda r: (-len(r.output_ids), len(r.prompt_ids)))
+    raise ValueError(f"unknown retract order {order!r}: use most-output or least-output")
 
 
 @dataclass
@@ -49,6 +56,7 @@ def retract_decode(
     release_victim: Callable[[Request], None],
     force_one: bool = False,
     park_last: bool = False,
+    retract_order: str = "most-output",
 ) -> RetractResult:
     """Retract until the rest have room for ``retract_steps`` steps each.
 
@@ -57,8 +65,9 @@ def retract_decode(
     when ``park_last`` (someone else holds pages that come back without this request's progress,
     e.g. KV transfers in flight) and it would fit the empty pool; otherwise it is returned as
     ``aborted`` (not released: the caller ends it with ``OOM_ABORT_MESSAGE`` and frees its KV).
+    Victims are taken in ``victim_order(running, retract_order)``.
     """
-    order = victim_order(running)
+    order = victim_order(running, retract_order)
     res = RetractResult(kept=order)
     first = force_one
     while first or not check_decode_mem(kv, order, retract_steps):

@@ -109,7 +109,7 @@ class RunningBatch:
             how[req.rid] = release_victim(req)
 
         r = retract_decode(self.kv, self.reqs, self.cfg.retract_decode_steps, release, force_one=forced,
-                           park_last=park_last)
+                           park_last=park_last, retract_order=self.cfg.retract_order)
         self.reqs, res.retracted, res.aborted = r.kept, r.retracted, r.aborted
         for v in r.retracted:
             self.stats.retractions += 1
