@@ -63,7 +63,7 @@ class DecodeScheduler(WorkerScheduler):
         self.jobs: dict[str, DecodeJob] = {}
         self.transfer_failures = 0
         self.timeline = Timeline(self.role)
-        self._decode_deferred = False  # the last step answered landings and skipped its decode
+        self._decode_deferred = False  # the last step sent what it had and skipped its decode
         policy = LocalPrefillPolicy(cfg.cluster.local_prefill_max_tokens,
                                     backlog_ratio=cfg.cluster.local_prefill_backlog_ratio)
         self.local = LocalPrefillQueue(policy, cfg.scheduler, kv, self.stats)
@@ -200,8 +200,10 @@ class DecodeScheduler(WorkerScheduler):
         if self.queued is not None and self.transfers.prealloc:
             out.extend(queued_step(self))
         out.extend(self._admit())
-        if self.running and out.tokens and not self._decode_deferred:
-            self._decode_deferred = True  # first tokens out now, not after a decode step; it runs next turn
+        if self.running and out and not self._decode_deferred:
+            # first tokens and control messages (KV destinations, migration offers and endings) out
+            # now, not after a decode step's forward (tens of ms); the decode runs next turn
+            self._decode_deferred = True
             return StepReport(out)
         self._decode_deferred = False
         if self.running or self.local:
