@@ -339,29 +339,6 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
     assert all(steps[k + 1][2] > 0 for k in deferred), steps  # never two turns in a row without compute
 
 
-def test_decode_worker_answers_the_first_token_before_its_next_decode_step(tiny):
-    """The landing turn sends the manifest's first token alone; the decode step (token 2) is the
-    next turn's, so PD's time to first token never includes a decode step."""
-    from server.testing.pd_harness import PDHarness
-    from configs.schema import PdserveConfig
-    from transfer.wire.sampling_params import SamplingParams
-
-    cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
-                                        "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
-    h = PDHarness(cfg, cfg, tiny[0], tiny[1])
-    try:
-        h.submit("r", list(range(1, 13)), SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
-        per_step = []
-        while h.busy:
-            got = [t for d in h.step() if d.rid == "r" for t in d.token_ids]
-            if got:
-                per_step.append(len(got))
-        assert per_step == [1, 1, 1, 1]
-        h.check_clean()
-    finally:
-        h.close()
-
-
 def test_the_probe_waits_for_a_busy_peer_but_not_forever(monkeypatch):
     """A peer still at work (its slot busy) holds the probe back until it is idle, at most
     ``LENDING_QUIET_WAIT_S``: a probe beside a busy core measures no gain from borrowing it."""

@@ -85,6 +85,38 @@ def test_retract_offload_and_resume(harness, tiny):
     assert rs.recomputed == 0
 
 
+def test_retract_least_output_first_in_pd(harness, tiny, monkeypatch):
+    # --retract-order least-output (SGLang's code order), staggered arrivals: each retract takes the
+    # running requests with the least output first; outputs stay exact, every parked request resumes
+    import engine.scheduler.running_batch as rb
+
+    h = harness(d=cfg(pool=96, init_new_token_ratio=0.1, retract_order="least-output"))
+    ps = prompts(4, 20, 20, seed=21)
+    rounds, real = [], rb.retract_decode
+
+    def recorded(kv, running, *a, **kw):
+        res = real(kv, running, *a, **kw)
+        rounds.append((kw["retract_order"], [len(q.output_ids) for q in res.retracted],
+                       [len(q.output_ids) for q in res.kept]))
+        return res
+
+    monkeypatch.setattr(rb, "retract_decode", recorded)
+    got = {f"r{i}": [] for i in range(4)}
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, GREEDY)
+        for _ in range(4):
+            for d in h.step():
+                got[d.rid] += d.token_ids
+    for rid, r in h.run().items():
+        got[rid] += r["tokens"]
+    assert [got[f"r{i}"] for i in range(4)] == [hf_greedy(tiny[2], p, 16) for p in ps]
+    assert h.decode.retract.stats.resumed == h.decode.retract.stats.offloaded > 0
+    taken = [r for r in rounds if r[1]]
+    assert taken and all(order == "least-output" for order, _, _ in rounds)
+    assert all(max(victims) <= min(kept, default=99) for _, victims, kept in taken), taken
+    assert any(max(victims) < max(kept, default=0) for _, victims, kept in taken), taken  # an order mattered
+
+
 def test_forced_retract_in_pd(harness, refs):
     h = harness(d=cfg(retract_test_interval=3))
     ps, ref = refs

@@ -47,6 +47,9 @@ class Injected:
             self.hog.wait()
 
 
+NOT_SEEN = "not seen"
+
+
 def _candidates(cluster: Cluster, fault: Fault) -> list[str]:
     """Workers the fault may hit: a worker id as given, else the launcher's workers of the role."""
     if fault.role not in ("prefill", "decode"):
@@ -57,7 +60,8 @@ def _candidates(cluster: Cluster, fault: Fault) -> list[str]:
 
 def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random, timeout_s: float = 8.0) -> tuple[str, str]:
     """Poll until a candidate shows work in one of ``fault.when``'s queues; (victim, what was seen).
-    The victim is drawn (seeded) among those showing it, or among all if none did in time."""
+    The victim is drawn (seeded) among those showing it, or among all if none did in time (then
+    what was seen starts with ``NOT_SEEN``)."""
     candidates = _candidates(cluster, fault)
     if not fault.when:
         return rng.choice(candidates), "-"
@@ -70,13 +74,17 @@ def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random, timeout_s
         if busy or time.monotonic() > deadline:
             victim = rng.choice(busy or candidates)
             what = ", ".join(f"{q}={v:g}" for q, v in seen[victim].items())
-            return victim, what if busy else f"not seen in {timeout_s:g}s ({what})"
+            return victim, what if busy else f"{NOT_SEEN} in {timeout_s:g}s ({what})"
         time.sleep(0.05)
 
 
-def inject(cluster: Cluster, fault: Fault, rng: random.Random) -> Injected:
-    """Wait for the moment, then act (blocking; a ``stop`` returns after SIGCONT)."""
+def inject(cluster: Cluster, fault: Fault, rng: random.Random, at_any_moment: bool = True) -> Injected | None:
+    """Wait for the moment, then act (blocking; a ``stop`` returns after SIGCONT). The moment not
+    seen: act anyway when ``at_any_moment``, else do nothing and return None (the caller runs
+    another wave and tries again)."""
     victim, observed = _wait_for_work(cluster, fault, rng)
+    if observed.startswith(NOT_SEEN) and not at_any_moment:
+        return None
     time.sleep(rng.uniform(0.0, 0.15))
     t = time.monotonic()
     external = cluster.external is not None and victim == cluster.external.worker_id
