@@ -258,7 +258,8 @@ def goal_lines(out: dict) -> list[str]:
                      f"{o['failed']}, tokens identical {s['tokens_identical']}, migrations {w['migrations']:g}, "
                      f"queued moves {w.get('queued_moves', 0):g}, retracted requests "
                      f"{w['retracted_requests']}/{o['retracted_requests']}, all requests' P99 "
-                     f"{_num(w['all_p99_s'] / o['all_p99_s'] if o['all_p99_s'] else None)}x: "
+                     f"{_num(w['all_p99_s'] / o['all_p99_s'] if o['all_p99_s'] else None)}x, their longest stall's "
+                     f"P99 {_num(s.get('stall_p99_ratio'))}x: "
                      f"{'met' if s['goal_met'] else 'NOT met'}")
     if (k := out.get("kv")) is not None:
         lines.append(f"goal kv: {k['tokens']}-token migration / local resume = {_num(k['ratio'])} "

@@ -126,6 +126,7 @@ def _serve_run(args, migrate: bool) -> dict:
             "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
             "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
             "retracted_requests": len(retracted), "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99),
+            "stall_p99_s": percentile([r["max_gap"] for r in retracted], 0.99),
             "all_p99_s": sorted(r["e2e"] for r in results)[int(0.99 * (len(results) - 1))],
             "ids": [r["ids"] for r in results],
             "requests": [{"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2),
@@ -155,8 +156,9 @@ def serve_part(args) -> dict:
     if not args.per_request:
         off.pop("requests"), on.pop("requests")
     ratio = on["p99_s"] / off["p99_s"] if on["p99_s"] and off["p99_s"] else None
+    stall = on["stall_p99_s"] / off["stall_p99_s"] if on["stall_p99_s"] and off["stall_p99_s"] else None
     return {"without": off, "with": on, "tokens_identical": same, "p99_ratio": ratio, "matched_p99_ratio": matched,
-            "goal_met": serve_goal_met(ratio, matched, same, on["failed"] + off["failed"])}
+            "stall_p99_ratio": stall, "goal_met": serve_goal_met(ratio, matched, same, on["failed"] + off["failed"])}
 
 
 def serve_goal_met(ratio: float | None, matched: float | None, same_tokens: bool, failed: int) -> bool:

@@ -41,9 +41,11 @@ def test_the_goal_needs_both_ratios_and_prints_both():
     assert not serve_goal_met(0.45, 0.45, False, 0) and not serve_goal_met(0.45, 0.45, True, 1)
     serve = {"with": {"p99_s": 5.68, "failed": 0, "migrations": 4.0, "retracted_requests": 4, "all_p99_s": 5.7},
              "without": {"p99_s": 12.4, "failed": 0, "retracted_requests": 5, "all_p99_s": 12.4},
-             "tokens_identical": True, "p99_ratio": 0.458, "matched_p99_ratio": 0.984, "goal_met": False}
+             "tokens_identical": True, "p99_ratio": 0.458, "matched_p99_ratio": 0.984, "stall_p99_ratio": 0.17,
+             "goal_met": False}
     (line,) = goal_lines({"serve": serve})
     assert "= 0.458 (5.68s / 12.4s), of the requests retracted without it 0.984 (goal: both <= 0.5)" in line
+    assert "their longest stall's P99 0.17x" in line
     assert line.endswith("NOT met")
 
 
