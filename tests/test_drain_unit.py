@@ -39,6 +39,21 @@ def test_drain_waits_for_held_requests_and_quiet_then_exits():
     assert d.verdict(0) is Verdict.EXIT
 
 
+def test_a_drain_without_quiet_period_exits_once_it_holds_nothing():
+    # SIGUSR1 (the launcher stops its whole cluster, router first): no router is left to see the flag
+    clock = Clock()
+    d = Drain(timeout_s=30, quiet_s=3.0, clock=clock)
+    assert d.begin("SIGUSR1", quiet_s=0.0)
+    assert d.verdict(1) is Verdict.SERVE  # what it holds is still finished
+    clock.t += 0.1
+    assert d.verdict(0) is Verdict.EXIT
+    later = Drain(timeout_s=30, quiet_s=3.0, clock=clock)  # a SIGTERM drain, then the cluster stops
+    later.begin("SIGTERM")
+    assert later.verdict(0) is Verdict.SERVE
+    assert not later.begin("SIGUSR1", quiet_s=0.0)  # already draining: only the quiet period changes
+    assert later.verdict(0) is Verdict.EXIT
+
+
 def test_drain_expires_after_its_timeout():
     clock = Clock()
     d = Drain(timeout_s=10, quiet_s=1.0, clock=clock)

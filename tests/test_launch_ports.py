@@ -192,3 +192,21 @@ def test_a_stopped_launch_drains_its_workers_and_all_exit_0(first, launched_serv
     assert "did not stop in" not in log, log[-3000:]
     assert log.count("drained: no request held; exiting") == len(workers) == 2, log[-3000:]
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+def test_stopping_a_launch_drains_its_workers_without_the_quiet_period():
+    """The launcher stops its router first, then its workers with SIGUSR1: no router is left to see
+    a drain flag, so they finish what they hold and exit without waiting 3 heartbeats for routers
+    (SIGTERM, a rolling drain, still waits). Each worker exits 0 (drained), the launcher too."""
+    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--log-level", "WARNING"])
+    srv.start()
+    try:
+        complete(srv.url)
+        pids = srv.worker_pids()
+        assert len(pids) == 2
+    finally:
+        rc = srv.stop()
+    log = srv.log()
+    assert rc == 0, log[-3000:]
+    assert log.count("draining (SIGUSR1: the launcher stops the cluster)") == 2, log[-3000:]
+    assert "draining (SIGTERM)" not in log and "did not stop in" not in log

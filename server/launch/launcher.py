@@ -271,7 +271,8 @@ class Launcher:
             return 0
         finally:
             await self._stop_server(serve_task)
-            await asyncio.to_thread(procs.stop)
+            # its router is gone (without discovery no other one found them): drain, no quiet period
+            await asyncio.to_thread(procs.stop, sig=signal.SIGTERM if self.cfg.cluster.discovery else signal.SIGUSR1)
             sock.close()
             close_ports(ports)
             zctx.destroy(linger=0)

@@ -64,12 +64,13 @@ class WorkerProcesses:
                 out.append((spec, p.returncode))
         return out
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every live worker, wait up to ``grace_s``, SIGKILL the rest; reap all; close
-        ``shared_fds``."""
+    def stop(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to every live worker (SIGTERM: drain; SIGUSR1: drain without the quiet
+        period, when no router is left to route to them), wait up to ``grace_s``, SIGKILL the rest;
+        reap all; close ``shared_fds``."""
         live = [p for _, p in self.procs.values() if p.poll() is None]
         for p in live:
-            p.terminate()
+            p.send_signal(sig)
         deadline = time.monotonic() + grace_s
         for p in live:
             try:
@@ -93,5 +94,5 @@ class ExternalWorkers:
     def restart(self, spec: WorkerSpec) -> None:  # pragma: no cover - never called without exits
         raise AssertionError("external workers are not restarted by the router")
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
         pass

@@ -5,7 +5,8 @@ Draining starts on SIGTERM or a ``Drain`` message. From then on the worker repor
 holds. It exits once both hold: it holds no request, and no new request arrived for ``quiet_s``
 (a router that sent one before it saw the flag may still have more in flight; ``quiet_s`` is a few
 heartbeat periods, time for every router to see the flag), and none was held for ``quiet_s``
-(routers saw it empty: their view of its pages is current when it leaves). Past ``timeout_s`` it gives up: the
+(routers saw it empty: their view of its pages is current when it leaves). SIGUSR1 drains without the
+quiet period: its launcher stops the whole cluster, router first. Past ``timeout_s`` it gives up: the
 requests still held are failed with 503 (a router sends again, on another worker, a request that
 had no token yet) and it exits.
 """
@@ -57,8 +58,11 @@ class Drain:
         """Whether the worker is draining."""
         return self.started is not None
 
-    def begin(self, reason: str) -> bool:
-        """Start draining (idempotent); True when this call started it."""
+    def begin(self, reason: str, quiet_s: float | None = None) -> bool:
+        """Start draining (idempotent); True when this call started it. ``quiet_s`` replaces the
+        quiet period (also when already draining): 0 when no router can still be routing here."""
+        if quiet_s is not None:
+            self.quiet_s = quiet_s
         if self.started is not None:
             return False
         self.started = self.last_intake = self.clock()
