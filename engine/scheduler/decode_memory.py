@@ -30,16 +30,20 @@ def fits_empty_pool(kv: KVManager, req: Request, steps: int = 1) -> bool:
     return PageBudget(kv).fits_alone(req.kv_len + steps)
 
 
+VICTIM_KEYS: dict[str, Callable[[Request], tuple[int, int]]] = {
+    "most-output": lambda r: (-len(r.output_ids), len(r.prompt_ids)),
+    "least-output": lambda r: (len(r.output_ids), -len(r.prompt_ids)),
+}
+
+
 def victim_order(reqs: list[Request], order: str = "most-output") -> list[Request]:
     """Retract order (first victim first). ``most-output``: most output tokens, then shortest input
     (the seed's prose, DESIGN.md). ``least-output``: least output tokens, then longest input (what
     SGLang's ``retract_decode`` pops: the request with the least progress, freeing the most pages).
     Ties keep the running order (the sort is stable)."""
-    if order == "least-output":
-        return sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
-    if order == "most-output":
-        return sorted(reqs, key=lambda r: (-len(r.output_ids), len(r.prompt_ids)))
-    raise ValueError(f"unknown retract order {order!r}: use most-output or least-output")
+    if order not in VICTIM_KEYS:
+        raise ValueError(f"unknown retract order {order!r}: use most-output or least-output")
+    return sorted(reqs, key=VICTIM_KEYS[order])
 
 
 @dataclass
