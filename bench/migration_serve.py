@@ -155,10 +155,15 @@ def serve_part(args) -> dict:
     matched = matched_p99_ratio(off["requests"], on["requests"])
     if not args.per_request:
         off.pop("requests"), on.pop("requests")
-    ratio = on["p99_s"] / off["p99_s"] if on["p99_s"] and off["p99_s"] else None
-    stall = on["stall_p99_s"] / off["stall_p99_s"] if on["stall_p99_s"] and off["stall_p99_s"] else None
+    ratio = _ratio(on, off, "p99_s")
     return {"without": off, "with": on, "tokens_identical": same, "p99_ratio": ratio, "matched_p99_ratio": matched,
-            "stall_p99_ratio": stall, "goal_met": serve_goal_met(ratio, matched, same, on["failed"] + off["failed"])}
+            "stall_p99_ratio": _ratio(on, off, "stall_p99_s"),
+            "goal_met": serve_goal_met(ratio, matched, same, on["failed"] + off["failed"])}
+
+
+def _ratio(on: dict, off: dict, key: str) -> float | None:
+    """``on[key] / off[key]`` (with migration over without), None when either is missing or 0."""
+    return on[key] / off[key] if on[key] and off[key] else None
 
 
 def serve_goal_met(ratio: float | None, matched: float | None, same_tokens: bool, failed: int) -> bool:

@@ -59,9 +59,8 @@ class WorkerLoop:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
         SIGTERM or a ``Drain`` message drains the worker, SIGUSR1 without the quiet period
-        (``server.worker.drain``; the scheduler
-        must also be a ``HoldsRequests``): :meth:`run` returns once it holds nothing, or after
-        ``drain_timeout_s`` with the rest failed (503).
+        (``server.worker.drain``; the scheduler must also be a ``HoldsRequests``): :meth:`run`
+        returns once it holds nothing, or after ``drain_timeout_s`` with the rest failed (503).
         ``step_delay_s`` (testing): sleep after every step that had work, like a slow machine.
         ``cores``: this worker's slot of its launch's core ledger (``server.worker.core_lending``).
         ``auth``: CURVE (or not) on every socket: the control socket and the peer sockets, which
@@ -97,7 +96,8 @@ class WorkerLoop:
         if tree is not None and feed_bind_host(self.control_addr) is not None:
             self.kv_feed = KvFeed(tree, self.control_addr, self.worker_id, self.instance, self.auth)
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain("SIGTERM"))
-        signal.signal(signal.SIGUSR1, lambda *_: self.begin_drain("SIGUSR1: the launcher stops the cluster", quiet_s=0.0))
+        signal.signal(signal.SIGUSR1,
+                      lambda *_: self.begin_drain("SIGUSR1: the launcher stops the cluster", quiet_s=0.0))
         log.info("%s worker %s serving; control plane: %s", scheduler.role, self.worker_id, self.auth.describe())
         self.io.publish(self._stats(0))
         self.io.start()

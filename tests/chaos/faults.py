@@ -38,6 +38,7 @@ class Injected:
     victim: str
     t: float
     observed: str
+    seen: bool = True  # the fault's moment was seen (False: injected at whatever moment, after waiting)
     hog: subprocess.Popen | None = None
 
     def end(self) -> None:
@@ -45,9 +46,6 @@ class Injected:
         if self.hog is not None:
             self.hog.kill()
             self.hog.wait()
-
-
-NOT_SEEN = "not seen"
 
 
 def _candidates(cluster: Cluster, fault: Fault) -> list[str]:
@@ -58,13 +56,14 @@ def _candidates(cluster: Cluster, fault: Fault) -> list[str]:
     return [w for w in cluster.worker_ids(fault.role) if w != external]
 
 
-def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random, timeout_s: float = 8.0) -> tuple[str, str]:
-    """Poll until a candidate shows work in one of ``fault.when``'s queues; (victim, what was seen).
-    The victim is drawn (seeded) among those showing it, or among all if none did in time (then
-    what was seen starts with ``NOT_SEEN``)."""
+def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random,
+                   timeout_s: float = 8.0) -> tuple[str, str, bool]:
+    """Poll until a candidate shows work in one of ``fault.when``'s queues; (victim, what was seen,
+    whether the moment came). The victim is drawn (seeded) among those showing it, or among all if
+    none did in time."""
     candidates = _candidates(cluster, fault)
     if not fault.when:
-        return rng.choice(candidates), "-"
+        return rng.choice(candidates), "-", True
     deadline = time.monotonic() + timeout_s
     while True:
         m = cluster.metrics()
@@ -74,7 +73,7 @@ def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random, timeout_s
         if busy or time.monotonic() > deadline:
             victim = rng.choice(busy or candidates)
             what = ", ".join(f"{q}={v:g}" for q, v in seen[victim].items())
-            return victim, what if busy else f"{NOT_SEEN} in {timeout_s:g}s ({what})"
+            return victim, (what if busy else f"not seen in {timeout_s:g}s ({what})"), bool(busy)
         time.sleep(0.05)
 
 
@@ -82,8 +81,8 @@ def inject(cluster: Cluster, fault: Fault, rng: random.Random, at_any_moment: bo
     """Wait for the moment, then act (blocking; a ``stop`` returns after SIGCONT). The moment not
     seen: act anyway when ``at_any_moment``, else do nothing and return None (the caller runs
     another wave and tries again)."""
-    victim, observed = _wait_for_work(cluster, fault, rng)
-    if observed.startswith(NOT_SEEN) and not at_any_moment:
+    victim, observed, seen = _wait_for_work(cluster, fault, rng)
+    if not (seen or at_any_moment):
         return None
     time.sleep(rng.uniform(0.0, 0.15))
     t = time.monotonic()
@@ -99,13 +98,13 @@ def inject(cluster: Cluster, fault: Fault, rng: random.Random, at_any_moment: bo
         signal_worker(cluster, victim, signal.SIGCONT)
     elif fault.action == "hog":
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        return Injected(fault, "(beside)", t, observed, hog)
+        return Injected(fault, "(beside)", t, observed, seen, hog)
     elif fault.action == "page_size":
         cluster.external.kill()
         cluster.external.start("--page-size", "8")
     else:
         raise ValueError(f"unknown fault action {fault.action!r}")
-    return Injected(fault, victim, t, observed)
+    return Injected(fault, victim, t, observed, seen)
 
 
 FAULTS = [
