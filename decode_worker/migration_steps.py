@@ -30,6 +30,11 @@ def handle_migration(s, source: Conn, msg: Message, frames: list[bytes]) -> Outb
     if isinstance(msg, MigrateRequest):
         return admit_migrated(s, source.ident, msg, frame_ids(frames[0]))
     m = s.migration
+    if m is None and isinstance(msg, KVHandshake):  # a peer connecting ahead (``KVSources``) to one that never offers
+        out = Outbox()
+        out.send(source, KVHandshakeAck(ok=False, worker_id=s.worker_id, error=(
+            f"decode worker {s.worker_id} migrates no requests (no --migrate-after): it is no KV source")))
+        return out
     if m is None:
         return None
     if isinstance(msg, KVHandshake):

@@ -65,6 +65,14 @@ class PrefillPeers:
             self._handshake(peer, out)
         return out
 
+    def connect_all(self, addrs: list[str]) -> Outbox:
+        """``connect`` each of ``addrs`` (the router's ``KVSources``): handshakes made before any
+        transfer needs them."""
+        out = Outbox()
+        for addr in addrs:
+            out.extend(self.connect(addr))
+        return out
+
     def _handshake(self, peer: PrefillPeer, out: Outbox) -> None:
         peer.state = "connecting"
         peer.last_seen = peer.progress_at = time.monotonic()

@@ -42,7 +42,8 @@ from engine.scheduler.timeline import Timeline
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import GenerateRequest, KVWriteStarted, Message, PrefillFailed, PrefillWithdrawn, TokenDelta
+from transfer.wire.protocol import (GenerateRequest, KVSources, KVWriteStarted, Message, PrefillFailed, PrefillWithdrawn,
+                                    TokenDelta)
 
 
 class DecodeScheduler(WorkerScheduler):
@@ -138,6 +139,9 @@ class DecodeScheduler(WorkerScheduler):
         return out
 
     def handle(self, source, msg: Message, frames: list[bytes]) -> Outbox | None:
+        if isinstance(msg, KVSources):  # its decode peers are KV sources when it migrates (a deployment-wide flag)
+            migrates = self.cfg.cluster.migrate_after is not None
+            return self.peers.connect_all(msg.prefill + (msg.decode if migrates else []))
         if not isinstance(source, Peer):
             answer = queued_answer(self, msg)
             return answer if answer is not None else handle_migration(self, source, msg, frames)
@@ -208,6 +212,10 @@ class DecodeScheduler(WorkerScheduler):
         self._decode_deferred = False
         if self.running or self.local:
             out.extend(self._decode())
+            # a NIXL write's notification needs two polls here (the write's completion, then the
+            # notification its writer sends after it): one each side of the forward lands it a step sooner
+            for landing in self.transfers.landed() if self.transfers.inflight else ():
+                out.extend(self._landed(landing))
         elif not self.transfers:
             self.running.ratio.idle()
         return StepReport(out)

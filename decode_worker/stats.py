@@ -23,6 +23,8 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
                        local_prefill_backlog_tokens=s.local.backlog_tokens,
                        host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,
                        host_kv_pool_bytes_free=host.num_free() * host.page_bytes if host else 0)
+    for state in ("ready", "connecting", "failed", "dead"):  # its prefill workers and migration sources
+        base.gauges[f"kv_sources_{state}"] = sum(p.state == state for p in s.peers.by_addr.values())
     ms = s.migration_stats
     base.counters.update(migrations_out_done=ms.out_done, migrations_out_failed=ms.out_failed,
                          migrations_out_declined=ms.out_declined, migrations_in_done=ms.in_done,

@@ -29,7 +29,7 @@ from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.manifest import manifest_error, parse_manifest
 from decode_worker.peers import PrefillPeers
 from engine.scheduler.admission import admit_prompt
-from transfer.kv_transport import KVTransport
+from transfer.kv_transport import WARMUP_NOTIF, KVTransport
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import (KVDestination, KVWriteStarted, PrefillFailed, PrefillRequest, TransferManifest,
                                     ids_frame)
@@ -157,6 +157,8 @@ class TransferTracker:
         """Transfers whose completion notification arrived since the last call."""
         ended = []
         for _peer, raw in self.transport.poll_notifs():
+            if raw == WARMUP_NOTIF:  # a source set its connection up (``KVSender._warm``)
+                continue
             m = parse_manifest(raw)
             job = self.inflight.pop((m.room, m.generation), None) if m else None
             if job is None:

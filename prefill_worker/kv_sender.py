@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache.kv_pools import FULL, SWA, PoolGeometry
-from transfer.kv_transport import KVTransport
+from transfer.kv_transport import WARMUP_NOTIF, KVTransport
 from transfer.wire.outbox import Conn
 from transfer.wire.protocol import KVHandshake, TransferManifest
 
@@ -63,12 +63,13 @@ class KVSender:
         self.page_bytes = unit_bytes
         self.peers: dict[str, _Peer] = {}
         self.inflight: list[_InFlight] = []
+        self._warmups: list[Future] = []  # -> TransferHandle of a ``WARMUP_NOTIF`` write, released once it ended
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer") if threaded else None
 
     def accept_peer(self, conn: Conn, hs: KVHandshake, model: str, layout: dict, cluster_id: str = "",
                     worker_id: str = "") -> str | None:
         """Validate a decode worker's handshake (same cluster, model, KV layout, transport);
-        register its pool. Returns an error or None."""
+        register its pool and set the connection up (``_warm``). Returns an error or None."""
         if hs.cluster_id != cluster_id:
             return (f"cluster mismatch: decode worker {hs.worker_id} belongs to cluster {hs.cluster_id!r}, this "
                     f"prefill worker {worker_id} to {cluster_id!r}: the decode worker reached another deployment's "
@@ -86,7 +87,21 @@ class KVSender:
             return f"could not connect to the decode worker's KV pool: {e}"
         self.peers[hs.worker_id] = _Peer(conn, name, PoolGeometry(*hs.pool_geometry))
         log.info("decode worker %s connected (transport peer %s)", hs.worker_id, name)
+        self._warm(name)
         return None
+
+    def _warm(self, name: str) -> None:
+        """Write no pages to a new peer, with ``WARMUP_NOTIF``: the connection is set up now, while
+        the peer only handshakes, not in its first transfer (on NIXL that setup waits for the
+        target's next poll, up to one of its steps). A failure here is left to that transfer."""
+        empty = np.zeros(0, dtype=np.int32)
+        if self.pool is not None:
+            self._warmups.append(self.pool.submit(self.transport.write_pages, name, empty, empty, WARMUP_NOTIF))
+            return
+        try:
+            self.transport.write_pages(name, empty, empty, WARMUP_NOTIF).release()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.debug("warm-up write to %s failed: %s", name, e)
 
     def dest_rows(self, decode_worker: str, full_pages, swa_pages) -> np.ndarray:
         """The decode worker's unit rows of its ``full_pages`` then ``swa_pages``."""
@@ -129,7 +144,8 @@ class KVSender:
         return handle, None
 
     def poll(self) -> list[WriteEnded]:
-        """Every write that ended since the last call."""
+        """Every write that ended since the last call (warm-up writes are settled, not reported)."""
+        self._warmups = [f for f in self._warmups if not self._settled(f)]
         ended, still = [], []
         for f in self.inflight:
             state, error, end = self._state(f)
@@ -140,6 +156,19 @@ class KVSender:
             ended.append(WriteEnded(f.job, state == "done", error, f.nbytes, end - f.started, end))
         self.inflight = still
         return ended
+
+    @staticmethod
+    def _settled(f: Future) -> bool:
+        """Whether a warm-up write ended; its handle is then released."""
+        if not f.done():
+            return False
+        if f.exception() is not None:
+            return True
+        handle = f.result()
+        if handle.poll() == "pending":
+            return False
+        handle.release()
+        return True
 
     @staticmethod
     def _state(f: _InFlight) -> tuple[str, str | None, float | None]:

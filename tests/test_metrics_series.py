@@ -30,7 +30,7 @@ from server.worker.loop import worker_stats
 GAUGES = {"pdserve_kv_pool_pages", "pdserve_kv_pool_capacity_pages", "pdserve_queue_requests",
           "pdserve_new_token_ratio", "pdserve_host_kv_pool_bytes", "pdserve_worker_stats_age_seconds",
           "pdserve_worker_up", "pdserve_swa_pool_pages", "pdserve_swa_pool_capacity_pages",
-          "pdserve_worker_torch_threads"}
+          "pdserve_worker_torch_threads", "pdserve_kv_sources"}  # tests/test_kv_sources.py
 COVERED = {*(n for n, _ in WORKER_COUNTERS.values()), *(n for n, _ in WORKER_HISTOGRAMS.values()),
            "pdserve_request_phase_seconds", "pdserve_migrations", "pdserve_local_prefill",  # tests/test_migration.py,
            *GAUGES}  # tests/test_local_prefill.py (local_prefill_tokens too)

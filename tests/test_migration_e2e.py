@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 
 import openai
 import pytest
 
 from chromium_cdp import Browser, find_chromium
 from conftest import strip_eos
-from server.testing.subprocess_server import metric_sum, wait_idle
+from server.testing.subprocess_server import metric_sum, scrape_metrics, wait_idle
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -93,6 +94,7 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
                           "--max-model-len", "512", "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.25",
                           "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", "30",
                           "--peer-timeout-s", "4", "--log-level", "WARNING")
+    wait_connected(srv.url)
 
     with dashboard(srv.url, backend) as browser:
         page = None
@@ -102,6 +104,19 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
             page.wait_for("document.querySelectorAll('#migration-tiles .tile').length > 0", 30)
         results = asyncio.run(stream_all(srv.url, prompts, NEW_TOKENS))
         check_idle(srv.url, results, prompts, refs, tok, page)
+
+
+def wait_connected(url: str, timeout_s: float = 30.0) -> None:
+    """Before any request, each decode worker has handshaken its KV sources (the router's
+    ``KVSources``): the prefill worker and the other decode worker."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape_metrics(url)
+        ready = [metric_sum(m, "pdserve_kv_sources", worker=w, state="ready") for w in ("decode-0", "decode-1")]
+        if ready == [2, 2]:
+            return
+        assert time.monotonic() < deadline, f"KV sources ready: {ready}, expected [2, 2]"
+        time.sleep(HEARTBEAT_S)
 
 
 async def stream_all(url: str, prompts: list[str], max_tokens: int) -> list[tuple[list[int], object]]:

@@ -49,6 +49,9 @@ with ``transfer.factory.create_transport``; this module imports no backend.
   notification or never notifies); leases in the control plane handle that.
 * ``close()`` releases everything; the object is unusable afterwards (``RuntimeError``).
   Idempotent.
+* ``WARMUP_NOTIF``: an initiator that just added a peer writes no pages with this notification,
+  so that the connection's setup (UCX wireup; ucxx's endpoint and lanes) happens then rather than
+  in the first transfer; targets drop it.
 
 Methods are thread-safe (one lock per transport); a write holds that lock while it copies.
 """
@@ -65,6 +68,9 @@ import torch
 TransferState = Literal["pending", "done", "error"]
 
 METADATA_FORMAT = "pdserve-kv-transport/1"
+
+#: The notification of a page-less write that only sets a new connection up (module docstring).
+WARMUP_NOTIF = b"pdserve-kv-transport/warmup"
 
 
 class TransferHandle(abc.ABC):

@@ -165,6 +165,8 @@ class WorkerCollector(Collector):
                                  labels=["worker", "state"])
         age = GaugeMetricFamily("pdserve_worker_stats_age_seconds", "Age of the latest worker stats",
                                 labels=["worker"])
+        sources = GaugeMetricFamily("pdserve_kv_sources", "A PD decode worker's KV sources (its prefill workers and, "
+                                    "with migration, its decode peers) by handshake state", labels=["worker", "state"])
         threads = GaugeMetricFamily("pdserve_worker_torch_threads", "Torch threads of the worker's latest step "
                                     "(workers with core lending only)", labels=["worker"])
         for h in handles:
@@ -183,9 +185,11 @@ class WorkerCollector(Collector):
                     host.add_metric([w, state], g[f"host_kv_pool_bytes_{state}"])
             ratio.add_metric([w], g.get("new_token_ratio", 0.0))
             age.add_metric([w], max(0.0, self._clock() - h.stats_at) if h.stats_at is not None else 0.0)
+            for state in (k.removeprefix("kv_sources_") for k in g if k.startswith("kv_sources_")):
+                sources.add_metric([w, state], g[f"kv_sources_{state}"])
             if "torch_threads" in g:
                 threads.add_metric([w], g["torch_threads"])
-        yield from (pages, total, swa, swa_total, queues, ratio, host, age, threads)
+        yield from (pages, total, swa, swa_total, queues, ratio, host, age, sources, threads)
 
 
 class AdmissionCollector(Collector):

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from server.router.inflight import InflightTable
+from server.router.kv_sources import announce_sources
 from server.router.load import BlendedLoad, RoomAllocator
 from server.router.migration import Migrations
 from server.router.worker_client import WorkerUnavailable
@@ -187,6 +188,7 @@ class Registry:
         if h.state != READY:
             log.info("worker %s is ready (%s, capacity %d tokens)", worker_id, stats.model, stats.capacity_tokens)
             h.state, h.reason = READY, ""
+        announce_sources(self.handles.values(), h)
 
     def _on_draining(self, h: WorkerHandle, stats: WorkerStats) -> None:
         """A report from a worker that is draining or left discovery: out of rotation, held count shown."""

@@ -26,8 +26,9 @@ import zmq
 import zmq.asyncio
 
 from transfer.control_auth import ControlAuth, HandshakeWatch
-from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, KvSnapshotRequest, Message, MigrateRequest,
-                                    MigrationDeclined, MigrationEnded, MigrationOffer, PrefillRequest, ProtocolError,
+from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, KvSnapshotRequest, KVSources, Message,
+                                    MigrateRequest, MigrationDeclined, MigrationEnded, MigrationOffer, PrefillRequest,
+                                    ProtocolError,
                                     QueuedMove, QueuedOffer, Shutdown, StatsRequest, TokenBatch, TokenDelta,
                                     WorkerStats, decode, encode, frame_ids, ids_frame)
 from transfer.wire.sampling_params import SamplingParams
@@ -111,6 +112,10 @@ class WorkerClient:
         """Tell a decode worker its offered queued ``rid`` went to ``target`` (``QueuedMove``);
         ``WorkerUnavailable`` if it cannot be queued."""
         self._send(QueuedMove(rid=rid, target=target))
+
+    def kv_sources(self, msg: KVSources) -> None:
+        """Send a decode worker the workers it may take KV from; ``WorkerUnavailable``."""
+        self._send(msg)
 
     def abort(self, rids: list[str], reason: str) -> None:
         """Send an ``AbortRequest`` (best effort: errors are logged, never raised)."""

@@ -48,6 +48,7 @@ class WorkerHandle:
     leaving: bool = False  # discovery lost it: dropped once it holds no request
     drain_asked: bool = False  # the router asked this process (``instance``) to drain
     own_at_stats: int = 0  # this router's requests in flight on it when its last ``WorkerStats`` arrived
+    sources_sent: tuple | None = None  # (instance, KVSources) it was last sent (``server.router.kv_sources``)
 
     @property
     def worker_id(self) -> str:

@@ -39,6 +39,16 @@ class GenerateRequest(Message):
     n_frames: ClassVar[int] = 1
 
 
+class KVSources(Message):
+    """Router -> PD decode worker: the control addresses of the workers it may take KV from: the
+    ``prefill`` workers of its model and its ``decode`` peers (sources of migrated requests). It
+    handshakes each one it does not know yet (decode peers only when it migrates itself), so that
+    the first transfer from a source finds the connection made. Sent again when the list changes."""
+
+    prefill: list[str] = []
+    decode: list[str] = []
+
+
 # ---- PD: router/decode -> prefill, decode <-> prefill ----------------------------------------
 class PrefillRequest(Message):
     """Compute the KV of the ids in frame 0 and ship it to ``decode_worker``.
@@ -302,7 +312,7 @@ MESSAGES: dict[str, type[Message]] = {
                                   PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed,
                                   PrefillWithdrawn, KVWriteStarted, KvSnapshotRequest, KvEvents, KvSnapshot,
                                   MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded, QueuedOffer,
-                                  QueuedMove)
+                                  QueuedMove, KVSources)
 }
 
 
