@@ -42,8 +42,8 @@ from engine.scheduler.timeline import Timeline
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import (GenerateRequest, KVSources, KVWriteStarted, Message, PrefillFailed, PrefillWithdrawn,
-                                    TokenDelta)
+from transfer.wire.protocol import (GenerateRequest, KVSources, KVWriteStarted, Message, PrefillFailed,
+                                    PrefillWithdrawn, TokenDelta)
 
 
 class DecodeScheduler(WorkerScheduler):

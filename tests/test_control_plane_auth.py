@@ -31,7 +31,7 @@ from server.testing.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
 from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
-                                    KvEvents, KvSnapshot, KvSnapshotRequest, KVWriteStarted, MigrateRequest, MigrationDeclined,
+                                    KvEvents, KvSnapshot, KvSnapshotRequest, KVSources, KVWriteStarted, MigrateRequest, MigrationDeclined,
                                     MigrationEnded, MigrationOffer, PrefillFailed, PrefillRequest, PrefillWithdrawn,
                                     QueuedMove, QueuedOffer, Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
                                     hashes_frame, ids_frame)
@@ -84,6 +84,8 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "QueuedOffer": encode(QueuedOffer(rid="evil-gen", pages=1, waited_s=1.0)),
         # a decode worker would drop the queued request silently and withdraw its prefill
         "QueuedMove": encode(QueuedMove(rid="evil-gen", target="decode-1")),
+        # a decode worker would handshake the attacker's address as a KV source
+        "KVSources": encode(KVSources(prefill=["tcp://127.0.0.1:9"], decode=["tcp://127.0.0.1:10"])),
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out
