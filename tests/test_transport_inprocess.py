@@ -290,3 +290,24 @@ def test_transfer_modules_import_no_cycle_and_the_interface_no_backend():
         return seen
 
     assert [m for m in sorted(graph) if m in reach(m, set())] == []
+
+
+def test_a_first_write_imports_nothing_on_the_transfer_thread():
+    """A write's page checks (and ucxx's inbox's) import no module on first use: ``np.unique`` did
+    (``numpy.ma``, ~0.1 s holding the GIL on the writing thread at a decode worker's first
+    migration, its forward stalled that long). Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        import numpy as np
+        from transfer.kv_transport import check_pages, has_duplicates
+        check_pages([1, 2], [3, 4], 8, 8, "peer")
+        assert has_duplicates(np.array([3, 1, 3], dtype=np.int32)) and not has_duplicates(np.array([5], np.int32))
+        assert not has_duplicates(np.array([], dtype=np.int32))
+        print("numpy.ma" in sys.modules)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=".")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -223,6 +223,14 @@ def as_page_ids(pages, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def has_duplicates(ids: np.ndarray) -> bool:
+    """Whether a 1-D id array repeats an id. Sorts instead of ``np.unique``, whose first call
+    imports ``numpy.ma`` (compiled on the spot where numpy ships no bytecode): ~0.1 s holding the
+    GIL on a transfer thread, which stalled a decode worker's forward at its first migration."""
+    s = np.sort(ids)
+    return bool((s[1:] == s[:-1]).any())
+
+
 def check_pages(src_pages, dst_pages, n_src: int, n_dst: int, peer: str) -> tuple[np.ndarray, np.ndarray]:
     """Validate one write's page lists against both pools' page counts."""
     src = as_page_ids(src_pages, "src_pages")
@@ -236,7 +244,7 @@ def check_pages(src_pages, dst_pages, n_src: int, n_dst: int, peer: str) -> tupl
         if dst.min() < 0 or dst.max() >= n_dst:
             bad = int(dst[(dst < 0) | (dst >= n_dst)][0])
             raise ValueError(f"dst page id {bad} out of range: peer {peer!r} has {n_dst} pages")
-        if np.unique(dst).size != dst.size:
+        if has_duplicates(dst):
             raise ValueError("dst_pages has duplicate page ids")
     return src, dst
 

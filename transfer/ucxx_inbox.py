@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer.kv_transport import has_duplicates
 from transfer.ucxx_lanes import CopyLane, LaneJob, first_error
 from transfer.ucxx_wire import HEADER_TAG, WriteHeader, page_lane, page_tag, unpack_header
 
@@ -90,7 +91,7 @@ class Inbox:
     def _post(self, h: WriteHeader) -> None:
         pages = h.dst_pages
         n = self._pages.shape[0]
-        ok = pages.size == 0 or (pages.min() >= 0 and pages.max() < n and np.unique(pages).size == pages.size)
+        ok = pages.size == 0 or (pages.min() >= 0 and pages.max() < n and not has_duplicates(pages))
         late = time.time() >= h.deadline - LATE_GUARD_S
         if h.lanes > len(self.lanes):  # the initiator sent pages to workers this target lacks
             log.error("ucxx write %d from %s names %d copy lanes, this target has %d: dropped",
