@@ -4,23 +4,18 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from cache.kv_pools import FULL, SWA, PoolGeometry
-from transfer.kv_transport import WARMUP_NOTIF, KVTransport
+from prefill_worker.kv_writer import KVWriter
+from transfer.kv_transport import WARMUP_NOTIF, KVTransport, TransferHandle
 from transfer.wire.outbox import Conn
 from transfer.wire.protocol import KVHandshake, TransferManifest
 
 log = logging.getLogger(__name__)
-
-#: How long the writing thread polls a write it posted (on a transport that ``notifies_on_poll``)
-#: before leaving it to ``poll``. Without it a NIXL write's notification left at this scheduler's
-#: next ``settle``, after its next prefill step: PD at 8 clients on 2 cores, the decode worker saw
-#: the KV land 300 ms (mean) after the write was posted, then 35 ms.
-SETTLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -33,7 +28,7 @@ class _Peer:
 @dataclass
 class _InFlight:
     job: object
-    future: Future  # -> (TransferHandle, monotonic end or None): write_pages may block for the copy
+    future: Future  # -> (TransferHandle, monotonic end or None): ``KVWriter.submit``
     started: float  # time.monotonic()
     nbytes: int
 
@@ -63,8 +58,8 @@ class KVSender:
         self.page_bytes = unit_bytes
         self.peers: dict[str, _Peer] = {}
         self.inflight: list[_InFlight] = []
-        self._warmups: list[Future] = []  # -> TransferHandle of a ``WARMUP_NOTIF`` write, released once it ended
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer") if threaded else None
+        self._warmups: list[Future] = []  # of ``WARMUP_NOTIF`` writes, released once they ended
+        self.writer = KVWriter(transport) if threaded else None
 
     def accept_peer(self, conn: Conn, hs: KVHandshake, model: str, layout: dict, cluster_id: str = "",
                     worker_id: str = "") -> str | None:
@@ -95,13 +90,7 @@ class KVSender:
         the peer only handshakes, not in its first transfer (on NIXL that setup waits for the
         target's next poll, up to one of its steps). A failure here is left to that transfer."""
         empty = np.zeros(0, dtype=np.int32)
-        if self.pool is not None:
-            self._warmups.append(self.pool.submit(self.transport.write_pages, name, empty, empty, WARMUP_NOTIF))
-            return
-        try:
-            self.transport.write_pages(name, empty, empty, WARMUP_NOTIF).release()
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            log.debug("warm-up write to %s failed: %s", name, e)
+        self._warmups.append(self._submit(name, empty, empty, WARMUP_NOTIF))
 
     def dest_rows(self, decode_worker: str, full_pages, swa_pages) -> np.ndarray:
         """The decode worker's unit rows of its ``full_pages`` then ``swa_pages``."""
@@ -122,26 +111,20 @@ class KVSender:
         peer = self.peers.get(decode_worker)
         if peer is None:
             raise RuntimeError(f"decode worker {decode_worker!r} has not completed the KV handshake")
-        notif = manifest.model_dump_json().encode()
-        if self.pool is not None:
-            future = self.pool.submit(self._write, peer.transport_name, src, dst, notif)
-        else:
-            future = Future()
-            try:
-                future.set_result((self.transport.write_pages(peer.transport_name, src, dst, notif), None))
-            except Exception as e:  # noqa: BLE001 - reported through the future like the threaded path
-                future.set_exception(e)
+        future = self._submit(peer.transport_name, src, dst, manifest.model_dump_json().encode())
         self.inflight.append(_InFlight(job, future, time.monotonic(), len(src) * self.page_bytes))
 
-    def _write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes):
-        """On the writing thread: post the write and, where the transport ``notifies_on_poll``,
-        poll it for up to ``SETTLE_WAIT_S`` so its notification leaves when the pages are there.
-        The scheduler's thread touches the handle only after this returned (through the future).
-        Returns the handle and, if it ended here, when."""
-        handle = self.transport.write_pages(peer, src, dst, notif)
-        if self.transport.notifies_on_poll and handle.wait(SETTLE_WAIT_S) != "pending":
-            return handle, time.monotonic()
-        return handle, None
+    def _submit(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> Future:
+        """Post a write on the writing thread (``KVWriter``), or inline, completed through the same
+        future of ``(handle, ended_at)``."""
+        if self.writer is not None:
+            return self.writer.submit(peer, src, dst, notif)
+        future: Future = Future()
+        try:
+            future.set_result((self.transport.write_pages(peer, src, dst, notif), None))
+        except Exception as e:  # noqa: BLE001 - reported through the future like the threaded path
+            future.set_exception(e)
+        return future
 
     def poll(self) -> list[WriteEnded]:
         """Every write that ended since the last call (warm-up writes are settled, not reported)."""
@@ -159,16 +142,8 @@ class KVSender:
 
     @staticmethod
     def _settled(f: Future) -> bool:
-        """Whether a warm-up write ended; its handle is then released."""
-        if not f.done():
-            return False
-        if f.exception() is not None:
-            return True
-        handle = f.result()
-        if handle.poll() == "pending":
-            return False
-        handle.release()
-        return True
+        """Whether a warm-up write ended (a failure is left to the peer's first transfer)."""
+        return f.done() and (f.exception() is not None or _poll_release(f.result()[0]) != "pending")
 
     @staticmethod
     def _state(f: _InFlight) -> tuple[str, str | None, float | None]:
@@ -178,11 +153,17 @@ class KVSender:
         if f.future.exception() is not None:
             return "error", f"could not start the KV write: {f.future.exception()}", None
         handle, ended_at = f.future.result()
-        state = handle.poll()
-        if state != "pending":
-            handle.release()
+        state = _poll_release(handle)
         return state, getattr(handle, "error", None) or (None if state != "error" else "transport error"), ended_at
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _poll_release(handle: TransferHandle) -> str:
+    """The handle's state; released once it is terminal."""
+    state = handle.poll()
+    if state != "pending":
+        handle.release()
+    return state
