@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -40,6 +41,15 @@ class _Transport:
         return _Handle(self.events.setdefault(notif, threading.Event()))
 
 
+@contextmanager
+def _writer(t: _Transport, settle_s: float):
+    w = KVWriter(t, settle_s=settle_s)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
 def _wait_for(cond, timeout: float = 5.0) -> bool:
     end = time.monotonic() + timeout
     while not cond():
@@ -53,8 +63,7 @@ def test_a_batch_of_writes_is_posted_before_any_is_waited_on():
     """Three writes submitted together are all posted while the first is still pending in its
     settle window (before: each waited up to the window for the one before it)."""
     t = _Transport()
-    w = KVWriter(t, settle_s=30.0)
-    try:
+    with _writer(t, 30.0) as w:
         futures = [w.submit("d", PAGES, PAGES, n) for n in (b"a", b"b", b"c")]
         assert _wait_for(lambda: len(t.posted) == 3, timeout=2.0), t.posted
         assert t.posted == [b"a", b"b", b"c"] and not any(f.done() for f in futures)
@@ -64,31 +73,23 @@ def test_a_batch_of_writes_is_posted_before_any_is_waited_on():
         t.events[b"a"].set()
         t.events[b"c"].set()
         assert all(f.result(2)[1] is not None for f in futures)
-    finally:
-        w.close()
 
 
 def test_a_write_still_pending_at_its_deadline_is_handed_over_unended():
     t = _Transport()
-    w = KVWriter(t, settle_s=0.02)
-    try:
+    with _writer(t, 0.02) as w:
         handle, ended_at = w.submit("d", PAGES, PAGES, b"slow").result(2)
         assert ended_at is None and handle.poll() == "pending" and not handle.released
-    finally:
-        w.close()
 
 
 def test_a_write_that_cannot_start_fails_its_future_only():
     t = _Transport()
-    w = KVWriter(t, settle_s=0.02)
-    try:
+    with _writer(t, 30.0) as w:
         bad, good = w.submit("d", PAGES, PAGES, b"bad"), w.submit("d", PAGES, PAGES, b"ok")
         with pytest.raises(ValueError, match="unknown peer"):
             bad.result(2)
         t.events[b"ok"].set()
         assert good.result(2)[1] is not None
-    finally:
-        w.close()
 
 
 def test_close_hands_every_write_over_and_stops_the_thread():
@@ -102,9 +103,6 @@ def test_close_hands_every_write_over_and_stops_the_thread():
 def test_a_transport_that_notifies_with_the_data_is_not_waited_on():
     t = _Transport()
     t.notifies_on_poll = False
-    w = KVWriter(t, settle_s=30.0)
-    try:
+    with _writer(t, 30.0) as w:
         handle, ended_at = w.submit("d", PAGES, PAGES, b"x").result(2)
         assert ended_at is None and handle.poll() == "pending"
-    finally:
-        w.close()
