@@ -118,19 +118,26 @@ def _serve_run(args, migrate: bool) -> dict:
 
         results = asyncio.run(run_all())
         m = wait_idle(srv.url, 0.5, timeout_s=120)
-    median_gap = statistics.median([g for r in results for g in r["gaps"]] or [0.0])
-    retracted = [r for r in results if r["max_gap"] > args.gap_factor * median_gap]
-    lat = [r["e2e"] for r in retracted]
-    return {"migrate": migrate, "failed": sum(r["error"] is not None for r in results),
-            "retractions": metric_sum(m, "pdserve_retractions_total"),
+    return {"migrate": migrate, "retractions": metric_sum(m, "pdserve_retractions_total"),
             "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
             "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
-            "retracted_requests": len(retracted), "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99),
-            "stall_p99_s": percentile([r["max_gap"] for r in retracted], 0.99),
-            "all_p99_s": sorted(r["e2e"] for r in results)[int(0.99 * (len(results) - 1))],
+            **summarize(results, args.gap_factor)}
+
+
+def summarize(results: list[dict], gap_factor: float) -> dict:
+    """One run's requests (each with ``e2e``, ``gaps``, ``max_gap``, ``error``, ``ids``): failures, the
+    retracted ones (longest gap over ``gap_factor`` x the median token gap of the run) and their
+    quantiles, every request's P99 (all through ``percentile``), ids and a row per request."""
+    median_gap = statistics.median([g for r in results for g in r["gaps"]] or [0.0])
+    retracted = [r["max_gap"] > gap_factor * median_gap for r in results]
+    lat = [r["e2e"] for r, parked in zip(results, retracted) if parked]
+    return {"failed": sum(r["error"] is not None for r in results), "retracted_requests": len(lat),
+            "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99),
+            "stall_p99_s": percentile([r["max_gap"] for r, parked in zip(results, retracted) if parked], 0.99),
+            "all_p99_s": percentile([r["e2e"] for r in results], 0.99),
             "ids": [r["ids"] for r in results],
-            "requests": [{"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2),
-                          "retracted": r["max_gap"] > args.gap_factor * median_gap} for r in results]}
+            "requests": [{"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2), "retracted": parked}
+                         for r, parked in zip(results, retracted)]}
 
 
 def percentile(values, q: float) -> float | None:

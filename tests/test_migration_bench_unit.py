@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from bench.migration_bench import goal_lines
-from bench.migration_serve import LONG_PREFIX, long_prefix, matched_p99_ratio, percentile, serve_goal_met, split_decode_cpus
+from bench.migration_serve import (LONG_PREFIX, long_prefix, matched_p99_ratio, percentile, serve_goal_met,
+                                   split_decode_cpus, summarize)
 
 pytestmark = pytest.mark.unit
 
@@ -21,6 +22,19 @@ def test_percentile_takes_the_value_at_q_n_and_the_last_at_most():
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0
     assert percentile([float(i) for i in range(200)], 0.99) == 198.0
+
+
+def test_a_run_summary_takes_every_quantile_the_same_way():
+    """Twelve requests, two parked (longest gap over 5x the median gap): every P99 is the largest
+    value (``percentile``); before, every request's P99 took the second largest of twelve."""
+    rows = [{"e2e": 3.0 + i / 10, "gaps": [0.05] * 4, "max_gap": 0.05, "error": None, "ids": [i]} for i in range(10)]
+    rows += [{"e2e": 5.0, "gaps": [0.05, 1.2], "max_gap": 1.2, "error": None, "ids": [10]},
+             {"e2e": 4.5, "gaps": [0.05, 0.9], "max_gap": 0.9, "error": "aborted", "ids": [11]}]
+    s = summarize(rows, gap_factor=5.0)
+    assert s["failed"] == 1 and s["retracted_requests"] == 2
+    assert (s["p50_s"], s["p99_s"], s["stall_p99_s"], s["all_p99_s"]) == (5.0, 5.0, 1.2, 5.0)
+    assert [r["retracted"] for r in s["requests"]] == [False] * 10 + [True, True]
+    assert s["ids"] == [[i] for i in range(12)]
 
 
 def test_matched_ratio_follows_the_requests_retracted_without_migration():
