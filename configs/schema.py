@@ -33,6 +33,18 @@ def migrate_bound(text: str) -> tuple[int | None, float | None]:
     return (None, float(value)) if t.endswith("s") else (int(value), None)
 
 
+def worker_pool_tokens(text: str) -> dict[str, int]:
+    """``--worker-kv-pool-tokens``: ``"decode-1=4096,..."`` -> {worker id: tokens}; ``ValueError``
+    naming the entry that is not ``ID=TOKENS`` with TOKENS >= 1."""
+    out: dict[str, int] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        wid, sep, tokens = entry.partition("=")
+        if not sep or not wid.strip() or not tokens.strip().isdigit() or int(tokens) < 1:
+            raise ValueError(f"worker_kv_pool_tokens: {entry!r} should be ID=TOKENS (e.g. decode-1=4096)")
+        out[wid.strip()] = int(tokens)
+    return out
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -153,6 +165,10 @@ class ClusterConfig(BaseModel):
     worker_cpus: str = Field("off", description="launcher: cores per worker on this host: off (every worker may "
                              "use every core), auto (split the cores among the workers, spare ones to the "
                              "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)")
+    worker_kv_pool_tokens: str = Field(
+        "", description="launcher: KV pool capacity in tokens of the named workers instead of kv_pool_tokens: "
+                        "ID=TOKENS,... (e.g. decode-1=8192: a decode worker on a device with more memory); "
+                        "pool sizes may differ between the workers that exchange KV")
     core_lending: Literal["off", "prefill", "all"] = Field(
         "all", description="launcher: a worker that is the only one of this host's unpinned launch with work "
                            "runs its step on every core (server.worker.core_lending): all (default: any worker "
@@ -177,6 +193,15 @@ class ClusterConfig(BaseModel):
         elif self.migrate_queued:
             raise ValueError("migrate_queued needs migrate_after (how long a request waits for pages before it is "
                              "offered): add --migrate-after, e.g. --migrate-after 0.5s")
+        return self
+
+    @model_validator(mode="after")
+    def _pool_tokens_of_known_workers(self) -> "ClusterConfig":
+        ids = ([f"colocated-{i}" for i in range(self.replicas)] if self.mode == "colocated" else
+               [f"prefill-{i}" for i in range(self.prefill)] + [f"decode-{i}" for i in range(self.decode)])
+        if unknown := sorted(set(worker_pool_tokens(self.worker_kv_pool_tokens)) - set(ids)):
+            raise ValueError(f"worker_kv_pool_tokens names {', '.join(unknown)}, not a worker of this {self.mode} "
+                             f"deployment ({', '.join(ids)})")
         return self
 
     @model_validator(mode="after")

@@ -86,9 +86,13 @@ def refs(embedded):
 
 @pytest.mark.parametrize("backend", ["nixl", "ucxx"])
 def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs, backend):
+    """Over ucxx the peer's pool is twice the source's (``--worker-kv-pool-tokens``): migrations land
+    in a pool of another size, whose pages the handshake's geometry places."""
     tok = embedded[2]
     prompts = PROMPTS
+    pools = {"decode-0": 24, "decode-1": 48 if backend == "ucxx" else 24}  # pages of 16 tokens
     srv = launched_server("pd", "--decode", "2", "--transfer-backend", backend, "--route-decode", "decode-0",
+                          "--worker-kv-pool-tokens", f"decode-1={pools['decode-1'] * 16}",
                           "--migrate-after", "2", "--retract-test-interval", "16", "--kv-pool-tokens", "384",
                           "--page-size", "16",
                           "--max-model-len", "512", "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.25",
@@ -104,6 +108,8 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
             page.wait_for("document.querySelectorAll('#migration-tiles .tile').length > 0", 30)
         results = asyncio.run(stream_all(srv.url, prompts, NEW_TOKENS))
         check_idle(srv.url, results, prompts, refs, tok, page)
+    m = scrape_metrics(srv.url)
+    assert {w: metric_sum(m, "pdserve_kv_pool_capacity_pages", worker=w) for w in pools} == pools
 
 
 def wait_connected(url: str, timeout_s: float = 30.0) -> None:

@@ -37,7 +37,7 @@ import uvicorn
 import zmq.asyncio
 
 from configs.schema import PdserveConfig
-from server.launch.roles import WORKER_ROLES, bind_addr, worker_specs
+from server.launch.roles import WORKER_ROLES, bind_addr, worker_config, worker_specs
 from server.launch.worker_procs import ExternalWorkers, WorkerProcesses
 from server.router.registry import WorkerSpec
 from server.worker.core_lending import CoreLedger, borrows
@@ -60,11 +60,6 @@ KEEP_ALIVE_S = 75
 
 class LaunchError(RuntimeError):
     """Startup failed; the message says what to fix."""
-
-
-def worker_config(cfg: PdserveConfig) -> PdserveConfig:
-    """The config handed to workers: the API key stays in the router (argv is world-readable)."""
-    return cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": None})})
 
 
 def with_cluster_id(cfg: PdserveConfig, own_workers: bool) -> PdserveConfig:
@@ -93,7 +88,7 @@ def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
     """Command line of one worker process."""
     return [sys.executable, "-m", "server.worker.main", "--role", spec.role, "--worker-id", spec.worker_id,
             "--control-addr", bind_addr(spec, cfg), "--advertise-addr", spec.addr,
-            "--config-json", worker_config(cfg).model_dump_json()]
+            "--config-json", worker_config(cfg, spec.worker_id).model_dump_json()]
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 
-from configs.schema import PdserveConfig
+from configs.schema import PdserveConfig, worker_pool_tokens
 from transfer.wire.enums import ALL_WORKER_ROLES, Role
 from server.router.registry import WorkerSpec
 
@@ -63,6 +63,15 @@ def worker_specs(cfg: PdserveConfig, roles: frozenset[Role] | None = None) -> li
                 specs.append(WorkerSpec(f"{role}-{i}", role, _addr(host, port)))
             port += 1
     return specs
+
+
+def worker_config(cfg: PdserveConfig, worker_id: str) -> PdserveConfig:
+    """The config handed to one worker: the API key stays in the router (argv is world-readable), and
+    its KV pool is ``worker_kv_pool_tokens``'s size for it where that names it."""
+    engine = cfg.engine
+    if (tokens := worker_pool_tokens(cfg.cluster.worker_kv_pool_tokens).get(worker_id)) is not None:
+        engine = engine.model_copy(update={"kv_pool_tokens": tokens})
+    return cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": None}), "engine": engine})
 
 
 def bind_addr(spec: WorkerSpec, cfg: PdserveConfig) -> str:
