@@ -175,3 +175,27 @@ def test_error_on_one_pd_worker_aborts_the_request_on_the_other():
 
     rid = asyncio.run(scenario())
     assert reg.handles["p0"].client.aborted == [rid] and rid not in table
+
+
+def test_a_request_goes_to_a_worker_whose_pool_holds_it_when_pools_differ():
+    """Pools of different sizes (``--worker-kv-pool-tokens``): the policy picks among the workers that
+    can hold the request; the prefill worker needs room for the prompt alone. A request no route
+    holds is routed as before and refused by the route's fit check, naming the pool."""
+    from server.router.session import APIError, check_route_fits
+
+    specs = [WorkerSpec("p0", "prefill", "tcp://p"), WorkerSpec("d0", "decode", "tcp://d0"),
+             WorkerSpec("d1", "decode", "tcp://d1")]
+    reg = Registry(specs, lambda *a: object(), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES["pd"])
+    for s, cap in zip(specs, (100, 100, 400)):
+        reg.on_stats(s.worker_id, WorkerStats(worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=cap,
+                                              max_model_len=1000, page_size=1))
+    prompt = list(range(60))
+    assert reg.route(prompt, 30).stream_from.worker_id == "d0"  # both hold 90 tokens: least loaded, lowest id
+    big = reg.route(prompt, 200)
+    assert [h.worker_id for h in big.targets] == ["p0", "d1"] and big.capacity_tokens == 400
+    check_route_fits(60, 200, big)  # the prefill worker holds the 60-token prompt, d1 all 260
+    with pytest.raises(APIError, match=r"exceeds the KV cache pool capacity of 400 tokens"):
+        check_route_fits(60, 400, reg.route(prompt, 400))
+    long_prompt = list(range(150))
+    with pytest.raises(APIError, match=r"prompt \(150 tokens\) exceeds the prefill worker's KV pool of 100 tokens"):
+        check_route_fits(150, 10, reg.route(long_prompt, 10))

@@ -18,6 +18,7 @@ each other's load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ from server.router.load import BlendedLoad, RoomAllocator
 from server.router.migration import Migrations
 from server.router.worker_client import WorkerUnavailable
 from server.router.workers import (DEAD, DRAINED, DRAINING, OUT_OF_ROTATION, READY, RESTARTING, ROUTING_POLICIES,
-                                   STARTING, NoWorkerAvailable, Policy, Route, WorkerHandle, WorkerSpec,
+                                   STARTING, NoWorkerAvailable, Policy, Route, WorkerHandle, WorkerSpec, by_room,
                                    least_outstanding, route_colocated, route_pd, send_request)
 from transfer.wire.enums import Role
 from transfer.wire.protocol import TokenDelta, WorkerStats
@@ -110,14 +111,20 @@ class Registry:
                 log.info("worker %s removed: %s", h.worker_id, h.reason or "left discovery")
 
     # ---- routing and health ------------------------------------------------------------------
-    def route(self, prompt_ids: Sequence[int] = ()) -> Route:
+    def route(self, prompt_ids: Sequence[int] = (), max_new_tokens: int = 0) -> Route:
         """A route for a new request of ``prompt_ids`` (the policy may score them against the
-        workers' caches); raises ``NoWorkerAvailable`` naming each worker's state."""
+        workers' caches); raises ``NoWorkerAvailable`` naming each worker's state. Where pools
+        differ (``--worker-kv-pool-tokens``) the policy picks among the workers that can hold the
+        request while they make a route (``by_room``); a request none holds is refused by the route's
+        fit check."""
         ready = [h for h in self.handles.values() if h.state == READY]
         try:
-            if ready:
-                return self.policy(ready, self.load, prompt_ids)
-            raise NoWorkerAvailable("no worker is ready")
+            if not ready:
+                raise NoWorkerAvailable("no worker is ready")
+            for subset in by_room(ready, len(prompt_ids), max_new_tokens):
+                with contextlib.suppress(NoWorkerAvailable):
+                    return self.policy(subset, self.load, prompt_ids)
+            return self.policy(ready, self.load, prompt_ids)
         except NoWorkerAvailable as e:
             raise NoWorkerAvailable(f"{e} ({self.describe()})") from None
 

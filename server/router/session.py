@@ -43,6 +43,9 @@ def check_route_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None
     with the same message and its ``param``/``code``."""
     try:
         FitCheck(route.capacity_tokens, route.max_model_len, restart="server").request(prompt_len, max_new_tokens)
+        for h in route.targets:
+            if h is not route.stream_from:
+                FitCheck(h.stats.capacity_tokens, h.stats.max_model_len, restart="server").prompt(prompt_len)
     except RequestRejected as e:
         raise APIError(400, str(e), param=e.param, code=e.code) from None
 
@@ -84,7 +87,8 @@ class GenerationSession:
         """Pick the route (``route`` when given: another choice of the same prompt shares it) and
         check limits; raises ``APIError`` (503 / 400). Nothing is sent."""
         try:
-            self.route = route or self.registry.route(self.prompt_ids)
+            self.route = route or self.registry.route(self.prompt_ids, 0 if self.auto_max_tokens else
+                                                      self.params.max_new_tokens)
         except NoWorkerAvailable as e:
             raise APIError(503, f"no worker available: {e}", code="worker_unavailable") from None
         if self.auto_max_tokens:

@@ -75,13 +75,35 @@ class Route:
 
     @property
     def capacity_tokens(self) -> int:
-        """Smallest KV pool capacity among the targets (tokens)."""
-        return min(h.stats.capacity_tokens for h in self.targets)
+        """KV pool capacity (tokens) of the worker that holds the whole sequence: the one streaming
+        (PD: the decode worker; the prefill worker holds the prompt alone, ``check_route_fits``)."""
+        return self.stream_from.stats.capacity_tokens
 
     @property
     def max_model_len(self) -> int:
         """Smallest context limit among the targets (tokens)."""
         return min(h.stats.max_model_len for h in self.targets)
+
+
+def holds(h: WorkerHandle, prompt_len: int, max_new_tokens: int) -> bool:
+    """Whether ``h``'s KV pool and context can ever hold its part of a request: a prefill worker the
+    prompt, any other worker the prompt plus ``max_new_tokens``."""
+    need = prompt_len + (0 if h.spec.role == Role.PREFILL else max_new_tokens)
+    return need <= min(h.stats.capacity_tokens, h.stats.max_model_len)
+
+
+def by_room(ready: list[WorkerHandle], prompt_len: int, max_new_tokens: int) -> list[list[WorkerHandle]]:
+    """Where pools differ, the subsets of ``ready`` to route among first, in order: the workers that
+    hold the request (``holds``), then the prefill workers with the workers of the largest pool (so
+    a request no route holds is refused naming that pool). Empty where every worker holds it."""
+    def room(h: WorkerHandle) -> int:
+        return min(h.stats.capacity_tokens, h.stats.max_model_len)
+    fit = [h for h in ready if holds(h, prompt_len, max_new_tokens)]
+    if len(fit) == len(ready):
+        return []
+    widest = max((room(h) for h in ready if h.spec.role != Role.PREFILL), default=0)
+    subsets = (fit, [h for h in ready if h.spec.role == Role.PREFILL or room(h) == widest])
+    return [s for s in subsets if s and len(s) < len(ready)]
 
 
 class NoWorkerAvailable(RuntimeError):
