@@ -110,6 +110,10 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
         check_idle(srv.url, results, prompts, refs, tok, page)
     m = scrape_metrics(srv.url)
     assert {w: metric_sum(m, "pdserve_kv_pool_capacity_pages", worker=w) for w in pools} == pools
+    if backend == "ucxx":  # prompt + 400 tokens fit decode-1's pool, not decode-0's: routed there, not refused
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompts[0], max_tokens=400, temperature=0)
+        assert 24 * 16 < r.usage.prompt_tokens + 400 <= 48 * 16 and r.usage.completion_tokens > 0
 
 
 def wait_connected(url: str, timeout_s: float = 30.0) -> None:
