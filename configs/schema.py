@@ -195,10 +195,16 @@ class ClusterConfig(BaseModel):
                              "offered): add --migrate-after, e.g. --migrate-after 0.5s")
         return self
 
+    def workers(self) -> list[tuple[str, str]]:
+        """(role, worker id) of every worker of the deployment, in launch order (which also numbers
+        their control ports): ``colocated-i``, or ``prefill-i`` then ``decode-j``."""
+        counts = {"colocated": self.replicas} if self.mode == "colocated" else {"prefill": self.prefill,
+                                                                              "decode": self.decode}
+        return [(role, f"{role}-{i}") for role, n in counts.items() for i in range(n)]
+
     @model_validator(mode="after")
     def _pool_tokens_of_known_workers(self) -> "ClusterConfig":
-        ids = ([f"colocated-{i}" for i in range(self.replicas)] if self.mode == "colocated" else
-               [f"prefill-{i}" for i in range(self.prefill)] + [f"decode-{i}" for i in range(self.decode)])
+        ids = [wid for _, wid in self.workers()]
         if unknown := sorted(set(worker_pool_tokens(self.worker_kv_pool_tokens)) - set(ids)):
             raise ValueError(f"worker_kv_pool_tokens names {', '.join(unknown)}, not a worker of this {self.mode} "
                              f"deployment ({', '.join(ids)})")

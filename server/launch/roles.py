@@ -54,15 +54,9 @@ def worker_specs(cfg: PdserveConfig, roles: frozenset[Role] | None = None) -> li
     the mode, so a subset keeps the ports the full deployment gives it.
     """
     c = cfg.cluster
-    counts = {Role.COLOCATED: c.replicas} if c.mode == "colocated" else {Role.PREFILL: c.prefill, Role.DECODE: c.decode}
     host = advertised_host(cfg)
-    specs, port = [], c.base_port
-    for role, count in counts.items():
-        for i in range(count):
-            if roles is None or role in roles:
-                specs.append(WorkerSpec(f"{role}-{i}", role, _addr(host, port)))
-            port += 1
-    return specs
+    return [WorkerSpec(wid, Role(role), _addr(host, port))
+            for port, (role, wid) in enumerate(c.workers(), c.base_port) if roles is None or role in roles]
 
 
 def worker_config(cfg: PdserveConfig, worker_id: str) -> PdserveConfig:

@@ -85,24 +85,26 @@ class Route:
         return min(h.stats.max_model_len for h in self.targets)
 
 
+def _room(h: WorkerHandle) -> int:
+    """The most tokens ``h`` can ever hold for one request: its KV pool or its context, the smaller."""
+    return min(h.stats.capacity_tokens, h.stats.max_model_len)
+
+
 def holds(h: WorkerHandle, prompt_len: int, max_new_tokens: int) -> bool:
-    """Whether ``h``'s KV pool and context can ever hold its part of a request: a prefill worker the
-    prompt, any other worker the prompt plus ``max_new_tokens``."""
-    need = prompt_len + (0 if h.spec.role == Role.PREFILL else max_new_tokens)
-    return need <= min(h.stats.capacity_tokens, h.stats.max_model_len)
+    """Whether ``h`` can ever hold its part of a request: a prefill worker the prompt, any other
+    worker the prompt plus ``max_new_tokens``."""
+    return prompt_len + (0 if h.spec.role == Role.PREFILL else max_new_tokens) <= _room(h)
 
 
 def by_room(ready: list[WorkerHandle], prompt_len: int, max_new_tokens: int) -> list[list[WorkerHandle]]:
     """Where pools differ, the subsets of ``ready`` to route among first, in order: the workers that
     hold the request (``holds``), then the prefill workers with the workers of the largest pool (so
     a request no route holds is refused naming that pool). Empty where every worker holds it."""
-    def room(h: WorkerHandle) -> int:
-        return min(h.stats.capacity_tokens, h.stats.max_model_len)
     fit = [h for h in ready if holds(h, prompt_len, max_new_tokens)]
     if len(fit) == len(ready):
         return []
-    widest = max((room(h) for h in ready if h.spec.role != Role.PREFILL), default=0)
-    subsets = (fit, [h for h in ready if h.spec.role == Role.PREFILL or room(h) == widest])
+    widest = max((_room(h) for h in ready if h.spec.role != Role.PREFILL), default=0)
+    subsets = (fit, [h for h in ready if h.spec.role == Role.PREFILL or _room(h) == widest])
     return [s for s in subsets if s and len(s) < len(ready)]
 
 
