@@ -1,4 +1,5 @@
 """``python -m bench``: see ``bench.cli``."""
+
 import sys
 
 from bench.cli import main

@@ -13,6 +13,7 @@ sitting, so the last table's ratios against the first value are the A/B.
 
     python -m bench.burst_split --values 0,256 --burst 32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ import time
 
 import httpx
 
+from bench.harness.subprocess_server import LaunchedServer, metric_sum, wait_idle
 from bench.serve.servers import launch_argv
-from server.testing.subprocess_server import LaunchedServer, metric_sum, wait_idle
 
 
 async def _one(http: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> tuple[float, float]:
@@ -51,8 +52,13 @@ async def burst(url: str, prompts: list[list[int]], output_len: int) -> list[tup
 
 def phase_sum(m: dict, worker_role: str, phase: str) -> float:
     """Seconds a role's workers spent in ``phase`` (sum of the histogram), over its workers."""
-    return sum(v for (n, lab), v in m.items() if n == "pdserve_request_phase_seconds_sum"
-               and dict(lab).get("phase") == phase and dict(lab).get("worker", "").startswith(worker_role))
+    return sum(
+        v
+        for (n, lab), v in m.items()
+        if n == "pdserve_request_phase_seconds_sum"
+        and dict(lab).get("phase") == phase
+        and dict(lab).get("worker", "").startswith(worker_role)
+    )
 
 
 def run(value: int, args) -> dict:
@@ -74,16 +80,27 @@ def run(value: int, args) -> dict:
         return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
     local = moved("pdserve_local_prefill_tokens_total")
-    reasons = {dict(lab)["reason"]: moved("pdserve_local_prefill_total", reason=dict(lab)["reason"])
-               for (n, lab) in after if n == "pdserve_local_prefill_total"}
+    reasons = {
+        dict(lab)["reason"]: moved("pdserve_local_prefill_total", reason=dict(lab)["reason"])
+        for (n, lab) in after
+        if n == "pdserve_local_prefill_total"
+    }
     ttfts = [r[0] for r in res]
+
     def phase_moved(role: str, phase: str) -> float:
         return phase_sum(after, role, phase) - phase_sum(before, role, phase)
 
-    return {"value": value, "prompt_tokens": sum(map(len, prompts)), "decode_tokens": local,
-            "prefill_s": phase_moved("prefill", "prefill_compute"), "local_s": phase_moved("decode", "local_prefill"),
-            "reasons": {k: int(v) for k, v in reasons.items() if v}, "ttft_med": statistics.median(ttfts),
-            "ttft_max": max(ttfts), "makespan": makespan}
+    return {
+        "value": value,
+        "prompt_tokens": sum(map(len, prompts)),
+        "decode_tokens": local,
+        "prefill_s": phase_moved("prefill", "prefill_compute"),
+        "local_s": phase_moved("decode", "local_prefill"),
+        "reasons": {k: int(v) for k, v in reasons.items() if v},
+        "ttft_med": statistics.median(ttfts),
+        "ttft_max": max(ttfts),
+        "makespan": makespan,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,14 +114,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-args", default="", help="more `pdserve launch` flags for every server")
     args = p.parse_args(argv)
     rows = [run(int(v), args) for v in args.values.split(",")]
-    print("| --local-prefill-max-tokens | prompt tokens | by prefill worker | by decode worker | prefill compute s "
-          "(P) | local prefill s (D) | decisions | TTFT median s | TTFT max s | makespan s | makespan / first |")
+    print(
+        "| --local-prefill-max-tokens | prompt tokens | by prefill worker | by decode worker | prefill compute s "
+        "(P) | local prefill s (D) | decisions | TTFT median s | TTFT max s | makespan s | makespan / first |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['value']} | {r['prompt_tokens']} | {r['prompt_tokens'] - r['decode_tokens']:.0f} | "
-              f"{r['decode_tokens']:.0f} | {r['prefill_s']:.2f} | {r['local_s']:.2f} | {r['reasons'] or '-'} | "
-              f"{r['ttft_med']:.2f} | {r['ttft_max']:.2f} | {r['makespan']:.2f} | "
-              f"{r['makespan'] / rows[0]['makespan']:.2f} |")
+        print(
+            f"| {r['value']} | {r['prompt_tokens']} | {r['prompt_tokens'] - r['decode_tokens']:.0f} | "
+            f"{r['decode_tokens']:.0f} | {r['prefill_s']:.2f} | {r['local_s']:.2f} | {r['reasons'] or '-'} | "
+            f"{r['ttft_med']:.2f} | {r['ttft_max']:.2f} | {r['makespan']:.2f} | "
+            f"{r['makespan'] / rows[0]['makespan']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ benchmarks' command line. The benchmarks sit above every serving package; nothin
 
 ``STANDALONE`` benchmarks have a parser of their own: ``pdserve bench NAME ARGS`` hands ARGS to that
 module's ``main`` (``pdserve bench two-routers --help`` shows its flags)."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,34 +21,61 @@ STANDALONE = {"two-routers": "bench.two_routers", "compose-multiturn": "bench.co
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``pdserve bench`` / ``python -m bench``."""
-    p = argparse.ArgumentParser(prog="pdserve bench", description="benchmarks",
-                                epilog="also: " + ", ".join(f"'pdserve bench {n} --help'" for n in STANDALONE)
-                                       + " (benchmarks with flags of their own; two-routers: one router against two "
-                                         "in front of the same workers, and the load spread across them)")
-    p.add_argument("what", choices=["engine", "retract", "transfer", "serve"],
-                   help="engine: decode/prefill tokens/s vs HF transformers (--roofline: against the machine's "
-                        "read bandwidth and matmul peak); retract: retract costs "
-                        "(colocated and PD); transfer: KV transfer over NIXL and ucxx vs memcpy; serve: "
-                        "OpenAI-compatible serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, "
-                        "--interference, --goodput)")
+    p = argparse.ArgumentParser(
+        prog="pdserve bench",
+        description="benchmarks",
+        epilog="also: "
+        + ", ".join(f"'pdserve bench {n} --help'" for n in STANDALONE)
+        + " (benchmarks with flags of their own; two-routers: one router against two "
+        "in front of the same workers, and the load spread across them)",
+    )
+    p.add_argument(
+        "what",
+        choices=["engine", "retract", "transfer", "serve"],
+        help="engine: decode/prefill tokens/s vs HF transformers (--roofline: against the machine's "
+        "read bandwidth and matmul peak); retract: retract costs "
+        "(colocated and PD); transfer: KV transfer over NIXL and ucxx vs memcpy; serve: "
+        "OpenAI-compatible serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, "
+        "--interference, --goodput)",
+    )
     p.add_argument("--requests", type=int, default=16, help="retract: requests in the workload")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true", help="measure this engine only")
-    p.add_argument("--roofline", action="store_true",
-                   help="engine: instead of the HF comparison, the roofline: read bandwidth and matmul peak, "
-                        "decode steps and prefills as fractions of their bounds, a decode step by op class")
-    p.add_argument("--dtypes", default="float32,bfloat16",
-                   help="engine --roofline: dtypes to measure (bfloat16 only on CPUs with AVX512_BF16/AMX; int8: "
-                        "bfloat16 with --weight-dtype int8, on CPUs with AVX512_BF16)")
-    p.add_argument("--prefill-lengths", type=int, nargs="*", default=[128, 512, 2048],
-                   help="engine --roofline: prompt lengths of the prefill section")
-    p.add_argument("--profile-batches", type=int, nargs="*", default=[1, 8],
-                   help="engine --roofline: decode batch sizes profiled by op class")
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="engine: instead of the HF comparison, the roofline: read bandwidth and matmul peak, "
+        "decode steps and prefills as fractions of their bounds, a decode step by op class",
+    )
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="engine --roofline: dtypes to measure (bfloat16 only on CPUs with AVX512_BF16/AMX; int8: "
+        "bfloat16 with --weight-dtype int8, on CPUs with AVX512_BF16)",
+    )
+    p.add_argument(
+        "--prefill-lengths",
+        type=int,
+        nargs="*",
+        default=[128, 512, 2048],
+        help="engine --roofline: prompt lengths of the prefill section",
+    )
+    p.add_argument(
+        "--profile-batches",
+        type=int,
+        nargs="*",
+        default=[1, 8],
+        help="engine --roofline: decode batch sizes profiled by op class",
+    )
     p.add_argument("--backend", default="nixl,ucxx", help="transfer: data planes to measure (nixl, ucxx)")
-    p.add_argument("--ucxx-error-handling", choices=["off", "on", "both"], default="off",
-                   help="transfer: ucxx endpoint error handling to measure")
+    p.add_argument(
+        "--ucxx-error-handling",
+        choices=["off", "on", "both"],
+        default="off",
+        help="transfer: ucxx endpoint error handling to measure",
+    )
     p.add_argument("--dead-peer", action="store_true", help="transfer: also time a write to a killed peer")
     add_flags(p, EngineConfig)
     add_serve_flags(p)
@@ -68,13 +96,21 @@ def run(args: argparse.Namespace) -> int:
     elif args.what == "transfer":
         from bench.transfer_bench import main as transfer_main
 
-        transfer_main(["--backend", args.backend, "--ucxx-error-handling", args.ucxx_error_handling]
-                      + (["--dead-peer"] if args.dead_peer else []))
+        transfer_main(
+            ["--backend", args.backend, "--ucxx-error-handling", args.ucxx_error_handling]
+            + (["--dead-peer"] if args.dead_peer else [])
+        )
     elif args.roofline:
         from bench.roofline_bench import run_roofline
 
-        run_roofline(engine, [d for d in args.dtypes.split(",") if d], args.batch_sizes, args.decode_tokens,
-                     args.prefill_lengths, args.profile_batches)
+        run_roofline(
+            engine,
+            [d for d in args.dtypes.split(",") if d],
+            args.batch_sizes,
+            args.decode_tokens,
+            args.prefill_lengths,
+            args.profile_batches,
+        )
     else:
         from bench.engine_bench import run_engine_bench
 

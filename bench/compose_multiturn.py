@@ -15,6 +15,7 @@ ratios of the later policies to the first, and the KV bytes shipped per request 
 Only the router's port on 127.0.0.1 is connected to; the project has its own subnet
 (``--subnet``) and name. Needs Docker, docker-compose and the image (``make image``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,22 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker" / "compose.yaml"
-DEFAULT_MT = ["--users", "16", "--turns", "6", "--input-len", "512", "--turn-input-len", "64", "--output-len",
-              "64", "--think-time-s", "1", "--user-arrival-s", "1.5"]
+DEFAULT_MT = [
+    "--users",
+    "16",
+    "--turns",
+    "6",
+    "--input-len",
+    "512",
+    "--turn-input-len",
+    "64",
+    "--output-len",
+    "64",
+    "--think-time-s",
+    "1",
+    "--user-arrival-s",
+    "1.5",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--kv-pool-tokens", type=int, default=32768)
     p.add_argument("--local-prefill-max-tokens", type=int, default=256)
-    p.add_argument("--dtype", default=None, help="the workers' --dtype (default: the preset's), e.g. bfloat16 as "
-                                                 "the one-host multi-turn runs")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the workers' --dtype (default: the preset's), e.g. bfloat16 as the one-host multi-turn runs",
+    )
     p.add_argument("--image", default="pdserve:latest")
     p.add_argument("--port", type=int, default=18600, help="the router's port on 127.0.0.1")
     p.add_argument("--subnet", default="10.214.241.0/24", help="the project's own subnet (must be unused)")
@@ -55,12 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
 def override(routing: str, kv_pool_tokens: int, local_max: int, dtype: str | None = None) -> str:
     """The compose override: the policy and pool settings (and ``dtype`` when given) on every
     service (routers read routing, workers the rest; each ignores what is not its own)."""
-    env = {"PDSERVE_ROUTING": routing, "PDSERVE_KV_POOL_TOKENS": str(kv_pool_tokens),
-           "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": str(local_max), **({"PDSERVE_DTYPE": dtype} if dtype else {})}
+    env = {
+        "PDSERVE_ROUTING": routing,
+        "PDSERVE_KV_POOL_TOKENS": str(kv_pool_tokens),
+        "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": str(local_max),
+        **({"PDSERVE_DTYPE": dtype} if dtype else {}),
+    }
     lines = ["services:"]
     for service in ("prefill", "decode", "router", "router-b"):
         lines.append(f"  {service}:\n    environment:")
-        lines += [f"      {k}: \"{v}\"" for k, v in env.items()]
+        lines += [f'      {k}: "{v}"' for k, v in env.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -88,18 +110,39 @@ def run_policy(a: argparse.Namespace, routing: str, tmp: Path, key: Path) -> Pat
     """One compose project under ``routing``: up, the multi-turn bench, down. Returns its JSON path."""
     ovr = tmp / f"override-{routing}.yaml"
     ovr.write_text(override(routing, a.kv_pool_tokens, a.local_prefill_max_tokens, a.dtype))
-    env = {**os.environ, "PDSERVE_PORT": str(a.port), "PDSERVE_PORT_B": str(a.port + 1), "PDSERVE_SUBNET": a.subnet,
-           "PDSERVE_CLUSTER_KEY_FILE": str(key), "PDSERVE_IMAGE": a.image}
-    compose = ["docker-compose", "-p", f"pdmt{os.getpid()}{routing.replace('-', '')}", "-f", str(COMPOSE), "-f", str(ovr)]
+    env = {
+        **os.environ,
+        "PDSERVE_PORT": str(a.port),
+        "PDSERVE_PORT_B": str(a.port + 1),
+        "PDSERVE_SUBNET": a.subnet,
+        "PDSERVE_CLUSTER_KEY_FILE": str(key),
+        "PDSERVE_IMAGE": a.image,
+    }
+    compose = [
+        "docker-compose",
+        "-p",
+        f"pdmt{os.getpid()}{routing.replace('-', '')}",
+        "-f",
+        str(COMPOSE),
+        "-f",
+        str(ovr),
+    ]
     out = Path(a.out_dir) / f"compose-multiturn-{routing}.json"
     try:
-        subprocess.run([*compose, "up", "-d", "--no-build", "--scale", f"prefill={a.prefill}", "--scale",
-                        f"decode={a.decode}"], check=True, env=env)
+        subprocess.run(
+            [*compose, "up", "-d", "--no-build", "--scale", f"prefill={a.prefill}", "--scale", f"decode={a.decode}"],
+            check=True,
+            env=env,
+        )
         url = f"http://127.0.0.1:{a.port}"
-        print(f"compose-multiturn: {routing}: ready after {wait_ready(url, a.prefill, a.decode):.0f} s", file=sys.stderr)
+        print(
+            f"compose-multiturn: {routing}: ready after {wait_ready(url, a.prefill, a.decode):.0f} s", file=sys.stderr
+        )
         mt = [x for x in a.mt_args if x != "--"] or DEFAULT_MT
-        subprocess.run([sys.executable, "-m", "bench", "serve", "--multi-turn", *mt, "--base-url", url,
-                        "--out", str(out)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "bench", "serve", "--multi-turn", *mt, "--base-url", url, "--out", str(out)],
+            check=True,
+        )
     finally:
         subprocess.run([*compose, "down", "-v", "--remove-orphans", "-t", "5"], env=env, check=False)
     return out
@@ -111,16 +154,22 @@ def summary(payload: dict) -> dict[str, dict]:
     for run in payload["runs"]:
         s = run["stats"]
         ttft = s.get("ttft") or {}
-        out[run["kind"]] = {"ttft_mean": ttft.get("mean_ms"), "ttft_p99": ttft.get("p99_ms"),
-                            "tok_s": s["output_throughput"], "failed": s["failed"]}
+        out[run["kind"]] = {
+            "ttft_mean": ttft.get("mean_ms"),
+            "ttft_p99": ttft.get("p99_ms"),
+            "tok_s": s["output_throughput"],
+            "failed": s["failed"],
+        }
     return out
 
 
 def compare(base: dict[str, dict], other: dict[str, dict]) -> list[tuple[str, str, str, str]]:
     """Rows (kind, TTFT mean, TTFT p99, tok/s) of ``other / base``."""
+
     def r(k: str, m: str) -> str:
         a, b = base[k][m], other[k][m]
         return "-" if not a or b is None else f"{b / a:.2f}x"
+
     return [(k, r(k, "ttft_mean"), r(k, "ttft_p99"), r(k, "tok_s")) for k in base if k in other]
 
 
@@ -131,16 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         key = tmp / "cluster.key"
-        subprocess.run([sys.executable, "-m", "server.launch.cli", "keygen", str(key)], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "server.launch.cli", "keygen", str(key)], check=True, stdout=subprocess.DEVNULL
+        )
         os.chown(key, 10001, 10001)  # the image's user reads the secret as mounted
         payloads = {r: json.loads(run_policy(a, r, tmp, key).read_text()) for r in routings}
     sums = {r: summary(p) for r, p in payloads.items()}
     for r, s in sums.items():
         effect = (payloads[r].get("cache_effect") or {}).get("server", {})
         kv, hits = effect.get("kv_bytes_per_request"), effect.get("hit_rate", {})
-        turns = ", ".join(f"{k} TTFT {v['ttft_mean']:.0f}/{v['ttft_p99']:.0f} ms {v['tok_s']:.1f} tok/s"
-                          for k, v in s.items() if v["ttft_mean"] is not None)
+        turns = ", ".join(
+            f"{k} TTFT {v['ttft_mean']:.0f}/{v['ttft_p99']:.0f} ms {v['tok_s']:.1f} tok/s"
+            for k, v in s.items()
+            if v["ttft_mean"] is not None
+        )
         hit = ", ".join(f"{role} hit rate {v:.1%}" for role, v in sorted(hits.items()))
         print(f"{r}: {turns}; KV shipped {'-' if kv is None else f'{kv / 1e6:.2f}'} MB/request; {hit}")
     for r in routings[1:]:

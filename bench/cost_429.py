@@ -7,6 +7,7 @@ delay every other request's 429 waits behind.
 
 ``python -m bench.cost_429 [--words 8 40 400] [--queue 32]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,14 +57,22 @@ def main() -> None:
             return
         raise AssertionError("a full queue must refuse")
 
-    print(f"| prompt tokens | json.loads | pydantic | tokenize | refuse_early (queue {a.queue}) |\n|---|---|---|---|---|")
+    print(
+        f"| prompt tokens | json.loads | pydantic | tokenize | refuse_early (queue {a.queue}) |\n|---|---|---|---|---|"
+    )
     for words in a.words:
         prompt = " ".join(WORDS[i % len(WORDS)] for i in range(words))
         raw = json.dumps({"prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True}).encode()
         body = parse_object(raw)
-        cells = [_best_us(f, a.number, a.repeat) for f in (lambda: parse_object(raw),
-                                                           lambda: parse_model(CompletionRequest, body),
-                                                           lambda: tok.encode(prompt), early)]
+        cells = [
+            _best_us(f, a.number, a.repeat)
+            for f in (
+                lambda: parse_object(raw),
+                lambda: parse_model(CompletionRequest, body),
+                lambda: tok.encode(prompt),
+                early,
+            )
+        ]
         print(f"| {len(tok.encode(prompt))} | " + " | ".join(f"{c:.0f} us" for c in cells) + " |")
     for t in tasks:
         t.cancel()

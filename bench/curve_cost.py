@@ -13,6 +13,7 @@ Printed: each figure and the CURVE/plain ratio.
 
 ``python -m bench.curve_cost [--repeat 15] [--prompt-tokens 1024]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,12 @@ STOP = b"stop"
 def messages(prompt_tokens: int) -> dict[str, list[bytes]]:
     """The measured messages as they go on the wire (frames)."""
     params = SamplingParams(max_new_tokens=256, temperature=0.7, top_p=0.95)
-    gen = encode(GenerateRequest(rid="cmpl-0123456789abcdef", params=params, room=(3 << 40) | 12345,
-                                 prefill_addr="tcp://10.0.0.12:29500"), ids_frame(list(range(prompt_tokens))))
+    gen = encode(
+        GenerateRequest(
+            rid="cmpl-0123456789abcdef", params=params, room=(3 << 40) | 12345, prefill_addr="tcp://10.0.0.12:29500"
+        ),
+        ids_frame(list(range(prompt_tokens))),
+    )
     return {"GenerateRequest": gen, "heartbeat (StatsRequest)": encode(StatsRequest(nonce=7))}
 
 
@@ -63,15 +68,16 @@ class Pair:
     guard: object | None
 
     @classmethod
-    def open(cls, label: str, key: ClusterKey | None) -> "Pair":
+    def open(cls, label: str, key: ClusterKey | None) -> Pair:
         auth = ControlAuth(key)
         server_ctx = zmq.Context()
         server = server_ctx.socket(zmq.ROUTER)
         server.linger = 0
         guard = auth.server(server, f"bench {label}")
         port = server.bind_to_random_port("tcp://127.0.0.1")
-        thread = threading.Thread(target=lambda: (_echo(server), server.close(), guard.close(), server_ctx.term()),
-                                  daemon=True)
+        thread = threading.Thread(
+            target=lambda: (_echo(server), server.close(), guard.close(), server_ctx.term()), daemon=True
+        )
         thread.start()
         ctx = zmq.Context()
         client = ctx.socket(zmq.DEALER)
@@ -120,10 +126,22 @@ def measure(repeat: int, rtt_batch: int, burst: int, prompt_tokens: int) -> list
                     rtt[k].append(p.rtt_us(frames, rtt_batch))
                     rate[k].append(p.burst_per_s(frames, burst))
             size = sum(len(f) for f in frames)
-            rows.append({"message": name, "bytes": size, "metric": "round trip (us)",
-                         **{k: (min(v), statistics.median(v)) for k, v in rtt.items()}})
-            rows.append({"message": name, "bytes": size, "metric": "one-way (msg/s)",
-                         **{k: (max(v), statistics.median(v)) for k, v in rate.items()}})
+            rows.append(
+                {
+                    "message": name,
+                    "bytes": size,
+                    "metric": "round trip (us)",
+                    **{k: (min(v), statistics.median(v)) for k, v in rtt.items()},
+                }
+            )
+            rows.append(
+                {
+                    "message": name,
+                    "bytes": size,
+                    "metric": "one-way (msg/s)",
+                    **{k: (max(v), statistics.median(v)) for k, v in rate.items()},
+                }
+            )
     finally:
         for p in pairs.values():
             p.close()
@@ -132,12 +150,16 @@ def measure(repeat: int, rtt_batch: int, burst: int, prompt_tokens: int) -> list
 
 def report(rows: list[dict]) -> str:
     """The table: best and median of each configuration and the CURVE/plain ratio of both."""
-    lines = [f"{'message':26} {'bytes':>6} {'metric':16} {'plain best/median':>20} {'CURVE best/median':>20} "
-             f"{'ratio best/median':>18}"]
+    lines = [
+        f"{'message':26} {'bytes':>6} {'metric':16} {'plain best/median':>20} {'CURVE best/median':>20} "
+        f"{'ratio best/median':>18}"
+    ]
     for r in rows:
         (pb, pm), (cb, cm) = r["plain"], r["curve"]
-        lines.append(f"{r['message']:26} {r['bytes']:>6} {r['metric']:16} {pb:>9.1f} /{pm:>9.1f} "
-                     f"{cb:>9.1f} /{cm:>9.1f} {cb / pb:>8.2f} /{cm / pm:>7.2f}")
+        lines.append(
+            f"{r['message']:26} {r['bytes']:>6} {r['metric']:16} {pb:>9.1f} /{pm:>9.1f} "
+            f"{cb:>9.1f} /{cm:>9.1f} {cb / pb:>8.2f} /{cm / pm:>7.2f}"
+        )
     return "\n".join(lines)
 
 

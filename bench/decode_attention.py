@@ -10,6 +10,7 @@ AVX512-BF16), the ratio, the KV bytes read and the relative difference of the tw
 bfloat16 rounding of the softmax weights). Session 27, 2-core Zen 4: 25x260 9.8 -> 8.4 ms, 32x300
 13.5 -> 11.7 (1.15-1.18x), 1x300 0.67 -> 0.60; 1.3-1.4e-3 relative.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,25 @@ def measure(batch: int, ctx: int, reps: int) -> dict:
     q = torch.randn(batch, HEADS, DIM).bfloat16()
     threads, prefetch = torch.get_num_threads(), modes().attention
     dots = (False, True) if cpu_native.decode_dot_available() else (False,)
-    runs = {d: (lambda d=d: [cpu_native.paged_decode(q, pool, layer, table, lo, hi, DIM ** -0.5, threads, prefetch,
-                                                     dot=d) for layer in range(LAYERS)]) for d in dots}
+    runs = {
+        d: (
+            lambda d=d: [
+                cpu_native.paged_decode(q, pool, layer, table, lo, hi, DIM**-0.5, threads, prefetch, dot=d)
+                for layer in range(LAYERS)
+            ]
+        )
+        for d in dots
+    }
     best = best_of(runs, reps)
-    a, b = (cpu_native.paged_decode(q, pool, 0, table, lo, hi, DIM ** -0.5, threads, prefetch, dot=d) for d in (False, dots[-1]))
-    return {"ms": {d: best[d] * 1e3 for d in dots}, "mb": batch * ctx * KV_HEADS * DIM * 2 * 2 * LAYERS / 1e6,
-            "rel": float((a - b).norm() / a.norm())}
+    a, b = (
+        cpu_native.paged_decode(q, pool, 0, table, lo, hi, DIM**-0.5, threads, prefetch, dot=d)
+        for d in (False, dots[-1])
+    )
+    return {
+        "ms": {d: best[d] * 1e3 for d in dots},
+        "mb": batch * ctx * KV_HEADS * DIM * 2 * 2 * LAYERS / 1e6,
+        "rel": float((a - b).norm() / a.norm()),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@
 Decode tokens/s at several batch sizes: ``B * (N - 1) / (t(N new tokens) - t(1 new token))`` for
 both engines, so prefill time cancels out; prefill tokens/s on one long prompt. Prints ratios.
 """
+
 from __future__ import annotations
 
 import random
@@ -48,8 +49,16 @@ def _ours(llm: LLM, prompts, new_tokens: int) -> float:
 def _hf(model, prompts, new_tokens: int) -> float:
     ids = torch.tensor(prompts)
     with torch.inference_mode():
-        return _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+        return _timed(
+            lambda: model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        )
 
 
 def _decode_rate(run, prompts, n: int) -> float:
@@ -57,15 +66,18 @@ def _decode_rate(run, prompts, n: int) -> float:
     return len(prompts) * (n - 1) / max(tn - t1, 1e-9)
 
 
-def run_engine_bench(engine: EngineConfig, batch_sizes: list[int], decode_tokens: int, prefill_tokens: int,
-                     with_hf: bool = True) -> dict:
+def run_engine_bench(
+    engine: EngineConfig, batch_sizes: list[int], decode_tokens: int, prefill_tokens: int, with_hf: bool = True
+) -> dict:
     need = max(batch_sizes) * (PROMPT_LEN + decode_tokens) + prefill_tokens + 64
     engine = engine.model_copy(update={"kv_pool_tokens": engine.kv_pool_tokens or need})
     llm = LLM(engine, SchedulerConfig(max_running_requests=max(batch_sizes), chunked_prefill_size=8192))
     vocab = llm.model_config.vocab_size
     hf = _load_hf(engine) if with_hf else None
-    print(f"threads={torch.get_num_threads()} dtype={llm.runner.dtype} device={llm.runner.device} "
-          f"page_size={engine.page_size} prompt_len={PROMPT_LEN} decode_tokens={decode_tokens}")
+    print(
+        f"threads={torch.get_num_threads()} dtype={llm.runner.dtype} device={llm.runner.device} "
+        f"page_size={engine.page_size} prompt_len={PROMPT_LEN} decode_tokens={decode_tokens}"
+    )
     results: dict = {}
     _ours(llm, _prompts(2, 16, vocab), 4)  # warm-up
     for b in batch_sizes:

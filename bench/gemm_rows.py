@@ -18,6 +18,7 @@ alternating: oneDNN's packed primitive, the pair-panel kernel (``cpu_gemm_pairs.
 ``onednn-f32,panels-f32``: the same in float32 (424 MB), oneDNN's packed primitive against the float32
 panel kernel (session 27: 1 row 9.4 against 17.6 ms, 32 rows 34.6 against 39.7).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,26 +64,40 @@ def measure_kernels(rows: list[int], kernels: list[str], reps: int) -> list[tupl
     torch.manual_seed(0)
     ws = [[(torch.randn(o, i) * 0.02).bfloat16() for o, i in SHAPES] for _ in range(LAYERS)]
     q8 = [[cpu_linear.quantize_int8(w) for w in layer] for layer in ws]
-    prep = {"onednn": lambda w, q: cpu_linear.onednn_layout(w),
-            "pairs": lambda w, q: cpu_linear.to_pairs(w),
-            "gemv": lambda w, q: w, "pairs-int8": lambda w, q: q, "gemv-int8": lambda w, q: q,
-            "onednn-f32": lambda w, q: cpu_linear.onednn_layout(w.float()),
-            "panels-f32": lambda w, q: cpu_linear.to_panels_f32(w.float())}
-    mm = {"onednn": lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
-          "pairs": lambda x, p, w: cpu_native.gemm_pairs(x, p, w.shape[0], None),
-          "gemv": lambda x, p, w: cpu_native.gemv_bf16(x, p, None, modes().gemv),
-          "pairs-int8": lambda x, p, w: cpu_native.gemm_pairs(x, p.pairs, w.shape[0], None, p.scale),
-          "gemv-int8": lambda x, p, w: cpu_native.gemv_i8w(x, p.q, p.scale, None, modes().gemv),
-          "onednn-f32": lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x.float(), p, None, "none", [], ""),
-          "panels-f32": lambda x, p, w: cpu_native.gemm_panels_f32(x.float(), p, w.shape[0], None)}
+    prep = {
+        "onednn": lambda w, q: cpu_linear.onednn_layout(w),
+        "pairs": lambda w, q: cpu_linear.to_pairs(w),
+        "gemv": lambda w, q: w,
+        "pairs-int8": lambda w, q: q,
+        "gemv-int8": lambda w, q: q,
+        "onednn-f32": lambda w, q: cpu_linear.onednn_layout(w.float()),
+        "panels-f32": lambda w, q: cpu_linear.to_panels_f32(w.float()),
+    }
+    mm = {
+        "onednn": lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+        "pairs": lambda x, p, w: cpu_native.gemm_pairs(x, p, w.shape[0], None),
+        "gemv": lambda x, p, w: cpu_native.gemv_bf16(x, p, None, modes().gemv),
+        "pairs-int8": lambda x, p, w: cpu_native.gemm_pairs(x, p.pairs, w.shape[0], None, p.scale),
+        "gemv-int8": lambda x, p, w: cpu_native.gemv_i8w(x, p.q, p.scale, None, modes().gemv),
+        "onednn-f32": lambda x, p, w: torch.ops.mkldnn._linear_pointwise(x.float(), p, None, "none", [], ""),
+        "panels-f32": lambda x, p, w: cpu_native.gemm_panels_f32(x.float(), p, w.shape[0], None),
+    }
     weights = {k: [[(prep[k](w, q), w) for w, q in zip(lw, lq)] for lw, lq in zip(ws, q8)] for k in kernels}
     out = []
     for m in rows:
         xs = {i: torch.randn(m, i).bfloat16() for _, i in SHAPES}
         xs32 = {i: x.float() for i, x in xs.items()}  # the float32 kernels' inputs, converted once
         ks = [k for k in kernels if not (k.startswith("gemv") and m > cpu_native.GEMV_MAX_ROWS)]
-        runs = {k: (lambda k=k: [mm[k]((xs32 if k.endswith("f32") else xs)[w.shape[1]], p, w)
-                                 for layer in weights[k] for p, w in layer]) for k in ks}
+        runs = {
+            k: (
+                lambda k=k: [
+                    mm[k]((xs32 if k.endswith("f32") else xs)[w.shape[1]], p, w)
+                    for layer in weights[k]
+                    for p, w in layer
+                ]
+            )
+            for k in ks
+        }
         for run in runs.values():
             run()
         best = best_of(runs, reps)
@@ -96,9 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", default="1,2", help="torch threads, each in its own process")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kernels", default="", help="time these kernels alone (onednn,pairs,gemv,pairs-int8,gemv-int8,"
-                                                  "onednn-f32,panels-f32) "
-                                                  "on distinct weights per layer instead of the serving path")
+    ap.add_argument(
+        "--kernels",
+        default="",
+        help="time these kernels alone (onednn,pairs,gemv,pairs-int8,gemv-int8,"
+        "onednn-f32,panels-f32) "
+        "on distinct weights per layer instead of the serving path",
+    )
     ap.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # child: this many threads
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -118,8 +137,19 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("| threads | rows | ms per step (30 layers) | GFLOP/s |\n|---|---|---|---|")
     for t in (int(x) for x in args.threads.split(",")):
-        cmd = [sys.executable, "-m", "bench.gemm_rows", "--rows", args.rows, "--dtype", args.dtype,
-               "--reps", str(args.reps), "--one", str(t)] + (["--kernels", args.kernels] if args.kernels else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.gemm_rows",
+            "--rows",
+            args.rows,
+            "--dtype",
+            args.dtype,
+            "--reps",
+            str(args.reps),
+            "--one",
+            str(t),
+        ] + (["--kernels", args.kernels] if args.kernels else [])
         print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout, end="")
 
 

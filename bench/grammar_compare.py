@@ -19,6 +19,7 @@ installs the two others).
 
 ``python -m bench.grammar_compare [--repeat 30]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ class Row:
     case: str
     tokens: int
     compile_us: float
-    mask_us: list[float] = field(default_factory=list)   # per repeat: mean bitmask time per token
+    mask_us: list[float] = field(default_factory=list)  # per repeat: mean bitmask time per token
     advance_us: list[float] = field(default_factory=list)  # per repeat: mean advance time per token
     accepted: bool = True
     note: str = ""
@@ -48,17 +49,31 @@ class Row:
 
 def cases() -> list[Case]:
     """The measured constraints: those of ``bench.grammar_cost`` and a regex."""
-    call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                       "properties": {"name": {"const": n}, "arguments": p}} for n, p in
-                      (("get_weather", WEATHER), ("get_time", TIME))]}
-    person = json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.org",
-                         "tags": ["math", "engines", "poetry"]})
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": n}, "arguments": p},
+            }
+            for n, p in (("get_weather", WEATHER), ("get_time", TIME))
+        ]
+    }
+    person = json.dumps(
+        {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["math", "engines", "poetry"]}
+    )
     stamp = r"(19|20)\d{2}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d:[0-5]\d(Z|[+-]\d{2}:\d{2})"
-    return [Case("json_schema (4 fields)", "json", json.dumps(PERSON), person),
-            Case("tool call (required, 2 tools)", "tool_call", json.dumps(call),
-                 TOOL_PREFIX + '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-                 + TOOL_SUFFIX),
-            Case("regex (ISO timestamp)", "regex", stamp, "2026-12-02T20:43:44+01:00")]
+    return [
+        Case("json_schema (4 fields)", "json", json.dumps(PERSON), person),
+        Case(
+            "tool call (required, 2 tools)",
+            "tool_call",
+            json.dumps(call),
+            TOOL_PREFIX + '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' + TOOL_SUFFIX,
+        ),
+        Case("regex (ISO timestamp)", "regex", stamp, "2026-12-02T20:43:44+01:00"),
+    ]
 
 
 def _replay(engine: Engine, compiled, ids: list[int], eos: Sequence[int]) -> tuple[float, float, bool]:
@@ -83,8 +98,9 @@ def _replay(engine: Engine, compiled, ids: list[int], eos: Sequence[int]) -> tup
     return mask_s / n * 1e6, adv_s / n * 1e6, ok
 
 
-def compare(engines: Sequence[Engine], case_list: Sequence[Case], vocab: Vocab, encode: Callable[[str], list[int]],
-            repeat: int) -> tuple[dict[str, float], list[Row]]:
+def compare(
+    engines: Sequence[Engine], case_list: Sequence[Case], vocab: Vocab, encode: Callable[[str], list[int]], repeat: int
+) -> tuple[dict[str, float], list[Row]]:
     """Measure every engine on every case, interleaved per repeat: ({engine: tokenizer build us},
     rows). A case an engine cannot compile gets a row with the error in ``note``."""
     builds = {}
@@ -103,8 +119,9 @@ def compare(engines: Sequence[Engine], case_list: Sequence[Case], vocab: Vocab, 
                 note = ""
             except Exception as err:  # an engine refusing a constraint is a result, not a crash
                 note = f"cannot compile: {type(err).__name__}: {str(err).splitlines()[0][:80]}".replace("|", "/")
-            rows[e.name, c.label] = Row(e.name, c.label, len(ids[c.label]), (time.perf_counter() - t0) * 1e6,
-                                        accepted=not note, note=note)
+            rows[e.name, c.label] = Row(
+                e.name, c.label, len(ids[c.label]), (time.perf_counter() - t0) * 1e6, accepted=not note, note=note
+            )
     for _ in range(repeat):
         for c in case_list:
             for e in engines:
@@ -118,8 +135,10 @@ def compare(engines: Sequence[Engine], case_list: Sequence[Case], vocab: Vocab, 
     return builds, list(rows.values())
 
 
-HEADER = ("| engine | constraint | tokens | compile | mask / token (min) | mask / token (median) "
-          "| mask / token (first replay) | advance / token (min) | accepts the output |")
+HEADER = (
+    "| engine | constraint | tokens | compile | mask / token (min) | mask / token (median) "
+    "| mask / token (first replay) | advance / token (min) | accepts the output |"
+)
 
 
 def table(builds: dict[str, float], rows: Sequence[Row]) -> str:
@@ -132,9 +151,11 @@ def table(builds: dict[str, float], rows: Sequence[Row]) -> str:
         if r.note:
             lines.append(f"| {r.engine} | {r.case} | {r.tokens} | - | - | - | - | - | {r.note} |")
             continue
-        lines.append(f"| {r.engine} | {r.case} | {r.tokens} | {r.compile_us / 1e3:.1f} ms | {min(r.mask_us):.1f} us "
-                     f"| {statistics.median(r.mask_us):.1f} us | {r.mask_us[0]:.1f} us | {min(r.advance_us):.1f} us "
-                     f"| {'yes' if r.accepted else 'NO'} |")
+        lines.append(
+            f"| {r.engine} | {r.case} | {r.tokens} | {r.compile_us / 1e3:.1f} ms | {min(r.mask_us):.1f} us "
+            f"| {statistics.median(r.mask_us):.1f} us | {r.mask_us[0]:.1f} us | {min(r.advance_us):.1f} us "
+            f"| {'yes' if r.accepted else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -144,6 +165,7 @@ def main() -> None:
     a = ap.parse_args()
     from engine.model_paths import resolve_model_path
     from engine.tokenizer import Tokenizer
+
     tok = Tokenizer.from_path(resolve_model_path("default"))
     engines, missing = available()
     for line in missing:

@@ -12,6 +12,7 @@ building one request's matcher (the grammar compiled, once per request) and llgu
 
 ``python -m bench.grammar_cost [--repeat 20]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,25 +26,43 @@ from server.router.openai_schemas import ToolDef
 from server.router.tools import ToolPlan
 from transfer.wire.sampling_params import StructuredOutput
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 TIME = {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
-                                           "email": {"type": "string", "format": "email"},
-                                           "tags": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "age", "email", "tags"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "email": {"type": "string", "format": "email"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "email", "tags"],
+    "additionalProperties": False,
+}
 
 
 def cases() -> list[tuple[str, StructuredOutput, str]]:
     """(label, constraint, a valid output) for each measured constraint."""
-    tools = tuple(ToolDef.model_validate({"type": "function", "function": {"name": n, "parameters": p}})
-                  for n, p in (("get_weather", WEATHER), ("get_time", TIME)))
+    tools = tuple(
+        ToolDef.model_validate({"type": "function", "function": {"name": n, "parameters": p}})
+        for n, p in (("get_weather", WEATHER), ("get_time", TIME))
+    )
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-    person = json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.org",
-                         "tags": ["math", "engines", "poetry"]})
-    return [("tool call (required, 2 tools)", ToolPlan(tools=tools, forced="required").constraint(), call),
-            ("json_schema (4 fields)", StructuredOutput(kind="json", spec=json.dumps(PERSON)), person)]
+    person = json.dumps(
+        {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["math", "engines", "poetry"]}
+    )
+    return [
+        ("tool call (required, 2 tools)", ToolPlan(tools=tools, forced="required").constraint(), call),
+        ("json_schema (4 fields)", StructuredOutput(kind="json", spec=json.dumps(PERSON)), person),
+    ]
 
 
 def replay_us(compiler: GrammarCompiler, so: StructuredOutput, ids: list[int], vocab: int) -> tuple[float, ...]:
@@ -74,17 +93,23 @@ def main() -> None:
     compiler = GrammarCompiler(tok.backend_json, tok.vocab_size, tok.eos_token_ids)
     t0 = time.perf_counter()
     compiler.matcher(StructuredOutput(kind="json", spec='{"type": "object"}'))  # builds llguidance's tokenizer
-    print(f"llguidance tokenizer build (once per worker, with the first matcher): {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    print("| constraint | tokens | matcher build | bitmask / token | bool row / token | consume / token | total / token "
-          "| first replay total / token |")
+    print(
+        f"llguidance tokenizer build (once per worker, with the first matcher): {(time.perf_counter() - t0) * 1e3:.0f} ms"
+    )
+    print(
+        "| constraint | tokens | matcher build | bitmask / token | bool row / token | consume / token | total / token "
+        "| first replay total / token |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, so, text in cases():
         ids = tok.encode(text)
         runs = [replay_us(compiler, so, ids, tok.vocab_size) for _ in range(a.repeat)]
         build, mask, row, consume = (min(r[i] for r in runs) for i in range(4))
         first = sum(runs[0][1:])
-        print(f"| {label} | {len(ids)} | {build:.0f} us | {mask:.1f} us | {row:.1f} us | {consume:.1f} us | "
-              f"{mask + row + consume:.1f} us | {first:.1f} us |")
+        print(
+            f"| {label} | {len(ids)} | {build:.0f} us | {mask:.1f} us | {row:.1f} us | {consume:.1f} us | "
+            f"{mask + row + consume:.1f} us | {first:.1f} us |"
+        )
 
 
 if __name__ == "__main__":

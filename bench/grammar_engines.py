@@ -2,6 +2,7 @@
 llguidance (as pdserve drives it, and filling a preallocated tensor), xgrammar and outlines-core;
 ``Case`` (a constraint in engine-neutral form) and ``Vocab`` (the tokenizer as the engines need it,
 ``vocab_of``); ``available()`` lists the installed engines and a line for each missing one."""
+
 from __future__ import annotations
 
 import json
@@ -69,6 +70,7 @@ class Llguidance(Engine):
 
     def build(self, vocab: Vocab) -> None:
         import llguidance as lg
+
         self.lg = lg
         self.tok = lg.LLTokenizer(vocab.tokenizer_json, n_vocab=vocab.size, eos_token=list(vocab.eos_ids))
 
@@ -79,8 +81,9 @@ class Llguidance(Engine):
         elif case.kind == "regex":
             grammar = m.grammar_from_regex(case.spec)
         else:
-            grammar = m.grammar_from_lark(f"start: {json.dumps(TOOL_PREFIX)} call {json.dumps(TOOL_SUFFIX)}\n"
-                                          f"call: %json {case.spec}")
+            grammar = m.grammar_from_lark(
+                f"start: {json.dumps(TOOL_PREFIX)} call {json.dumps(TOOL_SUFFIX)}\ncall: %json {case.spec}"
+            )
         # llguidance compiles per matcher, lazily (the rest shows in the first replay's mask time)
         matcher = self.lg.LLMatcher(self.tok, grammar, log_level=0)
         if matcher.is_error():
@@ -100,6 +103,7 @@ class Llguidance(Engine):
             def advance(self, t: int) -> None:
                 if not m.consume_token(t):
                     raise ValueError(m.get_error())
+
         return M()
 
 
@@ -112,6 +116,7 @@ class LlguidanceFill(Llguidance):
 
     def matcher(self, compiled):
         import llguidance.torch as lt
+
         m = self.lg.LLMatcher(self.tok, compiled, log_level=0)
         bitmask = lt.allocate_token_bitmask(1, self.tok.vocab_size)
 
@@ -126,6 +131,7 @@ class LlguidanceFill(Llguidance):
             def advance(self, t: int) -> None:
                 if not m.consume_token(t):
                     raise ValueError(m.get_error())
+
         return M()
 
 
@@ -136,6 +142,7 @@ class Xgrammar(Engine):
         import xgrammar as xgr
         from tokenizers import Tokenizer as HFTok
         from transformers import PreTrainedTokenizerFast
+
         self.xgr, self.size = xgr, vocab.size
         hf = PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(vocab.tokenizer_json))
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab.size, stop_token_ids=list(vocab.eos_ids))
@@ -147,9 +154,11 @@ class Xgrammar(Engine):
             return self.compiler.compile_json_schema(case.spec)
         if case.kind == "regex":
             return self.compiler.compile_regex(case.spec)
-        frame = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_PREFIX)}"),
-                                   xgr.Grammar.from_json_schema(case.spec),
-                                   xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_SUFFIX)}"))
+        frame = xgr.Grammar.concat(
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_PREFIX)}"),
+            xgr.Grammar.from_json_schema(case.spec),
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_SUFFIX)}"),
+        )
         return self.compiler.compile_grammar(frame)
 
     def matcher(self, compiled):
@@ -168,6 +177,7 @@ class Xgrammar(Engine):
             def advance(self, t: int) -> None:
                 if not m.accept_token(t):
                     raise ValueError(f"xgrammar refused token {t}")
+
         return M()
 
 
@@ -176,6 +186,7 @@ class OutlinesCore(Engine):
 
     def build(self, vocab: Vocab) -> None:
         import outlines_core as oc
+
         self.oc, self.size = oc, vocab.size
         by_bytes: dict[bytes, list[int]] = {}
         for i, b in enumerate(vocab.token_bytes):
@@ -196,6 +207,7 @@ class OutlinesCore(Engine):
 
     def matcher(self, compiled):
         import torch
+
         g = self.oc.Guide(compiled)
         words = torch.zeros((self.size + 31) // 32, dtype=torch.int32)
 
@@ -209,6 +221,7 @@ class OutlinesCore(Engine):
 
             def advance(self, t: int) -> None:
                 g.advance(t)
+
         return M()
 
 
@@ -218,6 +231,7 @@ ENGINES: tuple[Callable[[], Engine], ...] = (Llguidance, LlguidanceFill, Xgramma
 def available(engines: Sequence[Callable[[], Engine]] = ENGINES) -> tuple[list[Engine], list[str]]:
     """(the installed engines, a line per engine that is not)."""
     import importlib.util
+
     found, missing = [], []
     for make in engines:
         e = make()
@@ -243,6 +257,7 @@ def _byte_decoder() -> dict[str, int]:
 def vocab_of(tok) -> Vocab:
     """``Vocab`` of an ``engine.tokenizer.Tokenizer`` (byte-level BPE)."""
     from tokenizers import Tokenizer as HFTok
+
     raw = tok.backend_json()
     hf = HFTok.from_str(raw)
     added = set(hf.get_added_tokens_decoder())

@@ -13,6 +13,7 @@ stamp after the client's send and of each hop between consecutive stamps, then t
     python -m bench.handoff_trace --requests 20 --prompt-len 250 --max-tokens 1
     python -m bench.handoff_trace --repo /work/wt-handoff-base   # this checkout vs that one
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,25 +28,36 @@ from pathlib import Path
 
 import httpx
 
+from bench.harness.subprocess_server import LaunchedServer
 from bench.serve.servers import launch_argv
-from server.testing.subprocess_server import LaunchedServer
 
-_MARKS = re.compile(r"(?:\[(?P<worker>[^\]]+)\] )?(?P<logger>[\w.]+): request (?P<rid>\S+) "
-                    r"marks \(monotonic s\): (?P<marks>.*)$")
+_MARKS = re.compile(
+    r"(?:\[(?P<worker>[^\]]+)\] )?(?P<logger>[\w.]+): request (?P<rid>\S+) "
+    r"marks \(monotonic s\): (?P<marks>.*)$"
+)
 
 # the hops reported, in request order: (who, milestone) -> label; absent ones are left out
-HOPS = (("client", "send", "client send"), ("router", "arrived", "router receive"),
-        ("router", "sent", "router sent (tokenized, routed)"),
-        ("decode", "arrived", "decode: request arrived"), ("prefill", "arrived", "prefill: request arrived"),
-        ("decode", "reserved", "decode: pages reserved, KVDestination out"),
-        ("prefill", "destination", "prefill: KVDestination in"), ("prefill", "admitted", "prefill: compute start"),
-        ("colocated", "arrived", "colocated: request arrived"), ("colocated", "admitted", "colocated: compute start"),
-        ("prefill", "prefilled", "prefill: compute end (first token)"),
-        ("colocated", "prefilled", "colocated: compute end (first token)"),
-        ("prefill", "write_start", "prefill: KV write posted"), ("decode", "write_posted", "decode: write announced"),
-        ("prefill", "write_done", "prefill: KV write seen done"),
-        ("decode", "landed", "decode: KV landed"), ("decode", "first_token", "decode: first token sent"),
-        ("router", "first_token", "router: first token received"), ("client", "first_byte", "client: first byte"))
+HOPS = (
+    ("client", "send", "client send"),
+    ("router", "arrived", "router receive"),
+    ("router", "sent", "router sent (tokenized, routed)"),
+    ("decode", "arrived", "decode: request arrived"),
+    ("prefill", "arrived", "prefill: request arrived"),
+    ("decode", "reserved", "decode: pages reserved, KVDestination out"),
+    ("prefill", "destination", "prefill: KVDestination in"),
+    ("prefill", "admitted", "prefill: compute start"),
+    ("colocated", "arrived", "colocated: request arrived"),
+    ("colocated", "admitted", "colocated: compute start"),
+    ("prefill", "prefilled", "prefill: compute end (first token)"),
+    ("colocated", "prefilled", "colocated: compute end (first token)"),
+    ("prefill", "write_start", "prefill: KV write posted"),
+    ("decode", "write_posted", "decode: write announced"),
+    ("prefill", "write_done", "prefill: KV write seen done"),
+    ("decode", "landed", "decode: KV landed"),
+    ("decode", "first_token", "decode: first token sent"),
+    ("router", "first_token", "router: first token received"),
+    ("client", "first_byte", "client: first byte"),
+)
 
 
 @dataclass
@@ -212,8 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     repos: list[tuple[str, Path | None]] = [("this", None)] + ([("other", args.repo)] if args.repo else [])
     if args.other_first:  # each round's first server can fare differently: swap to check
         repos.reverse()
-    servers = [(f"{mode} ({tag} checkout)" if args.repo else mode, mode, repo)
-               for tag, repo in repos for mode in args.modes.split(",")]
+    servers = [
+        (f"{mode} ({tag} checkout)" if args.repo else mode, mode, repo)
+        for tag, repo in repos
+        for mode in args.modes.split(",")
+    ]
     ttft: dict[str, float] = {}
     for label, traces in run_all(servers, args):
         ttft[label] = report(label, traces)

@@ -6,6 +6,7 @@ weights* for a side-by-side benchmark: both load the folder. Contract: OUT is cr
 overwritten file by file); ``pdserve --model OUT`` and ``vllm serve OUT`` then serve identical
 weights, and transformers' greedy outputs on the folder equal those on the GGUF.
 """
+
 from __future__ import annotations
 
 import argparse

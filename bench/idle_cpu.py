@@ -5,6 +5,7 @@ no request is in flight (goal: < 2% each).
 CPU time is read from ``/proc/<pid>/stat`` (utime + stime), so the figure does not depend on how
 busy the rest of the machine is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from server.testing.subprocess_server import LaunchedServer, free_base_port
+from bench.harness.subprocess_server import LaunchedServer, free_base_port
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

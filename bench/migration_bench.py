@@ -40,6 +40,7 @@ The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv
    Bound: the burst's demand is ~2.5x both pools, so a second decode worker at best halves the
    makespan, which the retracted requests' P99 follows: ~0.5x is the ceiling, not a margin.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,16 +120,28 @@ class _Migrator:
 
     def summary(self, nbytes: int) -> dict:
         med = statistics.median(self.total)
-        return {"label": self.label, "copy_threads": self.copy_threads, "migrate_ms_median": med * 1e3,
-                "migrate_ms_min": min(self.total) * 1e3, "post_ms_median": statistics.median(self.post) * 1e3,
-                "complete_ms_median": statistics.median(self.complete) * 1e3, "gbps": nbytes / med / 1e9}
+        return {
+            "label": self.label,
+            "copy_threads": self.copy_threads,
+            "migrate_ms_median": med * 1e3,
+            "migrate_ms_min": min(self.total) * 1e3,
+            "post_ms_median": statistics.median(self.post) * 1e3,
+            "complete_ms_median": statistics.median(self.complete) * 1e3,
+            "gbps": nbytes / med / 1e9,
+        }
 
     def close(self) -> None:
         close_pair(self.t, self.proc, self.conn)
 
 
-def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: tuple[int, ...] = (DEFAULT_COPY,),
-            trace: bool = False) -> dict:
+def kv_part(
+    backend: str,
+    tokens: int,
+    reps: int,
+    seed: int = 0,
+    copy_threads: tuple[int, ...] = (DEFAULT_COPY,),
+    trace: bool = False,
+) -> dict:
     """Every variant (one per ``copy_threads`` value: NIXL copy threads, ucxx copy lanes) and the local resume, interleaved per
     rep on the same host pages; the headline (``migrate_ms_*``, ``ratio``) is the last variant."""
     from cache.host_pool import HostKV
@@ -153,8 +166,11 @@ def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: t
                 post, done = m.write(np.asarray(src, dtype=np.int32), dst, keep=i > 0)
                 if trace:
                     unit = "descriptors" if m.kind == "nixl" else "messages"
-                    print(f"trace rep {i} {m.label}: write_pages {post * 1e3:.2f} ms, then done after "
-                          f"{done * 1e3:.2f} ms ({descs[-1]} {unit})", file=sys.stderr)
+                    print(
+                        f"trace rep {i} {m.label}: write_pages {post * 1e3:.2f} ms, then done after "
+                        f"{done * 1e3:.2f} ms ({descs[-1]} {unit})",
+                        file=sys.stderr,
+                    )
             dev_pages = rng.permutation(4 * n)[:n].tolist()
             t0 = time.perf_counter()
             host.load(device.view(4 * n, -1), HostKV(src, tokens), dev_pages)  # frees the host pages
@@ -173,11 +189,21 @@ def kv_part(backend: str, tokens: int, reps: int, seed: int = 0, copy_threads: t
         v["ratio"] = v["migrate_ms_median"] / 1e3 / res
     head = variants[-1]
     # NIXL: descriptors after merging adjacent runs; ucxx: tagged messages (a header + one per page)
-    return {"tokens": tokens, "pages": n, "bytes": nbytes, "backend": backend, "writes_per_migration": 1,
-            "descriptors_or_messages_median": statistics.median(descs), "variants": variants,
-            "migrate_ms_median": head["migrate_ms_median"], "migrate_ms_min": head["migrate_ms_min"],
-            "resume_ms_median": res * 1e3, "resume_ms_min": min(resume) * 1e3, "ratio": head["ratio"],
-            "goal_met": head["ratio"] <= 1.5}
+    return {
+        "tokens": tokens,
+        "pages": n,
+        "bytes": nbytes,
+        "backend": backend,
+        "writes_per_migration": 1,
+        "descriptors_or_messages_median": statistics.median(descs),
+        "variants": variants,
+        "migrate_ms_median": head["migrate_ms_median"],
+        "migrate_ms_min": head["migrate_ms_min"],
+        "resume_ms_median": res * 1e3,
+        "resume_ms_min": min(resume) * 1e3,
+        "ratio": head["ratio"],
+        "goal_met": head["ratio"] <= 1.5,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,45 +212,90 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", choices=("nixl", "ucxx"), default="nixl")
     ap.add_argument("--tokens", type=int, default=2048, help="kv: the request's tokens")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--copy-threads", default=None,
-                    help="kv: NIXL: the migration transport's copy threads (--migration-copy-threads, default "
-                         f"{DEFAULT_COPY}); ucxx: the target's copy lanes (--ucxx-copy-lanes, default {DEFAULT_LANES}); "
-                         "a comma list (0,2) measures each, interleaved in one run, the last one is the headline")
+    ap.add_argument(
+        "--copy-threads",
+        default=None,
+        help="kv: NIXL: the migration transport's copy threads (--migration-copy-threads, default "
+        f"{DEFAULT_COPY}); ucxx: the target's copy lanes (--ucxx-copy-lanes, default {DEFAULT_LANES}); "
+        "a comma list (0,2) measures each, interleaved in one run, the last one is the headline",
+    )
     ap.add_argument("--trace", action="store_true", help="kv: print every write's phases to stderr")
     ap.add_argument("--requests", type=int, default=32, help="serve: streamed requests")
-    ap.add_argument("--rate", type=float, default=0.0,
-                    help="serve: Poisson arrivals at this many requests/s (the same schedule in both runs); "
-                         "0 = all at once (one burst)")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="serve: Poisson arrivals at this many requests/s (the same schedule in both runs); "
+        "0 = all at once (one burst)",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--long", type=int, default=0,
-                    help="serve: the first N requests are long (--long-max-tokens, a longer prompt): a mixed-length "
-                         "skewed load, where the short ones are parked while the long ones hold the pool")
+    ap.add_argument(
+        "--long",
+        type=int,
+        default=0,
+        help="serve: the first N requests are long (--long-max-tokens, a longer prompt): a mixed-length "
+        "skewed load, where the short ones are parked while the long ones hold the pool",
+    )
     ap.add_argument("--long-max-tokens", type=int, default=512)
-    ap.add_argument("--long-prompt-words", type=int, default=0,
-                    help="serve: the --long requests' prompts open with this many words of background notes")
-    ap.add_argument("--short-delay-s", type=float, default=0.0,
-                    help="serve: the other (short) requests are sent this long after the --long ones (long answers "
-                         "under way when short ones arrive)")
-    ap.add_argument("--long-delay-s", type=float, default=0.0,
-                    help="serve: the --long requests are sent this long after the short ones (short answers under "
-                         "way when long essays arrive: the victims, most output first, are then the short ones)")
+    ap.add_argument(
+        "--long-prompt-words",
+        type=int,
+        default=0,
+        help="serve: the --long requests' prompts open with this many words of background notes",
+    )
+    ap.add_argument(
+        "--short-delay-s",
+        type=float,
+        default=0.0,
+        help="serve: the other (short) requests are sent this long after the --long ones (long answers "
+        "under way when short ones arrive)",
+    )
+    ap.add_argument(
+        "--long-delay-s",
+        type=float,
+        default=0.0,
+        help="serve: the --long requests are sent this long after the short ones (short answers under "
+        "way when long essays arrive: the victims, most output first, are then the short ones)",
+    )
     ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
-    ap.add_argument("--gap-factor", type=float, default=5.0, help="serve: a retracted request's longest token gap "
-                                                                  "exceeds this x the median gap")
-    ap.add_argument("--migrate-queued", action="store_true",
-                    help="serve: the run with migration also moves requests waiting for pages (before their prefill)")
-    ap.add_argument("--migrate-on-retract", action="store_true",
-                    help="serve: the run with migration also offers a request the moment it is retracted")
-    ap.add_argument("--step-delay-s", type=float, default=0.0,
-                    help="serve: every worker sleeps this long after each step (--test-step-delay-s): model-like "
-                         "steps whose time does not come out of the host's shared cores")
-    ap.add_argument("--decode-cores", choices=("split", "shared"), default="split",
-                    help="serve: split: each decode worker pinned to its own half of the cores (a device each); "
-                         "shared: every worker on every core")
-    ap.add_argument("--decode-workers", type=int, default=2,
-                    help="serve: decode workers (decode-0 gets every request; the others are its peers and "
-                         "share the other half of the cores under --decode-cores split)")
+    ap.add_argument(
+        "--gap-factor",
+        type=float,
+        default=5.0,
+        help="serve: a retracted request's longest token gap exceeds this x the median gap",
+    )
+    ap.add_argument(
+        "--migrate-queued",
+        action="store_true",
+        help="serve: the run with migration also moves requests waiting for pages (before their prefill)",
+    )
+    ap.add_argument(
+        "--migrate-on-retract",
+        action="store_true",
+        help="serve: the run with migration also offers a request the moment it is retracted",
+    )
+    ap.add_argument(
+        "--step-delay-s",
+        type=float,
+        default=0.0,
+        help="serve: every worker sleeps this long after each step (--test-step-delay-s): model-like "
+        "steps whose time does not come out of the host's shared cores",
+    )
+    ap.add_argument(
+        "--decode-cores",
+        choices=("split", "shared"),
+        default="split",
+        help="serve: split: each decode worker pinned to its own half of the cores (a device each); "
+        "shared: every worker on every core",
+    )
+    ap.add_argument(
+        "--decode-workers",
+        type=int,
+        default=2,
+        help="serve: decode workers (decode-0 gets every request; the others are its peers and "
+        "share the other half of the cores under --decode-cores split)",
+    )
     ap.add_argument("--server-args", default="", help="serve: more pdserve launch flags for both runs")
     ap.add_argument("--per-request", action="store_true", help="serve: print every request's e2e and longest gap")
     ap.add_argument("--json", action="store_true")
@@ -252,19 +323,23 @@ def goal_lines(out: dict) -> list[str]:
     lines = []
     if (s := out.get("serve")) is not None:
         w, o = s["with"], s["without"]
-        lines.append(f"goal serve: P99 e2e of retracted requests with/without migration = {_num(s['p99_ratio'])} "
-                     f"({_num(w['p99_s'], 's')} / {_num(o['p99_s'], 's')}), of the requests retracted without it "
-                     f"{_num(s.get('matched_p99_ratio'))} (goal: both <= 0.5), failed {w['failed']}+"
-                     f"{o['failed']}, tokens identical {s['tokens_identical']}, migrations {w['migrations']:g}, "
-                     f"queued moves {w.get('queued_moves', 0):g}, retracted requests "
-                     f"{w['retracted_requests']}/{o['retracted_requests']}, all requests' P99 "
-                     f"{_num(w['all_p99_s'] / o['all_p99_s'] if o['all_p99_s'] else None)}x, their longest stall's "
-                     f"P99 {_num(s.get('stall_p99_ratio'))}x: "
-                     f"{'met' if s['goal_met'] else 'NOT met'}")
+        lines.append(
+            f"goal serve: P99 e2e of retracted requests with/without migration = {_num(s['p99_ratio'])} "
+            f"({_num(w['p99_s'], 's')} / {_num(o['p99_s'], 's')}), of the requests retracted without it "
+            f"{_num(s.get('matched_p99_ratio'))} (goal: both <= 0.5), failed {w['failed']}+"
+            f"{o['failed']}, tokens identical {s['tokens_identical']}, migrations {w['migrations']:g}, "
+            f"queued moves {w.get('queued_moves', 0):g}, retracted requests "
+            f"{w['retracted_requests']}/{o['retracted_requests']}, all requests' P99 "
+            f"{_num(w['all_p99_s'] / o['all_p99_s'] if o['all_p99_s'] else None)}x, their longest stall's "
+            f"P99 {_num(s.get('stall_p99_ratio'))}x: "
+            f"{'met' if s['goal_met'] else 'NOT met'}"
+        )
     if (k := out.get("kv")) is not None:
-        lines.append(f"goal kv: {k['tokens']}-token migration / local resume = {_num(k['ratio'])} "
-                     f"({k['migrate_ms_median']:.3g} ms / {k['resume_ms_median']:.3g} ms median, {k['backend']}; "
-                     f"goal <= 1.5): {'met' if k['goal_met'] else 'NOT met'}")
+        lines.append(
+            f"goal kv: {k['tokens']}-token migration / local resume = {_num(k['ratio'])} "
+            f"({k['migrate_ms_median']:.3g} ms / {k['resume_ms_median']:.3g} ms median, {k['backend']}; "
+            f"goal <= 1.5): {'met' if k['goal_met'] else 'NOT met'}"
+        )
     return lines
 
 

@@ -2,6 +2,7 @@
 --decode N --route-decode decode-0`` run without and one with migration on the same streamed
 prompts, each request's e2e and longest token gap, and the goal's two P99 ratios (see
 ``bench.migration_bench``'s docstring for the shape and the bound)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,16 @@ import shlex
 import statistics
 import time
 
-QUESTIONS = ["why the sky is blue", "who built the pyramids", "photosynthesis", "Mount Everest",
-             "the fall of the Roman Empire", "how volcanoes form", "what causes tides", "why leaves change color"]
+QUESTIONS = [
+    "why the sky is blue",
+    "who built the pyramids",
+    "photosynthesis",
+    "Mount Everest",
+    "the fall of the Roman Empire",
+    "how volcanoes form",
+    "what causes tides",
+    "why leaves change color",
+]
 SHARED = "Write a long, detailed essay of at least ten paragraphs. Topic: "
 LONG_PREFIX = "You are a careful writer who never stops early and covers every angle of a subject. "
 
@@ -24,8 +33,10 @@ def long_prefix(words: int) -> str:
         return LONG_PREFIX
     notes: list[str] = []
     for i in range(words):
-        notes += (f"Note {i + 1}: the report must explain {QUESTIONS[i % len(QUESTIONS)]} with dates, names, "
-                  "causes and consequences.").split()
+        notes += (
+            f"Note {i + 1}: the report must explain {QUESTIONS[i % len(QUESTIONS)]} with dates, names, "
+            "causes and consequences."
+        ).split()
         if len(notes) >= words:
             break
     return "Background for a long report. " + " ".join(notes[:words]) + "\n\n" + LONG_PREFIX
@@ -38,8 +49,14 @@ async def _one(client, model: str, prompt: str, max_tokens: int, start_after_s: 
     t0 = time.monotonic()
     stamps, ids, error = [], [], None
     try:
-        r = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            stream=True, extra_body={"return_token_ids": True})
+        r = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
         async for chunk in r:
             got = (getattr(chunk.choices[0], "token_ids", None) or []) if chunk.choices else []
             if got:
@@ -48,8 +65,7 @@ async def _one(client, model: str, prompt: str, max_tokens: int, start_after_s: 
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         error = str(e)
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"e2e": time.monotonic() - t0, "ids": ids, "error": error, "max_gap": max(gaps, default=0.0),
-            "gaps": gaps}
+    return {"e2e": time.monotonic() - t0, "ids": ids, "error": error, "max_gap": max(gaps, default=0.0), "gaps": gaps}
 
 
 def _cpus(lo: int, hi: int) -> str:
@@ -83,14 +99,37 @@ def arrival_gaps(n: int, rate: float, seed: int = 0) -> list[float]:
 def _serve_run(args, migrate: bool) -> dict:
     import openai
 
-    from server.testing.subprocess_server import LaunchedServer, metric_sum, wait_idle
+    from bench.harness.subprocess_server import LaunchedServer, metric_sum, wait_idle
 
-    flags = ["--mode", "pd", "--decode", str(args.decode_workers), "--port", "0", "--route-decode", "decode-0", "--transfer-backend",
-             args.backend, "--kv-pool-tokens", str(args.pool_tokens), "--page-size", "16", "--max-model-len", "2048",
-             "--init-new-token-ratio", "0.05", "--health-interval-s", "0.5", "--log-level", "WARNING"]
+    flags = [
+        "--mode",
+        "pd",
+        "--decode",
+        str(args.decode_workers),
+        "--port",
+        "0",
+        "--route-decode",
+        "decode-0",
+        "--transfer-backend",
+        args.backend,
+        "--kv-pool-tokens",
+        str(args.pool_tokens),
+        "--page-size",
+        "16",
+        "--max-model-len",
+        "2048",
+        "--init-new-token-ratio",
+        "0.05",
+        "--health-interval-s",
+        "0.5",
+        "--log-level",
+        "WARNING",
+    ]
     if args.step_delay_s:
         flags += ["--test-step-delay-s", str(args.step_delay_s)]
-    flags += (split_decode_cpus(os.cpu_count() or 1, args.decode_workers) if args.decode_cores == "split" else []) + shlex.split(args.server_args)
+    flags += (
+        split_decode_cpus(os.cpu_count() or 1, args.decode_workers) if args.decode_cores == "split" else []
+    ) + shlex.split(args.server_args)
     if migrate:
         flags += ["--migrate-after", args.migrate_after] + (["--migrate-on-retract"] if args.migrate_on_retract else [])
         flags += ["--migrate-queued"] if args.migrate_queued else []
@@ -118,10 +157,13 @@ def _serve_run(args, migrate: bool) -> dict:
 
         results = asyncio.run(run_all())
         m = wait_idle(srv.url, 0.5, timeout_s=120)
-    return {"migrate": migrate, "retractions": metric_sum(m, "pdserve_retractions_total"),
-            "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
-            "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
-            **summarize(results, args.gap_factor)}
+    return {
+        "migrate": migrate,
+        "retractions": metric_sum(m, "pdserve_retractions_total"),
+        "migrations": metric_sum(m, "pdserve_migrations_total", direction="out", outcome="done"),
+        "queued_moves": metric_sum(m, "pdserve_router_queued_moves_total"),
+        **summarize(results, args.gap_factor),
+    }
 
 
 def summarize(results: list[dict], gap_factor: float) -> dict:
@@ -131,13 +173,19 @@ def summarize(results: list[dict], gap_factor: float) -> dict:
     median_gap = statistics.median([g for r in results for g in r["gaps"]] or [0.0])
     retracted = [r["max_gap"] > gap_factor * median_gap for r in results]
     lat = [r["e2e"] for r, parked in zip(results, retracted) if parked]
-    return {"failed": sum(r["error"] is not None for r in results), "retracted_requests": len(lat),
-            "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99),
-            "stall_p99_s": percentile([r["max_gap"] for r, parked in zip(results, retracted) if parked], 0.99),
-            "all_p99_s": percentile([r["e2e"] for r in results], 0.99),
-            "ids": [r["ids"] for r in results],
-            "requests": [{"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2), "retracted": parked}
-                         for r, parked in zip(results, retracted)]}
+    return {
+        "failed": sum(r["error"] is not None for r in results),
+        "retracted_requests": len(lat),
+        "p50_s": percentile(lat, 0.5),
+        "p99_s": percentile(lat, 0.99),
+        "stall_p99_s": percentile([r["max_gap"] for r, parked in zip(results, retracted) if parked], 0.99),
+        "all_p99_s": percentile([r["e2e"] for r in results], 0.99),
+        "ids": [r["ids"] for r in results],
+        "requests": [
+            {"e2e": round(r["e2e"], 2), "max_gap": round(r["max_gap"], 2), "retracted": parked}
+            for r, parked in zip(results, retracted)
+        ],
+    }
 
 
 def percentile(values, q: float) -> float | None:
@@ -163,9 +211,15 @@ def serve_part(args) -> dict:
     if not args.per_request:
         off.pop("requests"), on.pop("requests")
     ratio = _ratio(on, off, "p99_s")
-    return {"without": off, "with": on, "tokens_identical": same, "p99_ratio": ratio, "matched_p99_ratio": matched,
-            "stall_p99_ratio": _ratio(on, off, "stall_p99_s"),
-            "goal_met": serve_goal_met(ratio, matched, same, on["failed"] + off["failed"])}
+    return {
+        "without": off,
+        "with": on,
+        "tokens_identical": same,
+        "p99_ratio": ratio,
+        "matched_p99_ratio": matched,
+        "stall_p99_ratio": _ratio(on, off, "stall_p99_s"),
+        "goal_met": serve_goal_met(ratio, matched, same, on["failed"] + off["failed"]),
+    }
 
 
 def _ratio(on: dict, off: dict, key: str) -> float | None:

@@ -12,6 +12,7 @@ TTFT and P99 inter-token latency (ms between a request's successive tokens). The
 (``pdserve bench serve --server-args=--mixed-batches``) measures the same switch end to end.
 ``--forwards`` times single forwards instead: one mixed forward against the two it replaces.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,9 +66,15 @@ def run_once(llm: LLM, prompts: list[list[int]], concurrency: int, output_lens: 
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     if sched.kv.tree is not None:  # no prefix reuse between runs
         sched.kv.allocator.free(sched.kv.tree.evict(sched.kv.tree.total_size()))
-    return {"tok_s": tokens / wall, "cpu_ms_per_tok": cpu * 1e3 / tokens, "ttft_mean_ms": statistics.mean(ttft),
-            "itl_p99_ms": _p99(itl), "tokens": tokens, "steps": sched.stats.decode_steps + sched.stats.extend_steps
-            - steps0, "mixed_steps": sched.stats.mixed_steps - mixed0}
+    return {
+        "tok_s": tokens / wall,
+        "cpu_ms_per_tok": cpu * 1e3 / tokens,
+        "ttft_mean_ms": statistics.mean(ttft),
+        "itl_p99_ms": _p99(itl),
+        "tokens": tokens,
+        "steps": sched.stats.decode_steps + sched.stats.extend_steps - steps0,
+        "mixed_steps": sched.stats.mixed_steps - mixed0,
+    }
 
 
 def forward_ab(llm: LLM, shapes: list[tuple[int, int]], repeats: int = 4) -> list[dict]:
@@ -78,8 +85,11 @@ def forward_ab(llm: LLM, shapes: list[tuple[int, int]], repeats: int = 4) -> lis
     pages = iter(range(runner.allocator.num_pages))  # scratch KV: these forwards own the pool
 
     def seq(prefix: int, new: int) -> SeqChunk:
-        return SeqChunk([rng.randrange(3, llm.model_config.vocab_size) for _ in range(new)], prefix,
-                        [next(pages) for _ in range(-(-(prefix + new) // runner.page_size))])
+        return SeqChunk(
+            [rng.randrange(3, llm.model_config.vocab_size) for _ in range(new)],
+            prefix,
+            [next(pages) for _ in range(-(-(prefix + new) // runner.page_size))],
+        )
 
     rows = []
     for d, e in shapes:
@@ -93,10 +103,18 @@ def forward_ab(llm: LLM, shapes: list[tuple[int, int]], repeats: int = 4) -> lis
                 else:
                     runner.forward(ForwardMode.MIXED, dec + ext, num_decode=d)
                 cpu[kind].append((time.process_time() - c) * 1e3)
-        rows.append({"decode_rows": d, "prompt": e, **{f"{k}_cpu_ms_{f.__name__}": f(v) for k, v in cpu.items()
-                                                       for f in (min, statistics.median)}})
-        print(f"| {d} | {e} | {min(cpu['mixed']):.0f} | {min(cpu['apart']):.0f} | "
-              f"{statistics.median(cpu['mixed']):.0f} | {statistics.median(cpu['apart']):.0f} |", flush=True)
+        rows.append(
+            {
+                "decode_rows": d,
+                "prompt": e,
+                **{f"{k}_cpu_ms_{f.__name__}": f(v) for k, v in cpu.items() for f in (min, statistics.median)},
+            }
+        )
+        print(
+            f"| {d} | {e} | {min(cpu['mixed']):.0f} | {min(cpu['apart']):.0f} | "
+            f"{statistics.median(cpu['mixed']):.0f} | {statistics.median(cpu['apart']):.0f} |",
+            flush=True,
+        )
     return rows
 
 
@@ -111,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--forwards", action="store_true", help="instead: one mixed forward against the extend and "
-                   "decode forwards apart (7+250, 4+120, 7+40 decode rows + prompt tokens), CPU ms")
+    p.add_argument(
+        "--forwards",
+        action="store_true",
+        help="instead: one mixed forward against the extend and "
+        "decode forwards apart (7+250, 4+120, 7+40 decode rows + prompt tokens), CPU ms",
+    )
     p.add_argument("--out", help="write the runs as JSON here")
     a = p.parse_args(argv)
     lo, hi = map(int, a.input_len_range.split(","))
@@ -133,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.out, "w") as f:
                 json.dump({"args": vars(a), "forwards": rows}, f, indent=1)
         return 0
-    llms = {mixed: LLM(engine, SchedulerConfig(mixed_batches=mixed, max_num_batched_tokens=a.max_num_batched_tokens),
-                       loaded=loaded) for mixed in (True, False)}
+    llms = {
+        mixed: LLM(
+            engine, SchedulerConfig(mixed_batches=mixed, max_num_batched_tokens=a.max_num_batched_tokens), loaded=loaded
+        )
+        for mixed in (True, False)
+    }
     run_once(llms[True], prompts[:2], 2, [4, 4])  # warm-up: kernels and allocator
     run_once(llms[False], prompts[:2], 2, [4, 4])
     runs = []
@@ -144,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         for mixed in (True, False):
             res = {"round": r, "mixed": mixed, **run_once(llms[mixed], prompts, a.concurrency, output_lens)}
             runs.append(res)
-            print(f"| {r} | {'on' if mixed else 'off'} | {res['tok_s']:.1f} | {res['cpu_ms_per_tok']:.1f} | "
-                  f"{res['ttft_mean_ms']:.0f} | {res['itl_p99_ms']:.0f} | {res['steps']} | {res['mixed_steps']} |",
-                  flush=True)
+            print(
+                f"| {r} | {'on' if mixed else 'off'} | {res['tok_s']:.1f} | {res['cpu_ms_per_tok']:.1f} | "
+                f"{res['ttft_mean_ms']:.0f} | {res['itl_p99_ms']:.0f} | {res['steps']} | {res['mixed_steps']} |",
+                flush=True,
+            )
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "runs": runs}, f, indent=1)

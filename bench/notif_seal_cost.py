@@ -9,6 +9,7 @@ what one transfer pays (the sender seals, the receiver opens).
 
 ``python -m bench.notif_seal_cost [--repeat 15] [--n 2000]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ from transfer.wire.protocol import TransferManifest
 
 def manifests(prompt_logprobs: int) -> dict[str, TransferManifest]:
     """The measured manifests (unsealed; the CRC is part of what is measured)."""
-    plain = TransferManifest(rid="cmpl-0123456789abcdef", room=(3 << 40) | 12345, generation=0, n_tokens=1024,
-                             n_pages=64, first_token=1234)
+    plain = TransferManifest(
+        rid="cmpl-0123456789abcdef", room=(3 << 40) | 12345, generation=0, n_tokens=1024, n_pages=64, first_token=1234
+    )
     top = [(i, -0.5 - i) for i in range(5)]
     lp: PromptLogprobs | None = ([None] + [(-1.25, top, 2)] * (prompt_logprobs - 1)) if prompt_logprobs else None
     rich = plain.model_copy(update={"first_logprob": -0.1, "first_top_logprobs": top, "prompt_logprobs": lp})

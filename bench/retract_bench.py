@@ -9,6 +9,7 @@ Both storms admit with ``init_new_token_ratio = STORM_RATIO`` so the small pool 
 3. PD retract storm (in-process prefill + decode, loopback transport): decode pool at 30% of
    demand vs unconstrained, goodput in completed tokens/s.
 """
+
 from __future__ import annotations
 
 import random
@@ -43,19 +44,26 @@ def colocated_storm(llm_loaded, engine: EngineConfig, n: int, new_tokens: int) -
     print(f"[colocated] {n} requests, {demand} tokens of KV demand, {new_tokens} new tokens each")
     outs = {}
     for label, pool in (("unconstrained", demand + 1024), ("30% pool", int(demand * 0.3))):
-        llm = LLM(engine.model_copy(update={"kv_pool_tokens": pool}),
-                  SchedulerConfig(max_running_requests=n, init_new_token_ratio=STORM_RATIO), loaded=(cfg, weights, tok))
+        llm = LLM(
+            engine.model_copy(update={"kv_pool_tokens": pool}),
+            SchedulerConfig(max_running_requests=n, init_new_token_ratio=STORM_RATIO),
+            loaded=(cfg, weights, tok),
+        )
         t = time.perf_counter()
         res = run_batch(llm.scheduler, ps, [sp] * n)
         dt = time.perf_counter() - t
         toks = sum(len(r.token_ids) for r in res)
         done = sum(r.finish_reason in ("stop", "length") for r in res)
         outs[label] = (toks / dt, [r.token_ids for r in res])
-        print(f"  {label:>13}: pool {pool:6d} tokens, {done}/{n} completed, {toks / dt:7.1f} tok/s, "
-              f"{llm.scheduler.stats.retractions} retractions, {dt:6.1f}s")
+        print(
+            f"  {label:>13}: pool {pool:6d} tokens, {done}/{n} completed, {toks / dt:7.1f} tok/s, "
+            f"{llm.scheduler.stats.retractions} retractions, {dt:6.1f}s"
+        )
     same = outs["unconstrained"][1] == outs["30% pool"][1]
-    print(f"  throughput ratio (30% / unconstrained): {outs['30% pool'][0] / outs['unconstrained'][0]:.2f}; "
-          f"outputs identical: {same}")
+    print(
+        f"  throughput ratio (30% / unconstrained): {outs['30% pool'][0] / outs['unconstrained'][0]:.2f}; "
+        f"outputs identical: {same}"
+    )
 
 
 def resume_vs_reprefill(llm_loaded, engine: EngineConfig, tokens: int) -> None:
@@ -76,13 +84,15 @@ def resume_vs_reprefill(llm_loaded, engine: EngineConfig, tokens: int) -> None:
         host.load(runner.pool.buffer, kv, pages)
         best_res = min(best_res, time.perf_counter() - t)
     mb = len(pages) * runner.pool.page_bytes / 2**20
-    print(f"[PD decode] {tokens}-token request, {mb:.1f} MiB of KV: offload {best_off * 1e3:.1f} ms, "
-          f"resume {best_res * 1e3:.1f} ms, re-prefill {t_prefill * 1e3:.0f} ms -> resume is "
-          f"{t_prefill / best_res:.0f}x faster than re-prefill")
+    print(
+        f"[PD decode] {tokens}-token request, {mb:.1f} MiB of KV: offload {best_off * 1e3:.1f} ms, "
+        f"resume {best_res * 1e3:.1f} ms, re-prefill {t_prefill * 1e3:.0f} ms -> resume is "
+        f"{t_prefill / best_res:.0f}x faster than re-prefill"
+    )
 
 
 def pd_storm(llm_loaded, engine: EngineConfig, n: int, new_tokens: int) -> None:
-    from server.testing.pd_harness import PDHarness
+    from bench.harness.pd_harness import PDHarness
 
     cfg, weights, _ = llm_loaded
     ps = _workload(n, 32, 96, cfg.vocab_size, seed=9)
@@ -91,9 +101,11 @@ def pd_storm(llm_loaded, engine: EngineConfig, n: int, new_tokens: int) -> None:
     print(f"[PD storm] {n} requests, {demand} tokens of decode KV demand")
     rates = {}
     for label, pool in (("unconstrained", demand + 1024), ("30% pool", int(demand * 0.3))):
-        base = {"engine": engine.model_dump(),
-                "scheduler": {"max_running_requests": n, "init_new_token_ratio": STORM_RATIO},
-                "cluster": {"mode": "pd", "transfer_backend": "loopback", "host_kv_pool_gb": 1.0}}
+        base = {
+            "engine": engine.model_dump(),
+            "scheduler": {"max_running_requests": n, "init_new_token_ratio": STORM_RATIO},
+            "cluster": {"mode": "pd", "transfer_backend": "loopback", "host_kv_pool_gb": 1.0},
+        }
         cp = PdserveConfig.model_validate(base)
         cd = PdserveConfig.model_validate({**base, "engine": {**base["engine"], "kv_pool_tokens": pool}})
         cp.engine.kv_pool_tokens = demand + 1024
@@ -106,9 +118,11 @@ def pd_storm(llm_loaded, engine: EngineConfig, n: int, new_tokens: int) -> None:
         toks = sum(len(o["tokens"]) for o in out.values())
         rs = h.decode.retract.stats
         rates[label] = toks / dt
-        print(f"  {label:>13}: decode pool {pool:6d} tokens, {sum(o['finish'] == 'length' for o in out.values())}/{n}"
-              f" completed, goodput {toks / dt:7.1f} tok/s, {h.decode.stats.retractions} retractions "
-              f"({rs.offloaded} offloaded, {rs.resumed} resumed, {rs.recomputed} recomputed)")
+        print(
+            f"  {label:>13}: decode pool {pool:6d} tokens, {sum(o['finish'] == 'length' for o in out.values())}/{n}"
+            f" completed, goodput {toks / dt:7.1f} tok/s, {h.decode.stats.retractions} retractions "
+            f"({rs.offloaded} offloaded, {rs.resumed} resumed, {rs.recomputed} recomputed)"
+        )
         h.close()
     print(f"  goodput ratio (30% / unconstrained): {rates['30% pool'] / rates['unconstrained']:.2f}")
 

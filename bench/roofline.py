@@ -11,6 +11,7 @@ logits written and read back by the sampler, and the KV written for the new toke
 ``OP_CLASSES`` sorts the profiler's op names into the classes of the per-step breakdown;
 ``breakdown`` turns ``(name, self time)`` rows and a wall time into shares.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -41,16 +42,57 @@ C_STORE = "pdserve::store_kv"
 C_STACK = "pdserve::decode_stack"
 OP_CLASSES: dict[str, tuple[str, ...]] = {
     "C layer stack": (C_STACK,),
-    "matmuls": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-                "mkldnn::_linear_pointwise", "aten::_mkl_linear", "aten::mkldnn_linear", C_GEMV, C_GEMV_I8,
-                C_PAIRS),
-    "attention": (C_ATTENTION, C_EXTEND, C_STORE, "aten::scaled_dot_product_attention", "aten::_scaled_dot_product*", "aten::softmax",
-                  "aten::_softmax", "aten::index_put_", "aten::_index_put_impl_", "aten::stack",
-                  "aten::index"),  # KV store; the torch backend's page gather (also rope's small cos/sin lookup)
-    "norms/rotary/act": (C_FUSED, "aten::rsqrt", "aten::pow", "aten::mean", "aten::mul", "aten::add", "aten::silu",
-                         "aten::cat", "aten::neg", "aten::sub", "aten::div"),
-    "logits+sampling": ("aten::argmax", "aten::topk", "aten::sort", "aten::log_softmax", "aten::_log_softmax",
-                        "aten::multinomial", "aten::exponential_", "aten::max", "aten::cumsum"),
+    "matmuls": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::linear",
+        "aten::matmul",
+        "aten::bmm",
+        "aten::baddbmm",
+        "mkldnn::_linear_pointwise",
+        "aten::_mkl_linear",
+        "aten::mkldnn_linear",
+        C_GEMV,
+        C_GEMV_I8,
+        C_PAIRS,
+    ),
+    "attention": (
+        C_ATTENTION,
+        C_EXTEND,
+        C_STORE,
+        "aten::scaled_dot_product_attention",
+        "aten::_scaled_dot_product*",
+        "aten::softmax",
+        "aten::_softmax",
+        "aten::index_put_",
+        "aten::_index_put_impl_",
+        "aten::stack",
+        "aten::index",
+    ),  # KV store; the torch backend's page gather (also rope's small cos/sin lookup)
+    "norms/rotary/act": (
+        C_FUSED,
+        "aten::rsqrt",
+        "aten::pow",
+        "aten::mean",
+        "aten::mul",
+        "aten::add",
+        "aten::silu",
+        "aten::cat",
+        "aten::neg",
+        "aten::sub",
+        "aten::div",
+    ),
+    "logits+sampling": (
+        "aten::argmax",
+        "aten::topk",
+        "aten::sort",
+        "aten::log_softmax",
+        "aten::_log_softmax",
+        "aten::multinomial",
+        "aten::exponential_",
+        "aten::max",
+        "aten::cumsum",
+    ),
 }
 OTHER = "other ops"  # copies, indexing, padding, allocation: ops of no class above
 PYTHON = "python+batch"  # wall time minus every op's self time
@@ -162,7 +204,7 @@ def classify_op(name: str) -> str:
     """The breakdown class of profiler op ``name`` (``OTHER`` when no rule of ``OP_CLASSES`` matches)."""
     for cls, patterns in OP_CLASSES.items():
         for p in patterns:
-            if (name.startswith(p[:-1]) if p.endswith("*") else name == p):
+            if name.startswith(p[:-1]) if p.endswith("*") else name == p:
                 return cls
     return OTHER
 

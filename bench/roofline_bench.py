@@ -5,6 +5,7 @@ peak (GEMMs of prefill shapes), then per dtype: decode step time per batch size 
 engine bench's decode rate), prefill time per prompt length, and a profiler breakdown of a few decode
 steps by op class. The arithmetic is in ``bench.roofline``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,23 +74,35 @@ def matmul_peak(dtype: str, shapes: list[tuple[int, int, int]], repeats: int = 1
 def _llm(engine: EngineConfig, dtype: str, tokens: int, max_batch: int, loaded=None) -> LLM:
     weights = {"dtype": "bfloat16", "weight_dtype": "int8"} if dtype == "int8" else {"dtype": dtype}
     engine = engine.model_copy(update={**weights, "kv_pool_tokens": engine.kv_pool_tokens or tokens})
-    return LLM(engine, SchedulerConfig(max_running_requests=max(max_batch, 8), chunked_prefill_size=8192),
-               loaded=loaded)
+    return LLM(
+        engine, SchedulerConfig(max_running_requests=max(max_batch, 8), chunked_prefill_size=8192), loaded=loaded
+    )
 
 
-def decode_rows(llm: LLM, dtype: str, batch_sizes: list[int], decode_tokens: int, bw: float,
-                peak: float = 0.0) -> list[dict]:
+def decode_rows(
+    llm: LLM, dtype: str, batch_sizes: list[int], decode_tokens: int, bw: float, peak: float = 0.0
+) -> list[dict]:
     """Per batch size: bytes and FLOPs per step, the bound (the slower of bytes at ``bw`` and FLOPs
     at the matmul ``peak``), measured step time (``B / decode tok/s``), fraction."""
     cfg, rows = llm.model_config, []
     context = PROMPT_LEN + decode_tokens // 2  # mean context over the timed steps
     for b in batch_sizes:
-        rate = _decode_rate(lambda p, n: _ours(llm, p, n), _prompts(b, PROMPT_LEN, cfg.vocab_size, seed=b),
-                            decode_tokens)
+        rate = _decode_rate(
+            lambda p, n: _ours(llm, p, n), _prompts(b, PROMPT_LEN, cfg.vocab_size, seed=b), decode_tokens
+        )
         nbytes, flops = rl.decode_step_bytes(cfg, dtype, [context] * b), rl.decode_step_flops(cfg, [context] * b)
         roof = rl.Roof(rl.decode_bound_s(nbytes, bw, flops, peak), b / rate)
-        rows.append({"dtype": dtype, "batch": b, "context": context, "bytes": nbytes, "flops": flops,
-                     "compute_s": flops / peak if peak > 0 else 0.0, "roof": roof})
+        rows.append(
+            {
+                "dtype": dtype,
+                "batch": b,
+                "context": context,
+                "bytes": nbytes,
+                "flops": flops,
+                "compute_s": flops / peak if peak > 0 else 0.0,
+                "roof": roof,
+            }
+        )
     return rows
 
 
@@ -99,23 +112,27 @@ def prefill_rows(llm: LLM, dtype: str, lengths: list[int], peak: float) -> list[
     for n in lengths:
         t = _ours(llm, _prompts(1, n, cfg.vocab_size, seed=n), 1)
         flops = rl.prefill_flops(cfg, n)
-        rows.append({"dtype": dtype, "tokens": n, "flops": flops, "peak": peak, "roof": rl.Roof(rl.bound_s(flops, peak), t)})
+        rows.append(
+            {"dtype": dtype, "tokens": n, "flops": flops, "peak": peak, "roof": rl.Roof(rl.bound_s(flops, peak), t)}
+        )
     return rows
 
 
 # (module, function or Class.method, profiler range): the C kernels' ctypes entry points, called
 # through their module's (or class's) attribute on every call, so patching it reaches every caller
-_C_KERNELS = (("engine.kernels.cpu_native", "paged_decode", rl.C_ATTENTION),
-              ("engine.kernels.cpu_native", "paged_extend", rl.C_EXTEND),
-              ("engine.kernels.cpu_native", "gemv_bf16", rl.C_GEMV),
-              ("engine.kernels.cpu_native", "gemv_i8w", rl.C_GEMV_I8),
-              ("engine.kernels.cpu_native", "gemm_pairs", rl.C_PAIRS),
-              ("engine.kernels.fused", "rms_norm", rl.C_FUSED),
-              ("engine.kernels.fused", "add_rms_norm", rl.C_FUSED),
-              ("engine.kernels.fused", "rope", rl.C_FUSED),
-              ("engine.kernels.fused", "silu_mul", rl.C_FUSED),
-              ("engine.kernels.fused", "store_kv", rl.C_STORE),
-              ("engine.decode_stack", "DecodeStack.run", rl.C_STACK))
+_C_KERNELS = (
+    ("engine.kernels.cpu_native", "paged_decode", rl.C_ATTENTION),
+    ("engine.kernels.cpu_native", "paged_extend", rl.C_EXTEND),
+    ("engine.kernels.cpu_native", "gemv_bf16", rl.C_GEMV),
+    ("engine.kernels.cpu_native", "gemv_i8w", rl.C_GEMV_I8),
+    ("engine.kernels.cpu_native", "gemm_pairs", rl.C_PAIRS),
+    ("engine.kernels.fused", "rms_norm", rl.C_FUSED),
+    ("engine.kernels.fused", "add_rms_norm", rl.C_FUSED),
+    ("engine.kernels.fused", "rope", rl.C_FUSED),
+    ("engine.kernels.fused", "silu_mul", rl.C_FUSED),
+    ("engine.kernels.fused", "store_kv", rl.C_STORE),
+    ("engine.decode_stack", "DecodeStack.run", rl.C_STACK),
+)
 
 
 @contextlib.contextmanager
@@ -128,6 +145,7 @@ def _labelled_c_kernels():
         def call(*args, **kw):
             with torch.profiler.record_function(name):
                 return fn(*args, **kw)
+
         return call
 
     saved = []
@@ -186,9 +204,16 @@ def usable_dtypes(dtypes: list[str]) -> tuple[list[str], list[str]]:
     return keep, why
 
 
-def run_roofline(engine: EngineConfig, dtypes: list[str], batch_sizes: list[int], decode_tokens: int,
-                 prefill_lengths: list[int], profile_batches: list[int], bandwidth_bytes: int = 1 << 30,
-                 loaded=None) -> dict:
+def run_roofline(
+    engine: EngineConfig,
+    dtypes: list[str],
+    batch_sizes: list[int],
+    decode_tokens: int,
+    prefill_lengths: list[int],
+    profile_batches: list[int],
+    bandwidth_bytes: int = 1 << 30,
+    loaded=None,
+) -> dict:
     """Measure and print every section; returns the rows (``loaded``: a model already in memory, as ``LLM``)."""
     dtypes, skipped = usable_dtypes(dtypes)
     bw = read_bandwidth(bandwidth_bytes)

@@ -6,6 +6,7 @@ target's highest request rate within both SLOs instead (``bench/serve/goodput.py
 Prompts differ between load levels (a radix cache must not serve level 2 from level 1) but are the
 same for every target, so targets see exactly the same workload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,7 @@ from bench.serve.report import RunRecord
 from bench.serve.runner import closed_loop, open_loop
 from bench.serve.servers import config_flags, launched
 from bench.serve.stats import compute_stats
-from bench.serve.workload import (LengthCounter, PromptShape, RequestSpec, load_counter, make_requests,
-                                  poisson_arrivals)
+from bench.serve.workload import LengthCounter, PromptShape, RequestSpec, load_counter, make_requests, poisson_arrivals
 
 __all__ = ["add_serve_flags", "run_serve_bench"]
 
@@ -39,16 +39,24 @@ class ServeBench:
         self.goodputs: list[GoodputResult] = []  # --goodput: one per target, in run order
         lo, hi = opts.input_range
         out_lo, out_hi = opts.output_range
-        self.shape = PromptShape(args.num_prompts, lo, hi, out_lo, args.shared_prefix_len,
-                                 output_max=out_hi if out_hi != out_lo else None)
+        self.shape = PromptShape(
+            args.num_prompts, lo, hi, out_lo, args.shared_prefix_len, output_max=out_hi if out_hi != out_lo else None
+        )
         self.warm_shape = PromptShape(args.warmup, lo, hi, min(out_lo, 8), args.shared_prefix_len)
 
     def _client(self, url: str) -> ClientConfig:
         """Where ``url`` (one server, or several comma-separated routers, round-robin) is loaded."""
         urls = split_urls(url, "--base-url")
         model = self.a.served_model_name or served_model(urls[0], self.a.api_key)
-        return ClientConfig(urls[0], model, self.a.endpoint, self.a.api_key, self.a.ignore_eos, self.a.request_timeout_s,
-                            urls if len(urls) > 1 else ())
+        return ClientConfig(
+            urls[0],
+            model,
+            self.a.endpoint,
+            self.a.api_key,
+            self.a.ignore_eos,
+            self.a.request_timeout_s,
+            urls if len(urls) > 1 else (),
+        )
 
     def _warmup(self, level: int):
         return make_requests(self.warm_shape, self.counter, self.a.workload_seed + 7919 + level)
@@ -73,8 +81,9 @@ class ServeBench:
             return [_with_cpu(records[0], meter), *records[1:]]  # CPU belongs to the whole run
         if self.a.interference:
             meter = _meter(launcher_pid)
-            measured = asyncio.run(open_loop(cfg, self.interference_specs(), self._warmup(0), show, "interference",
-                                             meter))
+            measured = asyncio.run(
+                open_loop(cfg, self.interference_specs(), self._warmup(0), show, "interference", meter)
+            )
             records = interference_records(target, measured, self.o.slo, f"short {self.o.request_rates[0]:g}/s")
             return [*records[:-1], _with_cpu(records[-1], meter)]  # CPU belongs to the mixed run as a whole
         records = []
@@ -86,8 +95,12 @@ class ServeBench:
             else:
                 specs = poisson_arrivals(specs, rate, self.a.workload_seed + 1000 * level + 1)
                 m = asyncio.run(open_loop(cfg, specs, self._warmup(level), show, load, meter))
-            records.append(_with_cpu(RunRecord(target, load, conc, rate,
-                                               compute_stats(m.results, m.duration_s, self.o.slo), m.results), meter))
+            records.append(
+                _with_cpu(
+                    RunRecord(target, load, conc, rate, compute_stats(m.results, m.duration_s, self.o.slo), m.results),
+                    meter,
+                )
+            )
             print(report.runs_table(records[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         return records
 
@@ -106,13 +119,30 @@ class ServeBench:
         def probe(rate: float) -> GoodputPoint:
             specs = self.probe_requests(rate)
             meter = _meter(launcher_pid)
-            m = asyncio.run(open_loop(cfg, specs, self._warmup(len(records)), not self.a.no_progress,
-                                      f"rate={rate:.4g}", meter))
-            records.append(_with_cpu(RunRecord(target, f"rate={rate:.4g}", None, rate,
-                                               compute_stats(m.results, m.duration_s, spec.slo), m.results), meter))
+            m = asyncio.run(
+                open_loop(cfg, specs, self._warmup(len(records)), not self.a.no_progress, f"rate={rate:.4g}", meter)
+            )
+            records.append(
+                _with_cpu(
+                    RunRecord(
+                        target,
+                        f"rate={rate:.4g}",
+                        None,
+                        rate,
+                        compute_stats(m.results, m.duration_s, spec.slo),
+                        m.results,
+                    ),
+                    meter,
+                )
+            )
             point = measure_point(rate, m.results, m.duration_s, spec.slo, spec.attainment)
-            print(goodput_report.markdown_table(goodput_report.POINT_HEAD, [goodput_report.point_row(target, point)])
-                  .splitlines()[-1], file=sys.stderr, flush=True)
+            print(
+                goodput_report.markdown_table(
+                    goodput_report.POINT_HEAD, [goodput_report.point_row(target, point)]
+                ).splitlines()[-1],
+                file=sys.stderr,
+                flush=True,
+            )
             return point
 
         self.goodputs.append(search_goodput(target, spec, probe))
@@ -126,11 +156,14 @@ class ServeBench:
 
     def interference_specs(self):
         lo, hi = self.o.long_range
-        spec = InterferenceSpec(PromptShape(self.a.num_prompts, *self.o.input_range, self.o.output_range[0],
-                                            self.a.shared_prefix_len, kind="short"),
-                                self.o.request_rates[0],
-                                PromptShape(self.a.long_prompts, lo, hi, self.a.long_output_len, kind="long"),
-                                self.a.long_request_rate)
+        spec = InterferenceSpec(
+            PromptShape(
+                self.a.num_prompts, *self.o.input_range, self.o.output_range[0], self.a.shared_prefix_len, kind="short"
+            ),
+            self.o.request_rates[0],
+            PromptShape(self.a.long_prompts, lo, hi, self.a.long_output_len, kind="long"),
+            self.a.long_request_rate,
+        )
         return interference_requests(spec, self.counter, self.a.workload_seed)
 
     def run(self, engine_values: dict) -> list[RunRecord]:
@@ -157,8 +190,10 @@ class ServeBench:
                 print(table)
         unknown = [t for t in dict.fromkeys(r.target for r in records) if t not in (self.o.modes or [])]
         if unknown:
-            print(f"\nCPU per process: not measured for {', '.join(unknown)} (not launched by the bench, pids "
-                  f"unknown; cpu_s fields are null)")
+            print(
+                f"\nCPU per process: not measured for {', '.join(unknown)} (not launched by the bench, pids "
+                f"unknown; cpu_s fields are null)"
+            )
 
     def finish(self, records: list[RunRecord]) -> dict:
         """Print the tables (runs, ratios, failures) and return the JSON payload."""
@@ -181,21 +216,33 @@ class ServeBench:
             print(goodput_report.goodput_table(self.goodputs, self.o.goodput))
         failed = sum(r.stats.failed for r in records if r.kind in ("all", "mixed"))
         if failed:
-            print(f"\n{failed} request(s) failed; first errors: "
-                  f"{sorted({e for r in records for e in r.stats.errors})[:3]}")
-        return {"benchmark": "pdserve bench serve", "argv": sys.argv[1:], "tokenizer": self.counter.name,
-                "settings": {k: v for k, v in vars(self.a).items() if k != "func"},
-                "lengths": {"input": list(self.o.input_range), "output": list(self.o.output_range)},
-                "runs": [r.to_dict() for r in records], "ratios": ratio_rows, "cache_effect": self.cache_effects,
-                "goodput": self._goodput_payload()}
+            print(
+                f"\n{failed} request(s) failed; first errors: "
+                f"{sorted({e for r in records for e in r.stats.errors})[:3]}"
+            )
+        return {
+            "benchmark": "pdserve bench serve",
+            "argv": sys.argv[1:],
+            "tokenizer": self.counter.name,
+            "settings": {k: v for k, v in vars(self.a).items() if k != "func"},
+            "lengths": {"input": list(self.o.input_range), "output": list(self.o.output_range)},
+            "runs": [r.to_dict() for r in records],
+            "ratios": ratio_rows,
+            "cache_effect": self.cache_effects,
+            "goodput": self._goodput_payload(),
+        }
 
     def _goodput_payload(self) -> dict | None:
         """The SLOs and each target's search (``--goodput``), or None."""
         g = self.o.goodput
         if g is None:
             return None
-        return {"slo_ttft_ms": g.slo.ttft_ms, "slo_tpot_ms": g.slo.tpot_ms, "attainment": g.attainment,
-                "targets": [r.to_dict() for r in self.goodputs]}
+        return {
+            "slo_ttft_ms": g.slo.ttft_ms,
+            "slo_tpot_ms": g.slo.tpot_ms,
+            "attainment": g.attainment,
+            "targets": [r.to_dict() for r in self.goodputs],
+        }
 
 
 def _meter(launcher_pid: int | None) -> CpuMeter | None:

@@ -15,6 +15,7 @@ The SWA layout splits the budget between its pools in proportion to one request'
 for every token, SWA KV for the window's span), as one would size ``--swa-pool-tokens`` for the
 workload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,16 +56,23 @@ def layouts(mc: ModelConfig, budget: int, prompt_len: int, output_len: int, page
     need_swa = SWAWindow(mc.sliding_window, page).max_pages()
     per_request = need_full * full_b + need_swa * swa_b
     n = budget / per_request
-    return [Layout("full", budget // all_full, 0, all_full, 0),
-            Layout("swa", int(n * need_full), int(n * need_swa), full_b, swa_b)]
+    return [
+        Layout("full", budget // all_full, 0, all_full, 0),
+        Layout("swa", int(n * need_full), int(n * need_swa), full_b, swa_b),
+    ]
 
 
 def admit_all(mc: ModelConfig, lay: Layout, prompt_len: int, output_len: int, page: int) -> tuple[int, int]:
     """Decode-side admission of identical-length, unrelated prompts until one does not fit:
     ``(requests admitted, KV bytes they hold)``."""
     swa = lay.swa_pages > 0
-    kv = KVManager(PageAllocator(lay.full_pages), page, False,
-                   PageAllocator(lay.swa_pages) if swa else None, SWAWindow(mc.sliding_window, page) if swa else None)
+    kv = KVManager(
+        PageAllocator(lay.full_pages),
+        page,
+        False,
+        PageAllocator(lay.swa_pages) if swa else None,
+        SWAWindow(mc.sliding_window, page) if swa else None,
+    )
     handles, growth = [], PageBudget(kv).prompt_growth(prompt_len, output_len)
     while True:
         ids = list(range(len(handles) * prompt_len, (len(handles) + 1) * prompt_len))
@@ -87,11 +95,12 @@ def run_real(model: str, lay: Layout, prompt_len: int, output_len: int, page: in
     from configs.engine import EngineConfig
     from configs.scheduler import SchedulerConfig
     from engine.llm import LLM
-    from transfer.wire.sampling_params import SamplingParams
     from transfer.wire.protocol import GenerateRequest
+    from transfer.wire.sampling_params import SamplingParams
 
-    eng = EngineConfig(model=model, page_size=page, kv_pool_tokens=lay.full_pages * page,
-                       swa_pool_tokens=lay.swa_pages * page)
+    eng = EngineConfig(
+        model=model, page_size=page, kv_pool_tokens=lay.full_pages * page, swa_pool_tokens=lay.swa_pages * page
+    )
     llm = LLM(eng, SchedulerConfig(max_running_requests=256))
     g = torch.Generator().manual_seed(0)
     vocab = llm.model_config.vocab_size
@@ -117,14 +126,20 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype-bytes", type=int, default=4, help="4 = float32 (CPU), 2 = bf16")
     ap.add_argument("--run", type=int, default=0, help="also serve this many requests with the real model")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--decode-batch", type=int, default=0,
-                    help="instead: decode tok/s of this many requests, SWA pool vs all-full (real model)")
+    ap.add_argument(
+        "--decode-batch",
+        type=int,
+        default=0,
+        help="instead: decode tok/s of this many requests, SWA pool vs all-full (real model)",
+    )
     ap.add_argument("--window", type=int, default=64, help="with --decode-batch on a model that does not slide")
     a = ap.parse_args(argv)
     if a.decode_batch:
         for L in a.prompt_len:
-            print(f"decode tok/s, {a.decode_batch} x {L} tokens:",
-                  decode_speed(a.model, a.window, a.decode_batch, L, a.output_len, a.page_size))
+            print(
+                f"decode tok/s, {a.decode_batch} x {L} tokens:",
+                decode_speed(a.model, a.window, a.decode_batch, L, a.output_len, a.page_size),
+            )
         return
     from engine.loader import read_model_config
     from engine.model_paths import resolve_model_path
@@ -134,8 +149,13 @@ def main(argv=None) -> None:
     for L in a.prompt_len:
         for lay in layouts(mc, int(a.budget_mib * 2**20), L, a.output_len, a.page_size, a.dtype_bytes):
             n, held = admit_all(mc, lay, L, a.output_len, a.page_size)
-            row = {"prompt_len": L, "layout": lay.name, "pool_mib": round(lay.bytes / 2**20, 1),
-                   "max_concurrent": n, "kv_mib_per_request": round(held / max(n, 1) / 2**20, 2)}
+            row = {
+                "prompt_len": L,
+                "layout": lay.name,
+                "pool_mib": round(lay.bytes / 2**20, 1),
+                "max_concurrent": n,
+                "kv_mib_per_request": round(held / max(n, 1) / 2**20, 2),
+            }
             if a.run:
                 row.update(run_real(a.model, lay, L, a.output_len, a.page_size, a.run))
             rows.append(row)
@@ -144,23 +164,35 @@ def main(argv=None) -> None:
         return
     _print_table(mc, a, rows)
 
+
 def _print_table(mc: ModelConfig, a, rows: list[dict]) -> None:
-    print(f"{mc.name}: {mc.num_layers} layers ({sum(t == 'sliding_attention' for t in mc.layer_types)} sliding, "
-          f"window {mc.sliding_window}), KV budget {a.budget_mib:g} MiB, {a.output_len} output tokens")
-    print("| prompt | layout | pools MiB | max concurrent | KV MiB / request |" + (" peak running (real) |" if a.run else ""))
+    print(
+        f"{mc.name}: {mc.num_layers} layers ({sum(t == 'sliding_attention' for t in mc.layer_types)} sliding, "
+        f"window {mc.sliding_window}), KV budget {a.budget_mib:g} MiB, {a.output_len} output tokens"
+    )
+    print(
+        "| prompt | layout | pools MiB | max concurrent | KV MiB / request |"
+        + (" peak running (real) |" if a.run else "")
+    )
     print("|---|---|---|---|---|" + ("---|" if a.run else ""))
     for r in rows:
         extra = f" {r['peak_running']} ({r['seconds']} s) |" if a.run else ""
-        print(f"| {r['prompt_len']} | {r['layout']} | {r['pool_mib']} | {r['max_concurrent']} | "
-              f"{r['kv_mib_per_request']} |{extra}")
+        print(
+            f"| {r['prompt_len']} | {r['layout']} | {r['pool_mib']} | {r['max_concurrent']} | "
+            f"{r['kv_mib_per_request']} |{extra}"
+        )
     for L in a.prompt_len:
         full, swa = [r for r in rows if r["prompt_len"] == L]
         if not full["max_concurrent"]:
-            print(f"prompt {L}: the all-full layout cannot hold one request; the SWA pool holds {swa['max_concurrent']}")
+            print(
+                f"prompt {L}: the all-full layout cannot hold one request; the SWA pool holds {swa['max_concurrent']}"
+            )
             continue
-        print(f"prompt {L}: SWA pool / all-full: {swa['max_concurrent'] / full['max_concurrent']:.2f}x "
-              f"concurrent requests, {swa['kv_mib_per_request'] / full['kv_mib_per_request']:.2f}x KV bytes "
-              f"per request")
+        print(
+            f"prompt {L}: SWA pool / all-full: {swa['max_concurrent'] / full['max_concurrent']:.2f}x "
+            f"concurrent requests, {swa['kv_mib_per_request'] / full['kv_mib_per_request']:.2f}x KV bytes "
+            f"per request"
+        )
 
 
 if __name__ == "__main__":
@@ -180,10 +212,19 @@ def decode_speed(model: str, window: int, batch: int, prompt_len: int, new_token
     from transfer.wire.sampling_params import SamplingParams
 
     swa_kw = {} if model.startswith("gemma3") else {"sliding_window": window, "layer_types": "alternate"}
-    llms = {name: LLM(EngineConfig(model=model, page_size=page, kv_pool_tokens=batch * (prompt_len + new_tokens + page),
-                                   swa_pool_tokens=tokens, **swa_kw),
-                      SchedulerConfig(enable_radix_cache=False, max_running_requests=256))
-            for name, tokens in (("swa", batch * (window + 4 * page)), ("full", 0))}
+    llms = {
+        name: LLM(
+            EngineConfig(
+                model=model,
+                page_size=page,
+                kv_pool_tokens=batch * (prompt_len + new_tokens + page),
+                swa_pool_tokens=tokens,
+                **swa_kw,
+            ),
+            SchedulerConfig(enable_radix_cache=False, max_running_requests=256),
+        )
+        for name, tokens in (("swa", batch * (window + 4 * page)), ("full", 0))
+    }
     rng = random.Random(0)
     prompts = [[rng.randrange(300, 20000) for _ in range(prompt_len)] for _ in range(batch)]
     best: dict = {}

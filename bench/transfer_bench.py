@@ -15,6 +15,7 @@ gather/scatter ``dst[d] = src[s]`` (two copies) and a per-page copy loop (one co
 "memcpy" the ratios divide by). ``--dead-peer`` also times how long a write to a killed decode
 process takes to be reported failed (ucxx without error handling: its write deadline).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,13 +42,18 @@ def page_bytes() -> int:
 
 def fill_pages(buf: torch.Tensor) -> None:
     words = buf.view(buf.shape[0], -1).view(torch.int32)
-    words.copy_(torch.arange(buf.shape[0], dtype=torch.int32)[:, None] * 7919
-                + torch.arange(words.shape[1], dtype=torch.int32)[None, :])
+    words.copy_(
+        torch.arange(buf.shape[0], dtype=torch.int32)[:, None] * 7919
+        + torch.arange(words.shape[1], dtype=torch.int32)[None, :]
+    )
 
 
 #: Backend variants: label -> (backend, transport options).
-VARIANTS = {"nixl": ("nixl", {}), "ucxx": ("ucxx", {"error_handling": False}),
-            "ucxx-eh": ("ucxx", {"error_handling": True})}
+VARIANTS = {
+    "nixl": ("nixl", {}),
+    "ucxx": ("ucxx", {"error_handling": False}),
+    "ucxx-eh": ("ucxx", {"error_handling": True}),
+}
 
 
 def _decode_side(conn, num_pages: int, backend: str, opts: dict, real_pool: bool = False) -> None:
@@ -180,14 +186,18 @@ def measure(label: str, tokens: int, reps: int, seed: int = 0) -> dict:
         pair.write(src, dst_sets[1])
         runs = [pair.write(src, d) for d in dst_sets[2:]]
         pair.verify(src, dst_sets[-1], reps + 2)
-        contig = [pair.write(np.arange(n, dtype=np.int32), np.arange(n, 2 * n, dtype=np.int32))
-                  for _ in range(reps)]
+        contig = [pair.write(np.arange(n, dtype=np.int32), np.arange(n, 2 * n, dtype=np.int32)) for _ in range(reps)]
     finally:
         pair.close()
-    return {"cold_ms": cold[0] * 1e3,
-            "shuffled": {**_summary([r[0] for r in runs], nbytes),
-                         "post_ms_median": statistics.median(r[1] for r in runs) * 1e3, "descs": runs[0][2]},
-            "contiguous": {**_summary([r[0] for r in contig], nbytes), "descs": contig[0][2]}}
+    return {
+        "cold_ms": cold[0] * 1e3,
+        "shuffled": {
+            **_summary([r[0] for r in runs], nbytes),
+            "post_ms_median": statistics.median(r[1] for r in runs) * 1e3,
+            "descs": runs[0][2],
+        },
+        "contiguous": {**_summary([r[0] for r in contig], nbytes), "descs": contig[0][2]},
+    }
 
 
 def numpy_baselines(tokens: int, reps: int, seed: int = 0) -> dict:
@@ -266,8 +276,14 @@ def isolated(fn, *args, timeout: float = 300):
 
 def run(tokens: int = 2048, reps: int = 10, variants: tuple[str, ...] = ("nixl", "ucxx"), seed: int = 0) -> dict:
     n = ceil_div(tokens, PAGE)
-    result: dict = {"tokens": tokens, "pages": n, "page_bytes": page_bytes(), "bytes": n * page_bytes(),
-                    "reps": reps, "backends": {}}
+    result: dict = {
+        "tokens": tokens,
+        "pages": n,
+        "page_bytes": page_bytes(),
+        "bytes": n * page_bytes(),
+        "reps": reps,
+        "backends": {},
+    }
     for label in variants:
         result["backends"][label] = isolated(measure, label, tokens, reps, seed)
     result.update(numpy_baselines(tokens, reps, seed))
@@ -276,16 +292,20 @@ def run(tokens: int = 2048, reps: int = 10, variants: tuple[str, ...] = ("nixl",
 
 def _print(r: dict) -> None:
     memcpy = r["numpy_page_loop"]
-    print(f"request: {r['tokens']} tokens = {r['pages']} pages x {r['page_bytes']:,} B "
-          f"= {r['bytes'] / 1e6:.1f} MB, {r['reps']} reps (median / min); ratio = throughput / memcpy")
+    print(
+        f"request: {r['tokens']} tokens = {r['pages']} pages x {r['page_bytes']:,} B "
+        f"= {r['bytes'] / 1e6:.1f} MB, {r['reps']} reps (median / min); ratio = throughput / memcpy"
+    )
     rows = []
     for label, b in r["backends"].items():
         rows += [(f"{label} shuffled->shuffled", b["shuffled"]), (f"{label} contiguous", b["contiguous"])]
     rows += [("numpy gather/scatter (1 proc)", r["numpy_gather_scatter"]), ("memcpy: numpy per-page (1 proc)", memcpy)]
     for label, s in rows:
         extra = f"  descs={s['descs']}" if s.get("descs", -1) >= 0 else ""
-        print(f"  {label:34s} {s['ms_median']:7.2f} ms / {s['ms_min']:7.2f} ms  {s['gbps_median']:6.2f} GB/s  "
-              f"x{s['gbps_median'] / memcpy['gbps_median']:.2f}{extra}")
+        print(
+            f"  {label:34s} {s['ms_median']:7.2f} ms / {s['ms_min']:7.2f} ms  {s['gbps_median']:6.2f} GB/s  "
+            f"x{s['gbps_median'] / memcpy['gbps_median']:.2f}{extra}"
+        )
     cold = ", ".join(f"{k} {b['cold_ms']:.1f} ms" for k, b in r["backends"].items())
     print(f"  first (cold) write: {cold}")
 
@@ -295,8 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--backend", default="nixl,ucxx", help="comma-separated: nixl, ucxx")
-    ap.add_argument("--ucxx-error-handling", choices=["off", "on", "both"], default="off",
-                    help="ucxx endpoint error handling to measure (off is the serving default)")
+    ap.add_argument(
+        "--ucxx-error-handling",
+        choices=["off", "on", "both"],
+        default="off",
+        help="ucxx endpoint error handling to measure (off is the serving default)",
+    )
     ap.add_argument("--dead-peer", action="store_true", help="also time a write to a killed decode process")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)

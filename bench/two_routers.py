@@ -19,6 +19,7 @@ tokens each worker finished, as counter deltas from the routers' ``/metrics``, a
 failed request (an error, or another token count than asked) stops the run: it names the request
 and the error and exits 1. Every process it started is stopped on exit, Ctrl-C and SIGTERM included.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,16 +40,24 @@ from bench.serve.workload import PromptShape, load_counter, make_requests
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m bench.two_routers`` / ``pdserve bench two-routers``."""
-    p = argparse.ArgumentParser(prog="pdserve bench two-routers", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve bench two-routers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("cluster")
     g.add_argument("--model", default="default", help="model of the workers (default: the embedded SmolLM2-135M)")
     g.add_argument("--dtype", default="bfloat16", help="as the serving benchmarks (default bfloat16)")
     g.add_argument("--kv-pool-tokens", type=int, default=16384, help="KV pool of each worker, tokens")
     g.add_argument("--prefill", type=int, default=1, help="PD: prefill workers")
     g.add_argument("--decode", type=int, default=2, help="PD: decode workers (the spread is over these)")
-    g.add_argument("--colocated", type=int, default=0, metavar="N",
-                   help="N colocated workers instead of PD (the spread is over these)")
+    g.add_argument(
+        "--colocated",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N colocated workers instead of PD (the spread is over these)",
+    )
     g.add_argument("--heartbeat-s", type=float, default=1.0, help="workers' heartbeat period (--health-interval-s)")
     g.add_argument("--server-args", default="", help="more 'pdserve launch' flags for the workers and routers")
     g.add_argument("--startup-timeout-s", type=float, default=600.0)
@@ -58,9 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input-len-range", default="112,289", metavar="LO,HI", help="prompt tokens, uniform")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens of every request (ignore_eos)")
     g.add_argument("--rounds", type=int, default=2, help="A B rounds (A B A B ...: drift cancels)")
-    g.add_argument("--warmup", type=int, default=None,
-                   help="unmeasured requests over both routers first, at --concurrency and the full lengths, so "
-                        "the first phase (an A) pays no first-batch costs (default: --concurrency)")
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="unmeasured requests over both routers first, at --concurrency and the full lengths, so "
+        "the first phase (an A) pays no first-batch costs (default: --concurrency)",
+    )
     g.add_argument("--workload-seed", type=int, default=0)
     g.add_argument("--out", help="write the phases and the summary as JSON here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -73,12 +86,18 @@ def _validate(a: argparse.Namespace) -> tuple[int, int]:
         lo, hi = (int(x) for x in a.input_len_range.split(","))
     except ValueError:
         raise ValueError(f"--input-len-range takes LO,HI, got {a.input_len_range!r}") from None
-    checks = {"--input-len-range (1 <= LO <= HI)": 1 <= lo <= hi, "--output-len >= 1": a.output_len >= 1,
-              "--rounds >= 1": a.rounds >= 1, "--concurrency >= 1": a.concurrency >= 1,
-              "--num-requests >= 1": a.num_requests >= 1, "--warmup >= 0": a.warmup is None or a.warmup >= 0,
-              "--colocated >= 0": a.colocated >= 0, "--heartbeat-s > 0": a.heartbeat_s > 0,
-              "--prefill >= 1 and --decode >= 2 (without --colocated)": a.colocated or (a.prefill >= 1 and a.decode >= 2),
-              "--colocated N needs N >= 2 (a spread needs two workers)": a.colocated != 1}
+    checks = {
+        "--input-len-range (1 <= LO <= HI)": 1 <= lo <= hi,
+        "--output-len >= 1": a.output_len >= 1,
+        "--rounds >= 1": a.rounds >= 1,
+        "--concurrency >= 1": a.concurrency >= 1,
+        "--num-requests >= 1": a.num_requests >= 1,
+        "--warmup >= 0": a.warmup is None or a.warmup >= 0,
+        "--colocated >= 0": a.colocated >= 0,
+        "--heartbeat-s > 0": a.heartbeat_s > 0,
+        "--prefill >= 1 and --decode >= 2 (without --colocated)": a.colocated or (a.prefill >= 1 and a.decode >= 2),
+        "--colocated N needs N >= 2 (a spread needs two workers)": a.colocated != 1,
+    }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
         raise ValueError(f"give {'; '.join(bad)}")
@@ -87,8 +106,15 @@ def _validate(a: argparse.Namespace) -> tuple[int, int]:
 
 def cluster_spec(a: argparse.Namespace) -> ClusterSpec:
     """The ``ClusterSpec`` the flags describe (two routers)."""
-    flags = ("--model", a.model, "--dtype", a.dtype, "--kv-pool-tokens", str(a.kv_pool_tokens),
-             *shlex.split(a.server_args))
+    flags = (
+        "--model",
+        a.model,
+        "--dtype",
+        a.dtype,
+        "--kv-pool-tokens",
+        str(a.kv_pool_tokens),
+        *shlex.split(a.server_args),
+    )
     return ClusterSpec(a.prefill, a.decode, a.colocated, 2, flags, a.heartbeat_s, a.startup_timeout_s)
 
 
@@ -105,7 +131,9 @@ def measure(a: argparse.Namespace, cluster: RouterCluster, lo: int, hi: int) -> 
     both = ClientConfig(urls[0], model, base_urls=tuple(urls))
     warmup = a.concurrency if a.warmup is None else a.warmup
     if warmup:
-        warm = tagged(make_requests(PromptShape(warmup, lo, hi, a.output_len), counter, a.workload_seed + 1), 0, counter)
+        warm = tagged(
+            make_requests(PromptShape(warmup, lo, hi, a.output_len), counter, a.workload_seed + 1), 0, counter
+        )
         _say(f"two-routers: warm-up, {warmup} requests over both routers")
         bad = failed(asyncio.run(closed_loop(both, warm, a.concurrency, progress=False)).results)
         if bad:
@@ -114,12 +142,23 @@ def measure(a: argparse.Namespace, cluster: RouterCluster, lo: int, hi: int) -> 
     for r in range(1, a.rounds + 1):
         for kind, cfg in (("A", ClientConfig(urls[0], model)), ("B", both)):
             name = f"{kind}{r}"
-            p = run_phase(name, cfg, tagged(body, len(phases) + 1, counter), a.concurrency, urls,
-                          spec.spread_ids(), spec.heartbeat_s, not a.no_progress, cluster.processes())
+            p = run_phase(
+                name,
+                cfg,
+                tagged(body, len(phases) + 1, counter),
+                a.concurrency,
+                urls,
+                spec.spread_ids(),
+                spec.heartbeat_s,
+                not a.no_progress,
+                cluster.processes(),
+            )
             phases.append(p)
             s = p.stats
-            _say(f"{name}: {s.output_throughput:.1f} tok/s, {s.request_throughput:.2f} req/s, "
-                 f"{len(p.failures)} failed, finished per {spec.worker_role} worker {p.split.finished}")
+            _say(
+                f"{name}: {s.output_throughput:.1f} tok/s, {s.request_throughput:.2f} req/s, "
+                f"{len(p.failures)} failed, finished per {spec.worker_role} worker {p.split.finished}"
+            )
             if p.failures:
                 for f in p.failures[:10]:
                     _say(f"  {name}: request {f.index} via {cfg.url_for(f.index)} failed: {f.error}")
@@ -130,17 +169,25 @@ def measure(a: argparse.Namespace, cluster: RouterCluster, lo: int, hi: int) -> 
 def report(a: argparse.Namespace, cluster: RouterCluster, phases: list[PhaseResult], tags: list[int]) -> dict:
     """Print the tables; return the JSON payload."""
     names = {u: f"router-{chr(ord('a') + i)}" for i, u in enumerate(cluster.urls)}
-    print(f"\nrouters: {', '.join(f'{n} {u}' for u, n in names.items())}; room tags claimed in etcd: "
-          f"{tags}; workers: {', '.join(cluster.spec.worker_ids())}")
+    print(
+        f"\nrouters: {', '.join(f'{n} {u}' for u, n in names.items())}; room tags claimed in etcd: "
+        f"{tags}; workers: {', '.join(cluster.spec.worker_ids())}"
+    )
     print(phases_table(phases, names))
     summary = Summary.of(phases)
     print("\n" + summary.table())
     print()
     for line in [*summary.spread_lines(cluster.spec.worker_role), *summary.verdict()]:
         print(line)
-    return {"benchmark": "pdserve bench two-routers", "argv": sys.argv[1:], "settings": vars(a),
-            "routers": names, "router_tags": tags, "phases": [p.to_dict() for p in phases],
-            "summary": summary.to_dict()}
+    return {
+        "benchmark": "pdserve bench two-routers",
+        "argv": sys.argv[1:],
+        "settings": vars(a),
+        "routers": names,
+        "router_tags": tags,
+        "phases": [p.to_dict() for p in phases],
+        "summary": summary.to_dict(),
+    }
 
 
 def _terminate(signum, frame) -> None:
@@ -172,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         with RouterCluster(cluster_spec(a)) as cluster:
             tags = _claimed_tags(cluster)
             if len(set(tags)) != 2:
-                print(f"pdserve bench two-routers: the routers claimed {len(set(tags))} distinct room tag(s) in etcd, "
-                      f"expected 2: {tags}", file=sys.stderr)
+                print(
+                    f"pdserve bench two-routers: the routers claimed {len(set(tags))} distinct room tag(s) in etcd, "
+                    f"expected 2: {tags}",
+                    file=sys.stderr,
+                )
                 return 1
             try:
                 phases, status = measure(a, cluster, lo, hi)

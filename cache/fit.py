@@ -6,6 +6,7 @@ schedulers check prompt + ``max_new_tokens``, the prefill scheduler the prompt a
 delta, the router as a 400 ``APIError`` with ``param``/``code``). Page counts for the SWA pool come
 from ``cache.kv_budget.PageBudget`` (``swa_pages_at_once``). Plain Python: the router imports it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,12 +50,18 @@ class FitCheck:
         total = prompt_len + max_new_tokens
         head = f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) = {total} exceeds the "
         if total > self.max_model_len:
-            raise RequestRejected(head + f"model context of {self.max_model_len} tokens; shorten the prompt or lower "
-                                  f"max_tokens", param="max_tokens", code="context_length_exceeded")
+            raise RequestRejected(
+                head + f"model context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if total > self.capacity_tokens:
-            raise RequestRejected(head + f"{self.pool} capacity of {self.capacity_tokens} tokens; lower max_tokens or "
-                                  f"start the {self.restart} with a larger --kv-pool-tokens", param="max_tokens",
-                                  code="kv_pool_capacity_exceeded")
+            raise RequestRejected(
+                head + f"{self.pool} capacity of {self.capacity_tokens} tokens; lower max_tokens or "
+                f"start the {self.restart} with a larger --kv-pool-tokens",
+                param="max_tokens",
+                code="kv_pool_capacity_exceeded",
+            )
         self.swa(swa_pages)
 
     def prompt(self, prompt_len: int, swa_pages: int = 0) -> None:
@@ -62,18 +69,24 @@ class FitCheck:
         pool, and ``swa_pages`` against the SWA pool."""
         self._not_empty(prompt_len)
         if prompt_len > self.capacity_tokens:
-            raise RequestRejected(f"prompt ({prompt_len} tokens) exceeds the prefill worker's KV pool of "
-                                  f"{self.capacity_tokens} tokens; start it with a larger --kv-pool-tokens",
-                                  param="prompt", code="kv_pool_capacity_exceeded")
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) exceeds the prefill worker's KV pool of "
+                f"{self.capacity_tokens} tokens; start it with a larger --kv-pool-tokens",
+                param="prompt",
+                code="kv_pool_capacity_exceeded",
+            )
         self.swa(swa_pages)
 
     def swa(self, need: int) -> None:
         """Refuse ``need`` SWA pages at once (admission or the decode window) over the SWA pool."""
         have = self.swa_pool_pages
         if have is not None and need > have:
-            raise RequestRejected(f"this request needs {need} pages of the sliding-window KV pool at once, which "
-                                  f"has {have} ({have * self.page_size} tokens); shorten the prompt or start the "
-                                  f"{self.restart} with a larger --swa-pool-tokens", code=SWA_POOL_EXCEEDED)
+            raise RequestRejected(
+                f"this request needs {need} pages of the sliding-window KV pool at once, which "
+                f"has {have} ({have * self.page_size} tokens); shorten the prompt or start the "
+                f"{self.restart} with a larger --swa-pool-tokens",
+                code=SWA_POOL_EXCEEDED,
+            )
 
     @staticmethod
     def _not_empty(prompt_len: int) -> None:

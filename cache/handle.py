@@ -9,6 +9,7 @@ tokens ``[j*P, (j+1)*P)`` of the SWA layers) and holds ``NO_PAGE`` where that KV
 (outside every window this request can still read, or never needed). Both pools share one radix
 node; the shared SWA entries that are not ``NO_PAGE`` are the ones the request holds SWA locks on.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ class PoolPages:
     @property
     def own(self) -> list[int]:
         """Pages owned by the request alone (``NO_PAGE`` entries skipped)."""
-        return [p for p in self.pages[self.num_shared:] if p >= 0]
+        return [p for p in self.pages[self.num_shared :] if p >= 0]
 
     def clear(self) -> None:
         self.pages, self.num_shared, self.node = [], 0, None

@@ -6,6 +6,7 @@ present; on CPU-only torch ``pin_memory`` raises, so it is allocated by numpy (t
 pages; ~2x faster copies than a torch-allocated buffer on these machines) and wrapped with
 ``torch.from_numpy``. Host pages have their own ``PageAllocator``: free + held == total.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -63,7 +64,7 @@ class HostKVPool:
         self.page_bytes = self.page_numel * self.buffer.element_size()
 
     @classmethod
-    def for_device_pool(cls, device_buffer: torch.Tensor, budget_bytes: int) -> "HostKVPool":
+    def for_device_pool(cls, device_buffer: torch.Tensor, budget_bytes: int) -> HostKVPool:
         page_shape = tuple(device_buffer.shape[1:])
         page_bytes = int(np.prod(page_shape)) * device_buffer.element_size()
         pinned = torch.cuda.is_available()
@@ -75,8 +76,14 @@ class HostKVPool:
     def can_hold(self, n_pages: int) -> bool:
         return n_pages <= self.num_free()
 
-    def offload(self, device_buffer: torch.Tensor, dev_pages: list[int], num_tokens: int,
-                stream: torch.cuda.Stream | None = None, gather: Gather | None = None) -> HostKV:
+    def offload(
+        self,
+        device_buffer: torch.Tensor,
+        dev_pages: list[int],
+        num_tokens: int,
+        stream: torch.cuda.Stream | None = None,
+        gather: Gather | None = None,
+    ) -> HostKV:
         """Copy device pages into fresh host pages. On CUDA, ``gather(buffer, pages)`` (the Triton
         page gather) packs the scattered pages first, and with ``stream`` the copies are queued
         there: the caller must sync that stream before reusing ``dev_pages``."""
@@ -88,11 +95,17 @@ class HostKVPool:
             self._offload_cuda(device_buffer, dev_pages, host_pages, stream, gather)
         else:
             for d0, h0, n in _runs(dev_pages, host_pages):
-                self.buffer[h0:h0 + n].copy_(dev[d0:d0 + n])
+                self.buffer[h0 : h0 + n].copy_(dev[d0 : d0 + n])
         return HostKV(host_pages, num_tokens)
 
-    def _offload_cuda(self, device_buffer: torch.Tensor, dev_pages: list[int], host_pages: list[int],
-                      stream: torch.cuda.Stream | None, gather: Gather) -> None:
+    def _offload_cuda(
+        self,
+        device_buffer: torch.Tensor,
+        dev_pages: list[int],
+        host_pages: list[int],
+        stream: torch.cuda.Stream | None,
+        gather: Gather,
+    ) -> None:
         """Gather the (scattered) device pages into one staging tensor, then async DMA into the
         pinned host rows, all on ``stream``, after the work already queued on the current stream
         (the forward pass that wrote the KV)."""
@@ -102,7 +115,7 @@ class HostKVPool:
             staging = gather(device_buffer, dev_pages)
             pos = 0
             for h0, _, n in _runs(host_pages, host_pages):
-                self.buffer[h0:h0 + n].copy_(staging[pos:pos + n], non_blocking=True)
+                self.buffer[h0 : h0 + n].copy_(staging[pos : pos + n], non_blocking=True)
                 pos += n
             # staging was allocated on ``stream``: the caching allocator orders its reuse after the DMA
 
@@ -110,7 +123,7 @@ class HostKVPool:
         """Copy ``kv`` back into ``dev_pages`` (same count) and free its host pages."""
         dev = device_buffer.view(device_buffer.shape[0], -1)
         for h0, d0, n in _runs(kv.pages, dev_pages):
-            dev[d0:d0 + n].copy_(self.buffer[h0:h0 + n], non_blocking=dev.is_cuda)
+            dev[d0 : d0 + n].copy_(self.buffer[h0 : h0 + n], non_blocking=dev.is_cuda)
         if dev.is_cuda:
             torch.cuda.current_stream().synchronize()
         self.free(kv)
@@ -129,7 +142,8 @@ class HostKVPool:
         self.allocator.check_integrity()
         n_held = sum(len(k.pages) for k in held)
         assert self.allocator.num_free() + n_held == self.num_pages, (
-            f"host pool leak: free {self.allocator.num_free()} + held {n_held} != {self.num_pages}")
+            f"host pool leak: free {self.allocator.num_free()} + held {n_held} != {self.num_pages}"
+        )
 
 
 class _nullcontext:

@@ -4,6 +4,7 @@ batch into page counts, for admission (prefill, colocated and decode), decode st
 Full-pool growth is exact (pages to the end of the reservation); SWA growth is bounded by the
 window's span (``SWAWindow.max_pages``), since older SWA pages are released as a request goes.
 """
+
 from __future__ import annotations
 
 import math

@@ -15,6 +15,7 @@ router's cost then overestimates the hit, never the reverse for full-attention m
 hash of every page the tree holds (the snapshot a router re-syncs from). Hashing costs one BLAKE2b
 per page on the path of each inserted or evicted edge; nothing here allocates KV.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

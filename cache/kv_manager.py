@@ -15,6 +15,7 @@ SWA pool (``swa`` given): a handle's SWA entries run parallel to its full pages.
 (a token position) says where a new allocation starts holding SWA pages (the decode worker's
 preallocated tail); ``release_window`` frees the ones no query of the request can read again.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,8 +39,14 @@ class PoolUsage:
 
 
 class KVManager:
-    def __init__(self, allocator: PageAllocator, page_size: int, enable_radix_cache: bool,
-                 swa_allocator: PageAllocator | None = None, window: SWAWindow | None = None) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        enable_radix_cache: bool,
+        swa_allocator: PageAllocator | None = None,
+        window: SWAWindow | None = None,
+    ) -> None:
         if (swa_allocator is None) != (window is None):
             raise ValueError("an SWA pool needs both its allocator and its window")
         self.allocator = allocator
@@ -97,8 +104,7 @@ class KVManager:
         handle.swa.num_shared = len(handle.swa.pages)
         return handle
 
-    def prompt_demand(self, handle: KVHandle, n_tokens: int, swa_from: int = 0,
-                      swa_to: int | None = None) -> PageCount:
+    def prompt_demand(self, handle: KVHandle, n_tokens: int, swa_from: int = 0, swa_to: int | None = None) -> PageCount:
         """Pages ``ensure_pages(handle, n_tokens, swa_from, swa_to)`` would take."""
         n = self.pages_for(n_tokens)
         full = max(0, n - len(handle.full.pages))
@@ -107,8 +113,15 @@ class KVManager:
         n_swa = n if swa_to is None else self.pages_for(min(n_tokens, swa_to))
         return PageCount(full, max(0, n_swa - max(len(handle.swa.pages), swa_from // self.page_size)))
 
-    def reserve_prompt(self, token_ids: Sequence[int], n_tokens: int, extra: PageCount, budget: PageCount,
-                       swa_from: int = 0, swa_chunk: int | None = None) -> tuple[KVHandle, PageCount] | None:
+    def reserve_prompt(
+        self,
+        token_ids: Sequence[int],
+        n_tokens: int,
+        extra: PageCount,
+        budget: PageCount,
+        swa_from: int = 0,
+        swa_chunk: int | None = None,
+    ) -> tuple[KVHandle, PageCount] | None:
         """Admission: match the cached prefix of ``token_ids[:n_tokens - 1]``, then take pages for
         ``n_tokens`` tokens (SWA pages from ``swa_from`` on, and with ``swa_chunk`` only for the
         first ``swa_chunk`` uncached tokens: chunked prefill grows them chunk by chunk) if those
@@ -176,8 +189,9 @@ class KVManager:
     def drop_swa(self, handle: KVHandle, logical_pages: Sequence[int]) -> None:
         """Free the own SWA pages at these logical pages (their KV never arrived)."""
         swa = handle.swa
-        gone = [j for j in logical_pages if swa is not None and swa.num_shared <= j < len(swa.pages)
-                and swa.pages[j] >= 0]
+        gone = [
+            j for j in logical_pages if swa is not None and swa.num_shared <= j < len(swa.pages) and swa.pages[j] >= 0
+        ]
         if gone:
             self.swa_allocator.free([swa.pages[j] for j in gone])
         for j in gone:
@@ -221,10 +235,10 @@ class KVManager:
     def _release(self, handle: KVHandle, own_start: int) -> None:
         self.allocator.free(handle.pages[own_start:])
         if handle.swa is not None:
-            self.swa_allocator.free([p for p in handle.swa.pages[max(own_start, handle.swa.num_shared):] if p >= 0])
+            self.swa_allocator.free([p for p in handle.swa.pages[max(own_start, handle.swa.num_shared) :] if p >= 0])
         if handle.full.node is not None:
             if self.has_swa:
-                self.tree.unlock(handle.full.node, handle.swa.pages[:handle.swa.num_shared])
+                self.tree.unlock(handle.full.node, handle.swa.pages[: handle.swa.num_shared])
             else:
                 self.tree.unlock(handle.full.node)
         handle.full.clear()
@@ -236,26 +250,39 @@ class KVManager:
     def usage(self, live: Sequence[KVHandle], pool: str = "full") -> PoolUsage | None:
         """Pages by state of the full pool, or of the SWA pool (``pool="swa"``; None without one)."""
         if pool == "full":
-            return PoolUsage(total=self.allocator.num_pages, free=self.allocator.num_free(),
-                             used=sum(len(h.full.own) for h in live),
-                             cached=self.tree.total_size() if self.tree else 0,
-                             evictable=self.tree.evictable_size() if self.tree else 0)
+            return PoolUsage(
+                total=self.allocator.num_pages,
+                free=self.allocator.num_free(),
+                used=sum(len(h.full.own) for h in live),
+                cached=self.tree.total_size() if self.tree else 0,
+                evictable=self.tree.evictable_size() if self.tree else 0,
+            )
         if not self.has_swa:
             return None
-        return PoolUsage(total=self.swa_allocator.num_pages, free=self.swa_allocator.num_free(),
-                         used=sum(len(h.swa.own) for h in live if h.swa is not None),
-                         cached=self.tree.swa_total_size() if self.tree else 0,
-                         evictable=self.tree.swa_evictable_size() if self.tree else 0)
+        return PoolUsage(
+            total=self.swa_allocator.num_pages,
+            free=self.swa_allocator.num_free(),
+            used=sum(len(h.swa.own) for h in live if h.swa is not None),
+            cached=self.tree.swa_total_size() if self.tree else 0,
+            evictable=self.tree.swa_evictable_size() if self.tree else 0,
+        )
 
     def check_integrity(self, live: Sequence[KVHandle]) -> None:
         """Assert free + used + cached == total per pool, no page owned twice, allocator consistency."""
         self.allocator.check_integrity()
-        _check_pool(self.usage(live), [p for h in live for p in h.full.own]
-                    + (self.tree.all_pages() if self.tree else []), "full")
+        _check_pool(
+            self.usage(live),
+            [p for h in live for p in h.full.own] + (self.tree.all_pages() if self.tree else []),
+            "full",
+        )
         if self.has_swa:
             self.swa_allocator.check_integrity()
-            _check_pool(self.usage(live, "swa"), [p for h in live if h.swa is not None for p in h.swa.own]
-                        + (self.tree.all_swa_pages() if self.tree else []), "swa")
+            _check_pool(
+                self.usage(live, "swa"),
+                [p for h in live if h.swa is not None for p in h.swa.own]
+                + (self.tree.all_swa_pages() if self.tree else []),
+                "swa",
+            )
         if self.tree is not None:
             self.tree.check_integrity()
 

@@ -5,6 +5,7 @@ single contiguous block holding every layer's K and V. That makes a page one tra
 (NIXL) and one memcpy for CPU offload (DESIGN.md, "KV pool layout"). Attention reads one layer
 through strided views (``k_layer``/``v_layer``) indexed by ``(page, offset)``.
 """
+
 from __future__ import annotations
 
 import torch

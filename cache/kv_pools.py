@@ -11,6 +11,7 @@ and an SWA page ``swa_units`` rows after the full region. One registered buffer 
 size per transport stay true for hybrids; without an SWA pool a unit is a full page, so nothing
 changes for other models. ``units()`` maps pool pages to rows; every mapper of KV bytes uses it.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,17 @@ class PoolGeometry:
 
 
 class KVPools:
-    def __init__(self, full_pages: int, swa_pages: int, layer_types: tuple[str, ...], page_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self,
+        full_pages: int,
+        swa_pages: int,
+        layer_types: tuple[str, ...],
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+    ) -> None:
         """``swa_pages > 0`` puts the ``sliding_attention`` layers into an SWA pool of that many
         pages; ``0`` keeps every layer in the full pool."""
         swa_layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"] if swa_pages else []
@@ -57,10 +67,30 @@ class KVPools:
         self.units = zeroed((rows, self.unit_layers, 2, page_size, num_kv_heads, head_dim), dtype, device)
         split = full_pages * full_units
         shape = (2, page_size, num_kv_heads, head_dim)
-        self.full = KVPool(full_pages, n_full, page_size, num_kv_heads, head_dim, dtype, device,
-                           buffer=self.units[:split].view(full_pages, n_full, *shape))
-        self.swa = KVPool(swa_pages, n_swa, page_size, num_kv_heads, head_dim, dtype, device,
-                          buffer=self.units[split:].view(swa_pages, n_swa, *shape)) if n_swa else None
+        self.full = KVPool(
+            full_pages,
+            n_full,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            buffer=self.units[:split].view(full_pages, n_full, *shape),
+        )
+        self.swa = (
+            KVPool(
+                swa_pages,
+                n_swa,
+                page_size,
+                num_kv_heads,
+                head_dim,
+                dtype,
+                device,
+                buffer=self.units[split:].view(swa_pages, n_swa, *shape),
+            )
+            if n_swa
+            else None
+        )
         self.layer_pool: list[tuple[str, int]] = [None] * len(layer_types)  # type: ignore[list-item]
         for local, layer in enumerate(full_layers):
             self.layer_pool[layer] = (FULL, local)

@@ -5,6 +5,7 @@ allocated (owned by exactly one holder: a request or the radix cache). ``alloc``
 lowest free ids first so a request's pages tend to form contiguous runs (a transfer backend merges
 adjacent pages into one descriptor). Double free and freeing an unknown id raise: they are bugs.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -7,6 +7,7 @@ worker's set of page hashes answers "how many leading pages of this prompt do yo
 the prompt's hashes up one by one. BLAKE2b (8-byte digest, top bit cleared so every hash fits a
 signed int64 anywhere it travels); ``ROOT_HASH`` is the parent of the first page.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,7 @@ def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, parent: int 
     h = parent
     for i in range(n):
         d = hashlib.blake2b(h.to_bytes(8, "little"), digest_size=8)
-        d.update(arr[i * page_size:(i + 1) * page_size].tobytes())
+        d.update(arr[i * page_size : (i + 1) * page_size].tobytes())
         h = int.from_bytes(d.digest(), "little") & _MASK
         out.append(h)
     return out

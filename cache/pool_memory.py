@@ -6,6 +6,7 @@ Linux in its default ``madvise`` THP mode gives huge pages only to ranges that a
 asks (``madvise(MADV_HUGEPAGE)``) before its pages are first touched. Anything else (CUDA, a host
 without THP or without libc) gets a plain ``torch.zeros``.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -20,6 +20,7 @@ handle's radix prefix that another holder locks too; ``park(kv, handle)`` gives 
 else, as ``KVManager.free`` would, and keeps those pages in the handle, locked, so they are neither
 copied out nor back (``KVManager.restore`` grows the handle from them).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -50,10 +50,11 @@ Sizes are counted in pages: ``protected_size()`` (pages in locked nodes) + ``evi
 
 Not thread safe: the scheduler owns the cache and calls it from one thread.
 """
+
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -61,6 +62,7 @@ from cache.kv_events import KvEventLog, path_key
 from cache.radix_node import EMPTY_PAGES, InsertResult, MatchResult, TreeNode, as_pages, as_tokens
 
 __all__ = ["RadixCache", "TreeNode", "MatchResult", "InsertResult", "held_elsewhere"]
+
 
 class RadixCache:
     """Radix tree over token ids whose edges carry KV page ids. See the module docstring."""

@@ -2,10 +2,11 @@
 
 See ``cache.radix_cache`` for the tree's contract (page ownership, locking, eviction).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -20,8 +21,19 @@ class TreeNode:
     ``page_size`` tokens). The root has an empty key and no pages.
     """
 
-    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "id", "epoch", "evicted",
-                 "swa", "swa_ref")
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "pages",
+        "lock_ref",
+        "last_access",
+        "id",
+        "epoch",
+        "evicted",
+        "swa",
+        "swa_ref",
+    )
 
     def __init__(
         self, key: tuple, pages: np.ndarray, parent: TreeNode | None, node_id: int, epoch: int, tick: int
@@ -35,7 +47,7 @@ class TreeNode:
         self.id = node_id
         self.epoch = epoch
         self.evicted = False
-        self.swa: np.ndarray | None = None      # SWA trees: SWA page per page, -1 = tombstone
+        self.swa: np.ndarray | None = None  # SWA trees: SWA page per page, -1 = tombstone
         self.swa_ref: np.ndarray | None = None  # SWA trees: lock count per page
 
     @property

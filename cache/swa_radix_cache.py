@@ -19,11 +19,12 @@ them, and splits slice the per-page counts). Pages with SWA references are never
 references only exist under a full lock. Sizes: ``swa_total_size() == swa_protected_size() +
 swa_evictable_size()``, counted in SWA pages.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -106,8 +107,8 @@ class SWARadixCache(RadixCache):
         SWA reference on a tombstone, and unlocks only touch the pages that were locked)."""
         start = 0
         for n in path:
-            w = mine[start:start + len(n.swa)]
-            take = np.nonzero((n.swa[:len(w)] < 0) & (w >= 0))[0]
+            w = mine[start : start + len(n.swa)]
+            take = np.nonzero((n.swa[: len(w)] < 0) & (w >= 0))[0]
             n.swa[take] = w[take]
             self._swa_total += len(take)
             start += len(n.swa)
@@ -118,7 +119,7 @@ class SWARadixCache(RadixCache):
         (each must be the tree's page there)."""
         start = 0
         for n in self._path(node):
-            w = wanted[start:start + len(n.swa)]
+            w = wanted[start : start + len(n.swa)]
             sel = np.nonzero(w >= 0)[0]
             if len(sel):
                 if (n.swa[sel] != w[sel]).any():
@@ -172,7 +173,6 @@ class SWARadixCache(RadixCache):
             n.swa[sel] = -1
         self._swa_total -= len(freed)
         return freed
-
 
     # ---- sizes and checks ---------------------------------------------------------------------
     def swa_total_size(self) -> int:

@@ -10,6 +10,7 @@ request (``floor(kv_len / P) * P`` tokens, what ``free_into_cache`` inserts) sti
 window resident: otherwise a follow-up request that matches that key could not reuse it. Every
 function here is pure; ``SWAWindow`` is shared by the KV manager, the decode admission and tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

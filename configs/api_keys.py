@@ -10,6 +10,7 @@ inside a key is fine as long as what follows the last ``:`` is not a number.
 Each key gets a public name ``key-<i>`` (its position in the list) for metrics and logs, so the
 secret itself is never exported.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,10 @@ def parse_api_keys(spec: str | None) -> tuple[ApiKey, ...]:
         if sep and (value := _share(tail)) is not None:
             secret, share = head, value
             if not (0 < share < float("inf")):
-                raise ValueError(f"api_key entry {i}: share must be a positive number, got {tail!r} "
-                                 f"(syntax KEY[:SHARE],KEY[:SHARE]...)")
+                raise ValueError(
+                    f"api_key entry {i}: share must be a positive number, got {tail!r} "
+                    f"(syntax KEY[:SHARE],KEY[:SHARE]...)"
+                )
         if not secret:
             raise ValueError(f"api_key entry {i} has an empty key (syntax KEY[:SHARE],KEY[:SHARE]...)")
         if any(k.secret == secret for k in keys):

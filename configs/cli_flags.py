@@ -4,6 +4,7 @@
 ``--flag/--no-flag``); ``collect(args, Model)`` returns only the values the user actually gave, so
 config files and defaults underneath are not overridden by argparse defaults.
 """
+
 from __future__ import annotations
 
 import argparse

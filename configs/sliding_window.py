@@ -3,6 +3,7 @@
 Pure Python (the router imports configs and never loads torch). The model side (which layers of a
 checkpoint slide) lives in ``engine.swa_config``; this module only knows the flag syntax.
 """
+
 from __future__ import annotations
 
 FULL = "full_attention"
@@ -19,10 +20,12 @@ def check_swa_pool_holds_window(swa_pool_tokens: int, window: int, page_size: in
 
     need = SWAWindow(window, page_size).max_pages() * page_size
     if swa_pool_tokens < need:
-        raise ValueError(f"--swa-pool-tokens ({swa_pool_tokens}) cannot hold one request's sliding window "
-                         f"(window {window} plus its page margin = {need} tokens at --page-size {page_size}): "
-                         f"raise --swa-pool-tokens to at least {need}, or set it to 0 to keep every layer in the "
-                         f"full pool")
+        raise ValueError(
+            f"--swa-pool-tokens ({swa_pool_tokens}) cannot hold one request's sliding window "
+            f"(window {window} plus its page margin = {need} tokens at --page-size {page_size}): "
+            f"raise --swa-pool-tokens to at least {need}, or set it to 0 to keep every layer in the "
+            f"full pool"
+        )
 
 
 def check_layer_types_syntax(text: str) -> str:
@@ -38,8 +41,10 @@ def check_layer_types_syntax(text: str) -> str:
     items = [item.strip() for item in value.split(",")]
     for i, item in enumerate(items):
         if item not in _KINDS:
-            raise ValueError(f"--layer-types: entry {i} is {item!r}; use 'alternate' or a comma-separated list of "
-                             f"{', '.join(sorted(_KINDS))} (one per layer)")
+            raise ValueError(
+                f"--layer-types: entry {i} is {item!r}; use 'alternate' or a comma-separated list of "
+                f"{', '.join(sorted(_KINDS))} (one per layer)"
+            )
     return ",".join(items)
 
 
@@ -54,8 +59,10 @@ def parse_layer_types(text: str, num_layers: int) -> tuple[str, ...]:
         return tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers))
     kinds = tuple(_KINDS[item] for item in value.split(","))
     if len(kinds) != num_layers:
-        raise ValueError(f"--layer-types lists {len(kinds)} layers but the model has {num_layers}: give one "
-                         f"kind per layer, or 'alternate'")
+        raise ValueError(
+            f"--layer-types lists {len(kinds)} layers but the model has {num_layers}: give one "
+            f"kind per layer, or 'alternate'"
+        )
     return kinds
 
 
@@ -71,5 +78,7 @@ def validate_swa_pool(swa_pool_tokens: int, page_size: int) -> None:
         up = -(-max(swa_pool_tokens, 1) // page_size) * page_size
         down = swa_pool_tokens // page_size * page_size
         hint = f"{down} or {up}" if down >= page_size else f"{up}"
-        raise ValueError(f"--swa-pool-tokens ({swa_pool_tokens}) must be a positive multiple of --page-size "
-                         f"({page_size}): set --swa-pool-tokens to {hint}, or change --page-size")
+        raise ValueError(
+            f"--swa-pool-tokens ({swa_pool_tokens}) must be a positive multiple of --page-size "
+            f"({page_size}): set --swa-pool-tokens to {hint}, or change --page-size"
+        )

@@ -24,6 +24,7 @@ worker (MIGRATING, ``decode_worker.migration``): it leaves when the peer has its
 back to HOST_PARKED. On the peer a migrated job starts QUEUED with ``migrated`` set, like a
 recompute whose "prefill worker" is the source decode worker.
 """
+
 from __future__ import annotations
 
 import enum
@@ -38,14 +39,14 @@ from engine.scheduler.base import Outcome
 class DecodeState(enum.StrEnum):
     """Where a PD request is on the decode worker."""
 
-    QUEUED = "queued"              # arrived; waiting for pages before it asks for its KV
-    AWAITING_KV = "awaiting_kv"    # pages reserved, a prefill worker writes the KV into them
-    RUNNING = "running"            # in the decode batch
-    HOST_PARKED = "host_parked"    # retracted: KV in the host pool, waiting in the retracted queue to resume
-    RECOMPUTING = "recomputing"    # retracted: KV dropped, waiting for pages to have it prefilled again
+    QUEUED = "queued"  # arrived; waiting for pages before it asks for its KV
+    AWAITING_KV = "awaiting_kv"  # pages reserved, a prefill worker writes the KV into them
+    RUNNING = "running"  # in the decode batch
+    HOST_PARKED = "host_parked"  # retracted: KV in the host pool, waiting in the retracted queue to resume
+    RECOMPUTING = "recomputing"  # retracted: KV dropped, waiting for pages to have it prefilled again
     LOCAL_PREFILL = "local_prefill"  # prefilled by this decode worker itself (decode_worker.local_prefill)
-    MIGRATING = "migrating"        # retracted, offered to (or being written to) a peer decode worker
-    FINISHED = "finished"          # ended; its pages are freed (or cached)
+    MIGRATING = "migrating"  # retracted, offered to (or being written to) a peer decode worker
+    FINISHED = "finished"  # ended; its pages are freed (or cached)
 
 
 TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
@@ -60,9 +61,13 @@ TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
 }
 
 PHASE_OF: dict[DecodeState, Phase] = {
-    DecodeState.QUEUED: Phase.PREALLOC, DecodeState.AWAITING_KV: Phase.TRANSFER, DecodeState.RUNNING: Phase.RUNNING,
-    DecodeState.HOST_PARKED: Phase.RETRACTED, DecodeState.MIGRATING: Phase.RETRACTED,
-    DecodeState.RECOMPUTING: Phase.PREALLOC, DecodeState.LOCAL_PREFILL: Phase.WAITING,
+    DecodeState.QUEUED: Phase.PREALLOC,
+    DecodeState.AWAITING_KV: Phase.TRANSFER,
+    DecodeState.RUNNING: Phase.RUNNING,
+    DecodeState.HOST_PARKED: Phase.RETRACTED,
+    DecodeState.MIGRATING: Phase.RETRACTED,
+    DecodeState.RECOMPUTING: Phase.PREALLOC,
+    DecodeState.LOCAL_PREFILL: Phase.WAITING,
     DecodeState.FINISHED: Phase.FINISHED,
 }
 
@@ -97,11 +102,11 @@ class DecodeJob:
     answered: Outcome | None = None
     fenced_at: float = 0.0
     state: DecodeState = DecodeState.QUEUED
-    migrated: bool = False     # arrived from a peer decode worker (``prefill_addr`` is that worker's)
+    migrated: bool = False  # arrived from a peer decode worker (``prefill_addr`` is that worker's)
     write_posted: bool = False  # the writer said the KV write into its pages started (``KVWriteStarted``)
-    parked_at: float = 0.0     # monotonic time it last entered HOST_PARKED
-    parked_step: int = 0       # the decode worker's step count then
-    preempt: bool = False      # ``GenerateRequest.preempt``: may displace a running job without it
+    parked_at: float = 0.0  # monotonic time it last entered HOST_PARKED
+    parked_step: int = 0  # the decode worker's step count then
+    preempt: bool = False  # ``GenerateRequest.preempt``: may displace a running job without it
 
     def __post_init__(self) -> None:
         self.req.status = PHASE_OF[self.state]

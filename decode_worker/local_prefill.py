@@ -47,6 +47,7 @@ streams its tokens, and the prefill worker never answers for it. A retract of a 
 prefilled request goes the usual way (host offload and resume, or a recompute by the prefill
 worker as generation 1).
 """
+
 from __future__ import annotations
 
 import enum
@@ -59,11 +60,11 @@ class LocalPrefillReason(enum.StrEnum):
     """Outcome of one decision: taken, or why the request went to a prefill worker."""
 
     TAKEN = "taken"
-    TAKEN_BACKLOG = "taken_backlog"        # above the size bound, taken because the prefill workers are the queue
+    TAKEN_BACKLOG = "taken_backlog"  # above the size bound, taken because the prefill workers are the queue
     RETRACT_PRESSURE = "retract_pressure"  # retracted queue not empty, or a retract within the cooldown
-    TOO_LONG = "too_long"                  # uncached suffix above --local-prefill-max-tokens
-    BUSY = "busy"                          # local prefill backlog + this suffix above the bound
-    NO_HEADROOM = "no_headroom"            # prealloc queue not empty, or pages + reservation do not fit
+    TOO_LONG = "too_long"  # uncached suffix above --local-prefill-max-tokens
+    BUSY = "busy"  # local prefill backlog + this suffix above the bound
+    NO_HEADROOM = "no_headroom"  # prealloc queue not empty, or pages + reservation do not fit
 
 
 @dataclass(frozen=True)

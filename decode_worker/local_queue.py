@@ -14,6 +14,7 @@ sampled there by the same executor and sampler as every other token, and joins t
 Counters: ``decisions`` (per ``LocalPrefillReason``: ``pdserve_local_prefill_total{reason}``) and
 ``tokens`` (prompt tokens computed here: ``pdserve_local_prefill_tokens_total``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,9 +59,16 @@ class LocalPrefillQueue:
         if self.stats.retractions != self._retractions_seen:
             self._retractions_seen, self._last_retract_step = self.stats.retractions, self.stats.decode_steps
 
-    def consider(self, req: Request, admitted: Callable[[], Iterable[Request]], ratio: float, retracted: int,
-                 prealloc: int, remote_backlog: Callable[[], int] = lambda: 0,
-                 rows: int = 0) -> LocalPrefillDecision | None:
+    def consider(
+        self,
+        req: Request,
+        admitted: Callable[[], Iterable[Request]],
+        ratio: float,
+        retracted: int,
+        prealloc: int,
+        remote_backlog: Callable[[], int] = lambda: 0,
+        rows: int = 0,
+    ) -> LocalPrefillDecision | None:
         """Decide for new request ``req`` (None when the policy is off; nothing is counted then)
         and count the outcome; a taken request is queued here. ``admitted()``: the requests whose
         pages are reserved (running, in flight, being prefilled here; asked only when the policy is
@@ -71,15 +79,25 @@ class LocalPrefillQueue:
         if not self.policy.enabled:
             return None
         n = len(req.prompt_ids)
-        cached = 0 if wants_prompt_logprobs(req) or self.kv.tree is None else \
-            self.kv.tree.match_prefix(req.prompt_ids[:n - 1]).num_tokens  # what admission's match will give
+        cached = (
+            0
+            if wants_prompt_logprobs(req) or self.kv.tree is None
+            else self.kv.tree.match_prefix(req.prompt_ids[: n - 1]).num_tokens
+        )  # what admission's match will give
         need = self.kv.pages_for(n) - self.kv.pages_for(cached) + self.budget.prompt_reservation(req, ratio).full
         since = None if self._last_retract_step is None else self.stats.decode_steps - self._last_retract_step
-        x = LocalPrefillInputs(prompt_tokens=n, cached_tokens=cached, backlog_tokens=self.backlog_tokens,
-                               retracted_queue=retracted, steps_since_retract=since, prealloc_queue=prealloc,
-                               need_pages=need, headroom_pages=self.budget.headroom(admitted(), ratio).full,
-                               remote_backlog_tokens=remote_backlog() if self.policy.backlog_ratio > 0 else 0,
-                               decode_rows=rows)
+        x = LocalPrefillInputs(
+            prompt_tokens=n,
+            cached_tokens=cached,
+            backlog_tokens=self.backlog_tokens,
+            retracted_queue=retracted,
+            steps_since_retract=since,
+            prealloc_queue=prealloc,
+            need_pages=need,
+            headroom_pages=self.budget.headroom(admitted(), ratio).full,
+            remote_backlog_tokens=remote_backlog() if self.policy.backlog_ratio > 0 else 0,
+            decode_rows=rows,
+        )
         d = self.policy.decide(x)
         self.decisions[d.reason] += 1
         log.debug("local prefill of %s: %s, %s", req.rid, d.reason, x)

@@ -1,4 +1,5 @@
 """Checks a transfer's completion manifest against what the decode worker asked for."""
+
 from __future__ import annotations
 
 from pydantic import ValidationError
@@ -22,10 +23,14 @@ def manifest_error(m: TransferManifest, job: DecodeJob, page_size: int) -> str |
     first, last = job.decode_prefix_len // page_size, ceil_div(job.n_tokens, page_size)
     swa = job.req.kv.swa_pages or []
     wanted = {j for j in range(first, min(last, len(swa))) if swa[j] >= 0}
-    for name, got, want in (("rid", m.rid, job.req.rid), ("room", m.room, job.room),
-                            ("generation", m.generation, job.generation), ("n_tokens", m.n_tokens, job.n_tokens),
-                            ("n_pages", m.n_pages, last - first),
-                            ("swa_pages", m.swa_pages + len(m.swa_missing), len(wanted))):
+    for name, got, want in (
+        ("rid", m.rid, job.req.rid),
+        ("room", m.room, job.room),
+        ("generation", m.generation, job.generation),
+        ("n_tokens", m.n_tokens, job.n_tokens),
+        ("n_pages", m.n_pages, last - first),
+        ("swa_pages", m.swa_pages + len(m.swa_missing), len(wanted)),
+    ):
         if got != want:
             return f"manifest {name} is {got!r}, expected {want!r}"
     if not set(m.swa_missing) <= wanted:

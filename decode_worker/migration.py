@@ -26,6 +26,7 @@ Source side (``MigrationSource``), one edge pair out of HOST_PARKED (``decode_wo
 
 The host copy is never freed while a write that reads it is in flight (``writing``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,7 +74,7 @@ class MigrationPolicy:
     on_retract: bool = False
 
     @classmethod
-    def from_flag(cls, text: str, on_retract: bool = False) -> "MigrationPolicy":
+    def from_flag(cls, text: str, on_retract: bool = False) -> MigrationPolicy:
         steps, seconds = migrate_bound(text)
         return cls(steps, seconds, on_retract)
 
@@ -95,8 +96,15 @@ class MigrationSource:
     """The source side of migrations (module docstring). ``sender`` writes from the host pool
     (its transport has ``host.buffer`` registered); ``budget`` sizes offers."""
 
-    def __init__(self, policy: MigrationPolicy, host: HostKVPool, sender: KVSender, budget: PageBudget,
-                 timeout_s: float, stats: MigrationStats) -> None:
+    def __init__(
+        self,
+        policy: MigrationPolicy,
+        host: HostKVPool,
+        sender: KVSender,
+        budget: PageBudget,
+        timeout_s: float,
+        stats: MigrationStats,
+    ) -> None:
         self.policy, self.host, self.sender, self.budget = policy, host, sender, budget
         self.timeout_s = timeout_s
         self.offered: dict[str, DecodeJob] = {}  # rid -> MIGRATING job
@@ -129,10 +137,15 @@ class MigrationSource:
             req = job.req
             pages = self.budget.full_pages_to_admit(req, ratio, req.kv_len)
             self.offered[req.rid], self._offered_at[req.rid] = job, now
-            log.info("offering retracted %s (%d tokens, %d pages with reservation) to a peer decode worker",
-                     req.rid, req.kv_len, pages)
-            offer = MigrationOffer(rid=req.rid, n_tokens=req.kv_len, pages=pages, prompt_len=len(req.prompt_ids),
-                                   params=req.params)
+            log.info(
+                "offering retracted %s (%d tokens, %d pages with reservation) to a peer decode worker",
+                req.rid,
+                req.kv_len,
+                pages,
+            )
+            offer = MigrationOffer(
+                rid=req.rid, n_tokens=req.kv_len, pages=pages, prompt_len=len(req.prompt_ids), params=req.params
+            )
             out.send(Conn(req.owner), offer, ids_frame(req.all_ids))
         return out
 
@@ -153,26 +166,31 @@ class MigrationSource:
     def expired(self) -> list[str]:
         """Offers that got no destination within ``timeout_s`` (no write started)."""
         now = time.monotonic()
-        return [rid for rid, t in self._offered_at.items()
-                if rid not in self._writing and now - t > self.timeout_s]
+        return [rid for rid, t in self._offered_at.items() if rid not in self._writing and now - t > self.timeout_s]
 
-    def destination(self, source: Conn, msg: KVDestination, pages: np.ndarray, swa: np.ndarray,
-                    peer_id: str) -> Outbox:
+    def destination(self, source: Conn, msg: KVDestination, pages: np.ndarray, swa: np.ndarray, peer_id: str) -> Outbox:
         """The peer's pages for an offered job: start the write from the host copy. A destination
         for no offered job (withdrawn, finished) is answered ``PrefillFailed``."""
         job = self.offered.get(msg.rid)
         if job is None or msg.rid in self._writing or msg.n_tokens != job.req.kv_len or job.answered:
             out = Outbox()
-            out.send(source, PrefillFailed(rid=msg.rid, room=msg.room, generation=msg.generation, error=(
-                f"decode worker has no migration of {msg.rid} to offer any more (withdrawn or finished)"),
-                error_status=503))
+            out.send(
+                source,
+                PrefillFailed(
+                    rid=msg.rid,
+                    room=msg.room,
+                    generation=msg.generation,
+                    error=(f"decode worker has no migration of {msg.rid} to offer any more (withdrawn or finished)"),
+                    error_status=503,
+                ),
+            )
             return out
         page_size = self.budget.kv.page_size
         first, last = msg.decode_prefix_len // page_size, self.budget.pages_for(msg.n_tokens)
         kv = job.host_kv
         assert kv.first_page == 0, "offered jobs hold their whole KV on the host (host_copy_whole)"
         n_full = len(kv.pages) - len(kv.swa_index)
-        src = list(kv.pages[first:min(last, n_full)])
+        src = list(kv.pages[first : min(last, n_full)])
         swa_src, swa_dst, missing = [], [], []
         host_swa = dict(zip(kv.swa_index, kv.pages[n_full:]))
         for j in range(first, min(last, len(swa))):
@@ -183,10 +201,17 @@ class MigrationSource:
                 swa_dst.append(int(swa[j]))
             else:
                 missing.append(j)
-        manifest = TransferManifest(rid=msg.rid, room=msg.room, generation=msg.generation, n_tokens=msg.n_tokens,
-                                    n_pages=len(src), swa_pages=len(swa_src), swa_missing=missing,
-                                    first_token=job.req.all_ids[-1]).sealed()
-        dst = self.sender.dest_rows(peer_id, pages[first:first + len(src)], np.asarray(swa_dst, dtype=np.int32))
+        manifest = TransferManifest(
+            rid=msg.rid,
+            room=msg.room,
+            generation=msg.generation,
+            n_tokens=msg.n_tokens,
+            n_pages=len(src),
+            swa_pages=len(swa_src),
+            swa_missing=missing,
+            first_token=job.req.all_ids[-1],
+        ).sealed()
+        dst = self.sender.dest_rows(peer_id, pages[first : first + len(src)], np.asarray(swa_dst, dtype=np.int32))
         self.sender.start(job, peer_id, np.asarray(src + swa_src, dtype=np.int32), dst, manifest)
         self._writing.add(msg.rid)
         offered = self._offered_at.pop(msg.rid, None)
@@ -218,10 +243,17 @@ class MigrationSource:
         if offered is None:
             return
         now = time.monotonic()
-        log.info("migration of %s %s: offer -> KV destination %.1f ms (router pick, peer admission, handshake), "
-                 "destination -> write ended %.1f ms, of which the write %.1f ms (%d bytes, %.2f GB/s)",
-                 rid, "done" if ok else "failed", (dest - offered) * 1e3, (now - dest) * 1e3, secs * 1e3, nbytes,
-                 nbytes / secs / 1e9 if secs > 0 else 0.0)
+        log.info(
+            "migration of %s %s: offer -> KV destination %.1f ms (router pick, peer admission, handshake), "
+            "destination -> write ended %.1f ms, of which the write %.1f ms (%d bytes, %.2f GB/s)",
+            rid,
+            "done" if ok else "failed",
+            (dest - offered) * 1e3,
+            (now - dest) * 1e3,
+            secs * 1e3,
+            nbytes,
+            nbytes / secs / 1e9 if secs > 0 else 0.0,
+        )
 
     def forget(self, rid: str) -> None:
         """The job ended here otherwise (abort, no write in flight): drop its offer."""

@@ -5,6 +5,7 @@ Each function takes the ``DecodeScheduler`` ``s`` and returns what to send; none
 its own (the source's is ``s.migration``, the target's is an ordinary ``DecodeJob`` with
 ``migrated`` set, admitted through the normal prealloc queue, first in line).
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,16 @@ from engine.request import Request
 from engine.sampling import SamplerState
 from engine.scheduler.base import Outcome
 from transfer.wire.outbox import Conn, Outbox
-from transfer.wire.protocol import (KVDestination, KVHandshake, KVHandshakeAck, Message, MigrateRequest,
-                                    MigrationDeclined, MigrationEnded, frame_ids)
+from transfer.wire.protocol import (
+    KVDestination,
+    KVHandshake,
+    KVHandshakeAck,
+    Message,
+    MigrateRequest,
+    MigrationDeclined,
+    MigrationEnded,
+    frame_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +41,21 @@ def handle_migration(s, source: Conn, msg: Message, frames: list[bytes]) -> Outb
     m = s.migration
     if m is None and isinstance(msg, KVHandshake):  # a peer connecting ahead (``KVSources``) to one that never offers
         out = Outbox()
-        out.send(source, KVHandshakeAck(ok=False, worker_id=s.worker_id, error=(
-            f"decode worker {s.worker_id} migrates no requests (no --migrate-after): it is no KV source")))
+        out.send(
+            source,
+            KVHandshakeAck(
+                ok=False,
+                worker_id=s.worker_id,
+                error=(f"decode worker {s.worker_id} migrates no requests (no --migrate-after): it is no KV source"),
+            ),
+        )
         return out
     if m is None:
         return None
     if isinstance(msg, KVHandshake):
-        error = m.sender.accept_peer(source, msg, s.model_name, s.runner.kv_descriptor(),
-                                     s.cfg.cluster.cluster_id or "", s.worker_id)
+        error = m.sender.accept_peer(
+            source, msg, s.model_name, s.runner.kv_descriptor(), s.cfg.cluster.cluster_id or "", s.worker_id
+        )
         out = Outbox()
         out.send(source, KVHandshakeAck(ok=error is None, worker_id=s.worker_id, error=error))
         return out
@@ -74,9 +90,14 @@ def admit_migrated(s, owner: bytes, msg: MigrateRequest, ids: list[int]) -> Outb
     elif s.retract.queue or any(not j.migrated for j in s.transfers.prealloc):
         why = "this decode worker has requests waiting for pages itself"
     if why is None:
-        req = Request(msg.rid, list(ids[:msg.prompt_len]), msg.params,
-                      SamplerState.new(msg.params, vocab, ids[:msg.prompt_len]), owner=owner)
-        for t in ids[msg.prompt_len:]:
+        req = Request(
+            msg.rid,
+            list(ids[: msg.prompt_len]),
+            msg.params,
+            SamplerState.new(msg.params, vocab, ids[: msg.prompt_len]),
+            owner=owner,
+        )
+        for t in ids[msg.prompt_len :]:
             req.output_ids.append(t)
             req.sampler_state.append(t)
         in_flight = [*s.running, *(j.req for j in s.transfers.inflight.values())]
@@ -89,8 +110,15 @@ def admit_migrated(s, owner: bytes, msg: MigrateRequest, ids: list[int]) -> Outb
         out.send(Conn(owner), MigrationEnded(rid=msg.rid, ok=False, error=f"peer refused: {why}"))
         return out
     # waits for pages first in line, like a recompute whose "prefill worker" is the source (no PrefillRequest)
-    job = DecodeJob(req, msg.room, msg.source_addr, generation=msg.generation, n_tokens=msg.n_tokens, migrated=True,
-                    state=DecodeState.RECOMPUTING)
+    job = DecodeJob(
+        req,
+        msg.room,
+        msg.source_addr,
+        generation=msg.generation,
+        n_tokens=msg.n_tokens,
+        migrated=True,
+        state=DecodeState.RECOMPUTING,
+    )
     s.jobs[msg.rid] = job
     s.transfers.queue_recompute(job)
     log.info("migrated request %s admitted from %s (%d tokens)", msg.rid, msg.source_addr, msg.n_tokens)
@@ -124,8 +152,9 @@ def migration_step(s) -> Outbox:
         else:
             out.extend(_back(s, rid, f"KV write to the peer failed: {error}", tell_router=True))
     for rid in m.expired():
-        out.extend(_back(s, rid, f"no peer asked for the KV within {m.timeout_s:g}s (migrate_timeout_s)",
-                         tell_router=True))
+        out.extend(
+            _back(s, rid, f"no peer asked for the KV within {m.timeout_s:g}s (migrate_timeout_s)", tell_router=True)
+        )
     if s.retract.queue:
         out.extend(m.offer(s.retract.queue, s.running.ratio.value, s.retract.host_copy_whole))
     return out

@@ -11,6 +11,7 @@ so this worker's own long steps never count as the peer's silence.
 Either way the scheduler fails what depends on it (``tick``). A dead peer that answers again
 with progress, or one that reports a new process ``instance``, is handshaken again (rejoin).
 """
+
 from __future__ import annotations
 
 import base64
@@ -33,7 +34,7 @@ class PrefillPeer:
     instance: str | None = None
     error: str | None = None
     foreign: bool = False  # another deployment's (or a non-prefill) worker answers at addr
-    last_seen: float = field(default_factory=time.monotonic)    # last sign of life
+    last_seen: float = field(default_factory=time.monotonic)  # last sign of life
     progress_at: float = field(default_factory=time.monotonic)  # its scheduler last made progress
 
     @property
@@ -90,8 +91,13 @@ class PrefillPeers:
         if isinstance(msg, KVHandshakeAck):
             peer.worker_id = msg.worker_id
             peer.state, peer.error = ("ready", None) if msg.ok else ("failed", msg.error)
-            log.log(logging.INFO if msg.ok else logging.ERROR, "prefill worker %s at %s: %s", msg.worker_id,
-                    peer.addr, "ready" if msg.ok else msg.error)
+            log.log(
+                logging.INFO if msg.ok else logging.ERROR,
+                "prefill worker %s at %s: %s",
+                msg.worker_id,
+                peer.addr,
+                "ready" if msg.ok else msg.error,
+            )
         return Outbox()
 
     def heard(self, addr: str, stats: WorkerStats, at: float) -> Outbox:
@@ -135,9 +141,11 @@ class PrefillPeers:
         # a decode worker is a KV source too: the one a migrated request comes from
         if stats.role in (Role.PREFILL, Role.DECODE) and stats.cluster_id == mine:
             return None
-        error = (f"the worker at {peer.addr} is {stats.worker_id} ({stats.role}) of cluster {stats.cluster_id!r}, "
-                 f"not a prefill worker of this decode worker's ({self.handshake.worker_id}) cluster {mine!r}: "
-                 f"another deployment's worker took the address (check --base-port / --cluster-id)")
+        error = (
+            f"the worker at {peer.addr} is {stats.worker_id} ({stats.role}) of cluster {stats.cluster_id!r}, "
+            f"not a prefill worker of this decode worker's ({self.handshake.worker_id}) cluster {mine!r}: "
+            f"another deployment's worker took the address (check --base-port / --cluster-id)"
+        )
         if peer.error != error:
             log.error("%s", error)
         return error
@@ -149,8 +157,12 @@ class PrefillPeers:
 
     def next_due_s(self) -> float | None:
         """Seconds until ``tick`` may have a peer to declare dead or stuck."""
-        due = [t for p in self.by_addr.values() if p.state != "dead"
-               for t in (p.last_seen + self.timeout_s, p.progress_at + self.progress_timeout_s)]
+        due = [
+            t
+            for p in self.by_addr.values()
+            if p.state != "dead"
+            for t in (p.last_seen + self.timeout_s, p.progress_at + self.progress_timeout_s)
+        ]
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     def tick(self) -> tuple[Outbox, list[PrefillPeer]]:
@@ -164,8 +176,10 @@ class PrefillPeers:
             if now - peer.last_seen > self.timeout_s:
                 peer.error = f"prefill worker at {peer.addr} did not answer for {self.timeout_s:g}s (peer_timeout_s)"
             elif (stalled := self._stuck_for(peer, now)) is not None:
-                peer.error = (f"prefill worker at {peer.addr} answers heartbeats but its scheduler made no progress "
-                              f"for {stalled:.0f}s (progress_timeout_s={self.progress_timeout_s:g})")
+                peer.error = (
+                    f"prefill worker at {peer.addr} answers heartbeats but its scheduler made no progress "
+                    f"for {stalled:.0f}s (progress_timeout_s={self.progress_timeout_s:g})"
+                )
             else:
                 continue
             peer.state = "dead"
@@ -178,7 +192,12 @@ def make_handshake(worker_id: str, model: str, runner, transport, cluster_id: st
     """The handshake a decode worker sends each prefill worker it takes KV from (``runner``: its
     ``ModelRunner``: the KV descriptor both sides must share, and where its pools sit in its unit rows)."""
     g = runner.pools.geometry
-    return KVHandshake(worker_id=worker_id, cluster_id=cluster_id, model=model, layout=runner.kv_descriptor(),
-                       pool_geometry=(g.full_pages, g.full_units, g.swa_units),
-                       transport=transport.backend,
-                       transport_metadata=base64.b64encode(transport.local_metadata()).decode())
+    return KVHandshake(
+        worker_id=worker_id,
+        cluster_id=cluster_id,
+        model=model,
+        layout=runner.kv_descriptor(),
+        pool_geometry=(g.full_pages, g.full_units, g.swa_units),
+        transport=transport.backend,
+        transport_metadata=base64.b64encode(transport.local_metadata()).decode(),
+    )

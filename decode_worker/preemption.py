@@ -9,6 +9,7 @@ the jobs counted are those whose pages (prompt plus decode reserve, no cached pr
 the headroom already, so a job short of pages waits like any other and nobody is retracted for it
 again and again.
 """
+
 from __future__ import annotations
 
 import logging

@@ -17,6 +17,7 @@ waits another ``--migrate-after`` before its next offer, as after a decline.
 Under a steady skewed load this is what spreads the load: retracted requests are few (admission
 keeps them rare), the overload waits in the prealloc queue.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,13 @@ QUEUED_MOVED = Outcome.abort("moved to a peer decode worker before its prefill",
 
 def movable(job: DecodeJob) -> bool:
     """Whether ``job`` could move by a re-route: queued, the router's first prefill, nothing decoded."""
-    return (job.state is DecodeState.QUEUED and job.generation == 0 and not job.migrated and not job.answered
-            and not job.req.output_ids)
+    return (
+        job.state is DecodeState.QUEUED
+        and job.generation == 0
+        and not job.migrated
+        and not job.answered
+        and not job.req.output_ids
+    )
 
 
 class QueuedMoves:

@@ -22,6 +22,7 @@ first (and drops its lock).
 ``generation``, the request): migrating it elsewhere is one more edge out of HOST_PARKED and one
 more method here.
 """
+
 from __future__ import annotations
 
 import time
@@ -50,9 +51,9 @@ RETRACT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class RetractCosts:
     """Rough throughputs for the offload-vs-recompute choice (measured on the 2-core CPU box)."""
 
-    copy_bytes_per_s: float = 5e9        # host <-> device pool copies, each direction
+    copy_bytes_per_s: float = 5e9  # host <-> device pool copies, each direction
     prefill_tokens_per_s: float = 600.0  # prefill worker compute
-    transfer_bytes_per_s: float = 5e9    # prefill -> decode KV write
+    transfer_bytes_per_s: float = 5e9  # prefill -> decode KV write
 
 
 @dataclass
@@ -67,8 +68,15 @@ class RetractStats:
 class RetractManager:
     """Offload, recompute and resume of the decode worker's retracted jobs (module docstring)."""
 
-    def __init__(self, kv: KVManager, pools: KVPools, host: HostKVPool | None, transfers: TransferTracker,
-                 gather: Callable | None = None, costs: RetractCosts | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVManager,
+        pools: KVPools,
+        host: HostKVPool | None,
+        transfers: TransferTracker,
+        gather: Callable | None = None,
+        costs: RetractCosts | None = None,
+    ) -> None:
         """``transfers``: where a recompute queues; ``gather(buffer, rows)``: the row gather used to
         offload from a CUDA pool."""
         self.kv = kv
@@ -193,7 +201,7 @@ class RetractManager:
         kv, req = job.host_kv, job.req
         if kv.first_page == 0:
             return True
-        rows = self.pools.unit_rows(req.kv.pages[:kv.first_page]).tolist()
+        rows = self.pools.unit_rows(req.kv.pages[: kv.first_page]).tolist()
         if not self.host.can_hold(len(rows)):
             return False
         head = self.host.offload(self.device_buffer, rows, req.kv_len, self.stream, self.gather)

@@ -12,6 +12,7 @@ that has first tokens of landed requests (or errors) to answer returns them befo
 the next step decodes whatever it finds (so time to first token never waits for a decode step,
 and at most every other step skips its decode). Every ending goes through ``finish``.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,16 +43,33 @@ from engine.scheduler.timeline import Timeline
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import (GenerateRequest, KVSources, KVWriteStarted, Message, PrefillFailed,
-                                    PrefillWithdrawn, TokenDelta)
+from transfer.wire.protocol import (
+    GenerateRequest,
+    KVSources,
+    KVWriteStarted,
+    Message,
+    PrefillFailed,
+    PrefillWithdrawn,
+    TokenDelta,
+)
 
 
 class DecodeScheduler(WorkerScheduler):
     role = Role.DECODE
 
-    def __init__(self, runner: ModelRunner, cfg: PdserveConfig, kv: KVManager, transfers: TransferTracker,
-                 retract: RetractManager, peers: PrefillPeers, eos_token_ids: tuple[int, ...],
-                 migration: MigrationSource | None = None, worker_id: str = "", model_name: str = "") -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cfg: PdserveConfig,
+        kv: KVManager,
+        transfers: TransferTracker,
+        retract: RetractManager,
+        peers: PrefillPeers,
+        eos_token_ids: tuple[int, ...],
+        migration: MigrationSource | None = None,
+        worker_id: str = "",
+        model_name: str = "",
+    ) -> None:
         """``migration``: the source side of migrations (``--migrate-after``); any decode worker
         takes migrated requests in (``decode_worker.migration_steps``)."""
         super().__init__(runner, kv)
@@ -65,13 +83,15 @@ class DecodeScheduler(WorkerScheduler):
         self.transfer_failures = 0
         self.timeline = Timeline(self.role)
         self._decode_deferred = False  # the last step sent what it had and skipped its decode
-        policy = LocalPrefillPolicy(cfg.cluster.local_prefill_max_tokens,
-                                    backlog_ratio=cfg.cluster.local_prefill_backlog_ratio)
+        policy = LocalPrefillPolicy(
+            cfg.cluster.local_prefill_max_tokens, backlog_ratio=cfg.cluster.local_prefill_backlog_ratio
+        )
         self.local = LocalPrefillQueue(policy, cfg.scheduler, kv, self.stats)
         self.queued: QueuedMoves | None = None  # --migrate-queued: queued requests move before their prefill
         if cfg.cluster.migrate_queued and cfg.cluster.migrate_after is not None:
-            self.queued = QueuedMoves(MigrationPolicy.from_flag(cfg.cluster.migrate_after),
-                                      cfg.cluster.migrate_timeout_s)
+            self.queued = QueuedMoves(
+                MigrationPolicy.from_flag(cfg.cluster.migrate_after), cfg.cluster.migrate_timeout_s
+            )
 
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
         if msg.room is None or msg.prefill_addr is None:
@@ -81,13 +101,18 @@ class DecodeScheduler(WorkerScheduler):
         tail = len(prompt) - self.budget.prealloc_start(len(prompt)) if self.kv.has_swa else 0
         self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool", swa_tokens=tail)
         req = Request(msg.rid, list(prompt), msg.params, sampler_state(self.runner, msg.params, prompt), owner=owner)
-        job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt),
-                                             preempt=msg.preempt)
+        job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt), preempt=msg.preempt)
         self.stats.prompt_tokens += len(prompt)
         out = self.peers.connect(msg.prefill_addr)  # a recompute after a retract needs it either way
-        decision = self.local.consider(req, lambda: admitted(self.running, self.transfers, self.local),
-                                       self.running.ratio.value, len(self.retract.queue), len(self.transfers.prealloc),
-                                       self.transfers.backlog_tokens, rows=len(self.running.reqs))
+        decision = self.local.consider(
+            req,
+            lambda: admitted(self.running, self.transfers, self.local),
+            self.running.ratio.value,
+            len(self.retract.queue),
+            len(self.transfers.prealloc),
+            self.transfers.backlog_tokens,
+            rows=len(self.running.reqs),
+        )
         if decision is None or not decision.local:
             self.transfers.queue(job)
             return out
@@ -128,7 +153,7 @@ class DecodeScheduler(WorkerScheduler):
         self.retract.discard(job)
         self.running.discard(req)
         if job.answered.completed:
-            self.kv.free_into_cache(req.kv, req.all_ids[:req.kv_len])
+            self.kv.free_into_cache(req.kv, req.all_ids[: req.kv_len])
             self.stats.finished_requests += 1
         else:
             self.kv.free(req.kv)
@@ -149,8 +174,9 @@ class DecodeScheduler(WorkerScheduler):
         if isinstance(msg, KVWriteStarted):
             self.transfers.posted(msg)
         if isinstance(msg, PrefillFailed) and (job := self.transfers.failed(msg)) is not None:
-            out = (out or Outbox()).extend(self.finish(job, Outcome.abort(f"prefill failed: {msg.error}",
-                                                                          msg.error_status)))
+            out = (out or Outbox()).extend(
+                self.finish(job, Outcome.abort(f"prefill failed: {msg.error}", msg.error_status))
+            )
         return out
 
     def peer_heartbeat(self, addr: str, stats, at: float) -> Outbox:
@@ -164,8 +190,11 @@ class DecodeScheduler(WorkerScheduler):
             return True
         if self.transfers.inflight:
             return False  # what could start now waits for pages they hold: poll them instead
-        return bool(self.retract.queue or self.local or any((p := self.peers.get(j.prefill_addr)) and p.ready
-                                                            for j in self.transfers.prealloc))
+        return bool(
+            self.retract.queue
+            or self.local
+            or any((p := self.peers.get(j.prefill_addr)) and p.ready for j in self.transfers.prealloc)
+        )
 
     @property
     def has_model_work(self) -> bool:
@@ -196,8 +225,9 @@ class DecodeScheduler(WorkerScheduler):
             out.extend(self.finish(job, job.answered))
         for landing in self.transfers.landed():
             out.extend(self._landed(landing))
-        for job in self.retract.resume_ready(self.running.reqs, self.cfg.scheduler.retract_decode_steps,
-                                             places_left(self)):
+        for job in self.retract.resume_ready(
+            self.running.reqs, self.cfg.scheduler.retract_decode_steps, places_left(self)
+        ):
             self.running.add(job.req)
         if self.migration is not None:
             out.extend(migration_step(self))
@@ -239,15 +269,19 @@ class DecodeScheduler(WorkerScheduler):
         m, out = landing.manifest, Outbox()
         req.mark("first_token")
         req.prompt_logprobs = m.prompt_logprobs  # computed by the prefill worker; token_delta sends them
-        out.token(req.owner, token_delta(req, m.first_token, m.first_logprob, m.first_top_logprobs,
-                                         self.executor.eos, self.max_model_len))
+        out.token(
+            req.owner,
+            token_delta(
+                req, m.first_token, m.first_logprob, m.first_top_logprobs, self.executor.eos, self.max_model_len
+            ),
+        )
         self.stats.generation_tokens += 1
         if req.finished:
             return out.extend(self.finish(job, Outcome(req.finish_reason)))
         # insert on landing: the prompt's full pages go to the decode radix cache now, not when the
         # request ends, so the other choices of an n > 1 request (sent once this one has its first
         # token) match them and the prefill worker ships only their last page (copy on write there)
-        share_prefix(self.kv, req.kv, req.prompt_ids[:job.n_tokens])
+        share_prefix(self.kv, req.kv, req.prompt_ids[: job.n_tokens])
         self.running.add(req)
         return out
 
@@ -260,11 +294,15 @@ class DecodeScheduler(WorkerScheduler):
         free = self.budget.headroom(in_flight, ratio)
         slots = self.cfg.scheduler.max_running_requests - len(in_flight)
         held = self.queued.offered if self.queued is not None else ()
-        out, unusable = self.transfers.admit(self.peers, free, ratio, slots, only_preempting=bool(self.retract.queue),
-                                             held=held)
+        out, unusable = self.transfers.admit(
+            self.peers, free, ratio, slots, only_preempting=bool(self.retract.queue), held=held
+        )
         for job in unusable:
-            out.extend(self.finish(job, Outcome.abort(self.peers.get(job.prefill_addr).error
-                                                      or "prefill worker unavailable", 503)))
+            out.extend(
+                self.finish(
+                    job, Outcome.abort(self.peers.get(job.prefill_addr).error or "prefill worker unavailable", 503)
+                )
+            )
         return out
 
     def _decode(self) -> Outbox:
@@ -326,9 +364,16 @@ class DecodeScheduler(WorkerScheduler):
         return decode_snapshot(self, super().snapshot())
 
 
-def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, worker_id: str, model_name: str,
-                            eos_token_ids: tuple[int, ...] | None = None, migration_transport=None,
-                            threaded: bool = True) -> DecodeScheduler:
+def create_decode_scheduler(
+    runner: ModelRunner,
+    cfg: PdserveConfig,
+    transport,
+    worker_id: str,
+    model_name: str,
+    eos_token_ids: tuple[int, ...] | None = None,
+    migration_transport=None,
+    threaded: bool = True,
+) -> DecodeScheduler:
     """A decode scheduler over ``runner``'s pool, with ``transport`` (pool registered here), its
     prefill peers and, when ``cluster.host_kv_pool_gb > 0``, a host pool for retracted KV.
     ``eos_token_ids`` defaults to the model's. With ``cluster.migrate_after`` and a host pool,
@@ -349,6 +394,7 @@ def create_decode_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, 
         migration_transport.register_pool(host.buffer, host.page_bytes)
         sender = KVSender(migration_transport, host.page_bytes, threaded=threaded)
         policy = MigrationPolicy.from_flag(cfg.cluster.migrate_after, cfg.cluster.migrate_on_retract)
-        migration = MigrationSource(policy, host, sender, retract.budget, cfg.cluster.migrate_timeout_s,
-                                    MigrationStats())
+        migration = MigrationSource(
+            policy, host, sender, retract.budget, cfg.cluster.migrate_timeout_s, MigrationStats()
+        )
     return DecodeScheduler(runner, cfg, kv, transfers, retract, peers, eos, migration, worker_id, model_name)

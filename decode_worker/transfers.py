@@ -12,6 +12,7 @@ completion notification lands (``landed``, manifest checked), when the prefill s
 prefill worker restarted or ``transfer_fence_s`` passed (``release_fences``): only then may its
 pages be reused.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,14 @@ from decode_worker.peers import PrefillPeers
 from engine.scheduler.admission import admit_prompt
 from transfer.kv_transport import WARMUP_NOTIF, KVTransport
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import (KVDestination, KVWriteStarted, PrefillFailed, PrefillRequest, TransferManifest,
-                                    ids_frame)
+from transfer.wire.protocol import (
+    KVDestination,
+    KVWriteStarted,
+    PrefillFailed,
+    PrefillRequest,
+    TransferManifest,
+    ids_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +57,10 @@ def prefill_request(job: DecodeJob, decode_worker: str) -> tuple[PrefillRequest,
     """The ``PrefillRequest`` of a recompute and its token-ids frame: prefill ``job.generation``
     of the first ``job.n_tokens`` tokens of the request (prompt and output so far)."""
     req = job.req
-    msg = PrefillRequest(rid=req.rid, room=job.room, generation=job.generation, params=req.params,
-                         decode_worker=decode_worker)
-    return msg, ids_frame(req.all_ids[:job.n_tokens])
+    msg = PrefillRequest(
+        rid=req.rid, room=job.room, generation=job.generation, params=req.params, decode_worker=decode_worker
+    )
+    return msg, ids_frame(req.all_ids[: job.n_tokens])
 
 
 class TransferTracker:
@@ -102,8 +110,15 @@ class TransferTracker:
         return queued + sum(j.n_tokens - j.req.kv_len for j in self.inflight.values() if not j.write_posted)
 
     # ---- admission ----------------------------------------------------------------------------
-    def admit(self, peers: PrefillPeers, free: PageCount, ratio: float, slots: int,
-              only_preempting: bool = False, held: Container[str] = ()) -> tuple[Outbox, list[DecodeJob]]:
+    def admit(
+        self,
+        peers: PrefillPeers,
+        free: PageCount,
+        ratio: float,
+        slots: int,
+        only_preempting: bool = False,
+        held: Container[str] = (),
+    ) -> tuple[Outbox, list[DecodeJob]]:
         """Reserve pages for prealloc jobs within ``free`` pages and ``slots`` requests (with
         ``only_preempting``: only jobs with ``preempt``, which stand first in line), skipping the
         ``held`` request ids (offered to a peer: ``decode_worker.queued_moves``).
@@ -146,11 +161,20 @@ class TransferTracker:
         if job.generation > 0 and not job.migrated:  # a migrated job's KV is already computed (at its source)
             out.send(to, *prefill_request(job, self.worker_id))
         log.debug("destination for %s room %d: %d pages", req.rid, job.room, len(req.kv.pages))
-        dest = KVDestination(rid=req.rid, room=job.room, generation=job.generation,
-                             decode_prefix_len=job.decode_prefix_len, n_tokens=job.n_tokens)
+        dest = KVDestination(
+            rid=req.rid,
+            room=job.room,
+            generation=job.generation,
+            decode_prefix_len=job.decode_prefix_len,
+            n_tokens=job.n_tokens,
+        )
         swa = req.kv.swa_pages
-        out.send(to, dest, np.asarray(req.kv.pages, dtype="<i4").tobytes(),
-                 np.asarray(swa if swa is not None else [], dtype="<i4").tobytes())
+        out.send(
+            to,
+            dest,
+            np.asarray(req.kv.pages, dtype="<i4").tobytes(),
+            np.asarray(swa if swa is not None else [], dtype="<i4").tobytes(),
+        )
 
     # ---- transfers ending -----------------------------------------------------------------------
     def landed(self) -> list[Landing]:
@@ -200,8 +224,11 @@ class TransferTracker:
         """Fenced jobs whose pages can no longer be written: their prefill worker restarted, or
         ``fence_s`` passed. They leave the tracker; the caller frees them."""
         restarted, now = set(restarted), time.monotonic()
-        done = [j for j in self.inflight.values()
-                if j.answered and (j.prefill_addr in restarted or now - j.fenced_at > fence_s)]
+        done = [
+            j
+            for j in self.inflight.values()
+            if j.answered and (j.prefill_addr in restarted or now - j.fenced_at > fence_s)
+        ]
         for job in done:
             why = "prefill worker restarted" if job.prefill_addr in restarted else f"no answer within {fence_s:g}s"
             log.warning("freeing the pages of %s room %d: %s", job.req.rid, job.room, why)

@@ -18,6 +18,7 @@ no padding to the longest request in the batch); extend steps reuse the torch ga
 ``TritonBackend`` (CUDA) stores K/V and runs paged decode attention with the Triton kernels in
 ``engine/kernels``; extend steps reuse the torch gather path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ class _Gather:
     only the pages its queries can see. Gathering pages (contiguous ``[P, heads, dim]`` blocks of
     the page-major pool) instead of tokens copies the same bytes with P times fewer indices."""
 
-    pages: torch.Tensor      # [B, n_pages] int64
-    key_pos: torch.Tensor    # [B, n_pages * P] int64
-    valid: torch.Tensor      # [B, n_pages * P] bool
+    pages: torch.Tensor  # [B, n_pages] int64
+    key_pos: torch.Tensor  # [B, n_pages * P] int64
+    valid: torch.Tensor  # [B, n_pages * P] bool
     starts: list[int]
 
 
@@ -131,11 +132,15 @@ class TorchBackend:
         return self._masks[key]
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        k, v, m = self._gather(layer, batch)             # [B, L, Hkv, D]
-        qd = q.unsqueeze(2)                              # [B, H, 1, D]
-        kd, vd = k.transpose(1, 2), v.transpose(1, 2)    # [B, Hkv, L, D]
+        k, v, m = self._gather(layer, batch)  # [B, L, Hkv, D]
+        qd = q.unsqueeze(2)  # [B, H, 1, D]
+        kd, vd = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
         out = F.scaled_dot_product_attention(
-            qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=self._mask(layer, batch, m), scale=self.scale,
+            qd,
+            kd.to(q.dtype),
+            vd.to(q.dtype),
+            attn_mask=self._mask(layer, batch, m),
+            scale=self.scale,
             enable_gqa=True,
         )
         return out.reshape(q.shape[0], -1)
@@ -146,9 +151,9 @@ class TorchBackend:
         gathered = None
         outs, start = [], 0
         for i, (seq, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
-            qi = q[start:start + ext].transpose(0, 1)  # [H, E, D]
+            qi = q[start : start + ext].transpose(0, 1)  # [H, E, D]
             if seq == ext:  # no prefix: the chunk's own K/V
-                ki, vi = k[start:start + ext].transpose(0, 1), v[start:start + ext].transpose(0, 1)
+                ki, vi = k[start : start + ext].transpose(0, 1), v[start : start + ext].transpose(0, 1)
                 mask = None if window is None else _extend_mask(0, ext, 0, seq, window, q.device)
                 o = _sdpa_4d(qi, ki, vi, self.scale, is_causal=mask is None, mask=mask)
             else:
@@ -172,8 +177,9 @@ def _sdpa_4d(q, k, v, scale: float, is_causal: bool = False, mask=None) -> torch
     group = q.shape[0] // k.shape[0]
     if group > 1:
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal,
-                                          scale=scale)[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal, scale=scale)[
+        0
+    ]
 
 
 def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | None, device) -> torch.Tensor:
@@ -199,8 +205,9 @@ class CpuBackend(TorchBackend):
     torch's thread count at each call, which core lending may change between steps), fewer when the
     step's keys are too few to pay for starting them (``cpu_native.threads_for``); the rest as torch."""
 
-    def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None],
-                 threads: int | None = None) -> None:
+    def __init__(
+        self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None], threads: int | None = None
+    ) -> None:
         from engine.kernels import decode_prefetch
 
         super().__init__(pools, num_heads, scale, windows)
@@ -233,15 +240,18 @@ class CpuBackend(TorchBackend):
             self._slots[name] = slots
         return slots
 
-    def full_pool_decode(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def full_pool_decode(
+        self, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(table, lo, hi, slots, keys)`` of the prepared DECODE ``batch`` over the full pool without a
         window, every page and slot checked against the pool (int64, contiguous): what the C decode
         stack (``engine.decode_stack``) reads for all layers of the step."""
         table, lo, hi, keys = self._range_of(batch, FULL, None)
         return table, lo, hi, self._checked_slots(FULL), keys
 
-    def _range_of(self, batch: ForwardBatch, name: str,
-                  window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _range_of(
+        self, batch: ForwardBatch, name: str, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(table, lo, hi, keys)`` of ``batch``'s decode rows (int64 tensors): request i attends
         to keys ``[lo[i], hi[i])``; ``keys`` is their total over the batch."""
         key = (batch.mode, name, window)
@@ -252,8 +262,9 @@ class CpuBackend(TorchBackend):
             self._ranges[key] = (table, lo.contiguous(), hi, int((hi - lo).sum()))
         return self._ranges[key]
 
-    def _extend_range_of(self, batch: ForwardBatch, name: str,
-                         window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _extend_range_of(
+        self, batch: ForwardBatch, name: str, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(table, lo, hi, keys)`` with one row per new token of ``batch`` (EXTEND): the token at
         position p of request i attends to keys ``[lo, p + 1)`` through request i's block table."""
         key = (batch.mode, name, window)
@@ -294,8 +305,9 @@ class CpuBackend(TorchBackend):
             return super()._extend(q, k, v, layer, batch)
         table, lo, hi, keys = self._extend_range_of(batch, name, window)
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch,
-                           dot=q.dtype == torch.bfloat16)
+        out = paged_decode(
+            q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch, dot=q.dtype == torch.bfloat16
+        )
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
     def _extend_tiles_of(self, batch: ForwardBatch, name: str):
@@ -318,8 +330,9 @@ class CpuBackend(TorchBackend):
         table, lo, hi, keys = self._range_of(batch, name, self.windows[layer])
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
         # a bfloat16 query loses nothing to bfloat16 products (the decode stack takes the same path)
-        out = paged_decode(q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch,
-                           dot=q.dtype == torch.bfloat16)
+        out = paged_decode(
+            q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch, dot=q.dtype == torch.bfloat16
+        )
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
@@ -328,8 +341,9 @@ class TritonBackend(TorchBackend):
     ``kernels``: the kernel entry points' ``backend`` (None: Triton on CUDA tensors; "triton"
     forces it, which on CPU tensors runs the Triton interpreter: tests)."""
 
-    def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None],
-                 kernels: str | None = None) -> None:
+    def __init__(
+        self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None], kernels: str | None = None
+    ) -> None:
         super().__init__(pools, num_heads, scale, windows)
         self.kernels = kernels
 
@@ -344,8 +358,15 @@ class TritonBackend(TorchBackend):
 
         name, pool, local = self._layer(layer)
         out = paged_decode_attention(
-            q, pool.k_layer(local), pool.v_layer(local), batch.pool_index(name)[0],
-            batch.seq_lens, self.scale, batch.page_size, sliding_window=self.windows[layer], backend=self.kernels,
+            q,
+            pool.k_layer(local),
+            pool.v_layer(local),
+            batch.pool_index(name)[0],
+            batch.seq_lens,
+            self.scale,
+            batch.page_size,
+            sliding_window=self.windows[layer],
+            backend=self.kernels,
         )
         return out.reshape(q.shape[0], -1)
 
@@ -366,8 +387,10 @@ def make_backend(name: str, pools: KVPools, num_heads: int, scale: float, window
         return TorchBackend(pools, num_heads, scale, windows)
     if name == "cpu":
         if not _cpu_kernel_fits(pools):
-            raise ValueError("attention_backend=cpu needs a float32 or bfloat16 CPU KV pool and a C compiler (cc) to build "
-                             "the kernel; use --attention-backend torch")
+            raise ValueError(
+                "attention_backend=cpu needs a float32 or bfloat16 CPU KV pool and a C compiler (cc) to build "
+                "the kernel; use --attention-backend torch"
+            )
         return CpuBackend(pools, num_heads, scale, windows)
     if name == "triton":
         if device.type != "cuda":

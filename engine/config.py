@@ -1,4 +1,5 @@
 """Model architecture description shared by loaders, the model and the KV pools."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,9 +46,7 @@ class ModelConfig:
         if self.arch not in MODEL_ARCHS:
             raise ValueError(unsupported_arch_message(self.arch, MODEL_ARCHS))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:

@@ -5,6 +5,7 @@ without them torch converts inside every op and bf16 runs slower than fp32 (issu
 an AVX2-only machine of this project's kind; the machine this was written on has AVX512_BF16). ``cpu_flags`` reads ``/proc/cpuinfo`` (Linux);
 elsewhere it returns an empty set and bf16 is trusted as is.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache

@@ -44,6 +44,7 @@ is ``F.linear``. Packing happens only for 2-D float32 CPU weights when this torc
 ones where ``has_fast_bf16()``; anything else (CUDA, float16, no oneDNN) stays a plain tensor. A
 row's result never depends on the other rows of its call (padding rows are zeros and are dropped).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -58,7 +59,7 @@ import torch.nn.functional as F
 
 from engine.cpu_features import cpu_flags, has_fast_bf16
 from engine.kernels import cpu_native, decode_prefetch
-from engine.weight_layout import Int8Rows, pairs_shape, quantize_int8, to_panels_f32, to_pairs
+from engine.weight_layout import Int8Rows, pairs_shape, quantize_int8, to_pairs, to_panels_f32
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,35 @@ PACK_BATCH_HINT = 32  # row count oneDNN picks the blocked layout for (any count
 CHUNK_ROWS = 512
 # decode-sized counts finely (padding there is not free: 64 rows is already compute-bound), then
 # coarser up to one chunk; every call runs at one of these row counts
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416,
-               448, 480, CHUNK_ROWS)  # steps of 32 above 128: a prompt pads at most 31 rows (64 wasted ~12%)
+ROW_BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    40,
+    48,
+    56,
+    64,
+    80,
+    96,
+    112,
+    128,
+    160,
+    192,
+    224,
+    256,
+    288,
+    320,
+    352,
+    384,
+    416,
+    448,
+    480,
+    CHUNK_ROWS,
+)  # steps of 32 above 128: a prompt pads at most 31 rows (64 wasted ~12%)
 
 
 # A bfloat16 weight up to this size also keeps its plain layout for ``cpu_gemv.c`` (oneDNN's per-call
@@ -119,8 +147,9 @@ def int8_supported(w: torch.Tensor) -> str | None:
         return "int8 weights need a CPU with AVX512-BF16, a C compiler and torch with oneDNN"
     if not _kernel_shape(w):
         out, inp = w.shape
-        return (f"a [{out}, {inp}] weight: the int8 kernel needs in % {GEMV_ALIGN_IN} == 0 and "
-                f"out % {GEMV_ALIGN_OUT} == 0")
+        return (
+            f"a [{out}, {inp}] weight: the int8 kernel needs in % {GEMV_ALIGN_IN} == 0 and out % {GEMV_ALIGN_OUT} == 0"
+        )
     return None
 
 
@@ -148,7 +177,7 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
         return PackedWeight(panels, w.shape, pairs=panels, onednn=False)
     pairs_ok = w.dtype == torch.bfloat16 and pairs_shape(w) and cpu_native.pairs_available()
     if pairs_ok and pairs_take_all():  # any size: the LM head too (49152 x 576 at 1 / 32 rows 1.4 / 4.7 ms
-        pairs = to_pairs(w)            # against oneDNN's 2.0 / 5.2)
+        pairs = to_pairs(w)  # against oneDNN's 2.0 / 5.2)
         return PackedWeight(pairs, w.shape, pairs=pairs, onednn=False)
     small = _gemv_takes(w)
     pairs = to_pairs(w) if small and pairs_ok else None
@@ -159,15 +188,22 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
 def _gemv_takes(w: torch.Tensor) -> bool:
     """True iff calls of few rows on ``w`` go to ``cpu_gemv.c``: a bfloat16 weight of at most
     GEMV_MAX_BYTES whose shape fits the kernel, on a CPU where it was built with AVX512-BF16."""
-    return (w.dtype == torch.bfloat16 and w.numel() * w.element_size() <= GEMV_MAX_BYTES
-            and _kernel_shape(w) and cpu_native.gemv_available())
+    return (
+        w.dtype == torch.bfloat16
+        and w.numel() * w.element_size() <= GEMV_MAX_BYTES
+        and _kernel_shape(w)
+        and cpu_native.gemv_available()
+    )
 
 
 def _panels_f32_takes(w: torch.Tensor) -> bool:
     """True iff a float32 weight is kept as float32 panels instead of oneDNN's layout: out % 64 == 0,
     at most GEMV_MAX_BYTES (the LM head stays oneDNN's), the kernel built here (AVX-512F)."""
-    return (w.shape[0] % cpu_native.PAIRS_PANEL == 0 and w.numel() * w.element_size() <= GEMV_MAX_BYTES
-            and cpu_native.panels_f32_available())
+    return (
+        w.shape[0] % cpu_native.PAIRS_PANEL == 0
+        and w.numel() * w.element_size() <= GEMV_MAX_BYTES
+        and cpu_native.panels_f32_available()
+    )
 
 
 def bucket_rows(rows: int) -> int:
@@ -223,8 +259,11 @@ def _panels(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> tor
 def _small_rows(x2: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The small-batch kernel's result where it takes this call (int8 or plain bfloat16 weight, few
     bfloat16 rows, contiguous last dim, bfloat16 bias), else None. (panels-only weights: ``_panels``.)"""
-    if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or not (bias is None or (bias.dtype == torch.bfloat16
-                                                                                  and bias.is_contiguous())):
+    if (
+        x2.dtype != torch.bfloat16
+        or x2.stride(-1) != 1
+        or not (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    ):
         return None
     kernel = small_kernel(w)
     if kernel is None or x2.shape[0] > small_rows(w):
@@ -303,11 +342,21 @@ def pairs_rows() -> int:
     packed = [onednn_layout(w) for w in weights]
     for rows in PAIRS_PROBE_ROWS:
         xs = {k: torch.zeros(rows, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
-        best = decode_prefetch.best_of({
-            "pairs": lambda: [cpu_native.gemm_pairs(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, pairs)],
-            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], d, None, "none", [], "")
-                               for w, d in zip(weights, packed)]}, 3)
-        log.info("pair-panel matmul at %d rows: %.1f ms, oneDNN %.1f ms", rows, best["pairs"] * 1e3, best["onednn"] * 1e3)
+        best = decode_prefetch.best_of(
+            {
+                "pairs": lambda: [
+                    cpu_native.gemm_pairs(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, pairs)
+                ],
+                "onednn": lambda: [
+                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], d, None, "none", [], "")
+                    for w, d in zip(weights, packed)
+                ],
+            },
+            3,
+        )
+        log.info(
+            "pair-panel matmul at %d rows: %.1f ms, oneDNN %.1f ms", rows, best["pairs"] * 1e3, best["onednn"] * 1e3
+        )
         if best["pairs"] < best["onednn"]:
             return rows
     return PAIRS_MIN_ROWS
@@ -319,8 +368,11 @@ def pairs_take_all() -> bool:
     pair kernel: where it is built and the CPU has no AMX (oneDNN's tiles run prompts several times
     faster there), unless ``PDSERVE_PAIRS_ALL=0``. A fixed rule, not a timing, so every process of a
     cluster on this machine computes a prompt the same way."""
-    return (os.environ.get("PDSERVE_PAIRS_ALL", "1") != "0" and cpu_native.pairs_available()
-            and "amx_bf16" not in cpu_flags())
+    return (
+        os.environ.get("PDSERVE_PAIRS_ALL", "1") != "0"
+        and cpu_native.pairs_available()
+        and "amx_bf16" not in cpu_flags()
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -330,14 +382,23 @@ def gemv_rows() -> int:
     packed primitive at that many rows over weights twice the last-level cache (timed once, ~50 ms;
     on a Zen 4 with L2 prefetches 7.4 against 11.8 ms over 30 layers' weights). GEMV_ROWS without
     timing where the kernel or packing is missing or ``PDSERVE_DECODE_PREFETCH`` is set."""
-    if (not cpu_native.gemv_available() or not packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16))
-            or decode_prefetch.forced_mode() is not None):
+    if (
+        not cpu_native.gemv_available()
+        or not packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16))
+        or decode_prefetch.forced_mode() is not None
+    ):
         return GEMV_ROWS
-    kernel, onednn = time_against_onednn(decode_prefetch.probe_bytes(decode_prefetch.last_level_cache_bytes()),
-                                         decode_prefetch.modes().gemv)
+    kernel, onednn = time_against_onednn(
+        decode_prefetch.probe_bytes(decode_prefetch.last_level_cache_bytes()), decode_prefetch.modes().gemv
+    )
     rows = cpu_native.GEMV_MAX_ROWS if kernel < onednn else GEMV_ROWS
-    log.info("small-batch matmul takes up to %d rows (%d rows: kernel %.1f ms, oneDNN %.1f ms)",
-             rows, cpu_native.GEMV_MAX_ROWS, kernel * 1e3, onednn * 1e3)
+    log.info(
+        "small-batch matmul takes up to %d rows (%d rows: kernel %.1f ms, oneDNN %.1f ms)",
+        rows,
+        cpu_native.GEMV_MAX_ROWS,
+        kernel * 1e3,
+        onednn * 1e3,
+    )
     return rows
 
 
@@ -348,13 +409,19 @@ def time_against_onednn(nbytes: int, prefetch: int, rounds: int = 3) -> tuple[fl
     weights = decode_prefetch.probe_weights(nbytes)
     packed = [PackedWeight(onednn_layout(w), w.shape) for w in weights]
     x = torch.zeros(cpu_native.GEMV_MAX_ROWS, weights[0].shape[1], dtype=torch.bfloat16)
-    best = decode_prefetch.best_of({"kernel": lambda: [cpu_native.gemv_bf16(x, w, None, prefetch) for w in weights],
-                                    "onednn": lambda: [_packed_rows(x, p, None) for p in packed]}, rounds)
+    best = decode_prefetch.best_of(
+        {
+            "kernel": lambda: [cpu_native.gemv_bf16(x, w, None, prefetch) for w in weights],
+            "onednn": lambda: [_packed_rows(x, p, None) for p in packed],
+        },
+        rounds,
+    )
     return best["kernel"], best["onednn"]
 
 
-def warm_up(pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | None]],
-            max_rows: int = CHUNK_ROWS) -> int:
+def warm_up(
+    pairs: Iterable[tuple[torch.Tensor | PackedWeight, torch.Tensor | None]], max_rows: int = CHUNK_ROWS
+) -> int:
     """Run every ``(weight, bias)`` shape once at every row bucket up to ``max_rows``; returns the
     calls made.
 

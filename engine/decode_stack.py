@@ -23,6 +23,7 @@ of at most ``max_rows`` requests on the C attention backend with one full-attent
 ``run`` then returns the last layer's hidden states, bitwise what the per-layer Python path computes
 (tests/test_decode_stack.py). Everything else runs the Python path.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,20 +47,43 @@ class _Layer(ctypes.Structure):
     """``layer_t``: one layer's tensor addresses (0 where absent; a scale only for the int8 kinds) and
     each matmul's kind (``cpu_linear.small_kernel``: the kernel that runs it)."""
 
-    _fields_ = [(n, _I64) for n in ("qkv", "qkv_scale", "qkv_bias", "o", "o_scale", "gate_up", "gate_up_scale",
-                                    "down", "down_scale", "input_norm", "post_norm", "kv_base",
-                                    "qkv_kind", "o_kind", "gate_up_kind", "down_kind")]
+    _fields_ = [
+        (n, _I64)
+        for n in (
+            "qkv",
+            "qkv_scale",
+            "qkv_bias",
+            "o",
+            "o_scale",
+            "gate_up",
+            "gate_up_scale",
+            "down",
+            "down_scale",
+            "input_norm",
+            "post_norm",
+            "kv_base",
+            "qkv_kind",
+            "o_kind",
+            "gate_up_kind",
+            "down_kind",
+        )
+    ]
 
 
 class StackArgs(ctypes.Structure):
     """``stack_t``: the step's shapes, indices, pool geometry (strides in elements) and threads."""
 
-    _fields_ = [("layers", ctypes.POINTER(_Layer)),
-                *((n, _I64) for n in ("num_layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
-                *((n, ctypes.c_void_p) for n in ("positions", "slots", "table", "lo", "hi")),
-                *((n, _I64) for n in ("table_stride", "P", "page_stride", "v_off", "tok_stride", "head_stride")),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                *((n, _I64) for n in ("attn_threads", "attn_prefetch", "mm_threads", "mm_prefetch", "f32"))]
+    _fields_ = [
+        ("layers", ctypes.POINTER(_Layer)),
+        *((n, _I64) for n in ("num_layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
+        *((n, ctypes.c_void_p) for n in ("positions", "slots", "table", "lo", "hi")),
+        *((n, _I64) for n in ("table_stride", "P", "page_stride", "v_off", "tok_stride", "head_stride")),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((n, _I64) for n in ("attn_threads", "attn_prefetch", "mm_threads", "mm_prefetch", "f32")),
+    ]
 
 
 def enabled() -> bool:
@@ -80,7 +104,7 @@ class DecodeStack:
         self._bound: tuple[int, ctypes.Array] | None = None  # (pool buffer address, layer array)
 
     @classmethod
-    def build(cls, model) -> "DecodeStack | None":
+    def build(cls, model) -> DecodeStack | None:
         """The stack for ``model``, or None where it cannot run it (logged at DEBUG with the reason)."""
         cfg, why = model.cfg, None
         if not enabled():
@@ -93,7 +117,9 @@ class DecodeStack:
             why = "no kernel library here"
         if why is None:
             rows = min(small_rows(layer.w[n]) for layer in model.layers for n in _MATMULS)
-            bias_ok = all(layer.w.get("qkv_bias") is None or layer.w["qkv_bias"].is_contiguous() for layer in model.layers)
+            bias_ok = all(
+                layer.w.get("qkv_bias") is None or layer.w["qkv_bias"].is_contiguous() for layer in model.layers
+            )
             why = None if rows and bias_ok else "a layer matmul the small-batch kernel does not take"
         if why is not None:
             log.debug("decode stack off: %s", why)
@@ -107,8 +133,12 @@ class DecodeStack:
 
         if batch.mode is not ForwardMode.DECODE or not 1 <= batch.batch_size <= self.max_rows:
             return False
-        return (type(attn) is CpuBackend and attn.pools.swa is None and all(w is None for w in attn.windows)
-                and attn.pools.full.buffer.dtype == self.model.dtype)
+        return (
+            type(attn) is CpuBackend
+            and attn.pools.swa is None
+            and all(w is None for w in attn.windows)
+            and attn.pools.full.buffer.dtype == self.model.dtype
+        )
 
     def _layers_for(self, pools) -> ctypes.Array:
         """The layer array with each layer's K base in ``pools.full`` (rebuilt if the pool moved)."""
@@ -144,15 +174,35 @@ class DecodeStack:
         s = pool.buffer.stride()
         torch_threads = torch.get_num_threads()
         args = StackArgs(
-            layers=layers, num_layers=len(m.layers), rows=batch.batch_size, hidden=cfg.hidden_size,
-            heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
-            positions=pos.data_ptr(), slots=slots.data_ptr(), table=table.data_ptr(), lo=lo.data_ptr(),
-            hi=hi.data_ptr(), table_stride=table.stride(0), P=pool.page_size, page_stride=s[0], v_off=s[2],
-            tok_stride=s[3], head_stride=s[4], cos=m.rope.cos.data_ptr(), sin=m.rope.sin.data_ptr(),
-            eps=cfg.rms_norm_eps, scale=attn.scale,
+            layers=layers,
+            num_layers=len(m.layers),
+            rows=batch.batch_size,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            inter=cfg.intermediate_size,
+            positions=pos.data_ptr(),
+            slots=slots.data_ptr(),
+            table=table.data_ptr(),
+            lo=lo.data_ptr(),
+            hi=hi.data_ptr(),
+            table_stride=table.stride(0),
+            P=pool.page_size,
+            page_stride=s[0],
+            v_off=s[2],
+            tok_stride=s[3],
+            head_stride=s[4],
+            cos=m.rope.cos.data_ptr(),
+            sin=m.rope.sin.data_ptr(),
+            eps=cfg.rms_norm_eps,
+            scale=attn.scale,
             attn_threads=cpu_native.threads_for(keys, cfg.num_heads, cfg.head_dim, attn.threads or torch_threads),
-            attn_prefetch=attn.prefetch, mm_threads=torch_threads if cpu_native.openmp_shared() else 1,
-            mm_prefetch=decode_prefetch.modes().gemv, f32=int(m.dtype == torch.float32))
+            attn_prefetch=attn.prefetch,
+            mm_threads=torch_threads if cpu_native.openmp_shared() else 1,
+            mm_prefetch=decode_prefetch.modes().gemv,
+            f32=int(m.dtype == torch.float32),
+        )
         rc = cpu_native.load().pdserve_decode_stack(ctypes.addressof(args), h.data_ptr())
         if rc != 0:
             raise (MemoryError if rc == -1 else RuntimeError)(f"decode stack failed ({rc})")

@@ -1,4 +1,5 @@
 """Per-step batch description handed from the runner to the model and attention backends."""
+
 from __future__ import annotations
 
 import enum
@@ -8,9 +9,9 @@ import torch
 
 
 class ForwardMode(enum.Enum):
-    EXTEND = "extend"   # new tokens on top of an optional cached prefix (prefill, chunked prefill)
-    DECODE = "decode"   # exactly one new token per request
-    MIXED = "mixed"     # the first ``num_decode`` requests decode one token, the rest extend
+    EXTEND = "extend"  # new tokens on top of an optional cached prefix (prefill, chunked prefill)
+    DECODE = "decode"  # exactly one new token per request
+    MIXED = "mixed"  # the first ``num_decode`` requests decode one token, the rest extend
 
 
 @dataclass
@@ -62,7 +63,7 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
-    def split(self) -> tuple["ForwardBatch", "ForwardBatch"]:
+    def split(self) -> tuple[ForwardBatch, ForwardBatch]:
         """``(decode part, extend part)`` of a MIXED batch. Decode rows have one token each, so the
         first ``num_decode`` requests own exactly the first ``num_decode`` tokens: one cut serves
         the per-request and the per-token tensors."""
@@ -70,11 +71,19 @@ class ForwardBatch:
 
         def part(mode: ForwardMode, s: slice) -> ForwardBatch:
             return ForwardBatch(
-                mode=mode, input_ids=self.input_ids[s], positions=self.positions[s], out_slots=self.out_slots[s],
-                seq_lens=self.seq_lens[s], extend_lens=self.extend_lens[s], block_table=self.block_table[s],
-                seq_lens_cpu=self.seq_lens_cpu[s], extend_lens_cpu=self.extend_lens_cpu[s], page_size=self.page_size,
+                mode=mode,
+                input_ids=self.input_ids[s],
+                positions=self.positions[s],
+                out_slots=self.out_slots[s],
+                seq_lens=self.seq_lens[s],
+                extend_lens=self.extend_lens[s],
+                block_table=self.block_table[s],
+                seq_lens_cpu=self.seq_lens_cpu[s],
+                extend_lens_cpu=self.extend_lens_cpu[s],
+                page_size=self.page_size,
                 swa_block_table=None if self.swa_block_table is None else self.swa_block_table[s],
-                swa_out_slots=None if self.swa_out_slots is None else self.swa_out_slots[s])
+                swa_out_slots=None if self.swa_out_slots is None else self.swa_out_slots[s],
+            )
 
         d = self.num_decode
         return part(ForwardMode.DECODE, slice(0, d)), part(ForwardMode.EXTEND, slice(d, None))

@@ -10,6 +10,7 @@ What differs from ``engine.model.LlamaModel``:
 - sliding layers rotate with ``rope_local_theta``, full layers with ``rope_theta``.
 Per-layer windows reach the attention backend through ``layer_types`` / ``sliding_window``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -87,7 +88,7 @@ class Gemma3Model(nn.Module):
         n = cfg.max_position_embeddings
         self.rope_global = RotaryEmbedding(cfg.head_dim, n, cfg.rope_theta, device)
         self.rope_local = RotaryEmbedding(cfg.head_dim, n, cfg.rope_local_theta, device)
-        self.embed_scale = cfg.hidden_size ** 0.5
+        self.embed_scale = cfg.hidden_size**0.5
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
 

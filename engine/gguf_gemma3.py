@@ -12,6 +12,7 @@ Conventions of llama.cpp's Gemma 3 files that we undo or fill in:
 - ``<end_of_turn>`` ends a chat turn, so it is an EOS id next to ``<eos>``.
 Quantized tensors (Q4_K, Q5_0, Q6_K, Q8_0 ...) are dequantized with ``gguf``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,11 +27,19 @@ from engine.gguf_fast_reader import FastGGUF
 Tensors = dict[str, torch.Tensor]
 ARCH = "gemma3"
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
 _DEFAULT_SWA_PATTERN = 6
@@ -85,18 +94,25 @@ def gemma3_config(reader: FastGGUF, path: Path) -> Gemma3Config:
         eos.append(tokens.index(_END_OF_TURN))
     window = int(m("attention.sliding_window"))
     return Gemma3Config(
-        arch=ARCH, vocab_size=len(tokens), hidden_size=hidden,
-        intermediate_size=int(m("feed_forward_length")), num_layers=layers, num_heads=heads,
-        num_kv_heads=int(m("attention.head_count_kv", heads)), head_dim=head_dim,
+        arch=ARCH,
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        intermediate_size=int(m("feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(m("attention.head_count_kv", heads)),
+        head_dim=head_dim,
         rope_theta=f32(m("rope.freq_base", 1_000_000.0)),
         rope_local_theta=f32(m("rope.local_freq_base", 10_000.0)),
         rms_norm_eps=f32(m("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(m("context_length", 32768)),
-        tie_word_embeddings=True, qk_norm=True,
+        tie_word_embeddings=True,
+        qk_norm=True,
         query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
         bos_token_id=reader.meta("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        sliding_window=window, layer_types=_layer_types(m("attention.sliding_window_pattern", None), layers),
+        sliding_window=window,
+        layer_types=_layer_types(m("attention.sliding_window_pattern", None), layers),
         name=str(reader.meta("general.name", path.stem)),
     )
 
@@ -123,12 +139,24 @@ def expected_gemma3_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
     q, kv, hid, ffn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hid), "model.norm.weight": (hid,)}
     per_layer = {
-        "self_attn.q_proj.weight": (q, hid), "self_attn.k_proj.weight": (kv, hid), "self_attn.v_proj.weight": (kv, hid),
-        "self_attn.o_proj.weight": (hid, q), "self_attn.q_norm.weight": (c.head_dim,),
-        "self_attn.k_norm.weight": (c.head_dim,), "mlp.gate_proj.weight": (ffn, hid), "mlp.up_proj.weight": (ffn, hid),
+        "self_attn.q_proj.weight": (q, hid),
+        "self_attn.k_proj.weight": (kv, hid),
+        "self_attn.v_proj.weight": (kv, hid),
+        "self_attn.o_proj.weight": (hid, q),
+        "self_attn.q_norm.weight": (c.head_dim,),
+        "self_attn.k_norm.weight": (c.head_dim,),
+        "mlp.gate_proj.weight": (ffn, hid),
+        "mlp.up_proj.weight": (ffn, hid),
         "mlp.down_proj.weight": (hid, ffn),
-        **{f"{n}.weight": (hid,) for n in ("input_layernorm", "post_attention_layernorm",
-                                           "pre_feedforward_layernorm", "post_feedforward_layernorm")},
+        **{
+            f"{n}.weight": (hid,)
+            for n in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        },
     }
     for i in range(c.num_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})

@@ -11,6 +11,7 @@ SentencePiece). llama.cpp's converter stores user-defined whitespace tokens with
 by the normalizer: ``Tokenizer.encode(..., add_special_tokens=True)`` prepends BOS when the file
 says ``add_bos_token``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -74,15 +75,18 @@ def spm_backend(tokens: list[str], scores: list[float], types: list[int], unk: s
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("GGUF vocabulary has duplicate tokens")
-    bpe = models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk,
-                     fuse_unk=True, byte_fallback=True)
+    bpe = models.BPE(
+        vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk, fuse_unk=True, byte_fallback=True
+    )
     backend = _HFTokenizer(bpe)
     backend.normalizer = normalizers.Replace(" ", "\u2581")
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == _CONTROL])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == _USER_DEFINED])
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    )
     return backend
 
 

@@ -13,6 +13,7 @@ consuming the prefill worker's first token; a retract keeps the ``Request`` and 
 ``allowed_masks(matchers, vocab)`` turns the next-token bitmasks of a batch's constrained rows into
 one bool tensor ``[rows, vocab]`` (True: allowed), for the sampler to apply in one op.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -73,8 +74,11 @@ class GrammarCompiler:
         try:
             self._tokenizer()
         except Exception as e:  # a daemon thread has no caller: log, and let the first request retry
-            log.warning("building the grammar engine's tokenizer failed (%s: %s); the first structured request "
-                        "retries", type(e).__name__, e)
+            log.warning(
+                "building the grammar engine's tokenizer failed (%s: %s); the first structured request retries",
+                type(e).__name__,
+                e,
+            )
             return
         log.info("grammar engine tokenizer built in %.2f s (background, at start)", time.perf_counter() - t0)
 
@@ -100,7 +104,7 @@ def allowed_masks(masks: Sequence[bytes], vocab: int) -> torch.Tensor:
     width = max(len(m) for m in masks)
     raw = np.zeros((len(masks), width), dtype=np.uint8)
     for i, m in enumerate(masks):
-        raw[i, :len(m)] = np.frombuffer(m, dtype=np.uint8)
+        raw[i, : len(m)] = np.frombuffer(m, dtype=np.uint8)
     bits = np.unpackbits(raw, axis=1, bitorder="little")[:, :vocab]
     if bits.shape[1] < vocab:
         bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))

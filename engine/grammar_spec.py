@@ -4,6 +4,7 @@
 error message of an invalid constraint (bad regex, schema, or grammar), or None. Raises
 ``ModuleNotFoundError`` with the install hint when llguidance is missing.
 """
+
 from __future__ import annotations
 
 import json

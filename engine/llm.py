@@ -1,4 +1,5 @@
 """Offline engine: load a model once, generate for a batch of prompts in one process."""
+
 from __future__ import annotations
 
 import logging
@@ -12,11 +13,11 @@ from engine.config import ModelConfig
 from engine.loader import load_for_engine
 from engine.model_paths import resolve_model_path
 from engine.model_runner import ModelRunner
-from transfer.wire.protocol import GenerateRequest, TokenDelta
-from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.tokenizer import Tokenizer
+from transfer.wire.protocol import GenerateRequest, TokenDelta
+from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,12 @@ class GenerationResult:
 class LLM:
     """Model + tokenizer + colocated scheduler. ``generate`` runs prompts as one batch."""
 
-    def __init__(self, engine: EngineConfig | None = None, scheduler: SchedulerConfig | None = None,
-                 loaded: tuple[ModelConfig, dict, Tokenizer] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        loaded: tuple[ModelConfig, dict, Tokenizer] | None = None,
+    ) -> None:
         """``loaded`` = (config, weights, tokenizer) already in memory (tests reuse one load)."""
         self.engine_cfg = engine or EngineConfig()
         self.sched_cfg = scheduler or SchedulerConfig()
@@ -54,15 +59,24 @@ class LLM:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         return self.tokenizer.encode(text, add_special_tokens=not chat)
 
-    def generate_ids(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+    def generate_ids(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
         """Generate for token-id prompts; each result's ``token_ids`` excludes the stop token."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         results = []
         for p, sp, out in zip(prompts, plist, run_batch(self.scheduler, prompts, plist)):
-            results.append(GenerationResult(p, out.token_ids, self.tokenizer.decode(out.token_ids),
-                                            out.finish_reason, out.error,
-                                            out.logprobs if sp.logprobs is not None else None,
-                                            out.stop_token_id))
+            results.append(
+                GenerationResult(
+                    p,
+                    out.token_ids,
+                    self.tokenizer.decode(out.token_ids),
+                    out.finish_reason,
+                    out.error,
+                    out.logprobs if sp.logprobs is not None else None,
+                    out.stop_token_id,
+                )
+            )
         return results
 
     def generate(self, prompts: list[str], params: SamplingParams, chat: bool = False) -> list[GenerationResult]:

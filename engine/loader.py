@@ -4,11 +4,13 @@ Both paths return a :class:`ModelConfig` plus float32 CPU tensors under HuggingF
 names (``model.layers.{i}.self_attn.q_proj.weight`` ...), so the model code only ever sees
 one layout.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,9 +18,16 @@ import torch
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import SUPPORTED_ARCHS, ModelConfig
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
+from engine.swa_config import (
+    SlidingOverrides,
+    SlidingSpec,
+    apply_overrides,
+    check_window_fits_context,
+    gguf_sliding_spec,
+    hf_sliding_spec,
+    unsupported_arch_message,
+)
 from engine.tensor_shapes import expected_tensor_shapes  # noqa: F401 (re-exported)
-from engine.swa_config import (SlidingOverrides, SlidingSpec, apply_overrides, check_window_fits_context,
-                               gguf_sliding_spec, hf_sliding_spec, unsupported_arch_message)
 
 Tensors = dict[str, torch.Tensor]
 
@@ -62,8 +71,10 @@ def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = No
 
     if is_gemma3_gguf(path):
         if overrides is not None and (overrides.sliding_window is not None or overrides.layer_types is not None):
-            raise ValueError("--sliding-window / --layer-types are not supported for gemma3 (its windows come "
-                             "from the GGUF); drop them, or use --swa-pool-tokens 0 to keep every layer in the full pool")
+            raise ValueError(
+                "--sliding-window / --layer-types are not supported for gemma3 (its windows come "
+                "from the GGUF); drop them, or use --swa-pool-tokens 0 to keep every layer in the full pool"
+            )
         return load_gemma3_gguf(path)
     config, tensors = _load_hf_folder(path, overrides) if path.is_dir() else _load_gguf(path, overrides)
     return config, _finalize_tensors(config, tensors)
@@ -154,7 +165,10 @@ def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) 
     sliding = _gguf_sliding(reader, arch, layers, overrides)
     hidden = int(gguf_meta(reader, f"{arch}.embedding_length"))
     heads = int(gguf_meta(reader, f"{arch}.attention.head_count"))
-    eos = [gguf_meta(reader, "tokenizer.ggml.eos_token_id", None), gguf_meta(reader, "tokenizer.ggml.eot_token_id", None)]
+    eos = [
+        gguf_meta(reader, "tokenizer.ggml.eos_token_id", None),
+        gguf_meta(reader, "tokenizer.ggml.eot_token_id", None),
+    ]
     tokens = gguf_meta(reader, "tokenizer.ggml.tokens", None)
     vocab = len(tokens) if tokens else int(gguf_meta(reader, f"{arch}.vocab_size"))
     return ModelConfig(

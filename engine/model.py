@@ -6,6 +6,7 @@ prepared for its device (``engine.cpu_linear``: oneDNN-packed on CPU float32). T
 logits only for each request's last new token (what sampling needs), and for the prompt tokens a
 batch names in ``extra_logit_rows`` (prompt logprobs).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def checkpoint_getter(state: dict[str, torch.Tensor], device, dtype):
     """``get(name)``: tensor ``name`` of ``state`` on ``device`` in ``dtype``; ``ValueError`` if absent."""
+
     def get(name: str) -> torch.Tensor:
         if name not in state:
             raise ValueError(f"checkpoint is missing tensor {name!r}")

@@ -1,4 +1,5 @@
 """Resolve a model spec ("default" or a filesystem path) to a local model location."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """Owns the model, its KV pool and page allocator; turns request slices into forward passes."""
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,10 @@ def resolve_dtype(spec: str, device: torch.device, flags: frozenset[str] | None 
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if spec == "bfloat16" and device.type == "cpu" and has_fast_bf16(flags) is False:
-        log.warning("--dtype bfloat16 on a CPU without AVX512_BF16/AMX: every op would convert to fp32 and run "
-                    "slower than fp32; using float32 instead")
+        log.warning(
+            "--dtype bfloat16 on a CPU without AVX512_BF16/AMX: every op would convert to fp32 and run "
+            "slower than fp32; using float32 instead"
+        )
         return torch.float32
     return _DTYPES[spec]
 
@@ -87,31 +90,49 @@ class ModelRunner:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if cfg.weight_dtype == "int8" and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
-            raise ValueError(f"--weight-dtype int8 runs on CPUs with AVX512-BF16 (this worker runs {self.device.type} "
-                             f"in {str(self.dtype).removeprefix('torch.')}): drop --weight-dtype int8")
+            raise ValueError(
+                f"--weight-dtype int8 runs on CPUs with AVX512-BF16 (this worker runs {self.device.type} "
+                f"in {str(self.dtype).removeprefix('torch.')}): drop --weight-dtype int8"
+            )
         self.page_size = cfg.page_size
-        self.max_model_len = min(cfg.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        self.max_model_len = min(
+            cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
         model_cls = Gemma3Model if model_config.arch == "gemma3" else LlamaModel
         self.model = model_cls(model_config, self.device, self.dtype, int8=cfg.weight_dtype == "int8")
         self.model.load_weights(weights)
         full_pages, swa_pages = self._pool_pages()
-        self.pools = KVPools(full_pages, swa_pages, model_config.layer_types, self.page_size,
-                             model_config.num_kv_heads, model_config.head_dim, self.dtype, self.device)
+        self.pools = KVPools(
+            full_pages,
+            swa_pages,
+            model_config.layer_types,
+            self.page_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.pool = self.pools.full
         self.allocator = PageAllocator(full_pages)
         self.swa_allocator = PageAllocator(swa_pages) if self.pools.swa is not None else None
         self.window = SWAWindow(model_config.sliding_window, self.page_size) if self.swa_allocator else None
-        windows = [model_config.sliding_window if t == "sliding_attention" else None
-                   for t in model_config.layer_types]
-        self.backend = make_backend(cfg.attention_backend, self.pools, model_config.num_heads,
-                                    _attention_scale(model_config), windows)
+        windows = [model_config.sliding_window if t == "sliding_attention" else None for t in model_config.layer_types]
+        self.backend = make_backend(
+            cfg.attention_backend, self.pools, model_config.num_heads, _attention_scale(model_config), windows
+        )
         log.info("attention backend: %s", type(self.backend).__name__)
-        self.grammar = GrammarCompiler(lambda: Tokenizer.from_path(resolve_model_path(cfg.model)).backend_json(),
-                                       model_config.vocab_size, model_config.eos_token_ids)
-        log.info("KV pool: %d pages x %d tokens%s (%.1f MiB)", full_pages, self.page_size,
-                 f" + SWA pool {swa_pages} pages (window {model_config.sliding_window})" if self.window else "",
-                 self.pools.nbytes / 2**20)
+        self.grammar = GrammarCompiler(
+            lambda: Tokenizer.from_path(resolve_model_path(cfg.model)).backend_json(),
+            model_config.vocab_size,
+            model_config.eos_token_ids,
+        )
+        log.info(
+            "KV pool: %d pages x %d tokens%s (%.1f MiB)",
+            full_pages,
+            self.page_size,
+            f" + SWA pool {swa_pages} pages (window {model_config.sliding_window})" if self.window else "",
+            self.pools.nbytes / 2**20,
+        )
 
     def _pool_pages(self) -> tuple[int, int]:
         """(full pages, SWA pages); the SWA pool exists for sliding layers unless sized 0."""
@@ -133,9 +154,11 @@ class ModelRunner:
         swa_pages = (cfg.swa_pool_tokens or int(cfg.swa_pool_ratio * full_pages * P)) // P
         need = SWAWindow(mc.sliding_window, P).max_pages()
         if swa_pages < need:
-            raise ValueError(f"the SWA pool ({swa_pages} pages of {P} tokens) cannot hold one request's sliding window "
-                             f"({need} pages): raise --swa-pool-ratio or --swa-pool-tokens (0 keeps every layer in "
-                             f"the full pool)")
+            raise ValueError(
+                f"the SWA pool ({swa_pages} pages of {P} tokens) cannot hold one request's sliding window "
+                f"({need} pages): raise --swa-pool-ratio or --swa-pool-tokens (0 keeps every layer in "
+                f"the full pool)"
+            )
         return full_pages, swa_pages
 
     def warm_up_threads(self, counts) -> None:
@@ -179,8 +202,10 @@ class ModelRunner:
         key): the pools' layout (``KVPools.layout_descriptor``) plus the matmul weights that computed
         the KV ("int8" or the dtype): a decode worker continuing int8-computed KV with bfloat16
         weights would produce neither model's tokens, silently."""
-        return {**self.pools.layout_descriptor(),
-                "weights": "int8" if self.cfg.weight_dtype == "int8" else str(self.dtype).removeprefix("torch.")}
+        return {
+            **self.pools.layout_descriptor(),
+            "weights": "int8" if self.cfg.weight_dtype == "int8" else str(self.dtype).removeprefix("torch."),
+        }
 
     @property
     def capacity_tokens(self) -> int:
@@ -201,8 +226,9 @@ class ModelRunner:
     def build_batch(self, mode: ForwardMode, seqs: list[SeqChunk], num_decode: int = 0) -> ForwardBatch:
         """The step's ``ForwardBatch``; MIXED: the first ``num_decode`` seqs are one-token decode rows."""
         P = self.page_size
-        if mode is ForwardMode.MIXED and not (0 < num_decode < len(seqs)
-                                              and all(len(s.token_ids) == 1 for s in seqs[:num_decode])):
+        if mode is ForwardMode.MIXED and not (
+            0 < num_decode < len(seqs) and all(len(s.token_ids) == 1 for s in seqs[:num_decode])
+        ):
             raise ValueError(f"a mixed step needs 1..{len(seqs) - 1} one-token decode rows first, got {num_decode}")
         ext = [len(s.token_ids) for s in seqs]
         seq_lens = [s.prefix_len + e for s, e in zip(seqs, ext)]
@@ -212,9 +238,16 @@ class ModelRunner:
         dev = self.device
         as_t = lambda a: torch.as_tensor(a, dtype=torch.int64).to(dev)  # noqa: E731
         batch = ForwardBatch(
-            mode=mode, input_ids=as_t(ids), positions=as_t(pos),
-            out_slots=as_t(slots), seq_lens=as_t(seq_lens), extend_lens=as_t(ext),
-            block_table=as_t(table), seq_lens_cpu=seq_lens, extend_lens_cpu=ext, page_size=P,
+            mode=mode,
+            input_ids=as_t(ids),
+            positions=as_t(pos),
+            out_slots=as_t(slots),
+            seq_lens=as_t(seq_lens),
+            extend_lens=as_t(ext),
+            block_table=as_t(table),
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=ext,
+            page_size=P,
             num_decode=num_decode if mode is ForwardMode.MIXED else 0,
         )
         if any(s.logit_rows for s in seqs):

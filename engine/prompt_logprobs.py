@@ -7,6 +7,7 @@ distribution (fp32 ``log_softmax`` of the unprocessed logits), rank 1 for the mo
 A request's entries accumulate in ``Request.prompt_logprobs`` (``None`` first: the first token has
 no context) and go out with its first token.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,5 +55,5 @@ def record(req: Request, start: int, logits: torch.Tensor) -> None:
     if req.prompt_logprobs is None:
         req.prompt_logprobs = [None]
     n = logits.shape[0]
-    targets = req.prompt_ids[start + 1:start + 1 + n]
+    targets = req.prompt_ids[start + 1 : start + 1 + n]
     req.prompt_logprobs.extend(score(logits, targets, req.params.prompt_logprobs))

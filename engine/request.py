@@ -9,6 +9,7 @@
 
 Any phase can go to FINISHED (abort, failure); only schedulers move requests between phases.
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,12 +26,12 @@ from transfer.wire.sampling_params import SamplingParams
 class Phase(enum.StrEnum):
     """Where a request is in its worker's lifecycle (module docstring)."""
 
-    WAITING = "waiting"        # queued for (re-)prefill
+    WAITING = "waiting"  # queued for (re-)prefill
     PREFILLING = "prefilling"  # admitted; part of its prompt may be computed (chunked prefill)
-    PREALLOC = "prealloc"      # decode worker: waiting for pages before it asks for the KV
-    TRANSFER = "transfer"      # KV moving between workers (prefill: until shipped; decode: until landed)
-    RUNNING = "running"        # in the decode batch
-    RETRACTED = "retracted"    # decode worker: KV parked in the host pool, waiting to resume
+    PREALLOC = "prealloc"  # decode worker: waiting for pages before it asks for the KV
+    TRANSFER = "transfer"  # KV moving between workers (prefill: until shipped; decode: until landed)
+    RUNNING = "running"  # in the decode batch
+    RETRACTED = "retracted"  # decode worker: KV parked in the host pool, waiting to resume
     FINISHED = "finished"
 
 
@@ -38,8 +39,8 @@ class Release(enum.StrEnum):
     """How a retract victim's device pages were released (``RunningBatch.decode_step``'s
     ``release_victim`` returns it for the log line)."""
 
-    DROP = "drop"            # colocated: KV freed, the request is prefilled again
-    OFFLOAD = "offload"      # decode worker: KV copied to the host pool, resumed later
+    DROP = "drop"  # colocated: KV freed, the request is prefilled again
+    OFFLOAD = "offload"  # decode worker: KV copied to the host pool, resumed later
     RECOMPUTE = "recompute"  # decode worker: KV freed, a prefill worker computes it again
 
 

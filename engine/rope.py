@@ -1,4 +1,5 @@
 """Rotary position embedding (HF rotate_half convention; GGUF Q/K rows are de-interleaved at load)."""
+
 from __future__ import annotations
 
 import torch

@@ -18,6 +18,7 @@ Pipeline applied by :meth:`Sampler.sample` to each row of last-position logits (
 Log-probabilities follow vLLM's convention: they are taken from the *raw* model distribution
 (``log_softmax`` of the unprocessed logits in float32), not from the penalised / tempered one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -75,7 +76,7 @@ class SamplerState:
         vocab_size: int,
         prompt_ids: Sequence[int] | torch.Tensor = (),
         device: torch.device | str | None = None,
-    ) -> "SamplerState":
+    ) -> SamplerState:
         """Fresh state for a request with ``params`` over a vocabulary of ``vocab_size`` ids.
 
         ``prompt_ids`` seed the repetition-penalty set (ignored when that penalty is off).
@@ -97,9 +98,7 @@ class SamplerState:
             if ids.numel():
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= vocab_size:
-                    raise ValueError(
-                        f"prompt ids must be in [0, {vocab_size}), got min {lo} max {hi}"
-                    )
+                    raise ValueError(f"prompt ids must be in [0, {vocab_size}), got min {lo} max {hi}")
                 seen[ids.to(device)] = True
         return cls(vocab_size=vocab_size, seed=params.seed, generator=generator, output_counts=counts, seen_mask=seen)
 
@@ -185,9 +184,7 @@ class Sampler:
             raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
         B = logits.shape[0]
         if len(params) != B or len(states) != B:
-            raise ValueError(
-                f"batch size mismatch: logits has {B} rows, {len(params)} params, {len(states)} states"
-            )
+            raise ValueError(f"batch size mismatch: logits has {B} rows, {len(params)} params, {len(states)} states")
         if B == 0:
             return SampleOutput([], [], [])
 
@@ -247,8 +244,9 @@ class Sampler:
             idx = torch.tensor(rep_rows, device=device)
             sub = x.index_select(0, idx)
             seen = torch.stack([states[i].seen_mask for i in rep_rows])
-            pen = torch.tensor([params[i].repetition_penalty for i in rep_rows],
-                               dtype=torch.float32, device=device).unsqueeze(1)
+            pen = torch.tensor(
+                [params[i].repetition_penalty for i in rep_rows], dtype=torch.float32, device=device
+            ).unsqueeze(1)
             penalised = torch.where(sub < 0, sub * pen, sub / pen)
             x.index_copy_(0, idx, torch.where(seen, penalised, sub))
 
@@ -256,10 +254,12 @@ class Sampler:
             idx = torch.tensor(cnt_rows, device=device)
             sub = x.index_select(0, idx)
             counts = torch.stack([states[i].output_counts for i in cnt_rows]).to(torch.float32)
-            freq = torch.tensor([params[i].frequency_penalty for i in cnt_rows],
-                                dtype=torch.float32, device=device).unsqueeze(1)
-            pres = torch.tensor([params[i].presence_penalty for i in cnt_rows],
-                                dtype=torch.float32, device=device).unsqueeze(1)
+            freq = torch.tensor(
+                [params[i].frequency_penalty for i in cnt_rows], dtype=torch.float32, device=device
+            ).unsqueeze(1)
+            pres = torch.tensor(
+                [params[i].presence_penalty for i in cnt_rows], dtype=torch.float32, device=device
+            ).unsqueeze(1)
             sub = sub - freq * counts - pres * (counts > 0).to(torch.float32)
             x.index_copy_(0, idx, sub)
 
@@ -350,8 +350,7 @@ class Sampler:
             if g.device == device:
                 noise[j].exponential_(generator=g)
             else:
-                noise[j] = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(
-                    generator=g).to(device)
+                noise[j] = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(generator=g).to(device)
         noise.clamp_min_(torch.finfo(torch.float32).tiny)
         return row_argmax(probs / noise)
 

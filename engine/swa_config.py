@@ -5,10 +5,12 @@ GGUF metadata, following llama.cpp), the experiment overrides (``--sliding-windo
 ``--layer-types``) and the start-up checks that need the model. A window ``W`` always means what
 transformers means: the query at position ``i`` attends to keys ``i-W+1 .. i`` (``W`` keys).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from configs.sliding_window import FULL, SLIDING, parse_layer_types
 
@@ -17,8 +19,21 @@ _HF_DEFAULT_WINDOW = 4096
 _HF_DEFAULT_MAX_WINDOW_LAYERS = 28
 _LEGACY_KINDS = {"attention": FULL}  # transformers' remap_legacy_layer_types
 # HF model types with sliding-window (or other local) attention that pdserve does not implement.
-UNSUPPORTED_SLIDING_ARCHS = ("gemma2", "gemma3", "gemma3_text", "cohere2", "phi3", "starcoder2", "mixtral",
-                             "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo3", "exaone4", "mistral3")
+UNSUPPORTED_SLIDING_ARCHS = (
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "cohere2",
+    "phi3",
+    "starcoder2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "olmo3",
+    "exaone4",
+    "mistral3",
+)
 
 
 @dataclass(frozen=True)
@@ -48,11 +63,15 @@ def _config_kinds(raw: Sequence[Any], num_layers: int) -> tuple[str, ...]:
     kinds = tuple(_LEGACY_KINDS.get(str(k), str(k)) for k in raw)
     bad = sorted({k for k in kinds if k not in (FULL, SLIDING)})
     if bad:
-        raise ValueError(f"config.json layer_types has {', '.join(map(repr, bad))}: pdserve implements only "
-                         f"{FULL!r} and {SLIDING!r} layers; override them with --layer-types or choose another --model")
+        raise ValueError(
+            f"config.json layer_types has {', '.join(map(repr, bad))}: pdserve implements only "
+            f"{FULL!r} and {SLIDING!r} layers; override them with --layer-types or choose another --model"
+        )
     if len(kinds) != num_layers:
-        raise ValueError(f"config.json layer_types has {len(kinds)} entries for {num_layers} layers: "
-                         f"override them with --layer-types")
+        raise ValueError(
+            f"config.json layer_types has {len(kinds)} entries for {num_layers} layers: "
+            f"override them with --layer-types"
+        )
     return kinds
 
 
@@ -107,8 +126,10 @@ def gguf_sliding_spec(window: int | None, pattern: int | Sequence[bool] | None, 
         return SlidingSpec(int(window), tuple(SLIDING if n == 0 or i % n < n - 1 else FULL for i in range(num_layers)))
     flags = [bool(x) for x in pattern]
     if len(flags) != num_layers:
-        raise ValueError(f"GGUF sliding_window_pattern has {len(flags)} entries for {num_layers} layers: "
-                         f"override it with --layer-types")
+        raise ValueError(
+            f"GGUF sliding_window_pattern has {len(flags)} entries for {num_layers} layers: "
+            f"override it with --layer-types"
+        )
     return SlidingSpec(int(window), tuple(SLIDING if f else FULL for f in flags))
 
 
@@ -137,9 +158,11 @@ def finalize(spec: SlidingSpec) -> SlidingSpec:
     if not sliding:
         return SlidingSpec(None, spec.layer_types)
     if spec.window is None:
-        raise ValueError(f"layers {sliding[:8]}{'...' if len(sliding) > 8 else ''} use sliding-window attention "
-                         f"but the model gives no window: set --sliding-window W (or make them full with "
-                         f"--layer-types)")
+        raise ValueError(
+            f"layers {sliding[:8]}{'...' if len(sliding) > 8 else ''} use sliding-window attention "
+            f"but the model gives no window: set --sliding-window W (or make them full with "
+            f"--layer-types)"
+        )
     if int(spec.window) < 1:
         raise ValueError(f"sliding window must be >= 1, got {spec.window}: set --sliding-window")
     return SlidingSpec(int(spec.window), spec.layer_types)
@@ -155,16 +178,19 @@ def check_window_fits_context(window: int | None, max_model_len: int | None, max
         return
     context = min(max_model_len or max_position_embeddings, max_position_embeddings)
     if window > context:
-        raise ValueError(f"sliding window {window} is larger than the context length {context} (--max-model-len, at "
-                         f"most the model's {max_position_embeddings}): set --sliding-window to at most {context}"
-                         + (f" or raise --max-model-len to at least {window}" if window <= max_position_embeddings
-                            else ""))
+        raise ValueError(
+            f"sliding window {window} is larger than the context length {context} (--max-model-len, at "
+            f"most the model's {max_position_embeddings}): set --sliding-window to at most {context}"
+            + (f" or raise --max-model-len to at least {window}" if window <= max_position_embeddings else "")
+        )
 
 
 def unsupported_arch_message(arch: str, supported: Sequence[str]) -> str:
     """The error for a model type pdserve cannot run, naming ``--model`` for one with sliding windows."""
     base = f"unsupported architecture {arch!r}; supported: {', '.join(supported)}"
     if arch in UNSUPPORTED_SLIDING_ARCHS:
-        return (base + f". Model type {arch!r} uses sliding-window attention that pdserve does not implement "
-                       f"(sliding windows are supported for ministral, mistral, qwen2, qwen3): choose another --model")
+        return (
+            base + f". Model type {arch!r} uses sliding-window attention that pdserve does not implement "
+            f"(sliding windows are supported for ministral, mistral, qwen2, qwen3): choose another --model"
+        )
     return base

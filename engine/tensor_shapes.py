@@ -1,4 +1,5 @@
 """The tensor names and shapes a Llama-family model needs (checked by the loaders)."""
+
 from __future__ import annotations
 
 from engine.config import ModelConfig
@@ -15,21 +16,27 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q_out, c.hidden_size),
-            p + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
-            p + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, q_out),
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q_out, c.hidden_size),
+                p + "self_attn.k_proj.weight": (kv_out, c.hidden_size),
+                p + "self_attn.v_proj.weight": (kv_out, c.hidden_size),
+                p + "self_attn.o_proj.weight": (c.hidden_size, q_out),
+                p + "input_layernorm.weight": (c.hidden_size,),
+                p + "post_attention_layernorm.weight": (c.hidden_size,),
+                p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+                p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            }
+        )
         if c.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
-                           p + "self_attn.v_proj.bias": (kv_out,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q_out,),
+                    p + "self_attn.k_proj.bias": (kv_out,),
+                    p + "self_attn.v_proj.bias": (kv_out,),
+                }
+            )
         if c.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,),
-                           p + "self_attn.k_norm.weight": (c.head_dim,)})
+            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
     return shapes

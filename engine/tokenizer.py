@@ -4,11 +4,13 @@ GGUF files carry a byte-level BPE vocabulary (``tokenizer.ggml.*`` metadata). We
 with the ``tokenizers`` library using llama.cpp's pre-tokenizer for the file's
 ``tokenizer.ggml.pre`` type, so ids match llama.cpp's tokenization.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
@@ -18,8 +20,10 @@ _SUPPORTED_GGUF_MODELS = ("gpt2",)
 # llama.cpp pre-tokenizer types that isolate each \p{N} before GPT-2's regex.
 _DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_QWEN2_LLAMA3_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{DIGITS}"
-                       r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_LLAMA3_REGEX = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{DIGITS}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # pre type -> full-split regex applied before a regex-less ByteLevel.
 _REGEX_PRES = {
     "qwen2": _QWEN2_LLAMA3_REGEX.replace("{DIGITS}", ""),
@@ -35,8 +39,15 @@ class Tokenizer:
     ``vocab_size`` (int, including added/special tokens), ``chat_template`` (str | None).
     """
 
-    def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Iterable[int],
-                 chat_template: str | None = None, add_bos: bool = False) -> None:
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        chat_template: str | None = None,
+        add_bos: bool = False,
+    ) -> None:
         """Wrap a ``tokenizers.Tokenizer``; prefer :meth:`from_path`."""
         self._tok = backend
         self.bos_token_id = bos_token_id
@@ -51,7 +62,7 @@ class Tokenizer:
         return self._tok.to_str()
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "Tokenizer":
+    def from_path(cls, path: str | Path) -> Tokenizer:
         """Build from a ``.gguf`` file or a HF folder (``tokenizer.json`` + configs).
 
         Raises ``FileNotFoundError`` naming a missing path/file and ``ValueError`` for an
@@ -90,15 +101,19 @@ class Tokenizer:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(folder / "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self.chat_template,
-                  "bos_token": self._token_text(self.bos_token_id) or None,
-                  "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None) or None,
-                  "add_bos_token": self.add_bos}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": self.chat_template,
+            "bos_token": self._token_text(self.bos_token_id) or None,
+            "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None) or None,
+            "add_bos_token": self.add_bos,
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
         return folder
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            extra: dict[str, Any] | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, extra: dict[str, Any] | None = None
+    ) -> str:
         """Render ``messages`` (``{"role", "content"}`` dicts) with the model's Jinja chat
         template in a sandbox; ``extra`` adds template variables (e.g. ``documents``), never
         replacing the ones set here. Raises ``ValueError`` if the model has no template or the
@@ -106,11 +121,15 @@ class Tokenizer:
         from jinja2.exceptions import TemplateError
 
         try:
-            return self._compiled_template().render({
-                **(extra or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "bos_token": self._token_text(self.bos_token_id),
-                "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
-            })
+            return self._compiled_template().render(
+                {
+                    **(extra or {}),
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                    "bos_token": self._token_text(self.bos_token_id),
+                    "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+                }
+            )
         except TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
 
@@ -147,20 +166,20 @@ class IncrementalDetokenizer:
     def feed(self, ids: Iterable[int]) -> str:
         """Append ``ids``; return the text they completed ('' if still incomplete)."""
         self.ids.extend(int(i) for i in ids)
-        text = self._tok.decode(self.ids[self._prefix:], self._skip)
+        text = self._tok.decode(self.ids[self._prefix :], self._skip)
         if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
             return ""
         return self._advance(text)
 
     def flush(self) -> str:
         """Return all not yet emitted text, incomplete sequences included (end of stream)."""
-        text = self._tok.decode(self.ids[self._prefix:], self._skip)
+        text = self._tok.decode(self.ids[self._prefix :], self._skip)
         return self._advance(text)
 
     def _advance(self, text: str) -> str:
         """Emit ``text`` past the known prefix and slide the window to the current end."""
-        new = text[len(self._prefix_text):]
-        self._prefix_text = self._tok.decode(self.ids[self._read:], self._skip)
+        new = text[len(self._prefix_text) :]
+        self._prefix_text = self._tok.decode(self.ids[self._read :], self._skip)
         self._prefix, self._read = self._read, len(self.ids)
         return new
 
@@ -205,22 +224,23 @@ def _gguf_backend(tokens: list[str], merges: list[str], types: list[int], pre: s
     """Byte-level BPE ``tokenizers.Tokenizer`` from GGUF vocab metadata."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                     ignore_merges=pre == "llama-bpe")
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=pre == "llama-bpe")
     backend = _HFTokenizer(bpe)
     backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == _GGUF_CONTROL])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == _GGUF_USER_DEFINED])
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _GGUF_CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _GGUF_USER_DEFINED]
+    )
     return backend
 
 
 def _from_gguf(path: Path) -> Tokenizer:
     """Tokenizer from GGUF ``tokenizer.ggml.*`` / ``tokenizer.chat_template`` metadata."""
-    from engine.gguf_spm_tokenizer import spm_tokenizer_from_gguf  # SentencePiece-style (Gemma)
     from engine.gguf_common import gguf_meta, open_gguf
+    from engine.gguf_spm_tokenizer import spm_tokenizer_from_gguf  # SentencePiece-style (Gemma)
 
     reader = open_gguf(path)  # parsed once for both vocabulary kinds
     if (spm := spm_tokenizer_from_gguf(reader)) is not None:
@@ -231,8 +251,9 @@ def _from_gguf(path: Path) -> Tokenizer:
         raise ValueError(f"unsupported GGUF tokenizer model {model!r} in {path}; supported: {_SUPPORTED_GGUF_MODELS}")
     tokens = gguf_meta(reader, "tokenizer.ggml.tokens")
     types = gguf_meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    backend = _gguf_backend(tokens, gguf_meta(reader, "tokenizer.ggml.merges"), types,
-                            gguf_meta(reader, "tokenizer.ggml.pre", "default"))
+    backend = _gguf_backend(
+        tokens, gguf_meta(reader, "tokenizer.ggml.merges"), types, gguf_meta(reader, "tokenizer.ggml.pre", "default")
+    )
     eos = [gguf_meta(reader, k, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return Tokenizer(
         backend,

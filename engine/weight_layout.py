@@ -1,5 +1,6 @@
 """Weight layouts of the CPU matmul kernels (``engine/kernels/cpu_gemm_pairs.c``) and weight-only int8
 rows: pure tensor reshapes and the quantizer, no dispatch (that is ``engine.cpu_linear``'s)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ after ``GRACE_S`` (``expired``): the prompt takes the direct path, so one that i
 its destination is lost, not late, and the decode side must get its pages back soon. A destination for a request this worker already
 ended is refused at once (``gone``): it remembers the last ``keep`` ended rooms and why.
 """
+
 from __future__ import annotations
 
 import time

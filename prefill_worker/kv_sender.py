@@ -1,4 +1,5 @@
 """Prefill side of the KV data plane: decode peers (after a handshake) and in-flight writes."""
+
 from __future__ import annotations
 
 import base64
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Peer:
-    conn: Conn         # the decode worker's connection to our control socket
+    conn: Conn  # the decode worker's connection to our control socket
     transport_name: str
     geometry: PoolGeometry  # where its pools sit in its unit rows
 
@@ -61,19 +62,24 @@ class KVSender:
         self._warmups: list[Future] = []  # of ``WARMUP_NOTIF`` writes, released once they ended
         self.writer = KVWriter(transport) if threaded else None
 
-    def accept_peer(self, conn: Conn, hs: KVHandshake, model: str, layout: dict, cluster_id: str = "",
-                    worker_id: str = "") -> str | None:
+    def accept_peer(
+        self, conn: Conn, hs: KVHandshake, model: str, layout: dict, cluster_id: str = "", worker_id: str = ""
+    ) -> str | None:
         """Validate a decode worker's handshake (same cluster, model, KV layout, transport);
         register its pool and set the connection up (``_warm``). Returns an error or None."""
         if hs.cluster_id != cluster_id:
-            return (f"cluster mismatch: decode worker {hs.worker_id} belongs to cluster {hs.cluster_id!r}, this "
-                    f"prefill worker {worker_id} to {cluster_id!r}: the decode worker reached another deployment's "
-                    f"worker (check --base-port / --cluster-id)")
+            return (
+                f"cluster mismatch: decode worker {hs.worker_id} belongs to cluster {hs.cluster_id!r}, this "
+                f"prefill worker {worker_id} to {cluster_id!r}: the decode worker reached another deployment's "
+                f"worker (check --base-port / --cluster-id)"
+            )
         if hs.model != model:
             return f"model mismatch: decode worker serves {hs.model!r}, prefill worker serves {model!r}"
         for key in sorted(set(layout) | set(hs.layout)):
             if layout.get(key) != hs.layout.get(key):
-                return f"KV layout mismatch on {key}: decode has {hs.layout.get(key)!r}, prefill has {layout.get(key)!r}"
+                return (
+                    f"KV layout mismatch on {key}: decode has {hs.layout.get(key)!r}, prefill has {layout.get(key)!r}"
+                )
         if hs.transport != self.transport.backend:
             return f"transport mismatch: decode uses {hs.transport}, prefill uses {self.transport.backend}"
         try:

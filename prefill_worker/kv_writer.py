@@ -1,4 +1,5 @@
 """The KV writing thread: posts every write waiting for it before it polls any it posted."""
+
 from __future__ import annotations
 
 import queue

@@ -26,6 +26,7 @@ radix cache for later prefix hits. A failure is reported to
 the decode worker (``PrefillFailed``: nothing was or will be written to its pages) and, for the
 router's own requests (generation 0), to the router as an abort delta.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,9 +49,20 @@ from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.outbox import Conn, Outbox
-from transfer.wire.protocol import (GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck, KVWriteStarted,
-                                    Message, PrefillFailed, PrefillRequest, PrefillWithdrawn, TokenDelta,
-                                    TransferManifest, frame_ids)
+from transfer.wire.protocol import (
+    GenerateRequest,
+    KVDestination,
+    KVHandshake,
+    KVHandshakeAck,
+    KVWriteStarted,
+    Message,
+    PrefillFailed,
+    PrefillRequest,
+    PrefillWithdrawn,
+    TokenDelta,
+    TransferManifest,
+    frame_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +90,9 @@ class PrefillJob:
 class PrefillScheduler(WorkerScheduler):
     role = Role.PREFILL
 
-    def __init__(self, runner: ModelRunner, cfg: PdserveConfig, sender: KVSender, model_name: str,
-                 worker_id: str) -> None:
+    def __init__(
+        self, runner: ModelRunner, cfg: PdserveConfig, sender: KVSender, model_name: str, worker_id: str
+    ) -> None:
         super().__init__(runner, runner.make_kv_manager(cfg.scheduler.enable_radix_cache))
         self.cfg = cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.for_device(runner.device.type)})
         self.worker_id = worker_id
@@ -100,20 +113,28 @@ class PrefillScheduler(WorkerScheduler):
 
     # ---- messages ---------------------------------------------------------------------------
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
-        raise RequestRejected("a prefill worker takes PrefillRequest (PD mode); send GenerateRequest to a decode "
-                              "or colocated worker")
+        raise RequestRejected(
+            "a prefill worker takes PrefillRequest (PD mode); send GenerateRequest to a decode or colocated worker"
+        )
 
     def handle(self, source: Conn, msg: Message, frames: list[bytes]) -> Outbox | None:
         if isinstance(msg, PrefillRequest):
             return self._on_prefill(source, msg, frame_ids(frames[0]))
         if isinstance(msg, KVDestination):
-            return self._on_destination(source, msg, np.frombuffer(frames[0], dtype="<i4").copy(),
-                                        np.frombuffer(frames[1], dtype="<i4").copy())
+            return self._on_destination(
+                source, msg, np.frombuffer(frames[0], dtype="<i4").copy(), np.frombuffer(frames[1], dtype="<i4").copy()
+            )
         if isinstance(msg, PrefillWithdrawn):
             return self._withdraw(msg)
         if isinstance(msg, KVHandshake):
-            error = self.sender.accept_peer(source, msg, self.model_name, self.runner.kv_descriptor(),
-                                            self.cfg.cluster.cluster_id or "", self.worker_id)
+            error = self.sender.accept_peer(
+                source,
+                msg,
+                self.model_name,
+                self.runner.kv_descriptor(),
+                self.cfg.cluster.cluster_id or "",
+                self.worker_id,
+            )
             return _reply(source, KVHandshakeAck(ok=error is None, worker_id=self.worker_id, error=error))
         return None
 
@@ -123,13 +144,17 @@ class PrefillScheduler(WorkerScheduler):
             return Outbox()  # its decode worker prefills it itself and said so first
         if (msg.room, msg.generation) in self.jobs:
             out = Outbox()
-            out.token(source.ident, TokenDelta.failed(msg.rid, f"duplicate room {msg.room} generation "
-                                                                f"{msg.generation}", 400))
+            out.token(
+                source.ident, TokenDelta.failed(msg.rid, f"duplicate room {msg.room} generation {msg.generation}", 400)
+            )
             return out
         # a recompute (generation > 0) only rebuilds KV: its sampled token is not used, so neither
         # prompt logprobs nor the grammar (which the decode worker keeps) are needed
-        params = msg.params if msg.generation == 0 else msg.params.model_copy(update={"prompt_logprobs": None,
-                                                                                       "structured": None})
+        params = (
+            msg.params
+            if msg.generation == 0
+            else msg.params.model_copy(update={"prompt_logprobs": None, "structured": None})
+        )
         try:
             state = sampler_state(self.runner, params, ids)
         except RequestRejected as e:
@@ -137,7 +162,7 @@ class PrefillScheduler(WorkerScheduler):
             out.token(source.ident, TokenDelta.failed(msg.rid, str(e), 400))
             return out
         req = Request(msg.rid, ids, params, state, owner=source.ident)
-        cached = self.kv.tree.match_prefix(ids[:len(ids) - 1]).num_tokens if self.kv.tree is not None else 0
+        cached = self.kv.tree.match_prefix(ids[: len(ids) - 1]).num_tokens if self.kv.tree is not None else 0
         job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic(), uncached=len(ids) - cached)
         try:
             self.counting_rejections(lambda: self._check_fits(len(ids)))
@@ -181,20 +206,33 @@ class PrefillScheduler(WorkerScheduler):
             self.bootstrap.park(key, EarlyDestination(source, msg, (pages, swa)))  # came before its PrefillRequest
             return Outbox()
         if job is None:  # it ended here: tell the decode side nothing will come
-            return _reply(source, PrefillFailed(rid=msg.rid, room=msg.room, generation=msg.generation,
-                                                error=f"prefill worker has no such request any more ({why})"))
+            return _reply(
+                source,
+                PrefillFailed(
+                    rid=msg.rid,
+                    room=msg.room,
+                    generation=msg.generation,
+                    error=f"prefill worker has no such request any more ({why})",
+                ),
+            )
         job.dest_conn = source
         if msg.n_tokens != len(job.req.prompt_ids) or msg.decode_prefix_len % self.runner.page_size:
-            return self.finish(job, Outcome.abort(f"destination mismatch: decode expects {msg.n_tokens} tokens from "
-                                                  f"{msg.decode_prefix_len}, prefill has {len(job.req.prompt_ids)}",
-                                                  500))
+            return self.finish(
+                job,
+                Outcome.abort(
+                    f"destination mismatch: decode expects {msg.n_tokens} tokens from "
+                    f"{msg.decode_prefix_len}, prefill has {len(job.req.prompt_ids)}",
+                    500,
+                ),
+            )
         job.dest, job.dest_pages, job.dest_swa = msg, pages, swa
         job.req.mark("destination")
         if job.req in self.bootstrapping:  # its decode pages are reserved: it may be prefilled now
             self.bootstrapping.remove(job.req)
             self.waiting.append(job.req)
-        log.debug("destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages),
-                  msg.decode_prefix_len)
+        log.debug(
+            "destination for %s room %d: %d pages from token %d", msg.rid, msg.room, len(pages), msg.decode_prefix_len
+        )
         return Outbox()  # prefilled by a later step, whose KV write starts in that step
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
@@ -237,11 +275,17 @@ class PrefillScheduler(WorkerScheduler):
     def _manifest(self, job: PrefillJob, delta: TokenDelta) -> TransferManifest:
         req = job.req
         lp = req.params.logprobs is not None
-        return TransferManifest(rid=req.rid, room=job.room, generation=job.generation, n_tokens=req.kv_len,
-                                n_pages=0, first_token=req.output_ids[-1],
-                                first_logprob=(delta.logprobs or [delta.stop_logprob])[0] if lp else None,
-                                first_top_logprobs=(delta.top_logprobs or [delta.stop_top_logprobs])[0] if lp else None,
-                                prompt_logprobs=delta.prompt_logprobs)
+        return TransferManifest(
+            rid=req.rid,
+            room=job.room,
+            generation=job.generation,
+            n_tokens=req.kv_len,
+            n_pages=0,
+            first_token=req.output_ids[-1],
+            first_logprob=(delta.logprobs or [delta.stop_logprob])[0] if lp else None,
+            first_top_logprobs=(delta.top_logprobs or [delta.stop_top_logprobs])[0] if lp else None,
+            prompt_logprobs=delta.prompt_logprobs,
+        )
 
     def _start_transfers(self) -> Outbox:
         out = Outbox()
@@ -249,8 +293,9 @@ class PrefillScheduler(WorkerScheduler):
             first, last = job.dest.decode_prefix_len // self.kv.page_size, self.kv.pages_for(job.req.kv_len)
             full = np.asarray(job.req.kv.pages[first:last], dtype=np.int32)
             swa_src, swa_dst, missing = self._swa_pairs(job, first, last)
-            manifest = job.manifest.model_copy(update={"n_pages": len(full), "swa_pages": len(swa_src),
-                                                       "swa_missing": missing}).sealed()
+            manifest = job.manifest.model_copy(
+                update={"n_pages": len(full), "swa_pages": len(swa_src), "swa_missing": missing}
+            ).sealed()
             job.writing = True
             job.req.mark("write_start")
             log.debug("transfer %s room %d: %d pages + %d SWA pages", job.req.rid, job.room, len(full), len(swa_src))
@@ -304,8 +349,15 @@ class PrefillScheduler(WorkerScheduler):
         for job in [j for j in self.jobs.values() if j.dest is None and j.created < time.monotonic() - timeout]:
             out.extend(self.finish(job, Outcome.abort(f"decode worker did not ask for the KV within {timeout}s", 504)))
         for d in self.bootstrap.expired():
-            out.send(d.source, PrefillFailed(rid=d.msg.rid, room=d.msg.room, generation=d.msg.generation,
-                                             error="prefill worker has no such request (its prompt never came)"))
+            out.send(
+                d.source,
+                PrefillFailed(
+                    rid=d.msg.rid,
+                    room=d.msg.room,
+                    generation=d.msg.generation,
+                    error="prefill worker has no such request (its prompt never came)",
+                ),
+            )
         return out
 
     # ---- the one ending -----------------------------------------------------------------------
@@ -326,7 +378,7 @@ class PrefillScheduler(WorkerScheduler):
         req.finish(outcome.reason)
         self.timeline.done(req)
         if outcome.completed:
-            self.kv.free_into_cache(req.kv, req.all_ids[:req.kv_len])
+            self.kv.free_into_cache(req.kv, req.all_ids[: req.kv_len])
             return out
         self.kv.free(req.kv)
         log.warning("prefill %s room %d failed: %s", req.rid, job.room, outcome.error)
@@ -334,8 +386,16 @@ class PrefillScheduler(WorkerScheduler):
             out.token(req.owner, outcome.delta(req.rid))
         to = job.dest_conn or (early.source if early else None) or self.sender.conn_of(job.decode_worker)
         if to is not None:
-            out.send(to, PrefillFailed(rid=req.rid, room=job.room, generation=job.generation,
-                                       error=outcome.error, error_status=outcome.status))
+            out.send(
+                to,
+                PrefillFailed(
+                    rid=req.rid,
+                    room=job.room,
+                    generation=job.generation,
+                    error=outcome.error,
+                    error_status=outcome.status,
+                ),
+            )
         return out
 
     # ---- introspection --------------------------------------------------------------------
@@ -347,18 +407,22 @@ class PrefillScheduler(WorkerScheduler):
 
     def snapshot(self) -> Snapshot:
         snap = super().snapshot()
-        snap.counters.update(kv_transfer_bytes=float(self.transfer_bytes),
-                             transfer_failures=float(self.transfer_failures))
+        snap.counters.update(
+            kv_transfer_bytes=float(self.transfer_bytes), transfer_failures=float(self.transfer_failures)
+        )
         chunked = self.admission.chunked
-        snap.gauges.update(queue_waiting=len(self.waiting),
-                           queue_prefilling=int(chunked is not None),  # a prompt part-way through its chunks
-                           queue_bootstrap=len(self.bootstrapping),
-                           queue_transfer=sum(1 for j in self.jobs.values() if j.writing))
+        snap.gauges.update(
+            queue_waiting=len(self.waiting),
+            queue_prefilling=int(chunked is not None),  # a prompt part-way through its chunks
+            queue_bootstrap=len(self.bootstrapping),
+            queue_transfer=sum(1 for j in self.jobs.values() if j.writing),
+        )
         # prompt tokens not computed yet (uncached on arrival, or the chunked one's rest): what
         # cache-aware routing weighs this worker's load by (server/router/load.py, PrefillBacklog)
         snap.gauges["prefill_backlog_tokens"] = float(
             sum(self.by_req[id(r)].uncached for r in (*self.bootstrapping, *self.waiting) if id(r) in self.by_req)
-            + (chunked.seq_len - chunked.kv_len if chunked is not None else 0))
+            + (chunked.seq_len - chunked.kv_len if chunked is not None else 0)
+        )
         snap.histograms.update(kv_transfer_seconds=self.transfer_seconds, **self.timeline.histograms)
         return snap
 
@@ -369,8 +433,9 @@ def _reply(to: Conn, msg: Message) -> Outbox:
     return out
 
 
-def create_prefill_scheduler(runner: ModelRunner, cfg: PdserveConfig, transport, worker_id: str, model_name: str,
-                             threaded: bool = True) -> PrefillScheduler:
+def create_prefill_scheduler(
+    runner: ModelRunner, cfg: PdserveConfig, transport, worker_id: str, model_name: str, threaded: bool = True
+) -> PrefillScheduler:
     """A prefill scheduler over ``runner``'s pool, writing through ``transport`` (pool registered
     here); ``threaded=False`` runs writes inline (deterministic in-process tests)."""
     transport.register_pool(runner.pools.units, runner.pools.unit_bytes)

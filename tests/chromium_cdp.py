@@ -5,6 +5,7 @@ events to fd 4, each message one JSON object terminated by a NUL byte. ``Browser
 a page target and attaches to it (flat sessions); the page's JavaScript exceptions, console errors
 and log-entry errors are collected in ``Page.errors``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,9 +18,20 @@ import threading
 import time
 from pathlib import Path
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio", "--remote-debugging-pipe"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--mute-audio",
+    "--remote-debugging-pipe",
+]
 
 
 def find_chromium() -> str | None:
@@ -48,10 +60,21 @@ class Browser:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        args = [executable, *FLAGS, f"--user-data-dir={self.profile}", f"--window-size={window[0]},{window[1]}",
-                "about:blank"]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-                                     pass_fds=(3, 4, cmd_r, evt_w), preexec_fn=remap)
+        args = [
+            executable,
+            *FLAGS,
+            f"--user-data-dir={self.profile}",
+            f"--window-size={window[0]},{window[1]}",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
+            pass_fds=(3, 4, cmd_r, evt_w),
+            preexec_fn=remap,
+        )
         os.close(cmd_r)
         os.close(evt_w)
         self._out = os.fdopen(cmd_w, "wb", buffering=0)
@@ -104,15 +127,17 @@ class Browser:
         with self._cv:
             return [e for e in self._events if e.get("sessionId") == session]
 
-    def open(self, width: int = 1440, height: int = 1000) -> "Page":
+    def open(self, width: int = 1440, height: int = 1000) -> Page:
         """A new page (tab) with Runtime, Log and Page events enabled."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         page = Page(self, session)
         for domain in ("Runtime", "Log", "Page"):
             page.send(f"{domain}.enable")
-        page.send("Emulation.setDeviceMetricsOverride",
-                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        page.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
         return page
 
     def close(self) -> None:
@@ -129,7 +154,7 @@ class Browser:
         self._out.close()
         shutil.rmtree(self.profile, ignore_errors=True)
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -179,8 +204,10 @@ class Page:
                 d = p["exceptionDetails"]
                 out.append(f"exception: {d.get('exception', {}).get('description') or d.get('text')}")
             elif m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
-                out.append(f"console.{p['type']}: " + " ".join(str(a.get("value", a.get("description")))
-                                                              for a in p.get("args", [])))
+                out.append(
+                    f"console.{p['type']}: "
+                    + " ".join(str(a.get("value", a.get("description"))) for a in p.get("args", []))
+                )
             elif m == "Log.entryAdded" and p["entry"].get("level") == "error":
                 out.append(f"log ({p['entry'].get('source')}): {p['entry'].get('text')} {p['entry'].get('url', '')}")
         return out
@@ -189,8 +216,10 @@ class Page:
         """Save a PNG of the whole page (the viewport grows to the content height) at ``path``."""
         height = int(self.evaluate("Math.ceil(document.documentElement.scrollHeight)"))
         width = int(self.evaluate("Math.ceil(document.documentElement.clientWidth)"))
-        self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
-                                                         "deviceScaleFactor": 1, "mobile": False})
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
         data = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})["data"]
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ worker subprocesses, multiprocessing children, netns hosts, docker); ``slow`` ta
 ``pytestmark``; a test that carries neither ``unit`` nor ``process`` is marked ``unit`` here.
 ``make test-fast`` runs ``-m "unit and not slow"``; ``make test`` runs every tier.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,17 +22,20 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from bench.harness.subprocess_server import LaunchedServer, free_base_port
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.config import ModelConfig
-from server.testing.subprocess_server import LaunchedServer, free_base_port
+
 
 def pytest_collection_modifyitems(config, items):
     """Every test gets a tier: ``unit`` if it is not marked ``process``. A test that uses a
     launched-server fixture must say ``process``; no test may be both."""
     for item in items:
         process = item.get_closest_marker("process") is not None
-        if not process and {"launched_server", "launched_server_per_test", "pd_server"} & set(getattr(item, "fixturenames", ())):
+        if not process and {"launched_server", "launched_server_per_test", "pd_server"} & set(
+            getattr(item, "fixturenames", ())
+        ):
             raise pytest.UsageError(f"{item.nodeid} launches a server: mark it (or its module) pytest.mark.process")
         if not process and item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.unit)
@@ -71,9 +75,21 @@ def tokenizer():
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    base = dict(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-                max_position_embeddings=512, tie_word_embeddings=False, eos_token_ids=(96,))
+    base = dict(
+        arch="llama",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_ids=(96,),
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -83,19 +99,26 @@ def tiny_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    w = {"model.embed_tokens.weight": r(cfg.vocab_size, cfg.hidden_size),
-         "model.norm.weight": 1 + r(cfg.hidden_size), "lm_head.weight": r(cfg.vocab_size, cfg.hidden_size)}
+    w = {
+        "model.embed_tokens.weight": r(cfg.vocab_size, cfg.hidden_size),
+        "model.norm.weight": 1 + r(cfg.hidden_size),
+        "lm_head.weight": r(cfg.vocab_size, cfg.hidden_size),
+    }
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        w.update({
-            p + "self_attn.q_proj.weight": r(q, cfg.hidden_size), p + "self_attn.k_proj.weight": r(kv, cfg.hidden_size),
-            p + "self_attn.v_proj.weight": r(kv, cfg.hidden_size), p + "self_attn.o_proj.weight": r(cfg.hidden_size, q),
-            p + "mlp.gate_proj.weight": r(cfg.intermediate_size, cfg.hidden_size),
-            p + "mlp.up_proj.weight": r(cfg.intermediate_size, cfg.hidden_size),
-            p + "mlp.down_proj.weight": r(cfg.hidden_size, cfg.intermediate_size),
-            p + "input_layernorm.weight": 1 + r(cfg.hidden_size),
-            p + "post_attention_layernorm.weight": 1 + r(cfg.hidden_size),
-        })
+        w.update(
+            {
+                p + "self_attn.q_proj.weight": r(q, cfg.hidden_size),
+                p + "self_attn.k_proj.weight": r(kv, cfg.hidden_size),
+                p + "self_attn.v_proj.weight": r(kv, cfg.hidden_size),
+                p + "self_attn.o_proj.weight": r(cfg.hidden_size, q),
+                p + "mlp.gate_proj.weight": r(cfg.intermediate_size, cfg.hidden_size),
+                p + "mlp.up_proj.weight": r(cfg.intermediate_size, cfg.hidden_size),
+                p + "mlp.down_proj.weight": r(cfg.hidden_size, cfg.intermediate_size),
+                p + "input_layernorm.weight": 1 + r(cfg.hidden_size),
+                p + "post_attention_layernorm.weight": 1 + r(cfg.hidden_size),
+            }
+        )
     return w
 
 
@@ -103,12 +126,21 @@ def hf_tiny(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
     """transformers LlamaForCausalLM with the same random weights (reference for tiny models)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
-                         bos_token_id=0, eos_token_id=cfg.eos_token_ids[0])
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=cfg.eos_token_ids[0],
+    )
     model = LlamaForCausalLM(hf_cfg).eval()
     model.load_state_dict(weights, strict=True)
     return model
@@ -128,7 +160,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def engine_cfg(**kw) -> EngineConfig:
@@ -159,11 +191,20 @@ class ServerFactory:
     def __init__(self) -> None:
         self.running: list[LaunchedServer] = []
 
-    def __call__(self, mode: str, *flags: str, base_port: int | None = None, env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 240.0) -> LaunchedServer:
+    def __call__(
+        self,
+        mode: str,
+        *flags: str,
+        base_port: int | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 240.0,
+    ) -> LaunchedServer:
         port = free_base_port(8) if base_port is None else base_port
-        srv = LaunchedServer(["--mode", mode, "--port", "0", "--base-port", str(port), *flags], env=env,
-                             startup_timeout_s=startup_timeout_s)
+        srv = LaunchedServer(
+            ["--mode", mode, "--port", "0", "--base-port", str(port), *flags],
+            env=env,
+            startup_timeout_s=startup_timeout_s,
+        )
         self.running.append(srv)
         srv.start()
         return srv
@@ -199,8 +240,16 @@ def launched_server_per_test() -> Iterator[ServerFactory]:
 
 # The shared default PD launch (``pd_server``): its heartbeat (for ``wait_idle``) and flags.
 PD_SERVER_HEARTBEAT_S = 0.2
-PD_SERVER_FLAGS = ("--kv-pool-tokens", "1024", "--health-interval-s", str(PD_SERVER_HEARTBEAT_S),
-                   "--worker-timeout-s", "30", "--log-level", "INFO")
+PD_SERVER_FLAGS = (
+    "--kv-pool-tokens",
+    "1024",
+    "--health-interval-s",
+    str(PD_SERVER_HEARTBEAT_S),
+    "--worker-timeout-s",
+    "30",
+    "--log-level",
+    "INFO",
+)
 
 
 @pytest.fixture(scope="session")
@@ -212,7 +261,9 @@ def pd_server() -> Iterator[LaunchedServer]:
     itself. Its users run one at a time; each measures deltas of what it reads (others' requests
     land on it too), sends nothing that outlives it, and leaves every worker running."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    srv = LaunchedServer(["--mode", "pd", "--port", "0", "--base-port", str(free_base_port(2)), *PD_SERVER_FLAGS], env=env)
+    srv = LaunchedServer(
+        ["--mode", "pd", "--port", "0", "--base-port", str(free_base_port(2)), *PD_SERVER_FLAGS], env=env
+    )
     try:
         srv.start()
         yield srv

@@ -1,6 +1,7 @@
 """An etcd server a test starts itself (Debian's ``etcd-server``, v3 JSON gateway) on loopback ports:
 start, SIGKILL, start again on the same data directory. ``etcd_binary()`` is None when it is not
 installed; tests then skip naming the package to install."""
+
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from server.testing.subprocess_server import free_port
+from bench.harness.subprocess_server import free_port
 
 INSTALL_HINT = "etcd is not installed: apt-get install -y etcd-server (.ci/run does)"
 
@@ -35,11 +36,23 @@ class EtcdServer:
 
     def start(self, timeout_s: float = 20.0) -> None:
         """Start and wait until it answers."""
-        cmd = [etcd_binary(), "--name", "t", "--data-dir", str(self.data_dir),
-               "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-               "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-               "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-               "--initial-cluster", f"t=http://127.0.0.1:{self.peer_port}"]
+        cmd = [
+            etcd_binary(),
+            "--name",
+            "t",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{self.peer_port}",
+            "--initial-cluster",
+            f"t=http://127.0.0.1:{self.peer_port}",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

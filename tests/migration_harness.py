@@ -8,6 +8,7 @@ Anything sent to ``Conn(ROUTER)`` goes to the router part: token batches into th
 table, migration messages into ``Migrations``. Every step hands each decode worker a heartbeat
 reply of every peer it knows (``dead`` ones stay silent), as the worker loop's pinger would.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,8 +25,18 @@ from server.worker.turn import Turns
 from transfer.loopback import LoopbackTransport
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Conn, Outbox, Peer
-from transfer.wire.protocol import (AbortRequest, GenerateRequest, MigrateRequest, MigrationDeclined, MigrationEnded,
-                                    MigrationOffer, PrefillRequest, StatsRequest, frame_ids, ids_frame)
+from transfer.wire.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    MigrateRequest,
+    MigrationDeclined,
+    MigrationEnded,
+    MigrationOffer,
+    PrefillRequest,
+    StatsRequest,
+    frame_ids,
+    ids_frame,
+)
 
 ROUTER = b"router"
 ADDR = {"p0": "inproc://p0", "d1": "inproc://d1", "d2": "inproc://d2"}
@@ -36,12 +47,13 @@ _names = itertools.count()
 class _Client:
     """What the router's ``Migrations`` calls on a worker: delivered to its scheduler as from the router."""
 
-    def __init__(self, h: "MigrationHarness", wid: str) -> None:
+    def __init__(self, h: MigrationHarness, wid: str) -> None:
         self.h, self.wid = h, wid
 
     def migrate(self, rid, ids, params, room, source_addr, prompt_len, n_tokens) -> None:
-        msg = MigrateRequest(rid=rid, params=params, room=room, source_addr=source_addr, prompt_len=prompt_len,
-                             n_tokens=n_tokens)
+        msg = MigrateRequest(
+            rid=rid, params=params, room=room, source_addr=source_addr, prompt_len=prompt_len, n_tokens=n_tokens
+        )
         self.h.inbox.append((self.wid, Conn(ROUTER), msg, [ids_frame(ids)]))
 
     def decline_migration(self, rid, reason) -> None:
@@ -61,17 +73,24 @@ class MigrationHarness:
             self.transports.append(t)
             return t
 
-        self.runners = {w: ModelRunner(c.engine, model_config, weights)
-                        for w, c in (("p0", cfg_p), ("d1", cfg_d1), ("d2", cfg_d2))}
-        self.workers = {"p0": create_prefill_scheduler(self.runners["p0"], cfg_p, transport("p0"), "p0", "m",
-                                                       threaded=False)}
+        self.runners = {
+            w: ModelRunner(c.engine, model_config, weights) for w, c in (("p0", cfg_p), ("d1", cfg_d1), ("d2", cfg_d2))
+        }
+        self.workers = {
+            "p0": create_prefill_scheduler(self.runners["p0"], cfg_p, transport("p0"), "p0", "m", threaded=False)
+        }
         for w, c in (("d1", cfg_d1), ("d2", cfg_d2)):
-            self.workers[w] = create_decode_scheduler(self.runners[w], c, transport(w), w, "m",
-                                                      migration_transport=transport(w + "-mig"), threaded=False)
+            self.workers[w] = create_decode_scheduler(
+                self.runners[w], c, transport(w), w, "m", migration_transport=transport(w + "-mig"), threaded=False
+            )
         self.turns = {w: Turns(s) for w, s in self.workers.items()}
         self.table = InflightTable()
-        self.handles = {w: WorkerHandle(WorkerSpec(w, Role.PREFILL if w == "p0" else Role.DECODE, ADDR[w]),
-                                        _Client(self, w), state=READY) for w in self.workers}
+        self.handles = {
+            w: WorkerHandle(
+                WorkerSpec(w, Role.PREFILL if w == "p0" else Role.DECODE, ADDR[w]), _Client(self, w), state=READY
+            )
+            for w in self.workers
+        }
         self.rooms = itertools.count(1)
         self.router = Migrations(self.handles, self.table, lambda: next(self.rooms))
         self.inbox: list = []  # (worker id, source, msg, frames)
@@ -90,8 +109,12 @@ class MigrationHarness:
     def submit(self, rid: str, prompt: list[int], params, decode: str = "d1") -> None:
         room = next(self.rooms)
         self.table.open(rid, ("p0", decode), decode, len(prompt) + params.max_new_tokens)
-        self.deliver(decode, self.workers[decode].add(ROUTER, GenerateRequest(rid=rid, params=params, room=room,
-                                                                              prefill_addr=ADDR["p0"]), prompt))
+        self.deliver(
+            decode,
+            self.workers[decode].add(
+                ROUTER, GenerateRequest(rid=rid, params=params, room=room, prefill_addr=ADDR["p0"]), prompt
+            ),
+        )
         msg = PrefillRequest(rid=rid, room=room, params=params, decode_worker=decode)
         self.deliver("p0", self.workers["p0"].handle(Conn(ROUTER), msg, [ids_frame(prompt)]))
 
@@ -165,8 +188,11 @@ class MigrationHarness:
 
     @property
     def busy(self) -> bool:
-        return bool(len(self.table) or self.inbox or any(s.jobs for w, s in self.workers.items()
-                                                         if w not in self.dead and w != "p0"))
+        return bool(
+            len(self.table)
+            or self.inbox
+            or any(s.jobs for w, s in self.workers.items() if w not in self.dead and w != "p0")
+        )
 
     def run(self, max_steps: int = 5000) -> dict:
         for _ in range(max_steps):

@@ -17,6 +17,7 @@ follows the inode), so a name can move to another host.
 :meth:`NetnsLab.close` kills every process started through :meth:`spawn` and removes every
 namespace, veth, bridge and hosts file; it runs on failure too and can be called twice.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -165,8 +166,9 @@ class NetnsLab:
         """Start ``argv`` inside host ``name`` (its own process group), stdout+stderr to ``log``."""
         ns, _ = self.hosts[name]
         with open(log, "ab") as f:
-            p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=f, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", ns, *argv], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         self.procs.append(p)
         return p
 

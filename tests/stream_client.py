@@ -1,6 +1,7 @@
 """The client side of a streamed load: one ``/v1/completions`` request over httpx recorded as an
 ``Outcome`` (tokens, HTTP status, error message, when it ended). Shared by the chaos suite and the
 compose deployment test."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,13 +24,20 @@ class Outcome:
     t_end: float = 0.0
 
 
-async def stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int, index: int = 0,
-                     first: asyncio.Event | None = None) -> Outcome:
+async def stream_one(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, index: int = 0, first: asyncio.Event | None = None
+) -> Outcome:
     """One greedy streamed completion (``ignore_eos``: exactly ``max_tokens`` tokens unless it fails);
     ``first`` is set at its first token, or when it ends without one."""
     out = Outcome(index)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             out.status = r.status_code

@@ -1,6 +1,7 @@
 """The router's admission stage (server/router/admission.py) without HTTP: ordering, per-key
 fairness, shedding, Retry-After from the drain rate, deadlines and clients that go away; plus the
 ``api_key`` syntax (configs/api_keys.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,11 @@ FAR = 1e12  # a deadline nobody reaches
 
 def sync(test):
     """Run an ``async def`` test on a fresh event loop."""
+
     @functools.wraps(test)
     def run():
         asyncio.run(test())
+
     return run
 
 
@@ -39,12 +42,19 @@ def demand(key="default", priority=0, slots=1, tokens=10, deadline=FAR) -> Deman
     return Demand(key, priority, slots, tokens, deadline)
 
 
-def make(capacity=1, max_queued=100, max_tokens=None, max_wait=None, shares=None, clock=None, headroom=0,
-         preempt=False):
+def make(
+    capacity=1, max_queued=100, max_tokens=None, max_wait=None, shares=None, clock=None, headroom=0, preempt=False
+):
     refused, granted, clock = [], [], clock or Clock()
-    adm = Admission(AdmissionLimits(max_queued, max_tokens, max_wait), lambda: capacity, shares=shares,
-                    clock=clock, on_refused=refused.append, on_granted=granted.append,
-                    headroom=FairHeadroom(lambda: headroom, preempt=preempt))
+    adm = Admission(
+        AdmissionLimits(max_queued, max_tokens, max_wait),
+        lambda: capacity,
+        shares=shares,
+        clock=clock,
+        on_refused=refused.append,
+        on_granted=granted.append,
+        headroom=FairHeadroom(lambda: headroom, preempt=preempt),
+    )
     return adm, refused, granted
 
 
@@ -79,8 +89,13 @@ async def drain_in_order(adm: Admission, first, tasks: list[asyncio.Task]) -> li
 async def test_priority_then_arrival_within_a_key():
     adm, _, _ = make(capacity=1)
     first = adm.try_grant(demand())
-    tasks = await queue(adm, demand(priority=5, tokens=1), demand(priority=-1, tokens=2), demand(priority=0, tokens=3),
-                        demand(priority=-1, tokens=4))
+    tasks = await queue(
+        adm,
+        demand(priority=5, tokens=1),
+        demand(priority=-1, tokens=2),
+        demand(priority=0, tokens=3),
+        demand(priority=-1, tokens=4),
+    )
     assert adm.queued_requests == 4 and adm.queued_tokens == 10
     order = await drain_in_order(adm, first, tasks)
     assert [d.tokens for d in order] == [2, 4, 3, 1]
@@ -91,8 +106,9 @@ async def test_priority_then_arrival_within_a_key():
 async def test_light_key_is_not_starved_by_a_heavy_one():
     adm, _, _ = make(capacity=2)
     held = [adm.try_grant(demand("heavy")), adm.try_grant(demand("heavy"))]
-    tasks = await queue(adm, *[demand("heavy", tokens=i) for i in range(10)], demand("light", tokens=100),
-                        demand("light", tokens=101))
+    tasks = await queue(
+        adm, *[demand("heavy", tokens=i) for i in range(10)], demand("light", tokens=100), demand("light", tokens=101)
+    )
     adm.release(held[0])
     await settle()
     went = [t.result().demand for t in tasks if t.done()]
@@ -255,10 +271,18 @@ async def test_no_ready_worker_grants_at_once_and_big_requests_do_not_deadlock()
 def test_api_key_syntax():
     assert parse_api_keys(None) == () and parse_api_keys("") == ()
     keys = parse_api_keys("alice:3, bob ,c:d:0.5")
-    assert [(k.secret, k.name, k.share) for k in keys] == [("alice", "key-0", 3.0), ("bob", "key-1", 1.0),
-                                                           ("c:d", "key-2", 0.5)]
-    for bad, why in (("a:0", "positive"), ("a,,b", "empty key"), (":2", "empty key"), ("a,a:2", "repeats"),
-                     ("a:inf", "positive")):
+    assert [(k.secret, k.name, k.share) for k in keys] == [
+        ("alice", "key-0", 3.0),
+        ("bob", "key-1", 1.0),
+        ("c:d", "key-2", 0.5),
+    ]
+    for bad, why in (
+        ("a:0", "positive"),
+        ("a,,b", "empty key"),
+        (":2", "empty key"),
+        ("a,a:2", "repeats"),
+        ("a:inf", "positive"),
+    ):
         with pytest.raises(ValueError, match=why):
             parse_api_keys(bad)
     with pytest.raises(ValueError, match="share must be a positive number"):
@@ -288,8 +312,14 @@ def test_default_forwarding_bound_is_the_batch_plus_a_small_margin():
     def handle(role, state=READY):
         return SimpleNamespace(state=state, spec=SimpleNamespace(role=role))
 
-    registry = SimpleNamespace(handles={"p": handle(Role.PREFILL), "d0": handle(Role.DECODE),
-                                        "d1": handle(Role.DECODE), "d2": handle(Role.DECODE, state=DEAD)})
+    registry = SimpleNamespace(
+        handles={
+            "p": handle(Role.PREFILL),
+            "d0": handle(Role.DECODE),
+            "d1": handle(Role.DECODE),
+            "d2": handle(Role.DECODE, state=DEAD),
+        }
+    )
     for running, per_worker in ((64, 72), (16, 18), (4, 6), (1, 3)):
         cfg = PdserveConfig.model_validate({"scheduler": {"max_running_requests": running}})
         adm = build_admission(cfg, registry)
@@ -316,8 +346,10 @@ async def test_early_refusal_is_exactly_the_refusal_admit_gives():
         adm, refused, _ = make(capacity=1, max_queued=rng.randint(1, 5), shares={"a": 2.0})
         held = adm.try_grant(demand())
         assert adm.refuse_early("a", 0) is None  # room is gone, but nothing is queued yet: not certain
-        tasks = await queue(adm, *(demand(key=rng.choice("abc"), priority=rng.randint(0, 3))
-                                   for _ in range(adm.limits.max_queued_requests)))
+        tasks = await queue(
+            adm,
+            *(demand(key=rng.choice("abc"), priority=rng.randint(0, 3)) for _ in range(adm.limits.max_queued_requests)),
+        )
         key, priority = rng.choice("abc"), rng.randint(0, 3)
         before = (adm.queued_requests, len(refused))
         try:
@@ -365,5 +397,6 @@ def test_early_refusal_on_the_estimated_wait():
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
     asyncio.run(scenario())
     assert [r.reason for r in refused] == ["queue_wait"]

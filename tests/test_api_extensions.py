@@ -2,6 +2,7 @@
 tests/test_router_unit.py (no model): every field of the README's table is accepted, ignored or
 refused as the table says; usage counts the stop token as vLLM does; ``/tokenize``,
 ``/detokenize`` and ``/version`` answer vLLM's shapes."""
+
 from __future__ import annotations
 
 import json
@@ -9,31 +10,58 @@ import re
 from pathlib import Path
 
 import pytest
+from test_router_unit import PIECES, completion, make_client, sse_events  # noqa: F401 (fixture)
 
 from server.router.extensions import IGNORED, REFUSED, documented_fields
-from test_router_unit import PIECES, completion, make_client, sse_events  # noqa: F401 (fixture)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 # a non-default value for each refused field (the message must name the field)
 REFUSED_VALUES = {
-    "min_tokens": 2, "use_beam_search": True, "watermarking": True, "allowed_token_ids": [1, 2],
-    "bad_words": ["x"], "logprob_token_ids": [3], "cache_salt": "salt",
-    "kv_transfer_params": {"do_remote_decode": True}, "ec_transfer_params": {"a": 1},
-    "repetition_detection": {"max_pattern_size": 4}, "logits_processors": ["x"],
-    "prompt_embeds": "AAAA", "suffix": "end", "chat_template": "{{ messages }}",
+    "min_tokens": 2,
+    "use_beam_search": True,
+    "watermarking": True,
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["x"],
+    "logprob_token_ids": [3],
+    "cache_salt": "salt",
+    "kv_transfer_params": {"do_remote_decode": True},
+    "ec_transfer_params": {"a": 1},
+    "repetition_detection": {"max_pattern_size": 4},
+    "logits_processors": ["x"],
+    "prompt_embeds": "AAAA",
+    "suffix": "end",
+    "chat_template": "{{ messages }}",
 }
 IGNORED_VALUES = {
-    "user": "u1", "metadata": {"k": "v"}, "store": True, "spaces_between_special_tokens": False,
-    "length_penalty": 0.5, "session_id": "s", "stream_interval": 4, "vllm_xargs": {"a": 1},
-    "thinking_token_budget": 10, "include_reasoning": False, "reasoning_effort": "low",
-    "parallel_tool_calls": False, "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"x": 1},
+    "user": "u1",
+    "metadata": {"k": "v"},
+    "store": True,
+    "spaces_between_special_tokens": False,
+    "length_penalty": 0.5,
+    "session_id": "s",
+    "stream_interval": 4,
+    "vllm_xargs": {"a": 1},
+    "thinking_token_budget": 10,
+    "include_reasoning": False,
+    "reasoning_effort": "low",
+    "parallel_tool_calls": False,
+    "media_io_kwargs": {"image": {}},
+    "mm_processor_kwargs": {"x": 1},
 }
 
 
 def _route(field: str) -> tuple[str, dict]:
-    chat_only = field in {"tools", "tool_choice", "chat_template", "include_reasoning", "reasoning_effort",
-                          "parallel_tool_calls", "media_io_kwargs", "mm_processor_kwargs"}
+    chat_only = field in {
+        "tools",
+        "tool_choice",
+        "chat_template",
+        "include_reasoning",
+        "reasoning_effort",
+        "parallel_tool_calls",
+        "media_io_kwargs",
+        "mm_processor_kwargs",
+    }
     completion_only = field in {"best_of", "suffix", "prompt_embeds"}
     assert not (chat_only and completion_only)
     if chat_only:
@@ -73,9 +101,18 @@ def test_refused_fields_name_themselves(make_client, field):
 
 def test_refused_fields_at_their_defaults_are_accepted(make_client):
     client, _, _ = make_client()
-    r = client.post("/v1/chat/completions", json={**CHAT, "min_tokens": 0, "use_beam_search": False,
-                                                  "response_format": {"type": "text"}, "tool_choice": "none",
-                                                  "tools": [], "bad_words": []})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            **CHAT,
+            "min_tokens": 0,
+            "use_beam_search": False,
+            "response_format": {"type": "text"},
+            "tool_choice": "none",
+            "tools": [],
+            "bad_words": [],
+        },
+    )
     assert r.status_code == 200, r.text
     r = completion(client, best_of=1, suffix="")
     assert r.status_code == 200, r.text
@@ -93,19 +130,25 @@ def test_unknown_fields_are_refused_by_name(make_client):
 
 def test_malformed_tool_history_is_refused_by_name(make_client):
     client, _, _ = make_client()
-    msgs = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+    ]
     r = client.post("/v1/chat/completions", json={"messages": msgs})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls.0.function"
 
 
 def test_readme_table_lists_every_field():
     text = README.read_text()
-    table = text[text.index("<!-- field-table -->"):text.index("<!-- /field-table -->")]
+    table = text[text.index("<!-- field-table -->") : text.index("<!-- /field-table -->")]
     rows = dict(re.findall(r"^\| `([a-z_.]+)` \| ([a-z ()]+) \|", table, re.M))
-    expected = documented_fields() | {"stream_options.include_usage", "stream_options.continuous_usage_stats",
-                                      "priority", "timeout"}
-    assert set(rows) == expected, (set(rows) ^ expected)
+    expected = documented_fields() | {
+        "stream_options.include_usage",
+        "stream_options.continuous_usage_stats",
+        "priority",
+        "timeout",
+    }
+    assert set(rows) == expected, set(rows) ^ expected
     assert {f for f, kind in rows.items() if kind.startswith("ignored")} == set(IGNORED)
     refused = {f for f, kind in rows.items() if kind.startswith("refused")}
     assert {r.field for r in REFUSED} <= refused
@@ -119,8 +162,10 @@ def _chunks(r) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "The capital of France", "max_tokens": 16}),
-                                       ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize(
+    "path,body",
+    [("/v1/completions", {"prompt": "The capital of France", "max_tokens": 16}), ("/v1/chat/completions", CHAT)],
+)
 def test_continuous_usage_stats(make_client, path, body):
     client, worker, _ = make_client()
     opts = {"include_usage": True, "continuous_usage_stats": True}
@@ -167,8 +212,10 @@ def test_request_id_and_token_id_labels(make_client):
     lp = r["choices"][0]["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in ids]
     assert list(lp["top_logprobs"][0]) == [f"token_id:{ids[0]}"]
-    r = client.post("/v1/chat/completions", json={**CHAT, "request_id": "q", "logprobs": True, "top_logprobs": 1,
-                                                  "return_tokens_as_token_ids": True}).json()
+    r = client.post(
+        "/v1/chat/completions",
+        json={**CHAT, "request_id": "q", "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True},
+    ).json()
     assert r["id"] == "chatcmpl-q" and r["choices"][0]["logprobs"]["content"][0]["token"] == f"token_id:{ids[0]}"
 
 
@@ -176,20 +223,31 @@ def test_chat_template_options(make_client):
     client, worker, ctx = make_client()
     tok = ctx.tokenizer
     msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
-    r = client.post("/v1/chat/completions", json={"messages": msgs, "add_generation_prompt": False,
-                                                  "continue_final_message": True, "echo": True})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": msgs, "add_generation_prompt": False, "continue_final_message": True, "echo": True},
+    )
     assert r.status_code == 200, r.text
     rendered = tok.apply_chat_template(msgs, add_generation_prompt=False)
-    cut = rendered[:rendered.rfind("The colour is") + len("The colour is")]
+    cut = rendered[: rendered.rfind("The colour is") + len("The colour is")]
     assert worker.requests[-1][1] == tok.encode(cut) and not cut.endswith(rendered)
     assert r.json()["choices"][0]["message"]["content"] == "The colour is" + "".join(PIECES)
     r = client.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
     client.post("/v1/chat/completions", json={"messages": msgs[:1], "add_generation_prompt": False})
     assert worker.requests[-1][1] == tok.encode(tok.apply_chat_template(msgs[:1], add_generation_prompt=False))
-    chunks = _chunks(client.post("/v1/chat/completions", json={"messages": msgs, "echo": True, "stream": True,
-                                                               "add_generation_prompt": False,
-                                                               "continue_final_message": True}))
+    chunks = _chunks(
+        client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": msgs,
+                "echo": True,
+                "stream": True,
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+        )
+    )
     assert chunks[1]["choices"][0]["delta"] == {"content": "The colour is"}
 
 
@@ -204,8 +262,9 @@ def test_stop_token_is_counted_not_shown(make_client, tokenizer):
         assert c["text"] == "".join(PIECES) and c["finish_reason"] == "stop"
         assert r["usage"]["completion_tokens"] == n + 1 and c["token_ids"][-1] == eos
         assert c["logprobs"]["token_logprobs"][-1] == -0.25 and len(c["logprobs"]["tokens"]) == n + 1
-    chunks = _chunks(client.post("/v1/chat/completions", json={**CHAT, "stream": True,
-                                                               "stream_options": {"include_usage": True}}))
+    chunks = _chunks(
+        client.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    )
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "".join(PIECES)
     assert chunks[-1]["usage"]["completion_tokens"] == n + 1
 
@@ -224,8 +283,12 @@ def test_tokenize_detokenize_version(make_client, tokenizer):
     client, _, _ = make_client()
     r = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     ids = tokenizer.encode("Hello world", add_special_tokens=True)
-    assert r == {"count": len(ids), "max_model_len": 512, "tokens": ids,
-                 "token_strs": [tokenizer.id_to_token(i) for i in ids]}
+    assert r == {
+        "count": len(ids),
+        "max_model_len": 512,
+        "tokens": ids,
+        "token_strs": [tokenizer.id_to_token(i) for i in ids],
+    }
     msgs = [{"role": "user", "content": "hi"}]
     r = client.post("/tokenize", json={"model": "fake-model", "messages": msgs}).json()
     assert r["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(msgs)) and r["token_strs"] is None
@@ -254,7 +317,9 @@ def test_tokenizer_exports_a_folder_transformers_loads(tokenizer, tmp_path):
     text = "Hello world, the capital of France is Paris. Ünïcödé ✓"
     assert hf(text)["input_ids"] == tokenizer.encode(text, add_special_tokens=True)
     msgs = [{"role": "user", "content": "hi"}]
-    assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == tokenizer.apply_chat_template(msgs)
+    assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == tokenizer.apply_chat_template(
+        msgs
+    )
     assert hf.eos_token_id in tokenizer.eos_token_ids
 
 

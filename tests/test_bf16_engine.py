@@ -6,25 +6,28 @@ has AVX512-BF16); a short greedy run checks decode. Skipped where the CPU has no
 (the engine runs float32 there). Figures on a Zen 5 (this file's run): mean |delta logprob| 0.035,
 max 0.20, top-1 agreement 0.96, the first 16 greedy tokens equal; the float32-math extend path
 measured 0.035 / 0.13 / 0.98."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import engine_cfg, sched_cfg
+
 from engine.cpu_features import has_fast_bf16
-from engine.llm import LLM, run_batch
 from engine.kernels import cpu_native
+from engine.llm import LLM, run_batch
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(has_fast_bf16() is not True, reason="no native bfloat16 on this CPU")
 
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-        "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Within fifty "
-        "years, printing shops had spread to more than two hundred cities across Europe, and the price of books "
-        "fell so quickly that reading, once the privilege of monks and nobles, became common among merchants "
-        "and craftsmen. Historians still argue about how much the press changed the course of the Reformation, "
-        "of science and of the modern state, but few doubt that it changed how ideas travelled.")
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Within fifty "
+    "years, printing shops had spread to more than two hundred cities across Europe, and the price of books "
+    "fell so quickly that reading, once the privilege of monks and nobles, became common among merchants "
+    "and craftsmen. Historians still argue about how much the press changed the course of the Reformation, "
+    "of science and of the modern state, but few doubt that it changed how ideas travelled."
+)
 
 
 def _run(embedded, dtype: str, ids: list[int]):

@@ -2,6 +2,7 @@
 cap spills a hot prefix, no cache means least loaded; decisions and the index move the router's
 metrics; a real worker feed (ZMQ PUB, plain and CURVE) keeps a subscriber's index equal to the
 tree through a lost message."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +14,9 @@ from cache.kv_events import tree_hashes
 from cache.page_hash import page_hashes
 from cache.radix_cache import RadixCache
 from server.router.cache_routing import CacheAwarePolicy
+from server.router.inflight import InflightTable
 from server.router.kv_index import KvIndex
 from server.router.kv_metrics import KvIndexCollector
-from server.router.inflight import InflightTable
 from server.router.kv_subscriber import KvSubscriber
 from server.router.load import PrefillBacklog
 from server.router.metrics import RouterMetrics
@@ -31,21 +32,36 @@ PROMPT = list(range(100, 141))  # 41 tokens: 10 whole pages of the first 40
 
 def _handle(wid: str, role: str, addr: str = "tcp://127.0.0.1:1", **stats) -> WorkerHandle:
     h = WorkerHandle(WorkerSpec(wid, role, addr), client=None, state=READY)
-    h.stats = WorkerStats(worker_id=wid, role=role, model="m", capacity_tokens=1000, max_model_len=512,
-                          page_size=PS, **stats)
+    h.stats = WorkerStats(
+        worker_id=wid, role=role, model="m", capacity_tokens=1000, max_model_len=512, page_size=PS, **stats
+    )
     return h
 
 
-def _pd(index: KvIndex, metrics: RouterMetrics | None = None, slack: int = 4, backlog: dict[str, int] | None = None,
-        local_max: dict[str, int] | None = None):
+def _pd(
+    index: KvIndex,
+    metrics: RouterMetrics | None = None,
+    slack: int = 4,
+    backlog: dict[str, int] | None = None,
+    local_max: dict[str, int] | None = None,
+):
     """Two prefill and two decode workers (``local_max``: decode workers' --local-prefill-max-tokens
     as their stats report it) and a policy whose backlog is ``backlog`` (tokens by worker)."""
     local_max = local_max or {}
-    handles = [_handle(w, "prefill" if w[0] == "p" else "decode",
-                       gauges={"local_prefill_max_tokens": float(local_max[w])} if w in local_max else {})
-               for w in ("p0", "p1", "d0", "d1")]
-    policy = CacheAwarePolicy(index, balance_slack=slack, on_decision=metrics.observe_routing if metrics else None,
-                              backlog=(lambda w: backlog.get(w, 0)) if backlog else None)
+    handles = [
+        _handle(
+            w,
+            "prefill" if w[0] == "p" else "decode",
+            gauges={"local_prefill_max_tokens": float(local_max[w])} if w in local_max else {},
+        )
+        for w in ("p0", "p1", "d0", "d1")
+    ]
+    policy = CacheAwarePolicy(
+        index,
+        balance_slack=slack,
+        on_decision=metrics.observe_routing if metrics else None,
+        backlog=(lambda w: backlog.get(w, 0)) if backlog else None,
+    )
     return handles, policy
 
 
@@ -82,9 +98,11 @@ def test_the_pair_holding_the_prompt_wins_and_counts_as_prefix():
 def test_prefill_load_is_uncached_tokens_not_requests_and_the_cap_spills():
     index = KvIndex()
     _holds(index, "p1", 10)  # the whole prompt but its last token: P(p1) = 1 + B(p1), P(p0) = 41 + B(p0)
-    for backlog, q, expected in (({"p1": 39}, {"p1": 3}, "p1"),   # 40 < 41: three cached requests queued are cheap
-                                 ({"p1": 41}, {}, "p0"),          # 42 > 41
-                                 ({"p1": 20, "p0": 30}, {}, "p1")):  # 21 < 71
+    for backlog, q, expected in (
+        ({"p1": 39}, {"p1": 3}, "p1"),  # 40 < 41: three cached requests queued are cheap
+        ({"p1": 41}, {}, "p0"),  # 42 > 41
+        ({"p1": 20, "p0": 30}, {}, "p1"),
+    ):  # 21 < 71
         handles, policy = _pd(index, backlog=backlog)
         assert _ids(policy(handles, _load(q), PROMPT))[0] == expected, (backlog, q)
     metrics = RouterMetrics(lambda: [], lambda: 0)
@@ -146,8 +164,9 @@ def test_the_routers_own_pending_prefills_count_until_the_first_token():
 
     def send(rid: str):
         route = policy(handles, _load({}), PROMPT)
-        table.open(rid, tuple(h.worker_id for h in route.targets), route.stream_from.worker_id, 50,
-                   prefill=route.prefill)
+        table.open(
+            rid, tuple(h.worker_id for h in route.targets), route.stream_from.worker_id, 50, prefill=route.prefill
+        )
         return route
 
     assert send("a").prefill == ("d1", 9) and backlog("d1") == 9
@@ -204,8 +223,12 @@ async def _until(cond, timeout_s: float = 20.0) -> None:
 
 def _series(metrics: RouterMetrics, name: str) -> dict[tuple, float]:
     text = metrics.render()
-    return {tuple(sorted(s.labels.items())): s.value for fam in text_string_to_metric_families(text.decode())
-            for s in fam.samples if s.name == name}
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text.decode())
+        for s in fam.samples
+        if s.name == name
+    }
 
 
 @pytest.mark.parametrize("secure", [False, True])
@@ -246,7 +269,9 @@ def test_a_worker_feed_keeps_the_index_equal_to_its_tree_through_a_lost_message(
             restarted.append(KvFeed(new_tree, "tcp://127.0.0.1:9", "p0", "inst-2", auth))
             h.client.feed = restarted[0]
             h.stats = h.stats.model_copy(update={"instance": "inst-2", "kv_events_port": restarted[0].port})
-            await _until(lambda: not index.needs_snapshot("p0") and index.held("p0") == frozenset(tree_hashes(new_tree)))
+            await _until(
+                lambda: not index.needs_snapshot("p0") and index.held("p0") == frozenset(tree_hashes(new_tree))
+            )
             assert h.client.asked[-1] == "restart" and index.cached_pages("p0", page_hashes(PROMPT, PS)) == 0
         finally:
             task.cancel()
@@ -261,7 +286,10 @@ def test_a_worker_feed_keeps_the_index_equal_to_its_tree_through_a_lost_message(
     initial = h.client.asked.count("initial")  # one, or more when a snapshot beat the connection
     restarts = h.client.asked.count("restart")  # one, or more when the new feed's first snapshot was early
     assert _series(metrics, "pdserve_router_kv_resyncs_total") == {
-        (("cause", "gap"),): 1.0, (("cause", "initial"),): float(initial), (("cause", "restart"),): float(restarts)}
+        (("cause", "gap"),): 1.0,
+        (("cause", "initial"),): float(initial),
+        (("cause", "restart"),): float(restarts),
+    }
     assert 3 <= _series(metrics, "pdserve_router_kv_snapshots_total")[()] <= 1 + initial + restarts
     assert _series(metrics, "pdserve_router_kv_events_total") == {(): 2.0}  # the flush after the gap is not applied
     assert _series(metrics, "pdserve_router_kv_index_pages") == {(("worker", "p0"),): 2.0}
@@ -296,12 +324,16 @@ def test_cache_aware_is_the_default_and_a_decode_pin_wins_over_it():
     from configs.schema import PdserveConfig
     from server.router.app import build_context
 
-    specs = [WorkerSpec("prefill-0", "prefill", "tcp://x"), WorkerSpec("decode-0", "decode", "tcp://y"),
-             WorkerSpec("decode-1", "decode", "tcp://z")]
+    specs = [
+        WorkerSpec("prefill-0", "prefill", "tcp://x"),
+        WorkerSpec("decode-0", "decode", "tcp://y"),
+        WorkerSpec("decode-1", "decode", "tcp://z"),
+    ]
     default = build_context(PdserveConfig(), None, "m", specs, lambda *a: object())
     assert isinstance(default.registry.policy, CacheAwarePolicy) and default.kv_subscriber is not None
-    pinned = build_context(PdserveConfig.model_validate({"server": {"route_decode": "decode-0"}}), None, "m", specs,
-                           lambda *a: object())
+    pinned = build_context(
+        PdserveConfig.model_validate({"server": {"route_decode": "decode-0"}}), None, "m", specs, lambda *a: object()
+    )
     assert not isinstance(pinned.registry.policy, CacheAwarePolicy) and pinned.kv_subscriber is None
     route = pinned.registry.policy(list(pinned.registry.handles.values()), lambda worker_id: 0, [1, 2, 3])
     assert route.stream_from.worker_id == "decode-0"

@@ -1,5 +1,6 @@
 """Unit tests of ``bench.compose_multiturn``'s pieces that need no Docker: the override it gives the
 compose project, how it reads the router's worker listing, and the ratios it prints."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,11 @@ def test_override_sets_the_policy_and_pool_on_every_service():
     doc = yaml.safe_load(override("cache-aware", 32768, 256))
     assert set(doc["services"]) == {"prefill", "decode", "router", "router-b"}
     for env in (s["environment"] for s in doc["services"].values()):
-        assert env == {"PDSERVE_ROUTING": "cache-aware", "PDSERVE_KV_POOL_TOKENS": "32768",
-                       "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": "256"}
+        assert env == {
+            "PDSERVE_ROUTING": "cache-aware",
+            "PDSERVE_KV_POOL_TOKENS": "32768",
+            "PDSERVE_LOCAL_PREFILL_MAX_TOKENS": "256",
+        }
         nested = env_overrides(env)  # every variable names a config field the services read
         assert sum(len(v) for v in nested.values()) == 3
     env = yaml.safe_load(override("least-loaded", 4096, 0, "bfloat16"))["services"]["decode"]["environment"]
@@ -24,8 +28,10 @@ def test_override_sets_the_policy_and_pool_on_every_service():
 
 
 def test_ready_counts_reads_the_health_listing():
-    text = ("prefill-a1 (prefill): ready; prefill-b2 (prefill): ready; decode-c3 (decode): ready; "
-            "decode-d4 (decode): starting")
+    text = (
+        "prefill-a1 (prefill): ready; prefill-b2 (prefill): ready; decode-c3 (decode): ready; "
+        "decode-d4 (decode): starting"
+    )
     assert ready_counts(text) == (2, 1)
 
 

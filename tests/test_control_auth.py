@@ -3,6 +3,7 @@ on a real worker control socket (``ControlIO``) in this process: the key file ro
 refused with a reason when damaged; a peer with the cluster key is served, and a peer without it,
 with another key, or with its own key pair but the server's public key gets no message through,
 while both sides log why, naming ``--cluster-key``."""
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,14 @@ import zmq
 import zmq.auth
 
 from server.worker.control_io import ControlIO
-from transfer.cluster_key import (ClusterKey, ClusterKeyError, key_file_text, parse_key_text, read_key_file,
-                                  write_key_file)
+from transfer.cluster_key import (
+    ClusterKey,
+    ClusterKeyError,
+    key_file_text,
+    parse_key_text,
+    read_key_file,
+    write_key_file,
+)
 from transfer.control_auth import ENV_SECRET, ControlAuth, ControlAuthError, LogThrottle, resolve_auth
 from transfer.wire.protocol import AbortRequest, StatsRequest, WorkerStats, decode, encode
 
@@ -132,9 +139,10 @@ def outsiders(auth: ControlAuth) -> dict[str, tuple[ControlAuth, dict | None]]:
         "no key": (ControlAuth.insecure(), None),
         "another cluster key": (ControlAuth(ClusterKey.generate()), None),
         # knows the worker's public key but holds its own pair: only the ZAP handler stops it
-        "own pair, server's public key": (ControlAuth.insecure(), {"curve_serverkey": auth.key.public,
-                                                                    "curve_publickey": mine.public,
-                                                                    "curve_secretkey": mine.secret}),
+        "own pair, server's public key": (
+            ControlAuth.insecure(),
+            {"curve_serverkey": auth.key.public, "curve_publickey": mine.public, "curve_secretkey": mine.secret},
+        ),
     }
 
 

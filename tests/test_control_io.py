@@ -1,6 +1,7 @@
 """The worker's control-socket thread: heartbeats answered during a long scheduler step, other
 messages relayed both ways unchanged, and silence once the scheduler thread has stalled (over
 CURVE with a cluster key, as workers serve)."""
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,9 @@ from transfer.wire.protocol import AbortRequest, StatsRequest, WorkerStats, deco
 
 
 def stats(nonce=0):
-    return WorkerStats(worker_id="w", role="decode", model="m", capacity_tokens=1, max_model_len=1, page_size=1,
-                       nonce=nonce)
+    return WorkerStats(
+        worker_id="w", role="decode", model="m", capacity_tokens=1, max_model_len=1, page_size=1, nonce=nonce
+    )
 
 
 @pytest.fixture

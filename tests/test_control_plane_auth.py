@@ -14,6 +14,7 @@ environment (never on a command line). Against its prefill and decode workers:
 - a worker with no key refuses to start (before loading the model) unless
   ``--insecure-control-plane``, and then warns that it runs unauthenticated.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,24 +26,57 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
-
 from conftest import PD_SERVER_HEARTBEAT_S
-from server.testing.subprocess_server import REPO_ROOT, free_port, fresh_metrics
+
+from bench.harness.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
-from transfer.wire.protocol import (MESSAGES, AbortRequest, Drain, GenerateRequest, KVDestination, KVHandshake, KVHandshakeAck,
-                                    KvEvents, KvSnapshot, KvSnapshotRequest, KVSources, KVWriteStarted, MigrateRequest, MigrationDeclined,
-                                    MigrationEnded, MigrationOffer, PrefillFailed, PrefillRequest, PrefillWithdrawn,
-                                    QueuedMove, QueuedOffer, Shutdown, StatsRequest, TokenBatch, TokenDelta, WorkerStats, decode, encode,
-                                    hashes_frame, ids_frame)
+from transfer.wire.protocol import (
+    MESSAGES,
+    AbortRequest,
+    Drain,
+    GenerateRequest,
+    KVDestination,
+    KvEvents,
+    KVHandshake,
+    KVHandshakeAck,
+    KvSnapshot,
+    KvSnapshotRequest,
+    KVSources,
+    KVWriteStarted,
+    MigrateRequest,
+    MigrationDeclined,
+    MigrationEnded,
+    MigrationOffer,
+    PrefillFailed,
+    PrefillRequest,
+    PrefillWithdrawn,
+    QueuedMove,
+    QueuedOffer,
+    Shutdown,
+    StatsRequest,
+    TokenBatch,
+    TokenDelta,
+    WorkerStats,
+    decode,
+    encode,
+    hashes_frame,
+    ids_frame,
+)
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.process
 
 HEARTBEAT_S = PD_SERVER_HEARTBEAT_S
-COUNTERS = ("pdserve_prompt_tokens_total", "pdserve_generation_tokens_total", "pdserve_worker_finished_requests_total",
-            "pdserve_worker_aborted_requests_total", "pdserve_worker_rejected_requests_total",
-            "pdserve_kv_transfer_bytes_total", "pdserve_transfer_failures_total")
+COUNTERS = (
+    "pdserve_prompt_tokens_total",
+    "pdserve_generation_tokens_total",
+    "pdserve_worker_finished_requests_total",
+    "pdserve_worker_aborted_requests_total",
+    "pdserve_worker_rejected_requests_total",
+    "pdserve_kv_transfer_bytes_total",
+    "pdserve_transfer_failures_total",
+)
 
 
 def every_message_kind() -> dict[str, list[bytes]]:
@@ -51,13 +85,18 @@ def every_message_kind() -> dict[str, list[bytes]]:
     stats = WorkerStats(worker_id="evil", role="decode", model="m", capacity_tokens=1, max_model_len=1, page_size=16)
     out = {
         "GenerateRequest": encode(GenerateRequest(rid="evil-gen", params=params), ids_frame([1, 2, 3])),
-        "PrefillRequest": encode(PrefillRequest(rid="evil-pre", room=7, params=params, decode_worker="decode-0"),
-                                 ids_frame([1, 2, 3])),
-        "KVHandshake": encode(KVHandshake(worker_id="evil", model="m", layout={}, transport="nixl",
-                                          transport_metadata="")),
+        "PrefillRequest": encode(
+            PrefillRequest(rid="evil-pre", room=7, params=params, decode_worker="decode-0"), ids_frame([1, 2, 3])
+        ),
+        "KVHandshake": encode(
+            KVHandshake(worker_id="evil", model="m", layout={}, transport="nixl", transport_metadata="")
+        ),
         "KVHandshakeAck": encode(KVHandshakeAck(ok=True, worker_id="evil")),
-        "KVDestination": encode(KVDestination(rid="evil-pre", room=7, generation=0, decode_prefix_len=0, n_tokens=3),
-                                ids_frame([0]), ids_frame([])),
+        "KVDestination": encode(
+            KVDestination(rid="evil-pre", room=7, generation=0, decode_prefix_len=0, n_tokens=3),
+            ids_frame([0]),
+            ids_frame([]),
+        ),
         "PrefillFailed": encode(PrefillFailed(rid="evil-gen", room=7, generation=0, error="x")),
         # a prefill worker would drop the request silently (its decode worker "prefills it itself")
         "PrefillWithdrawn": encode(PrefillWithdrawn(rid="evil-pre", room=7)),
@@ -70,15 +109,27 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "Shutdown": encode(Shutdown()),
         "Drain": encode(Drain(reason="evil")),  # accepted, it would take the worker out of rotation
         "KvSnapshotRequest": encode(KvSnapshotRequest(reason="evil")),
-        "KvEvents": encode(KvEvents(worker_id="evil", instance="x", seq=1, pool="full", kinds=["cleared"], counts=[0]),
-                           hashes_frame([])),
+        "KvEvents": encode(
+            KvEvents(worker_id="evil", instance="x", seq=1, pool="full", kinds=["cleared"], counts=[0]),
+            hashes_frame([]),
+        ),
         "KvSnapshot": encode(KvSnapshot(worker_id="evil", instance="x", seq=1, pool="full"), hashes_frame([1])),
         # a decode worker would admit the request and write KV for it from an address the attacker names
-        "MigrateRequest": encode(MigrateRequest(rid="evil-mig", params=SamplingParams(max_new_tokens=4), room=9,
-                                                source_addr="tcp://127.0.0.1:9", prompt_len=2, n_tokens=3),
-                                 ids_frame([1, 2, 3])),
-        "MigrationOffer": encode(MigrationOffer(rid="evil-gen", n_tokens=3, pages=1, prompt_len=2,
-                                                params=SamplingParams(max_new_tokens=4)), ids_frame([1, 2, 3])),
+        "MigrateRequest": encode(
+            MigrateRequest(
+                rid="evil-mig",
+                params=SamplingParams(max_new_tokens=4),
+                room=9,
+                source_addr="tcp://127.0.0.1:9",
+                prompt_len=2,
+                n_tokens=3,
+            ),
+            ids_frame([1, 2, 3]),
+        ),
+        "MigrationOffer": encode(
+            MigrationOffer(rid="evil-gen", n_tokens=3, pages=1, prompt_len=2, params=SamplingParams(max_new_tokens=4)),
+            ids_frame([1, 2, 3]),
+        ),
         "MigrationDeclined": encode(MigrationDeclined(rid="evil-gen", reason="evil")),
         "MigrationEnded": encode(MigrationEnded(rid="evil-gen", ok=False, error="evil")),
         "QueuedOffer": encode(QueuedOffer(rid="evil-gen", pages=1, waited_s=1.0)),
@@ -121,9 +172,17 @@ def launch_key(server) -> ClusterKey:
 
 
 def complete(url: str) -> str:
-    r = httpx.post(f"{url}/v1/completions", timeout=120, trust_env=False,
-                   json={"model": httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"],
-                         "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        trust_env=False,
+        json={
+            "model": httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"],
+            "prompt": "The capital of France is",
+            "max_tokens": 6,
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -137,10 +196,19 @@ def test_the_ephemeral_key_is_on_no_command_line(server, launch_key):
 
 def attackers(key: ClusterKey) -> dict[str, dict]:
     own = ClusterKey.generate()
-    return {"no key": {}, "another cluster key": {"curve_serverkey": own.public, "curve_publickey": own.public,
-                                                  "curve_secretkey": own.secret},
-            "own pair, the worker's public key": {"curve_serverkey": key.public, "curve_publickey": own.public,
-                                                  "curve_secretkey": own.secret}}
+    return {
+        "no key": {},
+        "another cluster key": {
+            "curve_serverkey": own.public,
+            "curve_publickey": own.public,
+            "curve_secretkey": own.secret,
+        },
+        "own pair, the worker's public key": {
+            "curve_serverkey": key.public,
+            "curve_publickey": own.public,
+            "curve_secretkey": own.secret,
+        },
+    }
 
 
 def refused_counts(url: str) -> dict[str, float]:
@@ -208,9 +276,23 @@ def test_a_router_with_another_key_says_why_in_health(server, tmp_path):
     write_key_file(tmp_path / "wrong.key", ClusterKey.generate())
     port = free_port()
     workers = [f"--worker={wid.split('-')[0]}={wid}={addr}" for wid, (_, addr) in worker_procs(server).items()]
-    router = subprocess.Popen([sys.executable, "-m", "server.launch.cli", "router", "--port", str(port),
-                               "--cluster-key", str(tmp_path / "wrong.key"), *workers], cwd=REPO_ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "server.launch.cli",
+            "router",
+            "--port",
+            str(port),
+            "--cluster-key",
+            str(tmp_path / "wrong.key"),
+            *workers,
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         detail = ""
@@ -231,8 +313,21 @@ def test_a_router_with_another_key_says_why_in_health(server, tmp_path):
 
 
 def worker_cmd(port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "server.launch.cli", "worker", "--role", "decode", "--worker-id", "lone",
-            "--control-addr", f"tcp://127.0.0.1:{port}", "--kv-pool-tokens", "256", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "server.launch.cli",
+        "worker",
+        "--role",
+        "decode",
+        "--worker-id",
+        "lone",
+        "--control-addr",
+        f"tcp://127.0.0.1:{port}",
+        "--kv-pool-tokens",
+        "256",
+        *flags,
+    ]
 
 
 def test_a_worker_without_a_key_refuses_to_start_unless_insecure():
@@ -243,8 +338,14 @@ def test_a_worker_without_a_key_refuses_to_start_unless_insecure():
     assert "--cluster-key" in r.stderr and "--insecure-control-plane" in r.stderr
     print(f"\n[auth] keyless worker refused in {time.monotonic() - t0:.1f}s")
     port = free_port()
-    p = subprocess.Popen(worker_cmd(port, "--insecure-control-plane"), cwd=REPO_ROOT, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        worker_cmd(port, "--insecure-control-plane"),
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)

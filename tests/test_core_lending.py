@@ -1,5 +1,6 @@
 """Core lending (server.worker.core_lending): the shared ledger, the per-step thread choice, and a real
 PD launch whose prefill worker borrows the idle decode worker's core."""
+
 from __future__ import annotations
 
 import os
@@ -9,9 +10,9 @@ import time
 
 import httpx
 import pytest
-
 from conftest import PD_SERVER_HEARTBEAT_S as HEARTBEAT_S
-from server.testing.subprocess_server import metric_sum, wait_idle
+
+from bench.harness.subprocess_server import metric_sum, wait_idle
 from server.worker.core_lending import CoreLedger, CoreLending, borrows
 
 
@@ -47,10 +48,18 @@ def test_ledger_is_shared_through_the_fd_and_starts_idle():
         assert other.slots["busy"].tolist() == [0, 0, 1]
         assert not other.others_idle(0) and other.others_idle(2)
         # a child process that inherits the fd sees and writes the same memory
-        code = ("import sys; from server.worker.core_lending import CoreLedger; l = CoreLedger.open(int(sys.argv[1])); "
-                "print(l.slots['busy'].tolist()); l.set_busy(1, True); l.set_threads(1, 7)")
-        out = subprocess.run([sys.executable, "-c", code, str(fd)], pass_fds=(fd,), capture_output=True, text=True,
-                             check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        code = (
+            "import sys; from server.worker.core_lending import CoreLedger; l = CoreLedger.open(int(sys.argv[1])); "
+            "print(l.slots['busy'].tolist()); l.set_busy(1, True); l.set_threads(1, 7)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(fd)],
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.dirname(__file__)),
+        )
         assert out.stdout.strip() == "[0, 0, 1]"
         assert ledger.slots["busy"].tolist() == [0, 1, 1] and ledger.slots["threads"][1] == 7
     finally:
@@ -125,12 +134,15 @@ class _Runner:
         self.warmed = tuple(counts)
 
 
-@pytest.mark.parametrize("role,seconds,borrows_,rounds", [
-    ("decode", {1: 0.01, 2: 0.0095}, False, 4),  # 1.05x: under the 1.1x bar, it only lends
-    ("decode", {1: 0.01, 2: 0.0069}, True, 4),   # the Zen 5's 1.45x
-    ("prefill", {1: 0.33, 2: 0.18}, True, 2),    # slow probes: the time budget stops them after 2 rounds
-    ("prefill", {1: 0.2, 2: 0.12}, True, 3),     # 0.96 s a round: the budget is spent in the third
-])
+@pytest.mark.parametrize(
+    "role,seconds,borrows_,rounds",
+    [
+        ("decode", {1: 0.01, 2: 0.0095}, False, 4),  # 1.05x: under the 1.1x bar, it only lends
+        ("decode", {1: 0.01, 2: 0.0069}, True, 4),  # the Zen 5's 1.45x
+        ("prefill", {1: 0.33, 2: 0.18}, True, 2),  # slow probes: the time budget stops them after 2 rounds
+        ("prefill", {1: 0.2, 2: 0.12}, True, 3),  # 0.96 s a round: the budget is spent in the third
+    ],
+)
 def test_a_worker_borrows_only_where_its_measured_matmuls_gain(monkeypatch, role, seconds, borrows_, rounds):
     import argparse
 
@@ -222,12 +234,14 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
     with lending off, with pinned placement, with a user's OMP_NUM_THREADS or a single worker."""
     from configs.schema import PdserveConfig
     from server.launch.launcher import Launcher
-    from server.worker.placement import Placement
     from server.router.registry import WorkerSpec
+    from server.worker.placement import Placement
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    specs = [WorkerSpec("prefill-0", "prefill", "tcp://127.0.0.1:1"),
-             WorkerSpec("decode-0", "decode", "tcp://127.0.0.1:2")]
+    specs = [
+        WorkerSpec("prefill-0", "prefill", "tcp://127.0.0.1:1"),
+        WorkerSpec("decode-0", "decode", "tcp://127.0.0.1:2"),
+    ]
 
     def lending(mode, plan):
         cfg = PdserveConfig.model_validate({"cluster": {"mode": "pd", "core_lending": mode}})
@@ -236,8 +250,10 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
     fd, argv = lending("prefill", Placement(threads=1))
     try:
         assert CoreLedger.open(fd).slots.shape == (2,)
-        assert argv == {"prefill-0": ["--core-ledger-fd", str(fd), "--core-slot", "0", "--lend-threads", "2"],
-                        "decode-0": ["--core-ledger-fd", str(fd), "--core-slot", "1"]}
+        assert argv == {
+            "prefill-0": ["--core-ledger-fd", str(fd), "--core-slot", "0", "--lend-threads", "2"],
+            "decode-0": ["--core-ledger-fd", str(fd), "--core-slot", "1"],
+        }
     finally:
         os.close(fd)
     assert lending("all", Placement(threads=1))[1]["decode-0"][-2:] == ["--lend-threads", "2"]
@@ -259,8 +275,10 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
     total = len(os.sched_getaffinity(0))
     # a distinct prompt each: a repeated one is cached after the first, so its later prefills compute a
     # few tokens at most; distinct ones give every request a whole prefill step to borrow for
-    bodies = [{"prompt": f"Part {i}. " + "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
-              for i in range(4)]
+    bodies = [
+        {"prompt": f"Part {i}. " + "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
+        for i in range(4)
+    ]
     argv = _workers(pd_server)
     before = wait_idle(pd_server.url, HEARTBEAT_S)
     with httpx.Client(base_url=pd_server.url, timeout=120, trust_env=False) as client:
@@ -269,22 +287,29 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
 
     def moved(name: str, worker: str) -> float:
         return metric_sum(after, name, worker=worker) - metric_sum(before, name, worker=worker)
+
     for role in ("prefill", "decode"):
         assert argv[role][argv[role].index("--lend-threads") + 1] == str(total)
     log = pd_server.log()
     assert f"core lending: prefill-0, decode-0 run on all {total} cores" in log
     assert moved("pdserve_worker_finished_requests_total", "prefill-0") == 4
     assert moved("pdserve_worker_borrowed_core_steps_total", "prefill-0") >= 1, (  # what to look at if not
-        {k: {w: metric_sum(after, k, worker=w) for w in ("prefill-0", "decode-0")} for k in (
-            "pdserve_worker_torch_threads", "pdserve_worker_borrowed_core_steps_total")},
-        [line for line in log.splitlines() if "core lending" in line or "step matmuls" in line], log[-3000:])
+        {
+            k: {w: metric_sum(after, k, worker=w) for w in ("prefill-0", "decode-0")}
+            for k in ("pdserve_worker_torch_threads", "pdserve_worker_borrowed_core_steps_total")
+        },
+        [line for line in log.splitlines() if "core lending" in line or "step matmuls" in line],
+        log[-3000:],
+    )
     verdicts = [line for line in log.splitlines() if "[decode-0]" in line and "step matmuls" in line]
     assert len(verdicts) == 1, verdicts
     decode_borrowed = moved("pdserve_worker_borrowed_core_steps_total", "decode-0")
     if verdicts[0].endswith("borrows"):  # 8 tokens each decoded while the prefill worker is idle
         assert decode_borrowed >= 4 and metric_sum(after, "pdserve_worker_torch_threads", worker="decode-0") == total
     else:
-        assert decode_borrowed == 0 and metric_sum(after, "pdserve_worker_torch_threads", worker="decode-0") == total // 2
+        assert (
+            decode_borrowed == 0 and metric_sum(after, "pdserve_worker_torch_threads", worker="decode-0") == total // 2
+        )
     assert len(texts) == 4 and all(texts)
 
 
@@ -292,13 +317,17 @@ def test_what_each_pd_side_publishes_as_busy_and_the_handoff_turn(tiny):
     """In process: a decode worker only reserving pages does not run the model (the prefill
     worker may borrow its core); one with a batch does. A prefill turn that finished handoffs
     while prompts wait computes nothing (the loop learns of the handoff first); the next one does."""
-    from server.testing.pd_harness import PDHarness
+    from bench.harness.pd_harness import PDHarness
     from configs.schema import PdserveConfig
     from transfer.wire.sampling_params import SamplingParams
 
-    cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
-                                        "scheduler": {"chunked_prefill_size": 8},
-                                        "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
+    cfg = PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": 1024, "page_size": 4},
+            "scheduler": {"chunked_prefill_size": 8},
+            "cluster": {"mode": "pd", "transfer_backend": "loopback"},
+        }
+    )
     h = PDHarness(cfg, cfg, tiny[0], tiny[1])
     try:
         steps, real_turn = [], h.prefill_turns.run
@@ -360,7 +389,9 @@ def test_the_probe_waits_for_a_busy_peer_but_not_forever(monkeypatch):
     threading.Timer(0.2, ledger.set_busy, (0, False)).start()
     try:
         t0 = time.monotonic()
-        cores = wm.core_lending(argparse.Namespace(core_ledger_fd=fd, core_slot=1, lend_threads=2, role="decode"), runner)
+        cores = wm.core_lending(
+            argparse.Namespace(core_ledger_fd=fd, core_slot=1, lend_threads=2, role="decode"), runner
+        )
         waited = time.monotonic() - t0
         assert started and not any(started) and waited >= 0.2 and cores.total == 2
         ledger.set_busy(0, True)  # a peer that stays busy: measured anyway after the wait

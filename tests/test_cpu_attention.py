@@ -2,17 +2,18 @@
 the torch backend: hybrid pools (full + SWA, SWA page 0 poisoned), sliding windows, GQA groups,
 mixed context lengths, 1 and 3 threads; backend selection and the fallbacks when the kernel
 cannot be had."""
+
 from __future__ import annotations
 
 import logging
 
 import pytest
 import torch
+from test_swa_pool import PAGE, TYPES, _decode_batch
 
 from cache.kv_pools import KVPools
 from engine.attention import CpuBackend, TorchBackend, make_backend
 from engine.kernels import cpu_native
-from test_swa_pool import PAGE, TYPES, _decode_batch
 
 needs_kernel = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler for the CPU kernel")
 
@@ -39,8 +40,12 @@ def test_cpu_kernel_decode_equals_the_torch_backend_on_a_hybrid_pool(window, thr
     got.prepare(batch)
     q = torch.randn(len(seq_lens), 4 * 16, generator=g)
     for layer in range(len(TYPES)):
-        torch.testing.assert_close(got._decode(q.view(-1, 4, 16), layer, batch),
-                                   want._decode(q.view(-1, 4, 16), layer, batch), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got._decode(q.view(-1, 4, 16), layer, batch),
+            want._decode(q.view(-1, 4, 16), layer, batch),
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 @needs_kernel
@@ -58,17 +63,18 @@ def test_cpu_kernel_matches_sdpa_for_gqa_groups_and_long_contexts(group, head_di
     rows, used = [], 0
     for n in seq_lens:
         k = -(-n // P)
-        rows.append(order[used:used + k] + [0] * (44 - k))
+        rows.append(order[used : used + k] + [0] * (44 - k))
         used += k
     table = torch.tensor(rows)
     hi, lo = torch.tensor(seq_lens), torch.zeros(len(seq_lens), dtype=torch.int64)
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g)
-    got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, prefetch, dot=False)
+    got = cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim**-0.5, 2, prefetch, dot=False)
     other = cpu_native.PREFETCH_L2 if prefetch == cpu_native.PREFETCH_L1 else cpu_native.PREFETCH_L1
-    assert torch.equal(got, cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim ** -0.5, 2, other,
-                                                    dot=False))
+    assert torch.equal(
+        got, cpu_native.paged_decode(q, pools.full.buffer, 1, table, lo, hi, head_dim**-0.5, 2, other, dot=False)
+    )
     for i, n in enumerate(seq_lens):
-        pg = table[i, :-(-n // P)]
+        pg = table[i, : -(-n // P)]
         k = pools.full.buffer[pg, 1, 0].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
         v = pools.full.buffer[pg, 1, 1].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
         ref = torch.nn.functional.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, enable_gqa=True)
@@ -99,17 +105,18 @@ def test_cpu_decode_bfloat16_products_within_one_rounding_of_the_weights(group, 
         pool[p] = 1e4
     lo, hi = torch.tensor([a for a, _ in spans]), torch.tensor([b for _, b in spans])
     q = torch.randn(len(spans), kv_heads * group, head_dim, generator=g).to(torch.bfloat16)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = cpu_native.paged_decode(q, pool, 1, table, lo, hi, scale, 2, prefetch, dot=True)
     assert torch.equal(got, cpu_native.paged_decode(q, pool, 1, table, lo, hi, scale, 1, 1 - prefetch, dot=True))
     for i, (a, b) in enumerate(spans):
-        pg = table[i, :-(-b // P)]
+        pg = table[i, : -(-b // P)]
         k = pool[pg, 1, 0].reshape(-1, kv_heads, head_dim)[a:b].transpose(0, 1).double()
         v = pool[pg, 1, 1].reshape(-1, kv_heads, head_dim)[a:b].transpose(0, 1).double()
-        ref = torch.nn.functional.scaled_dot_product_attention(q[i].double().unsqueeze(1), k, v, scale=scale,
-                                                               enable_gqa=True).squeeze(1)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[i].double().unsqueeze(1), k, v, scale=scale, enable_gqa=True
+        ).squeeze(1)
         err = (got[i].double() - ref).norm() / ref.norm()
-        assert err < 2 ** -8, (i, err)
+        assert err < 2**-8, (i, err)
     assert not torch.equal(got, cpu_native.paged_decode(q, pool, 1, table, lo, hi, scale, 2, prefetch, dot=False))
 
 
@@ -212,7 +219,7 @@ def _extend_reference(q, pool, layer, table, pos0, ext, window, scale):
         pages = table[b, : -(-seq // P)]
         k = pool[pages, layer, 0].reshape(-1, *pool.shape[4:])[:seq].double()  # [seq, Hkv, D]
         v = pool[pages, layer, 1].reshape(-1, *pool.shape[4:])[:seq].double()
-        qb = q[row:row + n].double()                                            # [n, H, D]
+        qb = q[row : row + n].double()  # [n, H, D]
         g = q.shape[1] // k.shape[1]
         s = torch.einsum("nhd,shd->hns", qb, k.repeat_interleave(g, 1)) * scale
         qpos, kpos = torch.arange(p0, seq)[:, None], torch.arange(seq)[None]
@@ -225,12 +232,15 @@ def _extend_reference(q, pool, layer, table, pos0, ext, window, scale):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [
-    (9, 3, 64, None),    # SmolLM2: 16 query tokens a tile
-    (4, 1, 256, 40),     # Gemma 3's shape, a window shorter than the prompt
-    (8, 8, 64, None),    # MHA: 48 tokens a tile
-    (6, 1, 128, 7),      # group 6: tiles of 8 tokens, pad rows
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window",
+    [
+        (9, 3, 64, None),  # SmolLM2: 16 query tokens a tile
+        (4, 1, 256, 40),  # Gemma 3's shape, a window shorter than the prompt
+        (8, 8, 64, None),  # MHA: 48 tokens a tile
+        (6, 1, 128, 7),  # group 6: tiles of 8 tokens, pad rows
+    ],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dot", [False, True])
 def test_tiled_extend_kernel_equals_dense_attention(dtype, heads, kv_heads, head_dim, window, threads, dot):
@@ -254,7 +264,7 @@ def test_tiled_extend_kernel_equals_dense_attention(dtype, heads, kv_heads, head
     ext_t, pos0_t = torch.tensor(ext), torch.tensor(pos0)
     qstart = torch.cumsum(ext_t, 0) - ext_t
     assert cpu_native.extend_supported(heads, kv_heads, head_dim)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = cpu_native.paged_extend(q, pool, 1, table, qstart, pos0_t, ext_t, window, scale, threads, dot)
     if not (dot and dtype == torch.bfloat16 and cpu_native.extend_dot_available()):
         want = _extend_reference(q, pool, 1, table, pos0_t, ext_t, window, scale)
@@ -263,13 +273,13 @@ def test_tiled_extend_kernel_equals_dense_attention(dtype, heads, kv_heads, head
     rounded = (q.double() * scale).to(torch.bfloat16).double() / scale
     want = _extend_reference(rounded, pool, 1, table, pos0_t, ext_t, window, scale)
     err = (got - want).norm() / want.norm()
-    assert err < 2 ** -9, err
+    assert err < 2**-9, err
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
     fp32_math = cpu_native.paged_extend(q, pool, 1, table, qstart, pos0_t, ext_t, window, scale, threads, False)
     assert not torch.equal(got, fp32_math)
 
 
 def test_tiled_extend_shape_limits():
-    assert not cpu_native.extend_supported(9, 3, 32)      # head_dim not 4 vectors
-    assert not cpu_native.extend_supported(64, 1, 64)     # group over 48 rows
+    assert not cpu_native.extend_supported(9, 3, 32)  # head_dim not 4 vectors
+    assert not cpu_native.extend_supported(64, 1, 64)  # group over 48 rows
     assert cpu_native.extend_supported(48, 1, 64)

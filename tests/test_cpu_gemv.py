@@ -1,4 +1,5 @@
 """The small-batch bfloat16 matmul kernel (engine/kernels/cpu_gemv.c) behind engine.cpu_linear."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,9 +8,12 @@ from engine import cpu_linear
 from engine.cpu_linear import GEMV_MAX_BYTES, linear, pack
 from engine.kernels import cpu_native, decode_prefetch
 
-pytestmark = [pytest.mark.unit,
-              pytest.mark.skipif(not cpu_native.gemv_available(),
-                                 reason="this CPU has no AVX512-BF16: the gemv kernel is not built here")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        not cpu_native.gemv_available(), reason="this CPU has no AVX512-BF16: the gemv kernel is not built here"
+    ),
+]
 
 
 def _exact_rounded(x, w, bias):
@@ -22,7 +26,7 @@ def _exact_rounded(x, w, bias):
 def _check(y, ref):
     """Every output is the exact result rounded to bfloat16, up to one bfloat16 step where the
     float32 sum sat next to a rounding boundary."""
-    step = ref.abs().float().clamp_min(1e-30) * 2.0 ** -7
+    step = ref.abs().float().clamp_min(1e-30) * 2.0**-7
     assert ((y.double() - ref).abs() <= step.double()).all()
     assert (y == ref.to(torch.bfloat16)).float().mean() > 0.99
 
@@ -81,7 +85,9 @@ def test_linear_routes_small_batches_to_the_kernel(monkeypatch):
     assert calls == [1, top]  # more rows stay on oneDNN
 
 
-@pytest.mark.parametrize("kernel_s,onednn_s,want", [(1.0, 2.0, cpu_native.GEMV_MAX_ROWS), (2.0, 1.0, cpu_linear.GEMV_ROWS)])
+@pytest.mark.parametrize(
+    "kernel_s,onednn_s,want", [(1.0, 2.0, cpu_native.GEMV_MAX_ROWS), (2.0, 1.0, cpu_linear.GEMV_ROWS)]
+)
 def test_the_kernel_takes_eight_rows_only_where_it_beats_onednn_there(monkeypatch, kernel_s, onednn_s, want):
     if not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
         pytest.skip("bfloat16 weights are not packed on this CPU")

@@ -2,6 +2,7 @@
 float32 rounding) at decode and prefill row counts (padded to a bucket, chunked past CHUNK_ROWS),
 with bias and batched inputs; warm-up covers every bucket once per shape; other weights stay plain
 tensors and go through F.linear unchanged."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ def test_packed_linear_equals_f_linear(rows):
     torch.testing.assert_close(linear(x, p, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     x3 = x.view(1, rows, 64).expand(2, rows, 64)
     assert linear(x3, p).shape == (2, rows, 96)
-    torch.testing.assert_close(linear(x[:, ::2].repeat(1, 2), p), F.linear(x[:, ::2].repeat(1, 2), w),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        linear(x[:, ::2].repeat(1, 2), p), F.linear(x[:, ::2].repeat(1, 2), w), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_other_weights_stay_plain():

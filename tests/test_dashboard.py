@@ -12,6 +12,7 @@ Screenshots (``dashboard.png`` under load, ``dashboard-idle.png``, ``dashboard-d
 the test's tmp dir, and at ``$PDSERVE_DASHBOARD_SCREENSHOT`` (the first) and beside it when set.
 The tests share one server and one page and run in file order.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,14 +27,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from chromium_cdp import Browser, find_chromium
+
+from bench.harness.subprocess_server import LaunchedServer, fresh_metrics, wait_idle
 from configs.schema import PdserveConfig
 from server.router.app import build_context
 from server.router.dashboard import snapshot
 from server.router.metrics import LATENCY_BUCKETS
 from server.router.registry import WorkerSpec
-from server.testing.subprocess_server import LaunchedServer, fresh_metrics, wait_idle
 from transfer.wire.protocol import HistogramData, WorkerStats
 
 pytestmark = pytest.mark.process
@@ -43,25 +44,53 @@ WORKER_TIMEOUT_S = 10.0
 KEY = "dashboard-test-key"
 POOL_TOKENS = 384  # 24 pages: 10 requests of ~40 + 40 tokens need ~50, so decode retracts for memory
 STORM = (10, 40)  # concurrent requests, tokens each (small: this machine is shared and slow)
-SHARED = ("You are a helpful assistant that answers questions about geography, history and science "
-          "in one short paragraph. Question: ")
-QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
-             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
-             "What causes tides?", "Why do leaves change color?"]
+SHARED = (
+    "You are a helpful assistant that answers questions about geography, history and science "
+    "in one short paragraph. Question: "
+)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Who built the pyramids?",
+    "What is photosynthesis?",
+    "Where is Mount Everest?",
+    "When did the Roman Empire fall?",
+    "How do volcanoes form?",
+    "What causes tides?",
+    "Why do leaves change color?",
+]
 CHROMIUM = find_chromium()
-NO_CHROMIUM = ("\n" + "!" * 100 + "\n!!! CHROMIUM IS NOT INSTALLED: the dashboard BROWSER tests DID NOT RUN.\n"
-               "!!! Install it as root: apt-get install -y chromium chromium-driver (.ci/run does, and sets\n"
-               "!!! PDSERVE_REQUIRE_CHROMIUM=1 so that CI fails instead of skipping).\n" + "!" * 100)
+NO_CHROMIUM = (
+    "\n" + "!" * 100 + "\n!!! CHROMIUM IS NOT INSTALLED: the dashboard BROWSER tests DID NOT RUN.\n"
+    "!!! Install it as root: apt-get install -y chromium chromium-driver (.ci/run does, and sets\n"
+    "!!! PDSERVE_REQUIRE_CHROMIUM=1 so that CI fails instead of skipping).\n" + "!" * 100
+)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # every series the page must show with its /metrics value (a subset check would let panels rot)
-REQUIRED_SERIES = {"pdserve_worker_up", "pdserve_kv_pool_pages", "pdserve_host_kv_pool_bytes", "pdserve_queue_requests",
-                   "pdserve_new_token_ratio", "pdserve_retractions_total", "pdserve_retract_resumed_total",
-                   "pdserve_oom_aborts_total", "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_count",
-                   "pdserve_transfer_failures_total", "pdserve_requests_total", "pdserve_inflight_requests",
-                   "pdserve_ttft_seconds_count", "pdserve_tpot_seconds_count", "pdserve_generation_tokens_total",
-                   "pdserve_migrations_total", "pdserve_migration_bytes_total", "pdserve_migration_seconds_count"}
+REQUIRED_SERIES = {
+    "pdserve_worker_up",
+    "pdserve_kv_pool_pages",
+    "pdserve_host_kv_pool_bytes",
+    "pdserve_queue_requests",
+    "pdserve_new_token_ratio",
+    "pdserve_retractions_total",
+    "pdserve_retract_resumed_total",
+    "pdserve_oom_aborts_total",
+    "pdserve_kv_transfer_bytes_total",
+    "pdserve_kv_transfer_seconds_count",
+    "pdserve_transfer_failures_total",
+    "pdserve_requests_total",
+    "pdserve_inflight_requests",
+    "pdserve_ttft_seconds_count",
+    "pdserve_tpot_seconds_count",
+    "pdserve_generation_tokens_total",
+    "pdserve_migrations_total",
+    "pdserve_migration_bytes_total",
+    "pdserve_migration_seconds_count",
+}
 PANELS = ("workers", "pools", "queues", "retract", "transfer", "migration", "requests")
-IDLE_PANELS = {"migration"}  # drawn, but flat here: this server has one decode worker (tests/test_migration_e2e.py moves)
+IDLE_PANELS = {
+    "migration"
+}  # drawn, but flat here: this server has one decode worker (tests/test_migration_e2e.py moves)
 
 
 def need_chromium() -> str:
@@ -74,12 +103,33 @@ def need_chromium() -> str:
 
 @pytest.fixture(scope="module")
 def server(launched_server):
-    return launched_server("pd", "--api-key", KEY,
-                           "--kv-pool-tokens", str(POOL_TOKENS), "--page-size", "16", "--max-model-len", "1024",
-                           "--host-kv-pool-gb", "0.002", "--init-new-token-ratio", "0.05",
-                           "--retract-test-interval", "12", "--peer-timeout-s", "30", "--bootstrap-timeout-s", "900",
-                           "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", str(WORKER_TIMEOUT_S),
-                           "--log-level", "WARNING")
+    return launched_server(
+        "pd",
+        "--api-key",
+        KEY,
+        "--kv-pool-tokens",
+        str(POOL_TOKENS),
+        "--page-size",
+        "16",
+        "--max-model-len",
+        "1024",
+        "--host-kv-pool-gb",
+        "0.002",
+        "--init-new-token-ratio",
+        "0.05",
+        "--retract-test-interval",
+        "12",
+        "--peer-timeout-s",
+        "30",
+        "--bootstrap-timeout-s",
+        "900",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--worker-timeout-s",
+        str(WORKER_TIMEOUT_S),
+        "--log-level",
+        "WARNING",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +172,11 @@ def data(url: str) -> dict:
 # ---- reading numbers back from /metrics and the DOM ----------------------------------------------
 def histogram_quantile(q: float, m: dict, hist: str, labels: dict) -> float | None:
     """Prometheus' histogram_quantile over the cumulative ``hist``_bucket samples of ``labels``."""
-    buckets = sorted((float(dict(lab)["le"]), v) for (n, lab), v in m.items()
-                     if n == f"{hist}_bucket" and {k: x for k, x in lab if k != "le"} == labels)
+    buckets = sorted(
+        (float(dict(lab)["le"]), v)
+        for (n, lab), v in m.items()
+        if n == f"{hist}_bucket" and {k: x for k, x in lab if k != "le"} == labels
+    )
     total = buckets[-1][1]
     if not total:
         return None
@@ -139,10 +192,14 @@ def histogram_quantile(q: float, m: dict, hist: str, labels: dict) -> float | No
 
 def dom_values(page) -> tuple[list, list]:
     """([(metric, labels, value)], [(hist, q, labels, value)]) of every number tagged in the page."""
-    samples = page.evaluate("JSON.stringify([...document.querySelectorAll('[data-metric]')]"
-                            ".map(e => [e.dataset.metric, e.dataset.labels, e.dataset.value]))")
-    quantiles = page.evaluate("JSON.stringify([...document.querySelectorAll('[data-hist]')]"
-                              ".map(e => [e.dataset.hist, e.dataset.q, e.dataset.labels, e.dataset.value]))")
+    samples = page.evaluate(
+        "JSON.stringify([...document.querySelectorAll('[data-metric]')]"
+        ".map(e => [e.dataset.metric, e.dataset.labels, e.dataset.value]))"
+    )
+    quantiles = page.evaluate(
+        "JSON.stringify([...document.querySelectorAll('[data-hist]')]"
+        ".map(e => [e.dataset.hist, e.dataset.q, e.dataset.labels, e.dataset.value]))"
+    )
     return json.loads(samples), json.loads(quantiles)
 
 
@@ -168,10 +225,12 @@ def mismatches(page, m: dict) -> list[str]:
 
 def panel_fill(page) -> dict:
     """Per panel: (table rows, series paths with >= 2 points, largest value any of them plotted)."""
-    return json.loads(page.evaluate("""JSON.stringify(Object.fromEntries([...document.querySelectorAll('.panel')]
+    return json.loads(
+        page.evaluate("""JSON.stringify(Object.fromEntries([...document.querySelectorAll('.panel')]
         .map(p => { const s = [...p.querySelectorAll('path.series')].filter(e => +e.dataset.n >= 2);
                     return [p.dataset.panel, [p.querySelectorAll('tbody tr').length, s.length,
-                                              Math.max(0, ...s.map(e => +e.dataset.max))]]; })))"""))
+                                              Math.max(0, ...s.map(e => +e.dataset.max))]]; })))""")
+    )
 
 
 def worker_row(page, worker: str) -> dict:
@@ -192,6 +251,7 @@ def worker_pid(server: LaunchedServer, role: str) -> int:
 def page_errors(page, allowed_401: bool = False) -> list[str]:
     def expected(e: str) -> bool:
         return allowed_401 and e.startswith("log (network)") and "401" in e and "/dashboard/data" in e
+
     return [e for e in page.errors() if not expected(e)]
 
 
@@ -199,10 +259,16 @@ def page_errors(page, allowed_401: bool = False) -> list[str]:
 def storm(url: str, model: str, n: int = 32, max_tokens: int = 64) -> list:
     """``n`` concurrent streamed completions (shared prefix, ``ignore_eos``): each one's token count,
     or its exception."""
+
     async def one(c, i):
-        r = await c.completions.create(model=model, prompt=SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // 8),
-                                       max_tokens=max_tokens, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+        r = await c.completions.create(
+            model=model,
+            prompt=SHARED + QUESTIONS[i % len(QUESTIONS)] + " " * (i // 8),
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         ids = []
         async for chunk in r:
             if chunk.choices:
@@ -234,9 +300,18 @@ def test_snapshot_follows_the_registry_and_router_metrics():
 
     def stats(instance: str) -> WorkerStats:
         hist = HistogramData(buckets=[0.1, 1.0], counts=[1, 2, 0], sum=1.5)
-        return WorkerStats(worker_id="d0", instance=instance, role="decode", model="m", capacity_tokens=64,
-                           max_model_len=64, page_size=16, counters={"retractions": 3.0},
-                           gauges={"kv_pages_free": 2.0}, histograms={"kv_transfer_seconds": hist})
+        return WorkerStats(
+            worker_id="d0",
+            instance=instance,
+            role="decode",
+            model="m",
+            capacity_tokens=64,
+            max_model_len=64,
+            page_size=16,
+            counters={"retractions": 3.0},
+            gauges={"kv_pages_free": 2.0},
+            histograms={"kv_transfer_seconds": hist},
+        )
 
     def worker():
         return snapshot(ctx, clock).workers[0]
@@ -252,8 +327,11 @@ def test_snapshot_follows_the_registry_and_router_metrics():
     assert (worker().state, worker().up, worker().reason) == ("dead", False, "worker process exited with code -9")
     now[0] = 140.0
     ctx.registry.mark_restarting("d0", "restarting: the previous process exited with code -9")  # still loading
-    assert (worker().state, worker().restarts, worker().reason) == ("restarting", 0, "restarting: the previous "
-                                                                                     "process exited with code -9")
+    assert (worker().state, worker().restarts, worker().reason) == (
+        "restarting",
+        0,
+        "restarting: the previous process exited with code -9",
+    )
     ctx.registry.on_stats("d0", stats("b"))
     now[0] = 145.0
     assert (worker().state, worker().restarts, worker().uptime_s, worker().reason) == ("ready", 1, 5.0, "")
@@ -286,8 +364,10 @@ def test_data_needs_the_key_and_assets_are_local(url):
         assert r.json()["error"]["code"] == "invalid_api_key" and "Bearer" in r.json()["error"]["message"]
     snap = data(url)
     assert snap["version"] == 1 and snap["mode"] == "pd" and snap["healthy"] is True
-    assert sorted((w["role"], w["state"], w["up"]) for w in snap["workers"]) == [("decode", "ready", True),
-                                                                                 ("prefill", "ready", True)]
+    assert sorted((w["role"], w["state"], w["up"]) for w in snap["workers"]) == [
+        ("decode", "ready", True),
+        ("prefill", "ready", True),
+    ]
     assert all(w["uptime_s"] > 0 and w["model"] == snap["model"] for w in snap["workers"])
 
 
@@ -309,8 +389,11 @@ def test_data_equals_metrics(url):
         for state in ("free", "used", "cached"):
             assert w["gauges"][f"kv_pages_{state}"] == m[("pdserve_kv_pool_pages", (("state", state), *lab))]
     prefill = next(w for w in snap["workers"] if w["role"] == "prefill")
-    assert sum(prefill["histograms"]["kv_transfer_seconds"]["counts"]) == m[
-        ("pdserve_kv_transfer_seconds_count", (("worker", prefill["id"]),))] >= 3
+    assert (
+        sum(prefill["histograms"]["kv_transfer_seconds"]["counts"])
+        == m[("pdserve_kv_transfer_seconds_count", (("worker", prefill["id"]),))]
+        >= 3
+    )
 
 
 def test_page_asks_for_the_key(page):
@@ -365,10 +448,18 @@ def test_page_through_a_retract_storm(page, url, shots):
     events = page.evaluate("[...document.querySelectorAll('#retract-events li.retract')].map(e => e.textContent)")
     assert markers >= 2 and events and all("tokens freed" in e and "offload" in e for e in events)
     shot = save_shot(page, shots, "dashboard-idle.png")
-    summary = {"peaks": peaks, "events": events, "markers": markers, "screenshot": str(shot),
-               "tiles": page.evaluate("[...document.querySelectorAll('.tile')].map(t => t.innerText.replace('\\n', ': '))"),
-               "metrics": {f"{n}{dict(lab)}": v for (n, lab), v in m.items()
-                           if n.startswith(("pdserve_retract", "pdserve_oom", "pdserve_kv_transfer_bytes"))}}
+    summary = {
+        "peaks": peaks,
+        "events": events,
+        "markers": markers,
+        "screenshot": str(shot),
+        "tiles": page.evaluate("[...document.querySelectorAll('.tile')].map(t => t.innerText.replace('\\n', ': '))"),
+        "metrics": {
+            f"{n}{dict(lab)}": v
+            for (n, lab), v in m.items()
+            if n.startswith(("pdserve_retract", "pdserve_oom", "pdserve_kv_transfer_bytes"))
+        },
+    }
     (shots / "storm-summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     assert page_errors(page, allowed_401=True) == []
@@ -380,18 +471,25 @@ def test_killed_worker_turns_red_with_its_reason(page, server, url, shots):
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     # dead, and 'restarting' as soon as the launcher has started a new process for it
-    page.wait_for(f"['dead', 'restarting'].includes(document.querySelector('#workers tr[data-worker=\"{decode}\"] "
-                  f".badge').textContent)", WORKER_TIMEOUT_S)
+    page.wait_for(
+        f"['dead', 'restarting'].includes(document.querySelector('#workers tr[data-worker=\"{decode}\"] "
+        f".badge').textContent)",
+        WORKER_TIMEOUT_S,
+    )
     seen_after = time.monotonic() - t0
     row = worker_row(page, decode)
-    assert ("state-dead" in row["cls"] and row["color"] == "rgb(253, 232, 232)") or \
-        ("state-restarting" in row["cls"] and row["color"] == "rgb(253, 243, 224)"), row
+    assert ("state-dead" in row["cls"] and row["color"] == "rgb(253, 232, 232)") or (
+        "state-restarting" in row["cls"] and row["color"] == "rgb(253, 243, 224)"
+    ), row
     assert "exited with code -9" in row["reason"], row
     assert page.evaluate("document.getElementById('health').textContent") == "degraded"
     save_shot(page, shots, "dashboard-dead.png")
     print(f"decode worker shown dead {seen_after:.2f}s after SIGKILL: {row['reason']}")
-    page.wait_for(f"document.querySelector('#workers tr[data-worker=\"{decode}\"] .badge').textContent === 'ready'",
-                  180, poll_s=1.0)
+    page.wait_for(
+        f"document.querySelector('#workers tr[data-worker=\"{decode}\"] .badge').textContent === 'ready'",
+        180,
+        poll_s=1.0,
+    )
     row = worker_row(page, decode)
     assert "restarts: 1" in row["text"] and row["reason"] == "", row
     assert page_errors(page, allowed_401=True) == []

@@ -1,4 +1,5 @@
 """bench.decode_attention: the decode attention kernel timed with float32 math and bfloat16 products."""
+
 from __future__ import annotations
 
 import pytest

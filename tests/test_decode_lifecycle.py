@@ -1,6 +1,7 @@
 """The decode job's state machine (``DecodeState``: every edge checked, illegal ones raise, the
 shared ``Phase`` kept in step) and the edges a retract-heavy PD run takes through
 ``RetractManager`` (offload, resume, recompute)."""
+
 from __future__ import annotations
 
 import itertools
@@ -9,10 +10,10 @@ import random
 import pytest
 from conftest import hf_greedy
 
+from bench.harness.pd_harness import PDHarness
 from configs.schema import PdserveConfig
 from decode_worker.jobs import PHASE_OF, TRANSITIONS, DecodeJob, DecodeState, IllegalTransition, can_move
 from engine.request import Phase, Request
-from server.testing.pd_harness import PDHarness
 from transfer.wire.enums import FinishReason
 from transfer.wire.sampling_params import SamplingParams
 
@@ -21,9 +22,13 @@ LIFE = [S.AWAITING_KV, S.RUNNING, S.HOST_PARKED, S.RUNNING, S.RECOMPUTING, S.AWA
 
 
 def pd_cfg(pool: int, host_gb: float, **sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": pool, "page_size": 4}, "scheduler": sched,
-                                         "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb,
-                                                     "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": pool, "page_size": 4},
+            "scheduler": sched,
+            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "transfer_backend": "loopback"},
+        }
+    )
 
 
 def job(state: DecodeState = S.QUEUED) -> DecodeJob:
@@ -46,10 +51,21 @@ def test_the_full_life_keeps_the_phase_in_step():
     assert j.state is S.FINISHED and j.req.status is Phase.FINISHED
 
 
-@pytest.mark.parametrize("src,dst", [(S.QUEUED, S.RUNNING), (S.QUEUED, S.HOST_PARKED), (S.AWAITING_KV, S.HOST_PARKED),
-                                     (S.RUNNING, S.AWAITING_KV), (S.HOST_PARKED, S.RECOMPUTING),
-                                     (S.RECOMPUTING, S.RUNNING), (S.FINISHED, S.RUNNING), (S.FINISHED, S.FINISHED),
-                                     (S.RUNNING, S.RUNNING), (S.RUNNING, S.QUEUED)])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (S.QUEUED, S.RUNNING),
+        (S.QUEUED, S.HOST_PARKED),
+        (S.AWAITING_KV, S.HOST_PARKED),
+        (S.RUNNING, S.AWAITING_KV),
+        (S.HOST_PARKED, S.RECOMPUTING),
+        (S.RECOMPUTING, S.RUNNING),
+        (S.FINISHED, S.RUNNING),
+        (S.FINISHED, S.FINISHED),
+        (S.RUNNING, S.RUNNING),
+        (S.RUNNING, S.QUEUED),
+    ],
+)
 def test_an_illegal_transition_raises_and_changes_nothing(src, dst):
     j = job(src)
     phase = j.req.status
@@ -93,9 +109,15 @@ def test_a_retract_heavy_pd_run_takes_offload_resume_and_recompute_edges(tiny, m
         assert [out[f"r{i}"]["tokens"] for i in range(len(ps))] == [hf_greedy(tiny[2], p, 16) for p in ps]
         rs = h.decode.retract.stats
         assert rs.offloaded > 0 and rs.recomputed > 0 and rs.resumed == rs.offloaded
-        assert {(S.QUEUED, S.AWAITING_KV), (S.AWAITING_KV, S.RUNNING), (S.RUNNING, S.HOST_PARKED),
-                (S.HOST_PARKED, S.RUNNING), (S.RUNNING, S.RECOMPUTING), (S.RECOMPUTING, S.AWAITING_KV),
-                (S.RUNNING, S.FINISHED)} <= edges
+        assert {
+            (S.QUEUED, S.AWAITING_KV),
+            (S.AWAITING_KV, S.RUNNING),
+            (S.RUNNING, S.HOST_PARKED),
+            (S.HOST_PARKED, S.RUNNING),
+            (S.RUNNING, S.RECOMPUTING),
+            (S.RECOMPUTING, S.AWAITING_KV),
+            (S.RUNNING, S.FINISHED),
+        } <= edges
         assert not h.decode.jobs
         h.check_clean()
     finally:

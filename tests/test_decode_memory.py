@@ -1,4 +1,5 @@
 """Unit tests of retract victim selection, the last-request abort and the new_token_ratio tracker."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,7 @@ def test_victim_order_least_output_then_longest_input():
 def test_retract_takes_victims_in_the_configured_order(order, first):
     kv = KVManager(PageAllocator(8), 4, False)
     old, new = req("old", 7, 5, kv), req("new", 7, 1, kv)  # 3 + 2 pages used, 3 free
-    res = retract_decode(kv, [old, new], retract_steps=8, release_victim=lambda r: kv.free(r.kv),
-                         retract_order=order)
+    res = retract_decode(kv, [old, new], retract_steps=8, release_victim=lambda r: kv.free(r.kv), retract_order=order)
     assert [r.rid for r in res.retracted] == [first]
     assert check_decode_mem(kv, res.kept, 8)
 

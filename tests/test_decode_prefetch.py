@@ -2,6 +2,7 @@
 env override, the pick of the faster timed mode per kernel, the last-level cache read from sysfs
 and the probes' size. That both modes give the same output is tested with each kernel
 (test_cpu_attention.py, test_cpu_gemv.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,10 +44,12 @@ def test_env_naming_no_mode_is_an_error_that_lists_the_modes(fresh_modes, monkey
 @needs_kernel
 def test_each_kernel_keeps_its_faster_mode_for_the_process(fresh_modes, monkeypatch):
     calls = []
-    monkeypatch.setattr(decode_prefetch, "time_attention",
-                        lambda n: calls.append("attention") or {PREFETCH_L1: 2.0, PREFETCH_L2: 1.0})
-    monkeypatch.setattr(decode_prefetch, "time_gemv",
-                        lambda n: calls.append("gemv") or {PREFETCH_L1: 1.0, PREFETCH_L2: 1.5})
+    monkeypatch.setattr(
+        decode_prefetch, "time_attention", lambda n: calls.append("attention") or {PREFETCH_L1: 2.0, PREFETCH_L2: 1.0}
+    )
+    monkeypatch.setattr(
+        decode_prefetch, "time_gemv", lambda n: calls.append("gemv") or {PREFETCH_L1: 1.0, PREFETCH_L2: 1.5}
+    )
     monkeypatch.setattr(cpu_native, "gemv_available", lambda: True)
     assert decode_prefetch.modes() == Modes(attention=PREFETCH_L2, gemv=PREFETCH_L1)
     assert decode_prefetch.modes() == Modes(attention=PREFETCH_L2, gemv=PREFETCH_L1)
@@ -63,8 +66,10 @@ def test_without_the_matmul_kernel_only_attention_is_timed(fresh_modes, monkeypa
 
 @needs_kernel
 def test_the_probes_time_both_modes_on_real_data():
-    for times in (decode_prefetch.time_attention(8 << 20, rounds=1),
-                  *([decode_prefetch.time_gemv(8 << 20, rounds=1)] if cpu_native.gemv_available() else [])):
+    for times in (
+        decode_prefetch.time_attention(8 << 20, rounds=1),
+        *([decode_prefetch.time_gemv(8 << 20, rounds=1)] if cpu_native.gemv_available() else []),
+    ):
         assert set(times) == {PREFETCH_L1, PREFETCH_L2}
         assert all(0 < t < 10 for t in times.values())
 
@@ -78,7 +83,8 @@ def test_last_level_cache_is_the_highest_level_in_sysfs(tmp_path):
     assert decode_prefetch.last_level_cache_bytes(tmp_path / "absent") is None
 
 
-@pytest.mark.parametrize("llc,want", [(None, 64 << 20), (16 << 20, 64 << 20), (96 << 20, 192 << 20),
-                                      (512 << 20, 256 << 20)])
+@pytest.mark.parametrize(
+    "llc,want", [(None, 64 << 20), (16 << 20, 64 << 20), (96 << 20, 192 << 20), (512 << 20, 256 << 20)]
+)
 def test_probe_reads_twice_the_cache_within_bounds(llc, want):
     assert decode_prefetch.probe_bytes(llc) == want

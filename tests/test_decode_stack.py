@@ -2,12 +2,13 @@
 layers in one call must compute bitwise what the per-layer Python path computes (logits and every
 KV byte it stores), for bfloat16 and int8 weights and every row count it takes; and it must leave to
 the Python path every step it cannot run."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import engine_cfg, sched_cfg, tiny_config, tiny_weights
+
 from engine import cpu_linear
 from engine.decode_stack import ENV, DecodeStack
 from engine.forward_batch import ForwardMode
@@ -19,7 +20,8 @@ from transfer.wire.sampling_params import SamplingParams
 pytestmark = pytest.mark.unit
 needs_kernel = pytest.mark.skipif(
     not cpu_native.gemv_available() or not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)),
-    reason="this CPU has no AVX512-BF16: the small-batch kernels (and so the stack) are not built here")
+    reason="this CPU has no AVX512-BF16: the small-batch kernels (and so the stack) are not built here",
+)
 
 
 class _BothPaths:
@@ -57,8 +59,11 @@ def test_a_decode_step_through_the_stack_is_bitwise_the_layer_path(embedded, wei
     every = weights == "float32" or (weights == "bfloat16" and cpu_linear.pairs_take_all())  # panels only
     limit = cpu_linear.PANELS_ROWS if every else cpu_linear.pairs_rows()
     top = 40 if every else limit  # panels-only weights take any rows: 40 is seven register blocks
-    llm = LLM(engine_cfg(dtype="float32" if weights == "float32" else "bfloat16", **extra),
-              sched_cfg(max_running_requests=top, chunked_prefill_size=8192), loaded=embedded[:3])
+    llm = LLM(
+        engine_cfg(dtype="float32" if weights == "float32" else "bfloat16", **extra),
+        sched_cfg(max_running_requests=top, chunked_prefill_size=8192),
+        loaded=embedded[:3],
+    )
     stack = llm.runner.model.stack
     assert stack is not None and stack.max_rows == limit  # every SmolLM2 matmul is (pair-)panel
     both = _BothPaths(llm.runner.model)
@@ -81,8 +86,9 @@ def test_the_stack_leaves_other_steps_to_the_layer_path(embedded, monkeypatch):
 
     monkeypatch.setattr(cpu_linear, "pairs_take_all", lambda: False)  # a row limit of pairs_rows()
 
-    llm = LLM(engine_cfg(dtype="bfloat16"), sched_cfg(max_running_requests=cpu_linear.pairs_rows() + 2),
-              loaded=embedded[:3])
+    llm = LLM(
+        engine_cfg(dtype="bfloat16"), sched_cfg(max_running_requests=cpu_linear.pairs_rows() + 2), loaded=embedded[:3]
+    )
     model, attn = llm.runner.model, llm.runner.backend
     stack, forward, seen = model.stack, model.forward, []
 
@@ -92,7 +98,9 @@ def test_the_stack_leaves_other_steps_to_the_layer_path(embedded, monkeypatch):
 
     model.forward = spy
     n = stack.max_rows + 2
-    llm.generate_ids([[1 + i, 2, 3] for i in range(n)], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    llm.generate_ids(
+        [[1 + i, 2, 3] for i in range(n)], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    )
     small = [b for b, _ in seen if b.mode is ForwardMode.DECODE and b.batch_size <= stack.max_rows]
     assert all(took == (b in small) for b, took in seen)
     assert any(b.mode is ForwardMode.DECODE and b.batch_size == n for b, _ in seen)

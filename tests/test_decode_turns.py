@@ -1,18 +1,20 @@
 """A decode worker's turn order: what it has to send (a landed request's first token, KV
 destinations, migration offers) leaves before the step's forward, and the decode runs the next
 turn (``DecodeScheduler.step``), never two turns in a row without it while requests run."""
+
 from __future__ import annotations
 
 
 def test_decode_worker_answers_the_first_token_before_its_next_decode_step(tiny):
     """The landing turn sends the manifest's first token alone; the decode step (token 2) is the
     next turn's, so PD's time to first token never includes a decode step."""
-    from server.testing.pd_harness import PDHarness
+    from bench.harness.pd_harness import PDHarness
     from configs.schema import PdserveConfig
     from transfer.wire.sampling_params import SamplingParams
 
-    cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
-                                        "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
+    cfg = PdserveConfig.model_validate(
+        {"engine": {"kv_pool_tokens": 1024, "page_size": 4}, "cluster": {"mode": "pd", "transfer_backend": "loopback"}}
+    )
     h = PDHarness(cfg, cfg, tiny[0], tiny[1])
     try:
         h.submit("r", list(range(1, 13)), SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
@@ -32,13 +34,14 @@ def test_decode_worker_sends_kv_destinations_before_its_next_decode_step(tiny):
     forward: the prefill worker starts writing a decode step sooner. The decode runs the next turn,
     so no two steps in a row skip it while requests run (a step right after a skipped one decodes
     and sends after its forward)."""
-    from server.testing.pd_harness import PDHarness
+    from bench.harness.pd_harness import PDHarness
     from configs.schema import PdserveConfig
     from transfer.wire.protocol import KVDestination
     from transfer.wire.sampling_params import SamplingParams
 
-    cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
-                                        "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
+    cfg = PdserveConfig.model_validate(
+        {"engine": {"kv_pool_tokens": 1024, "page_size": 4}, "cluster": {"mode": "pd", "transfer_backend": "loopback"}}
+    )
     h = PDHarness(cfg, cfg, tiny[0], tiny[1])
     try:
         steps, real_step, real_decode = [], h.decode.step, h.decode._decode
@@ -98,12 +101,13 @@ class _TwoPolls:
 def test_a_write_lands_in_the_decode_step_whose_forward_it_came_during(tiny):
     """A decode step polls the transport on each side of its forward, so a notification that needs
     two polls lands in the step that first saw the write, not the next one."""
-    from server.testing.pd_harness import PDHarness
+    from bench.harness.pd_harness import PDHarness
     from configs.schema import PdserveConfig
     from transfer.wire.sampling_params import SamplingParams
 
-    cfg = PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
-                                        "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
+    cfg = PdserveConfig.model_validate(
+        {"engine": {"kv_pool_tokens": 1024, "page_size": 4}, "cluster": {"mode": "pd", "transfer_backend": "loopback"}}
+    )
     h = PDHarness(cfg, cfg, tiny[0], tiny[1])
     try:
         t = h.decode.transfers.transport = _TwoPolls(h.decode.transfers.transport)

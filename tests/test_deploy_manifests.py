@@ -4,6 +4,7 @@ run: every command line parses with the real ``pdserve`` parser, the routers' ``
 or ``--discovery`` targets name exactly the workers that exist, the mounted preset is the shipped one and loads, and every
 router and worker gets the cluster key (a Kubernetes Secret from kustomize's secretGenerator, a
 compose secret) from a file that git ignores."""
+
 from __future__ import annotations
 
 import copy
@@ -16,10 +17,9 @@ import pytest
 import yaml
 
 from configs.schema import load_config
-from transfer.cluster_key import ClusterKey, parse_key_text, write_key_file
-from server.launch.args import build_parser
 from server.discovery.target import parse_targets
-from server.launch.roles import parse_worker_spec
+from server.launch.args import build_parser
+from transfer.cluster_key import ClusterKey, parse_key_text, write_key_file
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -77,9 +77,14 @@ def test_k8s_router_discovers_the_statefulset_pods_through_their_headless_servic
     """The router's --discovery names each StatefulSet's headless Service, the role it runs and the
     port its pods listen on (so ``kubectl scale`` alone changes the workers); no fixed --worker list."""
     sts = by_kind("StatefulSet")
-    expected = {(role, sts[role]["spec"]["serviceName"],
-                 sts[role]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"])
-                for role in ("prefill", "decode")}
+    expected = {
+        (
+            role,
+            sts[role]["spec"]["serviceName"],
+            sts[role]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"],
+        )
+        for role in ("prefill", "decode")
+    }
     router = by_kind("Deployment")["pdserve-router"]["spec"]["template"]["spec"]["containers"][0]
     args = parse(router["args"])
     assert args.command == "router" and args.config == "/etc/pdserve/pdserve.yaml" and args.worker == []
@@ -152,6 +157,7 @@ def test_k8s_kustomize_renders_the_secret_every_pod_mounts(tmp_path):
     (secret,) = [d for d in docs if d["kind"] == "Secret"]
     kubernetes_validate.validate(secret, kubernetes_validate.latest_version(), strict=True)
     import base64
+
     assert parse_key_text(base64.b64decode(secret["data"]["cluster.key"]).decode(), "secret") == key
     pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
     assert len(pods) == 3

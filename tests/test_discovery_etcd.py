@@ -3,21 +3,22 @@ client, a worker's registration under a lease (renewed, deleted when it leaves, 
 restart), and a router's ``EtcdWatch`` adding and removing workers of a real ``Registry`` (fake
 worker clients), keeping the membership while etcd is down and saying so in ``/health``'s text.
 Skipped, naming the package, without the etcd binary."""
+
 from __future__ import annotations
 
 import asyncio
 import time
 
 import pytest
-
 from etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
+from test_drain_unit import FakeClient
+
 from server.discovery.etcd import EtcdClient, EtcdError
 from server.discovery.target import DiscoveryError, EtcdTarget, WorkerRecord, parse_discovery, parse_targets
 from server.router.discovery_watch import EtcdWatch
 from server.router.inflight import InflightTable
-from server.router.registry import DRAINING, READY, Registry, route_pd
+from server.router.registry import READY, Registry, route_pd
 from server.worker.registration import EtcdRegistration
-from test_drain_unit import FakeClient
 
 pytestmark = [pytest.mark.process, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]
 
@@ -75,13 +76,16 @@ def test_router_watch_follows_registrations_and_survives_an_etcd_restart(etcd):
     target = EtcdTarget(etcd.url, "/t2/")
 
     async def go():
-        registry = Registry([], FakeClient, InflightTable(), policy=route_pd, model_name="m", cluster_id="c1",
-                            dynamic=True)
+        registry = Registry(
+            [], FakeClient, InflightTable(), policy=route_pd, model_name="m", cluster_id="c1", dynamic=True
+        )
         await registry.start()
         watch = EtcdWatch(target, registry, retry_s=0.2)
         task = asyncio.create_task(watch.run())
-        regs = {wid: EtcdRegistration(target, _record(wid, role, port), lease_s=2)
-                for wid, role, port in (("prefill-0", "prefill", 1), ("decode-0", "decode", 2))}
+        regs = {
+            wid: EtcdRegistration(target, _record(wid, role, port), lease_s=2)
+            for wid, role, port in (("prefill-0", "prefill", 1), ("decode-0", "decode", 2))
+        }
         for r in regs.values():
             r.start()
 
@@ -92,8 +96,10 @@ def test_router_watch_follows_registrations_and_survives_an_etcd_restart(etcd):
                 await asyncio.sleep(0.05)
             raise TimeoutError(f"{what}: {registry.describe()} {registry.notes}")
 
-        await until(lambda: {h.state for h in registry.handles.values()} == {READY} and len(registry.handles) == 2,
-                    "both registered workers ready")
+        await until(
+            lambda: {h.state for h in registry.handles.values()} == {READY} and len(registry.handles) == 2,
+            "both registered workers ready",
+        )
         assert "watching, 2 worker(s)" in registry.notes[str(target)]
         other = EtcdRegistration(target, _record("decode-9", "decode", 9, cluster="other"), lease_s=2)
         other.start()  # another cluster's worker under the same prefix: ignored
@@ -129,7 +135,8 @@ def test_two_routers_claim_different_room_tags(etcd):
             reg.rooms = RoomAllocator(5)  # the same random pick: the second router must move
             await EtcdWatch(target, reg, lease_s=2).prepare()
         assert regs[0].rooms.tag == 5 and regs[1].rooms.tag != 5
-        assert sorted(EtcdClient(etcd.url).get_prefix("/t3/routers/")[1]) == \
-            sorted(f"/t3/routers/{r.rooms.tag}" for r in regs)
+        assert sorted(EtcdClient(etcd.url).get_prefix("/t3/routers/")[1]) == sorted(
+            f"/t3/routers/{r.rooms.tag}" for r in regs
+        )
 
     asyncio.run(go())

@@ -1,6 +1,7 @@
 """Drain units: the worker's exit decision (``server.worker.drain``) on a fake clock, the 503 it
 turns a timed-out drain's aborts into, and the registry's drain states (``server.router``) with
 scripted fake workers. The drain of real processes under load: tests/chaos/test_drain.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,10 @@ def test_expired_drain_fails_requests_with_503():
     out.token(b"r", TokenDelta(rid="b", token_ids=[1], finish_reason="length"))
     out.send(Peer("tcp://d:1"), PrefillFailed(rid="c", room=1, generation=0, error="x", error_status=499))
     fixed = as_unavailable(out, "drain ran out of time")
-    assert [(d.rid, d.error_status, d.error) for d in fixed.deltas] == [("a", 503, "drain ran out of time"),
-                                                                        ("b", None, None)]
+    assert [(d.rid, d.error_status, d.error) for d in fixed.deltas] == [
+        ("a", 503, "drain ran out of time"),
+        ("b", None, None),
+    ]
     assert fixed.messages[0].msg.error_status == 503 and fixed.messages[0].msg.error == "drain ran out of time"
 
 
@@ -92,9 +95,22 @@ class FakeClient:
         self.closed = True
 
     def request_stats(self, nonce: int) -> None:
-        self.on_stats(self.spec.worker_id, WorkerStats(
-            nonce=nonce, worker_id=self.spec.worker_id, instance="i1", role=self.spec.role, model="m", cluster_id="c1",
-            capacity_tokens=1000, max_model_len=512, page_size=16, draining=self.draining, holding=self.holding))
+        self.on_stats(
+            self.spec.worker_id,
+            WorkerStats(
+                nonce=nonce,
+                worker_id=self.spec.worker_id,
+                instance="i1",
+                role=self.spec.role,
+                model="m",
+                cluster_id="c1",
+                capacity_tokens=1000,
+                max_model_len=512,
+                page_size=16,
+                draining=self.draining,
+                holding=self.holding,
+            ),
+        )
 
     def drain(self, reason: str) -> None:
         self.drains.append(reason)
@@ -107,8 +123,11 @@ def _registry(*specs: WorkerSpec, dynamic: bool = False) -> Registry:
     return Registry(list(specs), FakeClient, InflightTable(), policy=route_pd, model_name="m", dynamic=dynamic)
 
 
-P0, D0, D1 = (WorkerSpec("prefill-0", "prefill", "tcp://a:1"), WorkerSpec("decode-0", "decode", "tcp://a:2"),
-              WorkerSpec("decode-1", "decode", "tcp://a:3"))
+P0, D0, D1 = (
+    WorkerSpec("prefill-0", "prefill", "tcp://a:1"),
+    WorkerSpec("decode-0", "decode", "tcp://a:2"),
+    WorkerSpec("decode-1", "decode", "tcp://a:3"),
+)
 
 
 def _beat(reg: Registry) -> None:
@@ -191,8 +210,9 @@ def test_dns_watch_follows_the_records_and_keeps_them_when_resolution_fails():
         await reg.start()
         watch = DnsWatch(parse_discovery("dns://decode.ns.svc:29500"), reg, 1.0, resolve)
         await watch.poll()
-        assert [(h.worker_id, h.spec.role, h.spec.addr) for h in reg.handles.values()] == \
-            [("decode@10.0.0.5", "decode", "tcp://10.0.0.5:29500")]
+        assert [(h.worker_id, h.spec.role, h.spec.addr) for h in reg.handles.values()] == [
+            ("decode@10.0.0.5", "decode", "tcp://10.0.0.5:29500")
+        ]
         await watch.poll()
         assert sorted(reg.handles) == ["decode@10.0.0.5", "decode@10.0.0.6"]
         await watch.poll()  # resolution fails: the last membership stays
@@ -244,8 +264,15 @@ def _admin_app(reg: Registry):
     from server.router.metrics import RouterMetrics
 
     cfg = PdserveConfig.model_validate({"server": {"api_key": "sekret"}})
-    ctx = RouterContext(cfg, None, "m", reg, reg.table, RouterMetrics(lambda: reg.handles.values(), lambda: 0),
-                        build_admission(cfg, reg))
+    ctx = RouterContext(
+        cfg,
+        None,
+        "m",
+        reg,
+        reg.table,
+        RouterMetrics(lambda: reg.handles.values(), lambda: 0),
+        build_admission(cfg, reg),
+    )
     return create_app(ctx)
 
 
@@ -293,16 +320,21 @@ def test_openapi_document_states_admin_drain_its_body_answers_and_bearer_key():
     assert op["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     (scheme,) = op["security"][0]
     assert doc["components"]["securitySchemes"][scheme] == {
-        "type": "http", "scheme": "bearer", "description": "One of the router's --api-key values"}
+        "type": "http",
+        "scheme": "bearer",
+        "description": "One of the router's --api-key values",
+    }
 
 
 def test_a_worker_that_rejoins_discovery_while_silent_still_fails_its_requests():
     """A container killed and restarted at the same address: DNS drops it, then lists it again,
     before it answers. Its requests in flight must still fail once it has been silent too long."""
+
     async def go():
         clock = Clock()
-        reg = Registry([], FakeClient, InflightTable(), policy=route_pd, model_name="m", dynamic=True,
-                       clock=clock, timeout_s=8)
+        reg = Registry(
+            [], FakeClient, InflightTable(), policy=route_pd, model_name="m", dynamic=True, clock=clock, timeout_s=8
+        )
         await reg.start()
         for spec in (P0, D0):
             await add_worker(reg, spec)

@@ -1,10 +1,11 @@
 """The embedded model matches HuggingFace transformers token for token (greedy, one batch)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import engine_cfg, sched_cfg
+
 from engine.llm import LLM
 from transfer.wire.sampling_params import SamplingParams
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.slow  # the embedded model against transformers
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "In 1969, Apollo 11 landed on the Moon. The astronauts on board were Neil Armstrong, Buzz Aldrin "
     "and Michael Collins. Summarize the mission in one sentence, mentioning the date, the crew and "
     "what made it historic for humanity:",
@@ -29,7 +30,7 @@ def hf_reference(embedded, hf_embedded):
         ids = tok.encode(text)
         with torch.no_grad():
             out = hf_embedded.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        new = out[0, len(ids):].tolist()
+        new = out[0, len(ids) :].tolist()
         refs.append((ids, [t for t in new if t not in tok.eos_token_ids]))
     return refs
 
@@ -53,8 +54,9 @@ def test_generate_cli_json_matches_transformers(embedded, hf_reference, capsys):
     from server.launch.cli import main
 
     ids, ref = hf_reference[0]
-    rc = main(["generate", "--prompt", PROMPTS[0], "--max-tokens", str(NEW_TOKENS), "--json",
-               "--kv-pool-tokens", "1024"])
+    rc = main(
+        ["generate", "--prompt", PROMPTS[0], "--max-tokens", str(NEW_TOKENS), "--json", "--kv-pool-tokens", "1024"]
+    )
     assert rc == 0
     import json
 
@@ -71,15 +73,20 @@ def test_staggered_mixed_batches_match_transformers(embedded, hf_reference):
     from transfer.wire.protocol import GenerateRequest
 
     cfg, weights, tok, _ = embedded
-    llm = LLM(engine_cfg(page_size=16, kv_pool_tokens=2048),
-              sched_cfg(chunked_prefill_size=16, max_num_batched_tokens=24, max_running_requests=4, mixed_batches=True),
-              loaded=(cfg, weights, tok))
+    llm = LLM(
+        engine_cfg(page_size=16, kv_pool_tokens=2048),
+        sched_cfg(chunked_prefill_size=16, max_num_batched_tokens=24, max_running_requests=4, mixed_batches=True),
+        loaded=(cfg, weights, tok),
+    )
     sched, got, step = llm.scheduler, {}, 0
     while sched.has_work or step < 3 * len(hf_reference):
         if step % 3 == 0 and step // 3 < len(hf_reference):
             i = step // 3
-            sched.add(b"", GenerateRequest(rid=f"r{i}", params=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)),
-                      hf_reference[i][0])
+            sched.add(
+                b"",
+                GenerateRequest(rid=f"r{i}", params=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)),
+                hf_reference[i][0],
+            )
             got[f"r{i}"] = []
         for d in sched.step().outbox.deltas:
             got[d.rid] += d.token_ids

@@ -1,12 +1,12 @@
 """Headroom for keys under their share (server/router/fair_headroom.py) through the admission
 stage: a key at its share stops short of the headroom while another key is active, never blocks an
 idle router, and takes every slot again once the other key has gone quiet."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-
 from test_admission import Clock, demand, make, queue, settle, sync
 
 pytestmark = pytest.mark.unit

@@ -1,5 +1,6 @@
 """The fused CPU ops (engine/kernels/cpu_fused.c through engine/kernels/fused.py) against the torch
 references they replace: float32 to float32 rounding, bfloat16 to one bfloat16 rounding step."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,14 +57,14 @@ def test_rope_rotates_a_fused_qkv_view_in_place(dtype):
 
     rope = RotaryEmbedding(64, 512, 10000.0, "cpu")
     qkv = _rand(11, (9 + 3 + 3) * 64, dtype=dtype)
-    q = qkv[:, :9 * 64].view(11, 9, 64)  # tokens strided by the QKV row, heads contiguous
+    q = qkv[:, : 9 * 64].view(11, 9, 64)  # tokens strided by the QKV row, heads contiguous
     pos = torch.tensor([0, 1, 2, 3, 100, 101, 7, 8, 9, 500, 511])
     want = fused.rope_ref(q.clone(), pos, rope.cos, rope.sin)
-    untouched = qkv[:, 9 * 64:].clone()
+    untouched = qkv[:, 9 * 64 :].clone()
     got = rope.apply(q, pos)
     assert got.data_ptr() == q.data_ptr()
     torch.testing.assert_close(got, want, **TOL[dtype])
-    torch.testing.assert_close(qkv[:, 9 * 64:], untouched, rtol=0, atol=0)  # K and V columns kept
+    torch.testing.assert_close(qkv[:, 9 * 64 :], untouched, rtol=0, atol=0)  # K and V columns kept
 
 
 @needs_kernel
@@ -113,8 +114,8 @@ def test_store_kv_writes_what_index_put_writes_and_nothing_else(dtype):
     buf = _rand(pages, layers, 2, P, heads, dim, dtype=dtype)
     want = buf.clone()
     qkv = _rand(5, 3 * heads * dim, dtype=dtype, seed=4)
-    k = qkv[:, heads * dim:2 * heads * dim].view(5, heads, dim)  # strided views, as the model passes them
-    v = qkv[:, 2 * heads * dim:].view(5, heads, dim)
+    k = qkv[:, heads * dim : 2 * heads * dim].view(5, heads, dim)  # strided views, as the model passes them
+    v = qkv[:, 2 * heads * dim :].view(5, heads, dim)
     slots = torch.tensor([0, 5, 7, 22, 13])
     want[slots // P, 1, :, slots % P] = torch.stack((k, v), 1)
     assert fused.store_kv(buf, 1, slots, k, v)
@@ -133,7 +134,7 @@ def test_store_kv_declines_what_it_cannot_copy():
 def test_cpu_backend_refuses_a_slot_outside_the_pool():
     from cache.kv_pools import KVPools
     from engine.attention import CpuBackend
-    from tests.test_cpu_attention import _decode_batch, _windows, TYPES, PAGE
+    from tests.test_cpu_attention import PAGE, TYPES, _decode_batch, _windows
 
     pools = KVPools(8, 8, TYPES, PAGE, 2, 16, torch.float32, "cpu")
     batch = _decode_batch(pools, [3, 9], 8)

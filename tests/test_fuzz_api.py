@@ -2,6 +2,7 @@
 generated request, valid or not, streaming or not, is answered 2xx/4xx, never 5xx (but 504 for a request
 whose own ``timeout`` ran out), and the server
 stays up and leaks no KV. The pool and context are small so valid requests stay short."""
+
 from __future__ import annotations
 
 import httpx
@@ -9,7 +10,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from server.testing.subprocess_server import wait_idle
+from bench.harness.subprocess_server import wait_idle
 
 pytestmark = pytest.mark.process
 
@@ -18,9 +19,19 @@ HEARTBEAT_S = 0.2
 
 @pytest.fixture(scope="module")
 def server(launched_server):
-    return launched_server("colocated", "--kv-pool-tokens", "1024", "--max-model-len", "128",
-                           "--health-interval-s", str(HEARTBEAT_S), "--request-timeout-s", "300",
-                           "--log-level", "WARNING")
+    return launched_server(
+        "colocated",
+        "--kv-pool-tokens",
+        "1024",
+        "--max-model-len",
+        "128",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--request-timeout-s",
+        "300",
+        "--log-level",
+        "WARNING",
+    )
 
 
 def operation(url: str, path: str):
@@ -32,14 +43,20 @@ def operation(url: str, path: str):
 def test_routes_never_answer_5xx(server, path):
     # schemathesis's pytest plugin does not load under this pytest; its strategies drive hypothesis directly
     @given(case=operation(server.url, path).as_strategy())
-    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-              phases=[Phase.explicit, Phase.generate])  # no shrinking: each example is a real generation
+    @settings(
+        max_examples=30,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+    )  # no shrinking: each example is a real generation
     def check(case):
         r = case.call(base_url=server.url, timeout=300)
         # a 504 is the right answer when the request asked for a deadline (``timeout``) it could not meet
         asked_deadline = isinstance(case.body, dict) and case.body.get("timeout") is not None
-        assert r.status_code < 500 or (r.status_code == 504 and asked_deadline), \
+        assert r.status_code < 500 or (r.status_code == 504 and asked_deadline), (
             f"{case.method} {case.path} {case.body!r} -> {r.status_code} {r.text[:500]}"
+        )
         if r.status_code >= 400:
             err = r.json()["error"]
             assert err["message"] and set(err) == {"message", "type", "param", "code"}

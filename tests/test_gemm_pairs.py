@@ -1,6 +1,7 @@
 """The pair-panel matmul kernel (``engine/kernels/cpu_gemm_pairs.c``) behind ``engine.cpu_linear``: its
 layout, its products against the exact ones (bfloat16 and weight-only int8 weights, 1-64 rows, bias,
 strided rows), its refusals, which calls ``linear`` sends it, and the probe that sets its row limit."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,12 @@ from engine import cpu_linear
 from engine.cpu_linear import linear, pack, quantize_int8, to_pairs
 from engine.kernels import cpu_native, decode_prefetch
 
-pytestmark = [pytest.mark.unit,
-              pytest.mark.skipif(not cpu_native.pairs_available(),
-                                 reason="this CPU has no AVX512-BF16: the pair-panel kernel is not built here")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        not cpu_native.pairs_available(), reason="this CPU has no AVX512-BF16: the pair-panel kernel is not built here"
+    ),
+]
 
 
 def test_the_layout_puts_sixteen_outputs_of_one_input_pair_side_by_side():
@@ -27,7 +31,7 @@ def test_the_layout_puts_sixteen_outputs_of_one_input_pair_side_by_side():
 def _check(y, ref, magnitude):
     """The exact result rounded to bfloat16 once, up to one bfloat16 step where the float32 sum sat
     next to a rounding boundary, plus float32 summation error relative to the terms' magnitude."""
-    step = ref.abs() * 2.0 ** -7 + magnitude * 2.0 ** -20
+    step = ref.abs() * 2.0**-7 + magnitude * 2.0**-20
     assert ((y.double() - ref).abs() <= step).all()
     assert (y == ref.to(torch.bfloat16)).float().mean() > 0.99
 
@@ -39,7 +43,7 @@ def test_products_are_the_exact_ones_rounded_once(rows, shape, int8):
     g = torch.Generator().manual_seed(rows * 7 + shape[0])
     w = (torch.randn(*shape, generator=g) * 0.05).bfloat16()
     bias = torch.randn(shape[0], generator=g).bfloat16()
-    x = torch.randn(rows, shape[1] + 10, generator=g).bfloat16()[:, 5:5 + shape[1]]  # strided rows
+    x = torch.randn(rows, shape[1] + 10, generator=g).bfloat16()[:, 5 : 5 + shape[1]]  # strided rows
     if int8:
         q = quantize_int8(w)
         y = cpu_native.gemm_pairs(x, q.pairs, shape[0], bias, q.scale)
@@ -90,8 +94,9 @@ def test_a_bfloat16_weight_kept_only_as_pairs_serves_every_call(monkeypatch):
     monkeypatch.setattr(cpu_native, "gemm_pairs", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for rows, b in ((1, None), (200, bias), (700, bias), (3, bias.float())):  # a float32 bias: added after
         x = torch.randn(rows, 576).bfloat16()
-        torch.testing.assert_close(linear(x, p, b).float(), F.linear(x, w, b if b is None else b.bfloat16()).float(),
-                                   rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(
+            linear(x, p, b).float(), F.linear(x, w, b if b is None else b.bfloat16()).float(), rtol=1.6e-2, atol=1e-2
+        )
     x = torch.randn(2, 5, 576)  # float32 rows on a bfloat16 weight: made bfloat16 first
     assert linear(x, p).shape == (2, 5, 192) and linear(x, p).dtype == torch.bfloat16
     assert calls[:4] == [1, 200, 700, 3]  # every row count, no padding to a bucket, no oneDNN
@@ -101,8 +106,11 @@ def test_a_bfloat16_weight_kept_only_as_pairs_serves_every_call(monkeypatch):
 
 def test_pairs_take_all_only_without_amx(monkeypatch):
     try:
-        for flags, env, want in ((frozenset({"avx512_bf16"}), "1", True), (frozenset({"avx512_bf16", "amx_bf16"}), "1", False),
-                                 (frozenset({"avx512_bf16"}), "0", False)):
+        for flags, env, want in (
+            (frozenset({"avx512_bf16"}), "1", True),
+            (frozenset({"avx512_bf16", "amx_bf16"}), "1", False),
+            (frozenset({"avx512_bf16"}), "0", False),
+        ):
             monkeypatch.setattr(cpu_linear, "cpu_flags", lambda f=flags: f)
             monkeypatch.setenv("PDSERVE_PAIRS_ALL", env)
             cpu_linear.pairs_take_all.cache_clear()

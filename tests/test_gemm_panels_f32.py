@@ -1,6 +1,7 @@
 """The float32 panel matmul (``pdserve_gemm_panels_f32`` in ``engine/kernels/cpu_gemm_pairs.c``) behind
 ``engine.cpu_linear``: its layout, its products against float64 ones (1-64 rows, bias, strided rows),
 its refusals, which float32 weights keep the layout and which calls ``linear`` sends it."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,13 @@ from engine import cpu_linear
 from engine.cpu_linear import PANELS_F32, linear, pack, to_panels_f32
 from engine.kernels import cpu_native
 
-pytestmark = [pytest.mark.unit,
-              pytest.mark.skipif(not cpu_native.panels_f32_available(),
-                                 reason="this CPU has no AVX-512F: the float32 panel kernel is not built here")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        not cpu_native.panels_f32_available(),
+        reason="this CPU has no AVX-512F: the float32 panel kernel is not built here",
+    ),
+]
 
 
 def test_the_layout_puts_sixteen_outputs_of_one_input_side_by_side():
@@ -32,12 +37,12 @@ def test_products_are_float32_sums_of_the_exact_ones(rows, shape):
     g = torch.Generator().manual_seed(rows * 7 + shape[0])
     w = torch.randn(*shape, generator=g) * 0.05
     bias = torch.randn(shape[0], generator=g)
-    x = torch.randn(rows, shape[1] + 10, generator=g)[:, 5:5 + shape[1]]  # strided rows
+    x = torch.randn(rows, shape[1] + 10, generator=g)[:, 5 : 5 + shape[1]]  # strided rows
     y = cpu_native.gemm_panels_f32(x, to_panels_f32(w), shape[0], bias)
     assert y is not None and y.shape == (rows, shape[0]) and y.dtype == torch.float32
     ref = x.double() @ w.double().T + bias.double()
     magnitude = x.double().abs() @ w.double().abs().T + bias.double().abs()
-    assert ((y.double() - ref).abs() <= magnitude * shape[1] * 2.0 ** -24).all()
+    assert ((y.double() - ref).abs() <= magnitude * shape[1] * 2.0**-24).all()
     assert not torch.equal(y, torch.zeros_like(y))
 
 
@@ -71,7 +76,7 @@ def test_linear_sends_every_float32_call_on_a_panel_weight_to_the_kernel(monkeyp
         x = torch.randn(rows, 576)
         torch.testing.assert_close(linear(x, p, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
     x3 = torch.randn(2, 5, 600)[..., 10:586]  # strided rows of a 3-D input
-    b2 = torch.randn(384)[::2]                # a strided bias: added after the kernel
+    b2 = torch.randn(384)[::2]  # a strided bias: added after the kernel
     torch.testing.assert_close(linear(x3, p, b2), F.linear(x3, w, b2), rtol=1e-5, atol=1e-5)
     linear(torch.randn(2, 576).bfloat16(), pack(w.bfloat16()))  # a bfloat16 weight never reaches it
     assert calls == [1, 33, 700, 10]

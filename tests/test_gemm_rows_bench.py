@@ -1,4 +1,5 @@
 """bench.gemm_rows: the matmul-by-rows microbenchmark measures the serving path's projections."""
+
 from __future__ import annotations
 
 from bench import gemm_rows
@@ -29,7 +30,15 @@ def test_kernels_mode_times_each_kernel_it_can_run_at_each_row_count():
     if not cpu_native.pairs_available():
         pytest.skip("no AVX512-BF16: the small-batch kernels are not built here")
     got = gemm_rows.measure_kernels([2, 16], ["onednn", "pairs", "gemv", "pairs-int8", "panels-f32"], reps=1)
-    assert [(m, k) for m, k, _ in got] == [(2, "onednn"), (2, "pairs"), (2, "gemv"), (2, "pairs-int8"),
-                                           (2, "panels-f32"), (16, "onednn"), (16, "pairs"), (16, "pairs-int8"),
-                                           (16, "panels-f32")]  # gemv: <= 8 rows
+    assert [(m, k) for m, k, _ in got] == [
+        (2, "onednn"),
+        (2, "pairs"),
+        (2, "gemv"),
+        (2, "pairs-int8"),
+        (2, "panels-f32"),
+        (16, "onednn"),
+        (16, "pairs"),
+        (16, "pairs-int8"),
+        (16, "panels-f32"),
+    ]  # gemv: <= 8 rows
     assert all(ms > 0 for _, _, ms in got)

@@ -4,6 +4,7 @@ Prompts are longer than the 512-token window, so the sliding layers really drop 
 reference is ``Gemma3ForCausalLM.from_pretrained(folder, gguf_file=...)``: transformers' own GGUF
 reader, name mapping and dequantization, independent of ours.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,8 +12,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import engine_cfg, sched_cfg
+
 from engine.forward_batch import ForwardMode
 from engine.gemma3_package import GEMMA3_PACKAGE, INSTALL_HINT
 from engine.llm import LLM, run_batch
@@ -22,8 +23,9 @@ from transfer.wire.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow  # Gemma 3 against transformers
 
 if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-    pytest.skip(f"GEMMA 3 TESTS SKIPPED: package {GEMMA3_PACKAGE!r} is not installed; {INSTALL_HINT}",
-                allow_module_level=True)
+    pytest.skip(
+        f"GEMMA 3 TESTS SKIPPED: package {GEMMA3_PACKAGE!r} is not installed; {INSTALL_HINT}", allow_module_level=True
+    )
 
 NEW = 8
 LOGIT_TOL = 2e-3  # fp32; measured ~6e-5 (logits are O(10))
@@ -33,22 +35,78 @@ LOGIT_TOL = 2e-3  # fp32; measured ~6e-5 (logits are O(10))
 TOKENIZER_CASES = [
     ("Hello world", [9259, 1902]),
     ("The capital of France is", [818, 5279, 529, 7001, 563]),
-    ("  two  spaces\n\nnewlines 12345 h\u00e9llo \u65e5\u672c\u8a9e \U0001f916",
-     [138, 13498, 138, 35220, 108, 208697, 236743, 236770, 236778, 236800, 236812, 236810, 534, 7869, 844,
-      33375, 238582, 236743, 246143]),
+    (
+        "  two  spaces\n\nnewlines 12345 h\u00e9llo \u65e5\u672c\u8a9e \U0001f916",
+        [
+            138,
+            13498,
+            138,
+            35220,
+            108,
+            208697,
+            236743,
+            236770,
+            236778,
+            236800,
+            236812,
+            236810,
+            534,
+            7869,
+            844,
+            33375,
+            238582,
+            236743,
+            246143,
+        ],
+    ),
     (" leading space and trailing ", [5830, 2557, 532, 45330, 236743]),
-    ("tab\there\t\tdouble, punctuation!? (yes) -- 3.14159 e=mc^2",
-     [4823, 255968, 8472, 255969, 7902, 236764, 88078, 64899, 568, 4443, 236768, 2617, 236743, 236800, 236761,
-      236770, 236812, 236770, 236810, 236819, 545, 236784, 25408, 236884, 236778]),
-    ("\x01\x7f control bytes \u2603 snowman \U00013000 hieroglyph",
-     [249732, 251541, 2256, 17234, 236743, 246690, 62274, 236743, 478, 385, 366, 366, 10211, 47999, 791]),
-    ("unbelievably antidisestablishmentarianism supercalifragilistic",
-     [602, 8145, 20873, 2579, 2314, 33090, 163524, 8225, 1929, 2393, 1653, 584, 16100, 543, 3316]),
-    ("def f(x):\n    return x**2  # comment\n",
-     [2063, 517, 236769, 236781, 1473, 107, 140, 2060, 1123, 1018, 236778, 138, 236865, 5739, 107]),
+    (
+        "tab\there\t\tdouble, punctuation!? (yes) -- 3.14159 e=mc^2",
+        [
+            4823,
+            255968,
+            8472,
+            255969,
+            7902,
+            236764,
+            88078,
+            64899,
+            568,
+            4443,
+            236768,
+            2617,
+            236743,
+            236800,
+            236761,
+            236770,
+            236812,
+            236770,
+            236810,
+            236819,
+            545,
+            236784,
+            25408,
+            236884,
+            236778,
+        ],
+    ),
+    (
+        "\x01\x7f control bytes \u2603 snowman \U00013000 hieroglyph",
+        [249732, 251541, 2256, 17234, 236743, 246690, 62274, 236743, 478, 385, 366, 366, 10211, 47999, 791],
+    ),
+    (
+        "unbelievably antidisestablishmentarianism supercalifragilistic",
+        [602, 8145, 20873, 2579, 2314, 33090, 163524, 8225, 1929, 2393, 1653, 584, 16100, 543, 3316],
+    ),
+    (
+        "def f(x):\n    return x**2  # comment\n",
+        [2063, 517, 236769, 236781, 1473, 107, 140, 2060, 1123, 1018, 236778, 138, 236865, 5739, 107],
+    ),
 ]
-WORDS = ("river mountain seven quickly bright library engine orange whisper north castle number "
-         "garden silver eleven market slowly window paper thunder").split()
+WORDS = (
+    "river mountain seven quickly bright library engine orange whisper north castle number "
+    "garden silver eleven market slowly window paper thunder"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +124,9 @@ def prompts(gemma):
     """Two prompts of 540 and 520 tokens (BOS first) sharing their first 300 tokens."""
     tok = gemma[2]
     rng = random.Random(12)
-    text = " ".join(f"{rng.choice(WORDS)} {rng.randint(0, 99)}." if i % 7 == 0 else rng.choice(WORDS)
-                    for i in range(900))
+    text = " ".join(
+        f"{rng.choice(WORDS)} {rng.randint(0, 99)}." if i % 7 == 0 else rng.choice(WORDS) for i in range(900)
+    )
     ids = tok.encode(text, add_special_tokens=True)
     other = tok.encode(" ".join(rng.choice(WORDS) for _ in range(600)))
     return [ids[:540], ids[:300] + other[:220]]
@@ -84,9 +143,16 @@ def hf_ref(gemma, prompts):
     refs = []
     with torch.no_grad():
         for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-            refs.append((out.sequences[0, len(p):].tolist(), [lg[0] for lg in out.logits]))
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=NEW,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            refs.append((out.sequences[0, len(p) :].tolist(), [lg[0] for lg in out.logits]))
     return refs
 
 
@@ -145,8 +211,7 @@ def _assert_clean(llm: LLM) -> None:
 def test_colocated_greedy_matches_transformers_with_radix_hit(gemma, prompts, hf_ref):
     """A batch of both prompts (chunked prefill), then the second again: its whole prompt, longer
     than the window, comes from the radix cache and the tokens are unchanged."""
-    llm = LLM(engine_cfg(kv_pool_tokens=4096, page_size=16), sched_cfg(chunked_prefill_size=256),
-              loaded=gemma[:3])
+    llm = LLM(engine_cfg(kv_pool_tokens=4096, page_size=16), sched_cfg(chunked_prefill_size=256), loaded=gemma[:3])
     sp = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
     out = run_batch(llm.scheduler, prompts, [sp, sp])
     assert [o.token_ids for o in out] == [r[0] for r in hf_ref]
@@ -156,8 +221,11 @@ def test_colocated_greedy_matches_transformers_with_radix_hit(gemma, prompts, hf
 
 
 def test_colocated_forced_retract_matches_transformers(gemma, prompts, hf_ref):
-    llm = LLM(engine_cfg(kv_pool_tokens=4096, page_size=16),
-              sched_cfg(retract_test_interval=3, enable_radix_cache=False), loaded=gemma[:3])
+    llm = LLM(
+        engine_cfg(kv_pool_tokens=4096, page_size=16),
+        sched_cfg(retract_test_interval=3, enable_radix_cache=False),
+        loaded=gemma[:3],
+    )
     sp = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
     out = run_batch(llm.scheduler, prompts, [sp, sp])
     assert llm.scheduler.stats.retractions > 0
@@ -172,13 +240,19 @@ def test_pd_launch_over_http_matches_transformers(prompts, hf_ref, launched_serv
     and the repeat of one is served from the radix caches with the same tokens."""
     import openai
 
-    srv = launched_server_per_test("pd", "--model", "gemma3-270m", "--kv-pool-tokens", "4096", "--page-size", "16",
-                                   "--log-level", "WARNING")
+    srv = launched_server_per_test(
+        "pd", "--model", "gemma3-270m", "--kv-pool-tokens", "4096", "--page-size", "16", "--log-level", "WARNING"
+    )
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     for p, (ref, _) in [*zip(prompts, hf_ref), (prompts[1], hf_ref[1])]:
-        r = client.completions.create(model=model, prompt=p, max_tokens=NEW, temperature=0,
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+        r = client.completions.create(
+            model=model,
+            prompt=p,
+            max_tokens=NEW,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         assert r.choices[0].token_ids == ref
     assert r.usage.prompt_tokens_details.cached_tokens >= 512
 
@@ -188,14 +262,17 @@ def test_pd_with_the_swa_pool_under_forced_retract_matches_transformers(gemma, p
     the decode radix cache on and a retract every third decode step (offload of the full KV and
     the window, then resume): both long prompts give transformers' greedy tokens, the window
     really drops SWA pages, and every pool is back to its free + cached state."""
-    from server.testing.pd_harness import PDHarness
+    from bench.harness.pd_harness import PDHarness
     from configs.schema import PdserveConfig
 
     def cfg(**sched):
-        return PdserveConfig.model_validate({
-            "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 2048},
-            "scheduler": {"chunked_prefill_size": 256, **sched},
-            "cluster": {"mode": "pd", "host_kv_pool_gb": 0.2, "transfer_backend": "loopback"}})
+        return PdserveConfig.model_validate(
+            {
+                "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 2048},
+                "scheduler": {"chunked_prefill_size": 256, **sched},
+                "cluster": {"mode": "pd", "host_kv_pool_gb": 0.2, "transfer_backend": "loopback"},
+            }
+        )
 
     h = PDHarness(cfg(), cfg(retract_test_interval=3), gemma[0], gemma[1], eos=(1, 106))
     try:

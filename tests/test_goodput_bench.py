@@ -2,6 +2,7 @@
 against fake targets whose latency is a known function of the rate (so the goodput it finds is
 checked exactly), the workloads, ``colocated-x2``, the flags and their errors, the reports; and one
 short search against the shared PD launch. Nothing here asserts on speed."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,14 +37,35 @@ def _bench(*argv: str):
 
 
 def _result(ttft_s: float, tpot_s: float, n: int = 5, ok: bool = True) -> RequestResult:
-    return RequestResult(0, "main", ok, 10, n, ttft_s=ttft_s if ok else None, e2e_s=ttft_s + tpot_s * (n - 1),
-                         output_tokens=n if ok else 0, usage_reported=ok, error=None if ok else "HTTP 503: busy")
+    return RequestResult(
+        0,
+        "main",
+        ok,
+        10,
+        n,
+        ttft_s=ttft_s if ok else None,
+        e2e_s=ttft_s + tpot_s * (n - 1),
+        output_tokens=n if ok else 0,
+        usage_reported=ok,
+        error=None if ok else "HTTP 503: busy",
+    )
 
 
 # ---- the probes' Poisson schedule ---------------------------------------------------------------------
 def test_probe_requests_are_seeded_poisson_at_the_asked_rate():
-    bench = _bench("--goodput", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--num-requests", "3000",
-                   "--input-len-range", "4,8", "--output-len", "2")
+    bench = _bench(
+        "--goodput",
+        "--slo-ttft-ms",
+        "1000",
+        "--slo-tpot-ms",
+        "100",
+        "--num-requests",
+        "3000",
+        "--input-len-range",
+        "4,8",
+        "--output-len",
+        "2",
+    )
     a, b = bench.probe_requests(2.0), bench.probe_requests(2.0)
     assert a == b  # same rate, same seed: the same requests for every target
     times = [r.arrival_s for r in a]
@@ -52,21 +74,39 @@ def test_probe_requests_are_seeded_poisson_at_the_asked_rate():
     other = bench.probe_requests(3.0)
     assert (len(other) - 1) / other[-1].arrival_s == pytest.approx(3.0, rel=0.06)
     assert not {r.prompt for r in a[:50]} & {r.prompt for r in other[:50]}  # another rate: other prompts
-    reseeded = _bench("--goodput", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--num-requests", "3000",
-                      "--input-len-range", "4,8", "--output-len", "2", "--workload-seed", "1").probe_requests(2.0)
+    reseeded = _bench(
+        "--goodput",
+        "--slo-ttft-ms",
+        "1000",
+        "--slo-tpot-ms",
+        "100",
+        "--num-requests",
+        "3000",
+        "--input-len-range",
+        "4,8",
+        "--output-len",
+        "2",
+        "--workload-seed",
+        "1",
+    ).probe_requests(2.0)
     assert reseeded != a
 
 
 # ---- attainment -------------------------------------------------------------------------------------
 def test_attainment_needs_both_slos_and_counts_failures_as_misses():
     slo = SLO(ttft_ms=500, tpot_ms=50)
-    results = [_result(0.1, 0.04), _result(0.2, 0.04), _result(0.6, 0.04),  # TTFT 600 ms misses
-               _result(0.1, 0.06), _result(0.1, 0.01, ok=False)]          # TPOT 60 ms misses; a 503
+    results = [
+        _result(0.1, 0.04),
+        _result(0.2, 0.04),
+        _result(0.6, 0.04),  # TTFT 600 ms misses
+        _result(0.1, 0.06),
+        _result(0.1, 0.01, ok=False),
+    ]  # TPOT 60 ms misses; a 503
     p = measure_point(2.0, results, duration_s=2.0, slo=slo, attainment=0.4)
     assert (p.requests, p.met, p.failed) == (5, 2, 1) and p.attainment == pytest.approx(0.4) and p.passed
     assert not measure_point(2.0, results, 2.0, slo, 0.41).passed
     assert p.ttft_p50_ms == pytest.approx(150) and p.ttft_p90_ms == pytest.approx(480)  # [100 100 200 600]
-    assert p.tpot_p50_ms == pytest.approx(40) and p.tpot_p90_ms == pytest.approx(54)   # [40 40 40 60]
+    assert p.tpot_p50_ms == pytest.approx(40) and p.tpot_p90_ms == pytest.approx(54)  # [40 40 40 60]
     assert p.output_tok_s == pytest.approx(4 * 5 / 2.0)
     empty = measure_point(1.0, [], 1.0, slo, 0.9)
     assert not empty.passed and empty.ttft_p50_ms is None
@@ -137,8 +177,8 @@ def test_doubling_stops_at_the_max_rate_and_says_capped():
 # ---- reports ----------------------------------------------------------------------------------------
 def test_tables_json_and_plot(tmp_path):
     spec = GoodputSpec(SLO(100, 1000), 0.9, start_rate=0.25, iters=2, min_step=0.0)
-    a, _ = _search(spec, 10, 1)   # goodput 1
-    b, _ = _search(spec, 5, 1)    # twice as fast: 2 passes, 4 fails, then 3 fails and 2.5 fails
+    a, _ = _search(spec, 10, 1)  # goodput 1
+    b, _ = _search(spec, 5, 1)  # twice as fast: 2 passes, 4 fails, then 3 fails and 2.5 fails
     b.target = "pd"
     assert (a.goodput, b.goodput) == (1, 2)
     table = goodput_table([a, b], spec)
@@ -153,8 +193,10 @@ def test_tables_json_and_plot(tmp_path):
 
 # ---- workloads, modes and flags ---------------------------------------------------------------------
 def test_workloads_set_prompt_and_output_lengths():
-    chat, summ = _opts("--workload", "chat"), _opts("--workload", "summarize", "--goodput", "--slo-ttft-ms", "9",
-                                                    "--slo-tpot-ms", "9")
+    chat, summ = (
+        _opts("--workload", "chat"),
+        _opts("--workload", "summarize", "--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9"),
+    )
     assert (chat.input_range, chat.output_range) == ((64, 256), (128, 128))
     assert (summ.input_range, summ.output_range) == ((1500, 2000), (32, 64))
     assert _opts().output_range == (64, 64) and _opts("--output-len-range", "3,9").output_range == (3, 9)
@@ -169,17 +211,43 @@ def test_colocated_x2_is_two_pinned_replicas():
     argv = launch_argv("colocated-x2", ["--kv-pool-tokens", "16384"])
     assert argv[:6] == ["--mode", "colocated", "--replicas", "2", "--worker-cpus", "auto"]
     assert argv[-2:] == ["--kv-pool-tokens", "16384"]
-    assert launch_argv("colocated-x3+cache-aware", [])[:8] == ["--mode", "colocated", "--replicas", "3",
-                                                               "--worker-cpus", "auto", "--routing", "cache-aware"]
+    assert launch_argv("colocated-x3+cache-aware", [])[:8] == [
+        "--mode",
+        "colocated",
+        "--replicas",
+        "3",
+        "--worker-cpus",
+        "auto",
+        "--routing",
+        "cache-aware",
+    ]
     for bad in ("colocated-x0", "colocated-x", "pd-x2", "colocated-x2,colocated-x2"):
         with pytest.raises(ValueError, match="--compare"):
             parse_modes(bad)
 
 
 def test_goodput_flags_parse():
-    o = _opts("--goodput", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--slo-attainment", "0.95",
-              "--goodput-start-rate", "0.5", "--goodput-max-rate", "8", "--goodput-iters", "6",
-              "--goodput-min-step", "0.1", "--num-requests", "48", "--json-out", "x.json")
+    o = _opts(
+        "--goodput",
+        "--slo-ttft-ms",
+        "1000",
+        "--slo-tpot-ms",
+        "100",
+        "--slo-attainment",
+        "0.95",
+        "--goodput-start-rate",
+        "0.5",
+        "--goodput-max-rate",
+        "8",
+        "--goodput-iters",
+        "6",
+        "--goodput-min-step",
+        "0.1",
+        "--num-requests",
+        "48",
+        "--json-out",
+        "x.json",
+    )
     assert o.goodput == GoodputSpec(SLO(1000, 100), 0.95, 0.5, 8, 6, 0.1)
     assert o.concurrency is None and o.request_rates is None
     assert _args("--num-requests", "48").num_prompts == 48 and _args("--json-out", "x.json").out == "x.json"
@@ -187,22 +255,40 @@ def test_goodput_flags_parse():
     assert _opts("--concurrency", "2").goodput is None
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--goodput",), "needs both --slo-ttft-ms and --slo-tpot-ms"),
-    (("--goodput", "--slo-ttft-ms", "100"), "needs both"),
-    (("--goodput", "--slo-ttft-ms", "0", "--slo-tpot-ms", "5"), "must be > 0"),
-    (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--request-rate", "1,2"), "drop --request-rate"),
-    (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--concurrency", "4"), "drop --concurrency"),
-    (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--slo-attainment", "1.5"), "in \\(0, 1\\]"),
-    (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--goodput-start-rate", "9",
-      "--goodput-max-rate", "4"), "--goodput-start-rate must be > 0 and <= --goodput-max-rate"),
-    (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--goodput-iters", "-1"), "--goodput-iters"),
-    (("--slo-attainment", "0.9", "--goodput-iters", "3"), "--slo-attainment, --goodput-iters only apply with --goodput"),
-    (("--workload", "chat", "--input-len", "64", "--output-len", "9"), "drop --input-len, --output-len"),
-    (("--workload", "chat", "--multi-turn"), "drop --workload"),
-    (("--output-len-range", "9,3"), "--output-len-range takes LO,HI"),
-    (("--compare", "colocated-x0"), "--compare"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--goodput",), "needs both --slo-ttft-ms and --slo-tpot-ms"),
+        (("--goodput", "--slo-ttft-ms", "100"), "needs both"),
+        (("--goodput", "--slo-ttft-ms", "0", "--slo-tpot-ms", "5"), "must be > 0"),
+        (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--request-rate", "1,2"), "drop --request-rate"),
+        (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--concurrency", "4"), "drop --concurrency"),
+        (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--slo-attainment", "1.5"), "in \\(0, 1\\]"),
+        (
+            (
+                "--goodput",
+                "--slo-ttft-ms",
+                "9",
+                "--slo-tpot-ms",
+                "9",
+                "--goodput-start-rate",
+                "9",
+                "--goodput-max-rate",
+                "4",
+            ),
+            "--goodput-start-rate must be > 0 and <= --goodput-max-rate",
+        ),
+        (("--goodput", "--slo-ttft-ms", "9", "--slo-tpot-ms", "9", "--goodput-iters", "-1"), "--goodput-iters"),
+        (
+            ("--slo-attainment", "0.9", "--goodput-iters", "3"),
+            "--slo-attainment, --goodput-iters only apply with --goodput",
+        ),
+        (("--workload", "chat", "--input-len", "64", "--output-len", "9"), "drop --input-len, --output-len"),
+        (("--workload", "chat", "--multi-turn"), "drop --workload"),
+        (("--output-len-range", "9,3"), "--output-len-range takes LO,HI"),
+        (("--compare", "colocated-x0"), "--compare"),
+    ],
+)
 def test_bad_flag_combinations_are_refused_with_what_to_change(argv, message):
     with pytest.raises(ValueError, match=message):
         _opts(*argv)
@@ -222,11 +308,40 @@ def test_goodput_search_against_the_shared_pd_launch(pd_server, tmp_path, capsys
     req/s and stops at --goodput-max-rate (capped); an impossible TPOT SLO fails at 4 and at 2."""
     from bench.cli import main
 
-    common = ["serve", "--base-url", pd_server.url, "--goodput", "--num-requests", "4", "--input-len-range", "16,32",
-              "--output-len", "4", "--warmup", "0", "--goodput-start-rate", "4", "--no-progress"]
+    common = [
+        "serve",
+        "--base-url",
+        pd_server.url,
+        "--goodput",
+        "--num-requests",
+        "4",
+        "--input-len-range",
+        "16,32",
+        "--output-len",
+        "4",
+        "--warmup",
+        "0",
+        "--goodput-start-rate",
+        "4",
+        "--no-progress",
+    ]
     out = tmp_path / "ok.json"
-    assert main([*common, "--slo-ttft-ms", "120000", "--slo-tpot-ms", "60000", "--goodput-max-rate", "8",
-                 "--json-out", str(out)]) == 0
+    assert (
+        main(
+            [
+                *common,
+                "--slo-ttft-ms",
+                "120000",
+                "--slo-tpot-ms",
+                "60000",
+                "--goodput-max-rate",
+                "8",
+                "--json-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     (search,) = data["goodput"]["targets"]
     assert (search["target"], search["goodput"], search["capped"]) == ("server", 8, True)
@@ -236,9 +351,25 @@ def test_goodput_search_against_the_shared_pd_launch(pd_server, tmp_path, capsys
     assert all(q["ok"] and q["output_tokens"] == 4 for r in data["runs"] for q in r["requests"])
     assert "| server | >= 8 | - | 2 |" in capsys.readouterr().out
     out = tmp_path / "miss.json"
-    assert main([*common, "--slo-ttft-ms", "120000", "--slo-tpot-ms", "0.001", "--goodput-iters", "1",
-                 "--json-out", str(out)]) == 0  # SLO misses are measurements, not failed requests
+    assert (
+        main(
+            [
+                *common,
+                "--slo-ttft-ms",
+                "120000",
+                "--slo-tpot-ms",
+                "0.001",
+                "--goodput-iters",
+                "1",
+                "--json-out",
+                str(out),
+            ]
+        )
+        == 0
+    )  # SLO misses are measurements, not failed requests
     (search,) = json.loads(out.read_text())["goodput"]["targets"]
     assert (search["goodput"], search["first_failing"]) == (0, 2)
-    assert [(p["rate"], p["met"], p["failed"], p["passed"]) for p in search["points"]] == [(4, 0, 0, False),
-                                                                                           (2, 0, 0, False)]
+    assert [(p["rate"], p["met"], p["failed"], p["passed"]) for p in search["points"]] == [
+        (4, 0, 0, False),
+        (2, 0, 0, False),
+    ]

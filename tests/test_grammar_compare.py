@@ -3,6 +3,7 @@ install` has), on the real tokenizer with a tiny regex: the engine accepts its v
 refuses a wrong one, every repeat is recorded, the table has the tokenizer line and one well-formed
 row per case (a constraint the engine cannot compile is a row saying so), and an engine whose module
 is missing is skipped with a line naming the install."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,5 +49,6 @@ def test_a_missing_engine_is_skipped_with_a_line():
 
     found, missing = available([Llguidance, Absent])
     assert [e.name for e in found] == ["llguidance"]
-    assert missing == [("skipped absent-engine: `no_such_grammar_module_here` is not installed "
-                        "(pip install 'pdserve[grammar-bench]')")]
+    assert missing == [
+        ("skipped absent-engine: `no_such_grammar_module_here` is not installed (pip install 'pdserve[grammar-bench]')")
+    ]

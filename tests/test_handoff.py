@@ -2,12 +2,13 @@
 decode worker does not poll its transport while the prefill worker is still computing the room
 (the loop sleeps on its sockets; the prefill worker's ``KVWriteStarted`` wakes it), and polls it
 once the write is announced; the request ends with the same tokens either way."""
+
 from __future__ import annotations
 
 import pytest
 
+from bench.harness.pd_harness import DECODE_CONN, PDHarness, checked_harnesses
 from configs.schema import PdserveConfig
-from server.testing.pd_harness import DECODE_CONN, PDHarness, checked_harnesses
 from transfer.wire.outbox import Conn
 from transfer.wire.protocol import KVDestination, KVWriteStarted
 from transfer.wire.sampling_params import SamplingParams
@@ -16,8 +17,9 @@ GREEDY = SamplingParams(max_new_tokens=4, temperature=0)
 
 
 def cfg() -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 512, "page_size": 4},
-                                         "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {"engine": {"kv_pool_tokens": 512, "page_size": 4}, "cluster": {"mode": "pd", "transfer_backend": "loopback"}}
+    )
 
 
 @pytest.fixture
@@ -98,19 +100,36 @@ def test_trace_lines_up_router_and_worker_stamps():
 
     worker_fmt = "%(asctime)s %(levelname)s [{}] %(name)s: %(message)s"
     router_fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    text = "\n".join([
-        line(router_fmt, "server.router.session",
-             "request req-1 marks (monotonic s): arrived=10.000000 sent=10.001000"),
-        line(worker_fmt.format("prefill-0"), "engine.scheduler.timeline",
-             "request req-1 marks (monotonic s): " + marks_text({"destination": 10.003, "arrived": 10.002})),
-        line(worker_fmt.format("decode-0"), "engine.scheduler.timeline",
-             "request req-1 marks (monotonic s): " + marks_text({"arrived": 10.0015, "landed": 10.5})),
-        line(worker_fmt.format("prefill-0"), "engine.scheduler.timeline", "request req-1 (length) phases in ms: x=1"),
-    ])
+    text = "\n".join(
+        [
+            line(
+                router_fmt,
+                "server.router.session",
+                "request req-1 marks (monotonic s): arrived=10.000000 sent=10.001000",
+            ),
+            line(
+                worker_fmt.format("prefill-0"),
+                "engine.scheduler.timeline",
+                "request req-1 marks (monotonic s): " + marks_text({"destination": 10.003, "arrived": 10.002}),
+            ),
+            line(
+                worker_fmt.format("decode-0"),
+                "engine.scheduler.timeline",
+                "request req-1 marks (monotonic s): " + marks_text({"arrived": 10.0015, "landed": 10.5}),
+            ),
+            line(
+                worker_fmt.format("prefill-0"), "engine.scheduler.timeline", "request req-1 (length) phases in ms: x=1"
+            ),
+        ]
+    )
     got = parse_marks(text)
-    assert got == {"req-1": {"router": {"arrived": 10.0, "sent": 10.001},
-                             "prefill": {"arrived": 10.002, "destination": 10.003},
-                             "decode": {"arrived": 10.0015, "landed": 10.5}}}
+    assert got == {
+        "req-1": {
+            "router": {"arrived": 10.0, "sent": 10.001},
+            "prefill": {"arrived": 10.002, "destination": 10.003},
+            "decode": {"arrived": 10.0015, "landed": 10.5},
+        }
+    }
 
 
 def test_burst_split_sums_each_sides_prefill_seconds():
@@ -118,11 +137,13 @@ def test_burst_split_sums_each_sides_prefill_seconds():
     from bench.burst_split import phase_sum
 
     name = "pdserve_request_phase_seconds_sum"
-    m = {(name, (("phase", "prefill_compute"), ("worker", "prefill-0"))): 2.5,
-         (name, (("phase", "prefill_compute"), ("worker", "prefill-1"))): 1.0,
-         (name, (("phase", "local_prefill"), ("worker", "decode-0"))): 0.75,
-         (name, (("phase", "decode"), ("worker", "decode-0"))): 9.0,
-         ("pdserve_request_phase_seconds_count", (("phase", "prefill_compute"), ("worker", "prefill-0"))): 7.0}
+    m = {
+        (name, (("phase", "prefill_compute"), ("worker", "prefill-0"))): 2.5,
+        (name, (("phase", "prefill_compute"), ("worker", "prefill-1"))): 1.0,
+        (name, (("phase", "local_prefill"), ("worker", "decode-0"))): 0.75,
+        (name, (("phase", "decode"), ("worker", "decode-0"))): 9.0,
+        ("pdserve_request_phase_seconds_count", (("phase", "prefill_compute"), ("worker", "prefill-0"))): 7.0,
+    }
     assert phase_sum(m, "prefill", "prefill_compute") == 3.5
     assert phase_sum(m, "decode", "local_prefill") == 0.75
     assert phase_sum(m, "decode", "prefill_compute") == 0.0

@@ -4,6 +4,7 @@ One server for the module (embedded model, 1024-token KV pool, low initial new_t
 admission overcommits and the 32-stream test forces retractions) and one ``pdserve generate``
 batch run as the greedy reference, started in parallel.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,23 +16,44 @@ import httpx
 import openai
 import pytest
 
-from server.testing.subprocess_server import REPO_ROOT, fresh_metrics, metric_sum, wait_idle
+from bench.harness.subprocess_server import REPO_ROOT, fresh_metrics, metric_sum, wait_idle
 
 pytestmark = pytest.mark.process
 
 MAX_TOKENS = 40
 CONCURRENT_MAX_TOKENS = 40
 HEARTBEAT_S = 0.2
-SUBJECTS = ["a lighthouse keeper", "a young baker", "an old sailor", "a clever fox", "a lonely robot",
-            "a travelling musician", "a curious scientist", "a brave knight"]
-PROMPTS = [f"Here is a short story about {s}. Once upon a time, in a small village by the sea, there lived {s} "
-           f"who" for s in SUBJECTS]
+SUBJECTS = [
+    "a lighthouse keeper",
+    "a young baker",
+    "an old sailor",
+    "a clever fox",
+    "a lonely robot",
+    "a travelling musician",
+    "a curious scientist",
+    "a brave knight",
+]
+PROMPTS = [
+    f"Here is a short story about {s}. Once upon a time, in a small village by the sea, there lived {s} who"
+    for s in SUBJECTS
+]
 CHAT_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def _reference_cmd(prompts: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "server.launch.cli", "generate", "--json", "--max-tokens", str(MAX_TOKENS),
-           "--kv-pool-tokens", "4096", "--temperature", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.launch.cli",
+        "generate",
+        "--json",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--kv-pool-tokens",
+        "4096",
+        "--temperature",
+        "0",
+    ]
     for p in prompts:
         cmd += ["--prompt", p]
     return cmd
@@ -41,13 +63,31 @@ def _reference_cmd(prompts: list[str]) -> list[str]:
 def stack(tokenizer, launched_server):
     """(server url, {prompt text: pdserve generate result}) — server and reference run in parallel."""
     chat_text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}])
-    ref = subprocess.Popen(_reference_cmd([*PROMPTS, chat_text]), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)
+    ref = subprocess.Popen(
+        _reference_cmd([*PROMPTS, chat_text]),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
-        url = launched_server("colocated", "--kv-pool-tokens", "1024", "--page-size", "16", "--max-model-len", "2048",
-                              "--init-new-token-ratio", "0.05", "--health-interval-s", str(HEARTBEAT_S),
-                              "--worker-timeout-s", "60",  # a 32-request step is slow on a busy CPU
-                              "--log-level", "WARNING").url
+        url = launched_server(
+            "colocated",
+            "--kv-pool-tokens",
+            "1024",
+            "--page-size",
+            "16",
+            "--max-model-len",
+            "2048",
+            "--init-new-token-ratio",
+            "0.05",
+            "--health-interval-s",
+            str(HEARTBEAT_S),
+            "--worker-timeout-s",
+            "60",  # a 32-request step is slow on a busy CPU
+            "--log-level",
+            "WARNING",
+        ).url
         out, _ = ref.communicate(timeout=600)
         results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert ref.returncode == 0 and len(results) == len(PROMPTS) + 1, out
@@ -103,8 +143,9 @@ def test_models_and_health(url, client, model):
 
 def test_completion_matches_generate(client, model, refs):
     ref = refs[PROMPTS[0]]
-    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True}
+    )
     c = r.choices[0]
     assert c.token_ids == output_ids(ref) and c.prompt_token_ids == ref["prompt_token_ids"]
     assert c.text == ref["text"] and c.finish_reason == ref["finish_reason"]
@@ -117,8 +158,14 @@ def test_logit_bias_bans_and_forces_tokens(client, model, refs):
     ref = refs[PROMPTS[0]]["token_ids"]
 
     def ids(bias):
-        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
-                                      logit_bias=bias, extra_body={"return_token_ids": True, "ignore_eos": True})
+        r = client.completions.create(
+            model=model,
+            prompt=PROMPTS[0],
+            max_tokens=6,
+            temperature=0,
+            logit_bias=bias,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         return r.choices[0].token_ids
 
     banned = ids({str(ref[0]): -100})
@@ -129,8 +176,16 @@ def test_logit_bias_bans_and_forces_tokens(client, model, refs):
 
 def test_completion_stream_matches_generate(client, model, refs):
     ref = refs[PROMPTS[1]]
-    chunks = list(client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPTS[1],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref["finish_reason"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(output_ids(ref))
@@ -159,12 +214,15 @@ def test_logprobs_shape(client, model, refs, tokenizer):
 
 def test_stop_string_cuts_text_and_frees_kv(url, client, model, refs):
     text = refs[PROMPTS[5]]["text"]
-    stop = text[len(text) // 2:len(text) // 2 + 3]
-    expected = text[:text.index(stop)]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.index(stop)]
     r = client.completions.create(model=model, prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
-    chunks = list(client.completions.create(model=model, prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0,
-                                            stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=PROMPTS[5], max_tokens=MAX_TOKENS, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
     idle(url)
@@ -173,8 +231,9 @@ def test_stop_string_cuts_text_and_frees_kv(url, client, model, refs):
 def test_chat_matches_generate(client, model, refs, tokenizer):
     ref = refs[CHAT_QUESTION]
     messages = [{"role": "user", "content": CHAT_QUESTION}]
-    r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True}
+    )
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content == ref["text"]
     assert c.token_ids == output_ids(ref) and c.finish_reason == ref["finish_reason"]
@@ -185,9 +244,14 @@ def test_chat_matches_generate(client, model, refs, tokenizer):
 
 def test_chat_stream(client, model, refs):
     ref = refs[CHAT_QUESTION]
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT_QUESTION}],
-                                            max_completion_tokens=MAX_TOKENS, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": CHAT_QUESTION}],
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref["text"]
@@ -198,8 +262,14 @@ def test_chat_stream(client, model, refs):
 
 def test_disconnect_mid_stream_frees_kv(url, model):
     before = fresh(url)
-    body = {"model": model, "prompt": PROMPTS[6], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": PROMPTS[6],
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) >= 3
@@ -221,8 +291,14 @@ def test_32_concurrent_streams_with_retraction(url, model, refs, tokenizer):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
 
     async def one(aclient, prompt):
-        stream = await aclient.completions.create(model=model, prompt=prompt, max_tokens=CONCURRENT_MAX_TOKENS,
-                                                  temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = await aclient.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=CONCURRENT_MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, finish, used = "", None, None
         async for c in stream:
             if c.choices:
@@ -241,8 +317,10 @@ def test_32_concurrent_streams_with_retraction(url, model, refs, tokenizer):
     for p, (text, finish, _) in zip(prompts, results):
         assert (text, finish) == greedy_prefix(refs[p], CONCURRENT_MAX_TOKENS, tokenizer), p
     m = idle(url)
-    delta = {k: metric_sum(m, k) - metric_sum(before, k)
-             for k in ("pdserve_retractions_total", "pdserve_generation_tokens_total", "pdserve_oom_aborts_total")}
+    delta = {
+        k: metric_sum(m, k) - metric_sum(before, k)
+        for k in ("pdserve_retractions_total", "pdserve_generation_tokens_total", "pdserve_oom_aborts_total")
+    }
     assert delta["pdserve_retractions_total"] > 0
     assert delta["pdserve_oom_aborts_total"] == 0
     expected = sum(used for _, _, used in results)  # usage counts a sampled EOS, as the worker does

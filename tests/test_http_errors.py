@@ -2,6 +2,7 @@
 message naming the problem, and none leaves KV allocated. Ends with the worker going silent
 (SIGSTOP: heartbeat timeout) and then dying (SIGKILL), so those tests run last.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from server.testing.subprocess_server import fresh_metrics, metric_sum, wait_idle
+from bench.harness.subprocess_server import fresh_metrics, metric_sum, wait_idle
 
 pytestmark = pytest.mark.process
 
@@ -22,14 +23,31 @@ HEARTBEAT_S = 0.2
 WORKER_TIMEOUT_S = 3.0
 REQUEST_TIMEOUT_S = 6.0
 POOL, CONTEXT = 1024, 2048
-LONG = {"prompt": "Count slowly:", "max_tokens": 450, "temperature": 0, "ignore_eos": True}  # two fit the pool (ignore_eos reserves all)
+LONG = {
+    "prompt": "Count slowly:",
+    "max_tokens": 450,
+    "temperature": 0,
+    "ignore_eos": True,
+}  # two fit the pool (ignore_eos reserves all)
 
 
 @pytest.fixture(scope="module")
 def server(launched_server):
-    srv = launched_server("colocated", "--kv-pool-tokens", str(POOL), "--max-model-len", str(CONTEXT),
-                          "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", str(WORKER_TIMEOUT_S),
-                          "--request-timeout-s", str(REQUEST_TIMEOUT_S), "--log-level", "WARNING")
+    srv = launched_server(
+        "colocated",
+        "--kv-pool-tokens",
+        str(POOL),
+        "--max-model-len",
+        str(CONTEXT),
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--worker-timeout-s",
+        str(WORKER_TIMEOUT_S),
+        "--request-timeout-s",
+        str(REQUEST_TIMEOUT_S),
+        "--log-level",
+        "WARNING",
+    )
     yield srv
     for pid in srv.worker_pids():  # the SIGSTOP test may fail half way; launched_server stops it after this
         os.kill(pid, signal.SIGCONT)
@@ -42,8 +60,9 @@ def url(server):
 
 def post(url: str, path: str, body, timeout: float = 60.0) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{url}/v1/{path}", content=content, headers={"content-type": "application/json"},
-                      timeout=timeout)
+    return httpx.post(
+        f"{url}/v1/{path}", content=content, headers={"content-type": "application/json"}, timeout=timeout
+    )
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None, *needles: str) -> dict:
@@ -74,8 +93,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, 10**6]}, 400, "prompt", ["token ids", "1000000"]),
     ("completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", ["gpt-9"]),
     ("completions", {"prompt": "hi", "max_tokens": 1500}, 400, "max_tokens", ["1500", f"{POOL} tokens", "KV"]),
-    ("completions", {"prompt": "hi", "max_tokens": 3000, "stream": True}, 400, "max_tokens",
-     ["3000", f"{CONTEXT} tokens", "context"]),
+    (
+        "completions",
+        {"prompt": "hi", "max_tokens": 3000, "stream": True},
+        400,
+        "max_tokens",
+        ["3000", f"{CONTEXT} tokens", "context"],
+    ),
     ("completions", {"prompt": "hi", "logit_bias": {"the": 5}}, 400, "logit_bias", ["token ids", "'the'"]),
     ("completions", {"prompt": "hi", "logit_bias": {"99999999": 5}}, 400, "logit_bias", ["token ids", "99999999"]),
     ("completions", {"prompt": "hi", "logit_bias": {"7": 150}}, 400, "logit_bias", ["[-100, 100]"]),
@@ -97,8 +121,9 @@ def test_openai_client_sees_errors(url):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="exceeds the KV cache pool capacity of 1024"):
-        client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=1200,
-                                       messages=[{"role": "user", "content": "hi"}])
+        client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=1200, messages=[{"role": "user", "content": "hi"}]
+        )
 
 
 def test_unknown_route_has_error_shape(url):

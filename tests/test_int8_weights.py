@@ -4,32 +4,34 @@ real model against its dequantized reference (the same int8 weights widened to b
 the bfloat16 path) and against float32 by logits tolerance. Measured on a Zen 4 (the paragraph's
 prompt logprobs against float32): mean |delta| 0.084, max 0.62, top-1 agreement 0.92 (bfloat16
 weights: 0.035 / 0.20 / 0.96 on a Zen 5, ``test_bf16_engine.py``)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import engine_cfg, sched_cfg
 from pydantic import ValidationError
+from test_bf16_engine import TEXT
 
 from configs.engine import EngineConfig
-from conftest import engine_cfg, sched_cfg
 from engine import cpu_linear
 from engine.cpu_linear import PackedWeight, linear, pack, quantize_int8
 from engine.kernels import cpu_native
 from engine.llm import LLM, run_batch
-from test_bf16_engine import TEXT
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 needs_kernel = pytest.mark.skipif(
     not cpu_native.gemv_available() or not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)),
-    reason="this CPU has no AVX512-BF16: the int8 kernel is not built here")
+    reason="this CPU has no AVX512-BF16: the int8 kernel is not built here",
+)
 
 
 def _check(y, ref, magnitude):
     """Every output is the exact result rounded to bfloat16, up to one bfloat16 step where the
     float32 sum sat next to a rounding boundary, plus float32 summation error (relative to the
     terms' ``magnitude``: a result that cancels to ~0 keeps it); 99% exactly rounded."""
-    step = ref.abs() * 2.0 ** -7 + magnitude * 2.0 ** -20
+    step = ref.abs() * 2.0**-7 + magnitude * 2.0**-20
     assert ((y.double() - ref).abs() <= step).all()
     assert (y == ref.to(torch.bfloat16)).float().mean() > 0.99
 
@@ -122,8 +124,11 @@ def test_a_cpu_without_bfloat16_refuses_int8_weights_at_load(embedded, monkeypat
     from engine import model_runner
 
     monkeypatch.setattr(model_runner, "has_fast_bf16", lambda flags=None: False)
-    with pytest.raises(ValueError, match=r"--weight-dtype int8 runs on CPUs with AVX512-BF16 \(this worker runs "
-                                         r"cpu in float32\): drop --weight-dtype int8"):
+    with pytest.raises(
+        ValueError,
+        match=r"--weight-dtype int8 runs on CPUs with AVX512-BF16 \(this worker runs "
+        r"cpu in float32\): drop --weight-dtype int8",
+    ):
         LLM(engine_cfg(dtype="bfloat16", weight_dtype="int8"), sched_cfg(), loaded=embedded[:3])
 
 
@@ -136,8 +141,9 @@ def test_config_refuses_int8_weights_without_bfloat16():
 def _score(llm, ids, new_tokens=0):
     """(logprob of each prompt token after the first, top-1 at each position, greedy tokens, their
     logprobs): the prompt's through prefill, the greedy tokens' through decode steps."""
-    sp = SamplingParams(max_new_tokens=max(new_tokens, 1), temperature=0, prompt_logprobs=1, logprobs=0,
-                        ignore_eos=True)
+    sp = SamplingParams(
+        max_new_tokens=max(new_tokens, 1), temperature=0, prompt_logprobs=1, logprobs=0, ignore_eos=True
+    )
     out = run_batch(llm.scheduler, [ids], [sp])[0]
     entries = out.prompt_logprobs[1:]
     return torch.tensor([e[0] for e in entries]), [e[1][0][0] for e in entries], out.token_ids, out.logprobs
@@ -162,15 +168,18 @@ def test_int8_engine_against_its_dequantized_reference_and_float32(embedded, mon
     different path: only bfloat16 rounding apart). Against float32 it is held to what int8 allows."""
     ids = embedded[2].encode(TEXT)
     int8 = LLM(engine_cfg(dtype="bfloat16", weight_dtype="int8"), sched_cfg(), loaded=embedded[:3])
-    assert all(isinstance(l.w[n], PackedWeight) and l.w[n].int8 is not None
-               for l in int8.runner.model.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert all(
+        isinstance(l.w[n], PackedWeight) and l.w[n].int8 is not None
+        for l in int8.runner.model.layers
+        for n in ("qkv", "o", "gate_up", "down")
+    )
     got_lp, got_top, greedy, greedy_lp = _score(int8, ids, new_tokens=16)
     monkeypatch.setattr(cpu_linear, "pairs_take_all", lambda: False)  # the reference's prompts on oneDNN too
     ref = _dequantized_reference(embedded, int8)
     ref_lp, _, _, _ = _score(ref, ids)
     assert (got_lp - ref_lp).abs().max() < 1e-3
     scored, _, _, _ = _score(ref, ids + greedy)
-    delta = (torch.tensor(greedy_lp) - scored[-len(greedy):]).abs()
+    delta = (torch.tensor(greedy_lp) - scored[-len(greedy) :]).abs()
     # decode and prefill of one bfloat16 engine differ by as much (rounding in another order)
     assert len(greedy) == 16 and delta.mean() < 0.05 and delta.max() < 0.25, delta
     f32_lp, f32_top, _, _ = _score(LLM(engine_cfg(dtype="float32"), sched_cfg(), loaded=embedded[:3]), ids)
@@ -191,8 +200,9 @@ def test_kv_handshake_refuses_a_peer_with_other_weights(embedded):
     bf16 = LLM(engine_cfg(dtype="bfloat16"), sched_cfg(), loaded=embedded[:3]).runner
     assert int8.kv_descriptor() == {**bf16.kv_descriptor(), "weights": "int8"}
     assert bf16.kv_descriptor()["weights"] == "bfloat16"
-    hs = KVHandshake(worker_id="decode-0", model="m", layout=int8.kv_descriptor(), transport="nixl",
-                     transport_metadata="")
+    hs = KVHandshake(
+        worker_id="decode-0", model="m", layout=int8.kv_descriptor(), transport="nixl", transport_metadata=""
+    )
     err = KVSender(transport=None, unit_bytes=1, threaded=False).accept_peer(None, hs, "m", bf16.kv_descriptor())
     assert err == "KV layout mismatch on weights: decode has 'int8', prefill has 'bfloat16'"
 

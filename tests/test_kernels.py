@@ -4,6 +4,7 @@ torch reference against dense ``scaled_dot_product_attention``.
 ``TRITON_INTERPRET`` must be set before triton is first imported in the process, hence the very
 first statement. If another module imported triton earlier without it, the Triton tests skip.
 """
+
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -70,7 +71,7 @@ def make_decode_case(seq_lens, page_size, kv_heads, group, head_dim, dtype, seed
     block_table = torch.full((len(seq_lens), max_pages), 10**6, dtype=torch.long)
     used = 0
     for i, n in enumerate(n_pages):
-        block_table[i, :n] = perm[used:used + n]
+        block_table[i, :n] = perm[used : used + n]
         used += n
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     return pool, block_table, torch.tensor(seq_lens, dtype=torch.long), q
@@ -86,10 +87,10 @@ def dense_decode(q, pool, layer, block_table, seq_lens, scale, window):
         k = pool.k_layer(layer)[pages].reshape(-1, pool.num_kv_heads, pool.head_dim)[:L]
         v = pool.v_layer(layer)[pages].reshape(-1, pool.num_kv_heads, pool.head_dim)[:L]
         if window is not None:
-            k, v = k[max(0, L - window):], v[max(0, L - window):]
-        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)   # [H, L, D]
+            k, v = k[max(0, L - window) :], v[max(0, L - window) :]
+        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
-        qi = q[i].double().unsqueeze(1)                                   # [H, 1, D]
+        qi = q[i].double().unsqueeze(1)  # [H, 1, D]
         outs.append(F.scaled_dot_product_attention(qi, k, v, scale=scale).squeeze(1))
     return torch.stack(outs)
 
@@ -106,9 +107,8 @@ SEQ_LENS = [1, 37, 16, 23]  # includes 1, multiples and non-multiples of every p
 @pytest.mark.parametrize("window", [None, 5])
 def test_reference_decode_matches_dense_sdpa(page_size, kv_heads, group, window):
     pool, bt, sl, q = make_decode_case(SEQ_LENS, page_size, kv_heads, group, 64, torch.float32)
-    scale = 64 ** -0.5
-    got = paged_decode_attention_torch(q, pool.k_layer(LAYER), pool.v_layer(LAYER), bt, sl, scale,
-                                       page_size, window)
+    scale = 64**-0.5
+    got = paged_decode_attention_torch(q, pool.k_layer(LAYER), pool.v_layer(LAYER), bt, sl, scale, page_size, window)
     want = dense_decode(q, pool, LAYER, bt, sl, scale, window)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
@@ -123,7 +123,7 @@ def test_reference_decode_fp16_and_window_edges():
         torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
     # window=1: the output is the last token's V (per kv head)
     got = paged_decode_attention_torch(q, pool.k_layer(0), pool.v_layer(0), bt, sl, 0.3, 4, 1)
-    last = pool.v_layer(0)[bt[1, 2], 0]                               # token 8 of request 1
+    last = pool.v_layer(0)[bt[1, 2], 0]  # token 8 of request 1
     torch.testing.assert_close(got[1], last.repeat_interleave(2, dim=0))
 
 
@@ -143,8 +143,7 @@ def test_auto_backend_is_torch_on_cpu_and_validates():
 
 @pytest.mark.process  # a fresh interpreter
 def test_import_engine_does_not_import_triton():
-    code = ("import sys, engine.kernels, engine.attention; "
-            "assert 'triton' not in sys.modules, 'triton imported eagerly'")
+    code = "import sys, engine.kernels, engine.attention; assert 'triton' not in sys.modules, 'triton imported eagerly'"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=120)
 
@@ -158,7 +157,7 @@ def _store_case(page_size, dtype, n=11, kv_heads=3, head_dim=64, seed=1):
     pool = KVPool(12, 2, page_size, kv_heads, head_dim, dtype=dtype)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(dtype))
     slots = torch.randperm(pool.num_slots, generator=gen)[:n]
-    kv = torch.randn(n, 2, kv_heads, head_dim, generator=gen)          # k, v: strided slices
+    kv = torch.randn(n, 2, kv_heads, head_dim, generator=gen)  # k, v: strided slices
     return pool, slots, kv[:, 0], kv[:, 1]
 
 
@@ -205,7 +204,7 @@ def test_store_kv_skips_negative_padding_slots(backend):
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_triton_matches_reference(dtype, page_size, kv_heads, group, window):
     pool, bt, sl, q = make_decode_case(SEQ_LENS, page_size, kv_heads, group, 64, dtype)
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     args = (q, pool.k_layer(LAYER), pool.v_layer(LAYER), bt, sl, scale, page_size, window)
     # block_n=16: several key blocks per request, and window starts not aligned to blocks/pages
     got = paged_decode_attention(*args, backend="triton", block_n=16)
@@ -301,7 +300,7 @@ def test_gather_pages_of_kv_pool(backend):
 # ---------------------------------------------------------------------------------------------
 # GPU compile check without a GPU: the interpreter accepts some programs the compiler rejects.
 
-_COMPILE_SCRIPT = r'''
+_COMPILE_SCRIPT = r"""
 import inspect, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -324,7 +323,7 @@ compile_sm90("paged_decode", dec, dict(PAGE_SIZE=1, GROUP=3, HEAD_DIM=64, G_PAD=
                                        BLOCK_N=32, USE_DOT=False, DOT_PRECISION=None))
 compile_sm90("copy_pages", dict(SRC=h, DST=h, PAGE_IDS="*i64"), dict(GATHER=False, BLOCK=2048))
 print("compiled")
-'''
+"""
 
 
 @pytest.mark.process  # a fresh interpreter compiles the kernels
@@ -337,6 +336,7 @@ def test_kernels_compile_for_sm90_without_gpu():
         pytest.skip("triton's bundled ptxas is missing")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=REPO, env=env, timeout=300,
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], cwd=REPO, env=env, timeout=300, capture_output=True, text=True
+    )
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]

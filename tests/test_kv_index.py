@@ -1,6 +1,7 @@
 """Cache-aware routing's KV events and index: a worker's radix cache, its event log, the wire
 messages and the router's ``KvIndex`` agree after any traffic (a hypothesis state machine over the
 real ``KVManager``), and the index's sync rules (gaps, restarts, bound) hold."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,14 +35,22 @@ class Feed:
         if not events:
             return None
         self.seq += 1
-        msg = KvEvents(worker_id="w", instance=self.instance, seq=self.seq, pool=POOL,
-                       kinds=[e.kind.value for e in events], counts=[len(e.hashes) for e in events])
+        msg = KvEvents(
+            worker_id="w",
+            instance=self.instance,
+            seq=self.seq,
+            pool=POOL,
+            kinds=[e.kind.value for e in events],
+            counts=[len(e.hashes) for e in events],
+        )
         return encode(msg, hashes_frame([h for e in events for h in e.hashes]))
 
     def snapshot(self) -> list[bytes]:
         self.seq += 1
-        return encode(KvSnapshot(worker_id="w", instance=self.instance, seq=self.seq, pool=POOL),
-                      hashes_frame(tree_hashes(self.tree)))
+        return encode(
+            KvSnapshot(worker_id="w", instance=self.instance, seq=self.seq, pool=POOL),
+            hashes_frame(tree_hashes(self.tree)),
+        )
 
 
 def deliver(index: KvIndex, parts: list[bytes]) -> bool:
@@ -187,7 +196,9 @@ def test_memory_is_bounded_and_only_shortens_matches():
 
 def test_snapshot_kinds_unpack_and_refuse_a_mismatch():
     msg = KvEvents(worker_id="w", instance="i", seq=1, pool=POOL, kinds=["stored", "removed"], counts=[2, 1])
-    assert decode(encode(msg, hashes_frame([1, 2, 3])))[0].unpack(hashes_frame([1, 2, 3])) == \
-        [("stored", [1, 2]), ("removed", [3])]
+    assert decode(encode(msg, hashes_frame([1, 2, 3])))[0].unpack(hashes_frame([1, 2, 3])) == [
+        ("stored", [1, 2]),
+        ("removed", [3]),
+    ]
     with pytest.raises(ValueError, match="do not match"):
         msg.unpack(hashes_frame([1]))

@@ -2,18 +2,19 @@
 worker its prefill workers and decode peers as they become ready; the decode worker handshakes
 them then, and the source sets the transport connection up with a page-less warm-up write, so the
 first transfer (a prompt's KV, a migration) waits for neither."""
+
 from __future__ import annotations
 
 import pytest
-
 from conftest import hf_greedy
 from migration_harness import ADDR, ROUTER, MigrationHarness
+from test_metrics_series import scrape, val
+from test_migration import GREEDY, SKEW, cfg, prompts
+
+from bench.harness.pd_harness import checked_harnesses
 from server.router.kv_sources import announce_sources, kv_sources
 from server.router.worker_client import WorkerUnavailable
 from server.router.workers import READY, WorkerHandle, WorkerSpec
-from server.testing.pd_harness import checked_harnesses
-from test_metrics_series import scrape, val
-from test_migration import GREEDY, SKEW, cfg, prompts
 from transfer.kv_transport import WARMUP_NOTIF
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Conn
@@ -31,16 +32,30 @@ class _Recorder:
 
 
 def _h(wid, role=Role.DECODE, model="m", page_size=4, state=READY, instance="i1"):
-    stats = WorkerStats(worker_id=wid, role=role, model=model, capacity_tokens=100, max_model_len=100,
-                        page_size=page_size, instance=instance)
-    return WorkerHandle(WorkerSpec(wid, role, f"tcp://{wid}"), _Recorder(), state=state, stats=stats,
-                        instance=instance)
+    stats = WorkerStats(
+        worker_id=wid,
+        role=role,
+        model=model,
+        capacity_tokens=100,
+        max_model_len=100,
+        page_size=page_size,
+        instance=instance,
+    )
+    return WorkerHandle(WorkerSpec(wid, role, f"tcp://{wid}"), _Recorder(), state=state, stats=stats, instance=instance)
 
 
 def test_router_names_the_ready_sources_of_a_decode_workers_model():
     d1 = _h("d1")
-    others = [_h("p0", Role.PREFILL), _h("p1", Role.PREFILL, model="x"), _h("p2", Role.PREFILL, page_size=16),
-              _h("d2"), _h("d3", page_size=16), _h("d4", model="x"), _h("d5", state="dead"), _h("c0", Role.COLOCATED)]
+    others = [
+        _h("p0", Role.PREFILL),
+        _h("p1", Role.PREFILL, model="x"),
+        _h("p2", Role.PREFILL, page_size=16),
+        _h("d2"),
+        _h("d3", page_size=16),
+        _h("d4", model="x"),
+        _h("d5", state="dead"),
+        _h("c0", Role.COLOCATED),
+    ]
     assert kv_sources([d1, *others], d1) == KVSources(prefill=["tcp://p0", "tcp://p2"], decode=["tcp://d2"])
     assert kv_sources([d1, *others], others[0]) is None  # only decode workers take KV
     assert kv_sources([d1, *others], others[6]) is None  # nor one that is not ready
@@ -68,8 +83,11 @@ def test_announce_sends_a_list_once_per_worker_process_and_again_when_it_changes
 
 @pytest.fixture
 def harness(tiny):
-    yield from checked_harnesses(lambda d1=None, d2=None: MigrationHarness(
-        cfg(), d1 or cfg(pool=96, migrate_after="1", init_new_token_ratio=0.1), d2 or cfg(), tiny[0], tiny[1]))
+    yield from checked_harnesses(
+        lambda d1=None, d2=None: MigrationHarness(
+            cfg(), d1 or cfg(pool=96, migrate_after="1", init_new_token_ratio=0.1), d2 or cfg(), tiny[0], tiny[1]
+        )
+    )
 
 
 def _announce(h, wid: str, **lists) -> None:

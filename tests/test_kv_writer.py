@@ -1,4 +1,5 @@
 """The KV writing thread (``prefill_worker.kv_writer.KVWriter``): posting order and hand-over."""
+
 from __future__ import annotations
 
 import threading

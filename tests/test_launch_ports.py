@@ -9,6 +9,7 @@ and give up with the reason in ``/health``.
 On main the second launch even reports "serving": its router takes whatever answers heartbeats at
 a worker address (here the first launch's worker) while its own worker loads, fails to bind and is
 restarted forever; the router, decode and prefill workers now refuse a worker of another cluster."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.harness.subprocess_server import LaunchedServer, free_base_port
 from configs.schema import PdserveConfig
-from server.testing.subprocess_server import LaunchedServer, free_base_port
 
 pytestmark = pytest.mark.process
 
@@ -42,9 +43,20 @@ def base_port():
 @pytest.fixture(scope="module")
 def first(base_port, launched_server):
     """Launch A: PD mode, prefill-0 at ``base_port``, decode-0 at ``base_port + 1``."""
-    return launched_server("pd", "--kv-pool-tokens", "512", "--max-model-len", "512",
-                           "--health-interval-s", str(HEARTBEAT_S), "--peer-timeout-s", "4", "--log-level", "WARNING",
-                           base_port=base_port)
+    return launched_server(
+        "pd",
+        "--kv-pool-tokens",
+        "512",
+        "--max-model-len",
+        "512",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--peer-timeout-s",
+        "4",
+        "--log-level",
+        "WARNING",
+        base_port=base_port,
+    )
 
 
 def complete(url: str) -> dict:
@@ -55,8 +67,10 @@ def complete(url: str) -> dict:
 
 def second_launch(base_port: int) -> tuple[str, float]:
     """Launch B (colocated, its own HTTP port, A's base port): (its error output, seconds it took)."""
-    srv = LaunchedServer(["--mode", "colocated", "--port", "0", "--base-port", str(base_port),
-                          "--log-level", "WARNING"], startup_timeout_s=90)
+    srv = LaunchedServer(
+        ["--mode", "colocated", "--port", "0", "--base-port", str(base_port), "--log-level", "WARNING"],
+        startup_timeout_s=90,
+    )
     t0 = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match="exited with code 1") as e:
@@ -134,10 +148,18 @@ def test_restarts_back_off_then_give_up_with_health_reason(caplog):
     restarts, an error log line and the reason in /health (on main: restarted every 0.5 s forever)."""
     from server.launch.launcher import Launcher, worker_argv
 
-    cfg = PdserveConfig.model_validate({
-        "server": {"port": 0, "health_interval_s": HEARTBEAT_S, "log_level": "WARNING"},
-        "engine": {"kv_pool_tokens": 256, "max_model_len": 256},
-        "cluster": {"mode": "colocated", "base_port": free_base_port(1), "restart_limit": 3, "restart_backoff_s": 0.2}})
+    cfg = PdserveConfig.model_validate(
+        {
+            "server": {"port": 0, "health_interval_s": HEARTBEAT_S, "log_level": "WARNING"},
+            "engine": {"kv_pool_tokens": 256, "max_model_len": 256},
+            "cluster": {
+                "mode": "colocated",
+                "base_port": free_base_port(1),
+                "restart_limit": 3,
+                "restart_backoff_s": 0.2,
+            },
+        }
+    )
     starts: list[float] = []
     die = [sys.executable, "-c", "import sys; print('worker: simulated crash at start', file=sys.stderr); sys.exit(1)"]
 

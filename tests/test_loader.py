@@ -1,4 +1,5 @@
 """Tests for engine.loader and engine.model_paths on the embedded SmolLM2 GGUF and tiny HF folders."""
+
 from __future__ import annotations
 
 import json
@@ -165,8 +166,17 @@ def _tiny_hf_model(kind: str, folder, tie: bool = False):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

@@ -5,6 +5,7 @@ pdserve's colocated engine (loaded from the folder like a worker does) and by tr
 same folder; logits are compared at every prefill and decode position (off-by-one windows often
 keep the greedy tokens, so tokens alone prove little).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,13 @@ CASES = {
     "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW + 4, layer_types=[F, S, S]),
 }
 # expected per-layer kinds (what transformers computes, asserted against it below too)
-EXPECTED = {"ministral": (S, F, S), "mistral": (S, S, S), "qwen2-max-window-layers": (F, S, S),
-            "qwen2-off": (F, F, F), "qwen3": (F, S, S)}
+EXPECTED = {
+    "ministral": (S, F, S),
+    "mistral": (S, S, S),
+    "qwen2-max-window-layers": (F, S, S),
+    "qwen2-off": (F, F, F),
+    "qwen3": (F, S, S),
+}
 
 
 def _write_tokenizer(folder) -> None:
@@ -57,9 +63,20 @@ def build_folder(case: str, folder, drop_layer_types: bool = False, **extra):
     cls = {"ministral": "Ministral", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
     torch.manual_seed(zlib.crc32(case.encode()))
     cfg = getattr(transformers, cls + "Config")(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False, **{**CASES[case], **extra})
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        **{**CASES[case], **extra},
+    )
     getattr(transformers, cls + "ForCausalLM")(cfg).save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder)
     if drop_layer_types:  # transformers saves the layer_types it derived: drop them to test the derivation
@@ -95,7 +112,7 @@ def hf_reference(model, prompt: list[int], steps: int) -> tuple[list[int], torch
             row = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
             rows.append(row)
             ids.append(int(row.argmax()))
-    return ids[len(prompt):], torch.stack(rows)
+    return ids[len(prompt) :], torch.stack(rows)
 
 
 def run_engine(engine: EngineConfig, sched: SchedulerConfig | None = None):
@@ -129,14 +146,23 @@ def assert_sensitive(model_a, model_b) -> None:
     assert (rows_a - rows_b).abs().max().item() > 50 * TOL
 
 
-@pytest.mark.parametrize("case, page_size, chunk", [
-    ("ministral", 4, 2048), ("mistral", 16, 16), ("qwen2-max-window-layers", 8, 2048),
-    ("qwen2-off", 4, 2048), ("qwen3", 16, 2048)])
+@pytest.mark.parametrize(
+    "case, page_size, chunk",
+    [
+        ("ministral", 4, 2048),
+        ("mistral", 16, 16),
+        ("qwen2-max-window-layers", 8, 2048),
+        ("qwen2-off", 4, 2048),
+        ("qwen3", 16, 2048),
+    ],
+)
 @pytest.mark.slow
 def test_engine_logits_match_transformers(tmp_path, case, page_size, chunk):
     model = build_folder(case, tmp_path, drop_layer_types=case == "qwen2-max-window-layers")
-    llm, outs = run_engine(EngineConfig(model=str(tmp_path), page_size=page_size, kv_pool_tokens=1024),
-                           SchedulerConfig(chunked_prefill_size=chunk))
+    llm, outs = run_engine(
+        EngineConfig(model=str(tmp_path), page_size=page_size, kv_pool_tokens=1024),
+        SchedulerConfig(chunked_prefill_size=chunk),
+    )
     cfg = llm.model_config
     assert cfg.layer_types == EXPECTED[case]
     assert pd_windows(cfg) == hf_windows(model)
@@ -144,21 +170,26 @@ def test_engine_logits_match_transformers(tmp_path, case, page_size, chunk):
     assert_matches(outs, model)
     window = CASES[case]["sliding_window"]
     # (transformers saves qwen's sliding_window as null when sliding is off: give it back to turn it on)
-    other = (dict(use_sliding_window=True, sliding_window=window, layer_types=[F, S, S]) if case == "qwen2-off"
-             else dict(sliding_window=window + 1))
+    other = (
+        dict(use_sliding_window=True, sliding_window=window, layer_types=[F, S, S])
+        if case == "qwen2-off"
+        else dict(sliding_window=window + 1)
+    )
     assert_sensitive(model, hf_load(tmp_path, **other))
 
 
 def test_hf_layer_types_follow_transformers_per_model_type(tmp_path):
     """Derivations without a saved layer_types list, and lists transformers ignores."""
-    cases = [("ministral", dict(layer_types=None), (S, S, S)),               # window set: every layer slides
-             ("ministral", dict(layer_types=None, sliding_window=None), (F, F, F)),
-             # MistralConfig ignores layer_types, but AutoConfig reads a mistral config.json that has the
-             # key as ministral: the list counts (null: every layer slides, as plain mistral)
-             ("mistral", dict(layer_types=[S, F, F]), (S, F, F)),
-             ("mistral", dict(layer_types=None), (S, S, S)),
-             ("qwen3", dict(layer_types=None, max_window_layers=2), (F, F, S)),
-             ("qwen2-off", dict(layer_types=None), (F, F, F))]
+    cases = [
+        ("ministral", dict(layer_types=None), (S, S, S)),  # window set: every layer slides
+        ("ministral", dict(layer_types=None, sliding_window=None), (F, F, F)),
+        # MistralConfig ignores layer_types, but AutoConfig reads a mistral config.json that has the
+        # key as ministral: the list counts (null: every layer slides, as plain mistral)
+        ("mistral", dict(layer_types=[S, F, F]), (S, F, F)),
+        ("mistral", dict(layer_types=None), (S, S, S)),
+        ("qwen3", dict(layer_types=None, max_window_layers=2), (F, F, S)),
+        ("qwen2-off", dict(layer_types=None), (F, F, F)),
+    ]
     for i, (case, extra, expected) in enumerate(cases):
         folder = tmp_path / str(i)
         folder.mkdir()
@@ -191,8 +222,9 @@ def test_qwen_sliding_off_ignores_layer_types(tmp_path):
 def test_overrides_run_like_transformers_with_the_same_settings(tmp_path):
     """--layer-types alternate --sliding-window 6 on a ministral folder == transformers given the same."""
     build_folder("ministral", tmp_path)
-    engine = EngineConfig(model=str(tmp_path), page_size=4, kv_pool_tokens=1024, sliding_window=6,
-                          layer_types="alternate")
+    engine = EngineConfig(
+        model=str(tmp_path), page_size=4, kv_pool_tokens=1024, sliding_window=6, layer_types="alternate"
+    )
     llm, outs = run_engine(engine)
     assert llm.model_config.layer_types == (S, F, S) and llm.model_config.sliding_window == 6
     model = hf_load(tmp_path, sliding_window=6, layer_types=[S, F, S])
@@ -246,8 +278,11 @@ def test_window_larger_than_context_fails_at_start(tmp_path):
     build_folder("ministral", tmp_path)  # max_position_embeddings 256, window 8
     with pytest.raises(ValueError, match=r"sliding window 300 is larger than the context length 256.*--sliding-window"):
         load_for_engine(tmp_path, EngineConfig(sliding_window=300))
-    with pytest.raises(ValueError, match=r"larger than the context length 6 .*--sliding-window to at most 6 or "
-                                         r"raise --max-model-len to at least 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"larger than the context length 6 .*--sliding-window to at most 6 or "
+        r"raise --max-model-len to at least 8",
+    ):
         LLM(EngineConfig(model=str(tmp_path), max_model_len=6, kv_pool_tokens=256))
     cfg, _ = load_for_engine(tmp_path, EngineConfig(max_model_len=8))  # window == context is fine
     assert cfg.sliding_window == 8
@@ -259,7 +294,9 @@ def test_worker_start_up_fails_on_a_bad_window(tmp_path):
     from server.worker.main import load_runner
 
     build_folder("ministral", tmp_path)
-    cfg = load_config(cli={"model": str(tmp_path), "kv_pool_tokens": 256, "sliding_window": 4, "layer_types": "alternate"})
+    cfg = load_config(
+        cli={"model": str(tmp_path), "kv_pool_tokens": 256, "sliding_window": 4, "layer_types": "alternate"}
+    )
     runner, _ = load_runner(cfg)
     assert runner.model_config.layer_types == (S, F, S) and runner.backend.windows == [4, None, 4]
     with pytest.raises(ValueError, match="--max-model-len"):
@@ -269,8 +306,11 @@ def test_worker_start_up_fails_on_a_bad_window(tmp_path):
 def test_unsupported_sliding_configs_name_the_flag(tmp_path):
     raw = {"model_type": "gemma2", "num_hidden_layers": 2, "sliding_window": 8}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"unsupported architecture 'gemma2'.*sliding-window attention .* "
-                                         r"choose another --model"):
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported architecture 'gemma2'.*sliding-window attention .* "
+        r"choose another --model",
+    ):
         load_model_weights(tmp_path)
     build_folder("ministral", tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
@@ -286,8 +326,11 @@ def test_unsupported_sliding_configs_name_the_flag(tmp_path):
 
 def test_swa_pool_must_be_whole_pages():
     validate_swa_pool(128, 16)
-    with pytest.raises(ValueError, match=r"--swa-pool-tokens \(100\) must be a positive multiple of --page-size "
-                                         r"\(16\): set --swa-pool-tokens to 96 or 112"):
+    with pytest.raises(
+        ValueError,
+        match=r"--swa-pool-tokens \(100\) must be a positive multiple of --page-size "
+        r"\(16\): set --swa-pool-tokens to 96 or 112",
+    ):
         validate_swa_pool(100, 16)
     with pytest.raises(ValueError, match=r"set --swa-pool-tokens to 16, or change --page-size"):
         validate_swa_pool(8, 16)
@@ -312,9 +355,16 @@ def _write_gguf(path, window: int | None, pattern) -> None:
 
     w = gguf.GGUFWriter(str(path), "llama")
     hidden, ffn, heads, kv, layers = 32, 48, 4, 2, 4
-    for add, value in [(w.add_block_count, layers), (w.add_embedding_length, hidden), (w.add_feed_forward_length, ffn),
-                       (w.add_head_count, heads), (w.add_head_count_kv, kv), (w.add_context_length, 128),
-                       (w.add_vocab_size, VOCAB), (w.add_layer_norm_rms_eps, 1e-5)]:
+    for add, value in [
+        (w.add_block_count, layers),
+        (w.add_embedding_length, hidden),
+        (w.add_feed_forward_length, ffn),
+        (w.add_head_count, heads),
+        (w.add_head_count_kv, kv),
+        (w.add_context_length, 128),
+        (w.add_vocab_size, VOCAB),
+        (w.add_layer_norm_rms_eps, 1e-5),
+    ]:
         add(value)
     if window is not None:
         w.add_sliding_window(window)
@@ -327,9 +377,17 @@ def _write_gguf(path, window: int | None, pattern) -> None:
     w.add_tensor("output.weight", r(VOCAB, hidden))
     hd = hidden // heads
     for i in range(layers):
-        for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv * hd, hidden)), ("attn_v", (kv * hd, hidden)),
-                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
-                            ("ffn_down", (hidden, ffn)), ("attn_norm", (hidden,)), ("ffn_norm", (hidden,))]:
+        for name, shape in [
+            ("attn_q", (hidden, hidden)),
+            ("attn_k", (kv * hd, hidden)),
+            ("attn_v", (kv * hd, hidden)),
+            ("attn_output", (hidden, hidden)),
+            ("ffn_gate", (ffn, hidden)),
+            ("ffn_up", (ffn, hidden)),
+            ("ffn_down", (hidden, ffn)),
+            ("attn_norm", (hidden,)),
+            ("ffn_norm", (hidden,)),
+        ]:
             w.add_tensor(f"blk.{i}.{name}.weight", r(*shape))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -337,8 +395,15 @@ def _write_gguf(path, window: int | None, pattern) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("window, pattern, expected", [
-    (None, None, (F, F, F, F)), (8, None, (S, S, S, S)), (8, 2, (S, F, S, F)), (8, [False, True, True, False], (F, S, S, F))])
+@pytest.mark.parametrize(
+    "window, pattern, expected",
+    [
+        (None, None, (F, F, F, F)),
+        (8, None, (S, S, S, S)),
+        (8, 2, (S, F, S, F)),
+        (8, [False, True, True, False], (F, S, S, F)),
+    ],
+)
 def test_gguf_sliding_window_metadata(tmp_path, window, pattern, expected):
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, window, pattern)

@@ -5,24 +5,25 @@ never reach the prefill worker's compute (no KV written) whichever of the router
 prefix the decode radix cache holds is prefilled locally; SWA pools; forced retracts (offload and
 recompute); an abort mid local prefill; the decision's reasons; the metrics a scraper reads.
 Allocator invariants are checked after each (``checked_harnesses``)."""
+
 from __future__ import annotations
 
 import pytest
 from conftest import hf_greedy
 
+from bench.harness.pd_harness import (
+    DECODE_CONN,
+    PREFILL_ADDR,
+    ROUTER,
+    PDHarness,
+    checked_harnesses,
+)
 from decode_worker.jobs import DecodeState
 from decode_worker.local_prefill import (
     RETRACT_COOLDOWN_STEPS,
     LocalPrefillInputs,
     LocalPrefillPolicy,
     LocalPrefillReason,
-)
-from server.testing.pd_harness import (
-    DECODE_CONN,
-    PREFILL_ADDR,
-    ROUTER,
-    PDHarness,
-    checked_harnesses,
 )
 from tests.test_metrics_series import scrape, val
 from tests.test_pd_inprocess import GREEDY, cfg, prompts, refs  # noqa: F401 (fixture)
@@ -65,24 +66,35 @@ def run(h: PDHarness, ps, params=GREEDY, tag="r") -> list[list[int]]:
 
 # ---- the decision (pure) ------------------------------------------------------------------------
 def inputs(**kw) -> LocalPrefillInputs:
-    base = {"prompt_tokens": 40, "cached_tokens": 0, "backlog_tokens": 0, "retracted_queue": 0,
-            "steps_since_retract": None, "prealloc_queue": 0, "need_pages": 10, "headroom_pages": 100}
+    base = {
+        "prompt_tokens": 40,
+        "cached_tokens": 0,
+        "backlog_tokens": 0,
+        "retracted_queue": 0,
+        "steps_since_retract": None,
+        "prealloc_queue": 0,
+        "need_pages": 10,
+        "headroom_pages": 100,
+    }
     return LocalPrefillInputs(**{**base, **kw})
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kw, reason", [
-    ({}, R.TAKEN),
-    ({"prompt_tokens": 65}, R.TOO_LONG),
-    ({"prompt_tokens": 200, "cached_tokens": 160}, R.TAKEN),  # only the uncached suffix counts
-    ({"backlog_tokens": 30}, R.BUSY),
-    ({"retracted_queue": 1}, R.RETRACT_PRESSURE),
-    ({"steps_since_retract": RETRACT_COOLDOWN_STEPS - 1}, R.RETRACT_PRESSURE),
-    ({"steps_since_retract": RETRACT_COOLDOWN_STEPS}, R.TAKEN),
-    ({"prealloc_queue": 1}, R.NO_HEADROOM),
-    ({"need_pages": 101}, R.NO_HEADROOM),
-    ({"retracted_queue": 1, "prompt_tokens": 500}, R.RETRACT_PRESSURE),  # pressure is checked first
-])
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        ({}, R.TAKEN),
+        ({"prompt_tokens": 65}, R.TOO_LONG),
+        ({"prompt_tokens": 200, "cached_tokens": 160}, R.TAKEN),  # only the uncached suffix counts
+        ({"backlog_tokens": 30}, R.BUSY),
+        ({"retracted_queue": 1}, R.RETRACT_PRESSURE),
+        ({"steps_since_retract": RETRACT_COOLDOWN_STEPS - 1}, R.RETRACT_PRESSURE),
+        ({"steps_since_retract": RETRACT_COOLDOWN_STEPS}, R.TAKEN),
+        ({"prealloc_queue": 1}, R.NO_HEADROOM),
+        ({"need_pages": 101}, R.NO_HEADROOM),
+        ({"retracted_queue": 1, "prompt_tokens": 500}, R.RETRACT_PRESSURE),  # pressure is checked first
+    ],
+)
 def test_decision(kw, reason):
     d = LocalPrefillPolicy(64).decide(inputs(**kw))
     assert d.reason is reason and d.local == (reason is R.TAKEN)
@@ -91,20 +103,23 @@ def test_decision(kw, reason):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kw, reason", [
-    ({"prompt_tokens": 500, "remote_backlog_tokens": 500}, R.TAKEN_BACKLOG),  # its queue finishes first
-    ({"prompt_tokens": 500, "remote_backlog_tokens": 499}, R.TOO_LONG),
-    ({"prompt_tokens": 500, "backlog_tokens": 100, "remote_backlog_tokens": 550}, R.TOO_LONG),  # < 600
-    ({"prompt_tokens": 500, "remote_backlog_tokens": 500, "need_pages": 101}, R.NO_HEADROOM),
-    ({"prompt_tokens": 500, "remote_backlog_tokens": 500, "prealloc_queue": 1}, R.NO_HEADROOM),
-    ({"prompt_tokens": 500, "remote_backlog_tokens": 5000, "retracted_queue": 1}, R.RETRACT_PRESSURE),
-    ({"remote_backlog_tokens": 5000, "backlog_tokens": 30}, R.BUSY),  # short: the size bound's rules
-    # each decode row the chunks would stall counts the suffix once more: 500 * (1 + 2)
-    ({"prompt_tokens": 500, "remote_backlog_tokens": 1500, "decode_rows": 2}, R.TAKEN_BACKLOG),
-    ({"prompt_tokens": 500, "remote_backlog_tokens": 1499, "decode_rows": 2}, R.TOO_LONG),
-    ({"prompt_tokens": 500, "backlog_tokens": 100, "remote_backlog_tokens": 1599, "decode_rows": 2}, R.TOO_LONG),
-    ({"prompt_tokens": 200, "remote_backlog_tokens": 1400, "decode_rows": 8}, R.TOO_LONG),  # a chat batch
-])
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        ({"prompt_tokens": 500, "remote_backlog_tokens": 500}, R.TAKEN_BACKLOG),  # its queue finishes first
+        ({"prompt_tokens": 500, "remote_backlog_tokens": 499}, R.TOO_LONG),
+        ({"prompt_tokens": 500, "backlog_tokens": 100, "remote_backlog_tokens": 550}, R.TOO_LONG),  # < 600
+        ({"prompt_tokens": 500, "remote_backlog_tokens": 500, "need_pages": 101}, R.NO_HEADROOM),
+        ({"prompt_tokens": 500, "remote_backlog_tokens": 500, "prealloc_queue": 1}, R.NO_HEADROOM),
+        ({"prompt_tokens": 500, "remote_backlog_tokens": 5000, "retracted_queue": 1}, R.RETRACT_PRESSURE),
+        ({"remote_backlog_tokens": 5000, "backlog_tokens": 30}, R.BUSY),  # short: the size bound's rules
+        # each decode row the chunks would stall counts the suffix once more: 500 * (1 + 2)
+        ({"prompt_tokens": 500, "remote_backlog_tokens": 1500, "decode_rows": 2}, R.TAKEN_BACKLOG),
+        ({"prompt_tokens": 500, "remote_backlog_tokens": 1499, "decode_rows": 2}, R.TOO_LONG),
+        ({"prompt_tokens": 500, "backlog_tokens": 100, "remote_backlog_tokens": 1599, "decode_rows": 2}, R.TOO_LONG),
+        ({"prompt_tokens": 200, "remote_backlog_tokens": 1400, "decode_rows": 8}, R.TOO_LONG),  # a chat batch
+    ],
+)
 def test_decision_with_a_backlog_ratio(kw, reason):
     d = LocalPrefillPolicy(64, backlog_ratio=1.0).decide(inputs(**kw))
     assert d.reason is reason and d.local == (reason is R.TAKEN_BACKLOG)
@@ -140,8 +155,9 @@ def test_withdrawal_before_the_prefill_request(harness, tiny):
     latter is dropped on arrival, without an answer to the router."""
     h = harness()
     p = prompts(1, 20, 20, seed=8)[0]
-    h.deliver(h.decode.add(ROUTER, GenerateRequest(rid="w", params=GREEDY, room=77, prefill_addr=PREFILL_ADDR), p),
-              True)
+    h.deliver(
+        h.decode.add(ROUTER, GenerateRequest(rid="w", params=GREEDY, room=77, prefill_addr=PREFILL_ADDR), p), True
+    )
     h._exchange()  # the withdrawal reaches the prefill worker first
     req = PrefillRequest(rid="w", room=77, params=GREEDY, decode_worker="d0")
     assert h.prefill.handle(Conn(ROUTER), req, [ids_frame(p)]).messages == []
@@ -266,6 +282,7 @@ def swa_harness(swa_model):  # noqa: F811
         dc = swa_cfg(**d)
         dc.cluster.local_prefill_max_tokens = 32
         return PDHarness(swa_cfg(), dc, swa_model[0], swa_model[1], eos=(96,))
+
     yield from checked_harnesses(build)
 
 
@@ -316,8 +333,10 @@ def test_backlogged_prefill_worker_gives_a_long_prompt_to_the_decode_worker(harn
     assert h.decode.transfers.backlog_tokens() == 30
     h.submit("b", b, GREEDY)
     out = h.run()
-    got = {rid: [t for dl in h.router_inbox if dl.rid == rid for t in dl.token_ids] + out.get(rid, {}).get("tokens", [])
-           for rid in ("a", "b")}
+    got = {
+        rid: [t for dl in h.router_inbox if dl.rid == rid for t in dl.token_ids] + out.get(rid, {}).get("tokens", [])
+        for rid in ("a", "b")
+    }
     assert got == {"a": hf_greedy(tiny[2], a, 16), "b": hf_greedy(tiny[2], b, 16)}
     dec = h.decode.local.decisions
     assert (dec[R.TOO_LONG], dec[R.TAKEN_BACKLOG], dec[R.TAKEN]) == (1, 1, 0)
@@ -344,6 +363,7 @@ def test_a_decoding_batch_keeps_long_prompts_on_the_prefill_worker(harness, tiny
                 return
             h.router_inbox += h.step()
         raise AssertionError("the harness did not get there")
+
     until(lambda: any(r.rid == "a" for r in h.decode.running.reqs))  # a decodes: one row
     h.submit("b", b, GREEDY)
     until(lambda: h.decode.transfers.backlog_tokens() == 30)  # b reserved, not written
@@ -351,8 +371,10 @@ def test_a_decoding_batch_keeps_long_prompts_on_the_prefill_worker(harness, tiny
     dec = h.decode.local.decisions
     assert (dec[R.TOO_LONG], dec[R.TAKEN_BACKLOG]) == (3, 0), dec  # 30 < 1 * (30 * (1 + 1))
     out = h.run()
-    got = {rid: [t for dl in h.router_inbox if dl.rid == rid for t in dl.token_ids] + out.get(rid, {}).get("tokens", [])
-           for rid in ("a", "b", "c")}
+    got = {
+        rid: [t for dl in h.router_inbox if dl.rid == rid for t in dl.token_ids] + out.get(rid, {}).get("tokens", [])
+        for rid in ("a", "b", "c")
+    }
     assert got == {"a": hf_greedy(tiny[2], a, 24), "b": hf_greedy(tiny[2], b, 16), "c": hf_greedy(tiny[2], c, 16)}
     assert h.prefill.withdrawn == 0 and h.prefill.stats.finished_requests == 3 and h.decode.local.tokens == 0
 

@@ -4,36 +4,51 @@ The schedulers run in process (tiny model); their ``WorkerStats`` go through the
 ``WorkerCollector`` and the Prometheus text format, so what is checked is what a scraper reads.
 ``COVERED`` must name every exported worker series: adding one without a test here fails.
 """
+
 from __future__ import annotations
 
 import os
 import random
 
 import pytest
+from conftest import engine_cfg, sched_cfg, tiny_config, tiny_weights
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.llm import run_batch
-from engine.scheduler.base import RequestRejected
-from server.router.registry import READY, WorkerHandle, WorkerSpec
-from server.testing.pd_harness import PDHarness
-from conftest import engine_cfg, sched_cfg, tiny_config, tiny_weights
+from bench.harness.pd_harness import PDHarness
 from configs.schema import PdserveConfig
+from engine.llm import run_batch
 from engine.model_runner import ModelRunner
+from engine.scheduler.base import RequestRejected
+from engine.scheduler.colocated import ColocatedScheduler
+from server.router.metrics import WORKER_COUNTERS, WORKER_HISTOGRAMS, WorkerCollector
+from server.router.registry import READY, WorkerHandle, WorkerSpec
+from server.worker.core_lending import CoreLedger, CoreLending
+from server.worker.loop import worker_stats
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
-from engine.scheduler.colocated import ColocatedScheduler
-from server.worker.core_lending import CoreLedger, CoreLending
-from server.router.metrics import WORKER_COUNTERS, WORKER_HISTOGRAMS, WorkerCollector
-from server.worker.loop import worker_stats
 
-GAUGES = {"pdserve_kv_pool_pages", "pdserve_kv_pool_capacity_pages", "pdserve_queue_requests",
-          "pdserve_new_token_ratio", "pdserve_host_kv_pool_bytes", "pdserve_worker_stats_age_seconds",
-          "pdserve_worker_up", "pdserve_swa_pool_pages", "pdserve_swa_pool_capacity_pages",
-          "pdserve_worker_torch_threads", "pdserve_kv_sources"}  # tests/test_kv_sources.py
-COVERED = {*(n for n, _ in WORKER_COUNTERS.values()), *(n for n, _ in WORKER_HISTOGRAMS.values()),
-           "pdserve_request_phase_seconds", "pdserve_migrations", "pdserve_local_prefill",  # tests/test_migration.py,
-           *GAUGES}  # tests/test_local_prefill.py (local_prefill_tokens too)
+GAUGES = {
+    "pdserve_kv_pool_pages",
+    "pdserve_kv_pool_capacity_pages",
+    "pdserve_queue_requests",
+    "pdserve_new_token_ratio",
+    "pdserve_host_kv_pool_bytes",
+    "pdserve_worker_stats_age_seconds",
+    "pdserve_worker_up",
+    "pdserve_swa_pool_pages",
+    "pdserve_swa_pool_capacity_pages",
+    "pdserve_worker_torch_threads",
+    "pdserve_kv_sources",
+}  # tests/test_kv_sources.py
+COVERED = {
+    *(n for n, _ in WORKER_COUNTERS.values()),
+    *(n for n, _ in WORKER_HISTOGRAMS.values()),
+    "pdserve_request_phase_seconds",
+    "pdserve_migrations",
+    "pdserve_local_prefill",  # tests/test_migration.py,
+    *GAUGES,
+}  # tests/test_local_prefill.py (local_prefill_tokens too)
 OUT = 16
 
 
@@ -80,7 +95,9 @@ def lending_pair() -> tuple[CoreLending, CoreLedger]:
 
 def test_core_lending_series(tiny):
     """Each step run while the peer slot is idle counts once; the gauge is the latest step's threads."""
-    sched = ColocatedScheduler(ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ())
+    sched = ColocatedScheduler(
+        ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ()
+    )
     cores, ledger = lending_pair()
     m = scrape(sched, cores={0: cores})
     assert val(m, "pdserve_worker_borrowed_core_steps_total", worker="w0") == 0
@@ -99,17 +116,24 @@ def test_core_lending_series(tiny):
 
 
 def test_every_exported_worker_series_is_covered_here(tiny):
-    sched = ColocatedScheduler(ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ())
+    sched = ColocatedScheduler(
+        ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ()
+    )
     h = PDHarness(pd_cfg(), pd_cfg(), tiny[0], tiny[1])
-    names = {n.removesuffix("_total").removesuffix("_count").removesuffix("_sum").removesuffix("_bucket")
-             for n, _ in scrape(sched, h.prefill, h.decode, swa_scheduler(), cores={1: lending_pair()[0]})}
+    names = {
+        n.removesuffix("_total").removesuffix("_count").removesuffix("_sum").removesuffix("_bucket")
+        for n, _ in scrape(sched, h.prefill, h.decode, swa_scheduler(), cores={1: lending_pair()[0]})
+    }
     h.close()
     assert names == COVERED
 
 
 def test_colocated_series(tiny):
-    sched = ColocatedScheduler(ModelRunner(engine_cfg(kv_pool_tokens=96, page_size=4), tiny[0], tiny[1]),
-                               sched_cfg(retract_test_interval=4), ())
+    sched = ColocatedScheduler(
+        ModelRunner(engine_cfg(kv_pool_tokens=96, page_size=4), tiny[0], tiny[1]),
+        sched_cfg(retract_test_interval=4),
+        (),
+    )
     m0 = scrape(sched)
     assert val(m0, "pdserve_kv_pool_capacity_pages") == 24 and val(m0, "pdserve_kv_pool_pages", state="free") == 24
     assert val(m0, "pdserve_worker_stats_age_seconds") == 2.5 and val(m0, "pdserve_worker_up") == 1
@@ -123,7 +147,9 @@ def test_colocated_series(tiny):
     sched.step()  # its prefill: the prompt's full pages are the radix cache's (insert on prefill)
     sched.step()  # a decode step: the page of its first output token is its own
     mid = scrape(sched)
-    assert val(mid, "pdserve_queue_requests", queue="running") == 1 and val(mid, "pdserve_kv_pool_pages", state="used") > 0
+    assert (
+        val(mid, "pdserve_queue_requests", queue="running") == 1 and val(mid, "pdserve_kv_pool_pages", state="used") > 0
+    )
     sched.abort("cut")
     m = scrape(sched)
     assert val(m, "pdserve_prompt_tokens_total") == 20 + 20 + 19 + 20
@@ -147,7 +173,9 @@ def test_colocated_series(tiny):
 def test_oom_abort_series(tiny):
     # the safety net: unreachable through add() (check_fits refuses what can never fit), so the
     # request goes straight into the running batch with a pool too small for its next token
-    sched = ColocatedScheduler(ModelRunner(engine_cfg(kv_pool_tokens=16, page_size=4), tiny[0], tiny[1]), sched_cfg(), ())
+    sched = ColocatedScheduler(
+        ModelRunner(engine_cfg(kv_pool_tokens=16, page_size=4), tiny[0], tiny[1]), sched_cfg(), ()
+    )
     sched.add(b"", GenerateRequest(rid="r", params=greedy(4)), prompts(1, 12, seed=2)[0])
     while not sched.running:
         sched.step()
@@ -162,9 +190,13 @@ def test_oom_abort_series(tiny):
 
 
 def pd_cfg(pool=4096, host_gb=0.01, **sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": pool, "page_size": 4}, "scheduler": sched,
-                                         "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb,
-                                                     "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": pool, "page_size": 4},
+            "scheduler": sched,
+            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "transfer_backend": "loopback"},
+        }
+    )
 
 
 def run_pd(tiny, host_gb):
@@ -201,7 +233,7 @@ def test_pd_series_with_offload(tiny):
     assert val(m, "pdserve_host_kv_pool_bytes", state="used", **d) == 0
     assert val(m, "pdserve_transfer_failures_total") == 0
     for q in ("prealloc", "transfer", "running", "retracted"):
-        assert (("pdserve_queue_requests", tuple(sorted({"queue": q, **d}.items()))) in m)
+        assert ("pdserve_queue_requests", tuple(sorted({"queue": q, **d}.items()))) in m
 
 
 def test_pd_series_with_recompute(tiny):
@@ -218,8 +250,11 @@ def test_transfer_failure_series(tiny, monkeypatch):
     from prefill_worker import scheduler as ps_mod
 
     real = ps_mod.PrefillScheduler._manifest
-    monkeypatch.setattr(ps_mod.PrefillScheduler, "_manifest",
-                        lambda self, job, ev: real(self, job, ev).model_copy(update={"n_tokens": job.req.kv_len + 1}))
+    monkeypatch.setattr(
+        ps_mod.PrefillScheduler,
+        "_manifest",
+        lambda self, job, ev: real(self, job, ev).model_copy(update={"n_tokens": job.req.kv_len + 1}),
+    )
     h = PDHarness(pd_cfg(), pd_cfg(), tiny[0], tiny[1])
     h.submit("x", prompts(1, 10, seed=3)[0], greedy())
     assert h.run()["x"]["finish"] == "abort"
@@ -233,9 +268,9 @@ def test_swa_series():
     sched = swa_scheduler()
     m0 = scrape(sched)
     assert val(m0, "pdserve_swa_pool_capacity_pages") == 16 and val(m0, "pdserve_swa_pool_pages", state="free") == 16
-    a = prompts(1, 30, seed=4)[0]                   # 8 pages; window 8 at page 4 keeps 4 pages decoding
+    a = prompts(1, 30, seed=4)[0]  # 8 pages; window 8 at page 4 keeps 4 pages decoding
     sched.add(b"", GenerateRequest(rid="a", params=greedy(10)), a)
-    sched.step()                                    # prefill: all 8 SWA pages, then the window
+    sched.step()  # prefill: all 8 SWA pages, then the window
     mid = scrape(sched)
     used = val(mid, "pdserve_swa_pool_pages", state="used")
     assert 0 < used <= sched.kv.window.max_pages()

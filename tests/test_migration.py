@@ -2,30 +2,29 @@
 decision and its bounds, the source's state machine, the router's re-pointing, the KV written
 from the host pool with the prefill path's manifest, and the faults (target gone, refusal,
 abort mid-migration); greedy tokens equal transformers and every pool is clean afterwards."""
+
 from __future__ import annotations
 
 import random
 import time
 
 import pytest
-
-from configs.schema import PdserveConfig, migrate_bound
 from conftest import hf_greedy
+from migration_harness import MigrationHarness
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.harness.pd_harness import checked_harnesses
+from configs.schema import PdserveConfig, migrate_bound
 from decode_worker.jobs import DecodeJob, DecodeState, IllegalTransition
 from decode_worker.migration import MigrationPolicy
 from engine.request import Request
 from engine.sampling import SamplerState
-from migration_harness import MigrationHarness
-from server.testing.pd_harness import checked_harnesses
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from server.router.inflight import InflightTable
 from server.router.metrics import WorkerCollector
 from server.router.migration import Migrations, pick_target
 from server.router.registry import Registry
-from server.router.workers import route_pd
-from server.router.workers import READY, WorkerHandle, WorkerSpec
+from server.router.workers import READY, WorkerHandle, WorkerSpec, route_pd
 from server.worker.loop import worker_stats
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox
@@ -36,10 +35,18 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 
 
 def cfg(pool=4096, page=4, host_gb=0.01, migrate_after=None, **sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": pool, "page_size": page},
-                                         "scheduler": sched,
-                                         "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb,
-                                                     "transfer_backend": "loopback", "migrate_after": migrate_after}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": pool, "page_size": page},
+            "scheduler": sched,
+            "cluster": {
+                "mode": "pd",
+                "host_kv_pool_gb": host_gb,
+                "transfer_backend": "loopback",
+                "migrate_after": migrate_after,
+            },
+        }
+    )
 
 
 def prompts(n, lo, hi, seed):
@@ -85,15 +92,28 @@ def test_migrating_edges():
 
 
 def _handle(wid, room, page_size=4, model="m", state=READY, role=Role.DECODE):
-    stats = WorkerStats(worker_id=wid, role=role, model=model, capacity_tokens=100, max_model_len=100,
-                        page_size=page_size, gauges={"migration_room_pages": room})
+    stats = WorkerStats(
+        worker_id=wid,
+        role=role,
+        model=model,
+        capacity_tokens=100,
+        max_model_len=100,
+        page_size=page_size,
+        gauges={"migration_room_pages": room},
+    )
     return WorkerHandle(WorkerSpec(wid, role, f"inproc://{wid}"), None, state=state, stats=stats)
 
 
 def test_pick_target_needs_room_model_and_page_size():
     src = _handle("d1", 0)
-    peers = [_handle("d2", 10), _handle("d3", 50), _handle("d4", 99, page_size=16), _handle("d5", 99, model="x"),
-             _handle("d6", 99, state="dead"), _handle("p0", 99, role=Role.PREFILL)]
+    peers = [
+        _handle("d2", 10),
+        _handle("d3", 50),
+        _handle("d4", 99, page_size=16),
+        _handle("d5", 99, model="x"),
+        _handle("d6", 99, state="dead"),
+        _handle("p0", 99, role=Role.PREFILL),
+    ]
     assert pick_target([src, *peers], src, 8).worker_id == "d3"  # the most room among the compatible
     assert pick_target([src, *peers], src, 51) is None  # no compatible peer reports that much room
     assert pick_target([src], src, 1) is None  # never itself
@@ -120,8 +140,9 @@ def test_offers_between_reports_share_the_reported_room():
     params = SamplingParams(max_new_tokens=8)
     for rid in ("a", "b", "c"):
         table.open(rid, ("p0", "d1"), "d1", 10)
-    offer = lambda rid: moves.on_offer("d1", MigrationOffer(rid=rid, n_tokens=40, pages=30, prompt_len=8,
-                                                             params=params), [1] * 40)
+    offer = lambda rid: moves.on_offer(
+        "d1", MigrationOffer(rid=rid, n_tokens=40, pages=30, prompt_len=8, params=params), [1] * 40
+    )
     offer("a")
     offer("b")  # 50 - 30 left: declined
     assert dst.client.sent == [("migrate", "a")] and src.client.sent == [("declined", "b")]
@@ -162,8 +183,11 @@ def _moving(target_room=50):
         h.state, h.stats = READY, _handle(wid, room).stats
     e = reg.table.open("r", ("p0", "d1"), "d1", 10)
     reg.table.dispatch("d1", TokenDelta(rid="r", token_ids=[3]))
-    reg.migrations.on_offer("d1", MigrationOffer(rid="r", n_tokens=40, pages=30, prompt_len=8,
-                                                  params=SamplingParams(max_new_tokens=8)), [1] * 40)
+    reg.migrations.on_offer(
+        "d1",
+        MigrationOffer(rid="r", n_tokens=40, pages=30, prompt_len=8, params=SamplingParams(max_new_tokens=8)),
+        [1] * 40,
+    )
     assert reg.handles["d2"].client.sent == [("migrate", "r")] and e.stream_from == "d2"
     e.queue.get_nowait()
     return reg, e
@@ -210,8 +234,11 @@ def test_source_lost_mid_migration_fails_it_and_forgets_the_move():
 # ---- the whole path, in process --------------------------------------------------------------------
 @pytest.fixture
 def harness(tiny):
-    yield from checked_harnesses(lambda d1=None, d2=None: MigrationHarness(
-        cfg(), d1 or cfg(pool=96, migrate_after="1", init_new_token_ratio=0.1), d2 or cfg(), tiny[0], tiny[1]))
+    yield from checked_harnesses(
+        lambda d1=None, d2=None: MigrationHarness(
+            cfg(), d1 or cfg(pool=96, migrate_after="1", init_new_token_ratio=0.1), d2 or cfg(), tiny[0], tiny[1]
+        )
+    )
 
 
 SKEW = dict(n=4, lo=20, hi=20, seed=21)  # 4 x (20 + 16) tokens into a 24-page pool: d1 must retract
@@ -254,8 +281,12 @@ def scrape(h: MigrationHarness) -> dict[tuple, float]:
     reg = CollectorRegistry()
     reg.register(WorkerCollector(lambda: list(h.handles.values()), clock=lambda: 0.0))
     fams = text_string_to_metric_families(generate_latest(reg).decode())
-    return {(x.name, *(x.labels[k] for k in ("worker", "direction", "outcome") if k in x.labels)): x.value
-            for f in fams for x in f.samples if "migration" in x.name}
+    return {
+        (x.name, *(x.labels[k] for k in ("worker", "direction", "outcome") if k in x.labels)): x.value
+        for f in fams
+        for x in f.samples
+        if "migration" in x.name
+    }
 
 
 @pytest.mark.slow

@@ -2,13 +2,21 @@
 per-run ratio compares each run's own retracted requests; the matched one follows the requests
 retracted without migration into the run with it, so a shape whose retracted sets differ between
 the runs cannot pass on the difference alone."""
+
 from __future__ import annotations
 
 import pytest
 
 from bench.migration_bench import goal_lines
-from bench.migration_serve import (LONG_PREFIX, long_prefix, matched_p99_ratio, percentile, serve_goal_met,
-                                   split_decode_cpus, summarize)
+from bench.migration_serve import (
+    LONG_PREFIX,
+    long_prefix,
+    matched_p99_ratio,
+    percentile,
+    serve_goal_met,
+    split_decode_cpus,
+    summarize,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -28,8 +36,10 @@ def test_a_run_summary_takes_every_quantile_the_same_way():
     """Twelve requests, two parked (longest gap over 5x the median gap): every P99 is the largest
     value (``percentile``); before, every request's P99 took the second largest of twelve."""
     rows = [{"e2e": 3.0 + i / 10, "gaps": [0.05] * 4, "max_gap": 0.05, "error": None, "ids": [i]} for i in range(10)]
-    rows += [{"e2e": 5.0, "gaps": [0.05, 1.2], "max_gap": 1.2, "error": None, "ids": [10]},
-             {"e2e": 4.5, "gaps": [0.05, 0.9], "max_gap": 0.9, "error": "aborted", "ids": [11]}]
+    rows += [
+        {"e2e": 5.0, "gaps": [0.05, 1.2], "max_gap": 1.2, "error": None, "ids": [10]},
+        {"e2e": 4.5, "gaps": [0.05, 0.9], "max_gap": 0.9, "error": "aborted", "ids": [11]},
+    ]
     s = summarize(rows, gap_factor=5.0)
     assert s["failed"] == 1 and s["retracted_requests"] == 2
     assert (s["p50_s"], s["p99_s"], s["stall_p99_s"], s["all_p99_s"]) == (5.0, 5.0, 1.2, 5.0)
@@ -53,10 +63,15 @@ def test_the_goal_needs_both_ratios_and_prints_both():
     assert not serve_goal_met(0.6, 0.4, True, 0)
     assert not serve_goal_met(0.45, None, True, 0)
     assert not serve_goal_met(0.45, 0.45, False, 0) and not serve_goal_met(0.45, 0.45, True, 1)
-    serve = {"with": {"p99_s": 5.68, "failed": 0, "migrations": 4.0, "retracted_requests": 4, "all_p99_s": 5.7},
-             "without": {"p99_s": 12.4, "failed": 0, "retracted_requests": 5, "all_p99_s": 12.4},
-             "tokens_identical": True, "p99_ratio": 0.458, "matched_p99_ratio": 0.984, "stall_p99_ratio": 0.17,
-             "goal_met": False}
+    serve = {
+        "with": {"p99_s": 5.68, "failed": 0, "migrations": 4.0, "retracted_requests": 4, "all_p99_s": 5.7},
+        "without": {"p99_s": 12.4, "failed": 0, "retracted_requests": 5, "all_p99_s": 12.4},
+        "tokens_identical": True,
+        "p99_ratio": 0.458,
+        "matched_p99_ratio": 0.984,
+        "stall_p99_ratio": 0.17,
+        "goal_met": False,
+    }
     (line,) = goal_lines({"serve": serve})
     assert "= 0.458 (5.68s / 12.4s), of the requests retracted without it 0.984 (goal: both <= 0.5)" in line
     assert "their longest stall's P99 0.17x" in line

@@ -10,6 +10,7 @@ nothing is left in either worker's device or host pool. On the NIXL launch the d
 (``/dashboard`` in headless Chromium, open through the load) shows one marker per migration: the
 markers' counts add up to ``pdserve_migrations_total`` on both sides, and the panel's tiles equal
 ``/metrics``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,26 +21,37 @@ import time
 
 import openai
 import pytest
-
 from chromium_cdp import Browser, find_chromium
 from conftest import strip_eos
-from server.testing.subprocess_server import metric_sum, scrape_metrics, wait_idle
+
+from bench.harness.subprocess_server import metric_sum, scrape_metrics, wait_idle
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 HEARTBEAT_S = 0.2
-SHARED = ("You are a helpful assistant that answers questions about geography, history and science "
-          "in one short paragraph. Question: ")
-QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
-             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
-             "What causes tides?", "Why do leaves change color?"]
+SHARED = (
+    "You are a helpful assistant that answers questions about geography, history and science "
+    "in one short paragraph. Question: "
+)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Who built the pyramids?",
+    "What is photosynthesis?",
+    "Where is Mount Everest?",
+    "When did the Roman Empire fall?",
+    "How do volcanoes form?",
+    "What causes tides?",
+    "Why do leaves change color?",
+]
 # after SHARED and the question: every prompt's own pages. The decode worker shares SHARED's full page
 # among the requests it holds (inserted when the first one's KV landed), so the pool pressure that
 # parks requests long enough to be migrated comes from here: 3 pages of its own per prompt (about 57
 # tokens, page 16), 8 prompts > the 24-page pool before a token is decoded
-TAIL = (" Answer for a curious student in two plain sentences: first the main cause, then one concrete example "
-        "that a twelve-year-old could check at home.")
+TAIL = (
+    " Answer for a curious student in two plain sentences: first the main cause, then one concrete example "
+    "that a twelve-year-old could check at home."
+)
 PROMPTS = [SHARED + q + TAIL for q in QUESTIONS]
 NEW_TOKENS = 48
 CHROMIUM = find_chromium()
@@ -75,8 +87,9 @@ def check_markers(page, moved: int) -> None:
 @pytest.fixture(scope="module")
 def refs(embedded):
     """The colocated engine's greedy tokens of every prompt (computed once for both launches)."""
-    from engine.llm import LLM
     from conftest import engine_cfg, sched_cfg
+
+    from engine.llm import LLM
 
     tok = embedded[2]
     colocated = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(), loaded=(embedded[0], embedded[1], tok))
@@ -91,13 +104,39 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
     tok = embedded[2]
     prompts = PROMPTS
     pools = {"decode-0": 24, "decode-1": 48 if backend == "ucxx" else 24}  # pages of 16 tokens
-    srv = launched_server("pd", "--decode", "2", "--transfer-backend", backend, "--route-decode", "decode-0",
-                          "--worker-kv-pool-tokens", f"decode-1={pools['decode-1'] * 16}",
-                          "--migrate-after", "2", "--retract-test-interval", "16", "--kv-pool-tokens", "384",
-                          "--page-size", "16",
-                          "--max-model-len", "512", "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.25",
-                          "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", "30",
-                          "--peer-timeout-s", "4", "--log-level", "WARNING")
+    srv = launched_server(
+        "pd",
+        "--decode",
+        "2",
+        "--transfer-backend",
+        backend,
+        "--route-decode",
+        "decode-0",
+        "--worker-kv-pool-tokens",
+        f"decode-1={pools['decode-1'] * 16}",
+        "--migrate-after",
+        "2",
+        "--retract-test-interval",
+        "16",
+        "--kv-pool-tokens",
+        "384",
+        "--page-size",
+        "16",
+        "--max-model-len",
+        "512",
+        "--init-new-token-ratio",
+        "0.05",
+        "--host-kv-pool-gb",
+        "0.25",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--worker-timeout-s",
+        "30",
+        "--peer-timeout-s",
+        "4",
+        "--log-level",
+        "WARNING",
+    )
     wait_connected(srv.url)
 
     with dashboard(srv.url, backend) as browser:
@@ -135,15 +174,22 @@ async def stream_all(url: str, prompts: list[str], max_tokens: int) -> list[tupl
     model = (await c.models.list()).data[0].id
 
     async def one(prompt):
-        r = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"return_token_ids": True})
+        r = await c.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
         ids, usage = [], None
         async for chunk in r:
             if chunk.choices:
                 ids += getattr(chunk.choices[0], "token_ids", None) or []
             usage = chunk.usage or usage
         return ids, usage
+
     try:
         return await asyncio.gather(*(one(p) for p in prompts))
     finally:
@@ -178,11 +224,34 @@ def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server,
     decode workers (decode-1 some of them), nothing was aborted or failed, and both pools are empty
     once idle."""
     tok, new_tokens = embedded[2], 24  # a prefix of the references: the queue forms from the prompts' pages
-    srv = launched_server("pd", "--decode", "2", "--route-decode", "decode-0", "--migrate-after", "0.2s",
-                          "--migrate-queued", "--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len",
-                          "512", "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.25",
-                          "--health-interval-s", str(HEARTBEAT_S), "--worker-timeout-s", "30",
-                          "--peer-timeout-s", "4", "--log-level", "WARNING")
+    srv = launched_server(
+        "pd",
+        "--decode",
+        "2",
+        "--route-decode",
+        "decode-0",
+        "--migrate-after",
+        "0.2s",
+        "--migrate-queued",
+        "--kv-pool-tokens",
+        "384",
+        "--page-size",
+        "16",
+        "--max-model-len",
+        "512",
+        "--init-new-token-ratio",
+        "0.05",
+        "--host-kv-pool-gb",
+        "0.25",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--worker-timeout-s",
+        "30",
+        "--peer-timeout-s",
+        "4",
+        "--log-level",
+        "WARNING",
+    )
 
     results = asyncio.run(stream_all(srv.url, PROMPTS, new_tokens))
     assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == [r[:new_tokens] for r in refs]

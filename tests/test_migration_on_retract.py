@@ -4,21 +4,22 @@ retract) offers it to a peer with room at once, instead of after ``--migrate-aft
 no request ever reaches (100000 steps) only the flag can move anything: with it requests move,
 without it none does; tokens equal transformers' greedy ones (the no-pressure run) either way, and
 no device page or host byte is left on either decode worker (also checked at teardown)."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from conftest import hf_greedy
+from migration_harness import MigrationHarness
 from pydantic import ValidationError
 
+from bench.harness.pd_harness import checked_harnesses
 from configs.schema import PdserveConfig
-from conftest import hf_greedy
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.migration import MigrationPolicy
 from engine.request import Request
 from engine.sampling import SamplerState
-from migration_harness import MigrationHarness
-from server.testing.pd_harness import checked_harnesses
 from transfer.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
@@ -26,10 +27,19 @@ NEVER = "100000"  # decode steps: no parked request waits this long in these run
 
 
 def cfg(pool=4096, migrate_after=None, on_retract=False, **sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": pool, "page_size": 4}, "scheduler": sched,
-                                         "cluster": {"mode": "pd", "host_kv_pool_gb": 0.01,
-                                                     "transfer_backend": "loopback", "migrate_after": migrate_after,
-                                                     "migrate_on_retract": on_retract}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": pool, "page_size": 4},
+            "scheduler": sched,
+            "cluster": {
+                "mode": "pd",
+                "host_kv_pool_gb": 0.01,
+                "transfer_backend": "loopback",
+                "migrate_after": migrate_after,
+                "migrate_on_retract": on_retract,
+            },
+        }
+    )
 
 
 def test_flag_needs_migrate_after():

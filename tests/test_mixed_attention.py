@@ -2,22 +2,23 @@
 outputs and the KV written equal the torch backend running the decode rows and the extend rows
 as two separate steps (its own, already tested, DECODE and EXTEND paths). Triton runs in its
 interpreter on CPU, hence ``TRITON_INTERPRET`` before anything imports triton."""
+
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from conftest import engine_cfg, tiny_config, tiny_weights  # noqa: E402
+
 from engine.attention import CpuBackend, TorchBackend, TritonBackend  # noqa: E402
 from engine.forward_batch import ForwardMode  # noqa: E402
 from engine.kernels import cpu_native, triton_available  # noqa: E402
 from engine.model_runner import ModelRunner, SeqChunk  # noqa: E402
 
 P = 4
-DECODE_PREFIXES = [5, 17, 30, 8]            # decode rows: one new token on top of these
-EXTEND_ROWS = [(0, 9), (12, 7), (3, 1)]     # (cached prefix, new tokens): fresh, radix hit, a 1-token chunk
+DECODE_PREFIXES = [5, 17, 30, 8]  # decode rows: one new token on top of these
+EXTEND_ROWS = [(0, 9), (12, 7), (3, 1)]  # (cached prefix, new tokens): fresh, radix hit, a 1-token chunk
 
 
 def _triton_skip() -> str | None:
@@ -58,8 +59,10 @@ def _case(seed: int):
     ext = [seq(p, n) for p, n in EXTEND_ROWS]
     T = len(dec) + sum(n for _, n in EXTEND_ROWS)
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = [(torch.randn(T, H, D, generator=g), torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g))
-           for _ in range(cfg.num_layers)]
+    qkv = [
+        (torch.randn(T, H, D, generator=g), torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g))
+        for _ in range(cfg.num_layers)
+    ]
     return runner, dec, ext, qkv
 
 

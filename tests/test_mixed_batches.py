@@ -3,20 +3,21 @@ arrive while others decode, so forwards carry decode rows plus a prefill chunk. 
 equal transformers', with retracts and radix hits inside mixed steps; every step keeps the pool
 invariant (free + used + cached == total) and the token budget; the mixed-steps series moves by
 exactly the steps that mixed."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from conftest import engine_cfg, hf_greedy, sched_cfg
-from configs.schema import load_config
+from test_metrics_series import scrape, val
+from test_swa_pool import hf_reference, make_llm, swa_model  # noqa: F401  (swa_model: a fixture)
+
 from configs.scheduler import SchedulerConfig
+from configs.schema import load_config
 from engine.model_runner import ModelRunner
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.scheduler.mixed_step import prefill_budget
-from test_metrics_series import scrape, val
-from test_swa_pool import hf_reference, make_llm, swa_model  # noqa: F401  (swa_model: a fixture)
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
 
@@ -92,8 +93,14 @@ def refs(tiny):
 def test_staggered_arrivals_match_hf(tiny, refs, page_size, mixed):
     """A request every other step, prefill chunks of at most 5, 8 tokens a forward."""
     ps, ref = refs
-    sched = make_sched(tiny, page_size=page_size, mixed_batches=mixed, chunked_prefill_size=5,
-                       max_num_batched_tokens=8, max_running_requests=4)
+    sched = make_sched(
+        tiny,
+        page_size=page_size,
+        mixed_batches=mixed,
+        chunked_prefill_size=5,
+        max_num_batched_tokens=8,
+        max_running_requests=4,
+    )
     rec = Recorder(sched)
     out = rec.run({2 * i: [(f"r{i}", p, greedy())] for i, p in enumerate(ps)})
     assert [out[f"r{i}"] for i in range(len(ps))] == ref
@@ -139,9 +146,9 @@ def test_radix_hit_inside_a_mixed_step(tiny):
     rec = Recorder(sched)
     rec.run({0: [("a", base, greedy(8))]})
     rec.add("b", other, greedy(12))
-    rec.step()                         # B's prefill alone
+    rec.step()  # B's prefill alone
     rec.add("c", c_prompt, greedy(8))
-    rec.step()                         # B decodes, C prefills its 3 uncached tokens
+    rec.step()  # B decodes, C prefills its 3 uncached tokens
     assert rec.forwards[-1] == (1, 3) and sched.stats.mixed_steps == 1
     while sched.has_work:
         rec.step()
@@ -200,8 +207,9 @@ def test_seeded_sampling_does_not_depend_on_mixing(tiny):
 def test_sliding_window_hybrid_in_mixed_steps_matches_hf(swa_model):
     """Window 8 over a 64-token SWA pool: decode rows release SWA pages behind their window while
     the prefill chunks beside them take new ones; both pools keep their invariant every step."""
-    llm = make_llm(swa_model, swa=64, chunked_prefill_size=8, max_num_batched_tokens=12, max_running_requests=3,
-                   mixed_batches=True)
+    llm = make_llm(
+        swa_model, swa=64, chunked_prefill_size=8, max_num_batched_tokens=12, max_running_requests=3, mixed_batches=True
+    )
     ps = prompts(4, 20, 40, seed=21)
     rec = Recorder(llm.scheduler)
     out = rec.run({4 * i: [(f"r{i}", p, greedy(12))] for i, p in enumerate(ps)})

@@ -2,6 +2,7 @@
 answers the server streamed included), a failed turn ends only its own conversation, records come
 per turn, the cache effect is read from two /metrics scrapes, and routing variants launch with
 their ``--routing``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,11 @@ from bench.serve.workload import WordCounter
 
 def _sse(text: str) -> str:
     chunk = json.dumps({"choices": [{"index": 0, "text": text}]})
-    return f"data: {chunk}\n\ndata: " + json.dumps({"choices": [], "usage": {"completion_tokens": 2}}) + \
-        "\n\ndata: [DONE]\n\n"
+    return (
+        f"data: {chunk}\n\ndata: "
+        + json.dumps({"choices": [], "usage": {"completion_tokens": 2}})
+        + "\n\ndata: [DONE]\n\n"
+    )
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -55,8 +59,9 @@ def test_each_turn_resends_the_conversation_and_a_failure_ends_only_its_own(endp
         grown = [b["prompt"] for b in ok]
         # a later turn of a user starts with that user's previous prompt and the answer it got
         # (right after it: the answer continues the prompt), then the new question on a new line
-        assert any(later.startswith(earlier + " A") and "\n" in later[len(earlier):] for earlier in grown
-                   for later in grown)
+        assert any(
+            later.startswith(earlier + " A") and "\n" in later[len(earlier) :] for earlier in grown for later in grown
+        )
         assert {len(p.split()) for p in grown[:2]} == {5}
     else:
         roles = [[m["role"] for m in b["messages"]] for b in ok]
@@ -84,8 +89,9 @@ def test_users_arrive_one_after_another_when_asked():
 
     spec = MultiTurnSpec(users=2, turns=1, first_len=5, question_len=2, output_len=2, think_s=0, arrival_s=0.3)
     client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    asyncio.run(run_conversations(ClientConfig("http://srv", "m"), spec, WordCounter(), seed=3, progress=False,
-                                  client=client))
+    asyncio.run(
+        run_conversations(ClientConfig("http://srv", "m"), spec, WordCounter(), seed=3, progress=False, client=client)
+    )
     assert sent[1] - sent[0] >= user_starts(spec, 3)[1] - 0.01  # the second user waited its arrival gap
 
 
@@ -94,19 +100,31 @@ def _sample(name: str, value: float, **labels: str):
 
 
 def test_cache_effect_per_side_from_two_scrapes():
-    up = [_sample("pdserve_worker_up", 1, worker=w, role=r) for w, r in (("p0", "prefill"), ("p1", "prefill"),
-                                                                          ("d0", "decode"))]
-    before = dict([*up, _sample("pdserve_prompt_tokens_total", 100, worker="p0"),
-                   _sample("pdserve_cached_prompt_tokens_total", 10, worker="p0"),
-                   _sample("pdserve_kv_transfer_bytes_total", 1000, worker="p0")])
-    after = dict([*up, _sample("pdserve_prompt_tokens_total", 300, worker="p0"),
-                  _sample("pdserve_prompt_tokens_total", 200, worker="p1"),
-                  _sample("pdserve_cached_prompt_tokens_total", 160, worker="p0"),
-                  _sample("pdserve_cached_prompt_tokens_total", 50, worker="p1"),
-                  _sample("pdserve_prompt_tokens_total", 400, worker="d0"),
-                  _sample("pdserve_cached_prompt_tokens_total", 300, worker="d0"),
-                  _sample("pdserve_kv_transfer_bytes_total", 9000, worker="p0"),
-                  _sample("pdserve_kv_transfer_bytes_total", 2000, worker="p1")])
+    up = [
+        _sample("pdserve_worker_up", 1, worker=w, role=r)
+        for w, r in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+    ]
+    before = dict(
+        [
+            *up,
+            _sample("pdserve_prompt_tokens_total", 100, worker="p0"),
+            _sample("pdserve_cached_prompt_tokens_total", 10, worker="p0"),
+            _sample("pdserve_kv_transfer_bytes_total", 1000, worker="p0"),
+        ]
+    )
+    after = dict(
+        [
+            *up,
+            _sample("pdserve_prompt_tokens_total", 300, worker="p0"),
+            _sample("pdserve_prompt_tokens_total", 200, worker="p1"),
+            _sample("pdserve_cached_prompt_tokens_total", 160, worker="p0"),
+            _sample("pdserve_cached_prompt_tokens_total", 50, worker="p1"),
+            _sample("pdserve_prompt_tokens_total", 400, worker="d0"),
+            _sample("pdserve_cached_prompt_tokens_total", 300, worker="d0"),
+            _sample("pdserve_kv_transfer_bytes_total", 9000, worker="p0"),
+            _sample("pdserve_kv_transfer_bytes_total", 2000, worker="p1"),
+        ]
+    )
     e = cache_effect(before, after, requests=5)
     assert e.hit_rate == {"prefill": 0.5, "decode": 0.75}  # (150 + 50) / (200 + 200); 300 / 400
     assert e.kv_bytes_per_request == 2000.0  # (8000 + 2000) / 5
@@ -124,8 +142,23 @@ def test_routing_variants_and_multi_turn_flags():
             parse_modes(bad)
     p = argparse.ArgumentParser()
     add_serve_flags(p)
-    o = ServeOptions.from_args(p.parse_args(["--multi-turn", "--users", "4", "--turns", "3", "--input-len", "300",
-                                             "--turn-input-len", "40", "--think-time-s", "0.5"]))
+    o = ServeOptions.from_args(
+        p.parse_args(
+            [
+                "--multi-turn",
+                "--users",
+                "4",
+                "--turns",
+                "3",
+                "--input-len",
+                "300",
+                "--turn-input-len",
+                "40",
+                "--think-time-s",
+                "0.5",
+            ]
+        )
+    )
     assert o.multi_turn == MultiTurnSpec(4, 3, 300, 40, 64, 0.5)
     o = ServeOptions.from_args(p.parse_args(["--multi-turn", "--users", "4", "--user-arrival-s", "2"]))
     assert o.multi_turn.arrival_s == 2.0

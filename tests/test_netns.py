@@ -18,6 +18,7 @@ files play cluster DNS. The scenario, in order:
    router notices the silent connection, connects again, re-resolves the name and serves.
 Every namespace, veth, bridge and hosts file is removed at the end, also on failure.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,11 +29,11 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import engine_cfg, sched_cfg, strip_eos
 from netns_hosts import running_lab, unavailable_reason
+
+from bench.harness.subprocess_server import REPO_ROOT, metric_sum, wait_idle
 from transfer.cluster_key import ClusterKey, write_key_file
-from server.testing.subprocess_server import REPO_ROOT, metric_sum, wait_idle
 
 _REASON = unavailable_reason()
 if _REASON:
@@ -40,11 +41,26 @@ if _REASON:
 pytestmark = [pytest.mark.process, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 HEARTBEAT_S = 0.5
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
-           "List three primary colors and explain why they are called primary:"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three primary colors and explain why they are called primary:",
+]
 NEW_TOKENS = 16
-COMMON = ["--kv-pool-tokens", "2048", "--page-size", "16", "--max-model-len", "1024",
-          "--health-interval-s", str(HEARTBEAT_S), "--peer-timeout-s", "4", "--log-level", "WARNING"]
+COMMON = [
+    "--kv-pool-tokens",
+    "2048",
+    "--page-size",
+    "16",
+    "--max-model-len",
+    "1024",
+    "--health-interval-s",
+    str(HEARTBEAT_S),
+    "--peer-timeout-s",
+    "4",
+    "--log-level",
+    "WARNING",
+]
 WORKER = ["--worker-host", "0.0.0.0", "--base-port", "29500"]
 # UCX over TCP only, on the namespace's own interface (no shared memory or CMA between "hosts").
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
@@ -68,9 +84,12 @@ def logs_tail(lab) -> str:
 
 def start_worker(lab, host: str, role: str):
     env = {**os.environ, **UCX_ENV, "PYTHONPATH": str(REPO_ROOT)}
-    return lab.spawn(host, pdserve("--roles", role, "--advertise-host", f"{role}-0", "--cluster-key", str(lab.key),
-                                   *WORKER, *COMMON),
-                     lab.logs / f"{host}.log", env=env)
+    return lab.spawn(
+        host,
+        pdserve("--roles", role, "--advertise-host", f"{role}-0", "--cluster-key", str(lab.key), *WORKER, *COMMON),
+        lab.logs / f"{host}.log",
+        env=env,
+    )
 
 
 def health(url: str) -> httpx.Response | None:
@@ -108,24 +127,47 @@ def router_url(lab):
     start_worker(lab, "p", "prefill")
     start_worker(lab, "d", "decode")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    lab.spawn("r", pdserve("--roles", "router", "--host", "0.0.0.0", "--port", "8000", "--worker-timeout-s", "3",
-                           "--worker", "prefill=prefill-0=tcp://prefill-0:29500",
-                           "--worker", "decode=decode-0=tcp://decode-0:29501", "--cluster-key", str(lab.key),
-                           *COMMON),
-              lab.logs / "r.log", env=env)
+    lab.spawn(
+        "r",
+        pdserve(
+            "--roles",
+            "router",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000",
+            "--worker-timeout-s",
+            "3",
+            "--worker",
+            "prefill=prefill-0=tcp://prefill-0:29500",
+            "--worker",
+            "decode=decode-0=tcp://decode-0:29501",
+            "--cluster-key",
+            str(lab.key),
+            *COMMON,
+        ),
+        lab.logs / "r.log",
+        env=env,
+    )
     return f"http://{r_ip}:8000"
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120,
-                         http_client=httpx.Client(trust_env=False, timeout=120))
+    return openai.OpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        http_client=httpx.Client(trust_env=False, timeout=120),
+    )
 
 
 def greedy(url: str, prompt: str) -> list[int]:
     c = client(url)
     model = c.models.list().data[0].id
-    r = c.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                             extra_body={"return_token_ids": True})
+    r = c.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body={"return_token_ids": True}
+    )
     return r.choices[0].token_ids
 
 
@@ -146,8 +188,9 @@ def test_greedy_outputs_across_hosts_equal_colocated(lab, router_url, colocated,
     tx0 = lab.tx_bytes("p")
     sent0 = metric_sum(wait_idle(router_url, HEARTBEAT_S), "pdserve_kv_transfer_bytes_total")
     for text in PROMPTS:
-        ref = colocated.generate_ids([tok.encode(text)], SamplingParams(max_new_tokens=NEW_TOKENS,
-                                                                         temperature=0))[0].token_ids
+        ref = colocated.generate_ids([tok.encode(text)], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[
+            0
+        ].token_ids
         assert strip_eos(greedy(router_url, text), tok.eos_token_ids) == ref, text
     sent = metric_sum(wait_idle(router_url, HEARTBEAT_S), "pdserve_kv_transfer_bytes_total") - sent0
     prompt_tokens = sum(len(tok.encode(t)) for t in PROMPTS)
@@ -157,14 +200,25 @@ def test_greedy_outputs_across_hosts_equal_colocated(lab, router_url, colocated,
 
 def test_decode_host_vanishes_then_returns_elsewhere_under_the_same_name(lab, router_url):
     decode_proc = next(p for p in lab.procs if p.args[3] == lab.hosts["d"][0])  # ip netns exec NS ...
-    c = openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0, timeout=60,
-                           http_client=httpx.AsyncClient(trust_env=False, timeout=60))
+    c = openai.AsyncOpenAI(
+        base_url=f"{router_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        http_client=httpx.AsyncClient(trust_env=False, timeout=60),
+    )
 
     async def kill_during_load():
         model = (await c.models.list()).data[0].id
-        task = asyncio.gather(*(c.completions.create(model=model, prompt=f"{p} ({i})", max_tokens=400, temperature=0,
-                                                     extra_body={"ignore_eos": True})
-                                for i, p in enumerate(PROMPTS * 2)), return_exceptions=True)
+        task = asyncio.gather(
+            *(
+                c.completions.create(
+                    model=model, prompt=f"{p} ({i})", max_tokens=400, temperature=0, extra_body={"ignore_eos": True}
+                )
+                for i, p in enumerate(PROMPTS * 2)
+            ),
+            return_exceptions=True,
+        )
         await asyncio.sleep(2.0)
         t_kill = time.monotonic()
         lab.unplug("d")

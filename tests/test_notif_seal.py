@@ -8,6 +8,7 @@ cluster key never receives it. (b) A completion notification is delivered only w
 and re-addressed notifications are dropped, over loopback and over a real ucxx connection. What
 the seal does NOT stop is shown too: a ucxx peer that reaches the UCX port still writes pool pages.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from transport_pools import PAGE_BYTES, expected_page, make_pool, page_words
 
 from configs.schema import ClusterConfig
 from transfer.cluster_key import ClusterKey, write_key_file
@@ -26,11 +28,13 @@ from transfer.loopback import LoopbackTransport
 from transfer.notif_seal import MAGIC, NotifSeal, seal_for
 from transfer.wire.protocol import MESSAGES, KVHandshake, TransferManifest, decode, encode
 
-from transport_pools import PAGE_BYTES, expected_page, make_pool, page_words
-
 KEY = ClusterKey.generate()
-MANIFEST = TransferManifest(rid="r-1", room=(5 << 40) | 17, generation=0, n_tokens=40, n_pages=3,
-                            first_token=42).sealed().model_dump_json().encode()
+MANIFEST = (
+    TransferManifest(rid="r-1", room=(5 << 40) | 17, generation=0, n_tokens=40, n_pages=3, first_token=42)
+    .sealed()
+    .model_dump_json()
+    .encode()
+)
 
 
 def test_seal_opens_only_for_the_same_key_and_sender():
@@ -38,10 +42,10 @@ def test_seal_opens_only_for_the_same_key_and_sender():
     sealed = seal.seal("prefill-0", MANIFEST)
     assert sealed.startswith(MAGIC) and sealed.endswith(MANIFEST)
     assert NotifSeal.for_key(ClusterKey.from_secret(KEY.secret)).open("prefill-0", sealed) == MANIFEST
-    assert seal.open("prefill-1", sealed) is None            # replayed under another sender's name
-    assert other.open("prefill-0", sealed) is None           # another cluster's key
-    assert seal.open("prefill-0", MANIFEST) is None          # unsealed: a peer without the key
-    assert seal.open("prefill-0", sealed[:-1]) is None       # cut short
+    assert seal.open("prefill-1", sealed) is None  # replayed under another sender's name
+    assert other.open("prefill-0", sealed) is None  # another cluster's key
+    assert seal.open("prefill-0", MANIFEST) is None  # unsealed: a peer without the key
+    assert seal.open("prefill-0", sealed[:-1]) is None  # cut short
     forged = sealed.replace(b'"first_token":42', b'"first_token":43')
     assert forged != sealed and seal.open("prefill-0", forged) is None  # CRC-valid edits do not pass
     assert seal.refused == 4 and other.refused == 1
@@ -74,6 +78,7 @@ def loopbacks():
         t.use_seal(seal)
         made.append(t)
         return t
+
     yield make
     for t in made:
         t.close()
@@ -125,8 +130,13 @@ def test_the_kv_handshake_reaches_no_server_without_the_cluster_key(server_key):
     at the peer's address gets none of it; with the key (the control) it arrives."""
     t = LoopbackTransport("hs-dec")
     t.register_pool(make_pool(), PAGE_BYTES)
-    hs = KVHandshake(worker_id="decode-0", model="m", layout={}, transport="loopback",
-                     transport_metadata=base64.b64encode(t.local_metadata()).decode())
+    hs = KVHandshake(
+        worker_id="decode-0",
+        model="m",
+        layout={},
+        transport="loopback",
+        transport_metadata=base64.b64encode(t.local_metadata()).decode(),
+    )
     ctx = zmq.Context()
     try:
         received = {}
@@ -159,6 +169,9 @@ def test_the_kv_handshake_reaches_no_server_without_the_cluster_key(server_key):
 
 def test_only_the_kv_handshake_carries_transport_metadata():
     """Metadata leaves a worker in no other message (probes read ``WorkerStats``, which has none)."""
-    carriers = {name for name, cls in MESSAGES.items()
-                if any("metadata" in f or "rkey" in f or "ucx" in f for f in cls.model_fields)}
+    carriers = {
+        name
+        for name, cls in MESSAGES.items()
+        if any("metadata" in f or "rkey" in f or "ucx" in f for f in cls.model_fields)
+    }
     assert carriers == {"KVHandshake"}

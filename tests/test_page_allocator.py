@@ -1,4 +1,5 @@
 """Page allocator and host KV pool: free lists, contiguity preference, misuse detection."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,14 +3,15 @@ with its own seed (``seed + index``), followers sent after their leader's first 
 indices ``prompt * n + i``, usage summed over every sequence, ``best_of`` keeping the best ``n`` by
 cumulative logprob, and the 400s for counts out of range. (Against the real model:
 tests/clients/test_openai_table.py.)"""
+
 from __future__ import annotations
 
 import json
 
 import pytest
+from test_router_unit import PIECES, completion, make_client, sse_events  # noqa: F401 (fixture)
 
 from server.router.parallel import MAX_CHOICES, choice_params
-from test_router_unit import PIECES, completion, make_client, sse_events  # noqa: F401 (fixture)
 from transfer.wire.sampling_params import SamplingParams
 
 
@@ -45,9 +46,16 @@ def test_best_of_keeps_the_best_n_by_cumulative_logprob(make_client):
 
 def test_chat_stream_with_n(make_client):
     client, worker, _ = make_client()
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2,
-                                                  "max_tokens": 3, "stream": True,
-                                                  "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 2,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.status_code == 200, r.text
     events = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
     by_index: dict[int, list] = {0: [], 1: []}
@@ -68,10 +76,16 @@ def test_greedy_choices_keep_their_params():
     assert choice_params(SamplingParams(seed=7), 0).seed == 7
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"n": 0}, "n"), ({"n": MAX_CHOICES + 1}, "n"), ({"n": 3, "best_of": 2}, "best_of"),
-    ({"best_of": MAX_CHOICES + 1}, "best_of"), ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"n": 0}, "n"),
+        ({"n": MAX_CHOICES + 1}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": MAX_CHOICES + 1}, "best_of"),
+        ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+    ],
+)
 def test_counts_out_of_range_are_400(make_client, body, param):
     client, worker, _ = make_client()
     r = completion(client, **body)

@@ -5,6 +5,7 @@ a server on each data plane), driven through the real HTTP API with the
 requests with shared prefixes against a small decode pool; aborts at random points leak nothing;
 kill -9 of either worker fails its requests fast, keeps the router up, and traffic flows again
 after the launcher restarts it. These share one server per data plane and run in file order."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,37 +21,68 @@ import jsonschema
 import openai
 import pytest
 import torch
-
 from conftest import engine_cfg, sched_cfg, strip_eos
+
+from bench.harness.subprocess_server import LaunchedServer, metric_sum, wait_idle
 from engine.llm import LLM
-from server.testing.subprocess_server import LaunchedServer, metric_sum, wait_idle
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.process
 
 HEARTBEAT_S = 0.2
 NEW_TOKENS = 24
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
-           "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n",
-           "List three primary colors and explain why they are called primary:"]
-SHARED = ("You are a helpful assistant that answers questions about geography, history and science "
-          "in one short paragraph. Question: ")
-QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
-             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
-             "What causes tides?", "Why do leaves change color?"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    'def add(a, b):\n    """Add two numbers."""\n',
+    "List three primary colors and explain why they are called primary:",
+]
+SHARED = (
+    "You are a helpful assistant that answers questions about geography, history and science "
+    "in one short paragraph. Question: "
+)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Who built the pyramids?",
+    "What is photosynthesis?",
+    "Where is Mount Everest?",
+    "When did the Roman Empire fall?",
+    "How do volcanoes form?",
+    "What causes tides?",
+    "Why do leaves change color?",
+]
 # after SHARED and a question: the 32-request case's private pages (the decode worker shares SHARED's
 # full page among every request it holds, so the pool pressure must come from what follows it)
-TAIL = (" Answer for a curious student in two plain sentences: first the main cause, then one concrete example "
-        "that a twelve-year-old could check at home.")
+TAIL = (
+    " Answer for a curious student in two plain sentences: first the main cause, then one concrete example "
+    "that a twelve-year-old could check at home."
+)
 
 
 @pytest.fixture(scope="module", params=["nixl", "ucxx"])
 def server(request, launched_server):
     """One launched PD server per KV data plane; every test below runs against each."""
-    srv = launched_server("pd", "--transfer-backend", request.param,
-                          "--kv-pool-tokens", "1024", "--page-size", "16", "--max-model-len", "2048",
-                          "--init-new-token-ratio", "0.05", "--health-interval-s", str(HEARTBEAT_S),
-                          "--worker-timeout-s", "30", "--peer-timeout-s", "4", "--log-level", "WARNING")
+    srv = launched_server(
+        "pd",
+        "--transfer-backend",
+        request.param,
+        "--kv-pool-tokens",
+        "1024",
+        "--page-size",
+        "16",
+        "--max-model-len",
+        "2048",
+        "--init-new-token-ratio",
+        "0.05",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--worker-timeout-s",
+        "30",
+        "--peer-timeout-s",
+        "4",
+        "--log-level",
+        "WARNING",
+    )
     yield srv
     launched_server.stop(srv)  # one backend's server at a time: stopped before the next param's starts
 
@@ -77,8 +109,9 @@ def colocated(embedded):
 
 
 def complete(client, model, prompt, max_tokens=NEW_TOKENS):
-    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"return_token_ids": True}
+    )
     return r.choices[0]
 
 
@@ -103,7 +136,7 @@ def greedy_refs(embedded, hf_embedded, colocated) -> dict[str, list[int]]:
         ids = tok.encode(text)
         with torch.no_grad():
             out = hf_embedded.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        refs[text] = [t for t in out[0, len(ids):].tolist() if t not in tok.eos_token_ids]
+        refs[text] = [t for t in out[0, len(ids) :].tolist() if t not in tok.eos_token_ids]
         colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0]
         assert colo.token_ids == refs[text], text
     return refs
@@ -134,8 +167,9 @@ def test_pd_long_prompt_matches_colocated(client, model, embedded, colocated):
 def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated):
     # issue 13: temperature=1, seed=7 gave [2684, 282, ...] colocated and [2684, 2422, ...] in PD
     ids = embedded[2].encode(PROMPTS[0])
-    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=7,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=7, extra_body={"return_token_ids": True}
+    )
     colo = colocated.generate_ids([ids], SamplingParams(max_new_tokens=24, temperature=1.0, seed=7))[0]
     got = strip_eos(r.choices[0].token_ids, embedded[2].eos_token_ids)
     assert got == colo.token_ids and len(colo.token_ids) > 2
@@ -148,8 +182,9 @@ def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embe
     with torch.no_grad():
         ref = hf_embedded(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
     want = [ref[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
-    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1,
-                                  extra_body={"prompt_logprobs": 2})
+    r = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1, extra_body={"prompt_logprobs": 2}
+    )
     (c,) = r.choices
     assert c.logprobs.token_logprobs[0] is None
     assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
@@ -162,29 +197,47 @@ def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embe
 def test_pd_structured_output_continues_on_the_decode_worker(client, model):
     """The prefill worker masks the first token, the decode worker replays it into its own matcher
     and goes on: the JSON is valid against the schema (greedy and sampled)."""
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     for seed in (None, 5):
         r = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "A person as JSON."}], max_tokens=48,
-            temperature=0 if seed is None else 1.0, seed=seed,
-            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+            model=model,
+            messages=[{"role": "user", "content": "A person as JSON."}],
+            max_tokens=48,
+            temperature=0 if seed is None else 1.0,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        )
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_pd_logit_bias_reaches_prefill_and_decode(client, model):
     # token 0 is sampled on the prefill worker, the rest on the decode worker: both apply the bias
-    r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0,
-                                  logit_bias={"1234": 100}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.completions.create(
+        model=model,
+        prompt=PROMPTS[1],
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"1234": 100},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert r.choices[0].token_ids == [1234] * 5
 
 
 def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url):
     # issue 13: the counter stayed 0 in PD although the decode radix cache matched the prefix. Its
     # own prefix: SHARED in the caches would take the pressure off the 32-request test below
-    base = ("A lighthouse keeper on a remote island kept a journal of every ship that passed, every storm "
-            "that broke against the rocks and every letter the supply boat brought. One winter")
+    base = (
+        "A lighthouse keeper on a remote island kept a journal of every ship that passed, every storm "
+        "that broke against the rocks and every letter the supply boat brought. One winter"
+    )
     complete(client, model, base, max_tokens=4)
     before = idle(url)
     r = client.completions.create(model=model, prompt=base + " Answer in one word.", max_tokens=4, temperature=0)
@@ -212,8 +265,9 @@ def shared_prefix_case(embedded, colocated) -> tuple[list[str], list[int], dict[
     lengths = [rng.choice([16, 32, 48]) for _ in prompts]
     refs = {}
     for i, p in enumerate(prompts):
-        refs[i] = colocated.generate_ids([tok.encode(p)], SamplingParams(max_new_tokens=lengths[i],
-                                                                         temperature=0))[0].token_ids
+        refs[i] = colocated.generate_ids([tok.encode(p)], SamplingParams(max_new_tokens=lengths[i], temperature=0))[
+            0
+        ].token_ids
     return prompts, lengths, refs
 
 
@@ -222,8 +276,14 @@ def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, share
     prompts, lengths, refs = shared_prefix_case
 
     async def one(c, i):
-        r = await c.completions.create(model=model, prompt=prompts[i], max_tokens=lengths[i], temperature=0,
-                                       stream=True, extra_body={"return_token_ids": True})
+        r = await c.completions.create(
+            model=model,
+            prompt=prompts[i],
+            max_tokens=lengths[i],
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
         ids = []
         async for chunk in r:
             ids += getattr(chunk.choices[0], "token_ids", None) or []
@@ -240,8 +300,10 @@ def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, share
     got = [strip_eos(ids, tok.eos_token_ids) for ids in asyncio.run(run_all())]
     assert got == [refs[i] for i in range(32)]
     m = idle(url)
-    for series in ("pdserve_retractions_total",  # the decode pool holds ~1/3 of the demand
-                   "pdserve_kv_transfer_bytes_total"):
+    for series in (
+        "pdserve_retractions_total",  # the decode pool holds ~1/3 of the demand
+        "pdserve_kv_transfer_bytes_total",
+    ):
         assert metric_sum(m, series) > metric_sum(before, series), series
     assert decode_cached_tokens(m) > decode_cached_tokens(before)  # SHARED's page matched on the decode worker
     assert metric_sum(m, "pdserve_kv_pool_pages", state="used") == 0
@@ -251,8 +313,9 @@ def test_pd_32_concurrent_shared_prefixes_small_pool(url, model, embedded, share
 def test_pd_aborts_at_random_points_leak_nothing(url, model):
     async def one(c, i, cut):
         try:
-            r = await c.completions.create(model=model, prompt=f"{SHARED}{QUESTIONS[i % 8]}", max_tokens=48,
-                                           temperature=0, stream=True)
+            r = await c.completions.create(
+                model=model, prompt=f"{SHARED}{QUESTIONS[i % 8]}", max_tokens=48, temperature=0, stream=True
+            )
             n = 0
             async for _ in r:
                 n += 1
@@ -283,8 +346,9 @@ def test_pd_worker_killed_then_restarted(server, url, client, model, role):
     async def one(c, q):
         """(result or exception, monotonic time it ended)."""
         try:
-            r = await c.completions.create(model=model, prompt=f"{SHARED}{q}", max_tokens=120, temperature=0,
-                                           extra_body={"ignore_eos": True})
+            r = await c.completions.create(
+                model=model, prompt=f"{SHARED}{q}", max_tokens=120, temperature=0, extra_body={"ignore_eos": True}
+            )
         except Exception as e:  # noqa: BLE001 - the test inspects it
             r = e
         return r, time.monotonic()

@@ -1,15 +1,16 @@
 """PD prefill -> decode on a tiny model, in one process (loopback transport, direct message
 delivery): greedy outputs equal transformers; decode retract with host offload and resume,
 recompute fallback, aborts in every phase, manifest checks; pool invariants after each."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
-from configs.schema import PdserveConfig
 from conftest import hf_greedy
-from server.testing.pd_harness import PDHarness, checked_harnesses
+
+from bench.harness.pd_harness import PDHarness, checked_harnesses
+from configs.schema import PdserveConfig
 from engine.request import Phase
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.step_report import StepReport
@@ -20,9 +21,13 @@ pytestmark = pytest.mark.slow  # PD in one process against the transformers refe
 
 
 def cfg(pool=4096, page=4, host_gb=0.01, **sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": pool, "page_size": page},
-                                         "scheduler": sched, "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb,
-                                                                         "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": pool, "page_size": page},
+            "scheduler": sched,
+            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "transfer_backend": "loopback"},
+        }
+    )
 
 
 def prompts(n, lo=5, hi=30, seed=0):
@@ -96,8 +101,9 @@ def test_retract_least_output_first_in_pd(harness, tiny, monkeypatch):
 
     def recorded(kv, running, *a, **kw):
         res = real(kv, running, *a, **kw)
-        rounds.append((kw["retract_order"], [len(q.output_ids) for q in res.retracted],
-                       [len(q.output_ids) for q in res.kept]))
+        rounds.append(
+            (kw["retract_order"], [len(q.output_ids) for q in res.retracted], [len(q.output_ids) for q in res.kept])
+        )
         return res
 
     monkeypatch.setattr(rb, "retract_decode", recorded)
@@ -246,14 +252,14 @@ def test_silent_prefill_peer_fences_pages_until_late_write(harness):
 
 def _decode_only(h: PDHarness, rid: str, prompt: list[int], room: int) -> None:
     """The router's GenerateRequest reaches the decode worker; its PrefillRequest is not sent (yet)."""
-    from server.testing.pd_harness import PREFILL_ADDR, ROUTER
+    from bench.harness.pd_harness import PREFILL_ADDR, ROUTER
 
     msg = GenerateRequest(rid=rid, params=GREEDY, room=room, prefill_addr=PREFILL_ADDR)
     h.deliver(h.decode.add(ROUTER, msg, prompt), True)
 
 
 def test_destination_that_comes_before_its_prompt_is_kept(harness, tiny):
-    from server.testing.pd_harness import ROUTER
+    from bench.harness.pd_harness import ROUTER
     from transfer.wire.outbox import Conn
     from transfer.wire.protocol import PrefillRequest, ids_frame
 
@@ -282,10 +288,11 @@ def test_destination_whose_prompt_never_comes_is_answered_after_the_grace(harnes
 def test_seeded_sampling_is_the_same_in_every_mode_and_across_retracts(harness, tiny):
     # issue 13: the decode worker builds a fresh sampler state after the prefill worker drew
     # token 0; the stream must still equal colocated mode's, with offload and with recompute.
+    from conftest import engine_cfg, sched_cfg
+
     from engine.llm import run_batch
     from engine.model_runner import ModelRunner
     from engine.scheduler.colocated import ColocatedScheduler
-    from conftest import engine_cfg, sched_cfg
 
     ps = prompts(4, 20, 20, seed=21)
     params = [SamplingParams(max_new_tokens=16, temperature=1.0, top_k=40, seed=7 + i) for i in range(4)]
@@ -348,6 +355,7 @@ def test_small_pools_with_recomputes_never_deadlock(harness, seed=0):
     for i, (prompt, sp) in enumerate(zip(ps, params)):
         h.submit(f"r{i}", prompt, sp)
     out = h.run(max_steps=5000)
-    assert [(out[f"r{i}"]["error"], len(out[f"r{i}"]["tokens"])) for i in range(len(ps))] == \
-        [(None, sp.max_new_tokens) for sp in params]
+    assert [(out[f"r{i}"]["error"], len(out[f"r{i}"]["tokens"])) for i in range(len(ps))] == [
+        (None, sp.max_new_tokens) for sp in params
+    ]
     assert h.decode.stats.retractions > 0 and h.prefill.stats.finished_requests > len(ps)  # recomputes ran

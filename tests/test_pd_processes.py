@@ -4,6 +4,7 @@ small driver plays the router. Tiny random model saved as an HF folder, so every
 against transformers. The workers hold a cluster key (``PDSERVE_CLUSTER_SECRET_KEY``, as
 ``pdserve launch`` hands it over): every socket, the decode -> prefill KV handshake included,
 is CURVE, and the driver presents the same key."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,14 +17,23 @@ import time
 
 import pytest
 import zmq
+from conftest import hf_greedy
 
 from configs.schema import PdserveConfig
 from server.launch.ports import listen
-from conftest import hf_greedy
 from transfer.cluster_key import ClusterKey
 from transfer.control_auth import ENV_SECRET, ControlAuth
-from transfer.wire.protocol import (GenerateRequest, PrefillRequest, Shutdown, StatsRequest, TokenBatch, WorkerStats,
-                               decode, encode, ids_frame)
+from transfer.wire.protocol import (
+    GenerateRequest,
+    PrefillRequest,
+    Shutdown,
+    StatsRequest,
+    TokenBatch,
+    WorkerStats,
+    decode,
+    encode,
+    ids_frame,
+)
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.process
@@ -38,17 +48,37 @@ def held_port() -> socket.socket:
 class PDPair:
     """One prefill and one decode worker process plus a DEALER to each (the router's role)."""
 
-    def __init__(self, model_dir, decode_pool: int, host_gb: float, decode_page_size: int = 4,
-                 backend: str = "nixl", decode_backend: str | None = None, cluster: dict | None = None,
-                 prefill_sched: dict | None = None, decode_sched: dict | None = None, engine: dict | None = None,
-                 **sched):
+    def __init__(
+        self,
+        model_dir,
+        decode_pool: int,
+        host_gb: float,
+        decode_page_size: int = 4,
+        backend: str = "nixl",
+        decode_backend: str | None = None,
+        cluster: dict | None = None,
+        prefill_sched: dict | None = None,
+        decode_sched: dict | None = None,
+        engine: dict | None = None,
+        **sched,
+    ):
         """``cluster`` updates both workers' cluster section, ``engine`` their engine section;
         ``prefill_sched``/``decode_sched`` one worker's scheduler section (``sched``: both)."""
-        self.cfg = PdserveConfig.model_validate({
-            "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096, **(engine or {})},
-            "scheduler": sched, "server": {"health_interval_s": 0.5},
-            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "peer_timeout_s": 2.0,
-                        "transfer_fence_s": 3.0, "transfer_backend": backend, **(cluster or {})}})
+        self.cfg = PdserveConfig.model_validate(
+            {
+                "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096, **(engine or {})},
+                "scheduler": sched,
+                "server": {"health_interval_s": 0.5},
+                "cluster": {
+                    "mode": "pd",
+                    "host_kv_pool_gb": host_gb,
+                    "peer_timeout_s": 2.0,
+                    "transfer_fence_s": 3.0,
+                    "transfer_backend": backend,
+                    **(cluster or {}),
+                },
+            }
+        )
         pcfg = self.cfg.model_copy(update={"scheduler": self.cfg.scheduler.model_copy(update=prefill_sched or {})})
         dcfg = self.cfg.model_copy(deep=True)
         dcfg.scheduler = dcfg.scheduler.model_copy(update=decode_sched or {})
@@ -58,8 +88,10 @@ class PDPair:
         self.held = {wid: held_port() for wid in ("p0", "d0")}
         self.p_addr, self.d_addr = (f"tcp://127.0.0.1:{self.held[w].getsockname()[1]}" for w in ("p0", "d0"))
         self.auth = ControlAuth(ClusterKey.generate())
-        self.procs = {"p0": self._spawn("prefill", "p0", self.p_addr, pcfg),
-                      "d0": self._spawn("decode", "d0", self.d_addr, dcfg)}
+        self.procs = {
+            "p0": self._spawn("prefill", "p0", self.p_addr, pcfg),
+            "d0": self._spawn("decode", "d0", self.d_addr, dcfg),
+        }
         self.ctx = zmq.Context()
         self.socks = {}
         for wid, addr in (("p0", self.p_addr), ("d0", self.d_addr)):
@@ -74,10 +106,25 @@ class PDPair:
 
     def _spawn(self, role, wid, addr, cfg):
         fd = self.held[wid].fileno()
-        return subprocess.Popen([sys.executable, "-m", "server.worker.main", "--role", role, "--worker-id", wid,
-                                 "--control-addr", addr, "--listen-fd", str(fd), "--config-json",
-                                 cfg.model_dump_json()],
-                                env={**os.environ, ENV_SECRET: self.auth.key.secret.decode()}, pass_fds=(fd,))
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server.worker.main",
+                "--role",
+                role,
+                "--worker-id",
+                wid,
+                "--control-addr",
+                addr,
+                "--listen-fd",
+                str(fd),
+                "--config-json",
+                cfg.model_dump_json(),
+            ],
+            env={**os.environ, ENV_SECRET: self.auth.key.secret.decode()},
+            pass_fds=(fd,),
+        )
 
     def stats(self, wid: str, timeout: float = 10) -> WorkerStats:
         s = self.socks[wid]
@@ -92,11 +139,13 @@ class PDPair:
 
     def submit(self, rid, prompt, params, to_prefill=True):
         room = next(self.rooms)
-        self.socks["d0"].send_multipart(encode(GenerateRequest(rid=rid, params=params, room=room,
-                                                               prefill_addr=self.p_addr), ids_frame(prompt)))
+        self.socks["d0"].send_multipart(
+            encode(GenerateRequest(rid=rid, params=params, room=room, prefill_addr=self.p_addr), ids_frame(prompt))
+        )
         if to_prefill:
-            self.socks["p0"].send_multipart(encode(PrefillRequest(rid=rid, room=room, params=params,
-                                                                  decode_worker="d0"), ids_frame(prompt)))
+            self.socks["p0"].send_multipart(
+                encode(PrefillRequest(rid=rid, room=room, params=params, decode_worker="d0"), ids_frame(prompt))
+            )
 
     def collect(self, rids, timeout=60) -> dict:
         out = {r: {"tokens": [], "finish": None, "error": None} for r in rids}
@@ -138,7 +187,7 @@ EOS = 96
 
 
 def until_eos(tokens: list[int]) -> list[int]:
-    return tokens[:tokens.index(EOS)] if EOS in tokens else tokens
+    return tokens[: tokens.index(EOS)] if EOS in tokens else tokens
 
 
 def wait_idle(pair: PDPair, wid: str, timeout=10) -> WorkerStats:
@@ -172,8 +221,9 @@ BACKENDS = pytest.mark.parametrize("backend", ["nixl", "ucxx"])
 
 @BACKENDS
 def test_pd_processes_offload_and_resume(tiny, tiny_folder, backend):
-    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1, backend=backend,
-                  decode_sched=SLOW_DECODE)
+    pair = PDPair(
+        tiny_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1, backend=backend, decode_sched=SLOW_DECODE
+    )
     try:
         ps = run_pressure_workload(pair, tiny)
         params = PRESSURE
@@ -203,8 +253,9 @@ def test_pd_processes_offload_and_resume(tiny, tiny_folder, backend):
 
 @BACKENDS
 def test_pd_processes_recompute_fallback(tiny, tiny_folder, backend):
-    pair = PDPair(tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1, backend=backend,
-                  decode_sched=SLOW_DECODE)
+    pair = PDPair(
+        tiny_folder, decode_pool=96, host_gb=0.0, init_new_token_ratio=0.1, backend=backend, decode_sched=SLOW_DECODE
+    )
     try:
         run_pressure_workload(pair, tiny)
         d = wait_idle(pair, "d0")

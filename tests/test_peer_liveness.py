@@ -1,6 +1,7 @@
 """Liveness apart from progress (issue 13): a busy decode worker never turns a live prefill peer
 dead; a prefill worker that answers heartbeats while its scheduler is stuck is failed by the
 progress watchdog (``progress_timeout_s``) with an error that says so; a SIGSTOPped one is dead."""
+
 from __future__ import annotations
 
 import os
@@ -9,23 +10,31 @@ import time
 
 import pytest
 import zmq
-
 from conftest import hf_greedy
+from test_pd_processes import PDPair, prompts, until_eos, wait_idle
+
 from decode_worker.peers import PrefillPeers
 from server.worker.control_io import ControlIO
+from server.worker.peer_pinger import PeerPinger
 from transfer.cluster_key import ClusterKey
 from transfer.control_auth import ControlAuth
 from transfer.wire.protocol import KVHandshake, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
-from server.worker.peer_pinger import PeerPinger
-from test_pd_processes import PDPair, prompts, until_eos, wait_idle
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0)
 
 
 def stats(stalled_s=0.0, instance="i1"):
-    return WorkerStats(worker_id="p0", instance=instance, role="prefill", model="m", capacity_tokens=1,
-                       max_model_len=1, page_size=1, stalled_s=stalled_s)
+    return WorkerStats(
+        worker_id="p0",
+        instance=instance,
+        role="prefill",
+        model="m",
+        capacity_tokens=1,
+        max_model_len=1,
+        page_size=1,
+        stalled_s=stalled_s,
+    )
 
 
 def peers(timeout_s=2.0, progress_timeout_s=10.0) -> PrefillPeers:
@@ -85,8 +94,13 @@ def test_pinger_hears_a_worker_whose_scheduler_thread_never_reads():
 def test_busy_decode_worker_keeps_its_live_prefill_peer(tiny, tiny_folder):
     """The finding: each decode step (here made 2 s long, as on an oversubscribed machine) is
     longer than peer_timeout_s; the prefill worker answers all along. Every request completes."""
-    pair = PDPair(tiny_folder, decode_pool=512, host_gb=0.0, cluster={"peer_timeout_s": 1.5},
-                  decode_sched={"test_step_delay_s": 2.0})
+    pair = PDPair(
+        tiny_folder,
+        decode_pool=512,
+        host_gb=0.0,
+        cluster={"peer_timeout_s": 1.5},
+        decode_sched={"test_step_delay_s": 2.0},
+    )
     try:
         ps = prompts(4, 8, 24, seed=5)
         for i, p in enumerate(ps):
@@ -104,8 +118,13 @@ def test_stuck_prefill_scheduler_is_failed_by_the_progress_watchdog(tiny_folder)
     chunk of a 10-token prompt (so no KV write was posted: a posted one completes on the writing
     thread); its control thread keeps answering. The decode side fails the request as stuck, not
     as silent."""
-    pair = PDPair(tiny_folder, decode_pool=512, host_gb=0.0, cluster={"peer_timeout_s": 2.0, "progress_timeout_s": 4.0},
-                  prefill_sched={"test_step_delay_s": 600.0, "chunked_prefill_size": 4})
+    pair = PDPair(
+        tiny_folder,
+        decode_pool=512,
+        host_gb=0.0,
+        cluster={"peer_timeout_s": 2.0, "progress_timeout_s": 4.0},
+        prefill_sched={"test_step_delay_s": 600.0, "chunked_prefill_size": 4},
+    )
     try:
         pair.submit("s", prompts(1, 10, 10, seed=3)[0], GREEDY)
         res = pair.collect(["s"], timeout=30)["s"]
@@ -135,7 +154,6 @@ def test_sigstopped_prefill_worker_is_dead_not_stuck(tiny_folder):
 def test_pinger_without_peers_sleeps_instead_of_spinning(monkeypatch):
     # colocated and prefill workers have no peers: an empty zmq poll returns at once, so a loop
     # around it alone spun a core and starved the scheduler thread (decode 7x slower)
-
 
     turns = []
     real = PeerPinger._connect_new

@@ -1,5 +1,6 @@
 """CPU placement of a local launch: each worker its own cores, the router the rest; explicit
 lists; refusals that name the flag."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,10 @@ def test_two_workers_on_two_cores_get_one_each_and_the_router_shares():
 def test_spare_core_goes_to_the_router():
     p = plan_placement(["prefill-0", "decode-0"], "auto", [0, 1, 2, 3])
     assert p.workers == {"prefill-0": (0, 1), "decode-0": (2,)} and p.router == (3,)
-    assert plan_placement(["p", "d"], "auto", list(range(16))).workers == {"p": tuple(range(8)), "d": tuple(range(8, 15))}
+    assert plan_placement(["p", "d"], "auto", list(range(16))).workers == {
+        "p": tuple(range(8)),
+        "d": tuple(range(8, 15)),
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -56,9 +60,15 @@ def test_explicit_lists():
     assert parse_cpu_list("3+1-2") == (1, 2, 3)
 
 
-@pytest.mark.parametrize("spec, needle", [("decode-9=1", "ID one of prefill-0, decode-0"),
-                                           ("prefill-0=7", "asks for cpus 7"), ("prefill-0=x", "not a cpu list"),
-                                           ("prefill-0=3-1", "not a cpu list")])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("decode-9=1", "ID one of prefill-0, decode-0"),
+        ("prefill-0=7", "asks for cpus 7"),
+        ("prefill-0=x", "not a cpu list"),
+        ("prefill-0=3-1", "not a cpu list"),
+    ],
+)
 def test_bad_specs_are_refused_with_the_flag(spec, needle):
     with pytest.raises(ValueError, match="--worker-cpus") as e:
         plan_placement(["prefill-0", "decode-0"], spec, [0, 1])
@@ -99,6 +109,21 @@ def test_launch_with_a_bad_cpu_list_fails_at_once_naming_the_flag():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "server.launch.cli", "launch", "--mode", "pd", "--port", "0",
-                        "--worker-cpus", "decode-0=99"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.launch.cli",
+            "launch",
+            "--mode",
+            "pd",
+            "--port",
+            "0",
+            "--worker-cpus",
+            "decode-0=99",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "--worker-cpus: decode-0 asks for cpus 99" in r.stderr

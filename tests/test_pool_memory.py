@@ -1,4 +1,5 @@
 """The KV pool's storage is advised onto transparent huge pages on the CPU (cache/pool_memory.py)."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -6,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.kv_pool import KVPool
 from cache.pool_memory import HUGE_PAGE, advise_huge_pages, zeroed
 
 pytestmark = pytest.mark.unit
@@ -16,7 +16,7 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 def _thp_mode() -> str:
     text = THP.read_text() if THP.exists() else "[never]"
-    return text[text.index("[") + 1:text.index("]")]
+    return text[text.index("[") + 1 : text.index("]")]
 
 
 def _huge_kib(t: torch.Tensor) -> int:
@@ -60,7 +60,8 @@ def test_pool_storage_lands_on_huge_pages():
     # a fresh process, as a worker allocates its pool: in a long test process the allocator may hand
     # back heap memory that earlier tests already faulted in as 4 KiB pages
     root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-c", _FRESH_POOL.format(root=root)], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH_POOL.format(root=root)], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     # the kernel may still leave some 4 KiB pages (fragmentation); most of 64 MiB must be huge
     assert int(out.split()[-1]) >= 32 << 10

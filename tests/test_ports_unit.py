@@ -1,9 +1,11 @@
 """Units of issue 13's ports item: worker port reservation, the restart back-off policy, and the
 cluster id that keeps a router or a decode worker from using another deployment's worker."""
+
 from __future__ import annotations
 
 import pytest
 
+from bench.harness.subprocess_server import free_port
 from configs.schema import PdserveConfig
 from decode_worker.peers import PrefillPeers
 from prefill_worker.kv_sender import KVSender
@@ -12,7 +14,6 @@ from server.launch.roles import worker_specs
 from server.launch.supervisor import RestartPolicy
 from server.router.inflight import InflightTable
 from server.router.registry import READY, STARTING, Registry, WorkerSpec
-from server.testing.subprocess_server import free_port
 from transfer.wire.protocol import KVHandshake, KVHandshakeAck, WorkerStats
 
 
@@ -67,8 +68,16 @@ def test_restart_policy_doubles_caps_gives_up_and_resets_when_ready():
 
 
 def stats(wid: str, role: str, cluster: str, instance: str = "i1") -> WorkerStats:
-    return WorkerStats(worker_id=wid, role=role, cluster_id=cluster, instance=instance, model="m",
-                       capacity_tokens=10, max_model_len=10, page_size=1)
+    return WorkerStats(
+        worker_id=wid,
+        role=role,
+        cluster_id=cluster,
+        instance=instance,
+        model="m",
+        capacity_tokens=10,
+        max_model_len=10,
+        page_size=1,
+    )
 
 
 class _Client:
@@ -77,8 +86,13 @@ class _Client:
 
 
 def test_router_never_routes_to_another_clusters_worker():
-    reg = Registry([WorkerSpec("prefill-0", "prefill", "tcp://127.0.0.1:1")], _Client, InflightTable(),
-                   model_name="m", cluster_id="aaa")
+    reg = Registry(
+        [WorkerSpec("prefill-0", "prefill", "tcp://127.0.0.1:1")],
+        _Client,
+        InflightTable(),
+        model_name="m",
+        cluster_id="aaa",
+    )
     reg.on_stats("prefill-0", stats("colocated-0", "colocated", "bbb"))
     h = reg.handles["prefill-0"]
     assert h.state == STARTING
@@ -90,8 +104,9 @@ def test_router_never_routes_to_another_clusters_worker():
 
 
 def test_decode_refuses_a_foreign_worker_at_its_prefill_address_and_recovers():
-    hs = KVHandshake(worker_id="decode-0", cluster_id="aaa", model="m", layout={}, transport="nixl",
-                     transport_metadata="")
+    hs = KVHandshake(
+        worker_id="decode-0", cluster_id="aaa", model="m", layout={}, transport="nixl", transport_metadata=""
+    )
     peers = PrefillPeers(hs, timeout_s=10.0, progress_timeout_s=60.0)
     addr = "tcp://127.0.0.1:1"
     peers.connect(addr)
@@ -107,11 +122,13 @@ def test_decode_refuses_a_foreign_worker_at_its_prefill_address_and_recovers():
 
 def test_prefill_refuses_a_handshake_from_another_cluster():
     sender = KVSender(transport=None, unit_bytes=1, threaded=False)  # refused before the transport is used
-    hs = KVHandshake(worker_id="decode-0", cluster_id="bbb", model="m", layout={}, transport="nixl",
-                     transport_metadata="")
+    hs = KVHandshake(
+        worker_id="decode-0", cluster_id="bbb", model="m", layout={}, transport="nixl", transport_metadata=""
+    )
     err = sender.accept_peer(None, hs, "m", {}, cluster_id="aaa", worker_id="prefill-0")
-    assert err.startswith("cluster mismatch: decode worker decode-0 belongs to cluster 'bbb', this prefill "
-                          "worker prefill-0 to 'aaa'"), err
+    assert err.startswith(
+        "cluster mismatch: decode worker decode-0 belongs to cluster 'bbb', this prefill worker prefill-0 to 'aaa'"
+    ), err
     assert sender.peers == {}
 
 

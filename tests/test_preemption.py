@@ -3,15 +3,16 @@ the transformers reference: a request with ``GenerateRequest.preempt`` that find
 (``max_running_requests``) full takes the place of the newest running request without the mark,
 which is retracted (offloaded to the host pool, or recomputed without one) and resumes when a place
 frees; every output still equals transformers, and every page and host byte comes back."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import hf_greedy
 
+from bench.harness.pd_harness import PDHarness, checked_harnesses
 from decode_worker.jobs import DecodeState
-from server.testing.pd_harness import PDHarness, checked_harnesses
 from tests.test_metrics_series import scrape, val
 from tests.test_pd_inprocess import cfg, prompts
-from conftest import hf_greedy
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -52,8 +53,10 @@ def test_a_preempting_request_takes_the_place_of_the_newest_running_one(harness,
     more2 = until(h, lambda: "light" in h.decode.jobs and h.decode.jobs["light"].state is DecodeState.RUNNING)
     assert victim.state is not DecodeState.RUNNING  # the batch of 2: r0 and light, r1 waits for a place
     out = h.run()
-    tokens = {rid: got.get(rid, []) + more.get(rid, []) + more2.get(rid, []) + out.get(rid, {}).get("tokens", [])
-              for rid in ("r0", "r1", "light")}
+    tokens = {
+        rid: got.get(rid, []) + more.get(rid, []) + more2.get(rid, []) + out.get(rid, {}).get("tokens", [])
+        for rid in ("r0", "r1", "light")
+    }
     assert tokens == {rid: hf_greedy(tiny[2], p, 24) for rid, p in zip(("r0", "r1", "light"), ps)}
     m = scrape(h.decode)  # what a scraper of the router reads
     assert val(m, "pdserve_preemptions_total") == 1 and val(m, "pdserve_retractions_total") == 0

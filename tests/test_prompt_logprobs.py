@@ -2,20 +2,21 @@
 weights for every prompt token after the first, with the top-k and ranks; across chunked prefill,
 with the prompt already in the radix cache (which must then not be used), colocated and through PD
 (computed by the prefill worker, shipped in the manifest, sent once with the first token)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-
 from conftest import engine_cfg, sched_cfg
+from test_pd_inprocess import cfg as pd_cfg
+
+from bench.harness.pd_harness import PDHarness
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
 from engine.scheduler.colocated import ColocatedScheduler
-from server.testing.pd_harness import PDHarness
 from transfer.wire.sampling_params import SamplingParams
-from test_pd_inprocess import cfg as pd_cfg
 
 PROMPTS = [[5, 17, 33, 2, 80, 41, 9, 9, 12, 60, 3, 71, 44, 18, 27, 90, 6, 1, 55], [7, 7, 21, 64, 30, 11]]
 K = 3
@@ -85,8 +86,10 @@ def test_echo_logprobs_max_tokens_0_is_the_prompt_alone(make_client, tokenizer):
     lp = c["logprobs"]
     assert lp["tokens"] == [tokenizer.decode([i]) for i in ids]
     assert lp["token_logprobs"] == [None] + [-float(j) for j in range(1, len(ids))]
-    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {tokenizer.decode([ids[1]]): -1.0,
-                                                                       tokenizer.decode([7]): -0.1}
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {
+        tokenizer.decode([ids[1]]): -1.0,
+        tokenizer.decode([7]): -0.1,
+    }
     assert lp["text_offset"][0] == 0
     assert r.json()["usage"]["completion_tokens"] == 0
     assert worker.requests[0][2].prompt_logprobs == 1 and len(ctx.table) == 0

@@ -6,12 +6,13 @@ pages of its own. Seeded and greedy outputs equal those of separate requests (gr
 prompt is prefilled once (the scheduler's prefill token count), and the pool invariant (free + used
 + cached == total, no page owned twice, radix locks consistent) holds after every step, through the
 abort of one choice and retracts under memory pressure."""
+
 from __future__ import annotations
 
 import pytest
-
 from conftest import hf_greedy
 from test_scheduler import EOS, assert_clean, make_sched, prompts, submit
+
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -120,7 +121,7 @@ def test_abort_of_one_choice_leaves_the_others_and_the_pool_whole(tiny):
     assert state["delta"].finish_reason == "abort"
     ref = alone(tiny, prompt, params, page_size=4)
     assert [out[f"c{i}"] for i in (0, 1, 3)] == [ref[i] for i in (0, 1, 3)]
-    assert out["c2"] == ref[2][:len(out["c2"])] and len(out["c2"]) < 12
+    assert out["c2"] == ref[2][: len(out["c2"])] and len(out["c2"]) < 12
     assert_clean(sched)
 
 

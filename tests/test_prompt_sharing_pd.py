@@ -3,17 +3,18 @@
 radix cache, so the other choices (sent once the first has its first token, as the router sends them)
 match them, the prefill worker ships only the last page, and each choice writes its own pages from
 there. Seeded outputs equal separate requests; the pools are clean after (PD harness, tiny model)."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 
+from bench.harness.pd_harness import PDHarness, checked_harnesses
 from cache.kv_manager import KVManager
 from cache.page_allocator import PageAllocator
 from cache.prefix_share import park, share_prefix, shared_elsewhere
 from configs.schema import PdserveConfig
-from server.testing.pd_harness import PDHarness, checked_harnesses
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -22,9 +23,13 @@ PAGE = 4
 
 
 def cfg(**sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 4096, "page_size": PAGE}, "scheduler": sched,
-                                         "cluster": {"mode": "pd", "host_kv_pool_gb": 0.01,
-                                                     "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": 4096, "page_size": PAGE},
+            "scheduler": sched,
+            "cluster": {"mode": "pd", "host_kv_pool_gb": 0.01, "transfer_backend": "loopback"},
+        }
+    )
 
 
 @pytest.fixture
@@ -120,7 +125,7 @@ def test_park_keeps_only_the_prefix_another_request_holds():
     assert kv.ensure_pages(a, len(prompt) + 2) and share_prefix(kv, a, prompt) == 3
     b = kv.match_prefix(prompt + [99])
     assert b.full.num_shared == 3 and kv.ensure_pages(b, len(prompt) + 2)
-    d = kv.match_prefix(prompt[:2 * PAGE] + [50] * PAGE)  # a shorter holder: the first 2 pages
+    d = kv.match_prefix(prompt[: 2 * PAGE] + [50] * PAGE)  # a shorter holder: the first 2 pages
     assert d.full.num_shared == 2
 
     free = kv.allocator.num_free()

@@ -3,6 +3,7 @@ not prefilled yet, is offered to the router and re-routed to a peer decode worke
 one process: the decode side's offers, holds and answers (``decode_worker.queued_moves``), the
 router's pick (``Migrations.on_queued_offer``) and the in-flight table's ``Moved`` marker. The real
 path (processes, HTTP, the session's re-send) is ``tests/test_migration_e2e.py``."""
+
 from __future__ import annotations
 
 import time
@@ -49,9 +50,11 @@ def test_a_queued_job_is_offered_once_after_the_bound_and_held_until_answered():
     a, b = _job("a"), _job("b")
     assert _offers(moves.offer([a, b], lambda j: 5)) == []  # step 1: their waits begin
     assert _offers(moves.offer([a, b], lambda j: 5)) == []  # step 2: one step waited
-    sent = _offers(moves.offer([a, b], lambda j: 5))        # step 3: two steps: due
+    sent = _offers(moves.offer([a, b], lambda j: 5))  # step 3: two steps: due
     assert [d for d, _ in sent] == [Conn(b"router")] * 2
-    assert [(m.rid, m.pages) for _, m in sent] == [("a", 5), ("b", 5)] and all(isinstance(m, QueuedOffer) for _, m in sent)
+    assert [(m.rid, m.pages) for _, m in sent] == [("a", 5), ("b", 5)] and all(
+        isinstance(m, QueuedOffer) for _, m in sent
+    )
     assert set(moves.offered) == {"a", "b"}  # held: admission skips them
     assert _offers(moves.offer([a, b], lambda j: 5)) == []  # no second offer while one is out
     moves.declined("a")  # no peer: it waits another bound here
@@ -71,8 +74,8 @@ def test_an_unanswered_offer_is_dropped_after_the_timeout():
 
 def test_only_queued_first_prefills_with_nothing_decoded_move():
     assert movable(_job())
-    assert not movable(_job(generation=1))             # a recompute: its output was streamed already
-    assert not movable(_job(migrated=True))            # came from a peer with its KV
+    assert not movable(_job(generation=1))  # a recompute: its output was streamed already
+    assert not movable(_job(migrated=True))  # came from a peer with its KV
     assert not movable(_job(state=DecodeState.AWAITING_KV))  # its KVDestination went out
     done = _job()
     done.req.output_ids.append(5)
@@ -94,8 +97,15 @@ def test_a_move_withdraws_the_prefill_only_for_an_offered_job():
 
 # ---- the router's part ------------------------------------------------------------------------------
 def _handle(wid, room):
-    stats = WorkerStats(worker_id=wid, role=Role.DECODE, model="m", capacity_tokens=100, max_model_len=100,
-                        page_size=4, gauges={"migration_room_pages": room})
+    stats = WorkerStats(
+        worker_id=wid,
+        role=Role.DECODE,
+        model="m",
+        capacity_tokens=100,
+        max_model_len=100,
+        page_size=4,
+        gauges={"migration_room_pages": room},
+    )
     return WorkerHandle(WorkerSpec(wid, Role.DECODE, f"inproc://{wid}"), _Client(), state=READY, stats=stats)
 
 

@@ -1,4 +1,5 @@
 """Tests for cache.radix_cache.RadixCache (CPU only, no torch needed)."""
+
 from __future__ import annotations
 
 import random

@@ -1,6 +1,7 @@
 """Multi-host pieces without a model: ``--roles`` and worker addresses, ``pdserve probe`` against a
 real ZMQ socket and a real HTTP server, the router reconnecting to a silent worker (and libzmq
 resolving a name that appears late), and ``/health?require=any``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,11 @@ def test_a_subset_of_roles_keeps_the_ports_of_the_full_deployment():
     cfg = pd(base_port=30000, worker_host="0.0.0.0", advertise_host="node-b")
     everything = worker_specs(cfg)
     assert [(s.worker_id, s.addr) for s in everything] == [
-        ("prefill-0", "tcp://node-b:30000"), ("prefill-1", "tcp://node-b:30001"),
-        ("decode-0", "tcp://node-b:30002"), ("decode-1", "tcp://node-b:30003")]
+        ("prefill-0", "tcp://node-b:30000"),
+        ("prefill-1", "tcp://node-b:30001"),
+        ("decode-0", "tcp://node-b:30002"),
+        ("decode-1", "tcp://node-b:30003"),
+    ]
     assert worker_specs(cfg, frozenset({"decode"})) == everything[2:]
     assert bind_addr(everything[3], cfg) == "tcp://0.0.0.0:30003"
     assert advertised_host(pd(worker_host="0.0.0.0")) == socket.gethostname()
@@ -69,10 +73,14 @@ def test_launch_refuses_bad_roles_and_remote_workers_without_a_router(capsys):
 
 # ---- pdserve probe -------------------------------------------------------------------------------
 def test_probe_target_comes_from_the_main_process_command_line(tmp_path):
-    assert target_from_argv(["worker", "--role", "decode", "--worker-id", "d", "--control-addr",
-                             "tcp://0.0.0.0:29511"]) == "tcp://127.0.0.1:29511"
-    assert target_from_argv(["router", "--port", "8123", "--host", "0.0.0.0", "--worker",
-                             "decode=d=tcp://x:1"]) == "http://127.0.0.1:8123"
+    assert (
+        target_from_argv(["worker", "--role", "decode", "--worker-id", "d", "--control-addr", "tcp://0.0.0.0:29511"])
+        == "tcp://127.0.0.1:29511"
+    )
+    assert (
+        target_from_argv(["router", "--port", "8123", "--host", "0.0.0.0", "--worker", "decode=d=tcp://x:1"])
+        == "http://127.0.0.1:8123"
+    )
     cmdline = tmp_path / "cmdline"
     cmdline.write_bytes(b"/opt/venv/bin/python\0/opt/venv/bin/pdserve\0worker\0--role\0prefill\0")
     assert pid1_argv(str(cmdline)) == ["worker", "--role", "prefill"]
@@ -83,8 +91,9 @@ def test_probe_target_comes_from_the_main_process_command_line(tmp_path):
 
 
 def test_probe_reads_worker_stats_and_refuses_anything_else():
-    reply = encode(WorkerStats(worker_id="d1", role="decode", model="m", capacity_tokens=32, max_model_len=8,
-                               page_size=16))
+    reply = encode(
+        WorkerStats(worker_id="d1", role="decode", model="m", capacity_tokens=32, max_model_len=8, page_size=16)
+    )
     st = parse_stats("tcp://x:1", reply)
     assert (st.worker_id, st.role, st.model, st.capacity_tokens) == ("d1", "decode", "m", 32)
     with pytest.raises(ProbeError, match="protocol version 99"):
@@ -112,9 +121,22 @@ def fake_worker(answers: bool):
                 msg, _ = decode(parts)
                 assert isinstance(msg, StatsRequest)
                 if answers:
-                    sock.send_multipart([ident, *encode(WorkerStats(nonce=msg.nonce, worker_id="d9", role="decode",
-                                                                    model="m", capacity_tokens=64, max_model_len=64,
-                                                                    page_size=16))])
+                    sock.send_multipart(
+                        [
+                            ident,
+                            *encode(
+                                WorkerStats(
+                                    nonce=msg.nonce,
+                                    worker_id="d9",
+                                    role="decode",
+                                    model="m",
+                                    capacity_tokens=64,
+                                    max_model_len=64,
+                                    page_size=16,
+                                )
+                            ),
+                        ]
+                    )
         sock.close(0)
         guard.close()
         ctx.term()
@@ -228,8 +250,14 @@ def test_router_reconnects_to_a_worker_that_went_silent():
             self.reconnects += 1
 
     async def scenario():
-        reg = Registry([WorkerSpec("w0", "colocated", "tcp://w0:1"), WorkerSpec("w1", "colocated", "tcp://w1:1")],
-                       Client, InflightTable(), interval_s=0.01, timeout_s=1.0, clock=lambda: now[0])
+        reg = Registry(
+            [WorkerSpec("w0", "colocated", "tcp://w0:1"), WorkerSpec("w1", "colocated", "tcp://w1:1")],
+            Client,
+            InflightTable(),
+            interval_s=0.01,
+            timeout_s=1.0,
+            clock=lambda: now[0],
+        )
         await reg.start()
         reg.on_stats("w0", stats("w0"))
         reg.on_stats("w1", stats("w1"))
@@ -258,8 +286,14 @@ def test_worker_client_finds_a_name_that_resolves_only_later(tmp_path):
     async def scenario():
         nonlocal addr, stop
         ctx = zmq.asyncio.Context()
-        c = WorkerClient("d9", f"tcp://localhost:{port}", ctx, lambda *a: None, lambda w, s: got.append(s),
-                         auth=ControlAuth.insecure())
+        c = WorkerClient(
+            "d9",
+            f"tcp://localhost:{port}",
+            ctx,
+            lambda *a: None,
+            lambda w, s: got.append(s),
+            auth=ControlAuth.insecure(),
+        )
         await c.start()
         c.request_stats(7)
         await asyncio.sleep(0.5)
@@ -315,8 +349,11 @@ def test_health_require_any(tmp_path):
                 self.on_stats(self.spec.worker_id, stats(self.spec.worker_id, self.spec.role))
 
     cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05}, "cluster": {"mode": "pd"}})
-    specs = [WorkerSpec("prefill-0", "prefill", "x"), WorkerSpec("decode-0", "decode", "x"),
-             WorkerSpec("decode-1", "decode", "x")]
+    specs = [
+        WorkerSpec("prefill-0", "prefill", "x"),
+        WorkerSpec("decode-0", "decode", "x"),
+        WorkerSpec("decode-1", "decode", "x"),
+    ]
     tok = Tokenizer.from_path(resolve_model_path("default"))
     with TestClient(create_app(build_context(cfg, tok, "m", specs, Client))) as http:
         deadline = time.monotonic() + 5

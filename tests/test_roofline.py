@@ -1,5 +1,6 @@
 """The roofline arithmetic of ``pdserve bench engine --roofline`` (``bench/roofline.py``) against
 hand-computed numbers, its op classifier, and the section end to end on a tiny model."""
+
 from __future__ import annotations
 
 import pytest
@@ -71,13 +72,26 @@ def test_embedded_model_batch1_fp32_weights_are_538_mb():
     assert rl.prefill_flops(cfg, 512) == pytest.approx(2 * 106.2e6 * 512 + 2 * 28.3e6 + 2 * 30 * 576 * 512**2, rel=0.01)
 
 
-@pytest.mark.parametrize("name, cls", [
-    ("aten::mm", "matmuls"), ("aten::addmm", "matmuls"), ("mkldnn::_linear_pointwise", "matmuls"),
-    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"), (rl.C_ATTENTION, "attention"),
-    ("aten::index_put_", "attention"), ("aten::index", "attention"), ("aten::rsqrt", "norms/rotary/act"), ("aten::silu", "norms/rotary/act"),
-    ("aten::mul", "norms/rotary/act"), ("aten::multinomial", "logits+sampling"), ("aten::argmax", "logits+sampling"),
-    ("aten::copy_", rl.OTHER), ("aten::empty", rl.OTHER), ("aten::mm_extra", rl.OTHER),
-])
+@pytest.mark.parametrize(
+    "name, cls",
+    [
+        ("aten::mm", "matmuls"),
+        ("aten::addmm", "matmuls"),
+        ("mkldnn::_linear_pointwise", "matmuls"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        (rl.C_ATTENTION, "attention"),
+        ("aten::index_put_", "attention"),
+        ("aten::index", "attention"),
+        ("aten::rsqrt", "norms/rotary/act"),
+        ("aten::silu", "norms/rotary/act"),
+        ("aten::mul", "norms/rotary/act"),
+        ("aten::multinomial", "logits+sampling"),
+        ("aten::argmax", "logits+sampling"),
+        ("aten::copy_", rl.OTHER),
+        ("aten::empty", rl.OTHER),
+        ("aten::mm_extra", rl.OTHER),
+    ],
+)
 def test_classify_op(name, cls):
     assert rl.classify_op(name) == cls
 
@@ -90,8 +104,13 @@ def test_every_rule_names_its_own_class():
 
 
 def test_breakdown_puts_the_rest_in_python():
-    rows = [("aten::mm", 0.010), ("mkldnn::_linear_pointwise", 0.020), ("aten::silu", 0.001),
-            ("aten::argmax", 0.002), ("aten::copy_", 0.003)]
+    rows = [
+        ("aten::mm", 0.010),
+        ("mkldnn::_linear_pointwise", 0.020),
+        ("aten::silu", 0.001),
+        ("aten::argmax", 0.002),
+        ("aten::copy_", 0.003),
+    ]
     secs = rl.breakdown(rows, wall_s=0.050)
     assert secs["matmuls"] == pytest.approx(0.030)
     assert secs[rl.OTHER] == pytest.approx(0.003)
@@ -107,8 +126,16 @@ def test_roofline_section_end_to_end_on_tiny_model(tokenizer, capsys):
 
     cfg = tiny_config()
     weights = tiny_weights(cfg)
-    out = run_roofline(EngineConfig(), ["float32", "float8"], [1, 2], 4, [8, 16], [2],
-                       bandwidth_bytes=1 << 20, loaded=(cfg, weights, tokenizer))
+    out = run_roofline(
+        EngineConfig(),
+        ["float32", "float8"],
+        [1, 2],
+        4,
+        [8, 16],
+        [2],
+        bandwidth_bytes=1 << 20,
+        loaded=(cfg, weights, tokenizer),
+    )
     text = capsys.readouterr().out
     assert "read bandwidth" in text and "decode roofline" in text and "prefill roofline" in text
     assert "float8: not measured" in text and "decode step by op class" in text

@@ -3,6 +3,7 @@ OpenAI's error shape and Retry-After before any worker is touched, 504 for a req
 ``timeout`` runs out while queued, a queued request forwarded when a slot frees, the request
 fields ``priority`` / ``timeout``, several API keys, and the admission series moving by the
 expected amounts."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,11 @@ pytestmark = pytest.mark.unit
 
 def scrape(client) -> dict[tuple[str, tuple], float]:
     text = client.get("/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def val(m: dict, name: str, **labels) -> float:
@@ -54,8 +58,11 @@ def test_full_router_answers_429_with_retry_after_and_never_touches_a_worker(mak
     assert r.headers["Retry-After"] == "1" and r.headers["retry-after-ms"] == "1000"  # no drain rate yet
     assert len(worker.requests) == 1
     after = scrape(client)
-    assert val(after, "pdserve_shed_requests_total", reason="queue_full") - \
-        val(before, "pdserve_shed_requests_total", reason="queue_full") == 1
+    assert (
+        val(after, "pdserve_shed_requests_total", reason="queue_full")
+        - val(before, "pdserve_shed_requests_total", reason="queue_full")
+        == 1
+    )
     assert val(after, "pdserve_requests_total", status="429") - val(before, "pdserve_requests_total", status="429") == 1
     router = client.get("/dashboard/data").json()["router"]  # the dashboard shows the same numbers
     assert router["shed"]["queue_full"] == val(after, "pdserve_shed_requests_total", reason="queue_full")
@@ -87,8 +94,11 @@ def test_queued_request_goes_when_a_slot_frees_or_times_out_in_the_queue(make_cl
     assert out2[0].status_code == 504 and out2[0].json()["error"]["code"] == "timeout"
     assert sorted(worker.aborted) == sorted(rid for rid, _, _ in worker.requests)  # both aborted on the worker
     m2 = scrape(client)
-    assert val(m2, "pdserve_shed_requests_total", reason="deadline") - \
-        val(m0, "pdserve_shed_requests_total", reason="deadline") == 1
+    assert (
+        val(m2, "pdserve_shed_requests_total", reason="deadline")
+        - val(m0, "pdserve_shed_requests_total", reason="deadline")
+        == 1
+    )
     assert val(m2, "pdserve_queue_wait_seconds_count") - val(m0, "pdserve_queue_wait_seconds_count") == 2
     assert val(m2, "pdserve_queue_wait_seconds_sum") > val(m0, "pdserve_queue_wait_seconds_sum")  # one waited
     assert val(m2, "pdserve_queued_requests", key="default") == 0
@@ -102,8 +112,15 @@ def test_request_timeout_field_caps_the_run(make_client):
     assert r.status_code == 504 and "0.2s" in r.json()["error"]["message"] and len(worker.aborted) == 1
 
 
-@pytest.mark.parametrize("body,param", [({"priority": "high"}, "priority"), ({"priority": 1.5}, "priority"),
-                                        ({"timeout": 0}, "timeout"), ({"timeout": "5"}, "timeout")])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"priority": "high"}, "priority"),
+        ({"priority": 1.5}, "priority"),
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": "5"}, "timeout"),
+    ],
+)
 def test_bad_priority_or_timeout_is_a_400_naming_it(make_client, body, param):
     client, worker, _ = make_client()
     r = completion(client, **body)
@@ -145,8 +162,11 @@ def test_client_gone_while_queued_is_counted_and_leaves_the_queue(make_client):
     with pytest.raises(ClientGone):
         asyncio.run(queued_then_gone())
     m1 = scrape(client)
-    assert val(m1, "pdserve_shed_requests_total", reason="client_gone") - \
-        val(m0, "pdserve_shed_requests_total", reason="client_gone") == 1
+    assert (
+        val(m1, "pdserve_shed_requests_total", reason="client_gone")
+        - val(m0, "pdserve_shed_requests_total", reason="client_gone")
+        == 1
+    )
     assert ctx.admission.queued_requests == 0 and ctx.admission.inflight_slots == 1 and worker.requests == []
     ctx.admission.release(held)
     assert ctx.admission.inflight_slots == 0
@@ -164,16 +184,21 @@ def test_a_certain_429_goes_out_before_the_body_is_validated_or_tokenized(make_c
     real = ctx.tokenizer.encode
     monkeypatch.setattr(ctx.tokenizer, "encode", lambda *a, **k: calls.append(a) or real(*a, **k))
     before = scrape(client)
-    refused = [completion(client, priority=5), completion(client, bogus_field=1),
-               client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                         "max_tokens": 4})]
+    refused = [
+        completion(client, priority=5),
+        completion(client, bogus_field=1),
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    ]
     for r in refused:
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
         assert r.headers["retry-after-ms"] == "1000" and r.headers["Retry-After"] == "1"
     assert calls == [] and len(worker.requests) == 1
     after = scrape(client)
-    assert val(after, "pdserve_shed_requests_total", reason="queue_full") - \
-        val(before, "pdserve_shed_requests_total", reason="queue_full") == 3
+    assert (
+        val(after, "pdserve_shed_requests_total", reason="queue_full")
+        - val(before, "pdserve_shed_requests_total", reason="queue_full")
+        == 3
+    )
     assert val(after, "pdserve_requests_total", status="429") - val(before, "pdserve_requests_total", status="429") == 3
     bad_json = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"

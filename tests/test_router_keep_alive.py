@@ -1,5 +1,6 @@
 """The router keeps an idle keep-alive connection open past client pools' expiry (httpx: 5 s), so a
 client reusing it gets a response, not a transport error (``launcher.KEEP_ALIVE_S``)."""
+
 from __future__ import annotations
 
 import http.client

@@ -3,6 +3,7 @@ routes by is its own requests in flight plus the other routers' from the workers
 two routers in a closed loop keep the decode workers even, and room numbers of routers with
 different tags never meet. With real processes and etcd: tests/chaos/test_two_routers.py and
 ``pdserve bench two-routers``."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,8 +17,11 @@ from server.router.registry import Registry, WorkerSpec, route_pd, send_request
 from transfer.wire.protocol import WorkerStats
 from transfer.wire.sampling_params import SamplingParams
 
-SPECS = [WorkerSpec("prefill-0", "prefill", "tcp://a:1"), WorkerSpec("decode-0", "decode", "tcp://a:2"),
-         WorkerSpec("decode-1", "decode", "tcp://a:3")]
+SPECS = [
+    WorkerSpec("prefill-0", "prefill", "tcp://a:1"),
+    WorkerSpec("decode-0", "decode", "tcp://a:2"),
+    WorkerSpec("decode-1", "decode", "tcp://a:3"),
+]
 
 
 class Client:
@@ -27,9 +31,18 @@ class Client:
         self.sent = 0
 
     def report(self) -> None:
-        self.on_stats(self.spec.worker_id, WorkerStats(
-            worker_id=self.spec.worker_id, role=self.spec.role, model="m", capacity_tokens=1000, max_model_len=512,
-            page_size=16, gauges=self.gauges))
+        self.on_stats(
+            self.spec.worker_id,
+            WorkerStats(
+                worker_id=self.spec.worker_id,
+                role=self.spec.role,
+                model="m",
+                capacity_tokens=1000,
+                max_model_len=512,
+                page_size=16,
+                gauges=self.gauges,
+            ),
+        )
 
     def prefill(self, *args) -> None:
         self.sent += 1

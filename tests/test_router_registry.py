@@ -1,6 +1,7 @@
 """Router units without HTTP: the worker registry (liveness, model check, PD routing and request
 fan-out), the launcher's startup failure and config checks, a PD session's abort of the other side.
 (The HTTP layer against a fake worker: tests/test_router_unit.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +11,10 @@ import sys
 import pytest
 
 from configs.schema import PdserveConfig
-from transfer.wire.protocol import TokenDelta, WorkerStats
-from transfer.wire.sampling_params import SamplingParams
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, READY, ROUTING_POLICIES, Registry, WorkerSpec
+from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
 
 
 def test_registry_marks_silent_worker_dead_and_fails_requests():
@@ -26,11 +27,14 @@ def test_registry_marks_silent_worker_dead_and_fails_requests():
             self.aborted += rids
 
     table = InflightTable()
-    reg = Registry([WorkerSpec("w0", "colocated", "x")], lambda *a: Client(), table, timeout_s=2.0,
-                   clock=lambda: now[0])
+    reg = Registry(
+        [WorkerSpec("w0", "colocated", "x")], lambda *a: Client(), table, timeout_s=2.0, clock=lambda: now[0]
+    )
     assert reg.health() == (False, "w0 (colocated): starting: waiting for its first heartbeat")
-    reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10,
-                                   max_model_len=10, page_size=1))
+    reg.on_stats(
+        "w0",
+        WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10, max_model_len=10, page_size=1),
+    )
     assert reg.health()[0] and reg.route().stream_from.worker_id == "w0"
 
     async def scenario():
@@ -42,23 +46,27 @@ def test_registry_marks_silent_worker_dead_and_fails_requests():
     err = asyncio.run(scenario())
     assert (err.error_status, err.token_ids) == (503, []) and "no heartbeat for 2.5s" in err.error
     assert reg.handles["w0"].state == DEAD and reg.handles["w0"].client.aborted == ["r1"]
-    reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10,
-                                   max_model_len=10, page_size=1))
+    reg.on_stats(
+        "w0",
+        WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10, max_model_len=10, page_size=1),
+    )
     assert reg.handles["w0"].state == READY
     reg.mark_dead("w0", "worker process exited with code 1", permanent=True)
-    reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10,
-                                   max_model_len=10, page_size=1))
+    reg.on_stats(
+        "w0",
+        WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10, max_model_len=10, page_size=1),
+    )
     assert reg.handles["w0"].state == DEAD
 
 
 @pytest.mark.process  # the launcher starts a (failing) worker process
 def test_launch_fails_when_worker_dies_at_startup(capsys):
+    from bench.harness.subprocess_server import free_base_port
     from server.launch.launcher import Launcher
 
-    from server.testing.subprocess_server import free_base_port
-
-    cfg = PdserveConfig.model_validate({"server": {"port": 0}, "cluster": {"mode": "colocated",
-                                                                          "base_port": free_base_port(1)}})
+    cfg = PdserveConfig.model_validate(
+        {"server": {"port": 0}, "cluster": {"mode": "colocated", "base_port": free_base_port(1)}}
+    )
     die = [sys.executable, "-c", "import sys; print('worker: no such model', file=sys.stderr); sys.exit(3)"]
     out = io.StringIO()
     rc = asyncio.run(Launcher(cfg, argv=lambda spec, c: die, out=out, install_signals=False).run())
@@ -70,11 +78,14 @@ def test_pd_worker_specs_and_routing():
     from server.launch.launcher import worker_specs
     from server.router.registry import Route, WorkerHandle, route_pd, send_request
 
-    specs = worker_specs(PdserveConfig.model_validate({"cluster": {"mode": "pd", "prefill": 2, "decode": 1,
-                                                                   "base_port": 30000}}))
+    specs = worker_specs(
+        PdserveConfig.model_validate({"cluster": {"mode": "pd", "prefill": 2, "decode": 1, "base_port": 30000}})
+    )
     assert [(s.worker_id, s.role, s.addr) for s in specs] == [
-        ("prefill-0", "prefill", "tcp://127.0.0.1:30000"), ("prefill-1", "prefill", "tcp://127.0.0.1:30001"),
-        ("decode-0", "decode", "tcp://127.0.0.1:30002")]
+        ("prefill-0", "prefill", "tcp://127.0.0.1:30000"),
+        ("prefill-1", "prefill", "tcp://127.0.0.1:30001"),
+        ("decode-0", "decode", "tcp://127.0.0.1:30002"),
+    ]
 
     class Rec:
         def __init__(self):
@@ -93,8 +104,9 @@ def test_pd_worker_specs_and_routing():
     params = SamplingParams(max_new_tokens=3)
     send_request(route, "r1", 77, [1, 2, 3], params)
     assert handles[1].client.calls == [("prefill", ("r1", 77, [1, 2, 3], params, "decode-0"), {})]
-    assert handles[2].client.calls == [("generate", ("r1", [1, 2, 3], params),
-                                        {"room": 77, "prefill_addr": "tcp://127.0.0.1:30001", "preempt": False})]
+    assert handles[2].client.calls == [
+        ("generate", ("r1", [1, 2, 3], params), {"room": 77, "prefill_addr": "tcp://127.0.0.1:30001", "preempt": False})
+    ]
     send_request(route, "r2", 78, [1], params, preempt=True)  # the admission grant's mark reaches decode only
     assert handles[1].client.calls[-1] == ("prefill", ("r2", 78, [1], params, "decode-0"), {})
     assert handles[2].client.calls[-1][2]["preempt"] is True
@@ -111,11 +123,12 @@ def test_launch_refuses_unknown_config_keys(tmp_path, capsys):
 
 
 def test_small_preset_loads_and_flags_win():
+    from bench.harness.subprocess_server import REPO_ROOT
     from configs.schema import load_config
-    from server.testing.subprocess_server import REPO_ROOT
 
-    cfg = load_config(REPO_ROOT / "configs/presets/colocated-small.yaml", {"port": 8123},
-                      environ={"PDSERVE_API_KEY": "k"})
+    cfg = load_config(
+        REPO_ROOT / "configs/presets/colocated-small.yaml", {"port": 8123}, environ={"PDSERVE_API_KEY": "k"}
+    )
     assert (cfg.engine.kv_pool_tokens, cfg.server.port, cfg.server.api_key) == (8192, 8123, "k")
 
 
@@ -128,13 +141,17 @@ def test_worker_serving_another_model_is_not_routed_to():
             pass
 
     reg = Registry([WorkerSpec("w0", "colocated", "tcp://x")], Quiet, InflightTable(), model_name="m")
-    reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="other", capacity_tokens=10,
-                                   max_model_len=10, page_size=1))
+    reg.on_stats(
+        "w0",
+        WorkerStats(worker_id="w0", role="colocated", model="other", capacity_tokens=10, max_model_len=10, page_size=1),
+    )
     ok, why = reg.health()
     assert not ok and reg.handles["w0"].state == STARTING
     assert "serves model 'other' but the router serves 'm'" in why
-    reg.on_stats("w0", WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10,
-                                   max_model_len=10, page_size=1))
+    reg.on_stats(
+        "w0",
+        WorkerStats(worker_id="w0", role="colocated", model="m", capacity_tokens=10, max_model_len=10, page_size=1),
+    )
     assert reg.health()[0]
 
 
@@ -161,8 +178,12 @@ def test_error_on_one_pd_worker_aborts_the_request_on_the_other():
     specs = [WorkerSpec("p0", "prefill", "tcp://p"), WorkerSpec("d0", "decode", "tcp://d")]
     reg = Registry(specs, lambda *a: Client(), table, timeout_s=2.0, policy=ROUTING_POLICIES["pd"])
     for s in specs:
-        reg.on_stats(s.worker_id, WorkerStats(worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100,
-                                              max_model_len=100, page_size=1))
+        reg.on_stats(
+            s.worker_id,
+            WorkerStats(
+                worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100, max_model_len=100, page_size=1
+            ),
+        )
 
     async def scenario():
         session = GenerationSession(reg, table, [1, 2, 3], SamplingParams(max_new_tokens=4), timeout_s=5)
@@ -183,12 +204,19 @@ def test_a_request_goes_to_a_worker_whose_pool_holds_it_when_pools_differ():
     holds is routed as before and refused by the route's fit check, naming the pool."""
     from server.router.session import APIError, check_route_fits
 
-    specs = [WorkerSpec("p0", "prefill", "tcp://p"), WorkerSpec("d0", "decode", "tcp://d0"),
-             WorkerSpec("d1", "decode", "tcp://d1")]
+    specs = [
+        WorkerSpec("p0", "prefill", "tcp://p"),
+        WorkerSpec("d0", "decode", "tcp://d0"),
+        WorkerSpec("d1", "decode", "tcp://d1"),
+    ]
     reg = Registry(specs, lambda *a: object(), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES["pd"])
     for s, cap in zip(specs, (100, 100, 400)):
-        reg.on_stats(s.worker_id, WorkerStats(worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=cap,
-                                              max_model_len=1000, page_size=1))
+        reg.on_stats(
+            s.worker_id,
+            WorkerStats(
+                worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=cap, max_model_len=1000, page_size=1
+            ),
+        )
     prompt = list(range(60))
     assert reg.route(prompt, 30).stream_from.worker_id == "d0"  # both hold 90 tokens: least loaded, lowest id
     big = reg.route(prompt, 200)

@@ -4,6 +4,7 @@ decode worker dies (503) before any token arrived goes out again, once by defaul
 request id, after an abort to the old pair; never after a token, never for other errors, never
 beyond ``fresh_pair_retries``; ``pdserve_router_retries_total`` counts each retry. The real thing
 (kill -9 of a launched worker) is in ``tests/chaos/test_retry_fresh_pair.py``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,15 +12,15 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
+from bench.harness.subprocess_server import metric_sum
 from configs.schema import PdserveConfig
-from server.router.session import GenerationSession
-from transfer.wire.protocol import TokenDelta, WorkerStats
-from transfer.wire.sampling_params import SamplingParams
 from server.router.app import build_context, create_app
 from server.router.errors import APIError
 from server.router.inflight import InflightTable
 from server.router.registry import DEAD, ROUTING_POLICIES, Registry, WorkerSpec
-from server.testing.subprocess_server import metric_sum
+from server.router.session import GenerationSession
+from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=4)
 
@@ -47,14 +48,25 @@ def registry(*ids: str) -> Registry:
     specs = [WorkerSpec(w, {"p": "prefill", "d": "decode"}[w[0]], f"tcp://{w}") for w in ids]
     reg = Registry(specs, lambda s, *a: Client(s), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES["pd"])
     for s in specs:
-        reg.on_stats(s.worker_id, WorkerStats(worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100,
-                                              max_model_len=100, page_size=1))
+        reg.on_stats(
+            s.worker_id,
+            WorkerStats(
+                worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100, max_model_len=100, page_size=1
+            ),
+        )
     return reg
 
 
 def session(reg: Registry, retries: int = 1, counted: list | None = None) -> GenerationSession:
-    s = GenerationSession(reg, reg.table, [1, 2, 3], PARAMS, timeout_s=5, retries=retries,
-                          on_retry=None if counted is None else lambda: counted.append(1))
+    s = GenerationSession(
+        reg,
+        reg.table,
+        [1, 2, 3],
+        PARAMS,
+        timeout_s=5,
+        retries=retries,
+        on_retry=None if counted is None else lambda: counted.append(1),
+    )
     s.prepare()
     s.send()
     return s
@@ -161,14 +173,26 @@ class DyingWorker(Client):
         pass
 
     def request_stats(self, nonce: int) -> None:
-        self.on_stats(self.spec.worker_id, WorkerStats(nonce=nonce, worker_id=self.spec.worker_id, role="colocated",
-                                                       model="fake-model", capacity_tokens=256, max_model_len=512,
-                                                       page_size=16))
+        self.on_stats(
+            self.spec.worker_id,
+            WorkerStats(
+                nonce=nonce,
+                worker_id=self.spec.worker_id,
+                role="colocated",
+                model="fake-model",
+                capacity_tokens=256,
+                max_model_len=512,
+                page_size=16,
+            ),
+        )
 
     def generate(self, rid, prompt_ids, params, **k) -> None:
         self.sent.append(rid)
-        deltas = ([TokenDelta.failed(rid, f"worker {self.spec.worker_id} is unavailable", 503)] if self.dies else
-                  [TokenDelta(rid=rid, token_ids=[28]), TokenDelta(rid=rid, token_ids=[29], finish_reason="length")])
+        deltas = (
+            [TokenDelta.failed(rid, f"worker {self.spec.worker_id} is unavailable", 503)]
+            if self.dies
+            else [TokenDelta(rid=rid, token_ids=[28]), TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
+        )
         loop = asyncio.get_running_loop()
         for d in deltas:
             loop.call_soon(self.on_tokens, self.spec.worker_id, d)
@@ -176,19 +200,27 @@ class DyingWorker(Client):
 
 @pytest.mark.parametrize("retries,stream", [(1, False), (1, True), (0, False)])
 def test_http_retry_moves_the_counter_by_exactly_one(tokenizer, retries, stream):
-    cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05},
-                                        "cluster": {"mode": "colocated", "fresh_pair_retries": retries}})
+    cfg = PdserveConfig.model_validate(
+        {"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated", "fresh_pair_retries": retries}}
+    )
     specs = [WorkerSpec("w0", "colocated", "inproc://w0"), WorkerSpec("w1", "colocated", "inproc://w1")]
-    ctx = build_context(cfg, tokenizer, "fake-model", specs,
-                        lambda s, on_t, on_s: DyingWorker(s, on_t, on_s, dies=s.worker_id == "w0"))
+    ctx = build_context(
+        cfg, tokenizer, "fake-model", specs, lambda s, on_t, on_s: DyingWorker(s, on_t, on_s, dies=s.worker_id == "w0")
+    )
     with TestClient(create_app(ctx)) as http:
         assert http.get("/health").status_code == 200
-        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": stream,
-                                               "return_token_ids": True})
+        r = http.post(
+            "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": stream, "return_token_ids": True}
+        )
         metrics = http.get("/metrics").text
-    retried = metric_sum({("pdserve_router_retries_total", ()): float(line.split()[-1])
-                          for line in metrics.splitlines() if line.startswith("pdserve_router_retries_total")},
-                         "pdserve_router_retries_total")
+    retried = metric_sum(
+        {
+            ("pdserve_router_retries_total", ()): float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("pdserve_router_retries_total")
+        },
+        "pdserve_router_retries_total",
+    )
     if retries:
         assert r.status_code == 200, r.text
         assert ('"token_ids":[28]' in r.text) if stream else r.json()["choices"][0]["token_ids"] == [28, 29]
@@ -232,8 +264,15 @@ def test_decode_death_after_the_first_token_still_fails_the_request():
 
 
 def stats_of(reg: Registry, wid: str, instance: str = "i1", page_size: int = 1) -> WorkerStats:
-    return WorkerStats(worker_id=wid, instance=instance, role=reg.handles[wid].spec.role, model="m",
-                       capacity_tokens=100, max_model_len=100, page_size=page_size)
+    return WorkerStats(
+        worker_id=wid,
+        instance=instance,
+        role=reg.handles[wid].spec.role,
+        model="m",
+        capacity_tokens=100,
+        max_model_len=100,
+        page_size=page_size,
+    )
 
 
 def test_worker_back_as_a_new_process_within_the_lease_fails_what_the_old_one_held():
@@ -264,8 +303,10 @@ def test_decode_worker_with_a_page_size_no_prefill_worker_has_is_never_routed_to
     reg = registry("p0", "d0", "d1")
     reg.on_stats("d1", stats_of(reg, "d1", "i2", page_size=8))
     assert reg.handles["d1"].state == "starting"
-    assert "its KV page size 8 matches no prefill worker's (1): no KV can move between them; start it with " \
-           "--page-size 1" in reg.health()[1]
+    assert (
+        "its KV page size 8 matches no prefill worker's (1): no KV can move between them; start it with "
+        "--page-size 1" in reg.health()[1]
+    )
     assert all([h.worker_id for h in reg.route().targets] == ["p0", "d0"] for _ in range(3))
     reg.on_stats("d1", stats_of(reg, "d1", "i3", page_size=1))
     assert reg.handles["d1"].state == "ready"

@@ -1,6 +1,7 @@
 """Router units without a model: the HTTP layer against scripted fake workers (FastAPI TestClient),
 and stop strings. (The registry, PD routing and the launcher's startup failure path:
 tests/test_router_registry.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from configs.schema import PdserveConfig
-from transfer.wire.protocol import TokenDelta, WorkerStats
-from transfer.wire.sampling_params import SamplingParams
 from server.router.app import build_context, create_app
 from server.router.detok import TextStream
 from server.router.registry import WorkerSpec
 from server.router.worker_client import WorkerUnavailable
+from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
 
 CAPACITY, CONTEXT = 256, 512
 PIECES = [" Paris", " is", " the", " capital", " of", " France", "."]
@@ -39,9 +40,19 @@ class FakeWorker:
     def request_stats(self, nonce: int) -> None:
         if self.mode.get("silent"):
             return
-        self.on_stats(self.spec.worker_id, WorkerStats(nonce=nonce, worker_id=self.spec.worker_id, role="colocated",
-                                                       model="fake-model", capacity_tokens=CAPACITY, max_model_len=CONTEXT,
-                                                       page_size=16, gauges={"kv_pages_used": 0.0}))
+        self.on_stats(
+            self.spec.worker_id,
+            WorkerStats(
+                nonce=nonce,
+                worker_id=self.spec.worker_id,
+                role="colocated",
+                model="fake-model",
+                capacity_tokens=CAPACITY,
+                max_model_len=CONTEXT,
+                page_size=16,
+                gauges={"kv_pages_used": 0.0},
+            ),
+        )
 
     def abort(self, rids: list[str], reason: str) -> None:
         self.aborted += rids
@@ -60,7 +71,7 @@ class FakeWorker:
             self.on_tokens(self.spec.worker_id, TokenDelta.failed(rid, msg, status))
             return
         pieces = self.mode.get("pieces", PIECES)  # the text to play, one token per step
-        ids = [t for p in pieces for t in self.tok.encode(p)][:params.max_new_tokens]
+        ids = [t for p in pieces for t in self.tok.encode(p)][: params.max_new_tokens]
         eos = self.mode.get("eos")  # end on this stop token (as a worker does) instead of a text token
         for i, t in enumerate(ids):
             await asyncio.sleep(0.001)
@@ -69,17 +80,27 @@ class FakeWorker:
             last = i == len(ids) - 1 and eos is None
             finish = ("stop" if len(ids) < params.max_new_tokens else "length") if last else None
             lp = self.mode["logprob"](params) if "logprob" in self.mode else -0.5  # per-request logprob if scripted
-            top = [(t, lp), (t + 1, lp - 1.0)][:params.logprobs] if params.logprobs is not None else None
-            delta = TokenDelta(rid=rid, token_ids=[t], logprobs=[lp], top_logprobs=[top],
-                               finish_reason=finish, prompt_tokens=n_prompt)
+            top = [(t, lp), (t + 1, lp - 1.0)][: params.logprobs] if params.logprobs is not None else None
+            delta = TokenDelta(
+                rid=rid, token_ids=[t], logprobs=[lp], top_logprobs=[top], finish_reason=finish, prompt_tokens=n_prompt
+            )
             if i == 0 and params.prompt_logprobs is not None:  # token j scores -j, ranks j + 1, top: id 7
-                delta.prompt_logprobs = [None] + [(-float(j), [(7, -0.1)][:params.prompt_logprobs], j + 1)
-                                                  for j in range(1, n_prompt)]
+                delta.prompt_logprobs = [None] + [
+                    (-float(j), [(7, -0.1)][: params.prompt_logprobs], j + 1) for j in range(1, n_prompt)
+                ]
             self.on_tokens(self.spec.worker_id, delta)
         if eos is not None:
-            self.on_tokens(self.spec.worker_id, TokenDelta(rid=rid, finish_reason="stop", prompt_tokens=n_prompt,
-                                                           stop_token_id=eos, stop_logprob=-0.25,
-                                                           stop_top_logprobs=[(eos, -0.25)]))
+            self.on_tokens(
+                self.spec.worker_id,
+                TokenDelta(
+                    rid=rid,
+                    finish_reason="stop",
+                    prompt_tokens=n_prompt,
+                    stop_token_id=eos,
+                    stop_logprob=-0.25,
+                    stop_top_logprobs=[(eos, -0.25)],
+                ),
+            )
 
 
 @pytest.fixture
@@ -89,8 +110,9 @@ def make_client(tokenizer):
 
     def make(mode: dict | None = None, **server):
         mode = {} if mode is None else mode
-        cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05, **server},
-                                            "cluster": {"mode": "colocated"}})
+        cfg = PdserveConfig.model_validate(
+            {"server": {"health_interval_s": 0.05, **server}, "cluster": {"mode": "colocated"}}
+        )
         workers = []
 
         def factory(spec, on_tokens, on_stats):
@@ -111,8 +133,9 @@ def make_client(tokenizer):
 
 
 def completion(client, headers=None, **body):
-    return client.post("/v1/completions", json={"prompt": "The capital of France", "max_tokens": 16, **body},
-                       headers=headers or {})
+    return client.post(
+        "/v1/completions", json={"prompt": "The capital of France", "max_tokens": 16, **body}, headers=headers or {}
+    )
 
 
 def sse_events(text: str) -> list:
@@ -163,8 +186,9 @@ def test_body_limit(make_client):
     assert r.status_code == 413 and worker.requests == []
 
 
-@pytest.mark.parametrize("status,msg", [(500, "KV cache pool is too small for this request"),
-                                        (400, "prompt (5 tokens) exceeds something")])
+@pytest.mark.parametrize(
+    "status,msg", [(500, "KV cache pool is too small for this request"), (400, "prompt (5 tokens) exceeds something")]
+)
 def test_worker_error_is_passed_on(make_client, status, msg):
     client, _, ctx = make_client({"error": (status, msg)})
     for stream in (False, True):
@@ -196,9 +220,15 @@ def test_timeout_aborts_in_worker(make_client):
 
 def test_chat_stream_shape_and_stop_string(make_client):
     client, worker, _ = make_client()
-    r = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "stream": True, "stop": ["capital of"],
-        "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stop": ["capital of"],
+            "stream_options": {"include_usage": True},
+        },
+    )
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -216,8 +246,10 @@ def test_validation_and_model_errors(make_client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = completion(client, model="other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                                  "top_logprobs": 1, "max_tokens": 2})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1, "max_tokens": 2},
+    )
     lp = r.json()["choices"][0]["logprobs"]["content"]
     assert len(lp) == 2 and lp[0]["top_logprobs"][0]["logprob"] == -0.5
     assert client.get("/nope").json()["error"]["type"] == "not_found_error"
@@ -228,9 +260,14 @@ def test_metrics_exposition(make_client):
     completion(client)
     completion(client, max_tokens=0)
     text = client.get("/metrics").text
-    for needle in ('pdserve_requests_total{status="200"} 1.0', 'pdserve_requests_total{status="400"} 1.0',
-                   "pdserve_ttft_seconds_count 1.0", 'pdserve_kv_pool_pages{state="used",worker="w0"} 0.0',
-                   'pdserve_retractions_total{worker="w0"}', 'pdserve_worker_up{role="colocated",worker="w0"} 1.0'):
+    for needle in (
+        'pdserve_requests_total{status="200"} 1.0',
+        'pdserve_requests_total{status="400"} 1.0',
+        "pdserve_ttft_seconds_count 1.0",
+        'pdserve_kv_pool_pages{state="used",worker="w0"} 0.0',
+        'pdserve_retractions_total{worker="w0"}',
+        'pdserve_worker_up{role="colocated",worker="w0"} 1.0',
+    ):
         assert needle in text
 
 

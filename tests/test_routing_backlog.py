@@ -6,17 +6,18 @@ uncached suffixes, until computed). And the router's local-prefill prediction ag
 worker's own decision: the decode worker's real tree, fed to the router's index, makes the policy
 expect a local prefill of exactly the suffix the decode worker then computes itself. Outputs stay
 equal to transformers."""
+
 from __future__ import annotations
 
 import pytest
 from conftest import hf_greedy
 
+from bench.harness.pd_harness import PREFILL_ADDR, ROUTER, PDHarness, checked_harnesses
 from cache.kv_events import tree_hashes
 from decode_worker.local_prefill import LocalPrefillReason
 from server.router.cache_routing import CacheAwarePolicy
 from server.router.kv_index import KvIndex
 from server.router.workers import READY, WorkerHandle, WorkerSpec
-from server.testing.pd_harness import PREFILL_ADDR, ROUTER, PDHarness, checked_harnesses
 from server.worker.loop import worker_stats
 from tests.test_local_prefill import lp_cfg
 from tests.test_pd_inprocess import GREEDY, cfg, prompts
@@ -45,8 +46,9 @@ def test_prefill_backlog_counts_uncached_tokens_until_computed(harness, tiny):
     # pages of 4) by 5, one shares nothing
     follow, fresh = first + [5, 6, 7, 8, 9], prompts(1, 30, 30, seed=8)[0]
     for rid, room, ids in (("b", 101, follow), ("c", 102, fresh)):
-        h.prefill.handle(Conn(ROUTER), PrefillRequest(rid=rid, room=room, params=GREEDY, decode_worker="d0"),
-                         [ids_frame(ids)])
+        h.prefill.handle(
+            Conn(ROUTER), PrefillRequest(rid=rid, room=room, params=GREEDY, decode_worker="d0"), [ids_frame(ids)]
+        )
     assert _gauges(h.prefill, "p0")["prefill_backlog_tokens"] == (len(follow) - 40) + len(fresh)
     for rid in ("b", "c"):
         h.prefill.abort(rid)  # the router gave up on them: they leave the backlog
@@ -57,11 +59,11 @@ def test_decode_worker_reports_its_local_prefill_bound_and_backlog(harness, tiny
     h = harness(d=lp_cfg(64))
     assert _gauges(h.decode, "d0")["local_prefill_max_tokens"] == 64
     p = prompts(1, 30, 30, seed=9)[0]
-    h.deliver(h.decode.add(ROUTER, GenerateRequest(rid="l", params=GREEDY, room=7, prefill_addr=PREFILL_ADDR), p),
-              True)  # taken: its PrefillWithdrawn goes to the prefill side
+    h.deliver(
+        h.decode.add(ROUTER, GenerateRequest(rid="l", params=GREEDY, room=7, prefill_addr=PREFILL_ADDR), p), True
+    )  # taken: its PrefillWithdrawn goes to the prefill side
     assert _gauges(h.decode, "d0")["local_prefill_backlog_tokens"] == len(p)
-    h.prefill.handle(Conn(ROUTER), PrefillRequest(rid="l", room=7, params=GREEDY, decode_worker="d0"),
-                     [ids_frame(p)])
+    h.prefill.handle(Conn(ROUTER), PrefillRequest(rid="l", room=7, params=GREEDY, decode_worker="d0"), [ids_frame(p)])
     out = h.run()
     assert out["l"]["tokens"] == hf_greedy(tiny[2], p, 16)
     assert _gauges(h.decode, "d0")["local_prefill_backlog_tokens"] == 0 and not h.prefill.jobs
@@ -78,8 +80,14 @@ def test_the_routers_local_prediction_matches_the_decode_workers_decision(harnes
     index.apply_snapshot("d0", "i", 1, tree_hashes(h.decode.kv.tree))
     handles = []
     for wid, role, scheduler in (("p0", "prefill", h.prefill), ("d0", "decode", h.decode)):
-        handles.append(WorkerHandle(WorkerSpec(wid, role, "tcp://127.0.0.1:1"), client=None, state=READY,
-                                    stats=worker_stats(scheduler, wid, "i", "m")))
+        handles.append(
+            WorkerHandle(
+                WorkerSpec(wid, role, "tcp://127.0.0.1:1"),
+                client=None,
+                state=READY,
+                stats=worker_stats(scheduler, wid, "i", "m"),
+            )
+        )
     route = CacheAwarePolicy(index)(handles, lambda _w: (0, 0.0, 0), turn2)
     assert route.prefill == ("d0", len(turn2) - 48)
     h.submit("b", turn2, GREEDY)

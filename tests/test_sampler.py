@@ -1,5 +1,6 @@
 """Tests for engine.sampling's pipeline: greedy, seeds, the filters' statistics, logit bias, penalties,
 logprobs. (SamplingParams validation and check_stop: tests/test_sampling_params.py.)"""
+
 from __future__ import annotations
 
 import math
@@ -37,6 +38,7 @@ def _frequencies(params: SamplingParams, logits_row: torch.Tensor, n: int = 5000
 
 # --------------------------------------------------------------------------- greedy
 
+
 def test_greedy_equals_argmax_any_dtype():
     torch.manual_seed(1)
     logits = torch.randn(6, 50)
@@ -63,6 +65,7 @@ def test_mixed_batch_greedy_rows_are_argmax():
 
 
 # --------------------------------------------------------------------------- seeds
+
 
 def test_same_seed_same_sequence():
     torch.manual_seed(3)
@@ -102,14 +105,16 @@ def test_seeded_request_independent_of_batch():
     batched = []
     for lg in row_steps:
         logits = torch.stack([torch.randn(V), lg, torch.randn(V), torch.randn(V)])
-        out = Sampler().sample(logits, [others[0], p, others[1], others[2]],
-                               [st_others[0], st, st_others[1], st_others[2]])
+        out = Sampler().sample(
+            logits, [others[0], p, others[1], others[2]], [st_others[0], st, st_others[1], st_others[2]]
+        )
         st.append(out.token_ids[1])
         batched.append(out.token_ids[1])
     assert alone == batched
 
 
 # --------------------------------------------------------------------------- statistics
+
 
 def test_temperature_one_matches_distribution():
     freq = _frequencies(SamplingParams(temperature=1.0), LOGITS4)
@@ -155,8 +160,7 @@ def test_heterogeneous_filters_in_one_batch():
     # rows with different top-k / top-p / min-p settings are filtered independently
     probs = torch.tensor([0.05, 0.1, 0.15, 0.3, 0.4])
     logits = probs.log().unsqueeze(0).expand(4, -1).contiguous()
-    params = [SamplingParams(top_k=1), SamplingParams(top_k=3), SamplingParams(top_p=0.6),
-              SamplingParams(min_p=0.5)]
+    params = [SamplingParams(top_k=1), SamplingParams(top_k=3), SamplingParams(top_p=0.6), SamplingParams(min_p=0.5)]
     allowed = [{4}, {2, 3, 4}, {3, 4}, {3, 4}]
     seen = [set() for _ in params]
     with torch.random.fork_rng(devices=[]):
@@ -208,14 +212,17 @@ def test_seeded_draw_is_a_function_of_seed_and_index_only():
 
 def test_token_seed_spreads_and_fits_63_bits():
     seeds = {token_seed(s, i) for s in range(20) for i in range(50)}
-    assert len(seeds) == 1000 and all(0 <= x < 2 ** 63 for x in seeds)
+    assert len(seeds) == 1000 and all(0 <= x < 2**63 for x in seeds)
 
 
 # --------------------------------------------------------------------------- logit bias
 
+
 def test_logit_bias_changes_greedy_choice_but_not_logprobs():
     logits = LOGITS4.unsqueeze(0)  # argmax is token 3
-    plain = Sampler().sample(logits, [SamplingParams(temperature=0, logprobs=1)], [SamplerState.new(SamplingParams(), 4)])
+    plain = Sampler().sample(
+        logits, [SamplingParams(temperature=0, logprobs=1)], [SamplerState.new(SamplingParams(), 4)]
+    )
     p = SamplingParams(temperature=0, logprobs=1, logit_bias={"3": -100, 0: 100})
     out = Sampler().sample(logits, [p], [SamplerState.new(p, 4)])
     assert plain.token_ids == [3] and out.token_ids == [0]
@@ -240,6 +247,7 @@ def test_logit_bias_outside_the_vocabulary_is_refused():
 
 
 # --------------------------------------------------------------------------- penalties
+
 
 def test_repetition_penalty_hf_semantics():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
@@ -294,6 +302,7 @@ def test_penalties_only_affect_their_rows_in_batch():
 
 # --------------------------------------------------------------------------- logprobs
 
+
 def test_logprobs_chosen_and_top_n():
     torch.manual_seed(7)
     logits = torch.randn(3, 40, dtype=torch.bfloat16)
@@ -329,6 +338,7 @@ def test_greedy_fast_path_logprobs():
 
 
 # --------------------------------------------------------------------------- misc
+
 
 def test_shape_and_state_errors():
     p = SamplingParams()

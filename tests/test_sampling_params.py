@@ -1,5 +1,6 @@
 """Tests for SamplingParams (transfer.wire.sampling_params): field validation, defaults, logit-bias
 limits, and check_stop. (The sampling pipeline itself: tests/test_sampler.py.)"""
+
 from __future__ import annotations
 
 import re
@@ -10,6 +11,7 @@ from pydantic import ValidationError
 from transfer.wire.sampling_params import SamplingParams, check_stop
 
 # --------------------------------------------------------------------------- validation
+
 
 @pytest.mark.parametrize(
     "field,value",
@@ -59,15 +61,23 @@ def test_params_frozen_defaults_and_greedy():
 
 # --------------------------------------------------------------------------- logit bias
 
-@pytest.mark.parametrize("bias,needle", [({-1: 1.0}, ">= 0"), ({1: 101.0}, "[-100, 100]"),
-                                         ({1: float("nan")}, "[-100, 100]"),
-                                         ({i: 1.0 for i in range(1025)}, "at most 1024")])
+
+@pytest.mark.parametrize(
+    "bias,needle",
+    [
+        ({-1: 1.0}, ">= 0"),
+        ({1: 101.0}, "[-100, 100]"),
+        ({1: float("nan")}, "[-100, 100]"),
+        ({i: 1.0 for i in range(1025)}, "at most 1024"),
+    ],
+)
 def test_logit_bias_validation(bias, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         SamplingParams(logit_bias=bias)
 
 
 # --------------------------------------------------------------------------- check_stop
+
 
 def test_check_stop():
     p = SamplingParams(max_new_tokens=3, stop_token_ids=(7,))

@@ -1,19 +1,20 @@
 """Colocated scheduler on a tiny random model: continuous batching, chunked prefill, radix reuse,
 new_token_ratio admission, retract (forced and under real pressure), refusals and aborts.
 Every scenario ends with the pool invariant: free + used + cached == total, nothing used."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from conftest import engine_cfg, hf_greedy, sched_cfg
+
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
-from transfer.wire.protocol import GenerateRequest
-from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
+from transfer.wire.protocol import GenerateRequest
+from transfer.wire.sampling_params import SamplingParams
 
 EOS = 96  # tiny_config's EOS; prompts avoid it and ignore_eos keeps lengths fixed
 
@@ -124,7 +125,10 @@ def test_retract_under_memory_pressure(tiny):
 
 def test_impossible_request_refused_at_once(tiny):
     sched = make_sched(tiny, kv_pool_tokens=64, page_size=4)
-    with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds the KV cache pool capacity of 64"):
+    with pytest.raises(
+        RequestRejected,
+        match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds the KV cache pool capacity of 64",
+    ):
         submit(sched, "big", list(range(60)), greedy(10))
     with pytest.raises(RequestRejected, match="model context of 512"):
         submit(make_sched(tiny), "ctx", list(range(10)), greedy(600))

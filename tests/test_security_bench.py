@@ -1,5 +1,6 @@
 """Smoke runs of the security micro-benchmarks (tiny sizes; the figures are not checked, only that
 every configuration was measured and the seal round-trips inside the benchmark)."""
+
 from __future__ import annotations
 
 from bench import curve_cost, notif_seal_cost
@@ -8,8 +9,11 @@ from bench import curve_cost, notif_seal_cost
 def test_curve_cost_measures_both_configurations_for_both_messages(capsys):
     rows = curve_cost.measure(repeat=2, rtt_batch=5, burst=20, prompt_tokens=16)
     assert [(r["message"], r["metric"]) for r in rows] == [
-        ("GenerateRequest", "round trip (us)"), ("GenerateRequest", "one-way (msg/s)"),
-        ("heartbeat (StatsRequest)", "round trip (us)"), ("heartbeat (StatsRequest)", "one-way (msg/s)")]
+        ("GenerateRequest", "round trip (us)"),
+        ("GenerateRequest", "one-way (msg/s)"),
+        ("heartbeat (StatsRequest)", "round trip (us)"),
+        ("heartbeat (StatsRequest)", "one-way (msg/s)"),
+    ]
     assert rows[0]["bytes"] > rows[2]["bytes"]  # the prompt frame makes the request the larger message
     assert all(v > 0 for r in rows for k in ("plain", "curve") for v in r[k])
     assert "ratio" in curve_cost.report(rows).splitlines()[0]

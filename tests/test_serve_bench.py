@@ -2,6 +2,7 @@
 over real httpx (mock transport), workload generation (lengths, shared prefix, seeds, Poisson
 arrivals, interference mix), option validation, reports, and one short real run that launches a
 colocated server with the embedded model. Nothing here asserts on speed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ from dataclasses import fields
 import httpx
 import pytest
 
+from bench.harness.subprocess_server import REPO_ROOT, free_port
 from bench.serve.client import ClientConfig, RequestResult, StreamRecorder, request_body, send
 from bench.serve.interference import InterferenceSpec, interference_requests
 from bench.serve.options import ServeOptions, add_serve_flags
@@ -21,14 +23,24 @@ from bench.serve.report import RunRecord, plot, ratios
 from bench.serve.runner import closed_loop
 from bench.serve.servers import config_flags, launch_argv, parse_modes
 from bench.serve.stats import SLO, RunStats, Summary, compute_stats, percentile, summarize
-from bench.serve.workload import (PromptShape, RequestSpec, TokenCounter, WordCounter, make_requests,
-                                  poisson_arrivals)
-from server.testing.subprocess_server import REPO_ROOT, free_port
+from bench.serve.workload import PromptShape, RequestSpec, TokenCounter, WordCounter, make_requests, poisson_arrivals
 
 
 def result(ttft, e2e, n, itl=(), ok=True, kind="main", prompt=10, expected=None, error=None) -> RequestResult:
-    return RequestResult(0, kind, ok, prompt, n if expected is None else expected, ttft_s=ttft, e2e_s=e2e,
-                         itl_s=list(itl), prompt_tokens=prompt, output_tokens=n, usage_reported=True, error=error)
+    return RequestResult(
+        0,
+        kind,
+        ok,
+        prompt,
+        n if expected is None else expected,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        itl_s=list(itl),
+        prompt_tokens=prompt,
+        output_tokens=n,
+        usage_reported=True,
+        error=error,
+    )
 
 
 # ---- stats ----------------------------------------------------------------------------------------
@@ -139,8 +151,10 @@ def _mock_client(handler) -> httpx.AsyncClient:
 
 
 def test_send_parses_a_real_httpx_stream_and_reports_http_errors():
-    sse = "".join(f"data: {_chunk(t)}\n\n" for t in ("x", "y")) + \
-        'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+    sse = (
+        "".join(f"data: {_chunk(t)}\n\n" for t in ("x", "y"))
+        + 'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+    )
     seen = {}
 
     def ok(request: httpx.Request) -> httpx.Response:
@@ -200,8 +214,18 @@ def test_shared_prefix_is_shared_in_tokens(token_counter):
     ids = [token_counter.tok.encode(r.prompt) for r in reqs]
     assert all(i[:64] == ids[0][:64] for i in ids)
     assert len({tuple(i[:72]) for i in ids}) == 12  # and then they differ
-    assert len({tuple(i[:64]) for i in (token_counter.tok.encode(r.prompt) for r in
-                                        make_requests(PromptShape(12, 100, 160, 8), token_counter, seed=3))}) == 12
+    assert (
+        len(
+            {
+                tuple(i[:64])
+                for i in (
+                    token_counter.tok.encode(r.prompt)
+                    for r in make_requests(PromptShape(12, 100, 160, 8), token_counter, seed=3)
+                )
+            }
+        )
+        == 12
+    )
 
 
 def test_workload_is_deterministic_in_its_seed():
@@ -230,8 +254,7 @@ def test_bad_shapes_are_refused():
 
 
 def test_interference_mix(token_counter):
-    spec = InterferenceSpec(PromptShape(30, 32, 96, 16, kind="short"), 2.0,
-                            PromptShape(4, 1500, 2000, 8, kind="long"))
+    spec = InterferenceSpec(PromptShape(30, 32, 96, 16, kind="short"), 2.0, PromptShape(4, 1500, 2000, 8, kind="long"))
     reqs = interference_requests(spec, token_counter, seed=0)
     assert [r.index for r in reqs] == list(range(34))
     assert sorted(r.arrival_s for r in reqs) == [r.arrival_s for r in reqs]
@@ -253,15 +276,27 @@ def _opts(*argv: str) -> ServeOptions:
 
 
 def test_options_parse_and_refuse_with_the_flag_named():
-    o = _opts("--concurrency", "1,8,32", "--input-len-range", "112,289", "--compare", "colocated,pd",
-              "--server-args", "--max-running-requests 64")
+    o = _opts(
+        "--concurrency",
+        "1,8,32",
+        "--input-len-range",
+        "112,289",
+        "--compare",
+        "colocated,pd",
+        "--server-args",
+        "--max-running-requests 64",
+    )
     assert o.concurrency == [1, 8, 32] and o.input_range == (112, 289) and o.modes == ["colocated", "pd"]
     assert o.server_args == ["--max-running-requests", "64"] and o.request_rates is None
     assert _opts().concurrency == [1] and _opts("--input-len", "50").input_range == (50, 50)
     assert _opts("--request-rate", "0.5,inf").request_rates == [0.5, math.inf]
-    for argv, flag in ((("--concurrency", "2", "--request-rate", "1"), "not both"),
-                       (("--concurrency", "0"), "--concurrency"), (("--input-len-range", "9,3"), "--input-len-range"),
-                       (("--compare", "colocated,vllm"), "--compare"), (("--interference",), "--request-rate")):
+    for argv, flag in (
+        (("--concurrency", "2", "--request-rate", "1"), "not both"),
+        (("--concurrency", "0"), "--concurrency"),
+        (("--input-len-range", "9,3"), "--input-len-range"),
+        (("--compare", "colocated,vllm"), "--compare"),
+        (("--interference",), "--request-rate"),
+    ):
         with pytest.raises(ValueError, match=flag):
             _opts(*argv)
     assert parse_modes("pd") == ["pd"]
@@ -281,40 +316,75 @@ def test_prompts_per_client_scales_each_closed_loop_level():
     assert [bench._shape(c).num_prompts for c in (1, 8)] == [4, 32]
     a = p.parse_args(["--concurrency", "8", "--num-prompts", "5"])
     assert ServeBench(a, ServeOptions.from_args(a), counter=None)._shape(8).num_prompts == 5
-    for argv in (("--request-rate", "1", "--prompts-per-client", "2"), ("--concurrency", "2", "--prompts-per-client", "0")):
+    for argv in (
+        ("--request-rate", "1", "--prompts-per-client", "2"),
+        ("--concurrency", "2", "--prompts-per-client", "0"),
+    ):
         with pytest.raises(ValueError, match="--prompts-per-client"):
             _opts(*argv)
 
 
 def test_external_targets_join_the_launched_modes_in_run_order():
-    o = _opts("--compare", "colocated,pd", "--target", "vllm=http://127.0.0.1:8100/", "--target",
-              "llama=http://127.0.0.1:8200")
+    o = _opts(
+        "--compare",
+        "colocated,pd",
+        "--target",
+        "vllm=http://127.0.0.1:8100/",
+        "--target",
+        "llama=http://127.0.0.1:8200",
+    )
     assert o.targets == (("vllm", "http://127.0.0.1:8100"), ("llama", "http://127.0.0.1:8200"))
     assert o.target_names == ["colocated", "pd", "vllm", "llama"]
     assert _opts().target_names == [] and _opts("--target", "v=http://h:1").target_names == ["v"]
-    for argv, msg in ((("--target", "vllm"), "NAME=http"), (("--target", "v=127.0.0.1:1"), "NAME=http"),
-                      (("--compare", "pd", "--target", "pd=http://h:1"), "used twice"),
-                      (("--target", "v=http://a:1", "--target", "v=http://b:1"), "used twice")):
+    for argv, msg in (
+        (("--target", "vllm"), "NAME=http"),
+        (("--target", "v=127.0.0.1:1"), "NAME=http"),
+        (("--compare", "pd", "--target", "pd=http://h:1"), "used twice"),
+        (("--target", "v=http://a:1", "--target", "v=http://b:1"), "used twice"),
+    ):
         with pytest.raises(ValueError, match=msg):
             _opts(*argv)
 
 
 def test_launch_flags():
-    assert config_flags({"kv_pool_tokens": 8192, "model": "default", "max_model_len": None, "x": True,
-                         "y": False}) == ["--kv-pool-tokens", "8192", "--model", "default", "--x", "--no-y"]
+    assert config_flags({"kv_pool_tokens": 8192, "model": "default", "max_model_len": None, "x": True, "y": False}) == [
+        "--kv-pool-tokens",
+        "8192",
+        "--model",
+        "default",
+        "--x",
+        "--no-y",
+    ]
     argv = launch_argv("pd", ["--kv-pool-tokens", "64"])
     assert argv[:4] == ["--mode", "pd", "--port", "0"] and argv[-2:] == ["--kv-pool-tokens", "64"]
 
 
 def _record(target, conc, ttft_ms, tpot_ms, tok_s):
-    s = RunStats(4, 4, 0, 1.0, 40, int(tok_s), 4.0, tok_s, 0, Summary(4, ttft_ms, ttft_ms, 2 * ttft_ms),
-                 Summary(4, tpot_ms, tpot_ms, tpot_ms), Summary(4, 1, 1, 1), Summary(4, 9, 9, 9))
+    s = RunStats(
+        4,
+        4,
+        0,
+        1.0,
+        40,
+        int(tok_s),
+        4.0,
+        tok_s,
+        0,
+        Summary(4, ttft_ms, ttft_ms, 2 * ttft_ms),
+        Summary(4, tpot_ms, tpot_ms, tpot_ms),
+        Summary(4, 1, 1, 1),
+        Summary(4, 9, 9, 9),
+    )
     return RunRecord(target, f"c={conc}", conc, None, s, [])
 
 
 def test_ratios_and_plot(tmp_path):
-    recs = [_record("colocated", 1, 100, 50, 20), _record("colocated", 8, 400, 80, 60),
-            _record("pd", 1, 150, 40, 15), _record("pd", 8, 200, 40, 90)]
+    recs = [
+        _record("colocated", 1, 100, 50, 20),
+        _record("colocated", 8, 400, 80, 60),
+        _record("pd", 1, 150, 40, 15),
+        _record("pd", 8, 200, 40, 90),
+    ]
     rows = ratios(recs, "colocated", "pd")
     assert [r["load"] for r in rows] == ["c=1", "c=8"]
     assert rows[0]["TTFT mean"] == pytest.approx(1.5) and rows[0]["TTFT p99"] == pytest.approx(1.5)
@@ -336,10 +406,36 @@ def test_ratios_and_plot(tmp_path):
 @pytest.mark.process
 def test_real_run_against_a_launched_colocated_server(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    cmd = [sys.executable, "-m", "server.launch.cli", "bench", "serve", "--compare", "colocated", "--concurrency", "2",
-           "--num-prompts", "4", "--output-len", "8", "--input-len-range", "16,32", "--warmup", "1",
-           "--kv-pool-tokens", "2048", "--max-model-len", "512", "--slo-ttft-ms", "600000",
-           "--out", str(out), "--plot", str(png), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.launch.cli",
+        "bench",
+        "serve",
+        "--compare",
+        "colocated",
+        "--concurrency",
+        "2",
+        "--num-prompts",
+        "4",
+        "--output-len",
+        "8",
+        "--input-len-range",
+        "16,32",
+        "--warmup",
+        "1",
+        "--kv-pool-tokens",
+        "2048",
+        "--max-model-len",
+        "512",
+        "--slo-ttft-ms",
+        "600000",
+        "--out",
+        str(out),
+        "--plot",
+        str(png),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -372,9 +468,26 @@ def test_cli_reports_failures_in_json_and_exit_code(tmp_path, capsys):
     from bench.cli import main
 
     out = tmp_path / "f.json"
-    rc = main(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--served-model-name", "m",
-               "--tokenizer", "words", "--num-prompts", "3", "--concurrency", "2", "--warmup", "0",
-               "--no-progress", "--out", str(out)])
+    rc = main(
+        [
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{free_port()}",
+            "--served-model-name",
+            "m",
+            "--tokenizer",
+            "words",
+            "--num-prompts",
+            "3",
+            "--concurrency",
+            "2",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 1
     stats = json.loads(out.read_text())["runs"][0]["stats"]
     assert (stats["requests"], stats["completed"], stats["failed"]) == (3, 0, 3)

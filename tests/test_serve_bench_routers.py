@@ -1,5 +1,6 @@
 """``pdserve bench serve`` against several routers of one deployment: ``--base-url a,b`` and
 ``--target NAME=a,b`` send requests round-robin by request index (in process, mock HTTP)."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,16 @@ def test_several_routers_are_loaded_round_robin_by_request_index():
     async def five():
         async with _mock_client(ok) as c:
             return [await send(c, cfg, RequestSpec(i, "p", 4, 1)) for i in range(5)]
+
     assert all(r.ok for r in asyncio.run(five()))
     assert hosts == ["r1:8000", "r2:8001", "r1:8000", "r2:8001", "r1:8000"]
     assert ClientConfig("http://one", "m").url_for(7) == "http://one"
     o = _opts("--target", "two=http://r1:8000,http://r2:8001/", "--base-url", "http://a:1,http://b:2")
     assert o.targets == (("two", "http://r1:8000,http://r2:8001"),)
-    for argv, msg in ((("--base-url", "http://a:1,b:2"), "--base-url takes http"),
-                      (("--base-url", "http://a:1,http://a:1"), "twice"),
-                      (("--target", "two=http://a:1,"), "--target takes http")):
+    for argv, msg in (
+        (("--base-url", "http://a:1,b:2"), "--base-url takes http"),
+        (("--base-url", "http://a:1,http://a:1"), "twice"),
+        (("--target", "two=http://a:1,"), "--target takes http"),
+    ):
         with pytest.raises(ValueError, match=msg):
             _opts(*argv)

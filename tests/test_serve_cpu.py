@@ -2,6 +2,7 @@
 spaces and parentheses), worker names from command lines, the per-token and per-100-tok/s arithmetic,
 the meter over this process, and the printed table. The real run in test_serve_bench.py checks the
 fields against a launched server."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,17 @@ import time
 
 import pytest
 
-from bench.serve.cpu import (ROUTER, CpuMeter, cpu_fields, router_goal_line, router_pct_per_100_tok_s,
-                             server_processes, stat_cpu_seconds, stat_ppid, worker_name)
+from bench.serve.cpu import (
+    ROUTER,
+    CpuMeter,
+    cpu_fields,
+    router_goal_line,
+    router_pct_per_100_tok_s,
+    server_processes,
+    stat_cpu_seconds,
+    stat_ppid,
+    worker_name,
+)
 from bench.serve.report import RunRecord, cpu_table
 from bench.serve.stats import RunStats
 
@@ -25,8 +35,17 @@ def test_stat_line_with_spaces_and_parentheses_in_the_command_name():
 
 
 def test_worker_names_come_from_the_worker_command_line():
-    argv = ["/venv/bin/python", "-m", "server.worker.main", "--role", "decode", "--worker-id", "decode-0",
-            "--listen-fd", "5"]
+    argv = [
+        "/venv/bin/python",
+        "-m",
+        "server.worker.main",
+        "--role",
+        "decode",
+        "--worker-id",
+        "decode-0",
+        "--listen-fd",
+        "5",
+    ]
     assert worker_name(argv) == "decode-0"
     assert worker_name(["python", "-m", "server.launch.cli", "launch", "--mode", "pd"]) is None
     assert worker_name(["python", "-m", "server.worker.main", "--worker-id"]) is None

@@ -4,6 +4,7 @@ After every operation: free + used + cached == total, no page owned twice, and (
 unit test rarely reaches) every page the radix cache hands out holds exactly the tokens it was
 matched for: a shadow of the pool records which tokens each page's KV was written for.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def _write(self, r: Live, start_token: int) -> None:
         """The forward pass: pages from ``start_token``'s page on get ``r``'s tokens."""
         for i in range(start_token // PAGE, self.kv.pages_for(len(r.tokens))):
-            self.shadow[r.handle.pages[i]] = tuple(r.tokens[i * PAGE:(i + 1) * PAGE])
+            self.shadow[r.handle.pages[i]] = tuple(r.tokens[i * PAGE : (i + 1) * PAGE])
 
     @rule(target=requests, tokens=TOKENS, extra=st.integers(0, 4))
     def admit(self, tokens, extra):
@@ -62,7 +63,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         handle, charged = got
         assert handle.cached_tokens % PAGE == 0 and handle.cached_tokens < len(tokens)
         for i, p in enumerate(handle.pages[: handle.cached_tokens // PAGE]):
-            assert self.shadow[p] == tuple(tokens[i * PAGE:(i + 1) * PAGE]), "the cache gave a page of other tokens"
+            assert self.shadow[p] == tuple(tokens[i * PAGE : (i + 1) * PAGE]), "the cache gave a page of other tokens"
         assert charged == PageCount(self.kv.pages_for(len(tokens)) - handle.cached_tokens // PAGE + extra)
         r = Live(handle, list(tokens))
         self._write(r, handle.cached_tokens)
@@ -178,7 +179,7 @@ class SWAKVManagerMachine(KVManagerMachine):
         swa = r.handle.swa.pages
         for i in range(start_token // PAGE, self.kv.pages_for(len(r.tokens))):
             assert swa[i] >= 0, "a page being computed has no SWA page"
-            self.swa_shadow[swa[i]] = tuple(r.tokens[i * PAGE:(i + 1) * PAGE])
+            self.swa_shadow[swa[i]] = tuple(r.tokens[i * PAGE : (i + 1) * PAGE])
 
     def _admit(self, tokens, extra):
         got = self.kv.reserve_prompt(tokens, len(tokens), PageCount(extra), budget=self.kv.available())
@@ -188,7 +189,7 @@ class SWAKVManagerMachine(KVManagerMachine):
         swa = handle.swa
         needed = self.kv.window.needed_from(handle.cached_tokens) // PAGE
         for i in range(needed, swa.num_shared):  # the window of the match is resident and right
-            assert swa.pages[i] >= 0 and self.swa_shadow[swa.pages[i]] == tuple(tokens[i * PAGE:(i + 1) * PAGE])
+            assert swa.pages[i] >= 0 and self.swa_shadow[swa.pages[i]] == tuple(tokens[i * PAGE : (i + 1) * PAGE])
         r = Live(handle, list(tokens))
         self._write(r, handle.cached_tokens)
         self.live.append(r)

@@ -1,14 +1,16 @@
 """The stop token travels with the last delta (``TokenDelta.stop_token_id`` and its logprobs) in
 every mode, so the router can count it as vLLM does: sampled on the prefill worker (the first
 token, shipped with the manifest), on the decode worker, and colocated. Tiny random model."""
+
 from __future__ import annotations
 
 from conftest import engine_cfg, hf_greedy, sched_cfg
+from test_pd_inprocess import cfg
+
+from bench.harness.pd_harness import PDHarness
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
 from engine.scheduler.colocated import ColocatedScheduler
-from server.testing.pd_harness import PDHarness
-from test_pd_inprocess import cfg
 from transfer.wire.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 8, 63, 21, 9, 30, 77, 12]

@@ -2,6 +2,7 @@
 sampler keep greedy and sampled outputs inside a JSON schema, a regex and a choice, in one batch
 with unconstrained requests (whose greedy tokens stay those of an unconstrained run); a forced
 retract keeps the grammar state (and the seeded tokens); an invalid constraint is refused."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import re
 
 import jsonschema
 import pytest
-
 from conftest import engine_cfg, sched_cfg
+
 from engine.llm import LLM
 from engine.scheduler.base import RequestRejected
 from transfer.wire.protocol import GenerateRequest
@@ -18,9 +19,15 @@ from transfer.wire.sampling_params import SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.slow  # the embedded model
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 PROMPT = "Describe a person as JSON with a name and an age:"
 
 
@@ -37,10 +44,13 @@ def constrained(kind: str, spec, **kw) -> SamplingParams:
 
 def test_json_regex_choice_in_one_batch_with_a_free_row(llm):
     free = SamplingParams(max_new_tokens=12, temperature=0)
-    params = [constrained("json", SCHEMA, temperature=0), *(constrained("json", SCHEMA, temperature=1.0, seed=s)
-                                                             for s in range(4)),
-              constrained("regex", r"[0-9]{3}-[a-z]{2}", temperature=1.0, seed=1),
-              constrained("choice", ["red", "green", "blue"], temperature=0), free]
+    params = [
+        constrained("json", SCHEMA, temperature=0),
+        *(constrained("json", SCHEMA, temperature=1.0, seed=s) for s in range(4)),
+        constrained("regex", r"[0-9]{3}-[a-z]{2}", temperature=1.0, seed=1),
+        constrained("choice", ["red", "green", "blue"], temperature=0),
+        free,
+    ]
     prompts = [llm.encode_prompt(PROMPT)] * (len(params) - 1) + [llm.encode_prompt("The capital of France is")]
     out = llm.generate_ids(prompts, params)
     for r in out[:5]:

@@ -4,6 +4,7 @@
 within 1e-3 as well as the greedy tokens: colocated (page 16 and 64, chunked prefill crossing
 the window edge), PD with the decode radix cache, forced retract with offload and with
 recompute. Prompts are at least 3W tokens, so every request drops SWA pages."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
+from bench.harness.pd_harness import PDHarness
 from configs.schema import PdserveConfig
 from engine.llm import LLM, run_batch
-from server.testing.pd_harness import PDHarness
 from tests.conftest import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
@@ -28,8 +29,15 @@ def hybrid(embedded, hf_embedded):
     from transformers import MinistralConfig, MinistralForCausalLM
 
     cfg = dataclasses.replace(embedded[0], sliding_window=W, layer_types=TYPES)
-    hf_cfg = MinistralConfig(**{**hf_embedded.config.to_dict(), "layer_types": list(TYPES), "sliding_window": W,
-                                "model_type": "ministral", "architectures": ["MinistralForCausalLM"]})
+    hf_cfg = MinistralConfig(
+        **{
+            **hf_embedded.config.to_dict(),
+            "layer_types": list(TYPES),
+            "sliding_window": W,
+            "model_type": "ministral",
+            "architectures": ["MinistralForCausalLM"],
+        }
+    )
     hf = MinistralForCausalLM(hf_cfg).eval()
     hf.load_state_dict(hf_embedded.state_dict(), strict=True)
     return cfg, embedded[1], embedded[2], hf
@@ -54,7 +62,7 @@ def reference(hybrid, prompts):
                 v, i = logp.topk(TOP)
                 tops.append(list(zip(i.tolist(), v.tolist())))
                 ids.append(int(i[0]))
-            out.append((ids[len(p):], tops))
+            out.append((ids[len(p) :], tops))
     return out
 
 
@@ -71,8 +79,11 @@ PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True, logp
 
 @pytest.mark.parametrize("page,chunk", [(16, 50), (64, 4096)])
 def test_colocated_embedded_hybrid_matches_transformers(hybrid, prompts, reference, page, chunk):
-    llm = LLM(engine_cfg(page_size=page, kv_pool_tokens=4096, swa_pool_tokens=1024),
-              sched_cfg(chunked_prefill_size=chunk), loaded=hybrid[:3])
+    llm = LLM(
+        engine_cfg(page_size=page, kv_pool_tokens=4096, swa_pool_tokens=1024),
+        sched_cfg(chunked_prefill_size=chunk),
+        loaded=hybrid[:3],
+    )
     out = run_batch(llm.scheduler, prompts, [PARAMS] * 2)
     check([(o.token_ids, o.top_logprobs) for o in out], reference)
     assert llm.scheduler.kv.swa_pages_released > 0
@@ -80,9 +91,13 @@ def test_colocated_embedded_hybrid_matches_transformers(hybrid, prompts, referen
 
 
 def _pd_cfg(**sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({
-        "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 1024},
-        "scheduler": sched, "cluster": {"mode": "pd", "host_kv_pool_gb": 0.05, "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 1024},
+            "scheduler": sched,
+            "cluster": {"mode": "pd", "host_kv_pool_gb": 0.05, "transfer_backend": "loopback"},
+        }
+    )
 
 
 def _pd(h: PDHarness, prompts) -> list:

@@ -1,5 +1,6 @@
 """bench.swa_memory on a tiny hybrid: both layouts fit the budget, and past the window the SWA
 pool admits more requests, each holding fewer KV bytes (the decode worker's admission code)."""
+
 from __future__ import annotations
 
 from bench.swa_memory import admit_all, layouts

@@ -1,28 +1,33 @@
 """PD mode with the SWA pool, in one process (real schedulers, loopback transport): outputs equal
 transformers' Ministral; the decode worker preallocates and receives only the SWA tail; a
 multi-turn chat's second turn ships only its new tokens; retract offloads the window and resumes."""
+
 from __future__ import annotations
 
 import pytest
 
+from bench.harness.pd_harness import PDHarness, checked_harnesses
 from cache.swa_window import NO_PAGE
 from configs.schema import PdserveConfig
-from server.testing.pd_harness import PDHarness, checked_harnesses
 from tests.test_swa_pool import PAGE, hf_reference, prompts, swa_model  # noqa: F401 (fixture)
 from transfer.wire.sampling_params import SamplingParams
 
 
 def cfg(pool=1024, swa=256, host_gb=0.01, radix=True, **sched) -> PdserveConfig:
-    return PdserveConfig.model_validate({
-        "engine": {"kv_pool_tokens": pool, "page_size": PAGE, "swa_pool_tokens": swa},
-        "scheduler": {"enable_radix_cache": radix, **sched},
-        "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": pool, "page_size": PAGE, "swa_pool_tokens": swa},
+            "scheduler": {"enable_radix_cache": radix, **sched},
+            "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "transfer_backend": "loopback"},
+        }
+    )
 
 
 @pytest.fixture
 def harness(swa_model):  # noqa: F811
-    yield from checked_harnesses(lambda p=None, d=None: PDHarness(p or cfg(), d or cfg(), swa_model[0], swa_model[1],
-                                                                  eos=(96,)))
+    yield from checked_harnesses(
+        lambda p=None, d=None: PDHarness(p or cfg(), d or cfg(), swa_model[0], swa_model[1], eos=(96,))
+    )
 
 
 def run(h: PDHarness, batch, n: int, tag: str = "r"):
@@ -62,7 +67,7 @@ def test_second_turn_ships_only_its_new_tokens(harness, swa_model):  # noqa: F81
     bytes1 = h.prefill.transfer_bytes
     turn2 = turn1 + out1 + prompts(1, 6)[0]
     assert run(h, [turn2], 6, "b")[0] == hf_reference(swa_model[2], turn2, 6)[0]
-    kv_len = len(turn1) + len(out1) - 1                  # KV the first turn's decode left behind
+    kv_len = len(turn1) + len(out1) - 1  # KV the first turn's decode left behind
     assert h.decode.stats.cached_prompt_tokens == (kv_len // PAGE) * PAGE
     shipped_pages = -(-len(turn2) // PAGE) - kv_len // PAGE
     unit = h.p_runner.pools.unit_bytes
@@ -103,8 +108,14 @@ def test_pd_processes_swa_pool_over_nixl_with_offload(swa_model, swa_folder):  #
     SWA pool; a small decode pool retracts (offload of the window) and outputs stay exact."""
     from tests.test_pd_processes import SLOW_DECODE, PDPair, until_eos, wait_idle
 
-    pair = PDPair(swa_folder, decode_pool=96, host_gb=0.01, init_new_token_ratio=0.1,
-                  decode_sched=SLOW_DECODE, engine={"swa_pool_tokens": 64})
+    pair = PDPair(
+        swa_folder,
+        decode_pool=96,
+        host_gb=0.01,
+        init_new_token_ratio=0.1,
+        decode_sched=SLOW_DECODE,
+        engine={"swa_pool_tokens": 64},
+    )
     try:
         batch = prompts(4, 22, shared=8)
         params = SamplingParams(max_new_tokens=14, temperature=0)  # no ignore_eos: admission overcommits

@@ -4,6 +4,7 @@ transformers' Ministral on the same weights, pool invariants per pool, window re
 Tiny random models (4 layers, sliding/full alternating, window 8, page 4) so prompts of 40+
 tokens really drop SWA pages; logprobs are compared, not only greedy tokens (an off-by-one
 window often keeps the argmax)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,12 +24,23 @@ def swa_model():
 
     cfg = tiny_config(num_layers=4, arch="mistral", sliding_window=WINDOW, layer_types=TYPES)
     weights = tiny_weights(cfg, seed=3)
-    hf_cfg = MinistralConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                             intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                             head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                             max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
-                             sliding_window=WINDOW, layer_types=list(TYPES), bos_token_id=0, eos_token_id=96)
+    hf_cfg = MinistralConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        sliding_window=WINDOW,
+        layer_types=list(TYPES),
+        bos_token_id=0,
+        eos_token_id=96,
+    )
     hf = MinistralForCausalLM(hf_cfg).eval()
     hf.load_state_dict(weights, strict=True)
     return cfg, weights, hf
@@ -42,7 +54,7 @@ def hf_reference(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]
             logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
             ids.append(int(logp.argmax()))
             lps.append(float(logp.max()))
-    return ids[len(prompt):], lps
+    return ids[len(prompt) :], lps
 
 
 def prompts(n: int, length: int, shared: int = 0) -> list[list[int]]:
@@ -161,11 +173,20 @@ def _decode_batch(pools, seq_lens, window):
     full_t, swa_t = pad(full_rows), pad(swa_rows)
     last = [n - 1 for n in seq_lens]
     slots = lambda t: torch.tensor([int(t[i, p // P]) * P + p % P for i, p in enumerate(last)])  # noqa: E731
-    return ForwardBatch(mode=ForwardMode.DECODE, input_ids=torch.zeros(len(seq_lens), dtype=torch.long),
-                        positions=torch.tensor(last), out_slots=slots(full_t), seq_lens=torch.tensor(seq_lens),
-                        extend_lens=torch.ones(len(seq_lens), dtype=torch.long), block_table=full_t,
-                        seq_lens_cpu=list(seq_lens), extend_lens_cpu=[1] * len(seq_lens), page_size=P,
-                        swa_block_table=swa_t, swa_out_slots=slots(swa_t))
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(len(seq_lens), dtype=torch.long),
+        positions=torch.tensor(last),
+        out_slots=slots(full_t),
+        seq_lens=torch.tensor(seq_lens),
+        extend_lens=torch.ones(len(seq_lens), dtype=torch.long),
+        block_table=full_t,
+        seq_lens_cpu=list(seq_lens),
+        extend_lens_cpu=[1] * len(seq_lens),
+        page_size=P,
+        swa_block_table=swa_t,
+        swa_out_slots=slots(swa_t),
+    )
 
 
 @pytest.mark.parametrize("window", [5, 8, 13])
@@ -183,14 +204,24 @@ def test_triton_decode_over_the_swa_pool_matches_the_torch_backend(window):
     pools.swa.buffer[0] = 1e3  # a page of someone else's KV: reading it unmasked would show
     seq_lens = [3, 17, 30, 41]
     batch = _decode_batch(pools, seq_lens, window)
-    backend = TorchBackend(pools, 4, 16 ** -0.5, [window if t == "sliding_attention" else None for t in TYPES])
+    backend = TorchBackend(pools, 4, 16**-0.5, [window if t == "sliding_attention" else None for t in TYPES])
     backend.prepare(batch)
     q = torch.randn(len(seq_lens), 4, 16, generator=g)
     for layer in (0, 2):  # the sliding layers: SWA pool, local layers 0 and 1
         want = backend._decode(q, layer, batch).view_as(q)
         local = pools.layer_pool[layer][1]
-        got = paged_decode_attention(q, pools.swa.k_layer(local), pools.swa.v_layer(local), batch.swa_block_table,
-                                     batch.seq_lens, 16 ** -0.5, PAGE, window, backend="triton", block_n=16)
+        got = paged_decode_attention(
+            q,
+            pools.swa.k_layer(local),
+            pools.swa.v_layer(local),
+            batch.swa_block_table,
+            batch.seq_lens,
+            16**-0.5,
+            PAGE,
+            window,
+            backend="triton",
+            block_n=16,
+        )
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -1,4 +1,5 @@
 """SWA window arithmetic and the two-lifetime radix cache (issue 11 items 3-4; seed 003)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from cache.swa_window import NO_PAGE, SWAWindow
 
 def test_seed_reviewers_case_window_starts_at_704():
     w = SWAWindow(window=127, page_size=64)
-    assert w.prealloc_start(895, radix=True) == 704   # not 768: the page-truncated key keeps its window
+    assert w.prealloc_start(895, radix=True) == 704  # not 768: the page-truncated key keeps its window
     assert w.prealloc_start(895, radix=False) == 768  # seq_len - W without the decode radix cache
     # the key free_into_cache inserts is 832 tokens; a match there needs keys from 832 - 126 = 706
     assert w.window_resident([False] * 11 + [True] * 2, 13)
@@ -23,8 +24,8 @@ def test_keep_start_keeps_every_window_a_query_or_a_match_needs(window, page):
     w = SWAWindow(window, page)
     for n in range(1, 6 * (window + page)):
         k = w.keep_start(n)
-        assert k % page == 0 and k <= w.needed_from(n)                 # the next query's keys
-        assert k <= w.needed_from((n // page) * page)                   # a match at the inserted key
+        assert k % page == 0 and k <= w.needed_from(n)  # the next query's keys
+        assert k <= w.needed_from((n // page) * page)  # a match at the inserted key
         assert -(-(n + 1) // page) - k // page <= w.max_pages()
 
 
@@ -49,11 +50,11 @@ def finish(kv: KVManager, tokens: list[int], kv_len: int | None = None) -> None:
 
 def test_finished_request_leaves_full_kv_and_only_its_window_of_swa():
     kv = make_kv()
-    tokens = list(range(40))                     # 10 pages, window 8 -> keep from keep_start(40) = 28
+    tokens = list(range(40))  # 10 pages, window 8 -> keep from keep_start(40) = 28
     finish(kv, tokens)
     assert kv.tree.total_size() == 10 and kv.tree.swa_total_size() == 3
     kv.check_integrity([])
-    h = kv.match_prefix(tokens + [99])           # multi-turn: the next turn matches all 40 tokens
+    h = kv.match_prefix(tokens + [99])  # multi-turn: the next turn matches all 40 tokens
     assert h.cached_tokens == 40 and h.swa.pages[:8] == [NO_PAGE] * 8 and min(h.swa.pages[8:]) >= 0
     kv.check_integrity([h])
     kv.free(h)
@@ -75,9 +76,9 @@ def test_locks_balance_per_pool_and_swa_eviction_tombstones_only_unlocked_pages(
     a, b = list(range(40)), list(range(100, 140))
     finish(kv, a)
     finish(kv, b)
-    held = kv.match_prefix(a + [1])               # locks a's full path and its window's SWA pages
-    assert kv.tree.swa_protected_size() == 2      # pages 8, 9: keys 33..39 for the query at 40
-    kv.evict_swa(kv.swa_allocator.num_pages)      # everything evictable: b's window and a's page 7
+    held = kv.match_prefix(a + [1])  # locks a's full path and its window's SWA pages
+    assert kv.tree.swa_protected_size() == 2  # pages 8, 9: keys 33..39 for the query at 40
+    kv.evict_swa(kv.swa_allocator.num_pages)  # everything evictable: b's window and a's page 7
     assert kv.tree.swa_total_size() == 2
     assert kv.match_prefix(b + [1]).cached_tokens == 0  # b lost its window: no reuse
     kv.free(kv.match_prefix([]))
@@ -141,10 +142,10 @@ def test_a_sibling_branch_revives_tombstones_of_the_shared_prefix():
     own prompt can be matched again (found on Gemma 3: 540 and 520 tokens sharing 300)."""
     kv = make_kv(num_pages=64, swa_pages=64)
     a = list(range(48))
-    b = a[:24] + list(range(200, 204))          # a match of b reads page 5, inside the shared part
+    b = a[:24] + list(range(200, 204))  # a match of b reads page 5, inside the shared part
     hb = kv.reserve_prompt(b, len(b), PageCount(), kv.available())[0]  # B runs beside A
-    finish(kv, a)                                   # A's window release tombstoned its early pages
-    kv.free_into_cache(hb, b)                       # B never slid: all its SWA pages resident
+    finish(kv, a)  # A's window release tombstoned its early pages
+    kv.free_into_cache(hb, b)  # B never slid: all its SWA pages resident
     h = kv.match_prefix(b + [1])
     assert h.cached_tokens == 28
     kv.check_integrity([h])

@@ -1,33 +1,36 @@
 """Per-request phase timeline and the event-driven waits: every phase histogram moves by exactly
 one per finished request, in process and through a launched PD server's /metrics; schedulers
 with nothing to compute tell the loop how long it may block."""
+
 from __future__ import annotations
 
 import httpx
 import pytest
-
-from configs.schema import PdserveConfig
 from conftest import PD_SERVER_HEARTBEAT_S, engine_cfg, sched_cfg
+
+from bench.harness.pd_harness import PDHarness
+from bench.harness.subprocess_server import metric_sum, wait_idle
+from configs.schema import PdserveConfig
 from engine.llm import run_batch
 from engine.model_runner import ModelRunner
-from server.testing.pd_harness import PDHarness
-from engine.scheduler.step_report import StepReport
-from server.testing.subprocess_server import metric_sum, wait_idle
-from transfer.wire.sampling_params import SamplingParams
 from engine.scheduler.colocated import ColocatedScheduler
+from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import LOCAL_PREFILL_PHASES, PHASES
+from transfer.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 
 
 def pd_cfg() -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024, "page_size": 4},
-                                         "cluster": {"mode": "pd", "transfer_backend": "loopback"}})
+    return PdserveConfig.model_validate(
+        {"engine": {"kv_pool_tokens": 1024, "page_size": 4}, "cluster": {"mode": "pd", "transfer_backend": "loopback"}}
+    )
 
 
 def counts(scheduler) -> dict[str, int]:
-    return {k.removeprefix("phase_"): h.count for k, h in scheduler.snapshot().histograms.items()
-            if k.startswith("phase_")}
+    return {
+        k.removeprefix("phase_"): h.count for k, h in scheduler.snapshot().histograms.items() if k.startswith("phase_")
+    }
 
 
 def test_colocated_phases_once_per_request(tiny):
@@ -69,15 +72,19 @@ def test_schedulers_with_nothing_to_compute_let_the_loop_block(tiny):
 def test_phase_metrics_through_a_pd_server(pd_server):
     url = pd_server.url
     before = wait_idle(url, PD_SERVER_HEARTBEAT_S)
-    r = httpx.post(f"{url}/v1/completions", timeout=120,
-                   json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     m = wait_idle(url, PD_SERVER_HEARTBEAT_S)
     name = "pdserve_request_phase_seconds_count"
     for worker, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         for phase in (p for p, _, _ in PHASES[role] if p not in LOCAL_PREFILL_PHASES):  # --local-prefill-max-tokens 0
-            moved = metric_sum(m, name, worker=worker, phase=phase) - metric_sum(before, name, worker=worker,
-                                                                                 phase=phase)
+            moved = metric_sum(m, name, worker=worker, phase=phase) - metric_sum(
+                before, name, worker=worker, phase=phase
+            )
             assert moved == 1, (worker, phase)
     q = "pdserve_router_queue_seconds_count"
     assert metric_sum(m, q) - metric_sum(before, q) == 1

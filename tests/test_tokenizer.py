@@ -6,6 +6,7 @@ isolated, then GPT-2's regex). They were produced with transformers' GGUF vocab/
 (what SmolLM2's own tokenizer.json uses) and hard-coded here. transformers' stock GGUF
 tokenizer differs on " ٣" (it merges the space into the digit).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,9 @@ def test_encode_matches_reference_ids(tok, text):
     assert tok.encode(text) == EXPECTED[text]
 
 
-@pytest.mark.parametrize("text", list(EXPECTED) + ["", "   ", "a\u00a0b\u200dc", "\U0001f468\u200d\U0001f469\u200d\U0001f467"])
+@pytest.mark.parametrize(
+    "text", list(EXPECTED) + ["", "   ", "a\u00a0b\u200dc", "\U0001f468\u200d\U0001f469\u200d\U0001f467"]
+)
 def test_roundtrip(tok, text):
     assert tok.decode(tok.encode(text)) == text
 
@@ -121,16 +124,21 @@ def test_incremental_detokenizer_random_byte_tokens(tok):
         detok, out, k = IncrementalDetokenizer(tok), "", 0
         while k < len(ids):
             n = rng.randrange(1, 4)
-            out, k = out + detok.feed(ids[k:k + n]), k + n
+            out, k = out + detok.feed(ids[k : k + n]), k + n
         assert out + detok.flush() == tok.decode(ids)
 
 
 def test_hf_folder_tokenizer(tok, tmp_path):
     tok._tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"},
-        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}",
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": {"content": "<|im_end|>"},
+                "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{{ eos_token }}",
+            }
+        )
+    )
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     hf = Tokenizer.from_path(tmp_path)
     assert hf.bos_token_id == 1 and hf.eos_token_ids == (2, 0)

@@ -2,6 +2,7 @@
 point (tags split across pieces never leak into content, and the stream agrees with the whole), and
 the streamed call deltas: a head with id and name, then argument fragments released as they are
 written whose concatenation is the whole answer's ``arguments`` exactly, for every cut."""
+
 from __future__ import annotations
 
 import json
@@ -28,25 +29,44 @@ def _shape(calls) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
-@pytest.mark.parametrize("text,content,calls", [
-    (CALL_F, "", [("get_weather", {"city": "Paris", "days": 2})]),
-    ("Let me check.\n" + CALL_F, "Let me check.", [("get_weather", {"city": "Paris", "days": 2})]),
-    (CALL_F + "\n" + CALL_G + "\n", "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
-    ('<tool_call>{"name": "f"}</tool_call>', "", [("f", {})]),
-    ("no tools here < not a tag <tool", "no tools here < not a tag <tool", []),
-    # malformed before the call is known: returned as content, tags and the whitespace before them included
-    ('Hi\n<tool_call>{"name": "f", "argu: {"a": 1}}</tool_call>', 'Hi\n<tool_call>{"name": "f", "argu: {"a": 1}}</tool_call>', []),
-    ('<tool_call>{"name": 5, "arguments": {}}</tool_call>', '<tool_call>{"name": 5, "arguments": {}}</tool_call>', []),
-    ('<tool_call>["f", {}]</tool_call>', '<tool_call>["f", {}]</tool_call>', []),
-    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
-    # cut by max_tokens before the arguments began: the open block is content
-    ('A <tool_call>{"name": "f", "argu', 'A <tool_call>{"name": "f", "argu', []),
-    # the name after the arguments, the "parameters" spelling, text after the object dropped
-    ('<tool_call>{"arguments": {"x": [1, {"y": "}"}]}, "name": "g"}</tool_call>', "", [("g", {"x": [1, {"y": "}"}]})]),
-    ('<tool_call>{"name": "f", "parameters": {"q": "a\\"b"}} </tool_call>', "", [("f", {"q": 'a"b'})]),
-    (CALL_G + " then text", "then text", [("get_time", {})]),
-])
+@pytest.mark.parametrize(
+    "text,content,calls",
+    [
+        (CALL_F, "", [("get_weather", {"city": "Paris", "days": 2})]),
+        ("Let me check.\n" + CALL_F, "Let me check.", [("get_weather", {"city": "Paris", "days": 2})]),
+        (CALL_F + "\n" + CALL_G + "\n", "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+        ('<tool_call>{"name": "f"}</tool_call>', "", [("f", {})]),
+        ("no tools here < not a tag <tool", "no tools here < not a tag <tool", []),
+        # malformed before the call is known: returned as content, tags and the whitespace before them included
+        (
+            'Hi\n<tool_call>{"name": "f", "argu: {"a": 1}}</tool_call>',
+            'Hi\n<tool_call>{"name": "f", "argu: {"a": 1}}</tool_call>',
+            [],
+        ),
+        (
+            '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+            '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+            [],
+        ),
+        ('<tool_call>["f", {}]</tool_call>', '<tool_call>["f", {}]</tool_call>', []),
+        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+        (
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+            [],
+        ),
+        # cut by max_tokens before the arguments began: the open block is content
+        ('A <tool_call>{"name": "f", "argu', 'A <tool_call>{"name": "f", "argu', []),
+        # the name after the arguments, the "parameters" spelling, text after the object dropped
+        (
+            '<tool_call>{"arguments": {"x": [1, {"y": "}"}]}, "name": "g"}</tool_call>',
+            "",
+            [("g", {"x": [1, {"y": "}"}]})],
+        ),
+        ('<tool_call>{"name": "f", "parameters": {"q": "a\\"b"}} </tool_call>', "", [("f", {"q": 'a"b'})]),
+        (CALL_G + " then text", "then text", [("get_time", {})]),
+    ],
+)
 def test_whole_output(text, content, calls):
     got_content, got_calls = parse_tool_calls(text)
     assert got_content == content and _shape(got_calls) == calls
@@ -54,8 +74,15 @@ def test_whole_output(text, content, calls):
     assert len({c.id for c in got_calls}) == len(got_calls)
 
 
-@pytest.mark.parametrize("text", [CALL_F, "Sure thing!\n" + CALL_F + "\n" + CALL_G, "plain <tool_ text </tool_call>",
-                                  'x <tool_call>{bad json}</tool_call> y'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        CALL_F,
+        "Sure thing!\n" + CALL_F + "\n" + CALL_G,
+        "plain <tool_ text </tool_call>",
+        "x <tool_call>{bad json}</tool_call> y",
+    ],
+)
 def test_every_cut_gives_the_whole_answer(text):
     want_content, want_calls = parse_tool_calls(text)
     for cut in range(1, len(text)):
@@ -87,15 +114,17 @@ def test_a_committed_call_keeps_what_was_written():
     assert content == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": "x</tool_ca')]
 
 
-CALL_H = ('<tool_call>\n{"name": "search", "arguments": {"q": "a \\"b\\" {c}", "n": [1, 2.5e3, true, null], '
-          '"o": {"k": "v"}}}\n</tool_call>')
+CALL_H = (
+    '<tool_call>\n{"name": "search", "arguments": {"q": "a \\"b\\" {c}", "n": [1, 2.5e3, true, null], '
+    '"o": {"k": "v"}}}\n</tool_call>'
+)
 STREAMED = [
     CALL_F,
     "Sure thing!\n" + CALL_F + "\n" + CALL_G,
     CALL_H + " and " + CALL_G,
     '<tool_call>{"arguments": {"x": 1}, "name": "late"}</tool_call>',
     '<tool_call>{"name": "bare"}</tool_call>',
-    'x <tool_call>{bad json}</tool_call> y',
+    "x <tool_call>{bad json}</tool_call> y",
     '<tool_call>{"name": "f", "arguments": {"a": "b"',  # cut by max_tokens inside the arguments
 ]
 
@@ -119,8 +148,12 @@ def _check_deltas(deltas, calls) -> None:
         assert (head.id, head.name, head.arguments) == (call.id, call.name, "")
         assert all(d.id is None and d.name is None and d.arguments for d in rest)
         assert "".join(d.arguments for d in rest) == call.arguments
-        assert head.as_delta_json() == {"index": k, "id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}
+        assert head.as_delta_json() == {
+            "index": k,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
         assert all(d.as_delta_json() == {"index": k, "function": {"arguments": d.arguments}} for d in rest)
 
 

@@ -4,21 +4,32 @@ reach the prompt (Hermes block, or the template's own ``tools``); ``required`` a
 the grammar of one call (checked here with llguidance on the real tokenizer); a scripted tool-call
 output comes back as ``tool_calls``, whole and streamed as OpenAI streams them.
 (With the real model, PD and colocated: tests/test_tools_e2e.py.)"""
+
 from __future__ import annotations
 
 import json
 
 import pytest
+from test_router_unit import make_client, sse_events  # noqa: F401 (fixture)
 
 from engine.grammar import GrammarCompiler
 from server.router.openai_schemas import ChatMessage, ToolDef
 from server.router.tool_prompt import template_input, template_takes_tools
 from server.router.tools import ToolPlan
-from test_router_unit import make_client, sse_events  # noqa: F401 (fixture)
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                            "required": ["city"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_TEXT = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -28,25 +39,56 @@ def chat(client, **body):
     return client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 40, **body})
 
 
-@pytest.mark.parametrize("body,param,needle", [
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name", "pattern"),
-    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
-    ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name", "unique"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
-     "tools.0.function.parameters", "object"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]},
-     "tools.0.function.parameters", "grammar engine"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "not in tools"),
-    ({"tool_choice": "required"}, "tool_choice", "at least one tool"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "'auto'"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
-     "drop one"),
-    ({"messages": [*USER, {"role": "tool", "content": "sunny"}]}, "messages.1.tool_call_id", "tool_call_id"),
-    ({"messages": [*USER, {"role": "assistant", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
-     "messages.1.tool_calls.0.function.arguments", "JSON object"),
-])
+@pytest.mark.parametrize(
+    "body,param,needle",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name", "pattern"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
+        ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name", "unique"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools.0.function.parameters",
+            "object",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}
+                ]
+            },
+            "tools.0.function.parameters",
+            "grammar engine",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "at least one tool"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "'auto'"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "drop one",
+        ),
+        ({"messages": [*USER, {"role": "tool", "content": "sunny"}]}, "messages.1.tool_call_id", "tool_call_id"),
+        (
+            {
+                "messages": [
+                    *USER,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+                        ],
+                    },
+                ]
+            },
+            "messages.1.tool_calls.0.function.arguments",
+            "JSON object",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_400_naming_the_field(make_client, body, param, needle):
     client, worker, _ = make_client()
     r = chat(client, **body)
@@ -70,26 +112,56 @@ def test_tools_reach_the_prompt_and_none_hides_them(make_client, tokenizer):
 
 def test_tool_history_is_rendered(make_client, tokenizer):
     client, worker, _ = make_client()
-    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "no rain"}]
+        {"role": "tool", "tool_call_id": "call_2", "content": "no rain"},
+    ]
     r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 4})
     assert r.status_code == 200, r.text
     prompt = tokenizer.decode(worker.requests[0][1])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
-    assert ("<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response>\n<tool_response>\nno rain\n"
-            "</tool_response><|im_end|>") in prompt
+    assert (
+        "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response>\n<tool_response>\nno rain\n"
+        "</tool_response><|im_end|>"
+    ) in prompt
 
 
 def test_a_template_with_tools_gets_them_itself():
-    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:"
-                "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{{ m.content }};{% endfor %}")
+    template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{{ m.content }};{% endfor %}"
+    )
     assert template_takes_tools(template) and not template_takes_tools("{{ messages }}")
     plan = ToolPlan(tools=(ToolDef.model_validate(WEATHER),), forced=None)
-    msgs = [ChatMessage.model_validate(m) for m in [*USER, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "c", "content": "cold"}]]
+    msgs = [
+        ChatMessage.model_validate(m)
+        for m in [
+            *USER,
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "cold"},
+        ]
+    ]
     messages, variables = template_input(template, msgs, plan)
     assert variables["tools"][0]["function"]["name"] == "get_weather"
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
@@ -167,8 +239,11 @@ def test_streamed_arguments_arrive_piecewise_and_match_the_whole_answer(make_cli
     whole = chat(client, tools=[WEATHER]).json()["choices"][0]["message"]["tool_calls"][0]["function"]
     r = chat(client, tools=[WEATHER], stream=True)
     chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
-    parts = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks
-             if c["choices"] and "tool_calls" in c["choices"][0]["delta"]]
+    parts = [
+        c["choices"][0]["delta"]["tool_calls"][0]
+        for c in chunks
+        if c["choices"] and "tool_calls" in c["choices"][0]["delta"]
+    ]
     fragments = [p["function"]["arguments"] for p in parts[1:]]
     assert parts[0]["function"] == {"name": "get_weather", "arguments": ""} and len(fragments) >= 3, parts
     assert "".join(fragments) == whole["arguments"] == '{"city": "Paris"}'

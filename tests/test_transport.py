@@ -6,6 +6,7 @@ These tests never skip: if NIXL or ucxx cannot be imported or cannot move data h
 with the reason. They run before ``test_transport_inprocess.py`` (file order): NIXL's and ucxx's
 UCX libraries do not share one process in the other order (NIXL after ucxx segfaults).
 """
+
 from __future__ import annotations
 
 import base64
@@ -29,11 +30,15 @@ pytestmark = pytest.mark.process  # every test spawns a peer process
 # (backend, transport options): every real data plane and each of its modes.
 # nixl-threads: NIXL's UCX thread pool (the migration transport's copy threads); split_pages=4 cuts
 # the 20-page write below into parallel chunks, the single-page writes stay on the caller's thread.
-BACKENDS = [("nixl", {"dlist_form": "list"}), ("nixl", {"dlist_form": "strided"}),
-            ("nixl", {"copy_threads": 2, "split_pages": 4}),
-            ("ucxx", {"error_handling": False}), ("ucxx", {"error_handling": True}),
-            ("ucxx", {"error_handling": False, "copy_lanes": 2, "lane_min_bytes": 8 * PAGE_BYTES}),
-            ("ucxx", {"error_handling": True, "copy_lanes": 3, "lane_min_bytes": 8 * PAGE_BYTES})]
+BACKENDS = [
+    ("nixl", {"dlist_form": "list"}),
+    ("nixl", {"dlist_form": "strided"}),
+    ("nixl", {"copy_threads": 2, "split_pages": 4}),
+    ("ucxx", {"error_handling": False}),
+    ("ucxx", {"error_handling": True}),
+    ("ucxx", {"error_handling": False, "copy_lanes": 2, "lane_min_bytes": 8 * PAGE_BYTES}),
+    ("ucxx", {"error_handling": True, "copy_lanes": 3, "lane_min_bytes": 8 * PAGE_BYTES}),
+]
 IDS = ["nixl-list", "nixl-strided", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-lanes", "ucxx-eh-on-lanes"]
 # ucxx-lanes: the target pulls the 20-page write on its copy lanes (transfer/ucxx_lanes.py), the
 # single-page writes on its main worker (lane_min_bytes: 8 of these small pages).
@@ -62,8 +67,11 @@ def test_two_process_write(backend, opts):
         src = np.r_[run_s, rng.choice(np.setdiff1d(np.arange(SHAPE[0]), run_s), 16, replace=False)]
         dst = np.r_[run_d, rng.choice(np.setdiff1d(np.arange(SHAPE[0]), run_d), 16, replace=False)]
         src, dst = src.astype(np.int32), dst.astype(np.int32)
-        for args, msg in [(("nobody", src, dst), "unknown peer"), ((peer, src, dst[:-1]), "lengths"),
-                          ((peer, src, np.r_[dst[:-1], 48]), "out of range")]:
+        for args, msg in [
+            (("nobody", src, dst), "unknown peer"),
+            ((peer, src, dst[:-1]), "lengths"),
+            ((peer, src, np.r_[dst[:-1], 48]), "out of range"),
+        ]:
             with pytest.raises(ValueError, match=msg):
                 t.write_pages(*args, notif=b"bad")
 
@@ -108,17 +116,27 @@ def test_two_process_write(backend, opts):
 # the ucxx backend stopped posting page sends on an endpoint UCX reported failed.
 # nixl-threads: split_pages=2 cuts the scenario's 3-page writes into chunks on the pool's threads;
 # ucxx-lanes: lane_min_bytes of 2 pages sends them over the target's copy lanes.
-DEAD_PEER = [("nixl", {}, 3.0, {}), ("nixl", {"copy_threads": 2, "split_pages": 2}, 3.0, {}),
-             ("ucxx", {"error_handling": False, "write_timeout_s": 1.5}, 3.0, {}),
-             ("ucxx", {"error_handling": True}, 3.0, {}),
-             ("ucxx", {"error_handling": True}, 3.0, {"UCX_RCACHE_ENABLE": "n"}),
-             ("ucxx", {"error_handling": False, "write_timeout_s": 1.5, "copy_lanes": 2, "lane_min_bytes": 2 * PAGE_BYTES}, 3.0, {}),
-             ("ucxx", {"error_handling": True, "copy_lanes": 2, "lane_min_bytes": 2 * PAGE_BYTES}, 3.0, {})]
+DEAD_PEER = [
+    ("nixl", {}, 3.0, {}),
+    ("nixl", {"copy_threads": 2, "split_pages": 2}, 3.0, {}),
+    ("ucxx", {"error_handling": False, "write_timeout_s": 1.5}, 3.0, {}),
+    ("ucxx", {"error_handling": True}, 3.0, {}),
+    ("ucxx", {"error_handling": True}, 3.0, {"UCX_RCACHE_ENABLE": "n"}),
+    (
+        "ucxx",
+        {"error_handling": False, "write_timeout_s": 1.5, "copy_lanes": 2, "lane_min_bytes": 2 * PAGE_BYTES},
+        3.0,
+        {},
+    ),
+    ("ucxx", {"error_handling": True, "copy_lanes": 2, "lane_min_bytes": 2 * PAGE_BYTES}, 3.0, {}),
+]
 
 
-@pytest.mark.parametrize("backend,opts,limit_s,env", DEAD_PEER,
-                         ids=["nixl", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-eh-on-no-rcache",
-                              "ucxx-lanes", "ucxx-eh-on-lanes"])
+@pytest.mark.parametrize(
+    "backend,opts,limit_s,env",
+    DEAD_PEER,
+    ids=["nixl", "nixl-threads", "ucxx-eh-off", "ucxx-eh-on", "ucxx-eh-on-no-rcache", "ucxx-lanes", "ucxx-eh-on-lanes"],
+)
 def test_dead_peer_reports_error_then_restarted_peer_works(backend, opts, limit_s, env):
     """kill -9 of the target: the write ends ``"error"`` within ``limit_s`` (for ucxx without error
     handling that is its write deadline), never hangs; the restarted target works again.
@@ -147,6 +165,7 @@ def test_a_crashing_child_is_one_failure_with_its_signal_and_stack():
 
 
 # ---- ucxx specifics ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("error_handling", [False, True], ids=["eh-off", "eh-on"])
 def test_ucxx_target_that_stops_polling_fails_the_write_at_its_deadline(error_handling):

@@ -4,6 +4,7 @@ of every real backend are in ``test_transport.py``.
 
 These tests never skip: if NIXL or ucxx cannot be imported here, they fail with the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from transport_pools import PAGE_BYTES, SHAPE, expected_page, make_pool, page_words
 
 from transfer.factory import create_transport
 from transfer.kv_transport import KVTransport, TransferHandle
 from transfer.loopback import LoopbackTransport
 
-from transport_pools import PAGE_BYTES, SHAPE, expected_page, make_pool, page_words
-
 # ---- loopback ------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def loop_pair():
@@ -88,8 +89,11 @@ def test_loopback_bad_args(loop_pair):
     with pytest.raises(ValueError, match="page_bytes"):
         LoopbackTransport("lb-bad").register_pool(make_pool(), PAGE_BYTES * 2)
     with pytest.raises(ValueError, match="backend"):
-        pre.add_peer(json.dumps({"format": "pdserve-kv-transport/1", "backend": "nixl", "name": "x",
-                                 "page_bytes": 1, "num_pages": 1}).encode())
+        pre.add_peer(
+            json.dumps(
+                {"format": "pdserve-kv-transport/1", "backend": "nixl", "name": "x", "page_bytes": 1, "num_pages": 1}
+            ).encode()
+        )
     with pytest.raises(ValueError, match="not transport JSON"):
         pre.add_peer(b"\x80\x04pickle")
     other = LoopbackTransport("lb-other")
@@ -114,8 +118,13 @@ def test_ucxx_header_wire_format():
 
     h = WriteHeader("pre-0", 0xDEADBEEF, 7, np.array([3, 1, 2], dtype=np.int32), b'{"rid": "r"}', 123.5)
     back = unpack_header(pack_header(h).tobytes())
-    assert (back.sender, back.conn_id, back.seq, back.notif, back.deadline) == ("pre-0", 0xDEADBEEF, 7,
-                                                                                  b'{"rid": "r"}', 123.5)
+    assert (back.sender, back.conn_id, back.seq, back.notif, back.deadline) == (
+        "pre-0",
+        0xDEADBEEF,
+        7,
+        b'{"rid": "r"}',
+        123.5,
+    )
     assert back.dst_pages.tolist() == [3, 1, 2]
     assert page_tag(0xDEADBEEF, 7, 2) == (0xDEADBEEF << 32) | (7 << 16) | 2
     raw = bytearray(pack_header(h).tobytes())
@@ -132,6 +141,7 @@ def test_ucxx_header_wire_format():
     laned = unpack_header(pack_header(WriteHeader("pre-0", 5, 1, np.arange(9, dtype=np.int32), b"", 1.0, 3)).tobytes())
     assert laned.lanes == 3
     from transfer.ucxx_wire import page_lane
+
     assert [page_lane(i, 3) for i in range(5)] == [0, 1, 2, 0, 1] and page_lane(4, 0) == -1
     with pytest.raises(ValueError, match="0..64 copy lanes"):
         pack_header(WriteHeader("x", 1, 0, np.zeros(1, dtype=np.int32), b"", 0.0, 65))
@@ -147,16 +157,28 @@ def test_ucxx_bad_args_in_one_process():
         with pytest.raises(ValueError, match="own"):
             a.add_peer(a.local_metadata())
         with pytest.raises(ValueError, match="backend 'nixl'"):
-            a.add_peer(json.dumps({"format": "pdserve-kv-transport/1", "backend": "nixl", "name": "x",
-                                   "page_bytes": 1, "num_pages": 1}).encode())
+            a.add_peer(
+                json.dumps(
+                    {
+                        "format": "pdserve-kv-transport/1",
+                        "backend": "nixl",
+                        "name": "x",
+                        "page_bytes": 1,
+                        "num_pages": 1,
+                    }
+                ).encode()
+            )
         md = json.loads(b.local_metadata())
         with pytest.raises(ValueError, match="page_bytes"):
             a.add_peer(json.dumps({**md, "page_bytes": PAGE_BYTES * 2}).encode())
         with pytest.raises(ValueError, match="ucx_address"):
             a.add_peer(json.dumps({k: v for k, v in md.items() if k != "ucx_address"}).encode())
         peer = a.add_peer(b.local_metadata())
-        for args, msg in [(("nobody", [0], [0]), "unknown peer"), ((peer, [0], [48]), "dst page id 48"),
-                          ((peer, [0, 1], [5, 5]), "duplicate")]:
+        for args, msg in [
+            (("nobody", [0], [0]), "unknown peer"),
+            ((peer, [0], [48]), "dst page id 48"),
+            ((peer, [0, 1], [5, 5]), "duplicate"),
+        ]:
             with pytest.raises(ValueError, match=msg):
                 a.write_pages(*args, notif=b"x")
         with pytest.raises(ValueError, match="write_timeout_s"):
@@ -183,7 +205,6 @@ def test_create_transport_takes_the_ucxx_settings_from_the_config():
     finally:
         t.close()
         d.close()
-
 
 
 def test_decode_transport_takes_its_ucxx_copy_lanes_from_the_config():
@@ -247,19 +268,29 @@ def test_state_checks_are_the_same_on_every_backend(backend):
             t.register_pool(make_pool(), PAGE_BYTES)
         md = json.loads(t.local_metadata())
         assert (md["backend"], md["name"], md["num_pages"], md["length"]) == (
-            backend, f"{backend}-state", SHAPE[0], SHAPE[0] * PAGE_BYTES)
+            backend,
+            f"{backend}-state",
+            SHAPE[0],
+            SHAPE[0] * PAGE_BYTES,
+        )
         assert t.poll_notifs() == [] and t.peers() == []
     finally:
         t.close()
     t.close()  # idempotent
     t.remove_peer("nobody")
     assert t.peers() == []
-    for call in (t.local_metadata, t.poll_notifs, lambda: t.register_pool(make_pool(), PAGE_BYTES),
-                 lambda: t.write_pages("nobody", [0], [0], b"x")):
+    for call in (
+        t.local_metadata,
+        t.poll_notifs,
+        lambda: t.register_pool(make_pool(), PAGE_BYTES),
+        lambda: t.write_pages("nobody", [0], [0], b"x"),
+    ):
         with pytest.raises(RuntimeError, match=f"transport '{backend}-state' is closed"):
             call()
 
+
 # ---- module structure ------------------------------------------------------------------------
+
 
 def test_transfer_modules_import_no_cycle_and_the_interface_no_backend():
     """``kv_transport`` (the interface) imports no backend; the factory imports the backends;
@@ -274,8 +305,13 @@ def test_transfer_modules_import_no_cycle_and_the_interface_no_backend():
     for m in mods:
         deps = set()
         for node in ast.walk(ast.parse((root / f"{m}.py").read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             deps |= {n.split(".")[1] for n in names if n.startswith("transfer.") and n.split(".")[1] in mods}
         graph[m] = deps
     assert graph["kv_transport"] == set()

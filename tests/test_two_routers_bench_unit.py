@@ -1,5 +1,6 @@
 """The in-process parts of ``pdserve bench two-routers``: flag checks, the spread, counter deltas,
 what counts as a failed request, the per-phase tags, and the medians and B/A of the summary."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,11 +13,16 @@ from bench.serve.stats import compute_stats
 from bench.serve.workload import RequestSpec, WordCounter
 
 
-@pytest.mark.parametrize("argv, msg", [(["--rounds", "0"], "--rounds >= 1"),
-                                        (["--decode", "1"], "--decode >= 2"),
-                                        (["--colocated", "1"], "N >= 2"),
-                                        (["--input-len-range", "9,3"], "1 <= LO <= HI"),
-                                        (["--input-len-range", "abc"], "takes LO,HI")])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--rounds", "0"], "--rounds >= 1"),
+        (["--decode", "1"], "--decode >= 2"),
+        (["--colocated", "1"], "N >= 2"),
+        (["--input-len-range", "9,3"], "1 <= LO <= HI"),
+        (["--input-len-range", "abc"], "takes LO,HI"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag(argv, msg, capsys):
     assert cli.main(["two-routers", *argv]) == 2
     assert msg in capsys.readouterr().err
@@ -51,18 +57,29 @@ def test_every_phase_gets_the_same_prompts_behind_its_own_tag():
 def _phase(name: str, duration: float, split: WorkerSplit) -> PhaseResult:
     results = [_result(i, ttft=0.1 * (i + 1)) for i in range(4)]
     cpu = {"router-a": 0.016, "router-b": 0.016 if name[0] == "B" else 0.0, "prefill-0": 0.1, "decode-0": 0.1}
-    return PhaseResult(name, ["http://a"] if name[0] == "A" else ["http://a", "http://b"],
-                       compute_stats(results, duration), split, [], cpu)
+    return PhaseResult(
+        name,
+        ["http://a"] if name[0] == "A" else ["http://a", "http://b"],
+        compute_stats(results, duration),
+        split,
+        [],
+        cpu,
+    )
 
 
 def test_summary_takes_medians_over_rounds_and_pools_b():
-    even, uneven = WorkerSplit({"d0": 2, "d1": 2}, {"d0": 8, "d1": 8}), WorkerSplit({"d0": 1, "d1": 3}, {"d0": 4, "d1": 12})
+    even, uneven = (
+        WorkerSplit({"d0": 2, "d1": 2}, {"d0": 8, "d1": 8}),
+        WorkerSplit({"d0": 1, "d1": 3}, {"d0": 4, "d1": 12}),
+    )
     phases = [_phase("A1", 1.0, even), _phase("B1", 2.0, uneven), _phase("A2", 2.0, even), _phase("B2", 1.0, even)]
     s = Summary.of(phases)
     assert s.median_a["tok/s"] == pytest.approx(12.0)  # 16 tokens in 1 s and in 2 s: median 12
     assert s.ratio["tok/s"] == pytest.approx(1.0) and s.ratio["TTFT p50 ms"] == pytest.approx(1.0)
     assert s.median_a["routers CPU ms/tok"] == pytest.approx(1.0)  # 16 ms over 16 tokens
-    assert s.ratio["routers CPU ms/tok"] == pytest.approx(2.0) and s.median_b["workers CPU ms/tok"] == pytest.approx(12.5)
+    assert s.ratio["routers CPU ms/tok"] == pytest.approx(2.0) and s.median_b["workers CPU ms/tok"] == pytest.approx(
+        12.5
+    )
     assert s.pooled_b.finished == {"d0": 3, "d1": 5} and s.pooled_b.finished_spread == pytest.approx(0.5)
     assert "50.0% (NOT met)" in s.verdict()[1] and "(met at >= 0.95)" in s.verdict()[0]
     table = phases_table(phases, {"http://a": "router-a", "http://b": "router-b"})

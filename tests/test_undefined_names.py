@@ -2,6 +2,7 @@
 so a path no test runs (a benchmark part, an error branch) cannot keep a NameError until someone
 runs it (session 31: ``bench.migration_bench --part kv`` lost its ``statistics`` import when the
 serve part moved out, and nothing ran the kv part)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +14,18 @@ from pyflakes import messages  # noqa: E402
 from pyflakes.reporter import Reporter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("bench", "cache", "configs", "decode_worker", "engine", "prefill_worker", "server", "transfer", "docker",
-            "tests")
+PACKAGES = (
+    "bench",
+    "cache",
+    "configs",
+    "decode_worker",
+    "engine",
+    "prefill_worker",
+    "server",
+    "transfer",
+    "docker",
+    "tests",
+)
 UNDEFINED = (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)
 
 

@@ -1,4 +1,5 @@
 """``--worker-kv-pool-tokens``: a launch's workers with KV pools of their own size."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,13 @@ pytestmark = pytest.mark.unit
 
 
 def cfg(**cluster) -> PdserveConfig:
-    return PdserveConfig.model_validate({"engine": {"kv_pool_tokens": 1024}, "server": {"api_key": "s3cret"},
-                                         "cluster": {"mode": "pd", "decode": 2, **cluster}})
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"kv_pool_tokens": 1024},
+            "server": {"api_key": "s3cret"},
+            "cluster": {"mode": "pd", "decode": 2, **cluster},
+        }
+    )
 
 
 def test_the_form_is_id_equals_tokens():
@@ -27,8 +33,11 @@ def test_the_form_is_id_equals_tokens():
 
 
 def test_a_worker_the_deployment_does_not_run_is_refused_by_name():
-    with pytest.raises(ValidationError, match=r"names decode-2, not a worker of this pd deployment "
-                                              r"\(prefill-0, decode-0, decode-1\)"):
+    with pytest.raises(
+        ValidationError,
+        match=r"names decode-2, not a worker of this pd deployment "
+        r"\(prefill-0, decode-0, decode-1\)",
+    ):
         cfg(worker_kv_pool_tokens="decode-2=4096")
     with pytest.raises(ValidationError, match="not a worker of this colocated deployment"):
         cfg(mode="colocated", worker_kv_pool_tokens="decode-0=4096")

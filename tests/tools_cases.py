@@ -5,6 +5,7 @@ same call both ways; the stream's arguments arrive in several fragments and are 
 the SDK's own stream accumulator): every answer is
 exactly one call of an allowed tool whose arguments validate against its schema, and the call
 replayed with its result is accepted."""
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,31 @@ import json
 import jsonschema
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                "required": ["city", "unit"], "additionalProperties": False}
-TIME_ARGS = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 32}},
-             "required": ["timezone"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": WEATHER_ARGS}},
-         {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
-                                           "parameters": TIME_ARGS}}]
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_ARGS = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 32}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER_ARGS},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Current time in a timezone", "parameters": TIME_ARGS},
+    },
+]
 SCHEMAS = {"get_weather": WEATHER_ARGS, "get_time": TIME_ARGS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
@@ -44,8 +61,10 @@ def _streamed(client, **kw) -> tuple[str, list[dict], str]:
                     assert part.id is None and part.function.name is None and part.function.arguments, part
                     fragments[part.index] = fragments.get(part.index, 0) + 1
     choice = state.get_final_completion().choices[0]
-    calls = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments,
-              "fragments": fragments.get(k, 0)} for k, t in enumerate(choice.message.tool_calls or [])]
+    calls = [
+        {"id": t.id, "name": t.function.name, "arguments": t.function.arguments, "fragments": fragments.get(k, 0)}
+        for k, t in enumerate(choice.message.tool_calls or [])
+    ]
     return choice.message.content or "", calls, choice.finish_reason
 
 
@@ -60,8 +79,15 @@ def check_forced_tool_calls(client) -> None:
     cases = [("required", 0, None), (NAMED, 1.0, 3)]  # greedy, and sampled with a seed: both reproducible
     first = None
     for choice, temperature, seed in cases:
-        kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=48,
-                  temperature=temperature, seed=seed)
+        kw = dict(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=48,
+            temperature=temperature,
+            seed=seed,
+        )
         allowed = set(SCHEMAS) if choice == "required" else {"get_time"}
         r = client.chat.completions.create(**kw)
         msg = r.choices[0].message
@@ -78,6 +104,10 @@ def check_forced_tool_calls(client) -> None:
         first = first or msg
     # the call replayed with its result (the client's own message object) is rendered and answered
     reply = client.chat.completions.create(
-        model=model, tools=TOOLS, max_tokens=8, temperature=0,
-        messages=[*ASK, first, {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "18 C, sunny"}])
+        model=model,
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,
+        messages=[*ASK, first, {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "18 C, sunny"}],
+    )
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls") and reply.usage.completion_tokens > 0

@@ -5,6 +5,7 @@ when every assertion holds, 1 (with the traceback on stderr) when one fails. A n
 the data plane (ucxx has segfaulted in ``tag_send`` to a killed peer) kills only this process:
 ``run_child`` reports it as the child's signal and stderr tail instead of taking pytest down.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -104,9 +105,14 @@ def run_python(args: list[str], timeout_s: float, env: dict[str, str] | None = N
     its own session and say how it ended; stderr keeps its last 4000 characters (faulthandler's Python stack on a crash, the
     traceback on an assertion). Past ``timeout_s`` the child gets SIGABRT (faulthandler prints
     where it hung), then its whole process group SIGKILL, and the result says it timed out."""
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         _, err = proc.communicate(timeout=timeout_s)
         code: int | None = proc.returncode
@@ -123,12 +129,12 @@ def run_python(args: list[str], timeout_s: float, env: dict[str, str] | None = N
     return ChildResult(code, (err or "")[-4000:])
 
 
-def run_child(backend: str, opts: dict, limit_s: float, env: dict[str, str] | None = None,
-              timeout_s: float = 240.0) -> ChildResult:
+def run_child(
+    backend: str, opts: dict, limit_s: float, env: dict[str, str] | None = None, timeout_s: float = 240.0
+) -> ChildResult:
     """``scenario(backend, opts, limit_s)`` in a child process (``run_python`` of this file, with
     ``env`` added to its environment)."""
-    return run_python([str(Path(__file__).resolve()), backend, json.dumps(opts), repr(float(limit_s))],
-                      timeout_s, env)
+    return run_python([str(Path(__file__).resolve()), backend, json.dumps(opts), repr(float(limit_s))], timeout_s, env)
 
 
 def main(argv: list[str]) -> int:

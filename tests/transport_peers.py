@@ -5,6 +5,7 @@ zeroed pool, sends its metadata back and then polls notifications until told ``(
 verifies its pool on ``("check", src, dst, n)`` (``check``) and stops polling for a while on
 ``("pause", seconds)``. The child exits on its own after 60 s or when its parent goes away.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,9 +43,13 @@ def _target(conn, backend: str, name: str, opts: dict) -> None:
                 got += t.poll_notifs()
                 time.sleep(0.001)
             where = dict(zip(dst, src))
-            bad = [i for i in range(buf.shape[0])
-                   if not torch.equal(page_words(buf, i), expected_page(where[i]) if i in where
-                                      else torch.zeros_like(page_words(buf, i)))]
+            bad = [
+                i
+                for i in range(buf.shape[0])
+                if not torch.equal(
+                    page_words(buf, i), expected_page(where[i]) if i in where else torch.zeros_like(page_words(buf, i))
+                )
+            ]
             conn.send({"notifs": got, "bad_pages": bad, "lane_writes": getattr(t, "lane_writes", None)})
             got = []
         time.sleep(0.0005)

@@ -1,4 +1,5 @@
 """Page-major test pools for the transport tests: every page holds distinct known words."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,9 @@ def fill_pattern(buf: torch.Tensor) -> None:
     """Page i holds int32 words i * 1_000_003 + j: every page distinct, every byte known."""
     words = buf.view(buf.shape[0], -1).view(torch.int32)
     n = words.shape[1]
-    words.copy_(torch.arange(buf.shape[0], dtype=torch.int32)[:, None] * 1_000_003
-                + torch.arange(n, dtype=torch.int32)[None, :])
+    words.copy_(
+        torch.arange(buf.shape[0], dtype=torch.int32)[:, None] * 1_000_003 + torch.arange(n, dtype=torch.int32)[None, :]
+    )
 
 
 def expected_page(i: int, shape=SHAPE) -> torch.Tensor:

@@ -16,6 +16,7 @@ edited by hand or cut short is refused with the reason). The secret key alone is
 the pair: ``PDSERVE_CLUSTER_SECRET_KEY`` carries just it (how ``pdserve launch`` hands its
 ephemeral key to its workers without putting it on a command line).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,19 +44,21 @@ class ClusterKey:
     secret: bytes
 
     @classmethod
-    def generate(cls) -> "ClusterKey":
+    def generate(cls) -> ClusterKey:
         """A fresh random key pair (``zmq.curve_keypair``)."""
         public, secret = zmq.curve_keypair()
         return cls(public, secret)
 
     @classmethod
-    def from_secret(cls, secret: str | bytes, source: str = "the secret key") -> "ClusterKey":
+    def from_secret(cls, secret: str | bytes, source: str = "the secret key") -> ClusterKey:
         """The pair of a Z85 secret key; ``ClusterKeyError`` naming ``source`` if it is not one."""
         raw = secret.encode() if isinstance(secret, str) else secret
         raw = raw.strip()
         if len(raw) != KEY_CHARS:
-            raise ClusterKeyError(f"{source}: a CURVE key is {KEY_CHARS} Z85 characters, got {len(raw)}; "
-                                  f"make a key with 'pdserve keygen FILE'")
+            raise ClusterKeyError(
+                f"{source}: a CURVE key is {KEY_CHARS} Z85 characters, got {len(raw)}; "
+                f"make a key with 'pdserve keygen FILE'"
+            )
         try:
             public = zmq.curve_public(raw)
         except (zmq.ZMQError, ValueError) as e:
@@ -73,14 +76,16 @@ class ClusterKey:
 
 def key_file_text(key: ClusterKey) -> str:
     """The file ``pdserve keygen`` writes for ``key`` (format in the module docstring)."""
-    return ("#   pdserve cluster key (ZeroMQ CURVE, Z85): every router, worker and probe of one\n"
-            "#   deployment needs this same file (--cluster-key FILE or PDSERVE_CLUSTER_KEY=FILE).\n"
-            "#   Anyone who holds it can drive the workers: keep it mode 0600 and out of images and git.\n"
-            "metadata\n"
-            f'    fingerprint = "{key.fingerprint}"\n'
-            "curve\n"
-            f'    public-key = "{key.public.decode()}"\n'
-            f'    secret-key = "{key.secret.decode()}"\n')
+    return (
+        "#   pdserve cluster key (ZeroMQ CURVE, Z85): every router, worker and probe of one\n"
+        "#   deployment needs this same file (--cluster-key FILE or PDSERVE_CLUSTER_KEY=FILE).\n"
+        "#   Anyone who holds it can drive the workers: keep it mode 0600 and out of images and git.\n"
+        "metadata\n"
+        f'    fingerprint = "{key.fingerprint}"\n'
+        "curve\n"
+        f'    public-key = "{key.public.decode()}"\n'
+        f'    secret-key = "{key.secret.decode()}"\n'
+    )
 
 
 def write_key_file(path: str | Path, key: ClusterKey, overwrite: bool = False) -> None:
@@ -100,12 +105,16 @@ def parse_key_text(text: str, source: str) -> ClusterKey:
         if m := _LINE.match(line):
             found[m.group(1)] = m.group(2)
     if "secret-key" not in found:
-        raise ClusterKeyError(f"{source}: no secret-key line (is it a public certificate, or not a key file?); "
-                              f"make one with 'pdserve keygen FILE'")
+        raise ClusterKeyError(
+            f"{source}: no secret-key line (is it a public certificate, or not a key file?); "
+            f"make one with 'pdserve keygen FILE'"
+        )
     key = ClusterKey.from_secret(found["secret-key"], f"{source}: secret-key")
     if "public-key" in found and found["public-key"].encode() != key.public:
-        raise ClusterKeyError(f"{source}: public-key is not the secret-key's public key (file edited or mixed "
-                              f"from two keys); make a new one with 'pdserve keygen FILE'")
+        raise ClusterKeyError(
+            f"{source}: public-key is not the secret-key's public key (file edited or mixed "
+            f"from two keys); make a new one with 'pdserve keygen FILE'"
+        )
     return key
 
 

@@ -15,6 +15,7 @@ cause) and, on a client, into ``error`` (the router shows it in ``/health``).
 ``ControlAuth.insecure()`` (``--insecure-control-plane``) configures nothing: plain ZMTP, no
 authentication; its sockets still explain a mismatch with a CURVE peer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,13 @@ ENV_SECRET = "PDSERVE_CLUSTER_SECRET_KEY"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # libzmq asks the handler bound here in the socket's context
 ZAP_DOMAIN = "pdserve"
 KEYGEN_HINT = "make one with 'pdserve keygen FILE' and give every router and worker --cluster-key FILE"
-_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
+_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_MONITOR_STOPPED
+)
 
 
 class ControlAuthError(RuntimeError):
@@ -51,7 +57,7 @@ class ControlAuth:
     key: ClusterKey | None
 
     @classmethod
-    def insecure(cls) -> "ControlAuth":
+    def insecure(cls) -> ControlAuth:
         return cls(None)
 
     @property
@@ -63,7 +69,7 @@ class ControlAuth:
             return "NOT authenticated (--insecure-control-plane)"
         return f"CURVE with cluster key {self.key.fingerprint}"
 
-    def server(self, sock: zmq.Socket, label: str) -> "ServerGuard":
+    def server(self, sock: zmq.Socket, label: str) -> ServerGuard:
         """Make ``sock`` (not yet bound) a CURVE server of the cluster key, with a ZAP handler in its
         context that admits only the cluster key and a watch that logs refused handshakes.
         At most one secure server per context (one ZAP handler each). Close the guard after the socket."""
@@ -76,7 +82,7 @@ class ControlAuth:
             sock.curve_server = True
         return ServerGuard(zap, HandshakeWatch(sock, "server", label, self))
 
-    def client(self, sock: zmq.Socket, label: str) -> "HandshakeWatch":
+    def client(self, sock: zmq.Socket, label: str) -> HandshakeWatch:
         """Make ``sock`` (not yet connected) a CURVE client presenting the cluster key; the returned
         watch logs failed handshakes and holds the latest one in ``error``."""
         if self.key is not None:
@@ -102,9 +108,11 @@ def resolve_auth(key_file: str | None, insecure: bool, environ: Mapping[str, str
         elif insecure:
             return ControlAuth.insecure()
         else:
-            raise ControlAuthError(f"no cluster key: {KEYGEN_HINT} (or PDSERVE_CLUSTER_KEY=FILE); "
-                                   f"--insecure-control-plane runs without authentication instead, and then "
-                                   f"anyone who reaches a worker's port can submit, abort or shut it down")
+            raise ControlAuthError(
+                f"no cluster key: {KEYGEN_HINT} (or PDSERVE_CLUSTER_KEY=FILE); "
+                f"--insecure-control-plane runs without authentication instead, and then "
+                f"anyone who reaches a worker's port can submit, abort or shut it down"
+            )
     except ClusterKeyError as e:
         raise ControlAuthError(str(e)) from None
     if insecure:
@@ -115,7 +123,7 @@ def resolve_auth(key_file: str | None, insecure: bool, environ: Mapping[str, str
 class ServerGuard:
     """What ``ControlAuth.server`` started for one server socket: its ZAP handler and watch."""
 
-    def __init__(self, zap: "ZapAuthenticator | None", watch: "HandshakeWatch") -> None:
+    def __init__(self, zap: ZapAuthenticator | None, watch: HandshakeWatch) -> None:
         self.zap = zap
         self.watch = watch
 
@@ -162,8 +170,9 @@ class ZapAuthenticator:
             self._sock.bind(ZAP_ENDPOINT)
         except zmq.ZMQError as e:
             self._sock.close()
-            raise RuntimeError(f"a ZAP handler already serves this ZMQ context ({e}): one secure server per "
-                               f"context") from None
+            raise RuntimeError(
+                f"a ZAP handler already serves this ZMQ context ({e}): one secure server per context"
+            ) from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="zap", daemon=True)
         self._thread.start()
@@ -185,10 +194,13 @@ class ZapAuthenticator:
         version, request_id, _domain, address, _identity, mechanism, *credentials = frames
         if mechanism == b"CURVE" and credentials and credentials[0] == self._allowed:
             return [version, request_id, b"200", b"OK", b"cluster", b""]
-        self._throttle.log(logging.ERROR, f"{self._label}: refused a control connection from "
-                                          f"{address.decode(errors='replace')}: its CURVE key is not this cluster's "
-                                          f"(mechanism {mechanism.decode(errors='replace')}); the peer needs the "
-                                          f"same --cluster-key as this process")
+        self._throttle.log(
+            logging.ERROR,
+            f"{self._label}: refused a control connection from "
+            f"{address.decode(errors='replace')}: its CURVE key is not this cluster's "
+            f"(mechanism {mechanism.decode(errors='replace')}); the peer needs the "
+            f"same --cluster-key as this process",
+        )
         return [version, request_id, b"400", b"not this cluster's key (--cluster-key)", b"", b""]
 
     def close(self) -> None:
@@ -243,28 +255,45 @@ class HandshakeWatch:
     def explain(self, event: int, value: int, endpoint: str) -> str | None:
         """The log line for a failed handshake, or None for one the ZAP handler already logged."""
         ours = self.auth.describe()
-        who = f"{self.label}: " + ("refused a control connection on " if self.side == "server" else
-                                   "cannot talk to ") + endpoint
+        who = (
+            f"{self.label}: "
+            + ("refused a control connection on " if self.side == "server" else "cannot talk to ")
+            + endpoint
+        )
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             if self.side == "server":
                 return None
-            return (f"{who}: it refused this process's CURVE key (ZAP status {value}); this side uses {ours}: "
-                    f"give both the same --cluster-key")
+            return (
+                f"{who}: it refused this process's CURVE key (ZAP status {value}); this side uses {ours}: "
+                f"give both the same --cluster-key"
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if self.auth.secure:
-                return (f"{who}: the peer speaks plain ZMTP (no --cluster-key, or --insecure-control-plane) while "
-                        f"this side uses {ours}: give both the same --cluster-key")
-            return (f"{who}: the peer requires CURVE but this side has no cluster key: start it with the "
-                    f"cluster's --cluster-key FILE")
+                return (
+                    f"{who}: the peer speaks plain ZMTP (no --cluster-key, or --insecure-control-plane) while "
+                    f"this side uses {ours}: give both the same --cluster-key"
+                )
+            return (
+                f"{who}: the peer requires CURVE but this side has no cluster key: start it with the "
+                f"cluster's --cluster-key FILE"
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-            return (f"{who}: CURVE handshake failed (the peer does not hold this cluster's key; this side uses "
-                    f"{ours}): give both the same --cluster-key")
+            return (
+                f"{who}: CURVE handshake failed (the peer does not hold this cluster's key; this side uses "
+                f"{ours}): give both the same --cluster-key"
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.side == "client" and self.auth.secure:
-            return (f"{who}: the CURVE handshake was cut off (most often: the peer does not hold this process's "
-                    f"key; this side uses {ours}): give both the same --cluster-key")
+            return (
+                f"{who}: the CURVE handshake was cut off (most often: the peer does not hold this process's "
+                f"key; this side uses {ours}): give both the same --cluster-key"
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self.side == "client":
             # a CURVE server may close on a plain client before the mechanism mismatch reaches it
-            return (f"{who}: the handshake was cut off (most often: the peer requires CURVE but this side has no "
-                    f"cluster key): start it with the cluster's --cluster-key FILE")
-        return (f"{who}: handshake failed (ZMQ monitor event {event}, value {value}; this side uses {ours}): a peer "
-                f"that should get in needs the same --cluster-key")
+            return (
+                f"{who}: the handshake was cut off (most often: the peer requires CURVE but this side has no "
+                f"cluster key): start it with the cluster's --cluster-key FILE"
+            )
+        return (
+            f"{who}: handshake failed (ZMQ monitor event {event}, value {value}; this side uses {ours}): a peer "
+            f"that should get in needs the same --cluster-key"
+        )

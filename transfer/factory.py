@@ -5,6 +5,7 @@ backend and the backends import only the interface: ``kv_transport`` <- backends
 The backends are still imported lazily, so a process loads only the data plane it uses (NIXL and
 ucxx pull in native libraries).
 """
+
 from __future__ import annotations
 
 from transfer.kv_transport import KVTransport

@@ -55,6 +55,7 @@ with ``transfer.factory.create_transport``; this module imports no backend.
 
 Methods are thread-safe (one lock per transport); a write holds that lock while it copies.
 """
+
 from __future__ import annotations
 
 import abc
@@ -101,7 +102,7 @@ class TransferHandle(abc.ABC):
     def release(self) -> None:
         """Free backend resources (cancels a pending write where possible). Idempotent."""
 
-    def __enter__(self) -> "TransferHandle":
+    def __enter__(self) -> TransferHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,8 +159,7 @@ class KVTransport(abc.ABC):
         """Forget a peer (no-op if unknown). Later writes to it raise ``ValueError``."""
 
     @abc.abstractmethod
-    def write_pages(self, peer: str, src_pages: np.ndarray, dst_pages: np.ndarray,
-                    notif: bytes) -> TransferHandle:
+    def write_pages(self, peer: str, src_pages: np.ndarray, dst_pages: np.ndarray, notif: bytes) -> TransferHandle:
         """One-sided write of local pages ``src_pages`` onto the peer's ``dst_pages``, then ``notif``."""
 
     @abc.abstractmethod
@@ -174,7 +174,7 @@ class KVTransport(abc.ABC):
         """Names of the connected peers."""
         return []
 
-    def __enter__(self) -> "KVTransport":
+    def __enter__(self) -> KVTransport:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -182,6 +182,7 @@ class KVTransport(abc.ABC):
 
 
 # ---- helpers shared by the backends ----------------------------------------------------------
+
 
 def pool_geometry(buffer: torch.Tensor, page_bytes: int) -> tuple[int, int]:
     """Validate a page-major pool; return ``(num_pages, total_bytes)``."""
@@ -194,8 +195,10 @@ def pool_geometry(buffer: torch.Tensor, page_bytes: int) -> tuple[int, int]:
     page_bytes = int(page_bytes)
     actual = buffer[0].numel() * buffer.element_size()
     if page_bytes <= 0 or page_bytes != actual:
-        raise ValueError(f"page_bytes={page_bytes} but buffer[0] holds {actual} bytes "
-                         f"(pool shape {tuple(buffer.shape)}, {buffer.dtype})")
+        raise ValueError(
+            f"page_bytes={page_bytes} but buffer[0] holds {actual} bytes "
+            f"(pool shape {tuple(buffer.shape)}, {buffer.dtype})"
+        )
     return int(buffer.shape[0]), int(buffer.shape[0]) * page_bytes
 
 
@@ -204,8 +207,7 @@ def device_of(buffer: torch.Tensor) -> tuple[str, int]:
     if buffer.device.type == "cpu":
         return "DRAM", 0
     if buffer.device.type == "cuda":
-        return "VRAM", int(buffer.device.index if buffer.device.index is not None
-                           else torch.cuda.current_device())
+        return "VRAM", int(buffer.device.index if buffer.device.index is not None else torch.cuda.current_device())
     raise ValueError(f"unsupported pool device {buffer.device}")
 
 
@@ -268,8 +270,9 @@ def decode_metadata(blob: bytes, backend: str) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"peer metadata is not transport JSON: {e}") from None
     if not isinstance(md, dict) or md.get("format") != METADATA_FORMAT:
-        raise ValueError(f"peer metadata format {md.get('format') if isinstance(md, dict) else None!r}, "
-                         f"expected {METADATA_FORMAT!r}")
+        raise ValueError(
+            f"peer metadata format {md.get('format') if isinstance(md, dict) else None!r}, expected {METADATA_FORMAT!r}"
+        )
     if md.get("backend") != backend:
         raise ValueError(f"peer metadata is for backend {md.get('backend')!r}, this transport is {backend!r}")
     for key in ("name", "page_bytes", "num_pages"):

@@ -6,6 +6,7 @@ noticed). A write is a tensor copy of whole pages (``torch`` index copy on the p
 across devices if needed); the notification is queued to the target after the copy, so a handle
 is always terminal when ``write_pages`` returns.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,7 +21,7 @@ import torch
 from transfer.kv_transport import CompletedHandle, TransferHandle, decode_metadata
 from transfer.transport_base import PeerRecord, TransportBase
 
-_registry: "weakref.WeakValueDictionary[str, LoopbackTransport]" = weakref.WeakValueDictionary()
+_registry: weakref.WeakValueDictionary[str, LoopbackTransport] = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
 _instance_ids = itertools.count(1)
 
@@ -29,7 +30,7 @@ _instance_ids = itertools.count(1)
 class _Peer(PeerRecord):
     """A peer in this process: the live transport its metadata named."""
 
-    target: "LoopbackTransport"
+    target: LoopbackTransport
 
 
 class LoopbackTransport(TransportBase):
@@ -55,8 +56,9 @@ class LoopbackTransport(TransportBase):
             _registry[name] = self
 
     # ---- setup --------------------------------------------------------------------------------
-    def _register(self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int,
-                  mem_type: str, dev: int) -> None:
+    def _register(
+        self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int, mem_type: str, dev: int
+    ) -> None:
         self._pages = buffer.view(-1).view(torch.uint8).view(num_pages, page_bytes)
 
     def _metadata_extra(self) -> dict:
@@ -72,10 +74,12 @@ class LoopbackTransport(TransportBase):
             with _registry_lock:
                 target = _registry.get(md["name"])
             if target is None or target._closed or target._instance_id != md.get("instance"):
-                raise ValueError(f"no live loopback transport {md['name']!r} (instance "
-                                 f"{md.get('instance')}) in this process")
-            self._peers[md["name"]] = _Peer(md["name"], bytes(peer_metadata), target._num_pages,
-                                            target._page_bytes, target)
+                raise ValueError(
+                    f"no live loopback transport {md['name']!r} (instance {md.get('instance')}) in this process"
+                )
+            self._peers[md["name"]] = _Peer(
+                md["name"], bytes(peer_metadata), target._num_pages, target._page_bytes, target
+            )
             return md["name"]
 
     # ---- data path ----------------------------------------------------------------------------

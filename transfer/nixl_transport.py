@@ -34,6 +34,7 @@ How it maps onto NIXL (nixl 1.5 python API):
 Metadata (``local_metadata``) is JSON: name, memory type, device, base, length, page size, page
 count and NIXL's own agent metadata blob as base64. No pickle anywhere.
 """
+
 from __future__ import annotations
 
 import base64
@@ -102,7 +103,7 @@ class _Peer(PeerRecord):
 class NixlHandle(PendingHandle):
     """A posted NIXL WRITE. ``poll`` progresses the agent's UCX worker."""
 
-    def __init__(self, transport: "NixlTransport", xfer) -> None:
+    def __init__(self, transport: NixlTransport, xfer) -> None:
         super().__init__(transport)
         self._xfer = xfer
 
@@ -141,9 +142,16 @@ class NixlTransport(RemoteTransportBase):
     backend = "nixl"
     notifies_on_poll = True
 
-    def __init__(self, name: str, *, dlist_form: str = "list", num_workers: int = 1,
-                 capture_telemetry: bool = False, copy_threads: int = 0,
-                 split_pages: int = DEFAULT_SPLIT_PAGES) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        dlist_form: str = "list",
+        num_workers: int = 1,
+        capture_telemetry: bool = False,
+        copy_threads: int = 0,
+        split_pages: int = DEFAULT_SPLIT_PAGES,
+    ) -> None:
         """``copy_threads`` > 0: NIXL's UCX thread pool (see the module docstring) copies a write of at
         least ``split_pages`` descriptors in that many parallel chunks; 0 (default): the caller's
         thread copies every write."""
@@ -157,22 +165,30 @@ class NixlTransport(RemoteTransportBase):
         nixl = _nixl()
         self._dlist_form = dlist_form
         self.copy_threads = int(copy_threads)
-        self._handles: "weakref.WeakSet[NixlHandle]" = weakref.WeakSet()
+        self._handles: weakref.WeakSet[NixlHandle] = weakref.WeakSet()
         self._saw_error = False
         self._reg = None
         self._local_dlist = None
         extra = {}
         if self.copy_threads:  # UCX workers in multi-thread mode: ours progress the pool's workers too
             extra["sync_mode"] = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
-        config = nixl.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                        backends=[], capture_telemetry=capture_telemetry, **extra)
+        config = nixl.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=[],
+            capture_telemetry=capture_telemetry,
+            **extra,
+        )
         self._agent = nixl.nixl_agent(name, config)
         if "UCX" not in self._agent.get_plugin_list():
             raise RuntimeError(f"NIXL has no UCX plugin (plugins: {self._agent.get_plugin_list()})")
         params = {"ucx_error_handling_mode": "peer", "num_workers": str(int(num_workers))}
         if self.copy_threads:
-            params.update(num_threads=str(self.copy_threads), split_batch_size=str(int(split_pages)),
-                          num_workers=str(max(int(num_workers), self.copy_threads + 1)))
+            params.update(
+                num_threads=str(self.copy_threads),
+                split_batch_size=str(int(split_pages)),
+                num_workers=str(max(int(num_workers), self.copy_threads + 1)),
+            )
         self._agent.create_backend("UCX", params)
 
     # ---- setup --------------------------------------------------------------------------------
@@ -181,13 +197,15 @@ class NixlTransport(RemoteTransportBase):
         """The underlying ``nixl_agent`` (for telemetry/diagnostics; hold no long references)."""
         return self._agent
 
-    def _register(self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int,
-                  mem_type: str, dev: int) -> None:
+    def _register(
+        self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int, mem_type: str, dev: int
+    ) -> None:
         base = buffer.data_ptr()
         reg = self._agent.register_memory([(base, length, dev, "")], mem_type)
         try:
             local = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", _page_descs(base, page_bytes, num_pages, dev, self._dlist_form), mem_type)
+                "NIXL_INIT_AGENT", _page_descs(base, page_bytes, num_pages, dev, self._dlist_form), mem_type
+            )
         except Exception:
             self._agent.deregister_memory(reg)
             raise
@@ -210,8 +228,7 @@ class NixlTransport(RemoteTransportBase):
             raise ValueError(f"peer {name!r} metadata: bad nixl_md ({e})") from None
         return page_bytes, num_pages, nixl_md
 
-    def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int,
-                      blob: bytes) -> _Peer:
+    def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int, blob: bytes) -> _Peer:
         loaded = self._agent.add_remote_agent(blob)
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
@@ -219,8 +236,10 @@ class NixlTransport(RemoteTransportBase):
             raise ValueError(f"peer metadata names {name!r} but its NIXL blob is agent {loaded!r}")
         try:
             dlist = self._agent.prep_xfer_dlist(
-                name, _page_descs(int(md["base"]), page_bytes, num_pages, int(md["device"]),
-                                  self._dlist_form), md["mem_type"])
+                name,
+                _page_descs(int(md["base"]), page_bytes, num_pages, int(md["device"]), self._dlist_form),
+                md["mem_type"],
+            )
         except Exception:
             self._agent.remove_remote_agent(name)
             raise
@@ -230,8 +249,10 @@ class NixlTransport(RemoteTransportBase):
         """Release the peer's descriptor list and remote agent; never raises. ``why`` is unused:
         NIXL holds the state of the peer's pending writes, their ``poll`` asks it."""
         self._peers.pop(peer.name, None)
-        for what, fn in (("descriptor list", peer.dlist.release),
-                         ("remote agent", lambda: self._agent.remove_remote_agent(peer.name))):
+        for what, fn in (
+            ("descriptor list", peer.dlist.release),
+            ("remote agent", lambda: self._agent.remove_remote_agent(peer.name)),
+        ):
             try:
                 fn()
             except Exception as e:
@@ -247,8 +268,7 @@ class NixlTransport(RemoteTransportBase):
                 return CompletedHandle(error=err_text(e))
             return CompletedHandle()
         try:
-            xfer = self._agent.make_prepped_xfer("WRITE", self._local_dlist, src, peer.dlist, dst,
-                                                 notif_msg=notif)
+            xfer = self._agent.make_prepped_xfer("WRITE", self._local_dlist, src, peer.dlist, dst, notif_msg=notif)
         except Exception as e:
             self._saw_error = True
             return CompletedHandle(error=err_text(e))

@@ -16,6 +16,7 @@ What it does not do: the seal authenticates the notification, not the KV bytes (
 would cost a pass over the KV); it does not hide anything (UCX does not encrypt); it does not
 stop a peer that reaches the UCX port from writing pool pages (see the README's Security section).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,7 +45,7 @@ class NotifSeal:
         self.refused = 0  # notifications dropped by ``open`` (forged, unsealed or cut short)
 
     @classmethod
-    def for_key(cls, key: ClusterKey) -> "NotifSeal":
+    def for_key(cls, key: ClusterKey) -> NotifSeal:
         """The seal of a deployment: HMAC-SHA256(secret key, label), the same on every holder."""
         return cls(hmac.new(key.secret, _LABEL, hashlib.sha256).digest())
 
@@ -59,9 +60,9 @@ class NotifSeal:
         """The notification inside ``sealed`` when its seal verifies for ``sender``; else None
         (counted in ``refused`` and logged)."""
         head = len(MAGIC) + TAG_CHARS
-        if len(sealed) >= head and sealed[:len(MAGIC)] == MAGIC:
+        if len(sealed) >= head and sealed[: len(MAGIC)] == MAGIC:
             notif = sealed[head:]
-            if hmac.compare_digest(sealed[len(MAGIC):head], self._tag(sender, notif)):
+            if hmac.compare_digest(sealed[len(MAGIC) : head], self._tag(sender, notif)):
                 return notif
             why = "its seal does not verify (another cluster key, or forged)"
         else:

@@ -22,12 +22,12 @@ Every hook but ``_parse_peer`` runs with the transport's lock held (``self._lock
 ``_take_notifs``: ``self._notif_lock``); the template has already checked what its docstring says.
 Error messages are the ones the backends raised before these classes existed.
 """
+
 from __future__ import annotations
 
 import abc
 import threading
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -81,7 +81,7 @@ class PendingHandle(TransferHandle):
     first failure stick. ``release`` fails a pending write ("released before completion") and then
     calls ``_release_resources``; both must be idempotent."""
 
-    def __init__(self, transport: "TransportBase") -> None:
+    def __init__(self, transport: TransportBase) -> None:
         self._transport = transport
         self._state: TransferState = "pending"
         self.error = None
@@ -176,8 +176,9 @@ class TransportBase(KVTransport):
             self._mem_type, self._dev, self._base = mem_type, dev, buffer.data_ptr()
 
     @abc.abstractmethod
-    def _register(self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int,
-                  mem_type: str, dev: int) -> None:
+    def _register(
+        self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int, mem_type: str, dev: int
+    ) -> None:
         """Make the validated pool (``length`` bytes of ``mem_type`` ``"DRAM"``/``"VRAM"`` on device
         ``dev``) usable by the data plane, or raise (``ValueError`` for a pool this backend cannot
         move) leaving nothing held."""
@@ -187,11 +188,19 @@ class TransportBase(KVTransport):
         with self._lock:
             self._check_open()
             self._check_registered("local_metadata")
-            return encode_metadata({
-                "backend": self.backend, "name": self.name, "mem_type": self._mem_type,
-                "device": self._dev, "base": self._base, "length": self._num_pages * self._page_bytes,
-                "page_bytes": self._page_bytes, "num_pages": self._num_pages, **self._metadata_extra(),
-            })
+            return encode_metadata(
+                {
+                    "backend": self.backend,
+                    "name": self.name,
+                    "mem_type": self._mem_type,
+                    "device": self._dev,
+                    "base": self._base,
+                    "length": self._num_pages * self._page_bytes,
+                    "page_bytes": self._page_bytes,
+                    "num_pages": self._num_pages,
+                    **self._metadata_extra(),
+                }
+            )
 
     def _metadata_extra(self) -> dict:
         """Backend fields of ``local_metadata`` (pool registered). Default: none."""
@@ -213,14 +222,13 @@ class TransportBase(KVTransport):
         with self._lock:
             return list(self._peers)
 
-    def use_seal(self, seal: "NotifSeal | None") -> None:
+    def use_seal(self, seal: NotifSeal | None) -> None:
         """Seal every notification this transport sends with ``seal`` and deliver only received ones
         whose seal verifies (``transfer.notif_seal``); None (the default): plain notifications."""
         with self._lock, self._notif_lock:
             self._seal = seal
 
-    def write_pages(self, peer: str, src_pages: np.ndarray, dst_pages: np.ndarray,
-                    notif: bytes) -> TransferHandle:
+    def write_pages(self, peer: str, src_pages: np.ndarray, dst_pages: np.ndarray, notif: bytes) -> TransferHandle:
         """Check the notif, the transport's state, the peer and both page lists (``check_pages``
         against both pools), then ``_write`` (the notif sealed when ``use_seal`` gave a seal)."""
         notif = check_notif(notif)
@@ -301,7 +309,8 @@ class RemoteTransportBase(TransportBase):
         check the backend's fields and ``peer_pool_size``, ``ValueError`` naming the problem."""
 
     @abc.abstractmethod
-    def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int,
-                      blob: bytes) -> PeerRecord:
+    def _connect_peer(
+        self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int, blob: bytes
+    ) -> PeerRecord:
         """The record of a new peer (lock held, name not in the table), connected as far as the
         backend connects eagerly; raise leaving nothing held if that fails."""

@@ -14,6 +14,7 @@ A header naming ``lanes`` > 0 has its page receives posted by the copy lanes ins
 thread); the write completes when every lane's part ended and its notif is delivered here, in the
 same order as the others.
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,16 +95,19 @@ class Inbox:
         ok = pages.size == 0 or (pages.min() >= 0 and pages.max() < n and not has_duplicates(pages))
         late = time.time() >= h.deadline - LATE_GUARD_S
         if h.lanes > len(self.lanes):  # the initiator sent pages to workers this target lacks
-            log.error("ucxx write %d from %s names %d copy lanes, this target has %d: dropped",
-                      h.seq, h.sender, h.lanes, len(self.lanes))
+            log.error(
+                "ucxx write %d from %s names %d copy lanes, this target has %d: dropped",
+                h.seq,
+                h.sender,
+                h.lanes,
+                len(self.lanes),
+            )
             self.drained += 1
             return
         if not ok:
-            log.error("ucxx write %d from %s names pages outside this pool (%d pages): drained",
-                      h.seq, h.sender, n)
+            log.error("ucxx write %d from %s names pages outside this pool (%d pages): drained", h.seq, h.sender, n)
         elif late:
-            log.warning("ucxx write %d from %s arrived after its deadline: drained, not delivered",
-                        h.seq, h.sender)
+            log.warning("ucxx write %d from %s arrived after its deadline: drained, not delivered", h.seq, h.sender)
         deliver = ok and not late
         self.drained += not deliver
         inbound = _Inbound(h, [], deliver)
@@ -111,9 +115,14 @@ class Inbox:
             self._post_lanes(h, inbound)
         else:
             u = self._ucx
-            inbound.reqs = [self._worker.tag_recv(self._array(self._pages[int(d)] if deliver else self._scratch),
-                                                  u.UCXXTag(page_tag(h.conn_id, h.seq, i)), u.UCXXTagMaskFull)
-                            for i, d in enumerate(pages)]
+            inbound.reqs = [
+                self._worker.tag_recv(
+                    self._array(self._pages[int(d)] if deliver else self._scratch),
+                    u.UCXXTag(page_tag(h.conn_id, h.seq, i)),
+                    u.UCXXTagMaskFull,
+                )
+                for i, d in enumerate(pages)
+            ]
         self._by_conn.setdefault(h.conn_id, deque()).append(inbound)
 
     def _post_lanes(self, h: WriteHeader, inbound: _Inbound) -> None:
@@ -148,8 +157,9 @@ class Inbox:
                 w = queue.popleft()
                 error = w.lane_error or first_error(w.reqs)
                 if error is not None:
-                    log.warning("ucxx write %d from %s failed on the target side: %s",
-                                w.header.seq, w.header.sender, error)
+                    log.warning(
+                        "ucxx write %d from %s failed on the target side: %s", w.header.seq, w.header.sender, error
+                    )
                 elif w.deliver:
                     out.append((w.header.sender, w.header.notif))
             if not queue:
@@ -164,4 +174,3 @@ class Inbox:
         """Stop the copy lanes (their pending receives cancelled)."""
         for lane in self.lanes:
             lane.close()
-

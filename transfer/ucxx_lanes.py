@@ -21,6 +21,7 @@ Contract:
 * ``close`` stops the thread after cancelling the worker's pending receives; jobs still pending
   end with an error. Idempotent.
 """
+
 from __future__ import annotations
 
 import logging
@@ -123,8 +124,10 @@ class CopyLane:
     def _post(self, job: LaneJob) -> None:
         u = self._ucx
         try:
-            job.reqs = [self._worker.tag_recv(self._array(b), u.UCXXTag(t), u.UCXXTagMaskFull)
-                        for b, t in zip(job.bufs, job.tags)]
+            job.reqs = [
+                self._worker.tag_recv(self._array(b), u.UCXXTag(t), u.UCXXTagMaskFull)
+                for b, t in zip(job.bufs, job.tags)
+            ]
         except Exception as e:  # noqa: BLE001 - only this write is lost
             self._done.append((job.key, f"could not post the receives: {type(e).__name__}: {e}"))
             return

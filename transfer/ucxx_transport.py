@@ -43,6 +43,7 @@ stay on the main worker: a prompt's few MB copy in well under a millisecond, and
 for them cost ~3% of PD throughput at 8 clients (bfloat16 prompts of 112-289 tokens, 2-7 MB), while
 a 2,048-token migration (94 MB) copies 1.3x faster on 2 lanes.
 """
+
 from __future__ import annotations
 
 import base64
@@ -59,8 +60,7 @@ from transfer.kv_transport import CompletedHandle, TransferHandle
 from transfer.transport_base import PeerRecord, PendingHandle, RemoteTransportBase, err_text, peer_pool_size
 from transfer.ucxx_inbox import Inbox
 from transfer.ucxx_lanes import CopyLane, first_error
-from transfer.ucxx_wire import (HEADER_TAG, MAX_LANES, MAX_PAGES_PER_WRITE, WriteHeader, pack_header, page_lane,
-                                page_tag)
+from transfer.ucxx_wire import HEADER_TAG, MAX_LANES, MAX_PAGES_PER_WRITE, WriteHeader, pack_header, page_lane, page_tag
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class _Conn:
     conn_id: int
     lane_eps: list = field(default_factory=list)
     seq: int = 0
-    handles: "weakref.WeakSet[UcxxHandle]" = field(default_factory=weakref.WeakSet)
+    handles: weakref.WeakSet[UcxxHandle] = field(default_factory=weakref.WeakSet)
     keep: list = field(default_factory=list)  # requests + buffers of writes aborted on this conn
 
 
@@ -106,8 +106,7 @@ class _Peer(PeerRecord):
 class UcxxHandle(PendingHandle):
     """The header and page sends of one write. ``poll`` progresses the worker."""
 
-    def __init__(self, transport: "UcxxTransport", conn: _Conn, reqs: list, header: np.ndarray,
-                 deadline: float) -> None:
+    def __init__(self, transport: UcxxTransport, conn: _Conn, reqs: list, header: np.ndarray, deadline: float) -> None:
         super().__init__(transport)
         self._conn, self._reqs, self._header = conn, reqs, header
         self._deadline = deadline
@@ -123,8 +122,11 @@ class UcxxHandle(PendingHandle):
             else:
                 t._abort_conn(self._conn, f"UCX reported the write failed: {error}")
         elif time.monotonic() >= self._deadline:
-            t._abort_conn(self._conn, f"no completion within write_timeout_s={t.write_timeout_s:g}s "
-                                      "(peer dead, or alive but not polling): connection aborted")
+            t._abort_conn(
+                self._conn,
+                f"no completion within write_timeout_s={t.write_timeout_s:g}s "
+                "(peer dead, or alive but not polling): connection aborted",
+            )
 
     def _on_fail(self) -> None:
         self._conn.keep.extend((self._reqs, self._header))  # UCX may still hold the buffers
@@ -141,8 +143,15 @@ class UcxxTransport(RemoteTransportBase):
     backend = "ucxx"
     poll_interval_s = 0.0  # rendezvous sends and receives move only inside our progress calls
 
-    def __init__(self, name: str, *, error_handling: bool = False, write_timeout_s: float = 8.0,
-                 copy_lanes: int = 0, lane_min_bytes: int = LANE_MIN_BYTES) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        error_handling: bool = False,
+        write_timeout_s: float = 8.0,
+        copy_lanes: int = 0,
+        lane_min_bytes: int = LANE_MIN_BYTES,
+    ) -> None:
         """``copy_lanes``: UCX workers with their own threads that receive the pages of large writes
         into this transport's pool (0..64; see the module docstring); created with the pool.
         ``lane_min_bytes``: as initiator, a write of at least this many bytes is split over the
@@ -166,11 +175,14 @@ class UcxxTransport(RemoteTransportBase):
         self._worker = self._ucx.UCXWorker(self._context)
 
     # ---- setup --------------------------------------------------------------------------------
-    def _register(self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int,
-                  mem_type: str, dev: int) -> None:
+    def _register(
+        self, buffer: torch.Tensor, page_bytes: int, num_pages: int, length: int, mem_type: str, dev: int
+    ) -> None:
         if mem_type != "DRAM":
-            raise ValueError("the ucxx backend moves host-memory pools only; use --transfer-backend nixl "
-                             f"for a pool on {buffer.device}")
+            raise ValueError(
+                "the ucxx backend moves host-memory pools only; use --transfer-backend nixl "
+                f"for a pool on {buffer.device}"
+            )
         pages = buffer.view(-1).view(torch.uint8).numpy().reshape(num_pages, page_bytes)
         lanes = [CopyLane(self._ucx, self._array, f"ucxx-lane-{k}") for k in range(self.copy_lanes)]
         self._inbox = Inbox(self._ucx, self._array, self._worker, pages, lanes)
@@ -179,8 +191,11 @@ class UcxxTransport(RemoteTransportBase):
     def _metadata_extra(self) -> dict:
         b64 = lambda a: base64.b64encode(a).decode("ascii")  # noqa: E731
         lanes = [b64(lane.address) for lane in self._inbox.lanes] if self._inbox is not None else []
-        return {"error_handling": self.error_handling, "ucx_address": b64(self._worker.address.tobytes()),
-                "ucx_lanes": lanes}
+        return {
+            "error_handling": self.error_handling,
+            "ucx_address": b64(self._worker.address.tobytes()),
+            "ucx_lanes": lanes,
+        }
 
     def _parse_peer(self, name: str, md: dict) -> tuple[int, int, tuple[bytes, list[bytes]]]:
         page_bytes, num_pages = peer_pool_size(name, md)
@@ -193,8 +208,7 @@ class UcxxTransport(RemoteTransportBase):
             raise ValueError(f"peer {name!r} metadata: {len(lanes)} copy lanes, at most {MAX_LANES}")
         return page_bytes, num_pages, (address, lanes)
 
-    def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int,
-                      blob) -> _Peer:
+    def _connect_peer(self, name: str, raw: bytes, md: dict, page_bytes: int, num_pages: int, blob) -> _Peer:
         address, lanes = blob
         return _Peer(name, raw, num_pages, page_bytes, address, lanes)  # connects on its first write
 
@@ -264,8 +278,9 @@ class UcxxTransport(RemoteTransportBase):
         conn.seq = (conn.seq + 1) & 0xFFFF
         deadline = time.monotonic() + self.write_timeout_s
         lanes = len(conn.lane_eps) if src.size * self._pages.shape[1] >= self.lane_min_bytes else 0
-        header = pack_header(WriteHeader(self.name, conn.conn_id, seq, dst, notif,
-                                         time.time() + self.write_timeout_s, lanes))
+        header = pack_header(
+            WriteHeader(self.name, conn.conn_id, seq, dst, notif, time.time() + self.write_timeout_s, lanes)
+        )
         reqs: list = []
         handle = UcxxHandle(self, conn, reqs, header, deadline)
         conn.handles.add(handle)

@@ -28,6 +28,7 @@ target's copy lane ``i % L`` (its metadata's ``ucx_lanes``, ``transfer/ucxx_lane
 workers pull the write's pages in parallel. An initiator uses at most as many lanes as the target
 publishes.
 """
+
 from __future__ import annotations
 
 import struct
@@ -77,8 +78,9 @@ def pack_header(h: WriteHeader) -> np.ndarray:
         raise ValueError(f"a ucxx write carries at most {MAX_PAGES_PER_WRITE} pages, got {pages.size}")
     if not 0 <= h.lanes <= MAX_LANES:
         raise ValueError(f"a ucxx write uses 0..{MAX_LANES} copy lanes, got {h.lanes}")
-    fixed = HEADER.pack(MAGIC, VERSION, len(name), h.conn_id, h.seq & 0xFFFF, pages.size,
-                        len(h.notif), h.deadline, h.lanes)
+    fixed = HEADER.pack(
+        MAGIC, VERSION, len(name), h.conn_id, h.seq & 0xFFFF, pages.size, len(h.notif), h.deadline, h.lanes
+    )
     return np.frombuffer(fixed + name + pages.tobytes() + h.notif, dtype=np.uint8).copy()
 
 
@@ -97,10 +99,10 @@ def unpack_header(buf: bytes) -> WriteHeader:
     if len(buf) != want:
         raise ValueError(f"ucxx header is {len(buf)} bytes, its fields say {want}")
     at = HEADER.size
-    sender = bytes(buf[at:at + name_len]).decode()
+    sender = bytes(buf[at : at + name_len]).decode()
     at += name_len
-    pages = np.frombuffer(bytes(buf[at:at + 4 * n_pages]), dtype="<i4").astype(np.int32)
+    pages = np.frombuffer(bytes(buf[at : at + 4 * n_pages]), dtype="<i4").astype(np.int32)
     at += 4 * n_pages
     if lanes > MAX_LANES:
         raise ValueError(f"ucxx header names {lanes} copy lanes; at most {MAX_LANES}")
-    return WriteHeader(sender, conn_id, seq, pages, bytes(buf[at:at + notif_len]), deadline, lanes)
+    return WriteHeader(sender, conn_id, seq, pages, bytes(buf[at : at + notif_len]), deadline, lanes)

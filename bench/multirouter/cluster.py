@@ -8,6 +8,7 @@ share a cluster key written for the run (``transfer.cluster_key``) and a cluster
 router reports every worker ready; ``__exit__`` stops whatever was started, in reverse order, also
 after an error or Ctrl-C (SIGTERM, then SIGKILL to the whole process group after a grace period).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,14 @@ from pathlib import Path
 
 import httpx
 
-from server.testing.subprocess_server import (REPO_ROOT, LaunchedServer, free_base_port, free_port, metric_sum,
-                                              scrape_metrics)
+from bench.harness.subprocess_server import (
+    REPO_ROOT,
+    LaunchedServer,
+    free_base_port,
+    free_port,
+    metric_sum,
+    scrape_metrics,
+)
 from transfer.cluster_key import ClusterKey, write_key_file
 
 ETCD_HINT = "etcd is not installed: apt-get install -y etcd-server"
@@ -68,9 +75,23 @@ class EtcdProcess:
         if binary is None:
             raise StartError(ETCD_HINT)
         peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = [binary, "--name", "bench", "--data-dir", str(self.data_dir), "--listen-client-urls", self.url,
-               "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
-               "--initial-advertise-peer-urls", peer, "--initial-cluster", f"bench={peer}"]
+        cmd = [
+            binary,
+            "--name",
+            "bench",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"bench={peer}",
+        ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -99,8 +120,9 @@ class WorkerLaunch:
         """Start it (``wait_ready`` waits for its workers)."""
         cmd = [sys.executable, "-m", "server.launch.cli", "launch", *self.args]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True
+            )
         threading.Thread(target=self._read, daemon=True).start()
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -160,8 +182,11 @@ class ClusterSpec:
         return [w for w in self.worker_ids() if w.startswith(self.worker_role)]
 
     def workers_argv(self, common: list[str]) -> list[str]:
-        counts = (["--replicas", str(self.colocated), "--roles", "colocated"] if self.colocated else
-                  ["--prefill", str(self.prefill), "--decode", str(self.decode), "--roles", "prefill,decode"])
+        counts = (
+            ["--replicas", str(self.colocated), "--roles", "colocated"]
+            if self.colocated
+            else ["--prefill", str(self.prefill), "--decode", str(self.decode), "--roles", "prefill,decode"]
+        )
         n = self.colocated or self.prefill + self.decode
         return ["--mode", self.mode, *counts, "--base-port", str(free_base_port(n)), *common]
 
@@ -181,7 +206,7 @@ class RouterCluster:
         self._stack = contextlib.ExitStack()
         self.routers: list[LaunchedServer] = []
 
-    def __enter__(self) -> "RouterCluster":
+    def __enter__(self) -> RouterCluster:
         try:
             self._start()
         except BaseException:
@@ -202,15 +227,26 @@ class RouterCluster:
         self.etcd.start()
         key = work / "cluster.key"
         write_key_file(key, ClusterKey.generate(), overwrite=True)
-        common = ["--cluster-id", f"two-routers-{os.getpid()}", "--cluster-key", str(key),
-                  "--discovery", f"etcd://127.0.0.1:{self.etcd.port}{self.prefix}",
-                  "--health-interval-s", str(s.heartbeat_s), "--log-level", "WARNING", *s.engine_flags]
+        common = [
+            "--cluster-id",
+            f"two-routers-{os.getpid()}",
+            "--cluster-key",
+            str(key),
+            "--discovery",
+            f"etcd://127.0.0.1:{self.etcd.port}{self.prefix}",
+            "--health-interval-s",
+            str(s.heartbeat_s),
+            "--log-level",
+            "WARNING",
+            *s.engine_flags,
+        ]
         self._workers = workers = WorkerLaunch(s.workers_argv(common), work / "workers.log")
         self._stack.callback(workers.stop)
         workers.spawn()  # the routers start meanwhile: a discovery router is up before any worker is
         for _ in range(s.routers):
-            r = LaunchedServer(["--mode", s.mode, "--roles", "router", "--port", "0", *common],
-                               startup_timeout_s=s.startup_timeout_s)
+            r = LaunchedServer(
+                ["--mode", s.mode, "--roles", "router", "--port", "0", *common], startup_timeout_s=s.startup_timeout_s
+            )
             self._stack.callback(r.stop)
             r.start()
             self.routers.append(r)
@@ -228,8 +264,10 @@ class RouterCluster:
             if up == want:
                 return
             time.sleep(0.3)
-        raise StartError(f"router {url} sees {sorted(up)} ready of {sorted(want)} after {timeout_s:.0f}s; "
-                         f"its /health: {httpx.get(url + '/health', trust_env=False, timeout=10).text[:1000]}")
+        raise StartError(
+            f"router {url} sees {sorted(up)} ready of {sorted(want)} after {timeout_s:.0f}s; "
+            f"its /health: {httpx.get(url + '/health', trust_env=False, timeout=10).text[:1000]}"
+        )
 
     def processes(self) -> dict[str, int]:
         """Pid by name of every router (``router-a``, ``router-b``, ...) and worker (its id)."""

@@ -13,6 +13,7 @@ each router's ``pdserve_requests_total{status="200"}`` is what each router serve
 every router and worker process (``/proc/PID/stat``, as ``bench serve`` reads them) over the load
 say what a phase cost whatever else the host ran.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,12 +21,12 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
+from bench.harness.subprocess_server import fresh_metrics, metric_sum, scrape_metrics
 from bench.serve.client import ClientConfig, RequestResult
 from bench.serve.cpu import cpu_seconds
 from bench.serve.runner import closed_loop
 from bench.serve.stats import RunStats, compute_stats
 from bench.serve.workload import LengthCounter, RequestSpec
-from server.testing.subprocess_server import fresh_metrics, metric_sum, scrape_metrics
 
 WORKER_COUNTERS = {"finished": "pdserve_worker_finished_requests_total", "tokens": "pdserve_generation_tokens_total"}
 
@@ -62,16 +63,24 @@ class WorkerSplit:
     def tokens_spread(self) -> float | None:
         return spread(list(self.tokens.values()))
 
-    def plus(self, other: "WorkerSplit") -> "WorkerSplit":
+    def plus(self, other: WorkerSplit) -> WorkerSplit:
         """The sum of two phases' splits, key by key."""
+
         def add(a: dict, b: dict) -> dict:
             return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in sorted({*a, *b})}
-        return WorkerSplit(add(self.finished, other.finished), add(self.tokens, other.tokens),
-                           add(self.router_ok, other.router_ok))
+
+        return WorkerSplit(
+            add(self.finished, other.finished), add(self.tokens, other.tokens), add(self.router_ok, other.router_ok)
+        )
 
     def to_dict(self) -> dict:
-        return {"finished": self.finished, "tokens": self.tokens, "router_ok": self.router_ok,
-                "finished_spread": self.finished_spread, "tokens_spread": self.tokens_spread}
+        return {
+            "finished": self.finished,
+            "tokens": self.tokens,
+            "router_ok": self.router_ok,
+            "finished_spread": self.finished_spread,
+            "tokens_spread": self.tokens_spread,
+        }
 
 
 @dataclass
@@ -86,17 +95,22 @@ def snapshot(urls: list[str], worker_ids: list[str], heartbeat_s: float) -> Snap
     """Fresh worker counters from the first router, and every router's successful requests."""
     m = fresh_metrics(urls[0], heartbeat_s, timeout_s=max(15.0, 10 * heartbeat_s))
     workers = {key: {w: metric_sum(m, name, worker=w) for w in worker_ids} for key, name in WORKER_COUNTERS.items()}
-    ok = {url: metric_sum(m if url == urls[0] else scrape_metrics(url), "pdserve_requests_total", status="200")
-          for url in urls}
+    ok = {
+        url: metric_sum(m if url == urls[0] else scrape_metrics(url), "pdserve_requests_total", status="200")
+        for url in urls
+    }
     return Snapshot(workers, ok)
 
 
 def split_between(before: Snapshot, after: Snapshot) -> WorkerSplit:
     """The counter deltas from ``before`` to ``after``."""
-    d = {key: {w: after.workers[key][w] - before.workers[key].get(w, 0.0) for w in after.workers[key]}
-         for key in WORKER_COUNTERS}
-    return WorkerSplit(d["finished"], d["tokens"],
-                       {u: v - before.router_ok.get(u, 0.0) for u, v in after.router_ok.items()})
+    d = {
+        key: {w: after.workers[key][w] - before.workers[key].get(w, 0.0) for w in after.workers[key]}
+        for key in WORKER_COUNTERS
+    }
+    return WorkerSplit(
+        d["finished"], d["tokens"], {u: v - before.router_ok.get(u, 0.0) for u, v in after.router_ok.items()}
+    )
 
 
 @dataclass
@@ -120,9 +134,14 @@ class PhaseResult:
         return 1000 * sum(spent) / self.stats.output_tokens if spent and self.stats.output_tokens else None
 
     def to_dict(self) -> dict:
-        return {"phase": self.name, "routers": self.routers, "stats": self.stats.to_dict(),
-                "split": self.split.to_dict(), "cpu_s": self.cpu_s,
-                "failures": [{"index": r.index, "error": r.error} for r in self.failures]}
+        return {
+            "phase": self.name,
+            "routers": self.routers,
+            "stats": self.stats.to_dict(),
+            "split": self.split.to_dict(),
+            "cpu_s": self.cpu_s,
+            "failures": [{"index": r.index, "error": r.error} for r in self.failures],
+        }
 
 
 def failed(results: list[RequestResult]) -> list[RequestResult]:
@@ -146,8 +165,17 @@ def cpu_between(before: dict[str, float | None], pids: dict[str, int]) -> dict[s
     return out
 
 
-def run_phase(name: str, cfg: ClientConfig, specs: list[RequestSpec], concurrency: int, all_urls: list[str],
-              worker_ids: list[str], heartbeat_s: float, progress: bool, pids: dict[str, int]) -> PhaseResult:
+def run_phase(
+    name: str,
+    cfg: ClientConfig,
+    specs: list[RequestSpec],
+    concurrency: int,
+    all_urls: list[str],
+    worker_ids: list[str],
+    heartbeat_s: float,
+    progress: bool,
+    pids: dict[str, int],
+) -> PhaseResult:
     """Load ``cfg``'s router(s) with ``specs`` at ``concurrency``; read the counters around it and the
     CPU seconds of every process of ``pids`` (name -> pid) over the load itself."""
     before = snapshot(all_urls, worker_ids, heartbeat_s)
@@ -156,8 +184,9 @@ def run_phase(name: str, cfg: ClientConfig, specs: list[RequestSpec], concurrenc
     cpu = cpu_between(cpu0, pids)
     after = snapshot(all_urls, worker_ids, heartbeat_s)
     routers = list(cfg.base_urls) or [cfg.base_url]
-    return PhaseResult(name, routers, compute_stats(m.results, m.duration_s), split_between(before, after),
-                       failed(m.results), cpu)
+    return PhaseResult(
+        name, routers, compute_stats(m.results, m.duration_s), split_between(before, after), failed(m.results), cpu
+    )
 
 
 def median_of(phases: list[PhaseResult], value) -> float | None:

@@ -7,6 +7,7 @@ the spread (max - min) / mean, and the CPU ms per output token of the routers an
 work than A, where tok/s cannot). Then the medians of A and of B over their rounds and B/A, and the
 split of every B phase pooled: the figure the goal "load spread within 20 %" is about.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,16 +49,37 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
 
 def phases_table(phases: list[PhaseResult], router_names: dict[str, str]) -> str:
     """One row per phase, in run order."""
-    head = ["phase", "routers", "requests", "failed", *METRICS, *CPU, "served per router", "finished per worker",
-            "spread", "tokens per worker", "spread"]
+    head = [
+        "phase",
+        "routers",
+        "requests",
+        "failed",
+        *METRICS,
+        *CPU,
+        "served per router",
+        "finished per worker",
+        "spread",
+        "tokens per worker",
+        "spread",
+    ]
     rows = []
     for p in phases:
         served = " / ".join(f"{router_names[u]} {p.split.router_ok.get(u, 0):.0f}" for u in router_names)
-        rows.append([p.name, "+".join(router_names[u] for u in p.routers), str(p.stats.requests),
-                     str(len(p.failures)), *(_num(f(p)) for f in METRICS.values()),
-                     *(_num(f(p), 2) for f in CPU.values()), served,
-                     _counts(p.split.finished), _pct(p.split.finished_spread), _counts(p.split.tokens),
-                     _pct(p.split.tokens_spread)])
+        rows.append(
+            [
+                p.name,
+                "+".join(router_names[u] for u in p.routers),
+                str(p.stats.requests),
+                str(len(p.failures)),
+                *(_num(f(p)) for f in METRICS.values()),
+                *(_num(f(p), 2) for f in CPU.values()),
+                served,
+                _counts(p.split.finished),
+                _pct(p.split.finished_spread),
+                _counts(p.split.tokens),
+                _pct(p.split.tokens_spread),
+            ]
+        )
     return _markdown(head, rows)
 
 
@@ -72,7 +94,7 @@ class Summary:
     pooled_a: WorkerSplit
 
     @classmethod
-    def of(cls, phases: list[PhaseResult]) -> "Summary":
+    def of(cls, phases: list[PhaseResult]) -> Summary:
         a = [p for p in phases if p.kind == "A"]
         b = [p for p in phases if p.kind == "B"]
         ma = {k: median_of(a, f) for k, f in {**METRICS, **CPU}.items()}
@@ -82,9 +104,11 @@ class Summary:
         return cls(ma, mb, ratio, pool(b), pool(a))
 
     def table(self) -> str:
-        rows = [["A (one router), median", *(_num(v, 1 if k in METRICS else 2) for k, v in self.median_a.items())],
-                ["B (two routers), median", *(_num(v, 1 if k in METRICS else 2) for k, v in self.median_b.items())],
-                ["B / A", *(_num(v, 3) for v in self.ratio.values())]]
+        rows = [
+            ["A (one router), median", *(_num(v, 1 if k in METRICS else 2) for k, v in self.median_a.items())],
+            ["B (two routers), median", *(_num(v, 1 if k in METRICS else 2) for k, v in self.median_b.items())],
+            ["B / A", *(_num(v, 3) for v in self.ratio.values())],
+        ]
         return _markdown(["", *METRICS, *CPU], rows)
 
     def spread_lines(self, role: str) -> list[str]:
@@ -95,19 +119,28 @@ class Summary:
                 out.append(f"{name}: no phase ran to the end")
                 continue
             workers = ", ".join(sorted(split.finished))
-            out.append(f"{name}, every round pooled, per {role} worker ({workers}): finished "
-                       f"{_counts(split.finished)} (spread {_pct(split.finished_spread)}), generated tokens "
-                       f"{_counts(split.tokens)} (spread {_pct(split.tokens_spread)})")
+            out.append(
+                f"{name}, every round pooled, per {role} worker ({workers}): finished "
+                f"{_counts(split.finished)} (spread {_pct(split.finished_spread)}), generated tokens "
+                f"{_counts(split.tokens)} (spread {_pct(split.tokens_spread)})"
+            )
         return out
 
     def verdict(self) -> list[str]:
         """The goal's two figures with met / not met (a verdict only means something on a quiet host)."""
         r, s = self.ratio["tok/s"], self.pooled_b.finished_spread
-        return [f"goal 'same throughput as one router': B/A tok/s = {_num(r, 3)} "
-                f"({'met' if r is not None and r >= THROUGHPUT_GOAL else 'NOT met'} at >= {THROUGHPUT_GOAL})",
-                f"goal 'load spread within 20%': B finished-requests spread = {_pct(s)} "
-                f"({'met' if s is not None and s <= SPREAD_GOAL else 'NOT met'})"]
+        return [
+            f"goal 'same throughput as one router': B/A tok/s = {_num(r, 3)} "
+            f"({'met' if r is not None and r >= THROUGHPUT_GOAL else 'NOT met'} at >= {THROUGHPUT_GOAL})",
+            f"goal 'load spread within 20%': B finished-requests spread = {_pct(s)} "
+            f"({'met' if s is not None and s <= SPREAD_GOAL else 'NOT met'})",
+        ]
 
     def to_dict(self) -> dict:
-        return {"median_a": self.median_a, "median_b": self.median_b, "b_over_a": self.ratio,
-                "pooled_b": self.pooled_b.to_dict(), "pooled_a": self.pooled_a.to_dict()}
+        return {
+            "median_a": self.median_a,
+            "median_b": self.median_b,
+            "b_over_a": self.ratio,
+            "pooled_b": self.pooled_b.to_dict(),
+            "pooled_a": self.pooled_a.to_dict(),
+        }

@@ -6,6 +6,7 @@ ITLs are the gaps between later text chunks; the output token count is the serve
 server sends no usage (``usage_reported`` is then False). Any HTTP error, error event, transport
 error or empty stream makes ``ok`` False with the reason in ``error``: nothing is dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,10 @@ def split_urls(text: str, flag: str) -> tuple[str, ...]:
     urls = tuple(u.strip().rstrip("/") for u in text.split(","))
     for u in urls:
         if not u.startswith(("http://", "https://")):
-            raise ValueError(f"{flag} takes http://HOST:PORT, or several comma-separated (routers of one "
-                             f"deployment, loaded round-robin); got {u!r} in {text!r}")
+            raise ValueError(
+                f"{flag} takes http://HOST:PORT, or several comma-separated (routers of one "
+                f"deployment, loaded round-robin); got {u!r} in {text!r}"
+            )
     if len(set(urls)) != len(urls):
         raise ValueError(f"{flag}: {text!r} names a URL twice")
     return urls
@@ -77,8 +80,13 @@ def split_urls(text: str, flag: str) -> tuple[str, ...]:
 
 def request_body(cfg: ClientConfig, spec: RequestSpec) -> dict:
     """The JSON body for ``spec``: greedy, streamed, with usage and (by default) ``ignore_eos``."""
-    body: dict = {"model": cfg.model, "max_tokens": spec.output_len, "temperature": 0.0, "stream": True,
-                  "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": cfg.model,
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.endpoint == "chat":
@@ -146,11 +154,17 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec) 
     """Send ``spec`` and stream the answer; never raises for request-level failures."""
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    rec = StreamRecorder(RequestResult(spec.index, spec.kind, False, spec.prompt_len, spec.output_len,
-                                       start_s=time.perf_counter()))
+    rec = StreamRecorder(
+        RequestResult(spec.index, spec.kind, False, spec.prompt_len, spec.output_len, start_s=time.perf_counter())
+    )
     try:
-        async with client.stream("POST", cfg.url_for(spec.index).rstrip("/") + path, json=request_body(cfg, spec),
-                                 headers=headers, timeout=cfg.timeout_s) as resp:
+        async with client.stream(
+            "POST",
+            cfg.url_for(spec.index).rstrip("/") + path,
+            json=request_body(cfg, spec),
+            headers=headers,
+            timeout=cfg.timeout_s,
+        ) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 rec.r.error = f"HTTP {resp.status_code}: {text[:300]}"
@@ -171,5 +185,6 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
         r.raise_for_status()
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise RuntimeError(f"cannot read the model name from {base_url}/v1/models ({e}); "
-                           "pass --served-model-name") from None
+        raise RuntimeError(
+            f"cannot read the model name from {base_url}/v1/models ({e}); pass --served-model-name"
+        ) from None

@@ -6,6 +6,7 @@ as ``python -m server.worker.main --role R --worker-id ID`` are the workers, nam
 (``prefill-0``, ``decode-0``, ``colocated-0``). CPU time is utime + stime of ``/proc/<pid>/stat``
 (all threads), so the figures do not depend on what else the machine runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -96,11 +97,19 @@ def cpu_fields(cpu_s: dict[str, float] | None, wall_s: float, output_tokens: int
     ``router_core_pct_per_100_tok_s`` = (router CPU s / wall s) x 100 / (output tok/s / 100);
     all None when the processes are unknown (a server the bench did not launch)."""
     if cpu_s is None:
-        return {"cpu_wall_s": None, "cpu_s": None, "cpu_s_per_output_token": None,
-                "router_core_pct_per_100_tok_s": None}
+        return {
+            "cpu_wall_s": None,
+            "cpu_s": None,
+            "cpu_s_per_output_token": None,
+            "router_core_pct_per_100_tok_s": None,
+        }
     per_token = {n: (s / output_tokens if output_tokens else None) for n, s in cpu_s.items()}
-    return {"cpu_wall_s": wall_s, "cpu_s": dict(cpu_s), "cpu_s_per_output_token": per_token,
-            "router_core_pct_per_100_tok_s": router_pct_per_100_tok_s(cpu_s.get(ROUTER), wall_s, output_tokens)}
+    return {
+        "cpu_wall_s": wall_s,
+        "cpu_s": dict(cpu_s),
+        "cpu_s_per_output_token": per_token,
+        "router_core_pct_per_100_tok_s": router_pct_per_100_tok_s(cpu_s.get(ROUTER), wall_s, output_tokens),
+    }
 
 
 def router_pct_per_100_tok_s(router_cpu_s: float | None, wall_s: float, output_tokens: int) -> float | None:
@@ -117,8 +126,15 @@ def cpu_rows(load: str, fields_: dict) -> list[tuple]:
     for name, s in fields_["cpu_s"].items():
         per_tok = fields_["cpu_s_per_output_token"][name]
         pct = 100.0 * s / fields_["cpu_wall_s"] if fields_["cpu_wall_s"] else None
-        rows.append((load, name, f"{s:.2f}", "-" if per_tok is None else f"{1000 * per_tok:.2f}",
-                     "-" if pct is None else f"{pct:.1f}"))
+        rows.append(
+            (
+                load,
+                name,
+                f"{s:.2f}",
+                "-" if per_tok is None else f"{1000 * per_tok:.2f}",
+                "-" if pct is None else f"{pct:.1f}",
+            )
+        )
     return rows
 
 

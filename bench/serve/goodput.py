@@ -11,6 +11,7 @@ Attainment counts every request sent: a failed request (HTTP error, cut stream) 
 The search assumes attainment falls as the rate rises; with noise it still ends after a bounded
 number of probes, and every point is reported so a non-monotone curve is visible.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -35,19 +36,23 @@ class GoodputSpec:
 
     def __post_init__(self) -> None:
         if self.slo.ttft_ms is None or self.slo.tpot_ms is None:
-            raise ValueError("--goodput needs both --slo-ttft-ms and --slo-tpot-ms (e.g. --slo-ttft-ms 1000 "
-                             "--slo-tpot-ms 100)")
+            raise ValueError(
+                "--goodput needs both --slo-ttft-ms and --slo-tpot-ms (e.g. --slo-ttft-ms 1000 --slo-tpot-ms 100)"
+            )
         if not (self.slo.ttft_ms > 0 and self.slo.tpot_ms > 0):
-            raise ValueError(f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {self.slo.ttft_ms} and "
-                             f"{self.slo.tpot_ms}")
+            raise ValueError(
+                f"--slo-ttft-ms and --slo-tpot-ms must be > 0, got {self.slo.ttft_ms} and {self.slo.tpot_ms}"
+            )
         if not 0 < self.attainment <= 1:
             raise ValueError(f"--slo-attainment is a share of requests in (0, 1], e.g. 0.9; got {self.attainment}")
         if not 0 < self.start_rate <= self.max_rate:
-            raise ValueError(f"--goodput-start-rate must be > 0 and <= --goodput-max-rate, got {self.start_rate} "
-                             f"and {self.max_rate}")
+            raise ValueError(
+                f"--goodput-start-rate must be > 0 and <= --goodput-max-rate, got {self.start_rate} and {self.max_rate}"
+            )
         if self.iters < 0 or self.min_step < 0:
-            raise ValueError(f"--goodput-iters and --goodput-min-step must be >= 0, got {self.iters} and "
-                             f"{self.min_step}")
+            raise ValueError(
+                f"--goodput-iters and --goodput-min-step must be >= 0, got {self.iters} and {self.min_step}"
+            )
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,9 @@ def _pct_ms(seconds: list[float], q: float) -> float | None:
     return percentile([s * 1000 for s in seconds], q) if seconds else None
 
 
-def measure_point(rate: float, results: list[RequestResult], duration_s: float, slo: SLO,
-                  attainment: float) -> GoodputPoint:
+def measure_point(
+    rate: float, results: list[RequestResult], duration_s: float, slo: SLO, attainment: float
+) -> GoodputPoint:
     """The ``GoodputPoint`` of one run at ``rate``: ``results`` are every request sent (failures
     included) and ``duration_s`` the wall time of the run. A run of no requests passes nothing."""
     ok = [r for r in results if r.ok]
@@ -85,9 +91,19 @@ def measure_point(rate: float, results: list[RequestResult], duration_s: float, 
     share = met / len(results) if results else 0.0
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
-    return GoodputPoint(rate, len(results), met, len(results) - len(ok), share, bool(results) and share >= attainment,
-                        _pct_ms(ttft, 50), _pct_ms(ttft, 90), _pct_ms(tpot, 50), _pct_ms(tpot, 90),
-                        sum(r.output_tokens for r in ok) / max(duration_s, 1e-9))
+    return GoodputPoint(
+        rate,
+        len(results),
+        met,
+        len(results) - len(ok),
+        share,
+        bool(results) and share >= attainment,
+        _pct_ms(ttft, 50),
+        _pct_ms(ttft, 90),
+        _pct_ms(tpot, 50),
+        _pct_ms(tpot, 90),
+        sum(r.output_tokens for r in ok) / max(duration_s, 1e-9),
+    )
 
 
 @dataclass
@@ -106,8 +122,13 @@ class GoodputResult:
         return self.first_failing is None
 
     def to_dict(self) -> dict:
-        return {"target": self.target, "goodput": self.goodput, "first_failing": self.first_failing,
-                "capped": self.capped, "points": [p.to_dict() for p in self.points]}
+        return {
+            "target": self.target,
+            "goodput": self.goodput,
+            "first_failing": self.first_failing,
+            "capped": self.capped,
+            "points": [p.to_dict() for p in self.points],
+        }
 
 
 def search_goodput(target: str, spec: GoodputSpec, probe: Callable[[float], GoodputPoint]) -> GoodputResult:

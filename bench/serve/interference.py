@@ -1,6 +1,7 @@
 """Interference study: a Poisson stream of short chat-like requests with long prompts (1,500+
 tokens) arriving at random among them. What counts is the short requests' TPOT and TTFT: in a
 colocated server every long prefill stalls the decode batch; PD moves prefill to another worker."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +9,14 @@ from dataclasses import dataclass
 from bench.serve.report import RunRecord
 from bench.serve.runner import Measured
 from bench.serve.stats import SLO, compute_stats
-from bench.serve.workload import LengthCounter, PromptShape, RequestSpec, make_requests, merge_by_arrival, \
-    poisson_arrivals
+from bench.serve.workload import (
+    LengthCounter,
+    PromptShape,
+    RequestSpec,
+    make_requests,
+    merge_by_arrival,
+    poisson_arrivals,
+)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ conversation share ever longer prefixes: what cache-aware routing is for. A fail
 user's conversation (the failure is counted; later turns are not sent). Records: one per turn
 (``kind`` ``turn1``..) and one over every request (``all``), so TTFT can be read per turn.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,12 +61,15 @@ def user_starts(spec: MultiTurnSpec, seed: int) -> list[float]:
 def conversation_texts(spec: MultiTurnSpec, counter: LengthCounter, seed: int) -> list[list[str]]:
     """Per user, the new text of each turn (the opening context, then the questions); deterministic."""
     rng = random.Random(seed)
-    return [[counter.make_text(spec.first_len if t == 0 else spec.question_len, rng) for t in range(spec.turns)]
-            for _ in range(spec.users)]
+    return [
+        [counter.make_text(spec.first_len if t == 0 else spec.question_len, rng) for t in range(spec.turns)]
+        for _ in range(spec.users)
+    ]
 
 
-def turn_request(cfg: ClientConfig, index: int, turn: int, history: list[tuple[str, str]], output_len: int,
-                 counter: LengthCounter) -> RequestSpec:
+def turn_request(
+    cfg: ClientConfig, index: int, turn: int, history: list[tuple[str, str]], output_len: int, counter: LengthCounter
+) -> RequestSpec:
     """The request of ``turn`` (0-based) given the conversation so far (``(role, text)`` pairs, the
     new question last): chat sends the messages; completions sends the text so far, each answer
     right after the prompt it continues (as the server produced it: the answer's tokens then follow
@@ -76,14 +80,22 @@ def turn_request(cfg: ClientConfig, index: int, turn: int, history: list[tuple[s
     return RequestSpec(index, prompt, counter.count(prompt), output_len, kind=f"turn{turn + 1}", messages=messages)
 
 
-async def run_conversations(cfg: ClientConfig, spec: MultiTurnSpec, counter: LengthCounter, seed: int,
-                            progress: bool = True, client: httpx.AsyncClient | None = None) -> Measured:
+async def run_conversations(
+    cfg: ClientConfig,
+    spec: MultiTurnSpec,
+    counter: LengthCounter,
+    seed: int,
+    progress: bool = True,
+    client: httpx.AsyncClient | None = None,
+) -> Measured:
     """Run every user's conversation concurrently; returns every turn's result and the wall time.
     ``client``: the HTTP client to send with (default: one sized for ``spec.users``)."""
     texts = conversation_texts(spec, counter, seed)
     rng = random.Random(seed + 1)
-    thinks = [[rng.expovariate(1 / spec.think_s) if spec.think_s else 0.0 for _ in range(spec.turns)]
-              for _ in range(spec.users)]
+    thinks = [
+        [rng.expovariate(1 / spec.think_s) if spec.think_s else 0.0 for _ in range(spec.turns)]
+        for _ in range(spec.users)
+    ]
     starts = user_starts(spec, seed)
     results: list[RequestResult] = []
     async with client or _http_client(spec.users) as client:
@@ -95,8 +107,7 @@ async def run_conversations(cfg: ClientConfig, spec: MultiTurnSpec, counter: Len
                 await asyncio.sleep(starts[u])
             for t in range(spec.turns):
                 history.append(("user", texts[u][t]))
-                r = await send(client, cfg, turn_request(cfg, u * spec.turns + t, t, history, spec.output_len,
-                                                         counter))
+                r = await send(client, cfg, turn_request(cfg, u * spec.turns + t, t, history, spec.output_len, counter))
                 results.append(r)
                 bar.update(1)
                 if not r.ok:
@@ -112,8 +123,14 @@ async def run_conversations(cfg: ClientConfig, spec: MultiTurnSpec, counter: Len
     return Measured(sorted(results, key=lambda r: r.index), duration)
 
 
-def run_multi_turn(cfg: ClientConfig, spec: MultiTurnSpec, counter: LengthCounter, seed: int, progress: bool,
-                   meter: Meter | None = None) -> tuple[Measured, CacheEffect]:
+def run_multi_turn(
+    cfg: ClientConfig,
+    spec: MultiTurnSpec,
+    counter: LengthCounter,
+    seed: int,
+    progress: bool,
+    meter: Meter | None = None,
+) -> tuple[Measured, CacheEffect]:
     """Run the conversations against ``cfg.base_url`` and read its ``/metrics`` before and after
     (``HEARTBEAT_WAIT_S`` after the last turn) for the prefix hit rates and KV bytes shipped."""
     before = scrape(cfg.base_url)
@@ -128,10 +145,21 @@ def run_multi_turn(cfg: ClientConfig, spec: MultiTurnSpec, counter: LengthCounte
 
 def multi_turn_records(target: str, measured: Measured, slo: SLO, turns: int) -> list[RunRecord]:
     """One record per turn (``turn1``..) and one over every request (``all``), load "multi-turn"."""
-    out = [RunRecord(target, "multi-turn", None, None, compute_stats(measured.results, measured.duration_s, slo),
-                     measured.results)]
+    out = [
+        RunRecord(
+            target,
+            "multi-turn",
+            None,
+            None,
+            compute_stats(measured.results, measured.duration_s, slo),
+            measured.results,
+        )
+    ]
     for t in range(1, turns + 1):
         rs = [r for r in measured.results if r.kind == f"turn{t}"]
-        out.append(RunRecord(target, "multi-turn", None, None, compute_stats(rs, measured.duration_s, slo), rs,
-                             kind=f"turn{t}"))
+        out.append(
+            RunRecord(
+                target, "multi-turn", None, None, compute_stats(rs, measured.duration_s, slo), rs, kind=f"turn{t}"
+            )
+        )
     return out

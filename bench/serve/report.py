@@ -1,4 +1,5 @@
 """Reports of a ``bench serve`` run: run records, the text tables, ratios between modes, JSON, PNG."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ class RunRecord:
         d = {k: v for k, v in asdict(self).items() if k not in ("results", "stats", "cpu_s", "cpu_wall_s")}
         d.update(cpu_fields(self.cpu_s, self.cpu_wall_s, self.stats.output_tokens))
         d["stats"] = self.stats.to_dict()
-        d["requests"] = [{**{k: v for k, v in asdict(r).items() if k != "output_text"}, "tpot_s": r.tpot_s}
-                         for r in self.results]
+        d["requests"] = [
+            {**{k: v for k, v in asdict(r).items() if k != "output_text"}, "tpot_s": r.tpot_s} for r in self.results
+        ]
         return d
 
 
@@ -40,16 +42,45 @@ def _ms(s: Summary | None, field: str) -> str:
     return "-" if s is None else f"{getattr(s, field):.0f}"
 
 
-_HEAD = ("target", "load", "kind", "ok", "fail", "tok/s", "req/s", "TTFT mean", "TTFT p50", "TTFT p99",
-         "TPOT mean", "TPOT p99", "ITL p99", "E2E p50", "goodput")
+_HEAD = (
+    "target",
+    "load",
+    "kind",
+    "ok",
+    "fail",
+    "tok/s",
+    "req/s",
+    "TTFT mean",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT mean",
+    "TPOT p99",
+    "ITL p99",
+    "E2E p50",
+    "goodput",
+)
 
 
 def _row(r: RunRecord) -> tuple:
     s = r.stats
     good = "-" if s.goodput is None else f"{s.goodput:.2f}/s ({s.goodput_requests})"
-    return (r.target, r.load, r.kind, s.completed, s.failed, f"{s.output_throughput:.1f}",
-            f"{s.request_throughput:.2f}", _ms(s.ttft, "mean_ms"), _ms(s.ttft, "p50_ms"), _ms(s.ttft, "p99_ms"),
-            _ms(s.tpot, "mean_ms"), _ms(s.tpot, "p99_ms"), _ms(s.itl, "p99_ms"), _ms(s.e2e, "p50_ms"), good)
+    return (
+        r.target,
+        r.load,
+        r.kind,
+        s.completed,
+        s.failed,
+        f"{s.output_throughput:.1f}",
+        f"{s.request_throughput:.2f}",
+        _ms(s.ttft, "mean_ms"),
+        _ms(s.ttft, "p50_ms"),
+        _ms(s.ttft, "p99_ms"),
+        _ms(s.tpot, "mean_ms"),
+        _ms(s.tpot, "p99_ms"),
+        _ms(s.itl, "p99_ms"),
+        _ms(s.e2e, "p50_ms"),
+        good,
+    )
 
 
 def markdown_table(head: tuple, rows: list[tuple]) -> str:
@@ -82,8 +113,11 @@ def _value(s: RunStats, metric: str) -> float | None:
     if metric == "tok/s":
         return s.output_throughput
     summary = getattr(s, metric.split()[0].lower())
-    return None if summary is None else getattr(summary, {"mean": "mean_ms", "p50": "p50_ms", "p99": "p99_ms"}[
-        metric.split()[1]])
+    return (
+        None
+        if summary is None
+        else getattr(summary, {"mean": "mean_ms", "p50": "p50_ms", "p99": "p99_ms"}[metric.split()[1]])
+    )
 
 
 RATIO_METRICS = ("TTFT mean", "TTFT p99", "TPOT p99", "tok/s")
@@ -114,9 +148,14 @@ def ratios_table(rows: list[dict], base: str, other: str) -> str:
 def cache_table(effects: dict[str, dict]) -> str:
     """Per target: prefix hit rate of each worker role and KV bytes shipped per request."""
     roles = sorted({role for e in effects.values() for role in e["hit_rate"]})
-    rows = [(target, *(f"{e['hit_rate'][r]:.1%}" if r in e["hit_rate"] else "-" for r in roles),
-             "-" if e["kv_bytes_per_request"] is None else f"{e['kv_bytes_per_request'] / 1e6:.2f}")
-            for target, e in effects.items()]
+    rows = [
+        (
+            target,
+            *(f"{e['hit_rate'][r]:.1%}" if r in e["hit_rate"] else "-" for r in roles),
+            "-" if e["kv_bytes_per_request"] is None else f"{e['kv_bytes_per_request'] / 1e6:.2f}",
+        )
+        for target, e in effects.items()
+    ]
     return markdown_table(("target", *(f"{r} hit rate" for r in roles), "KV MB shipped/req"), rows)
 
 
@@ -175,9 +214,12 @@ def _plot_interference(plt, records: list[RunRecord], path: str | Path) -> None:
     width = 0.8 / max(len(targets), 1)
     for ax, metric in zip(axes, ("ttft", "tpot")):
         for i, target in enumerate(targets):
-            ys = [getattr(getattr(by_key[(target, k)].stats, metric), "p99_ms", float("nan"))
-                  if (target, k) in by_key and getattr(by_key[(target, k)].stats, metric) else float("nan")
-                  for k in kinds]
+            ys = [
+                getattr(getattr(by_key[(target, k)].stats, metric), "p99_ms", float("nan"))
+                if (target, k) in by_key and getattr(by_key[(target, k)].stats, metric)
+                else float("nan")
+                for k in kinds
+            ]
             ax.bar([j + i * width for j in range(len(kinds))], ys, width, label=target, color=f"C{i}")
         ax.set_xticks([j + width * (len(targets) - 1) / 2 for j in range(len(kinds))], [f"{k} requests" for k in kinds])
         ax.set_title(f"{metric.upper()} P99 (ms) under long-prompt interference")

@@ -4,6 +4,7 @@ open loop (requests sent at their ``arrival_s`` whatever is in flight). Both ret
 A ``meter`` (anything with ``start()`` and ``stop()``, e.g. ``cpu.CpuMeter``) is started right
 before the first measured request and stopped right after the last one ends.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,14 +56,20 @@ def _bar(total: int, label: str, show: bool) -> tqdm:
 async def _warm_up(client: httpx.AsyncClient, cfg: ClientConfig, warmup: list[RequestSpec], parallel: int) -> None:
     """Send the warm-up requests ``parallel`` at a time; a failed warm-up aborts the run with its error."""
     for i in range(0, len(warmup), max(parallel, 1)):
-        done = await asyncio.gather(*(send(client, cfg, s) for s in warmup[i:i + parallel]))
+        done = await asyncio.gather(*(send(client, cfg, s) for s in warmup[i : i + parallel]))
         bad = [r.error for r in done if not r.ok]
         if bad:
             raise RuntimeError(f"warm-up request failed against {cfg.base_url}: {bad[0]}")
 
 
-async def closed_loop(cfg: ClientConfig, specs: list[RequestSpec], concurrency: int,
-                      warmup: list[RequestSpec] = (), progress: bool = True, meter: Meter | None = None) -> Measured:
+async def closed_loop(
+    cfg: ClientConfig,
+    specs: list[RequestSpec],
+    concurrency: int,
+    warmup: list[RequestSpec] = (),
+    progress: bool = True,
+    meter: Meter | None = None,
+) -> Measured:
     """Run ``specs`` with ``concurrency`` clients pulling from one queue (in order)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -89,8 +96,14 @@ async def closed_loop(cfg: ClientConfig, specs: list[RequestSpec], concurrency: 
     return Measured(sorted(results, key=lambda r: r.index), duration)
 
 
-async def open_loop(cfg: ClientConfig, specs: list[RequestSpec], warmup: list[RequestSpec] = (),
-                    progress: bool = True, label: str = "open loop", meter: Meter | None = None) -> Measured:
+async def open_loop(
+    cfg: ClientConfig,
+    specs: list[RequestSpec],
+    warmup: list[RequestSpec] = (),
+    progress: bool = True,
+    label: str = "open loop",
+    meter: Meter | None = None,
+) -> Measured:
     """Send each spec at its ``arrival_s`` (seconds after the start), not waiting for earlier ones."""
     if any(s.arrival_s is None for s in specs):
         raise ValueError("open loop needs an arrival_s on every request (see workload.poisson_arrivals)")

@@ -8,6 +8,7 @@ wrote into decode workers (``pdserve_kv_transfer_bytes_total``) per request. Wor
 new as each worker's latest heartbeat: scrape ``after`` a heartbeat interval after the last request.
 A server that is not pdserve (no such series) gives an empty result, never an error.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,8 +26,11 @@ def scrape(url: str) -> Samples:
         r.raise_for_status()
     except httpx.HTTPError:
         return {}
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(r.text)
+        for s in fam.samples
+    }
 
 
 def _by_worker(samples: Samples, name: str) -> dict[str, float]:
@@ -48,10 +52,14 @@ def cache_effect(before: Samples, after: Samples, requests: int) -> CacheEffect:
     """The ``CacheEffect`` between two scrapes of the same server (see the module docstring)."""
     roles = {dict(lab)["worker"]: dict(lab)["role"] for (n, lab), _ in after.items() if n == "pdserve_worker_up"}
     out = CacheEffect()
-    prompt = {w: v - _by_worker(before, "pdserve_prompt_tokens_total").get(w, 0.0)
-              for w, v in _by_worker(after, "pdserve_prompt_tokens_total").items()}
-    cached = {w: v - _by_worker(before, "pdserve_cached_prompt_tokens_total").get(w, 0.0)
-              for w, v in _by_worker(after, "pdserve_cached_prompt_tokens_total").items()}
+    prompt = {
+        w: v - _by_worker(before, "pdserve_prompt_tokens_total").get(w, 0.0)
+        for w, v in _by_worker(after, "pdserve_prompt_tokens_total").items()
+    }
+    cached = {
+        w: v - _by_worker(before, "pdserve_cached_prompt_tokens_total").get(w, 0.0)
+        for w, v in _by_worker(after, "pdserve_cached_prompt_tokens_total").items()
+    }
     for role in sorted(set(roles.values())):
         p = sum(v for w, v in prompt.items() if roles.get(w) == role)
         if p > 0:

@@ -3,13 +3,14 @@ with the same model/pool flags for every mode, stopped (with everything they sta
 ``colocated-xN`` is N colocated replicas behind one router, each pinned to its share of this host's
 cores (``--replicas N --worker-cpus auto``): the same hardware as 1P+1D split into colocated copies,
 which is what DistServe and SGLang compare a PD split against."""
+
 from __future__ import annotations
 
 import contextlib
 import re
 from collections.abc import Iterator
 
-from server.testing.subprocess_server import LaunchedServer, free_base_port
+from bench.harness.subprocess_server import LaunchedServer, free_base_port
 
 MODES = ("colocated", "pd", "colocated-xN")
 _REPLICATED = re.compile(r"colocated-x([1-9][0-9]*)")  # colocated-x2: two pinned colocated replicas
@@ -34,7 +35,9 @@ def config_flags(values: dict) -> list[str]:
 
 def _valid(mode: str) -> bool:
     base, _, routing = mode.partition("+")
-    return (base in ("colocated", "pd") or _REPLICATED.fullmatch(base) is not None) and (not routing or routing in ROUTINGS)
+    return (base in ("colocated", "pd") or _REPLICATED.fullmatch(base) is not None) and (
+        not routing or routing in ROUTINGS
+    )
 
 
 def parse_modes(text: str) -> list[str]:
@@ -43,8 +46,10 @@ def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if not _valid(m)]
     if bad or not modes or len(set(modes)) != len(modes):
-        raise ValueError(f"--compare takes distinct modes from {', '.join(MODES)}, each optionally +ROUTING "
-                         f"({', '.join(ROUTINGS)}), separated by commas; got {text!r}")
+        raise ValueError(
+            f"--compare takes distinct modes from {', '.join(MODES)}, each optionally +ROUTING "
+            f"({', '.join(ROUTINGS)}), separated by commas; got {text!r}"
+        )
     return modes
 
 
@@ -56,7 +61,18 @@ def launch_argv(mode: str, flags: list[str]) -> list[str]:
     extra = ["--routing", routing] if routing else []
     if replicated := _REPLICATED.fullmatch(base):
         base, extra = "colocated", ["--replicas", replicated.group(1), "--worker-cpus", "auto", *extra]
-    return ["--mode", base, *extra, "--port", "0", "--base-port", str(free_base_port(8)), "--log-level", "WARNING", *flags]
+    return [
+        "--mode",
+        base,
+        *extra,
+        "--port",
+        "0",
+        "--base-port",
+        str(free_base_port(8)),
+        "--log-level",
+        "WARNING",
+        *flags,
+    ]
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ Definitions (as in vLLM's serving benchmark):
 - goodput: successful requests per second whose TTFT and TPOT both meet the given SLOs.
 Percentiles interpolate linearly between order statistics (numpy's default method).
 """
+
 from __future__ import annotations
 
 import math
@@ -102,8 +103,13 @@ def compute_stats(results: list[RequestResult], duration_s: float, slo: SLO = SL
     good = [r for r in ok if slo.met(r)] if slo.given else None
     errors = sorted({r.error for r in results if r.error})
     return RunStats(
-        requests=len(results), completed=len(ok), failed=len(results) - len(ok), duration_s=duration_s,
-        input_tokens=in_tokens, output_tokens=out_tokens, request_throughput=len(ok) / dur,
+        requests=len(results),
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration_s,
+        input_tokens=in_tokens,
+        output_tokens=out_tokens,
+        request_throughput=len(ok) / dur,
         output_throughput=out_tokens / dur,
         output_len_mismatches=sum(r.output_tokens != r.expected_output_len for r in ok),
         ttft=summarize([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -112,4 +118,5 @@ def compute_stats(results: list[RequestResult], duration_s: float, slo: SLO = SL
         e2e=summarize([r.e2e_s for r in ok if r.e2e_s is not None]),
         goodput=None if good is None else len(good) / dur,
         goodput_requests=None if good is None else len(good),
-        errors=errors[:10])
+        errors=errors[:10],
+    )

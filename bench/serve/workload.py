@@ -4,6 +4,7 @@ Lengths are counted with the served model's tokenizer when one is available (``T
 otherwise one word is taken as one token (``WordCounter``). Everything is drawn from
 ``random.Random(seed)``: the same arguments give the same prompts and arrival times.
 """
+
 from __future__ import annotations
 
 import math
@@ -120,8 +121,10 @@ class PromptShape:
         if not 1 <= self.input_min <= self.input_max:
             raise ValueError(f"input lengths must satisfy 1 <= min <= max, got {self.input_min}..{self.input_max}")
         if not 0 <= self.shared_prefix_len < self.input_min:
-            raise ValueError(f"shared prefix ({self.shared_prefix_len}) must be shorter than the shortest prompt "
-                             f"({self.input_min} tokens)")
+            raise ValueError(
+                f"shared prefix ({self.shared_prefix_len}) must be shorter than the shortest prompt "
+                f"({self.input_min} tokens)"
+            )
         if self.num_prompts < 0 or self.output_len < 1:
             raise ValueError("num_prompts must be >= 0 and output_len >= 1")
         if self.output_max is not None and self.output_max < self.output_len:
@@ -159,8 +162,9 @@ def poisson_offsets(n: int, rate: float, seed: int, first_at_zero: bool = True) 
     return out
 
 
-def poisson_arrivals(requests: list[RequestSpec], rate: float, seed: int,
-                     first_at_zero: bool = True) -> list[RequestSpec]:
+def poisson_arrivals(
+    requests: list[RequestSpec], rate: float, seed: int, first_at_zero: bool = True
+) -> list[RequestSpec]:
     """Requests with exponential inter-arrival gaps of mean ``1/rate`` s (``rate=inf``: all at 0).
     The first arrives at 0, or after one random gap when ``first_at_zero`` is False."""
     times = poisson_offsets(len(requests), rate, seed, first_at_zero)
@@ -187,6 +191,7 @@ class NamedWorkload:
 # short answers). Summarize needs room for 2,064 tokens per request in flight (see the README).
 WORKLOADS = {
     "chat": NamedWorkload("chat", (64, 256), (128, 128), "chat: prompts of 64-256 tokens, 128 output tokens"),
-    "summarize": NamedWorkload("summarize", (1500, 2000), (32, 64),
-                               "summarization: prompts of 1500-2000 tokens, 32-64 output tokens"),
+    "summarize": NamedWorkload(
+        "summarize", (1500, 2000), (32, 64), "summarization: prompts of 1500-2000 tokens, 32-64 output tokens"
+    ),
 }

@@ -11,6 +11,7 @@ interpreter when the tensors are on CPU or ``TRITON_INTERPRET=1``.
 - ``gather_pages(buffer, page_ids, out=None, *, backend=None) -> [n, page_numel]``
 - ``scatter_pages(buffer, page_ids, src, *, backend=None)``
 """
+
 from engine.kernels._dispatch import resolve_backend, triton_available
 from engine.kernels.decode_attention import paged_decode_attention
 from engine.kernels.page_copy import gather_pages, scatter_pages

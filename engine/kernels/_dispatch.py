@@ -3,6 +3,7 @@
 Nothing here imports triton at module import time: ``engine`` must stay importable (and
 ``TRITON_INTERPRET`` settable by tests) before triton is loaded.
 """
+
 from __future__ import annotations
 
 import functools

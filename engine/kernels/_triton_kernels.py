@@ -10,6 +10,7 @@ same mode, since a body finds them through this module's globals.
 Every load/store is masked; slot, page and batch indices are cast to int64 before they are
 multiplied by strides.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,11 +27,25 @@ def interpreter_usable() -> bool:
 
 
 def _store_kv_kernel(
-    K_SRC, V_SRC, K_DST, V_DST, SLOTS,
-    s_ks_t, s_ks_h, s_ks_d,
-    s_vs_t, s_vs_h, s_vs_d,
-    s_kd_p, s_kd_o, s_kd_h, s_kd_d,
-    s_vd_p, s_vd_o, s_vd_h, s_vd_d,
+    K_SRC,
+    V_SRC,
+    K_DST,
+    V_DST,
+    SLOTS,
+    s_ks_t,
+    s_ks_h,
+    s_ks_d,
+    s_vs_t,
+    s_vs_h,
+    s_vs_d,
+    s_kd_p,
+    s_kd_o,
+    s_kd_h,
+    s_kd_d,
+    s_vd_p,
+    s_vd_o,
+    s_vd_h,
+    s_vd_d,
     PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -41,12 +56,12 @@ def _store_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
-    safe = tl.maximum(slot, 0)                      # negative slot = padding, fully masked
+    safe = tl.maximum(slot, 0)  # negative slot = padding, fully masked
     page = safe // PAGE_SIZE
     off = safe % PAGE_SIZE
     h = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
-    n_heads = tl.where(slot >= 0, NUM_HEADS, 0)     # padding slot: no head is written
+    n_heads = tl.where(slot >= 0, NUM_HEADS, 0)  # padding slot: no head is written
     mask = (h[:, None] < n_heads) & (d[None, :] < HEAD_DIM)
 
     k = tl.load(K_SRC + t * s_ks_t + h[:, None] * s_ks_h + d[None, :] * s_ks_d, mask=mask, other=0.0)
@@ -70,8 +85,9 @@ def _device_fn(fn):
 
 
 @_device_fn
-def _attend_block(q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale,
-                  USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_block(
+    q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """One key block of the online softmax; returns the updated ``(m_i, l_i, acc)``.
 
     ``k_ptrs``/``v_ptrs`` ``[BLOCK_N, D_PAD]``; ``t_mask`` ``[BLOCK_N]`` marks the valid keys (at
@@ -83,7 +99,7 @@ def _attend_block(q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale,
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
         s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))   # [G_PAD, BLOCK_N]
+    s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -98,20 +114,38 @@ def _attend_block(q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale,
 
 
 def _paged_decode_kernel(
-    Q, K, V, BT, SEQ, OUT,
-    qk_scale,                 # softmax scale * log2(e): scores are exponentiated with exp2
-    window,                   # attend positions >= seq_len - window (huge when no window)
-    s_qb, s_qh, s_qd,
-    s_kp, s_ko, s_kh, s_kd,
-    s_vp, s_vo, s_vh, s_vd,
-    s_btb, s_btj, s_ob, s_oh, s_od,
+    Q,
+    K,
+    V,
+    BT,
+    SEQ,
+    OUT,
+    qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
+    window,  # attend positions >= seq_len - window (huge when no window)
+    s_qb,
+    s_qh,
+    s_qd,
+    s_kp,
+    s_ko,
+    s_kh,
+    s_kd,
+    s_vp,
+    s_vo,
+    s_vh,
+    s_vd,
+    s_btb,
+    s_btj,
+    s_ob,
+    s_oh,
+    s_od,
     PAGE_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,      # query heads per kv head
+    GROUP: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr,
-    G_PAD: tl.constexpr,      # GROUP padded (power of 2; >= 16 when USE_DOT)
-    D_PAD: tl.constexpr,      # HEAD_DIM padded (power of 2; >= 16 when USE_DOT)
-    BLOCK_N: tl.constexpr,    # keys per iteration
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    G_PAD: tl.constexpr,  # GROUP padded (power of 2; >= 16 when USE_DOT)
+    D_PAD: tl.constexpr,  # HEAD_DIM padded (power of 2; >= 16 when USE_DOT)
+    BLOCK_N: tl.constexpr,  # keys per iteration
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # grid: (B, kv_heads); the program owns the GROUP query heads that share kv head `kvh`.
     b = tl.program_id(0).to(tl.int64)
@@ -133,27 +167,30 @@ def _paged_decode_kernel(
     bt_row = BT + b * s_btb
     k_head = K + kvh * s_kh
     v_head = V + kvh * s_vh
-    for start in range(lo, seq_len, BLOCK_N):   # lo <= start < seq_len: >= 1 valid key per block
+    for start in range(lo, seq_len, BLOCK_N):  # lo <= start < seq_len: >= 1 valid key per block
         tok = start + n
         t_mask = tok < seq_len
         page = tl.load(bt_row + (tok // PAGE_SIZE).to(tl.int64) * s_btj, mask=t_mask, other=0).to(tl.int64)
         off = (tok % PAGE_SIZE).to(tl.int64)
         k_ptrs = k_head + page[:, None] * s_kp + off[:, None] * s_ko + d[None, :] * s_kd
         v_ptrs = v_head + page[:, None] * s_vp + off[:, None] * s_vo + d[None, :] * s_vd
-        m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc,
-                                      qk_scale, USE_DOT, DOT_PRECISION)
+        m_i, l_i, acc = _attend_block(
+            q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION
+        )
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)            # seq_len == 0 -> zero output
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # seq_len == 0 -> zero output
     out = acc / l_safe[:, None]
-    tl.store(OUT + b * s_ob + qh[:, None] * s_oh + d[None, :] * s_od,
-             out.to(OUT.dtype.element_ty), mask=gd_mask)
+    tl.store(OUT + b * s_ob + qh[:, None] * s_oh + d[None, :] * s_od, out.to(OUT.dtype.element_ty), mask=gd_mask)
 
 
 def _copy_pages_kernel(
-    SRC, DST, PAGE_IDS,
+    SRC,
+    DST,
+    PAGE_IDS,
     page_numel,
-    s_src, s_dst,             # row strides (elements) of SRC and DST
-    GATHER: tl.constexpr,     # True: SRC=pool (row page_ids[i]) -> DST row i; False: reverse
+    s_src,
+    s_dst,  # row strides (elements) of SRC and DST
+    GATHER: tl.constexpr,  # True: SRC=pool (row page_ids[i]) -> DST row i; False: reverse
     BLOCK: tl.constexpr,
 ):
     # grid: (n, cdiv(page_numel, BLOCK))
@@ -179,7 +216,7 @@ _BODIES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_kernel(name: str, interpret: bool):
     """The kernel ``name`` wrapped for the interpreter (``interpret=True``) or for compilation."""
     fn = _BODIES[name]

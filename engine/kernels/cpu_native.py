@@ -19,6 +19,7 @@ written to a temporary file and renamed, so workers starting together never load
 library. ``load()`` returns None when there is no compiler or the build fails (logged once): the
 caller then keeps the torch path. ``PDSERVE_NATIVE_KERNELS=0`` disables the kernels.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,9 +40,17 @@ from engine.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode_attention.c", "cpu_extend_attention.c",
-                                                     "cpu_fused.c", "cpu_gemv.c", "cpu_gemm_pairs.c",
-                                                     "cpu_decode_stack.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n)
+    for n in (
+        "cpu_decode_attention.c",
+        "cpu_extend_attention.c",
+        "cpu_fused.c",
+        "cpu_gemv.c",
+        "cpu_gemm_pairs.c",
+        "cpu_decode_stack.c",
+    )
+)
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM = 1024
@@ -64,8 +73,13 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -91,13 +105,39 @@ def load() -> ctypes.CDLL | None:
         log.warning("could not build the CPU kernels (%s): CPU decode attention stays on the torch path", detail)
         return None
     fn = lib.pdserve_paged_decode
-    fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, *([_I64] * 9), ctypes.c_float,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [
+        _PTR,
+        _PTR,
+        ctypes.c_int,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        *([_I64] * 9),
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     fn.restype = ctypes.c_int
     lib.pdserve_decode_dot_available.restype = ctypes.c_int
     fn = lib.pdserve_paged_extend
-    fn.argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, *([_I64] * 10), ctypes.c_float,
-                   ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [
+        _PTR,
+        _PTR,
+        ctypes.c_int,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _PTR,
+        *([_I64] * 10),
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     fn.restype = ctypes.c_int
     lib.pdserve_extend_dot_available.restype = ctypes.c_int
     _declare_fused(lib)
@@ -147,8 +187,9 @@ def gemv_available() -> bool:
     return lib is not None and lib.pdserve_gemv_bf16_available() == 1
 
 
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-              prefetch: int = PREFETCH_L1) -> torch.Tensor | None:
+def gemv_bf16(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, prefetch: int = PREFETCH_L1
+) -> torch.Tensor | None:
     """``x @ w.T + bias`` for 2-D bfloat16 ``x`` of 1..GEMV_MAX_ROWS rows (last dim contiguous) and a
     contiguous bfloat16 ``[out, in]`` ``w``, or None where the kernel does not take the shape (the
     caller then uses another path). The result is a new ``[rows, out]`` bfloat16 tensor.
@@ -156,13 +197,24 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     rows, out = x.shape[0], w.shape[0]
     y = torch.empty(rows, out, dtype=torch.bfloat16)
     threads = torch.get_num_threads() if openmp_shared() else 1
-    rc = load().pdserve_gemv_bf16(x.data_ptr(), x.stride(0), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                  y.data_ptr(), rows, w.shape[1], out, threads, int(prefetch))
+    rc = load().pdserve_gemv_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        w.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        w.shape[1],
+        out,
+        threads,
+        int(prefetch),
+    )
     return y if rc == 0 else None
 
 
-def gemv_i8w(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-             prefetch: int = PREFETCH_L1) -> torch.Tensor | None:
+def gemv_i8w(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, prefetch: int = PREFETCH_L1
+) -> torch.Tensor | None:
     """``(x @ q.T) * scale + bias`` for 2-D bfloat16 ``x`` of 1..GEMV_MAX_ROWS rows (last dim
     contiguous), a contiguous int8 ``[out, in]`` ``q`` and float32 ``[out]`` ``scale`` (a weight-only
     int8 weight): a new ``[rows, out]`` bfloat16 tensor, or None where the kernel does not take the
@@ -170,9 +222,19 @@ def gemv_i8w(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.
     rows, out = x.shape[0], q.shape[0]
     y = torch.empty(rows, out, dtype=torch.bfloat16)
     threads = torch.get_num_threads() if openmp_shared() else 1
-    rc = load().pdserve_gemv_i8w(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(),
-                                 0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, q.shape[1], out,
-                                 threads, int(prefetch))
+    rc = load().pdserve_gemv_i8w(
+        x.data_ptr(),
+        x.stride(0),
+        q.data_ptr(),
+        scale.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        q.shape[1],
+        out,
+        threads,
+        int(prefetch),
+    )
     return y if rc == 0 else None
 
 
@@ -186,8 +248,9 @@ def pairs_available() -> bool:
     return lib is not None and lib.pdserve_gemm_pairs_available() == 1
 
 
-def gemm_pairs(x: torch.Tensor, pairs: torch.Tensor, out: int, bias: torch.Tensor | None,
-               scale: torch.Tensor | None = None) -> torch.Tensor | None:
+def gemm_pairs(
+    x: torch.Tensor, pairs: torch.Tensor, out: int, bias: torch.Tensor | None, scale: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """``x @ W.T (* scale) + bias`` for 2-D bfloat16 ``x`` (any rows, last dim contiguous) and ``W``
     ``[out, in]`` in the pair-panel layout (``engine.cpu_linear.to_pairs``): bfloat16, or int8 with
     float32 row ``scale``. A new ``[rows, out]`` bfloat16 tensor, or None where the kernel does not
@@ -197,11 +260,22 @@ def gemm_pairs(x: torch.Tensor, pairs: torch.Tensor, out: int, bias: torch.Tenso
     threads = torch.get_num_threads() if openmp_shared() else 1
     b = 0 if bias is None else bias.data_ptr()
     if scale is None:
-        rc = load().pdserve_gemm_pairs_bf16(x.data_ptr(), x.stride(0), pairs.data_ptr(), b, y.data_ptr(), rows,
-                                            x.shape[1], out, threads)
+        rc = load().pdserve_gemm_pairs_bf16(
+            x.data_ptr(), x.stride(0), pairs.data_ptr(), b, y.data_ptr(), rows, x.shape[1], out, threads
+        )
     else:
-        rc = load().pdserve_gemm_pairs_i8w(x.data_ptr(), x.stride(0), pairs.data_ptr(), scale.data_ptr(), b,
-                                           y.data_ptr(), rows, x.shape[1], out, threads)
+        rc = load().pdserve_gemm_pairs_i8w(
+            x.data_ptr(),
+            x.stride(0),
+            pairs.data_ptr(),
+            scale.data_ptr(),
+            b,
+            y.data_ptr(),
+            rows,
+            x.shape[1],
+            out,
+            threads,
+        )
     return y if rc == 0 else None
 
 
@@ -220,16 +294,29 @@ def gemm_panels_f32(x: torch.Tensor, panels: torch.Tensor, out: int, bias: torch
     rows = x.shape[0]
     y = torch.empty(rows, out, dtype=torch.float32)
     threads = torch.get_num_threads() if openmp_shared() else 1
-    rc = load().pdserve_gemm_panels_f32(x.data_ptr(), x.stride(0), panels.data_ptr(),
-                                        0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, x.shape[1], out,
-                                        threads)
+    rc = load().pdserve_gemm_panels_f32(
+        x.data_ptr(),
+        x.stride(0),
+        panels.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        x.shape[1],
+        out,
+        threads,
+    )
     return y if rc == 0 else None
 
 
 def supports(pool_buffer: torch.Tensor) -> bool:
     """True iff ``paged_decode`` can read this ``[pages, layers, 2, P, heads, dim]`` pool."""
-    return (pool_buffer.device.type == "cpu" and pool_buffer.dtype in DTYPES
-            and pool_buffer.stride(-1) == 1 and pool_buffer.shape[-1] <= MAX_HEAD_DIM and load() is not None)
+    return (
+        pool_buffer.device.type == "cpu"
+        and pool_buffer.dtype in DTYPES
+        and pool_buffer.stride(-1) == 1
+        and pool_buffer.shape[-1] <= MAX_HEAD_DIM
+        and load() is not None
+    )
 
 
 # Multiply-adds one kernel thread should have before another is worth waking: torch's OpenMP workers
@@ -262,9 +349,18 @@ def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:
     return max(1, min(available, keys * heads * head_dim // WORK_PER_THREAD))
 
 
-def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
-                 lo: torch.Tensor, hi: torch.Tensor, scale: float, threads: int = 1,
-                 prefetch: int = PREFETCH_L1, dot: bool = True) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    pool_buffer: torch.Tensor,
+    layer: int,
+    table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    scale: float,
+    threads: int = 1,
+    prefetch: int = PREFETCH_L1,
+    dot: bool = True,
+) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over keys ``[lo[b], hi[b])`` of request b in ``layer`` of
     the pool; ``table`` ``[B, W]`` int64 maps ``pos // P`` to a page (only entries of pages in the
     range are read); ``lo``/``hi`` int64 ``[B]``. Returns ``[B, H, D]`` float32 (zeros for an empty
@@ -278,9 +374,25 @@ def paged_decode(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: 
     q = q.float().contiguous()
     out = torch.empty_like(q)
     pool = _PoolView.of(pool_buffer, layer)
-    load().pdserve_paged_decode(q.data_ptr(), pool.base, pool.bf16, table.data_ptr(), table.stride(0), lo.data_ptr(),
-                                hi.data_ptr(), out.data_ptr(), B, H, pool.kv_heads, D, *pool.geometry, float(scale),
-                                int(threads), int(prefetch), int(dot))
+    load().pdserve_paged_decode(
+        q.data_ptr(),
+        pool.base,
+        pool.bf16,
+        table.data_ptr(),
+        table.stride(0),
+        lo.data_ptr(),
+        hi.data_ptr(),
+        out.data_ptr(),
+        B,
+        H,
+        pool.kv_heads,
+        D,
+        *pool.geometry,
+        float(scale),
+        int(threads),
+        int(prefetch),
+        int(dot),
+    )
     return out
 
 
@@ -295,11 +407,15 @@ class _PoolView:
     geometry: tuple[int, int, int, int, int]
 
     @classmethod
-    def of(cls, pool_buffer: torch.Tensor, layer: int) -> "_PoolView":
+    def of(cls, pool_buffer: torch.Tensor, layer: int) -> _PoolView:
         _, _, _, P, kv_heads, _ = pool_buffer.shape
         s = pool_buffer.stride()
-        return cls(pool_buffer.data_ptr() + layer * s[1] * pool_buffer.element_size(),
-                   int(pool_buffer.dtype == torch.bfloat16), kv_heads, (P, s[0], s[2], s[3], s[4]))
+        return cls(
+            pool_buffer.data_ptr() + layer * s[1] * pool_buffer.element_size(),
+            int(pool_buffer.dtype == torch.bfloat16),
+            kv_heads,
+            (P, s[0], s[2], s[3], s[4]),
+        )
 
 
 # The tiled extend kernel's shape limits (cpu_extend_attention.c): head_dim a multiple of 4 vectors
@@ -327,9 +443,19 @@ def extend_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     return head_dim % EXTEND_DIM_MULTIPLE == 0 and num_heads // num_kv_heads <= EXTEND_MAX_GROUP
 
 
-def paged_extend(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: torch.Tensor,
-                 qstart: torch.Tensor, pos0: torch.Tensor, ext: torch.Tensor, window: int | None, scale: float,
-                 threads: int = 1, dot: bool = True) -> torch.Tensor:
+def paged_extend(
+    q: torch.Tensor,
+    pool_buffer: torch.Tensor,
+    layer: int,
+    table: torch.Tensor,
+    qstart: torch.Tensor,
+    pos0: torch.Tensor,
+    ext: torch.Tensor,
+    window: int | None,
+    scale: float,
+    threads: int = 1,
+    dot: bool = True,
+) -> torch.Tensor:
     """Prefill attention of ``q`` ``[T, H, D]`` (the new tokens of B requests, request after
     request): request b's tokens are rows ``[qstart[b], qstart[b] + ext[b])`` at absolute positions
     ``pos0[b] + i``, and each attends to its request's keys ``[max(0, p - window + 1), p]`` (all of
@@ -343,10 +469,26 @@ def paged_extend(q: torch.Tensor, pool_buffer: torch.Tensor, layer: int, table: 
     q = q.float().contiguous()
     out = torch.empty_like(q)  # every row is written, or the call raises
     pool = _PoolView.of(pool_buffer, layer)
-    rc = load().pdserve_paged_extend(q.data_ptr(), pool.base, pool.bf16, table.data_ptr(), table.stride(0),
-                                     qstart.data_ptr(), pos0.data_ptr(), ext.data_ptr(), out.data_ptr(), ext.shape[0],
-                                     H, pool.kv_heads, D, *pool.geometry, int(window or 0), float(scale), int(threads),
-                                     int(dot and D <= EXTEND_DOT_MAX_DIM))
+    rc = load().pdserve_paged_extend(
+        q.data_ptr(),
+        pool.base,
+        pool.bf16,
+        table.data_ptr(),
+        table.stride(0),
+        qstart.data_ptr(),
+        pos0.data_ptr(),
+        ext.data_ptr(),
+        out.data_ptr(),
+        ext.shape[0],
+        H,
+        pool.kv_heads,
+        D,
+        *pool.geometry,
+        int(window or 0),
+        float(scale),
+        int(threads),
+        int(dot and D <= EXTEND_DOT_MAX_DIM),
+    )
     if rc != 0:
         raise MemoryError("paged_extend: scratch allocation failed or the shape is not supported")
     return out

@@ -1,4 +1,5 @@
 """Paged decode attention (one query token per request) over the page-major KV pool."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ from engine.kernels._dispatch import next_pow2, resolve_backend, use_interpreter
 from engine.kernels.reference import paged_decode_attention_torch
 
 _NO_WINDOW = 2**31 - 1
-_ELEMWISE_TILE = 8192   # max G_PAD * BLOCK_N * D_PAD of the elementwise path's 3-D product
+_ELEMWISE_TILE = 8192  # max G_PAD * BLOCK_N * D_PAD of the elementwise path's 3-D product
 
 
 def _block_n(use_dot: bool, g_pad: int, d_pad: int) -> int:
@@ -30,9 +31,7 @@ def _check_shapes(
     """Validate the arguments of ``paged_decode_attention``: ValueError naming the mismatch."""
     B, num_heads, head_dim = q.shape
     if k_layer.dim() != 4 or k_layer.shape[1] != page_size or k_layer.shape[3] != head_dim:
-        raise ValueError(
-            f"k_layer {tuple(k_layer.shape)} does not match page_size {page_size}, head_dim {head_dim}"
-        )
+        raise ValueError(f"k_layer {tuple(k_layer.shape)} does not match page_size {page_size}, head_dim {head_dim}")
     if v_layer.shape != k_layer.shape:
         raise ValueError(f"v_layer {tuple(v_layer.shape)} differs from k_layer {tuple(k_layer.shape)}")
     kv_heads = k_layer.shape[2]
@@ -65,7 +64,7 @@ def _tiling(
         use_dot = q_dtype in (torch.float16, torch.bfloat16) and kv_dtype == q_dtype and group >= 4
     g_pad = next_pow2(group)
     d_pad = next_pow2(head_dim)
-    if use_dot:   # tl.dot needs every dimension >= 16
+    if use_dot:  # tl.dot needs every dimension >= 16
         g_pad, d_pad = max(g_pad, 16), max(d_pad, 16)
     if block_n is None:
         block_n = _block_n(use_dot, g_pad, d_pad)
@@ -117,8 +116,9 @@ def paged_decode_attention(
         return paged_decode_attention_torch(
             q, k_layer, v_layer, block_table, seq_lens, scale, page_size, sliding_window
         )
-    return _paged_decode_triton(q, k_layer, v_layer, block_table, seq_lens, scale, page_size,
-                                sliding_window, use_dot, block_n)
+    return _paged_decode_triton(
+        q, k_layer, v_layer, block_table, seq_lens, scale, page_size, sliding_window, use_dot, block_n
+    )
 
 
 def _paged_decode_triton(
@@ -147,11 +147,26 @@ def _paged_decode_triton(
     kernel = get_kernel("paged_decode", interpret)
     window = _NO_WINDOW if sliding_window is None else int(sliding_window)
     kernel[(B, kv_heads)](
-        q, k_layer, v_layer, block_table, seq_lens, out,
-        float(scale) * math.log2(math.e), window,
-        *q.stride(), *k_layer.stride(), *v_layer.stride(), *block_table.stride(), *out.stride(),
-        PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, G_PAD=g_pad, D_PAD=d_pad,
-        BLOCK_N=block_n, USE_DOT=use_dot,
+        q,
+        k_layer,
+        v_layer,
+        block_table,
+        seq_lens,
+        out,
+        float(scale) * math.log2(math.e),
+        window,
+        *q.stride(),
+        *k_layer.stride(),
+        *v_layer.stride(),
+        *block_table.stride(),
+        *out.stride(),
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        G_PAD=g_pad,
+        D_PAD=d_pad,
+        BLOCK_N=block_n,
+        USE_DOT=use_dot,
         # fp32 dots in full precision (not TF32); fp16/bf16 use the target's default
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )

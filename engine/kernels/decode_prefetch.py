@@ -10,6 +10,7 @@ kernel on data twice the last-level cache (the attention on scattered pages, as 
 them) and keeps the faster per kernel for the process (logged). ``PDSERVE_DECODE_PREFETCH=l1|l2``
 sets both instead, with no timing. The choice never changes an output, only the time to it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -92,6 +93,7 @@ def time_attention(nbytes: int, rounds: int = 3) -> dict[int, float]:
     def run(mode: int) -> None:
         for layer in range(layers):
             cpu_native.paged_decode(q, pool, layer, table, lo, hi, 0.125, threads, prefetch=mode)
+
     return best_of({m: functools.partial(run, m) for m in MODES.values()}, rounds)
 
 
@@ -109,14 +111,20 @@ def time_gemv(nbytes: int, rounds: int = 3) -> dict[int, float]:
     def run(mode: int) -> None:
         for w in weights:
             cpu_native.gemv_bf16(x, w, None, prefetch=mode)
+
     return best_of({m: functools.partial(run, m) for m in MODES.values()}, rounds)
 
 
 def _faster(kernel: str, times: dict[int, float], nbytes: int) -> int:
     chosen = min(times, key=times.get)
     names = {v: k for k, v in MODES.items()}
-    log.info("%s prefetch: %s (%s over %d MiB)", kernel, names[chosen],
-             ", ".join(f"{names[m]} {s * 1e3:.1f} ms" for m, s in times.items()), nbytes >> 20)
+    log.info(
+        "%s prefetch: %s (%s over %d MiB)",
+        kernel,
+        names[chosen],
+        ", ".join(f"{names[m]} {s * 1e3:.1f} ms" for m, s in times.items()),
+        nbytes >> 20,
+    )
     return chosen
 
 

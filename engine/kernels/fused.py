@@ -6,6 +6,7 @@ expressions) otherwise: CUDA, float16, odd strides, or no compiler. Both compute
 round to the input dtype once; they agree to float32 rounding (tests/test_fused_ops.py).
 ``PDSERVE_NATIVE_KERNELS=0`` forces the references, as for the attention kernel.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,24 +52,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_ref(x, weight, eps)
     row_stride = x.stride(-2) if x.dim() >= 2 else dim
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.pdserve_rms_norm(x.data_ptr(), row_stride if x.dim() == 2 else dim, weight.data_ptr(), out.data_ptr(),
-                         rows, dim, eps, int(x.dtype == torch.bfloat16), _threads(x.numel()))
+    lib.pdserve_rms_norm(
+        x.data_ptr(),
+        row_stride if x.dim() == 2 else dim,
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        dim,
+        eps,
+        int(x.dtype == torch.bfloat16),
+        _threads(x.numel()),
+    )
     return out
 
 
-def add_rms_norm(h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h + residual, rms_norm(h + residual))``. On the kernel path ``h`` is updated in place and
     returned (callers pass a residual stream they own); the reference returns a new sum."""
     lib = _native(h, residual, weight)
-    if lib is None or not (h.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()
-                           and h.shape == residual.shape and h.numel()):
+    if lib is None or not (
+        h.is_contiguous()
+        and residual.is_contiguous()
+        and weight.is_contiguous()
+        and h.shape == residual.shape
+        and h.numel()
+    ):
         s = h + residual
         return s, rms_norm_ref(s, weight, eps)
     dim = h.shape[-1]
     out = torch.empty_like(h)
-    lib.pdserve_add_rms_norm(h.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                             h.numel() // dim, dim, eps, int(h.dtype == torch.bfloat16), _threads(h.numel()))
+    lib.pdserve_add_rms_norm(
+        h.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        h.numel() // dim,
+        dim,
+        eps,
+        int(h.dtype == torch.bfloat16),
+        _threads(h.numel()),
+    )
     return h, out
 
 
@@ -80,23 +105,43 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     return (xf * c + rotated * s).to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         check: bool = True) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check: bool = True
+) -> torch.Tensor:
     """``x`` ``[tokens, heads, head_dim]`` rotated by ``positions`` (rotate_half convention; ``cos``/
     ``sin`` float32 ``[max_positions, head_dim]``). The kernel path rotates ``x`` in place (heads and
     head_dim contiguous, tokens strided: a view of a fused QKV row is fine) and returns it; the
     caller must not need the unrotated values. ``check=False``: the caller already checked these
     positions against the table (the kernel reads the table at them unchecked)."""
     lib = _native(x)
-    ok = (lib is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-          and positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == torch.float32
-          and cos.is_contiguous() and sin.is_contiguous() and x.shape[0] == positions.numel())
+    ok = (
+        lib is not None
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and cos.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and x.shape[0] == positions.numel()
+    )
     if not ok or x.shape[0] == 0:
         return rope_ref(x, positions, cos, sin)
     if check and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
         raise IndexError(f"rotary position outside 0..{cos.shape[0] - 1}")
-    lib.pdserve_rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     x.shape[0], x.shape[1], x.shape[2], int(x.dtype == torch.bfloat16), _threads(x.numel()))
+    lib.pdserve_rope(
+        x.data_ptr(),
+        x.stride(0),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.shape[2],
+        int(x.dtype == torch.bfloat16),
+        _threads(x.numel()),
+    )
     return x
 
 
@@ -113,8 +158,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     if rows:
-        lib.pdserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter,
-                             int(gate_up.dtype == torch.bfloat16), _threads(gate_up.numel()))
+        lib.pdserve_silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            inter,
+            int(gate_up.dtype == torch.bfloat16),
+            _threads(gate_up.numel()),
+        )
     return out
 
 
@@ -124,13 +175,37 @@ def store_kv(buffer: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Ten
     place. Returns False (nothing written) where the kernel does not apply: the caller then stores
     with torch. Rows of ``k``/``v`` may be strided (views of a fused QKV row); each row contiguous."""
     lib = _native(buffer, k, v)
-    if (lib is None or k.dim() != 3 or v.dim() != 3 or k.shape != v.shape or k.shape[1:] != buffer.shape[4:]
-            or not buffer.is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous()
-            or k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]
-            or slots.numel() != k.shape[0]):
+    if (
+        lib is None
+        or k.dim() != 3
+        or v.dim() != 3
+        or k.shape != v.shape
+        or k.shape[1:] != buffer.shape[4:]
+        or not buffer.is_contiguous()
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+        or k.stride(2) != 1
+        or k.stride(1) != k.shape[2]
+        or v.stride(2) != 1
+        or v.stride(1) != v.shape[2]
+        or slots.numel() != k.shape[0]
+    ):
         return False
     s = buffer.stride()
     base = buffer.data_ptr() + layer * s[1] * buffer.element_size()
-    lib.pdserve_store_kv(base, s[0], s[2], s[3], buffer.shape[3], slots.data_ptr(), k.data_ptr(), k.stride(0),
-                         v.data_ptr(), v.stride(0), k.shape[0], k.shape[1] * k.shape[2], buffer.element_size())
+    lib.pdserve_store_kv(
+        base,
+        s[0],
+        s[2],
+        s[3],
+        buffer.shape[3],
+        slots.data_ptr(),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k.shape[0],
+        k.shape[1] * k.shape[2],
+        buffer.element_size(),
+    )
     return True

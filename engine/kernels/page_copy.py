@@ -4,6 +4,7 @@ A page is ``buffer[p]`` (contiguous, ``num_layers * 2 * page_size * kv_heads * h
 elements for ``KVPool.buffer``); staging rows are pages flattened. Used by CPU offload and KV
 transfer.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,8 +31,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, numel: int,
     if blocks > _MAX_GRID_Y:
         raise ValueError(f"page of {numel} elements exceeds the copy kernel's grid limit")
     kernel = get_kernel("copy_pages", use_interpreter(src, dst, ids))
-    kernel[(ids.numel(), blocks)](src, dst, ids, numel, src.stride(0), dst.stride(0),
-                                  GATHER=gather, BLOCK=_BLOCK)
+    kernel[(ids.numel(), blocks)](src, dst, ids, numel, src.stride(0), dst.stride(0), GATHER=gather, BLOCK=_BLOCK)
 
 
 def gather_pages(

@@ -5,6 +5,7 @@ tested against. They follow the page-major pool layout of ``cache/kv_pool.py``: 
 ``[num_pages, page_size, kv_heads, head_dim]`` (strided, not contiguous) and flat slots
 ``s = page * page_size + offset``.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,14 +53,14 @@ def _key_slots(
     ``seq_lens`` is a long tensor on the device of the result.
     """
     device = seq_lens.device
-    pos = torch.arange(max_len, device=device)                        # [L]
-    valid = pos[None, :] < seq_lens[:, None]                           # [B, L]
+    pos = torch.arange(max_len, device=device)  # [L]
+    valid = pos[None, :] < seq_lens[:, None]  # [B, L]
     if sliding_window is not None:
         valid &= pos[None, :] >= (seq_lens[:, None] - sliding_window)
     cols = torch.div(pos, page_size, rounding_mode="floor")
     cols = cols.clamp(max=block_table.shape[1] - 1)
-    pages = block_table.to(device=device, dtype=torch.long)[:, cols]   # [B, L]
-    pages = torch.where(valid, pages, torch.zeros_like(pages))         # never read junk entries
+    pages = block_table.to(device=device, dtype=torch.long)[:, cols]  # [B, L]
+    pages = torch.where(valid, pages, torch.zeros_like(pages))  # never read junk entries
     offsets = (pos % page_size)[None, :].expand(batch, -1)
     return valid, pages, offsets
 
@@ -99,13 +100,13 @@ def paged_decode_attention_torch(
         return torch.zeros_like(q)
 
     valid, pages, offsets = _key_slots(block_table, seq_lens, page_size, sliding_window, max_len, B)
-    k = k_layer[pages, offsets].float()                                # [B, L, Hkv, D]
+    k = k_layer[pages, offsets].float()  # [B, L, Hkv, D]
     v = v_layer[pages, offsets].float()
     qf = q.float().view(B, kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale            # [B, Hkv, G, L]
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale  # [B, Hkv, G, L]
     scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
     probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)                           # rows with no key at all
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows with no key at all
     out = torch.einsum("bhgl,blhd->bhgd", probs, v)
     return out.reshape(B, num_heads, head_dim).to(q.dtype)
 

@@ -1,4 +1,5 @@
 """Write new tokens' K/V into the page-major KV pool (Triton on CUDA, torch elsewhere)."""
+
 from __future__ import annotations
 
 import torch
@@ -69,8 +70,18 @@ def store_kv(
     block_h = min(next_pow2(kv_heads), max(1, 4096 // block_d))
     grid = (n, ceil_div(kv_heads, block_h))
     kernel[grid](
-        k, v, k_layer, v_layer, slots,
-        *k.stride(), *v.stride(), *k_layer.stride(), *v_layer.stride(),
-        PAGE_SIZE=k_layer.shape[1], NUM_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        k,
+        v,
+        k_layer,
+        v_layer,
+        slots,
+        *k.stride(),
+        *v.stride(),
+        *k_layer.stride(),
+        *v_layer.stride(),
+        PAGE_SIZE=k_layer.shape[1],
+        NUM_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )

@@ -6,6 +6,7 @@ A candidate is admitted when its uncached prompt plus its own reservation fits; 
 does not fit stops admission (``NO_TOKEN``: order is FCFS, later ones must not overtake it).
 Admitted requests get all the pages for their prompt at once, so chunked prefill never stalls.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -33,8 +34,15 @@ class ExtendItem:
         return self.req.kv_len + self.length == self.req.seq_len
 
 
-def admit_prompt(kv: KVManager, req: Request, n_tokens: int, extra: PageCount, budget: PageCount,
-                 swa_from: int = 0, swa_chunk: int | None = None) -> PageCount | None:
+def admit_prompt(
+    kv: KVManager,
+    req: Request,
+    n_tokens: int,
+    extra: PageCount,
+    budget: PageCount,
+    swa_from: int = 0,
+    swa_chunk: int | None = None,
+) -> PageCount | None:
     """Give ``req`` its cached prefix plus pages for ``n_tokens`` of ``all_ids`` (SWA pages from
     ``swa_from``, for the first ``swa_chunk`` uncached tokens only when given) if they (and
     ``extra``) fit in ``budget``: sets ``req.kv`` and ``req.kv_len`` (the cached tokens). Returns
@@ -64,14 +72,16 @@ class Admission:
         self.reserve_decode = reserve_decode
         self.chunked: Request | None = None
 
-    def select(self, waiting: deque[Request], running: Iterable[Request], ratio: float,
-               token_budget: int | None = None) -> list[ExtendItem]:
+    def select(
+        self, waiting: deque[Request], running: Iterable[Request], ratio: float, token_budget: int | None = None
+    ) -> list[ExtendItem]:
         """The next extend batch: the chunked request's next chunk first, then waiting requests in
         order, at most ``chunked_prefill_size`` tokens (and ``token_budget``, when given: what a
         mixed step leaves after its decode rows) in all. Admitted requests leave ``waiting``."""
         running = list(running)
-        budget = self.cfg.chunked_prefill_size if token_budget is None else min(self.cfg.chunked_prefill_size,
-                                                                                 token_budget)
+        budget = (
+            self.cfg.chunked_prefill_size if token_budget is None else min(self.cfg.chunked_prefill_size, token_budget)
+        )
         items: list[ExtendItem] = []
         if budget <= 0:
             return items
@@ -87,8 +97,9 @@ class Admission:
             if len(running) + len(items) >= self.cfg.max_running_requests:
                 break
             req = waiting[0]
-            need = admit_prompt(self.kv, req, req.seq_len, self._reservation_pages(req, ratio), free_pages,
-                                swa_chunk=max(budget, 1))
+            need = admit_prompt(
+                self.kv, req, req.seq_len, self._reservation_pages(req, ratio), free_pages, swa_chunk=max(budget, 1)
+            )
             if need is None:
                 break
             req.status = Phase.PREFILLING

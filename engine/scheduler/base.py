@@ -4,6 +4,7 @@ A scheduler does no I/O on control sockets: every call returns an ``Outbox`` (``
 of what should be sent, ``settle`` and ``step`` a ``StepReport`` (that outbox plus facts about the
 step), and the worker loop (or an in-process harness) delivers it.
 """
+
 from __future__ import annotations
 
 import abc
@@ -42,7 +43,7 @@ class Outcome:
     status: int | None = None
 
     @classmethod
-    def abort(cls, error: str, status: int) -> "Outcome":
+    def abort(cls, error: str, status: int) -> Outcome:
         return cls(FinishReason.ABORT, error, status)
 
     @property
@@ -147,11 +148,17 @@ class WorkerScheduler(abc.ABC):
 
     def fit_check(self, pool: str = "KV cache pool") -> FitCheck:
         """The fit check against this worker's pool (named ``pool`` in messages), context and SWA pool."""
-        return FitCheck(self.capacity_tokens, self.max_model_len, pool, swa_pool_pages=self.budget.swa_pool_pages,
-                        page_size=self.kv.page_size)
+        return FitCheck(
+            self.capacity_tokens,
+            self.max_model_len,
+            pool,
+            swa_pool_pages=self.budget.swa_pool_pages,
+            page_size=self.kv.page_size,
+        )
 
-    def reject_if_unfit(self, prompt_len: int, max_new_tokens: int, pool: str = "KV cache pool",
-                        swa_tokens: int | None = None) -> None:
+    def reject_if_unfit(
+        self, prompt_len: int, max_new_tokens: int, pool: str = "KV cache pool", swa_tokens: int | None = None
+    ) -> None:
         """``FitCheck.request`` against this worker's pools and context, with ``swa_tokens``
         (default: the whole prompt) of SWA KV at admission, counting refusals."""
         swa_pages = self.budget.swa_pages_at_once(prompt_len if swa_tokens is None else swa_tokens)
@@ -174,9 +181,14 @@ class WorkerScheduler(abc.ABC):
     def pool_gauges(self) -> dict[str, float]:
         live = self.live_handles()
         u = self.kv.usage(live)
-        gauges = {"kv_pages_free": u.free, "kv_pages_used": u.used, "kv_pages_cached": u.cached,
-                  "kv_pages_total": u.total}
+        gauges = {
+            "kv_pages_free": u.free,
+            "kv_pages_used": u.used,
+            "kv_pages_cached": u.cached,
+            "kv_pages_total": u.total,
+        }
         if (s := self.kv.usage(live, "swa")) is not None:
-            gauges.update(swa_pages_free=s.free, swa_pages_used=s.used, swa_pages_cached=s.cached,
-                          swa_pages_total=s.total)
+            gauges.update(
+                swa_pages_free=s.free, swa_pages_used=s.used, swa_pages_cached=s.cached, swa_pages_total=s.total
+            )
         return gauges

@@ -14,6 +14,7 @@ first token) and any request with the same prefix then match those pages and com
 (at most the last page), each with its own pages from there on (copy on write at the last partial
 page). A retracted or aborted request keeps nothing locked; the prefix stays cached (evictable).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -53,8 +54,11 @@ class ColocatedScheduler(WorkerScheduler):
     def add(self, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
         if msg.rid in self.requests:
             raise RequestRejected(f"duplicate request id {msg.rid!r}")
-        self.reject_if_unfit(len(prompt), msg.params.max_new_tokens,
-                             swa_tokens=self.budget.prefill_swa_tokens(len(prompt), self.cfg.chunked_prefill_size))
+        self.reject_if_unfit(
+            len(prompt),
+            msg.params.max_new_tokens,
+            swa_tokens=self.budget.prefill_swa_tokens(len(prompt), self.cfg.chunked_prefill_size),
+        )
         vocab = self.runner.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
@@ -79,7 +83,7 @@ class ColocatedScheduler(WorkerScheduler):
         self.running.discard(req)
         self.admission.drop(req)
         if outcome.completed:
-            self.kv.free_into_cache(req.kv, req.all_ids[:req.kv_len])
+            self.kv.free_into_cache(req.kv, req.all_ids[: req.kv_len])
             self.stats.finished_requests += 1
         else:
             self.kv.free(req.kv)
@@ -168,13 +172,14 @@ class ColocatedScheduler(WorkerScheduler):
             if req.finished:
                 self.finish(req, Outcome(req.finish_reason))
             elif req.status is Phase.RUNNING:
-                share_prefix(self.kv, req.kv, req.all_ids[:req.kv_len])
+                share_prefix(self.kv, req.kv, req.all_ids[: req.kv_len])
                 self.running.add(req)
         return out
 
     def snapshot(self) -> Snapshot:
         snap = super().snapshot()
-        snap.gauges.update(queue_waiting=len(self.waiting), queue_running=len(self.running),
-                           new_token_ratio=self.running.ratio.value)
+        snap.gauges.update(
+            queue_waiting=len(self.waiting), queue_running=len(self.running), new_token_ratio=self.running.ratio.value
+        )
         snap.histograms.update(self.timeline.histograms)
         return snap

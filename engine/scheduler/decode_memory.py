@@ -4,6 +4,7 @@ What to do with a victim (drop and recompute, or offload to host memory) is the 
 business: ``retract_decode`` calls ``release_victim(req)`` for each one, immediately, so the
 pages it frees count for the next check.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

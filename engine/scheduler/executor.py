@@ -5,6 +5,7 @@ the same way. Each sampled token yields one ``TokenDelta`` (empty ids when the t
 token itself, which is not part of the output text: it travels in ``stop_token_id`` with its
 logprobs, for usage and logprobs as vLLM counts them); a request that finished has ``finished`` set.
 """
+
 from __future__ import annotations
 
 from cache.kv_manager import KVManager
@@ -13,21 +14,28 @@ from engine.model_runner import ModelRunner, SeqChunk
 from engine.prompt_logprobs import prompt_rows, record
 from engine.request import Phase, Request
 from engine.sampling import Sampler
+from engine.scheduler.admission import ExtendItem
 from transfer.wire.enums import FinishReason
 from transfer.wire.protocol import TokenDelta
 from transfer.wire.sampling_params import check_stop
-from engine.scheduler.admission import ExtendItem
 
 
-def token_delta(req: Request, tok: int, logprob: float | None, top: list | None, eos: frozenset[int],
-                max_model_len: int) -> TokenDelta:
+def token_delta(
+    req: Request, tok: int, logprob: float | None, top: list | None, eos: frozenset[int], max_model_len: int
+) -> TokenDelta:
     """Append ``tok`` to ``req`` (output and sampler state), apply the stop checks (finishing
     ``req`` if one hits), and return the token's delta."""
     first = not req.output_ids
     req.sampler_state.append(tok)
     req.output_ids.append(tok)
-    delta = TokenDelta(rid=req.rid, token_ids=[tok], logprobs=[logprob], top_logprobs=[top],
-                       prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens)
+    delta = TokenDelta(
+        rid=req.rid,
+        token_ids=[tok],
+        logprobs=[logprob],
+        top_logprobs=[top],
+        prompt_tokens=len(req.prompt_ids),
+        cached_tokens=req.cached_tokens,
+    )
     if first and req.prompt_logprobs is not None:  # they travel with the first token, once
         delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
     reason = check_stop(tok, req.params, eos, len(req.output_ids))
@@ -66,26 +74,37 @@ class BatchExecutor:
         """One token for each request; pages for position ``kv_len`` must already be allocated."""
         return self.mixed(reqs, [])[0]
 
-    def mixed(self, reqs: list[Request], items: list[ExtendItem]) -> tuple[list[tuple[Request, TokenDelta]],
-                                                                           list[tuple[Request, TokenDelta]]]:
+    def mixed(
+        self, reqs: list[Request], items: list[ExtendItem]
+    ) -> tuple[list[tuple[Request, TokenDelta]], list[tuple[Request, TokenDelta]]]:
         """One forward over decode rows ``reqs`` (first) and extend ``items``: ``(decode deltas,
         extend deltas)``, as ``decode(reqs)`` and ``extend(items)`` would give them apart. Either
         list may be empty (then the step is a plain DECODE or EXTEND one); both empty: no forward."""
         if not reqs and not items:  # e.g. a decode worker whose local prefill waits for pages, nothing running
             return [], []
-        seqs = [SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages,
-                         r.kv.swa_pages) for r in reqs]
-        seqs += [SeqChunk(i.req.all_ids[i.req.kv_len:i.req.kv_len + i.length], i.req.kv_len, i.req.kv.pages,
-                          i.req.kv.swa_pages, prompt_rows(i.req, i.req.kv_len, i.length)) for i in items]
+        seqs = [
+            SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages, r.kv.swa_pages)
+            for r in reqs
+        ]
+        seqs += [
+            SeqChunk(
+                i.req.all_ids[i.req.kv_len : i.req.kv_len + i.length],
+                i.req.kv_len,
+                i.req.kv.pages,
+                i.req.kv.swa_pages,
+                prompt_rows(i.req, i.req.kv_len, i.length),
+            )
+            for i in items
+        ]
         mode = ForwardMode.MIXED if reqs and items else (ForwardMode.DECODE if reqs else ForwardMode.EXTEND)
         logits = self.runner.forward(mode, seqs, num_decode=len(reqs))
         if len(logits) > len(seqs):  # prompt logprobs rows follow the last-token rows
             at = len(seqs)
-            for s, i in zip(seqs[len(reqs):], items):
+            for s, i in zip(seqs[len(reqs) :], items):
                 if s.logit_rows:
-                    record(i.req, s.prefix_len, logits[at:at + s.logit_rows])
+                    record(i.req, s.prefix_len, logits[at : at + s.logit_rows])
                     at += s.logit_rows
-            logits = logits[:len(seqs)]
+            logits = logits[: len(seqs)]
         for r in reqs:
             self._advance(r, 1)
         done = [k for k, i in enumerate(items) if i.completes]
@@ -96,11 +115,18 @@ class BatchExecutor:
             items[k].req.mark("prefilled")
         rows = [*range(len(reqs)), *(len(reqs) + k for k in done)]
         out = self._sample(logits[rows] if len(rows) < len(seqs) else logits, [*reqs, *(items[k].req for k in done)])
-        return out[:len(reqs)], out[len(reqs):]
+        return out[: len(reqs)], out[len(reqs) :]
 
     def _sample(self, logits, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
         if not reqs:
             return []
         out = self.sampler.sample(logits, [r.params for r in reqs], [r.sampler_state for r in reqs])
-        return [(r, token_delta(r, out.token_ids[k], out.logprobs[k], out.top_logprobs[k], self.eos,
-                                self.runner.max_model_len)) for k, r in enumerate(reqs)]
+        return [
+            (
+                r,
+                token_delta(
+                    r, out.token_ids[k], out.logprobs[k], out.top_logprobs[k], self.eos, self.runner.max_model_len
+                ),
+            )
+            for k, r in enumerate(reqs)
+        ]

@@ -13,6 +13,7 @@ step), deals with its victims (colocated: back to the waiting queue) and then ca
 ``MixedStep.run``, which admits the prefill chunk against the pages that are left and runs the
 one forward.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -1,6 +1,7 @@
 """new_token_ratio: how much of each running request's remaining ``max_new_tokens`` admission
 reserves. High when idle (conservative), decays while decoding, reset from reality after a retract.
 """
+
 from __future__ import annotations
 
 from configs.scheduler import SchedulerConfig

@@ -6,6 +6,7 @@ the ratio's decay. Colocated and decode workers differ only in ``release_victim`
 and re-prefill later, or offload it to the host pool / recompute it): it frees the victim's
 device pages at once and returns a word for the log line ("drop", "offload", "recompute").
 """
+
 from __future__ import annotations
 
 import logging
@@ -108,19 +109,35 @@ class RunningBatch:
         def release(req: Request) -> None:
             how[req.rid] = release_victim(req)
 
-        r = retract_decode(self.kv, self.reqs, self.cfg.retract_decode_steps, release, force_one=forced,
-                           park_last=park_last, retract_order=self.cfg.retract_order)
+        r = retract_decode(
+            self.kv,
+            self.reqs,
+            self.cfg.retract_decode_steps,
+            release,
+            force_one=forced,
+            park_last=park_last,
+            retract_order=self.cfg.retract_order,
+        )
         self.reqs, res.retracted, res.aborted = r.kept, r.retracted, r.aborted
         for v in r.retracted:
             self.stats.retractions += 1
             self.stats.retracted_input_tokens += len(v.prompt_ids)
             self.stats.retracted_output_tokens += len(v.output_ids)
         if r.retracted:
-            ratio = self.ratio.reset_after_retract(sum(len(q.output_ids) for q in self.reqs), len(self.reqs),
-                                                   sum(q.params.max_new_tokens for q in self.reqs))
-            log.warning("retract %d requests (%s), %d pages freed, running %d, new_token_ratio %.4f -> %.4f",
-                        len(r.retracted), ", ".join(f"{v.rid}:{how[v.rid]}" for v in r.retracted),
-                        self.kv.available_pages() - before_free, len(self.reqs), before_ratio, ratio)
+            ratio = self.ratio.reset_after_retract(
+                sum(len(q.output_ids) for q in self.reqs),
+                len(self.reqs),
+                sum(q.params.max_new_tokens for q in self.reqs),
+            )
+            log.warning(
+                "retract %d requests (%s), %d pages freed, running %d, new_token_ratio %.4f -> %.4f",
+                len(r.retracted),
+                ", ".join(f"{v.rid}:{how[v.rid]}" for v in r.retracted),
+                self.kv.available_pages() - before_free,
+                len(self.reqs),
+                before_ratio,
+                ratio,
+            )
 
     def oom_outcome(self, req: Request) -> Outcome:
         """The abort of the last request that cannot fit (counted and logged here)."""

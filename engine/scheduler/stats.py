@@ -1,4 +1,5 @@
 """Counters a scheduler keeps (exported as Prometheus metrics by the worker)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -1,6 +1,7 @@
 """What one scheduler step hands its worker loop: the ``Outbox`` to send and facts about the step
 that the loop acts on (core lending, ``server.worker.core_lending``). The outbox stays pure
 messages; nothing here decides anything."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

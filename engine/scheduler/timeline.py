@@ -7,27 +7,39 @@ stamped is observed in a histogram (shipped to the router as ``phase_<name>``, e
 ``pdserve_request_phase_seconds{worker, phase}``) and one DEBUG line per request lists them (a
 second one its milestones' monotonic stamps, for ``bench.handoff_trace``).
 """
+
 from __future__ import annotations
 
 import logging
 
 from engine.request import Request
 from engine.scheduler.stats import PHASE_BUCKETS, Histogram
-
 from transfer.wire.enums import Role
 
 log = logging.getLogger(__name__)
 
 # role -> ((phase, from milestone, to milestone), ...)
 PHASES: dict[Role, tuple[tuple[str, str, str], ...]] = {
-    Role.COLOCATED: (("queue", "arrived", "admitted"), ("prefill_compute", "admitted", "prefilled"),
-                  ("decode", "prefilled", "finished")),
-    Role.PREFILL: (("bootstrap_wait", "arrived", "destination"), ("prefill_queue", "destination", "admitted"),
-                ("prefill_compute", "admitted", "prefilled"), ("transfer", "write_start", "write_done")),
-    Role.DECODE: (("decode_queue", "arrived", "reserved"), ("kv_wait", "reserved", "landed"),
-               ("first_token", "landed", "first_token"), ("decode", "first_token", "finished"),
-               # prefilled by the decode worker itself (selective disaggregation)
-               ("local_prefill_queue", "local_prefill", "admitted"), ("local_prefill", "admitted", "prefilled")),
+    Role.COLOCATED: (
+        ("queue", "arrived", "admitted"),
+        ("prefill_compute", "admitted", "prefilled"),
+        ("decode", "prefilled", "finished"),
+    ),
+    Role.PREFILL: (
+        ("bootstrap_wait", "arrived", "destination"),
+        ("prefill_queue", "destination", "admitted"),
+        ("prefill_compute", "admitted", "prefilled"),
+        ("transfer", "write_start", "write_done"),
+    ),
+    Role.DECODE: (
+        ("decode_queue", "arrived", "reserved"),
+        ("kv_wait", "reserved", "landed"),
+        ("first_token", "landed", "first_token"),
+        ("decode", "first_token", "finished"),
+        # prefilled by the decode worker itself (selective disaggregation)
+        ("local_prefill_queue", "local_prefill", "admitted"),
+        ("local_prefill", "admitted", "prefilled"),
+    ),
 }
 
 # decode phases of a request the decode worker prefilled itself (decode_worker.local_prefill); such a

@@ -4,6 +4,7 @@ puts and ranges keys; ``watch_prefix`` (asyncio, httpx) streams a prefix's event
 (``POST /v3/watch`` answers one JSON object per line). Every failure is an ``EtcdError`` whose
 message names the endpoint and what happened.
 """
+
 from __future__ import annotations
 
 import base64
@@ -118,16 +119,19 @@ async def call_async(http: httpx.AsyncClient, path: str, body: dict) -> dict:
 
 async def create_if_absent(http: httpx.AsyncClient, key: str, value: str, lease: int) -> bool:
     """Put ``key`` attached to ``lease`` only if it does not exist (one transaction); True if it was put."""
-    body = {"compare": [{"target": "CREATE", "key": b64(key), "create_revision": "0"}],
-            "success": [{"request_put": {"key": b64(key), "value": b64(value), "lease": lease}}]}
+    body = {
+        "compare": [{"target": "CREATE", "key": b64(key), "create_revision": "0"}],
+        "success": [{"request_put": {"key": b64(key), "value": b64(value), "lease": lease}}],
+    }
     return bool((await call_async(http, "/v3/kv/txn", body)).get("succeeded"))
 
 
 async def watch_prefix(http: httpx.AsyncClient, prefix: str, start_revision: int) -> AsyncIterator[Event]:
     """Every change under ``prefix`` from ``start_revision`` on, until the stream breaks
     (``EtcdError``: etcd went away, or compacted past ``start_revision``)."""
-    body = {"create_request": {"key": b64(prefix), "range_end": b64(range_end(prefix)),
-                               "start_revision": start_revision}}
+    body = {
+        "create_request": {"key": b64(prefix), "range_end": b64(range_end(prefix)), "start_revision": start_revision}
+    }
     try:
         async with http.stream("POST", "/v3/watch", json=body, timeout=httpx.Timeout(5.0, read=None)) as r:
             if r.status_code != 200:
@@ -137,8 +141,10 @@ async def watch_prefix(http: httpx.AsyncClient, prefix: str, start_revision: int
                     continue
                 result = json.loads(line).get("result", {})
                 if result.get("canceled") or result.get("compact_revision"):
-                    raise EtcdError(f"etcd at {http.base_url} cancelled the watch of {prefix}: "
-                                    f"{result.get('cancel_reason') or 'compacted'}")
+                    raise EtcdError(
+                        f"etcd at {http.base_url} cancelled the watch of {prefix}: "
+                        f"{result.get('cancel_reason') or 'compacted'}"
+                    )
                 for ev in result.get("events", []):
                     kv = ev.get("kv", {})
                     yield Event(ev.get("type", "PUT"), unb64(kv["key"]), unb64(kv.get("value", "")))

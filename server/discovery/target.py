@@ -4,6 +4,7 @@
 else with a message naming the accepted forms. ``WorkerRecord`` is what a worker registers under
 ``{prefix}workers/{worker_id}`` in etcd (JSON, with a version).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ from transfer.wire.enums import ALL_WORKER_ROLES, Role
 
 RECORD_VERSION = 1
 DEFAULT_ETCD_PREFIX = "/pdserve/"
-FORMS = "etcd://HOST:PORT[/prefix] (workers register, routers watch) or dns://NAME:PORT[?role=decode] (a " \
-        "headless Service: every A/AAAA record is a worker)"
+FORMS = (
+    "etcd://HOST:PORT[/prefix] (workers register, routers watch) or dns://NAME:PORT[?role=decode] (a "
+    "headless Service: every A/AAAA record is a worker)"
+)
 
 
 class DiscoveryError(ValueError):

@@ -4,6 +4,7 @@
 one ``PdserveConfig``. The commands themselves live in ``server.launch.cli`` (which dispatches on
 ``args.command``), so the probe can parse a ``pdserve`` command line without importing them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
     for model in (EngineConfig, SchedulerConfig, ClusterConfig):
         add_flags(p, model)
     add_flags(p, ServerConfig, skip=("log_level",))
-    p.add_argument("--log-level", dest="server_log_level", default=argparse.SUPPRESS,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level of the router and workers")
+    p.add_argument(
+        "--log-level",
+        dest="server_log_level",
+        default=argparse.SUPPRESS,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level of the router and workers",
+    )
 
 
 def load_config(args: argparse.Namespace, command: str):
@@ -68,55 +74,87 @@ def load_config(args: argparse.Namespace, command: str):
 
 
 def _launch_parser(sub) -> None:
-    p = sub.add_parser("launch", help="start the worker process(es) and the OpenAI-compatible HTTP router",
-                       description="Settings: --config preset < env PDSERVE_<FIELD> < these flags.")
-    p.add_argument("--roles", help="start only these roles on this host, comma-separated: router, prefill, "
-                                   "decode (pd) or router, colocated (default: all of the mode)")
-    p.add_argument("--worker", action="append", default=[], metavar="ROLE=ID=ADDR",
-                   help="a worker on another host for this host's router, e.g. decode=decode-0=tcp://hostB:29501")
+    p = sub.add_parser(
+        "launch",
+        help="start the worker process(es) and the OpenAI-compatible HTTP router",
+        description="Settings: --config preset < env PDSERVE_<FIELD> < these flags.",
+    )
+    p.add_argument(
+        "--roles",
+        help="start only these roles on this host, comma-separated: router, prefill, "
+        "decode (pd) or router, colocated (default: all of the mode)",
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="ROLE=ID=ADDR",
+        help="a worker on another host for this host's router, e.g. decode=decode-0=tcp://hostB:29501",
+    )
     _config_flags(p)
 
 
 def _worker_parser(sub) -> None:
-    p = sub.add_parser("worker", help="run one worker process (multi-node deployments)",
-                       description="One colocated, prefill or decode worker; a router started with "
-                                   "'pdserve router --worker ROLE=ID=ADDR' drives it.")
+    p = sub.add_parser(
+        "worker",
+        help="run one worker process (multi-node deployments)",
+        description="One colocated, prefill or decode worker; a router started with "
+        "'pdserve router --worker ROLE=ID=ADDR' drives it.",
+    )
     p.add_argument("--role", choices=[str(r) for r in ALL_WORKER_ROLES], required=True)
-    p.add_argument("--worker-id", help="this worker's name in logs, etcd and peers' messages (default: "
-                                       "ROLE-HOSTNAME, unique per container or pod, so replicas need no flag)")
+    p.add_argument(
+        "--worker-id",
+        help="this worker's name in logs, etcd and peers' messages (default: "
+        "ROLE-HOSTNAME, unique per container or pod, so replicas need no flag)",
+    )
     p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://0.0.0.0:29500")
     _config_flags(p)
 
 
 def _router_parser(sub) -> None:
     p = sub.add_parser("router", help="run the HTTP router alone, in front of workers started elsewhere")
-    p.add_argument("--worker", action="append", default=[], metavar="ROLE=ID=ADDR",
-                   help="a worker to route to, e.g. decode=d0=tcp://decode0:29500 (repeatable; or --discovery)")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="ROLE=ID=ADDR",
+        help="a worker to route to, e.g. decode=d0=tcp://decode0:29500 (repeatable; or --discovery)",
+    )
     _config_flags(p)
 
 
 def _probe_parser(sub) -> None:
-    p = sub.add_parser("probe", help="exit 0 when the pdserve process here is ready (container health checks)",
-                       description="Target: http://HOST:PORT (router: GET /health) or tcp://HOST:PORT (a worker's "
-                                   "control socket). Without one, derived from PID 1's pdserve command line.")
+    p = sub.add_parser(
+        "probe",
+        help="exit 0 when the pdserve process here is ready (container health checks)",
+        description="Target: http://HOST:PORT (router: GET /health) or tcp://HOST:PORT (a worker's "
+        "control socket). Without one, derived from PID 1's pdserve command line.",
+    )
     p.add_argument("target", nargs="?")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
-    p.add_argument("--cluster-key", metavar="FILE", help="the cluster key to reach a worker with (default: PID 1's "
-                                                         "--cluster-key or PDSERVE_CLUSTER_KEY)")
+    p.add_argument(
+        "--cluster-key",
+        metavar="FILE",
+        help="the cluster key to reach a worker with (default: PID 1's --cluster-key or PDSERVE_CLUSTER_KEY)",
+    )
 
 
 def _keygen_parser(sub) -> None:
-    p = sub.add_parser("keygen", help="write a new cluster key file (CURVE key pair) for --cluster-key",
-                       description="Writes a ZeroMQ CURVE key pair (Z85, ZeroMQ certificate format) with mode "
-                                   "0600. Give every router, worker and probe of a deployment the same file.")
+    p = sub.add_parser(
+        "keygen",
+        help="write a new cluster key file (CURVE key pair) for --cluster-key",
+        description="Writes a ZeroMQ CURVE key pair (Z85, ZeroMQ certificate format) with mode "
+        "0600. Give every router, worker and probe of a deployment the same file.",
+    )
     p.add_argument("file", help="where to write it ('-' for stdout, e.g. to pipe into a secret store)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
 def _bench_parser(sub) -> None:
     """Every argument after ``bench`` is left to ``python -m bench`` (``parse_args`` below)."""
-    sub.add_parser("bench", help="benchmarks (engine, retract, transfer, serve): 'pdserve bench --help'",
-                   add_help=False)
+    sub.add_parser(
+        "bench", help="benchmarks (engine, retract, transfer, serve): 'pdserve bench --help'", add_help=False
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,8 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_generate_parser, _launch_parser, _worker_parser, _router_parser, _probe_parser, _keygen_parser,
-                _bench_parser):
+    for add in (
+        _generate_parser,
+        _launch_parser,
+        _worker_parser,
+        _router_parser,
+        _probe_parser,
+        _keygen_parser,
+        _bench_parser,
+    ):
         add(sub)
     return parser
 

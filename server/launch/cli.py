@@ -5,6 +5,7 @@ Parsing lives in ``server.launch.args``; each command here is one function, pick
 ``pdserve bench ...`` runs ``python -m bench ...`` in a child process: the benchmarks sit above
 everything and nothing in the serving packages imports them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from transfer.wire.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_new_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            ignore_eos=args.ignore_eos,
+        )
         engine = EngineConfig(**collect(args, EngineConfig))
         sched = SchedulerConfig(**collect(args, SchedulerConfig))
     except ValidationError as e:
@@ -43,9 +49,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 2
     for r in llm.generate(args.prompt, params, chat=args.chat):
         if args.json:
-            print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids,
-                              "text": r.text, "finish_reason": r.finish_reason, "stop_token_id": r.stop_token_id,
-                              **({"error": r.error} if r.error else {})}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "prompt_token_ids": r.prompt_token_ids,
+                        "token_ids": r.token_ids,
+                        "text": r.text,
+                        "finish_reason": r.finish_reason,
+                        "stop_token_id": r.stop_token_id,
+                        **({"error": r.error} if r.error else {}),
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(r.text if not r.error else f"[error] {r.error}", flush=True)
     return 0
@@ -98,9 +114,18 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     cfg = load_config(args, "worker")
     if cfg is None:
         return 2
-    return worker_main(["--role", args.role, "--worker-id", worker_id(args.role, args.worker_id),
-                        "--control-addr", args.control_addr,
-                        "--config-json", cfg.model_dump_json()])
+    return worker_main(
+        [
+            "--role",
+            args.role,
+            "--worker-id",
+            worker_id(args.role, args.worker_id),
+            "--control-addr",
+            args.control_addr,
+            "--config-json",
+            cfg.model_dump_json(),
+        ]
+    )
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -116,8 +141,11 @@ def _cmd_router(args: argparse.Namespace) -> int:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     if not specs and not cfg.cluster.discovery:
-        print("pdserve router: name the workers (--worker ROLE=ID=ADDR, repeatable) or where to find them "
-              "(--discovery etcd://HOST:PORT or dns://NAME:PORT)", file=sys.stderr)
+        print(
+            "pdserve router: name the workers (--worker ROLE=ID=ADDR, repeatable) or where to find them "
+            "(--discovery etcd://HOST:PORT or dns://NAME:PORT)",
+            file=sys.stderr,
+        )
         return 2
     return router_main(cfg, specs)
 
@@ -138,8 +166,11 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     try:
         write_key_file(args.file, key, overwrite=args.force)
     except FileExistsError:
-        print(f"pdserve keygen: {args.file} exists; pass --force to replace it (every process holding the old "
-              f"key then needs the new one)", file=sys.stderr)
+        print(
+            f"pdserve keygen: {args.file} exists; pass --force to replace it (every process holding the old "
+            f"key then needs the new one)",
+            file=sys.stderr,
+        )
         return 1
     except OSError as e:
         print(f"pdserve keygen: cannot write {args.file}: {e.strerror}", file=sys.stderr)
@@ -152,8 +183,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "bench", *args.bench_argv])
 
 
-COMMANDS = {"generate": _cmd_generate, "launch": _cmd_launch, "worker": _cmd_worker, "router": _cmd_router,
-            "probe": _cmd_probe, "keygen": _cmd_keygen, "bench": _cmd_bench}
+COMMANDS = {
+    "generate": _cmd_generate,
+    "launch": _cmd_launch,
+    "worker": _cmd_worker,
+    "router": _cmd_router,
+    "probe": _cmd_probe,
+    "keygen": _cmd_keygen,
+    "bench": _cmd_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ readable only by the launch's own user, so another local user cannot drive a wor
 launch or router needs ``--cluster-key FILE`` (the same file on every host) or
 ``--insecure-control-plane``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,9 @@ from transfer.control_auth import ENV_SECRET, ControlAuth, resolve_auth
 log = logging.getLogger("pdserve.launch")
 
 
-def launch_auth(cfg: PdserveConfig, own_workers: bool,
-                environ: Mapping[str, str] | None = None) -> tuple[ControlAuth, dict[str, str]]:
+def launch_auth(
+    cfg: PdserveConfig, own_workers: bool, environ: Mapping[str, str] | None = None
+) -> tuple[ControlAuth, dict[str, str]]:
     """(this process's ``ControlAuth``, variables to add to its worker children's environment).
     Raises ``ControlAuthError`` (saying what to pass) when a key is needed and none is given."""
     environ = os.environ if environ is None else environ
@@ -32,6 +34,8 @@ def launch_auth(cfg: PdserveConfig, own_workers: bool,
         return ControlAuth(key), {ENV_SECRET: key.secret.decode()}
     auth = resolve_auth(c.cluster_key, c.insecure_control_plane, environ)
     if not auth.secure:
-        log.warning("control plane NOT authenticated (--insecure-control-plane): anyone who reaches a worker's "
-                    "port can drive it; use --cluster-key FILE")
+        log.warning(
+            "control plane NOT authenticated (--insecure-control-plane): anyone who reaches a worker's "
+            "port can drive it; use --cluster-key FILE"
+        )
     return auth, {}

@@ -18,12 +18,13 @@ Children never outlive the launcher: they ignore SIGINT (Ctrl-C in a terminal re
 process group; the launcher stops them itself), get SIGTERM from the kernel if the launcher dies
 (``PR_SET_PDEATHSIG``), and are SIGTERMed, then SIGKILLed after a grace period, on shutdown.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import logging
+import os
 import signal
 import socket
 import sys
@@ -37,14 +38,14 @@ import uvicorn
 import zmq.asyncio
 
 from configs.schema import PdserveConfig
+from server.launch.launch_auth import launch_auth
+from server.launch.ports import PortUnavailable, reserve_worker_ports
 from server.launch.roles import WORKER_ROLES, bind_addr, worker_config, worker_specs
+from server.launch.supervisor import RestartPolicy, WorkerSupervisor
 from server.launch.worker_procs import ExternalWorkers, WorkerProcesses
 from server.router.registry import WorkerSpec
 from server.worker.core_lending import CoreLedger, borrows
 from server.worker.placement import Placement, plan_placement
-from server.launch.ports import PortUnavailable, reserve_worker_ports
-from server.launch.supervisor import RestartPolicy, WorkerSupervisor
-from server.launch.launch_auth import launch_auth
 from transfer.control_auth import ControlAuth, ControlAuthError
 from transfer.wire.enums import Role
 
@@ -57,6 +58,7 @@ log = logging.getLogger("pdserve.launch")
 # error instead of a response (the overload chaos test saw a ReadError). Longer than the clients'
 # expiry, the client is the side that closes.
 KEEP_ALIVE_S = 75
+
 
 class LaunchError(RuntimeError):
     """Startup failed; the message says what to fix."""
@@ -86,9 +88,21 @@ def close_ports(ports: dict) -> None:
 
 def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
     """Command line of one worker process."""
-    return [sys.executable, "-m", "server.worker.main", "--role", spec.role, "--worker-id", spec.worker_id,
-            "--control-addr", bind_addr(spec, cfg), "--advertise-addr", spec.addr,
-            "--config-json", worker_config(cfg, spec.worker_id).model_dump_json()]
+    return [
+        sys.executable,
+        "-m",
+        "server.worker.main",
+        "--role",
+        spec.role,
+        "--worker-id",
+        spec.worker_id,
+        "--control-addr",
+        bind_addr(spec, cfg),
+        "--advertise-addr",
+        spec.addr,
+        "--config-json",
+        worker_config(cfg, spec.worker_id).model_dump_json(),
+    ]
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -125,16 +139,24 @@ class _Server(uvicorn.Server):
 class Launcher:
     """One ``pdserve launch`` run; :meth:`run` returns the process exit code."""
 
-    def __init__(self, cfg: PdserveConfig, argv: Callable[[WorkerSpec, PdserveConfig], list[str]] = worker_argv,
-                 out: TextIO | None = None, startup_timeout_s: float = 600.0, install_signals: bool = True,
-                 specs: list[WorkerSpec] | None = None, roles: frozenset[Role] | None = None,
-                 remote: list[WorkerSpec] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PdserveConfig,
+        argv: Callable[[WorkerSpec, PdserveConfig], list[str]] = worker_argv,
+        out: TextIO | None = None,
+        startup_timeout_s: float = 600.0,
+        install_signals: bool = True,
+        specs: list[WorkerSpec] | None = None,
+        roles: frozenset[Role] | None = None,
+        remote: list[WorkerSpec] | None = None,
+    ) -> None:
         """``specs``: route to these already running workers instead of starting ``cfg``'s own.
         ``roles``: start only these roles here (see ``server.launch.roles``; without ``router`` no HTTP
         server runs and the launcher only keeps its workers running); ``remote``: workers on other
         hosts that the router routes to besides its own."""
-        self.own_workers = specs is None and not remote and (
-            roles is None or set(WORKER_ROLES[cfg.cluster.mode]) <= roles)
+        self.own_workers = (
+            specs is None and not remote and (roles is None or set(WORKER_ROLES[cfg.cluster.mode]) <= roles)
+        )
         self.cfg = with_cluster_id(cfg, own_workers=self.own_workers)
         self.auth = ControlAuth.insecure()  # set by run() (launch_auth)
         self.child_env: dict[str, str] = {}
@@ -167,11 +189,17 @@ class Launcher:
             cpus = plan.workers.get(spec.worker_id)
             pin = ["--cpus", "+".join(map(str, cpus))] if cpus else []
             threads = ["--threads", str(plan.threads)] if plan.threads and not cpus else []
-            return self.argv(spec, self.cfg) + ["--listen-fd", str(fds[spec.worker_id]), *pin, *threads,
-                                                *(lending[1][spec.worker_id] if lending else [])]
+            return self.argv(spec, self.cfg) + [
+                "--listen-fd",
+                str(fds[spec.worker_id]),
+                *pin,
+                *threads,
+                *(lending[1][spec.worker_id] if lending else []),
+            ]
 
-        return WorkerProcesses(local, argv, fds, shared_fds=() if ledger_fd is None else (ledger_fd,),
-                               env=self.child_env)
+        return WorkerProcesses(
+            local, argv, fds, shared_fds=() if ledger_fd is None else (ledger_fd,), env=self.child_env
+        )
 
     def _core_lending(self, local: list[WorkerSpec], plan: Placement) -> tuple[int, dict[str, list[str]]] | None:
         """(ledger memfd, extra argv per worker id) when this launch's workers lend each other idle
@@ -185,8 +213,9 @@ class Launcher:
             lend = ["--lend-threads", str(total)] if borrows(mode, spec.role) else []
             extra[spec.worker_id] = ["--core-ledger-fd", str(fd), "--core-slot", str(slot), *lend]
         names = [s.worker_id for s in local if borrows(mode, s.role)]
-        log.info("core lending: %s run on all %d cores while the other workers are idle", ", ".join(names) or "none",
-                 total)
+        log.info(
+            "core lending: %s run on all %d cores while the other workers are idle", ", ".join(names) or "none", total
+        )
         return fd, extra
 
     def request_stop(self, force: bool = False) -> None:
@@ -233,8 +262,9 @@ class Launcher:
             return await self._run_workers_only(local)
         specs = self.external_specs if self.external_specs is not None else local + self.remote
         if not specs and not self.cfg.cluster.discovery:
-            raise LaunchError("no worker to route to: --roles starts none here and neither --worker nor "
-                              "--discovery was given")
+            raise LaunchError(
+                "no worker to route to: --roles starts none here and neither --worker nor --discovery was given"
+            )
         sock = bind_http_socket(srv.host, srv.port)
         try:
             ports = reserve_ports(local, self.cfg)
@@ -251,11 +281,17 @@ class Launcher:
             except (OSError, ValueError) as e:
                 raise LaunchError(f"cannot load the tokenizer: {e}") from None
             name = srv.served_model_name or path.stem
-            ctx = build_context(self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth),
-                                auth=self.auth, zctx=zctx)
-            config = uvicorn.Config(create_app(ctx), log_level=srv.log_level.lower(), lifespan="on",
-                                    timeout_graceful_shutdown=5, access_log=srv.log_level == "DEBUG",
-                                    timeout_keep_alive=KEEP_ALIVE_S)
+            ctx = build_context(
+                self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth), auth=self.auth, zctx=zctx
+            )
+            config = uvicorn.Config(
+                create_app(ctx),
+                log_level=srv.log_level.lower(),
+                lifespan="on",
+                timeout_graceful_shutdown=5,
+                access_log=srv.log_level == "DEBUG",
+                timeout_keep_alive=KEEP_ALIVE_S,
+            )
             self.server = _Server(config)
             serve_task = asyncio.create_task(self.server.serve(sockets=[sock]))
             url = public_url(srv.host, sock.getsockname()[1])
@@ -278,8 +314,10 @@ class Launcher:
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
             while not self.stop_event.is_set():
                 for spec, rc in procs.new_exits():
-                    raise LaunchError(f"worker {spec.worker_id} ({spec.role}) exited with code {rc} during "
-                                      f"startup; its error is in the log above")
+                    raise LaunchError(
+                        f"worker {spec.worker_id} ({spec.role}) exited with code {rc} during "
+                        f"startup; its error is in the log above"
+                    )
                 if serve_task.done():
                     raise LaunchError("the HTTP server stopped during startup; see the log above")
                 if self.server.started and self._discovers_all(procs) and await self._health_ok(client, url, True):
@@ -294,8 +332,12 @@ class Launcher:
 
     def _discovers_all(self, procs) -> bool:
         """Whether every worker of this router comes from discovery (none started or named here)."""
-        return bool(self.cfg.cluster.discovery) and isinstance(procs, ExternalWorkers) and not self.external_specs \
+        return (
+            bool(self.cfg.cluster.discovery)
+            and isinstance(procs, ExternalWorkers)
+            and not self.external_specs
             and not self.remote
+        )
 
     @staticmethod
     async def _health_ok(client: httpx.AsyncClient, url: str, any_ok: bool = False) -> bool:
@@ -319,7 +361,8 @@ class Launcher:
     async def _run_workers_only(self, local: list[WorkerSpec]) -> int:
         """``--roles`` without ``router``: start the workers, print one line once every one answers
         ``pdserve probe``-style readiness, keep them running (restarts as in :meth:`_supervise`)."""
-        from server.launch.probe import ProbeError, local as local_addr, probe_worker
+        from server.launch.probe import ProbeError, probe_worker
+        from server.launch.probe import local as local_addr
 
         if not local:
             raise LaunchError("--roles names no worker role of this cluster mode; nothing to start")
@@ -336,8 +379,9 @@ class Launcher:
                     pending.pop(0)
                 except ProbeError:
                     if time.monotonic() > deadline:
-                        raise LaunchError(f"worker {pending[0].worker_id} not ready after "
-                                          f"{self.startup_timeout_s:.0f}s") from None
+                        raise LaunchError(
+                            f"worker {pending[0].worker_id} not ready after {self.startup_timeout_s:.0f}s"
+                        ) from None
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.stop_event.wait(), 0.5)
             if pending:
@@ -353,7 +397,8 @@ class Launcher:
     async def _supervise_workers(self, procs: WorkerProcesses) -> None:
         """Restart exited workers as :meth:`_supervise` does; with no ``/health`` here to report it,
         giving up on one ends the launch (exit code 1, the reason on stderr)."""
-        from server.launch.probe import ProbeError, local as local_addr, probe_worker
+        from server.launch.probe import ProbeError, probe_worker
+        from server.launch.probe import local as local_addr
 
         def ready(spec: WorkerSpec) -> bool:
             try:
@@ -386,8 +431,9 @@ def router_main(cfg: PdserveConfig, specs: list[WorkerSpec]) -> int:
     return asyncio.run(Launcher(cfg, specs=specs).run())
 
 
-def launch_main(cfg: PdserveConfig, roles: frozenset[Role] | None = None,
-                remote: list[WorkerSpec] | None = None) -> int:
+def launch_main(
+    cfg: PdserveConfig, roles: frozenset[Role] | None = None, remote: list[WorkerSpec] | None = None
+) -> int:
     """Run ``pdserve launch`` for ``cfg`` (only ``roles`` here, plus ``remote`` workers for the
     router) in a new event loop; returns the exit code."""
     logging.getLogger().setLevel(cfg.server.log_level)

@@ -7,6 +7,7 @@ copy open. A port therefore stays this launch's while its worker is restarting: 
 on the same host can never take it in the gap (the cause of issue 13's endless restarts).
 Connections that arrive while no worker runs wait in the kernel's backlog for the next process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,15 +86,18 @@ def reserve_worker_ports(specs: list[WorkerSpec], cfg: PdserveConfig) -> dict[st
     return held
 
 
-def _busy_message(spec: WorkerSpec, host: str, port: int, e: OSError, specs: list[WorkerSpec],
-                  cfg: PdserveConfig) -> str:
+def _busy_message(
+    spec: WorkerSpec, host: str, port: int, e: OSError, specs: list[WorkerSpec], cfg: PdserveConfig
+) -> str:
     ports = sorted(host_port(s.addr)[1] for s in specs)
     span = f"{ports[0]}-{ports[-1]}" if len(ports) > 1 else str(ports[0])
     why = e.strerror or str(e)
     if e.errno == errno.EADDRINUSE:
         why += " (another pdserve launch or program on this host listens there)"
-    msg = (f"cannot bind worker {spec.worker_id} ({spec.role}) control port {host}:{port}: {why}; this launch's "
-           f"workers need ports {span} (--base-port {cfg.cluster.base_port}): choose another --base-port")
+    msg = (
+        f"cannot bind worker {spec.worker_id} ({spec.role}) control port {host}:{port}: {why}; this launch's "
+        f"workers need ports {span} (--base-port {cfg.cluster.base_port}): choose another --base-port"
+    )
     with contextlib.suppress(OSError):
         free = suggest_base_port(host, ports[-1] - cfg.cluster.base_port + 1, ports[-1] + 1)
         if free is not None:

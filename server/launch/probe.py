@@ -13,6 +13,7 @@ A worker's control socket takes only peers holding the cluster key: the probe us
 through the same config loader), else ``PDSERVE_CLUSTER_SECRET_KEY``; with none it tries plain ZMTP,
 and a worker that requires the key makes it fail with a message saying so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,7 +122,7 @@ def pid1_argv(path: str = "/proc/1/cmdline") -> list[str]:
     parts = [p.decode() for p in Path(path).read_bytes().split(b"\0") if p]
     for i, p in enumerate(parts):
         if p.endswith("pdserve") or p == "server.launch.cli":
-            return parts[i + 1:]
+            return parts[i + 1 :]
     raise ValueError(f"PID 1 is not a pdserve process: {' '.join(parts)[:200]}")
 
 

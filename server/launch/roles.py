@@ -7,13 +7,14 @@ split one deployment over two machines. Worker ids and control ports are the sam
 (``prefill-i`` at ``base_port + i``, ``decode-j`` at ``base_port + prefill + j``, ``colocated-i``
 at ``base_port + i``), so the ports a host uses follow from the shared config alone.
 """
+
 from __future__ import annotations
 
 import socket
 
 from configs.schema import PdserveConfig, worker_pool_tokens
-from transfer.wire.enums import ALL_WORKER_ROLES, Role
 from server.router.registry import WorkerSpec
+from transfer.wire.enums import ALL_WORKER_ROLES, Role
 
 WORKER_ROLES = {"colocated": (Role.COLOCATED,), "pd": (Role.PREFILL, Role.DECODE)}
 _WILDCARDS = ("0.0.0.0", "::", "*", "")
@@ -30,8 +31,10 @@ def parse_roles(text: str | None, mode: str) -> frozenset[Role]:
     roles = {r.strip() for r in text.split(",") if r.strip()}
     bad = sorted(roles - set(allowed))
     if bad or not roles:
-        raise ValueError(f"--roles {text!r}: {mode} mode runs {', '.join(allowed)} (comma-separated)"
-                         + (f"; unknown: {', '.join(bad)}" if bad else ""))
+        raise ValueError(
+            f"--roles {text!r}: {mode} mode runs {', '.join(allowed)} (comma-separated)"
+            + (f"; unknown: {', '.join(bad)}" if bad else "")
+        )
     return frozenset(Role(r) for r in roles)
 
 
@@ -55,8 +58,11 @@ def worker_specs(cfg: PdserveConfig, roles: frozenset[Role] | None = None) -> li
     """
     c = cfg.cluster
     host = advertised_host(cfg)
-    return [WorkerSpec(wid, Role(role), _addr(host, port))
-            for port, (role, wid) in enumerate(c.workers(), c.base_port) if roles is None or role in roles]
+    return [
+        WorkerSpec(wid, Role(role), _addr(host, port))
+        for port, (role, wid) in enumerate(c.workers(), c.base_port)
+        if roles is None or role in roles
+    ]
 
 
 def worker_config(cfg: PdserveConfig, worker_id: str) -> PdserveConfig:
@@ -77,8 +83,6 @@ def bind_addr(spec: WorkerSpec, cfg: PdserveConfig) -> str:
 def parse_worker_spec(text: str) -> WorkerSpec:
     """``ROLE=ID=ADDR`` -> ``WorkerSpec``; ``ValueError`` with the expected form otherwise."""
     parts = text.split("=", 2)
-    if len(parts) != 3 or parts[0] not in ALL_WORKER_ROLES or not parts[1] \
-            or not parts[2].startswith("tcp://"):
-        raise ValueError(f"--worker {text!r}: expected ROLE=ID=tcp://HOST:PORT with ROLE colocated, "
-                         f"prefill or decode")
+    if len(parts) != 3 or parts[0] not in ALL_WORKER_ROLES or not parts[1] or not parts[2].startswith("tcp://"):
+        raise ValueError(f"--worker {text!r}: expected ROLE=ID=tcp://HOST:PORT with ROLE colocated, prefill or decode")
     return WorkerSpec(parts[1], Role(parts[0]), parts[2])

@@ -7,6 +7,7 @@ restarted process is ready. ``WorkerSupervisor`` applies it to the launcher's pr
 the launcher runs the router, to the registry (dead, then restarting with the wait and the attempt
 in ``/health``, or dead for good with the reason the launcher gave up).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,7 @@ class RestartPolicy:
     due: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, c: ClusterConfig) -> "RestartPolicy":
+    def from_config(cls, c: ClusterConfig) -> RestartPolicy:
         """The policy of ``c``; ``restart_workers=False`` never restarts."""
         return cls(c.restart_limit if c.restart_workers else 0, c.restart_backoff_s, c.restart_backoff_max_s)
 
@@ -42,7 +43,7 @@ class RestartPolicy:
         if n >= self.limit:
             return None
         self.failures[worker_id] = n + 1
-        delay = min(self.max_s, self.base_s * 2 ** n)
+        delay = min(self.max_s, self.base_s * 2**n)
         self.due[worker_id] = now + delay
         return delay
 
@@ -68,9 +69,14 @@ class WorkerSupervisor:
     ``is_ready(spec)``: whether the worker's current process serves (the registry's view, or a
     probe when no router runs here). Call :meth:`tick` periodically from the event loop thread."""
 
-    def __init__(self, procs, policy: RestartPolicy, registry=None,
-                 is_ready: Callable[[WorkerSpec], bool] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        procs,
+        policy: RestartPolicy,
+        registry=None,
+        is_ready: Callable[[WorkerSpec], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.procs, self.policy, self.registry = procs, policy, registry
         self.is_ready = is_ready or self._registry_ready
         self.clock = clock
@@ -90,11 +96,19 @@ class WorkerSupervisor:
                 gave_up.append(spec.worker_id)
         for wid in self.policy.pop_due(now):
             spec, rc, _ = self._exit[wid]
-            log.warning("restarting worker %s (%s): restart %d of at most %d in a row", wid, spec.role,
-                        self.policy.attempt(wid), self.policy.limit)
+            log.warning(
+                "restarting worker %s (%s): restart %d of at most %d in a row",
+                wid,
+                spec.role,
+                self.policy.attempt(wid),
+                self.policy.limit,
+            )
             self.procs.restart(spec)
-            self._mark_restarting(wid, f"restarting (restart {self.policy.attempt(wid)} of at most "
-                                       f"{self.policy.limit} in a row): the previous process exited with code {rc}")
+            self._mark_restarting(
+                wid,
+                f"restarting (restart {self.policy.attempt(wid)} of at most "
+                f"{self.policy.limit} in a row): the previous process exited with code {rc}",
+            )
         for wid in list(self.policy.failures):
             spec = self._exit[wid][0]
             if wid not in self.policy.due and self.is_ready(spec):
@@ -117,9 +131,12 @@ class WorkerSupervisor:
         self._exit[wid] = (spec, rc, old)
         delay = self.policy.on_exit(wid, now)
         if delay is None:
-            why = (f"gave up restarting it after {self.policy.limit} restart(s) in a row that never got ready "
-                   f"(last exit code {rc}); its error is in the launcher's log; fix it and launch again"
-                   if self.policy.limit else f"worker process exited with code {rc} (restart_workers is off)")
+            why = (
+                f"gave up restarting it after {self.policy.limit} restart(s) in a row that never got ready "
+                f"(last exit code {rc}); its error is in the launcher's log; fix it and launch again"
+                if self.policy.limit
+                else f"worker process exited with code {rc} (restart_workers is off)"
+            )
             log.error("worker %s (%s) exited with code %d: %s", wid, spec.role, rc, why)
             self.given_up[wid] = why
             if self.registry is not None:
@@ -128,8 +145,11 @@ class WorkerSupervisor:
         if self.registry is not None:
             self.registry.mark_dead(wid, f"worker process exited with code {rc}")
         log.warning("worker %s (%s) exited with code %d; restarting it in %.1fs", wid, spec.role, rc, delay)
-        self._mark_restarting(wid, f"restarting in {delay:.1f}s (restart {self.policy.attempt(wid)} of at most "
-                                   f"{self.policy.limit} in a row): the previous process exited with code {rc}")
+        self._mark_restarting(
+            wid,
+            f"restarting in {delay:.1f}s (restart {self.policy.attempt(wid)} of at most "
+            f"{self.policy.limit} in a row): the previous process exited with code {rc}",
+        )
         return True
 
     def _mark_restarting(self, wid: str, reason: str) -> None:

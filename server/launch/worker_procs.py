@@ -2,6 +2,7 @@
 for exits, restart, stop. Children ignore SIGINT (the launcher stops them itself) and get SIGTERM
 from the kernel if the launcher dies (``PR_SET_PDEATHSIG``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +32,14 @@ def _child_setup() -> None:  # runs in the child between fork and exec
 class WorkerProcesses:
     """The launcher's worker children: start, watch for exits, stop (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, specs: list[WorkerSpec], argv: Callable[[WorkerSpec], list[str]],
-                 fds: dict[str, int] | None = None, shared_fds: tuple[int, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        argv: Callable[[WorkerSpec], list[str]],
+        fds: dict[str, int] | None = None,
+        shared_fds: tuple[int, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         """``fds``: per worker id, a file descriptor its process inherits (its listening socket);
         ``shared_fds``: inherited by every worker (the core ledger); ``env``: variables added to
         this process's environment for every worker (the launch's ephemeral cluster key)."""
@@ -47,8 +53,7 @@ class WorkerProcesses:
     def _popen(self, spec: WorkerSpec) -> subprocess.Popen:
         fd = self.fds.get(spec.worker_id)
         own = () if fd is None else (fd,)
-        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=own + self.shared_fds,
-                                env=self.env)
+        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=own + self.shared_fds, env=self.env)
 
     def restart(self, spec: WorkerSpec) -> None:
         """Start a fresh process for a worker whose process exited (it rejoins by heartbeat)."""

@@ -5,6 +5,7 @@ the router stops routing new requests to that worker at once and sends it ``Drai
 finishes what it holds (within its ``drain_timeout_s``) and exits 0. Answers 202 with the worker's
 state; 404 naming the known workers for an unknown id; 409 when the worker is not serving.
 """
+
 from __future__ import annotations
 
 from fastapi import FastAPI
@@ -47,10 +48,12 @@ def add_admin_routes(app: FastAPI, ctx: RouterContext) -> None:
             h = drain_worker(ctx.registry, body.worker_id, body.reason)
         except KeyError:
             known = ", ".join(sorted(ctx.registry.handles)) or "none"
-            raise APIError(404, f"no worker {body.worker_id!r}; known workers: {known}", param="worker_id",
-                           code="unknown_worker") from None
+            raise APIError(
+                404, f"no worker {body.worker_id!r}; known workers: {known}", param="worker_id", code="unknown_worker"
+            ) from None
         except ValueError as e:
             raise APIError(409, f"cannot drain: {e}", param="worker_id", code="worker_not_serving") from None
-        answer = DrainAnswer(worker_id=h.worker_id, state=h.state,
-                             in_flight=ctx.table.outstanding_requests(h.worker_id))
+        answer = DrainAnswer(
+            worker_id=h.worker_id, state=h.state, in_flight=ctx.table.outstanding_requests(h.worker_id)
+        )
         return JSONResponse(answer.model_dump(), status_code=202)

@@ -40,6 +40,7 @@ Shedding order (who is refused first when the queue is full): the key with the m
 requests per unit of share, within it the highest ``priority`` value, then the newest arrival.
 With a single key that is simply lowest priority first, newest first.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -112,11 +113,18 @@ class _Waiter:
 class Admission:
     """Bounded, fair, priority-ordered admission in front of the workers (module docstring)."""
 
-    def __init__(self, limits: AdmissionLimits, capacity: Callable[[], int], *,
-                 shares: Mapping[str, float] | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_refused: Callable[[Refused], None] | None = None,
-                 on_granted: Callable[[Grant], None] | None = None, drain: DrainRate | None = None,
-                 headroom: FairHeadroom | None = None) -> None:
+    def __init__(
+        self,
+        limits: AdmissionLimits,
+        capacity: Callable[[], int],
+        *,
+        shares: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[Refused], None] | None = None,
+        on_granted: Callable[[Grant], None] | None = None,
+        drain: DrainRate | None = None,
+        headroom: FairHeadroom | None = None,
+    ) -> None:
         """``capacity()``: forwarding slots now (0 when no worker is ready: requests are then
         granted at once so routing answers 503 with the reason). ``shares``: key -> share (keys
         not named get 1). ``on_refused`` / ``on_granted``: metrics hooks, called once per outcome.
@@ -230,8 +238,9 @@ class Admission:
             return True
         if self.headroom.preempt and self._inflight + demand.slots <= 2 * cap and _under_share(self, demand, cap):
             return True  # past the slots: a PD decode worker preempts for it (bounded at twice them)
-        kept = self.headroom.kept_from(demand.key, demand.slots, cap, self._granted, self._queues.keys(), self.shares,
-                                       self.clock())
+        kept = self.headroom.kept_from(
+            demand.key, demand.slots, cap, self._granted, self._queues.keys(), self.shares, self.clock()
+        )
         return self._inflight + demand.slots <= cap - kept
 
     def _grant(self, demand: Demand, arrival: float, now: float) -> Grant:
@@ -250,8 +259,10 @@ class Admission:
         """Each key's head of line (lowest priority value, then arrival), keys in the order they go:
         least granted slots per share first."""
         heads = [min(q, key=lambda w: (w.demand.priority, w.seq)) for q in self._queues.values() if q]
-        return sorted(heads, key=lambda w: (self._granted.get(w.demand.key, 0) / self.shares[w.demand.key],
-                                            w.demand.priority, w.seq))
+        return sorted(
+            heads,
+            key=lambda w: (self._granted.get(w.demand.key, 0) / self.shares[w.demand.key], w.demand.priority, w.seq),
+        )
 
     def _remove(self, waiter: _Waiter) -> None:
         q = self._queues.get(waiter.demand.key, [])
@@ -269,9 +280,15 @@ class Admission:
             raise
         if not done:
             self._abandon(waiter)
-            raise self._refuse(Refused(504, "deadline", f"request timed out after waiting "
-                                                        f"{self.clock() - waiter.arrival:.1f}s in the router's queue "
-                                                        f"(timeout / request_timeout_s); it never reached a worker"))
+            raise self._refuse(
+                Refused(
+                    504,
+                    "deadline",
+                    f"request timed out after waiting "
+                    f"{self.clock() - waiter.arrival:.1f}s in the router's queue "
+                    f"(timeout / request_timeout_s); it never reached a worker",
+                )
+            )
         return waiter.future.result()  # a Refused set by _make_room is raised here
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -304,9 +321,17 @@ class Admission:
             n, tokens = n - 1, tokens - victim.demand.tokens
         for v in victims:
             self._remove(v)
-            v.future.set_exception(self._refuse(Refused(
-                429, "displaced", "server overloaded: this queued request was displaced by one of a higher "
-                                  "priority or a key under its share; retry later", self.retry_after_s(v.demand))))
+            v.future.set_exception(
+                self._refuse(
+                    Refused(
+                        429,
+                        "displaced",
+                        "server overloaded: this queued request was displaced by one of a higher "
+                        "priority or a key under its share; retry later",
+                        self.retry_after_s(v.demand),
+                    )
+                )
+            )
 
     def _check_wait(self, demand: Demand, now: float) -> None:
         limit = self.limits.max_queue_wait_s
@@ -315,15 +340,22 @@ class Admission:
             return
         wait = _work_ahead(self._queues, self.shares, demand) / rate
         if wait > limit:
-            raise self._refuse(Refused(429, "queue_wait", f"server overloaded: estimated wait in the router's queue "
-                                       f"{wait:.1f}s exceeds max_queue_wait_s={limit:g}; retry later",
-                                       self.retry_after_s(demand)))
+            raise self._refuse(
+                Refused(
+                    429,
+                    "queue_wait",
+                    f"server overloaded: estimated wait in the router's queue "
+                    f"{wait:.1f}s exceeds max_queue_wait_s={limit:g}; retry later",
+                    self.retry_after_s(demand),
+                )
+            )
 
 
 def _under_share(adm: Admission, demand: Demand, cap: int) -> bool:
     """``FairHeadroom.under_share`` of ``demand`` against ``adm``'s grants, queue and shares now."""
-    return adm.headroom.under_share(demand.key, demand.slots, cap, adm._granted, adm._queues.keys(), adm.shares,
-                                    adm.clock())
+    return adm.headroom.under_share(
+        demand.key, demand.slots, cap, adm._granted, adm._queues.keys(), adm.shares, adm.clock()
+    )
 
 
 def default_inflight_per_worker(max_running_requests: int) -> int:
@@ -362,11 +394,18 @@ def _shed_rank(demand: Demand, load: Mapping[str, int], shares: Mapping[str, flo
 
 def _queue_full(adm: Admission, demand: Demand, reason: str) -> Refused:
     """The 429 for a newcomer that does not fit ``adm``'s queue bound ``reason`` (not yet counted)."""
-    limit = (f"max_queued_requests={adm.limits.max_queued_requests}" if reason == "queue_full"
-             else f"max_queued_tokens={adm.limits.max_queued_tokens}")
-    return Refused(429, reason, f"server overloaded: the router's queue is full ({limit}, {adm.queued_requests} "
-                   f"requests / {adm.queued_tokens} tokens queued); retry later or lower the request's priority value",
-                   adm.retry_after_s(demand))
+    limit = (
+        f"max_queued_requests={adm.limits.max_queued_requests}"
+        if reason == "queue_full"
+        else f"max_queued_tokens={adm.limits.max_queued_tokens}"
+    )
+    return Refused(
+        429,
+        reason,
+        f"server overloaded: the router's queue is full ({limit}, {adm.queued_requests} "
+        f"requests / {adm.queued_tokens} tokens queued); retry later or lower the request's priority value",
+        adm.retry_after_s(demand),
+    )
 
 
 def _over(limits: AdmissionLimits, n: int, tokens: int) -> str | None:
@@ -382,4 +421,3 @@ def retry_after_headers(seconds: float) -> dict[str, str]:
     """``Retry-After`` (whole seconds, at least 1, RFC 9110) and ``retry-after-ms`` (milliseconds,
     as OpenAI's API and clients use it) for a wait of ``seconds``."""
     return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
-

@@ -10,6 +10,7 @@ required; ``server/router/admin.py``). Every error has OpenAI's shape ``{"error"
 "code"}}``. The app's lifespan starts and stops the worker registry (connections, heartbeats) and,
 with ``cluster.discovery``, the watches that add and remove workers (``server/router/discovery_watch.py``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,16 +30,16 @@ from configs.api_keys import parse_api_keys
 from configs.schema import PdserveConfig
 from engine.tokenizer import Tokenizer
 from server.router.admin import add_admin_routes
+from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits, default_inflight_per_worker
+from server.router.cache_routing import CacheAwarePolicy
 from server.router.chat import create_chat_completion
 from server.router.common import served_max_model_len
 from server.router.completions import create_completion
-from server.router.admission import DEFAULT_KEY, Admission, AdmissionLimits, default_inflight_per_worker
 from server.router.context import RouterContext
 from server.router.dashboard import add_dashboard_routes
 from server.router.discovery_watch import watches
 from server.router.errors import APIError
 from server.router.fair_headroom import FairHeadroom, default_fair_headroom
-from server.router.cache_routing import CacheAwarePolicy
 from server.router.http_util import check_api_key, parse_object, read_body
 from server.router.inflight import InflightTable
 from server.router.kv_index import KvIndex
@@ -49,11 +50,11 @@ from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream, refuse_early
-from server.router.workers import pinned_pd
 from server.router.tokenize import add_tokenize_routes
 from server.router.worker_client import WorkerClient
-from transfer.wire.enums import Role
+from server.router.workers import pinned_pd
 from transfer.control_auth import ControlAuth
+from transfer.wire.enums import Role
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,23 @@ Handler = Callable[[RouterContext, Request, dict], Awaitable[Response]]
 def zmq_client_factory(zctx: zmq.asyncio.Context, auth: ControlAuth) -> Callable[..., WorkerClient]:
     """A registry ``client_factory`` building one ``WorkerClient`` per spec on ``zctx``, each
     authenticated by ``auth`` (the cluster key)."""
+
     def factory(spec: WorkerSpec, on_tokens, on_stats) -> WorkerClient:
         return WorkerClient(spec.worker_id, spec.addr, zctx, on_tokens, on_stats, auth=auth)
+
     return factory
 
 
-def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, specs: list[WorkerSpec],
-                  client_factory: Callable[..., object], *, auth: ControlAuth | None = None,
-                  zctx: zmq.asyncio.Context | None = None) -> RouterContext:
+def build_context(
+    cfg: PdserveConfig,
+    tokenizer: Tokenizer,
+    model_name: str,
+    specs: list[WorkerSpec],
+    client_factory: Callable[..., object],
+    *,
+    auth: ControlAuth | None = None,
+    zctx: zmq.asyncio.Context | None = None,
+) -> RouterContext:
     """Wire registry, in-flight table and metrics for ``specs`` (nothing connects until startup).
     With ``cluster.routing == "cache-aware"``, also the KV index, its subscriber (on ``zctx``,
     authenticated by ``auth``; insecure when None) and the cache-aware policy, unless
@@ -78,10 +88,17 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     table = InflightTable()
     pinned = cfg.cluster.mode == "pd" and bool(cfg.server.route_decode)
     policy = pinned_pd(cfg.server.route_decode) if pinned else ROUTING_POLICIES[cfg.cluster.mode]
-    registry = Registry(specs, client_factory, table, policy=policy,
-                        interval_s=cfg.server.health_interval_s, timeout_s=cfg.server.worker_timeout_s,
-                        model_name=model_name, cluster_id=cfg.cluster.cluster_id or "",
-                        dynamic=bool(cfg.cluster.discovery))
+    registry = Registry(
+        specs,
+        client_factory,
+        table,
+        policy=policy,
+        interval_s=cfg.server.health_interval_s,
+        timeout_s=cfg.server.worker_timeout_s,
+        model_name=model_name,
+        cluster_id=cfg.cluster.cluster_id or "",
+        dynamic=bool(cfg.cluster.discovery),
+    )
     admission = build_admission(cfg, registry)
     keys = [k.name for k in parse_api_keys(cfg.server.api_key)] or [DEFAULT_KEY]
 
@@ -94,9 +111,12 @@ def build_context(cfg: PdserveConfig, tokenizer: Tokenizer, model_name: str, spe
     subscriber = None
     if cfg.cluster.routing == "cache-aware" and not pinned:
         index = KvIndex()
-        registry.policy = CacheAwarePolicy(index, backlog=PrefillBacklog(table, registry.handles),
-                                           balance_slack=cfg.cluster.routing_balance_slack,
-                                           on_decision=metrics.observe_routing)
+        registry.policy = CacheAwarePolicy(
+            index,
+            backlog=PrefillBacklog(table, registry.handles),
+            balance_slack=cfg.cluster.routing_balance_slack,
+            on_decision=metrics.observe_routing,
+        )
         subscriber = KvSubscriber(index, lambda: registry.handles, auth or ControlAuth.insecure(), zctx)
         metrics.registry.register(KvIndexCollector(subscriber))
     return RouterContext(cfg, tokenizer, model_name, registry, table, metrics, admission, subscriber)
@@ -116,14 +136,20 @@ def build_admission(cfg: PdserveConfig, registry: Registry) -> Admission:
         per_worker_headroom = default_fair_headroom(per_worker, running)
 
     def streaming_workers() -> int:
-        return sum(1 for h in registry.handles.values()
-                   if h.state == READY and h.spec.role in (Role.DECODE, Role.COLOCATED))
+        return sum(
+            1 for h in registry.handles.values() if h.state == READY and h.spec.role in (Role.DECODE, Role.COLOCATED)
+        )
 
     limits = AdmissionLimits(server.max_queued_requests, server.max_queued_tokens, server.max_queue_wait_s)
-    return Admission(limits, lambda: per_worker * streaming_workers(),
-                     shares={k.name: k.share for k in parse_api_keys(server.api_key)},
-                     headroom=FairHeadroom(lambda: per_worker_headroom * streaming_workers(),
-                                           preempt=server.fair_preemption and cfg.cluster.mode == "pd"))
+    return Admission(
+        limits,
+        lambda: per_worker * streaming_workers(),
+        shares={k.name: k.share for k in parse_api_keys(server.api_key)},
+        headroom=FairHeadroom(
+            lambda: per_worker_headroom * streaming_workers(),
+            preempt=server.fair_preemption and cfg.cluster.mode == "pd",
+        ),
+    )
 
 
 async def _pump(ctx: RouterContext) -> None:
@@ -147,6 +173,7 @@ def _generation_route(ctx: RouterContext, handler: Handler):
         if not isinstance(response, SessionStream):  # a stream counts itself when it ends
             ctx.metrics.observe_request(response.status_code)
         return response
+
     return endpoint
 
 
@@ -158,8 +185,13 @@ def _add_routes(app: FastAPI, ctx: RouterContext) -> None:
     async def models(request: Request) -> JSONResponse:
         """The one served model (API key required when configured)."""
         check_api_key(request, ctx.cfg.server.api_key)
-        card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "max_model_len": served_max_model_len(ctx)}
+        card = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": served_max_model_len(ctx),
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
@@ -212,6 +244,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def create_app(ctx: RouterContext) -> FastAPI:
     """The FastAPI app for ``ctx``; its lifespan starts and closes ``ctx.registry``."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await ctx.registry.start()

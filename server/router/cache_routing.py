@@ -43,6 +43,7 @@ Each pick is reported to ``on_decision(reason)``: ``cap`` (the cheapest worker w
 another was chosen), ``local`` (the decode worker is expected to prefill it itself), ``prefix`` (a
 chosen worker holds part of the prompt), ``load`` (none of the candidates holds any of it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -92,8 +93,14 @@ class CacheAwarePolicy:
     """A routing policy (``workers.Policy``) scoring workers by the cost in the module docstring.
     ``backlog``: each worker's ``B`` (``load.PrefillBacklog``; none: every backlog is 0)."""
 
-    def __init__(self, index: KvIndex, *, backlog: Backlog | None = None, balance_slack: int = DEFAULT_BALANCE_SLACK,
-                 on_decision: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        index: KvIndex,
+        *,
+        backlog: Backlog | None = None,
+        balance_slack: int = DEFAULT_BALANCE_SLACK,
+        on_decision: Callable[[str], None] | None = None,
+    ) -> None:
         if balance_slack < 0:
             raise ValueError(f"balance_slack must be >= 0, got {balance_slack}")
         self.index, self.balance_slack, self.on_decision = index, balance_slack, on_decision
@@ -105,11 +112,17 @@ class CacheAwarePolicy:
             return 0
         ps = h.stats.page_size
         if ps not in hashes:
-            hashes[ps] = page_hashes(prompt_ids[:len(prompt_ids) - 1], ps)
+            hashes[ps] = page_hashes(prompt_ids[: len(prompt_ids) - 1], ps)
         return self.index.cached_pages(h.worker_id, hashes[ps]) * ps
 
-    def score_prefill(self, workers: list[WorkerHandle], load: Load, prompt_ids: Sequence[int],
-                      hashes: dict[int, list[int]], decodes: bool) -> list[Scored]:
+    def score_prefill(
+        self,
+        workers: list[WorkerHandle],
+        load: Load,
+        prompt_ids: Sequence[int],
+        hashes: dict[int, list[int]],
+        decodes: bool,
+    ) -> list[Scored]:
         """``P(w)`` of each worker (``decodes``: plus ``R * q(w)``, a colocated replica's cost)."""
         n, out = len(prompt_ids), []
         for h in workers:
@@ -117,8 +130,14 @@ class CacheAwarePolicy:
             out.append(Scored(h, hit, q, b, (n - hit) + b + (DECODE_REQUEST_TOKENS * q if decodes else 0.0)))
         return out
 
-    def score_decode(self, workers: list[WorkerHandle], load: Load, prompt_ids: Sequence[int],
-                     hashes: dict[int, list[int]], prefill_cost: float) -> list[Scored]:
+    def score_decode(
+        self,
+        workers: list[WorkerHandle],
+        load: Load,
+        prompt_ids: Sequence[int],
+        hashes: dict[int, list[int]],
+        prefill_cost: float,
+    ) -> list[Scored]:
         """``cost(d)`` of each decode worker given the chosen prefill worker's ``P`` (``prefill_cost``)."""
         n, out = len(prompt_ids), []
         for h in workers:
@@ -131,8 +150,10 @@ class CacheAwarePolicy:
 
     def pick(self, scored: list[Scored], load: Load) -> tuple[Scored, bool]:
         """(the cheapest candidate under the cap, whether the cap changed the pick)."""
+
         def order(s: Scored):
             return s.cost, load(s.handle.worker_id), s.handle.worker_id
+
         floor = min(s.q for s in scored)
         best = min(scored, key=order)
         chosen = min((s for s in scored if s.q <= floor + self.balance_slack), key=order)

@@ -16,6 +16,7 @@ then chunks with only the index and fragments of the arguments as the model writ
 concatenation is the non-streamed ``arguments``), the rest is content, and a finish by stop after a
 call is reported as ``"tool_calls"``.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.router.choices import ChoiceRun, Piece
-from server.router.common import (check_common, check_max_tokens, new_runs, now_s, response_id, sampling_params,
-                                  stream_usage, token_label, truncate_prompt, usage)
+from server.router.common import (
+    check_common,
+    check_max_tokens,
+    new_runs,
+    now_s,
+    response_id,
+    sampling_params,
+    stream_usage,
+    token_label,
+    truncate_prompt,
+    usage,
+)
 from server.router.context import RouterContext
 from server.router.errors import APIError
 from server.router.http_util import parse_model
@@ -42,11 +53,14 @@ def render_text(ctx: RouterContext, req, plan: ToolPlan | None = None) -> str:
     """The messages of ``req`` (a chat or chat-tokenize request) rendered with the chat template,
     with ``plan``'s tools; 400 ``APIError`` if the template fails or the options contradict each other."""
     if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
-                       "add_generation_prompt to false to continue the last message", param="continue_final_message")
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true; set "
+            "add_generation_prompt to false to continue the last message",
+            param="continue_final_message",
+        )
     messages, tool_vars = template_input(ctx.tokenizer.chat_template, req.messages, plan)
-    extra = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {}),
-             **tool_vars}
+    extra = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {}), **tool_vars}
     try:
         text = ctx.tokenizer.apply_chat_template(messages, req.add_generation_prompt, extra)
     except (ValueError, TypeError, LookupError, AttributeError, ArithmeticError) as e:  # bad template kwargs
@@ -55,9 +69,12 @@ def render_text(ctx: RouterContext, req, plan: ToolPlan | None = None) -> str:
         last = messages[-1]["content"]
         at = text.rfind(last) if last else -1
         if at < 0:
-            raise APIError(400, "continue_final_message: the last message's content was not found in the "
-                           "rendered prompt", param="continue_final_message")
-        text = text[:at + len(last)]
+            raise APIError(
+                400,
+                "continue_final_message: the last message's content was not found in the rendered prompt",
+                param="continue_final_message",
+            )
+        text = text[: at + len(last)]
     return text
 
 
@@ -92,10 +109,18 @@ async def create_chat_completion(ctx: RouterContext, request: Request, body: dic
     if forced is not None:
         params = params.model_copy(update={"structured": forced})
     n, _ = check_n(req.n, None, req.stream)
-    runs = new_runs(ctx, 0, n, truncate_prompt(ctx, render_prompt(ctx, req, plan), req), params, req,
-                    max_tokens is None, arrival)
-    return await serve_choices(ctx, request, runs, req.stream, ChatFormat(ctx, req, plan is not None),
-                               stream_usage(req)[0], priority=req.priority)
+    runs = new_runs(
+        ctx, 0, n, truncate_prompt(ctx, render_prompt(ctx, req, plan), req), params, req, max_tokens is None, arrival
+    )
+    return await serve_choices(
+        ctx,
+        request,
+        runs,
+        req.stream,
+        ChatFormat(ctx, req, plan is not None),
+        stream_usage(req)[0],
+        priority=req.priority,
+    )
 
 
 def _finish_reason(reason: str | None, calls: list[ParsedCall]) -> str | None:
@@ -114,8 +139,7 @@ class ChatFormat:
         self.echo = last.as_template_dict()["content"] if req.echo and last.role == "assistant" else ""
 
     def _base(self, choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name,
-                "choices": choices}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name, "choices": choices}
 
     def _entry(self, token_id: int, logprob: float | None) -> dict:
         text = token_label(self.ctx.tokenizer, token_id, self.req.return_tokens_as_token_ids)
@@ -137,11 +161,18 @@ class ChatFormat:
             if self.parse_tools:
                 content, calls = parse_tool_calls(r.text)
                 if calls:
-                    message = {"role": "assistant", "content": (self.echo + content) or None,
-                               "tool_calls": [c.as_message_json() for c in calls]}
+                    message = {
+                        "role": "assistant",
+                        "content": (self.echo + content) or None,
+                        "tool_calls": [c.as_message_json() for c in calls],
+                    }
                     reason = _finish_reason(reason, calls)
-            c = {"index": r.index, "message": message,
-                 "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs), "finish_reason": reason}
+            c = {
+                "index": r.index,
+                "message": message,
+                "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs),
+                "finish_reason": reason,
+            }
             if self.req.return_token_ids:
                 c.update(prompt_token_ids=r.session.prompt_ids, token_ids=r.token_ids)
             choices.append(c)
@@ -154,8 +185,12 @@ class ChatFormat:
         """The role delta of each choice (with prompt token ids if asked for)."""
         out = []
         for r in runs:
-            c = {"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}
+            c = {
+                "index": r.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             if self.req.return_token_ids:
                 c["prompt_token_ids"] = r.session.prompt_ids
             chunk = self._base([c])
@@ -163,8 +198,11 @@ class ChatFormat:
                 chunk["prompt_logprobs"] = prompt_logprobs_json(self.ctx.tokenizer, r)
             out.append(chunk)
             if self.echo:
-                out.append(self._base([{"index": r.index, "delta": {"content": self.echo}, "logprobs": None,
-                                        "finish_reason": None}]))
+                out.append(
+                    self._base(
+                        [{"index": r.index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None}]
+                    )
+                )
         return out
 
     def chunks(self, run: ChoiceRun, piece: Piece) -> list[dict]:
@@ -180,8 +218,12 @@ class ChatFormat:
             text, deltas = step.content, step.deltas
         wants_tokens = self.req.logprobs or self.req.return_token_ids
         if text or (wants_tokens and piece.ids):
-            c = {"index": run.index, "delta": {"content": text},
-                 "logprobs": self._logprobs(piece.ids, piece.logprobs, piece.top_logprobs), "finish_reason": None}
+            c = {
+                "index": run.index,
+                "delta": {"content": text},
+                "logprobs": self._logprobs(piece.ids, piece.logprobs, piece.top_logprobs),
+                "finish_reason": None,
+            }
             if self.req.return_token_ids:
                 c["token_ids"] = piece.ids
             out.append(self._base([c]))
@@ -195,8 +237,16 @@ class ChatFormat:
 
     def _call_chunk(self, index: int, delta: CallDelta) -> dict:
         """The ``delta.tool_calls`` chunk of one piece of a call of choice ``index``."""
-        return self._base([{"index": index, "delta": {"tool_calls": [delta.as_delta_json()]}, "logprobs": None,
-                            "finish_reason": None}])
+        return self._base(
+            [
+                {
+                    "index": index,
+                    "delta": {"tool_calls": [delta.as_delta_json()]},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
 
     def closing(self, runs: list[ChoiceRun]) -> list[dict]:
         """The usage chunk when ``stream_options.include_usage``."""

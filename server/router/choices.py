@@ -12,6 +12,7 @@ A run that ``follows`` another (a later choice of the same prompt, ``n`` > 1) is
 caller: its first ``step()`` waits until the leader has its first piece (or has failed), then sends
 its session on the leader's route, so the prompt the leader's workers just cached is reused.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +39,18 @@ class Piece:
 class ChoiceRun:
     """Drive ``session`` to the end, accumulating the choice's tokens, logprobs and text."""
 
-    def __init__(self, index: int, session: GenerationSession, tokenizer: Tokenizer, stop: Iterable[str] = (),
-                 skip_special_tokens: bool = True, prompt_text: str | None = None, include_stop: bool = False,
-                 follows: "ChoiceRun | None" = None, keep_output: bool = True) -> None:
+    def __init__(
+        self,
+        index: int,
+        session: GenerationSession,
+        tokenizer: Tokenizer,
+        stop: Iterable[str] = (),
+        skip_special_tokens: bool = True,
+        prompt_text: str | None = None,
+        include_stop: bool = False,
+        follows: ChoiceRun | None = None,
+        keep_output: bool = True,
+    ) -> None:
         self.index = index
         self.follows = follows
         self.keep_output = keep_output  # False: echo with max_tokens 0, the one token generated is dropped
@@ -86,8 +96,11 @@ class ChoiceRun:
         leader, self.follows = self.follows, None
         await leader.started.wait()
         if not leader.started_ok or self.session.closed:
-            raise APIError(503, "not sent: the first choice of this prompt failed before its first token",
-                           code="worker_unavailable")
+            raise APIError(
+                503,
+                "not sent: the first choice of this prompt failed before its first token",
+                code="worker_unavailable",
+            )
         self.session.send()
 
     @property
@@ -107,8 +120,11 @@ class ChoiceRun:
         text = self.stream.push(delta.token_ids)
         ids, logprobs, tops = delta.token_ids, delta.logprobs, delta.top_logprobs
         if delta.stop_token_id is not None:
-            ids, logprobs, tops = ids + [delta.stop_token_id], logprobs + [delta.stop_logprob], \
-                tops + [delta.stop_top_logprobs]
+            ids, logprobs, tops = (
+                ids + [delta.stop_token_id],
+                logprobs + [delta.stop_logprob],
+                tops + [delta.stop_top_logprobs],
+            )
             if self.include_stop:
                 text += self.stream.push([delta.stop_token_id])
         self.token_ids += ids

@@ -1,4 +1,5 @@
 """Checks and pieces shared by the completions and chat endpoints."""
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,12 @@ from transfer.wire.sampling_params import SamplingParams
 def check_common(ctx: RouterContext, req: SamplingFields) -> None:
     """400/404 ``APIError`` for a wrong model name or options this server does not implement."""
     if req.model is not None and req.model != ctx.model_name:
-        raise APIError(404, f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {req.model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
     check_logit_bias(req.logit_bias, ctx.tokenizer.vocab_size)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed together with stream=true", param="stream_options")
@@ -40,8 +45,9 @@ def truncate_prompt(ctx: RouterContext, ids: list[int], req: SamplingFields) -> 
     if k is None:
         return ids
     if k == 0:
-        raise APIError(400, "truncate_prompt_tokens must be -1 (the context length) or >= 1, got 0",
-                       param="truncate_prompt_tokens")
+        raise APIError(
+            400, "truncate_prompt_tokens must be -1 (the context length) or >= 1, got 0", param="truncate_prompt_tokens"
+        )
     if k == -1:
         k = served_max_model_len(ctx)
         if k is None:
@@ -62,8 +68,11 @@ def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
     (biases themselves are checked by ``SamplingParams``)."""
     for key in bias or {}:
         if not key.strip().isdigit() or int(key) >= vocab_size:
-            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings, "
-                           f"got {key!r}", param="logit_bias")
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings, got {key!r}",
+                param="logit_bias",
+            )
 
 
 def check_max_tokens(value: int | None, name: str) -> None:
@@ -72,8 +81,9 @@ def check_max_tokens(value: int | None, name: str) -> None:
         raise APIError(400, f"{name} must be >= 1, got {value}", param=name)
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    max_tokens_name: str = "max_tokens") -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, max_tokens_name: str = "max_tokens"
+) -> SamplingParams:
     """Engine params for ``req``; ``max_tokens`` None validates as 1 and the session later sets the
     room the route leaves (see ``auto_max_tokens``)."""
     try:
@@ -84,9 +94,18 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     return params if so is None else params.model_copy(update={"structured": so})
 
 
-def new_runs(ctx: RouterContext, first_index: int, count: int, prompt_ids: list[int], params: SamplingParams,
-             req: SamplingFields, auto_max_tokens: bool, arrival: float, prompt_text: str | None = None,
-             ranked: bool = False) -> list[ChoiceRun]:
+def new_runs(
+    ctx: RouterContext,
+    first_index: int,
+    count: int,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    req: SamplingFields,
+    auto_max_tokens: bool,
+    arrival: float,
+    prompt_text: str | None = None,
+    ranked: bool = False,
+) -> list[ChoiceRun]:
     """``count`` choices of one prompt, indexed from ``first_index``: the first leads, the others
     follow it (same route, sent after its first token) with their own seeds (``parallel.choice_params``;
     ``ranked``: best_of, the sampled tokens' logprobs are asked for)."""
@@ -96,26 +115,52 @@ def new_runs(ctx: RouterContext, first_index: int, count: int, prompt_ids: list[
         p = choice_params(params, i, ranked)
         if leader is not None and p.prompt_logprobs is not None:  # the leader's prompt logprobs serve all
             p = p.model_copy(update={"prompt_logprobs": None})
-        runs.append(new_run(ctx, first_index + i, prompt_ids, p, req, auto_max_tokens, arrival, prompt_text,
-                            follows=leader))
+        runs.append(
+            new_run(ctx, first_index + i, prompt_ids, p, req, auto_max_tokens, arrival, prompt_text, follows=leader)
+        )
     return runs
 
 
-def new_run(ctx: RouterContext, index: int, prompt_ids: list[int], params: SamplingParams, req: SamplingFields,
-            auto_max_tokens: bool, arrival: float, prompt_text: str | None = None,
-            follows: ChoiceRun | None = None) -> ChoiceRun:
+def new_run(
+    ctx: RouterContext,
+    index: int,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    req: SamplingFields,
+    auto_max_tokens: bool,
+    arrival: float,
+    prompt_text: str | None = None,
+    follows: ChoiceRun | None = None,
+) -> ChoiceRun:
     """A ``ChoiceRun`` over a fresh ``GenerationSession`` for one prompt (``follows``: its leader,
     ``ChoiceRun``). Completions with ``echo`` and ``max_tokens`` 0 generate one token and drop it."""
     timeout_s = ctx.cfg.server.request_timeout_s
     if req.timeout is not None:
         timeout_s = min(timeout_s, req.timeout)
-    session = GenerationSession(ctx.registry, ctx.table, prompt_ids, params,
-                                timeout_s=timeout_s, auto_max_tokens=auto_max_tokens,
-                                arrival=arrival, retries=ctx.cfg.cluster.fresh_pair_retries,
-                                on_retry=ctx.metrics.retries.inc, on_move=ctx.metrics.queued_moves.inc)
+    session = GenerationSession(
+        ctx.registry,
+        ctx.table,
+        prompt_ids,
+        params,
+        timeout_s=timeout_s,
+        auto_max_tokens=auto_max_tokens,
+        arrival=arrival,
+        retries=ctx.cfg.cluster.fresh_pair_retries,
+        on_retry=ctx.metrics.retries.inc,
+        on_move=ctx.metrics.queued_moves.inc,
+    )
     prompt_only = getattr(req, "echo", False) and getattr(req, "max_tokens", None) == 0
-    return ChoiceRun(index, session, ctx.tokenizer, req.stop_strings(), req.skip_special_tokens, prompt_text,
-                     include_stop=req.include_stop_str_in_output, follows=follows, keep_output=not prompt_only)
+    return ChoiceRun(
+        index,
+        session,
+        ctx.tokenizer,
+        req.stop_strings(),
+        req.skip_special_tokens,
+        prompt_text,
+        include_stop=req.include_stop_str_in_output,
+        follows=follows,
+        keep_output=not prompt_only,
+    )
 
 
 def usage(runs: list[ChoiceRun]) -> dict:
@@ -124,8 +169,12 @@ def usage(runs: list[ChoiceRun]) -> dict:
     leaders = [r for r in runs if r.leads]
     prompt = sum(len(r.session.prompt_ids) for r in leaders)
     completion = sum(len(r.token_ids) for r in runs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in leaders)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in leaders)},
+    }
 
 
 def response_id(prefix: str, request_id: str | None = None) -> str:

@@ -1,4 +1,5 @@
 """``POST /v1/completions``: prompts (text, texts, token ids) to text, OpenAI completions shapes."""
+
 from __future__ import annotations
 
 import time
@@ -8,8 +9,18 @@ from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
 from server.router.choices import ChoiceRun, Piece
-from server.router.common import (check_common, check_max_tokens, new_runs, now_s, response_id, sampling_params,
-                                  stream_usage, token_label, truncate_prompt, usage)
+from server.router.common import (
+    check_common,
+    check_max_tokens,
+    new_runs,
+    now_s,
+    response_id,
+    sampling_params,
+    stream_usage,
+    token_label,
+    truncate_prompt,
+    usage,
+)
 from server.router.context import RouterContext
 from server.router.errors import APIError
 from server.router.http_util import parse_model
@@ -57,11 +68,25 @@ async def create_completion(ctx: RouterContext, request: Request, body: dict) ->
     params = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs)
     n, gen = check_n(req.n, req.best_of, req.stream)
     prompts = tokenize_prompts(ctx.tokenizer, req.prompt, req.add_special_tokens)
-    runs = [r for p, (ids, text) in enumerate(prompts)
-            for r in new_runs(ctx, p * gen, gen, truncate_prompt(ctx, ids, req), params, req, req.max_tokens is None,
-                              arrival, text, ranked=gen > n)]
-    return await serve_choices(ctx, request, runs, req.stream, CompletionFormat(ctx, req), stream_usage(req)[0],
-                              priority=req.priority)
+    runs = [
+        r
+        for p, (ids, text) in enumerate(prompts)
+        for r in new_runs(
+            ctx,
+            p * gen,
+            gen,
+            truncate_prompt(ctx, ids, req),
+            params,
+            req,
+            req.max_tokens is None,
+            arrival,
+            text,
+            ranked=gen > n,
+        )
+    ]
+    return await serve_choices(
+        ctx, request, runs, req.stream, CompletionFormat(ctx, req), stream_usage(req)[0], priority=req.priority
+    )
 
 
 class CompletionFormat:
@@ -82,8 +107,13 @@ class CompletionFormat:
         return ([*run.session.prompt_ids, *then[0]], [*lps, *then[1]], [*tops, *then[2]])
 
     def _base(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+        }
 
     def _logprobs(self, run: ChoiceRun, ids, logprobs, tops, start: int | None = None) -> dict | None:
         """The OpenAI logprobs object of ``ids``; text offsets continue from the last call's for
@@ -116,7 +146,7 @@ class CompletionFormat:
         n, gen = self.req.n or 1, self.req.best_of or self.req.n or 1
         if gen == n:
             return runs
-        return [r for p in range(len(runs) // gen) for r in best(runs[p * gen:(p + 1) * gen], n, p * n)]
+        return [r for p in range(len(runs) // gen) for r in best(runs[p * gen : (p + 1) * gen], n, p * n)]
 
     def full(self, runs: list[ChoiceRun]) -> dict:
         """The complete response: ``n`` choices per prompt; ``usage`` over every sequence generated
@@ -126,9 +156,12 @@ class CompletionFormat:
             ids, lps, tops = r.token_ids, r.logprobs, r.top_logprobs
             if self._echo_logprobs:
                 ids, lps, tops = self._prompt_entries(r, (ids, lps, tops))
-            c = {"index": r.index, "text": (r.prompt_text if self.req.echo else "") + r.text,
-                 "logprobs": self._logprobs(r, ids, lps, tops, start=0 if self._echo_logprobs else None),
-                 "finish_reason": r.finish_reason}
+            c = {
+                "index": r.index,
+                "text": (r.prompt_text if self.req.echo else "") + r.text,
+                "logprobs": self._logprobs(r, ids, lps, tops, start=0 if self._echo_logprobs else None),
+                "finish_reason": r.finish_reason,
+            }
             if self.req.return_token_ids:
                 c.update(prompt_token_ids=r.session.prompt_ids, token_ids=r.token_ids)
             if self.req.prompt_logprobs is not None:
@@ -143,8 +176,12 @@ class CompletionFormat:
         out = []
         for r in runs:
             lps = self._logprobs(r, *self._prompt_entries(r), start=0) if self._echo_logprobs else None
-            c = {"index": r.index, "text": r.prompt_text if self.req.echo else "", "logprobs": lps,
-                 "finish_reason": None}
+            c = {
+                "index": r.index,
+                "text": r.prompt_text if self.req.echo else "",
+                "logprobs": lps,
+                "finish_reason": None,
+            }
             if self.req.return_token_ids:
                 c["prompt_token_ids"] = r.session.prompt_ids
             if self.req.prompt_logprobs is not None:
@@ -157,9 +194,12 @@ class CompletionFormat:
         wants_tokens = self.req.logprobs is not None or self.req.return_token_ids
         if not (piece.text or piece.finish_reason or (wants_tokens and piece.ids)):
             return []
-        c = {"index": run.index, "text": piece.text,
-             "logprobs": self._logprobs(run, piece.ids, piece.logprobs, piece.top_logprobs),
-             "finish_reason": piece.finish_reason}
+        c = {
+            "index": run.index,
+            "text": piece.text,
+            "logprobs": self._logprobs(run, piece.ids, piece.logprobs, piece.top_logprobs),
+            "finish_reason": piece.finish_reason,
+        }
         if self.req.return_token_ids:
             c["token_ids"] = piece.ids
         return [self._base([c])]

@@ -1,4 +1,5 @@
 """Everything a router app needs, passed explicitly (no module-level state)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -14,6 +14,7 @@ is configured, like ``/v1/*``. The page asks for the key and keeps it in session
 ship inside the package (``server/router/static/``); a content security policy forbids anything
 not served by the router itself.
 """
+
 from __future__ import annotations
 
 import time
@@ -118,13 +119,23 @@ def worker_snapshot(h: WorkerHandle, now: float) -> WorkerSnapshot:
     """The dashboard's view of one registry handle at monotonic time ``now``."""
     s = h.stats
     return WorkerSnapshot(
-        id=h.worker_id, role=h.spec.role, state=display_state(h), up=h.state == READY, reason=h.reason,
-        model=s.model if s else None, instance=h.instance, restarts=h.restarts,
+        id=h.worker_id,
+        role=h.spec.role,
+        state=display_state(h),
+        up=h.state == READY,
+        reason=h.reason,
+        model=s.model if s else None,
+        instance=h.instance,
+        restarts=h.restarts,
         uptime_s=now - h.up_since if h.up_since is not None else None,
-        stats_age_s=max(0.0, now - h.stats_at) if h.stats_at is not None else None, stats_t=h.stats_at,
-        page_size=s.page_size if s else None, capacity_tokens=s.capacity_tokens if s else None,
-        counters=dict(s.counters) if s else {}, gauges=dict(s.gauges) if s else {},
-        histograms={k: HistogramSnapshot(**v.model_dump()) for k, v in s.histograms.items()} if s else {})
+        stats_age_s=max(0.0, now - h.stats_at) if h.stats_at is not None else None,
+        stats_t=h.stats_at,
+        page_size=s.page_size if s else None,
+        capacity_tokens=s.capacity_tokens if s else None,
+        counters=dict(s.counters) if s else {},
+        gauges=dict(s.gauges) if s else {},
+        histograms={k: HistogramSnapshot(**v.model_dump()) for k, v in s.histograms.items()} if s else {},
+    )
 
 
 def histogram_snapshot(hist: Histogram) -> HistogramSnapshot:
@@ -153,15 +164,28 @@ def snapshot(ctx: RouterContext, clock: Callable[[], float] = time.monotonic) ->
     now = clock()
     m = ctx.metrics
     healthy, health = ctx.registry.health()
-    router = RouterSnapshot(inflight=len(ctx.table), requests=counter_by_label(m.requests, "status"),
-                            ttft=histogram_snapshot(m.ttft), tpot=histogram_snapshot(m.tpot),
-                            e2e=histogram_snapshot(m.e2e), shed=counter_by_label(m.shed, "reason"),
-                            queue_wait=histogram_snapshot(m.queue_wait),
-                            queued={k: list(v) for k, v in m.queued().items()})
+    router = RouterSnapshot(
+        inflight=len(ctx.table),
+        requests=counter_by_label(m.requests, "status"),
+        ttft=histogram_snapshot(m.ttft),
+        tpot=histogram_snapshot(m.tpot),
+        e2e=histogram_snapshot(m.e2e),
+        shed=counter_by_label(m.shed, "reason"),
+        queue_wait=histogram_snapshot(m.queue_wait),
+        queued={k: list(v) for k, v in m.queued().items()},
+    )
     return DashboardSnapshot(
-        t=now, time=time.time(), model=ctx.model_name, mode=ctx.cfg.cluster.mode, healthy=healthy, health=health,
-        heartbeat_s=ctx.registry.interval_s, worker_timeout_s=ctx.registry.timeout_s, router=router,
-        workers=[worker_snapshot(h, now) for h in ctx.registry.handles.values()])
+        t=now,
+        time=time.time(),
+        model=ctx.model_name,
+        mode=ctx.cfg.cluster.mode,
+        healthy=healthy,
+        health=health,
+        heartbeat_s=ctx.registry.interval_s,
+        worker_timeout_s=ctx.registry.timeout_s,
+        router=router,
+        workers=[worker_snapshot(h, now) for h in ctx.registry.handles.values()],
+    )
 
 
 def add_dashboard_routes(app: FastAPI, ctx: RouterContext) -> None:
@@ -176,8 +200,7 @@ def add_dashboard_routes(app: FastAPI, ctx: RouterContext) -> None:
     async def dashboard_asset(name: str) -> FileResponse:
         """One of the page's own scripts or styles; 404 for any other name."""
         if name not in ASSETS:
-            raise APIError(404, f"no dashboard asset {name!r}; assets: {', '.join(sorted(ASSETS))}",
-                           code="not_found")
+            raise APIError(404, f"no dashboard asset {name!r}; assets: {', '.join(sorted(ASSETS))}", code="not_found")
         return FileResponse(STATIC_DIR / name, media_type=ASSETS[name], headers=SECURITY_HEADERS)
 
     @app.get("/dashboard/data", include_in_schema=False)

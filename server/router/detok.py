@@ -6,6 +6,7 @@ back until more text shows they cannot start a stop string (or the stream ends).
 string appears, the text is cut before it (after it with ``include_stop``, vLLM's
 ``include_stop_str_in_output``) and the stream reports ``stopped``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -21,8 +22,13 @@ class TextStream:
     with ``include_stop``). After a stop string is seen (``stopped`` is True) further pushes return ''.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), skip_special_tokens: bool = True,
-                 include_stop: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Iterable[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:
         """Start an empty stream; empty stop strings are ignored."""
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._include = include_stop
@@ -50,13 +56,13 @@ class TextStream:
         if cut is not None:
             self.text, self.stopped, final = self.text[:cut], True, True
         end = len(self.text) if final else max(self.sent, len(self.text) - self._hold)
-        delta, self.sent = self.text[self.sent:end], end
+        delta, self.sent = self.text[self.sent : end], end
         return delta
 
     def _find_stop(self) -> int | None:
         """Where the text ends at the earliest stop string at or after the released text: its start,
         or its end with ``include_stop`` (see module doc)."""
-        hits = [(i, i + len(s) if self._include else i)
-                for s in self._stops if (i := self.text.find(s, self.sent)) >= 0]
+        hits = [
+            (i, i + len(s) if self._include else i) for s in self._stops if (i := self.text.find(s, self.sent)) >= 0
+        ]
         return min(hits)[1] if hits else None
-

@@ -11,6 +11,7 @@ DNS (``DnsWatch``): every ``interval_s`` resolve each name; every A/AAAA record 
 target's role at the target's port, named ``ROLE@IP``. A record that disappears takes its worker
 out of rotation; a name that does not resolve keeps the last membership (``/health`` says so).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +62,10 @@ class _Watch:
             log.error("discovery %s failed: %s; keeping the last membership", self.source, error)
             self.down_since = time.time()
         since = time.strftime("%H:%M:%S", time.gmtime(self.down_since))
-        self.registry.notes[self.source] = (f"discovery {self.source}: unavailable since {since} UTC, keeping the "
-                                            f"last membership ({len(self.known)} worker(s)): {error}")
+        self.registry.notes[self.source] = (
+            f"discovery {self.source}: unavailable since {since} UTC, keeping the "
+            f"last membership ({len(self.known)} worker(s)): {error}"
+        )
 
 
 class EtcdWatch(_Watch):
@@ -91,8 +94,13 @@ class EtcdWatch(_Watch):
             return None
         cluster = self.registry.cluster_id
         if cluster and rec.cluster_id != cluster:
-            log.error("discovery %s: %s belongs to cluster %r, this router to %r: ignored (give each cluster its own "
-                      "prefix)", self.source, rec.worker_id, rec.cluster_id, cluster)
+            log.error(
+                "discovery %s: %s belongs to cluster %r, this router to %r: ignored (give each cluster its own prefix)",
+                self.source,
+                rec.worker_id,
+                rec.cluster_id,
+                cluster,
+            )
             return None
         return WorkerSpec(rec.worker_id, rec.role, rec.addr)
 
@@ -162,8 +170,9 @@ class RouterTag:
             try:
                 if self.lease is None:
                     await self.claim(http)
-                ttl = int((await call_async(http, "/v3/lease/keepalive", {"ID": self.lease})).get("result", {})
-                          .get("TTL", 0))
+                ttl = int(
+                    (await call_async(http, "/v3/lease/keepalive", {"ID": self.lease})).get("result", {}).get("TTL", 0)
+                )
                 if ttl <= 0:
                     self.lease = None
                     continue
@@ -182,8 +191,9 @@ async def resolve_all(name: str, port: int) -> list[str]:
 class DnsWatch(_Watch):
     """The workers behind one DNS name (see the module docstring)."""
 
-    def __init__(self, target: DnsTarget, registry: Registry, interval_s: float,
-                 resolve: Resolver = resolve_all) -> None:
+    def __init__(
+        self, target: DnsTarget, registry: Registry, interval_s: float, resolve: Resolver = resolve_all
+    ) -> None:
         super().__init__(registry, str(target))
         self.target, self.interval_s, self.resolve = target, interval_s, resolve
 
@@ -213,11 +223,14 @@ class DnsWatch(_Watch):
             await asyncio.sleep(self.interval_s)
 
 
-def watches(discovery: str | None, registry: Registry, interval_s: float,
-            lease_s: float = 10.0) -> list[EtcdWatch | DnsWatch]:
+def watches(
+    discovery: str | None, registry: Registry, interval_s: float, lease_s: float = 10.0
+) -> list[EtcdWatch | DnsWatch]:
     """One watch per target of a ``--discovery`` value (none without one). Call ``prepare()`` on
     each before serving, then run ``run()`` as a task."""
     if not discovery:
         return []
-    return [EtcdWatch(t, registry, lease_s=lease_s) if isinstance(t, EtcdTarget) else DnsWatch(t, registry, interval_s)
-            for t in parse_targets(discovery)]
+    return [
+        EtcdWatch(t, registry, lease_s=lease_s) if isinstance(t, EtcdTarget) else DnsWatch(t, registry, interval_s)
+        for t in parse_targets(discovery)
+    ]

@@ -1,5 +1,6 @@
 """Work finished (or granted) per second over a sliding window: the router admission's drain rate
 and the per-key service that fair headroom compares."""
+
 from __future__ import annotations
 
 from collections import deque

@@ -1,4 +1,5 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
 from __future__ import annotations
 
 import re
@@ -6,9 +7,18 @@ import re
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
-          500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
 
 
 class APIError(Exception):
@@ -19,8 +29,16 @@ class APIError(Exception):
     ``headers`` are sent with the response (e.g. ``Retry-After`` on a 429).
     """
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,7 +58,9 @@ class APIError(Exception):
 
 
 # loc parts that name a union member or validator, not a field (field names are snake_case)
-_NOT_A_FIELD = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|union\[.*\]|[A-Z]\w*(\[.*\])?)$")
+_NOT_A_FIELD = re.compile(
+    r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|union\[.*\]|[A-Z]\w*(\[.*\])?)$"
+)
 
 
 def _loc(loc: tuple, renames: dict[str, str]) -> str:

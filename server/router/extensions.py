@@ -4,6 +4,7 @@ their default, each with the reason a client is told (the README's field table l
 ``check_extensions(req)`` raises a 400 ``APIError`` naming the first refused field that has a
 value other than its default; ignored fields need no check (their reason is documentation).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,7 +28,7 @@ IGNORED: dict[str, str] = {
     "include_reasoning": "the served models produce no separate reasoning",
     "reasoning_effort": "the served models have no reasoning mode",
     "parallel_tool_calls": "tool_choice auto returns every call the model writes; a forced call (required or "
-                           "a named tool) is always exactly one",
+    "a named tool) is always exactly one",
     "media_io_kwargs": "the served models are text only",
     "mm_processor_kwargs": "the served models are text only",
 }
@@ -54,17 +55,24 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("allowed_token_ids", "restricting the vocabulary is not implemented (logit_bias can ban tokens)"),
     Refusal("bad_words", "banned words are not implemented (logit_bias can ban single tokens)", _falsy),
     Refusal("logprob_token_ids", "logprobs of chosen token ids are not implemented"),
-    Refusal("cache_salt", "the prefix cache is not partitioned by salt; a salt would promise an isolation "
-                          "this server does not give"),
-    Refusal("kv_transfer_params", "pdserve moves the KV cache between its own workers; external KV "
-                                  "connector parameters do not apply"),
+    Refusal(
+        "cache_salt",
+        "the prefix cache is not partitioned by salt; a salt would promise an isolation this server does not give",
+    ),
+    Refusal(
+        "kv_transfer_params",
+        "pdserve moves the KV cache between its own workers; external KV connector parameters do not apply",
+    ),
     Refusal("ec_transfer_params", "there is no encoder cache (text-only models)"),
     Refusal("repetition_detection", "repetition detection is not implemented"),
     Refusal("logits_processors", "custom logits processors cannot be loaded from a request"),
     Refusal("prompt_embeds", "prompts must be text or token ids"),
     Refusal("suffix", "suffix (fill-in-the-middle) is not implemented", _falsy),
-    Refusal("chat_template", "a chat template sent with the request is not trusted (as in vLLM without "
-                             "--trust-request-chat-template); the model's own template is used"),
+    Refusal(
+        "chat_template",
+        "a chat template sent with the request is not trusted (as in vLLM without "
+        "--trust-request-chat-template); the model's own template is used",
+    ),
 )
 
 
@@ -76,8 +84,9 @@ def check_extensions(req: SamplingFields) -> None:
         value = getattr(req, rule.field)
         if not rule.allowed(value):
             later = " (planned)" if rule.planned else ""
-            raise APIError(400, f"{rule.field}={_short(value)} is not supported{later}: {rule.reason}",
-                           param=rule.field)
+            raise APIError(
+                400, f"{rule.field}={_short(value)} is not supported{later}: {rule.reason}", param=rule.field
+            )
 
 
 def _short(value: Any) -> str:

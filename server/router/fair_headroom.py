@@ -22,6 +22,7 @@ With ``preempt`` on (PD: decode workers retract for such requests, ``GenerateReq
 such a grant is made even when every forwarding slot is taken, within twice the slots (the
 caller's bound); two keys served alike grant nothing past the slots.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -30,7 +31,6 @@ from collections.abc import Callable, Collection, Mapping
 from server.router.drain_rate import DrainRate
 
 SERVICE_GAP = 0.8  # served below this fraction of another key's (per unit of share): under its share
-
 
 
 class FairHeadroom:
@@ -62,8 +62,16 @@ class FairHeadroom:
         """A request of ``key`` arrived at ``now``: the key is active for ``active_window_s``."""
         self._last_arrival[key] = now
 
-    def kept_from(self, key: str, slots: int, capacity: int, granted: Mapping[str, int], queued: Collection[str],
-                  shares: Mapping[str, float], now: float) -> int:
+    def kept_from(
+        self,
+        key: str,
+        slots: int,
+        capacity: int,
+        granted: Mapping[str, int],
+        queued: Collection[str],
+        shares: Mapping[str, float],
+        now: float,
+    ) -> int:
         """Slots of ``capacity`` that a grant of ``slots`` to ``key`` must leave free at ``now`` (the
         caller's clock, the one ``arrived`` was given), given each key's ``granted`` slots, the keys
         with requests ``queued`` and the keys' ``shares``."""
@@ -73,8 +81,16 @@ class FairHeadroom:
         share = self._share(key, capacity, granted, queued, shares, now)
         return min(headroom, capacity - 1) if share is not None and granted.get(key, 0) + slots > share else 0
 
-    def under_share(self, key: str, slots: int, capacity: int, granted: Mapping[str, int], queued: Collection[str],
-                    shares: Mapping[str, float], now: float) -> bool:
+    def under_share(
+        self,
+        key: str,
+        slots: int,
+        capacity: int,
+        granted: Mapping[str, int],
+        queued: Collection[str],
+        shares: Mapping[str, float],
+        now: float,
+    ) -> bool:
         """True when another key is active and a grant of ``slots`` to ``key`` leaves it below another
         active key per unit of share: in slots held after the grant, or in ``served`` (work granted
         lately, tokens per second; ``granted`` records it) below ``SERVICE_GAP`` times the other's;
@@ -82,11 +98,20 @@ class FairHeadroom:
         others = self._active(granted, queued, now) - {key}  # empty: no other key active
         held = granted.get(key, 0) + slots
         mine, w = self.served(key, now) / shares[key], shares[key]
-        return any(held / w < granted.get(k, 0) / shares[k] or mine < SERVICE_GAP * self.served(k, now) / shares[k]
-                   for k in others)
+        return any(
+            held / w < granted.get(k, 0) / shares[k] or mine < SERVICE_GAP * self.served(k, now) / shares[k]
+            for k in others
+        )
 
-    def _share(self, key: str, capacity: int, granted: Mapping[str, int], queued: Collection[str],
-               shares: Mapping[str, float], now: float) -> float | None:
+    def _share(
+        self,
+        key: str,
+        capacity: int,
+        granted: Mapping[str, int],
+        queued: Collection[str],
+        shares: Mapping[str, float],
+        now: float,
+    ) -> float | None:
         """``key``'s share of ``capacity`` among the active keys; None with fewer than two active."""
         active = self._active(granted, queued, now) | {key}
         if len(active) < 2:

@@ -1,4 +1,5 @@
 """HTTP-layer helpers: bounded body reading, JSON parsing into request models, auth, disconnects."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,11 @@ class ClientGone(Exception):
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body; a 413 ``APIError`` as soon as it is known to exceed ``limit`` bytes."""
     declared = request.headers.get("content-length")
-    too_big = APIError(413, f"request body is larger than the server's limit of {limit} bytes (max_body_bytes)",
-                       code="request_too_large")
+    too_big = APIError(
+        413,
+        f"request body is larger than the server's limit of {limit} bytes (max_body_bytes)",
+        code="request_too_large",
+    )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0

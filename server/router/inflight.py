@@ -13,6 +13,7 @@ worker's cache did not hold when it was routed (the routing policy's estimate, `
 it counts in ``pending_prefill_tokens`` until the streaming worker's first token shows the prompt
 was computed, so cache-aware routing weighs each worker's queued prefill work in tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,9 @@ class InflightTable:
     def __init__(self) -> None:
         self._entries: dict[str, Inflight] = {}
 
-    def open(self, rid: str, workers: tuple[str, ...], stream_from: str, cost: int,
-             prefill: tuple[str, int] | None = None) -> Inflight:
+    def open(
+        self, rid: str, workers: tuple[str, ...], stream_from: str, cost: int, prefill: tuple[str, int] | None = None
+    ) -> Inflight:
         """Register a request (``prefill``: see the module docstring); raises ``KeyError`` if
         ``rid`` is already in flight."""
         if rid in self._entries:

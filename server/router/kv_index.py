@@ -22,6 +22,7 @@ holds (the longest cached prefix, in pages). Memory is bounded: at most ``max_pa
 worker (the oldest stored go first when a worker reports more, which only makes the index answer
 shorter prefixes than the worker holds, never longer). Not thread safe: the event loop owns it.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -45,10 +46,10 @@ class WorkerCache:
 class IndexCounters:
     """Cumulative counts of what the index applied (for the router's metrics)."""
 
-    events: int = 0      # KvEvents messages applied
-    snapshots: int = 0   # KvSnapshot messages applied (re-syncs)
-    gaps: int = 0        # sequence gaps and new processes seen (each needs a re-sync)
-    dropped: int = 0     # hashes dropped over ``max_pages``
+    events: int = 0  # KvEvents messages applied
+    snapshots: int = 0  # KvSnapshot messages applied (re-syncs)
+    gaps: int = 0  # sequence gaps and new processes seen (each needs a re-sync)
+    dropped: int = 0  # hashes dropped over ``max_pages``
 
 
 class KvIndex:
@@ -77,7 +78,9 @@ class KvIndex:
         self.counters.snapshots += 1
         self._bound(w)
 
-    def apply_events(self, worker_id: str, instance: str, seq: int, events: Sequence[tuple[str, Sequence[int]]]) -> bool:
+    def apply_events(
+        self, worker_id: str, instance: str, seq: int, events: Sequence[tuple[str, Sequence[int]]]
+    ) -> bool:
         """Apply one ``KvEvents`` message; False when the worker needs a snapshot (not synced, a
         new process, or a gap), True when it is in sync after this message."""
         w = self._entry(worker_id, instance)

@@ -2,6 +2,7 @@
 workers of its model and its decode peers (migration sources), so that it handshakes them when
 they join, not when their first transfer is already waiting (a handshake and, on NIXL, the
 connection's setup each wait for a step of the other side)."""
+
 from __future__ import annotations
 
 import logging

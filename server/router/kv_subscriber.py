@@ -13,9 +13,9 @@ a later ``seq`` (``WorkerStats.kv_events_seq``) than the index reached ``resync_
 last messages were lost and nothing came after them). ``resyncs`` counts the snapshot
 requests sent, by cause (``initial``, ``gap``, ``restart``).
 """
+
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -40,9 +40,17 @@ def feed_addr(control_addr: str, port: int) -> str:
 class KvSubscriber:
     """Connects to the workers' feeds and keeps ``index`` in sync (see the module docstring)."""
 
-    def __init__(self, index: KvIndex, handles: Callable[[], Mapping[str, WorkerHandle]], auth: ControlAuth,
-                 zctx: zmq.asyncio.Context | None = None, *, resync_s: float = 2.0, tick_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: KvIndex,
+        handles: Callable[[], Mapping[str, WorkerHandle]],
+        auth: ControlAuth,
+        zctx: zmq.asyncio.Context | None = None,
+        *,
+        resync_s: float = 2.0,
+        tick_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index, self.handles, self.auth = index, handles, auth
         self.zctx = zctx
         self.resync_s, self.tick_s, self.clock = resync_s, tick_s, clock
@@ -114,8 +122,12 @@ class KvSubscriber:
             return
         seen = self.behind.setdefault(h.worker_id, (reported, self.clock()))
         if applied < seen[0] and self.clock() - seen[1] >= self.resync_s:
-            log.info("KV event feed of %s: index at message %d, the worker reported %d: re-syncing",
-                     h.worker_id, applied, seen[0])
+            log.info(
+                "KV event feed of %s: index at message %d, the worker reported %d: re-syncing",
+                h.worker_id,
+                applied,
+                seen[0],
+            )
             self.behind.pop(h.worker_id, None)
             self.index.mark_lost(h.worker_id)
             self.cause[h.worker_id] = "gap"

@@ -23,6 +23,7 @@ not the sum: with one router both count the same requests.
 identifies the router (22 bits: random, or claimed in etcd so no two live routers share it), so two
 routers never hand out the same room (a worker would refuse the second transfer).
 """
+
 from __future__ import annotations
 
 import itertools

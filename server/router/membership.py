@@ -7,6 +7,7 @@ rotation at once; its requests in flight go on and its handle is dropped once no
 dead worker). Room numbers stay unique: they come from the registry's counter, never from a
 worker's slot.
 """
+
 from __future__ import annotations
 
 import logging

@@ -21,6 +21,7 @@ Worker series (label ``worker``) come from each worker's latest ``WorkerStats`` 
 ``WorkerCollector``: counters are the worker's cumulative values, gauges its current values, so
 they can lag by up to one heartbeat interval (``pdserve_worker_stats_age_seconds`` says by how much).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,11 @@ WORKER_COUNTERS = {
     "prompt_tokens": ("pdserve_prompt_tokens", "Prompt tokens of requests accepted by the worker"),
     "generation_tokens": ("pdserve_generation_tokens", "Tokens generated (sampled) by the worker"),
     "retractions": ("pdserve_retractions", "Requests retracted under KV memory pressure"),
-    "preemptions": ("pdserve_preemptions", "Running requests retracted to start a request of an API key under its "
-                                           "share (PD decode workers, fair_preemption)"),
+    "preemptions": (
+        "pdserve_preemptions",
+        "Running requests retracted to start a request of an API key under its "
+        "share (PD decode workers, fair_preemption)",
+    ),
     "retracted_input_tokens": ("pdserve_retracted_input_tokens", "Prompt tokens of retracted requests"),
     "retracted_output_tokens": ("pdserve_retracted_output_tokens", "Output tokens of retracted requests"),
     "oom_aborts": ("pdserve_oom_aborts", "Requests aborted because even alone they could not fit the KV pool"),
@@ -57,28 +61,44 @@ WORKER_COUNTERS = {
     "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
     "retract_resumed": ("pdserve_retract_resumed", "Retracted requests resumed from the host pool"),
     "retract_recomputed": ("pdserve_retract_recomputed", "Retracted requests re-prefilled (host pool full/costlier)"),
-    "kv_events_published": ("pdserve_worker_kv_events_published", "KV event messages the worker published on "
-                            "its feed (cache-aware routing)"),
-    "kv_snapshots_published": ("pdserve_worker_kv_snapshots_published", "KV snapshots the worker published on "
-                               "its feed (a router asked to re-sync)"),
-    "refused_control_connections": ("pdserve_worker_refused_control_connections", "Control connection attempts "
-                                    "the worker refused: the peer did not hold the cluster key (--cluster-key)"),
-    "mixed_steps": ("pdserve_worker_mixed_steps", "Forward steps that carried decode rows and a prefill chunk "
-                    "together (mixed batches)"),
-    "migration_bytes": ("pdserve_migration_bytes", "KV bytes a decode worker wrote from its host pool into peer "
-                        "decode workers (retracted requests migrated)"),
-    "local_prefill_tokens": ("pdserve_local_prefill_tokens", "Prompt tokens a decode worker prefilled itself "
-                             "instead of a prefill worker (selective disaggregation)"),
-    "borrowed_core_steps": ("pdserve_worker_borrowed_core_steps", "Steps a worker ran on every core of its host's "
-                            "launch while the other workers were idle (core lending)"),
+    "kv_events_published": (
+        "pdserve_worker_kv_events_published",
+        "KV event messages the worker published on its feed (cache-aware routing)",
+    ),
+    "kv_snapshots_published": (
+        "pdserve_worker_kv_snapshots_published",
+        "KV snapshots the worker published on its feed (a router asked to re-sync)",
+    ),
+    "refused_control_connections": (
+        "pdserve_worker_refused_control_connections",
+        "Control connection attempts the worker refused: the peer did not hold the cluster key (--cluster-key)",
+    ),
+    "mixed_steps": (
+        "pdserve_worker_mixed_steps",
+        "Forward steps that carried decode rows and a prefill chunk together (mixed batches)",
+    ),
+    "migration_bytes": (
+        "pdserve_migration_bytes",
+        "KV bytes a decode worker wrote from its host pool into peer decode workers (retracted requests migrated)",
+    ),
+    "local_prefill_tokens": (
+        "pdserve_local_prefill_tokens",
+        "Prompt tokens a decode worker prefilled itself instead of a prefill worker (selective disaggregation)",
+    ),
+    "borrowed_core_steps": (
+        "pdserve_worker_borrowed_core_steps",
+        "Steps a worker ran on every core of its host's launch while the other workers were idle (core lending)",
+    ),
 }
 # worker histogram key -> (metric name, help)
 WORKER_HISTOGRAMS = {
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds", "Prefill -> decode KV write time per request"),
     "retract_offload_seconds": ("pdserve_retract_offload_seconds", "Time to copy a retracted request's KV to host"),
     "retract_resume_seconds": ("pdserve_retract_resume_seconds", "Time to copy a retracted request's KV back"),
-    "migration_seconds": ("pdserve_migration_seconds", "Host pool -> peer decode worker KV write time per "
-                          "migrated request (source side)"),
+    "migration_seconds": (
+        "pdserve_migration_seconds",
+        "Host pool -> peer decode worker KV write time per migrated request (source side)",
+    ),
 }
 # pdserve_migrations_total{worker,direction,outcome}: from the decode workers' migrations_<direction>_<outcome>
 # pdserve_local_prefill_total{worker,reason}: the decode workers' local_prefill_<reason> (decode_worker.local_prefill)
@@ -119,9 +139,12 @@ class WorkerCollector(Collector):
                 if (data := h.stats.histograms.get(key)) is not None:
                     fam.add_metric([h.worker_id], *_buckets(data))
             yield fam
-        phases = HistogramMetricFamily("pdserve_request_phase_seconds", "Per-request time in each phase on a "
-                                       "worker (queue, prefill compute, bootstrap wait, transfer, decode, ...)",
-                                       labels=["worker", "phase"])
+        phases = HistogramMetricFamily(
+            "pdserve_request_phase_seconds",
+            "Per-request time in each phase on a "
+            "worker (queue, prefill compute, bootstrap wait, transfer, decode, ...)",
+            labels=["worker", "phase"],
+        )
         for h in handles:
             for key, data in sorted(h.stats.histograms.items()):
                 if key.startswith("phase_"):
@@ -134,18 +157,26 @@ class WorkerCollector(Collector):
             for h in handles:
                 fam.add_metric([h.worker_id], h.stats.counters.get(key, 0.0))
             yield fam
-        moves = CounterMetricFamily("pdserve_migrations", "Retracted requests moved between decode workers: out (this "
-                                    "worker was the source: done, failed, declined by the router) and in (the "
-                                    "target: done, failed, refused)", labels=["worker", "direction", "outcome"])
+        moves = CounterMetricFamily(
+            "pdserve_migrations",
+            "Retracted requests moved between decode workers: out (this "
+            "worker was the source: done, failed, declined by the router) and in (the "
+            "target: done, failed, refused)",
+            labels=["worker", "direction", "outcome"],
+        )
         for h in handles:
             for direction, outcomes in MIGRATION_OUTCOMES.items():
                 for outcome in outcomes:
                     if (v := h.stats.counters.get(f"migrations_{direction}_{outcome}")) is not None:
                         moves.add_metric([h.worker_id, direction, outcome], v)
         yield moves
-        local = CounterMetricFamily("pdserve_local_prefill", "Selective disaggregation decisions of the decode "
-                                    "workers: taken (prefilled by the decode worker) or why the request went to a "
-                                    "prefill worker", labels=["worker", "reason"])
+        local = CounterMetricFamily(
+            "pdserve_local_prefill",
+            "Selective disaggregation decisions of the decode "
+            "workers: taken (prefilled by the decode worker) or why the request went to a "
+            "prefill worker",
+            labels=["worker", "reason"],
+        )
         for h in handles:
             for key, v in sorted(h.stats.counters.items()):
                 if key.startswith("local_prefill_") and key != "local_prefill_tokens":
@@ -157,18 +188,25 @@ class WorkerCollector(Collector):
         total = GaugeMetricFamily("pdserve_kv_pool_capacity_pages", "KV pool size in pages", labels=["worker"])
         queues = GaugeMetricFamily("pdserve_queue_requests", "Requests per scheduler queue", labels=["worker", "queue"])
         ratio = GaugeMetricFamily("pdserve_new_token_ratio", "Admission reservation ratio", labels=["worker"])
-        swa = GaugeMetricFamily("pdserve_swa_pool_pages", "Sliding-window (SWA) KV pool pages by state",
-                                labels=["worker", "state"])
-        swa_total = GaugeMetricFamily("pdserve_swa_pool_capacity_pages", "SWA KV pool size in pages",
-                                      labels=["worker"])
-        host = GaugeMetricFamily("pdserve_host_kv_pool_bytes", "Host (CPU) KV pool for retracted requests",
-                                 labels=["worker", "state"])
-        age = GaugeMetricFamily("pdserve_worker_stats_age_seconds", "Age of the latest worker stats",
-                                labels=["worker"])
-        sources = GaugeMetricFamily("pdserve_kv_sources", "A PD decode worker's KV sources (its prefill workers and, "
-                                    "with migration, its decode peers) by handshake state", labels=["worker", "state"])
-        threads = GaugeMetricFamily("pdserve_worker_torch_threads", "Torch threads of the worker's latest step "
-                                    "(workers with core lending only)", labels=["worker"])
+        swa = GaugeMetricFamily(
+            "pdserve_swa_pool_pages", "Sliding-window (SWA) KV pool pages by state", labels=["worker", "state"]
+        )
+        swa_total = GaugeMetricFamily("pdserve_swa_pool_capacity_pages", "SWA KV pool size in pages", labels=["worker"])
+        host = GaugeMetricFamily(
+            "pdserve_host_kv_pool_bytes", "Host (CPU) KV pool for retracted requests", labels=["worker", "state"]
+        )
+        age = GaugeMetricFamily("pdserve_worker_stats_age_seconds", "Age of the latest worker stats", labels=["worker"])
+        sources = GaugeMetricFamily(
+            "pdserve_kv_sources",
+            "A PD decode worker's KV sources (its prefill workers and, "
+            "with migration, its decode peers) by handshake state",
+            labels=["worker", "state"],
+        )
+        threads = GaugeMetricFamily(
+            "pdserve_worker_torch_threads",
+            "Torch threads of the worker's latest step (workers with core lending only)",
+            labels=["worker"],
+        )
         for h in handles:
             g, w = h.stats.gauges, h.worker_id
             for state in ("free", "used", "cached"):
@@ -195,21 +233,32 @@ class WorkerCollector(Collector):
 class AdmissionCollector(Collector):
     """The admission queue's gauges by key and the router's outstanding tokens by worker."""
 
-    def __init__(self, queued: Callable[[], dict[str, tuple[int, int]]], handles: Callable[[], Iterable[WorkerHandle]],
-                 outstanding: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        queued: Callable[[], dict[str, tuple[int, int]]],
+        handles: Callable[[], Iterable[WorkerHandle]],
+        outstanding: Callable[[str], int],
+    ) -> None:
         self._queued, self._handles, self._outstanding = queued, handles, outstanding
 
     def collect(self):
         """Yield ``pdserve_queued_requests``, ``pdserve_queued_tokens`` and ``pdserve_router_outstanding_tokens``."""
-        reqs = GaugeMetricFamily("pdserve_queued_requests", "Requests waiting in the router's admission queue",
-                                 labels=["key"])
-        toks = GaugeMetricFamily("pdserve_queued_tokens", "Prompt + max_tokens of the requests in the router's "
-                                 "admission queue", labels=["key"])
+        reqs = GaugeMetricFamily(
+            "pdserve_queued_requests", "Requests waiting in the router's admission queue", labels=["key"]
+        )
+        toks = GaugeMetricFamily(
+            "pdserve_queued_tokens",
+            "Prompt + max_tokens of the requests in the router's admission queue",
+            labels=["key"],
+        )
         for key, (n, t) in sorted(self._queued().items()):
             reqs.add_metric([key], n)
             toks.add_metric([key], t)
-        out = GaugeMetricFamily("pdserve_router_outstanding_tokens", "Prompt + max_tokens of this router's requests "
-                                "in flight on each worker", labels=["worker"])
+        out = GaugeMetricFamily(
+            "pdserve_router_outstanding_tokens",
+            "Prompt + max_tokens of this router's requests in flight on each worker",
+            labels=["worker"],
+        )
         for h in self._handles():
             out.add_metric([h.worker_id], self._outstanding(h.worker_id))
         yield from (reqs, toks, out)
@@ -218,37 +267,69 @@ class AdmissionCollector(Collector):
 class RouterMetrics:
     """The router's metrics; ``render()`` returns the Prometheus text exposition."""
 
-    def __init__(self, handles: Callable[[], Iterable[WorkerHandle]], inflight: Callable[[], int],
-                 queued: Callable[[], dict[str, tuple[int, int]]] = dict,
-                 outstanding: Callable[[str], int] = lambda _: 0) -> None:
+    def __init__(
+        self,
+        handles: Callable[[], Iterable[WorkerHandle]],
+        inflight: Callable[[], int],
+        queued: Callable[[], dict[str, tuple[int, int]]] = dict,
+        outstanding: Callable[[str], int] = lambda _: 0,
+    ) -> None:
         """``handles``: current worker handles; ``inflight``: number of requests in flight;
         ``queued``: admission queue by key, (requests, tokens); ``outstanding``: in-flight tokens of a worker."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "Generation requests by HTTP status", ["status"], registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.router_queue = Histogram("pdserve_router_queue_seconds", "Arrival to the request going out to workers "
-                                      "(parse, tokenize, route)", buckets=PHASE_BUCKETS, registry=r)
-        self.retries = Counter("pdserve_router_retries", "Requests sent again on another worker pair because a "
-                               "worker of theirs died before their first token (fresh_pair_retries)", registry=r)
-        self.queued_moves = Counter("pdserve_router_queued_moves", "Requests sent to another decode worker before "
-                                    "their prefill because theirs offered them while they waited for pages "
-                                    "(migrate_queued)", registry=r)
-        Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table",
-              registry=r).set_function(inflight)
+        self.tpot = Histogram(
+            "pdserve_tpot_seconds", "Time per output token after the first", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_seconds", "Request latency, arrival to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.router_queue = Histogram(
+            "pdserve_router_queue_seconds",
+            "Arrival to the request going out to workers (parse, tokenize, route)",
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_router_retries",
+            "Requests sent again on another worker pair because a "
+            "worker of theirs died before their first token (fresh_pair_retries)",
+            registry=r,
+        )
+        self.queued_moves = Counter(
+            "pdserve_router_queued_moves",
+            "Requests sent to another decode worker before "
+            "their prefill because theirs offered them while they waited for pages "
+            "(migrate_queued)",
+            registry=r,
+        )
+        Gauge("pdserve_inflight_requests", "Requests in the router's in-flight table", registry=r).set_function(
+            inflight
+        )
         self.queued = queued
-        self.shed = Counter("pdserve_shed_requests", "Requests the router's admission stage never forwarded, by "
-                            "reason", ["reason"], registry=r)
-        self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time forwarded requests waited in the router's "
-                                    "admission queue", buckets=QUEUE_BUCKETS, registry=r)
-        self.routing = Counter("pdserve_routing_decisions", "Cache-aware routing picks by reason: local (the decode "
-                               "worker is expected to prefill the uncached suffix itself), prefix (a chosen worker "
-                               "holds part of the prompt), load (none does), cap (the cheapest worker was over "
-                               "routing_balance_slack)", ["reason"], registry=r)
+        self.shed = Counter(
+            "pdserve_shed_requests",
+            "Requests the router's admission stage never forwarded, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "pdserve_queue_wait_seconds",
+            "Time forwarded requests waited in the router's admission queue",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.routing = Counter(
+            "pdserve_routing_decisions",
+            "Cache-aware routing picks by reason: local (the decode "
+            "worker is expected to prefill the uncached suffix itself), prefix (a chosen worker "
+            "holds part of the prompt), load (none does), cap (the cheapest worker was over "
+            "routing_balance_slack)",
+            ["reason"],
+            registry=r,
+        )
         r.register(WorkerCollector(handles))
         r.register(AdmissionCollector(queued, handles, outstanding))
 

@@ -28,6 +28,7 @@ sees only a later first token.
 ``pdserve_migrations_total`` and friends come from the workers' counters (``server.router.metrics``);
 queued moves are counted by the sessions (``pdserve_router_queued_moves_total``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,12 @@ from transfer.wire.protocol import MigrationEnded, MigrationOffer, QueuedOffer
 log = logging.getLogger(__name__)
 
 
-def pick_target(handles: Iterable[WorkerHandle], source: WorkerHandle, pages: int,
-                granted: Callable[[WorkerHandle], int] = lambda h: 0) -> WorkerHandle | None:
+def pick_target(
+    handles: Iterable[WorkerHandle],
+    source: WorkerHandle,
+    pages: int,
+    granted: Callable[[WorkerHandle], int] = lambda h: 0,
+) -> WorkerHandle | None:
     """The ready decode worker other than ``source``, of its model and page size, with the most
     reported ``migration_room_pages`` less ``granted(h)`` (pages of offers sent its way since that
     report) and at least ``pages`` of it; None if there is none."""
@@ -107,8 +112,9 @@ class Migrations:
         self.moving[offer.rid] = (source_id, target.worker_id)
         log.info("migrating %s from %s to %s (%d tokens)", offer.rid, source_id, target.worker_id, offer.n_tokens)
         try:
-            target.client.migrate(offer.rid, ids, offer.params, self.next_room(), source.spec.addr, offer.prompt_len,
-                                  offer.n_tokens)
+            target.client.migrate(
+                offer.rid, ids, offer.params, self.next_room(), source.spec.addr, offer.prompt_len, offer.n_tokens
+            )
         except WorkerUnavailable as e:
             self._undo(offer.rid, f"could not reach {target.worker_id}: {e}", decline=True)
 
@@ -130,8 +136,9 @@ class Migrations:
             log.warning("queued move of %s not delivered to %s: %s", offer.rid, source_id, e)
             return
         self.granted[target.worker_id] = (target.stats, self.granted_since_report(target) + offer.pages)
-        log.info("moving queued %s from %s to %s (waited %.2fs)", offer.rid, source_id, target.worker_id,
-                 offer.waited_s)
+        log.info(
+            "moving queued %s from %s to %s (waited %.2fs)", offer.rid, source_id, target.worker_id, offer.waited_s
+        )
         self.table.move(offer.rid, target.worker_id)
 
     def target_lost(self, worker_id: str, why: str, failed: Iterable[str] = ()) -> None:
@@ -171,8 +178,12 @@ class Migrations:
         del self.abandoned[msg.rid]
         if msg.ok:
             log.warning("migration of %s from %s to %s finished after the target was lost: failing it", msg.rid, *pair)
-            self.table.fail(msg.rid, 503, f"request {msg.rid} moved to decode worker {pair[1]}, which was lost "
-                                          f"before it could stream; retry the request")
+            self.table.fail(
+                msg.rid,
+                503,
+                f"request {msg.rid} moved to decode worker {pair[1]}, which was lost "
+                f"before it could stream; retry the request",
+            )
 
     def _undo(self, rid: str, why: str, decline: bool) -> None:
         source_id, target_id = self.moving.pop(rid)

@@ -7,6 +7,7 @@ output here, e.g. ``metadata``, ``user``); or refused unless it has its default 
 message saying why (``server.router.extensions`` holds those two lists and the checks), so a
 sampling option is never silently dropped.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -67,10 +68,19 @@ class SamplingFields(_Strict):
     return_tokens_as_token_ids: bool | None = None
     # accepted and ignored (see server.router.extensions.IGNORED)
     user: str | None = None
-    priority: int = Field(0, ge=-(2**31), lt=2**31, description="vLLM's extension: under overload a lower value is "
-                          "forwarded sooner (within its API key) and shed later")
-    timeout: float | None = Field(None, gt=0, description="seconds from arrival after which the request is dropped "
-                                  "with 504 (queued or running); the server's request_timeout_s caps it")
+    priority: int = Field(
+        0,
+        ge=-(2**31),
+        lt=2**31,
+        description="vLLM's extension: under overload a lower value is "
+        "forwarded sooner (within its API key) and shed later",
+    )
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="seconds from arrival after which the request is dropped "
+        "with 504 (queued or running); the server's request_timeout_s caps it",
+    )
     metadata: dict[str, str] | None = None
     store: bool | None = None
     spaces_between_special_tokens: bool = True
@@ -111,15 +121,27 @@ class SamplingFields(_Strict):
 
     def sampling_params(self, max_new_tokens: int, logprobs: int | None) -> SamplingParams:
         """Engine ``SamplingParams``; raises ``pydantic.ValidationError`` naming the bad field."""
-        given = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed,
-                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                 "repetition_penalty": self.repetition_penalty}
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
         kw = {k: v for k, v in given.items() if v is not None}
         if self.top_k is not None:
             kw["top_k"] = -1 if self.top_k == 0 else self.top_k
-        return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.wanted_prompt_logprobs(),
-                              logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()}, **kw)
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=self.wanted_prompt_logprobs(),
+            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
+            **kw,
+        )
 
 
 class CompletionRequest(SamplingFields):

@@ -15,6 +15,7 @@ its first token (``ChoiceRun.follows``): in PD mode the prefill worker has then 
 prompt's full pages, so they are computed once. (Colocated workers cache a prompt only when its
 request finishes, so there the choices are prefilled together in one batch instead.)
 """
+
 from __future__ import annotations
 
 from server.router.errors import APIError
@@ -35,8 +36,12 @@ def check_n(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]
     if not n <= gen <= MAX_CHOICES:
         raise APIError(400, f"best_of must be in [n={n}, {MAX_CHOICES}], got {best_of}", param="best_of")
     if gen > n and stream:
-        raise APIError(400, f"best_of={gen} > n={n} cannot be streamed (the best {n} are known only when all "
-                       f"{gen} have ended); set stream to false or best_of to n", param="best_of")
+        raise APIError(
+            400,
+            f"best_of={gen} > n={n} cannot be streamed (the best {n} are known only when all "
+            f"{gen} have ended); set stream to false or best_of to n",
+            param="best_of",
+        )
     return n, gen
 
 

@@ -1,6 +1,7 @@
 """The ``prompt_logprobs`` field of a response (vLLM's shape): per prompt token, ``None`` for the
 first, else ``{token_id: {"logprob", "rank", "decoded_token"}}`` with the prompt token itself and
 the top alternatives the request asked for (JSON object keys are the ids written as strings)."""
+
 from __future__ import annotations
 
 from engine.tokenizer import Tokenizer

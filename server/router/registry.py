@@ -15,6 +15,7 @@ prefill and decode workers (``least_outstanding``) and streams from the decode w
 as the workers last reported them, and KV, so several routers in front of the same workers see
 each other's load.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,15 +30,47 @@ from server.router.kv_sources import announce_sources
 from server.router.load import BlendedLoad, RoomAllocator
 from server.router.migration import Migrations
 from server.router.worker_client import WorkerUnavailable
-from server.router.workers import (DEAD, DRAINED, DRAINING, OUT_OF_ROTATION, READY, RESTARTING, ROUTING_POLICIES,
-                                   STARTING, NoWorkerAvailable, Policy, Route, WorkerHandle, WorkerSpec, by_room,
-                                   least_outstanding, route_colocated, route_pd, send_request)
+from server.router.workers import (
+    DEAD,
+    DRAINED,
+    DRAINING,
+    OUT_OF_ROTATION,
+    READY,
+    RESTARTING,
+    ROUTING_POLICIES,
+    STARTING,
+    NoWorkerAvailable,
+    Policy,
+    Route,
+    WorkerHandle,
+    WorkerSpec,
+    by_room,
+    least_outstanding,
+    route_colocated,
+    route_pd,
+    send_request,
+)
 from transfer.wire.enums import Role
 from transfer.wire.protocol import TokenDelta, WorkerStats
 
-__all__ = ["DEAD", "DRAINED", "DRAINING", "READY", "RESTARTING", "ROUTING_POLICIES", "STARTING", "NoWorkerAvailable",
-           "Registry", "Route", "WorkerHandle", "WorkerSpec", "least_outstanding", "route_colocated", "route_pd",
-           "send_request"]
+__all__ = [
+    "DEAD",
+    "DRAINED",
+    "DRAINING",
+    "READY",
+    "RESTARTING",
+    "ROUTING_POLICIES",
+    "STARTING",
+    "NoWorkerAvailable",
+    "Registry",
+    "Route",
+    "WorkerHandle",
+    "WorkerSpec",
+    "least_outstanding",
+    "route_colocated",
+    "route_pd",
+    "send_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +84,20 @@ def _reason(h: WorkerHandle) -> str:
 class Registry:
     """Workers by id, their health, and request routing. Use from the event loop thread only."""
 
-    def __init__(self, specs: list[WorkerSpec], client_factory: Callable[..., Any], table: InflightTable, *,
-                 policy: Policy = route_colocated, interval_s: float = 1.0, timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, model_name: str | None = None,
-                 cluster_id: str | None = None, dynamic: bool = False) -> None:
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        client_factory: Callable[..., Any],
+        table: InflightTable,
+        *,
+        policy: Policy = route_colocated,
+        interval_s: float = 1.0,
+        timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        model_name: str | None = None,
+        cluster_id: str | None = None,
+        dynamic: bool = False,
+    ) -> None:
         """``client_factory(spec, on_tokens, on_stats)`` builds each worker's client. A worker
         reporting another role than its spec's, another model than ``model_name`` or another cluster
         than ``cluster_id`` (each checked when given) is never routed to (``/health`` says why).
@@ -162,8 +205,10 @@ class Registry:
 
     def describe(self) -> str:
         """``id (role): state[: reason]`` for every worker (with none: that, and the discovery notes)."""
-        lines = [f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {_reason(h)}")
-                 for h in self.handles.values()]
+        lines = [
+            f"{h.worker_id} ({h.spec.role}): {h.state}" + ("" if h.state == READY else f": {_reason(h)}")
+            for h in self.handles.values()
+        ]
         return "; ".join(lines) or "no worker registered" + "".join(f"; {n}" for n in self.notes.values())
 
     # ---- events from workers and the launcher ------------------------------------------------
@@ -180,8 +225,11 @@ class Registry:
             h.restarts += 1 if restarted else 0
             h.instance, h.up_since, h.drain_asked = stats.instance, h.last_seen, False
             if restarted:  # back before the lease ran out (a worker the launcher does not watch)
-                self._fail_requests(worker_id, f"worker {worker_id} restarted (a new process answers at "
-                                               f"{h.spec.addr}): the requests it held are lost")
+                self._fail_requests(
+                    worker_id,
+                    f"worker {worker_id} restarted (a new process answers at "
+                    f"{h.spec.addr}): the requests it held are lost",
+                )
         if h.permanent:
             return
         if stats.draining or h.leaving or h.drain_asked:
@@ -200,8 +248,9 @@ class Registry:
     def _on_draining(self, h: WorkerHandle, stats: WorkerStats) -> None:
         """A report from a worker that is draining or left discovery: out of rotation, held count shown."""
         if h.state != DRAINING:
-            log.warning("worker %s is draining (%d request(s) held): routing nothing new to it", h.worker_id,
-                        stats.holding)
+            log.warning(
+                "worker %s is draining (%d request(s) held): routing nothing new to it", h.worker_id, stats.holding
+            )
         why = "left discovery" if h.leaving else "draining"
         h.state, h.reason = DRAINING, f"{why}: {stats.holding} request(s) still held"
 
@@ -262,9 +311,12 @@ class Registry:
             gone = h.last_seen is not None and now - h.last_seen > self.timeout_s
             if gone and h.state == DRAINING and not self.table.outstanding(h.worker_id):
                 self.mark_drained(h.worker_id, "stopped answering after its drain")
-            elif gone and (h.state in (READY, DRAINING) or (h.state == STARTING and self.table.outstanding(h.worker_id))):
-                self.mark_dead(h.worker_id, f"no heartbeat for {now - h.last_seen:.1f}s "
-                                            f"(worker_timeout_s={self.timeout_s:g})")
+            elif gone and (
+                h.state in (READY, DRAINING) or (h.state == STARTING and self.table.outstanding(h.worker_id))
+            ):
+                self.mark_dead(
+                    h.worker_id, f"no heartbeat for {now - h.last_seen:.1f}s (worker_timeout_s={self.timeout_s:g})"
+                )
                 silent.append(h)
         return silent
 
@@ -289,26 +341,34 @@ class Registry:
             await asyncio.sleep(self.interval_s)
 
 
-def mismatch(registry: "Registry", h: WorkerHandle, stats: WorkerStats) -> str | None:
+def mismatch(registry: Registry, h: WorkerHandle, stats: WorkerStats) -> str | None:
     """Why the process answering at ``h``'s address is not the worker the router expects, or None."""
     if registry.cluster_id is not None and stats.cluster_id != registry.cluster_id:
-        return (f"the process at {h.spec.addr} is worker {stats.worker_id} ({stats.role}) of cluster "
-                f"{stats.cluster_id!r}, but this router's cluster is {registry.cluster_id!r}: another deployment's "
-                f"worker took the address (check --base-port / --cluster-id)")
+        return (
+            f"the process at {h.spec.addr} is worker {stats.worker_id} ({stats.role}) of cluster "
+            f"{stats.cluster_id!r}, but this router's cluster is {registry.cluster_id!r}: another deployment's "
+            f"worker took the address (check --base-port / --cluster-id)"
+        )
     if stats.role != h.spec.role:
         return f"answers as a {stats.role} worker ({stats.worker_id}), expected {h.spec.role}"
     if registry.model_name is not None and stats.model != registry.model_name:
         return f"serves model {stats.model!r} but the router serves {registry.model_name!r}"
     return page_size_conflict(registry, h, stats)
 
-def page_size_conflict(registry: "Registry", h: WorkerHandle, stats: WorkerStats) -> str | None:
+
+def page_size_conflict(registry: Registry, h: WorkerHandle, stats: WorkerStats) -> str | None:
     """PD: why a worker whose KV page size no live worker of the other role shares can never be
     paired (the KV handshake would refuse every request routed to it), or None."""
     other = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}.get(h.spec.role)
-    sizes = {o.stats.page_size for o in registry.handles.values()
-             if o.spec.role == other and o.stats is not None and o.state != DEAD}
+    sizes = {
+        o.stats.page_size
+        for o in registry.handles.values()
+        if o.spec.role == other and o.stats is not None and o.state != DEAD
+    }
     if not sizes or stats.page_size in sizes:
         return None
-    return (f"its KV page size {stats.page_size} matches no {other} worker's "
-            f"({', '.join(map(str, sorted(sizes)))}): no KV can move between them; start it with "
-            f"--page-size {min(sizes)}")
+    return (
+        f"its KV page size {stats.page_size} matches no {other} worker's "
+        f"({', '.join(map(str, sorted(sizes)))}): no KV can move between them; start it with "
+        f"--page-size {min(sizes)}"
+    )

@@ -10,6 +10,7 @@ are sent as an SSE event ``data: {"error": {...}}`` followed by ``data: [DONE]``
 ``usage_every_chunk`` (vLLM's ``continuous_usage_stats``) every chunk that has choices also
 carries ``usage`` counted up to and including that chunk.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,10 +81,12 @@ class SessionStream(StreamingResponse):
     """A ``StreamingResponse`` that closes its sessions and counts its outcome when it ends,
     however it ends (normal end, client disconnect, server shutdown)."""
 
-    def __init__(self, body: AsyncIterator[str], ctx: RouterContext, runs: list[ChoiceRun], outcome: dict,
-                 grant: Grant) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(
+        self, body: AsyncIterator[str], ctx: RouterContext, runs: list[ChoiceRun], outcome: dict, grant: Grant
+    ) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._ctx, self._runs, self._outcome, self._grant = ctx, runs, outcome, grant
 
     async def __call__(self, scope, receive, send) -> None:
@@ -112,13 +115,17 @@ def _usage_so_far(runs: list[ChoiceRun], enabled: bool):
         if not enabled or not chunk["choices"]:
             return chunk
         i = chunk["choices"][0]["index"]
-        return {**chunk, "usage": {"prompt_tokens": prompt[i], "completion_tokens": done[i],
-                                   "total_tokens": prompt[i] + done[i]}}
+        return {
+            **chunk,
+            "usage": {"prompt_tokens": prompt[i], "completion_tokens": done[i], "total_tokens": prompt[i] + done[i]},
+        }
+
     return add, stamp
 
 
-async def _events(runs: list[ChoiceRun], first: list[Piece], fmt: ResponseFormat, outcome: dict,
-                  usage_every_chunk: bool):
+async def _events(
+    runs: list[ChoiceRun], first: list[Piece], fmt: ResponseFormat, outcome: dict, usage_every_chunk: bool
+):
     add, stamp = _usage_so_far(runs, usage_every_chunk)
     try:
         for c in fmt.opening(runs):
@@ -159,9 +166,13 @@ def _start(runs: list[ChoiceRun]) -> None:
 def demand_of(request: Request, runs: list[ChoiceRun], priority: int) -> Demand:
     """The admission ``Demand`` of one HTTP request: its API key's name (set by the route on
     ``request.state.api_key_name``), one slot and prompt + max_tokens per choice, the earliest deadline."""
-    return Demand(key=getattr(request.state, "api_key_name", DEFAULT_KEY), priority=priority, slots=len(runs),
-                  tokens=sum(len(r.session.prompt_ids) + r.session.params.max_new_tokens for r in runs),
-                  deadline=min(r.session.arrival + r.session.timeout_s for r in runs))
+    return Demand(
+        key=getattr(request.state, "api_key_name", DEFAULT_KEY),
+        priority=priority,
+        slots=len(runs),
+        tokens=sum(len(r.session.prompt_ids) + r.session.params.max_new_tokens for r in runs),
+        deadline=min(r.session.arrival + r.session.timeout_s for r in runs),
+    )
 
 
 def refuse_early(ctx: RouterContext, request: Request, body: dict) -> None:
@@ -174,8 +185,11 @@ def refuse_early(ctx: RouterContext, request: Request, body: dict) -> None:
         return
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     try:
-        ctx.admission.refuse_early(getattr(request.state, "api_key_name", DEFAULT_KEY), priority,
-                                   max_tokens if type(max_tokens) is int and max_tokens > 0 else 1)
+        ctx.admission.refuse_early(
+            getattr(request.state, "api_key_name", DEFAULT_KEY),
+            priority,
+            max_tokens if type(max_tokens) is int and max_tokens > 0 else 1,
+        )
     except Refused as e:
         raise _api_error(e) from None
 
@@ -200,9 +214,16 @@ async def admit(ctx: RouterContext, request: Request, demand: Demand) -> Grant:
         raise
 
 
-async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool,
-                        fmt: ResponseFormat, usage_every_chunk: bool = False, *,
-                        priority: int = 0) -> Response:
+async def serve_choices(
+    ctx: RouterContext,
+    request: Request,
+    runs: list[ChoiceRun],
+    stream: bool,
+    fmt: ResponseFormat,
+    usage_every_chunk: bool = False,
+    *,
+    priority: int = 0,
+) -> Response:
     """Pass admission (``ctx.admission``), run ``runs`` and answer. Raises ``APIError`` for failures
     before any byte is sent (429/504 from admission included: nothing reached a worker then).
 
@@ -225,8 +246,15 @@ async def serve_choices(ctx: RouterContext, request: Request, runs: list[ChoiceR
             ctx.admission.release(grant, drained=ok)
 
 
-async def _serve(ctx: RouterContext, request: Request, runs: list[ChoiceRun], stream: bool, fmt: ResponseFormat,
-                 grant: Grant, usage_every_chunk: bool) -> Response:
+async def _serve(
+    ctx: RouterContext,
+    request: Request,
+    runs: list[ChoiceRun],
+    stream: bool,
+    fmt: ResponseFormat,
+    grant: Grant,
+    usage_every_chunk: bool,
+) -> Response:
     _start(runs)
     try:
         if not stream:

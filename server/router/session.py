@@ -18,6 +18,7 @@ in ``finally`` blocks of cancelled tasks):
 4. ``close()``: idempotent; removes the in-flight entry and, if the worker has not finished the
    request, sends ``AbortRequest`` so its KV is freed (client gone, stop string, error, timeout).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,13 +28,13 @@ import uuid
 from collections.abc import Callable
 
 from cache.fit import FitCheck, RequestRejected
-from transfer.wire.protocol import TokenDelta
-from transfer.wire.sampling_params import SamplingParams
 from server.router.errors import APIError
 from server.router.inflight import Inflight, InflightTable, Moved
 from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
 from transfer.wire.enums import Role
+from transfer.wire.protocol import TokenDelta
+from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,20 @@ class GenerationSession:
     whatever room the route leaves (``min(context, pool) - prompt``).
     """
 
-    def __init__(self, registry: Registry, table: InflightTable, prompt_ids: list[int], params: SamplingParams, *,
-                 timeout_s: float, auto_max_tokens: bool = False, arrival: float | None = None,
-                 retries: int = 0, on_retry: Callable[[], None] | None = None,
-                 on_move: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        table: InflightTable,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        timeout_s: float,
+        auto_max_tokens: bool = False,
+        arrival: float | None = None,
+        retries: int = 0,
+        on_retry: Callable[[], None] | None = None,
+        on_move: Callable[[], None] | None = None,
+    ) -> None:
         """``retries``: how many times a request whose worker died before its first token is sent
         again on another route; ``on_retry`` is called once per retry and ``on_move`` once per queued
         move (the metrics counters)."""
@@ -87,8 +98,9 @@ class GenerationSession:
         """Pick the route (``route`` when given: another choice of the same prompt shares it) and
         check limits; raises ``APIError`` (503 / 400). Nothing is sent."""
         try:
-            self.route = route or self.registry.route(self.prompt_ids, 0 if self.auto_max_tokens else
-                                                      self.params.max_new_tokens)
+            self.route = route or self.registry.route(
+                self.prompt_ids, 0 if self.auto_max_tokens else self.params.max_new_tokens
+            )
         except NoWorkerAvailable as e:
             raise APIError(503, f"no worker available: {e}", code="worker_unavailable") from None
         if self.auto_max_tokens:
@@ -109,8 +121,13 @@ class GenerationSession:
     def _dispatch(self) -> None:
         """Open the in-flight entry for ``rid`` and send to ``route``; raises ``WorkerUnavailable``."""
         cost = len(self.prompt_ids) + self.params.max_new_tokens
-        self.inflight = self.table.open(self.rid, tuple(h.worker_id for h in self.route.targets),
-                                        self.route.stream_from.worker_id, cost, prefill=self.route.prefill)
+        self.inflight = self.table.open(
+            self.rid,
+            tuple(h.worker_id for h in self.route.targets),
+            self.route.stream_from.worker_id,
+            cost,
+            prefill=self.route.prefill,
+        )
         send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params, self.preempt)
 
     async def next(self) -> TokenDelta:
@@ -122,8 +139,11 @@ class GenerationSession:
                 delta = await asyncio.wait_for(self.inflight.queue.get(), max(remaining, 0.0))
             except TimeoutError:
                 self.close(f"request timed out after {self.timeout_s:g}s")
-                raise APIError(504, f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was "
-                                    f"aborted", code="timeout") from None
+                raise APIError(
+                    504,
+                    f"request timed out after {self.timeout_s:g}s (request_timeout_s); it was aborted",
+                    code="timeout",
+                ) from None
             if isinstance(delta, Moved):
                 self._move(delta.target)
                 continue
@@ -146,10 +166,17 @@ class GenerationSession:
         self.closed = True
         self._leave(reason)
         if log.isEnabledFor(logging.DEBUG):  # one line per request: bench.handoff_trace lines up the hops
-            stamps = {"arrived": self.arrival, "sent": self.t_sent, "first_token": self.t_first,
-                      "last_token": self.t_last}
-            log.debug("request %s marks (monotonic s): %s", self.rid,
-                      " ".join(f"{k}={v:.6f}" for k, v in stamps.items() if v is not None))
+            stamps = {
+                "arrived": self.arrival,
+                "sent": self.t_sent,
+                "first_token": self.t_first,
+                "last_token": self.t_last,
+            }
+            log.debug(
+                "request %s marks (monotonic s): %s",
+                self.rid,
+                " ".join(f"{k}={v:.6f}" for k, v in stamps.items() if v is not None),
+            )
 
     def _leave(self, reason: str) -> None:
         """Remove ``rid`` from the in-flight table and abort it on the route's workers if unfinished."""
@@ -203,8 +230,9 @@ class GenerationSession:
             self._dispatch()
         except WorkerUnavailable as e:
             self.close("could not reach every worker of the new route")
-            raise APIError(503, f"request moved to {target_id} but could not be sent: {e}",
-                           code="worker_unavailable") from None
+            raise APIError(
+                503, f"request moved to {target_id} but could not be sent: {e}", code="worker_unavailable"
+            ) from None
         if self.on_move is not None:
             self.on_move()
 

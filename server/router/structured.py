@@ -6,6 +6,7 @@ vLLM's ``structured_outputs``, or vLLM's older ``guided_json`` / ``guided_regex`
 ``APIError`` names the field when two fields constrain at once, a shape is wrong, or the grammar
 engine refuses the constraint (bad schema, regex or grammar).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,11 +41,15 @@ def _from_response_format(rf: dict) -> StructuredOutput | None:
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise APIError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
-                           "{...}}}", param="response_format")
+            raise APIError(
+                400,
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format",
+            )
         return StructuredOutput(kind="json", spec=_json_text(spec["schema"], "response_format"))
-    raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                   param="response_format")
+    raise APIError(
+        400, f"response_format type must be text, json_object or json_schema, got {kind!r}", param="response_format"
+    )
 
 
 def _from_structured_outputs(so: dict) -> StructuredOutput:
@@ -54,9 +59,12 @@ def _from_structured_outputs(so: dict) -> StructuredOutput:
         given.setdefault("json", {"type": "object"})
     unknown = set(given) - set(_OUTPUTS_KINDS)
     if unknown or len(given) != 1:
-        raise APIError(400, "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
-                       f"got {sorted(so)}", param="structured_outputs")
-    (key, value), = given.items()
+        raise APIError(
+            400,
+            f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; got {sorted(so)}",
+            param="structured_outputs",
+        )
+    ((key, value),) = given.items()
     return _spec(key, value, "structured_outputs")
 
 
@@ -79,8 +87,12 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
         found.append(("response_format", _from_response_format(req.response_format)))
     if req.structured_outputs is not None:
         found.append(("structured_outputs", _from_structured_outputs(req.structured_outputs)))
-    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                      ("guided_grammar", "grammar")):
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         value = getattr(req, name)
         if value is not None:
             found.append((name, _spec(key, value, name)))
@@ -88,8 +100,9 @@ def structured_output(req: SamplingFields) -> StructuredOutput | None:
     if not found:
         return None
     if len(found) > 1:
-        raise APIError(400, f"only one output constraint per request; got {', '.join(n for n, _ in found)}",
-                       param=found[1][0])
+        raise APIError(
+            400, f"only one output constraint per request; got {', '.join(n for n, _ in found)}", param=found[1][0]
+        )
     name, so = found[0]
     try:
         error = check(so)

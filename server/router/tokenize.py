@@ -6,6 +6,7 @@
 only with ``return_token_strs``). ``/detokenize`` answers ``{"prompt": text}`` (special tokens
 kept). Both need the API key when one is configured; ``/version`` is open.
 """
+
 from __future__ import annotations
 
 from fastapi import FastAPI
@@ -22,8 +23,12 @@ from server.router.openai_schemas import DetokenizeRequest, TokenizeChatRequest,
 
 def _check_model(ctx: RouterContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def tokenize(ctx: RouterContext, body: bytes) -> dict:
@@ -50,6 +55,7 @@ def detokenize(ctx: RouterContext, body: bytes) -> dict:
 
 def add_tokenize_routes(app: FastAPI, ctx: RouterContext, version: str) -> None:
     """Register ``/tokenize``, ``/detokenize`` and ``/version`` on ``app``."""
+
     async def run(request: Request, handler) -> JSONResponse:
         try:
             check_api_key(request, ctx.cfg.server.api_key)

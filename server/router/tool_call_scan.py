@@ -15,6 +15,7 @@ written of them when the block or the output ended (then not valid JSON, as Open
 ``arguments`` may be); a committed call without arguments has ``"{}"``. The state after a text
 depends only on the text, never on how it was cut into pieces.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,7 +68,7 @@ class CallScanner:
         if self._args is None:
             return "{}"
         start, end = self._args
-        return self.text[start:end if end is not None else self._scanned]
+        return self.text[start : end if end is not None else self._scanned]
 
     def _step(self, i: int, c: str) -> None:
         if self._in_str:
@@ -123,7 +124,7 @@ class CallScanner:
 
     def _string_ended(self, i: int) -> None:
         if self._phase == "key":
-            self._key, self._phase, self._value_start = _string(self.text[self._str_start:i + 1]), "colon", None
+            self._key, self._phase, self._value_start = _string(self.text[self._str_start : i + 1]), "colon", None
             if self._key is None:
                 self._reject()
         elif self._phase == "value":
@@ -167,8 +168,12 @@ class CallScanner:
         self._try_commit()
 
     def _try_commit(self) -> None:
-        if not self.committed and not self.rejected and self.name is not None and (
-                self._args is not None or self._phase == "done"):
+        if (
+            not self.committed
+            and not self.rejected
+            and self.name is not None
+            and (self._args is not None or self._phase == "done")
+        ):
             self.committed = True
 
     def _reject(self) -> None:

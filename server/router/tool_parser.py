@@ -16,6 +16,7 @@ lost; a committed call stays a call even if its JSON breaks or the output ends i
 arguments are then what was written). ``parse_tool_calls(text)`` is the same run over a whole text,
 so a non-streamed response and the concatenated stream agree, however the stream was cut.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -52,8 +53,12 @@ class CallDelta:
         """The OpenAI ``delta.tool_calls[0]`` object of this piece."""
         if self.id is None:
             return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -105,21 +110,21 @@ class ToolCallStream:
                     self._buf = self._buf[inside:]
                     return step
                 self._scan(self._buf[:end], step)
-                self._buf = self._buf[end + len(CLOSE_TAG):]
+                self._buf = self._buf[end + len(CLOSE_TAG) :]
                 self._close(step, CLOSE_TAG)
                 continue
             start = self._buf.find(OPEN_TAG)
             if start >= 0:
-                before, self._buf = self._buf[:start], self._buf[start + len(OPEN_TAG):]
+                before, self._buf = self._buf[:start], self._buf[start + len(OPEN_TAG) :]
                 kept = self._release(before.rstrip())
                 step.content += kept
-                self._gap = before[len(before.rstrip()):] if kept or not self._after_call else ""
+                self._gap = before[len(before.rstrip()) :] if kept or not self._after_call else ""
                 self._call = _OpenCall()
                 continue
             keep = _held_suffix(self._buf, OPEN_TAG)
-            free = self._buf[:len(self._buf) - keep].rstrip()  # trailing whitespace waits: a call may follow
+            free = self._buf[: len(self._buf) - keep].rstrip()  # trailing whitespace waits: a call may follow
             step.content += self._release(free)
-            self._buf = self._buf[len(free):]
+            self._buf = self._buf[len(free) :]
             return step
 
     def _scan(self, text: str, step: StreamStep) -> None:
@@ -133,7 +138,7 @@ class ToolCallStream:
             step.deltas.append(CallDelta(len(self.calls), call.id, call.scan.name, ""))
         args = call.scan.arguments()
         if len(args) > call.sent:
-            step.deltas.append(CallDelta(len(self.calls), None, None, args[call.sent:]))
+            step.deltas.append(CallDelta(len(self.calls), None, None, args[call.sent :]))
             call.sent = len(args)
 
     def _close(self, step: StreamStep, tail: str) -> None:

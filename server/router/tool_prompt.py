@@ -14,6 +14,7 @@
 
 Without a plan (no tools, or ``tool_choice`` "none") no tool is shown, history is still rendered.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,9 @@ from server.router.tools import CLOSE_TAG, OPEN_TAG, ToolPlan
 _INSTRUCTION = (
     "You may call functions, listed in <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
     "To call one, write its name and arguments as JSON between <tool_call></tool_call> tags:\n"
-    f"{OPEN_TAG}\n{{{{\"name\": <function name>, \"arguments\": <arguments object>}}}}\n{CLOSE_TAG}")
-_FORCED = {"required": "Answer with a function call now.",
-           "named": "Answer with a call of the function {name} now."}
+    f'{OPEN_TAG}\n{{{{"name": <function name>, "arguments": <arguments object>}}}}\n{CLOSE_TAG}'
+)
+_FORCED = {"required": "Answer with a function call now.", "named": "Answer with a call of the function {name} now."}
 
 
 @lru_cache(maxsize=8)
@@ -50,8 +51,11 @@ def _arguments(i: int, j: int, text: str) -> dict:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object as text, "
-                       f"got {text[:60]!r}", param=f"messages.{i}.tool_calls.{j}.function.arguments")
+        raise APIError(
+            400,
+            f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object as text, got {text[:60]!r}",
+            param=f"messages.{i}.tool_calls.{j}.function.arguments",
+        )
     return value
 
 
@@ -62,11 +66,17 @@ def _call_block(name: str, arguments: dict) -> str:
 def _check_history(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":
-            raise APIError(400, f"messages[{i}].tool_calls is only allowed on assistant messages, not {m.role}",
-                           param=f"messages.{i}.tool_calls")
+            raise APIError(
+                400,
+                f"messages[{i}].tool_calls is only allowed on assistant messages, not {m.role}",
+                param=f"messages.{i}.tool_calls",
+            )
         if m.role == "tool" and not m.tool_call_id:
-            raise APIError(400, f"messages[{i}] (role tool) needs tool_call_id, the id of the call it answers",
-                           param=f"messages.{i}.tool_call_id")
+            raise APIError(
+                400,
+                f"messages[{i}] (role tool) needs tool_call_id, the id of the call it answers",
+                param=f"messages.{i}.tool_call_id",
+            )
 
 
 def _native(messages: list[ChatMessage]) -> list[dict]:
@@ -74,9 +84,14 @@ def _native(messages: list[ChatMessage]) -> list[dict]:
     for i, m in enumerate(messages):
         d = m.as_template_dict()
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(i, j, c.function.arguments)}}
-                for j, c in enumerate(m.tool_calls)]
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(i, j, c.function.arguments)},
+                }
+                for j, c in enumerate(m.tool_calls)
+            ]
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id
             if m.name:
@@ -90,8 +105,9 @@ def _hermes(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict]:
     for i, m in enumerate(messages):
         d = m.as_template_dict()
         if m.tool_calls:
-            blocks = [_call_block(c.function.name, _arguments(i, j, c.function.arguments))
-                      for j, c in enumerate(m.tool_calls)]
+            blocks = [
+                _call_block(c.function.name, _arguments(i, j, c.function.arguments)) for j, c in enumerate(m.tool_calls)
+            ]
             d["content"] = "\n".join(([d["content"]] if d["content"] else []) + blocks)
         if m.role == "tool":
             response = f"<tool_response>\n{d['content']}\n</tool_response>"
@@ -116,8 +132,7 @@ def _hermes(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict]:
     return out
 
 
-def template_input(template: str | None, messages: list[ChatMessage],
-                   plan: ToolPlan | None) -> tuple[list[dict], dict]:
+def template_input(template: str | None, messages: list[ChatMessage], plan: ToolPlan | None) -> tuple[list[dict], dict]:
     """``(messages, template variables)`` for the chat template (see the module docstring); 400
     ``APIError`` naming the message of a malformed tool call or tool result."""
     _check_history(messages)

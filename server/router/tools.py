@@ -11,6 +11,7 @@ one Hermes-style call, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</too
 name is one of the allowed tools and whose arguments match that tool's ``parameters``: set for
 ``required`` (any tool) and a named tool (that one), None for ``auto`` (the output is free and parsed).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,12 +44,20 @@ class ToolPlan:
         """The grammar of one call of an allowed tool, or None for ``auto``."""
         if self.forced is None:
             return None
-        variants = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                     "properties": {"name": {"const": t.function.name},
-                                    "arguments": t.function.parameters or _ANY_OBJECT}} for t in self.allowed()]
+        variants = [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or _ANY_OBJECT},
+            }
+            for t in self.allowed()
+        ]
         schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-        lark = (f"start: {json.dumps(OPEN_TAG + chr(10))} call {json.dumps(chr(10) + CLOSE_TAG)}\n"
-                f"call: %json {json.dumps(schema)}\n")
+        lark = (
+            f"start: {json.dumps(OPEN_TAG + chr(10))} call {json.dumps(chr(10) + CLOSE_TAG)}\n"
+            f"call: %json {json.dumps(schema)}\n"
+        )
         return StructuredOutput(kind="grammar", spec=lark)
 
 
@@ -57,15 +66,22 @@ def _check_tools(tools: list[ToolDef]) -> None:
     for i, tool in enumerate(tools):
         fn = tool.function
         if fn.name in seen:
-            raise APIError(400, f"tools[{i}].function.name {fn.name!r} is used by an earlier tool; tool names "
-                           "must be unique", param=f"tools.{i}.function.name")
+            raise APIError(
+                400,
+                f"tools[{i}].function.name {fn.name!r} is used by an earlier tool; tool names must be unique",
+                param=f"tools.{i}.function.name",
+            )
         seen.add(fn.name)
         if fn.parameters is None:
             continue
         param = f"tools.{i}.function.parameters"
         if fn.parameters.get("type", "object") != "object":
-            raise APIError(400, f"{param} must be a JSON schema of an object (\"type\": \"object\"), got type "
-                           f"{fn.parameters.get('type')!r}", param=param)
+            raise APIError(
+                400,
+                f'{param} must be a JSON schema of an object ("type": "object"), got type '
+                f"{fn.parameters.get('type')!r}",
+                param=param,
+            )
         try:
             error = check(StructuredOutput(kind="json", spec=json.dumps(fn.parameters)))
         except ModuleNotFoundError as e:
@@ -75,8 +91,14 @@ def _check_tools(tools: list[ToolDef]) -> None:
 
 
 def _other_constraint(req: ChatCompletionRequest) -> str | None:
-    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar"):
+    for name in (
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ):
         value = getattr(req, name)
         if value is not None and not (name == "response_format" and value.get("type") == "text"):
             return name
@@ -88,18 +110,23 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     choice = req.tool_choice
     tools = req.tools or []
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-        raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
-                       f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+            f'"function": {{"name": ...}}}}, got {choice!r}',
+            param="tool_choice",
+        )
     if not isinstance(choice, str) and choice is not None:
         name = choice.function.name
         if name not in {t.function.name for t in tools}:
             given = ", ".join(t.function.name for t in tools) or "none"
-            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools (given: {given})",
-                           param="tool_choice")
+            raise APIError(
+                400, f"tool_choice names function {name!r}, which is not in tools (given: {given})", param="tool_choice"
+            )
         forced: str | None = name
     elif choice == "required":
         if not tools:
-            raise APIError(400, "tool_choice \"required\" needs at least one tool in tools", param="tool_choice")
+            raise APIError(400, 'tool_choice "required" needs at least one tool in tools', param="tool_choice")
         forced = "required"
     else:
         forced = None
@@ -108,8 +135,11 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
         return None
     other = _other_constraint(req)
     if forced is not None and other:
-        raise APIError(400, f"tool_choice {forced!r} forces a tool call, which cannot also follow {other}; "
-                       f"drop one of them", param=other)
+        raise APIError(
+            400,
+            f"tool_choice {forced!r} forces a tool call, which cannot also follow {other}; drop one of them",
+            param=other,
+        )
     plan = ToolPlan(tools=tuple(tools), forced=forced)
     constraint = plan.constraint()
     if constraint is not None:
@@ -118,6 +148,9 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
         except ModuleNotFoundError as e:
             raise APIError(400, f"tool_choice {forced!r} cannot be enforced here: {e}", param="tool_choice") from None
         if error:
-            raise APIError(400, f"tool_choice {forced!r}: the grammar engine refuses the call's grammar: {error}",
-                           param="tool_choice")
+            raise APIError(
+                400,
+                f"tool_choice {forced!r}: the grammar engine refuses the call's grammar: {error}",
+                param="tool_choice",
+            )
     return plan

@@ -16,6 +16,7 @@ The socket is a CURVE client of the cluster key (``transfer.control_auth``); a h
 worker refuses (another key, no key) is logged naming ``--cluster-key`` and kept in
 ``handshake_error`` until a handshake succeeds, so ``/health`` can say why a worker never answers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,11 +27,31 @@ import zmq
 import zmq.asyncio
 
 from transfer.control_auth import ControlAuth, HandshakeWatch
-from transfer.wire.protocol import (AbortRequest, Drain, GenerateRequest, KvSnapshotRequest, KVSources, Message,
-                                    MigrateRequest, MigrationDeclined, MigrationEnded, MigrationOffer, PrefillRequest,
-                                    ProtocolError,
-                                    QueuedMove, QueuedOffer, Shutdown, StatsRequest, TokenBatch, TokenDelta,
-                                    WorkerStats, decode, encode, frame_ids, ids_frame)
+from transfer.wire.protocol import (
+    AbortRequest,
+    Drain,
+    GenerateRequest,
+    KvSnapshotRequest,
+    KVSources,
+    Message,
+    MigrateRequest,
+    MigrationDeclined,
+    MigrationEnded,
+    MigrationOffer,
+    PrefillRequest,
+    ProtocolError,
+    QueuedMove,
+    QueuedOffer,
+    Shutdown,
+    StatsRequest,
+    TokenBatch,
+    TokenDelta,
+    WorkerStats,
+    decode,
+    encode,
+    frame_ids,
+    ids_frame,
+)
 from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -46,8 +67,16 @@ class WorkerUnavailable(RuntimeError):
 class WorkerClient:
     """Typed control channel to one worker. Call :meth:`start` inside the event loop."""
 
-    def __init__(self, worker_id: str, addr: str, ctx: zmq.asyncio.Context,
-                 on_tokens: TokensCallback, on_stats: StatsCallback, *, auth: ControlAuth) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        addr: str,
+        ctx: zmq.asyncio.Context,
+        on_tokens: TokensCallback,
+        on_stats: StatsCallback,
+        *,
+        auth: ControlAuth,
+    ) -> None:
         """Prepare a DEALER for ``addr`` (e.g. ``tcp://127.0.0.1:29500``) authenticated by ``auth``;
         nothing connects yet."""
         self.worker_id = worker_id
@@ -86,23 +115,45 @@ class WorkerClient:
         await self.close()
         await self.start()
 
-    def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int | None = None,
-                 prefill_addr: str | None = None, preempt: bool = False) -> None:
+    def generate(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        room: int | None = None,
+        prefill_addr: str | None = None,
+        preempt: bool = False,
+    ) -> None:
         """Send a ``GenerateRequest`` (PD decode workers also get ``room``, the prefill worker's
         address and ``preempt``); raises ``WorkerUnavailable`` if it cannot be queued."""
-        self._send(GenerateRequest(rid=rid, params=params, room=room, prefill_addr=prefill_addr, preempt=preempt),
-                   ids_frame(prompt_ids))
+        self._send(
+            GenerateRequest(rid=rid, params=params, room=room, prefill_addr=prefill_addr, preempt=preempt),
+            ids_frame(prompt_ids),
+        )
 
     def prefill(self, rid: str, room: int, prompt_ids: list[int], params: SamplingParams, decode_worker: str) -> None:
         """Send a ``PrefillRequest`` to a PD prefill worker; ``WorkerUnavailable`` if it cannot be queued."""
-        self._send(PrefillRequest(rid=rid, room=room, params=params, decode_worker=decode_worker),
-                   ids_frame(prompt_ids))
+        self._send(
+            PrefillRequest(rid=rid, room=room, params=params, decode_worker=decode_worker), ids_frame(prompt_ids)
+        )
 
-    def migrate(self, rid: str, ids: list[int], params: SamplingParams, room: int, source_addr: str, prompt_len: int,
-                n_tokens: int) -> None:
+    def migrate(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        room: int,
+        source_addr: str,
+        prompt_len: int,
+        n_tokens: int,
+    ) -> None:
         """Send a ``MigrateRequest`` to a decode worker; ``WorkerUnavailable`` if it cannot be queued."""
-        self._send(MigrateRequest(rid=rid, params=params, room=room, source_addr=source_addr, prompt_len=prompt_len,
-                                  n_tokens=n_tokens), ids_frame(ids))
+        self._send(
+            MigrateRequest(
+                rid=rid, params=params, room=room, source_addr=source_addr, prompt_len=prompt_len, n_tokens=n_tokens
+            ),
+            ids_frame(ids),
+        )
 
     def decline_migration(self, rid: str, reason: str) -> None:
         """Tell a decode worker no peer takes ``rid`` (``MigrationDeclined``); ``WorkerUnavailable``."""

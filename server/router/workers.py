@@ -5,6 +5,7 @@ States: ``starting`` (never heard from, or refused: ``reason`` says why), ``read
 drain; not restarted), ``dead`` (silent or exited; its requests failed with 503), ``restarting``
 (the launcher started a new process). Policies pick a ``Route`` among the ready handles.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -146,10 +147,12 @@ def route_pd(ready: list[WorkerHandle], load: Load, prompt_ids: Sequence[int] = 
 def pinned_pd(decode_id: str) -> Policy:
     """PD routing with every request's decode worker pinned to ``decode_id`` while it is ready (else
     ``route_pd``'s choice): the skewed load of ``--route-decode``."""
+
     def route(ready: list[WorkerHandle], load: Load, prompt_ids: Sequence[int] = ()) -> Route:
         chosen = route_pd(ready, load, prompt_ids)
         d = next((h for h in ready if h.worker_id == decode_id and h.spec.role == Role.DECODE), chosen.stream_from)
         return Route((chosen.targets[0], d), d)
+
     return route
 
 

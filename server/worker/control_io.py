@@ -10,6 +10,7 @@ watch silence. Every other message is relayed
 to the scheduler thread over an inproc PAIR socket, framed exactly as a ROUTER delivers it
 (``[identity, *parts]``), and what the scheduler thread sends on its end goes out the same way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class ControlIO:
-    def __init__(self, ctx: zmq.Context, control_addr: str, stall_limit_s: float = 120.0,
-                 listen_fd: int | None = None, *, auth: ControlAuth) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        control_addr: str,
+        stall_limit_s: float = 120.0,
+        listen_fd: int | None = None,
+        *,
+        auth: ControlAuth,
+    ) -> None:
         """Bind ``control_addr``; with ``listen_fd``, serve on that already listening TCP socket
         instead (the launcher holds the port across worker restarts, see ``server.launch.ports``).
         ``auth``: the socket is a CURVE server of the cluster key (``transfer.control_auth``; a

@@ -10,6 +10,7 @@ quiet period: its launcher stops the whole cluster, router first. Past ``timeout
 requests still held are failed with 503 (a router sends again, on another worker, a request that
 had no token yet) and it exits.
 """
+
 from __future__ import annotations
 
 import enum
@@ -67,8 +68,9 @@ class Drain:
             return False
         self.started = self.last_intake = self.clock()
         self.reason = reason
-        log.warning("draining (%s): taking no new requests, finishing the ones held within %.0fs",
-                    reason, self.timeout_s)
+        log.warning(
+            "draining (%s): taking no new requests, finishing the ones held within %.0fs", reason, self.timeout_s
+        )
         return True
 
     def took_request(self) -> None:
@@ -94,8 +96,10 @@ class Drain:
 
     def expired_error(self) -> str:
         """The error of a request failed because the drain ran out of time."""
-        return (f"the worker was draining ({self.reason}) and did not finish this request within "
-                f"drain_timeout_s={self.timeout_s:g}s")
+        return (
+            f"the worker was draining ({self.reason}) and did not finish this request within "
+            f"drain_timeout_s={self.timeout_s:g}s"
+        )
 
 
 def as_unavailable(out: Outbox, error: str) -> Outbox:
@@ -103,8 +107,12 @@ def as_unavailable(out: Outbox, error: str) -> Outbox:
     carrying ``error`` (requests a drain ended: the worker went away, which is what 503 tells a
     router; aborts say 499 otherwise)."""
     fixed = Outbox()
-    fixed.messages = [Outbound(m.to, m.msg.model_copy(update={"error": error, "error_status": 503}), m.frames)
-                      if isinstance(m.msg, PrefillFailed) else m for m in out.messages]
+    fixed.messages = [
+        Outbound(m.to, m.msg.model_copy(update={"error": error, "error_status": 503}), m.frames)
+        if isinstance(m.msg, PrefillFailed)
+        else m
+        for m in out.messages
+    ]
     for owner, delta in out.tokens:
         if delta.finish_reason == "abort":
             delta = delta.model_copy(update={"error": error, "error_status": 503})

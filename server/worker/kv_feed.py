@@ -10,6 +10,7 @@ whole tree. Both number their message with the feed's next ``seq``. Call everyth
 thread that owns the tree (the worker loop). A subscriber that falls behind ZMQ's high-water mark
 loses messages; the ``seq`` gap makes it ask for a snapshot (``KvSnapshotRequest``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,14 @@ class KvFeed:
         if not events:
             return
         self.seq += 1
-        msg = KvEvents(worker_id=self.worker_id, instance=self.instance, seq=self.seq, pool=POOL,
-                       kinds=[e.kind.value for e in events], counts=[len(e.hashes) for e in events])
+        msg = KvEvents(
+            worker_id=self.worker_id,
+            instance=self.instance,
+            seq=self.seq,
+            pool=POOL,
+            kinds=[e.kind.value for e in events],
+            counts=[len(e.hashes) for e in events],
+        )
         self._send(encode(msg, hashes_frame([h for e in events for h in e.hashes])))
         self.published += 1
 

@@ -21,6 +21,7 @@ scheduler (``peer_heartbeat``) before each step, so this worker's own long step 
 peer's silence. ``progress_timeout_s`` is the ControlIO's stall limit: a scheduler thread stuck
 that long stops answering heartbeats.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,9 +41,24 @@ from server.worker.peer_pinger import PeerPinger
 from server.worker.turn import Turns
 from transfer.control_auth import ControlAuth
 from transfer.wire.outbox import Conn, Outbox, Peer
-from transfer.wire.protocol import (AbortRequest, Drain as DrainMessage, GenerateRequest, HistogramData,
-                                   KvSnapshotRequest, Message, PrefillRequest, ProtocolError, Shutdown, StatsRequest, TokenBatch, TokenDelta,
-                                   WorkerStats, decode, encode, frame_ids)
+from transfer.wire.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    HistogramData,
+    KvSnapshotRequest,
+    Message,
+    PrefillRequest,
+    ProtocolError,
+    Shutdown,
+    StatsRequest,
+    TokenBatch,
+    TokenDelta,
+    WorkerStats,
+    decode,
+    encode,
+    frame_ids,
+)
+from transfer.wire.protocol import Drain as DrainMessage
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +68,21 @@ EXIT_SHUTDOWN = 3
 
 
 class WorkerLoop:
-    def __init__(self, control_addr: str, worker_id: str, model_name: str, cluster_id: str = "",
-                 listen_fd: int | None = None, heartbeat_s: float = 1.0, progress_timeout_s: float = 120.0,
-                 step_delay_s: float = 0.0, cores: CoreLending | None = None, drain_timeout_s: float = 60.0, *,
-                 auth: ControlAuth) -> None:
+    def __init__(
+        self,
+        control_addr: str,
+        worker_id: str,
+        model_name: str,
+        cluster_id: str = "",
+        listen_fd: int | None = None,
+        heartbeat_s: float = 1.0,
+        progress_timeout_s: float = 120.0,
+        step_delay_s: float = 0.0,
+        cores: CoreLending | None = None,
+        drain_timeout_s: float = 60.0,
+        *,
+        auth: ControlAuth,
+    ) -> None:
         """Serve at ``control_addr`` (on ``listen_fd`` when the launcher passed its socket);
         heartbeats report ``cluster_id`` so routers and peers of another deployment refuse us.
         SIGTERM or a ``Drain`` message drains the worker, SIGUSR1 without the quiet period
@@ -96,8 +123,9 @@ class WorkerLoop:
         if tree is not None and feed_bind_host(self.control_addr) is not None:
             self.kv_feed = KvFeed(tree, self.control_addr, self.worker_id, self.instance, self.auth)
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain("SIGTERM"))
-        signal.signal(signal.SIGUSR1,
-                      lambda *_: self.begin_drain("SIGUSR1: the launcher stops the cluster", quiet_s=0.0))
+        signal.signal(
+            signal.SIGUSR1, lambda *_: self.begin_drain("SIGUSR1: the launcher stops the cluster", quiet_s=0.0)
+        )
         log.info("%s worker %s serving; control plane: %s", scheduler.role, self.worker_id, self.auth.describe())
         self.io.publish(self._stats(0))
         self.io.start()
@@ -277,8 +305,9 @@ class WorkerLoop:
             self.deliver(out)
 
     def _stats(self, nonce: int) -> WorkerStats:
-        stats = worker_stats(self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id,
-                             self.cores)
+        stats = worker_stats(
+            self.scheduler, self.worker_id, self.instance, self.model_name, nonce, self.cluster_id, self.cores
+        )
         stats.counters["refused_control_connections"] = float(self.io.refused_connections)
         if self.kv_feed is not None:
             stats.counters["kv_events_published"] = float(self.kv_feed.published)
@@ -289,8 +318,15 @@ class WorkerLoop:
         return stats.model_copy(update={"draining": True, "holding": len(self.scheduler.held_rids())})
 
 
-def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, nonce: int = 0,
-                 cluster_id: str = "", cores: CoreLending | None = None) -> WorkerStats:
+def worker_stats(
+    s: WorkerScheduler,
+    worker_id: str,
+    instance: str,
+    model: str,
+    nonce: int = 0,
+    cluster_id: str = "",
+    cores: CoreLending | None = None,
+) -> WorkerStats:
     """The ``WorkerStats`` a worker answers heartbeats with: identity, capacity, metrics (the
     scheduler's, plus its core lending's when it has a slot)."""
     snap = s.snapshot()
@@ -299,6 +335,17 @@ def worker_stats(s: WorkerScheduler, worker_id: str, instance: str, model: str, 
         snap.counters.update(counters)
         snap.gauges.update(gauges)
     histograms = {k: HistogramData(**h.as_dict()) for k, h in snap.histograms.items()}
-    return WorkerStats(nonce=nonce, worker_id=worker_id, cluster_id=cluster_id, instance=instance, role=s.role,
-                       model=model, capacity_tokens=s.capacity_tokens, max_model_len=s.max_model_len, page_size=s.kv.page_size,
-                       counters=snap.counters, gauges=snap.gauges, histograms=histograms)
+    return WorkerStats(
+        nonce=nonce,
+        worker_id=worker_id,
+        cluster_id=cluster_id,
+        instance=instance,
+        role=s.role,
+        model=model,
+        capacity_tokens=s.capacity_tokens,
+        max_model_len=s.max_model_len,
+        page_size=s.kv.page_size,
+        counters=snap.counters,
+        gauges=snap.gauges,
+        histograms=histograms,
+    )

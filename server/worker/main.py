@@ -8,6 +8,7 @@ The control plane is authenticated (``transfer.control_auth``) with the cluster 
 launch`` hands over its ephemeral key). A worker with neither refuses to start (exit code 2)
 unless ``--insecure-control-plane`` is set, and then warns on every start.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,13 +94,18 @@ def core_lending(args, runner):
             log.warning("core lending: not every worker loaded within %.0f s; measuring anyway", LENDING_LOAD_WAIT_S)
         with measuring_turn(args.core_ledger_fd):  # the warm-up too: it builds kernels, a load of its own
             if not ledger.wait_others_idle(args.core_slot, LENDING_QUIET_WAIT_S):
-                log.warning("core lending: another worker stayed busy for %.0f s; measuring anyway",
-                            LENDING_QUIET_WAIT_S)
+                log.warning(
+                    "core lending: another worker stayed busy for %.0f s; measuring anyway", LENDING_QUIET_WAIT_S
+                )
             total = _measured_total(runner, args.role, own, total)
             runner.warm_up_threads((own, total))
     cores = CoreLending(ledger, args.core_slot, own, total)
-    log.info("core lending: slot %d, %d torch threads, %d while the launch's other workers are idle",
-             cores.slot, cores.own, cores.total)
+    log.info(
+        "core lending: slot %d, %d torch threads, %d while the launch's other workers are idle",
+        cores.slot,
+        cores.own,
+        cores.total,
+    )
     return cores
 
 
@@ -117,9 +123,16 @@ def _measured_total(runner, role: str, own: int, total: int) -> int:
         if done >= LENDING_PROBE_MIN_ROUNDS and spent >= LENDING_PROBE_BUDGET_S:
             break
     gain = alone / shared if shared > 0 else 1.0
-    log.info("core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s", rows,
-             alone * 1e3, own, shared * 1e3, total, gain,
-             "borrows" if gain >= LENDING_MIN_GAIN else f"only lends (under {LENDING_MIN_GAIN}x)")
+    log.info(
+        "core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s",
+        rows,
+        alone * 1e3,
+        own,
+        shared * 1e3,
+        total,
+        gain,
+        "borrows" if gain >= LENDING_MIN_GAIN else f"only lends (under {LENDING_MIN_GAIN}x)",
+    )
     return total if gain >= LENDING_MIN_GAIN else own
 
 
@@ -145,8 +158,9 @@ def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     transport = create_transport(backend, worker_id, cfg.cluster, **receive_options(backend, cfg.cluster))
     migration = None  # a second transport, over the host pool, to write retracted KV to peers
     if cfg.cluster.migrate_after is not None and cfg.cluster.host_kv_pool_gb > 0:
-        migration = create_transport(backend, f"{worker_id}-migrate", cfg.cluster,
-                                     **migration_options(backend, cfg.cluster))
+        migration = create_transport(
+            backend, f"{worker_id}-migrate", cfg.cluster, **migration_options(backend, cfg.cluster)
+        )
     return create_decode_scheduler(runner, cfg, transport, worker_id, model_name, migration_transport=migration)
 
 
@@ -159,34 +173,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-id", required=True)
     p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://127.0.0.1:29500")
     p.add_argument("--config-json", required=True)
-    p.add_argument("--cpus", type=parse_cpu_list, default=(),
-                   help="pin this worker to these cores, torch with one thread each (e.g. 0-1 or 0+2)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of this (unpinned) worker; the launcher gives co-located workers their share")
-    p.add_argument("--listen-fd", type=int, default=None,
-                   help="serve --control-addr on this inherited, already listening socket (the launcher's)")
-    p.add_argument("--core-ledger-fd", type=int, default=None,
-                   help="inherited memfd of the launch's core ledger (server.worker.core_lending)")
-    p.add_argument("--advertise-addr", default=None,
-                   help="the control address routers reach this worker at, registered in discovery (default: "
-                        "--control-addr, with a wildcard host replaced by advertise_host or the hostname)")
+    p.add_argument(
+        "--cpus",
+        type=parse_cpu_list,
+        default=(),
+        help="pin this worker to these cores, torch with one thread each (e.g. 0-1 or 0+2)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of this (unpinned) worker; the launcher gives co-located workers their share",
+    )
+    p.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="serve --control-addr on this inherited, already listening socket (the launcher's)",
+    )
+    p.add_argument(
+        "--core-ledger-fd",
+        type=int,
+        default=None,
+        help="inherited memfd of the launch's core ledger (server.worker.core_lending)",
+    )
+    p.add_argument(
+        "--advertise-addr",
+        default=None,
+        help="the control address routers reach this worker at, registered in discovery (default: "
+        "--control-addr, with a wildcard host replaced by advertise_host or the hostname)",
+    )
     p.add_argument("--core-slot", type=int, default=0, help="this worker's slot in the core ledger")
-    p.add_argument("--lend-threads", type=int, default=None,
-                   help="torch threads of a step while every other worker of the launch is idle (default: "
-                        "this worker's own; it then only lends)")
+    p.add_argument(
+        "--lend-threads",
+        type=int,
+        default=None,
+        help="torch threads of a step while every other worker of the launch is idle (default: "
+        "this worker's own; it then only lends)",
+    )
     args = p.parse_args(argv)
     apply_cpus(args.cpus, args.threads)
     cfg = PdserveConfig.model_validate_json(args.config_json)
-    logging.basicConfig(level=cfg.server.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [{args.worker_id}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.server.log_level,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{args.worker_id}] %(name)s: %(message)s",
+    )
     try:
         auth = resolve_auth(cfg.cluster.cluster_key, cfg.cluster.insecure_control_plane)
     except ControlAuthError as e:
         print(f"pdserve worker {args.worker_id}: refusing to start: {e}", file=sys.stderr, flush=True)
         return 2
     if not auth.secure:
-        log.warning("control plane NOT authenticated (--insecure-control-plane): anyone who can reach %s can "
-                    "submit, abort and shut down requests of this worker; use --cluster-key FILE", args.control_addr)
+        log.warning(
+            "control plane NOT authenticated (--insecure-control-plane): anyone who can reach %s can "
+            "submit, abort and shut down requests of this worker; use --cluster-key FILE",
+            args.control_addr,
+        )
     runner, path = load_runner(cfg)
     grammar = runner.grammar.prepare_in_background()  # not in the loop at the first structured request
     name = cfg.server.served_model_name or path.stem
@@ -196,10 +239,19 @@ def main(argv: list[str] | None = None) -> int:
         # seconds of its first requests) and before the launch's lending probes time anything
         grammar.join()
     cores = core_lending(args, runner)
-    loop = WorkerLoop(args.control_addr, args.worker_id, name, cfg.cluster.cluster_id or "", args.listen_fd,
-                      heartbeat_s=cfg.server.health_interval_s, progress_timeout_s=cfg.cluster.progress_timeout_s,
-                      step_delay_s=cfg.scheduler.test_step_delay_s, cores=cores,
-                      drain_timeout_s=cfg.cluster.drain_timeout_s, auth=auth)
+    loop = WorkerLoop(
+        args.control_addr,
+        args.worker_id,
+        name,
+        cfg.cluster.cluster_id or "",
+        args.listen_fd,
+        heartbeat_s=cfg.server.health_interval_s,
+        progress_timeout_s=cfg.cluster.progress_timeout_s,
+        step_delay_s=cfg.scheduler.test_step_delay_s,
+        cores=cores,
+        drain_timeout_s=cfg.cluster.drain_timeout_s,
+        auth=auth,
+    )
     registration = register(cfg, args, name)
     if registration is not None:
         loop.on_drain.append(registration.leave)
@@ -231,9 +283,14 @@ def register(cfg: PdserveConfig, args, model_name: str):
     targets = [t for t in parse_targets(cfg.cluster.discovery) if isinstance(t, EtcdTarget)]
     if not targets:
         return None
-    record = WorkerRecord(worker_id=args.worker_id, role=args.role, model=model_name,
-                          cluster_id=cfg.cluster.cluster_id or "", bind_addr=args.control_addr,
-                          addr=args.advertise_addr or advertise_addr(cfg, args.control_addr))
+    record = WorkerRecord(
+        worker_id=args.worker_id,
+        role=args.role,
+        model=model_name,
+        cluster_id=cfg.cluster.cluster_id or "",
+        bind_addr=args.control_addr,
+        addr=args.advertise_addr or advertise_addr(cfg, args.control_addr),
+    )
     reg = EtcdRegistration(targets[0], record, cfg.cluster.discovery_lease_s)
     reg.start()
     return reg

@@ -8,6 +8,7 @@ owns one DEALER per watched address (apart from the scheduler thread's sockets),
 monotonic time it arrived. The scheduler thread collects the replies with ``take`` and judges
 liveness (silence) and progress (the reply's ``stalled_s``) from those stamps.
 """
+
 from __future__ import annotations
 
 import logging

@@ -27,6 +27,7 @@ serving benchmark shows where it pays.
 - ``ID=CPUS,ID=CPUS``: explicit, e.g. ``prefill-0=0,decode-0=1`` or ``prefill-0=0-2,decode-0=3+5``
   (``a-b`` ranges and ``+`` lists); workers not named are not pinned.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,9 @@ def plan_placement(worker_ids: list[str], spec: str, cpus: list[int] | None = No
     """Where each of ``worker_ids`` (launch order) and the router run; see the module docstring."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
     n = len(worker_ids)
-    unpinned = Placement(threads=max(1, len(cpus) // n)) if n > 1 and "OMP_NUM_THREADS" not in os.environ \
-        else Placement()
+    unpinned = (
+        Placement(threads=max(1, len(cpus) // n)) if n > 1 and "OMP_NUM_THREADS" not in os.environ else Placement()
+    )
     if spec == "off":
         return unpinned
     if spec != "auto":
@@ -79,7 +81,7 @@ def plan_placement(worker_ids: list[str], spec: str, cpus: list[int] | None = No
     out, pos = {}, 0
     for i, wid in enumerate(worker_ids):
         k = share + (1 if i < extra else 0)
-        out[wid], pos = tuple(cpus[pos:pos + k]), pos + k
+        out[wid], pos = tuple(cpus[pos : pos + k]), pos + k
     return Placement(out, tuple(cpus[pos:]))
 
 
@@ -91,7 +93,9 @@ def _explicit(worker_ids: list[str], spec: str, cpus: list[int]) -> Placement:
             raise ValueError(f"--worker-cpus: {entry!r} should be ID=CPUS with ID one of {', '.join(worker_ids)}")
         out[wid] = parse_cpu_list(text)
         if missing := sorted(set(out[wid]) - set(cpus)):
-            raise ValueError(f"--worker-cpus: {wid} asks for cpus {_fmt(tuple(missing))}, this host has {_fmt(tuple(cpus))}")
+            raise ValueError(
+                f"--worker-cpus: {wid} asks for cpus {_fmt(tuple(missing))}, this host has {_fmt(tuple(cpus))}"
+            )
     used = {c for v in out.values() for c in v}
     return Placement(out, tuple(c for c in cpus if c not in used) if out else ())
 

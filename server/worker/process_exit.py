@@ -9,6 +9,7 @@ than the launcher's stop grace (10 s), so a worker that had drained cleanly was 
 warning, and every stop of a launch took that long again in the launcher itself. No module of
 this repository registers ``atexit`` hooks or finalizers that skipping the teardown would lose.
 """
+
 from __future__ import annotations
 
 import logging

@@ -7,6 +7,7 @@ it. ``leave()`` (the worker starts draining) revokes the lease, which deletes th
 routers stop routing to the worker while it finishes what it holds. A worker that dies without
 leaving disappears when its lease runs out.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,14 @@ class EtcdRegistration:
         self.lease = self.client.grant(self.ttl)
         self.client.put(self.target.key(self.record.worker_id), self.record.model_dump_json(), self.lease)
         self.registered.set()
-        log.info("registered in %s as %s (%s) at %s, lease %ds", self.target, self.record.worker_id,
-                 self.record.role, self.record.addr, self.ttl)
+        log.info(
+            "registered in %s as %s (%s) at %s, lease %ds",
+            self.target,
+            self.record.worker_id,
+            self.record.role,
+            self.record.addr,
+            self.ttl,
+        )
 
     def leave(self) -> None:
         """Stop renewing and delete the key now (revoke the lease); best effort, idempotent."""

@@ -8,6 +8,7 @@ most every other turn: the loop learns that a decode worker is about to run the 
 right after a handoff could borrow the core that decode worker is about to need
 (``server.worker.core_lending``). The pause does not depend on lending being on.
 """
+
 from __future__ import annotations
 
 from engine.scheduler.base import WorkerScheduler

@@ -9,6 +9,7 @@ worker ready, no request queued, no KV page used, the host pool empty.
 ``stream_one``: one streamed ``/v1/completions`` request over httpx, recorded as an ``Outcome``
 (tokens, HTTP status, error message, when it ended). ``run_load``: many of them at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,17 +22,25 @@ import time
 from pathlib import Path
 
 import httpx
-
 from stream_client import Outcome, stream_one
+
+from bench.harness.subprocess_server import (
+    REPO_ROOT,
+    LaunchedServer,
+    free_base_port,
+    free_port,
+    metric_sum,
+    scrape_metrics,
+    wait_idle,
+)
 from transfer.cluster_key import ClusterKey, write_key_file
-from server.testing.subprocess_server import (REPO_ROOT, LaunchedServer, free_base_port, free_port, metric_sum,
-                                              scrape_metrics, wait_idle)
 
 HEARTBEAT_S = 0.2
 
 
-async def run_load(url: str, prompts: list[tuple[str, int]], started: asyncio.Event | None = None,
-                   timeout_s: float = 120.0) -> list[Outcome]:
+async def run_load(
+    url: str, prompts: list[tuple[str, int]], started: asyncio.Event | None = None, timeout_s: float = 120.0
+) -> list[Outcome]:
     """Every ``(prompt, max_tokens)`` at once, one connection each; ``started`` is set once all went out."""
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits, trust_env=False) as c:
@@ -64,8 +73,20 @@ class ExternalDecode:
 
     def start(self, *extra: str) -> None:
         """Start (again) with the cluster's flags plus ``extra`` (later flags win)."""
-        cmd = [sys.executable, "-m", "server.launch.cli", "worker", "--role", "decode", "--worker-id", self.worker_id,
-               "--control-addr", self.addr, *self.args, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.launch.cli",
+            "worker",
+            "--role",
+            "decode",
+            "--worker-id",
+            self.worker_id,
+            "--control-addr",
+            self.addr,
+            *self.args,
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=self.log)
 
     def kill(self) -> None:
@@ -79,23 +100,50 @@ class ExternalDecode:
 class Cluster:
     """``pdserve launch --mode pd`` with ``prefill`` + ``decode`` local workers (+ one external decode)."""
 
-    def __init__(self, model_dir: Path, prefill: int, decode: int, args: list[str],
-                 external: list[str] | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, prefill: int, decode: int, args: list[str], external: list[str] | None = None
+    ) -> None:
         """``external``: run one more decode worker with these flags on top of the cluster's."""
         self._key_dir = tempfile.TemporaryDirectory()  # the launch and the external worker share a key file
         key = Path(self._key_dir.name) / "cluster.key"
         write_key_file(key, ClusterKey.generate())
-        common = ["--model", str(model_dir), "--health-interval-s", str(HEARTBEAT_S), "--cluster-id",
-                  f"chaos-{os.getpid()}", "--cluster-key", str(key), "--log-level", "WARNING", *args]
+        common = [
+            "--model",
+            str(model_dir),
+            "--health-interval-s",
+            str(HEARTBEAT_S),
+            "--cluster-id",
+            f"chaos-{os.getpid()}",
+            "--cluster-key",
+            str(key),
+            "--log-level",
+            "WARNING",
+            *args,
+        ]
         base = free_base_port(prefill + decode)
         ports = range(base, base + prefill + decode)
         self.external = ExternalDecode(common + external, ports) if external is not None else None
         remote = ["--worker", f"decode={self.external.worker_id}={self.external.addr}"] if self.external else []
         # least-loaded: the fault tests know their victim's route from its tie order (an idle router
         # sends to prefill-0 + decode-0); cache-aware routing would follow the prompts' cached pages
-        self.server = LaunchedServer(["--mode", "pd", "--prefill", str(prefill), "--decode", str(decode),
-                                      "--port", "0", "--base-port", str(base), "--routing", "least-loaded",
-                                      *common, *remote])
+        self.server = LaunchedServer(
+            [
+                "--mode",
+                "pd",
+                "--prefill",
+                str(prefill),
+                "--decode",
+                str(decode),
+                "--port",
+                "0",
+                "--base-port",
+                str(base),
+                "--routing",
+                "least-loaded",
+                *common,
+                *remote,
+            ]
+        )
 
     def start(self) -> str:
         """Start everything; the URL once ``/health`` is 200 (every worker ready)."""
@@ -175,8 +223,10 @@ class Cluster:
 
 def leaks(m: dict) -> tuple[float, float]:
     """(KV pages used on every worker, host pool bytes used) in ``m``."""
-    return (metric_sum(m, "pdserve_kv_pool_pages", state="used"), metric_sum(m, "pdserve_host_kv_pool_bytes",
-                                                                            state="used"))
+    return (
+        metric_sum(m, "pdserve_kv_pool_pages", state="used"),
+        metric_sum(m, "pdserve_host_kv_pool_bytes", state="used"),
+    )
 
 
 def signal_worker(cluster: Cluster, worker_id: str, sig: signal.Signals) -> int:

@@ -8,6 +8,7 @@ SIGCONT), ``hog`` (a busy-looping process beside the workers for the rest of the
 The external decode worker is killed and started again at once by the test itself (no launcher
 watches it), so the router may hear the new process before the old one's lease ran out.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,7 +19,8 @@ import time
 from dataclasses import dataclass
 
 from chaos_cluster import Cluster, signal_worker
-from server.testing.subprocess_server import metric_sum
+
+from bench.harness.subprocess_server import metric_sum
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,7 @@ def _candidates(cluster: Cluster, fault: Fault) -> list[str]:
     return [w for w in cluster.worker_ids(fault.role) if w != external]
 
 
-def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random,
-                   timeout_s: float = 8.0) -> tuple[str, str, bool]:
+def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random, timeout_s: float = 8.0) -> tuple[str, str, bool]:
     """Poll until a candidate shows work in one of ``fault.when``'s queues; (victim, what was seen,
     whether the moment came). The victim is drawn (seeded) among those showing it, or among all if
     none did in time."""
@@ -67,8 +68,9 @@ def _wait_for_work(cluster: Cluster, fault: Fault, rng: random.Random,
     deadline = time.monotonic() + timeout_s
     while True:
         m = cluster.metrics()
-        seen = {w: {q: metric_sum(m, "pdserve_queue_requests", worker=w, queue=q) for q in fault.when}
-                for w in candidates}
+        seen = {
+            w: {q: metric_sum(m, "pdserve_queue_requests", worker=w, queue=q) for q in fault.when} for w in candidates
+        }
         busy = [w for w in candidates if any(seen[w].values())]
         if busy or time.monotonic() > deadline:
             victim = rng.choice(busy or candidates)

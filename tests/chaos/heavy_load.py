@@ -5,6 +5,7 @@ under one API key at ``rate`` requests/s for ``duration`` seconds. Checks each o
 JSON object ``{"statuses": {status: count}, "sent_per_s": float}``.
 
 Usage: ``python heavy_load.py URL API_KEY RATE DURATION_S SEED``."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """A router whose workers come from etcd, workers the test starts and stops one by one
 (``pdserve worker``), and a steady streamed load that records every request's outcome: the parts
 of the membership tests (issue 28)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,9 @@ import threading
 import time
 
 import httpx
-
-from server.testing.subprocess_server import REPO_ROOT, free_port, scrape_metrics
 from stream_client import Outcome, stream_one
+
+from bench.harness.subprocess_server import REPO_ROOT, free_port, scrape_metrics
 
 
 class WorkerProc:
@@ -23,8 +24,19 @@ class WorkerProc:
         self.role, self.worker_id = role, worker_id
         self.addr = f"tcp://127.0.0.1:{free_port()}"
         self.log = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "server.launch.cli", "worker", "--role", role, "--worker-id", worker_id,
-               "--control-addr", self.addr, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.launch.cli",
+            "worker",
+            "--role",
+            role,
+            "--worker-id",
+            worker_id,
+            "--control-addr",
+            self.addr,
+            *args,
+        ]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=self.log)
 
@@ -41,7 +53,9 @@ class WorkerProc:
 def routed_tokens(url: str, worker_id: str) -> float:
     """Prompt tokens the worker accepted, from the router's ``/metrics`` (0 before its first request)."""
     m = scrape_metrics(url)
-    return sum(v for (n, lab), v in m.items() if n == "pdserve_prompt_tokens_total" and dict(lab)["worker"] == worker_id)
+    return sum(
+        v for (n, lab), v in m.items() if n == "pdserve_prompt_tokens_total" and dict(lab)["worker"] == worker_id
+    )
 
 
 def first_routed_after_start(url: str, w: WorkerProc, registered, timeout_s: float = 180.0) -> tuple[float, float]:
@@ -69,7 +83,7 @@ class SteadyLoad:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
-    def start(self) -> "SteadyLoad":
+    def start(self) -> SteadyLoad:
         self._thread.start()
         return self
 
@@ -90,5 +104,8 @@ class SteadyLoad:
         return self.outcomes
 
     def failed(self) -> list[tuple]:
-        return [(o.prompt, o.status, o.error) for o in self.outcomes
-                if o.status != 200 or o.error or len(o.tokens) != self.max_tokens]
+        return [
+            (o.prompt, o.status, o.error)
+            for o in self.outcomes
+            if o.status != 200 or o.error or len(o.tokens) != self.max_tokens
+        ]

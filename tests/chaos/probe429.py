@@ -3,6 +3,7 @@ not delay its clock): one small non-streamed completion every ``interval`` secon
 seconds; prints a JSON list of ``[HTTP status, seconds to the full response]``.
 
 Usage: ``python probe429.py URL API_KEY DURATION_S INTERVAL_S``."""
+
 from __future__ import annotations
 
 import json

@@ -10,6 +10,7 @@ within lease + 10 s of the fault; once recovered, every KV pool and the host poo
 router is the same process and its counters never went back; the reference prompts give the
 reference tokens again. The reference is this server's own greedy output before any fault.
 The last test prints the table (faults, requests affected, max time to error, leaks)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,32 +22,64 @@ import time
 
 import httpx
 import pytest
-
 from chaos_cluster import Cluster, leaks, run_load, signal_worker
 from faults import FAULTS, Fault, inject
-from server.testing.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
+
+from bench.harness.subprocess_server import metric_sum
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 LEASE_S = 4.0  # worker_timeout_s (router) = peer_timeout_s (decode -> prefill)
-ARGS = ["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512", "--init-new-token-ratio", "0.05",
-        "--chunked-prefill-size", "4", "--test-step-delay-s", "0.005", "--worker-timeout-s", str(LEASE_S),
-        "--peer-timeout-s", str(LEASE_S), "--transfer-fence-s", "8", "--restart-backoff-s", "0.5",
-        # reports every 50 ms (the cluster's default is 0.2 s): a prefill worker holds a wave's prompts
-        # in "waiting" for ~0.1-0.2 s, and the mid-prefill fault sees that queue only through its reports
-        "--health-interval-s", "0.05"]
+ARGS = [
+    "--kv-pool-tokens",
+    "384",
+    "--page-size",
+    "16",
+    "--max-model-len",
+    "512",
+    "--init-new-token-ratio",
+    "0.05",
+    "--chunked-prefill-size",
+    "4",
+    "--test-step-delay-s",
+    "0.005",
+    "--worker-timeout-s",
+    str(LEASE_S),
+    "--peer-timeout-s",
+    str(LEASE_S),
+    "--transfer-fence-s",
+    "8",
+    "--restart-backoff-s",
+    "0.5",
+    # reports every 50 ms (the cluster's default is 0.2 s): a prefill worker holds a wave's prompts
+    # in "waiting" for ~0.1-0.2 s, and the mid-prefill fault sees that queue only through its reports
+    "--health-interval-s",
+    "0.05",
+]
 # decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them, whose
 # parked requests migrate to decode-0/1 after three steps (issue 31): every fault meets migrations too.
 # The faults that wait for "retracted"/"migrating" see a parked request only through decode-x's
 # reports (every 50 ms) as the router's /metrics shows them: parked for one step (~35 ms) it was
 # missed for a whole wave now and then (CI, once in ~4 runs locally); three steps (>= ~0.1 s, two
 # reports) are seen in every wave and still leave the migration a few ms.
-EXTERNAL_ARGS = ["--kv-pool-tokens", "128", "--retract-test-interval", "4", "--test-step-delay-s", "0.03",
-                 "--migrate-after", "3", "--health-interval-s", "0.05"]
-WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
-         "letter market bridge candle orange summer").split()
+EXTERNAL_ARGS = [
+    "--kv-pool-tokens",
+    "128",
+    "--retract-test-interval",
+    "4",
+    "--test-step-delay-s",
+    "0.03",
+    "--migrate-after",
+    "3",
+    "--health-interval-s",
+    "0.05",
+]
+WORDS = (
+    "river stone light garden window morning paper music silver forest engine voice winter harbor "
+    "letter market bridge candle orange summer"
+).split()
 STREAMS = 12
 WAVES_FOR_MOMENT = 3  # load waves a fault waits through for its moment before it takes any moment
 ROWS: list[dict] = []
@@ -58,8 +91,9 @@ def make_prompts(rng: random.Random, n: int = 12) -> list[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(save_tiny_model(tmp_path_factory.mktemp("chaos-model")), prefill=2, decode=2, args=ARGS,
-                external=EXTERNAL_ARGS)
+    c = Cluster(
+        save_tiny_model(tmp_path_factory.mktemp("chaos-model")), prefill=2, decode=2, args=ARGS, external=EXTERNAL_ARGS
+    )
     c.start()
     yield c
     c.stop()
@@ -96,7 +130,7 @@ def check_outcomes(outcomes, refs) -> list:
             assert o.status == 200 and o.tokens == ref, (o.prompt, o.tokens, ref)
         else:
             assert o.error.strip() and "transport error" not in o.error and "without [DONE]" not in o.error, o
-            assert o.tokens == ref[:len(o.tokens)], o
+            assert o.tokens == ref[: len(o.tokens)], o
             errors.append(o)
     return errors
 
@@ -152,8 +186,14 @@ def test_kill9_of_the_prefill_worker_while_its_request_decodes_loses_nothing(clu
 
     async def scenario():
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60, trust_env=False) as c:
-            body = {"prompt": prompt[0], "max_tokens": prompt[1], "temperature": 0, "stream": True,
-                    "ignore_eos": True, "return_token_ids": True}
+            body = {
+                "prompt": prompt[0],
+                "max_tokens": prompt[1],
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             tokens, error = [], None
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
@@ -221,8 +261,9 @@ def restore(cluster: Cluster, fault: Fault, prompts, refs) -> list:
     if fault.action != "page_size":
         return []
     deadline = time.monotonic() + 90
-    while "its KV page size 8 matches no prefill worker's (16)" not in (health := httpx.get(
-            f"{cluster.url}/health", timeout=5, trust_env=False).json()["workers"]):
+    while "its KV page size 8 matches no prefill worker's (16)" not in (
+        health := httpx.get(f"{cluster.url}/health", timeout=5, trust_env=False).json()["workers"]
+    ):
         assert time.monotonic() < deadline, health
         time.sleep(0.25)
     retries = cluster.counter("pdserve_router_retries_total")
@@ -251,13 +292,28 @@ def test_fault_under_load(cluster, prompts, refs, rng, fault):
     m = cluster.wait_recovered()
     check_router_unchanged(cluster, router_pid, metric_sum(before, "pdserve_requests_total"), m)
     retried = metric_sum(m, "pdserve_router_retries_total") - metric_sum(before, "pdserve_router_retries_total")
-    row = {"fault": fault.name, "victim": injected.victim, "moment": injected.observed,
-           "requests": len(outcomes) + len(extra), "errors": len(errors), "retried": int(retried),
-           "max_to_error_s": max((o.t_end - injected.t for o in errors), default=None), "leaks": leaks(m),
-           "fault_at_s": round(injected.t - t0, 2), "load_s": round(max(o.t_end for o in outcomes) - t0, 1),
-           "migrated_in": {o: max(0, int(metric_sum(m, "pdserve_migrations_total", direction="in", outcome=o)
-                               - metric_sum(before, "pdserve_migrations_total", direction="in", outcome=o)))
-                           for o in ("done", "failed", "refused")}}
+    row = {
+        "fault": fault.name,
+        "victim": injected.victim,
+        "moment": injected.observed,
+        "requests": len(outcomes) + len(extra),
+        "errors": len(errors),
+        "retried": int(retried),
+        "max_to_error_s": max((o.t_end - injected.t for o in errors), default=None),
+        "leaks": leaks(m),
+        "fault_at_s": round(injected.t - t0, 2),
+        "load_s": round(max(o.t_end for o in outcomes) - t0, 1),
+        "migrated_in": {
+            o: max(
+                0,
+                int(
+                    metric_sum(m, "pdserve_migrations_total", direction="in", outcome=o)
+                    - metric_sum(before, "pdserve_migrations_total", direction="in", outcome=o)
+                ),
+            )
+            for o in ("done", "failed", "refused")
+        },
+    }
     ROWS.append(row)
     print(f"\n{row} {sorted({o.error[:90] for o in errors})}")
     assert not late, f"{len(late)} requests failed more than lease + 10 s after the fault"
@@ -272,13 +328,17 @@ def test_fault_under_load(cluster, prompts, refs, rng, fault):
 
 def test_print_the_chaos_table():
     assert len(ROWS) == len(FAULTS), "a fault test failed or did not run"
-    lines = ["| fault | victim | moment (victim queues) | requests | affected (errors + retried) | errors | "
-             "max time to error | leaks (pages, host bytes) | migrations in (done, failed, refused) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| fault | victim | moment (victim queues) | requests | affected (errors + retried) | errors | "
+        "max time to error | leaks (pages, host bytes) | migrations in (done, failed, refused) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in ROWS:
         to_err = "-" if r["max_to_error_s"] is None else f"{r['max_to_error_s']:.1f} s"
-        lines.append(f"| {r['fault']} | {r['victim']} | {r['moment']} | {r['requests']} | "
-                     f"{r['errors'] + r['retried']} | {r['errors']} | {to_err} | "
-                     f"{r['leaks'][0]:g}, {r['leaks'][1]:g} | {', '.join(str(v) for v in r['migrated_in'].values())} |")
+        lines.append(
+            f"| {r['fault']} | {r['victim']} | {r['moment']} | {r['requests']} | "
+            f"{r['errors'] + r['retried']} | {r['errors']} | {to_err} | "
+            f"{r['leaks'][0]:g}, {r['leaks'][1]:g} | {', '.join(str(v) for v in r['migrated_in'].values())} |"
+        )
     print(f"\nchaos table (seed {SEED}, lease {LEASE_S:g} s):\n" + "\n".join(lines))
     assert all(r["leaks"] == (0, 0) for r in ROWS)

@@ -7,6 +7,7 @@ one A record per worker, as a Kubernetes headless Service does. The router runs 
 Under a steady load: a second decode host's record appears (``kubectl scale`` up) and it gets
 requests; the first one's record goes and it is drained by SIGTERM (scale down): it exits 0, no
 request fails, the router is the same process throughout."""
+
 from __future__ import annotations
 
 import os
@@ -17,22 +18,42 @@ import time
 
 import httpx
 import pytest
-
 from membership_load import SteadyLoad, routed_tokens
 from netns_hosts import NetnsLab, running_lab, unavailable_reason
-from server.testing.subprocess_server import REPO_ROOT
 from tiny_model import save_tiny_model
+
+from bench.harness.subprocess_server import REPO_ROOT
 from transfer.cluster_key import ClusterKey, write_key_file
 
-_REASON = unavailable_reason() or (None if shutil.which("dnsmasq") else
-                                   "dnsmasq is not installed: apt-get install -y dnsmasq-base (.ci/run does)")
+_REASON = unavailable_reason() or (
+    None if shutil.which("dnsmasq") else "dnsmasq is not installed: apt-get install -y dnsmasq-base (.ci/run does)"
+)
 if _REASON:
     print(f"\n*** SKIPPING the DNS discovery test: {_REASON} ***", file=sys.stderr)
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
-COMMON = ["--page-size", "16", "--kv-pool-tokens", "2048", "--max-model-len", "512", "--health-interval-s", "0.3",
-          "--test-step-delay-s", "0.01", "--worker-timeout-s", "4", "--peer-timeout-s", "4", "--log-level", "WARNING",
-          "--cluster-id", "dns-test", "--drain-timeout-s", "60"]
+COMMON = [
+    "--page-size",
+    "16",
+    "--kv-pool-tokens",
+    "2048",
+    "--max-model-len",
+    "512",
+    "--health-interval-s",
+    "0.3",
+    "--test-step-delay-s",
+    "0.01",
+    "--worker-timeout-s",
+    "4",
+    "--peer-timeout-s",
+    "4",
+    "--log-level",
+    "WARNING",
+    "--cluster-id",
+    "dns-test",
+    "--drain-timeout-s",
+    "60",
+]
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 
 
@@ -48,9 +69,22 @@ class Dns:
         with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:  # bind-mounted by ip netns exec
             f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
         log = folder / "dnsmasq.log"
-        self.proc = lab.spawn(host, ["dnsmasq", "--no-daemon", "--no-resolv", "--no-hosts", "--user=root",
-                                     "--listen-address=127.0.0.1", "--bind-interfaces", "--local-ttl=0",
-                                     "--log-facility=-", f"--addn-hosts={self.hosts_file}"], log)
+        self.proc = lab.spawn(
+            host,
+            [
+                "dnsmasq",
+                "--no-daemon",
+                "--no-resolv",
+                "--no-hosts",
+                "--user=root",
+                "--listen-address=127.0.0.1",
+                "--bind-interfaces",
+                "--local-ttl=0",
+                "--log-facility=-",
+                f"--addn-hosts={self.hosts_file}",
+            ],
+            log,
+        )
         deadline = time.monotonic() + 10  # a SIGHUP before its handler is installed would end it
         while "names" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -99,13 +133,36 @@ def test_dns_records_add_and_remove_workers_under_load(lab, tmp_path_factory):
     key = tmp_path_factory.mktemp("dns-key") / "cluster.key"  # the router and workers share it
     write_key_file(key, ClusterKey.generate())
     common = ["--model", str(model), "--cluster-key", str(key), *COMMON]
-    router = _spawn(lab, "r", ["launch", "--mode", "pd", "--roles", "router", "--host", "0.0.0.0", "--port", "8000",
-                               "--discovery", "dns://prefill.pd.test:29500,dns://decode.pd.test:29500",
-                               "--discovery-interval-s", "0.5", *common])
-    workers = {host: _spawn(lab, host, ["worker", "--role", role, "--worker-id", wid, "--control-addr",
-                                        "tcp://0.0.0.0:29500", *common])
-               for host, role, wid in (("p", "prefill", "prefill-0"), ("d1", "decode", "decode-1"),
-                                       ("d2", "decode", "decode-2"))}
+    router = _spawn(
+        lab,
+        "r",
+        [
+            "launch",
+            "--mode",
+            "pd",
+            "--roles",
+            "router",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000",
+            "--discovery",
+            "dns://prefill.pd.test:29500,dns://decode.pd.test:29500",
+            "--discovery-interval-s",
+            "0.5",
+            *common,
+        ],
+    )
+    workers = {
+        host: _spawn(
+            lab, host, ["worker", "--role", role, "--worker-id", wid, "--control-addr", "tcp://0.0.0.0:29500", *common]
+        )
+        for host, role, wid in (
+            ("p", "prefill", "prefill-0"),
+            ("d1", "decode", "decode-1"),
+            ("d2", "decode", "decode-2"),
+        )
+    }
     url = f"http://{ips['r']}:8000"
     _wait(lambda: httpx.get(f"{url}/health", timeout=3, trust_env=False).status_code == 200, 240, "1P+1D ready", lab)
     health = httpx.get(f"{url}/health", timeout=3, trust_env=False).json()
@@ -123,7 +180,11 @@ def test_dns_records_add_and_remove_workers_under_load(lab, tmp_path_factory):
     print(f"\ndns scale 1D -> 2D -> 1D: {len(outcomes)} requests, {len(load.failed())} failed")
     assert load.failed() == [], load.failed()
     assert router.poll() is None
-    _wait(lambda: f"decode@{ips['d1']}" not in httpx.get(f"{url}/health", timeout=3, trust_env=False).json()["workers"],
-          20, "the drained worker removed", lab)
+    _wait(
+        lambda: f"decode@{ips['d1']}" not in httpx.get(f"{url}/health", timeout=3, trust_env=False).json()["workers"],
+        20,
+        "the drained worker removed",
+        lab,
+    )
     health = httpx.get(f"{url}/health", timeout=3, trust_env=False).json()
     assert health["status"] == "ok" and "dns://decode.pd.test:29500?role=decode: 1 address(es)" in health["discovery"]

@@ -7,6 +7,7 @@ the first ones are drained by SIGTERM (they leave etcd, finish what they hold, e
 requests, the same router process; the time from a worker's start to its first routed request is
 printed. Then etcd is killed: the router keeps routing on the last membership and ``/health`` says
 etcd is unavailable; etcd restarts and the router watches again with the same workers."""
+
 from __future__ import annotations
 
 import os
@@ -15,19 +16,38 @@ import time
 
 import httpx
 import pytest
-
 from etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
-from server.discovery.etcd import EtcdClient
 from membership_load import SteadyLoad, WorkerProc, first_routed_after_start
-from server.testing.subprocess_server import LaunchedServer
 from tiny_model import save_tiny_model
+
+from bench.harness.subprocess_server import LaunchedServer
+from server.discovery.etcd import EtcdClient
 from transfer.cluster_key import ClusterKey, write_key_file
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]
 
-COMMON = ["--page-size", "16", "--kv-pool-tokens", "2048", "--max-model-len", "512", "--health-interval-s", "0.2",
-          "--test-step-delay-s", "0.01", "--worker-timeout-s", "4", "--peer-timeout-s", "4", "--log-level", "WARNING",
-          "--drain-timeout-s", "60", "--discovery-lease-s", "3"]
+COMMON = [
+    "--page-size",
+    "16",
+    "--kv-pool-tokens",
+    "2048",
+    "--max-model-len",
+    "512",
+    "--health-interval-s",
+    "0.2",
+    "--test-step-delay-s",
+    "0.01",
+    "--worker-timeout-s",
+    "4",
+    "--peer-timeout-s",
+    "4",
+    "--log-level",
+    "WARNING",
+    "--drain-timeout-s",
+    "60",
+    "--discovery-lease-s",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +56,17 @@ def parts(tmp_path_factory):
     etcd = EtcdServer(tmp / "etcd-data")
     etcd.start()
     write_key_file(tmp / "cluster.key", ClusterKey.generate())  # the router and workers share it
-    common = ["--model", str(save_tiny_model(tmp / "model")), "--cluster-id", f"scale-{os.getpid()}",
-              "--cluster-key", str(tmp / "cluster.key"),
-              "--discovery", f"etcd://127.0.0.1:{etcd.port}/scale", *COMMON]
+    common = [
+        "--model",
+        str(save_tiny_model(tmp / "model")),
+        "--cluster-id",
+        f"scale-{os.getpid()}",
+        "--cluster-key",
+        str(tmp / "cluster.key"),
+        "--discovery",
+        f"etcd://127.0.0.1:{etcd.port}/scale",
+        *COMMON,
+    ]
     router = LaunchedServer(["--mode", "pd", "--roles", "router", "--port", "0", *common])
     workers: dict[str, WorkerProc] = {}
     try:
@@ -81,8 +109,10 @@ def test_scale_up_and_down_under_load_fails_no_request(parts):
     joined = [_start(workers, common, "prefill", "prefill-b"), _start(workers, common, "decode", "decode-b")]
     etcd_client = EtcdClient(etcd.url)
     keys = lambda: etcd_client.get_prefix("/scale/workers/")[1]  # noqa: E731
-    join_s = {w.worker_id: first_routed_after_start(url, w, lambda w=w: f"/scale/workers/{w.worker_id}" in keys())
-              for w in joined}
+    join_s = {
+        w.worker_id: first_routed_after_start(url, w, lambda w=w: f"/scale/workers/{w.worker_id}" in keys())
+        for w in joined
+    }
     time.sleep(2)  # 2P+2D under load
     for wid in ("prefill-a", "decode-a"):
         workers[wid].proc.send_signal(signal.SIGTERM)
@@ -91,9 +121,11 @@ def test_scale_up_and_down_under_load_fails_no_request(parts):
     _wait(lambda: "-a " not in _health(url)["workers"], 30, "drained workers removed")
     time.sleep(2)  # 1P+1D (the new ones) under load
     outcomes = load.stop()
-    print(f"\nscale 1P+1D -> 2P+2D -> 1P+1D: {len(outcomes)} requests, {len(load.failed())} failed; "
-          f"worker start -> registered in etcd -> first routed request: "
-          + ", ".join(f"{w} {r:.1f}s -> {s:.1f}s" for w, (r, s) in join_s.items()))
+    print(
+        f"\nscale 1P+1D -> 2P+2D -> 1P+1D: {len(outcomes)} requests, {len(load.failed())} failed; "
+        f"worker start -> registered in etcd -> first routed request: "
+        + ", ".join(f"{w} {r:.1f}s -> {s:.1f}s" for w, (r, s) in join_s.items())
+    )
     assert load.failed() == []
     assert len(outcomes) > 20
     assert router.proc.poll() is None  # the same router all along

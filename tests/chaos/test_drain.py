@@ -3,6 +3,7 @@ workers, real processes on loopback, the tiny random model, KV over NIXL), under
 concurrent streams: a worker drained through the router's ``POST /admin/drain`` and one drained by
 SIGTERM each fail no request, exit 0, and stay down (the launcher does not restart a drained
 worker); the router keeps serving on the others, and no KV page stays used."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,15 +14,29 @@ import time
 
 import httpx
 import pytest
-
 from chaos_cluster import Cluster, leaks, run_load
 from tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-ARGS = ["--kv-pool-tokens", "2048", "--page-size", "16", "--max-model-len", "512", "--test-step-delay-s", "0.03",
-        "--chunked-prefill-size", "8",
-        "--worker-timeout-s", "4", "--peer-timeout-s", "4", "--drain-timeout-s", "60"]
+ARGS = [
+    "--kv-pool-tokens",
+    "2048",
+    "--page-size",
+    "16",
+    "--max-model-len",
+    "512",
+    "--test-step-delay-s",
+    "0.03",
+    "--chunked-prefill-size",
+    "8",
+    "--worker-timeout-s",
+    "4",
+    "--peer-timeout-s",
+    "4",
+    "--drain-timeout-s",
+    "60",
+]
 PROMPTS = [(f"drain test prompt number {i} " + "river stone light " * (i % 5 + 1), 40) for i in range(16)]
 
 

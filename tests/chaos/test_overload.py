@@ -20,6 +20,7 @@ HTTP) behind the router's admission stage.
    run alone, retractions / resumes / recomputes all happened, no page or host byte leaked;
    printed: counts and RSS.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,16 +30,16 @@ import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
-
 from chaos_cluster import Cluster, leaks, rss_bytes
-from server.testing.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
+
+from bench.harness.subprocess_server import metric_sum
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -49,10 +50,20 @@ SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 QUEUE_WAIT_S = 2.0
 HEAVY, LIGHT = "heavy-secret", "light-secret"
 # a batch of 8 and the default forwarding bound (the batch + 2): beyond that, requests queue in the router
-ADMISSION = ["--max-running-requests", "8", "--max-queued-requests", "32", "--max-queue-wait-s", str(QUEUE_WAIT_S),
-             "--api-key", f"{HEAVY}:1,{LIGHT}:1"]
-WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
-         "letter market bridge candle orange summer").split()
+ADMISSION = [
+    "--max-running-requests",
+    "8",
+    "--max-queued-requests",
+    "32",
+    "--max-queue-wait-s",
+    str(QUEUE_WAIT_S),
+    "--api-key",
+    f"{HEAVY}:1,{LIGHT}:1",
+]
+WORDS = (
+    "river stone light garden window morning paper music silver forest engine voice winter harbor "
+    "letter market bridge candle orange summer"
+).split()
 SHED_429 = ("queue_full", "queue_tokens", "queue_wait", "displaced")
 ROWS: list[tuple[str, str, str]] = []
 
@@ -84,8 +95,14 @@ def make_prompt(rng: random.Random) -> tuple[str, int]:
 async def shoot(c: httpx.AsyncClient, prompt: str, max_tokens: int, key: str = HEAVY) -> Shot:
     """One greedy streamed completion with ``ignore_eos`` (so a 200 means exactly ``max_tokens`` tokens)."""
     s = Shot(key, max_tokens, time.monotonic())
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     try:
         async with c.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
             s.status, s.t_head, s.retry_after = r.status_code, time.monotonic(), r.headers.get("retry-after")
@@ -122,9 +139,11 @@ async def closed_loop(url: str, n: int, concurrency: int, rng: random.Random) ->
     work = iter([make_prompt(rng) for _ in range(n)])
     shots: list[Shot] = []
     async with client(url) as c:
+
         async def worker():
             for p, m in work:
                 shots.append(await shoot(c, p, m))
+
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return shots, time.monotonic() - t0
@@ -162,8 +181,12 @@ def check_outcomes(shots: list[Shot]) -> Counter:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(save_tiny_model(tmp_path_factory.mktemp("overload-model")), prefill=1, decode=1,
-                args=["--kv-pool-tokens", "4096", "--page-size", "16", *ADMISSION])
+    c = Cluster(
+        save_tiny_model(tmp_path_factory.mktemp("overload-model")),
+        prefill=1,
+        decode=1,
+        args=["--kv-pool-tokens", "4096", "--page-size", "16", *ADMISSION],
+    )
     c.start()
     yield c
     c.stop()
@@ -179,9 +202,9 @@ def baseline(cluster):
     check_outcomes(alone + loaded)
     ttfts = [s.ttft for s in alone]
     cap = sum(s.status == 200 for s in loaded) / elapsed
-    ROWS.append(("unloaded TTFT P50 / P99", "-", f"{pct(ttfts, .5) * 1e3:.0f} / {pct(ttfts, .99) * 1e3:.0f} ms"))
+    ROWS.append(("unloaded TTFT P50 / P99", "-", f"{pct(ttfts, 0.5) * 1e3:.0f} / {pct(ttfts, 0.99) * 1e3:.0f} ms"))
     ROWS.append(("capacity (closed loop, 16 clients)", "-", f"{cap:.1f} req/s"))
-    return pct(ttfts, .5), pct(ttfts, .99), cap
+    return pct(ttfts, 0.5), pct(ttfts, 0.99), cap
 
 
 def test_overload_then_recovery(cluster, baseline):
@@ -190,8 +213,11 @@ def test_overload_then_recovery(cluster, baseline):
     pids = {"router": cluster.router_pid, **{w: cluster.pid(w) for w in ("prefill-0", "decode-0")}}
     m0 = cluster.metrics()
 
-    probe = subprocess.Popen([sys.executable, str(Path(__file__).with_name("probe429.py")), cluster.url, HEAVY,
-                              str(OVERLOAD_S), "0.05"], stdout=subprocess.PIPE, text=True)
+    probe = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("probe429.py")), cluster.url, HEAVY, str(OVERLOAD_S), "0.05"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
     async def run():
         rss: list = []
@@ -210,8 +236,10 @@ def test_overload_then_recovery(cluster, baseline):
     statuses = check_outcomes(over + calm)
     assert {s for s, _ in probed} <= {200, 429, 504}, Counter(s for s, _ in probed)
     assert statuses[429] > 0 and statuses[200] > 0, statuses  # it was overloaded, and still served
-    shed = sum(metric_sum(m, "pdserve_shed_requests_total", reason=r) - metric_sum(m0, "pdserve_shed_requests_total",
-                                                                                   reason=r) for r in SHED_429)
+    shed = sum(
+        metric_sum(m, "pdserve_shed_requests_total", reason=r) - metric_sum(m0, "pdserve_shed_requests_total", reason=r)
+        for r in SHED_429
+    )
     assert shed == statuses[429] + sum(s == 429 for s, _ in probed)
     assert metric_sum(m, "pdserve_queued_requests") == 0 and leaks(m) == (0, 0)
 
@@ -222,35 +250,62 @@ def test_overload_then_recovery(cluster, baseline):
     late = [s.t_start - t_over_end for s in calm if s.status != 200 or s.ttft > normal]
     warm = next(i for i, (t, _) in enumerate(rss) if t >= rss[0][0] + 0.2 * OVERLOAD_S)
     growth = {n: (rss[-1][1][n] - rss[warm][1][n]) / rss[warm][1][n] for n in pids}
-    ROWS.extend([
-        ("offered load (asked; sent by this client)", "3x then 0.5x",
-         f"{3 * cap:.1f} req/s for {OVERLOAD_S:g} s ({len(over) / OVERLOAD_S:.1f} sent), {0.5 * cap:.1f} for "
-         f"{RECOVER_S:g} s ({len(calm) / RECOVER_S:.1f} sent)"),
-        ("responses other than 200/429/504", "0", f"0 ({dict(statuses)})"),
-        ("429 answered, P99: probe process / load generator", "< 50 ms",
-         f"{pct(probe_429, .99) * 1e3:.1f} ms (P50 {pct(probe_429, .5) * 1e3:.1f}, n={len(probe_429)}) / "
-         f"{pct(fast, .99) * 1e3:.1f} ms (P50 {pct(fast, .5) * 1e3:.1f}, n={len(fast)})"),
-        ("accepted TTFT P99 at 3x", f"< {QUEUE_WAIT_S:g} s + one prefill ({QUEUE_WAIT_S + p50:.2f} s)",
-         f"{pct(accepted, .99):.2f} s (n={len(accepted)})"),
-        ("RSS growth after warm-up", "< 5 %", ", ".join(f"{n} {100 * g:+.1f} %" for n, g in growth.items())),
-        ("back to normal TTFT (< " f"{normal * 1e3:.0f} ms) after the overload", "< 10 s",
-         f"{max(late, default=0.0):.1f} s ({len(late)} slow of {len(calm)})"),
-    ])
+    ROWS.extend(
+        [
+            (
+                "offered load (asked; sent by this client)",
+                "3x then 0.5x",
+                f"{3 * cap:.1f} req/s for {OVERLOAD_S:g} s ({len(over) / OVERLOAD_S:.1f} sent), {0.5 * cap:.1f} for "
+                f"{RECOVER_S:g} s ({len(calm) / RECOVER_S:.1f} sent)",
+            ),
+            ("responses other than 200/429/504", "0", f"0 ({dict(statuses)})"),
+            (
+                "429 answered, P99: probe process / load generator",
+                "< 50 ms",
+                f"{pct(probe_429, 0.99) * 1e3:.1f} ms (P50 {pct(probe_429, 0.5) * 1e3:.1f}, n={len(probe_429)}) / "
+                f"{pct(fast, 0.99) * 1e3:.1f} ms (P50 {pct(fast, 0.5) * 1e3:.1f}, n={len(fast)})",
+            ),
+            (
+                "accepted TTFT P99 at 3x",
+                f"< {QUEUE_WAIT_S:g} s + one prefill ({QUEUE_WAIT_S + p50:.2f} s)",
+                f"{pct(accepted, 0.99):.2f} s (n={len(accepted)})",
+            ),
+            ("RSS growth after warm-up", "< 5 %", ", ".join(f"{n} {100 * g:+.1f} %" for n, g in growth.items())),
+            (
+                f"back to normal TTFT (< {normal * 1e3:.0f} ms) after the overload",
+                "< 10 s",
+                f"{max(late, default=0.0):.1f} s ({len(late)} slow of {len(calm)})",
+            ),
+        ]
+    )
 
 
-def light_beside_heavy(cluster: Cluster, light_rate: float, heavy_rate: float, duration: float,
-                       rng: random.Random) -> tuple[list[Shot], list[Shot], dict]:
+def light_beside_heavy(
+    cluster: Cluster, light_rate: float, heavy_rate: float, duration: float, rng: random.Random
+) -> tuple[list[Shot], list[Shot], dict]:
     """The light key's Poisson load alone, then again beside the heavy key's (from its own process,
     ``heavy_load.py``: sent from this one, its load would saturate this event loop and the light key's
     TTFT would measure the client). Asserted: only 200/429/504 with all tokens, the light key never
     refused (under its share), the heavy key really shed. (light alone, light loaded, heavy's JSON)."""
+
     async def light_load():
         async with client(cluster.url) as c:
             return await asyncio.gather(*await poisson(c, light_rate, duration, rng, key=LIGHT))
 
     alone = asyncio.run(light_load())
-    heavy = subprocess.Popen([sys.executable, str(Path(__file__).with_name("heavy_load.py")), cluster.url, HEAVY,
-                              str(heavy_rate), str(duration), str(SEED + 3)], stdout=subprocess.PIPE, text=True)
+    heavy = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("heavy_load.py")),
+            cluster.url,
+            HEAVY,
+            str(heavy_rate),
+            str(duration),
+            str(SEED + 3),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     light = asyncio.run(light_load())
     out, _ = heavy.communicate(timeout=600)
     assert heavy.returncode == 0, "the heavy load saw an outcome other than 200 with all tokens / 429 / 504"
@@ -264,17 +319,24 @@ def light_beside_heavy(cluster: Cluster, light_rate: float, heavy_rate: float, d
 
 
 def light_row(what: str, alone: list[Shot], light: list[Shot], heavy_out: dict, extra: str = "") -> None:
-    before, after = pct([s.ttft for s in alone], .99), pct([s.ttft for s in light], .99)
-    p50s = f"P50 {pct([s.ttft for s in light], .5) * 1e3:.0f} vs {pct([s.ttft for s in alone], .5) * 1e3:.0f} ms"
-    ROWS.append((what, "< 1.5x alone", f"{after * 1e3:.0f} ms vs {before * 1e3:.0f} ms alone = {after / before:.2f}x "
-                 f"({p50s}); heavy ({heavy_out['sent_per_s']:.0f} req/s sent): {heavy_out['statuses']}{extra}"))
+    before, after = pct([s.ttft for s in alone], 0.99), pct([s.ttft for s in light], 0.99)
+    p50s = f"P50 {pct([s.ttft for s in light], 0.5) * 1e3:.0f} vs {pct([s.ttft for s in alone], 0.5) * 1e3:.0f} ms"
+    ROWS.append(
+        (
+            what,
+            "< 1.5x alone",
+            f"{after * 1e3:.0f} ms vs {before * 1e3:.0f} ms alone = {after / before:.2f}x "
+            f"({p50s}); heavy ({heavy_out['sent_per_s']:.0f} req/s sent): {heavy_out['statuses']}{extra}",
+        )
+    )
 
 
 def test_light_key_under_a_heavy_one(cluster, baseline):
     _, _, cap = baseline
     light_rate, duration = 0.2 * cap, max(10.0, OVERLOAD_S / 2)
-    alone, light, heavy_out = light_beside_heavy(cluster, light_rate, 10 * light_rate, duration,
-                                                 random.Random(SEED + 2))
+    alone, light, heavy_out = light_beside_heavy(
+        cluster, light_rate, 10 * light_rate, duration, random.Random(SEED + 2)
+    )
     light_row("light key TTFT P99, heavy key at 10x (2x capacity)", alone, light, heavy_out)
 
 
@@ -287,34 +349,73 @@ def test_light_key_under_a_heavy_one_with_model_like_steps(tmp_path):
     the same without, for the A/B). Asserted: as above, and none without it (how many happen with it
     depends on the moments: 2 to 41 in a run, seen)."""
     preempt = os.environ.get("PDSERVE_FAIR_PREEMPTION", "1") != "0"
-    c = Cluster(save_tiny_model(tmp_path), prefill=1, decode=1,
-                args=["--kv-pool-tokens", "4096", "--page-size", "16", "--test-step-delay-s", "0.02", *ADMISSION,
-                      *([] if preempt else ["--no-fair-preemption"])])
+    c = Cluster(
+        save_tiny_model(tmp_path),
+        prefill=1,
+        decode=1,
+        args=[
+            "--kv-pool-tokens",
+            "4096",
+            "--page-size",
+            "16",
+            "--test-step-delay-s",
+            "0.02",
+            *ADMISSION,
+            *([] if preempt else ["--no-fair-preemption"]),
+        ],
+    )
     c.start()
     try:
         asyncio.run(closed_loop(c.url, 4, 1, random.Random(SEED)))  # warm-up
         shots, elapsed = asyncio.run(closed_loop(c.url, 64, 16, random.Random(SEED + 5)))
         cap = sum(s.status == 200 for s in shots) / elapsed
         m0 = c.metrics()
-        alone, light, heavy_out = light_beside_heavy(c, 0.2 * cap, 2 * cap, max(10.0, OVERLOAD_S / 2),
-                                                     random.Random(SEED + 4))
+        alone, light, heavy_out = light_beside_heavy(
+            c, 0.2 * cap, 2 * cap, max(10.0, OVERLOAD_S / 2), random.Random(SEED + 4)
+        )
         n = metric_sum(c.metrics(), "pdserve_preemptions_total") - metric_sum(m0, "pdserve_preemptions_total")
     finally:
         c.stop()
     assert preempt or n == 0, n
-    light_row(f"light key TTFT P99, heavy key at 10x, 20 ms steps, fair_preemption {'on' if preempt else 'off'}",
-              alone, light, heavy_out, f"; capacity {cap:.1f} req/s, {n:g} preemptions")
+    light_row(
+        f"light key TTFT P99, heavy key at 10x, 20 ms steps, fair_preemption {'on' if preempt else 'off'}",
+        alone,
+        light,
+        heavy_out,
+        f"; capacity {cap:.1f} req/s, {n:g} preemptions",
+    )
 
 
 def test_soak_under_retract_pressure(tmp_path):
-    cluster = Cluster(save_tiny_model(tmp_path / "model"), prefill=1, decode=1,
-                      args=["--kv-pool-tokens", "512", "--page-size", "16", "--max-model-len", "512",
-                            "--init-new-token-ratio", "0.05", "--host-kv-pool-gb", "0.00005",
-                            "--retract-test-interval", "16", "--test-step-delay-s", "0.005",
-                            "--max-inflight-per-worker", "6", "--max-queued-requests", "64"])
+    cluster = Cluster(
+        save_tiny_model(tmp_path / "model"),
+        prefill=1,
+        decode=1,
+        args=[
+            "--kv-pool-tokens",
+            "512",
+            "--page-size",
+            "16",
+            "--max-model-len",
+            "512",
+            "--init-new-token-ratio",
+            "0.05",
+            "--host-kv-pool-gb",
+            "0.00005",
+            "--retract-test-interval",
+            "16",
+            "--test-step-delay-s",
+            "0.005",
+            "--max-inflight-per-worker",
+            "6",
+            "--max-queued-requests",
+            "64",
+        ],
+    )
     rng = random.Random(SEED + 3)
-    distinct = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))), rng.choice([24, 48, 96]))
-                for _ in range(24)]
+    distinct = [
+        (" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))), rng.choice([24, 48, 96])) for _ in range(24)
+    ]
     cluster.start()
     try:
         pids = {"router": cluster.router_pid, **{w: cluster.pid(w) for w in ("prefill-0", "decode-0")}}
@@ -330,6 +431,7 @@ def test_soak_under_retract_pressure(tmp_path):
                         shots.append((n % len(distinct), await shoot(c, *distinct[n % len(distinct)])))
                         if len(shots) % max(1, SOAK_REQUESTS // 10) == 0:
                             rss.append({name: rss_bytes(p) for name, p in pids.items()})
+
                 t0 = time.monotonic()
                 await asyncio.gather(*(worker() for _ in range(24)))
                 return ref, m_ref, shots, rss, time.monotonic() - t0
@@ -344,14 +446,26 @@ def test_soak_under_retract_pressure(tmp_path):
     wrong = [(i, s.status, s.error) for i, s in shots if s.tokens != ref[i].tokens]
     counts = {k: metric_sum(m, f"pdserve_{k}_total") for k in ("retractions", "retract_resumed", "retract_recomputed")}
     growth = {n: (rss[-1][n] - rss[1][n]) / rss[1][n] for n in pids}
-    ROWS.extend([
-        ("soak under retract pressure", f"{SOAK_REQUESTS} requests",
-         f"{elapsed:.0f} s, retractions {counts['retractions']:.0f}, resumed {counts['retract_resumed']:.0f}, "
-         f"recomputed {counts['retract_recomputed']:.0f}"),
-        ("soak: outputs equal to the reference, leaked pages / host bytes", "all, 0 / 0",
-         f"{len(shots) - len(wrong)} of {len(shots)}, {leaks(m)[0]:.0f} / {leaks(m)[1]:.0f}"),
-        ("soak: RSS growth after the first tenth", "flat", ", ".join(f"{n} {100 * g:+.1f} %" for n, g in growth.items())),
-    ])
+    ROWS.extend(
+        [
+            (
+                "soak under retract pressure",
+                f"{SOAK_REQUESTS} requests",
+                f"{elapsed:.0f} s, retractions {counts['retractions']:.0f}, resumed {counts['retract_resumed']:.0f}, "
+                f"recomputed {counts['retract_recomputed']:.0f}",
+            ),
+            (
+                "soak: outputs equal to the reference, leaked pages / host bytes",
+                "all, 0 / 0",
+                f"{len(shots) - len(wrong)} of {len(shots)}, {leaks(m)[0]:.0f} / {leaks(m)[1]:.0f}",
+            ),
+            (
+                "soak: RSS growth after the first tenth",
+                "flat",
+                ", ".join(f"{n} {100 * g:+.1f} %" for n, g in growth.items()),
+            ),
+        ]
+    )
     assert not wrong, wrong[:5]
     assert all(v > 0 for v in counts.values()), counts
     assert leaks(m) == (0, 0)

@@ -11,34 +11,58 @@ until ``bootstrap_timeout_s`` (300 s). Asserted: every request ends with all its
 ``BOUND_S`` (well under that timeout), twice, with the same tokens both times; recomputes really
 happened; afterwards both pools hold nothing (free + cached = total, 0 used) and the host pool is
 empty."""
+
 from __future__ import annotations
 
 import asyncio
 import random
 
 import pytest
-
 from chaos_cluster import Cluster, leaks, run_load
-from server.testing.subprocess_server import metric_sum
 from tiny_model import save_tiny_model
+
+from bench.harness.subprocess_server import metric_sum
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 BOOTSTRAP_TIMEOUT_S = 300.0
 BOUND_S = 120.0  # a request not done by then is stuck: 16 of them take ~10 s on a loaded 2-core host
-WORDS = ("river stone light garden window morning paper music silver forest engine voice winter harbor "
-         "letter market bridge candle orange summer").split()
+WORDS = (
+    "river stone light garden window morning paper music silver forest engine voice winter harbor "
+    "letter market bridge candle orange summer"
+).split()
 
 
 def test_small_pools_under_recompute_pressure_never_deadlock(tmp_path):
-    cluster = Cluster(save_tiny_model(tmp_path / "model"), prefill=1, decode=1,
-                      args=["--kv-pool-tokens", "384", "--page-size", "16", "--max-model-len", "512",
-                            "--host-kv-pool-gb", "0", "--init-new-token-ratio", "0.05",
-                            "--retract-test-interval", "4", "--test-step-delay-s", "0.005",
-                            "--max-inflight-per-worker", "16", "--bootstrap-timeout-s", str(BOOTSTRAP_TIMEOUT_S)])
+    cluster = Cluster(
+        save_tiny_model(tmp_path / "model"),
+        prefill=1,
+        decode=1,
+        args=[
+            "--kv-pool-tokens",
+            "384",
+            "--page-size",
+            "16",
+            "--max-model-len",
+            "512",
+            "--host-kv-pool-gb",
+            "0",
+            "--init-new-token-ratio",
+            "0.05",
+            "--retract-test-interval",
+            "4",
+            "--test-step-delay-s",
+            "0.005",
+            "--max-inflight-per-worker",
+            "16",
+            "--bootstrap-timeout-s",
+            str(BOOTSTRAP_TIMEOUT_S),
+        ],
+    )
     rng = random.Random(1)
-    prompts = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))), rng.choice([48, 96]))
-               for _ in range(16)]
+    prompts = [
+        (" ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 60))), rng.choice([48, 96])) for _ in range(16)
+    ]
     cluster.start()
     try:
         rounds = [asyncio.run(run_load(cluster.url, prompts, timeout_s=BOUND_S)) for _ in range(2)]

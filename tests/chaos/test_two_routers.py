@@ -6,6 +6,7 @@ A long request through router A is on one decode worker; a request through route
 saw A's, goes to the other one (B routes by the load the workers report). Under a load split
 over both routers no request fails, the routers' room tags differ (claimed in etcd), and the
 decode workers' finished requests stay within 20 % of each other."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,19 +16,35 @@ import time
 
 import httpx
 import pytest
-
 from chaos_cluster import run_load
 from etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
 from membership_load import SteadyLoad, WorkerProc, routed_tokens
-from server.discovery.etcd import EtcdClient
-from server.testing.subprocess_server import LaunchedServer, metric_sum, scrape_metrics
 from tiny_model import save_tiny_model
+
+from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics
+from server.discovery.etcd import EtcdClient
 from transfer.cluster_key import ClusterKey, write_key_file
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]
 
-COMMON = ["--page-size", "16", "--kv-pool-tokens", "4096", "--max-model-len", "512", "--health-interval-s", "0.2",
-          "--test-step-delay-s", "0.02", "--worker-timeout-s", "4", "--peer-timeout-s", "4", "--log-level", "WARNING"]
+COMMON = [
+    "--page-size",
+    "16",
+    "--kv-pool-tokens",
+    "4096",
+    "--max-model-len",
+    "512",
+    "--health-interval-s",
+    "0.2",
+    "--test-step-delay-s",
+    "0.02",
+    "--worker-timeout-s",
+    "4",
+    "--peer-timeout-s",
+    "4",
+    "--log-level",
+    "WARNING",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +53,17 @@ def parts(tmp_path_factory):
     etcd = EtcdServer(tmp / "etcd-data")
     etcd.start()
     write_key_file(tmp / "cluster.key", ClusterKey.generate())  # routers and workers share it
-    common = ["--model", str(save_tiny_model(tmp / "model")), "--cluster-id", f"two-{os.getpid()}",
-              "--cluster-key", str(tmp / "cluster.key"),
-              "--discovery", f"etcd://127.0.0.1:{etcd.port}/two", *COMMON]
+    common = [
+        "--model",
+        str(save_tiny_model(tmp / "model")),
+        "--cluster-id",
+        f"two-{os.getpid()}",
+        "--cluster-key",
+        str(tmp / "cluster.key"),
+        "--discovery",
+        f"etcd://127.0.0.1:{etcd.port}/two",
+        *COMMON,
+    ]
     routers = [LaunchedServer(["--mode", "pd", "--roles", "router", "--port", "0", *common]) for _ in range(2)]
     workers = {}
     try:

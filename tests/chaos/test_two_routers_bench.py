@@ -3,16 +3,17 @@ two decode workers, two routers, phases A B A B of a few requests each. The JSON
 tables carry every field, the counters moved by exactly what was sent (requests per router, requests
 and tokens per decode worker), the routers claimed distinct room tags, and nothing the bench
 started is left running."""
+
 from __future__ import annotations
 
 import json
 
 import httpx
 import pytest
-
-from bench import cli
 from etcd_server import INSTALL_HINT, etcd_binary
 from tiny_model import save_tiny_model
+
+from bench import cli
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]
 
@@ -22,10 +23,36 @@ N, OUT = 8, 6
 def test_bench_runs_a_b_a_b_and_reads_the_workers_counters(tmp_path, capsys):
     model = save_tiny_model(tmp_path / "model")
     out = tmp_path / "two.json"
-    rc = cli.main(["two-routers", "--model", str(model), "--dtype", "float32", "--kv-pool-tokens", "4096",
-                   "--heartbeat-s", "0.2", "--server-args", "--page-size 16 --max-model-len 512",
-                   "--concurrency", "4", "--num-requests", str(N), "--input-len-range", "16,48",
-                   "--output-len", str(OUT), "--rounds", "2", "--warmup", "2", "--no-progress", "--out", str(out)])
+    rc = cli.main(
+        [
+            "two-routers",
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--kv-pool-tokens",
+            "4096",
+            "--heartbeat-s",
+            "0.2",
+            "--server-args",
+            "--page-size 16 --max-model-len 512",
+            "--concurrency",
+            "4",
+            "--num-requests",
+            str(N),
+            "--input-len-range",
+            "16,48",
+            "--output-len",
+            str(OUT),
+            "--rounds",
+            "2",
+            "--warmup",
+            "2",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     printed = captured.out
     assert rc == 0, f"{printed}\n--- stderr ---\n{captured.err[-4000:]}"
@@ -45,8 +72,15 @@ def test_bench_runs_a_b_a_b_and_reads_the_workers_counters(tmp_path, capsys):
         assert set(p["cpu_s"]) == {"router-a", "router-b", "prefill-0", "decode-0", "decode-1"}
         assert p["cpu_s"]["decode-0"] > 0 and p["cpu_s"]["router-a"] > 0  # both took part in every phase
     summary = d["summary"]
-    assert set(summary["b_over_a"]) == {"tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                                        "routers CPU ms/tok", "workers CPU ms/tok"}
+    assert set(summary["b_over_a"]) == {
+        "tok/s",
+        "req/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "routers CPU ms/tok",
+        "workers CPU ms/tok",
+    }
     assert all(v is not None and v > 0 for v in summary["b_over_a"].values())
     assert sum(summary["pooled_b"]["finished"].values()) == 2 * N
     for text in ("| phase | routers |", "| B / A |", "goal 'load spread within 20%'", "router-a 4 / router-b 4"):

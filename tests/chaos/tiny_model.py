@@ -2,6 +2,7 @@
 model's tokenizer.json), so ``pdserve launch`` serves real text through a real tokenizer at a speed
 that lets chaos and soak runs fit in CI. Outputs are checked against the same server's own greedy
 outputs before the faults (and the tiny model against transformers elsewhere)."""
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,21 @@ def save_tiny_model(folder: Path, seed: int = 0) -> Path:
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(resolve_model_path("default"))
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=list(tok.eos_token_ids))
+    cfg = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=list(tok.eos_token_ids),
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():

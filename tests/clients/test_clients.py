@@ -4,6 +4,7 @@ guidellm 0.8.1 (the vLLM project's benchmark tool; its chat requests stream with
 requests each, every one answered without error. The clients live in their own venv
 (``make test-clients`` builds .venv-clients and sets PDSERVE_CLIENTS_VENV); they count tokens with
 the served model's own tokenizer, exported for transformers (``Tokenizer.save_hf_folder``)."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.testing.subprocess_server import wait_idle
+from bench.harness.subprocess_server import wait_idle
 
 pytestmark = pytest.mark.process
 
@@ -51,9 +52,11 @@ def servers(launched_server, tok_folder) -> dict:
 
     def get(mode: str):
         if mode not in started:
-            started[mode] = launched_server(mode, *MODES[mode], "--health-interval-s", str(HEARTBEAT_S),
-                                            "--log-level", "WARNING")
+            started[mode] = launched_server(
+                mode, *MODES[mode], "--health-interval-s", str(HEARTBEAT_S), "--log-level", "WARNING"
+            )
         return started[mode]
+
     return get
 
 
@@ -65,12 +68,26 @@ def _model(url: str) -> str:
 def test_guidellm_runs_without_errors(servers, tok_folder, tmp_path, mode):
     url = servers(mode).url
     report = tmp_path / "guidellm.json"
-    run_client([str(VENV / "bin" / "guidellm"), "run", "--backend", f"kind=openai_http,target={url}",
-                "--profile", f"kind=concurrent,streams={CONCURRENCY}",
-                "--constraint", f"kind=max_requests,count={REQUESTS}",
-                "--tokenizer", f"kind=huggingface_auto,model={tok_folder}",
-                "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
-                "--output", f"kind=json,path={report}", "--disable-console-interactive"], tmp_path / "guidellm.log")
+    run_client(
+        [
+            str(VENV / "bin" / "guidellm"),
+            "run",
+            "--backend",
+            f"kind=openai_http,target={url}",
+            "--profile",
+            f"kind=concurrent,streams={CONCURRENCY}",
+            "--constraint",
+            f"kind=max_requests,count={REQUESTS}",
+            "--tokenizer",
+            f"kind=huggingface_auto,model={tok_folder}",
+            "--data",
+            f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+            "--output",
+            f"kind=json,path={report}",
+            "--disable-console-interactive",
+        ],
+        tmp_path / "guidellm.log",
+    )
     totals = json.loads(report.read_text())["benchmarks"][0]["metrics"]["request_totals"]
     assert (totals["successful"], totals["errored"], totals["incomplete"]) == (REQUESTS, 0, 0), totals
     m = wait_idle(url, HEARTBEAT_S, timeout_s=60)
@@ -81,12 +98,38 @@ def test_guidellm_runs_without_errors(servers, tok_folder, tmp_path, mode):
 def test_aiperf_runs_without_errors(servers, tok_folder, tmp_path, mode):
     url = servers(mode).url
     out = tmp_path / "aiperf"
-    run_client([str(VENV / "bin" / "aiperf"), "profile", "--model", _model(url), "--url", url,
-                "--endpoint-type", "chat", "--streaming", "--request-count", str(REQUESTS),
-                "--concurrency", str(CONCURRENCY), "--tokenizer", str(tok_folder),
-                "--prompt-input-tokens-mean", str(PROMPT_TOKENS), "--prompt-input-tokens-stddev", "0",
-                "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", "0",
-                "--output-artifact-dir", str(out), "--ui", "none"], tmp_path / "aiperf.log")
+    run_client(
+        [
+            str(VENV / "bin" / "aiperf"),
+            "profile",
+            "--model",
+            _model(url),
+            "--url",
+            url,
+            "--endpoint-type",
+            "chat",
+            "--streaming",
+            "--request-count",
+            str(REQUESTS),
+            "--concurrency",
+            str(CONCURRENCY),
+            "--tokenizer",
+            str(tok_folder),
+            "--prompt-input-tokens-mean",
+            str(PROMPT_TOKENS),
+            "--prompt-input-tokens-stddev",
+            "0",
+            "--prompt-output-tokens-mean",
+            str(OUTPUT_TOKENS),
+            "--prompt-output-tokens-stddev",
+            "0",
+            "--output-artifact-dir",
+            str(out),
+            "--ui",
+            "none",
+        ],
+        tmp_path / "aiperf.log",
+    )
     report = json.loads((out / "profile_export_aiperf.json").read_text())
     assert report["error_summary"] == [], report["error_summary"]
     assert report["completed_request_count"]["avg"] == REQUESTS

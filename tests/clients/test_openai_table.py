@@ -2,6 +2,7 @@
 real launched colocated server: each supported or ignored field is sent (with what it needs beside
 it) and answered 200; each refused one, sent with a non-default value, gets a 400 whose message
 and ``param`` name it. A row added to the table without a value here fails the test."""
+
 from __future__ import annotations
 
 import random
@@ -20,54 +21,100 @@ ASSISTANT_LAST = [{"role": "user", "content": "Name a colour."}, {"role": "assis
 
 # field -> the request fields to send for it (the field itself and what it needs beside it)
 ACCEPTED = {
-    "model": {}, "prompt": {}, "messages": {}, "max_tokens": {"max_tokens": 3},
-    "max_completion_tokens": {"max_completion_tokens": 3}, "stream": {"stream": True},
+    "model": {},
+    "prompt": {},
+    "messages": {},
+    "max_tokens": {"max_tokens": 3},
+    "max_completion_tokens": {"max_completion_tokens": 3},
+    "stream": {"stream": True},
     "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "stream_options.include_usage": {"stream": True, "stream_options": {"include_usage": True}},
-    "stream_options.continuous_usage_stats": {"stream": True, "stream_options": {"include_usage": True,
-                                                                                   "continuous_usage_stats": True}},
-    "temperature": {"temperature": 0.5}, "top_p": {"top_p": 0.9}, "top_k": {"top_k": 5}, "min_p": {"min_p": 0.1},
-    "seed": {"seed": 3, "temperature": 1.0}, "presence_penalty": {"presence_penalty": 0.5},
-    "frequency_penalty": {"frequency_penalty": 0.5}, "repetition_penalty": {"repetition_penalty": 1.1},
-    "logit_bias": {"logit_bias": {"1234": 1.0}}, "stop": {"stop": ["\n"]}, "stop_token_ids": {"stop_token_ids": [13]},
+    "stream_options.continuous_usage_stats": {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    },
+    "temperature": {"temperature": 0.5},
+    "top_p": {"top_p": 0.9},
+    "top_k": {"top_k": 5},
+    "min_p": {"min_p": 0.1},
+    "seed": {"seed": 3, "temperature": 1.0},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "repetition_penalty": {"repetition_penalty": 1.1},
+    "logit_bias": {"logit_bias": {"1234": 1.0}},
+    "stop": {"stop": ["\n"]},
+    "stop_token_ids": {"stop_token_ids": [13]},
     "include_stop_str_in_output": {"stop": [" "], "include_stop_str_in_output": True},
-    "ignore_eos": {"ignore_eos": True}, "skip_special_tokens": {"skip_special_tokens": False},
-    "logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2}, "echo": {"echo": True},
+    "ignore_eos": {"ignore_eos": True},
+    "skip_special_tokens": {"skip_special_tokens": False},
+    "logprobs": {"logprobs": True},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 2},
+    "echo": {"echo": True},
     "return_token_ids": {"return_token_ids": True},
     "return_tokens_as_token_ids": {"logprobs": True, "return_tokens_as_token_ids": True},
-    "request_id": {"request_id": "table-1"}, "truncate_prompt_tokens": {"truncate_prompt_tokens": 4},
+    "request_id": {"request_id": "table-1"},
+    "truncate_prompt_tokens": {"truncate_prompt_tokens": 4},
     "truncation_side": {"truncate_prompt_tokens": 4, "truncation_side": "right"},
-    "add_special_tokens": {"add_special_tokens": True}, "add_generation_prompt": {"add_generation_prompt": False},
-    "continue_final_message": {"messages": ASSISTANT_LAST, "add_generation_prompt": False,
-                               "continue_final_message": True},
-    "documents": {"documents": [{"title": "t", "text": "x"}]}, "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
-    "priority": {"priority": 1}, "timeout": {"timeout": 60}, "n": {"n": 2}, "best_of": {"best_of": 2, "n": 1},
+    "add_special_tokens": {"add_special_tokens": True},
+    "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {
+        "messages": ASSISTANT_LAST,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    "documents": {"documents": [{"title": "t", "text": "x"}]},
+    "chat_template_kwargs": {"chat_template_kwargs": {"a": 1}},
+    "priority": {"priority": 1},
+    "timeout": {"timeout": 60},
+    "n": {"n": 2},
+    "best_of": {"best_of": 2, "n": 1},
     "prompt_logprobs": {"prompt_logprobs": 1},
-    "response_format": {"response_format": {"type": "json_object"}}, "structured_outputs": {"structured_outputs": {"regex": "a+"}},
-    "guided_json": {"guided_json": {"type": "object"}}, "guided_regex": {"guided_regex": "a+"},
-    "guided_choice": {"guided_choice": ["a", "b"]}, "guided_grammar": {"guided_grammar": 'start: "a"+'},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "structured_outputs": {"structured_outputs": {"regex": "a+"}},
+    "guided_json": {"guided_json": {"type": "object"}},
+    "guided_regex": {"guided_regex": "a+"},
+    "guided_choice": {"guided_choice": ["a", "b"]},
+    "guided_grammar": {"guided_grammar": 'start: "a"+'},
     # ignored
-    "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "store": {"store": True},
-    "spaces_between_special_tokens": {"spaces_between_special_tokens": False}, "length_penalty": {"length_penalty": 2.0},
-    "session_id": {"session_id": "s"}, "stream_interval": {"stream_interval": 2}, "vllm_xargs": {"vllm_xargs": {"a": 1}},
-    "thinking_token_budget": {"thinking_token_budget": 8}, "include_reasoning": {"include_reasoning": False},
-    "reasoning_effort": {"reasoning_effort": "low"}, "parallel_tool_calls": {"parallel_tool_calls": False},
-    "media_io_kwargs": {"media_io_kwargs": {}}, "mm_processor_kwargs": {"mm_processor_kwargs": {}},
+    "user": {"user": "u-1"},
+    "metadata": {"metadata": {"k": "v"}},
+    "store": {"store": True},
+    "spaces_between_special_tokens": {"spaces_between_special_tokens": False},
+    "length_penalty": {"length_penalty": 2.0},
+    "session_id": {"session_id": "s"},
+    "stream_interval": {"stream_interval": 2},
+    "vllm_xargs": {"vllm_xargs": {"a": 1}},
+    "thinking_token_budget": {"thinking_token_budget": 8},
+    "include_reasoning": {"include_reasoning": False},
+    "reasoning_effort": {"reasoning_effort": "low"},
+    "parallel_tool_calls": {"parallel_tool_calls": False},
+    "media_io_kwargs": {"media_io_kwargs": {}},
+    "mm_processor_kwargs": {"mm_processor_kwargs": {}},
     "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
     "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
 }
 REFUSED = {
-    "min_tokens": 2, "use_beam_search": True, "watermarking": True,
-    "allowed_token_ids": [1], "bad_words": ["x"], "logprob_token_ids": [1], "cache_salt": "s",
-    "kv_transfer_params": {"x": 1}, "ec_transfer_params": {"x": 1}, "repetition_detection": {"x": 1},
-    "logits_processors": ["x"], "prompt_embeds": "AAAA", "suffix": "end", "chat_template": "{{ messages }}",
+    "min_tokens": 2,
+    "use_beam_search": True,
+    "watermarking": True,
+    "allowed_token_ids": [1],
+    "bad_words": ["x"],
+    "logprob_token_ids": [1],
+    "cache_salt": "s",
+    "kv_transfer_params": {"x": 1},
+    "ec_transfer_params": {"x": 1},
+    "repetition_detection": {"x": 1},
+    "logits_processors": ["x"],
+    "prompt_embeds": "AAAA",
+    "suffix": "end",
+    "chat_template": "{{ messages }}",
 }
 
 
 def table_rows() -> list[tuple[str, str, str]]:
     """(field, kind, where) of every row of the README's field table."""
     text = README.read_text()
-    table = text[text.index("<!-- field-table -->"):text.index("<!-- /field-table -->")]
+    table = text[text.index("<!-- field-table -->") : text.index("<!-- /field-table -->")]
     return re.findall(r"^\| `([a-z_.]+)` \| ([a-z ()]+) \| ([CH ]+) \|", table, re.M)
 
 
@@ -76,8 +123,7 @@ ROWS = table_rows()
 
 @pytest.fixture(scope="module")
 def client(launched_server):
-    srv = launched_server("colocated", "--kv-pool-tokens", "2048", "--max-model-len", "1024", "--log-level",
-                          "WARNING")
+    srv = launched_server("colocated", "--kv-pool-tokens", "2048", "--max-model-len", "1024", "--log-level", "WARNING")
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -91,12 +137,14 @@ def _call(client, endpoint: str, fields: dict):
         fields.pop("messages", None)
         if isinstance(fields.get("logprobs"), bool):
             fields["logprobs"] = 1
-        out = client.completions.create(prompt="The capital of France is", max_tokens=fields.pop("max_tokens", 3),
-                                        extra_body=fields, **kwargs)
+        out = client.completions.create(
+            prompt="The capital of France is", max_tokens=fields.pop("max_tokens", 3), extra_body=fields, **kwargs
+        )
     else:
         messages = fields.pop("messages", [{"role": "user", "content": "Hi"}])
-        out = client.chat.completions.create(messages=messages, max_tokens=fields.pop("max_tokens", 3),
-                                             extra_body=fields, **kwargs)
+        out = client.chat.completions.create(
+            messages=messages, max_tokens=fields.pop("max_tokens", 3), extra_body=fields, **kwargs
+        )
     return list(out)[-1] if stream else out
 
 
@@ -134,8 +182,15 @@ def test_n_choices_against_the_model(client):
     alone = [client.completions.create(n=1, temperature=1.0, seed=s, **ask).choices[0].text for s in (11, 12)]
     assert [c.text for c in seeded.choices] == alone and alone[0] != alone[1]
     texts = {0: "", 1: ""}
-    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
-                                                max_tokens=6, temperature=1.0, seed=3, stream=True):
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        stream=True,
+    ):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert all(texts.values()), texts
@@ -197,9 +252,15 @@ def test_prompt_logprobs_agree_with_the_sampler(client):
     assert all(len(t) >= 2 for t in c.logprobs.top_logprobs[1:])
 
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                           "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
-          "required": ["city", "population"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer", "minimum": 0, "maximum": 10**9},
+    },
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
 
 
 def test_structured_output_through_the_client(client):
@@ -213,20 +274,40 @@ def test_structured_output_through_the_client(client):
     model = client.models.list().data[0].id
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
     msgs = [{"role": "user", "content": "Give a city and its population as JSON."}]
-    outs = [client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=t, seed=s,
-                                           response_format=fmt).choices[0]
-            for t, s in ((0, None), (1.0, 1), (1.0, 2))]
+    outs = [
+        client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=60, temperature=t, seed=s, response_format=fmt
+        ).choices[0]
+        for t, s in ((0, None), (1.0, 1), (1.0, 2))
+    ]
     for c in outs:
         assert c.finish_reason == "stop", c.message.content
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-        model=model, messages=msgs, max_tokens=60, temperature=0, response_format=fmt, stream=True) if ch.choices)
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=60, temperature=0, response_format=fmt, stream=True
+        )
+        if ch.choices
+    )
     assert streamed == outs[0].message.content
-    pick = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=5, temperature=1.0,
-                                     seed=3, extra_body={"guided_choice": ["red", "green", "blue"]})
+    pick = client.completions.create(
+        model=model,
+        prompt="My favourite colour is",
+        max_tokens=5,
+        temperature=1.0,
+        seed=3,
+        extra_body={"guided_choice": ["red", "green", "blue"]},
+    )
     assert pick.choices[0].text in ("red", "green", "blue")
-    code = client.completions.create(model=model, prompt="A code:", max_tokens=8, temperature=1.0, seed=4,
-                                     extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    code = client.completions.create(
+        model=model,
+        prompt="A code:",
+        max_tokens=8,
+        temperature=1.0,
+        seed=4,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}},
+    )
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].text), code.choices[0].text
 
 

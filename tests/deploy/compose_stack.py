@@ -4,6 +4,7 @@ subnet and loopback port; ``down -v`` removes every container, network and volum
 Only the router's published port on 127.0.0.1 is ever connected to. Before that, every
 container's address is checked to be routed through the project's own bridge.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -48,7 +49,7 @@ class ComposeStack:
     def __init__(self, override: str, port: int, port_b: int, tmp: Path) -> None:
         self.project = f"pdtest{os.getpid()}"
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"      # service router
+        self.url = f"http://127.0.0.1:{port}"  # service router
         self.url_b = f"http://127.0.0.1:{port_b}"  # service router-b, in front of the same workers
         self.subnet = free_subnet()
         self.override = tmp / "override.yaml"
@@ -56,12 +57,28 @@ class ComposeStack:
         key = tmp / "cluster.key"  # the compose secret: a fresh cluster key, readable by the image's user only
         write_key_file(key, ClusterKey.generate())
         os.chown(key, 10001, 10001)
-        self.env = {**os.environ, "PDSERVE_PORT": str(port), "PDSERVE_PORT_B": str(port_b), "PDSERVE_SUBNET": self.subnet,
-                    "PDSERVE_CLUSTER_KEY_FILE": str(key)}
+        self.env = {
+            **os.environ,
+            "PDSERVE_PORT": str(port),
+            "PDSERVE_PORT_B": str(port_b),
+            "PDSERVE_SUBNET": self.subnet,
+            "PDSERVE_CLUSTER_KEY_FILE": str(key),
+        }
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600) -> str:
-        return sh("docker-compose", "-p", self.project, "-f", str(COMPOSE), "-f", str(self.override), *args,
-                  check=check, timeout=timeout, env=self.env)
+        return sh(
+            "docker-compose",
+            "-p",
+            self.project,
+            "-f",
+            str(COMPOSE),
+            "-f",
+            str(self.override),
+            *args,
+            check=check,
+            timeout=timeout,
+            env=self.env,
+        )
 
     def up(self) -> None:
         """``up -d``: returns once the workers are healthy and the router container started."""
@@ -73,16 +90,20 @@ class ComposeStack:
 
     def leftovers(self) -> list[str]:
         label = f"label=com.docker.compose.project={self.project}"
-        return (sh("docker", "ps", "-aq", "--filter", label).split()
-                + sh("docker", "network", "ls", "-q", "--filter", label).split()
-                + sh("docker", "volume", "ls", "-q", "--filter", label).split())
+        return (
+            sh("docker", "ps", "-aq", "--filter", label).split()
+            + sh("docker", "network", "ls", "-q", "--filter", label).split()
+            + sh("docker", "volume", "ls", "-q", "--filter", label).split()
+        )
 
     def containers(self, service: str) -> list[dict]:
         """``docker inspect`` of every replica of ``service``, oldest replica first."""
         cids = self.compose("ps", "-q", service).split()
         assert cids, f"no container for {service}"
         infos = json.loads(sh("docker", "inspect", *cids))
-        return sorted(infos, key=lambda i: i["Config"]["Labels"].get("com.docker.compose.container-number", "0").zfill(4))
+        return sorted(
+            infos, key=lambda i: i["Config"]["Labels"].get("com.docker.compose.container-number", "0").zfill(4)
+        )
 
     def container(self, service: str) -> dict:
         """``docker inspect`` of the one container of ``service``."""
@@ -126,6 +147,8 @@ class ComposeStack:
             except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"router {url} not healthy{f' with {listing!r}' if listing else ''} after "
-                                   f"{timeout_s}s: {last[:500]}\n{self.logs()}")
+                raise TimeoutError(
+                    f"router {url} not healthy{f' with {listing!r}' if listing else ''} after "
+                    f"{timeout_s}s: {last[:500]}\n{self.logs()}"
+                )
             time.sleep(0.5)

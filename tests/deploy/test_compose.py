@@ -12,6 +12,7 @@ container for good (Docker never restarts a container it was told to kill), the 
 ``docker start`` brings it back. ``docker-compose down -v`` runs at the end whatever happened, and
 nothing of the project is left. Timings are printed (``-s``), never asserted.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,11 +24,11 @@ import time
 import httpx
 import openai
 import pytest
-
 from compose_stack import ComposeStack, sh
-from stream_client import Outcome, stream_one
 from conftest import engine_cfg, sched_cfg, strip_eos
-from server.testing.subprocess_server import free_port, fresh_metrics, metric_sum, scrape_metrics, wait_idle
+from stream_client import Outcome, stream_one
+
+from bench.harness.subprocess_server import free_port, fresh_metrics, metric_sum, scrape_metrics, wait_idle
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -49,17 +50,33 @@ x-env: &env
   PDSERVE_LOG_LEVEL: WARNING
 services:
 """ + "".join(f"  {s}: {{environment: *env}}\n" for s in SERVICES)
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
-           "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"]
-SHARED = ("You are a helpful assistant that answers questions about geography, history and science "
-          "in one short paragraph. Question: ")
-QUESTIONS = ["Why is the sky blue?", "Who built the pyramids?", "What is photosynthesis?",
-             "Where is Mount Everest?", "When did the Roman Empire fall?", "How do volcanoes form?",
-             "What causes tides?", "Why do leaves change color?"]
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", 'def add(a, b):\n    """Add two numbers."""\n']
+SHARED = (
+    "You are a helpful assistant that answers questions about geography, history and science "
+    "in one short paragraph. Question: "
+)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Who built the pyramids?",
+    "What is photosynthesis?",
+    "Where is Mount Everest?",
+    "When did the Roman Empire fall?",
+    "How do volcanoes form?",
+    "What causes tides?",
+    "Why do leaves change color?",
+]
 
 ESSAY = "Write a long, detailed essay of at least ten paragraphs. Topic: "
-TOPICS = ["why the sky is blue", "who built the pyramids", "photosynthesis", "Mount Everest",
-          "the fall of the Roman Empire", "how volcanoes form", "what causes tides", "why leaves change color"]
+TOPICS = [
+    "why the sky is blue",
+    "who built the pyramids",
+    "photosynthesis",
+    "Mount Everest",
+    "the fall of the Roman Empire",
+    "how volcanoes form",
+    "what causes tides",
+    "why leaves change color",
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +90,10 @@ def stack(tmp_path_factory):
         t_health = t_up + s.wait_healthy()
         s.wait_healthy(url=s.url_b)
         t_first = t_health + first_request(s.url)
-        print(f"\n[deploy] compose up -d (workers healthy, router started): {t_up:.1f}s; router healthy: "
-              f"{t_health:.1f}s; first served request: {t_first:.1f}s after up")
+        print(
+            f"\n[deploy] compose up -d (workers healthy, router started): {t_up:.1f}s; router healthy: "
+            f"{t_health:.1f}s; first served request: {t_first:.1f}s after up"
+        )
         yield s
     finally:
         s.down()
@@ -90,13 +109,23 @@ def first_request(url: str) -> float:
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300,
-                         http_client=httpx.Client(trust_env=False, timeout=300))
+    return openai.OpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=300,
+        http_client=httpx.Client(trust_env=False, timeout=300),
+    )
 
 
 def aclient(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300,
-                              http_client=httpx.AsyncClient(trust_env=False, timeout=300))
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=300,
+        http_client=httpx.AsyncClient(trust_env=False, timeout=300),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +146,9 @@ def references(colocated, tok, prompts: list[str], lengths: list[int]) -> list[l
     """Colocated greedy outputs of all prompts in one batch (batching does not change them)."""
     from engine.sampling import SamplingParams
 
-    res = colocated.generate_ids([tok.encode(p) for p in prompts],
-                                 [SamplingParams(max_new_tokens=n, temperature=0) for n in lengths])
+    res = colocated.generate_ids(
+        [tok.encode(p) for p in prompts], [SamplingParams(max_new_tokens=n, temperature=0) for n in lengths]
+    )
     return [r.token_ids for r in res]
 
 
@@ -127,8 +157,9 @@ def test_greedy_outputs_through_both_routers_equal_colocated(stack, colocated, e
         c = client(url)
         model = c.models.list().data[0].id
         for text in PROMPTS:
-            r = c.completions.create(model=model, prompt=text, max_tokens=24, temperature=0,
-                                     extra_body={"return_token_ids": True})
+            r = c.completions.create(
+                model=model, prompt=text, max_tokens=24, temperature=0, extra_body={"return_token_ids": True}
+            )
             got = strip_eos(r.choices[0].token_ids, embedded[2].eos_token_ids)  # the API returns the EOS, as vLLM
             assert got == reference(colocated, embedded[2], text, 24), (url, text)
     # the image's base has gcc: every worker built the C decode kernel for its CPU at start-up
@@ -170,9 +201,11 @@ def test_16_concurrent_requests_retract_and_still_match(stack, colocated, embedd
         model = (await c.models.list()).data[0].id
 
         async def one(p, n):
-            r = await c.completions.create(model=model, prompt=p, max_tokens=n, temperature=0,
-                                           extra_body={"return_token_ids": True})
+            r = await c.completions.create(
+                model=model, prompt=p, max_tokens=n, temperature=0, extra_body={"return_token_ids": True}
+            )
             return r.choices[0].token_ids
+
         try:
             return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
         finally:
@@ -193,8 +226,10 @@ async def load_while(url: str, action, n: int = 8, max_tokens: int = 64, choose=
     first = [asyncio.Event() for _ in range(n)]
     limits = httpx.Limits(max_connections=n + 2)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits, trust_env=False) as c:
-        tasks = [asyncio.create_task(stream_one(c, f"{SHARED}{q}", max_tokens, i, first[i]))
-                 for i, q in enumerate(QUESTIONS[:n])]
+        tasks = [
+            asyncio.create_task(stream_one(c, f"{SHARED}{q}", max_tokens, i, first[i]))
+            for i, q in enumerate(QUESTIONS[:n])
+        ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 240)
         chosen = choose() if choose is not None else None
         t_action = time.monotonic()
@@ -215,8 +250,9 @@ def check_split(results: list[tuple[Outcome, float]], max_tokens: int = 64) -> N
 
 def hello(url: str) -> str:
     c = client(url)
-    r = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=8, temperature=0,
-                             extra_body={"ignore_eos": True})
+    r = c.completions.create(
+        model=c.models.list().data[0].id, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length"
     return r.choices[0].text
 
@@ -225,14 +261,20 @@ def served_by_new_process(url: str, worker: str, attempts: int = 5) -> None:
     """Concurrent requests until ``worker``'s finished-requests counter, which a restarted process
     starts at 0, counts one: the new process itself serves (not only the other decode worker)."""
     for _ in range(attempts):
+
         async def four():
             c = aclient(url)
             model = (await c.models.list()).data[0].id
             try:
-                await asyncio.gather(*(c.completions.create(model=model, prompt=f"Hello {i}", max_tokens=8,
-                                                            temperature=0) for i in range(4)))
+                await asyncio.gather(
+                    *(
+                        c.completions.create(model=model, prompt=f"Hello {i}", max_tokens=8, temperature=0)
+                        for i in range(4)
+                    )
+                )
             finally:
                 await c.close()
+
         asyncio.run(four())
         if metric_sum(fresh_metrics(url, 0.5), "pdserve_worker_finished_requests_total", worker=worker) >= 1:
             return
@@ -259,8 +301,15 @@ def test_crashed_decode_container_fails_fast_and_restart_policy_brings_it_back(s
     def choose() -> dict:
         crashed["info"] = busiest_decode(stack.url, infos)
         return crashed["info"]
-    check_split(asyncio.run(load_while(stack.url, lambda i: os.kill(int(i["State"]["Pid"]), signal.SIGKILL),
-                                       max_tokens=LONG, choose=choose)), max_tokens=LONG)
+
+    check_split(
+        asyncio.run(
+            load_while(
+                stack.url, lambda i: os.kill(int(i["State"]["Pid"]), signal.SIGKILL), max_tokens=LONG, choose=choose
+            )
+        ),
+        max_tokens=LONG,
+    )
     info, restarts = crashed["info"], crashed["info"]["RestartCount"]
     t0 = time.monotonic()
     while (info := stack.inspect(info["Id"]))["RestartCount"] == restarts:
@@ -278,8 +327,11 @@ def test_docker_kill_stops_decode_for_good_until_started_again(stack):
     def choose() -> str:
         killed["cid"] = busiest_decode(stack.url, infos)["Id"]
         return killed["cid"]
-    check_split(asyncio.run(load_while(stack.url, lambda cid: sh("docker", "kill", cid), max_tokens=LONG,
-                                       choose=choose)), max_tokens=LONG)
+
+    check_split(
+        asyncio.run(load_while(stack.url, lambda cid: sh("docker", "kill", cid), max_tokens=LONG, choose=choose)),
+        max_tokens=LONG,
+    )
     cid = killed["cid"]
     assert stack.inspect(cid)["State"]["Status"] == "exited"  # a manual stop: no restart policy
     hello(stack.url)  # the other decode replica alone serves

@@ -1,5 +1,6 @@
 """The wire's version, its error, and the raw frames messages carry (token ids as little-endian
 int32, page hashes as little-endian uint64). No pickle anywhere."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """The KV transfer's completion notification (JSON bytes beside the KV, not a ZMQ message)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
@@ -31,7 +32,7 @@ class TransferManifest(BaseModel):
     def _payload(self) -> bytes:
         return self.model_dump_json(exclude={"checksum"}).encode()
 
-    def sealed(self) -> "TransferManifest":
+    def sealed(self) -> TransferManifest:
         import zlib
 
         return self.model_copy(update={"checksum": zlib.crc32(self._payload())})

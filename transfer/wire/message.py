@@ -1,4 +1,5 @@
 """The base of every control message (``transfer.wire.protocol`` lists them all)."""
+
 from __future__ import annotations
 
 from typing import ClassVar

@@ -1,6 +1,7 @@
 """Control messages of moving a request between decode workers (decode <-> router): a retracted
 request with its host KV (``decode_worker.migration``), or a queued one before its prefill
 (``decode_worker.queued_moves``). Re-exported by ``transfer.wire.protocol``, which registers them."""
+
 from __future__ import annotations
 
 from typing import ClassVar

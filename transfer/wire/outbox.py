@@ -4,6 +4,7 @@
 connected to it), ``Peer`` a worker this one connects to by address (decode -> prefill). Plain data:
 no sockets, no torch; the worker loop (or an in-process harness) delivers an outbox.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Outbox:
     def send(self, to: Dest, msg: Message, *frames: bytes) -> None:
         self.messages.append(Outbound(to, msg, frames))
 
-    def extend(self, other: "Outbox | None") -> "Outbox":
+    def extend(self, other: Outbox | None) -> Outbox:
         if other is not None:
             self.tokens += other.tokens
             self.messages += other.messages

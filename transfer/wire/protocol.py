@@ -5,19 +5,33 @@ Wire form: ``[kind, header_json, *raw_frames]``. ``kind`` is the ASCII name of t
 little-endian int32 arrays (``ids_frame``/``frame_ids``). ``decode`` refuses unknown kinds and
 versions with ``ProtocolError`` naming what it got and what it supports.
 """
+
 from __future__ import annotations
 
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from transfer.wire.base import (PROTOCOL_VERSION, PromptLogprobs, ProtocolError, frame_hashes,  # noqa: F401
-                                frame_ids, hashes_frame, ids_frame)
+from transfer.wire.base import (  # noqa: F401
+    PROTOCOL_VERSION,
+    PromptLogprobs,
+    ProtocolError,
+    frame_hashes,
+    frame_ids,
+    hashes_frame,
+    ids_frame,
+)
 from transfer.wire.enums import FinishReason, Role
 from transfer.wire.manifest import TransferManifest  # noqa: F401 (re-exported)
 from transfer.wire.message import Message
-from transfer.wire.migration_messages import (MigrateRequest, MigrationDeclined, MigrationEnded,  # noqa: F401
-                                              MigrationOffer, QueuedMove, QueuedOffer)
+from transfer.wire.migration_messages import (  # noqa: F401
+    MigrateRequest,
+    MigrationDeclined,
+    MigrationEnded,
+    MigrationOffer,
+    QueuedMove,
+    QueuedOffer,
+)
 from transfer.wire.sampling_params import SamplingParams
 
 
@@ -192,7 +206,7 @@ class TokenDelta(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when params.prompt_logprobs is set
 
     @classmethod
-    def failed(cls, rid: str, error: str, status: int) -> "TokenDelta":
+    def failed(cls, rid: str, error: str, status: int) -> TokenDelta:
         """The last delta of a request that ends with an error and no new tokens."""
         return cls(rid=rid, finish_reason=FinishReason.ABORT, error=error, error_status=status)
 
@@ -206,7 +220,7 @@ class TokenBatch(Message):
     n_frames: ClassVar[int] = 1
 
     @classmethod
-    def pack(cls, deltas: list[TokenDelta]) -> tuple["TokenBatch", bytes]:
+    def pack(cls, deltas: list[TokenDelta]) -> tuple[TokenBatch, bytes]:
         ids = [t for d in deltas for t in d.token_ids]
         return cls(entries=deltas, counts=[len(d.token_ids) for d in deltas]), ids_frame(ids)
 
@@ -214,11 +228,12 @@ class TokenBatch(Message):
         """The deltas with their ids; ``ProtocolError`` if the frame does not match ``counts``."""
         ids = frame_ids(frame)
         if len(self.counts) != len(self.entries) or sum(self.counts) != len(ids) or min(self.counts, default=0) < 0:
-            raise ProtocolError(f"TokenBatch: counts {self.counts} do not match {len(self.entries)} entries "
-                                f"and {len(ids)} ids")
+            raise ProtocolError(
+                f"TokenBatch: counts {self.counts} do not match {len(self.entries)} entries and {len(ids)} ids"
+            )
         out, pos = [], 0
         for entry, n in zip(self.entries, self.counts):
-            out.append(entry.model_copy(update={"token_ids": ids[pos:pos + n]}))
+            out.append(entry.model_copy(update={"token_ids": ids[pos : pos + n]}))
             pos += n
         return out
 
@@ -284,13 +299,13 @@ class KvEvents(Message):
     def unpack(self, frame: bytes) -> list[tuple[str, list[int]]]:
         """``(kind, hashes)`` per event; ``ProtocolError`` if the frame does not match ``counts``."""
         hashes = frame_hashes(frame)
-        if (len(self.kinds) != len(self.counts) or sum(self.counts) != len(hashes)
-                or min(self.counts, default=0) < 0):
-            raise ProtocolError(f"KvEvents: counts {self.counts} do not match {len(self.kinds)} events and "
-                                f"{len(hashes)} hashes")
+        if len(self.kinds) != len(self.counts) or sum(self.counts) != len(hashes) or min(self.counts, default=0) < 0:
+            raise ProtocolError(
+                f"KvEvents: counts {self.counts} do not match {len(self.kinds)} events and {len(hashes)} hashes"
+            )
         out, pos = [], 0
         for kind, n in zip(self.kinds, self.counts):
-            out.append((kind, hashes[pos:pos + n]))
+            out.append((kind, hashes[pos : pos + n]))
             pos += n
         return out
 
@@ -308,11 +323,33 @@ class KvSnapshot(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    cls.__name__: cls for cls in (GenerateRequest, AbortRequest, StatsRequest, Shutdown, Drain, TokenBatch, WorkerStats,
-                                  PrefillRequest, KVHandshake, KVHandshakeAck, KVDestination, PrefillFailed,
-                                  PrefillWithdrawn, KVWriteStarted, KvSnapshotRequest, KvEvents, KvSnapshot,
-                                  MigrationOffer, MigrationDeclined, MigrateRequest, MigrationEnded, QueuedOffer,
-                                  QueuedMove, KVSources)
+    cls.__name__: cls
+    for cls in (
+        GenerateRequest,
+        AbortRequest,
+        StatsRequest,
+        Shutdown,
+        Drain,
+        TokenBatch,
+        WorkerStats,
+        PrefillRequest,
+        KVHandshake,
+        KVHandshakeAck,
+        KVDestination,
+        PrefillFailed,
+        PrefillWithdrawn,
+        KVWriteStarted,
+        KvSnapshotRequest,
+        KvEvents,
+        KvSnapshot,
+        MigrationOffer,
+        MigrationDeclined,
+        MigrateRequest,
+        MigrationEnded,
+        QueuedOffer,
+        QueuedMove,
+        KVSources,
+    )
 }
 
 

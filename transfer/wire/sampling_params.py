@@ -3,6 +3,7 @@
 Imported by the router, the wire protocol and the workers alike, so a process that only routes
 requests never loads torch.
 """
+
 from __future__ import annotations
 
 import math

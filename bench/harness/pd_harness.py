@@ -10,6 +10,7 @@ worker loop answers them. Each side runs the worker loop's turns (``server.worke
 prefill turn that finished KV handoffs pauses before computing). Token deltas for the router are
 collected (``step`` returns the decode side's; the prefill side's land in ``router_inbox``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,12 +20,12 @@ from configs.schema import PdserveConfig
 from decode_worker.scheduler import create_decode_scheduler
 from engine.model_runner import ModelRunner
 from prefill_worker.scheduler import create_prefill_scheduler
-from transfer.wire.outbox import Conn, Outbox, Peer
-from transfer.wire.protocol import GenerateRequest, PrefillRequest, StatsRequest, TokenDelta, ids_frame
-from transfer.wire.sampling_params import SamplingParams
 from server.worker.loop import worker_stats
 from server.worker.turn import Turns
 from transfer.loopback import LoopbackTransport
+from transfer.wire.outbox import Conn, Outbox, Peer
+from transfer.wire.protocol import GenerateRequest, PrefillRequest, StatsRequest, TokenDelta, ids_frame
+from transfer.wire.sampling_params import SamplingParams
 
 PREFILL_ADDR = "inproc://p"
 DECODE_CONN = b"d0"
@@ -49,7 +50,7 @@ class PDHarness:
 
     def deliver(self, out: Outbox | None, from_decode: bool) -> list[TokenDelta]:
         """Queue ``out``'s messages for the other side; return its token deltas."""
-        for m in (out.messages if out else ()):
+        for m in out.messages if out else ():
             if from_decode:
                 assert m.to == Peer(PREFILL_ADDR), m
                 self.to_prefill.append((m.msg, list(m.frames)))
@@ -60,8 +61,14 @@ class PDHarness:
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams, preempt: bool = False) -> None:
         room = next(self.room)
-        self.deliver(self.decode.add(ROUTER, GenerateRequest(rid=rid, params=params, room=room, prefill_addr=PREFILL_ADDR,
-                                                             preempt=preempt), prompt), True)
+        self.deliver(
+            self.decode.add(
+                ROUTER,
+                GenerateRequest(rid=rid, params=params, room=room, prefill_addr=PREFILL_ADDR, preempt=preempt),
+                prompt,
+            ),
+            True,
+        )
         msg = PrefillRequest(rid=rid, room=room, params=params, decode_worker="d0")
         self.router_inbox += self.deliver(self.prefill.handle(Conn(ROUTER), msg, [ids_frame(prompt)]), False)
 

@@ -1,2 +1,2 @@
-"""Harnesses for tests and benchmarks: a launched ``pdserve`` server (``subprocess_server``) and the
+"""Harnesses for benchmarks and tests: a launched ``pdserve`` server (``subprocess_server``) and the
 real PD schedulers wired in one process (``pd_harness``). Nothing in the serving path imports them."""

@@ -4,6 +4,7 @@ The child gets its own session (process group), so ``stop()`` can make sure noth
 survives: SIGTERM to the launcher (which stops its workers), then SIGKILL to whatever is left in
 the group after the grace period.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,13 @@ class LaunchedServer:
     ``url`` is set once the launcher printed its ready line. ``log()`` returns its stderr so far.
     """
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, startup_timeout_s: float = 240.0,
-                 repo: Path | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 240.0,
+        repo: Path | None = None,
+    ) -> None:
         """``repo``: the checkout to run (default: this one), e.g. an older main for an A/B."""
         self.repo = REPO_ROOT if repo is None else Path(repo)
         self.args = list(args)
@@ -68,8 +74,9 @@ class LaunchedServer:
         env = self.env
         if self.repo != REPO_ROOT:  # the other checkout's modules win in the launcher and its workers
             env = {**(os.environ if env is None else env), "PYTHONPATH": str(self.repo)}
-        self.proc = subprocess.Popen(cmd, cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=self.repo, env=env, stdout=subprocess.PIPE, stderr=self._stderr, text=True, start_new_session=True
+        )
         threading.Thread(target=self._read_stdout, daemon=True).start()
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -131,7 +138,7 @@ class LaunchedServer:
             pass
         return self.proc.wait()
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         self.start()
         return self
 
@@ -146,8 +153,11 @@ def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def metric_sum(m: dict, name: str, **labels: str) -> float:
