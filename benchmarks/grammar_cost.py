@@ -10,7 +10,7 @@ replay's total is shown apart (it pays llguidance's lazily built lexer states). 
 building one request's matcher (the grammar compiled, once per request) and llguidance's tokenizer
 (once per worker).
 
-``python -m bench.grammar_cost [--repeat 20]``
+``python -m benchmarks.grammar_cost [--repeat 20]``
 """
 
 from __future__ import annotations

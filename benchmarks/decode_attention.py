@@ -1,6 +1,6 @@
 """Decode attention kernel alone: float32 math against bfloat16 products (``paged_decode``'s ``dot``).
 
-``python -m bench.decode_attention [--shapes 1x300,8x300,25x260,32x300] [--reps 5]``
+``python -m benchmarks.decode_attention [--shapes 1x300,8x300,25x260,32x300] [--reps 5]``
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64, 16-token pages) over 30
 layers of a bfloat16 pool larger than the last-level cache, each request's pages its own, with this

@@ -5,7 +5,7 @@ one thread (best of ``--repeat`` runs of ``--number`` calls each, so a busy mach
 less). Under overload each of these runs on the router's one event loop, so their sum is also the
 delay every other request's 429 waits behind.
 
-``python -m bench.cost_429 [--words 8 40 400] [--queue 32]``
+``python -m benchmarks.cost_429 [--words 8 40 400] [--queue 32]``
 """
 
 from __future__ import annotations

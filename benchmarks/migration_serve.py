@@ -1,7 +1,7 @@
-"""The serve part of ``bench.migration_bench`` (issue 31's serve goal): one ``pdserve launch --mode pd
+"""The serve part of ``benchmarks.migration_bench`` (issue 31's serve goal): one ``pdserve launch --mode pd
 --decode N --route-decode decode-0`` run without and one with migration on the same streamed
 prompts, each request's e2e and longest token gap, and the goal's two P99 ratios (see
-``bench.migration_bench``'s docstring for the shape and the bound)."""
+``benchmarks.migration_bench``'s docstring for the shape and the bound)."""
 
 from __future__ import annotations
 

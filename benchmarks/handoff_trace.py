@@ -10,8 +10,8 @@ and every worker's milestones (``engine.scheduler.timeline``'s DEBUG line of mon
 CLOCK_MONOTONIC is shared by every process of the machine). Prints, per server, the median of each
 stamp after the client's send and of each hop between consecutive stamps, then the TTFT ratios.
 
-    python -m bench.handoff_trace --requests 20 --prompt-len 250 --max-tokens 1
-    python -m bench.handoff_trace --repo /work/wt-handoff-base   # this checkout vs that one
+    python -m benchmarks.handoff_trace --requests 20 --prompt-len 250 --max-tokens 1
+    python -m benchmarks.handoff_trace --repo /work/wt-handoff-base   # this checkout vs that one
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Mixed batches on vs off in one process: the colocated scheduler under a closed-loop load, no HTTP.
 
-``python -m bench.mixed_ab [--dtype bfloat16] [--concurrency 8] [--prompts-per-client 3] [--input-len-range 112,289]
+``python -m benchmarks.mixed_ab [--dtype bfloat16] [--concurrency 8] [--prompts-per-client 3] [--input-len-range 112,289]
 [--output-len-range 16,64] [--rounds 2] [--max-num-batched-tokens N]`` loads the model once and runs the
 same workload (c clients, each sending its next prompt when the previous one finished) with
 ``mixed_batches`` on and off, alternating (on, off, on, off, ...) so a shared machine's drift hits
@@ -119,7 +119,7 @@ def forward_ab(llm: LLM, shapes: list[tuple[int, int]], repeats: int = 4) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.mixed_ab", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mixed_ab", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default=None, help="engine dtype (float32, bfloat16; default: the engine's)")
     p.add_argument("--concurrency", type=int, default=8)
