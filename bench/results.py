@@ -140,8 +140,19 @@ def write(r: Results, directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path = d / file_name(r)
-    path.write_text(json.dumps(r.model_dump(), indent=2) + "\n")
+    path.write_text(dumps(r.model_dump()) + "\n")
     return path
+
+
+def dumps(x, depth: int = 0) -> str:
+    """Indented JSON with each list of plain values (a table row, the columns) on one line."""
+    pad = "  " * (depth + 1)
+    if isinstance(x, dict) and x:
+        items = [f"{pad}{json.dumps(k)}: {dumps(v, depth + 1)}" for k, v in x.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * depth + "}"
+    if isinstance(x, list) and any(isinstance(v, (dict, list)) for v in x):
+        return "[\n" + ",\n".join(pad + dumps(v, depth + 1) for v in x) + "\n" + "  " * depth + "]"
+    return json.dumps(x)
 
 
 def load(path: str | Path) -> Results:
