@@ -1,5 +1,5 @@
 """One burst of requests against PD: how the prefill work splits between the prefill worker and the
-decode worker, with and without selective disaggregation (issue 29 item 4).
+decode worker, with and without selective disaggregation.
 
 For each ``--local-prefill-max-tokens`` value (``--values 0,256``) this launches a 1P+1D server,
 sends ``--burst`` streamed completions at once (fresh random token-id prompts of

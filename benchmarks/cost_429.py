@@ -67,9 +67,9 @@ def main() -> None:
         cells = [
             _best_us(f, a.number, a.repeat)
             for f in (
-                lambda: parse_object(raw),
-                lambda: parse_model(CompletionRequest, body),
-                lambda: tok.encode(prompt),
+                lambda raw=raw: parse_object(raw),
+                lambda body=body: parse_model(CompletionRequest, body),
+                lambda prompt=prompt: tok.encode(prompt),
                 early,
             )
         ]

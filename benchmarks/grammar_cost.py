@@ -94,7 +94,8 @@ def main() -> None:
     t0 = time.perf_counter()
     compiler.matcher(StructuredOutput(kind="json", spec='{"type": "object"}'))  # builds llguidance's tokenizer
     print(
-        f"llguidance tokenizer build (once per worker, with the first matcher): {(time.perf_counter() - t0) * 1e3:.0f} ms"
+        "llguidance tokenizer build (once per worker, with the first matcher): "
+        f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
     )
     print(
         "| constraint | tokens | matcher build | bitmask / token | bool row / token | consume / token | total / token "
