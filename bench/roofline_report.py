@@ -96,7 +96,11 @@ def print_breakdown(rows: list[dict]) -> None:
 
 def roofline_tables(out: dict) -> list[Table]:
     """``run_roofline``'s rows as results tables: decode steps, prefills, and the decode breakdown."""
-    decode = [
+    return [_decode_table(out["decode"]), _prefill_table(out["prefill"]), _breakdown_table(out["breakdown"])]
+
+
+def _decode_table(rows: list[dict]) -> Table:
+    cells = [
         [
             r["dtype"],
             r["batch"],
@@ -107,9 +111,14 @@ def roofline_tables(out: dict) -> list[Table]:
             round(r["batch"] / r["roof"].measured_s, 1),
             round(r["roof"].fraction, 2),
         ]
-        for r in out["decode"]
+        for r in rows
     ]
-    prefill = [
+    columns = ["dtype", "batch", "context", "MB/step", "bound ms", "step ms", "tok/s", "fraction"]
+    return Table(title="decode step against its bound", columns=columns, rows=cells)
+
+
+def _prefill_table(rows: list[dict]) -> Table:
+    cells = [
         [
             r["dtype"],
             r["tokens"],
@@ -119,31 +128,21 @@ def roofline_tables(out: dict) -> list[Table]:
             round(r["roof"].measured_s * 1e3, 2),
             round(r["roof"].fraction, 2),
         ]
-        for r in out["prefill"]
+        for r in rows
     ]
-    share = [
+    columns = ["dtype", "tokens", "GFLOP", "peak GFLOP/s", "bound ms", "measured ms", "fraction"]
+    return Table(title="prefill against the matmul peak", columns=columns, rows=cells)
+
+
+def _breakdown_table(rows: list[dict]) -> Table:
+    cells = [
         [
             r["dtype"],
             r["batch"],
             round(r["wall"] * 1e3, 2),
             *(round(rl.shares(r["seconds"])[c] * 100, 1) for c in rl.CLASSES),
         ]
-        for r in out["breakdown"]
+        for r in rows
     ]
-    return [
-        Table(
-            title="decode step against its bound",
-            columns=["dtype", "batch", "context", "MB/step", "bound ms", "step ms", "tok/s", "fraction"],
-            rows=decode,
-        ),
-        Table(
-            title="prefill against the matmul peak",
-            columns=["dtype", "tokens", "GFLOP", "peak GFLOP/s", "bound ms", "measured ms", "fraction"],
-            rows=prefill,
-        ),
-        Table(
-            title="decode step by op class (% of the profiled step)",
-            columns=["dtype", "batch", "step ms", *rl.CLASSES],
-            rows=share,
-        ),
-    ]
+    columns = ["dtype", "batch", "step ms", *rl.CLASSES]
+    return Table(title="decode step by op class (% of the profiled step)", columns=columns, rows=cells)
