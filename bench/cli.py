@@ -11,12 +11,20 @@ import importlib
 import logging
 import sys
 
+from bench.results import command_line, new_results, write_if_asked
 from bench.serve.options import add_serve_flags
 from configs.cli_flags import add_flags, collect
 from configs.engine import EngineConfig
 
 # name -> module with ``main(argv) -> int``, run with the arguments after the name
 STANDALONE = {"two-routers": "bench.two_routers", "compose-multiturn": "bench.compose_multiturn"}
+
+
+RESULTS_HELP = (
+    "write a results file (JSON: benchmark, commit, UTC date, machine, command, figures) into DIR "
+    "(engine, engine --roofline, serve); e.g. benchmarks/results in a checkout, which "
+    "benchmarks/render.py renders into the README and docs/benchmarks.md. Default: no file"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
         "OpenAI-compatible serving load generator (TTFT/TPOT/ITL, --compare colocated,pd, "
         "--interference, --goodput)",
     )
+    p.add_argument("--results-dir", metavar="DIR", help=RESULTS_HELP)
+    _add_engine_flags(p)
+    _add_transfer_flags(p)
+    add_flags(p, EngineConfig)
+    add_serve_flags(p)
+    return p
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of ``engine`` (and ``--roofline``) and ``retract``."""
     p.add_argument("--requests", type=int, default=16, help="retract: requests in the workload")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -69,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1, 8],
         help="engine --roofline: decode batch sizes profiled by op class",
     )
+
+
+def _add_transfer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="nixl,ucxx", help="transfer: data planes to measure (nixl, ucxx)")
     p.add_argument(
         "--ucxx-error-handling",
@@ -77,9 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="transfer: ucxx endpoint error handling to measure",
     )
     p.add_argument("--dead-peer", action="store_true", help="transfer: also time a write to a killed peer")
-    add_flags(p, EngineConfig)
-    add_serve_flags(p)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,21 +119,49 @@ def run(args: argparse.Namespace) -> int:
             + (["--dead-peer"] if args.dead_peer else [])
         )
     elif args.roofline:
-        from bench.roofline_bench import run_roofline
-
-        run_roofline(
-            engine,
-            [d for d in args.dtypes.split(",") if d],
-            args.batch_sizes,
-            args.decode_tokens,
-            args.prefill_lengths,
-            args.profile_batches,
-        )
+        _run_roofline(args, engine)
     else:
-        from bench.engine_bench import run_engine_bench
-
-        run_engine_bench(engine, args.batch_sizes, args.decode_tokens, args.prefill_tokens, not args.skip_hf)
+        _run_engine(args, engine)
     return 0
+
+
+def _run_roofline(args: argparse.Namespace, engine: EngineConfig) -> None:
+    from bench.roofline_bench import run_roofline
+    from bench.roofline_report import roofline_tables
+
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    out = run_roofline(engine, dtypes, args.batch_sizes, args.decode_tokens, args.prefill_lengths, args.profile_batches)
+    if args.results_dir:
+        r = new_results(
+            "engine-roofline",
+            "pdserve bench engine --roofline",
+            f"Engine against the roofline ({engine.model})",
+            command_line(_argv(args)),
+            roofline_tables(out),
+            read_bandwidth_gbs=out["bandwidth"] / 1e9,
+            notes=[f"matmul peak {d}: {p / 1e9:.1f} GFLOP/s ({w})" for d, (p, w) in out["peaks"].items()],
+        )
+        write_if_asked(args.results_dir, r)
+
+
+def _run_engine(args: argparse.Namespace, engine: EngineConfig) -> None:
+    from bench.engine_bench import engine_tables, run_engine_bench
+
+    out = run_engine_bench(engine, args.batch_sizes, args.decode_tokens, args.prefill_tokens, not args.skip_hf)
+    if args.results_dir:
+        r = new_results(
+            "engine",
+            "pdserve bench engine",
+            f"Engine against HF transformers ({engine.model}, {engine.dtype})",
+            command_line(_argv(args)),
+            engine_tables(out, args.batch_sizes, args.prefill_tokens),
+        )
+        write_if_asked(args.results_dir, r)
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The arguments after ``pdserve bench`` (``main`` keeps them on ``args``)."""
+    return getattr(args, "argv", None) or sys.argv[1:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,5 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return importlib.import_module(STANDALONE[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(args)

@@ -1,6 +1,6 @@
 """``python -m bench.compose_multiturn``: the multi-turn chat workload against the shipped
-``docker/compose.yaml`` deployment, once per routing policy (issue 30: "2P+2D on one host and in
-compose").
+``docker/compose.yaml`` deployment, once per routing policy (the cache-aware routing goal: "2P+2D on one host
+and in compose").
 
 For each policy in ``--routings`` (default ``least-loaded,cache-aware``) it brings up a fresh compose
 project from ``pdserve:latest`` (``--image``) with ``--scale prefill=P --scale decode=D``, every

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from bench.results import Table
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.llm import LLM, run_batch
@@ -88,17 +89,39 @@ def run_engine_bench(
             ref = _decode_rate(lambda p, n: _hf(hf, p, n), ps, decode_tokens)
             line += f" | HF {ref:8.1f} tok/s | ratio {ours / ref:5.2f}x"
             results[f"decode_b{b}_ratio"] = ours / ref
+            results[f"decode_b{b}_hf"] = ref
         results[f"decode_b{b}"] = ours
         print(line, flush=True)
     long = _prompts(1, prefill_tokens, vocab, seed=7)
     t_ours = _ours(llm, long, 1)
     line = f"prefill {prefill_tokens} tokens: pdserve {prefill_tokens / t_ours:8.1f} tok/s"
+    results["prefill"] = prefill_tokens / t_ours
     if hf is not None:
         t_hf = _hf(hf, long, 1)
         line += f" | HF {prefill_tokens / t_hf:8.1f} tok/s | ratio {t_hf / t_ours:5.2f}x"
         results["prefill_ratio"] = t_hf / t_ours
+        results["prefill_hf"] = prefill_tokens / t_hf
     print(line, flush=True)
     return results
+
+
+def engine_tables(results: dict, batch_sizes: list[int], prefill_tokens: int) -> list[Table]:
+    """The figures of ``run_engine_bench`` as results tables (HF columns None when it was skipped)."""
+    decode = [
+        [b, _r(results[f"decode_b{b}"]), _r(results.get(f"decode_b{b}_hf")), _r(results.get(f"decode_b{b}_ratio"), 2)]
+        for b in batch_sizes
+    ]
+    prefill = [
+        [prefill_tokens, _r(results["prefill"]), _r(results.get("prefill_hf")), _r(results.get("prefill_ratio"), 2)]
+    ]
+    return [
+        Table(title="decode", columns=["batch", "pdserve tok/s", "HF tok/s", "ratio"], rows=decode),
+        Table(title="prefill", columns=["prompt tokens", "pdserve tok/s", "HF tok/s", "ratio"], rows=prefill),
+    ]
+
+
+def _r(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def _load_hf(engine: EngineConfig):

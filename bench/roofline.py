@@ -1,12 +1,11 @@
 """Roofline arithmetic of ``pdserve bench engine --roofline``: pure functions, no timing.
 
-A decode step reads every matmul weight once (the tied embedding/output matrix once, as the LM
-head's matmul reads it; the embedding gather reads only the batch's rows) plus each sequence's KV
-cache, and multiplies every weight by each of its B rows: its floor is the larger of
-``bytes / read bandwidth`` (small batches) and ``FLOPs / matmul peak`` (large ones). A prefill is compute-bound: its floor
-is ``FLOPs / matmul peak``. ``fraction = bound / measured`` (1.0 = at the roof). Activations, the
-logits written and read back by the sampler, and the KV written for the new tokens are left out
-(under 1% at batch 1; about 5% at batch 32 with 100-token contexts, mostly the logits).
+A decode step reads every matmul weight once (the tied embedding/output matrix once, as the LM head's matmul reads
+it; the embedding gather reads only the batch's rows) plus each sequence's KV cache, and multiplies every weight by
+each of its B rows: its floor is the larger of ``bytes / read bandwidth`` (small batches) and ``FLOPs / matmul
+peak`` (large ones). A prefill is compute-bound: its floor is ``FLOPs / matmul peak``. ``fraction = bound /
+measured`` (1.0 = at the roof). Activations, the logits written and read back by the sampler, and the KV written for
+the new tokens are left out (under 1% at batch 1; about 5% at batch 32 with 100-token contexts, mostly the logits).
 
 ``OP_CLASSES`` sorts the profiler's op names into the classes of the per-step breakdown;
 ``breakdown`` turns ``(name, self time)`` rows and a wall time into shares.

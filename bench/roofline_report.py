@@ -7,6 +7,7 @@ import os
 import torch
 
 from bench import roofline as rl
+from bench.results import Table
 from engine.cpu_features import cpu_flags
 
 _SHORT = {
@@ -91,3 +92,57 @@ def print_breakdown(rows: list[dict]) -> None:
             f"{r['dtype']:<9} {r['batch']:>5} {r['wall'] * 1e3:>8.1f} "
             + " ".join(f"{share[c] * 100:>12.1f}%" for c in rl.CLASSES)
         )
+
+
+def roofline_tables(out: dict) -> list[Table]:
+    """``run_roofline``'s rows as results tables: decode steps, prefills, and the decode breakdown."""
+    return [_decode_table(out["decode"]), _prefill_table(out["prefill"]), _breakdown_table(out["breakdown"])]
+
+
+def _decode_table(rows: list[dict]) -> Table:
+    cells = [
+        [
+            r["dtype"],
+            r["batch"],
+            r["context"],
+            round(r["bytes"] / 1e6, 1),
+            round(r["roof"].bound_s * 1e3, 2),
+            round(r["roof"].measured_s * 1e3, 2),
+            round(r["batch"] / r["roof"].measured_s, 1),
+            round(r["roof"].fraction, 2),
+        ]
+        for r in rows
+    ]
+    columns = ["dtype", "batch", "context", "MB/step", "bound ms", "step ms", "tok/s", "fraction"]
+    return Table(title="decode step against its bound", columns=columns, rows=cells)
+
+
+def _prefill_table(rows: list[dict]) -> Table:
+    cells = [
+        [
+            r["dtype"],
+            r["tokens"],
+            round(r["flops"] / 1e9, 2),
+            round(r["peak"] / 1e9, 1),
+            round(r["roof"].bound_s * 1e3, 2),
+            round(r["roof"].measured_s * 1e3, 2),
+            round(r["roof"].fraction, 2),
+        ]
+        for r in rows
+    ]
+    columns = ["dtype", "tokens", "GFLOP", "peak GFLOP/s", "bound ms", "measured ms", "fraction"]
+    return Table(title="prefill against the matmul peak", columns=columns, rows=cells)
+
+
+def _breakdown_table(rows: list[dict]) -> Table:
+    cells = [
+        [
+            r["dtype"],
+            r["batch"],
+            round(r["wall"] * 1e3, 2),
+            *(round(rl.shares(r["seconds"])[c] * 100, 1) for c in rl.CLASSES),
+        ]
+        for r in rows
+    ]
+    columns = ["dtype", "batch", "step ms", *rl.CLASSES]
+    return Table(title="decode step by op class (% of the profiled step)", columns=columns, rows=cells)

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import sys
 
+from bench.results import Results, command_line, new_results, write_if_asked
 from bench.serve import goodput_report, report
 from bench.serve.client import ClientConfig, served_model, split_urls
 from bench.serve.cpu import CpuMeter
@@ -25,6 +26,7 @@ from bench.serve.report import RunRecord
 from bench.serve.runner import closed_loop, open_loop
 from bench.serve.servers import config_flags, launched
 from bench.serve.stats import compute_stats
+from bench.serve.tables import serve_tables
 from bench.serve.workload import LengthCounter, PromptShape, RequestSpec, load_counter, make_requests, poisson_arrivals
 
 __all__ = ["add_serve_flags", "run_serve_bench"]
@@ -254,6 +256,24 @@ def _with_cpu(record: RunRecord, meter: CpuMeter | None) -> RunRecord:
     return record if meter is None else dataclasses.replace(record, cpu_s=meter.cpu_s, cpu_wall_s=meter.wall_s)
 
 
+def serve_results(args: argparse.Namespace, bench: ServeBench, records: list[RunRecord], ratios: dict) -> Results:
+    """The run as a results file (``--results-dir``): the runs, ratios and goodput tables."""
+    (lo, hi), (out_lo, out_hi) = bench.o.input_range, bench.o.output_range
+    targets = bench.o.target_names or ["server"]
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+    return new_results(
+        "serve-compare" if bench.o.modes else "serve",
+        "pdserve bench serve",
+        f"Serving: {', '.join(targets)}",
+        command_line(argv),
+        serve_tables(records, ratios, bench.goodputs),
+        notes=[
+            f"prompts of {lo}-{hi} tokens, {out_lo}-{out_hi} output tokens, tokenizer {bench.counter.name}",
+            f"endpoint /v1/{args.endpoint}, ignore_eos {args.ignore_eos}",
+        ],
+    )
+
+
 def run_serve_bench(args: argparse.Namespace, engine_values: dict) -> int:
     """Entry point of ``pdserve bench serve``; 2 on invalid flags, 1 if a server fails to start or any
     request failed (after writing the results), else 0.
@@ -274,6 +294,7 @@ def run_serve_bench(args: argparse.Namespace, engine_values: dict) -> int:
     if args.out:
         report.write_json(args.out, payload)
         print(f"results: {args.out}")
+    write_if_asked(args.results_dir, serve_results(args, bench, records, payload["ratios"]))
     if args.plot:
         try:
             if bench.goodputs:

@@ -1,5 +1,5 @@
 """``python -m bench.two_routers`` (``pdserve bench two-routers``): does a second router in front of
-the same workers keep the throughput of one, and do the routers spread the load evenly? (issue 28:
+the same workers keep the throughput of one, and do the routers spread the load evenly? (the goal:
 "two routers: the same throughput as one at c=32, and load spread within 20 % across decode
 workers").
 

@@ -1,10 +1,10 @@
-"""bench.decode_attention: the decode attention kernel timed with float32 math and bfloat16 products."""
+"""benchmarks.decode_attention: the decode attention kernel timed with float32 math and bfloat16 products."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import decode_attention
+from benchmarks import decode_attention
 from engine.kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler for the CPU kernels")

@@ -1,8 +1,8 @@
-"""bench.gemm_rows: the matmul-by-rows microbenchmark measures the serving path's projections."""
+"""benchmarks.gemm_rows: the matmul-by-rows microbenchmark measures the serving path's projections."""
 
 from __future__ import annotations
 
-from bench import gemm_rows
+from benchmarks import gemm_rows
 
 
 def test_measure_times_every_row_count_and_counts_the_flops():

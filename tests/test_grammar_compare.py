@@ -1,4 +1,4 @@
-"""bench.grammar_compare's core and bench.grammar_engines on llguidance alone (the engine `make
+"""benchmarks.grammar_compare's core and benchmarks.grammar_engines on llguidance alone (the engine `make
 install` has), on the real tokenizer with a tiny regex: the engine accepts its valid output and
 refuses a wrong one, every repeat is recorded, the table has the tokenizer line and one well-formed
 row per case (a constraint the engine cannot compile is a row saying so), and an engine whose module
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from bench.grammar_compare import compare, table  # noqa: E402
-from bench.grammar_engines import Case, Llguidance, available, vocab_of  # noqa: E402
+from benchmarks.grammar_compare import compare, table  # noqa: E402
+from benchmarks.grammar_engines import Case, Llguidance, available, vocab_of  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

@@ -88,11 +88,11 @@ def test_announcement_for_an_unknown_room_is_ignored(harness):
 
 
 def test_trace_lines_up_router_and_worker_stamps():
-    """``bench.handoff_trace`` reads the stamps the way the router and the workers log them
+    """``benchmarks.handoff_trace`` reads the stamps the way the router and the workers log them
     (``engine.scheduler.timeline.marks_text`` under each process's log format)."""
     import logging
 
-    from bench.handoff_trace import parse_marks
+    from benchmarks.handoff_trace import parse_marks
     from engine.scheduler.timeline import marks_text
 
     def line(fmt: str, name: str, msg: str) -> str:
@@ -133,8 +133,8 @@ def test_trace_lines_up_router_and_worker_stamps():
 
 
 def test_burst_split_sums_each_sides_prefill_seconds():
-    """``bench.burst_split`` reads each role's prefill seconds from the phase histograms' sums."""
-    from bench.burst_split import phase_sum
+    """``benchmarks.burst_split`` reads each role's prefill seconds from the phase histograms' sums."""
+    from benchmarks.burst_split import phase_sum
 
     name = "pdserve_request_phase_seconds_sum"
     m = {

@@ -15,7 +15,7 @@ import pytest
 from transfer.wire.protocol import ProtocolError, TokenBatch, TokenDelta, decode, encode
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("transfer", "cache", "configs", "engine", "prefill_worker", "decode_worker", "server", "bench")
+PACKAGES = ("transfer", "cache", "configs", "engine", "prefill_worker", "decode_worker", "server", "bench", "benchmarks")
 
 # Lowest first. A module may import its own layer or any layer below it, never one above. A module
 # belongs to the longest prefix listed. Nothing outside tests/ imports ``bench``.
@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("server.launch",),  # CLI, launcher, supervisor, ports, roles, probe
     ("bench.harness",),  # launched-server and in-process PD harnesses
     ("bench",),  # benchmarks, on top of everything
+    ("benchmarks",),  # one-off studies, outside the wheel
 ]
 MAX_FILE_LINES = 500
 MAX_CLASS_METHODS = 20

@@ -1,4 +1,4 @@
-"""bench.migration_bench's arithmetic: the serve goal's two ratios and the cores it pins. The
+"""benchmarks.migration_bench's arithmetic: the serve goal's two ratios and the cores it pins. The
 per-run ratio compares each run's own retracted requests; the matched one follows the requests
 retracted without migration into the run with it, so a shape whose retracted sets differ between
 the runs cannot pass on the difference alone."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.migration_bench import goal_lines
-from bench.migration_serve import (
+from benchmarks.migration_bench import goal_lines
+from benchmarks.migration_serve import (
     LONG_PREFIX,
     long_prefix,
     matched_p99_ratio,

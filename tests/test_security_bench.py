@@ -3,7 +3,7 @@ every configuration was measured and the seal round-trips inside the benchmark).
 
 from __future__ import annotations
 
-from bench import curve_cost, notif_seal_cost
+from benchmarks import curve_cost, notif_seal_cost
 
 
 def test_curve_cost_measures_both_configurations_for_both_messages(capsys):

@@ -1,9 +1,9 @@
-"""bench.swa_memory on a tiny hybrid: both layouts fit the budget, and past the window the SWA
+"""benchmarks.swa_memory on a tiny hybrid: both layouts fit the budget, and past the window the SWA
 pool admits more requests, each holding fewer KV bytes (the decode worker's admission code)."""
 
 from __future__ import annotations
 
-from bench.swa_memory import admit_all, layouts
+from benchmarks.swa_memory import admit_all, layouts
 from tests.conftest import tiny_config
 
 TYPES = ("sliding_attention",) * 5 + ("full_attention",)

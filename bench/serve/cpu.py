@@ -1,5 +1,5 @@
 """CPU seconds of a launched server's processes over a measured load level, per process and per
-output token (issue 25: the router's cost must stay under 10% of one core per 100 output tok/s).
+output token (the goal: the router's cost stays under 10% of one core per 100 output tok/s).
 
 The launcher process runs the router (uvicorn, in-process); its direct children that were started
 as ``python -m server.worker.main --role R --worker-id ID`` are the workers, named by their id

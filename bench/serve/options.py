@@ -30,8 +30,20 @@ GOODPUT_KNOBS = {
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    """Add the ``bench serve`` flags to ``p``."""
+    """Add the ``bench serve`` flags to ``p``, in one group."""
     g = p.add_argument_group("bench serve (OpenAI-compatible load generator)")
+    _target_flags(g)
+    _load_flags(g)
+    _lengths_flags(g)
+    _goodput_flags(g)
+    _output_flags(g)
+    _compare_flags(g)
+    _interference_flags(g)
+    _multiturn_flags(g)
+
+
+def _target_flags(g) -> None:
+    """The server loaded and how requests reach it."""
     g.add_argument(
         "--base-url",
         default="http://127.0.0.1:8000",
@@ -41,6 +53,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="model field of the requests; default: first of GET /v1/models")
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+
+
+def _load_flags(g) -> None:
+    """Closed loop (clients) or open loop (Poisson rates), and how many requests."""
     g.add_argument("--concurrency", help="closed loop: comma-separated client counts, e.g. 1,8,32 (default 1)")
     g.add_argument("--request-rate", help="open loop: comma-separated Poisson rates in req/s, e.g. 1,2,inf")
     g.add_argument(
@@ -57,6 +73,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "instead of --num-prompts), so every level reaches a steady state rather than "
         "one burst of concurrency requests that drains",
     )
+
+
+def _lengths_flags(g) -> None:
+    """Prompt and output lengths, the tokenizer that counts them, warm-up and seed."""
     g.add_argument("--input-len", type=int, help=f"prompt tokens (see --input-len-range; default {DEFAULT_INPUT_LEN})")
     g.add_argument(
         "--input-len-range", metavar="LO,HI", help="prompt tokens uniform in [LO, HI] (wins over --input-len)"
@@ -84,6 +104,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each load level's run")
     g.add_argument("--workload-seed", type=int, default=0, help="seed of prompts and arrival times")
+
+
+def _goodput_flags(g) -> None:
+    """SLOs and the --goodput search."""
     g.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT target")
     g.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT target")
     g.add_argument(
@@ -110,10 +134,18 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         help="--goodput: stop bisecting once the passing and failing rates are this close, req/s (default 0.05)",
     )
+
+
+def _output_flags(g) -> None:
+    """Timeouts and what is written (JSON, PNG, progress)."""
     g.add_argument("--request-timeout-s", type=float, default=600.0)
     g.add_argument("--out", "--json-out", dest="out", help="write the results as JSON here")
     g.add_argument("--plot", help="write a PNG of latency and throughput against load here (needs matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _compare_flags(g) -> None:
+    """Launched modes and other running servers in the same run."""
     g.add_argument(
         "--compare",
         help="launch these modes one after the other (e.g. colocated,pd; colocated-x2: two "
@@ -130,6 +162,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "be several comma-separated routers, loaded round-robin (two=http://h:8000,http://h:8001)",
     )
     g.add_argument("--server-args", default="", help="--compare: more 'pdserve launch' flags for every server")
+
+
+def _interference_flags(g) -> None:
+    """--interference: long prompts among short requests."""
     g.add_argument(
         "--interference",
         action="store_true",
@@ -139,6 +175,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-input-len-range", default="1500,2000", metavar="LO,HI")
     g.add_argument("--long-output-len", type=int, default=16)
     g.add_argument("--long-request-rate", type=float, help="default: spread over the short stream's duration")
+
+
+def _multiturn_flags(g) -> None:
+    """--multi-turn conversations."""
     g.add_argument(
         "--multi-turn",
         action="store_true",
@@ -270,6 +310,24 @@ def _goodput(a: argparse.Namespace, slo: SLO) -> GoodputSpec | None:
     )
 
 
+def _refuse_clashes(a: argparse.Namespace) -> None:
+    """``ValueError`` for load flags that exclude each other (each run has one kind of load)."""
+    if a.workload and (a.multi_turn or a.interference):
+        raise ValueError(
+            "--workload shapes a --concurrency, --request-rate or --goodput run; --multi-turn and "
+            "--interference have their own lengths: drop --workload"
+        )
+    if a.multi_turn and (a.concurrency or a.request_rate or a.interference):
+        raise ValueError(
+            "--multi-turn sets its own load (--users conversations): drop --concurrency, "
+            "--request-rate and --interference"
+        )
+    if a.concurrency and a.request_rate:
+        raise ValueError("give --concurrency (closed loop) or --request-rate (open loop), not both")
+    if a.interference and a.concurrency:
+        raise ValueError("--interference is open loop: give the short requests' --request-rate, not --concurrency")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """Parsed, validated ``bench serve`` settings (``ValueError`` from ``from_args`` says which flag is wrong)."""
@@ -295,20 +353,7 @@ class ServeOptions:
     def from_args(cls, a: argparse.Namespace) -> ServeOptions:
         slo = SLO(a.slo_ttft_ms, a.slo_tpot_ms)
         goodput = _goodput(a, slo)
-        if a.workload and (a.multi_turn or a.interference):
-            raise ValueError(
-                "--workload shapes a --concurrency, --request-rate or --goodput run; --multi-turn and "
-                "--interference have their own lengths: drop --workload"
-            )
-        if a.multi_turn and (a.concurrency or a.request_rate or a.interference):
-            raise ValueError(
-                "--multi-turn sets its own load (--users conversations): drop --concurrency, "
-                "--request-rate and --interference"
-            )
-        if a.concurrency and a.request_rate:
-            raise ValueError("give --concurrency (closed loop) or --request-rate (open loop), not both")
-        if a.interference and a.concurrency:
-            raise ValueError("--interference is open loop: give the short requests' --request-rate, not --concurrency")
+        _refuse_clashes(a)
         conc = _numbers(a.concurrency, "--concurrency", int) if a.concurrency else None
         rates = _numbers(a.request_rate, "--request-rate", float) if a.request_rate else None
         if a.interference and (rates is None or len(rates) != 1 or math.isinf(rates[0])):

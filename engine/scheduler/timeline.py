@@ -5,7 +5,7 @@ and re-admitted request keeps its first pass) and hand the request to ``Timeline
 ends. Each role names its phases as spans between two milestones; every phase with both ends
 stamped is observed in a histogram (shipped to the router as ``phase_<name>``, exported as
 ``pdserve_request_phase_seconds{worker, phase}``) and one DEBUG line per request lists them (a
-second one its milestones' monotonic stamps, for ``bench.handoff_trace``).
+second one its milestones' monotonic stamps, for ``benchmarks.handoff_trace``).
 """
 
 from __future__ import annotations
@@ -68,6 +68,6 @@ class Timeline:
 
 def marks_text(marks: dict[str, float]) -> str:
     """``name=seconds`` for every milestone, in stamp order: CLOCK_MONOTONIC is one clock for every
-    process of a machine, so ``bench.handoff_trace`` lines up the router's and each worker's stamps
+    process of a machine, so ``benchmarks.handoff_trace`` lines up the router's and each worker's stamps
     of one request."""
     return " ".join(f"{k}={v:.6f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1]))

@@ -165,7 +165,7 @@ class GenerationSession:
             return
         self.closed = True
         self._leave(reason)
-        if log.isEnabledFor(logging.DEBUG):  # one line per request: bench.handoff_trace lines up the hops
+        if log.isEnabledFor(logging.DEBUG):  # one line per request: benchmarks.handoff_trace lines up the hops
             stamps = {
                 "arrived": self.arrival,
                 "sent": self.t_sent,

@@ -1,6 +1,6 @@
 """KV memory of a sliding-window hybrid with and without the SWA pool, at one fixed KV budget.
 
-``python -m bench.swa_memory --model gemma3-270m --budget-mib 512 --prompt-len 4096``
+``python -m benchmarks.swa_memory --model gemma3-270m --budget-mib 512 --prompt-len 4096``
 
 For each layout (``swa``: sliding layers in the SWA pool; ``full``: every layer in the full pool)
 the KV budget in bytes is turned into pools, and the decode worker's own admission code

@@ -1,6 +1,6 @@
 """Grammar engines side by side on this CPU: llguidance (what pdserve uses), xgrammar, outlines-core.
 
-For the served model's tokenizer (SmolLM2, 49152 ids) and the constraints of ``bench.grammar_cost``
+For the served model's tokenizer (SmolLM2, 49152 ids) and the constraints of ``benchmarks.grammar_cost``
 (a 4-field json_schema, the forced tool-call grammar) plus a regex, each engine is measured on:
 
 - the one-time tokenizer build (its vocabulary index, once per worker);
@@ -17,7 +17,7 @@ a busy machine hits them alike; the minimum is the figure least inflated by othe
 engine that is not installed is skipped with a line saying so (``pip install 'pdserve[grammar-bench]'``
 installs the two others).
 
-``python -m bench.grammar_compare [--repeat 30]``
+``python -m benchmarks.grammar_compare [--repeat 30]``
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bench.grammar_cost import PERSON, TIME, WEATHER
-from bench.grammar_engines import TOOL_PREFIX, TOOL_SUFFIX, Case, Engine, Vocab, available, vocab_of
+from benchmarks.grammar_cost import PERSON, TIME, WEATHER
+from benchmarks.grammar_engines import TOOL_PREFIX, TOOL_SUFFIX, Case, Engine, Vocab, available, vocab_of
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Row:
 
 
 def cases() -> list[Case]:
-    """The measured constraints: those of ``bench.grammar_cost`` and a regex."""
+    """The measured constraints: those of ``benchmarks.grammar_cost`` and a regex."""
     call = {
         "anyOf": [
             {

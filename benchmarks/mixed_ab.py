@@ -1,15 +1,14 @@
 """Mixed batches on vs off in one process: the colocated scheduler under a closed-loop load, no HTTP.
 
-``python -m bench.mixed_ab [--dtype bfloat16] [--concurrency 8] [--prompts-per-client 3] [--input-len-range 112,289]
-[--output-len-range 16,64] [--rounds 2] [--max-num-batched-tokens N]`` loads the model once and runs the
-same workload (c clients, each sending its next prompt when the previous one finished) with
-``mixed_batches`` on and off, alternating (on, off, on, off, ...) so a shared machine's drift hits
-both alike. Output lengths vary (``ignore_eos``, drawn from the range): with one length for all,
-requests admitted together finish together and the next ones start together, so no prefill ever
-meets a running decode. Per run: output tok/s over wall time, CPU ms per output token (``time.process_time``:
-every thread of this process, the figure least moved by other processes on a shared machine), mean
-TTFT and P99 inter-token latency (ms between a request's successive tokens). The serving benchmark
-(``pdserve bench serve --server-args=--mixed-batches``) measures the same switch end to end.
+``python -m benchmarks.mixed_ab [--dtype bfloat16] [--concurrency 8] [--prompts-per-client 3] [--input-len-range
+112,289] [--output-len-range 16,64] [--rounds 2] [--max-num-batched-tokens N]`` loads the model once and runs the
+same workload (c clients, each sending its next prompt when the previous one finished) with ``mixed_batches`` on and
+off, alternating (on, off, on, off, ...) so a shared machine's drift hits both alike. Output lengths vary
+(``ignore_eos``, drawn from the range): with one length for all, requests admitted together finish together and the
+next ones start together, so no prefill ever meets a running decode. Per run: output tok/s over wall time, CPU ms
+per output token (``time.process_time``: every thread of this process, the figure least moved by other processes on
+a shared machine), mean TTFT and P99 inter-token latency (ms between a request's successive tokens). The serving
+benchmark (``pdserve bench serve --server-args=--mixed-batches``) measures the same switch end to end.
 ``--forwards`` times single forwards instead: one mixed forward against the two it replaces.
 """
 
@@ -119,7 +118,7 @@ def forward_ab(llm: LLM, shapes: list[tuple[int, int]], repeats: int = 4) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.mixed_ab", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mixed_ab", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default=None, help="engine dtype (float32, bfloat16; default: the engine's)")
     p.add_argument("--concurrency", type=int, default=8)

@@ -1,22 +1,22 @@
 """Matmul throughput by row count: does a step's size or its thread count cost GEMM efficiency?
 
-``python -m bench.gemm_rows [--rows 32,64,128,256,512] [--threads 1,2] [--dtype bfloat16]``
+``python -m benchmarks.gemm_rows [--rows 32,64,128,256,512] [--threads 1,2] [--dtype bfloat16]``
 
 Runs the model's four projections per layer (SmolLM2-135M: qkv 576->960, o 576->576, gate_up
 576->3072, down 1536->576) over 30 layers through ``engine.cpu_linear.linear`` (the serving path:
 oneDNN's packed primitive, the small-batch kernel for the rows it takes) at each row count, best of
 ``--reps`` rounds (the row counts alternating) after a warm-up, and prints ms per step and GFLOP/s.
-Each thread count runs in its own process (oneDNN builds its kernels per thread count). Session 23, a 2-core Zen 4: 375-406
-GFLOP/s from 64 to 512 rows on two threads, 198-207 on one.
+Each thread count runs in its own process (oneDNN builds its kernels per thread count). On a 2-core Zen 4:
+375-406 GFLOP/s from 64 to 512 rows on two threads, 198-207 on one.
 
 ``--kernels onednn,pairs,gemv,pairs-int8,gemv-int8`` instead times each kernel alone on 30 layers of
 distinct weights (212 MB in bfloat16: they stream from memory, as a decode step's do), the kernels
 alternating: oneDNN's packed primitive, the pair-panel kernel (``cpu_gemm_pairs.c``) and
-``cpu_gemv.c`` (up to 8 rows), the int8 ones on weight-only int8 weights. Session 26, same host,
+``cpu_gemv.c`` (up to 8 rows), the int8 ones on weight-only int8 weights. Same host,
 ``--rows 1,2,4,8,16,32,64 --threads 2``: 1 row 4.6-6.7 ms (pairs) against 6.7-7.7 (gemv) and 7.4-8.6
 (oneDNN); 32 rows 21.2 against oneDNN 24.5; 64 rows 38 against 44; int8 1 row 3.5-3.9 against 4.5-4.7.
 ``onednn-f32,panels-f32``: the same in float32 (424 MB), oneDNN's packed primitive against the float32
-panel kernel (session 27: 1 row 9.4 against 17.6 ms, 32 rows 34.6 against 39.7).
+panel kernel (same host: 1 row 9.4 against 17.6 ms, 32 rows 34.6 against 39.7).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def measure_kernels(rows: list[int], kernels: list[str], reps: int) -> list[tupl
         ks = [k for k in kernels if not (k.startswith("gemv") and m > cpu_native.GEMV_MAX_ROWS)]
         runs = {
             k: (
-                lambda k=k: [
+                lambda k=k, xs=xs, xs32=xs32: [
                     mm[k]((xs32 if k.endswith("f32") else xs)[w.shape[1]], p, w)
                     for layer in weights[k]
                     for p, w in layer
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "bench.gemm_rows",
+            "benchmarks.gemm_rows",
             "--rows",
             args.rows,
             "--dtype",

@@ -1,7 +1,7 @@
-"""The serve part of ``bench.migration_bench`` (issue 31's serve goal): one ``pdserve launch --mode pd
+"""The serve part of ``benchmarks.migration_bench`` (its serve goal): one ``pdserve launch --mode pd
 --decode N --route-decode decode-0`` run without and one with migration on the same streamed
 prompts, each request's e2e and longest token gap, and the goal's two P99 ratios (see
-``bench.migration_bench``'s docstring for the shape and the bound)."""
+``benchmarks.migration_bench``'s docstring for the shape and the bound)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def split_decode_cpus(n: int, decode: int = 2) -> list[str]:
     core, and moving work to an idle one adds no compute. The prefill worker is not spread over both
     halves: its threads meet at a barrier every layer, so one busy core (decode-0's, or a peer's once
     migrations arrive) stalled every prefill step (a 19-prompt prefill took 0.85 s without migration
-    and 1.6 s with it, session 30). Nothing on a one-core host."""
+    and 1.6 s with it, this benchmark on a 2-core host). Nothing on a one-core host."""
     if n < 2:
         return []
     half = n // 2

@@ -1,13 +1,13 @@
 """Decode attention kernel alone: float32 math against bfloat16 products (``paged_decode``'s ``dot``).
 
-``python -m bench.decode_attention [--shapes 1x300,8x300,25x260,32x300] [--reps 5]``
+``python -m benchmarks.decode_attention [--shapes 1x300,8x300,25x260,32x300] [--reps 5]``
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64, 16-token pages) over 30
 layers of a bfloat16 pool larger than the last-level cache, each request's pages its own, with this
 process's prefetch mode (``engine.kernels.decode_prefetch``) and torch's threads. Per shape
 (``BATCHxCONTEXT``): ms per 30-layer step with float32 math and with ``dot`` (where the build has
 AVX512-BF16), the ratio, the KV bytes read and the relative difference of the two outputs (one
-bfloat16 rounding of the softmax weights). Session 27, 2-core Zen 4: 25x260 9.8 -> 8.4 ms, 32x300
+bfloat16 rounding of the softmax weights). On a 2-core Zen 4: 25x260 9.8 -> 8.4 ms, 32x300
 13.5 -> 11.7 (1.15-1.18x), 1x300 0.67 -> 0.60; 1.3-1.4e-3 relative.
 """
 

@@ -11,7 +11,7 @@ sequential echoes each (microseconds per echo). Throughput: ``--burst`` messages
 the server acknowledging the last one; min and median of messages per second over the rounds.
 Printed: each figure and the CURVE/plain ratio.
 
-``python -m bench.curve_cost [--repeat 15] [--prompt-tokens 1024]``
+``python -m benchmarks.curve_cost [--repeat 15] [--prompt-tokens 1024]``
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def report(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.curve_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.curve_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=15, help="interleaved rounds per message (default 15)")
     p.add_argument("--rtt-batch", type=int, default=200, help="sequential echoes per round (default 200)")
     p.add_argument("--burst", type=int, default=2000, help="one-way messages per round (default 2000)")

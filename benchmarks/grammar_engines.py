@@ -1,4 +1,4 @@
-"""The grammar engines ``bench.grammar_compare`` measures, behind one interface (``Engine``):
+"""The grammar engines ``benchmarks.grammar_compare`` measures, behind one interface (``Engine``):
 llguidance (as pdserve drives it, and filling a preallocated tensor), xgrammar and outlines-core;
 ``Case`` (a constraint in engine-neutral form) and ``Vocab`` (the tokenizer as the engines need it,
 ``vocab_of``); ``available()`` lists the installed engines and a line for each missing one."""

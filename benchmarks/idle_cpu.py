@@ -1,7 +1,7 @@
 """Idle CPU of a launched server: % of one core used by the launcher/router and each worker while
 no request is in flight (goal: < 2% each).
 
-``python -m bench.idle_cpu [--mode pd|colocated] [--seconds 20] [-- extra launch flags]``
+``python -m benchmarks.idle_cpu [--mode pd|colocated] [--seconds 20] [-- extra launch flags]``
 CPU time is read from ``/proc/<pid>/stat`` (utime + stime), so the figure does not depend on how
 busy the rest of the machine is.
 """
@@ -44,7 +44,7 @@ def measure_idle(mode: str, seconds: float, settle_s: float, extra: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.idle_cpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.idle_cpu", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["pd", "colocated"], default="pd")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--settle-s", type=float, default=5.0)

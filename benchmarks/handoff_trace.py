@@ -1,4 +1,4 @@
-"""Where one PD request's time to first token goes, hop by hop, against colocated (issue 29 item 3).
+"""Where one PD request's time to first token goes, hop by hop, against colocated.
 
 Launches each mode (``--modes pd,colocated``; ``--repo`` runs another checkout too, e.g. an older
 main, for an A/B in one sitting) with ``--log-level DEBUG``, all at once, and sends ``--requests``
@@ -10,8 +10,8 @@ and every worker's milestones (``engine.scheduler.timeline``'s DEBUG line of mon
 CLOCK_MONOTONIC is shared by every process of the machine). Prints, per server, the median of each
 stamp after the client's send and of each hop between consecutive stamps, then the TTFT ratios.
 
-    python -m bench.handoff_trace --requests 20 --prompt-len 250 --max-tokens 1
-    python -m bench.handoff_trace --repo /work/wt-handoff-base   # this checkout vs that one
+    python -m benchmarks.handoff_trace --requests 20 --prompt-len 250 --max-tokens 1
+    python -m benchmarks.handoff_trace --repo /work/wt-handoff-base   # this checkout vs that one
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def run_all(servers: list[tuple[str, str, Path | None]], args) -> list[tuple[str
     with contextlib.ExitStack() as stack:
         http = stack.enter_context(httpx.Client(timeout=300, trust_env=False))
         srvs = []
-        for label, mode, repo in servers:
+        for _label, mode, repo in servers:
             flags = launch_argv(mode, ["--log-level", "DEBUG", *args.server_args.split()])  # later flags win
             srvs.append(stack.enter_context(LaunchedServer(flags, repo=repo, startup_timeout_s=args.startup_timeout_s)))
         pids = [server_pids(srv) for srv in srvs]
