@@ -263,7 +263,8 @@ def metrics_page() -> tuple[str, list[str]]:
         "its own series, and the workers' series (label `worker`) from each worker's latest heartbeat, "
         "so a worker's values lag by up to one heartbeat (`pdserve_worker_stats_age_seconds` says by "
         "how much); workers serve no HTTP themselves. A histogram `NAME` is exported as `NAME_bucket` "
-        "(label `le`), `NAME_sum` and `NAME_count`. The router's dashboard reads the same series: "
+        "(label `le`), `NAME_sum` and `NAME_count`; the router's own counters and histograms also export "
+        "`NAME_created` (when the series started). The router's dashboard reads the same series: "
         "[the dashboard](dashboard.md).",
         "the router's metrics registry (`server/router/metrics.py`, `server/router/kv_metrics.py`)",
     )
