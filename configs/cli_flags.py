@@ -31,12 +31,29 @@ def _scalar_type(annotation):
     return annotation if annotation in (int, float, str) else str
 
 
+def default_text(value: object) -> str:
+    """A field's default as help text shows it: unset (None), on/off (booleans), else its value."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value) if value != "" else "empty"
+
+
+def section_of(model: type[BaseModel]) -> str:
+    """The config section ``model`` fills (``engine``, ``scheduler``, ``server``, ``cluster``)."""
+    from configs.schema import SECTIONS
+
+    return next(name for name, m in SECTIONS.items() if m is model)
+
+
 def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
-    group = parser.add_argument_group(model.__name__)
+    section = section_of(model)
+    group = parser.add_argument_group(f"{section} settings")
     for name, field in model.model_fields.items():
         if name in skip:
             continue
-        help_text = (field.description or "") + f" (default: {field.default!r})"
+        help_text = f"{field.description or ''} (default: {default_text(field.default)})"
         kwargs = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if field.annotation is bool:
             group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)

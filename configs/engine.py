@@ -48,7 +48,11 @@ class EngineConfig(BaseModel):
     swa_pool_ratio: float = Field(
         0.5, gt=0, le=8, description="SWA pool tokens per full-pool token when --swa-pool-tokens is not given"
     )
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto",
+        description="attention kernels: auto (triton on CUDA; on CPU the C kernels where the KV pool's "
+        "dtype allows, else torch), torch (the reference), cpu (the C kernels) or triton (CUDA only)",
+    )
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     seed: int = Field(0, description="seed of the global sampling RNG")
     sliding_window: int | None = Field(

@@ -19,28 +19,24 @@ class SchedulerConfig(BaseModel):
     chunked_prefill_size: int | None = Field(
         None,
         ge=1,
-        description="max prompt tokens computed per step (unset: 512 on CPU, 2048 on CUDA; on the 2-core "
-        "CPU box 512 gave 0.57x / 0.68x the mean TTFT of 2048 at c=8 / 32 and 1.10x / 1.19x "
-        "the output tok/s: a prompt that arrives while others prefill waits for a shorter step)",
+        description="max prompt tokens computed per step (unset: 512 on CPU, 2048 on CUDA): a prompt that "
+        "arrives while others prefill waits for at most one such step, so a smaller chunk lowers TTFT "
+        "under load on a CPU, where a step of 2048 tokens is long",
     )
     mixed_batches: bool = Field(
         True,
-        description="one forward carries the running decodes plus a chunk of prefill "
-        "(decode rows first) instead of prefill and decode steps apart (colocated, and a decode "
-        "worker's local prefill); on a 2-core CPU under Poisson arrivals it gave 0.5-0.8x the "
-        "TPOT and 0.2x the ITL p99 of separate steps at the same throughput (README, session 22)",
+        description="one forward carries the running decodes plus a chunk of prefill (decode rows first) "
+        "instead of prefill and decode steps apart (colocated, and a decode worker's local prefill): "
+        "running requests keep producing tokens while a prompt prefills, so TPOT and ITL tails stay "
+        "low at the same throughput",
     )
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,
-        description="mixed batches: rows of one forward while "
-        "requests decode (decode rows first, prefill gets the rest, never "
-        "less than the decode rows); bounds how long a prompt's chunk holds "
-        "up the running decodes (unset: 256 on CPU, 2048 on CUDA). On the "
-        "2-core CPU box (closed loop, bfloat16, session 27) 256 gave 1.15x / "
-        "1.09x the output tok/s of 128 at c=32 / c=8 for ITL p99 ~210 ms "
-        "against ~150 (512: about 256's throughput at ITL p99 ~370 ms). A "
-        "step with nothing decoding prefills up to chunked_prefill_size",
+        description="mixed batches: rows of one forward while requests decode (decode rows first, prefill "
+        "gets the rest, never less than the decode rows); bounds how long a prompt's chunk holds up the "
+        "running decodes (unset: 256 on CPU, 2048 on CUDA). A step with nothing decoding prefills up to "
+        "chunked_prefill_size",
     )
     schedule_conservativeness: float = Field(
         1.0, gt=0, description="scales new_token_ratio; raise it if retracts are frequent"
@@ -51,11 +47,10 @@ class SchedulerConfig(BaseModel):
     retract_decode_steps: int = Field(20, ge=1, description="decode steps of room left to each request after a retract")
     retract_order: Literal["most-output", "least-output"] = Field(
         "most-output",
-        description="which running request a retract takes first: most-output (most output tokens, "
-        "then shortest input: the seed's reading, DESIGN.md) parks the request nearest its end, which waits at "
-        "most about as long as it has run; least-output (least output, then longest input: SGLang's "
-        "retract_decode code) parks the newest, which waits for the older ones and is what --migrate-after "
-        "rescues (README, Migration)",
+        description="which running request a retract takes first: most-output (most output tokens, then "
+        "shortest input) parks the request nearest its end, which waits at most about as long as it has "
+        "run; least-output (least output, then longest input, as SGLang) parks the newest, which waits "
+        "for the older ones unless --migrate-after moves it to a peer (docs/design/retract.md)",
     )
     retract_test_interval: int | None = Field(None, ge=1, description="force a retract every N decode steps (testing)")
     test_step_delay_s: float = Field(

@@ -64,7 +64,7 @@ class ClusterConfig(BaseModel):
         "cache-aware",
         description="router: how a request picks its workers: cache-aware (the pair whose radix caches "
         "hold most of the prompt, from the workers' KV event feeds, weighed against load: "
-        "server/router/cache_routing.py; with nothing cached it is least-loaded), or "
+        "docs/design/routing.md; with nothing cached it is least-loaded), or "
         "least-loaded (fewest requests held, blind to the caches)",
     )
     routing_balance_slack: int = Field(
@@ -83,7 +83,7 @@ class ClusterConfig(BaseModel):
         False,
         description="ucxx backend: UCX endpoint error handling. Off: shared memory/cma, a dead decode "
         "worker is detected by the write deadline (peer_timeout_s); on: UCX reports it at "
-        "once but falls back to TCP, ~10x slower (issue-15 note)",
+        "once but falls back to TCP, about 10x slower",
     )
     ucxx_copy_lanes: int = Field(
         2,
@@ -134,7 +134,7 @@ class ClusterConfig(BaseModel):
         "decode worker's radix cache holds, is at most this many tokens is prefilled by the "
         "decode worker itself (chunks within its decode steps) instead of a prefill worker, "
         "when its KV headroom allows and it has not retracted lately "
-        "(decode_worker/local_prefill.py); 0 = off (default until an A/B says otherwise)",
+        "(docs/design/selective-pd.md); 0 = off (the default)",
     )
     local_prefill_backlog_ratio: float = Field(
         1.0,
@@ -159,7 +159,7 @@ class ClusterConfig(BaseModel):
         "for migrate_after is offered too; the router sends it with its prefill worker to a peer "
         "decode worker with room instead (a re-route before its prefill: no KV to move). What "
         "spreads a steady skewed load, which waits for admission rather than being retracted "
-        "(decode_worker/queued_moves.py; off by default)",
+        "(docs/design/migration.md; off by default)",
     )
     migration_copy_threads: int = Field(
         2,
@@ -256,7 +256,7 @@ class ClusterConfig(BaseModel):
     core_lending: Literal["off", "prefill", "all"] = Field(
         "all",
         description="launcher: a worker that is the only one of this host's unpinned launch with work "
-        "runs its step on every core (server.worker.core_lending): all (default: any worker "
+        "runs its step on every core: all (default: any worker "
         "whose step matmuls measure >= 1.1x faster on every core at start-up borrows; a "
         "decode worker not while a prefill worker computes for it), prefill (decode workers "
         "only lend), or off",

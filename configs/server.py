@@ -65,14 +65,16 @@ class ServerConfig(BaseModel):
     fair_preemption: bool = Field(
         True,
         description="admission, PD mode: while two or more API keys are active, a request that leaves its "
-        "key below another (slots held or work granted lately, per share) is forwarded even when every forwarding slot is taken, and a "
-        "decode worker whose batch is full retracts (offloads) a running request without "
-        "that mark to start it at once; the retracted one resumes when a place frees "
+        "key below another (slots held or work granted lately, per share) is forwarded even when every "
+        "forwarding slot is taken, and a decode worker whose batch is full retracts (offloads) a running "
+        "request without that mark to start it at once; the retracted one resumes when a place frees "
         "(False = it waits for a place)",
     )
     health_interval_s: float = Field(1.0, gt=0, description="worker heartbeat period")
     worker_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="log level of the router and workers"
+    )
 
     @field_validator("api_key")
     @classmethod

@@ -1,5 +1,5 @@
 """vLLM's request extensions and utility routes at the router, against the scripted fake worker of
-tests/test_router_unit.py (no model): every field of the README's table is accepted, ignored or
+tests/test_router_unit.py (no model): every field of the request-field table is accepted, ignored or
 refused as the table says; usage counts the stop token as vLLM does; ``/tokenize``,
 ``/detokenize`` and ``/version`` answer vLLM's shapes."""
 
@@ -14,7 +14,7 @@ from test_router_unit import PIECES, completion, make_client, sse_events  # noqa
 
 from server.router.extensions import IGNORED, REFUSED, documented_fields
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FIELD_TABLE = Path(__file__).resolve().parents[1] / "docs" / "usage" / "request-fields.md"  # generated
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 # a non-default value for each refused field (the message must name the field)
 REFUSED_VALUES = {
@@ -138,8 +138,8 @@ def test_malformed_tool_history_is_refused_by_name(make_client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls.0.function"
 
 
-def test_readme_table_lists_every_field():
-    text = README.read_text()
+def test_field_table_lists_every_field():
+    text = FIELD_TABLE.read_text()
     table = text[text.index("<!-- field-table -->") : text.index("<!-- /field-table -->")]
     rows = dict(re.findall(r"^\| `([a-z_.]+)` \| ([a-z ()]+) \|", table, re.M))
     expected = documented_fields() | {

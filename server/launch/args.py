@@ -20,11 +20,13 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate offline for one or more prompts (one batch)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: tokens up to this probability mass")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1 = off)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate past the end-of-sequence token, up to --max-tokens"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     add_flags(p, EngineConfig)
     add_flags(p, SchedulerConfig)
@@ -101,7 +103,7 @@ def _worker_parser(sub) -> None:
         description="One colocated, prefill or decode worker; a router started with "
         "'pdserve router --worker ROLE=ID=ADDR' drives it.",
     )
-    p.add_argument("--role", choices=[str(r) for r in ALL_WORKER_ROLES], required=True)
+    p.add_argument("--role", choices=[str(r) for r in ALL_WORKER_ROLES], required=True, help="what this worker does")
     p.add_argument(
         "--worker-id",
         help="this worker's name in logs, etcd and peers' messages (default: "
@@ -130,7 +132,7 @@ def _probe_parser(sub) -> None:
         description="Target: http://HOST:PORT (router: GET /health) or tcp://HOST:PORT (a worker's "
         "control socket). Without one, derived from PID 1's pdserve command line.",
     )
-    p.add_argument("target", nargs="?")
+    p.add_argument("target", nargs="?", help="http://HOST:PORT or tcp://HOST:PORT (default: from PID 1)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     p.add_argument(
         "--cluster-key",
@@ -160,7 +162,7 @@ def _bench_parser(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``pdserve`` subcommand; ``args.command`` names the one given."""
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", help="log level of this pdserve process itself")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
         _generate_parser,

@@ -1,4 +1,4 @@
-"""The official ``openai`` client through every row of the README's request-field table, against a
+"""The official ``openai`` client through every row of the request-field table (docs/usage/request-fields.md), against a
 real launched colocated server: each supported or ignored field is sent (with what it needs beside
 it) and answered 200; each refused one, sent with a non-default value, gets a 400 whose message
 and ``param`` name it. A row added to the table without a value here fails the test."""
@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.process
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+FIELD_TABLE = Path(__file__).resolve().parents[2] / "docs" / "usage" / "request-fields.md"  # generated
 ASSISTANT_LAST = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
 
 # field -> the request fields to send for it (the field itself and what it needs beside it)
@@ -112,8 +112,8 @@ REFUSED = {
 
 
 def table_rows() -> list[tuple[str, str, str]]:
-    """(field, kind, where) of every row of the README's field table."""
-    text = README.read_text()
+    """(field, kind, where) of every row of the request-field table."""
+    text = FIELD_TABLE.read_text()
     table = text[text.index("<!-- field-table -->") : text.index("<!-- /field-table -->")]
     return re.findall(r"^\| `([a-z_.]+)` \| ([a-z ()]+) \| ([CH ]+) \|", table, re.M)
 
