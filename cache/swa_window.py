@@ -5,10 +5,11 @@ included). A request with ``kv_len`` tokens of KV next computes position ``kv_le
 again reads keys before ``kv_len - W + 1``; a page entirely before that may be freed.
 
 Pages are kept a little longer than that (``keep_start``): from ``kv_len - 1 - max(W, P)`` (one
-window, or one page where a page is longer, before the last key written), widened where needed so that the *page-truncated* radix key of the
-request (``floor(kv_len / P) * P`` tokens, what ``free_into_cache`` inserts) still has its whole
-window resident: otherwise a follow-up request that matches that key could not reuse it. Every
-function here is pure; ``SWAWindow`` is shared by the KV manager, the decode admission and tests.
+window, or one page where a page is longer, before the last key written), widened where needed so
+that the *page-truncated* radix key of the request (``floor(kv_len / P) * P`` tokens, what
+``free_into_cache`` inserts) still has its whole window resident: otherwise a follow-up request that
+matches that key could not reuse it. Every function here is pure; ``SWAWindow`` is shared by the KV
+manager, the decode admission and tests.
 """
 
 from __future__ import annotations
