@@ -176,7 +176,7 @@ def supports(pool_buffer: torch.Tensor) -> bool:
 
 # Multiply-adds one kernel thread should have before another is worth waking: torch's OpenMP workers
 # are warm (spinning between ops), so a parallel region costs a few microseconds; 2^17 is ~50 us of
-# one core's work on a batch read from memory (measured in a serving step, not from cache).
+# one core's work on a batch read from memory (a serving step's case, not a cache-resident one).
 WORK_PER_THREAD = 1 << 17
 
 
