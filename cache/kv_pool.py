@@ -2,7 +2,7 @@
 
 Layout ``[num_pages, num_layers, 2, page_size, kv_heads, head_dim]``: one page of one request is a
 single contiguous block holding every layer's K and V. That makes a page one transfer descriptor
-(NIXL) and one memcpy for CPU offload (DESIGN.md, "KV pool layout"). Attention reads one layer
+(NIXL) and one memcpy for CPU offload (``docs/design/kv-layout.md``). Attention reads one layer
 through strided views (``k_layer``/``v_layer``) indexed by ``(page, offset)``.
 """
 

@@ -3,7 +3,7 @@ carved out of one device allocation.
 
 Full layers keep KV for every token in ``full`` (pages shareable through the radix cache); SWA
 layers keep only their window in ``swa``, a pool with its own page count (and allocator, owned
-by the KV manager). Without an SWA pool every layer lives in ``full``, as before.
+by the KV manager). Without an SWA pool every layer lives in ``full``.
 
 Transfers and CPU offload see the allocation as ``units``: rows of ``unit_layers`` layers of one
 page (``gcd`` of the two pools' layer counts), so a full page is ``full_units`` consecutive rows
@@ -66,31 +66,8 @@ class KVPools:
         rows = full_pages * full_units + swa_pages * swa_units
         self.units = zeroed((rows, self.unit_layers, 2, page_size, num_kv_heads, head_dim), dtype, device)
         split = full_pages * full_units
-        shape = (2, page_size, num_kv_heads, head_dim)
-        self.full = KVPool(
-            full_pages,
-            n_full,
-            page_size,
-            num_kv_heads,
-            head_dim,
-            dtype,
-            device,
-            buffer=self.units[:split].view(full_pages, n_full, *shape),
-        )
-        self.swa = (
-            KVPool(
-                swa_pages,
-                n_swa,
-                page_size,
-                num_kv_heads,
-                head_dim,
-                dtype,
-                device,
-                buffer=self.units[split:].view(swa_pages, n_swa, *shape),
-            )
-            if n_swa
-            else None
-        )
+        self.full = _carve(self.units[:split], full_pages, n_full, dtype, device)
+        self.swa = _carve(self.units[split:], swa_pages, n_swa, dtype, device) if n_swa else None
         self.layer_pool: list[tuple[str, int]] = [None] * len(layer_types)  # type: ignore[list-item]
         for local, layer in enumerate(full_layers):
             self.layer_pool[layer] = (FULL, local)
@@ -123,3 +100,10 @@ class KVPools:
         d["swa_layers"] = [i for i, (p, _) in enumerate(self.layer_pool) if p == SWA]
         d["unit_layers"] = self.unit_layers
         return d
+
+
+def _carve(units: torch.Tensor, pages: int, layers: int, dtype: torch.dtype, device) -> KVPool:
+    """A ``KVPool`` of ``pages`` pages of ``layers`` layers over these unit rows (a view, no copy)."""
+    _, _, _, page_size, num_kv_heads, head_dim = units.shape
+    buffer = units.view(pages, layers, 2, page_size, num_kv_heads, head_dim)
+    return KVPool(pages, layers, page_size, num_kv_heads, head_dim, dtype, device, buffer=buffer)

@@ -1,7 +1,7 @@
 """Zeroed tensors for KV pools, on transparent huge pages where the host allows them.
 
 Decode attention reads a request's KV page by page from all over the pool: with 4 KiB pages every
-16-token page costs TLB misses (measured: the CPU decode kernel 6-10% faster on a 2 MiB-page pool).
+16-token page costs TLB misses, which 2 MiB pages mostly avoid.
 Linux in its default ``madvise`` THP mode gives huge pages only to ranges that ask, so a CPU pool
 asks (``madvise(MADV_HUGEPAGE)``) before its pages are first touched. Anything else (CUDA, a host
 without THP or without libc) gets a plain ``torch.zeros``.

@@ -1,14 +1,15 @@
-"""Window arithmetic of sliding-window (SWA) layers over paged KV (DESIGN.md, seed 003).
+"""Window arithmetic of sliding-window (SWA) layers over paged KV (``docs/design/decode-radix-swa.md``).
 
 Semantics as transformers: a query at position ``i`` sees keys ``i-W+1 .. i`` (``W`` keys, itself
 included). A request with ``kv_len`` tokens of KV next computes position ``kv_len``, so it never
 again reads keys before ``kv_len - W + 1``; a page entirely before that may be freed.
 
-Pages are kept a little longer than that (``keep_start``): the seed's margin
-``kv_len - 1 - max(W, P)``, widened where needed so that the *page-truncated* radix key of the
-request (``floor(kv_len / P) * P`` tokens, what ``free_into_cache`` inserts) still has its whole
-window resident: otherwise a follow-up request that matches that key could not reuse it. Every
-function here is pure; ``SWAWindow`` is shared by the KV manager, the decode admission and tests.
+Pages are kept a little longer than that (``keep_start``): from ``kv_len - 1 - max(W, P)`` (one
+window, or one page where a page is longer, before the last key written), widened where needed so
+that the *page-truncated* radix key of the request (``floor(kv_len / P) * P`` tokens, what
+``free_into_cache`` inserts) still has its whole window resident: otherwise a follow-up request that
+matches that key could not reuse it. Every function here is pure; ``SWAWindow`` is shared by the KV
+manager, the decode admission and tests.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ class SWAWindow:
     def keep_start(self, kv_len: int) -> int:
         """Page-aligned first position whose SWA KV a request with ``kv_len`` tokens keeps."""
         W, P = self.window, self.page_size
-        seed_margin = kv_len - 1 - max(W, P)
+        margin = kv_len - 1 - max(W, P)  # one window (or page) before the last key written
         key_window = (kv_len // P) * P - W + 1  # the window of the page-truncated radix key
-        return self._floor(min(seed_margin, key_window))
+        return self._floor(min(margin, key_window))
 
     def prealloc_start(self, seq_len: int, radix: bool) -> int:
         """Decode admission: first position of the SWA tail preallocated for a ``seq_len``-token
-        prompt. With the decode radix cache on, the margin of ``keep_start`` (seed 003: 895
-        tokens, page 64, window 127 -> 704, not 768); off: ``seq_len - W``, page aligned."""
+        prompt. With the decode radix cache on, the margin of ``keep_start`` (895 tokens,
+        page 64, window 127: 704, not 768); off: ``seq_len - W``, page aligned."""
         return self.keep_start(seq_len) if radix else self._floor(seq_len - self.window)
 
     def window_resident(self, resident: list[bool], num_pages: int) -> bool:

@@ -37,12 +37,12 @@ reason, ``LocalPrefillReason``, counted in ``pdserve_local_prefill_total{reason}
 
 **Where it is decided: on the decode worker, when the ``GenerateRequest`` arrives.** Only the
 decode worker knows its radix prefix, headroom and retracts now (the router sees them one
-heartbeat late), and the router keeps sending every PD request to both workers as before: the
+heartbeat late), and the router sends every PD request to both workers either way: the
 decision costs one new message, ``PrefillWithdrawn`` (decode -> prefill), and no new race. The
 prefill worker never prefills a request before its decode worker's ``KVDestination`` (bootstrap
 rule), and a locally prefilled request never sends one, so the withdrawn job holds no pages and
 has computed nothing; a withdrawal that overtakes the router's ``PrefillRequest`` is remembered
-and that request dropped on arrival. The router tracks the request as before: the decode worker
+and that request dropped on arrival. The router tracks the request as any other: the decode worker
 streams its tokens, and the prefill worker never answers for it. A retract of a locally
 prefilled request goes the usual way (host offload and resume, or a recompute by the prefill
 worker as generation 1).

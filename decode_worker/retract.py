@@ -49,7 +49,8 @@ RETRACT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 @dataclass
 class RetractCosts:
-    """Rough throughputs for the offload-vs-recompute choice (measured on the 2-core CPU box)."""
+    """Rough throughputs for the offload-vs-recompute choice (a small CPU host's orders of magnitude:
+    the choice only compares the two costs)."""
 
     copy_bytes_per_s: float = 5e9  # host <-> device pool copies, each direction
     prefill_tokens_per_s: float = 600.0  # prefill worker compute

@@ -10,7 +10,7 @@ from engine.scheduler.stats import Histogram
 def decode_snapshot(s, base: Snapshot) -> Snapshot:
     """``base`` (the shared counters and pool gauges) extended with what only a decode worker has;
     ``s`` is the ``DecodeScheduler``."""
-    rs, host = s.retract.stats, s.retract.host
+    rs = s.retract.stats
     base.counters.update(
         transfer_failures=s.transfer_failures,
         retract_offload_bytes=rs.offload_bytes,
@@ -19,7 +19,22 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
         retract_offloaded=rs.offloaded,
         **s.local.counters(),
     )
-    base.gauges.update(
+    base.gauges.update(_queue_gauges(s))
+    for state in ("ready", "connecting", "failed", "dead"):  # its prefill workers and migration sources
+        base.gauges[f"kv_sources_{state}"] = sum(p.state == state for p in s.peers.by_addr.values())
+    _add_migration(s, base)
+    base.histograms.update(
+        retract_offload_seconds=s.retract.offload_seconds,
+        retract_resume_seconds=s.retract.resume_seconds,
+        **s.timeline.histograms,
+    )
+    return base
+
+
+def _queue_gauges(s) -> dict:
+    """Requests in each of the decode worker's queues, and the memory and prefill room it reports."""
+    host = s.retract.host
+    return dict(
         queue_prealloc=len(s.transfers.prealloc),
         queue_transfer=len(s.transfers.inflight),
         queue_running=len(s.running),
@@ -33,8 +48,10 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
         host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,
         host_kv_pool_bytes_free=host.num_free() * host.page_bytes if host else 0,
     )
-    for state in ("ready", "connecting", "failed", "dead"):  # its prefill workers and migration sources
-        base.gauges[f"kv_sources_{state}"] = sum(p.state == state for p in s.peers.by_addr.values())
+
+
+def _add_migration(s, base: Snapshot) -> None:
+    """Migration counters, the room a migrated request could get here and the migration times."""
     ms = s.migration_stats
     base.counters.update(
         migrations_out_done=ms.out_done,
@@ -58,9 +75,3 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
     base.histograms["migration_seconds"] = (
         s.migration.seconds if s.migration is not None else Histogram(MIGRATION_BUCKETS)
     )
-    base.histograms.update(
-        retract_offload_seconds=s.retract.offload_seconds,
-        retract_resume_seconds=s.retract.resume_seconds,
-        **s.timeline.histograms,
-    )
-    return base

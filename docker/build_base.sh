@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the local base image (Debian bookworm minbase + python3/venv + gcc) without any image
 # registry: debootstrap a rootfs from Debian's package mirror, tar it, `docker import` it. gcc is
-# there because workers build their C CPU kernel (engine/kernels/cpu_native.py) at start-up for
-# the CPU they run on; without it they fall back to the slower torch attention path.
+# there because workers build their C CPU kernels (engine/kernels/cpu_library.py) at start-up for
+# the CPU they run on; without it they fall back to the slower torch path.
 # Cached: the rootfs tar lives in $CACHE (git-ignored); an existing image is kept.
 #   docker/build_base.sh IMAGE CACHE_DIR
 set -euo pipefail

@@ -1,9 +1,9 @@
 """What the host CPU can do fast, for dtype choices on the CPU fallback path.
 
 bf16 matmuls run at speed on x86 CPUs only with native bf16 instructions (AVX512_BF16 or AMX);
-without them torch converts inside every op and bf16 runs slower than fp32 (issue 10 saw it on
-an AVX2-only machine of this project's kind; the machine this was written on has AVX512_BF16). ``cpu_flags`` reads ``/proc/cpuinfo`` (Linux);
-elsewhere it returns an empty set and bf16 is trusted as is.
+without them torch converts inside every op and bf16 runs slower than fp32 (as it does on
+AVX2-only machines). ``cpu_flags`` reads ``/proc/cpuinfo`` (Linux); elsewhere it returns an empty
+set and bf16 is trusted as is.
 """
 
 from __future__ import annotations

@@ -1,47 +1,41 @@
-"""``x @ W.T`` with the weight prepared once for the device: oneDNN-packed on CPU float32 (and
-bfloat16 where the CPU has native bfloat16 instructions).
+"""``x @ W.T`` with the weight prepared once for the device: each CPU weight is kept in the layout of
+the kernel that serves it, chosen once at load time by ``pack``.
 
-torch's ``F.linear`` on CPU float32 goes to MKL sgemm with the plain ``[out, in]`` weight, a fraction
-of the core's speed at a decode step's 1-64 rows; reordered once into oneDNN's blocked layout
-(``mkldnn._reorder_linear_weight``, as torch's inductor does for frozen CPU linears) it is 1.3-2.4x
-faster there and no slower for prompts (one AVX-512 core: the 49152x576 LM head at 8 rows 10.8 vs
-26.4 ms, 512 rows 9.1 vs 10.9 ms). Results equal ``F.linear`` up to float32 rounding. bfloat16
-gains as much on an AVX512_BF16 core (3072x576 at 1 row 0.12 vs 0.50 ms); on CPUs without native
-bfloat16 the engine runs float32 anyway, so those weights stay plain. Where the CPU
-has AVX512-BF16, a bfloat16 weight of up to GEMV_MAX_BYTES also keeps its plain layout, and calls of
-1-4 rows (a small decode batch) go to ``cpu_gemv.c`` instead: oneDNN spends a fixed ~15-20 us per
-call, most of a small matmul's time (1.5-2.4x on the model's 576-wide weights at 1-2 rows).
+Layouts, by weight and machine:
 
-Pair panels (session 26): where a small-batch weight's shape allows it (out % 64 == 0), it is kept
-in ``cpu_gemm_pairs.c``'s layout (``to_pairs``; int8 weights keep ``q`` and add it): no per-output
-horizontal sums, so it also serves a busy server's 16-64-row decode steps (30 layers of SmolLM2 at 32
-rows 18.6 against oneDNN's 23.0 ms on a 2-core Zen 4, at 1 row 4.6-6.7 against cpu_gemv.c's 6.7-7.7).
-A bfloat16 weight of that shape, any size (the LM head too), is held ONLY as pairs and every call
-runs the kernel, prompts too, where ``pairs_take_all()`` (AVX512-BF16 without AMX: at 256 rows 126.8
-against oneDNN's 130.7 ms, and no padding to a row bucket); else, and for int8, calls of up to
-``pairs_rows()`` rows (timed once per process against oneDNN, up to 64) take it, longer ones oneDNN.
-Float32 panels (session 27): a float32 weight with out % 64 == 0 and at most GEMV_MAX_BYTES is held
-only in the float32 panel layout (``to_panels_f32``; the LM head keeps oneDNN's), every call that kernel (one FMA per 16 outputs
-against a broadcast input, in input order): at 1 row 9.4 against oneDNN's 17.6 ms, on prompts 221-222
-against 213-222 GFLOP/s. Either way one copy of the bytes, and the decode stack runs the same kernel.
+- oneDNN's blocked layout (``onednn_layout``; ``mkldnn._reorder_linear_weight``, as torch's inductor
+  does for frozen CPU linears) for float32 weights, and bfloat16 ones where the CPU has native
+  bfloat16 instructions. torch's ``F.linear`` on CPU float32 goes to MKL sgemm with the plain
+  ``[out, in]`` weight, a fraction of the core's speed at a decode step's 1-64 rows.
+- Plain ``[out, in]`` for ``cpu_gemv.c`` beside oneDNN's copy, for a bfloat16 weight of at most
+  ``GEMV_MAX_BYTES`` on AVX512-BF16: calls of up to ``gemv_rows()`` rows go there, since oneDNN's
+  fixed per-call cost is most of a small matmul's time.
+- Pair panels (``to_pairs``, ``cpu_gemm_pairs.c``) where ``out % 64 == 0``: no per-output
+  horizontal sums, so they serve 16-64-row decode steps too. Where ``pairs_take_all()``
+  (AVX512-BF16 without AMX) a bfloat16 weight of that shape, any size, is held ONLY as pairs and
+  every call runs the kernel, prompts too; else calls of up to ``pairs_rows()`` rows (timed once per
+  process against oneDNN) take it, longer ones oneDNN.
+- Float32 panels (``to_panels_f32``) only, for a float32 weight with ``out % 64 == 0`` and at most
+  ``GEMV_MAX_BYTES`` (the LM head keeps oneDNN's): every call runs that kernel.
+- Weight-only int8 (``pack(w, int8=True)``, ``--weight-dtype int8``): each output row becomes int8
+  values ``q`` and one float32 scale (symmetric, ``max |w_row| / 127``). Calls of up to
+  ``GEMV_MAX_ROWS`` rows run the int8 kernel on ``q`` itself (half the bytes of bfloat16); longer
+  calls run oneDNN on ``q * scale`` rounded to bfloat16, the same weights up to bfloat16's rounding.
 
-Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it. Fed
-raw row counts, a process grew from 250 MB to 1.6 GB in 20,000 random-shaped calls (neither
-``LRU_CACHE_CAPACITY`` nor ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` bounded it); fed ``ROW_BUCKETS`` it
-stayed flat. So inputs are zero-padded up to the next bucket, longer ones run in ``CHUNK_ROWS``
-pieces: at most ``len(ROW_BUCKETS)`` shapes per weight, ever.
+Panels replace oneDNN's copy rather than add to it, so a weight's bytes are held once, and the
+decode stack (``engine.decode_stack``) runs the same kernels. ``pdserve bench engine --roofline``
+and ``benchmarks/gemm_rows.py`` time each path on the machine.
 
-Weight-only int8 (``pack(w, int8=True)``, ``--weight-dtype int8``): each output row of ``w`` becomes
-int8 values ``q`` and one float32 scale (symmetric, ``max |w_row| / 127``). Calls of up to
-``GEMV_MAX_ROWS`` rows (a decode step) run ``cpu_gemv.c``'s int8 kernel on ``q`` itself, half the
-bytes of bfloat16: the 30 layers' matmuls of SmolLM2 at 1 row 4.75 against 6.98 ms, its LM head
-0.99 against 1.49 ms (Zen 4, 2 threads). Longer calls (prompts, compute-bound) run oneDNN on
-``q * scale`` rounded to bfloat16, i.e. the same int8 weights up to bfloat16's rounding (2^-9
-relative, below the quantization step).
+Why rows are bucketed: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it, and
+no cache setting bounds that (``LRU_CACHE_CAPACITY`` and ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` do
+not), so raw row counts grow a process without bound. Inputs are zero-padded up to the next of
+``ROW_BUCKETS``, longer ones run in ``CHUNK_ROWS`` pieces: at most ``len(ROW_BUCKETS)`` shapes per
+weight, ever.
 
 Contract: ``pack(w)`` returns what ``linear(x, packed, bias)`` takes; ``linear`` of a plain tensor
 is ``F.linear``. Packing happens only for 2-D float32 CPU weights when this torch has oneDNN, bfloat16
-ones where ``has_fast_bf16()``; anything else (CUDA, float16, no oneDNN) stays a plain tensor. A
+ones where ``has_fast_bf16()``; anything else (CUDA, float16, no oneDNN) stays a plain tensor.
+Results equal ``F.linear`''s up to float32 rounding (bfloat16's for bfloat16 and int8 weights). A
 row's result never depends on the other rows of its call (padding rows are zeros and are dropped).
 """
 
@@ -99,12 +93,12 @@ ROW_BUCKETS = (
 
 
 # A bfloat16 weight up to this size also keeps its plain layout for ``cpu_gemv.c`` (oneDNN's per-call
-# cost is most of a small call); larger ones run at bandwidth in oneDNN (LM head: 773 vs 755 us).
+# cost is most of a small call); larger ones (the LM head) run at bandwidth in oneDNN too.
 GEMV_MAX_BYTES = 16 << 20
 GEMV_ALIGN_IN, GEMV_ALIGN_OUT = 32, 8  # the kernel's chunk of inputs and largest block of outputs
-# Calls of up to ``gemv_rows()`` rows take the kernel: GEMV_ROWS by default (a decode step A/B on a
-# Zen 5, batch 1 / 2 / 4 / 8, the model alternating between paths, gave 1.12x / 1.14x / 1.05x /
-# 0.99x), all it can take (8) where the process's probe finds it faster than oneDNN at 8 rows.
+# Calls of up to ``gemv_rows()`` rows take the kernel: GEMV_ROWS by default (the kernel's lead,
+# oneDNN's fixed per-call cost, shrinks as rows add work and is gone by 8 on some machines), all it can take (8) where
+# the process's probe finds it faster than oneDNN at 8 rows.
 GEMV_ROWS = 4
 
 
@@ -176,8 +170,8 @@ def pack(w: torch.Tensor, int8: bool = False) -> torch.Tensor | PackedWeight:
         panels = to_panels_f32(w)
         return PackedWeight(panels, w.shape, pairs=panels, onednn=False)
     pairs_ok = w.dtype == torch.bfloat16 and pairs_shape(w) and cpu_native.pairs_available()
-    if pairs_ok and pairs_take_all():  # any size: the LM head too (49152 x 576 at 1 / 32 rows 1.4 / 4.7 ms
-        pairs = to_pairs(w)  # against oneDNN's 2.0 / 5.2)
+    if pairs_ok and pairs_take_all():  # any size: the LM head too
+        pairs = to_pairs(w)
         return PackedWeight(pairs, w.shape, pairs=pairs, onednn=False)
     small = _gemv_takes(w)
     pairs = to_pairs(w) if small and pairs_ok else None
@@ -331,8 +325,8 @@ def _layer_probe(nbytes: int) -> list[torch.Tensor]:
 @functools.lru_cache(maxsize=1)
 def pairs_rows() -> int:
     """The most rows a call may have to take the pair-panel kernel (``cpu_gemm_pairs.c``), timed once
-    per process against oneDNN's packed primitive over weights twice the last-level cache (~0.1 s; on a
-    2-core Zen 4, 30 layers of SmolLM2 at 32 rows: 21.2 against 24.5 ms, at 64: 38 against 44)."""
+    per process against oneDNN's packed primitive over weights twice the last-level cache (~0.1 s),
+    so the weights stream from memory as in a served decode step."""
     if not cpu_native.pairs_available() or not packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)):
         return PAIRS_MIN_ROWS
     if decode_prefetch.forced_mode() is not None:
@@ -344,10 +338,10 @@ def pairs_rows() -> int:
         xs = {k: torch.zeros(rows, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
         best = decode_prefetch.best_of(
             {
-                "pairs": lambda: [
+                "pairs": lambda xs=xs: [
                     cpu_native.gemm_pairs(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, pairs)
                 ],
-                "onednn": lambda: [
+                "onednn": lambda xs=xs: [
                     torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], d, None, "none", [], "")
                     for w, d in zip(weights, packed)
                 ],
@@ -379,8 +373,8 @@ def pairs_take_all() -> bool:
 def gemv_rows() -> int:
     """The most rows a bfloat16 call may have to take the small-batch kernel: GEMV_ROWS, or
     ``cpu_native.GEMV_MAX_ROWS`` where the kernel (in this process's prefetch mode) beats oneDNN's
-    packed primitive at that many rows over weights twice the last-level cache (timed once, ~50 ms;
-    on a Zen 4 with L2 prefetches 7.4 against 11.8 ms over 30 layers' weights). GEMV_ROWS without
+    packed primitive at that many rows over weights twice the last-level cache (timed once, ~50 ms).
+    GEMV_ROWS without
     timing where the kernel or packing is missing or ``PDSERVE_DECODE_PREFETCH`` is set."""
     if (
         not cpu_native.gemv_available()

@@ -1,20 +1,18 @@
 """A small decode step's transformer layers as one C call (``engine/kernels/cpu_decode_stack.c``).
 
 Why: a decode step of 1-8 rows runs ~12 kernels per layer, each a few microseconds, and the Python
-around each (the wrapper's checks, a new output tensor, the ctypes call) costs about as much again.
-Measured with perf_counter wrappers on a 2-core Zen 4 (SmolLM2-135M, batch 1, session 26): the
-bfloat16 step 13.3 ms, of which the matmul kernels 8.2 ms, the five fused ops and the attention
-kernel 2.4 ms over 211 calls (~11 us each, mostly call overhead), and ~2.3 ms more of Python glue.
-The stack runs the same kernels in the same order from C, with scratch rows that stay in cache.
+around each (the wrapper's checks, a new output tensor, the ctypes call) costs about as much again,
+so at batch 1 the calls' overhead is a large share of the step (``pdserve bench engine --roofline``
+profiles a decode step by op class). The stack runs the same kernels in the same order from C, with
+scratch rows that stay in cache: one Python call per step.
 
 Its row limit is the matmul kernels' (``cpu_linear.small_rows``): up to 64 where every weight is in
 the pair-panel layout (``cpu_gemm_pairs.c``), so a busy server's 32-row decode steps run as one call
-too (session 26, bfloat16 step at 32 rows 39.8 -> 33.8 ms, int8 45.5 -> 36.2 ms); any decode step
-where those weights are held only as pairs (``cpu_linear.pairs_take_all``, session 29).
+too; any decode step where those weights are held only as pairs (``cpu_linear.pairs_take_all``).
 
-float32 models too (session 27): their layer weights also keep ``cpu_gemm_pairs.c``'s float32 panels
-(``cpu_linear.to_panels_f32``), which serve the Python path's calls of up to 32 rows as well, so the
-two paths agree to the bit.
+float32 models too: their layer weights are held as ``cpu_gemm_pairs.c``'s float32 panels
+(``cpu_linear.to_panels_f32``), which serve the Python path's calls as well, so the two paths agree
+to the bit.
 
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
 float32 CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, no

@@ -114,7 +114,7 @@ class Gemma3Model(nn.Module):
 
     def linear_weights(self) -> list[tuple]:
         """Every layer matmul's ``(weight, None)``, in forward order (the LM head apart)."""
-        return [(l.w[n], None) for l in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        return [(layer.w[n], None) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
 
     def warm_up(self) -> None:
         """Build the packed matmuls' kernels for the current torch thread count (``cpu_linear.warm_up``)."""

@@ -117,7 +117,9 @@ class LlamaModel(nn.Module):
 
     def linear_weights(self) -> list[tuple]:
         """Every layer matmul's ``(weight, bias)``, in forward order (the LM head apart)."""
-        return [(l.w[n], l.w.get(n + "_bias")) for l in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        return [
+            (layer.w[n], layer.w.get(n + "_bias")) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")
+        ]
 
     def warm_up(self) -> None:
         """Build the packed matmuls' kernels for the current torch thread count (``cpu_linear.warm_up``)."""

@@ -1,12 +1,13 @@
 """Destinations that arrive before their prompt.
 
-The router sends a request's ``PrefillRequest`` to the prefill worker and its ``GenerateRequest``
-to the decode worker at the same time, over different connections; the decode worker's
-``KVDestination`` can therefore reach the prefill worker first. Such an early destination is
-parked here until its ``PrefillRequest`` arrives (``claim``), or answered with ``PrefillFailed``
-after ``GRACE_S`` (``expired``): the prompt takes the direct path, so one that is seconds behind
-its destination is lost, not late, and the decode side must get its pages back soon. A destination for a request this worker already
-ended is refused at once (``gone``): it remembers the last ``keep`` ended rooms and why.
+The router sends a request's ``PrefillRequest`` to the prefill worker and its ``GenerateRequest`` to
+the decode worker at the same time, over different connections; the decode worker's
+``KVDestination`` can therefore reach the prefill worker first. Such an early destination is parked
+here until its ``PrefillRequest`` arrives (``claim``), or answered with ``PrefillFailed`` after
+``GRACE_S`` (``expired``): the prompt takes the direct path, so one that is seconds behind its
+destination is lost, not late, and the decode side must get its pages back soon. A destination for a
+request this worker already ended is refused at once (``gone``): it remembers the last ``keep``
+ended rooms and why.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from test_swa_pool import PAGE, TYPES, _decode_batch
 
 from cache.kv_pools import KVPools
 from engine.attention import CpuBackend, TorchBackend, make_backend
-from engine.kernels import cpu_native
+from engine.kernels import cpu_library, cpu_native
 
 needs_kernel = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler for the CPU kernel")
 
@@ -140,7 +140,7 @@ def test_no_kernel_means_the_torch_path(monkeypatch, tmp_path, caplog, env):
         monkeypatch.setenv(k, v)
     cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_native"):
+        with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_library"):
             assert cpu_native.load() is None
         pools = KVPools(8, 0, ("full_attention",), 4, 1, 8, torch.float32, "cpu")
         assert type(make_backend("auto", pools, 2, 1.0, [None])) is TorchBackend
@@ -164,10 +164,10 @@ def test_a_page_outside_the_pool_raises_instead_of_reading_memory():
 def test_missing_kernel_source_means_the_torch_path(monkeypatch, tmp_path, caplog):
     """An install without the .c file (package data lost) degrades to the torch path, logged."""
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_native, "SOURCES", (tmp_path / "absent.c",))
+    monkeypatch.setattr(cpu_library, "SOURCES", (tmp_path / "absent.c",))
     cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_native"):
+        with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_library"):
             assert cpu_native.load() is None
         assert "could not build" in caplog.text and "absent.c" in caplog.text
     finally:

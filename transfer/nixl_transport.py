@@ -24,12 +24,13 @@ How it maps onto NIXL (nixl 1.5 python API):
 * ``copy_threads=N`` (default 0; the decode worker's migration transport uses
   ``--migration-copy-threads``): NIXL's UCX thread pool (``num_threads``/``split_batch_size``
   backend parameters, N dedicated UCX workers each on its own thread). A write of at least
-  ``split_pages`` descriptors is cut into N chunks copied in parallel (on one host: N concurrent
-  CMA copies, which a single ``process_vm_writev`` stream cannot saturate). NIXL sends the
-  notification only after every chunk completed, from a status call, so for host-to-host writes
-  ``write_pages`` waits for the chunks (as it blocks for a single-threaded copy; at most
-  ``HOST_COPY_WAIT_S``) and the notification leaves as the last page lands. The agent then runs in NIXL's RW sync mode (UCX workers in multi-thread mode), since
-  ``poll_notifs`` progresses the pool's workers from the caller's thread.
+  ``split_pages`` descriptors is cut into N chunks copied in parallel (on one host: N concurrent CMA
+  copies, which a single ``process_vm_writev`` stream cannot saturate). NIXL sends the notification
+  only after every chunk completed, from a status call, so for host-to-host writes ``write_pages``
+  waits for the chunks (as it blocks for a single-threaded copy; at most ``HOST_COPY_WAIT_S``) and
+  the notification leaves as the last page lands. The agent then runs in NIXL's RW sync mode (UCX
+  workers in multi-thread mode), since ``poll_notifs`` progresses the pool's workers from the
+  caller's thread.
 
 Metadata (``local_metadata``) is JSON: name, memory type, device, base, length, page size, page
 count and NIXL's own agent metadata blob as base64. No pickle anywhere.

@@ -14,7 +14,7 @@ notification``.
 
 What it does not do: the seal authenticates the notification, not the KV bytes (hashing every page
 would cost a pass over the KV); it does not hide anything (UCX does not encrypt); it does not
-stop a peer that reaches the UCX port from writing pool pages (see the README's Security section).
+stop a peer that reaches the UCX port from writing pool pages (``docs/deploy/security.md``).
 """
 
 from __future__ import annotations

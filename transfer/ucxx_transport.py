@@ -21,8 +21,8 @@ Differences from the NIXL backend a caller can see:
   itself (sub-millisecond on loopback) and the deadline only catches a live peer that stopped
   polling. A target reads a header after its deadline only into scratch memory.
 * ``error_handling``: ``False`` (default) lets UCX use shared memory/cma on one host; ``True``
-  (UCX's peer error handling) excludes those transports and falls back to TCP. Measured here
-  (``pdserve bench transfer --backend ucxx --ucxx-error-handling both``): see the issue-15 note.
+  (UCX's peer error handling) excludes those transports and falls back to TCP, several times slower on one host
+  (``pdserve bench transfer --backend ucxx --ucxx-error-handling both`` measures both).
 * Host (DRAM) pools only; a CUDA pool raises ``ValueError`` (use NIXL there).
 * No sends on an endpoint UCX reported failed (error handling on: the endpoint's ``alive``): a
   write progresses the worker once after its header and, if the peer is gone, fails and aborts

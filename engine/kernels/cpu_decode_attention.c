@@ -6,20 +6,18 @@
  * row pointers are gathered, rows further on are prefetched. Where to, and how far ahead, depends on
  * the machine (`prefetch`, chosen per process by engine/kernels/decode_prefetch.py, which times both
  * on a pool larger than the last-level cache): `prefetch` 0 puts rows 64 positions ahead into L1
- * (prefetcht0; 1.56x at 32 requests of 275 positions against prefetching each block just before its
- * use on a 2-core Zen 5, where L2 prefetches were slower), `prefetch` 1 puts rows 8 positions
- * ahead into L2 (prefetcht1; on a 2-core Zen 4 1.7-1.9x from DRAM where L1 prefetches of any distance
- * ran no faster than none: 32 requests of 250 positions, 30 layers, two threads 19.0 -> 10.3-11.6 ms).
- * Outputs do not depend on it. The
+ * (prefetcht0: the faster on cores where L2 prefetches slow the loop down), `prefetch` 1 puts rows
+ * 8 positions ahead into L2 (prefetcht1: the faster on cores where L1 prefetches of any distance
+ * gain nothing over none). Outputs do not depend on it. The
  * scores' horizontal sums are done 16 at a time by one butterfly (same summation order as one at a
  * time). Work items are (request, kv head) pairs taken from an atomic counter by `threads` OpenMP
  * threads. Built with -fopenmp against libgomp.so.1, the runtime torch
- * already loaded, so these are torch's own warm workers, not a second pool fighting it (cpu_native
+ * already loaded, so these are torch's own warm workers, not a second pool fighting it (cpu_library
  * checks that only one libgomp is mapped and otherwise passes one thread).
  *
  * Pool addressing (in elements): token `pos` of request b, kv head kh, layer base `kv`:
  *   kv + table[b * table_stride + pos / P] * page_stride + (pos % P) * tok_stride + kh * head_stride
- * and V is the same address + v_off. head_dim is contiguous. Built by engine/kernels/cpu_native.py.
+ * and V is the same address + v_off. head_dim is contiguous. Built by engine/kernels/cpu_library.py.
  */
 #include <math.h>
 #include <stdint.h>

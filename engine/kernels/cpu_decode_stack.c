@@ -3,8 +3,7 @@
  *
  * Why: at 1-8 rows a layer's kernels each take microseconds, and the Python around each call (the
  * wrapper's checks, a new output tensor, the ctypes call) costs about as much again: ~12 calls per
- * layer, 30 layers, ~3-4 ms of a 9-14 ms batch-1 step of SmolLM2 (measured with perf_counter
- * wrappers, engine/decode_stack.py's docstring). Here the layer loop is C: the Python cost is one call
+ * layer, every layer, every step. Here the layer loop is C: the Python cost is one call
  * per step, and the scratch rows stay in cache between the kernels.
  *
  * Exactness: every value is computed by the kernel the Python path calls for it (gemv, RMSNorm,
@@ -30,7 +29,7 @@
 
 #include "cpu_vec.h"
 
-/* the other kernel files' entry points (one library, cpu_native.py) */
+/* the other kernel files' entry points (one library, cpu_library.py) */
 void pdserve_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int64_t dim,
                       float eps, int bf16, int threads);
 void pdserve_add_rms_norm(void *h, const void *res, const void *w, void *out, int64_t rows, int64_t dim,

@@ -18,8 +18,7 @@
  * keys read in place from the pool (no widening pass), and O += P.V with P rounded to bfloat16 and V
  * re-laid as pairs of keys, as flash attention and the CPU kernels of SGLang and vLLM do. Products
  * are exact, sums float32; Q (pre-scaled) and P carry one bfloat16 rounding each, so the result
- * differs from the float32-math path by ~1e-3 relative. The softmax stays float32. Measured on a
- * 2-core Zen 5 (SmolLM2's 9/3 heads, D 64): 2-3x the float32-math path from 256 tokens.
+ * differs from the float32-math path by ~1e-3 relative. The softmax stays float32.
  *
  * Pool addressing is cpu_decode_attention.c's. Requires D % (4 * W) == 0 and G <= R_MAX (the
  * caller, engine/kernels/cpu_native.py, checks and otherwise uses the per-row kernel).

@@ -1,7 +1,7 @@
 /* Fused per-layer CPU ops: one pass over memory where the torch reference takes several (and as
  * many temporaries). Each reads float32 or bfloat16 (bf16 != 0) and computes in float32; bfloat16
  * results are rounded to nearest-even once. Rows are split across `threads` OpenMP threads (torch's
- * runtime, as for the attention kernel). Built with the attention kernel by engine/kernels/cpu_native.py; references in
+ * runtime, as for the attention kernel). Built with the other kernels by engine/kernels/cpu_library.py; references in
  * engine/kernels/fused.py.
  *
  *   rms_norm:      out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w          (x rows strided)

@@ -23,7 +23,7 @@
  * Contract: in % 2 == 0, out % 64 == 0, rows >= 1; x rows x_stride elements apart; y [rows, out]
  * contiguous bfloat16; bias NULL or [out] bfloat16; scale [out] float32. Returns 0, or -1 for a
  * shape outside the contract or a build without AVX512-BF16 (the caller then takes another path).
- * Built by engine/kernels/cpu_native.py; the layout by engine/cpu_linear.py's to_pairs. */
+ * Built by engine/kernels/cpu_library.py; the layout by engine/cpu_linear.py's to_pairs. */
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -34,12 +34,11 @@
 #define NV 4     /* vectors of 16 outputs per panel */
 #define RB 6     /* rows per register block: 24 accumulators + 4 weights + 1 broadcast */
 #define PF 8192             /* prefetch distance in bytes (the panel streams forward), into L2: */
-#define PF_HINT _MM_HINT_T1 /* 1 KiB into L1 ran 1.3-1.5x slower at 1-2 rows on a Zen 4 */
+#define PF_HINT _MM_HINT_T1 /* a short distance into L1 ran slower at 1-2 rows */
 /* Cache lines prefetched per input pair: every line of the pair's vectors, except at 1-2 rows, where
  * half of them (the hardware prefetcher brings the rest; all of them ran 4-8% slower there). At 3-64
- * rows all lines: the later row blocks then have the next panel in L2 when it comes (30 layers of
- * SmolLM2 on a 2-core Zen 4, 8 / 16 / 32 / 64 rows: 9.4 -> 7.7, 14.1 -> 11.7, 22.3 -> 19.7,
- * 37.9 -> 35.4 ms against two lines). */
+ * rows all lines: the later row blocks then have the next panel in L2 when it comes (faster than two
+ * lines at 8-64 rows; `python -m benchmarks.gemm_rows` times the kernel by row count). */
 #define PFL_STREAM 2
 
 int pdserve_gemm_pairs_available(void);

@@ -3,15 +3,14 @@
  *
  * Why: at 1-8 rows a layer's matmuls read each weight once and do little arithmetic, so their time
  * should be the weight's bytes over memory bandwidth. oneDNN's packed primitive spends ~15-20 us per
- * call on top of that (measured on a 2-core Zen 5: 576x576 at 1 row 32 us against 13 us here; the
- * model's 120 small matmuls per step lost ~2.4 ms of an 8.7 ms step).
+ * call on top of that, more than a small weight's whole read (`python -m benchmarks.gemm_rows`
+ * times both).
  *
  * How: each thread takes a contiguous range of output rows (one forward stream through W, which the
  * hardware prefetcher follows; a software prefetch runs ahead of it: `prefetch` 0 puts W's lines
  * PF_L1 bytes ahead into L1, 1 puts them PF_L2 bytes ahead into L2. Which is faster depends on the
- * machine (engine/kernels/decode_prefetch.py times both once per process): on a 2-core Zen 4 the L1
- * prefetch ran no faster than none and the L2 one 1.3-1.7x faster, 30 layers' weights at 1 / 2 / 4
- * rows 10.2 / 10.7 / 12.3 -> 7.9 / 7.7 / 7.2 ms, 27-30 GB/s of the ~32 a core streams). For RB
+ * machine (engine/kernels/decode_prefetch.py times both once per process): where the L1 prefetch
+ * gains nothing over none, the L2 one brings the stream close to what a core can read). For RB
  * weight rows at a time every 32-element chunk is loaded once and multiplied into all the x rows
  * (vdpbf16ps: bfloat16 pairs multiplied exactly, summed in float32), so W is read once whatever the
  * row count. The float32 sums (+ bias) are rounded to bfloat16 once (round to nearest even), as
@@ -24,7 +23,7 @@
  *
  * Contract: in % 32 == 0, rows in 1..MAX_ROWS, x rows x_stride elements apart, y [rows, out]
  * contiguous bfloat16, bias NULL or [out] bfloat16, scale [out] float32. Returns 0, or -1 where this
- * build has no AVX512-BF16 (the caller then keeps oneDNN). Built by engine/kernels/cpu_native.py. */
+ * build has no AVX512-BF16 (the caller then keeps oneDNN). Built by engine/kernels/cpu_library.py. */
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>

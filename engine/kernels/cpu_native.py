@@ -1,176 +1,31 @@
-"""The C CPU kernels (``cpu_decode_attention.c``, and ``cpu_fused.c`` wrapped by ``engine.kernels.fused``):
-compiled once per machine into one library, loaded with ctypes.
+"""The Python face of the C CPU kernels (built and loaded by ``engine.kernels.cpu_library``, whose
+docstring lists every source): paged decode and extend attention over the KV pool and the
+small-batch matmuls (``cpu_gemv.c``, ``cpu_gemm_pairs.c``), each taking torch tensors and returning
+a new one, with the capability checks and thread counts their callers use. The fused per-layer ops
+are wrapped by ``engine.kernels.fused``.
 
 ``paged_decode`` is the CPU decode attention of ``engine.attention.CpuBackend``: it reads each
 request's keys in place from the paged pool, where the torch path gathers every request's pages
 padded to the longest request and runs SDPA on the copy (at batch 32 and 300-token contexts that
 path spent ~250 ms per step of SmolLM2 in attention, the kernel ~40 ms; ``pdserve bench engine``).
 It reads float32 and bfloat16 pools (bfloat16 keys are widened as they are read; the query, the sums
-and the output are float32).
+and the output are float32). ``paged_extend`` is its prefill counterpart, tiled over query blocks.
 
-Build: ``cc -O3 -march=native -fopenmp -shared``, linked to ``libgomp.so.1``: loaded after torch, that
-soname resolves to the runtime torch already mapped, so the kernels' parallel regions run on torch's
-own warm OpenMP workers (a second pool, or pthreads started per call, fought torch's spinning
-workers for the cores: measured slower with two threads than with one). ``openmp_shared()`` checks
-that one OpenMP runtime is mapped; where it is not, every call gets one thread. Into
-``$PDSERVE_KERNEL_CACHE`` (default
-``~/.cache/pdserve/kernels``) under a name hashed from the source, the flags and the CPU's flags;
-written to a temporary file and renamed, so workers starting together never load a half-written
-library. ``load()`` returns None when there is no compiler or the build fails (logged once): the
-caller then keeps the torch path. ``PDSERVE_NATIVE_KERNELS=0`` disables the kernels.
+Every wrapper calls ``load()`` for the library; callers check ``load() is not None`` (or one of the
+``*_available()`` probes) first, and keep the torch or oneDNN path otherwise.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from engine.cpu_features import cpu_flags
+from engine.kernels.cpu_library import load, openmp_shared  # re-exported: callers reach the library here
 
-log = logging.getLogger(__name__)
-
-SOURCES = tuple(
-    Path(__file__).with_name(n)
-    for n in (
-        "cpu_decode_attention.c",
-        "cpu_extend_attention.c",
-        "cpu_fused.c",
-        "cpu_gemv.c",
-        "cpu_gemm_pairs.c",
-        "cpu_decode_stack.c",
-    )
-)
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM = 1024
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
-
-
-def _library_path(compiler: str) -> Path:
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
-    key.update(" ".join((compiler, *CFLAGS, platform.machine(), *sorted(cpu_flags()))).encode())
-    return cache_dir() / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-@functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled library (built on first use), or None where it cannot be had."""
-    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler (cc/gcc): CPU decode attention stays on the torch path")
-        return None
-    try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("could not build the CPU kernels (%s): CPU decode attention stays on the torch path", detail)
-        return None
-    fn = lib.pdserve_paged_decode
-    fn.argtypes = [
-        _PTR,
-        _PTR,
-        ctypes.c_int,
-        _PTR,
-        _I64,
-        _PTR,
-        _PTR,
-        _PTR,
-        *([_I64] * 9),
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    fn.restype = ctypes.c_int
-    lib.pdserve_decode_dot_available.restype = ctypes.c_int
-    fn = lib.pdserve_paged_extend
-    fn.argtypes = [
-        _PTR,
-        _PTR,
-        ctypes.c_int,
-        _PTR,
-        _I64,
-        _PTR,
-        _PTR,
-        _PTR,
-        _PTR,
-        *([_I64] * 10),
-        ctypes.c_float,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    fn.restype = ctypes.c_int
-    lib.pdserve_extend_dot_available.restype = ctypes.c_int
-    _declare_fused(lib)
-    return lib
-
-
-def _declare_fused(lib: ctypes.CDLL) -> None:
-    """Argument types of ``cpu_fused.c``'s entry points (wrapped by ``engine.kernels.fused``)."""
-    i32, f32 = ctypes.c_int, ctypes.c_float
-    signatures = {
-        "pdserve_rms_norm": [_PTR, _I64, _PTR, _PTR, _I64, _I64, f32, i32, i32],
-        "pdserve_add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, f32, i32, i32],
-        "pdserve_rope": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32],
-        "pdserve_silu_mul": [_PTR, _PTR, _I64, _I64, i32, i32],
-        "pdserve_store_kv": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
-    }
-    lib.pdserve_gemv_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32]
-    lib.pdserve_gemv_bf16.restype = i32
-    lib.pdserve_gemv_i8w.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32, i32]
-    lib.pdserve_gemv_i8w.restype = i32
-    lib.pdserve_gemv_bf16_available.argtypes, lib.pdserve_gemv_bf16_available.restype = [], i32
-    lib.pdserve_decode_stack.argtypes, lib.pdserve_decode_stack.restype = [_PTR, _PTR], i32
-    lib.pdserve_gemm_pairs_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
-    lib.pdserve_gemm_pairs_bf16.restype = i32
-    lib.pdserve_gemm_pairs_i8w.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
-    lib.pdserve_gemm_pairs_i8w.restype = i32
-    lib.pdserve_gemm_pairs_available.argtypes, lib.pdserve_gemm_pairs_available.restype = [], i32
-    lib.pdserve_gemm_panels_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, i32]
-    lib.pdserve_gemm_panels_f32.restype = i32
-    lib.pdserve_gemm_panels_f32_available.argtypes, lib.pdserve_gemm_panels_f32_available.restype = [], i32
-    for name, argtypes in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
 
 
 GEMV_MAX_ROWS = 8  # cpu_gemv.c's MAX_ROWS
@@ -321,22 +176,8 @@ def supports(pool_buffer: torch.Tensor) -> bool:
 
 # Multiply-adds one kernel thread should have before another is worth waking: torch's OpenMP workers
 # are warm (spinning between ops), so a parallel region costs a few microseconds; 2^17 is ~50 us of
-# one core's work on a batch read from memory (measured in a serving step, not from cache).
+# one core's work on a batch read from memory (a serving step's case, not a cache-resident one).
 WORK_PER_THREAD = 1 << 17
-
-
-@functools.lru_cache(maxsize=1)
-def openmp_shared() -> bool:
-    """True iff at most one OpenMP runtime (libgomp / libiomp) is mapped into this process after the
-    kernels loaded, i.e. their parallel regions use torch's pool. False where it cannot be read."""
-    if load() is None:
-        return False
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "libiomp" in line}
-    return len(paths) <= 1
 
 
 def threads_for(keys: int, heads: int, head_dim: int, available: int) -> int:

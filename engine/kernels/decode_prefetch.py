@@ -3,9 +3,8 @@
 Decode attention (``cpu_decode_attention.c``) and the small-batch bfloat16 matmul (``cpu_gemv.c``)
 stream KV and weights from memory and prefetch ahead of their loads, either into L1
 (``PREFETCH_L1``) or into L2 (``PREFETCH_L2``), each kernel at its own distances. Which is faster
-depends on the CPU, by a lot: on a 2-core Zen 5 L1 prefetches made the attention kernel 1.56x faster
-and L2 ones were slower; on a 2-core Zen 4 L1 prefetches ran no faster than none, and L2 ones made
-the attention kernel 1.7-1.9x and the matmul 1.3-1.7x faster. ``modes()`` times both modes of each
+depends on the CPU, by a lot: on some cores L1 prefetches are much the faster and L2 ones slow the
+kernels down, on others L1 prefetches gain nothing and L2 ones up to ~2x. ``modes()`` times both modes of each
 kernel on data twice the last-level cache (the attention on scattered pages, as a serving step reads
 them) and keeps the faster per kernel for the process (logged). ``PDSERVE_DECODE_PREFETCH=l1|l2``
 sets both instead, with no timing. The choice never changes an output, only the time to it.

@@ -39,7 +39,7 @@ VICTIM_KEYS: dict[str, Callable[[Request], tuple[int, int]]] = {
 
 def victim_order(reqs: list[Request], order: str = "most-output") -> list[Request]:
     """Retract order (first victim first). ``most-output``: most output tokens, then shortest input
-    (the seed's prose, DESIGN.md). ``least-output``: least output tokens, then longest input (what
+    (the default; ``docs/design/retract.md``). ``least-output``: least output tokens, then longest input (what
     SGLang's ``retract_decode`` pops: the request with the least progress, freeing the most pages).
     Ties keep the running order (the sort is stable)."""
     if order not in VICTIM_KEYS:

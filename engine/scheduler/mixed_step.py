@@ -33,10 +33,9 @@ def prefill_budget(cfg: SchedulerConfig, decode_rows: int) -> int:
     ``max_num_batched_tokens`` leaves after the decode rows, but never fewer than the decode rows
     (prefill keeps at least half of a step however many decode), at most ``chunked_prefill_size``.
     Why the step is small while requests decode: every decode row waits for the whole step, so its
-    length is their inter-token latency. Closed loop on the 2-core CPU (c=8 / c=32): a 512-row step
-    gave ITL p99 325 / 404 ms, 128 rows 104 / 138 ms at the same output tok/s (README, session 22);
-    once small decode steps ran in one C call (session 27), 256 rows gave 1.09x / 1.15x the tok/s of
-    128 at ITL p99 ~200 / ~220 ms, hence the CPU default."""
+    length is their inter-token latency. A shorter step cuts the ITL tail at little cost in output
+    tok/s until per-step overhead dominates; the CPU default sits there
+    (``python -m benchmarks.mixed_ab --max-num-batched-tokens N`` measures a value)."""
     if decode_rows == 0:
         return cfg.chunked_prefill_size
     return min(cfg.chunked_prefill_size, max(cfg.max_num_batched_tokens - decode_rows, decode_rows))

@@ -40,7 +40,7 @@ import zmq.asyncio
 from configs.schema import PdserveConfig
 from server.launch.launch_auth import launch_auth
 from server.launch.ports import PortUnavailable, reserve_worker_ports
-from server.launch.roles import WORKER_ROLES, bind_addr, worker_config, worker_specs
+from server.launch.roles import WORKER_ROLES, bind_addr, worker_argv, worker_specs
 from server.launch.supervisor import RestartPolicy, WorkerSupervisor
 from server.launch.worker_procs import ExternalWorkers, WorkerProcesses
 from server.router.registry import WorkerSpec
@@ -84,25 +84,6 @@ def reserve_ports(specs: list[WorkerSpec], cfg: PdserveConfig) -> dict:
 def close_ports(ports: dict) -> None:
     for s in ports.values():
         s.close()
-
-
-def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
-    """Command line of one worker process."""
-    return [
-        sys.executable,
-        "-m",
-        "server.worker.main",
-        "--role",
-        spec.role,
-        "--worker-id",
-        spec.worker_id,
-        "--control-addr",
-        bind_addr(spec, cfg),
-        "--advertise-addr",
-        spec.addr,
-        "--config-json",
-        worker_config(cfg, spec.worker_id).model_dump_json(),
-    ]
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -248,11 +229,6 @@ class Launcher:
                     loop.remove_signal_handler(sig)
 
     async def _run(self) -> int:
-        from engine.model_paths import resolve_model_path
-        from engine.tokenizer import Tokenizer
-        from server.router.app import build_context, create_app, zmq_client_factory
-
-        srv = self.cfg.server
         try:
             self.auth, self.child_env = launch_auth(self.cfg, self.own_workers)
         except ControlAuthError as e:
@@ -265,7 +241,7 @@ class Launcher:
             raise LaunchError(
                 "no worker to route to: --roles starts none here and neither --worker nor --discovery was given"
             )
-        sock = bind_http_socket(srv.host, srv.port)
+        sock = bind_http_socket(self.cfg.server.host, self.cfg.server.port)
         try:
             ports = reserve_ports(local, self.cfg)
         except LaunchError:
@@ -273,27 +249,35 @@ class Launcher:
             raise
         procs = self._start_workers(local, pin_router=True, ports=ports) if local else ExternalWorkers()
         zctx = zmq.asyncio.Context()
-        serve_task = None
         try:
-            try:
-                path = resolve_model_path(self.cfg.engine.model)
-                tokenizer = await asyncio.to_thread(Tokenizer.from_path, path)
-            except (OSError, ValueError) as e:
-                raise LaunchError(f"cannot load the tokenizer: {e}") from None
-            name = srv.served_model_name or path.stem
-            ctx = build_context(
-                self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth), auth=self.auth, zctx=zctx
-            )
-            config = uvicorn.Config(
-                create_app(ctx),
-                log_level=srv.log_level.lower(),
-                lifespan="on",
-                timeout_graceful_shutdown=5,
-                access_log=srv.log_level == "DEBUG",
-                timeout_keep_alive=KEEP_ALIVE_S,
-            )
-            self.server = _Server(config)
-            serve_task = asyncio.create_task(self.server.serve(sockets=[sock]))
+            return await self._serve(sock, specs, procs, zctx)
+        finally:
+            # its router is gone (without discovery no other one found them): drain, no quiet period
+            await asyncio.to_thread(procs.stop, sig=signal.SIGTERM if self.cfg.cluster.discovery else signal.SIGUSR1)
+            sock.close()
+            close_ports(ports)
+            zctx.destroy(linger=0)
+
+    async def _serve(self, sock: socket.socket, specs: list[WorkerSpec], procs: WorkerProcesses, zctx) -> int:
+        """Serve the router's HTTP app on ``sock`` until stopped (0), its server stopped at the end."""
+        from server.router.app import build_context, create_app, zmq_client_factory
+
+        srv = self.cfg.server
+        name, tokenizer = await self._tokenizer()
+        ctx = build_context(
+            self.cfg, tokenizer, name, specs, zmq_client_factory(zctx, self.auth), auth=self.auth, zctx=zctx
+        )
+        config = uvicorn.Config(
+            create_app(ctx),
+            log_level=srv.log_level.lower(),
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+            access_log=srv.log_level == "DEBUG",
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
+        self.server = _Server(config)
+        serve_task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        try:
             url = public_url(srv.host, sock.getsockname()[1])
             if not await self._wait_ready(url, serve_task, procs, ctx.registry):
                 return 0
@@ -302,11 +286,18 @@ class Launcher:
             return 0
         finally:
             await self._stop_server(serve_task)
-            # its router is gone (without discovery no other one found them): drain, no quiet period
-            await asyncio.to_thread(procs.stop, sig=signal.SIGTERM if self.cfg.cluster.discovery else signal.SIGUSR1)
-            sock.close()
-            close_ports(ports)
-            zctx.destroy(linger=0)
+
+    async def _tokenizer(self):
+        """(served model name, tokenizer) of the configured model; ``LaunchError`` where it cannot load."""
+        from engine.model_paths import resolve_model_path
+        from engine.tokenizer import Tokenizer
+
+        try:
+            path = resolve_model_path(self.cfg.engine.model)
+            tokenizer = await asyncio.to_thread(Tokenizer.from_path, path)
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"cannot load the tokenizer: {e}") from None
+        return self.cfg.server.served_model_name or path.stem, tokenizer
 
     async def _wait_ready(self, url: str, serve_task: asyncio.Task, procs: WorkerProcesses, registry) -> bool:
         """True once /health is 200; False if stopped first; ``LaunchError`` on failure."""

@@ -4,7 +4,8 @@ The launcher binds and listens on every local worker's control port before it st
 (a busy port fails the launch at once, naming the port and ``--base-port``), passes each listening
 socket to its worker (``--listen-fd``: ZMQ serves on it through ``ZMQ_USE_FD``) and keeps its own
 copy open. A port therefore stays this launch's while its worker is restarting: another launch
-on the same host can never take it in the gap (the cause of issue 13's endless restarts).
+on the same host can never take it in the gap (where it could, the worker's restart found the port
+taken and restarted again, endlessly).
 Connections that arrive while no worker runs wait in the kernel's backlog for the next process.
 """
 

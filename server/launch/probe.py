@@ -2,11 +2,11 @@
 
 A target is ``http://HOST:PORT`` (a router or launcher: ready when ``GET /health`` answers 200) or
 ``tcp://HOST:PORT`` (a worker's control socket: ready when it answers a ``StatsRequest`` with its
-``WorkerStats``, which a worker only does once its model is loaded and it serves). Without a target the probe reads the command line of PID 1
-(the container's main process, ``pdserve worker ...`` / ``pdserve router ...`` / ``pdserve
-launch ...``) and derives the target from it with the real argument parser and config loader, so
-one image's ``HEALTHCHECK`` fits every role. Exit code 0 = ready, 1 = not ready (the reason on
-stderr), 2 = no target could be derived.
+``WorkerStats``, which a worker only does once its model is loaded and it serves). Without a target
+the probe reads the command line of PID 1 (the container's main process, ``pdserve worker ...`` /
+``pdserve router ...`` / ``pdserve launch ...``) and derives the target from it with the real
+argument parser and config loader, so one image's ``HEALTHCHECK`` fits every role. Exit code 0 =
+ready, 1 = not ready (the reason on stderr), 2 = no target could be derived.
 
 A worker's control socket takes only peers holding the cluster key: the probe uses
 ``--cluster-key FILE``, else the key PID 1 was given (its ``--cluster-key`` or ``PDSERVE_CLUSTER_KEY``,

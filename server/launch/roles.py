@@ -1,4 +1,5 @@
-"""Which pdserve roles one ``pdserve launch`` runs on this host, and where its workers listen.
+"""Which pdserve roles one ``pdserve launch`` runs on this host, where its workers listen, and the
+command line that starts each.
 
 Roles: ``router`` plus the worker roles of the cluster mode (``prefill`` and ``decode`` in PD mode,
 ``colocated`` in colocated mode). ``pdserve launch --roles decode`` on one host and
@@ -11,6 +12,7 @@ at ``base_port + i``), so the ports a host uses follow from the shared config al
 from __future__ import annotations
 
 import socket
+import sys
 
 from configs.schema import PdserveConfig, worker_pool_tokens
 from server.router.registry import WorkerSpec
@@ -86,3 +88,22 @@ def parse_worker_spec(text: str) -> WorkerSpec:
     if len(parts) != 3 or parts[0] not in ALL_WORKER_ROLES or not parts[1] or not parts[2].startswith("tcp://"):
         raise ValueError(f"--worker {text!r}: expected ROLE=ID=tcp://HOST:PORT with ROLE colocated, prefill or decode")
     return WorkerSpec(parts[1], Role(parts[0]), parts[2])
+
+
+def worker_argv(spec: WorkerSpec, cfg: PdserveConfig) -> list[str]:
+    """Command line of one worker process."""
+    return [
+        sys.executable,
+        "-m",
+        "server.worker.main",
+        "--role",
+        spec.role,
+        "--worker-id",
+        spec.worker_id,
+        "--control-addr",
+        bind_addr(spec, cfg),
+        "--advertise-addr",
+        spec.addr,
+        "--config-json",
+        worker_config(cfg, spec.worker_id).model_dump_json(),
+    ]

@@ -29,12 +29,13 @@ The next request to go is taken from the key with the fewest granted slots per u
 convention), then arrival order. So a key sending ten times more than another with the same share
 gets the same number of slots under contention and cannot starve it.
 
-Headroom for keys under their share (:class:`~server.router.fair_headroom.FairHeadroom`): while
-two or more keys are active, a key already holding its share of the slots may not take the last
-few, so a key under its share starts at once instead of waiting for a heavy key's request to
-finish; with one active key every slot is used (work-conserving). With ``FairHeadroom.preempt`` (PD),
-a grant that leaves its key below another active key (``FairHeadroom.under_share``) is made even when every slot is taken and is marked ``Grant.preempt``
-(a PD decode worker with a full batch retracts a request without the mark to start it).
+Headroom for keys under their share (:class:`~server.router.fair_headroom.FairHeadroom`): while two
+or more keys are active, a key already holding its share of the slots may not take the last few, so
+a key under its share starts at once instead of waiting for a heavy key's request to finish; with
+one active key every slot is used (work-conserving). With ``FairHeadroom.preempt`` (PD), a grant
+that leaves its key below another active key (``FairHeadroom.under_share``) is made even when every
+slot is taken and is marked ``Grant.preempt`` (a PD decode worker with a full batch retracts a
+request without the mark to start it).
 
 Shedding order (who is refused first when the queue is full): the key with the most queued
 requests per unit of share, within it the highest ``priority`` value, then the newest arrival.

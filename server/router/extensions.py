@@ -1,5 +1,5 @@
 """The request fields this server accepts but does not act on, and those it refuses unless left at
-their default, each with the reason a client is told (the README's field table lists the same).
+their default, each with the reason a client is told (``docs/usage/request-fields.md`` lists the same).
 
 ``check_extensions(req)`` raises a 400 ``APIError`` naming the first refused field that has a
 value other than its default; ignored fields need no check (their reason is documentation).
@@ -95,5 +95,5 @@ def _short(value: Any) -> str:
 
 
 def documented_fields() -> set[str]:
-    """Every top-level field of both request bodies (what the README's field table must list)."""
+    """Every top-level field of both request bodies (what ``docs/usage/request-fields.md`` must list)."""
     return set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

@@ -1,4 +1,5 @@
-"""Headroom for API keys under their share (issue 27), used by the router's admission stage.
+"""Headroom for API keys under their share, used by the router's admission stage
+(``docs/operate/overload.md``).
 
 Contract of :class:`FairHeadroom`: while two or more keys are *active* (a request of theirs
 granted or queued, or one arrived within ``active_window_s``), a key whose grant would take it past

@@ -1,12 +1,13 @@
 """The router's in-flight table: every request between submission and its last token or error.
 
-Each entry owns an ``asyncio.Queue`` of ``TokenDelta``s fed by the workers' receive
-tasks (and, for a queued move, one ``Moved`` marker). An entry names the workers that hold state for it (``workers``; in PD mode a prefill and a
-decode worker) and the one whose token stream is forwarded (``stream_from``); errors from any of
-its workers are forwarded too. ``fail_worker`` ends every entry that touches a dead worker. Once tokens arrive from the streaming
-worker the others are done with the request (in PD mode the KV has landed on the decode worker,
-which reports any later need of a prefill worker, e.g. a recompute, itself): from then on only the
-streaming worker's death fails it.
+Each entry owns an ``asyncio.Queue`` of ``TokenDelta``s fed by the workers' receive tasks (and, for
+a queued move, one ``Moved`` marker). An entry names the workers that hold state for it
+(``workers``; in PD mode a prefill and a decode worker) and the one whose token stream is forwarded
+(``stream_from``); errors from any of its workers are forwarded too. ``fail_worker`` ends every
+entry that touches a dead worker. Once tokens arrive from the streaming worker the others are done
+with the request (in PD mode the KV has landed on the decode worker, which reports any later need of
+a prefill worker, e.g. a recompute, itself): from then on only the streaming worker's death fails
+it.
 
 ``prefill``: where the request's prompt is expected to be computed and how many of its tokens that
 worker's cache did not hold when it was routed (the routing policy's estimate, ``Route.prefill``);

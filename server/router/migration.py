@@ -2,11 +2,12 @@
 ``decode_worker.migration``): choose the peer, re-point the token stream, undo on failure.
 
 - ``MigrationOffer`` from decode worker S: ``pick_target`` chooses the ready decode worker, other
-  than S, of S's model and page size whose latest report has the most ``migration_room_pages``
-  (room after the running batch's reservation, nothing waiting, parked or offered there), less
-  the pages of offers sent its way since that report, and at least the offer's ``pages``. The request's in-flight entry then streams from the target T (``workers`` gains T;
-  its death does not fail the request until T sent a token) and T gets a ``MigrateRequest``
-  (a fresh room). No peer (or no entry): S gets ``MigrationDeclined`` and resumes locally.
+  than S, of S's model and page size whose latest report has the most ``migration_room_pages`` (room
+  after the running batch's reservation, nothing waiting, parked or offered there), less the pages
+  of offers sent its way since that report, and at least the offer's ``pages``. The request's
+  in-flight entry then streams from the target T (``workers`` gains T; its death does not fail the
+  request until T sent a token) and T gets a ``MigrateRequest`` (a fresh room). No peer (or no
+  entry): S gets ``MigrationDeclined`` and resumes locally.
 - S stops producing tokens for the request when it offers it and T starts only once the KV
   landed, so the stream has no gap or duplicate: tokens come from S up to the offer and from T
   after it, into the same queue.

@@ -1,11 +1,11 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types, unknown fields refused).
 
-Declared here: OpenAI's fields and vLLM's extensions of them (the names of vLLM's OpenAI server).
-A field declared by neither is a 400 naming it. A declared field is one of three kinds (the
-README's field table lists every one): supported; accepted and ignored (it cannot change the
-output here, e.g. ``metadata``, ``user``); or refused unless it has its default value, with a
-message saying why (``server.router.extensions`` holds those two lists and the checks), so a
-sampling option is never silently dropped.
+Declared here: OpenAI's fields and vLLM's extensions of them (the names of vLLM's OpenAI server). A
+field declared by neither is a 400 naming it. A declared field is one of three kinds (the
+request-field reference, ``docs/usage/request-fields.md``, lists every one): supported; accepted and
+ignored (it cannot change the output here, e.g. ``metadata``, ``user``); or refused unless it has
+its default value, with a message saying why (``server.router.extensions`` holds those two lists and
+the checks), so a sampling option is never silently dropped.
 """
 
 from __future__ import annotations

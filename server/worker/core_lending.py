@@ -14,9 +14,9 @@ every call here, from its scheduler's state and step reports; schedulers know no
 Contract:
 - ``publish(busy)`` is called before a worker blocks and before each of its steps, so a peer reads
   a state at most one step old.
-- Measured why "about to run the model" and not "has work": with the latter, a prefill that started while
-  the decode worker was reserving that very prompt's pages ran on one thread, 3 of 10 sequential
-  400-token requests (950 instead of 580 ms to the first token).
+- Why "about to run the model" and not "has work": with the latter, a prefill that starts while the
+  decode worker is reserving that very prompt's pages finds that worker busy and runs on its own
+  share alone, late to its first token.
 - ``begin_step()`` picks the step's thread count: ``total`` when this worker may borrow, every
   other slot is idle and no KV handoff happened in the last ``handoff_grace_s`` (the decode
   worker that just received KV is about to be busy but may not have seen it yet); else ``own``.
@@ -31,14 +31,13 @@ Contract:
 Who borrows is measured, not assumed (``core_lending``): with ``all`` (the default) the launcher
 lets every worker borrow, and each worker times its steps' matmuls at start-up on its own share and
 on every core (``server.worker.main.core_lending``), borrowing only at >= 1.1x. A prefill chunk
-always gains (SmolLM2 fp32, 256 tokens: 383 -> 578 tok/s from one thread to two); a decode step
-gains on some machines and not on others (an AVX-512 Xeon in fp32, batch 8: 130 -> 102 tok/s; a
-Zen 5 in bf16 with the small-batch kernel: 1.45x at batch 1-32). A decode worker whose requests wait
-for a prefill worker (``WorkerScheduler.awaits_peer_compute``) does not borrow even if that
-worker's slot still reads idle: the prompt is about to be computed there. Measured on the Zen 5, PD
-c = 1 / 8 / 32 (bench/peers/compare_sequential.sh, two runs): decode borrowing without that rule
-+18% / -15% / -15% output tok/s, with it +18% / +7% / +6%. ``prefill`` keeps decode workers
-lending only; ``off`` shares nothing.
+(compute-bound) gains; a decode step (memory-bound) gains on some machines and loses on others,
+hence the measurement. A decode worker whose requests wait for a prefill worker
+(``WorkerScheduler.awaits_peer_compute``) does not borrow even if that worker's slot still reads
+idle: the prompt is about to be computed there. Without that rule decode borrowing cost output
+tok/s at higher concurrency under PD; with it, it gains at every concurrency
+(``bench/peers/compare_sequential.sh`` compares them). ``prefill`` keeps decode workers lending
+only; ``off`` shares nothing.
 """
 
 from __future__ import annotations

@@ -77,10 +77,9 @@ def core_lending(args, runner):
     workers load in parallel; each measures once every worker of the launch has loaded (ledger
     slots: call this once the worker's start-up work is done, ``main``), one at a time
     (``measuring_turn``), and with no other worker's slot busy, so no measurement runs beside
-    another's load or start-up. Measured why: with a peer still building its scheduler and grammar
-    tokenizer after its own probe, a decode worker timed 23.8 ms on two threads against 21.8 on
-    one (0.92x: "only lends") where a quiet probe gives 1.80x; that launch then decoded at 35 ms a
-    token instead of 21 at low load (PD, chat workload, AMX host)."""
+    another's load or start-up: a probe beside a peer still building its scheduler and grammar
+    tokenizer times the shared cores slower than they are, and a worker that gains from borrowing
+    then only lends, decoding far slower than it could at low load."""
     if args.core_ledger_fd is None:
         return None
     from server.worker.core_lending import CoreLedger, CoreLending
@@ -167,12 +166,30 @@ def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
 BUILDERS = {Role.COLOCATED: build_colocated, Role.PREFILL: build_prefill, Role.DECODE: build_decode}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve-worker")
     p.add_argument("--role", choices=sorted(map(str, BUILDERS)), required=True)
     p.add_argument("--worker-id", required=True)
     p.add_argument("--control-addr", required=True, help="ZMQ address to bind, e.g. tcp://127.0.0.1:29500")
     p.add_argument("--config-json", required=True)
+    p.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="serve --control-addr on this inherited, already listening socket (the launcher's)",
+    )
+    p.add_argument(
+        "--advertise-addr",
+        default=None,
+        help="the control address routers reach this worker at, registered in discovery (default: "
+        "--control-addr, with a wildcard host replaced by advertise_host or the hostname)",
+    )
+    _add_core_flags(p)
+    return p
+
+
+def _add_core_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the cores a worker runs on: pinning, its thread share, core lending."""
     p.add_argument(
         "--cpus",
         type=parse_cpu_list,
@@ -186,22 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of this (unpinned) worker; the launcher gives co-located workers their share",
     )
     p.add_argument(
-        "--listen-fd",
-        type=int,
-        default=None,
-        help="serve --control-addr on this inherited, already listening socket (the launcher's)",
-    )
-    p.add_argument(
         "--core-ledger-fd",
         type=int,
         default=None,
         help="inherited memfd of the launch's core ledger (server.worker.core_lending)",
-    )
-    p.add_argument(
-        "--advertise-addr",
-        default=None,
-        help="the control address routers reach this worker at, registered in discovery (default: "
-        "--control-addr, with a wildcard host replaced by advertise_host or the hostname)",
     )
     p.add_argument("--core-slot", type=int, default=0, help="this worker's slot in the core ledger")
     p.add_argument(
@@ -211,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of a step while every other worker of the launch is idle (default: "
         "this worker's own; it then only lends)",
     )
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     apply_cpus(args.cpus, args.threads)
     cfg = PdserveConfig.model_validate_json(args.config_json)
     logging.basicConfig(
@@ -230,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             "submit, abort and shut down requests of this worker; use --cluster-key FILE",
             args.control_addr,
         )
+    return serve(cfg, args, auth)
+
+
+def serve(cfg: PdserveConfig, args, auth) -> int:
+    """Load the model, build the role's scheduler and run the worker loop until it exits; its exit
+    code: 0 after a drain (a launcher leaves it down), EXIT_SHUTDOWN after a Shutdown."""
     runner, path = load_runner(cfg)
     grammar = runner.grammar.prepare_in_background()  # not in the loop at the first structured request
     name = cfg.server.served_model_name or path.stem
@@ -238,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         # start-up work done before the worker serves (a build beside the loop held the GIL for
         # seconds of its first requests) and before the launch's lending probes time anything
         grammar.join()
-    cores = core_lending(args, runner)
     loop = WorkerLoop(
         args.control_addr,
         args.worker_id,
@@ -248,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_s=cfg.server.health_interval_s,
         progress_timeout_s=cfg.cluster.progress_timeout_s,
         step_delay_s=cfg.scheduler.test_step_delay_s,
-        cores=cores,
+        cores=core_lending(args, runner),
         drain_timeout_s=cfg.cluster.drain_timeout_s,
         auth=auth,
     )
@@ -260,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if registration is not None:
             registration.close()
-    return loop.exit_code  # 0 after a drain (a launcher leaves it down), EXIT_SHUTDOWN after a Shutdown
+    return loop.exit_code
 
 
 def advertise_addr(cfg: PdserveConfig, control_addr: str) -> str:
