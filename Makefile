@@ -61,7 +61,7 @@ test-chaos: install
 # The ecosystem's clients, unmodified (tests/clients/): guidellm and aiperf (pinned in
 # tests/clients/requirements.txt, in their own venv .venv-clients so their dependencies never meet
 # the server's) run a few dozen requests each against a launched PD server and a colocated one with
-# 0 errors, and the official `openai` client goes through every row of the README's field table.
+# 0 errors, and the official `openai` client goes through every row of the request-field table (docs/usage/request-fields.md).
 CLIENTS_VENV := .venv-clients
 $(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
 	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
