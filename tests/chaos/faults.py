@@ -18,9 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from chaos_cluster import Cluster, signal_worker
-
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, signal_worker
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import threading
 import time
 
 import httpx
-from stream_client import Outcome, stream_one
 
 from bench.harness.subprocess_server import REPO_ROOT, free_port, scrape_metrics
+from tests.support.stream_client import Outcome, stream_one
 
 
 class WorkerProc:

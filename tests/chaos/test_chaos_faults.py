@@ -22,11 +22,11 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import Cluster, leaks, run_load, signal_worker
-from faults import FAULTS, Fault, inject
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, leaks, run_load, signal_worker
+from tests.chaos.faults import FAULTS, Fault, inject
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

@@ -18,11 +18,11 @@ import time
 
 import httpx
 import pytest
-from membership_load import SteadyLoad, routed_tokens
-from netns_hosts import NetnsLab, running_lab, unavailable_reason
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import REPO_ROOT
+from tests.chaos.membership_load import SteadyLoad, routed_tokens
+from tests.chaos.tiny_model import save_tiny_model
+from tests.support.netns_hosts import NetnsLab, running_lab, unavailable_reason
 from transfer.cluster_key import ClusterKey, write_key_file
 
 _REASON = unavailable_reason() or (

@@ -14,8 +14,9 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import Cluster, leaks, run_load
-from tiny_model import save_tiny_model
+
+from tests.chaos.chaos_cluster import Cluster, leaks, run_load
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

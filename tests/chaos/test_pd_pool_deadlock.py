@@ -18,10 +18,10 @@ import asyncio
 import random
 
 import pytest
-from chaos_cluster import Cluster, leaks, run_load
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, leaks, run_load
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

@@ -12,10 +12,10 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import Cluster, leaks, rss_bytes, stream_one
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, leaks, rss_bytes, stream_one
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

@@ -16,13 +16,13 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import run_load
-from etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
-from membership_load import SteadyLoad, WorkerProc, routed_tokens
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics
 from server.discovery.etcd import EtcdClient
+from tests.chaos.chaos_cluster import run_load
+from tests.chaos.membership_load import SteadyLoad, WorkerProc, routed_tokens
+from tests.chaos.tiny_model import save_tiny_model
+from tests.support.etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
 from transfer.cluster_key import ClusterKey, write_key_file
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]

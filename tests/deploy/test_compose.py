@@ -24,11 +24,11 @@ import time
 import httpx
 import openai
 import pytest
-from compose_stack import ComposeStack, sh
-from conftest import engine_cfg, sched_cfg, strip_eos
-from stream_client import Outcome, stream_one
 
 from bench.harness.subprocess_server import free_port, fresh_metrics, metric_sum, scrape_metrics, wait_idle
+from tests.deploy.compose_stack import ComposeStack, sh
+from tests.support.models import engine_cfg, sched_cfg, strip_eos
+from tests.support.stream_client import Outcome, stream_one
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
