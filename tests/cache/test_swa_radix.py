@@ -1,4 +1,4 @@
-"""SWA window arithmetic and the two-lifetime radix cache (issue 11 items 3-4; seed 003)."""
+"""SWA window arithmetic and the two-lifetime radix cache ."""
 
 from __future__ import annotations
 

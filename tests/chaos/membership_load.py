@@ -1,6 +1,6 @@
 """A router whose workers come from etcd, workers the test starts and stops one by one
 (``pdserve worker``), and a steady streamed load that records every request's outcome: the parts
-of the membership tests (issue 28)."""
+of the membership tests."""
 
 from __future__ import annotations
 

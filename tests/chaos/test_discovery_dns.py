@@ -1,4 +1,4 @@
-"""DNS discovery (issue 28, item 2) across emulated hosts: router, prefill and two decode workers
+"""DNS discovery across emulated hosts: router, prefill and two decode workers
 each in its own network namespace (``netns_hosts``), KV over UCX/TCP between them, and a real DNS
 server (dnsmasq) on the router's host answering for ``prefill.pd.test`` and ``decode.pd.test`` with
 one A record per worker, as a Kubernetes headless Service does. The router runs with

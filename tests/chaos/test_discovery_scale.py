@@ -1,4 +1,4 @@
-"""Membership that grows and shrinks (issue 28) with real parts: etcd started by the test, a router
+"""Membership that grows and shrinks with real parts: etcd started by the test, a router
 (``pdserve launch --roles router --discovery etcd://...``) and ``pdserve worker`` processes on
 loopback, the tiny random model, KV over NIXL, a steady streamed load throughout.
 

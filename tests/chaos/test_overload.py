@@ -1,4 +1,4 @@
-"""Overload (issue 27): a launched PD cluster (router, 1 prefill and 1 decode worker, tiny model, real
+"""Overload: a launched PD cluster (router, 1 prefill and 1 decode worker, tiny model, real
 HTTP) behind the router's admission stage.
 
 1. ``test_overload_then_recovery``: unloaded TTFT, then the measured capacity (closed loop), then

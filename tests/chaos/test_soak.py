@@ -1,4 +1,4 @@
-"""Soak (issue 13, item 7): 5,000 short requests (``PDSERVE_SOAK_REQUESTS``) through a launched PD
+"""Soak: 5,000 short requests (``PDSERVE_SOAK_REQUESTS``) through a launched PD
 cluster (router, 1 prefill and 1 decode worker, tiny model, KV over NIXL) at concurrency 64, two
 tokens each (streamed); the RSS of every process (the router and each worker) is sampled every 250 requests.
 After the warm-up (the first fifth of the requests) no process may grow by 5 % or more, every

@@ -1,4 +1,4 @@
-"""Two routers in front of the same workers (issue 28, item 4), real parts: etcd started by the
+"""Two routers in front of the same workers, real parts: etcd started by the
 test, two ``pdserve launch --roles router --discovery etcd://...`` processes, one prefill and two
 decode ``pdserve worker`` processes on loopback, the tiny model, KV over NIXL.
 

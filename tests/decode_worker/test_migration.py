@@ -1,4 +1,4 @@
-"""Migration of retracted requests between decode workers, in one process (issue 31): the
+"""Migration of retracted requests between decode workers, in one process: the
 decision and its bounds, the source's state machine, the router's re-pointing, the KV written
 from the host pool with the prefill path's manifest, and the faults (target gone, refusal,
 abort mid-migration); greedy tokens equal transformers and every pool is clean afterwards."""
@@ -140,9 +140,12 @@ def test_offers_between_reports_share_the_reported_room():
     params = SamplingParams(max_new_tokens=8)
     for rid in ("a", "b", "c"):
         table.open(rid, ("p0", "d1"), "d1", 10)
-    offer = lambda rid: moves.on_offer(
-        "d1", MigrationOffer(rid=rid, n_tokens=40, pages=30, prompt_len=8, params=params), [1] * 40
-    )
+
+    def offer(rid):
+        return moves.on_offer(
+            "d1", MigrationOffer(rid=rid, n_tokens=40, pages=30, prompt_len=8, params=params), [1] * 40
+        )
+
     offer("a")
     offer("b")  # 50 - 30 left: declined
     assert dst.client.sent == [("migrate", "a")] and src.client.sent == [("declined", "b")]

@@ -1,4 +1,4 @@
-"""Live migration for balance (issue 31 item 5, ``--migrate-on-retract``), in one process: a decode
+"""Live migration for balance (``--migrate-on-retract``), in one process: a decode
 worker that retracts a running request for lack of pages (its KV copied to the host pool by the
 retract) offers it to a peer with room at once, instead of after ``--migrate-after``. With a bound
 no request ever reaches (100000 steps) only the flag can move anything: with it requests move,

@@ -1,4 +1,4 @@
-"""Preemption for API keys under their share (issue 27), PD decode side, in one process against
+"""Preemption for API keys under their share, PD decode side, in one process against
 the transformers reference: a request with ``GenerateRequest.preempt`` that finds the batch
 (``max_running_requests``) full takes the place of the newest running request without the mark,
 which is retracted (offloaded to the host pool, or recomputed without one) and resumes when a place

@@ -1,4 +1,4 @@
-"""Queued moves (``--migrate-queued``, issue 31): a request waiting for pages on one decode worker,
+"""Queued moves (``--migrate-queued``): a request waiting for pages on one decode worker,
 not prefilled yet, is offered to the router and re-routed to a peer decode worker with room. In
 one process: the decode side's offers, holds and answers (``decode_worker.queued_moves``), the
 router's pick (``Migrations.on_queued_offer``) and the in-flight table's ``Moved`` marker. The real

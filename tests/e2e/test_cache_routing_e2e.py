@@ -1,4 +1,4 @@
-"""Cache-aware routing end to end (issue 30): ``pdserve launch --mode colocated --replicas 2
+"""Cache-aware routing end to end: ``pdserve launch --mode colocated --replicas 2
 --routing cache-aware``, real worker processes publishing their radix caches on CURVE feeds (the
 launch's ephemeral cluster key). A conversation whose first turn landed on the replica that was
 not the least loaded gets its second turn there again (least-loaded routing would send it to the

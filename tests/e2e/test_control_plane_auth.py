@@ -1,4 +1,4 @@
-"""The authenticated control plane with real processes (issue 28 item 5).
+"""The authenticated control plane with real processes.
 
 A ``pdserve launch --mode pd`` makes an ephemeral cluster key and hands it to its workers in their
 environment (never on a command line). Against its prefill and decode workers:

@@ -1,4 +1,4 @@
-"""Migration end to end (issue 31): ``pdserve launch`` with 1 prefill + 2 decode worker processes,
+"""Migration end to end: ``pdserve launch`` with 1 prefill + 2 decode worker processes,
 KV over NIXL and over ucxx (one launch per backend; the host pool is registered with the backend
 and the migration writes straight from it), the real model and HTTP API. ``--route-decode
 decode-0`` sends every request to one decode worker whose small pool makes it retract

@@ -165,7 +165,8 @@ def test_pd_long_prompt_matches_colocated(client, model, embedded, colocated):
 
 
 def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated):
-    # issue 13: temperature=1, seed=7 gave [2684, 282, ...] colocated and [2684, 2422, ...] in PD
+    # the sampler state must carry over the handoff: with a fresh one in the decode worker,
+    # temperature=1, seed=7 gave [2684, 282, ...] colocated and [2684, 2422, ...] in PD
     ids = embedded[2].encode(PROMPTS[0])
     r = client.completions.create(
         model=model, prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=7, extra_body={"return_token_ids": True}
@@ -232,7 +233,7 @@ def test_pd_logit_bias_reaches_prefill_and_decode(client, model):
 
 
 def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url):
-    # issue 13: the counter stayed 0 in PD although the decode radix cache matched the prefix. Its
+    # the counter must include the decode radix cache's hits, not only the prefill worker's. Its
     # own prefix: SHARED in the caches would take the pressure off the 32-request test below
     base = (
         "A lighthouse keeper on a remote island kept a journal of every ship that passed, every storm "
@@ -369,7 +370,7 @@ def test_pd_worker_killed_then_restarted(server, url, client, model, role):
     errors = [r for r in results if isinstance(r, Exception)]
     if role == "decode":
         assert errors, "killing the decode worker mid-load must fail its in-flight requests"
-    # a dead prefill worker fails only what it still held: requests already decoding complete (issue 13)
+    # a dead prefill worker fails only what it still held: requests already decoding complete
     assert all(isinstance(e, openai.APIStatusError) and e.status_code == 503 for e in errors), errors
     assert all(r.usage.completion_tokens == 120 for r in results if not isinstance(r, Exception))
     # every failure comes within 10 s of the kill (requests that go on decoding take what they take)

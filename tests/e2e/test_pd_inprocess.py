@@ -262,7 +262,7 @@ def test_destination_whose_prompt_never_comes_is_answered_after_the_grace(harnes
 
 
 def test_seeded_sampling_is_the_same_in_every_mode_and_across_retracts(harness, tiny):
-    # issue 13: the decode worker builds a fresh sampler state after the prefill worker drew
+    # the decode worker builds a fresh sampler state after the prefill worker drew
     # token 0; the stream must still equal colocated mode's, with offload and with recompute.
     from engine.llm import run_batch
     from engine.model_runner import ModelRunner

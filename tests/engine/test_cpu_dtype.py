@@ -1,4 +1,4 @@
-"""bf16 on a CPU without native bf16 falls back to fp32 (issue 10: it would be slower there)."""
+"""bf16 on a CPU without native bf16 falls back to fp32 (it would be slower there)."""
 
 from __future__ import annotations
 

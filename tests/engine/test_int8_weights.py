@@ -169,8 +169,8 @@ def test_int8_engine_against_its_dequantized_reference_and_float32(embedded, mon
     ids = embedded[2].encode(TEXT)
     int8 = LLM(engine_cfg(dtype="bfloat16", weight_dtype="int8"), sched_cfg(), loaded=embedded[:3])
     assert all(
-        isinstance(l.w[n], PackedWeight) and l.w[n].int8 is not None
-        for l in int8.runner.model.layers
+        isinstance(layer.w[n], PackedWeight) and layer.w[n].int8 is not None
+        for layer in int8.runner.model.layers
         for n in ("qkv", "o", "gate_up", "down")
     )
     got_lp, got_top, greedy, greedy_lp = _score(int8, ids, new_tokens=16)

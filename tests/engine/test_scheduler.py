@@ -225,7 +225,7 @@ def test_request_that_fits_an_empty_pool_is_admitted(tiny):
 
 
 def test_chunked_prefill_size_defaults_by_device():
-    """Unset, the prefill chunk is 512 tokens on CPU and 2048 on CUDA (README, session 11 A/B); a
+    """Unset, the prefill chunk is 512 tokens on CPU and 2048 on CUDA (the A/B the field's description cites); a
     value given is kept on either."""
     from configs.scheduler import SchedulerConfig
 

@@ -1,4 +1,4 @@
-"""The SWA pool on real weights (issue 11's done-when): SmolLM2-135M as a sliding/full hybrid
+"""The SWA pool on real weights: SmolLM2-135M as a sliding/full hybrid
 (sliding on even layers, window 61: not a multiple of any page size) against transformers'
 ``MinistralForCausalLM`` with the same weights, comparing the top-5 logprobs of every step
 within 1e-3 as well as the greedy tokens: colocated (page 16 and 64, chunked prefill crossing

@@ -1,4 +1,4 @@
-"""Sliding-window hybrids with a separate SWA pool (issue 11): colocated engine against
+"""Sliding-window hybrids with a separate SWA pool: colocated engine against
 transformers' Ministral on the same weights, pool invariants per pool, window release, retract.
 
 Tiny random models (4 layers, sliding/full alternating, window 8, page 4) so prompts of 40+

@@ -1,4 +1,4 @@
-"""Issue 13, ports: two ``pdserve launch`` on one host (real processes, real HTTP with httpx).
+"""Ports: two ``pdserve launch`` on one host (real processes, real HTTP with httpx).
 
 The finding: a second launch (another ``--port``, the same ``--base-port``) bound the first one's
 worker port while that worker was restarting; the first launcher then restarted it every 8 s

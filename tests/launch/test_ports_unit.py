@@ -1,4 +1,4 @@
-"""Units of issue 13's ports item: worker port reservation, the restart back-off policy, and the
+"""Units of the launch's ports: worker port reservation, the restart back-off policy, and the
 cluster id that keeps a router or a decode worker from using another deployment's worker."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The PD handoff at low load (issue 29 item 3), in one process with the real schedulers: the
+"""The PD handoff at low load, in one process with the real schedulers: the
 decode worker does not poll its transport while the prefill worker is still computing the room
 (the loop sleeps on its sockets; the prefill worker's ``KVWriteStarted`` wakes it), and polls it
 once the write is announced; the request ends with the same tokens either way."""

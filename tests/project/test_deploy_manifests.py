@@ -1,8 +1,8 @@
 """Deployment files, checked offline: the Kubernetes manifests validate against the API schemas
 (``kubernetes-validate``, strict), and they and ``docker/compose.yaml`` agree with the CLI they
 run: every command line parses with the real ``pdserve`` parser, the routers' ``--worker`` list
-or ``--discovery`` targets name exactly the workers that exist, the mounted preset is the shipped one and loads, and every
-router and worker gets the cluster key (a Kubernetes Secret from kustomize's secretGenerator, a
+or ``--discovery`` targets name exactly the workers that exist, the mounted preset is the shipped
+one and loads, and every router and worker gets the cluster key (a Kubernetes Secret from kustomize's secretGenerator, a
 compose secret) from a file that git ignores."""
 
 from __future__ import annotations

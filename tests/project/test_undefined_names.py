@@ -1,7 +1,6 @@
 """Names used but never defined, in every package and benchmark: pyflakes finds them statically,
 so a path no test runs (a benchmark part, an error branch) cannot keep a NameError until someone
-runs it (session 31: ``bench.migration_bench --part kv`` lost its ``statistics`` import when the
-serve part moved out, and nothing ran the kv part)."""
+runs it (a benchmark part that loses an import when its neighbour moves out fails nowhere else)."""
 
 from __future__ import annotations
 

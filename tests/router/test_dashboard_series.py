@@ -1,5 +1,5 @@
 """Unit: every series the dashboard page names is one the router exports on ``/metrics``, and the
-migration panel reads the worker counters the decode worker reports (issue 31's dashboard marker).
+migration panel reads the worker counters the decode worker reports.
 
 The page (``server/router/static/dashboard.js``) tags each number with the ``/metrics`` sample it
 shows (``data-metric``/``data-hist``); a renamed or dropped series would leave a tile that the

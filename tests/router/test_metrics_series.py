@@ -1,4 +1,4 @@
-"""Every worker series the router exports moves by the amount its workload implies (issue 13).
+"""Every worker series the router exports moves by the amount its workload implies.
 
 The schedulers run in process (tiny model); their ``WorkerStats`` go through the router's own
 ``WorkerCollector`` and the Prometheus text format, so what is checked is what a scraper reads.

@@ -1,4 +1,4 @@
-"""Several routers in front of the same workers (issue 28, item 4), in-process: the load a router
+"""Several routers in front of the same workers, in-process: the load a router
 routes by is its own requests in flight plus the other routers' from the workers' reports (and KV),
 two routers in a closed loop keep the decode workers even, and room numbers of routers with
 different tags never meet. With real processes and etcd: tests/chaos/test_two_routers.py and

@@ -1,4 +1,4 @@
-"""The KV data plane's trust model (issue 28, item 3), in one process.
+"""The KV data plane's trust model, in one process.
 
 (a) A worker's transport metadata (NIXL agent metadata / ucxx worker address, pool base and
 length) travels only in ``KVHandshake``, which a decode worker sends on its CURVE client socket to

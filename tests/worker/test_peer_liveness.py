@@ -1,4 +1,4 @@
-"""Liveness apart from progress (issue 13): a busy decode worker never turns a live prefill peer
+"""Liveness apart from progress: a busy decode worker never turns a live prefill peer
 dead; a prefill worker that answers heartbeats while its scheduler is stuck is failed by the
 progress watchdog (``progress_timeout_s``) with an error that says so; a SIGSTOPped one is dead."""
 
