@@ -1,13 +1,12 @@
 """``pdserve bench serve``: statistics against hand-computed values, the SSE recorder and client
-over real httpx (mock transport), workload generation (lengths, shared prefix, seeds, Poisson
-arrivals, interference mix), option validation, reports, and one short real run that launches a
-colocated server with the embedded model. Nothing here asserts on speed."""
+over real httpx (mock transport), and one short real run that launches a colocated server with the
+embedded model. The workload: tests/bench/test_serve_workload.py; options and reports:
+tests/bench/test_serve_options.py. Nothing here asserts on speed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import subprocess
 import sys
 from dataclasses import fields
@@ -17,13 +16,9 @@ import pytest
 
 from bench.harness.subprocess_server import REPO_ROOT, free_port
 from bench.serve.client import ClientConfig, RequestResult, StreamRecorder, request_body, send
-from bench.serve.interference import InterferenceSpec, interference_requests
-from bench.serve.options import ServeOptions, add_serve_flags
-from bench.serve.report import RunRecord, plot, ratios
 from bench.serve.runner import closed_loop
-from bench.serve.servers import config_flags, launch_argv, parse_modes
-from bench.serve.stats import SLO, RunStats, Summary, compute_stats, percentile, summarize
-from bench.serve.workload import PromptShape, RequestSpec, TokenCounter, WordCounter, make_requests, poisson_arrivals
+from bench.serve.stats import SLO, RunStats, compute_stats, percentile, summarize
+from bench.serve.workload import PromptShape, RequestSpec, WordCounter, make_requests
 
 
 def result(ttft, e2e, n, itl=(), ok=True, kind="main", prompt=10, expected=None, error=None) -> RequestResult:
@@ -191,215 +186,6 @@ def test_unreachable_server_fails_every_request_and_none_is_dropped():
     assert all(not r.ok and "ConnectError" in r.error for r in m.results)
     s = compute_stats(m.results, m.duration_s)
     assert (s.completed, s.failed, s.ttft) == (0, 3, None)
-
-
-# ---- workload ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def token_counter(tokenizer):
-    return TokenCounter(tokenizer)
-
-
-def test_prompt_lengths_in_tokens_of_the_model(token_counter):
-    reqs = make_requests(PromptShape(40, 20, 300, 8), token_counter, seed=1)
-    assert all(20 <= r.prompt_len <= 300 for r in reqs)
-    assert all(r.prompt_len == len(token_counter.tok.encode(r.prompt)) for r in reqs)
-    assert len({r.prompt_len for r in reqs}) > 10  # a distribution, not one length
-    assert len({r.prompt for r in reqs}) == 40 and all(r.output_len == 8 for r in reqs)
-    exact = make_requests(PromptShape(5, 77, 77, 8), token_counter, seed=2)
-    assert [r.prompt_len for r in exact] == [77] * 5
-
-
-def test_shared_prefix_is_shared_in_tokens(token_counter):
-    reqs = make_requests(PromptShape(12, 100, 160, 8, shared_prefix_len=64), token_counter, seed=3)
-    ids = [token_counter.tok.encode(r.prompt) for r in reqs]
-    assert all(i[:64] == ids[0][:64] for i in ids)
-    assert len({tuple(i[:72]) for i in ids}) == 12  # and then they differ
-    assert (
-        len(
-            {
-                tuple(i[:64])
-                for i in (
-                    token_counter.tok.encode(r.prompt)
-                    for r in make_requests(PromptShape(12, 100, 160, 8), token_counter, seed=3)
-                )
-            }
-        )
-        == 12
-    )
-
-
-def test_workload_is_deterministic_in_its_seed():
-    shape = PromptShape(20, 5, 50, 4, shared_prefix_len=3)
-    a, b = make_requests(shape, WordCounter(), 7), make_requests(shape, WordCounter(), 7)
-    assert a == b and make_requests(shape, WordCounter(), 8) != a
-    assert [r.prompt_len for r in a] == [len(r.prompt.split()) for r in a]
-    assert poisson_arrivals(a, 2.0, 1) == poisson_arrivals(b, 2.0, 1) != poisson_arrivals(a, 2.0, 2)
-
-
-def test_poisson_arrivals_have_the_asked_rate():
-    reqs = make_requests(PromptShape(4000, 1, 1, 1), WordCounter(), 0)
-    times = [r.arrival_s for r in poisson_arrivals(reqs, 4.0, seed=5)]
-    assert times[0] == 0 and all(b >= a for a, b in zip(times, times[1:]))
-    assert (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.06)
-    assert {r.arrival_s for r in poisson_arrivals(reqs[:5], math.inf, 0)} == {0.0}
-    with pytest.raises(ValueError):
-        poisson_arrivals(reqs, 0, 0)
-
-
-def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="shared prefix"):
-        PromptShape(1, 10, 20, 4, shared_prefix_len=10)
-    with pytest.raises(ValueError):
-        PromptShape(1, 30, 20, 4)
-
-
-def test_interference_mix(token_counter):
-    spec = InterferenceSpec(PromptShape(30, 32, 96, 16, kind="short"), 2.0, PromptShape(4, 1500, 2000, 8, kind="long"))
-    reqs = interference_requests(spec, token_counter, seed=0)
-    assert [r.index for r in reqs] == list(range(34))
-    assert sorted(r.arrival_s for r in reqs) == [r.arrival_s for r in reqs]
-    longs = [r for r in reqs if r.kind == "long"]
-    assert len(longs) == 4 and all(1500 <= r.prompt_len <= 2000 and r.output_len == 8 for r in longs)
-    assert all(32 <= r.prompt_len <= 96 for r in reqs if r.kind == "short")
-    assert longs[0].arrival_s > 0 and reqs[0].kind == "short"  # long ones land among the short stream
-    assert spec.effective_long_rate() == pytest.approx(4 / 15)
-    assert interference_requests(spec, token_counter, seed=0) == reqs
-
-
-# ---- options and reports ----------------------------------------------------------------------------
-def _opts(*argv: str) -> ServeOptions:
-    import argparse
-
-    p = argparse.ArgumentParser()
-    add_serve_flags(p)
-    return ServeOptions.from_args(p.parse_args(list(argv)))
-
-
-def test_options_parse_and_refuse_with_the_flag_named():
-    o = _opts(
-        "--concurrency",
-        "1,8,32",
-        "--input-len-range",
-        "112,289",
-        "--compare",
-        "colocated,pd",
-        "--server-args",
-        "--max-running-requests 64",
-    )
-    assert o.concurrency == [1, 8, 32] and o.input_range == (112, 289) and o.modes == ["colocated", "pd"]
-    assert o.server_args == ["--max-running-requests", "64"] and o.request_rates is None
-    assert _opts().concurrency == [1] and _opts("--input-len", "50").input_range == (50, 50)
-    assert _opts("--request-rate", "0.5,inf").request_rates == [0.5, math.inf]
-    for argv, flag in (
-        (("--concurrency", "2", "--request-rate", "1"), "not both"),
-        (("--concurrency", "0"), "--concurrency"),
-        (("--input-len-range", "9,3"), "--input-len-range"),
-        (("--compare", "colocated,vllm"), "--compare"),
-        (("--interference",), "--request-rate"),
-    ):
-        with pytest.raises(ValueError, match=flag):
-            _opts(*argv)
-    assert parse_modes("pd") == ["pd"]
-
-
-def test_prompts_per_client_scales_each_closed_loop_level():
-    """4 requests per client: 4 at c=1 and 32 at c=8 (not one burst of 8 that drains), whatever
-    --num-prompts says; refused without a closed loop."""
-    import argparse
-
-    from bench.serve_bench import ServeBench
-
-    p = argparse.ArgumentParser()
-    add_serve_flags(p)
-    a = p.parse_args(["--concurrency", "1,8", "--prompts-per-client", "4", "--num-prompts", "5"])
-    bench = ServeBench(a, ServeOptions.from_args(a), counter=None)
-    assert [bench._shape(c).num_prompts for c in (1, 8)] == [4, 32]
-    a = p.parse_args(["--concurrency", "8", "--num-prompts", "5"])
-    assert ServeBench(a, ServeOptions.from_args(a), counter=None)._shape(8).num_prompts == 5
-    for argv in (
-        ("--request-rate", "1", "--prompts-per-client", "2"),
-        ("--concurrency", "2", "--prompts-per-client", "0"),
-    ):
-        with pytest.raises(ValueError, match="--prompts-per-client"):
-            _opts(*argv)
-
-
-def test_external_targets_join_the_launched_modes_in_run_order():
-    o = _opts(
-        "--compare",
-        "colocated,pd",
-        "--target",
-        "vllm=http://127.0.0.1:8100/",
-        "--target",
-        "llama=http://127.0.0.1:8200",
-    )
-    assert o.targets == (("vllm", "http://127.0.0.1:8100"), ("llama", "http://127.0.0.1:8200"))
-    assert o.target_names == ["colocated", "pd", "vllm", "llama"]
-    assert _opts().target_names == [] and _opts("--target", "v=http://h:1").target_names == ["v"]
-    for argv, msg in (
-        (("--target", "vllm"), "NAME=http"),
-        (("--target", "v=127.0.0.1:1"), "NAME=http"),
-        (("--compare", "pd", "--target", "pd=http://h:1"), "used twice"),
-        (("--target", "v=http://a:1", "--target", "v=http://b:1"), "used twice"),
-    ):
-        with pytest.raises(ValueError, match=msg):
-            _opts(*argv)
-
-
-def test_launch_flags():
-    assert config_flags({"kv_pool_tokens": 8192, "model": "default", "max_model_len": None, "x": True, "y": False}) == [
-        "--kv-pool-tokens",
-        "8192",
-        "--model",
-        "default",
-        "--x",
-        "--no-y",
-    ]
-    argv = launch_argv("pd", ["--kv-pool-tokens", "64"])
-    assert argv[:4] == ["--mode", "pd", "--port", "0"] and argv[-2:] == ["--kv-pool-tokens", "64"]
-
-
-def _record(target, conc, ttft_ms, tpot_ms, tok_s):
-    s = RunStats(
-        4,
-        4,
-        0,
-        1.0,
-        40,
-        int(tok_s),
-        4.0,
-        tok_s,
-        0,
-        Summary(4, ttft_ms, ttft_ms, 2 * ttft_ms),
-        Summary(4, tpot_ms, tpot_ms, tpot_ms),
-        Summary(4, 1, 1, 1),
-        Summary(4, 9, 9, 9),
-    )
-    return RunRecord(target, f"c={conc}", conc, None, s, [])
-
-
-def test_ratios_and_plot(tmp_path):
-    recs = [
-        _record("colocated", 1, 100, 50, 20),
-        _record("colocated", 8, 400, 80, 60),
-        _record("pd", 1, 150, 40, 15),
-        _record("pd", 8, 200, 40, 90),
-    ]
-    rows = ratios(recs, "colocated", "pd")
-    assert [r["load"] for r in rows] == ["c=1", "c=8"]
-    assert rows[0]["TTFT mean"] == pytest.approx(1.5) and rows[0]["TTFT p99"] == pytest.approx(1.5)
-    assert rows[1]["TPOT p99"] == pytest.approx(0.5) and rows[1]["tok/s"] == pytest.approx(1.5)
-    out = tmp_path / "p.png"
-    plot(recs, out)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    interference = []
-    for target in ("colocated", "pd"):
-        for kind in ("short", "long", "mixed"):
-            r = _record(target, 1, 100, 50, 20)
-            interference.append(RunRecord(target, "short 1/s", None, None, r.stats, [], kind=kind))
-    assert [r["kind"] for r in ratios(interference, "colocated", "pd")] == ["short", "long", "mixed"]
-    plot(interference, tmp_path / "i.png")
-    assert (tmp_path / "i.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- a real run -------------------------------------------------------------------------------------
