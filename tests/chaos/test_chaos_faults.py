@@ -320,7 +320,7 @@ def test_fault_under_load(cluster, prompts, refs, rng, fault):
     assert row["leaks"] == (0, 0)
     if "migration" in fault.name:  # the moment is real: the victim had parked or offered requests.
         # (Whether a migration had finished before the kill is a race of milliseconds: the table shows
-        # decode-0/1's migrations in; tests/test_migration_e2e.py proves a migration deterministically.)
+        # decode-0/1's migrations in; tests/e2e/test_migration_e2e.py proves a migration deterministically.)
         assert injected.seen, injected.observed
     check_correct_again(cluster, prompts, refs)
     check_router_unchanged(cluster, router_pid, metric_sum(before, "pdserve_requests_total"), cluster.metrics())

@@ -63,7 +63,8 @@ def harness(tiny):
 
 
 def _prompts():
-    """4 x (20 + 16) tokens into a 24-page pool (tests/test_migration.py's skew: no EOS within 16 tokens)."""
+    """4 x (20 + 16) tokens into a 24-page pool (tests/decode_worker/test_migration.py's skew: no EOS
+    within 16 tokens)."""
     rng = random.Random(21)
     return [[rng.randrange(0, 96) for _ in range(rng.randint(20, 20))] for _ in range(4)]
 

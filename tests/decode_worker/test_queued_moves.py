@@ -2,7 +2,7 @@
 not prefilled yet, is offered to the router and re-routed to a peer decode worker with room. In
 one process: the decode side's offers, holds and answers (``decode_worker.queued_moves``), the
 router's pick (``Migrations.on_queued_offer``) and the in-flight table's ``Moved`` marker. The real
-path (processes, HTTP, the session's re-send) is ``tests/test_migration_e2e.py``."""
+path (processes, HTTP, the session's re-send) is ``tests/e2e/test_migration_e2e.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""etcd discovery against a real etcd the test starts (``tests/etcd_server.py``): the gateway
+"""etcd discovery against a real etcd the test starts (``tests/support/etcd_server.py``): the gateway
 client, a worker's registration under a lease (renewed, deleted when it leaves, back after an etcd
 restart), and a router's ``EtcdWatch`` adding and removing workers of a real ``Registry`` (fake
 worker clients), keeping the membership while etcd is down and saying so in ``/health``'s text.

@@ -5,7 +5,7 @@ decode-0`` sends every request to one decode worker whose small pool makes it re
 (``--retract-test-interval`` adds a forced retract every 16 decode steps, so that it retracts even
 when this shared machine is too slow for the requests to overlap); ``--migrate-after 2`` moves
 parked requests to decode-1. Every streamed request ends with the colocated engine's greedy tokens
-(equal to transformers, tests/test_pd_http.py) and its usage; a migration happened (metric);
+(equal to transformers, tests/e2e/test_pd_http.py) and its usage; a migration happened (metric);
 nothing is left in either worker's device or host pool. On the NIXL launch the dashboard
 (``/dashboard`` in headless Chromium, open through the load) shows one marker per migration: the
 markers' counts add up to ``pdserve_migrations_total`` on both sides, and the panel's tiles equal

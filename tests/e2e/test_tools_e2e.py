@@ -1,5 +1,5 @@
 """Tools end to end in PD mode: the shared default PD launch (``pd_server``), the real model, the
-official ``openai`` client. The cases (tests/tools_cases.py) also run against a colocated server in
+official ``openai`` client. The cases (tests/support/tools_cases.py) also run against a colocated server in
 tests/clients/test_openai_table.py. In PD the prefill worker masks the first token of the call and
 the decode worker continues the grammar. Both workers built the grammar engine's tokenizer in their
 background thread at start (logged by engine.grammar) and joined it before serving, not inside the

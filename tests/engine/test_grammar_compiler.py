@@ -2,7 +2,7 @@
 builds llguidance's tokenizer once, in its own thread (a worker calls it at start: its first
 structured request no longer pays the ~3 s build inside the loop); a matcher asked for during the
 build waits for that one build; a failed background build is logged and the first matcher retries
-and raises it. (The launched workers logging the build at start: tests/test_tools_e2e.py.)"""
+and raises it. (The launched workers logging the build at start: tests/e2e/test_tools_e2e.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tests for engine.sampling's pipeline: greedy, seeds, the filters' statistics, logit bias, penalties,
-logprobs. (SamplingParams validation and check_stop: tests/test_sampling_params.py.)"""
+logprobs. (SamplingParams validation and check_stop: tests/transfer/test_sampling_params.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """vLLM's request extensions and utility routes at the router, against the scripted fake worker of
-tests/test_router_unit.py (no model): every field of the README's table is accepted, ignored or
+tests/support/fake_worker.py (no model): every field of the README's table is accepted, ignored or
 refused as the table says; usage counts the stop token as vLLM does; ``/tokenize``,
 ``/detokenize`` and ``/version`` answer vLLM's shapes."""
 

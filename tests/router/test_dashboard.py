@@ -91,7 +91,7 @@ REQUIRED_SERIES = {
 PANELS = ("workers", "pools", "queues", "retract", "transfer", "migration", "requests")
 IDLE_PANELS = {
     "migration"
-}  # drawn, but flat here: this server has one decode worker (tests/test_migration_e2e.py moves)
+}  # drawn, but flat here: this server has one decode worker (tests/e2e/test_migration_e2e.py moves)
 
 
 def need_chromium() -> str:

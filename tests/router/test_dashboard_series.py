@@ -3,7 +3,7 @@ migration panel reads the worker counters the decode worker reports.
 
 The page (``server/router/static/dashboard.js``) tags each number with the ``/metrics`` sample it
 shows (``data-metric``/``data-hist``); a renamed or dropped series would leave a tile that the
-browser test (tests/test_dashboard.py) only catches on a launched server. Here the names are read
+browser test (tests/router/test_dashboard.py) only catches on a launched server. Here the names are read
 out of the script and checked against what the router renders for a decode and a prefill worker.
 """
 

@@ -40,15 +40,15 @@ GAUGES = {
     "pdserve_swa_pool_capacity_pages",
     "pdserve_worker_torch_threads",
     "pdserve_kv_sources",
-}  # tests/test_kv_sources.py
+}  # tests/router/test_kv_sources.py
 COVERED = {
     *(n for n, _ in WORKER_COUNTERS.values()),
     *(n for n, _ in WORKER_HISTOGRAMS.values()),
     "pdserve_request_phase_seconds",
     "pdserve_migrations",
-    "pdserve_local_prefill",  # tests/test_migration.py,
+    "pdserve_local_prefill",  # tests/decode_worker/test_migration.py,
     *GAUGES,
-}  # tests/test_local_prefill.py (local_prefill_tokens too)
+}  # tests/decode_worker/test_local_prefill.py (local_prefill_tokens too)
 OUT = 16
 
 

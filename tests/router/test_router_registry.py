@@ -1,6 +1,6 @@
 """Router units without HTTP: the worker registry (liveness, model check, PD routing and request
 fan-out), the launcher's startup failure and config checks, a PD session's abort of the other side.
-(The HTTP layer against a fake worker: tests/test_router_unit.py.)"""
+(The HTTP layer against a fake worker: tests/router/test_router_unit.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Router units without a model: the HTTP layer against scripted fake workers (FastAPI TestClient),
 and stop strings. (The registry, PD routing and the launcher's startup failure path:
-tests/test_router_registry.py.)"""
+tests/router/test_router_registry.py.)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The router's side of structured output, against scripted fake workers: every field that names a
 constraint reaches the worker as one ``StructuredOutput``; two constraints, wrong shapes and
 constraints the grammar engine refuses are 400s naming the field, and nothing is sent.
-(Outputs under the constraint: tests/test_structured_output.py, and through HTTP:
-tests/clients/test_openai_table.py, tests/test_pd_http.py.)"""
+(Outputs under the constraint: tests/engine/test_structured_output.py, and through HTTP:
+tests/clients/test_openai_table.py, tests/e2e/test_pd_http.py.)"""
 
 from __future__ import annotations
 

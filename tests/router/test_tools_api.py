@@ -1,9 +1,9 @@
-"""Tools at the router, against the scripted fake worker of tests/test_router_unit.py (no model):
+"""Tools at the router, against the scripted fake worker of tests/support/fake_worker.py (no model):
 bad tools and tool choices are 400s naming the field (nothing sent); the tools and the tool history
 reach the prompt (Hermes block, or the template's own ``tools``); ``required`` and a named tool send
 the grammar of one call (checked here with llguidance on the real tokenizer); a scripted tool-call
 output comes back as ``tool_calls``, whole and streamed as OpenAI streams them.
-(With the real model, PD and colocated: tests/test_tools_e2e.py.)"""
+(With the real model, PD and colocated: tests/e2e/test_tools_e2e.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The end-to-end tool-call cases, shared by the colocated server (tests/clients/test_openai_table.py)
-and the PD one (tests/test_tools_e2e.py): the real model through the official ``openai`` client,
+and the PD one (tests/e2e/test_tools_e2e.py): the real model through the official ``openai`` client,
 unmodified. ``required`` (greedy) and a named tool (sampled, seeded), whole and streamed (the
 same call both ways; the stream's arguments arrive in several fragments and are put together by
 the SDK's own stream accumulator): every answer is

@@ -1,5 +1,5 @@
 """Tests for SamplingParams (transfer.wire.sampling_params): field validation, defaults, logit-bias
-limits, and check_stop. (The sampling pipeline itself: tests/test_sampler.py.)"""
+limits, and check_stop. (The sampling pipeline itself: tests/engine/test_sampler.py.)"""
 
 from __future__ import annotations
 

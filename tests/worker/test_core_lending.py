@@ -270,7 +270,7 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
     its KV (idle), so prefill steps run on every core; while it decodes alone, the decode worker
     borrows the prefill worker's core if its start-up measurement said its steps gain (it logs the
     verdict), else it only lends. (Greedy outputs against transformers with lending on:
-    tests/test_pd_http.py.) The launch is the session's default one (no OMP_NUM_THREADS), shared
+    tests/e2e/test_pd_http.py.) The launch is the session's default one (no OMP_NUM_THREADS), shared
     with other tests: counters are read as deltas."""
     total = len(os.sched_getaffinity(0))
     # a distinct prompt each: a repeated one is cached after the first, so its later prefills compute a
