@@ -25,7 +25,7 @@ from decode_worker.local_prefill import (
     LocalPrefillReason,
 )
 from tests.e2e.test_swa_pd import cfg as swa_cfg
-from tests.router.test_metrics_series import scrape, val
+from tests.support.metrics_scrape import scrape, val
 from tests.support.models import hf_greedy
 from tests.support.pd import GREEDY, pd_cfg, pd_prompts
 from tests.support.swa import hf_reference, swa_prompts

@@ -10,7 +10,7 @@ import pytest
 
 from bench.harness.pd_harness import PDHarness, checked_harnesses
 from decode_worker.jobs import DecodeState
-from tests.router.test_metrics_series import scrape, val
+from tests.support.metrics_scrape import scrape, val
 from tests.support.models import hf_greedy
 from tests.support.pd import pd_cfg, pd_prompts
 from transfer.wire.sampling_params import SamplingParams

@@ -106,7 +106,7 @@ def swa_folder(swa_model, tmp_path_factory):
 def test_pd_processes_swa_pool_over_nixl_with_offload(swa_model, swa_folder):
     """Real worker processes and NIXL: the SWA tail crosses as unit rows into the decode worker's
     SWA pool; a small decode pool retracts (offload of the window) and outputs stay exact."""
-    from tests.e2e.test_pd_processes import SLOW_DECODE, PDPair, until_eos, wait_idle
+    from tests.support.pd_processes import SLOW_DECODE, PDPair, until_eos, wait_idle
 
     pair = PDPair(
         swa_folder,

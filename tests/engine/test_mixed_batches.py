@@ -15,7 +15,7 @@ from configs.schema import load_config
 from engine.model_runner import ModelRunner
 from engine.scheduler.colocated import ColocatedScheduler
 from engine.scheduler.mixed_step import prefill_budget
-from tests.router.test_metrics_series import scrape, val
+from tests.support.metrics_scrape import scrape, val
 from tests.support.models import engine_cfg, hf_greedy, sched_cfg
 from tests.support.swa import hf_reference, make_llm
 from transfer.wire.protocol import GenerateRequest

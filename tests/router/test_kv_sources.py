@@ -12,7 +12,7 @@ from server.router.kv_sources import announce_sources, kv_sources
 from server.router.worker_client import WorkerUnavailable
 from server.router.workers import READY, WorkerHandle, WorkerSpec
 from tests.decode_worker.test_migration import GREEDY, SKEW, cfg, prompts
-from tests.router.test_metrics_series import scrape, val
+from tests.support.metrics_scrape import scrape, val
 from tests.support.migration_harness import ADDR, ROUTER, MigrationHarness
 from tests.support.models import hf_greedy
 from transfer.kv_transport import WARMUP_NOTIF

@@ -11,8 +11,6 @@ import os
 import random
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness.pd_harness import PDHarness
 from configs.schema import PdserveConfig
@@ -20,10 +18,9 @@ from engine.llm import run_batch
 from engine.model_runner import ModelRunner
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
-from server.router.metrics import WORKER_COUNTERS, WORKER_HISTOGRAMS, WorkerCollector
-from server.router.registry import READY, WorkerHandle, WorkerSpec
+from server.router.metrics import WORKER_COUNTERS, WORKER_HISTOGRAMS
 from server.worker.core_lending import CoreLedger, CoreLending
-from server.worker.loop import worker_stats
+from tests.support.metrics_scrape import scrape, val
 from tests.support.models import engine_cfg, sched_cfg, tiny_config, tiny_weights
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
@@ -50,24 +47,6 @@ COVERED = {
     *GAUGES,
 }  # tests/decode_worker/test_local_prefill.py (local_prefill_tokens too)
 OUT = 16
-
-
-def scrape(*scheds, cores: dict[int, CoreLending] | None = None) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} as a scraper of the router reads ``scheds``' stats
-    (scheduler ``i`` with core lending ``cores[i]``, if given)."""
-    handles = []
-    for i, s in enumerate(scheds):
-        h = WorkerHandle(WorkerSpec(f"w{i}", s.role, "inproc://x"), None, state=READY, stats_at=100.0)
-        h.stats = worker_stats(s, f"w{i}", "inst", "m", cores=(cores or {}).get(i))
-        handles.append(h)
-    reg = CollectorRegistry()
-    reg.register(WorkerCollector(lambda: handles, clock=lambda: 102.5))
-    fams = text_string_to_metric_families(generate_latest(reg).decode())
-    return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in fams for x in f.samples}
-
-
-def val(m: dict, name: str, **labels) -> float:
-    return sum(v for (n, lab), v in m.items() if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
 
 
 def prompts(n, length, seed):

@@ -14,8 +14,8 @@ import zmq
 from decode_worker.peers import PrefillPeers
 from server.worker.control_io import ControlIO
 from server.worker.peer_pinger import PeerPinger
-from tests.e2e.test_pd_processes import PDPair, prompts, until_eos, wait_idle
 from tests.support.models import hf_greedy
+from tests.support.pd_processes import PDPair, prompts, until_eos, wait_idle
 from transfer.cluster_key import ClusterKey
 from transfer.control_auth import ControlAuth
 from transfer.wire.protocol import KVHandshake, WorkerStats
