@@ -72,7 +72,7 @@ $(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
 test-clients: install $(CLIENTS_VENV)/.installed
 	PDSERVE_CLIENTS_VENV=$(CURDIR)/$(CLIENTS_VENV) $(PY) -m pytest -q -s -p no:cacheprovider --durations=10 tests/clients
 
-# Headless Chromium for the dashboard's browser test (tests/test_dashboard.py), from Debian; needs
+# Headless Chromium for the dashboard's browser test (tests/router/test_dashboard.py), from Debian; needs
 # root (or sudo). .ci/run calls this; without it that test skips with a loud reason.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 chromium:

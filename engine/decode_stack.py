@@ -19,7 +19,7 @@ float32 CPU Llama-family model whose every layer matmul runs the small-batch ker
 kernel library, or ``PDSERVE_DECODE_STACK=0``). ``takes(batch, attn)`` is True for a DECODE step
 of at most ``max_rows`` requests on the C attention backend with one full-attention pool, no window;
 ``run`` then returns the last layer's hidden states, bitwise what the per-layer Python path computes
-(tests/test_decode_stack.py). Everything else runs the Python path.
+(tests/engine/test_decode_stack.py). Everything else runs the Python path.
 """
 
 from __future__ import annotations

@@ -1,6 +1,16 @@
 """Shared fixtures: the embedded model loaded once per session, tiny random models, HF references,
 launched servers; and the test tiers.
 
+Layout: the tests mirror the packages (``tests/router``, ``tests/worker``, ``tests/launch``,
+``tests/discovery``, ``tests/decode_worker``, ``tests/prefill_worker``, ``tests/cache``,
+``tests/engine``, ``tests/transfer``, ``tests/bench``); ``tests/e2e`` holds what spans the system
+(PD in one process, across processes, over HTTP, across network namespaces); ``tests/project``
+checks the repository as a whole (module boundaries, undefined names, deployment files);
+``tests/chaos``, ``tests/clients`` and ``tests/deploy`` are tiers of their own (``make test-chaos``,
+``make test-clients``, ``make test-deploy``). Helpers shared across directories are modules of
+``tests/support``; fixtures shared by several directories live here, those of one directory in
+its own conftest.py.
+
 Tiers (markers registered in pyproject.toml): ``unit`` runs in this process (no child process, no
 launched server); ``process`` launches real processes (``pdserve launch`` via ``LaunchedServer``,
 worker subprocesses, multiprocessing children, netns hosts, docker); ``slow`` takes long on CPU
@@ -23,9 +33,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from bench.harness.subprocess_server import LaunchedServer, free_base_port
-from configs.engine import EngineConfig
-from configs.scheduler import SchedulerConfig
-from engine.config import ModelConfig
+from tests.support.models import hf_greedy, hf_tiny, tiny_config, tiny_weights
+from tests.support.pd import pd_prompts
+from tests.support.servers import PD_SERVER_FLAGS, ServerFactory
+from tests.support.swa import swa_tiny
 
 
 def pytest_collection_modifyitems(config, items):
@@ -74,78 +85,6 @@ def tokenizer():
     return Tokenizer.from_path(resolve_model_path("default"))
 
 
-def tiny_config(**overrides) -> ModelConfig:
-    base = dict(
-        arch="llama",
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_ids=(96,),
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
-
-
-def tiny_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random HF-named weights, scaled so activations stay O(1)."""
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    w = {
-        "model.embed_tokens.weight": r(cfg.vocab_size, cfg.hidden_size),
-        "model.norm.weight": 1 + r(cfg.hidden_size),
-        "lm_head.weight": r(cfg.vocab_size, cfg.hidden_size),
-    }
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        w.update(
-            {
-                p + "self_attn.q_proj.weight": r(q, cfg.hidden_size),
-                p + "self_attn.k_proj.weight": r(kv, cfg.hidden_size),
-                p + "self_attn.v_proj.weight": r(kv, cfg.hidden_size),
-                p + "self_attn.o_proj.weight": r(cfg.hidden_size, q),
-                p + "mlp.gate_proj.weight": r(cfg.intermediate_size, cfg.hidden_size),
-                p + "mlp.up_proj.weight": r(cfg.intermediate_size, cfg.hidden_size),
-                p + "mlp.down_proj.weight": r(cfg.hidden_size, cfg.intermediate_size),
-                p + "input_layernorm.weight": 1 + r(cfg.hidden_size),
-                p + "post_attention_layernorm.weight": 1 + r(cfg.hidden_size),
-            }
-        )
-    return w
-
-
-def hf_tiny(cfg: ModelConfig, weights: dict[str, torch.Tensor]):
-    """transformers LlamaForCausalLM with the same random weights (reference for tiny models)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=cfg.eos_token_ids[0],
-    )
-    model = LlamaForCausalLM(hf_cfg).eval()
-    model.load_state_dict(weights, strict=True)
-    return model
-
-
 @pytest.fixture(scope="session")
 def tiny():
     cfg = tiny_config()
@@ -153,23 +92,17 @@ def tiny():
     return cfg, weights, hf_tiny(cfg, weights)
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation by a full (no cache) recompute each step: the plainest reference."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt) :]
+@pytest.fixture(scope="module")
+def pd_refs(tiny):
+    """``pd_prompts(6)`` and transformers' greedy 16 tokens for each (the in-process PD tests' reference)."""
+    ps = pd_prompts(6)
+    return ps, [hf_greedy(tiny[2], p, 16) for p in ps]
 
 
-def engine_cfg(**kw) -> EngineConfig:
-    kw.setdefault("kv_pool_tokens", 4096)
-    return EngineConfig(**kw)
-
-
-def sched_cfg(**kw) -> SchedulerConfig:
-    return SchedulerConfig(**kw)
+@pytest.fixture(scope="module")
+def swa_model():
+    """(config, weights, transformers Ministral) of the tiny sliding-window hybrid (tests/support/swa.py)."""
+    return swa_tiny()
 
 
 @pytest.fixture(scope="session")
@@ -178,44 +111,6 @@ def tiny_folder(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
     tiny[2].save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-# ---- launched servers ---------------------------------------------------------------------------
-class ServerFactory:
-    """``factory(mode, *flags, base_port=None, env=None, startup_timeout_s=240.0)``: start
-    ``pdserve launch --mode MODE --port 0 --base-port PORT *flags`` (PORT: a free one unless given)
-    and return the ready ``LaunchedServer``. Every server it started is stopped by ``close()``
-    (the fixture's teardown), also when its start failed; ``stop(srv)`` stops one earlier.
-    """
-
-    def __init__(self) -> None:
-        self.running: list[LaunchedServer] = []
-
-    def __call__(
-        self,
-        mode: str,
-        *flags: str,
-        base_port: int | None = None,
-        env: dict[str, str] | None = None,
-        startup_timeout_s: float = 240.0,
-    ) -> LaunchedServer:
-        port = free_base_port(8) if base_port is None else base_port
-        srv = LaunchedServer(
-            ["--mode", mode, "--port", "0", "--base-port", str(port), *flags],
-            env=env,
-            startup_timeout_s=startup_timeout_s,
-        )
-        self.running.append(srv)
-        srv.start()
-        return srv
-
-    def stop(self, srv: LaunchedServer) -> None:
-        self.running.remove(srv)
-        srv.stop()
-
-    def close(self) -> None:
-        while self.running:
-            self.running.pop().stop()
 
 
 @pytest.fixture(scope="module")
@@ -238,20 +133,6 @@ def launched_server_per_test() -> Iterator[ServerFactory]:
         factory.close()
 
 
-# The shared default PD launch (``pd_server``): its heartbeat (for ``wait_idle``) and flags.
-PD_SERVER_HEARTBEAT_S = 0.2
-PD_SERVER_FLAGS = (
-    "--kv-pool-tokens",
-    "1024",
-    "--health-interval-s",
-    str(PD_SERVER_HEARTBEAT_S),
-    "--worker-timeout-s",
-    "30",
-    "--log-level",
-    "INFO",
-)
-
-
 @pytest.fixture(scope="session")
 def pd_server() -> Iterator[LaunchedServer]:
     """One default PD launch (router, prefill-0 and decode-0 on a free base port, ``PD_SERVER_FLAGS``)
@@ -269,9 +150,3 @@ def pd_server() -> Iterator[LaunchedServer]:
         yield srv
     finally:
         srv.stop()
-
-
-def strip_eos(ids: list[int], eos_token_ids) -> list[int]:
-    """API ``token_ids`` without the EOS that ended the generation: the API returns and counts it,
-    as vLLM does, while engine references (``LLM.generate_ids``, transformers minus EOS) leave it out."""
-    return list(ids[:-1]) if ids and ids[-1] in eos_token_ids else list(ids)

@@ -10,7 +10,7 @@
  * rotary, KV store, paged decode attention, SiLU-and-multiply), and the two glue steps round as
  * torch does: the attention output (float32) to bfloat16 round-to-nearest-even, and the residual add
  * h + down as float32 sum rounded to bfloat16. So the step's output is bitwise the Python path's
- * (tests/test_decode_stack.py holds it to torch.equal).
+ * (tests/engine/test_decode_stack.py holds it to torch.equal).
  *
  * float32 models (s->f32): float32 activations, KV pool and weights in cpu_gemm_pairs.c's float32
  * panels; the same kernels in float32 with nothing rounded between them (the residual add is the

@@ -3,7 +3,7 @@
 Each function takes the C kernel (``cpu_fused.c`` through ``cpu_native``) for CPU float32/bfloat16
 tensors in the layouts it reads, and the torch reference (``*_ref``, the model's original
 expressions) otherwise: CUDA, float16, odd strides, or no compiler. Both compute in float32 and
-round to the input dtype once; they agree to float32 rounding (tests/test_fused_ops.py).
+round to the input dtype once; they agree to float32 rounding (tests/engine/test_fused_ops.py).
 ``PDSERVE_NATIVE_KERNELS=0`` forces the references, as for the attention kernel.
 """
 

@@ -22,7 +22,7 @@ others are idle).
 ``auto`` is not the default yet: on a 2-core host it halves the prefill worker's compute, so under
 an overcommitted decode admission (low ``new_token_ratio``) the decode pool fills with pages
 reserved for transfers that wait on the slower prefill, and the last running request can hit the
-out-of-memory abort (seen in tests/test_pd_http.py's 32-request test). It stays opt-in until the
+out-of-memory abort (seen in tests/e2e/test_pd_http.py's 32-request test). It stays opt-in until the
 serving benchmark shows where it pays.
 - ``ID=CPUS,ID=CPUS``: explicit, e.g. ``prefill-0=0,decode-0=1`` or ``prefill-0=0-2,decode-0=3+5``
   (``a-b`` ranges and ``+`` lists); workers not named are not pinned.

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import httpx
-from stream_client import Outcome, stream_one
 
 from bench.harness.subprocess_server import (
     REPO_ROOT,
@@ -33,6 +32,7 @@ from bench.harness.subprocess_server import (
     scrape_metrics,
     wait_idle,
 )
+from tests.support.stream_client import Outcome, stream_one
 from transfer.cluster_key import ClusterKey, write_key_file
 
 HEARTBEAT_S = 0.2

@@ -18,9 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from chaos_cluster import Cluster, signal_worker
-
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, signal_worker
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ FAULTS = [
     Fault("kill -9 decode mid-decode", "kill", "decode", ("running",)),
     # decode-x, the decode worker the test runs itself, retracts a request every 4 steps (a test knob)
     Fault("kill -9 decode, requests retracted", "kill", "decode-x", ("retracted",)),
-    # decode-x moves its parked requests to decode-0/1 (issue 31): the source dies with migrations under
+    # decode-x moves its parked requests to decode-0/1: the source dies with migrations under
     # way (an offer or write lasts milliseconds, so the moment is drawn while it has parked or offered ones)
     Fault("kill -9 decode mid-migration (source)", "kill", "decode-x", ("migrating", "retracted")),
     Fault("SIGSTOP prefill 6 s (> lease)", "stop", "prefill", ("waiting", "bootstrap"), 6.0),

@@ -1,10 +1,10 @@
 """An open-loop Poisson load run as its own process (so its busy event loop does not delay the
 clock of the client whose latency a test measures): greedy streamed completions of mixed lengths
 under one API key at ``rate`` requests/s for ``duration`` seconds. Checks each outcome like
-``test_overload.check_outcomes`` (exit status 1 and the reason on stderr otherwise) and prints a
+``overload_load.check_outcomes`` (exit status 1 and the reason on stderr otherwise) and prints a
 JSON object ``{"statuses": {status: count}, "sent_per_s": float}``.
 
-Usage: ``python heavy_load.py URL API_KEY RATE DURATION_S SEED``."""
+Usage (from the repository root): ``python -m tests.chaos.heavy_load URL API_KEY RATE DURATION_S SEED``."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ import json
 import random
 import sys
 from collections import Counter
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # tests/chaos, tests
-from test_overload import check_outcomes, client, poisson  # noqa: E402
+from tests.chaos.overload_load import check_outcomes, client, poisson
 
 
 async def run(url: str, key: str, rate: float, duration: float, seed: int) -> dict:

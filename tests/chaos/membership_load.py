@@ -1,6 +1,6 @@
 """A router whose workers come from etcd, workers the test starts and stops one by one
 (``pdserve worker``), and a steady streamed load that records every request's outcome: the parts
-of the membership tests (issue 28)."""
+of the membership tests."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import threading
 import time
 
 import httpx
-from stream_client import Outcome, stream_one
 
 from bench.harness.subprocess_server import REPO_ROOT, free_port, scrape_metrics
+from tests.support.stream_client import Outcome, stream_one
 
 
 class WorkerProc:

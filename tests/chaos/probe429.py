@@ -2,7 +2,7 @@
 not delay its clock): one small non-streamed completion every ``interval`` seconds for ``duration``
 seconds; prints a JSON list of ``[HTTP status, seconds to the full response]``.
 
-Usage: ``python probe429.py URL API_KEY DURATION_S INTERVAL_S``."""
+Usage (from the repository root): ``python -m tests.chaos.probe429 URL API_KEY DURATION_S INTERVAL_S``."""
 
 from __future__ import annotations
 

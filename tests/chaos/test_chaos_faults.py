@@ -1,4 +1,4 @@
-"""Chaos suite (issue 13, items 5 and 6): a launched PD cluster (router, 2 prefill and 2 local
+"""Chaos suite: a launched PD cluster (router, 2 prefill and 2 local
 decode workers, one more decode worker run by the test), real processes on loopback, a tiny random
 model behind the embedded tokenizer, KV over NIXL. Under a load of concurrent streams each fault of
 ``faults.FAULTS`` hits a worker at a moment picked from a seeded RNG (``PDSERVE_CHAOS_SEED``), once
@@ -22,11 +22,11 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import Cluster, leaks, run_load, signal_worker
-from faults import FAULTS, Fault, inject
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, leaks, run_load, signal_worker
+from tests.chaos.faults import FAULTS, Fault, inject
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -59,7 +59,7 @@ ARGS = [
     "0.05",
 ]
 # decode-x, the decode worker the test runs itself: slower steps and a retract every 4 of them, whose
-# parked requests migrate to decode-0/1 after three steps (issue 31): every fault meets migrations too.
+# parked requests migrate to decode-0/1 after three steps: every fault meets migrations too.
 # The faults that wait for "retracted"/"migrating" see a parked request only through decode-x's
 # reports (every 50 ms) as the router's /metrics shows them: parked for one step (~35 ms) it was
 # missed for a whole wave now and then (CI, once in ~4 runs locally); three steps (>= ~0.1 s, two
@@ -145,12 +145,12 @@ def check_router_unchanged(cluster: Cluster, router_pid: int, requests_before: f
     assert metric_sum(m, "pdserve_requests_total") >= requests_before  # a restarted router starts at 0
 
 
-# ---- retry on a fresh pair (item 6), one request at a time so the route is known ------------------
+# ---- retry on a fresh pair, one request at a time so the route is known ------------------
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_kill9_before_the_first_token_is_retried_on_a_fresh_pair(cluster, prompts, refs, role):
     """The idle router sends the request to prefill-0 + decode-0 (ties: lowest id). That worker is
     stopped first, so no token can come; kill -9 then fails the request with 503, which the router
-    retries on prefill-1 + decode-1. Before item 6 the client got the 503."""
+    retries on prefill-1 + decode-1: the client never sees the 503."""
     cluster.wait_recovered()
     retries = cluster.counter("pdserve_router_retries_total")
     victim = f"{role}-0"
@@ -215,7 +215,7 @@ def test_kill9_of_the_prefill_worker_while_its_request_decodes_loses_nothing(clu
     assert leaks(cluster.wait_recovered()) == (0, 0)
 
 
-# ---- faults under load (item 5) --------------------------------------------------------------------
+# ---- faults under load --------------------------------------------------------------------
 def wave_load(prompts, rng: random.Random, streams: int) -> tuple[list[tuple[str, int]], list[int]]:
     """``streams`` requests drawn from ``prompts`` in a seeded order, and each one's prompt index."""
     order = list(range(len(prompts))) * (streams // len(prompts) + 1)
@@ -320,7 +320,7 @@ def test_fault_under_load(cluster, prompts, refs, rng, fault):
     assert row["leaks"] == (0, 0)
     if "migration" in fault.name:  # the moment is real: the victim had parked or offered requests.
         # (Whether a migration had finished before the kill is a race of milliseconds: the table shows
-        # decode-0/1's migrations in; tests/test_migration_e2e.py proves a migration deterministically.)
+        # decode-0/1's migrations in; tests/e2e/test_migration_e2e.py proves a migration deterministically.)
         assert injected.seen, injected.observed
     check_correct_again(cluster, prompts, refs)
     check_router_unchanged(cluster, router_pid, metric_sum(before, "pdserve_requests_total"), cluster.metrics())

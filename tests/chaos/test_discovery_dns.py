@@ -1,4 +1,4 @@
-"""DNS discovery (issue 28, item 2) across emulated hosts: router, prefill and two decode workers
+"""DNS discovery across emulated hosts: router, prefill and two decode workers
 each in its own network namespace (``netns_hosts``), KV over UCX/TCP between them, and a real DNS
 server (dnsmasq) on the router's host answering for ``prefill.pd.test`` and ``decode.pd.test`` with
 one A record per worker, as a Kubernetes headless Service does. The router runs with
@@ -18,11 +18,11 @@ import time
 
 import httpx
 import pytest
-from membership_load import SteadyLoad, routed_tokens
-from netns_hosts import NetnsLab, running_lab, unavailable_reason
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import REPO_ROOT
+from tests.chaos.membership_load import SteadyLoad, routed_tokens
+from tests.chaos.tiny_model import save_tiny_model
+from tests.support.netns_hosts import NetnsLab, running_lab, unavailable_reason
 from transfer.cluster_key import ClusterKey, write_key_file
 
 _REASON = unavailable_reason() or (

@@ -1,4 +1,4 @@
-"""Membership that grows and shrinks (issue 28) with real parts: etcd started by the test, a router
+"""Membership that grows and shrinks with real parts: etcd started by the test, a router
 (``pdserve launch --roles router --discovery etcd://...``) and ``pdserve worker`` processes on
 loopback, the tiny random model, KV over NIXL, a steady streamed load throughout.
 
@@ -16,12 +16,12 @@ import time
 
 import httpx
 import pytest
-from etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
-from membership_load import SteadyLoad, WorkerProc, first_routed_after_start
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import LaunchedServer
 from server.discovery.etcd import EtcdClient
+from tests.chaos.membership_load import SteadyLoad, WorkerProc, first_routed_after_start
+from tests.chaos.tiny_model import save_tiny_model
+from tests.support.etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
 from transfer.cluster_key import ClusterKey, write_key_file
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]

@@ -1,4 +1,4 @@
-"""Graceful drain (issue 28, item 3) on a launched PD cluster (router, 2 prefill and 2 decode
+"""Graceful drain on a launched PD cluster (router, 2 prefill and 2 decode
 workers, real processes on loopback, the tiny random model, KV over NIXL), under a load of
 concurrent streams: a worker drained through the router's ``POST /admin/drain`` and one drained by
 SIGTERM each fail no request, exit 0, and stay down (the launcher does not restart a drained
@@ -14,8 +14,9 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import Cluster, leaks, run_load
-from tiny_model import save_tiny_model
+
+from tests.chaos.chaos_cluster import Cluster, leaks, run_load
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""Overload (issue 27): a launched PD cluster (router, 1 prefill and 1 decode worker, tiny model, real
+"""Overload: a launched PD cluster (router, 1 prefill and 1 decode worker, tiny model, real
 HTTP) behind the router's admission stage.
 
 1. ``test_overload_then_recovery``: unloaded TTFT, then the measured capacity (closed loop), then
@@ -31,15 +31,26 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
-from chaos_cluster import Cluster, leaks, rss_bytes
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, leaks, rss_bytes
+from tests.chaos.overload_load import (
+    HEAVY,
+    LIGHT,
+    WORDS,
+    Shot,
+    check_outcomes,
+    client,
+    closed_loop,
+    pct,
+    poisson,
+    sample_rss,
+    shoot,
+)
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -48,7 +59,7 @@ RECOVER_S = float(os.environ.get("PDSERVE_RECOVER_S", "10"))
 SOAK_REQUESTS = int(os.environ.get("PDSERVE_RETRACT_SOAK_REQUESTS", "600"))
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 QUEUE_WAIT_S = 2.0
-HEAVY, LIGHT = "heavy-secret", "light-secret"
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the load processes run tests.chaos modules
 # a batch of 8 and the default forwarding bound (the batch + 2): beyond that, requests queue in the router
 ADMISSION = [
     "--max-running-requests",
@@ -60,123 +71,8 @@ ADMISSION = [
     "--api-key",
     f"{HEAVY}:1,{LIGHT}:1",
 ]
-WORDS = (
-    "river stone light garden window morning paper music silver forest engine voice winter harbor "
-    "letter market bridge candle orange summer"
-).split()
 SHED_429 = ("queue_full", "queue_tokens", "queue_wait", "displaced")
 ROWS: list[tuple[str, str, str]] = []
-
-
-@dataclass
-class Shot:
-    """One streamed request as the client saw it (monotonic seconds)."""
-
-    key: str
-    max_tokens: int
-    t_start: float
-    status: int | None = None
-    t_head: float | None = None
-    t_first: float | None = None
-    t_end: float | None = None
-    tokens: list[int] = field(default_factory=list)
-    error: str | None = None
-    retry_after: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.t_first is None else self.t_first - self.t_start
-
-
-def make_prompt(rng: random.Random) -> tuple[str, int]:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 60))), rng.choice([4, 16, 48])
-
-
-async def shoot(c: httpx.AsyncClient, prompt: str, max_tokens: int, key: str = HEAVY) -> Shot:
-    """One greedy streamed completion with ``ignore_eos`` (so a 200 means exactly ``max_tokens`` tokens)."""
-    s = Shot(key, max_tokens, time.monotonic())
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    try:
-        async with c.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-            s.status, s.t_head, s.retry_after = r.status_code, time.monotonic(), r.headers.get("retry-after")
-            if r.status_code != 200:
-                s.error = json.loads(await r.aread())["error"]["message"]
-            else:
-                await _read(r, s)
-    except httpx.HTTPError as e:
-        s.error = f"transport error: {type(e).__name__}: {e}"
-    s.t_end = time.monotonic()
-    return s
-
-
-async def _read(r: httpx.Response, s: Shot) -> None:
-    async for line in r.aiter_lines():
-        data = line.removeprefix("data: ")
-        if not line.startswith("data: ") or data == "[DONE]":
-            continue
-        event = json.loads(data)
-        if "error" in event:
-            s.error = event["error"]["message"]
-        for ch in event.get("choices", ()):
-            if ch.get("token_ids") and s.t_first is None:
-                s.t_first = time.monotonic()
-            s.tokens += ch.get("token_ids") or []
-
-
-def client(url: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=1000), trust_env=False)
-
-
-async def closed_loop(url: str, n: int, concurrency: int, rng: random.Random) -> tuple[list[Shot], float]:
-    """``n`` requests, ``concurrency`` at a time; (shots, elapsed seconds)."""
-    work = iter([make_prompt(rng) for _ in range(n)])
-    shots: list[Shot] = []
-    async with client(url) as c:
-
-        async def worker():
-            for p, m in work:
-                shots.append(await shoot(c, p, m))
-
-        t0 = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return shots, time.monotonic() - t0
-
-
-async def poisson(c: httpx.AsyncClient, rate: float, duration: float, rng: random.Random, key: str = HEAVY) -> list:
-    """Open loop: Poisson arrivals at ``rate``/s for ``duration`` s; every request's task."""
-    tasks, end = [], time.monotonic() + duration
-    while (now := time.monotonic()) < end:
-        tasks.append(asyncio.create_task(shoot(c, *make_prompt(rng), key=key)))
-        await asyncio.sleep(min(rng.expovariate(rate), end - now))
-    return tasks
-
-
-async def sample_rss(pids: dict[str, int], out: list, every_s: float = 0.5) -> None:
-    while True:
-        out.append((time.monotonic(), {n: rss_bytes(p) for n, p in pids.items()}))
-        await asyncio.sleep(every_s)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-def check_outcomes(shots: list[Shot]) -> Counter:
-    """Only 200 / 429 / 504; a 200 has all its tokens and no error event; a 429 has Retry-After."""
-    statuses = Counter(s.status for s in shots)
-    assert set(statuses) <= {200, 429, 504}, [(s.status, s.error) for s in shots if s.status not in (200, 429, 504)][:5]
-    bad = [s for s in shots if s.status == 200 and (s.error or len(s.tokens) != s.max_tokens)]
-    assert not bad, [(b.error, len(b.tokens), b.max_tokens) for b in bad[:5]]
-    assert all(s.retry_after and int(s.retry_after) >= 1 for s in shots if s.status == 429)
-    return statuses
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +110,8 @@ def test_overload_then_recovery(cluster, baseline):
     m0 = cluster.metrics()
 
     probe = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("probe429.py")), cluster.url, HEAVY, str(OVERLOAD_S), "0.05"],
+        [sys.executable, "-m", "tests.chaos.probe429", cluster.url, HEAVY, str(OVERLOAD_S), "0.05"],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -296,13 +193,15 @@ def light_beside_heavy(
     heavy = subprocess.Popen(
         [
             sys.executable,
-            str(Path(__file__).with_name("heavy_load.py")),
+            "-m",
+            "tests.chaos.heavy_load",
             cluster.url,
             HEAVY,
             str(heavy_rate),
             str(duration),
             str(SEED + 3),
         ],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -1,4 +1,4 @@
-"""The PD pool deadlock (issue 27 leftovers), end to end: a launched PD cluster (router, 1 prefill
+"""The PD pool deadlock, end to end: a launched PD cluster (router, 1 prefill
 and 1 decode worker, tiny model, real HTTP, KV over NIXL) whose prefill and decode KV pools are
 both 384 tokens (24 pages), with no host pool (every retract is a recompute, which the decode
 worker reserves first and asks the prefill worker for behind the prompts already queued there) and
@@ -18,10 +18,10 @@ import asyncio
 import random
 
 import pytest
-from chaos_cluster import Cluster, leaks, run_load
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, leaks, run_load
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""Soak (issue 13, item 7): 5,000 short requests (``PDSERVE_SOAK_REQUESTS``) through a launched PD
+"""Soak: 5,000 short requests (``PDSERVE_SOAK_REQUESTS``) through a launched PD
 cluster (router, 1 prefill and 1 decode worker, tiny model, KV over NIXL) at concurrency 64, two
 tokens each (streamed); the RSS of every process (the router and each worker) is sampled every 250 requests.
 After the warm-up (the first fifth of the requests) no process may grow by 5 % or more, every
@@ -12,10 +12,10 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import Cluster, leaks, rss_bytes, stream_one
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, leaks, rss_bytes, stream_one
+from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 

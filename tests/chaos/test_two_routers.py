@@ -1,4 +1,4 @@
-"""Two routers in front of the same workers (issue 28, item 4), real parts: etcd started by the
+"""Two routers in front of the same workers, real parts: etcd started by the
 test, two ``pdserve launch --roles router --discovery etcd://...`` processes, one prefill and two
 decode ``pdserve worker`` processes on loopback, the tiny model, KV over NIXL.
 
@@ -16,13 +16,13 @@ import time
 
 import httpx
 import pytest
-from chaos_cluster import run_load
-from etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
-from membership_load import SteadyLoad, WorkerProc, routed_tokens
-from tiny_model import save_tiny_model
 
 from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics
 from server.discovery.etcd import EtcdClient
+from tests.chaos.chaos_cluster import run_load
+from tests.chaos.membership_load import SteadyLoad, WorkerProc, routed_tokens
+from tests.chaos.tiny_model import save_tiny_model
+from tests.support.etcd_server import INSTALL_HINT, EtcdServer, etcd_binary
 from transfer.cluster_key import ClusterKey, write_key_file
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]

@@ -10,10 +10,10 @@ import json
 
 import httpx
 import pytest
-from etcd_server import INSTALL_HINT, etcd_binary
-from tiny_model import save_tiny_model
 
 from bench import cli
+from tests.chaos.tiny_model import save_tiny_model
+from tests.support.etcd_server import INSTALL_HINT, etcd_binary
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.skipif(etcd_binary() is None, reason=INSTALL_HINT)]
 

@@ -312,7 +312,7 @@ def test_structured_output_through_the_client(client):
 
 
 def test_forced_tool_calls_through_the_client(client):
-    """tool_choice required and a named tool, greedy and sampled, whole and streamed (tests/tools_cases.py)."""
-    from tools_cases import check_forced_tool_calls
+    """tool_choice required and a named tool, greedy and sampled, whole and streamed (tests/support/tools_cases.py)."""
+    from tests.support.tools_cases import check_forced_tool_calls
 
     check_forced_tool_calls(client.with_options(timeout=600))

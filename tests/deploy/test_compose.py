@@ -24,11 +24,11 @@ import time
 import httpx
 import openai
 import pytest
-from compose_stack import ComposeStack, sh
-from conftest import engine_cfg, sched_cfg, strip_eos
-from stream_client import Outcome, stream_one
 
 from bench.harness.subprocess_server import free_port, fresh_metrics, metric_sum, scrape_metrics, wait_idle
+from tests.deploy.compose_stack import ComposeStack, sh
+from tests.support.models import engine_cfg, sched_cfg, strip_eos
+from tests.support.stream_client import Outcome, stream_one
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ x-env: &env
   PDSERVE_INIT_NEW_TOKEN_RATIO: "0.05"
   PDSERVE_HEALTH_INTERVAL_S: "0.5"
   # decode-side liveness of prefill peers is measured between scheduler steps; under retraction on a
-  # loaded 2-core box a step ran past 8 s and the peer was declared dead (worker side, issue 9)
+  # loaded 2-core box a step ran past 8 s and the peer was declared dead (worker side)
   PDSERVE_PEER_TIMEOUT_S: "30"
   PDSERVE_LOG_LEVEL: WARNING
 services:

@@ -1,0 +1,268 @@
+"""Migration end to end: ``pdserve launch`` with 1 prefill + 2 decode worker processes,
+KV over NIXL and over ucxx (one launch per backend; the host pool is registered with the backend
+and the migration writes straight from it), the real model and HTTP API. ``--route-decode
+decode-0`` sends every request to one decode worker whose small pool makes it retract
+(``--retract-test-interval`` adds a forced retract every 16 decode steps, so that it retracts even
+when this shared machine is too slow for the requests to overlap); ``--migrate-after 2`` moves
+parked requests to decode-1. Every streamed request ends with the colocated engine's greedy tokens
+(equal to transformers, tests/e2e/test_pd_http.py) and its usage; a migration happened (metric);
+nothing is left in either worker's device or host pool. On the NIXL launch the dashboard
+(``/dashboard`` in headless Chromium, open through the load) shows one marker per migration: the
+markers' counts add up to ``pdserve_migrations_total`` on both sides, and the panel's tiles equal
+``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+
+import openai
+import pytest
+
+from bench.harness.subprocess_server import metric_sum, scrape_metrics, wait_idle
+from tests.support.chromium_cdp import Browser, find_chromium
+from tests.support.models import strip_eos
+from transfer.wire.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+HEARTBEAT_S = 0.2
+SHARED = (
+    "You are a helpful assistant that answers questions about geography, history and science "
+    "in one short paragraph. Question: "
+)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Who built the pyramids?",
+    "What is photosynthesis?",
+    "Where is Mount Everest?",
+    "When did the Roman Empire fall?",
+    "How do volcanoes form?",
+    "What causes tides?",
+    "Why do leaves change color?",
+]
+# after SHARED and the question: every prompt's own pages. The decode worker shares SHARED's full page
+# among the requests it holds (inserted when the first one's KV landed), so the pool pressure that
+# parks requests long enough to be migrated comes from here: 3 pages of its own per prompt (about 57
+# tokens, page 16), 8 prompts > the 24-page pool before a token is decoded
+TAIL = (
+    " Answer for a curious student in two plain sentences: first the main cause, then one concrete example "
+    "that a twelve-year-old could check at home."
+)
+PROMPTS = [SHARED + q + TAIL for q in QUESTIONS]
+NEW_TOKENS = 48
+CHROMIUM = find_chromium()
+# the counts on the migration markers of the panel's first chart (labels "⇢N" / "⇠N"), by worker
+MARKED = """(() => {{ const svg = document.querySelector('#migration svg');
+  return svg ? [...svg.querySelectorAll('g.marker.migrate.{direction} text')]
+    .reduce((a, t) => a + Number(t.textContent.slice(1)), 0) : 0; }})()"""
+TILE = """(() => {{ const e = [...document.querySelectorAll('[data-metric=pdserve_migrations_total]')]
+  .find((x) => x.dataset.labels === '{labels}'); return e ? Number(e.dataset.value) : null; }})()"""
+
+
+def dashboard(url: str, backend: str):
+    """A headless Chromium page on ``url``'s dashboard (the NIXL launch only, one browser per run), or
+    None: on the ucxx launch, or without Chromium unless CI requires it (PDSERVE_REQUIRE_CHROMIUM=1)."""
+    if backend != "nixl":
+        return contextlib.nullcontext()
+    if not CHROMIUM:
+        assert os.environ.get("PDSERVE_REQUIRE_CHROMIUM") != "1", "chromium is not installed"
+        return contextlib.nullcontext()
+    return Browser(CHROMIUM)
+
+
+def check_markers(page, moved: int) -> None:
+    """The page drew migrations worth ``moved`` on each side and its tiles agree with /metrics."""
+    for direction in ("out", "in"):
+        page.wait_for(f"{MARKED.format(direction=direction)} === {moved}", 15)
+    for worker, direction in (("decode-0", "out"), ("decode-1", "in")):
+        labels = json.dumps({"direction": direction, "outcome": "done", "worker": worker}, separators=(",", ":"))
+        page.wait_for(f"{TILE.format(labels=labels)} === {moved}", 15)
+    assert page.errors() == []
+
+
+@pytest.fixture(scope="module")
+def refs(embedded):
+    """The colocated engine's greedy tokens of every prompt (computed once for both launches)."""
+    from engine.llm import LLM
+    from tests.support.models import engine_cfg, sched_cfg
+
+    tok = embedded[2]
+    colocated = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(), loaded=(embedded[0], embedded[1], tok))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
+    return [colocated.generate_ids([tok.encode(p)], params)[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs, backend):
+    """Over ucxx the peer's pool is twice the source's (``--worker-kv-pool-tokens``): migrations land
+    in a pool of another size, whose pages the handshake's geometry places."""
+    tok = embedded[2]
+    prompts = PROMPTS
+    pools = {"decode-0": 24, "decode-1": 48 if backend == "ucxx" else 24}  # pages of 16 tokens
+    srv = launched_server(
+        "pd",
+        "--decode",
+        "2",
+        "--transfer-backend",
+        backend,
+        "--route-decode",
+        "decode-0",
+        "--worker-kv-pool-tokens",
+        f"decode-1={pools['decode-1'] * 16}",
+        "--migrate-after",
+        "2",
+        "--retract-test-interval",
+        "16",
+        "--kv-pool-tokens",
+        "384",
+        "--page-size",
+        "16",
+        "--max-model-len",
+        "512",
+        "--init-new-token-ratio",
+        "0.05",
+        "--host-kv-pool-gb",
+        "0.25",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--worker-timeout-s",
+        "30",
+        "--peer-timeout-s",
+        "4",
+        "--log-level",
+        "WARNING",
+    )
+    wait_connected(srv.url)
+
+    with dashboard(srv.url, backend) as browser:
+        page = None
+        if browser is not None:
+            page = browser.open()
+            page.navigate(f"{srv.url}/dashboard")
+            page.wait_for("document.querySelectorAll('#migration-tiles .tile').length > 0", 30)
+        results = asyncio.run(stream_all(srv.url, prompts, NEW_TOKENS))
+        check_idle(srv.url, results, prompts, refs, tok, page)
+    m = scrape_metrics(srv.url)
+    assert {w: metric_sum(m, "pdserve_kv_pool_capacity_pages", worker=w) for w in pools} == pools
+    if backend == "ucxx":  # prompt + 400 tokens fit decode-1's pool, not decode-0's: routed there, not refused
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompts[0], max_tokens=400, temperature=0)
+        assert 24 * 16 < r.usage.prompt_tokens + 400 <= 48 * 16 and r.usage.completion_tokens > 0
+
+
+def wait_connected(url: str, timeout_s: float = 30.0) -> None:
+    """Before any request, each decode worker has handshaken its KV sources (the router's
+    ``KVSources``): the prefill worker and the other decode worker."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape_metrics(url)
+        ready = [metric_sum(m, "pdserve_kv_sources", worker=w, state="ready") for w in ("decode-0", "decode-1")]
+        if ready == [2, 2]:
+            return
+        assert time.monotonic() < deadline, f"KV sources ready: {ready}, expected [2, 2]"
+        time.sleep(HEARTBEAT_S)
+
+
+async def stream_all(url: str, prompts: list[str], max_tokens: int) -> list[tuple[list[int], object]]:
+    """Every prompt streamed at once, greedy: ``(token ids, usage)`` per prompt, in order."""
+    c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = (await c.models.list()).data[0].id
+
+    async def one(prompt):
+        r = await c.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+        ids, usage = [], None
+        async for chunk in r:
+            if chunk.choices:
+                ids += getattr(chunk.choices[0], "token_ids", None) or []
+            usage = chunk.usage or usage
+        return ids, usage
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await c.close()
+
+
+def check_idle(url, results, prompts, refs, tok, page) -> None:
+    """Tokens, usage, metrics once idle and, when ``page`` is open, the dashboard's migration markers."""
+    assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == refs
+    assert all(u is not None and u.completion_tokens == len(ids) for ids, u in results)
+    m = wait_idle(url, HEARTBEAT_S)
+    assert metric_sum(m, "pdserve_retractions_total", worker="decode-0") > 0
+    moved = metric_sum(m, "pdserve_migrations_total", worker="decode-0", direction="out", outcome="done")
+    assert moved > 0
+    assert metric_sum(m, "pdserve_migrations_total", worker="decode-1", direction="in", outcome="done") == moved
+    assert metric_sum(m, "pdserve_migration_bytes_total", worker="decode-0") > 0
+    assert metric_sum(m, "pdserve_migration_seconds_count", worker="decode-0") == moved
+    assert metric_sum(m, "pdserve_requests_total", status="200") == len(prompts)
+    for w in ("decode-0", "decode-1"):
+        assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0
+        assert metric_sum(m, "pdserve_host_kv_pool_bytes", worker=w, state="used") == 0
+        assert metric_sum(m, "pdserve_worker_aborted_requests_total", worker=w) == 0
+    if page is not None:
+        check_markers(page, moved)
+
+
+def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server, embedded, refs):
+    """``--migrate-queued``: every request pinned to decode-0, whose 24-page pool holds a few of them;
+    the ones waiting there for pages longer than ``--migrate-after`` are re-routed to decode-1
+    before their prefill (no KV to move). Every stream ends with the colocated engine's greedy
+    tokens and its usage, the router counts the moves, every request finished once over the two
+    decode workers (decode-1 some of them), nothing was aborted or failed, and both pools are empty
+    once idle."""
+    tok, new_tokens = embedded[2], 24  # a prefix of the references: the queue forms from the prompts' pages
+    srv = launched_server(
+        "pd",
+        "--decode",
+        "2",
+        "--route-decode",
+        "decode-0",
+        "--migrate-after",
+        "0.2s",
+        "--migrate-queued",
+        "--kv-pool-tokens",
+        "384",
+        "--page-size",
+        "16",
+        "--max-model-len",
+        "512",
+        "--init-new-token-ratio",
+        "0.05",
+        "--host-kv-pool-gb",
+        "0.25",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--worker-timeout-s",
+        "30",
+        "--peer-timeout-s",
+        "4",
+        "--log-level",
+        "WARNING",
+    )
+
+    results = asyncio.run(stream_all(srv.url, PROMPTS, new_tokens))
+    assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == [r[:new_tokens] for r in refs]
+    assert all(u is not None and u.completion_tokens == len(ids) for ids, u in results)
+    m = wait_idle(srv.url, HEARTBEAT_S)
+    moved = metric_sum(m, "pdserve_router_queued_moves_total")
+    assert moved > 0
+    assert metric_sum(m, "pdserve_requests_total", status="200") == len(PROMPTS)
+    # each request finished once, on one of the two (a moved or migrated one may move again: both
+    # decode workers offer what waits too long, so only the sum is exact), and decode-1 took some
+    finished = [metric_sum(m, "pdserve_worker_finished_requests_total", worker=w) for w in ("decode-0", "decode-1")]
+    assert sum(finished) == len(PROMPTS) and finished[1] > 0, finished
+    for w in ("decode-0", "decode-1", "prefill-0"):
+        assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0
+        assert metric_sum(m, "pdserve_worker_aborted_requests_total", worker=w) == 0
