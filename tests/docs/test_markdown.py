@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -151,7 +152,7 @@ def test_an_unclosed_or_early_closed_fence_is_caught():
 
 
 def test_broken_links_anchors_and_images_are_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("# Title\n\n## Run it: `make serve`!\n\n## Run it: `make serve`!\n")
     (tmp_path / "docs" / "p.png").write_bytes(b"")
