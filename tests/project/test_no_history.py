@@ -31,8 +31,9 @@ def test_no_tracked_file_tells_the_history_of_its_making():
 
 def test_the_check_finds_each_form(tmp_path, monkeypatch):
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
-    (tmp_path / "a.py").write_text("x = 1  # as measured in session 12\n# Issue 7: fixed\nok = 'sessions'\n")
-    (tmp_path / "b.md").write_text("see the seed 003 document\nthe issue-15 note\n")
+    n = "1"  # the forms are assembled here so that this file itself holds none of them
+    (tmp_path / "a.py").write_text(f"x = 1  # as measured in session {n}2\n# Issue {n}: fixed\nok = 'sessions'\n")
+    (tmp_path / "b.md").write_text(f"see the seed 00{n} document\nthe issue-{n}5 note\n")
     assert [h.split(":")[:2] for h in history_lines(["a.py", "b.md"])] == [
         ["a.py", "1"],
         ["a.py", "2"],
