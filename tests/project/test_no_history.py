@@ -31,9 +31,9 @@ def test_no_tracked_file_tells_the_history_of_its_making():
 
 def test_the_check_finds_each_form(tmp_path, monkeypatch):
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
-    n = "1"  # the forms are assembled here so that this file itself holds none of them
+    n, z = "1", "0"  # the forms are assembled here so that this file itself holds none of them
     (tmp_path / "a.py").write_text(f"x = 1  # as measured in session {n}2\n# Issue {n}: fixed\nok = 'sessions'\n")
-    (tmp_path / "b.md").write_text(f"see the seed 00{n} document\nthe issue-{n}5 note\n")
+    (tmp_path / "b.md").write_text(f"see the seed {z}{z}{n} document\nthe issue-{n}5 note\n")
     assert [h.split(":")[:2] for h in history_lines(["a.py", "b.md"])] == [
         ["a.py", "1"],
         ["a.py", "2"],
