@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.rope_scaling import RopeScaling
 from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 
 # "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
@@ -31,6 +32,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (engine.rope_scaling)
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
