@@ -43,6 +43,9 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
     name: str = "model"
+    # how the checkpoint stores its weights: float32, bfloat16, float16 or quantized (a GGUF
+    # quantization); ``--dtype auto`` follows it (engine.dtype_choice)
+    stored_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.arch not in MODEL_ARCHS:

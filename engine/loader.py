@@ -106,7 +106,7 @@ def read_model_config(path: str | Path, overrides: SlidingOverrides | None = Non
         return _gguf_config(open_gguf(path), path, overrides)
     cfg, files = _hf_folder_files(path)
     sliding = _hf_sliding(cfg, overrides)
-    return _hf_config(path, cfg, {key for _, key in _iter_safetensors(files)}, sliding)
+    return _hf_config(path, cfg, {key for _, key in _iter_safetensors(files)}, sliding, _hf_stored_dtype(files))
 
 
 def check_startup(path: str | Path, engine) -> ModelConfig:
@@ -196,7 +196,17 @@ def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) 
         sliding_window=sliding.window,
         layer_types=sliding.layer_types,
         name=str(gguf_meta(reader, "general.name", path.stem)),
+        stored_dtype=_gguf_stored_dtype(reader),
     )
+
+
+def _gguf_stored_dtype(reader) -> str:
+    """How the first layer's Q projection is stored: float32 / bfloat16 / float16, else quantized."""
+    kinds = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    for t in reader.tensors:
+        if t.name == "blk.0.attn_q.weight":
+            return kinds.get(getattr(t.tensor_type, "name", ""), "quantized")
+    return "quantized"
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -282,7 +292,9 @@ def _hf_rope(cfg: dict) -> tuple[float, RopeScaling | None]:
     return theta, parse_rope_scaling(params, int(cfg.get("max_position_embeddings", 4096)), head_dim)
 
 
-def _hf_config(folder: Path, cfg: dict, tensor_names: set[str], sliding: SlidingSpec) -> ModelConfig:
+def _hf_config(
+    folder: Path, cfg: dict, tensor_names: set[str], sliding: SlidingSpec, stored: str = "float32"
+) -> ModelConfig:
     """Build a ModelConfig from a HF config.json dict (+ generation_config.json eos ids)."""
     arch = _hf_arch(cfg)
     heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
@@ -313,6 +325,7 @@ def _hf_config(folder: Path, cfg: dict, tensor_names: set[str], sliding: Sliding
         sliding_window=sliding.window,
         layer_types=sliding.layer_types,
         name=folder.name,
+        stored_dtype=stored,
     )
     _check_no_unused_tensors(config, tensor_names)
     return config
@@ -332,6 +345,21 @@ def _check_no_unused_tensors(config: ModelConfig, tensor_names: set[str]) -> Non
             f"checkpoint has {len(unused)} tensor(s) pdserve's {config.arch!r} model does not implement, e.g. "
             f"{', '.join(unused[:4])}: refusing to serve it without them"
         )
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _hf_stored_dtype(files: list[Path]) -> str:
+    """How the embedding is stored (the safetensors header's dtype): ``float32``, ``bfloat16``,
+    ``float16``, else ``quantized``; ``float32`` if no shard has it."""
+    for f in files:
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        entry = header.get("model.embed_tokens.weight")
+        if entry:
+            return _SAFETENSORS_DTYPES.get(entry.get("dtype"), "quantized")
+    return "float32"
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[Any, str]]:
@@ -373,4 +401,4 @@ def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> 
     cfg, files = _hf_folder_files(folder)
     sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
     tensors = _load_safetensors(files)
-    return _hf_config(folder, cfg, set(tensors), sliding), tensors
+    return _hf_config(folder, cfg, set(tensors), sliding, _hf_stored_dtype(files)), tensors
