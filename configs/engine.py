@@ -27,7 +27,10 @@ class EngineConfig(BaseModel):
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = float32 on CPU, bfloat16 on CUDA"
+        "auto",
+        description="auto = bfloat16 on CUDA; on CPU bfloat16 when the checkpoint stores bfloat16 weights and "
+        "the CPU has AVX512-BF16 or AMX, else float32 (float32, float16 and quantized weights); float32 is "
+        "the exact mode; the start-up log says which was picked and why",
     )
     weight_dtype: Literal["auto", "int8"] = Field(
         "auto",

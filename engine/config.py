@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.rope_scaling import RopeScaling
 from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 
 # "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
@@ -31,6 +32,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (engine.rope_scaling)
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -41,6 +43,9 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())
     name: str = "model"
+    # how the checkpoint stores its weights: float32, bfloat16, float16 or quantized (a GGUF
+    # quantization); ``--dtype auto`` follows it (engine.dtype_choice)
+    stored_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.arch not in MODEL_ARCHS:

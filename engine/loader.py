@@ -18,6 +18,8 @@ import torch
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import SUPPORTED_ARCHS, ModelConfig
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
+from engine.hf_fields import check_hf_fields
+from engine.rope_scaling import RopeScaling, check_context, parse_rope_scaling
 from engine.swa_config import (
     SlidingOverrides,
     SlidingSpec,
@@ -27,7 +29,7 @@ from engine.swa_config import (
     hf_sliding_spec,
     unsupported_arch_message,
 )
-from engine.tensor_shapes import expected_tensor_shapes  # noqa: F401 (re-exported)
+from engine.tensor_shapes import expected_tensor_shapes
 
 Tensors = dict[str, torch.Tensor]
 
@@ -104,7 +106,7 @@ def read_model_config(path: str | Path, overrides: SlidingOverrides | None = Non
         return _gguf_config(open_gguf(path), path, overrides)
     cfg, files = _hf_folder_files(path)
     sliding = _hf_sliding(cfg, overrides)
-    return _hf_config(path, cfg, {key for _, key in _iter_safetensors(files)}, sliding)
+    return _hf_config(path, cfg, {key for _, key in _iter_safetensors(files)}, sliding, _hf_stored_dtype(files))
 
 
 def check_startup(path: str | Path, engine) -> ModelConfig:
@@ -119,8 +121,11 @@ def validate_startup(config: ModelConfig, engine) -> None:
     """Refuse model/engine combinations pdserve cannot run, naming the flag to change
     (``ValueError``): a sliding window larger than the context (``--sliding-window`` /
     ``--max-model-len``), an SWA pool that is not a multiple of the page size or smaller than one
-    request's window (``--swa-pool-tokens``)."""
+    request's window (``--swa-pool-tokens``), a ``longrope`` context past its short factors
+    (``--max-model-len``)."""
     check_window_fits_context(config.sliding_window, engine.max_model_len, config.max_position_embeddings)
+    mpe = config.max_position_embeddings
+    check_context(config.rope_scaling, min(engine.max_model_len or mpe, mpe))
     if config.sliding_window and engine.swa_pool_tokens:
         validate_swa_pool(engine.swa_pool_tokens, engine.page_size)
         check_swa_pool_holds_window(engine.swa_pool_tokens, config.sliding_window, engine.page_size)
@@ -191,7 +196,17 @@ def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) 
         sliding_window=sliding.window,
         layer_types=sliding.layer_types,
         name=str(gguf_meta(reader, "general.name", path.stem)),
+        stored_dtype=_gguf_stored_dtype(reader),
     )
+
+
+def _gguf_stored_dtype(reader) -> str:
+    """How the first layer's Q projection is stored: float32 / bfloat16 / float16, else quantized."""
+    kinds = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    for t in reader.tensors:
+        if t.name == "blk.0.attn_q.weight":
+            return kinds.get(getattr(t.tensor_type, "name", ""), "quantized")
+    return "quantized"
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -255,21 +270,39 @@ def _as_ids(value: Any) -> list[int]:
 
 
 def _hf_sliding(cfg: dict, overrides: SlidingOverrides | None) -> SlidingSpec:
-    """Sliding layers of a config.json (per model type, as transformers) with the overrides applied."""
+    """Sliding layers of a config.json (per model type, as transformers) with the overrides applied.
+    Refuses first any field pdserve does not implement (``engine.hf_fields``) and bad rope parameters."""
     arch = _hf_arch(cfg)
+    check_hf_fields(cfg, arch)
+    _hf_rope(cfg)
     layers = int(cfg["num_hidden_layers"])
     return apply_overrides(hf_sliding_spec(cfg, arch, layers), layers, overrides)
 
 
-def _hf_config(folder: Path, cfg: dict, tensor_names: set[str], sliding: SlidingSpec) -> ModelConfig:
+def _hf_rope(cfg: dict) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, scaling)`` of a config.json as transformers 5 standardizes them: the legacy
+    ``rope_scaling`` dict wins over ``rope_parameters``; a theta in the dict over the top-level
+    ``rope_theta`` (default 10000). A ``partial_rotary_factor`` of 1 in the dict is the default."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if params.get("partial_rotary_factor") in (1, 1.0):
+        del params["partial_rotary_factor"]
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    return theta, parse_rope_scaling(params, int(cfg.get("max_position_embeddings", 4096)), head_dim)
+
+
+def _hf_config(
+    folder: Path, cfg: dict, tensor_names: set[str], sliding: SlidingSpec, stored: str = "float32"
+) -> ModelConfig:
     """Build a ModelConfig from a HF config.json dict (+ generation_config.json eos ids)."""
     arch = _hf_arch(cfg)
     heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
-    rope = cfg.get("rope_parameters") or {}
+    theta, scaling = _hf_rope(cfg)
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _as_ids(cfg.get("eos_token_id")) + _as_ids(gen.get("eos_token_id"))
-    return ModelConfig(
+    config = ModelConfig(
         arch=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -278,18 +311,55 @@ def _hf_config(folder: Path, cfg: dict, tensor_names: set[str], sliding: Sliding
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_theta=theta,
+        rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias")) or "model.layers.0.self_attn.q_proj.bias" in tensor_names,
-        qk_norm=arch == "qwen3" or "model.layers.0.self_attn.q_norm.weight" in tensor_names,
+        # q/k/v biases as transformers builds them: built into Qwen2, none elsewhere (a true
+        # attention_bias, which adds an o_proj bias as well, is refused by engine.hf_fields)
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",  # as transformers: Q/K norms are Qwen3's, never read elsewhere
         bos_token_id=next(iter(_as_ids(cfg.get("bos_token_id"))), None),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         sliding_window=sliding.window,
         layer_types=sliding.layer_types,
         name=folder.name,
+        stored_dtype=stored,
     )
+    _check_no_unused_tensors(config, tensor_names)
+    return config
+
+
+# Checkpoint tensors no model reads and that change nothing (older exports saved the rotary buffer).
+_HARMLESS_TENSOR_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _check_no_unused_tensors(config: ModelConfig, tensor_names: set[str]) -> None:
+    """Refuse a checkpoint with tensors the model would not read (a bias, a norm, an expert the
+    engine does not implement): ``ValueError`` naming a few of them."""
+    expected = set(expected_tensor_shapes(config))
+    unused = sorted(n for n in tensor_names - expected if not n.endswith(_HARMLESS_TENSOR_SUFFIXES))
+    if unused:
+        raise ValueError(
+            f"checkpoint has {len(unused)} tensor(s) pdserve's {config.arch!r} model does not implement, e.g. "
+            f"{', '.join(unused[:4])}: refusing to serve it without them"
+        )
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _hf_stored_dtype(files: list[Path]) -> str:
+    """How the embedding is stored (the safetensors header's dtype): ``float32``, ``bfloat16``,
+    ``float16``, else ``quantized``; ``float32`` if no shard has it."""
+    for f in files:
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        entry = header.get("model.embed_tokens.weight")
+        if entry:
+            return _SAFETENSORS_DTYPES.get(entry.get("dtype"), "quantized")
+    return "float32"
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[Any, str]]:
@@ -331,4 +401,4 @@ def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> 
     cfg, files = _hf_folder_files(folder)
     sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
     tensors = _load_safetensors(files)
-    return _hf_config(folder, cfg, set(tensors), sliding), tensors
+    return _hf_config(folder, cfg, set(tensors), sliding, _hf_stored_dtype(files)), tensors

@@ -79,7 +79,7 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.int8 = int8  # weight-only int8 matmul weights, LM head included (engine.cpu_linear)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_scaling)
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None

@@ -16,7 +16,7 @@ from cache.swa_window import SWAWindow
 from configs.engine import EngineConfig
 from engine.attention import make_backend
 from engine.config import ModelConfig
-from engine.cpu_features import has_fast_bf16
+from engine.dtype_choice import choose_dtype, resolve_dtype  # noqa: F401 (resolve_dtype re-exported)
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.gemma3 import Gemma3Model
 from engine.grammar import GrammarCompiler
@@ -27,8 +27,6 @@ from engine.tokenizer import Tokenizer
 from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -54,20 +52,6 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def resolve_dtype(spec: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
-    """``auto``: bf16 on CUDA, fp32 on CPU. bf16 asked for on a CPU without native bf16
-    instructions falls back to fp32 with a warning: there it is slower than fp32, not faster."""
-    if spec == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if spec == "bfloat16" and device.type == "cpu" and has_fast_bf16(flags) is False:
-        log.warning(
-            "--dtype bfloat16 on a CPU without AVX512_BF16/AMX: every op would convert to fp32 and run "
-            "slower than fp32; using float32 instead"
-        )
-        return torch.float32
-    return _DTYPES[spec]
-
-
 def _attention_scale(mc: ModelConfig) -> float:
     """Softmax scale: ``query_pre_attn_scalar ** -0.5`` for Gemma 3, ``head_dim ** -0.5`` otherwise."""
     return getattr(mc, "query_pre_attn_scalar", mc.head_dim) ** -0.5
@@ -88,7 +72,8 @@ class ModelRunner:
         self.cfg = cfg
         self.model_config = model_config
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype, why = choose_dtype(cfg.dtype, self.device, model_config.stored_dtype)
+        log.info("dtype: %s (%s)", str(self.dtype).removeprefix("torch."), why)
         if cfg.weight_dtype == "int8" and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
             raise ValueError(
                 f"--weight-dtype int8 runs on CPUs with AVX512-BF16 (this worker runs {self.device.type} "

@@ -27,3 +27,42 @@ def test_unknown_cpus_are_trusted():
     assert has_fast_bf16(frozenset()) is None
     assert has_fast_bf16(frozenset({"fp", "asimd", "bf16"})) is None  # aarch64: no x86 flags
     assert resolve_dtype("bfloat16", torch.device("cpu"), frozenset({"fp", "asimd"})) is torch.bfloat16
+
+
+def test_auto_follows_bf16_weights_on_a_cpu_that_runs_them_natively():
+    from engine.dtype_choice import choose_dtype
+
+    cpu = torch.device("cpu")
+    assert choose_dtype("auto", cpu, "bfloat16", AVX512_BF16) == (
+        torch.bfloat16,
+        "auto on CPU with bfloat16 weights and native bf16 instructions",
+    )
+    assert choose_dtype("auto", cpu, "bfloat16", AVX2)[0] is torch.float32  # bf16 would be slower there
+    for stored in ("float32", "float16", "quantized"):  # bfloat16 would round these weights
+        dtype, why = choose_dtype("auto", cpu, stored, AVX512_BF16)
+        assert dtype is torch.float32 and stored in why
+    assert choose_dtype("float32", cpu, "bfloat16", AVX512_BF16) == (torch.float32, "--dtype float32")
+    assert choose_dtype("auto", torch.device("cuda"), "float32")[0] is torch.bfloat16
+
+
+def test_the_runner_logs_the_dtype_it_picked_from_the_checkpoint(tmp_path, caplog, monkeypatch):
+    """A bfloat16 HF folder: stored_dtype bfloat16; ``auto`` runs it in bfloat16 where the CPU is
+    fast (flags faked), ``float32`` stays float32; the log names the choice and its reason."""
+    from engine import dtype_choice
+    from engine.loader import load_for_engine
+    from engine.model_runner import ModelRunner
+    from tests.support.hf_folders import save_small_model
+    from tests.support.models import engine_cfg
+
+    save_small_model("llama", tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)
+    monkeypatch.setattr(dtype_choice, "has_fast_bf16", lambda flags=None: True)
+    for spec, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        ecfg = engine_cfg(dtype=spec, device="cpu")
+        cfg, weights = load_for_engine(tmp_path, ecfg)
+        assert cfg.stored_dtype == "bfloat16"
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+            runner = ModelRunner(ecfg, cfg, weights)
+        assert runner.dtype is want
+        name = str(want).removeprefix("torch.")
+        assert f"dtype: {name} (" in caplog.text

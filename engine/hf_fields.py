@@ -1,0 +1,122 @@
+"""Which ``config.json`` fields pdserve implements, per architecture; every other field is refused.
+
+A checkpoint is served only if each of its fields is either implemented (the model computes what
+transformers computes with that value), harmless (metadata, token ids, training-only settings that
+change nothing at inference) or unset (``null``). Anything else is refused at load with the field,
+its value and what is supported, so no model is served with a field the engine silently ignores.
+The table is explicit: a field transformers adds in a later version is refused until it is listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# Fields that never change the computation of a served model.
+HARMLESS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "is_encoder_decoder",
+        "chunk_size_feed_forward",
+        "use_cache",
+        "initializer_range",
+        "attention_dropout",  # dropout is off at inference
+        "pretraining_tp",  # a training-time matmul split; the same product (transformers 5 ignores it)
+        "is_llama_config",  # SmolLM2 metadata
+        "transformers.js_config",
+        "tokenizer_class",
+    }
+)
+
+# Fields each architecture reads (engine.loader._hf_config, engine.swa_config.hf_sliding_spec).
+_LLAMA_CORE = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "partial_rotary_factor",
+    }
+)
+_QWEN_SLIDING = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
+IMPLEMENTED: dict[str, frozenset[str]] = {
+    "llama": _LLAMA_CORE | {"attention_bias", "mlp_bias", "rope_interleaved"},
+    "smollm": _LLAMA_CORE | {"attention_bias", "mlp_bias", "rope_interleaved"},
+    "mistral": _LLAMA_CORE | {"sliding_window", "layer_types"},
+    "ministral": _LLAMA_CORE | {"sliding_window", "layer_types"},
+    "qwen2": _LLAMA_CORE | _QWEN_SLIDING | {"use_mrope"},
+    "qwen3": _LLAMA_CORE | _QWEN_SLIDING | {"attention_bias"},
+}
+
+
+def _only(*allowed: Any) -> Callable[[Any], str | None]:
+    """A value rule: the value must be one of ``allowed``; else the message names them."""
+
+    def rule(value: Any) -> str | None:
+        return None if value in allowed else f"supported: {' or '.join(map(repr, allowed))}"
+
+    return rule
+
+
+# Implemented fields that pdserve runs with some values only (the others change the computation
+# in ways the model does not implement). attention_bias adds an o_proj bias too in transformers'
+# Llama and Qwen3 (Qwen2's q/k/v biases are built in, without the o_proj one).
+VALUE_RULES: dict[str, Callable[[Any], str | None]] = {
+    "hidden_act": _only("silu", "swish"),
+    "mlp_bias": _only(False),
+    "attention_bias": _only(False),
+    "partial_rotary_factor": _only(1, 1.0),
+    "rope_interleaved": _only(False),
+    "use_mrope": _only(False),
+}
+
+
+def check_hf_fields(cfg: dict, arch: str) -> None:
+    """Refuse a ``config.json`` with a field that changes the computation and is not implemented
+    for ``arch``: ``ValueError`` naming the field, its value and what is supported. ``null`` values
+    set nothing and pass; ``arch`` must be a key of :data:`IMPLEMENTED`."""
+    known = IMPLEMENTED[arch]
+    for key in sorted(cfg):
+        value = cfg[key]
+        if value is None or key in HARMLESS:
+            continue
+        if key not in known:
+            raise ValueError(
+                f"config.json field {key}={_short(value)} is not implemented by pdserve for model type "
+                f"{arch!r} (it may change the computation); pdserve implements: {', '.join(sorted(known))}"
+            )
+        rule = VALUE_RULES.get(key)
+        why = rule(value) if rule else None
+        if why:
+            raise ValueError(
+                f"config.json field {key}={_short(value)} is not implemented by pdserve for model type {arch!r}; {why}"
+            )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,39 @@
+"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases) and Qwen3 (Q/K norms) from HF folders: small
+random models (every weight, bias and norm drawn at random) give transformers' greedy tokens
+(float32) through pdserve's loader and engine, colocated in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.loader import read_model_config
+from tests.support.hf_folders import engine_greedy, random_prompts, reference_greedy, save_small_model
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+CASES = {
+    "llama3": ("llama", {"rope_parameters": LLAMA3}),
+    "llama3-tied": ("llama", {"rope_parameters": LLAMA3, "tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_tokens_equal_transformers(tmp_path, tokenizer, name, page_size):
+    kind, overrides = CASES[name]
+    model = save_small_model(kind, tmp_path, **overrides)
+    cfg = read_model_config(tmp_path)
+    assert (cfg.attention_bias, cfg.qk_norm) == (kind == "qwen2", kind == "qwen3")
+    prompts = random_prompts(3, 40)
+    got = engine_greedy(tmp_path, tokenizer, prompts, 16, page_size=page_size)
+    assert got == reference_greedy(model, prompts, 16)

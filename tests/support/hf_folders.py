@@ -1,0 +1,74 @@
+"""Small random transformers models of each served architecture saved as HF folders, and greedy
+runs of them through pdserve's loader and engine: the per-architecture references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.support.models import engine_cfg, hf_greedy, sched_cfg
+from transfer.wire.sampling_params import SamplingParams
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _classes(kind: str):
+    import transformers
+
+    return {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+
+
+def save_small_model(kind: str, folder: Path, seed: int = 0, **overrides):
+    """A ``kind`` model with :data:`SMALL` sizes (``overrides`` on top), every parameter drawn at
+    random (biases and Q/K norms too: transformers initializes them to 0 / 1), saved to ``folder``
+    as safetensors; returns the float32 transformers model (the reference)."""
+    config_cls, model_cls = _classes(kind)
+    model = model_cls(config_cls(**{**SMALL, **overrides})).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.2
+            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def engine_greedy(folder: Path, tokenizer, prompts: list[list[int]], n: int, **engine) -> list[list[int]]:
+    """Greedy ``n`` tokens of each prompt from pdserve's loader and engine (one batch, float32)."""
+    from engine.llm import LLM
+    from engine.loader import load_for_engine
+
+    ecfg = engine_cfg(dtype="float32", **engine)
+    cfg, weights = load_for_engine(folder, ecfg)
+    llm = LLM(ecfg, sched_cfg(), loaded=(cfg, weights, tokenizer))
+    out = llm.generate_ids(prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+    llm.scheduler.check_integrity()
+    return [r.token_ids for r in out]
+
+
+def reference_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy ``n`` tokens of each prompt (full recompute per token)."""
+    return [hf_greedy(model, p, n) for p in prompts]
+
+
+def random_prompts(count: int, length: int, vocab: int = 128, seed: int = 1) -> list[list[int]]:
+    """``count`` prompts of distinct lengths ``length, length + 7, ...`` of random ids (not 0..2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length + 7 * i,), generator=g).tolist() for i in range(count)]
