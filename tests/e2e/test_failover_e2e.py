@@ -1,0 +1,143 @@
+"""Failover end to end: ``pdserve launch --replicas 2`` (two colocated worker processes behind the
+router, the real model), a streamed greedy completion, and ``kill -9`` of the replica serving it
+mid-stream. The launcher sees its child exit, the router sends the request to the other replica as
+a continuation (prompt + the tokens streamed so far), and the client's stream completes with the
+text, token ids, finish reason and usage of a fault-free run: no error chunk, no duplicate, no gap.
+``pdserve_failovers_total{outcome="continued"}`` moves by one and the recomputed tokens by the
+tokens streamed before the kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.harness.subprocess_server import LaunchedServer, fresh_metrics, metric_sum, scrape_metrics
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+HEARTBEAT_S = 0.2
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+NEW_TOKENS = 64
+KILL_AFTER = 8  # tokens the client has when the serving replica is killed
+
+
+def stream(url: str, body: dict, on_chunk=None) -> dict:
+    """A streamed completion: its text, token ids, finish reason, usage and every error chunk."""
+    out = {"text": "", "token_ids": [], "finish_reason": None, "usage": None, "errors": []}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300, trust_env=False) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out["errors"].append(chunk["error"])
+                continue
+            out["usage"] = chunk.get("usage") or out["usage"]
+            for c in chunk.get("choices", []):
+                out["text"] += c.get("text", "")
+                out["token_ids"] += c.get("token_ids") or []
+                out["finish_reason"] = c.get("finish_reason") or out["finish_reason"]
+            if on_chunk is not None:
+                on_chunk(out)
+    return out
+
+
+def worker_pid(server: LaunchedServer, worker_id: str) -> int:
+    """The pid of the launcher's child that runs ``worker_id`` (its ``--worker-id`` argument)."""
+    for pid in server.worker_pids():
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--worker-id" in cmd and cmd[cmd.index(b"--worker-id") + 1] == worker_id.encode():
+            return pid
+    raise LookupError(worker_id)
+
+
+def serving_replica(url: str, before: dict) -> str:
+    """The replica whose generated-token counter moved since ``before`` (fresh heartbeats)."""
+    m = fresh_metrics(url, HEARTBEAT_S)
+    moved = [
+        w
+        for w in ("colocated-0", "colocated-1")
+        if metric_sum(m, "pdserve_generation_tokens_total", worker=w)
+        > metric_sum(before, "pdserve_generation_tokens_total", worker=w)
+    ]
+    assert len(moved) == 1, moved
+    return moved[0]
+
+
+@pytest.fixture(scope="module")
+def replicas(launched_server) -> LaunchedServer:
+    return launched_server(
+        "colocated",
+        "--replicas",
+        "2",
+        "--kv-pool-tokens",
+        "2048",
+        "--page-size",
+        "16",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--log-level",
+        "INFO",
+    )
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
+def test_kill_the_serving_replica_mid_stream(replicas, sampling):
+    server = replicas
+    body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True, **sampling}
+    reference = stream(server.url, body)
+    assert not reference["errors"] and len(reference["token_ids"]) == NEW_TOKENS
+
+    before = fresh_metrics(server.url, HEARTBEAT_S)
+    reached, killed = threading.Event(), {}
+
+    def on_chunk(out: dict) -> None:
+        if len(out["token_ids"]) >= KILL_AFTER and not reached.is_set():
+            reached.set()
+
+    def killer() -> None:
+        reached.wait(120)
+        victim = serving_replica(server.url, before)
+        killed["worker"] = victim
+        os.kill(worker_pid(server, victim), signal.SIGKILL)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    got = stream(server.url, body, on_chunk)
+    t.join()
+    assert killed.get("worker"), "the serving replica was not found"
+    assert got["errors"] == []
+    assert got["token_ids"] == reference["token_ids"]
+    assert got["text"] == reference["text"]
+    assert got["finish_reason"] == reference["finish_reason"] == "length"
+    assert got["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+    assert got["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"] == NEW_TOKENS
+
+    m = scrape_metrics(server.url)
+    moved = {
+        (name, outcome): metric_sum(m, name, outcome=outcome) - metric_sum(before, name, outcome=outcome)
+        for name in ("pdserve_failovers_total",)
+        for outcome in ("continued", "limit", "no_route", "unfit", "unreachable")
+    }
+    assert moved == {("pdserve_failovers_total", o): float(o == "continued") for _, o in moved}
+    assert metric_sum(m, "pdserve_failovers_total", worker=killed["worker"], outcome="continued") >= 1
+    recomputed = metric_sum(m, "pdserve_failover_recomputed_tokens_total") - metric_sum(
+        before, "pdserve_failover_recomputed_tokens_total"
+    )
+    assert KILL_AFTER <= recomputed < NEW_TOKENS
+    log = server.log()
+    assert f"worker {killed['worker']} is dead" in log
+    deadline = time.monotonic() + 120  # the launcher restarts the killed replica: wait for it, for the next case
+    while time.monotonic() < deadline:
+        if metric_sum(scrape_metrics(server.url), "pdserve_worker_up") == 2:
+            break
+        time.sleep(0.5)
