@@ -1,10 +1,10 @@
 """Failover end to end: ``pdserve launch --replicas 2`` (two colocated worker processes behind the
-router, the real model), a streamed greedy completion, and ``kill -9`` of the replica serving it
-mid-stream. The launcher sees its child exit, the router sends the request to the other replica as
-a continuation (prompt + the tokens streamed so far), and the client's stream completes with the
-text, token ids, finish reason and usage of a fault-free run: no error chunk, no duplicate, no gap.
-``pdserve_failovers_total{outcome="continued"}`` moves by one and the recomputed tokens by the
-tokens streamed before the kill."""
+router, the real model) and ``--mode pd --decode 2``, a streamed greedy (or seeded) completion, and
+``kill -9`` of the worker serving it mid-stream. The launcher sees its child exit, the router sends
+the request on as a continuation (prompt + the tokens streamed so far) to the other replica or
+decode worker, and the client's stream completes with the text, token ids, finish reason and usage
+of a fault-free run: no error chunk, no duplicate, no gap. ``pdserve_failovers_total{outcome=
+"continued"}`` moves by one and the recomputed tokens by the tokens streamed before the kill."""
 
 from __future__ import annotations
 
@@ -60,12 +60,12 @@ def worker_pid(server: LaunchedServer, worker_id: str) -> int:
     raise LookupError(worker_id)
 
 
-def serving_replica(url: str, before: dict) -> str:
-    """The replica whose generated-token counter moved since ``before`` (fresh heartbeats)."""
+def serving_worker(url: str, before: dict, workers: tuple[str, ...]) -> str:
+    """The one of ``workers`` whose generated-token counter moved since ``before`` (fresh heartbeats)."""
     m = fresh_metrics(url, HEARTBEAT_S)
     moved = [
         w
-        for w in ("colocated-0", "colocated-1")
+        for w in workers
         if metric_sum(m, "pdserve_generation_tokens_total", worker=w)
         > metric_sum(before, "pdserve_generation_tokens_total", worker=w)
     ]
@@ -92,7 +92,35 @@ def replicas(launched_server) -> LaunchedServer:
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
 def test_kill_the_serving_replica_mid_stream(replicas, sampling):
-    server = replicas
+    kill_mid_stream(replicas, sampling, ("colocated-0", "colocated-1"))
+
+
+@pytest.fixture(scope="module")
+def pd_pair(launched_server) -> LaunchedServer:
+    return launched_server(
+        "pd",
+        "--decode",
+        "2",
+        "--kv-pool-tokens",
+        "2048",
+        "--page-size",
+        "16",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--log-level",
+        "INFO",
+    )
+
+
+def test_kill_the_serving_decode_worker_mid_stream(pd_pair):
+    """1 prefill + 2 decode workers: the other decode worker has the prefill worker recompute prompt +
+    output so far (its radix cache holds the prompt) and continues."""
+    kill_mid_stream(pd_pair, {"temperature": 0}, ("decode-0", "decode-1"))
+
+
+def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, ...]) -> None:
+    """Stream a reference run, then the same request with ``kill -9`` of the one of ``workers`` that
+    serves it after ``KILL_AFTER`` tokens; the outputs, usage and failover counters are checked."""
     body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True, **sampling}
     reference = stream(server.url, body)
     assert not reference["errors"] and len(reference["token_ids"]) == NEW_TOKENS
@@ -106,7 +134,7 @@ def test_kill_the_serving_replica_mid_stream(replicas, sampling):
 
     def killer() -> None:
         reached.wait(120)
-        victim = serving_replica(server.url, before)
+        victim = serving_worker(server.url, before, workers)
         killed["worker"] = victim
         os.kill(worker_pid(server, victim), signal.SIGKILL)
 
@@ -138,6 +166,6 @@ def test_kill_the_serving_replica_mid_stream(replicas, sampling):
     assert f"worker {killed['worker']} is dead" in log
     deadline = time.monotonic() + 120  # the launcher restarts the killed replica: wait for it, for the next case
     while time.monotonic() < deadline:
-        if metric_sum(scrape_metrics(server.url), "pdserve_worker_up") == 2:
+        if metric_sum(scrape_metrics(server.url), "pdserve_worker_up") == len(workers) + (workers[0][0] == "d"):
             break
         time.sleep(0.5)
