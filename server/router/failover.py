@@ -28,16 +28,27 @@ OUTCOMES = (CONTINUED, LIMIT, NO_ROUTE, UNFIT, UNREACHABLE)
 class FailoverBudget:
     """How many failovers one request has left, and the metric hooks: ``on_outcome(worker,
     outcome)`` once per failover attempt (``worker``: the one that was streaming), ``on_recomputed(n)``
-    with the tokens a continuation makes the new route compute again (the output so far)."""
+    with the tokens a continuation makes the new route compute again (the output so far),
+    ``on_stall(s)`` with the gap the client saw: its last token before the failure to its first
+    token from the new route."""
 
     limit: int = 0
     used: int = 0
     on_outcome: Callable[[str, str], None] | None = None
     on_recomputed: Callable[[int], None] | None = None
+    on_stall: Callable[[float], None] | None = None
+    stalled_since: float | None = None  # monotonic time of the last token before a continuation
 
     @property
     def left(self) -> int:
         return self.limit - self.used
+
+    def resumed(self, now: float) -> None:
+        """A token came: if a continuation was waiting for its first one, report the stall."""
+        if self.stalled_since is not None:
+            if self.on_stall is not None:
+                self.on_stall(now - self.stalled_since)
+            self.stalled_since = None
 
     def record(self, worker: str, outcome: str, recomputed: int = 0) -> None:
         """Count one attempt; a ``CONTINUED`` one uses up one failover."""

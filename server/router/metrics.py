@@ -310,6 +310,13 @@ class RouterMetrics:
             "Output tokens computed again by the live route of a continuation (max_failovers)",
             registry=r,
         )
+        self.failover_stall = Histogram(
+            "pdserve_failover_stall_seconds",
+            "The gap a client saw across a failover: its last token from the dead worker to its "
+            "first from the continuation",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queued_moves = Counter(
             "pdserve_router_queued_moves",
             "Requests sent to another decode worker before "

@@ -260,6 +260,8 @@ class GenerationSession:
                 outcome = CONTINUED
             except WorkerUnavailable as e:
                 outcome, why = UNREACHABLE, why + f"the live route could not be reached ({e})"
+        if outcome == CONTINUED and self.failover.stalled_since is None:
+            self.failover.stalled_since = self.t_last
         self.failover.record(worker, outcome, len(self.sent))
         self.failover_error = None if outcome == CONTINUED else why
         if outcome != CONTINUED:
@@ -295,6 +297,7 @@ class GenerationSession:
         if n == 0:
             return
         now = time.monotonic()
+        self.failover.resumed(now)
         self.t_first = self.t_first if self.t_first is not None else now
         self.t_last, self.n_tokens = now, self.n_tokens + n
 

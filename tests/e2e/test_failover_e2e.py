@@ -30,7 +30,8 @@ KILL_AFTER = 8  # tokens the client has when the serving replica is killed
 
 def stream(url: str, body: dict, on_chunk=None) -> dict:
     """A streamed completion: its text, token ids, finish reason, usage and every error chunk."""
-    out = {"text": "", "token_ids": [], "finish_reason": None, "usage": None, "errors": []}
+    out = {"text": "", "token_ids": [], "finish_reason": None, "usage": None, "errors": [], "gap_s": 0.0}
+    last = None
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300, trust_env=False) as r:
         assert r.status_code == 200, r.read()
@@ -42,6 +43,10 @@ def stream(url: str, body: dict, on_chunk=None) -> dict:
                 out["errors"].append(chunk["error"])
                 continue
             out["usage"] = chunk.get("usage") or out["usage"]
+            now = time.monotonic()
+            if any(c.get("token_ids") for c in chunk.get("choices", [])):
+                out["gap_s"] = max(out["gap_s"], now - last) if last is not None else 0.0
+                last = now
             for c in chunk.get("choices", []):
                 out["text"] += c.get("text", "")
                 out["token_ids"] += c.get("token_ids") or []
@@ -162,6 +167,17 @@ def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, 
         before, "pdserve_failover_recomputed_tokens_total"
     )
     assert KILL_AFTER <= recomputed < NEW_TOKENS
+    stalls = metric_sum(m, "pdserve_failover_stall_seconds_count") - metric_sum(
+        before, "pdserve_failover_stall_seconds_count"
+    )
+    stall = metric_sum(m, "pdserve_failover_stall_seconds_sum") - metric_sum(
+        before, "pdserve_failover_stall_seconds_sum"
+    )
+    assert stalls == 1 and 0 < stall <= got["gap_s"] + 0.5
+    print(
+        f"\nfailover of {killed['worker']}: {recomputed:g} tokens recomputed, stall {stall:.3f} s (router), "
+        f"largest inter-token gap {got['gap_s']:.3f} s (client; fault-free run {reference['gap_s']:.3f} s)"
+    )
     log = server.log()
     assert f"worker {killed['worker']} is dead" in log
     deadline = time.monotonic() + 120  # the launcher restarts the killed replica: wait for it, for the next case

@@ -224,6 +224,7 @@ def test_http_failover_is_invisible_and_moves_the_counters(tokenizer, stream):
     assert after[f'pdserve_failovers_total{{outcome="continued",worker="{died}"}}'] == 1
     assert after["pdserve_failover_recomputed_tokens_total"] == 1
     assert sum(v for n, v in after.items() if n.startswith("pdserve_failovers_total")) == 1
+    assert after["pdserve_failover_stall_seconds_count"] == 1 and 0 < after["pdserve_failover_stall_seconds_sum"] < 5
     assert len(ctx.table) == 0
 
 
