@@ -3,8 +3,9 @@ the request goes out again on a live route as a continuation (``GenerateRequest.
 the tokens streamed so far), so the client's stream goes on with no gap, no duplicate and no error.
 
 ``FailoverBudget`` is one request's allowance (``--max-failovers``) and the counters it moves;
-``live_route`` waits for a route of ready workers other than the failed one until a deadline (a
-replica that is restarting or a worker that is joining may become ready meanwhile).
+``live_route`` waits for a route of ready workers other than the failed one until a deadline, as
+long as a worker outside the failed route may become ready (one starting or restarting); with none
+it answers at once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from server.router.registry import Registry, Route
+from server.router.registry import READY, RESTARTING, STARTING, Registry, Route
 
 CONTINUED = "continued"  # sent again on a live route
 LIMIT = "limit"  # --max-failovers reached
@@ -64,9 +65,14 @@ async def live_route(
     registry: Registry, failed: Route, prompt_ids: Sequence[int], deadline: float, poll_s: float = 0.05
 ) -> Route | None:
     """``registry.reroute(failed)`` as soon as it has one, polled every ``poll_s`` until the monotonic
-    ``deadline``; None if none came in time."""
+    ``deadline``; None if none came in time, or at once when no worker outside ``failed`` is ready,
+    starting or restarting (nothing can make a route appear)."""
+    old = {h.worker_id for h in failed.targets}
     while True:
         route = registry.reroute(failed, prompt_ids)
-        if route is not None or time.monotonic() >= deadline:
+        hope = any(
+            h.state in (READY, STARTING, RESTARTING) and h.worker_id not in old for h in registry.handles.values()
+        )
+        if route is not None or not hope or time.monotonic() >= deadline:
             return route
         await asyncio.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))

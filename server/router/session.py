@@ -245,7 +245,7 @@ class GenerationSession:
         else:
             route = await live_route(self.registry, self.route, self.prompt_ids, self.arrival + self.timeout_s)
             if route is None:
-                outcome, why = NO_ROUTE, why + "no live route before the request's deadline"
+                outcome, why = NO_ROUTE, why + "no live route (another worker) before the request's deadline"
         if route is not None:
             try:
                 check_route_fits(len(self.prompt_ids), self.params.max_new_tokens, route)

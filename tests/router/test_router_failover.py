@@ -119,6 +119,27 @@ def test_colocated_replica_death_continues_on_the_other_replica():
     assert delta.token_ids == [10] and reg.handles[other].client.sent[0][2] == [9]
 
 
+def test_failover_waits_for_a_starting_worker():
+    reg = registry("pd", "p0", "d0", "d1")
+    reg.handles["d1"].state = "starting"
+
+    async def scenario():
+        s = session(reg)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4]))
+        await s.next()
+        reg.mark_dead("d0", "gone")
+        waiting = asyncio.ensure_future(s.next())
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and stream_from(s) == "d0"
+        reg.handles["d1"].state = "ready"
+        await asyncio.sleep(0.1)
+        assert stream_from(s) == "d1"
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[5], finish_reason="length"))
+        return await waiting
+
+    assert asyncio.run(scenario()).token_ids == [5]
+
+
 @pytest.mark.parametrize("case", ["limit", "no route", "disabled"])
 def test_failover_ends_with_its_reason(case):
     reg, outcomes = registry("pd", "p0", "d0", "d1"), []
@@ -126,7 +147,7 @@ def test_failover_ends_with_its_reason(case):
         reg = registry("pd", "p0", "d0")
 
     async def scenario():
-        s = session(reg, limit=0 if case == "disabled" else 1, outcomes=outcomes, timeout_s=0.3)
+        s = session(reg, limit=0 if case == "disabled" else 1, outcomes=outcomes, timeout_s=30)
         reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4]))
         await s.next()
         if case == "limit":  # the first death is continued on d1, the second one is one too many
@@ -145,7 +166,7 @@ def test_failover_ends_with_its_reason(case):
     assert e.value.status == 503
     expected = {
         "limit": ("--max-failovers 1 reached", [("d0", "continued"), ("d1", "limit")]),
-        "no route": ("no live route before the request's deadline", [("d0", "no_route")]),
+        "no route": ("no live route (another worker) before the request's deadline", [("d0", "no_route")]),
         "disabled": ("worker d0 is unavailable", []),
     }[case]
     assert expected[0] in e.value.message and outcomes == expected[1]
