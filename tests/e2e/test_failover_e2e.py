@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -29,8 +30,9 @@ KILL_AFTER = 8  # tokens the client has when the serving replica is killed
 
 
 def stream(url: str, body: dict, on_chunk=None) -> dict:
-    """A streamed completion: its text, token ids, finish reason, usage and every error chunk."""
-    out = {"text": "", "token_ids": [], "finish_reason": None, "usage": None, "errors": [], "gap_s": 0.0}
+    """A streamed completion: per choice index its text, token ids, logprobs and finish reason; the
+    usage, every error chunk and the largest gap between chunks with tokens."""
+    out = {"choices": {}, "usage": None, "errors": [], "gap_s": 0.0, "tokens": 0}
     last = None
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300, trust_env=False) as r:
@@ -48,9 +50,14 @@ def stream(url: str, body: dict, on_chunk=None) -> dict:
                 out["gap_s"] = max(out["gap_s"], now - last) if last is not None else 0.0
                 last = now
             for c in chunk.get("choices", []):
-                out["text"] += c.get("text", "")
-                out["token_ids"] += c.get("token_ids") or []
-                out["finish_reason"] = c.get("finish_reason") or out["finish_reason"]
+                mine = out["choices"].setdefault(
+                    c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
+                )
+                mine["text"] += c.get("text", "")
+                mine["token_ids"] += c.get("token_ids") or []
+                mine["logprobs"] += (c.get("logprobs") or {}).get("token_logprobs") or []
+                mine["finish_reason"] = c.get("finish_reason") or mine["finish_reason"]
+                out["tokens"] += len(c.get("token_ids") or [])
             if on_chunk is not None:
                 on_chunk(out)
     return out
@@ -95,9 +102,29 @@ def replicas(launched_server) -> LaunchedServer:
     )
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
-def test_kill_the_serving_replica_mid_stream(replicas, sampling):
-    kill_mid_stream(replicas, sampling, ("colocated-0", "colocated-1"))
+STORY = {
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "story": {"type": "string", "minLength": 400}},
+    "required": ["title", "story"],
+    "additionalProperties": False,
+}
+CASES = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 0.8, "seed": 1234},
+    # two choices failing over each on its own, logprobs, and a JSON schema whose matcher must continue
+    "n2-logprobs-json": {
+        "temperature": 0.8,
+        "seed": 99,
+        "n": 2,
+        "logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}},
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kill_the_serving_replica_mid_stream(replicas, case):
+    kill_mid_stream(replicas, CASES[case], ("colocated-0", "colocated-1"))
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +153,16 @@ def test_kill_the_serving_decode_worker_mid_stream(pd_pair):
 def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, ...]) -> None:
     """Stream a reference run, then the same request with ``kill -9`` of the one of ``workers`` that
     serves it after ``KILL_AFTER`` tokens; the outputs, usage and failover counters are checked."""
+    n = sampling.get("n", 1)
     body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True, **sampling}
     reference = stream(server.url, body)
-    assert not reference["errors"] and len(reference["token_ids"]) == NEW_TOKENS
+    assert not reference["errors"] and reference["usage"]["completion_tokens"] == n * NEW_TOKENS
 
     before = fresh_metrics(server.url, HEARTBEAT_S)
     reached, killed = threading.Event(), {}
 
     def on_chunk(out: dict) -> None:
-        if len(out["token_ids"]) >= KILL_AFTER and not reached.is_set():
+        if out["tokens"] >= KILL_AFTER and not reached.is_set():
             reached.set()
 
     def killer() -> None:
@@ -147,40 +175,39 @@ def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, 
     t.start()
     got = stream(server.url, body, on_chunk)
     t.join()
-    assert killed.get("worker"), "the serving replica was not found"
+    assert killed.get("worker"), "the serving worker was not found"
     assert got["errors"] == []
-    assert got["token_ids"] == reference["token_ids"]
-    assert got["text"] == reference["text"]
-    assert got["finish_reason"] == reference["finish_reason"] == "length"
-    assert got["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
-    assert got["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"] == NEW_TOKENS
+    assert sorted(got["choices"]) == sorted(reference["choices"]) == list(range(n))
+    for i, ref in reference["choices"].items():
+        mine = got["choices"][i]
+        assert mine["token_ids"] == ref["token_ids"] and mine["text"] == ref["text"], i
+        assert mine["finish_reason"] == ref["finish_reason"] == "length"
+        assert mine["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-3)
+        if "response_format" in sampling:
+            assert re.match(r'\{\s*"title"\s*:\s*".*"\s*,\s*"story"\s*:\s*"', mine["text"], re.S), mine["text"][:80]
+    assert got["usage"] == reference["usage"]
 
     m = scrape_metrics(server.url)
-    moved = {
-        (name, outcome): metric_sum(m, name, outcome=outcome) - metric_sum(before, name, outcome=outcome)
-        for name in ("pdserve_failovers_total",)
-        for outcome in ("continued", "limit", "no_route", "unfit", "unreachable")
+
+    def moved(name: str, **labels: str) -> float:
+        return metric_sum(m, name, **labels) - metric_sum(before, name, **labels)
+
+    outcomes = ("continued", "limit", "no_route", "unfit", "unreachable")
+    assert {o: moved("pdserve_failovers_total", outcome=o) for o in outcomes} == {
+        o: float(n if o == "continued" else 0) for o in outcomes
     }
-    assert moved == {("pdserve_failovers_total", o): float(o == "continued") for _, o in moved}
-    assert metric_sum(m, "pdserve_failovers_total", worker=killed["worker"], outcome="continued") >= 1
-    recomputed = metric_sum(m, "pdserve_failover_recomputed_tokens_total") - metric_sum(
-        before, "pdserve_failover_recomputed_tokens_total"
-    )
-    assert KILL_AFTER <= recomputed < NEW_TOKENS
-    stalls = metric_sum(m, "pdserve_failover_stall_seconds_count") - metric_sum(
-        before, "pdserve_failover_stall_seconds_count"
-    )
-    stall = metric_sum(m, "pdserve_failover_stall_seconds_sum") - metric_sum(
-        before, "pdserve_failover_stall_seconds_sum"
-    )
-    assert stalls == 1 and 0 < stall <= got["gap_s"] + 0.5
+    assert moved("pdserve_failovers_total", worker=killed["worker"], outcome="continued") == n
+    recomputed = moved("pdserve_failover_recomputed_tokens_total")
+    assert KILL_AFTER <= recomputed < n * NEW_TOKENS
+    stall = moved("pdserve_failover_stall_seconds_sum")
+    assert moved("pdserve_failover_stall_seconds_count") == n and 0 < stall <= n * (got["gap_s"] + 0.5)
     print(
-        f"\nfailover of {killed['worker']}: {recomputed:g} tokens recomputed, stall {stall:.3f} s (router), "
-        f"largest inter-token gap {got['gap_s']:.3f} s (client; fault-free run {reference['gap_s']:.3f} s)"
+        f"\nfailover of {killed['worker']} ({n} choice(s)): {recomputed:g} tokens recomputed, stall "
+        f"{stall / n:.3f} s (router, mean), largest inter-token gap {got['gap_s']:.3f} s (client; "
+        f"fault-free run {reference['gap_s']:.3f} s)"
     )
-    log = server.log()
-    assert f"worker {killed['worker']} is dead" in log
-    deadline = time.monotonic() + 120  # the launcher restarts the killed replica: wait for it, for the next case
+    assert f"worker {killed['worker']} is dead" in server.log()
+    deadline = time.monotonic() + 120  # the launcher restarts the killed worker: wait for it, for the next case
     while time.monotonic() < deadline:
         if metric_sum(scrape_metrics(server.url), "pdserve_worker_up") == len(workers) + (workers[0][0] == "d"):
             break
