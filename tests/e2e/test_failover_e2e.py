@@ -4,7 +4,8 @@ router, the real model) and ``--mode pd --decode 2``, a streamed greedy (or seed
 the request on as a continuation (prompt + the tokens streamed so far) to the other replica or
 decode worker, and the client's stream completes with the text, token ids, finish reason and usage
 of a fault-free run: no error chunk, no duplicate, no gap. ``pdserve_failovers_total{outcome=
-"continued"}`` moves by one and the recomputed tokens by the tokens streamed before the kill."""
+"continued"}`` moves by one per choice and the recomputed tokens by the tokens streamed before the
+kill; afterwards no KV page or in-flight entry is left."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.harness.subprocess_server import LaunchedServer, fresh_metrics, metric_sum, scrape_metrics
+from bench.harness.subprocess_server import LaunchedServer, fresh_metrics, metric_sum, scrape_metrics, wait_idle
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -212,3 +213,5 @@ def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, 
         if metric_sum(scrape_metrics(server.url), "pdserve_worker_up") == len(workers) + (workers[0][0] == "d"):
             break
         time.sleep(0.5)
+    idle = wait_idle(server.url, HEARTBEAT_S)  # raises while a survivor holds KV pages or requests
+    assert metric_sum(idle, "pdserve_inflight_requests") == 0
