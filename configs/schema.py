@@ -183,6 +183,14 @@ class ClusterConfig(BaseModel):
         "is sent again this many times, each time on another pair (workers outside the "
         "failed one when there are, else with the dead worker replaced); 0 = answer 503",
     )
+    max_failovers: int = Field(
+        2,
+        ge=0,
+        le=16,
+        description="router: a request whose streaming worker dies after tokens were streamed is sent "
+        "again on a live route as a continuation (prompt + the tokens so far; the client's stream "
+        "goes on from the next token) at most this many times; 0 = end it with a 503",
+    )
     discovery: str | None = Field(
         None,
         description="where routers find workers: etcd://HOST:PORT[/prefix] (workers register under a lease, "

@@ -35,7 +35,7 @@ from decode_worker.transfers import Landing, TransferTracker
 from engine.kernels import gather_pages
 from engine.model_runner import ModelRunner
 from engine.request import Release, Request
-from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, sampler_state
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, check_resume, sampler_state
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.step_report import StepReport
@@ -100,6 +100,9 @@ class DecodeScheduler(WorkerScheduler):
             raise RequestRejected(f"duplicate request id {msg.rid!r}")
         tail = len(prompt) - self.budget.prealloc_start(len(prompt)) if self.kv.has_swa else 0
         self.reject_if_unfit(len(prompt), msg.params.max_new_tokens, "decode KV cache pool", swa_tokens=tail)
+        check_resume(msg)
+        if msg.resume_output_ids:
+            return add_continuation(self, owner, msg, prompt)
         req = Request(msg.rid, list(prompt), msg.params, sampler_state(self.runner, msg.params, prompt), owner=owner)
         job = self.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, n_tokens=len(prompt), preempt=msg.preempt)
         self.stats.prompt_tokens += len(prompt)
@@ -398,3 +401,25 @@ def create_decode_scheduler(
             policy, host, sender, retract.budget, cfg.cluster.migrate_timeout_s, MigrationStats()
         )
     return DecodeScheduler(runner, cfg, kv, transfers, retract, peers, eos, migration, worker_id, model_name)
+
+
+def add_continuation(s: DecodeScheduler, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
+    """A continuation (``GenerateRequest.resume_output_ids``) enters as a recompute does: this
+    worker ``s`` asks the prefill worker for prompt + output so far but the last token (generation 1;
+    the router sends no ``PrefillRequest``), and decoding resumes from that last token."""
+    resumed = list(msg.resume_output_ids)
+    state = sampler_state(s.runner, msg.params, prompt, resumed)
+    req = Request(msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed)
+    job = DecodeJob(
+        req,
+        msg.room,
+        msg.prefill_addr,
+        generation=1,
+        n_tokens=req.seq_len - 1,
+        state=DecodeState.RECOMPUTING,
+        preempt=msg.preempt,
+    )
+    s.jobs[msg.rid] = job
+    s.stats.prompt_tokens += len(prompt)
+    s.transfers.queue_recompute(job)
+    return s.peers.connect(msg.prefill_addr)

@@ -24,13 +24,35 @@ from transfer.wire.protocol import GenerateRequest, Message, TokenDelta, WorkerS
 from transfer.wire.sampling_params import SamplingParams
 
 
-def sampler_state(runner, params: SamplingParams, prompt: Sequence[int]) -> SamplerState:
+def sampler_state(runner, params: SamplingParams, prompt: Sequence[int], resumed: Sequence[int] = ()) -> SamplerState:
     """``runner.sampler_state`` (a ``ModelRunner``'s: with the grammar matcher of a structured-output
-    request); a constraint the grammar engine refuses is a ``RequestRejected`` (400) naming it."""
+    request); a constraint the grammar engine refuses is a ``RequestRejected`` (400) naming it.
+
+    ``resumed``: a continuation's output already streamed (``GenerateRequest.resume_output_ids``),
+    appended as if this worker had generated it, so the seeded draw, the frequency / presence
+    counts and the grammar matcher continue at output index ``len(resumed)``."""
     try:
-        return runner.sampler_state(params, list(prompt))
+        state = runner.sampler_state(params, list(prompt))
     except (ValueError, ModuleNotFoundError) as e:
         raise RequestRejected(str(e), param="response_format") from None
+    try:
+        for tok in resumed:
+            state.append(tok)
+    except ValueError as e:
+        raise RequestRejected(f"resume_output_ids: {e}") from None
+    return state
+
+
+def check_resume(msg: GenerateRequest) -> None:
+    """A continuation must leave at least one token to generate under ``max_new_tokens`` (which
+    counts the tokens already streamed); ``RequestRejected`` otherwise."""
+    k = len(msg.resume_output_ids)
+    if k and k >= msg.params.max_new_tokens:
+        raise RequestRejected(
+            f"a continuation after {k} streamed tokens leaves nothing to generate "
+            f"(max_tokens {msg.params.max_new_tokens})",
+            param="max_tokens",
+        )
 
 
 @dataclass(frozen=True)

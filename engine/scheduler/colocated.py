@@ -25,7 +25,7 @@ from configs.scheduler import SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.request import Phase, Release, Request
 from engine.scheduler.admission import Admission
-from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, sampler_state
+from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, check_resume, sampler_state
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.mixed_step import MixedStep
 from engine.scheduler.running_batch import DecodeResult, RunningBatch
@@ -62,7 +62,11 @@ class ColocatedScheduler(WorkerScheduler):
         vocab = self.runner.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
-        req = Request(msg.rid, list(prompt), msg.params, sampler_state(self.runner, msg.params, prompt), owner=owner)
+        check_resume(msg)
+        resumed = list(msg.resume_output_ids)
+        state = sampler_state(self.runner, msg.params, prompt, resumed)
+        # a continuation waits as a retracted request does: its prefill covers prompt + output so far
+        req = Request(msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed)
         self.requests[req.rid] = req
         self.stats.prompt_tokens += len(prompt)
         self.waiting.append(req)

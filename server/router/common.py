@@ -11,6 +11,7 @@ from server.router.choices import ChoiceRun
 from server.router.context import RouterContext
 from server.router.errors import APIError, from_validation_error
 from server.router.extensions import check_extensions
+from server.router.failover import FailoverBudget
 from server.router.openai_schemas import SamplingFields
 from server.router.parallel import choice_params
 from server.router.session import GenerationSession
@@ -148,6 +149,12 @@ def new_run(
         retries=ctx.cfg.cluster.fresh_pair_retries,
         on_retry=ctx.metrics.retries.inc,
         on_move=ctx.metrics.queued_moves.inc,
+        failover=FailoverBudget(
+            ctx.cfg.cluster.max_failovers,
+            on_outcome=lambda worker, outcome: ctx.metrics.failovers.labels(worker, outcome).inc(),
+            on_recomputed=ctx.metrics.failover_recomputed.inc,
+            on_stall=ctx.metrics.failover_stall.observe,
+        ),
     )
     prompt_only = getattr(req, "echo", False) and getattr(req, "max_tokens", None) == 0
     return ChoiceRun(

@@ -298,6 +298,25 @@ class RouterMetrics:
             "worker of theirs died before their first token (fresh_pair_retries)",
             registry=r,
         )
+        self.failovers = Counter(
+            "pdserve_failovers",
+            "Failovers of requests whose streaming worker died after tokens were streamed, by the "
+            "worker that was streaming and outcome (continued, limit, no_route, unfit, unreachable)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.failover_recomputed = Counter(
+            "pdserve_failover_recomputed_tokens",
+            "Output tokens computed again by the live route of a continuation (max_failovers)",
+            registry=r,
+        )
+        self.failover_stall = Histogram(
+            "pdserve_failover_stall_seconds",
+            "The gap a client saw across a failover: its last token from the dead worker to its "
+            "first from the continuation",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queued_moves = Counter(
             "pdserve_router_queued_moves",
             "Requests sent to another decode worker before "

@@ -15,6 +15,11 @@ in ``finally`` blocks of cancelled tasks):
    router found a peer with room) sends it again the same way to its prefill worker and that peer,
    without aborts (the old decode worker dropped it and withdrew its prefill) and without using a
    retry.
+   A 503 after tokens were streamed is a failover (``server.router.failover``), up to
+   ``failover.limit`` times: the request goes out again, on a live route (waited for until the
+   request's deadline), as a continuation carrying the tokens streamed so far; the client's stream
+   goes on from the next token. Past the limit, with no live route in time, or when the route does
+   not fit, the request ends with a 503 that names the reason.
 4. ``close()``: idempotent; removes the in-flight entry and, if the worker has not finished the
    request, sends ``AbortRequest`` so its KV is freed (client gone, stop string, error, timeout).
 """
@@ -29,6 +34,7 @@ from collections.abc import Callable
 
 from cache.fit import FitCheck, RequestRejected
 from server.router.errors import APIError
+from server.router.failover import CONTINUED, LIMIT, NO_ROUTE, UNFIT, UNREACHABLE, FailoverBudget, live_route
 from server.router.inflight import Inflight, InflightTable, Moved
 from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
@@ -71,14 +77,19 @@ class GenerationSession:
         retries: int = 0,
         on_retry: Callable[[], None] | None = None,
         on_move: Callable[[], None] | None = None,
+        failover: FailoverBudget | None = None,
     ) -> None:
         """``retries``: how many times a request whose worker died before its first token is sent
         again on another route; ``on_retry`` is called once per retry and ``on_move`` once per queued
-        move (the metrics counters)."""
+        move (the metrics counters). ``failover``: the failovers allowed after a token (none when
+        None)."""
         self.registry, self.table = registry, table
         self.rid = f"req-{uuid.uuid4().hex}"
         self.retries_left, self.on_retry, self.on_move = retries, on_retry, on_move
         self.attempt = 0
+        self.failover = failover or FailoverBudget()
+        self.sent: list[int] = []  # output token ids streamed so far: a continuation's resume_output_ids
+        self.failover_error: str | None = None  # why the last failover did not happen
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.auto_max_tokens = auto_max_tokens
@@ -128,7 +139,12 @@ class GenerationSession:
             cost,
             prefill=self.route.prefill,
         )
-        send_request(self.route, self.rid, self.registry.next_room(), self.prompt_ids, self.params, self.preempt)
+        params = self.params
+        if self.sent:  # a continuation: the prompt's logprobs went out with the first token already
+            params = params.model_copy(update={"prompt_logprobs": None})
+        send_request(
+            self.route, self.rid, self.registry.next_room(), self.prompt_ids, params, self.preempt, resume=self.sent
+        )
 
     async def next(self) -> TokenDelta:
         """The next delta. Raises ``APIError`` on a worker error or timeout (already closed then)."""
@@ -147,12 +163,15 @@ class GenerationSession:
             if isinstance(delta, Moved):
                 self._move(delta.target)
                 continue
-            if delta.finish_reason != "abort" or not self._retry(delta):
+            if delta.finish_reason != "abort" or not (self._retry(delta) or await self._failover(delta)):
                 break
         if delta.finish_reason == "abort":  # the other workers of the route may still hold its state
             self.close(f"failed on another worker: {delta.error}")
             self.finished = True
-            raise APIError(delta.error_status or 500, delta.error or "the worker aborted the request")
+            raise APIError(delta.error_status or 500, self.failover_error or delta.error or "the worker aborted")
+        if self.failover.used:  # a continuation's prefix hits are not the prompt's: counted once
+            delta.cached_tokens = 0
+        self.sent += delta.token_ids
         self._clock_tokens(len(delta.token_ids))
         if delta.finish_reason:
             self.finished = True
@@ -212,6 +231,43 @@ class GenerationSession:
             self.on_retry()
         return True
 
+    async def _failover(self, failed: TokenDelta) -> bool:
+        """Send the request again as a continuation on a live route if a worker of this one died
+        (503) after tokens were streamed and a failover is left; True when it went out again. Else
+        ``failover_error`` says why not (the caller ends the request with it)."""
+        if failed.error_status != 503 or not self.sent or self.failover.limit <= 0:
+            return False
+        worker = self.inflight.stream_from if self.inflight is not None else ""
+        why, outcome = f"{failed.error}; not continued after {len(self.sent)} tokens: ", None
+        route = None
+        if self.failover.left <= 0:
+            outcome, why = LIMIT, why + f"--max-failovers {self.failover.limit} reached"
+        else:
+            route = await live_route(self.registry, self.route, self.prompt_ids, self.arrival + self.timeout_s)
+            if route is None:
+                outcome, why = NO_ROUTE, why + "no live route (another worker) before the request's deadline"
+        if route is not None:
+            try:
+                check_route_fits(len(self.prompt_ids), self.params.max_new_tokens, route)
+            except APIError as e:
+                outcome, why = UNFIT, why + f"no live route holds it ({e.message})"
+        if outcome is None:
+            self._leave(f"continued on another route: {failed.error}")
+            self.attempt += 1
+            self.route, self.rid = route, f"{self.rid.split('~')[0]}~{self.attempt}"
+            try:
+                self._dispatch()
+                outcome = CONTINUED
+            except WorkerUnavailable as e:
+                outcome, why = UNREACHABLE, why + f"the live route could not be reached ({e})"
+        if outcome == CONTINUED and self.failover.stalled_since is None:
+            self.failover.stalled_since = self.t_last
+        self.failover.record(worker, outcome, len(self.sent))
+        self.failover_error = None if outcome == CONTINUED else why
+        if outcome != CONTINUED:
+            log.warning("request %s: %s", self.rid, why)
+        return outcome == CONTINUED
+
     def _move(self, target_id: str) -> None:
         """Send the request again to its prefill worker and decode worker ``target_id`` (a queued
         move: the old decode worker dropped it, nothing streamed); ``APIError`` 503 (closed) if
@@ -241,6 +297,7 @@ class GenerationSession:
         if n == 0:
             return
         now = time.monotonic()
+        self.failover.resumed(now)
         self.t_first = self.t_first if self.t_first is not None else now
         self.t_last, self.n_tokens = now, self.n_tokens + n
 

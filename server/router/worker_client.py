@@ -123,11 +123,20 @@ class WorkerClient:
         room: int | None = None,
         prefill_addr: str | None = None,
         preempt: bool = False,
+        resume_output_ids: list[int] = (),
     ) -> None:
         """Send a ``GenerateRequest`` (PD decode workers also get ``room``, the prefill worker's
-        address and ``preempt``); raises ``WorkerUnavailable`` if it cannot be queued."""
+        address and ``preempt``; a continuation its output so far); raises ``WorkerUnavailable`` if it
+        cannot be queued."""
         self._send(
-            GenerateRequest(rid=rid, params=params, room=room, prefill_addr=prefill_addr, preempt=preempt),
+            GenerateRequest(
+                rid=rid,
+                params=params,
+                room=room,
+                prefill_addr=prefill_addr,
+                preempt=preempt,
+                resume_output_ids=list(resume_output_ids),
+            ),
             ids_frame(prompt_ids),
         )
 

@@ -159,19 +159,29 @@ def pinned_pd(decode_id: str) -> Policy:
 ROUTING_POLICIES: dict[str, Policy] = {"colocated": route_colocated, "pd": route_pd}
 
 
-def send_request(route: Route, rid: str, room: int, prompt_ids: list[int], params, preempt: bool = False) -> None:
+def send_request(
+    route: Route, rid: str, room: int, prompt_ids: list[int], params, preempt: bool = False, resume: list[int] = ()
+) -> None:
     """Send one request to every worker of ``route`` in the message its role takes.
 
     Colocated: ``GenerateRequest``. PD: the prefill worker gets a ``PrefillRequest`` naming the
     decode worker by the id it reports (the one its KV handshake carries); the decode worker gets a
     ``GenerateRequest`` with ``room``, the prefill worker's control address (it asks that worker
     for the KV) and ``preempt`` (``Grant.preempt``). Raises ``WorkerUnavailable``.
+
+    ``resume``: a continuation's output so far (``GenerateRequest.resume_output_ids``). In PD the
+    prefill worker then gets nothing from here: the decode worker asks it for prompt + output as a
+    recompute.
     """
     prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
+    extra = {"resume_output_ids": list(resume)} if resume else {}
     for h in route.targets:
         if h.spec.role == Role.PREFILL:
-            h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
+            if not resume:
+                h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
         elif h.spec.role == Role.DECODE:
-            h.client.generate(rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr, preempt=preempt)
+            h.client.generate(
+                rid, prompt_ids, params, room=room, prefill_addr=prefill.spec.addr, preempt=preempt, **extra
+            )
         else:
-            h.client.generate(rid, prompt_ids, params)
+            h.client.generate(rid, prompt_ids, params, **extra)

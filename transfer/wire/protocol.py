@@ -43,6 +43,12 @@ class GenerateRequest(Message):
     is the control address of the prefill worker that computes the prompt. ``preempt``: the
     router granted it to an API key under its share while another key is over its own; a PD decode
     worker whose batch is full retracts a running request without the flag to start it at once.
+
+    ``resume_output_ids``: a continuation (router failover): the output tokens a worker that died
+    already streamed. The worker computes prompt + these tokens and continues at output index
+    ``k = len(resume_output_ids)``: ``max_new_tokens`` counts them, penalties see them as output,
+    seeded sampling draws token ``k`` with the seed of index ``k``, the grammar matcher has consumed
+    them. Its deltas carry only the tokens after them. Empty: a new request.
     """
 
     rid: str
@@ -50,6 +56,7 @@ class GenerateRequest(Message):
     room: int | None = None
     prefill_addr: str | None = None
     preempt: bool = False
+    resume_output_ids: list[int] = []
     n_frames: ClassVar[int] = 1
 
 

@@ -1,0 +1,78 @@
+"""Failover of a streaming request: when a worker of its route dies after tokens were streamed,
+the request goes out again on a live route as a continuation (``GenerateRequest.resume_output_ids``:
+the tokens streamed so far), so the client's stream goes on with no gap, no duplicate and no error.
+
+``FailoverBudget`` is one request's allowance (``--max-failovers``) and the counters it moves;
+``live_route`` waits for a route of ready workers other than the failed one until a deadline, as
+long as a worker outside the failed route may become ready (one starting or restarting); with none
+it answers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from server.router.registry import READY, RESTARTING, STARTING, Registry, Route
+
+CONTINUED = "continued"  # sent again on a live route
+LIMIT = "limit"  # --max-failovers reached
+NO_ROUTE = "no_route"  # no live route before the request's deadline
+UNFIT = "unfit"  # prompt + max_tokens does not fit the only live routes
+UNREACHABLE = "unreachable"  # the new route's workers could not be sent to
+OUTCOMES = (CONTINUED, LIMIT, NO_ROUTE, UNFIT, UNREACHABLE)
+
+
+@dataclass
+class FailoverBudget:
+    """How many failovers one request has left, and the metric hooks: ``on_outcome(worker,
+    outcome)`` once per failover attempt (``worker``: the one that was streaming), ``on_recomputed(n)``
+    with the tokens a continuation makes the new route compute again (the output so far),
+    ``on_stall(s)`` with the gap the client saw: its last token before the failure to its first
+    token from the new route."""
+
+    limit: int = 0
+    used: int = 0
+    on_outcome: Callable[[str, str], None] | None = None
+    on_recomputed: Callable[[int], None] | None = None
+    on_stall: Callable[[float], None] | None = None
+    stalled_since: float | None = None  # monotonic time of the last token before a continuation
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def resumed(self, now: float) -> None:
+        """A token came: if a continuation was waiting for its first one, report the stall."""
+        if self.stalled_since is not None:
+            if self.on_stall is not None:
+                self.on_stall(now - self.stalled_since)
+            self.stalled_since = None
+
+    def record(self, worker: str, outcome: str, recomputed: int = 0) -> None:
+        """Count one attempt; a ``CONTINUED`` one uses up one failover."""
+        if outcome == CONTINUED:
+            self.used += 1
+            if self.on_recomputed is not None:
+                self.on_recomputed(recomputed)
+        if self.on_outcome is not None:
+            self.on_outcome(worker, outcome)
+
+
+async def live_route(
+    registry: Registry, failed: Route, prompt_ids: Sequence[int], deadline: float, poll_s: float = 0.05
+) -> Route | None:
+    """``registry.reroute(failed)`` as soon as it has one, polled every ``poll_s`` until the monotonic
+    ``deadline``; None if none came in time, or at once when no worker outside ``failed`` is ready,
+    starting or restarting (nothing can make a route appear)."""
+    old = {h.worker_id for h in failed.targets}
+    while True:
+        route = registry.reroute(failed, prompt_ids)
+        hope = any(
+            h.state in (READY, STARTING, RESTARTING) and h.worker_id not in old for h in registry.handles.values()
+        )
+        if route is not None or not hope or time.monotonic() >= deadline:
+            return route
+        await asyncio.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))

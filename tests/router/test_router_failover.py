@@ -1,0 +1,258 @@
+"""Failover, router side without a model: a request whose streaming worker dies (503) after tokens
+were streamed goes out again on a live route as a continuation carrying the tokens so far
+(``resume_output_ids``; in PD only the decode worker is sent to, it asks the prefill worker for the
+recompute), and its stream goes on from the next token, with no error; at most ``max_failovers``
+times, and never without a live route before the deadline, each end naming its reason;
+``pdserve_failovers_total{worker,outcome}`` and ``pdserve_failover_recomputed_tokens_total`` count
+them. The real thing (kill -9 of a launched replica) is in ``tests/e2e/test_failover_e2e.py``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi.testclient import TestClient
+
+from configs.schema import PdserveConfig
+from server.router.app import build_context, create_app
+from server.router.errors import APIError
+from server.router.failover import FailoverBudget
+from server.router.inflight import InflightTable
+from server.router.registry import ROUTING_POLICIES, Registry, WorkerSpec
+from server.router.session import GenerationSession
+from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=6, prompt_logprobs=1)
+
+
+class Client:
+    """Records what the router sends to one worker: (kind, rid, resume ids, params)."""
+
+    def __init__(self, spec: WorkerSpec, on_tokens=None, on_stats=None) -> None:
+        self.spec, self.on_tokens, self.on_stats = spec, on_tokens, on_stats
+        self.sent: list[tuple] = []
+        self.aborted: list[str] = []
+
+    def prefill(self, rid, room, ids, params, *a) -> None:
+        self.sent.append(("prefill", rid, None, params))
+
+    def generate(self, rid, ids, params, **k) -> None:
+        self.sent.append(("generate", rid, k.get("resume_output_ids"), params))
+
+    def abort(self, rids, reason) -> None:
+        self.aborted += rids
+
+
+def registry(mode: str, *ids: str) -> Registry:
+    """Ready workers named like ``p0``/``d1``/``c0`` (role from the first letter)."""
+    roles = {"p": "prefill", "d": "decode", "c": "colocated"}
+    specs = [WorkerSpec(w, roles[w[0]], f"tcp://{w}") for w in ids]
+    reg = Registry(specs, lambda s, *a: Client(s), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES[mode])
+    for s in specs:
+        reg.on_stats(
+            s.worker_id,
+            WorkerStats(
+                worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100, max_model_len=100, page_size=1
+            ),
+        )
+    return reg
+
+
+def session(reg: Registry, limit: int = 2, outcomes: list | None = None, timeout_s: float = 5) -> GenerationSession:
+    budget = FailoverBudget(limit, on_outcome=lambda w, o: outcomes.append((w, o)) if outcomes is not None else None)
+    s = GenerationSession(reg, reg.table, [1, 2, 3], PARAMS, timeout_s=timeout_s, retries=1, failover=budget)
+    s.prepare()
+    s.send()
+    return s
+
+
+def stream_from(s: GenerationSession) -> str:
+    return s.route.stream_from.worker_id
+
+
+def test_pd_decode_death_mid_stream_continues_on_the_other_decode_worker():
+    reg, outcomes = registry("pd", "p0", "d0", "d1"), []
+
+    async def scenario():
+        s = session(reg, outcomes=outcomes)
+        first = s.rid
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4, 5], cached_tokens=2))
+        assert (await s.next()).token_ids == [4, 5]
+        assert reg.mark_dead("d0", "worker process exited with code -9") == [s.rid]
+        waiting = asyncio.ensure_future(s.next())
+        await asyncio.sleep(0.01)
+        assert stream_from(s) == "d1" and s.rid != first and not waiting.done()
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[6], cached_tokens=5))
+        got = [(await waiting).token_ids]
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[7], finish_reason="length"))
+        last = await s.next()
+        return first, s, got + [last.token_ids], last
+
+    first, s, got, last = asyncio.run(scenario())
+    assert got == [[6], [7]] and last.finish_reason == "length" and s.sent == [4, 5, 6, 7]
+    d1, p0 = reg.handles["d1"].client, reg.handles["p0"].client
+    (kind, rid, resume, params) = d1.sent[0]
+    assert (kind, rid, resume) == ("generate", s.rid, [4, 5]) and params.prompt_logprobs is None
+    assert [k for k, *_ in p0.sent] == ["prefill"]  # the continuation's recompute is the decode worker's to ask
+    assert first in reg.handles["d0"].client.aborted
+    assert outcomes == [("d0", "continued")] and len(reg.table) == 0
+
+
+def test_colocated_replica_death_continues_on_the_other_replica():
+    reg = registry("colocated", "c0", "c1")
+
+    async def scenario():
+        s = session(reg)
+        w = stream_from(s)
+        reg.on_tokens(w, TokenDelta(rid=s.rid, token_ids=[9]))
+        await s.next()
+        reg.mark_dead(w, "worker process exited with code -9")
+        waiting = asyncio.ensure_future(s.next())
+        await asyncio.sleep(0.01)
+        other = stream_from(s)
+        assert other != w
+        reg.on_tokens(other, TokenDelta(rid=s.rid, token_ids=[10], finish_reason="length"))
+        return other, await waiting
+
+    other, delta = asyncio.run(scenario())
+    assert delta.token_ids == [10] and reg.handles[other].client.sent[0][2] == [9]
+
+
+def test_failover_waits_for_a_starting_worker():
+    reg = registry("pd", "p0", "d0", "d1")
+    reg.handles["d1"].state = "starting"
+
+    async def scenario():
+        s = session(reg)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4]))
+        await s.next()
+        reg.mark_dead("d0", "gone")
+        waiting = asyncio.ensure_future(s.next())
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and stream_from(s) == "d0"
+        reg.handles["d1"].state = "ready"
+        await asyncio.sleep(0.1)
+        assert stream_from(s) == "d1"
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[5], finish_reason="length"))
+        return await waiting
+
+    assert asyncio.run(scenario()).token_ids == [5]
+
+
+@pytest.mark.parametrize("case", ["limit", "no route", "disabled"])
+def test_failover_ends_with_its_reason(case):
+    reg, outcomes = registry("pd", "p0", "d0", "d1"), []
+    if case == "no route":
+        reg = registry("pd", "p0", "d0")
+
+    async def scenario():
+        s = session(reg, limit=0 if case == "disabled" else 1, outcomes=outcomes, timeout_s=30)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4]))
+        await s.next()
+        if case == "limit":  # the first death is continued on d1, the second one is one too many
+            reg.mark_dead("d0", "gone")
+            waiting = asyncio.ensure_future(s.next())
+            await asyncio.sleep(0.01)
+            reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[5]))
+            assert (await waiting).token_ids == [5]
+            reg.mark_dead("d1", "gone too")
+            return await s.next()
+        reg.mark_dead("d0", "worker process exited with code -9")
+        return await s.next()
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(scenario())
+    assert e.value.status == 503
+    expected = {
+        "limit": ("--max-failovers 1 reached", [("d0", "continued"), ("d1", "limit")]),
+        "no route": ("no live route (another worker) before the request's deadline", [("d0", "no_route")]),
+        "disabled": ("worker d0 is unavailable", []),
+    }[case]
+    assert expected[0] in e.value.message and outcomes == expected[1]
+    if case == "limit":
+        assert "not continued after 2 tokens" in e.value.message
+    assert len(reg.table) == 0
+
+
+class Replica(Client):
+    """A colocated fake worker: the first request it gets streams one token and then fails with 503
+    (its worker died); a continuation streams one more token and finishes."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def request_stats(self, nonce: int) -> None:
+        self.on_stats(
+            self.spec.worker_id,
+            WorkerStats(
+                nonce=nonce,
+                worker_id=self.spec.worker_id,
+                role="colocated",
+                model="fake-model",
+                capacity_tokens=256,
+                max_model_len=512,
+                page_size=16,
+            ),
+        )
+
+    def generate(self, rid, ids, params, **k) -> None:
+        super().generate(rid, ids, params, **k)
+        resume = k.get("resume_output_ids")
+        deltas = (
+            [TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
+            if resume
+            else [TokenDelta(rid=rid, token_ids=[28]), TokenDelta.failed(rid, f"{self.spec.worker_id} died", 503)]
+        )
+        loop = asyncio.get_running_loop()
+        for d in deltas:
+            loop.call_soon(self.on_tokens, self.spec.worker_id, d)
+
+
+def sample(metrics: str, prefix: str) -> list[tuple[str, float]]:
+    return [
+        (ln.split()[0], float(ln.split()[-1]))
+        for ln in metrics.splitlines()
+        if ln.startswith(prefix) and "_created" not in ln
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_failover_is_invisible_and_moves_the_counters(tokenizer, stream):
+    cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated"}})
+    specs = [WorkerSpec("w0", "colocated", "inproc://w0"), WorkerSpec("w1", "colocated", "inproc://w1")]
+    ctx = build_context(cfg, tokenizer, "fake-model", specs, lambda s, on_t, on_s: Replica(s, on_t, on_s))
+    with TestClient(create_app(ctx)) as http:
+        assert http.get("/health").status_code == 200
+        before = sample(http.get("/metrics").text, "pdserve_failover")
+        r = http.post(
+            "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": stream, "return_token_ids": True}
+        )
+        metrics = http.get("/metrics").text
+    assert r.status_code == 200, r.text
+    if stream:
+        assert '"token_ids":[28]' in r.text and '"token_ids":[29]' in r.text and "error" not in r.text
+    else:
+        body = r.json()
+        assert body["choices"][0]["token_ids"] == [28, 29] and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 2
+    assert [n for n, v in before if v] == []
+    after = dict(sample(metrics, "pdserve_failover"))
+    died = next(w for w in ("w0", "w1") if f'pdserve_failovers_total{{outcome="continued",worker="{w}"}}' in after)
+    assert after[f'pdserve_failovers_total{{outcome="continued",worker="{died}"}}'] == 1
+    assert after["pdserve_failover_recomputed_tokens_total"] == 1
+    assert sum(v for n, v in after.items() if n.startswith("pdserve_failovers_total")) == 1
+    assert after["pdserve_failover_stall_seconds_count"] == 1 and 0 < after["pdserve_failover_stall_seconds_sum"] < 5
+    assert len(ctx.table) == 0
+
+
+def test_max_failovers_flag_and_default():
+    from server.launch.args import build_parser, load_config
+
+    assert PdserveConfig().cluster.max_failovers == 2
+    assert (
+        load_config(build_parser().parse_args(["launch", "--max-failovers", "0"]), "launch").cluster.max_failovers == 0
+    )
