@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CPU_CHUNKED_PREFILL, GPU_CHUNKED_PREFILL = 512, 2048
 CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS = 256, 2048
@@ -60,6 +60,23 @@ class SchedulerConfig(BaseModel):
         "step that had work (a slow, oversubscribed machine)",
     )
     enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")
+    speculative_method: Literal["ngram"] | None = Field(
+        None,
+        description="speculative decoding (colocated workers): ngram drafts up to num_speculative_tokens "
+        "tokens per decoding request from its own prompt + output (longest suffix match) and verifies them "
+        "in one step; outputs are identical to decoding without it (docs/design/speculative.md). Unset: off",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=32, description="speculative decoding: most draft tokens verified per request and step"
+    )
+    ngram_min: int = Field(2, ge=1, description="speculative ngram: shortest suffix that may match")
+    ngram_max: int = Field(4, ge=1, description="speculative ngram: longest suffix tried first")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SchedulerConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        return self
 
     def for_device(self, device_type: str) -> SchedulerConfig:
         """This config with ``chunked_prefill_size`` and ``max_num_batched_tokens`` set for

@@ -58,3 +58,15 @@ def test_incremental_equals_brute_force(seed):
     for t in tokens:  # token by token, as a decode step feeds it
         ix.extend([t])
         assert ix.propose(k) == brute_force(ix.tokens, n_min, n_max, k)
+
+
+def test_config_fields_off_by_default_and_checked():
+    from configs.scheduler import SchedulerConfig
+
+    assert SchedulerConfig().speculative_method is None
+    cfg = SchedulerConfig(speculative_method="ngram", num_speculative_tokens=3, ngram_min=2, ngram_max=5)
+    assert (cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max) == (3, 2, 5)
+    with pytest.raises(ValueError, match="ngram_min"):
+        SchedulerConfig(ngram_min=4, ngram_max=2)
+    with pytest.raises(ValueError):
+        SchedulerConfig(speculative_method="eagle")
