@@ -1,7 +1,8 @@
 """N-gram lookup drafter over one request's own tokens (prompt + output).
 
 ``NgramIndex`` proposes the tokens that followed the most recent earlier occurrence of the
-sequence's longest suffix of length in ``[n_min, n_max]`` (longest first). The index is
+sequence's longest suffix of length in ``[n_min, n_max]`` (longest first), as an overlapping copy
+(a match ``p`` tokens back drafts the period-``p`` continuation). The index is
 incremental: ``extend`` costs ``O(n_max - n_min + 1)`` dictionary writes per token and
 ``propose`` ``O((n_max - n_min + 1) * n_max + k)``, independent of the sequence's length, so a
 decode step pays for its new tokens only.
@@ -40,8 +41,9 @@ class NgramIndex:
                 last[tuple(toks[i - n : i])] = i
 
     def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching
-        suffix (length ``n_max`` down to ``n_min``); ``[]`` when no suffix recurs or ``k <= 0``."""
+        """``k`` tokens that followed the latest earlier occurrence of the longest matching suffix
+        (length ``n_max`` down to ``n_min``), copied forward past the sequence's end; ``[]`` when no
+        suffix recurs or ``k <= 0``."""
         toks = self.tokens
         L = len(toks)
         if k <= 0:
@@ -49,5 +51,16 @@ class NgramIndex:
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             at = self._last.get(tuple(toks[L - n :]))
             if at is not None:
-                return toks[at : min(at + k, L)]
+                return _copy_forward(toks, at, k)
         return []
+
+
+def _copy_forward(toks: list[int], at: int, k: int) -> list[int]:
+    """``k`` tokens copied from ``toks[at:]``, continuing past the end with the copy itself (an
+    overlapping copy, as LZ77's): a loop of period ``len(toks) - at`` is drafted k tokens ahead,
+    not cut at the sequence's end."""
+    out = toks[at : at + k]
+    period = len(toks) - at
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out

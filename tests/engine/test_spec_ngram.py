@@ -10,13 +10,17 @@ from engine.spec.ngram import NgramIndex
 
 
 def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
-    """The definition: longest suffix (n_max..n_min) with an earlier occurrence, latest one wins."""
+    """The definition: longest suffix (n_max..n_min) with an earlier occurrence, latest one wins,
+    and what followed it, extended as if the sequence kept repeating from there."""
     L = len(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         suffix = tokens[L - n :]
         for start in range(L - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                seq = list(tokens)  # the continuation of a loop with period L - (start + n)
+                for i in range(k):
+                    seq.append(seq[start + n + i])
+                return seq[L:]
     return []
 
 
@@ -44,7 +48,8 @@ def test_no_match_and_bounds():
     assert index_of([1, 2, 3, 4]).propose(4) == []
     assert index_of([]).propose(4) == []
     assert index_of([3, 3]).propose(0) == []
-    assert index_of([3, 3], n_min=1, n_max=1).propose(5) == [3]  # stops at the sequence's end
+    assert index_of([3, 3], n_min=1, n_max=1).propose(5) == [3] * 5  # a loop drafts on past the end
+    assert index_of([1, 2, 3, 1, 2], n_min=2, n_max=2).propose(5) == [3, 1, 2, 3, 1]
     with pytest.raises(ValueError):
         NgramIndex(3, 2)
 
