@@ -170,3 +170,27 @@ def test_embedded_repeat_passage_identical(embedded):
     model = (cfg, weights)
     sched = same_with_and_without(model, jobs, min_accepted=15, page_size=16, eos=eos)
     assert sched.spec.accepted_tokens >= sched.spec.draft_tokens // 3
+
+
+def test_choices_sharing_a_prompt(tiny):
+    """n > 1 as the router sends it: choices of one prompt share its cached pages, each decodes on its own."""
+    p = [55] * 13
+    params = [
+        greedy(24),
+        *(SamplingParams(max_new_tokens=24, temperature=0.2, seed=s, ignore_eos=True) for s in (1, 2)),
+    ]
+    same_with_and_without(tiny, [(p, sp) for sp in params], min_accepted=5)
+
+
+def test_cached_output_pages_hold_the_accepted_tokens(tiny):
+    """Pages a speculative request leaves in the radix cache (prompt + output, computed by verify
+    steps) serve a later prompt that extends it exactly as the plain scheduler's do."""
+    first = ([55] * 12, greedy(29))
+    outs = {}
+    for spec in (False, True):
+        sched = make(tiny, spec)
+        a = run(sched, [first])["r0"][0]
+        later = [(first[0] + a + [30] * 6, greedy(20))]
+        outs[spec] = run(sched, later)
+        assert sched.stats.cached_prompt_tokens >= 40  # the output's pages were matched
+    assert_same(outs[True], outs[False])
