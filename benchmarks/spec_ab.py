@@ -1,12 +1,14 @@
-"""Speculative decoding (n-gram) on vs off in one process: c=1 decode tok/s on an input-grounded prompt.
+"""Speculative decoding (n-gram) on vs off in one process: c=1 decode tok/s, input-grounded or chat.
 
-``python -m benchmarks.spec_ab [--rounds 3] [--max-tokens 160] [--num-speculative-tokens 4] [--ngram-min 2]
-[--ngram-max 4] [--dtype float32]`` loads the model once and asks it, through the colocated scheduler with and
-without ``--speculative-method ngram`` alternately (off, on, off, on, ...: a shared machine's drift hits both
-alike), to repeat a passage it was given, greedy. Per run: decode tok/s (output tokens after the first over the
-time from the first token to the last), CPU ms per token (``time.process_time``, the figure least moved by
-other processes on a shared machine), the decode steps, and for the speculative runs the draft tokens verified
-and accepted. The outputs of both must be equal, token for token (the run stops otherwise).
+``python -m benchmarks.spec_ab [--workload repeat|chat] [--rounds 3] [--max-tokens 160]
+[--num-speculative-tokens 4] [--ngram-min 2] [--ngram-max 4] [--dtype float32]`` loads the model once and runs
+one greedy request at a time through the colocated scheduler with and without ``--speculative-method ngram``
+alternately (off, on, off, on, ...: a shared machine's drift hits both alike): the model repeats a passage it was
+given (``repeat``, the default) or writes a story (``chat``: little of the answer is in its context, so few drafts
+are accepted). Per run: decode tok/s (output tokens after the first over the time from the first token to the
+last), CPU ms per token (``time.process_time``, the figure least moved by other processes on a shared machine),
+the decode steps, and for the speculative runs the draft tokens verified and accepted. The outputs of both must
+be equal, token for token (the run stops otherwise).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ PASSAGE = (
     "to the starboard side of the channel at no more than six knots. Fuel is sold at the north quay from eight to "
     "five; fresh water is free at every berth. Report any oil on the water to the harbour master at once."
 )
+
+WORKLOADS = {
+    "repeat": f"{PASSAGE}\n\nRepeat the passage above verbatim.",  # input-grounded: the answer quotes the prompt
+    "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",  # open-ended
+}
 
 
 def decode_once(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
@@ -59,6 +66,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="repeat")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
@@ -72,7 +80,7 @@ def main() -> None:
         "off": LLM(ecfg, SchedulerConfig(), loaded),
         "on": LLM(ecfg, SchedulerConfig(**spec, ngram_min=a.ngram_min, ngram_max=a.ngram_max), loaded),
     }
-    prompt = llms["off"].encode_prompt(f"{PASSAGE}\n\nRepeat the passage above verbatim.", chat=True)
+    prompt = llms["off"].encode_prompt(WORKLOADS[a.workload], chat=True)
     decode_once(llms["off"], prompt, 8), decode_once(llms["on"], prompt, 8)  # warm up both
     rates: dict[str, list[float]] = {"off": [], "on": []}
     outputs = {}
