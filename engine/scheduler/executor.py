@@ -83,7 +83,8 @@ class BatchExecutor:
         return self.mixed([], items)[1]
 
     def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
-        """One token for each request; pages for position ``kv_len`` must already be allocated."""
+        """One token for each request (with a speculator, one or more for a drafting one); pages for
+        position ``kv_len`` must already be allocated."""
         return self.mixed(reqs, [])[0]
 
     def mixed(
@@ -91,7 +92,9 @@ class BatchExecutor:
     ) -> tuple[list[tuple[Request, TokenDelta]], list[tuple[Request, TokenDelta]]]:
         """One forward over decode rows ``reqs`` (first) and extend ``items``: ``(decode deltas,
         extend deltas)``, as ``decode(reqs)`` and ``extend(items)`` would give them apart. Either
-        list may be empty (then the step is a plain DECODE or EXTEND one); both empty: no forward."""
+        list may be empty (then the step is a plain DECODE or EXTEND one); both empty: no forward.
+        With a speculator, the rows it drafts for are extend rows after the decode rows and their
+        deltas (one per token emitted) follow the plain rows' in the decode deltas."""
         if not reqs and not items:  # e.g. a decode worker whose local prefill waits for pages, nothing running
             return [], []
         drafts = [self.spec.draft(r) for r in reqs] if self.spec is not None else []
