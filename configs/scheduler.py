@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -71,6 +72,37 @@ class SchedulerConfig(BaseModel):
     )
     ngram_min: int = Field(2, ge=1, description="speculative ngram: shortest suffix that may match")
     ngram_max: int = Field(4, ge=1, description="speculative ngram: longest suffix tried first")
+    speculative_config: str | None = Field(
+        None,
+        description='speculative decoding in vLLM\'s JSON form, e.g. {"method": "ngram", "num_speculative_tokens": '
+        '4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}: sets the four fields above (giving one of them as '
+        "well with another value is an error)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_speculative_config(cls, data):
+        """Expand ``speculative_config`` (vLLM's JSON) into the speculative fields."""
+        if not isinstance(data, dict) or not data.get("speculative_config"):
+            return data
+        try:
+            spec = json.loads(data["speculative_config"])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        names = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens"}
+        names |= {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(names)})")
+        out = {k: v for k, v in data.items() if k != "speculative_config"}
+        for key, field in names.items():
+            if key in spec:
+                if field in out and out[field] != spec[key]:
+                    raise ValueError(f"speculative_config sets {key}={spec[key]!r} but {field} is {out[field]!r}")
+                out[field] = spec[key]
+        return out
 
     @model_validator(mode="after")
     def _ngram_range(self) -> SchedulerConfig:

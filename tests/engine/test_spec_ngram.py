@@ -75,3 +75,17 @@ def test_config_fields_off_by_default_and_checked():
         SchedulerConfig(ngram_min=4, ngram_max=2)
     with pytest.raises(ValueError):
         SchedulerConfig(speculative_method="eagle")
+
+
+def test_speculative_config_json_sets_the_fields():
+    from configs.scheduler import SchedulerConfig
+
+    js = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    cfg = SchedulerConfig(speculative_config=js)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max) == ("ngram", 6, 1, 3)
+    assert SchedulerConfig(speculative_config=js, ngram_min=1).ngram_min == 1  # the same value twice is fine
+    for bad in ('{"method": "eagle"}', '{"method": "ngram", "k": 2}', "[1]", "{not json"):
+        with pytest.raises(ValueError):
+            SchedulerConfig(speculative_config=bad)
+    with pytest.raises(ValueError, match="ngram_max"):
+        SchedulerConfig(speculative_config=js, ngram_max=5)
