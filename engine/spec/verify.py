@@ -12,8 +12,9 @@ rejected positions (the radix cache sees ``all_ids[:kv_len]`` only, never a reje
 
 A request whose draft was wholly rejected skips drafting for a few steps (``MAX_BACKOFF_STEPS``).
 Drafting is skipped, fail safe, for a row whose extra pages are not free without evicting the
-radix cache (the step then decodes it as usual), for structured-output rows (the grammar
-matcher cannot yet be rolled back) and on SWA pools.
+radix cache (the step then decodes it as usual) and for structured-output rows (the grammar
+matcher cannot yet be rolled back). On an SWA pool the draft positions take SWA pages too, and the
+pages that left the window go back after the step as after a decode step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cache.kv_manager import KVManager, truncate
+from cache.page_count import PageCount
 from configs.scheduler import SchedulerConfig
 from engine.request import Request
 from engine.sampling import Sampler
@@ -85,7 +87,7 @@ class NgramSpeculator:
 
         At most ``k``, never past ``max_tokens`` or the context; ``req`` must hold the pages of
         position ``kv_len`` already (``RunningBatch.prepare_decode``)."""
-        if self.kv.has_swa or req.sampler_state.matcher is not None:
+        if req.sampler_state.matcher is not None:
             return []
         k = min(self.k, req.remaining_new_tokens() - 1, self.max_model_len - req.seq_len - 1)
         if k <= 0:
@@ -98,8 +100,9 @@ class NgramSpeculator:
         if not d:
             return []
         end = req.kv_len + 1 + len(d)
-        need = self.kv.prompt_demand(req.kv, end).full
-        if need > self.kv.allocator.num_free() or not self.kv.ensure_pages(req.kv, end):
+        kv = self.kv
+        free = PageCount(kv.allocator.num_free(), kv.swa_allocator.num_free() if kv.has_swa else 0)
+        if not free.covers(kv.prompt_demand(req.kv, end)) or not kv.ensure_pages(req.kv, end):
             return []  # speculation never evicts cached prefixes nor outgrows the pool
         return d
 
@@ -139,6 +142,7 @@ class NgramSpeculator:
             st.wait = st.backoff
             req.kv_len += m
             truncate(self.kv, req.kv, req.kv_len)
+            self.kv.release_window(req.kv, req.kv_len)
         return out
 
 

@@ -194,3 +194,27 @@ def test_cached_output_pages_hold_the_accepted_tokens(tiny):
         outs[spec] = run(sched, later)
         assert sched.stats.cached_prompt_tokens >= 40  # the output's pages were matched
     assert_same(outs[True], outs[False])
+
+
+def test_sliding_window_hybrid_identical_and_matches_hf(swa_model):
+    """Window 8 over a small SWA pool: drafted positions take SWA pages, rejected ones give them
+    back, pages behind the window are released; greedy equals transformers' and plain decoding's."""
+    from tests.support.swa import PAGE, hf_reference
+
+    prompts = [[55] * 12, [30] * 10, [7, 8, 9] * 5]
+    jobs = [(p, greedy(16)) for p in prompts]
+    kw = dict(page_size=PAGE, kv_pool_tokens=1024)
+    cfg, weights, hf = swa_model
+    plain = run(make_swa(swa_model, False, **kw), jobs)
+    sched = make_swa(swa_model, True, **kw)
+    spec = run(sched, jobs)
+    assert_same(spec, plain)
+    assert sched.spec.accepted_tokens > 0
+    assert [spec[f"r{i}"][0] for i in range(len(prompts))] == [hf_reference(hf, p, 16)[0] for p in prompts]
+    assert sched.kv.usage([], "swa").used == 0
+
+
+def make_swa(swa_model, spec: bool, page_size: int, kv_pool_tokens: int) -> ColocatedScheduler:
+    cfg, weights, _ = swa_model
+    eng = engine_cfg(kv_pool_tokens=kv_pool_tokens, page_size=page_size, swa_pool_tokens=64)
+    return ColocatedScheduler(ModelRunner(eng, cfg, weights), sched_cfg(**(SPEC if spec else {})), (EOS,))
