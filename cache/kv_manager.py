@@ -7,9 +7,9 @@ Contract (per pool): every page is exactly one of
 ``check_integrity(handles)`` asserts ``free + used + cached == total`` for the live handles, for
 the full pool and, for sliding-window hybrids, the SWA pool.
 Handles acquire pages only through ``match_prefix``/``reserve_prompt``/``ensure_pages`` and give
-them back only through ``release_window``/``free``/``free_into_cache``; the radix cache is
-evicted on demand inside ``ensure_pages``. Nothing here knows what a request is: callers pass
-handles and token ids.
+them back only through ``release_window``/``free``/``free_into_cache`` and the module's
+``truncate``; the radix cache is evicted on demand inside ``ensure_pages``. Nothing here knows
+what a request is: callers pass handles and token ids.
 
 SWA pool (``swa`` given): a handle's SWA entries run parallel to its full pages. ``swa_from``
 (a token position) says where a new allocation starts holding SWA pages (the decode worker's
@@ -290,3 +290,19 @@ class KVManager:
 def _check_pool(u: PoolUsage, owned: list[int], name: str) -> None:
     assert u.free + u.used + u.cached == u.total, f"{name} page leak: {u}"
     assert len(set(owned)) == len(owned), f"a {name} page is owned twice"
+
+
+def truncate(kv: KVManager, handle: KVHandle, num_tokens: int) -> int:
+    """Give back ``handle``'s own pages past the first ``num_tokens`` tokens' (a speculative step's
+    rejected positions) in each pool; returns how many full-pool pages. The pages kept must cover
+    the shared (radix) ones: those are never cut."""
+    keep = kv.pages_for(num_tokens)
+    assert keep >= handle.full.num_shared, "truncate: would cut the radix-cache prefix"
+    gone = handle.full.pages[keep:]
+    if gone:
+        kv.allocator.free(gone)
+        del handle.full.pages[keep:]
+    if handle.swa is not None and len(handle.swa.pages) > keep:
+        kv.swa_allocator.free([p for p in handle.swa.pages[max(keep, handle.swa.num_shared) :] if p >= 0])
+        del handle.swa.pages[keep:]
+    return len(gone)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CPU_CHUNKED_PREFILL, GPU_CHUNKED_PREFILL = 512, 2048
 CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS = 256, 2048
@@ -60,6 +61,54 @@ class SchedulerConfig(BaseModel):
         "step that had work (a slow, oversubscribed machine)",
     )
     enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")
+    speculative_method: Literal["ngram"] | None = Field(
+        None,
+        description="speculative decoding (colocated workers): ngram drafts up to num_speculative_tokens "
+        "tokens per decoding request from its own prompt + output (longest suffix match) and verifies them "
+        "in one step; outputs are identical to decoding without it (docs/design/speculative.md). Unset: off",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=32, description="speculative decoding: most draft tokens verified per request and step"
+    )
+    ngram_min: int = Field(2, ge=1, description="speculative ngram: shortest suffix that may match")
+    ngram_max: int = Field(4, ge=1, description="speculative ngram: longest suffix tried first")
+    speculative_config: str | None = Field(
+        None,
+        description='speculative decoding in vLLM\'s JSON form, e.g. {"method": "ngram", "num_speculative_tokens": '
+        '4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}: sets the four fields above (giving one of them as '
+        "well with another value is an error)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_speculative_config(cls, data):
+        """Expand ``speculative_config`` (vLLM's JSON) into the speculative fields."""
+        if not isinstance(data, dict) or not data.get("speculative_config"):
+            return data
+        try:
+            spec = json.loads(data["speculative_config"])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        names = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens"}
+        names |= {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(names)})")
+        out = {k: v for k, v in data.items() if k != "speculative_config"}
+        for key, field in names.items():
+            if key in spec:
+                if field in out and out[field] != spec[key]:
+                    raise ValueError(f"speculative_config sets {key}={spec[key]!r} but {field} is {out[field]!r}")
+                out[field] = spec[key]
+        return out
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SchedulerConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        return self
 
     def for_device(self, device_type: str) -> SchedulerConfig:
         """This config with ``chunked_prefill_size`` and ``max_num_batched_tokens`` set for

@@ -31,6 +31,7 @@ from engine.scheduler.mixed_step import MixedStep
 from engine.scheduler.running_batch import DecodeResult, RunningBatch
 from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
+from engine.spec.verify import speculator_for
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox
 from transfer.wire.protocol import GenerateRequest, Message, TokenDelta
@@ -43,7 +44,8 @@ class ColocatedScheduler(WorkerScheduler):
         super().__init__(runner, runner.make_kv_manager(cfg.enable_radix_cache))
         self.cfg = cfg = cfg.for_device(runner.device.type)
         self.admission = Admission(cfg, self.kv, self.stats)
-        self.executor = BatchExecutor(runner, eos_token_ids, self.kv)
+        self.spec = speculator_for(cfg, self.kv, runner.max_model_len)
+        self.executor = BatchExecutor(runner, eos_token_ids, self.kv, self.spec)
         self.running = RunningBatch(self.kv, self.executor, cfg, self.stats)
         self.mixed = MixedStep(self.running, self.admission, cfg)
         self.waiting: deque[Request] = deque()
@@ -186,4 +188,8 @@ class ColocatedScheduler(WorkerScheduler):
             queue_waiting=len(self.waiting), queue_running=len(self.running), new_token_ratio=self.running.ratio.value
         )
         snap.histograms.update(self.timeline.histograms)
+        if self.spec is not None:
+            snap.counters.update(
+                spec_draft_tokens=self.spec.draft_tokens, spec_accepted_tokens=self.spec.accepted_tokens
+            )
         return snap

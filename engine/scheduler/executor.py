@@ -8,6 +8,8 @@ logprobs, for usage and logprobs as vLLM counts them); a request that finished h
 
 from __future__ import annotations
 
+import torch
+
 from cache.kv_manager import KVManager
 from engine.forward_batch import ForwardMode
 from engine.model_runner import ModelRunner, SeqChunk
@@ -15,6 +17,7 @@ from engine.prompt_logprobs import prompt_rows, record
 from engine.request import Phase, Request
 from engine.sampling import Sampler
 from engine.scheduler.admission import ExtendItem
+from engine.spec.verify import NgramSpeculator
 from transfer.wire.enums import FinishReason
 from transfer.wire.protocol import TokenDelta
 from transfer.wire.sampling_params import check_stop
@@ -52,10 +55,19 @@ def token_delta(
 
 class BatchExecutor:
     """``kv``: the scheduler's KV manager; after every forward each request's SWA pages that
-    left its window go back to the pool (``KVManager.release_window``)."""
+    left its window go back to the pool (``KVManager.release_window``). ``speculator``: decode rows
+    it drafts for are verified in the same forward (``engine.spec.verify``) and may emit several
+    tokens, one delta each; without it every decode row emits one token."""
 
-    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...], kv: KVManager | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        eos_token_ids: tuple[int, ...],
+        kv: KVManager | None = None,
+        speculator: NgramSpeculator | None = None,
+    ) -> None:
         self.runner = runner
+        self.spec = speculator
         self.kv = kv
         self.sampler = Sampler()
         self.eos = frozenset(eos_token_ids)
@@ -71,7 +83,8 @@ class BatchExecutor:
         return self.mixed([], items)[1]
 
     def decode(self, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
-        """One token for each request; pages for position ``kv_len`` must already be allocated."""
+        """One token for each request (with a speculator, one or more for a drafting one); pages for
+        position ``kv_len`` must already be allocated."""
         return self.mixed(reqs, [])[0]
 
     def mixed(
@@ -79,13 +92,20 @@ class BatchExecutor:
     ) -> tuple[list[tuple[Request, TokenDelta]], list[tuple[Request, TokenDelta]]]:
         """One forward over decode rows ``reqs`` (first) and extend ``items``: ``(decode deltas,
         extend deltas)``, as ``decode(reqs)`` and ``extend(items)`` would give them apart. Either
-        list may be empty (then the step is a plain DECODE or EXTEND one); both empty: no forward."""
+        list may be empty (then the step is a plain DECODE or EXTEND one); both empty: no forward.
+        With a speculator, the rows it drafts for are extend rows after the decode rows and their
+        deltas (one per token emitted) follow the plain rows' in the decode deltas."""
         if not reqs and not items:  # e.g. a decode worker whose local prefill waits for pages, nothing running
             return [], []
+        drafts = [self.spec.draft(r) for r in reqs] if self.spec is not None else []
+        verify = [(r, d) for r, d in zip(reqs, drafts) if d]
+        if verify:  # decode rows stay one-token rows first; drafting rows become small extends after them
+            reqs = [r for r, d in zip(reqs, drafts) if not d]
         seqs = [
             SeqChunk([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]], r.kv_len, r.kv.pages, r.kv.swa_pages)
             for r in reqs
         ]
+        seqs += [SeqChunk([r.output_ids[-1], *d], r.kv_len, r.kv.pages, r.kv.swa_pages, len(d)) for r, d in verify]
         seqs += [
             SeqChunk(
                 i.req.all_ids[i.req.kv_len : i.req.kv_len + i.length],
@@ -96,15 +116,20 @@ class BatchExecutor:
             )
             for i in items
         ]
-        mode = ForwardMode.MIXED if reqs and items else (ForwardMode.DECODE if reqs else ForwardMode.EXTEND)
+        extends = len(seqs) - len(reqs)
+        mode = ForwardMode.MIXED if reqs and extends else (ForwardMode.DECODE if reqs else ForwardMode.EXTEND)
         logits = self.runner.forward(mode, seqs, num_decode=len(reqs))
-        if len(logits) > len(seqs):  # prompt logprobs rows follow the last-token rows
-            at = len(seqs)
-            for s, i in zip(seqs[len(reqs) :], items):
-                if s.logit_rows:
-                    record(i.req, s.prefix_len, logits[at : at + s.logit_rows])
-                    at += s.logit_rows
-            logits = logits[: len(seqs)]
+        at = len(seqs)  # extra logit rows (drafted positions, prompt logprobs) follow the last-token rows
+        checked = []
+        for k, (r, d) in enumerate(verify):
+            row = len(reqs) + k
+            checked.append((r, d, torch.cat([logits[at : at + len(d)], logits[row : row + 1]])))
+            at += len(d)
+        for s, i in zip(seqs[len(reqs) + len(verify) :], items):
+            if s.logit_rows:
+                record(i.req, s.prefix_len, logits[at : at + s.logit_rows])
+                at += s.logit_rows
+        logits = logits[: len(seqs)]
         for r in reqs:
             self._advance(r, 1)
         done = [k for k, i in enumerate(items) if i.completes]
@@ -113,20 +138,19 @@ class BatchExecutor:
         for k in done:
             items[k].req.status = Phase.RUNNING
             items[k].req.mark("prefilled")
-        rows = [*range(len(reqs)), *(len(reqs) + k for k in done)]
+        first_item = len(reqs) + len(verify)
+        rows = [*range(len(reqs)), *(first_item + k for k in done)]
         out = self._sample(logits[rows] if len(rows) < len(seqs) else logits, [*reqs, *(items[k].req for k in done)])
-        return out[: len(reqs)], out[len(reqs) :]
+        decoded = out[: len(reqs)]
+        if checked:
+            decoded += self.spec.accept(self.sampler, checked, self._emit)
+        return decoded, out[len(reqs) :]
+
+    def _emit(self, req: Request, tok: int, logprob: float | None, top: list | None) -> TokenDelta:
+        return token_delta(req, tok, logprob, top, self.eos, self.runner.max_model_len)
 
     def _sample(self, logits, reqs: list[Request]) -> list[tuple[Request, TokenDelta]]:
         if not reqs:
             return []
         out = self.sampler.sample(logits, [r.params for r in reqs], [r.sampler_state for r in reqs])
-        return [
-            (
-                r,
-                token_delta(
-                    r, out.token_ids[k], out.logprobs[k], out.top_logprobs[k], self.eos, self.runner.max_model_len
-                ),
-            )
-            for k, r in enumerate(reqs)
-        ]
+        return [(r, self._emit(r, out.token_ids[k], out.logprobs[k], out.top_logprobs[k])) for k, r in enumerate(reqs)]

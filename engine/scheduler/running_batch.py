@@ -94,10 +94,10 @@ class RunningBatch:
     def absorb(self, res: DecodeResult, tokens: list[tuple[Request, TokenDelta]]) -> None:
         """The second half: take the step's decode ``tokens`` into ``res`` (finished requests leave
         the batch) and decay the ratio."""
-        for req, delta in tokens:
+        for req, delta in tokens:  # a speculative row may bring several, the last one finishing it
             self.stats.generation_tokens += 1
             res.tokens.append((req, delta))
-            if req.finished:
+            if req.finished and delta.finish_reason is not None:
                 self.reqs.remove(req)
                 res.finished.append(req)
         self.ratio.step()

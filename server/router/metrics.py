@@ -77,6 +77,14 @@ WORKER_COUNTERS = {
         "pdserve_worker_mixed_steps",
         "Forward steps that carried decode rows and a prefill chunk together (mixed batches)",
     ),
+    "spec_draft_tokens": (
+        "pdserve_spec_draft_tokens",
+        "Draft tokens a worker verified (speculative decoding, --speculative-method)",
+    ),
+    "spec_accepted_tokens": (
+        "pdserve_spec_accepted_tokens",
+        "Draft tokens a worker verified and accepted: each is one token emitted without a step of its own",
+    ),
     "migration_bytes": (
         "pdserve_migration_bytes",
         "KV bytes a decode worker wrote from its host pool into peer decode workers (retracted requests migrated)",

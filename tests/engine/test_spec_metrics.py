@@ -1,0 +1,39 @@
+"""The speculative decoding series: pdserve_spec_draft_tokens_total moves by the draft tokens the
+scheduler verified, pdserve_spec_accepted_tokens_total by the tokens its decode rows emitted
+beyond one per row and step; both stay at zero on a worker without speculation."""
+
+from __future__ import annotations
+
+from tests.engine.test_spec_identity import greedy, make, run
+from tests.support.metrics_scrape import scrape, val
+
+
+def test_spec_series_move_by_the_drafted_and_accepted_tokens(tiny):
+    sched = make(tiny, True)
+    drafted, extra = [], []
+    draft, mixed = sched.spec.draft, sched.executor.mixed
+
+    def counting_draft(req):
+        d = draft(req)
+        drafted.append(len(d))
+        return d
+
+    def counting_mixed(reqs, items):
+        decoded, extended = mixed(reqs, items)
+        extra.append(len(decoded) - len(reqs))  # one delta per emitted token
+        return decoded, extended
+
+    sched.spec.draft, sched.executor.mixed = counting_draft, counting_mixed
+    m = scrape(sched)
+    assert val(m, "pdserve_spec_draft_tokens_total") == val(m, "pdserve_spec_accepted_tokens_total") == 0
+    run(sched, [([55] * 12, greedy(32)), ([30] * 9, greedy(20))])
+    m = scrape(sched)
+    assert val(m, "pdserve_spec_draft_tokens_total") == sum(drafted) > 0
+    assert val(m, "pdserve_spec_accepted_tokens_total") == sum(extra) > 0
+
+
+def test_spec_series_stay_zero_without_speculation(tiny):
+    sched = make(tiny, False)
+    run(sched, [([55] * 12, greedy(8))])
+    m = scrape(sched)
+    assert val(m, "pdserve_spec_draft_tokens_total") == val(m, "pdserve_spec_accepted_tokens_total") == 0
