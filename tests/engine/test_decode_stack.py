@@ -52,7 +52,11 @@ class _BothPaths:
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["bfloat16", "int8", "float32"])
+# the bfloat16 case stays in the unit tier; the int8 and float32 weights build panels for seconds each
+@pytest.mark.parametrize(
+    "weights",
+    ["bfloat16", pytest.param("int8", marks=pytest.mark.slow), pytest.param("float32", marks=pytest.mark.slow)],
+)
 def test_a_decode_step_through_the_stack_is_bitwise_the_layer_path(embedded, weights):
     """float32: the model's weights in float32 panels, its pool float32, nothing rounded between kernels."""
     extra = {"weight_dtype": "int8"} if weights == "int8" else {}

@@ -121,9 +121,9 @@ def test_pack_int8_names_the_missing_instruction(monkeypatch):
 def test_a_cpu_without_bfloat16_refuses_int8_weights_at_load(embedded, monkeypatch):
     """--dtype bfloat16 falls back to float32 on such a CPU (a warning); int8 weights cannot, and
     the worker says so before loading anything."""
-    from engine import model_runner
+    from engine import dtype_choice
 
-    monkeypatch.setattr(model_runner, "has_fast_bf16", lambda flags=None: False)
+    monkeypatch.setattr(dtype_choice, "has_fast_bf16", lambda flags=None: False)
     with pytest.raises(
         ValueError,
         match=r"--weight-dtype int8 runs on CPUs with AVX512-BF16 \(this worker runs "
