@@ -86,21 +86,14 @@ def serving_worker(url: str, before: dict, workers: tuple[str, ...]) -> str:
     return moved[0]
 
 
+# pools that hold every case's streams; heartbeats fast enough that a death is seen within a second
+SERVER_FLAGS = ("--kv-pool-tokens", "2048", "--page-size", "16", "--log-level", "INFO")
+SERVER_FLAGS += ("--health-interval-s", str(HEARTBEAT_S))
+
+
 @pytest.fixture(scope="module")
 def replicas(launched_server) -> LaunchedServer:
-    return launched_server(
-        "colocated",
-        "--replicas",
-        "2",
-        "--kv-pool-tokens",
-        "2048",
-        "--page-size",
-        "16",
-        "--health-interval-s",
-        str(HEARTBEAT_S),
-        "--log-level",
-        "INFO",
-    )
+    return launched_server("colocated", "--replicas", "2", *SERVER_FLAGS)
 
 
 STORY = {
@@ -130,19 +123,7 @@ def test_kill_the_serving_replica_mid_stream(replicas, case):
 
 @pytest.fixture(scope="module")
 def pd_pair(launched_server) -> LaunchedServer:
-    return launched_server(
-        "pd",
-        "--decode",
-        "2",
-        "--kv-pool-tokens",
-        "2048",
-        "--page-size",
-        "16",
-        "--health-interval-s",
-        str(HEARTBEAT_S),
-        "--log-level",
-        "INFO",
-    )
+    return launched_server("pd", "--decode", "2", *SERVER_FLAGS)
 
 
 def test_kill_the_serving_decode_worker_mid_stream(pd_pair):

@@ -17,46 +17,18 @@ from configs.schema import PdserveConfig
 from server.router.app import build_context, create_app
 from server.router.errors import APIError
 from server.router.failover import FailoverBudget
-from server.router.inflight import InflightTable
-from server.router.registry import ROUTING_POLICIES, Registry, WorkerSpec
+from server.router.registry import Registry, WorkerSpec
 from server.router.session import GenerationSession
-from transfer.wire.protocol import TokenDelta, WorkerStats
+from tests.support.router_doubles import ScriptedColocated, ready_registry
+from transfer.wire.protocol import TokenDelta
 from transfer.wire.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=6, prompt_logprobs=1)
 
 
-class Client:
-    """Records what the router sends to one worker: (kind, rid, resume ids, params)."""
-
-    def __init__(self, spec: WorkerSpec, on_tokens=None, on_stats=None) -> None:
-        self.spec, self.on_tokens, self.on_stats = spec, on_tokens, on_stats
-        self.sent: list[tuple] = []
-        self.aborted: list[str] = []
-
-    def prefill(self, rid, room, ids, params, *a) -> None:
-        self.sent.append(("prefill", rid, None, params))
-
-    def generate(self, rid, ids, params, **k) -> None:
-        self.sent.append(("generate", rid, k.get("resume_output_ids"), params))
-
-    def abort(self, rids, reason) -> None:
-        self.aborted += rids
-
-
 def registry(mode: str, *ids: str) -> Registry:
     """Ready workers named like ``p0``/``d1``/``c0`` (role from the first letter)."""
-    roles = {"p": "prefill", "d": "decode", "c": "colocated"}
-    specs = [WorkerSpec(w, roles[w[0]], f"tcp://{w}") for w in ids]
-    reg = Registry(specs, lambda s, *a: Client(s), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES[mode])
-    for s in specs:
-        reg.on_stats(
-            s.worker_id,
-            WorkerStats(
-                worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100, max_model_len=100, page_size=1
-            ),
-        )
-    return reg
+    return ready_registry(mode, *ids)
 
 
 def session(reg: Registry, limit: int = 2, outcomes: list | None = None, timeout_s: float = 5) -> GenerationSession:
@@ -175,41 +147,12 @@ def test_failover_ends_with_its_reason(case):
     assert len(reg.table) == 0
 
 
-class Replica(Client):
-    """A colocated fake worker: the first request it gets streams one token and then fails with 503
-    (its worker died); a continuation streams one more token and finishes."""
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def request_stats(self, nonce: int) -> None:
-        self.on_stats(
-            self.spec.worker_id,
-            WorkerStats(
-                nonce=nonce,
-                worker_id=self.spec.worker_id,
-                role="colocated",
-                model="fake-model",
-                capacity_tokens=256,
-                max_model_len=512,
-                page_size=16,
-            ),
-        )
-
-    def generate(self, rid, ids, params, **k) -> None:
-        super().generate(rid, ids, params, **k)
-        resume = k.get("resume_output_ids")
-        deltas = (
-            [TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
-            if resume
-            else [TokenDelta(rid=rid, token_ids=[28]), TokenDelta.failed(rid, f"{self.spec.worker_id} died", 503)]
-        )
-        loop = asyncio.get_running_loop()
-        for d in deltas:
-            loop.call_soon(self.on_tokens, self.spec.worker_id, d)
+def dies_once(rid, resume):
+    """A script for ``ScriptedColocated``: a first request streams one token and then fails with
+    503 (its worker died); a continuation streams one more token and finishes."""
+    if resume:
+        return [TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
+    return [TokenDelta(rid=rid, token_ids=[28]), TokenDelta.failed(rid, "the worker died", 503)]
 
 
 def sample(metrics: str, prefix: str) -> list[tuple[str, float]]:
@@ -224,7 +167,9 @@ def sample(metrics: str, prefix: str) -> list[tuple[str, float]]:
 def test_http_failover_is_invisible_and_moves_the_counters(tokenizer, stream):
     cfg = PdserveConfig.model_validate({"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated"}})
     specs = [WorkerSpec("w0", "colocated", "inproc://w0"), WorkerSpec("w1", "colocated", "inproc://w1")]
-    ctx = build_context(cfg, tokenizer, "fake-model", specs, lambda s, on_t, on_s: Replica(s, on_t, on_s))
+    ctx = build_context(
+        cfg, tokenizer, "fake-model", specs, lambda s, on_t, on_s: ScriptedColocated(s, on_t, on_s, dies_once)
+    )
     with TestClient(create_app(ctx)) as http:
         assert http.get("/health").status_code == 200
         before = sample(http.get("/metrics").text, "pdserve_failover")

@@ -15,45 +15,18 @@ from fastapi.testclient import TestClient
 from configs.schema import PdserveConfig
 from server.router.app import build_context, create_app
 from server.router.errors import APIError
-from server.router.inflight import InflightTable
-from server.router.registry import DEAD, ROUTING_POLICIES, Registry, WorkerSpec
+from server.router.registry import DEAD, Registry, WorkerSpec
 from server.router.session import GenerationSession
+from tests.support.router_doubles import RecordingClient, ScriptedColocated, ready_registry
 from transfer.wire.protocol import TokenDelta, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=4)
 
 
-class Client:
-    """Records what the router sends to one worker."""
-
-    def __init__(self, spec: WorkerSpec, on_tokens=None, on_stats=None) -> None:
-        self.spec, self.on_tokens, self.on_stats = spec, on_tokens, on_stats
-        self.sent: list[str] = []
-        self.aborted: list[str] = []
-
-    def prefill(self, rid, *a) -> None:
-        self.sent.append(rid)
-
-    def generate(self, rid, *a, **k) -> None:
-        self.sent.append(rid)
-
-    def abort(self, rids, reason) -> None:
-        self.aborted += rids
-
-
 def registry(*ids: str) -> Registry:
-    """A PD registry of ready workers named like ``p0``/``d1`` (role from the first letter)."""
-    specs = [WorkerSpec(w, {"p": "prefill", "d": "decode"}[w[0]], f"tcp://{w}") for w in ids]
-    reg = Registry(specs, lambda s, *a: Client(s), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES["pd"])
-    for s in specs:
-        reg.on_stats(
-            s.worker_id,
-            WorkerStats(
-                worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100, max_model_len=100, page_size=1
-            ),
-        )
-    return reg
+    """A PD registry of ready workers named like ``p0``/``d1``."""
+    return ready_registry("pd", *ids)
 
 
 def session(reg: Registry, retries: int = 1, counted: list | None = None) -> GenerationSession:
@@ -75,7 +48,7 @@ def pair(s: GenerationSession) -> list[str]:
     return [h.worker_id for h in s.route.targets]
 
 
-def client(reg: Registry, wid: str) -> Client:
+def client(reg: Registry, wid: str) -> RecordingClient:
     return reg.handles[wid].client
 
 
@@ -95,7 +68,7 @@ def test_dead_prefill_before_the_first_token_is_retried_on_the_other_pair():
 
     first, s, delta = asyncio.run(scenario())
     assert delta.token_ids == [7] and counted == [1]
-    assert client(reg, "p1").sent == [s.rid] and client(reg, "d1").sent == [s.rid]
+    assert client(reg, "p1").rids() == [s.rid] and client(reg, "d1").rids() == [s.rid]
     assert first in client(reg, "d0").aborted and first in client(reg, "p0").aborted
     assert len(reg.table) == 0
 
@@ -158,43 +131,15 @@ def test_reroute_prefers_a_disjoint_pair_and_never_returns_the_failed_one():
     assert [h.worker_id for h in reg.reroute(route).targets] == ["p1", "d0"]
 
 
-class DyingWorker(Client):
-    """A colocated fake worker: fails every request with 503 (``dies``) or answers 2 tokens."""
+def dying_or_answering(dies: bool):
+    """A script for ``ScriptedColocated``: fail every request with 503 (its worker died) or answer 2 tokens."""
 
-    def __init__(self, spec, on_tokens, on_stats, dies: bool) -> None:
-        super().__init__(spec, on_tokens, on_stats)
-        self.dies = dies
+    def script(rid, resume):
+        if dies:
+            return [TokenDelta.failed(rid, "worker w0 is unavailable", 503)]
+        return [TokenDelta(rid=rid, token_ids=[28]), TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
 
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def request_stats(self, nonce: int) -> None:
-        self.on_stats(
-            self.spec.worker_id,
-            WorkerStats(
-                nonce=nonce,
-                worker_id=self.spec.worker_id,
-                role="colocated",
-                model="fake-model",
-                capacity_tokens=256,
-                max_model_len=512,
-                page_size=16,
-            ),
-        )
-
-    def generate(self, rid, prompt_ids, params, **k) -> None:
-        self.sent.append(rid)
-        deltas = (
-            [TokenDelta.failed(rid, f"worker {self.spec.worker_id} is unavailable", 503)]
-            if self.dies
-            else [TokenDelta(rid=rid, token_ids=[28]), TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
-        )
-        loop = asyncio.get_running_loop()
-        for d in deltas:
-            loop.call_soon(self.on_tokens, self.spec.worker_id, d)
+    return script
 
 
 @pytest.mark.parametrize("retries,stream", [(1, False), (1, True), (0, False)])
@@ -203,9 +148,11 @@ def test_http_retry_moves_the_counter_by_exactly_one(tokenizer, retries, stream)
         {"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated", "fresh_pair_retries": retries}}
     )
     specs = [WorkerSpec("w0", "colocated", "inproc://w0"), WorkerSpec("w1", "colocated", "inproc://w1")]
-    ctx = build_context(
-        cfg, tokenizer, "fake-model", specs, lambda s, on_t, on_s: DyingWorker(s, on_t, on_s, dies=s.worker_id == "w0")
-    )
+
+    def make(spec, on_tokens, on_stats):
+        return ScriptedColocated(spec, on_tokens, on_stats, dying_or_answering(spec.worker_id == "w0"))
+
+    ctx = build_context(cfg, tokenizer, "fake-model", specs, make)
     with TestClient(create_app(ctx)) as http:
         assert http.get("/health").status_code == 200
         r = http.post(

@@ -1,0 +1,94 @@
+"""Worker-client doubles for the router's registry and session tests: a client that records what
+the router sends it, a colocated one that also answers heartbeats and plays scripted deltas, and a
+registry of ready workers named by role (``p0``, ``d1``, ``c0``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import NamedTuple
+
+from server.router.inflight import InflightTable
+from server.router.registry import ROUTING_POLICIES, Registry, WorkerSpec
+from transfer.wire.protocol import TokenDelta, WorkerStats
+
+ROLES = {"p": "prefill", "d": "decode", "c": "colocated"}
+
+
+class Sent(NamedTuple):
+    """One message the router sent a worker: its kind, request id, resumed ids and parameters."""
+
+    kind: str
+    rid: str
+    resume: list[int] | None
+    params: object
+
+
+class RecordingClient:
+    """Records what the router sends to one worker (``sent``) and the ids it aborts (``aborted``)."""
+
+    def __init__(self, spec: WorkerSpec, on_tokens=None, on_stats=None) -> None:
+        self.spec, self.on_tokens, self.on_stats = spec, on_tokens, on_stats
+        self.sent: list[Sent] = []
+        self.aborted: list[str] = []
+
+    def rids(self) -> list[str]:
+        """The request ids sent, in order."""
+        return [s.rid for s in self.sent]
+
+    def prefill(self, rid, room, ids, params, *a) -> None:
+        self.sent.append(Sent("prefill", rid, None, params))
+
+    def generate(self, rid, ids, params, **k) -> None:
+        self.sent.append(Sent("generate", rid, k.get("resume_output_ids"), params))
+
+    def abort(self, rids, reason) -> None:
+        self.aborted += rids
+
+
+class ScriptedColocated(RecordingClient):
+    """A colocated worker double for a router built by ``build_context``: answers heartbeats at
+    once and plays, for each request, the deltas ``script(rid, resume_output_ids)`` returns."""
+
+    def __init__(self, spec: WorkerSpec, on_tokens, on_stats, script) -> None:
+        super().__init__(spec, on_tokens, on_stats)
+        self.script = script
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def request_stats(self, nonce: int) -> None:
+        stats = WorkerStats(
+            nonce=nonce,
+            worker_id=self.spec.worker_id,
+            role="colocated",
+            model="fake-model",
+            capacity_tokens=256,
+            max_model_len=512,
+            page_size=16,
+        )
+        self.on_stats(self.spec.worker_id, stats)
+
+    def generate(self, rid, ids, params, **k) -> None:
+        super().generate(rid, ids, params, **k)
+        deltas: list[TokenDelta] = self.script(rid, k.get("resume_output_ids"))
+        loop = asyncio.get_running_loop()
+        for d in deltas:
+            loop.call_soon(self.on_tokens, self.spec.worker_id, d)
+
+
+def ready_registry(mode: str, *ids: str) -> Registry:
+    """A registry of ready recording workers named like ``p0``/``d1``/``c0`` (role from the first
+    letter), each with a 100-token pool and context, under ``mode``'s routing policy."""
+    specs = [WorkerSpec(w, ROLES[w[0]], f"tcp://{w}") for w in ids]
+    reg = Registry(
+        specs, lambda s, *a: RecordingClient(s), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES[mode]
+    )
+    for s in specs:
+        stats = WorkerStats(
+            worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100, max_model_len=100, page_size=1
+        )
+        reg.on_stats(s.worker_id, stats)
+    return reg
