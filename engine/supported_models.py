@@ -29,18 +29,28 @@ GGUF_ONLY_TRAITS: dict[str, tuple[str, str, str]] = {
         "(1 + w) RMSNorm before and after attention and the MLP, Q/K RMSNorm, GeGLU (tanh GELU), embedding scale",
     ),
 }
-# The tests that check each architecture's greedy tokens (float32) against transformers.
+# The tests that check each architecture's greedy tokens (float32) against transformers
+# (tests/e2e/test_hf_architectures_pd.py: in PD mode, with retracts).
 CHECKED_BY: dict[str, tuple[str, ...]] = {
     "llama": (
         "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
         "tests/engine/test_rope_scaling.py",
         "tests/engine/test_engine_hf.py",
     ),
     "smollm": ("tests/engine/test_engine_hf.py",),
     "mistral": ("tests/engine/test_loader_swa.py",),
     "ministral": ("tests/engine/test_loader_swa.py", "tests/engine/test_swa_embedded.py", "tests/e2e/test_swa_pd.py"),
-    "qwen2": ("tests/engine/test_hf_architectures.py", "tests/engine/test_loader_swa.py"),
-    "qwen3": ("tests/engine/test_hf_architectures.py", "tests/engine/test_loader_swa.py"),
+    "qwen2": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_loader_swa.py",
+    ),
+    "qwen3": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_loader_swa.py",
+    ),
     "gemma3": ("tests/engine/test_gemma3.py",),
 }
 
