@@ -9,7 +9,6 @@ The table is explicit: a field transformers adds in a later version is refused u
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 # Fields that never change the computation of a served model.
@@ -72,27 +71,28 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     "qwen3": _LLAMA_CORE | _QWEN_SLIDING | {"attention_bias"},
 }
 
-
-def _only(*allowed: Any) -> Callable[[Any], str | None]:
-    """A value rule: the value must be one of ``allowed``; else the message names them."""
-
-    def rule(value: Any) -> str | None:
-        return None if value in allowed else f"supported: {' or '.join(map(repr, allowed))}"
-
-    return rule
+# Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v
+# biases (no o_proj bias), Qwen3 always has per-head Q/K RMSNorm; no other architecture reads either.
+QKV_BIAS_ARCHS = frozenset({"qwen2"})
+QK_NORM_ARCHS = frozenset({"qwen3"})
 
 
-# Implemented fields that pdserve runs with some values only (the others change the computation
+# Implemented fields that pdserve runs with these values only (the others change the computation
 # in ways the model does not implement). attention_bias adds an o_proj bias too in transformers'
 # Llama and Qwen3 (Qwen2's q/k/v biases are built in, without the o_proj one).
-VALUE_RULES: dict[str, Callable[[Any], str | None]] = {
-    "hidden_act": _only("silu", "swish"),
-    "mlp_bias": _only(False),
-    "attention_bias": _only(False),
-    "partial_rotary_factor": _only(1, 1.0),
-    "rope_interleaved": _only(False),
-    "use_mrope": _only(False),
+ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu", "swish"),
+    "mlp_bias": (False,),
+    "attention_bias": (False,),
+    "partial_rotary_factor": (1, 1.0),
+    "rope_interleaved": (False,),
+    "use_mrope": (False,),
 }
+
+
+def allowed_text(key: str) -> str:
+    """The values of ``key`` pdserve serves, as the refusal names them: ``'silu' or 'swish'``."""
+    return " or ".join(map(repr, ALLOWED_VALUES[key]))
 
 
 def check_hf_fields(cfg: dict, arch: str) -> None:
@@ -109,11 +109,10 @@ def check_hf_fields(cfg: dict, arch: str) -> None:
                 f"config.json field {key}={_short(value)} is not implemented by pdserve for model type "
                 f"{arch!r} (it may change the computation); pdserve implements: {', '.join(sorted(known))}"
             )
-        rule = VALUE_RULES.get(key)
-        why = rule(value) if rule else None
-        if why:
+        if key in ALLOWED_VALUES and value not in ALLOWED_VALUES[key]:
             raise ValueError(
-                f"config.json field {key}={_short(value)} is not implemented by pdserve for model type {arch!r}; {why}"
+                f"config.json field {key}={_short(value)} is not implemented by pdserve for model type {arch!r}; "
+                f"supported: {allowed_text(key)}"
             )
 
 

@@ -18,7 +18,7 @@ import torch
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import SUPPORTED_ARCHS, ModelConfig
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
-from engine.hf_fields import check_hf_fields
+from engine.hf_fields import QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
 from engine.rope_scaling import RopeScaling, check_context, parse_rope_scaling
 from engine.swa_config import (
     SlidingOverrides,
@@ -316,10 +316,10 @@ def _hf_config(
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # q/k/v biases as transformers builds them: built into Qwen2, none elsewhere (a true
-        # attention_bias, which adds an o_proj bias as well, is refused by engine.hf_fields)
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",  # as transformers: Q/K norms are Qwen3's, never read elsewhere
+        # q/k/v biases and Q/K norms as transformers builds them (a true attention_bias, which adds
+        # an o_proj bias as well, is refused by engine.hf_fields)
+        attention_bias=arch in QKV_BIAS_ARCHS,
+        qk_norm=arch in QK_NORM_ARCHS,
         bos_token_id=next(iter(_as_ids(cfg.get("bos_token_id"))), None),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         sliding_window=sliding.window,

@@ -7,8 +7,10 @@
 * ``docs/usage/request-fields.md``: every field of ``/v1/completions`` and ``/v1/chat/completions``,
   from the pydantic request models (``server.router.openai_schemas``) and the ignored and refused
   lists (``server.router.extensions``).
+* ``docs/usage/supported-models.md``: every architecture the loader accepts and what it refuses,
+  from ``engine.supported_models`` (which reads the loader's own tables).
 
-``python tools/gen_reference.py`` writes the three pages; ``--check`` writes nothing and exits 1
+``python tools/gen_reference.py`` writes the pages; ``--check`` writes nothing and exits 1
 naming each page that differs from what the code generates now, and each flag, series or field
 that has no description.
 """
@@ -358,10 +360,46 @@ def request_fields_page() -> tuple[str, list[str]]:
     return "\n".join(lines).rstrip() + "\n", missing
 
 
+def supported_models_page() -> tuple[str, list[str]]:
+    from engine.supported_models import refused, supported_models
+
+    models = supported_models()
+    rows = [
+        [
+            f"`{m.arch}`",
+            ", ".join(m.formats),
+            m.rope,
+            m.sliding,
+            m.attention,
+            "; ".join(f"`{r}`" for r in m.restricted) or "-",
+            ", ".join(f"`{t}`" for t in m.checked_by),
+        ]
+        for m in models
+    ]
+    lines = _header(
+        "Supported models",
+        "Every architecture (`model_type` of a HF folder's `config.json`, or GGUF `general.architecture`) "
+        "the loader accepts, what it implements, and the tests that check its greedy tokens (float32) "
+        "against HuggingFace transformers on the same weights. `pdserve models` prints the same. How to "
+        "name a model and the dtypes it runs in: [models](models.md).",
+        "the loader's tables (`engine/hf_fields.py`, `engine/config.py`, `engine/rope_scaling.py`, "
+        "`engine/swa_config.py`) through `engine/supported_models.py`",
+    )
+    lines += table(
+        ["architecture", "formats", "RoPE", "sliding layers", "biases and norms", "served only with", "checked by"],
+        rows,
+    )
+    lines += ["## Refused at load", ""]
+    lines += table(["what", "how"], [[what, how] for what, how in refused()])
+    missing = [f"architecture {m.arch} has no test against transformers" for m in models if not m.checked_by]
+    return "\n".join(lines).rstrip() + "\n", missing
+
+
 PAGES: dict[str, Callable[[], tuple[str, list[str]]]] = {
     "docs/usage/cli-flags.md": cli_flags_page,
     "docs/operate/metrics.md": metrics_page,
     "docs/usage/request-fields.md": request_fields_page,
+    "docs/usage/supported-models.md": supported_models_page,
 }
 
 

@@ -152,6 +152,18 @@ def _keygen_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
 
 
+def _models_parser(sub) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list the model architectures pdserve loads, their formats, RoPE types and what is refused",
+        description="Prints what the loader accepts, computed from its own tables: each architecture "
+        "with its checkpoint formats (HF folder, GGUF), RoPE types, sliding layers, biases and norms, "
+        "the fields served with some values only and the tests that check it against transformers; "
+        "then what is refused at load.",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object: the architectures and the refusals")
+
+
 def _bench_parser(sub) -> None:
     """Every argument after ``bench`` is left to ``python -m bench`` (``parse_args`` below)."""
     sub.add_parser(
@@ -171,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         _router_parser,
         _probe_parser,
         _keygen_parser,
+        _models_parser,
         _bench_parser,
     ):
         add(sub)

@@ -1,5 +1,6 @@
 """``pdserve`` command line: ``generate`` (offline batch), ``launch`` (serve over HTTP), ``worker``,
-``router``, ``probe``, ``keygen`` (a cluster key file) and ``bench``.
+``router``, ``probe``, ``keygen`` (a cluster key file), ``models`` (what the loader serves) and
+``bench``.
 
 Parsing lives in ``server.launch.args``; each command here is one function, picked by name.
 ``pdserve bench ...`` runs ``python -m bench ...`` in a child process: the benchmarks sit above
@@ -179,6 +180,19 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from engine.supported_models import models_text, refused, supported_models
+
+    if args.json:
+        models = [asdict(m) for m in supported_models()]
+        print(json.dumps({"models": models, "refused": [{"what": w, "how": h} for w, h in refused()]}, indent=1))
+    else:
+        sys.stdout.write(models_text())
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "bench", *args.bench_argv])
 
@@ -190,6 +204,7 @@ COMMANDS = {
     "router": _cmd_router,
     "probe": _cmd_probe,
     "keygen": _cmd_keygen,
+    "models": _cmd_models,
     "bench": _cmd_bench,
 }
 

@@ -103,3 +103,20 @@ def test_help_reads_as_a_product():
     assert {"pdserve launch", "pdserve worker", "pdserve probe"} <= set(texts)
     found = {cmd: [m.group(0) for m in HISTORY.finditer(text)] for cmd, text in texts.items() if HISTORY.search(text)}
     assert not found, f"development history in --help: {found}"
+
+
+def test_supported_models_page_lists_every_architecture_the_loader_accepts(monkeypatch):
+    from engine import hf_fields, supported_models
+    from engine.config import MODEL_ARCHS
+
+    text, missing = GEN.supported_models_page()
+    rows = [line for line in text.split("## Refused at load")[0].splitlines() if line.startswith("| `")]
+    assert sorted(r.split("`")[1] for r in rows) == sorted(MODEL_ARCHS) and not missing
+    monkeypatch.setitem(hf_fields.IMPLEMENTED, "newarch", hf_fields.IMPLEMENTED["llama"])
+    monkeypatch.delitem(supported_models.CHECKED_BY, "qwen2")
+    text, missing = GEN.supported_models_page()
+    assert "| `newarch` | HF folder, GGUF |" in text
+    assert missing == [
+        "architecture newarch has no test against transformers",
+        "architecture qwen2 has no test against transformers",
+    ]

@@ -1,0 +1,154 @@
+"""What the loader serves, per architecture, computed from the loader's own tables.
+
+``pdserve models`` prints it and ``tools/gen_reference.py`` writes it into
+``docs/usage/supported-models.md``; both read :func:`supported_models` and :func:`refused`, which
+derive every cell from the tables the loader enforces (``engine.config``, ``engine.hf_fields``,
+``engine.rope_scaling``, ``engine.swa_config``), so an architecture or field added to those tables
+appears here with nothing else to edit. Only :data:`CHECKED_BY` (which test checks each
+architecture against transformers) is written by hand, and a test requires an entry for each
+architecture the loader accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import MODEL_ARCHS
+from engine.hf_fields import ALLOWED_VALUES, IMPLEMENTED, QK_NORM_ARCHS, QKV_BIAS_ARCHS, allowed_text
+from engine.rope_scaling import ROPE_TYPES
+from engine.swa_config import UNSUPPORTED_SLIDING_ARCHS
+
+HF_FOLDER = "HF folder"
+GGUF = "GGUF"
+# Architectures served by a model of their own, from GGUF only (engine.gguf_gemma3): its
+# (rope, sliding, attention) cells.
+GGUF_ONLY_TRAITS: dict[str, tuple[str, str, str]] = {
+    "gemma3": (
+        "GGUF: rope.freq_base on full layers, 10 000 on sliding ones",
+        "GGUF: attention.sliding_window, llama.cpp's pattern 6 (five sliding layers to each full one)",
+        "(1 + w) RMSNorm before and after attention and the MLP, Q/K RMSNorm, GeGLU (tanh GELU), embedding scale",
+    ),
+}
+# The tests that check each architecture's greedy tokens (float32) against transformers
+# (tests/e2e/test_hf_architectures_pd.py: in PD mode, with retracts).
+CHECKED_BY: dict[str, tuple[str, ...]] = {
+    "llama": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_rope_scaling.py",
+        "tests/engine/test_engine_hf.py",
+    ),
+    "smollm": ("tests/engine/test_engine_hf.py",),
+    "mistral": ("tests/engine/test_loader_swa.py",),
+    "ministral": ("tests/engine/test_loader_swa.py", "tests/engine/test_swa_embedded.py", "tests/e2e/test_swa_pd.py"),
+    "qwen2": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_loader_swa.py",
+    ),
+    "qwen3": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_loader_swa.py",
+    ),
+    "gemma3": ("tests/engine/test_gemma3.py",),
+}
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """One architecture (``model_type`` or GGUF ``general.architecture``) the loader accepts.
+
+    ``formats`` are the checkpoint formats it loads from; ``rope`` the RoPE types per format;
+    ``sliding`` how its sliding layers are configured (``none`` when it has none); ``attention``
+    its biases and norms beyond the Llama block; ``restricted`` the implemented fields served
+    with some values only (field: supported values); ``checked_by`` the tests against transformers.
+    """
+
+    arch: str
+    formats: tuple[str, ...]
+    rope: str
+    sliding: str
+    attention: str
+    restricted: tuple[str, ...]
+    checked_by: tuple[str, ...]
+
+
+def _rope(fields: frozenset[str]) -> str:
+    hf = ", ".join(ROPE_TYPES) if "rope_scaling" in fields else "default"
+    return f"HF: {hf} (longrope: short factors only); GGUF: default (rope.freq_base)"
+
+
+def _sliding(fields: frozenset[str]) -> str:
+    read = [f for f in ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers") if f in fields]
+    if not read:
+        return "none"
+    return f"HF: {', '.join(read)}; GGUF: attention.sliding_window (+ sliding_window_pattern)"
+
+
+def _attention(arch: str) -> str:
+    traits = [name for name, archs in (("q/k/v bias", QKV_BIAS_ARCHS), ("Q/K RMSNorm", QK_NORM_ARCHS)) if arch in archs]
+    return ", ".join(traits) or "none"
+
+
+def _restricted(fields: frozenset[str]) -> tuple[str, ...]:
+    return tuple(f"{key}: {allowed_text(key)}" for key in sorted(fields & set(ALLOWED_VALUES)))
+
+
+def supported_models() -> list[ModelSupport]:
+    """Every architecture the loader accepts, in name order: the HF/GGUF Llama family of
+    ``engine.hf_fields.IMPLEMENTED`` and the GGUF-only ones of ``engine.config.MODEL_ARCHS``."""
+    rows = []
+    for arch in sorted(set(IMPLEMENTED) | set(MODEL_ARCHS)):
+        checked = CHECKED_BY.get(arch, ())
+        if arch in IMPLEMENTED:
+            fields = IMPLEMENTED[arch]
+            rows.append(
+                ModelSupport(
+                    arch,
+                    (HF_FOLDER, GGUF),
+                    _rope(fields),
+                    _sliding(fields),
+                    _attention(arch),
+                    _restricted(fields),
+                    checked,
+                )
+            )
+        else:
+            rope, sliding, attention = GGUF_ONLY_TRAITS[arch]
+            rows.append(ModelSupport(arch, (GGUF,), rope, sliding, attention, (), checked))
+    return rows
+
+
+def refused() -> list[tuple[str, str]]:
+    """(what, how it is refused) for what the loader refuses at load, before any weight is read."""
+    names = [a + (" (from HF folders)" if a in MODEL_ARCHS else "") for a in sorted(UNSUPPORTED_SLIDING_ARCHS)]
+    return [
+        ("any other model type", "refused naming the supported ones; among them " + ", ".join(names)),
+        (
+            "a config.json field outside the architecture's list",
+            "refused naming the field, its value and the fields implemented (soft-capping, MoE settings, "
+            "quantization_config, auto_map, ...); fields that change nothing at inference pass",
+        ),
+        ("an implemented field with another value", "refused naming the values served (the restricted fields)"),
+        ("a rope_type outside " + ", ".join(ROPE_TYPES), "refused naming the types implemented"),
+        ("a checkpoint tensor the model would not read", "refused naming the tensor"),
+    ]
+
+
+def models_text() -> str:
+    """The plain-text listing ``pdserve models`` prints: one block per architecture, then the refusals."""
+    lines = []
+    for m in supported_models():
+        lines += [
+            f"{m.arch}",
+            f"  formats:    {', '.join(m.formats)}",
+            f"  rope:       {m.rope}",
+            f"  sliding:    {m.sliding}",
+            f"  attention:  {m.attention}",
+        ]
+        lines += [f"  restricted: {r}" for r in m.restricted]
+        lines += [f"  checked by: {', '.join(m.checked_by) or 'nothing'}", ""]
+    lines.append("refused at load:")
+    lines += [f"  {what}: {how}" for what, how in refused()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,89 @@
+"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases) and Qwen3 (Q/K norms) from HF folders in PD
+mode: small random models loaded as a worker loads them give transformers' greedy tokens (float32)
+through the in-process prefill/decode pair (real schedulers, loopback KV transport), with the KV
+shipped from prefill to decode, and again when the decode side retracts (a decode pool too small
+for every request, and a retract forced every few steps), its KV parked on the host and resumed.
+Every pool and host buffer is checked back at teardown (``checked_harnesses``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.harness.pd_harness import PDHarness, checked_harnesses
+from configs.schema import PdserveConfig
+from engine.loader import load_for_engine
+from tests.support.hf_folders import random_prompts, reference_greedy, save_small_model
+from transfer.wire.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+CASES = {
+    "llama3": ("llama", {"rope_parameters": LLAMA3}),
+    "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+}
+NEW = 16
+PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+# Without ignore_eos admission reserves a fraction (new_token_ratio) of each request's tokens, so
+# the small pool overcommits and retracts; the decode side is built without EOS ids (the harness's
+# default), and these prompts draw no EOS from the prefill side (checked by the token count).
+OPTIMISTIC = SamplingParams(max_new_tokens=NEW, temperature=0)
+# Decode-side settings: roomy; a pool of 96 tokens (24 pages) admitted optimistically, where the
+# four prompts (20 pages) fit but not their 16 tokens each (36 pages); a retract every third step.
+DECODE = {
+    "plain": ({"kv_pool_tokens": 4096}, {}),
+    "small-pool": ({"kv_pool_tokens": 96}, {"init_new_token_ratio": 0.1}),
+    "forced": ({"kv_pool_tokens": 4096}, {"retract_test_interval": 3}),
+}
+
+
+def _cfg(engine: dict, sched: dict) -> PdserveConfig:
+    return PdserveConfig.model_validate(
+        {
+            "engine": {"page_size": 4, "dtype": "float32", **engine},
+            "scheduler": sched,
+            "cluster": {"mode": "pd", "host_kv_pool_gb": 0.01, "transfer_backend": "loopback"},
+        }
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def arch_model(request, tmp_path_factory):
+    """(folder, prompts, transformers' greedy tokens) of one architecture's small random model."""
+    kind, overrides = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_small_model(kind, folder, **overrides)
+    prompts = [p[:20] for p in random_prompts(4, 20)]  # 4 x 5 pages
+    return folder, prompts, reference_greedy(model, prompts, NEW)
+
+
+@pytest.fixture
+def harness():
+    yield from checked_harnesses(lambda p, d, c, w: PDHarness(p, d, c, w))
+
+
+@pytest.mark.parametrize("decode", sorted(DECODE))
+def test_pd_greedy_tokens_equal_transformers(arch_model, harness, decode):
+    folder, prompts, ref = arch_model
+    prefill_cfg, decode_cfg = _cfg({"kv_pool_tokens": 4096}, {}), _cfg(*DECODE[decode])
+    config, weights = load_for_engine(folder, decode_cfg.engine)
+    h = harness(prefill_cfg, decode_cfg, config, weights)
+    for i, p in enumerate(prompts):
+        h.submit(f"r{i}", p, OPTIMISTIC if decode == "small-pool" else PARAMS)
+    out = h.run()
+    got = [out[f"r{i}"]["tokens"] for i in range(len(prompts))]
+    assert got == ref and all(len(t) == NEW for t in got)
+    assert h.prefill.transfer_bytes > 0
+    rs = h.decode.retract.stats
+    if decode == "plain":
+        assert h.decode.stats.retractions == 0
+    else:
+        assert h.decode.stats.retractions > 0 and rs.resumed > 0
