@@ -95,22 +95,39 @@ async def astream(client: httpx.AsyncClient, body: dict, on_chunk: Callable[[dic
     return rec.out
 
 
+def _usage(u: dict | None) -> dict | None:
+    """Usage without ``prompt_tokens_details``: the fault-free run of the same prompts warms the
+    prefix cache, so the second run's ``cached_tokens`` differ whether or not a failover happened."""
+    return None if u is None else {k: v for k, v in u.items() if k != "prompt_tokens_details"}
+
+
+def differences(got: dict, ref: dict, logprob_tol: float = 1e-3) -> list[str]:
+    """What of ``got`` is not ``ref``'s: "errors", "usage", "choices", or per choice "text", "token_ids",
+    "finish_reason", "logprobs" (values within ``logprob_tol`` are equal); empty when the same."""
+    out = [
+        k
+        for k, bad in (
+            ("errors", got["errors"] or got["status"] != 200),
+            ("usage", _usage(got["usage"]) != _usage(ref["usage"])),
+        )
+        if bad
+    ]
+    if sorted(got["choices"]) != sorted(ref["choices"]):
+        return [*out, "choices"]
+    for i, r in sorted(ref["choices"].items()):
+        g = got["choices"][i]
+        out += [f"{k}[{i}]" for k in ("text", "token_ids", "finish_reason") if g[k] != r[k]]
+        if len(g["logprobs"]) != len(r["logprobs"]) or any(
+            abs(a - b) > logprob_tol for a, b in zip(g["logprobs"], r["logprobs"])
+        ):
+            out.append(f"logprobs[{i}]")
+    return out
+
+
 def same_output(got: dict, ref: dict, logprob_tol: float = 1e-3) -> bool:
     """Whether ``got`` ended without an error with ``ref``'s choices (text, token ids, finish reason,
-    logprobs within ``logprob_tol``) and usage."""
-    if got["errors"] or got["status"] != 200 or got["usage"] != ref["usage"]:
-        return False
-    if sorted(got["choices"]) != sorted(ref["choices"]):
-        return False
-    for i, r in ref["choices"].items():
-        g = got["choices"][i]
-        if (g["text"], g["token_ids"], g["finish_reason"]) != (r["text"], r["token_ids"], r["finish_reason"]):
-            return False
-        if len(g["logprobs"]) != len(r["logprobs"]):
-            return False
-        if any(abs(a - b) > logprob_tol for a, b in zip(g["logprobs"], r["logprobs"])):
-            return False
-    return True
+    logprobs within ``logprob_tol``) and usage (but its cache hits: ``_usage``)."""
+    return not differences(got, ref, logprob_tol)
 
 
 #: The kinds of request a mixed load cycles through, each a sampling setup whose continuation must be exact.
