@@ -9,17 +9,15 @@ kill; afterwards no KV page or in-flight entry is left."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import threading
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 
+from bench.harness.failover_load import STORY, stream, worker_pid
 from bench.harness.subprocess_server import LaunchedServer, fresh_metrics, metric_sum, scrape_metrics, wait_idle
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -28,49 +26,6 @@ HEARTBEAT_S = 0.2
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 NEW_TOKENS = 64
 KILL_AFTER = 8  # tokens the client has when the serving replica is killed
-
-
-def stream(url: str, body: dict, on_chunk=None) -> dict:
-    """A streamed completion: per choice index its text, token ids, logprobs and finish reason; the
-    usage, every error chunk and the largest gap between chunks with tokens."""
-    out = {"choices": {}, "usage": None, "errors": [], "gap_s": 0.0, "tokens": 0}
-    last = None
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300, trust_env=False) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                out["errors"].append(chunk["error"])
-                continue
-            out["usage"] = chunk.get("usage") or out["usage"]
-            now = time.monotonic()
-            if any(c.get("token_ids") for c in chunk.get("choices", [])):
-                out["gap_s"] = max(out["gap_s"], now - last) if last is not None else 0.0
-                last = now
-            for c in chunk.get("choices", []):
-                mine = out["choices"].setdefault(
-                    c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
-                )
-                mine["text"] += c.get("text", "")
-                mine["token_ids"] += c.get("token_ids") or []
-                mine["logprobs"] += (c.get("logprobs") or {}).get("token_logprobs") or []
-                mine["finish_reason"] = c.get("finish_reason") or mine["finish_reason"]
-                out["tokens"] += len(c.get("token_ids") or [])
-            if on_chunk is not None:
-                on_chunk(out)
-    return out
-
-
-def worker_pid(server: LaunchedServer, worker_id: str) -> int:
-    """The pid of the launcher's child that runs ``worker_id`` (its ``--worker-id`` argument)."""
-    for pid in server.worker_pids():
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"--worker-id" in cmd and cmd[cmd.index(b"--worker-id") + 1] == worker_id.encode():
-            return pid
-    raise LookupError(worker_id)
 
 
 def serving_worker(url: str, before: dict, workers: tuple[str, ...]) -> str:
@@ -96,12 +51,6 @@ def replicas(launched_server) -> LaunchedServer:
     return launched_server("colocated", "--replicas", "2", *SERVER_FLAGS)
 
 
-STORY = {
-    "type": "object",
-    "properties": {"title": {"type": "string"}, "story": {"type": "string", "minLength": 400}},
-    "required": ["title", "story"],
-    "additionalProperties": False,
-}
 CASES = {
     "greedy": {"temperature": 0},
     "seeded": {"temperature": 0.8, "seed": 1234},

@@ -1,0 +1,212 @@
+"""Failover of streaming requests: the goal figures in one run.
+
+``python -m benchmarks.failover [--streams 24] [--max-tokens 128] [--replicas 2] [--transfer-backend ucxx]
+[--kill-at 0.25] [--seed 0] [--json]``
+
+Launches the embedded model as 1 prefill + 2 decode workers (``--replicas 2``: two colocated
+replicas instead), streams ``--streams`` concurrent completions of ``--max-tokens`` tokens
+(``ignore_eos``; cycling through greedy, seeded temperature, ``json_schema``, ``n=2``, ``logprobs``
+and stop strings) once without a fault, then the same bodies again with ``kill -9`` of the decode
+worker (replica) running the most requests once the clients hold ``--kill-at`` of all tokens.
+Prints:
+
+- failed requests (goal 0) and outputs identical to the fault-free run (text, token ids, finish
+  reason, logprobs within 1e-3, usage; goal: all);
+- detection: from the kill to the router's ``worker <id> is dead`` log line (goal < 1 s);
+- the largest inter-token gap any client saw in each run, the router's stall histogram
+  (``pdserve_failover_stall_seconds``: last token from the dead worker to the first of the
+  continuation), the failovers and the recomputed tokens, and the bound the gap is held to:
+  detection + one prefill of prompt + sent tokens, that prefill timed on the idle server afterwards
+  (a fresh prompt of the longest such length, ``max_tokens`` 1, no cache hit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+
+import httpx
+
+from bench.harness.failover_load import astream, dead_at, first_difference, mixed_bodies, same_output, worker_pid
+from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics, wait_idle
+
+HEARTBEAT_S = 0.2
+WORDS = (
+    "river stone light garden window morning paper music silver forest engine voice winter harbor "
+    "letter market bridge candle orange summer keeper tower ocean storm"
+).split()
+
+
+def launch_args(ns: argparse.Namespace) -> list[str]:
+    """``pdserve launch`` flags of the run: PD 1+2 or colocated replicas, pools large enough for every
+    stream on one worker (the survivor takes them all)."""
+    topo = ["--mode", "colocated", "--replicas", str(ns.replicas)] if ns.replicas else ["--mode", "pd", "--decode", "2"]
+    extra = ["--transfer-backend", ns.transfer_backend] if ns.transfer_backend else []
+    return [
+        *topo,
+        *extra,
+        "--port",
+        "0",
+        "--kv-pool-tokens",
+        "16384",
+        "--page-size",
+        "16",
+        "--health-interval-s",
+        str(HEARTBEAT_S),
+        "--log-level",
+        "INFO",
+    ]
+
+
+async def run_load(url: str, bodies: list[dict], on_chunk=None) -> list[dict]:
+    """Every body at once, one connection each."""
+    limits = httpx.Limits(max_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, trust_env=False) as c:
+        return await asyncio.gather(*(astream(c, b, on_chunk) for b in bodies))
+
+
+def busiest(url: str, workers: list[str]) -> str:
+    """The one of ``workers`` with the most running requests in the router's view (ties: first)."""
+    m = scrape_metrics(url)
+    return max(workers, key=lambda w: metric_sum(m, "pdserve_queue_requests", worker=w, queue="running"))
+
+
+async def faulted_run(server: LaunchedServer, bodies: list[dict], workers: list[str], kill_tokens: int) -> tuple:
+    """The load with ``kill -9`` of the busiest of ``workers`` once the clients hold ``kill_tokens``
+    tokens; (records, victim, wall time of the kill, tokens the clients held then)."""
+    reached = asyncio.Event()
+    held: dict[int, int] = {}  # tokens each stream holds, by its record's id
+
+    def counting(out: dict) -> None:
+        held[id(out)] = out["tokens"]
+        out.setdefault("held_at_kill", None)
+        if sum(held.values()) >= kill_tokens:
+            reached.set()
+
+    task = asyncio.create_task(run_load(server.url, bodies, counting))
+    await reached.wait()
+    victim = await asyncio.to_thread(busiest, server.url, workers)
+    pid = worker_pid(server, victim)
+    at_tokens = sum(held.values())
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    snapshot = dict(held)
+    records = await task
+    for r in records:
+        r["held_at_kill"] = snapshot.get(id(r), 0)
+    return records, victim, t_kill, at_tokens
+
+
+def prefill_time(url: str, tokens: int) -> float:
+    """Seconds to the first token of a fresh (uncached) prompt of about ``tokens`` tokens, ``max_tokens`` 1."""
+    words = f"{uuid.uuid4().hex} " + " ".join(WORDS[i % len(WORDS)] for i in range(tokens - 12))
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": words, "max_tokens": 1, "temperature": 0},
+        timeout=120,
+        trust_env=False,
+    )
+    r.raise_for_status()
+    return time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--replicas", type=int, default=0, help="colocated replicas instead of 1 prefill + 2 decode")
+    ap.add_argument("--transfer-backend", choices=["nixl", "ucxx"], default=None)
+    ap.add_argument("--kill-at", type=float, default=0.25, help="fraction of all tokens the clients hold at the kill")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ns = ap.parse_args(argv)
+
+    mixes = mixed_bodies(ns.streams, ns.max_tokens, WORDS, ns.seed)
+    bodies = [b for _, b in mixes]
+    expected = sum(b.get("n", 1) for b in bodies) * ns.max_tokens
+    workers = [f"colocated-{i}" for i in range(ns.replicas)] if ns.replicas else ["decode-0", "decode-1"]
+    with LaunchedServer(launch_args(ns)) as server:
+        ref = asyncio.run(run_load(server.url, bodies))
+        bad_ref = [i for i, r in enumerate(ref) if r["errors"]]
+        assert not bad_ref, f"the fault-free run failed requests {bad_ref}: {ref[bad_ref[0]]['errors']}"
+        before = wait_idle(server.url, HEARTBEAT_S)
+        got, victim, t_kill, at_tokens = asyncio.run(faulted_run(server, bodies, workers, int(ns.kill_at * expected)))
+        detected = dead_at(server.log(), victim, t_kill)
+        m = scrape_metrics(server.url)
+
+        def moved(name: str, **labels: str) -> float:
+            return metric_sum(m, name, **labels) - metric_sum(before, name, **labels)
+
+        failovers = moved("pdserve_failovers_total", outcome="continued")
+        other = moved("pdserve_failovers_total") - failovers
+        recomputed = moved("pdserve_failover_recomputed_tokens_total")
+        stall_n = moved("pdserve_failover_stall_seconds_count")
+        stall_mean = moved("pdserve_failover_stall_seconds_sum") / stall_n if stall_n else 0.0
+        prompt_tokens = max(r["usage"]["prompt_tokens"] for r in ref)
+        sent = max((len(c["token_ids"]) for r in got for c in r["choices"].values()), default=0)
+        longest = prompt_tokens + min(sent, ns.max_tokens)
+        deadline = time.monotonic() + 180  # the launcher restarts the victim; prefill on a settled server
+        while metric_sum(scrape_metrics(server.url), "pdserve_worker_up") < len(workers) + (0 if ns.replicas else 1):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        prefill_s = min(prefill_time(server.url, longest) for _ in range(3))
+
+    failed = [i for i, r in enumerate(got) if r["errors"] or r["status"] != 200]
+    identical = sum(same_output(g, r) for g, r in zip(got, ref))
+    detect_s = None if detected is None else detected - t_kill
+    gap, gap_ref = max(r["gap_s"] for r in got), max(r["gap_s"] for r in ref)
+    bound = (detect_s or 0.0) + prefill_s
+    res = {
+        "launch": " ".join(launch_args(ns)),
+        "streams": ns.streams,
+        "max_tokens": ns.max_tokens,
+        "victim": victim,
+        "tokens_at_kill": f"{at_tokens}/{expected}",
+        "failed": len(failed),
+        "identical": f"{identical}/{len(bodies)}",
+        "identical_by_mix": {
+            name: f"{sum(same_output(g, r) for (n, _), g, r in zip(mixes, got, ref) if n == name)}"
+            f"/{sum(1 for n, _ in mixes if n == name)}"
+            for name in sorted({n for n, _ in mixes})
+        },
+        "differing (mix, choice, first index, tokens held at the kill)": [
+            (n, *d, g["held_at_kill"])
+            for (n, _), g, r in zip(mixes, got, ref)
+            if (d := first_difference(g, r)) is not None
+        ],
+        "failovers_continued": int(failovers),
+        "failovers_other_outcomes": int(other),
+        "recomputed_tokens": int(recomputed),
+        "detection_s": None if detect_s is None else round(detect_s, 3),
+        "max_gap_s": round(gap, 3),
+        "max_gap_fault_free_s": round(gap_ref, 3),
+        "stall_mean_s": round(stall_mean, 3),
+        "prefill_s": round(prefill_s, 3),
+        "prefill_tokens": longest,
+        "bound_s": round(bound, 3),
+    }
+    if ns.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k}: {v}")
+    det = "not found in the log" if detect_s is None else f"{detect_s:.3f} s"
+    print(f"goal failed: {len(failed)} (goal 0); identical: {identical}/{len(bodies)} (goal all)")
+    print(f"goal detection: {det} (goal < 1 s)")
+    print(
+        f"goal gap: largest inter-token gap {gap:.3f} s (fault-free {gap_ref:.3f} s) vs detection + one idle "
+        f"prefill of {longest} tokens ({prefill_s:.3f} s) = {bound:.3f} s"
+    )
+    return 0 if not failed and identical == len(bodies) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
