@@ -33,8 +33,8 @@ import uuid
 
 import httpx
 
-from bench.harness.failover_load import astream, dead_at, first_difference, mixed_bodies, same_output, worker_pid
 from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics, wait_idle
+from benchmarks.failover_load import astream, dead_at, first_difference, mixed_bodies, same_output, worker_pid
 
 HEARTBEAT_S = 0.2
 WORDS = (

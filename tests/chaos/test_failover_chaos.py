@@ -16,8 +16,8 @@ import signal
 import httpx
 import pytest
 
-from bench.harness.failover_load import astream, differences, first_difference, mixed_bodies, same_output
 from bench.harness.subprocess_server import metric_sum
+from benchmarks.failover_load import astream, differences, first_difference, mixed_bodies, same_output
 from tests.chaos.chaos_cluster import Cluster, leaks, signal_worker
 from tests.chaos.tiny_model import save_tiny_model
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from bench.harness.failover_load import STORY, stream, worker_pid
 from bench.harness.subprocess_server import LaunchedServer, fresh_metrics, metric_sum, scrape_metrics, wait_idle
+from benchmarks.failover_load import STORY, stream, worker_pid
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
