@@ -78,6 +78,14 @@ class SchedulerConfig(BaseModel):
         '4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}: sets the four fields above (giving one of them as '
         "well with another value is an error)",
     )
+    spec_max_batch_tokens: int = Field(
+        16,
+        ge=1,
+        description="speculative decoding: a step drafts only while its tokens (decode rows, prefill tokens "
+        "and drafted tokens) stay within this many and max_num_batched_tokens, drafts trimmed to fit: past "
+        "it a CPU step is compute-bound and drafted rows cost real time (16: the knee of a float32 CPU step "
+        "measured with benchmarks.gemm_rows; not measured on CUDA; docs/design/speculative.md)",
+    )
 
     @model_validator(mode="before")
     @classmethod
