@@ -79,12 +79,13 @@ class SchedulerConfig(BaseModel):
         "well with another value is an error)",
     )
     spec_max_batch_tokens: int = Field(
-        16,
+        10,
         ge=1,
         description="speculative decoding: a step drafts only while its tokens (decode rows, prefill tokens "
         "and drafted tokens) stay within this many and max_num_batched_tokens, drafts trimmed to fit: past "
-        "it a CPU step is compute-bound and drafted rows cost real time (16: the knee of a float32 CPU step "
-        "measured with benchmarks.gemm_rows; not measured on CUDA; docs/design/speculative.md)",
+        "it a CPU step is compute-bound and drafted rows cost more than they save (10: measured with "
+        "benchmarks.spec_ab at 1 to 8 requests on a small CPU model; not measured on CUDA; "
+        "docs/design/speculative.md)",
     )
 
     @model_validator(mode="before")
