@@ -1,8 +1,9 @@
-"""Speculative decoding (n-gram) on vs off in one process: c=1 decode tok/s, input-grounded or chat.
+"""Speculative decoding (n-gram) on vs off in one process: decode tok/s, input-grounded or chat.
 
 ``python -m benchmarks.spec_ab [--workload repeat|chat] [--rounds 3] [--max-tokens 160]
-[--num-speculative-tokens 4] [--ngram-min 2] [--ngram-max 4] [--dtype float32]`` loads the model once and runs
-one greedy request at a time through the colocated scheduler with and without ``--speculative-method ngram``
+[--num-speculative-tokens 4] [--ngram-min 2] [--ngram-max 4] [--dtype float32] [--concurrency 1]
+[--spec-max-batch-tokens 10]`` loads the model once and runs ``--concurrency`` greedy requests of one prompt
+at a time through the colocated scheduler with and without ``--speculative-method ngram``
 alternately (off, on, off, on, ...: a shared machine's drift hits both alike): the model repeats a passage it was
 given (``repeat``, the default) or writes a story (``chat``: little of the answer is in its context, so few drafts
 are accepted). Per run: decode tok/s (output tokens after the first over the time from the first token to the
@@ -41,24 +42,25 @@ WORKLOADS = {
 }
 
 
-def decode_once(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
-    """(output ids, decode seconds and CPU seconds of this process: first token to last) of one greedy
-    request alone."""
+def decode_once(llm: LLM, prompt: list[int], max_tokens: int, concurrency: int = 1) -> tuple[list[int], float, float]:
+    """(output ids of the requests one after the other, decode seconds and CPU seconds of this process:
+    first token to last) of ``concurrency`` greedy requests of ``prompt`` at once."""
     sched = llm.scheduler
-    sched.add(
-        b"",
-        GenerateRequest(rid=f"r{time.monotonic_ns()}", params=SamplingParams(max_new_tokens=max_tokens, temperature=0)),
-        prompt,
-    )
-    ids, first, last, cpu0, cpu1 = [], None, None, 0.0, 0.0
+    rids = [f"r{time.monotonic_ns()}-{i}" for i in range(concurrency)]
+    for rid in rids:
+        sched.add(
+            b"", GenerateRequest(rid=rid, params=SamplingParams(max_new_tokens=max_tokens, temperature=0)), prompt
+        )
+    ids: dict[str, list[int]] = {rid: [] for rid in rids}
+    first, last, cpu0, cpu1 = None, None, 0.0, 0.0
     while sched.has_work:
         for d in sched.step().outbox.deltas:
             now, cpu = time.perf_counter(), time.process_time()
             if first is None:
                 first, cpu0 = now, cpu
             last, cpu1 = now, cpu
-            ids += d.token_ids
-    return ids, last - first, cpu1 - cpu0
+            ids[d.rid] += d.token_ids
+    return [t for rid in rids for t in ids[rid]], last - first, cpu1 - cpu0
 
 
 def main() -> None:
@@ -71,11 +73,14 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests of the prompt decoding at once")
+    ap.add_argument("--spec-max-batch-tokens", type=int, default=10)
     a = ap.parse_args()
     ecfg = EngineConfig(model=a.model, dtype=a.dtype, device="cpu")
     path = resolve_model_path(a.model)
     loaded = (*load_for_engine(path, ecfg), Tokenizer.from_path(path))
     spec = dict(speculative_method="ngram", num_speculative_tokens=a.num_speculative_tokens)
+    spec |= dict(spec_max_batch_tokens=a.spec_max_batch_tokens)
     llms = {
         "off": LLM(ecfg, SchedulerConfig(), loaded),
         "on": LLM(ecfg, SchedulerConfig(**spec, ngram_min=a.ngram_min, ngram_max=a.ngram_max), loaded),
@@ -87,17 +92,17 @@ def main() -> None:
     for _ in range(a.rounds):
         for name, llm in llms.items():
             steps0 = llm.scheduler.stats.decode_steps
-            ids, secs, cpu = decode_once(llm, prompt, a.max_tokens)
+            ids, secs, cpu = decode_once(llm, prompt, a.max_tokens, a.concurrency)
             outputs.setdefault(name, ids)
             assert ids == outputs["off"], "speculative output differs from plain decoding"
-            rates[name].append((len(ids) - 1) / secs)
+            rates[name].append((len(ids) - a.concurrency) / secs)
             print(
                 json.dumps(
                     {
                         "mode": name,
                         "tokens": len(ids),
                         "decode_tok_s": round(rates[name][-1], 1),
-                        "cpu_ms_per_token": round(1000 * cpu / (len(ids) - 1), 1),
+                        "cpu_ms_per_token": round(1000 * cpu / (len(ids) - a.concurrency), 1),
                         "decode_steps": llm.scheduler.stats.decode_steps - steps0,
                     }
                 ),

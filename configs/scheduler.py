@@ -78,6 +78,15 @@ class SchedulerConfig(BaseModel):
         '4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}: sets the four fields above (giving one of them as '
         "well with another value is an error)",
     )
+    spec_max_batch_tokens: int = Field(
+        10,
+        ge=1,
+        description="speculative decoding: a step drafts only while its tokens (decode rows, prefill tokens "
+        "and drafted tokens) stay within this many and max_num_batched_tokens, drafts trimmed to fit: past "
+        "it a CPU step is compute-bound and drafted rows cost more than they save (10: measured with "
+        "benchmarks.spec_ab at 1 to 8 requests on a small CPU model; not measured on CUDA; "
+        "docs/design/speculative.md)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -192,4 +192,5 @@ class ColocatedScheduler(WorkerScheduler):
             snap.counters.update(
                 spec_draft_tokens=self.spec.draft_tokens, spec_accepted_tokens=self.spec.accepted_tokens
             )
+            snap.histograms["spec_acceptance_length"] = self.spec.acceptance
         return snap

@@ -97,7 +97,7 @@ class BatchExecutor:
         deltas (one per token emitted) follow the plain rows' in the decode deltas."""
         if not reqs and not items:  # e.g. a decode worker whose local prefill waits for pages, nothing running
             return [], []
-        drafts = [self.spec.draft(r) for r in reqs] if self.spec is not None else []
+        drafts = self.spec.drafts(reqs, sum(i.length for i in items)) if self.spec is not None else []
         verify = [(r, d) for r, d in zip(reqs, drafts) if d]
         if verify:  # decode rows stay one-token rows first; drafting rows become small extends after them
             reqs = [r for r, d in zip(reqs, drafts) if not d]

@@ -30,6 +30,7 @@ from cache.page_count import PageCount
 from configs.scheduler import SchedulerConfig
 from engine.request import Request
 from engine.sampling import Sampler
+from engine.scheduler.stats import Histogram
 from engine.spec.ngram import NgramIndex
 from transfer.wire.protocol import TokenDelta
 
@@ -41,6 +42,9 @@ EmitToken = Callable[[Request, int, "float | None", "list | None"], TokenDelta]
 # more CPU per token measured on open-ended chat with the embedded model), so a request whose output
 # is not in its context soon drafts rarely, while one that quotes its input drafts every step.
 MAX_BACKOFF_STEPS = 32
+# Buckets of pdserve_spec_acceptance_length (draft tokens accepted per verified row): one per count
+# up to 8, then coarser up to the largest num_speculative_tokens.
+ACCEPTANCE_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 
 
 @dataclass
@@ -55,15 +59,21 @@ class _Drafting:
 class NgramSpeculator:
     """Per-request n-gram drafts and their verification; one per scheduler (single thread).
 
-    Counters: ``draft_tokens`` (draft tokens verified) and ``accepted_tokens`` (of those, accepted).
+    ``step_tokens``: the most tokens a step that drafts may carry (decode rows, prefill tokens and
+    drafted tokens together; ``drafts`` trims to it). Counters: ``draft_tokens`` (draft tokens
+    verified), ``accepted_tokens`` (of those, accepted); ``acceptance``: accepted tokens per verified row.
     """
 
-    def __init__(self, kv: KVManager, k: int, n_min: int, n_max: int, max_model_len: int) -> None:
+    def __init__(
+        self, kv: KVManager, k: int, n_min: int, n_max: int, max_model_len: int, step_tokens: int = 1 << 30
+    ) -> None:
         self.kv = kv
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.max_model_len = max_model_len
+        self.step_tokens = step_tokens
         self.draft_tokens = 0
         self.accepted_tokens = 0
+        self.acceptance = Histogram(ACCEPTANCE_BUCKETS)
         # a request's index lives as long as the request (no registry to clean up)
         self._state: weakref.WeakKeyDictionary[Request, _Drafting] = weakref.WeakKeyDictionary()
 
@@ -82,14 +92,29 @@ class NgramSpeculator:
         ix.extend(req.output_ids[len(ix) - n_prompt :])
         return ix
 
-    def draft(self, req: Request) -> list[int]:
+    def drafts(self, reqs: list[Request], other_tokens: int) -> list[list[int]]:
+        """The draft of each of ``reqs`` (decode rows of one step beside ``other_tokens`` prefill
+        tokens), pages taken: a step whose rows, prefill and drafts would pass ``step_tokens`` drafts
+        only what fits (rows in order, the last draft cut short), so a large, compute-bound batch does
+        not draft at all. Deterministic from the config and the batch: every process decides alike."""
+        room = self.step_tokens - len(reqs) - other_tokens
+        out = []
+        for r in reqs:
+            d = self.draft(r, room) if room > 0 else []
+            room -= len(d)
+            out.append(d)
+        return out
+
+    def draft(self, req: Request, limit: int | None = None) -> list[int]:
         """Draft tokens for ``req``'s next step, with pages for them taken (``[]``: decode as usual).
 
-        At most ``k``, never past ``max_tokens`` or the context; ``req`` must hold the pages of
-        position ``kv_len`` already (``RunningBatch.prepare_decode``)."""
+        At most ``k`` (and ``limit``), never past ``max_tokens`` or the context; ``req`` must hold the
+        pages of position ``kv_len`` already (``RunningBatch.prepare_decode``)."""
         if req.sampler_state.matcher is not None:
             return []
         k = min(self.k, req.remaining_new_tokens() - 1, self.max_model_len - req.seq_len - 1)
+        if limit is not None:
+            k = min(k, limit)
         if k <= 0:
             return []
         st = self._drafting(req)
@@ -137,6 +162,7 @@ class NgramSpeculator:
         for (req, d, _), m, acc in zip(rows, emitted, accepted):
             self.draft_tokens += len(d)
             self.accepted_tokens += acc
+            self.acceptance.observe(acc)
             st = self._drafting(req)
             st.backoff = 0 if acc else min(max(1, 2 * st.backoff), MAX_BACKOFF_STEPS)
             st.wait = st.backoff
@@ -150,4 +176,6 @@ def speculator_for(cfg: SchedulerConfig, kv: KVManager, max_model_len: int) -> N
     """The speculator ``cfg.speculative_method`` asks for, or None (off: the plain decode path)."""
     if cfg.speculative_method != "ngram":
         return None
-    return NgramSpeculator(kv, cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max, max_model_len)
+    step_tokens = min(cfg.spec_max_batch_tokens, cfg.max_num_batched_tokens or cfg.spec_max_batch_tokens)
+    k = cfg.num_speculative_tokens
+    return NgramSpeculator(kv, k, cfg.ngram_min, cfg.ngram_max, max_model_len, step_tokens)

@@ -107,6 +107,10 @@ WORKER_HISTOGRAMS = {
         "pdserve_migration_seconds",
         "Host pool -> peer decode worker KV write time per migrated request (source side)",
     ),
+    "spec_acceptance_length": (
+        "pdserve_spec_acceptance_length",
+        "Draft tokens accepted per verified row and step (speculative decoding, --speculative-method)",
+    ),
 }
 # pdserve_migrations_total{worker,direction,outcome}: from the decode workers' migrations_<direction>_<outcome>
 # pdserve_local_prefill_total{worker,reason}: the decode workers' local_prefill_<reason> (decode_worker.local_prefill)

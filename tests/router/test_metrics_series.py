@@ -96,7 +96,9 @@ def test_core_lending_series(tiny):
 
 def test_every_exported_worker_series_is_covered_here(tiny):
     sched = ColocatedScheduler(
-        ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]), sched_cfg(), ()
+        ModelRunner(engine_cfg(kv_pool_tokens=64, page_size=4), tiny[0], tiny[1]),
+        sched_cfg(speculative_method="ngram"),  # its acceptance histogram: tests/engine/test_spec_metrics.py
+        (),
     )
     h = PDHarness(pd_cfg(), pd_cfg(), tiny[0], tiny[1])
     names = {
