@@ -94,6 +94,19 @@ def test_borrows_only_while_every_other_worker_is_idle():
     assert cores.stats() == ({"borrowed_core_steps": 3.0}, {"torch_threads": 1.0})
 
 
+def test_no_borrowing_right_after_a_kv_handoff():
+    """The decode worker that was just handed KV may not have flagged itself busy yet."""
+    ledger, fd = CoreLedger.create(2)
+    os.close(fd)
+    clock = Clock()
+    cores, _ = lending(ledger, clock=clock)
+    cores.handed_off()
+    clock.t += cores.handoff_grace_s / 2
+    assert cores.begin_step() == 1
+    clock.t += cores.handoff_grace_s
+    assert cores.begin_step() == 2 and cores.borrowed_steps == 1
+
+
 def test_a_worker_a_peer_is_about_to_compute_for_does_not_borrow():
     """A decode worker whose requests wait for a prefill worker keeps its share even though that
     worker's slot still reads idle (it is about to compute the prompt)."""
