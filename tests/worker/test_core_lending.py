@@ -13,6 +13,7 @@ import pytest
 
 from bench.harness.subprocess_server import metric_sum, wait_idle
 from server.worker.core_lending import CoreLedger, CoreLending, borrows
+from tests.support.servers import PD_SERVER_FLAGS
 from tests.support.servers import PD_SERVER_HEARTBEAT_S as HEARTBEAT_S
 
 
@@ -263,15 +264,23 @@ def test_launcher_lends_only_between_unpinned_workers_sharing_the_host(monkeypat
     assert lending("prefill", Placement()) is None  # OMP_NUM_THREADS set, or one worker
 
 
+@pytest.fixture
+def fresh_pd(launched_server_per_test):
+    """A default PD launch of this test's own (no OMP_NUM_THREADS: the launcher picks the shares), so
+    no request another test left behind keeps a worker's slot busy."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return launched_server_per_test("pd", *PD_SERVER_FLAGS, env=env)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two cores")
 @pytest.mark.process
-def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
+def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(fresh_pd):
     """Sequential requests: while the prefill worker computes a prompt, the decode worker waits for
     its KV (idle), so prefill steps run on every core; while it decodes alone, the decode worker
     borrows the prefill worker's core if its start-up measurement said its steps gain (it logs the
     verdict), else it only lends. (Greedy outputs against transformers with lending on:
-    tests/e2e/test_pd_http.py.) The launch is the session's default one (no OMP_NUM_THREADS), shared
-    with other tests: counters are read as deltas."""
+    tests/e2e/test_pd_http.py.) The launch is this test's own default one (no OMP_NUM_THREADS); counters
+    are read as deltas."""
     total = len(os.sched_getaffinity(0))
     # a distinct prompt each: a repeated one is cached after the first, so its later prefills compute a
     # few tokens at most; distinct ones give every request a whole prefill step to borrow for
@@ -279,18 +288,18 @@ def test_pd_launch_lends_the_idle_decode_core_to_the_prefill_worker(pd_server):
         {"prompt": f"Part {i}. " + "The history of the printing press " * 6, "max_tokens": 8, "temperature": 0}
         for i in range(4)
     ]
-    argv = _workers(pd_server)
-    before = wait_idle(pd_server.url, HEARTBEAT_S)
-    with httpx.Client(base_url=pd_server.url, timeout=120, trust_env=False) as client:
+    argv = _workers(fresh_pd)
+    before = wait_idle(fresh_pd.url, HEARTBEAT_S)
+    with httpx.Client(base_url=fresh_pd.url, timeout=120, trust_env=False) as client:
         texts = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for body in bodies]
-    after = wait_idle(pd_server.url, HEARTBEAT_S)  # fresh heartbeats: every finished request counted
+    after = wait_idle(fresh_pd.url, HEARTBEAT_S)  # fresh heartbeats: every finished request counted
 
     def moved(name: str, worker: str) -> float:
         return metric_sum(after, name, worker=worker) - metric_sum(before, name, worker=worker)
 
     for role in ("prefill", "decode"):
         assert argv[role][argv[role].index("--lend-threads") + 1] == str(total)
-    log = pd_server.log()
+    log = fresh_pd.log()
     assert f"core lending: prefill-0, decode-0 run on all {total} cores" in log
     assert moved("pdserve_worker_finished_requests_total", "prefill-0") == 4
     assert moved("pdserve_worker_borrowed_core_steps_total", "prefill-0") >= 1, (  # what to look at if not
