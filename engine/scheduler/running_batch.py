@@ -94,10 +94,13 @@ class RunningBatch:
     def absorb(self, res: DecodeResult, tokens: list[tuple[Request, TokenDelta]]) -> None:
         """The second half: take the step's decode ``tokens`` into ``res`` (finished requests leave
         the batch) and decay the ratio."""
-        for req, delta in tokens:  # a speculative row may bring several, the last one finishing it
+        # a speculative row may bring several deltas: a finished request leaves on its last one (which
+        # need not carry a finish reason: an abort during the step finishes it without one)
+        last = {id(req): i for i, (req, _) in enumerate(tokens)}
+        for i, (req, delta) in enumerate(tokens):
             self.stats.generation_tokens += 1
             res.tokens.append((req, delta))
-            if req.finished and delta.finish_reason is not None:
+            if req.finished and last[id(req)] == i:
                 self.reqs.remove(req)
                 res.finished.append(req)
         self.ratio.step()
