@@ -238,14 +238,13 @@ async def load_while(url: str, action, n: int = 8, max_tokens: int = 64, choose=
 
 
 def check_split(results: list[tuple[Outcome, float]], max_tokens: int = 64) -> None:
-    """The killed worker's requests (already streaming) ended with an error within 10 s of the
-    kill; every other request got all its tokens."""
+    """No request fails: the killed worker's requests (already streaming) fail over to the other
+    decode worker and continue (``--max-failovers``, on by default), so every request gets all its
+    tokens, within 60 s of the kill."""
     errors = [(o.error, round(t, 1)) for o, t in results if o.error]
-    served = [o for o, _ in results if not o.error]
-    assert errors, "the killed decode worker had requests in flight, yet none failed"
-    assert max(t for _, t in errors) < 10, errors
-    assert served, "the other decode worker's requests must keep being served"
-    assert all(len(o.tokens) == max_tokens for o in served), [len(o.tokens) for o in served]
+    assert errors == [], "a request failed although the other decode worker could continue it"
+    assert all(len(o.tokens) == max_tokens for o, _ in results), [len(o.tokens) for o, _ in results]
+    assert max(t for _, t in results) < 60, [round(t, 1) for _, t in results]
 
 
 def hello(url: str) -> str:
