@@ -223,6 +223,9 @@ def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server,
     decode workers (decode-1 some of them), nothing was aborted or failed, and both pools are empty
     once idle."""
     tok, new_tokens = embedded[2], 24  # a prefix of the references: the queue forms from the prompts' pages
+    # a full new-token reservation (ratio 1.0) keeps the overflow waiting in the prealloc queue: with a
+    # low ratio decode-0 admits it, retracts some and migrates those instead, and their KV takes the
+    # room on decode-1 that the queued offers need
     srv = launched_server(
         "pd",
         "--decode",
@@ -239,7 +242,7 @@ def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server,
         "--max-model-len",
         "512",
         "--init-new-token-ratio",
-        "0.05",
+        "1.0",
         "--host-kv-pool-gb",
         "0.25",
         "--health-interval-s",
