@@ -80,7 +80,8 @@ class WorkerSnapshot(BaseModel):
 class RouterSnapshot(BaseModel):
     """The router's own series: requests by HTTP status (cumulative) and latency histograms; the
     admission stage's requests never forwarded by reason (cumulative), the queue-wait histogram and
-    the queue now by API key name, ``[requests, tokens]``."""
+    the queue now by API key name, ``[requests, tokens]``; failovers by the worker that died and
+    outcome (cumulative), the tokens continuations computed again and the stall clients saw."""
 
     inflight: int
     requests: dict[str, float]
@@ -90,6 +91,9 @@ class RouterSnapshot(BaseModel):
     shed: dict[str, float]
     queue_wait: HistogramSnapshot
     queued: dict[str, list[int]]
+    failovers: dict[str, dict[str, float]]
+    failover_recomputed: float
+    failover_stall: HistogramSnapshot
 
 
 class DashboardSnapshot(BaseModel):
@@ -159,6 +163,21 @@ def counter_by_label(counter: Counter, label: str) -> dict[str, float]:
     return {s.labels[label]: s.value for fam in counter.collect() for s in fam.samples if s.name.endswith("_total")}
 
 
+def counter_by_two_labels(counter: Counter, outer: str, inner: str) -> dict[str, dict[str, float]]:
+    """``{outer value: {inner value: count}}`` of a ``Counter`` labelled with ``outer`` and ``inner``."""
+    out: dict[str, dict[str, float]] = {}
+    for fam in counter.collect():
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                out.setdefault(s.labels[outer], {})[s.labels[inner]] = s.value
+    return out
+
+
+def counter_value(counter: Counter) -> float:
+    """The value of an unlabelled ``Counter``."""
+    return next(s.value for fam in counter.collect() for s in fam.samples if s.name.endswith("_total"))
+
+
 def snapshot(ctx: RouterContext, clock: Callable[[], float] = time.monotonic) -> DashboardSnapshot:
     """The current dashboard snapshot of ``ctx`` (reads the registry and metrics; changes nothing)."""
     now = clock()
@@ -173,6 +192,9 @@ def snapshot(ctx: RouterContext, clock: Callable[[], float] = time.monotonic) ->
         shed=counter_by_label(m.shed, "reason"),
         queue_wait=histogram_snapshot(m.queue_wait),
         queued={k: list(v) for k, v in m.queued().items()},
+        failovers=counter_by_two_labels(m.failovers, "worker", "outcome"),
+        failover_recomputed=counter_value(m.failover_recomputed),
+        failover_stall=histogram_snapshot(m.failover_stall),
     )
     return DashboardSnapshot(
         t=now,

@@ -12,10 +12,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from configs.schema import PdserveConfig
 from server.router.app import build_context
+from server.router.dashboard import snapshot
+from server.router.failover import OUTCOMES as FAILOVER_OUTCOMES
 from server.router.metrics import MIGRATION_OUTCOMES, WORKER_COUNTERS, WORKER_HISTOGRAMS
 from server.router.registry import WorkerSpec
 from transfer.wire.protocol import HistogramData, WorkerStats
@@ -69,6 +72,7 @@ def _exported() -> set[str]:
         )
     ctx.metrics.observe_request(200)
     ctx.metrics.observe_shed("queue_full")  # a labelled counter has samples once it moved
+    ctx.metrics.failovers.labels(worker="d0", outcome="continued").inc()
     ctx.metrics.observe_latency(0.1, 0.01, 0.5, 0.001)
     names = set()
     for fam in text_string_to_metric_families(ctx.metrics.render().decode()):
@@ -109,3 +113,29 @@ def test_migration_panel_reads_the_counters_decode_workers_report():
     ]
     assert "migration_bytes" in WORKER_COUNTERS and "migration_seconds" in WORKER_HISTOGRAMS
     assert "delta.migration_bytes" in JS and "w.histograms.migration_seconds" in JS
+
+
+def test_failover_markers_name_every_outcome_the_router_counts():
+    """The page words a marker for each ``pdserve_failovers_total`` outcome (an unknown one would
+    show its raw name)."""
+    table = re.search(r"const FAILOVER_TEXT = \{(.*?)\};", JS, re.S)
+    assert table, "the page's failover outcome table moved: update this test"
+    assert set(re.findall(r"(\w+): \"", table.group(1))) == set(FAILOVER_OUTCOMES)
+
+
+def test_snapshot_carries_the_failover_series_as_metrics_counts_them():
+    """``/dashboard/data`` shows failovers by worker and outcome, the recomputed tokens and the
+    stall histogram, moved by exactly what the router counted."""
+    ctx = build_context(PdserveConfig(), None, "m", [WorkerSpec("c0", "colocated", "tcp://x")], lambda *a: _Client())
+    before = snapshot(ctx).router
+    assert before.failovers == {} and before.failover_recomputed == 0 and sum(before.failover_stall.counts) == 0
+    m = ctx.metrics
+    m.failovers.labels(worker="c0", outcome="continued").inc(2)
+    m.failovers.labels(worker="c0", outcome="limit").inc()
+    m.failover_recomputed.inc(17)
+    m.failover_stall.observe(0.3)
+    m.failover_stall.observe(0.7)
+    after = snapshot(ctx).router
+    assert after.failovers == {"c0": {"continued": 2.0, "limit": 1.0}}
+    assert after.failover_recomputed == 17
+    assert sum(after.failover_stall.counts) == 2 and after.failover_stall.sum == pytest.approx(1.0)

@@ -17,6 +17,11 @@
   const events = [];             // retract / OOM / migration events, oldest first
   const view = { span: SPAN, last: null };  // shown time span (s) and the latest snapshot
   const routerRing = [];          // router request counters over the last RATE_S seconds
+  const failovers = { prev: null, events: [] };  // the router's failover counters last seen; their markers
+  const FAILOVER_TEXT = {
+    continued: "stream(s) continued on a live worker", limit: "stream(s) ended: --max-failovers reached",
+    no_route: "stream(s) ended: no live route", unfit: "stream(s) ended: the continuation fits nowhere",
+    unreachable: "stream(s) ended: the live route was unreachable" };
 
   // ---- history, rates, percentiles -------------------------------------------------------------
   function record(key, t, v) {
@@ -137,8 +142,25 @@
     return rates.generation_tokens ?? null;
   }
 
+  /** One marker per snapshot in which the streams of a dead worker failed over (by outcome); `n` is
+   * how many, so a worker's markers add up to its pdserve_failovers_total since the page opened. */
+  function noteFailovers(t, counts) {
+    const prev = failovers.prev;
+    failovers.prev = counts;
+    if (!prev) return;  // the first snapshot is the baseline: what happened before the page opened
+    for (const [worker, outcomes] of Object.entries(counts)) {
+      for (const [outcome, v] of Object.entries(outcomes)) {
+        const n = v - ((prev[worker] || {})[outcome] || 0);
+        if (n > 0) failovers.events.push({ t, worker, cls: `failover ${outcome}`, n, label: `↻${n}`,
+                                           text: `${worker} died: ${n} ${FAILOVER_TEXT[outcome] || outcome}` });
+      }
+    }
+    while (failovers.events.length && failovers.events[0].t < t - SPAN) failovers.events.shift();
+  }
+
   function ingestRouter(snap) {
     const r = snap.router, t = snap.t;
+    noteFailovers(t, r.failovers);
     const { rates } = windowRates(routerRing, t, r.requests);
     for (const status of Object.keys(r.requests)) record(`req/${status}`, t, rates[status] ?? null);
     for (const name of ["ttft", "tpot"]) {
@@ -339,6 +361,24 @@
     }
   }
 
+  /** Failovers by dead worker and outcome, the tokens recomputed and the stall clients saw (all time). */
+  function failoverTiles(r, list) {
+    for (const worker of Object.keys(r.failovers).sort()) {
+      for (const outcome of Object.keys(r.failovers[worker]).sort()) {
+        list.push({ label: `failovers: ${worker} ${outcome}`, value: r.failovers[worker][outcome],
+                    metric: "pdserve_failovers_total", labels: { worker, outcome } });
+      }
+    }
+    const h = r.failover_stall, n = h.counts.reduce((a, b) => a + b, 0);
+    if (!n) return;
+    list.push({ label: "failover recomputed tokens", value: r.failover_recomputed, metric: "pdserve_failover_recomputed_tokens_total" },
+              { label: "failover stalls", value: n, metric: "pdserve_failover_stall_seconds_count" });
+    for (const q of [0.5, 0.99]) {
+      const v = quantile(q, h);
+      list.push({ label: `failover stall P${q * 100} (all)`, value: v, text: fmt.seconds(v), hist: "pdserve_failover_stall_seconds", q });
+    }
+  }
+
   function renderRequests(snap) {
     const r = snap.router, statuses = Object.keys(r.requests).sort(), list = [];
     list.push({ label: "in flight", value: r.inflight, metric: "pdserve_inflight_requests" });
@@ -351,6 +391,7 @@
       list.push({ label: `shed: ${reason}`, value: r.shed[reason], metric: "pdserve_shed_requests_total", labels: { reason } });
     }
     latencyTiles(r, list);
+    failoverTiles(r, list);
     for (const w of snap.workers.filter((x) => x.role !== "prefill")) {
       list.push({ label: `${w.id} output tokens`, value: w.counters.generation_tokens ?? 0,
                   metric: "pdserve_generation_tokens_total", labels: { worker: w.id } });
@@ -362,14 +403,15 @@
     }
     tiles("requests-tiles", list);
     const reqSeries = statuses.map((s) => ({ label: s, color: statusColor(s), points: points(`req/${s}`), fmt: fmt.rate }));
-    chart("requests", "req", { fmt: fmt.count, title: "requests/s by status" }).draw(snap.t, reqSeries);
+    const marks = failovers.events.map((e) => ({ t: e.t, label: e.label, title: e.text, cls: e.cls }));
+    chart("requests", "req", { fmt: fmt.count, title: "requests/s by status" }).draw(snap.t, reqSeries, marks);
     for (const [name, label] of [["ttft", "TTFT"], ["tpot", "TPOT"]]) {
       chart("requests", name, { fmt: fmt.seconds, title: `${label} (last ${WINDOW_S}s)` }).draw(snap.t, [
         { label: "P50", color: LINES[0], points: points(`${name}/p50`) },
         { label: "P99", color: LINES[1], points: points(`${name}/p99`) }]);
     }
     chart("requests", "tokens", { fmt: fmt.count, title: "output tokens/s" }).draw(snap.t, [
-      { label: "tokens/s", color: LINES[3], points: points("tokens"), fmt: fmt.rate }]);
+      { label: "tokens/s", color: LINES[3], points: points("tokens"), fmt: fmt.rate }], marks);
   }
 
   function render(snap) {
