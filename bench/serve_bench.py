@@ -42,9 +42,17 @@ class ServeBench:
         lo, hi = opts.input_range
         out_lo, out_hi = opts.output_range
         self.shape = PromptShape(
-            args.num_prompts, lo, hi, out_lo, args.shared_prefix_len, output_max=out_hi if out_hi != out_lo else None
+            args.num_prompts,
+            lo,
+            hi,
+            out_lo,
+            args.shared_prefix_len,
+            output_max=out_hi if out_hi != out_lo else None,
+            instruction=opts.instruction,
         )
-        self.warm_shape = PromptShape(args.warmup, lo, hi, min(out_lo, 8), args.shared_prefix_len)
+        self.warm_shape = PromptShape(
+            args.warmup, lo, hi, min(out_lo, 8), args.shared_prefix_len, instruction=opts.instruction
+        )
 
     def _client(self, url: str) -> ClientConfig:
         """Where ``url`` (one server, or several comma-separated routers, round-robin) is loaded."""

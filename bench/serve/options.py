@@ -149,7 +149,8 @@ def _compare_flags(g) -> None:
     g.add_argument(
         "--compare",
         help="launch these modes one after the other (e.g. colocated,pd; colocated-x2: two "
-        "colocated replicas pinned to their share of the cores) with the same engine "
+        "colocated replicas pinned to their share of the cores; +cache-aware or +least-loaded: "
+        "that routing; +ngram: n-gram speculative decoding) with the same engine "
         "flags and run the same workload against each; prints the ratios",
     )
     g.add_argument(
@@ -343,6 +344,7 @@ class ServeOptions:
     multi_turn: MultiTurnSpec | None = None
     output_range: tuple[int, int] = (DEFAULT_OUTPUT_LEN, DEFAULT_OUTPUT_LEN)
     goodput: GoodputSpec | None = None
+    instruction: str = ""  # --workload's task after every prompt (PromptShape.instruction)
 
     @property
     def target_names(self) -> list[str]:
@@ -387,4 +389,5 @@ class ServeOptions:
             multi,
             out,
             goodput,
+            WORKLOADS[a.workload].instruction if a.workload else "",
         )

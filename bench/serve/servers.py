@@ -2,7 +2,9 @@
 with the same model/pool flags for every mode, stopped (with everything they started) afterwards.
 ``colocated-xN`` is N colocated replicas behind one router, each pinned to its share of this host's
 cores (``--replicas N --worker-cpus auto``): the same hardware as 1P+1D split into colocated copies,
-which is what DistServe and SGLang compare a PD split against."""
+which is what DistServe and SGLang compare a PD split against. A mode may name options after ``+``:
+a routing (``pd+cache-aware``) and ``ngram`` (n-gram speculative decoding, ``colocated+ngram``), so
+one run compares a server with and without them."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from bench.harness.subprocess_server import LaunchedServer, free_base_port
 MODES = ("colocated", "pd", "colocated-xN")
 _REPLICATED = re.compile(r"colocated-x([1-9][0-9]*)")  # colocated-x2: two pinned colocated replicas
 ROUTINGS = ("least-loaded", "cache-aware")  # a mode may name one: pd+cache-aware launches --routing cache-aware
+OPTIONS = {"ngram": ["--speculative-method", "ngram"]}  # colocated+ngram: the same server with n-gram drafts
 
 
 def config_flags(values: dict) -> list[str]:
@@ -34,9 +37,13 @@ def config_flags(values: dict) -> list[str]:
 
 
 def _valid(mode: str) -> bool:
-    base, _, routing = mode.partition("+")
-    return (base in ("colocated", "pd") or _REPLICATED.fullmatch(base) is not None) and (
-        not routing or routing in ROUTINGS
+    base, *opts = mode.split("+")
+    routings = [o for o in opts if o in ROUTINGS]
+    return (
+        (base in ("colocated", "pd") or _REPLICATED.fullmatch(base) is not None)
+        and all(o in ROUTINGS or o in OPTIONS for o in opts)
+        and len(routings) <= 1
+        and len(set(opts)) == len(opts)
     )
 
 
@@ -48,17 +55,18 @@ def parse_modes(text: str) -> list[str]:
     if bad or not modes or len(set(modes)) != len(modes):
         raise ValueError(
             f"--compare takes distinct modes from {', '.join(MODES)}, each optionally +ROUTING "
-            f"({', '.join(ROUTINGS)}), separated by commas; got {text!r}"
+            f"({', '.join(ROUTINGS)}) and +OPTION ({', '.join(OPTIONS)}), separated by commas; got {text!r}"
         )
     return modes
 
 
 def launch_argv(mode: str, flags: list[str]) -> list[str]:
-    """``pdserve launch`` arguments for ``mode`` (``pd+cache-aware`` adds ``--routing cache-aware``;
+    """``pdserve launch`` arguments for ``mode`` (``pd+cache-aware`` adds ``--routing cache-aware``,
+    ``+ngram`` ``--speculative-method ngram``;
     ``colocated-xN`` is ``--mode colocated --replicas N --worker-cpus auto``) on an ephemeral HTTP
     port and free worker ports; ``flags`` come last, so they win over what the mode implies."""
-    base, _, routing = mode.partition("+")
-    extra = ["--routing", routing] if routing else []
+    base, *opts = mode.split("+")
+    extra = [flag for o in opts for flag in (["--routing", o] if o in ROUTINGS else OPTIONS[o])]
     if replicated := _REPLICATED.fullmatch(base):
         base, extra = "colocated", ["--replicas", replicated.group(1), "--worker-cpus", "auto", *extra]
     return [

@@ -107,7 +107,8 @@ class RequestSpec:
 class PromptShape:
     """Prompt lengths uniform in ``[input_min, input_max]`` tokens, the first ``shared_prefix_len``
     of them the same for every prompt, and ``output_len`` generated tokens (uniform in
-    ``[output_len, output_max]`` when ``output_max`` is given)."""
+    ``[output_len, output_max]`` when ``output_max`` is given). An ``instruction`` follows the drawn
+    text of every prompt (an input-grounded task: the answer quotes the text before it)."""
 
     num_prompts: int
     input_min: int
@@ -116,6 +117,7 @@ class PromptShape:
     shared_prefix_len: int = 0
     kind: str = "main"
     output_max: int | None = None
+    instruction: str = ""  # appended to every prompt after a blank line (not counted in the lengths above)
 
     def __post_init__(self) -> None:
         if not 1 <= self.input_min <= self.input_max:
@@ -141,6 +143,8 @@ def make_requests(shape: PromptShape, counter: LengthCounter, seed: int, start_i
         n = rng.randint(shape.input_min, shape.input_max)
         body = counter.make_text(n - shape.shared_prefix_len, rng)
         text = f"{prefix} {body}" if prefix else body
+        if shape.instruction:
+            text = f"{text}\n\n{shape.instruction}"
         out_len = shape.output_len if shape.output_max is None else rng.randint(shape.output_len, shape.output_max)
         out.append(RequestSpec(start_index + i, text, counter.count(text), out_len, shape.kind))
     return out
@@ -185,13 +189,23 @@ class NamedWorkload:
     input_range: tuple[int, int]
     output_range: tuple[int, int]
     about: str
+    instruction: str = ""  # PromptShape.instruction
 
 
 # As DistServe evaluates: a chatbot (short prompts, long answers) and summarization (long prompts,
 # short answers). Summarize needs room for 2,064 tokens per request in flight (see the README).
+# Grounded: the answer copies its prompt (quote / rewrite / extract from a given passage), the case
+# n-gram speculation is for; chat is the one it must not slow down.
 WORKLOADS = {
     "chat": NamedWorkload("chat", (64, 256), (128, 128), "chat: prompts of 64-256 tokens, 128 output tokens"),
     "summarize": NamedWorkload(
         "summarize", (1500, 2000), (32, 64), "summarization: prompts of 1500-2000 tokens, 32-64 output tokens"
+    ),
+    "grounded": NamedWorkload(
+        "grounded",
+        (192, 320),
+        (128, 128),
+        "grounded: a passage of 192-320 tokens to repeat word for word, 128 output tokens",
+        "Repeat the text above word for word.",
     ),
 }

@@ -206,6 +206,19 @@ def test_workloads_set_prompt_and_output_lengths():
     assert _bench("--workload", "summarize").shape.output_max == 64
 
 
+def test_grounded_workload_asks_to_repeat_a_passage_of_its_lengths():
+    """``--workload grounded``: a passage of 192-320 tokens, then the task that makes the answer
+    quote it (speculation's case); the other workloads have no task."""
+    bench = _bench("--workload", "grounded")
+    assert (bench.o.input_range, bench.o.output_range) == ((192, 320), (128, 128))
+    reqs = make_requests(bench.shape, WordCounter(), seed=3)
+    task = "\n\nRepeat the text above word for word."
+    assert all(r.prompt.endswith(task) for r in reqs)
+    assert all(192 <= len(r.prompt[: -len(task)].split()) <= 320 for r in reqs)
+    assert all(r.prompt.endswith(task) for r in make_requests(bench.warm_shape, WordCounter(), seed=1))
+    assert _bench("--workload", "chat").shape.instruction == "" and _opts().instruction == ""
+
+
 def test_colocated_x2_is_two_pinned_replicas():
     assert parse_modes("colocated-x2,pd") == ["colocated-x2", "pd"]
     argv = launch_argv("colocated-x2", ["--kv-pool-tokens", "16384"])
@@ -222,6 +235,25 @@ def test_colocated_x2_is_two_pinned_replicas():
         "cache-aware",
     ]
     for bad in ("colocated-x0", "colocated-x", "pd-x2", "colocated-x2,colocated-x2"):
+        with pytest.raises(ValueError, match="--compare"):
+            parse_modes(bad)
+
+
+def test_ngram_option_launches_the_same_mode_with_speculation():
+    """``+ngram`` adds ``--speculative-method ngram`` (with or without a routing), so one run
+    compares a server with and without drafts; an option named twice or two routings are refused."""
+    assert parse_modes("colocated,colocated+ngram") == ["colocated", "colocated+ngram"]
+    assert launch_argv("colocated+ngram", [])[:4] == ["--mode", "colocated", "--speculative-method", "ngram"]
+    assert launch_argv("pd+cache-aware+ngram", [])[:6] == [
+        "--mode",
+        "pd",
+        "--routing",
+        "cache-aware",
+        "--speculative-method",
+        "ngram",
+    ]
+    assert "--speculative-method" not in launch_argv("colocated", [])
+    for bad in ("colocated+ngram+ngram", "pd+cache-aware+least-loaded", "pd+eagle"):
         with pytest.raises(ValueError, match="--compare"):
             parse_modes(bad)
 
