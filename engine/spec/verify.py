@@ -77,6 +77,12 @@ class NgramSpeculator:
         # a request's index lives as long as the request (no registry to clean up)
         self._state: weakref.WeakKeyDictionary[Request, _Drafting] = weakref.WeakKeyDictionary()
 
+    def series(self) -> tuple[dict[str, int], dict[str, Histogram]]:
+        """The metric series of a worker that speculates: (counters, histograms) for its ``Snapshot``,
+        the same names in colocated and decode workers."""
+        counters = dict(spec_draft_tokens=self.draft_tokens, spec_accepted_tokens=self.accepted_tokens)
+        return counters, {"spec_acceptance_length": self.acceptance}
+
     def _drafting(self, req: Request) -> _Drafting:
         st = self._state.get(req)
         if st is None:
