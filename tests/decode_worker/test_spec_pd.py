@@ -24,8 +24,11 @@ pytestmark = pytest.mark.slow  # PD pairs in one process, each scenario run twic
 
 @pytest.fixture
 def harness(tiny):
-    def build(spec: bool, **d):
-        return PDHarness(pd_cfg(), pd_cfg(**d, **(SPEC if spec else {})), tiny[0], tiny[1])
+    def build(spec: bool, local: int = 0, **d):
+        cfg_d = pd_cfg(**d, **(SPEC if spec else {}))
+        cfg_d.cluster.local_prefill_max_tokens = local  # prompts up to this long prefilled on the decode worker
+        cfg_d.cluster.local_prefill_backlog_ratio = 0.0
+        return PDHarness(pd_cfg(), cfg_d, tiny[0], tiny[1])
 
     yield from checked_harnesses(build)
 
@@ -106,6 +109,17 @@ def test_retracts_recomputed_by_the_prefill_worker(harness):
     jobs = [(p, greedy(24)) for p in repeating_prompts(4, seed=4)]
     h = same_with_and_without(harness, jobs, min_accepted=5, host_gb=0.0, retract_test_interval=4)
     assert h.decode.retract.stats.recomputed > 0
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_local_prefill_beside_drafting_rows(harness, mixed):
+    """Short prompts prefilled on the decode worker itself (their chunks in the decode steps, one
+    forward with the drafting rows when ``mixed``), long ones by the prefill worker."""
+    ps = repeating_prompts(6, seed=5)
+    jobs = [(p, greedy(24)) for p in ps]
+    h = same_with_and_without(harness, jobs, min_accepted=5, local=20, mixed_batches=mixed)
+    local = h.decode.local.counters()
+    assert 0 < local["local_prefill_tokens"] < sum(map(len, ps)), local
 
 
 def test_decode_radix_cache_serves_output_pages(harness):
