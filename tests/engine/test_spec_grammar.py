@@ -67,3 +67,35 @@ def test_a_draft_is_cut_where_the_grammar_stops_allowing_it(embedded):
     before = m.bitmask()
     m.valid_prefix(good + bad)
     assert m.bitmask() == before  # nothing consumed
+
+
+def test_json_schema_rows_draft_on_a_pd_decode_worker(embedded):
+    """The same requests through the in-process PD pair, speculation on the decode worker only (its
+    matcher rebuilt from the prefill worker's first token): the tokens of colocated decoding without
+    speculation, drafts accepted on the decode worker, both pools clean."""
+    from bench.harness.pd_harness import PDHarness
+    from tests.support.pd import pd_cfg
+
+    so = StructuredOutput(kind="json", spec=json.dumps(SCHEMA))
+    params = [
+        SamplingParams(max_new_tokens=40, temperature=0, structured=so),
+        SamplingParams(max_new_tokens=40, temperature=0.8, seed=5, structured=so),
+    ]
+    plain, sched = generate(embedded, False, params)
+    cfg, weights, tok, path = embedded
+    prompt = LLM(engine_cfg(kv_pool_tokens=256), sched_cfg(), loaded=(cfg, weights, tok)).encode_prompt(
+        f"Copy this JSON record exactly, as JSON:\n{RECORD}"
+    )
+    cfgs = [pd_cfg(pool=1024, page=16, **(SPEC if spec else {})) for spec in (False, True)]
+    for c in cfgs:
+        c.engine.model = str(path)
+    h = PDHarness(cfgs[0], cfgs[1], cfg, weights, eos=tuple(sched.executor.eos))
+    try:
+        for i, p in enumerate(params):
+            h.submit(f"g{i}", prompt, p)
+        out = h.run()
+        assert [out[f"g{i}"]["tokens"] for i in range(len(params))] == [o.token_ids for o in plain]
+        assert h.decode.spec.accepted_tokens >= 5, (h.decode.spec.draft_tokens, h.decode.spec.accepted_tokens)
+        h.check_clean()
+    finally:
+        h.close()
