@@ -63,7 +63,7 @@ class SchedulerConfig(BaseModel):
     enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")
     speculative_method: Literal["ngram"] | None = Field(
         None,
-        description="speculative decoding (colocated workers): ngram drafts up to num_speculative_tokens "
+        description="speculative decoding (colocated and decode workers): ngram drafts up to num_speculative_tokens "
         "tokens per decoding request from its own prompt + output (longest suffix match) and verifies them "
         "in one step; outputs are identical to decoding without it (docs/design/speculative.md). Unset: off",
     )

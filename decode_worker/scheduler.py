@@ -40,6 +40,7 @@ from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
 from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
+from engine.spec.verify import speculator_for
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
@@ -77,7 +78,10 @@ class DecodeScheduler(WorkerScheduler):
         self.migration_stats = migration.stats if migration is not None else MigrationStats()
         self.cfg = cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.for_device(runner.device.type)})
         self.transfers, self.retract, self.peers = transfers, retract, peers
-        self.executor = BatchExecutor(runner, eos_token_ids, kv)
+        # speculation (--speculative-method): the decode rows' drafts are verified in the same forward
+        # and roll back before the step ends, so retracts, offloads and migrations see kv_len's pages only
+        self.spec = speculator_for(cfg.scheduler, kv, runner.max_model_len)
+        self.executor = BatchExecutor(runner, eos_token_ids, kv, self.spec)
         self.running = RunningBatch(kv, self.executor, cfg.scheduler, self.stats)
         self.jobs: dict[str, DecodeJob] = {}
         self.transfer_failures = 0

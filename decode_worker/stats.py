@@ -23,6 +23,10 @@ def decode_snapshot(s, base: Snapshot) -> Snapshot:
     for state in ("ready", "connecting", "failed", "dead"):  # its prefill workers and migration sources
         base.gauges[f"kv_sources_{state}"] = sum(p.state == state for p in s.peers.by_addr.values())
     _add_migration(s, base)
+    if s.spec is not None:  # speculative decoding (--speculative-method): the colocated worker's series
+        counters, histograms = s.spec.series()
+        base.counters.update(counters)
+        base.histograms.update(histograms)
     base.histograms.update(
         retract_offload_seconds=s.retract.offload_seconds,
         retract_resume_seconds=s.retract.resume_seconds,

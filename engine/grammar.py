@@ -42,6 +42,13 @@ class Matcher:
         (then every token stays allowed: the request ends by its own limits)."""
         self._m.consume_token(token_id)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the start, the grammar allows next in turn (the state is not
+        changed); all of them when the matcher is in error (no constraint left)."""
+        if self._m.is_error():
+            return len(tokens)
+        return self._m.validate_tokens(tokens)
+
     def bitmask(self) -> bytes | None:
         """The allowed next tokens, one bit per id (little-endian within each 32-bit word), or None
         when the matcher is in error (no constraint left to apply)."""

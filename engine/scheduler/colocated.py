@@ -189,8 +189,7 @@ class ColocatedScheduler(WorkerScheduler):
         )
         snap.histograms.update(self.timeline.histograms)
         if self.spec is not None:
-            snap.counters.update(
-                spec_draft_tokens=self.spec.draft_tokens, spec_accepted_tokens=self.spec.accepted_tokens
-            )
-            snap.histograms["spec_acceptance_length"] = self.spec.acceptance
+            counters, histograms = self.spec.series()
+            snap.counters.update(counters)
+            snap.histograms.update(histograms)
         return snap

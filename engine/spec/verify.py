@@ -12,8 +12,11 @@ rejected positions (the radix cache sees ``all_ids[:kv_len]`` only, never a reje
 
 A request whose draft was wholly rejected skips drafting for a few steps (``MAX_BACKOFF_STEPS``).
 Drafting is skipped, fail safe, for a row whose extra pages are not free without evicting the
-radix cache (the step then decodes it as usual) and for structured-output rows (the grammar
-matcher cannot yet be rolled back). On an SWA pool the draft positions take SWA pages too, and the
+radix cache (the step then decodes it as usual). A structured-output row drafts too: ``accept``
+draws position j only after the tokens before it were emitted, so its mask is the matcher's
+advanced over the accepted tokens (which equal the drafts up to j) and a rejected draft token is
+never consumed: nothing to roll back. Its draft is cut to the prefix the grammar allows (a token
+past it could not be accepted). On an SWA pool the draft positions take SWA pages too, and the
 pages that left the window go back after the step as after a decode step.
 """
 
@@ -77,6 +80,12 @@ class NgramSpeculator:
         # a request's index lives as long as the request (no registry to clean up)
         self._state: weakref.WeakKeyDictionary[Request, _Drafting] = weakref.WeakKeyDictionary()
 
+    def series(self) -> tuple[dict[str, int], dict[str, Histogram]]:
+        """The metric series of a worker that speculates: (counters, histograms) for its ``Snapshot``,
+        the same names in colocated and decode workers."""
+        counters = dict(spec_draft_tokens=self.draft_tokens, spec_accepted_tokens=self.accepted_tokens)
+        return counters, {"spec_acceptance_length": self.acceptance}
+
     def _drafting(self, req: Request) -> _Drafting:
         st = self._state.get(req)
         if st is None:
@@ -110,8 +119,6 @@ class NgramSpeculator:
 
         At most ``k`` (and ``limit``), never past ``max_tokens`` or the context; ``req`` must hold the
         pages of position ``kv_len`` already (``RunningBatch.prepare_decode``)."""
-        if req.sampler_state.matcher is not None:
-            return []
         k = min(self.k, req.remaining_new_tokens() - 1, self.max_model_len - req.seq_len - 1)
         if limit is not None:
             k = min(k, limit)
@@ -122,6 +129,8 @@ class NgramSpeculator:
             st.wait -= 1
             return []
         d = self._synced(st.index, req).propose(k)
+        if d and (matcher := req.sampler_state.matcher) is not None:
+            d = d[: matcher.valid_prefix(d)]  # the grammar would mask the rest: it cannot be accepted
         if not d:
             return []
         end = req.kv_len + 1 + len(d)

@@ -153,8 +153,6 @@ def build_decode(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
     from decode_worker.scheduler import create_decode_scheduler
     from transfer.factory import create_transport, migration_options, receive_options
 
-    if cfg.scheduler.speculative_method is not None:  # said once at start, not a silent no-op
-        log.warning("--speculative-method runs in colocated workers only; this decode worker decodes without it")
     backend = cfg.cluster.transfer_backend
     transport = create_transport(backend, worker_id, cfg.cluster, **receive_options(backend, cfg.cluster))
     migration = None  # a second transport, over the host pool, to write retracted KV to peers

@@ -1,7 +1,7 @@
-"""Speculative decoding through a launched colocated server (``--speculative-method ngram``): a
-request that repeats its prompt's passage has drafts accepted (the worker's series move), a stop
-string landing inside accepted runs cuts the text where the full answer has it, and no KV page is
-left held."""
+"""Speculative decoding through launched servers (``--speculative-method ngram``), colocated and PD:
+a request that repeats its prompt's passage has drafts accepted (the worker's series move), a stop
+string landing inside accepted runs cuts the text where the full answer has it, a PD launch's
+outputs equal those of a PD launch without it, and no KV page is left held."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from bench.harness.subprocess_server import metric_sum, wait_idle
+from tests.support.servers import PD_SERVER_FLAGS, PD_SERVER_HEARTBEAT_S
 
 pytestmark = pytest.mark.process
 
@@ -54,3 +55,37 @@ def test_spec_server_accepts_drafts_and_cuts_at_stop_strings(launched_server):
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == text[: text.index("lamp")]
     wait_idle(url, HEARTBEAT_S)  # nothing queued, running or holding a page
+
+
+def test_spec_pd_decode_worker_accepts_drafts_with_the_plain_outputs(launched_server, pd_server):
+    """A PD launch with ``--speculative-method ngram`` (real prefill and decode processes, NIXL KV
+    transfer): the decode worker drafts from prompts whose KV came over the wire and has drafts
+    accepted (its own series move; the prefill worker's stay at zero), and greedy and seeded outputs
+    equal those of the default PD launch without speculation."""
+    srv = launched_server("pd", *PD_SERVER_FLAGS, "--speculative-method", "ngram", "--num-speculative-tokens", "4")
+    url = srv.url
+    before = wait_idle(url, PD_SERVER_HEARTBEAT_S)
+    prompt = f"{PASSAGE}\n\nRepeat the passage above verbatim."
+    bodies = [
+        {"messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0},
+        {"messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0.8, "seed": 5},
+    ]
+    texts = {}
+    for name, base in (("spec", url), ("plain", pd_server.url)):
+        texts[name] = []
+        for body in bodies:
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            texts[name].append(r.json()["choices"][0]["message"]["content"])
+    assert texts["spec"] == texts["plain"]
+    assert "lamp" in texts["spec"][0], texts["spec"][0]
+    m = wait_idle(url, PD_SERVER_HEARTBEAT_S)
+
+    def moved(name, worker):
+        return metric_sum(m, name, worker=worker) - metric_sum(before, name, worker=worker)
+
+    drafted = moved("pdserve_spec_draft_tokens_total", "decode-0")
+    accepted = moved("pdserve_spec_accepted_tokens_total", "decode-0")
+    assert 0 < accepted <= drafted
+    assert moved("pdserve_spec_acceptance_length_sum", "decode-0") == accepted
+    assert metric_sum(m, "pdserve_spec_draft_tokens_total", worker="prefill-0") == 0
