@@ -1,6 +1,7 @@
-"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases) and Qwen3 (Q/K norms) from HF folders: small
-random models (every weight, bias and norm drawn at random) give transformers' greedy tokens
-(float32) through pdserve's loader and engine, colocated in one process."""
+"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms) and Phi-3 (fused projections,
+partial rotary, longrope) from HF folders: small random models (every weight, bias and norm drawn at
+random) give transformers' greedy tokens (float32) through pdserve's loader and engine, colocated in
+one process."""
 
 from __future__ import annotations
 
@@ -19,11 +20,32 @@ LLAMA3 = {
     "original_max_position_embeddings": 64,
     "rope_theta": 500000.0,
 }
+# Phi-4-mini's partial rotary (three quarters of each head rotates: 12 of 16 dims), and Phi-3's
+# longrope (short and long factors; transformers uses the short ones up to
+# original_max_position_embeddings, with the attention factor of 512 / 128) with partial rotary.
+PHI3_PARTIAL = {
+    "pad_token_id": 0,
+    "partial_rotary_factor": 0.75,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+}
+PHI3_LONGROPE = {
+    "pad_token_id": 0,
+    "partial_rotary_factor": 0.75,
+    "original_max_position_embeddings": 128,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "short_factor": [1.0, 1.3, 1.9, 2.8, 4.5, 7.0],
+        "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
+    },
+}
 CASES = {
     "llama3": ("llama", {"rope_parameters": LLAMA3}),
     "llama3-tied": ("llama", {"rope_parameters": LLAMA3, "tie_word_embeddings": True}),
     "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "qwen3": ("qwen3", {"head_dim": 32}),
+    "phi3-partial": ("phi3", PHI3_PARTIAL),
+    "phi3-longrope": ("phi3", PHI3_LONGROPE),
 }
 
 
@@ -34,6 +56,9 @@ def test_greedy_tokens_equal_transformers(tmp_path, tokenizer, name, page_size):
     model = save_small_model(kind, tmp_path, **overrides)
     cfg = read_model_config(tmp_path)
     assert (cfg.attention_bias, cfg.qk_norm) == (kind == "qwen2", kind == "qwen3")
+    assert cfg.rotary_dim == (12 if kind == "phi3" else cfg.head_dim)
     prompts = random_prompts(3, 40)
-    got = engine_greedy(tmp_path, tokenizer, prompts, 16, page_size=page_size)
+    # longrope runs within original_max_position_embeddings (128 here; the prompts and tokens fit)
+    limit = {"max_model_len": 128} if kind == "phi3" else {}
+    got = engine_greedy(tmp_path, tokenizer, prompts, 16, page_size=page_size, **limit)
     assert got == reference_greedy(model, prompts, 16)
