@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 
 from engine.loader import read_model_config
-from tests.support.hf_folders import engine_greedy, random_prompts, reference_greedy, save_small_model
+from tests.support.hf_folders import (
+    PHI3_LONGROPE,
+    PHI3_PARTIAL,
+    engine_greedy,
+    random_prompts,
+    reference_greedy,
+    save_small_model,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
@@ -19,25 +26,6 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
     "rope_theta": 500000.0,
-}
-# Phi-4-mini's partial rotary (three quarters of each head rotates: 12 of 16 dims), and Phi-3's
-# longrope (short and long factors; transformers uses the short ones up to
-# original_max_position_embeddings, with the attention factor of 512 / 128) with partial rotary.
-PHI3_PARTIAL = {
-    "pad_token_id": 0,
-    "partial_rotary_factor": 0.75,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
-}
-PHI3_LONGROPE = {
-    "pad_token_id": 0,
-    "partial_rotary_factor": 0.75,
-    "original_max_position_embeddings": 128,
-    "rope_parameters": {
-        "rope_type": "longrope",
-        "rope_theta": 1e4,
-        "short_factor": [1.0, 1.3, 1.9, 2.8, 4.5, 7.0],
-        "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
-    },
 }
 CASES = {
     "llama3": ("llama", {"rope_parameters": LLAMA3}),

@@ -122,6 +122,7 @@ def test_every_field_transformers_writes_is_classified():
         "ministral": transformers.MinistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
     }
     for arch, cls in classes.items():
         unknown = set(cls().to_dict()) - IMPLEMENTED[arch] - HARMLESS
