@@ -50,3 +50,11 @@ def test_greedy_tokens_equal_transformers(tmp_path, tokenizer, name, page_size):
     limit = {"max_model_len": 128} if kind == "phi3" else {}
     got = engine_greedy(tmp_path, tokenizer, prompts, 16, page_size=page_size, **limit)
     assert got == reference_greedy(model, prompts, 16)
+
+
+def test_phi3_partial_rotary_on_the_torch_attention_backend(tmp_path, tokenizer):
+    """The per-layer Python path with torch attention (no C decode stack) on the partial-rotary order."""
+    model = save_small_model("phi3", tmp_path, **PHI3_PARTIAL)
+    prompts = random_prompts(2, 30)
+    got = engine_greedy(tmp_path, tokenizer, prompts, 12, page_size=16, attention_backend="torch")
+    assert got == reference_greedy(model, prompts, 12)
