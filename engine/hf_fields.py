@@ -71,7 +71,7 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     "ministral": _LLAMA_CORE | {"sliding_window", "layer_types"},
     "qwen2": _LLAMA_CORE | _QWEN_SLIDING | {"use_mrope"},
     "qwen3": _LLAMA_CORE | _QWEN_SLIDING | {"attention_bias"},
-    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj (split at load, engine.loader), one window
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj (split at load, engine.fused_checkpoint), one window
     # for every layer, partial rotary; attention_bias / mlp_bias are read by no transformers Phi-3
     # layer (served as False only, the bias tensors would be refused anyway)
     "phi3": _LLAMA_CORE | {"original_max_position_embeddings", "sliding_window", "attention_bias", "mlp_bias"},
@@ -105,7 +105,7 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
 
 def restricted_fields(arch: str) -> dict[str, tuple[Any, ...]]:
     """:data:`ALLOWED_VALUES` for ``arch``: ``partial_rotary_factor`` is free where the architecture
-    implements it (its value is checked by the loader: ``engine.loader._hf_rotary_dim``)."""
+    implements it (its value is checked by ``engine.hf_rope``)."""
     free = {"partial_rotary_factor"} if arch in PARTIAL_ROTARY_ARCHS else set()
     return {k: v for k, v in ALLOWED_VALUES.items() if k not in free}
 
