@@ -100,3 +100,23 @@ def test_fused_projections_split_by_rows(phi3_folder, tmp_path):
     save_file(ref, str(shard))
     with pytest.raises(ValueError, match=r"qkv_proj.weight.* has 120 rows, expected 64 \+ 32 \+ 32"):
         load_model_weights(folder)
+
+
+def test_a_phi3_gguf_is_refused(tmp_path):
+    """llama.cpp's Phi-3 layout (fused attn_qkv / ffn_up, rope.dimension_count) is not read."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "phi3.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(4)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for read in (read_model_config, load_model_weights):
+        with pytest.raises(ValueError, match=r"'phi3' is served from HF folders only"):
+            read(path)
