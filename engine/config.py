@@ -9,7 +9,9 @@ from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 
 # "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
 # sliding windows; mistral is Llama with one window for every layer.
-SUPPORTED_ARCHS = ("llama", "ministral", "mistral", "qwen2", "qwen3", "smollm")
+SUPPORTED_ARCHS = ("llama", "ministral", "mistral", "phi3", "qwen2", "qwen3", "smollm")
+# Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) is not read.
+HF_ONLY_ARCHS = ("phi3",)
 MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 
@@ -18,9 +20,10 @@ class ModelConfig:
     """Architecture of a Llama-family decoder.
 
     Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim * num_heads`` need not equal
-    ``hidden_size`` (Qwen3 decouples them). ``layer_types[i]`` is ``"full_attention"`` or
-    ``"sliding_attention"``; ``sliding_window`` is set iff some layer slides (a window given with
-    no sliding layer is dropped; a sliding layer without a window is a ``ValueError``).
+    ``hidden_size`` (Qwen3 decouples them); ``rotary_dim`` is even and ``<= head_dim``.
+    ``layer_types[i]`` is ``"full_attention"`` or ``"sliding_attention"``; ``sliding_window`` is set
+    iff some layer slides (a window given with no sliding layer is dropped; a sliding layer without
+    a window is a ``ValueError``).
     """
 
     arch: str
@@ -33,6 +36,9 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (engine.rope_scaling)
+    # dims of each head that rotate (the first ``rotary_dim``; transformers' partial_rotary_factor);
+    # 0 means all of them (set to ``head_dim``)
+    rotary_dim: int = 0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -52,6 +58,10 @@ class ModelConfig:
             raise ValueError(unsupported_arch_message(self.arch, MODEL_ARCHS))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 1..head_dim ({self.head_dim})")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:

@@ -34,6 +34,8 @@ HARMLESS = frozenset(
         "use_cache",
         "initializer_range",
         "attention_dropout",  # dropout is off at inference
+        "resid_pdrop",
+        "embd_pdrop",
         "pretraining_tp",  # a training-time matmul split; the same product (transformers 5 ignores it)
         "is_llama_config",  # SmolLM2 metadata
         "transformers.js_config",
@@ -69,12 +71,23 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     "ministral": _LLAMA_CORE | {"sliding_window", "layer_types"},
     "qwen2": _LLAMA_CORE | _QWEN_SLIDING | {"use_mrope"},
     "qwen3": _LLAMA_CORE | _QWEN_SLIDING | {"attention_bias"},
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj (split at load, engine.fused_checkpoint), one window
+    # for every layer, partial rotary; attention_bias / mlp_bias are read by no transformers Phi-3
+    # layer (served as False only, the bias tensors would be refused anyway)
+    "phi3": _LLAMA_CORE | {"original_max_position_embeddings", "sliding_window", "attention_bias", "mlp_bias"},
 }
 
 # Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v
 # biases (no o_proj bias), Qwen3 always has per-head Q/K RMSNorm; no other architecture reads either.
 QKV_BIAS_ARCHS = frozenset({"qwen2"})
 QK_NORM_ARCHS = frozenset({"qwen3"})
+# Checkpoints storing Q/K/V as one qkv_proj and gate/up as one gate_up_proj.
+FUSED_PROJ_ARCHS = frozenset({"phi3"})
+# RoPE types an architecture's transformers config accepts, where fewer than all of
+# engine.rope_scaling.ROPE_TYPES (Phi3Config also reads "su" and "yarn" as its longrope).
+ARCH_ROPE_TYPES: dict[str, tuple[str, ...]] = {"phi3": ("default", "longrope")}
+# Architectures whose transformers attention rotates only the first partial_rotary_factor of each head.
+PARTIAL_ROTARY_ARCHS = frozenset({"phi3"})
 
 
 # Implemented fields that pdserve runs with these values only (the others change the computation
@@ -90,6 +103,13 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def restricted_fields(arch: str) -> dict[str, tuple[Any, ...]]:
+    """:data:`ALLOWED_VALUES` for ``arch``: ``partial_rotary_factor`` is free where the architecture
+    implements it (its value is checked by ``engine.hf_rope``)."""
+    free = {"partial_rotary_factor"} if arch in PARTIAL_ROTARY_ARCHS else set()
+    return {k: v for k, v in ALLOWED_VALUES.items() if k not in free}
+
+
 def allowed_text(key: str) -> str:
     """The values of ``key`` pdserve serves, as the refusal names them: ``'silu' or 'swish'``."""
     return " or ".join(map(repr, ALLOWED_VALUES[key]))
@@ -99,7 +119,7 @@ def check_hf_fields(cfg: dict, arch: str) -> None:
     """Refuse a ``config.json`` with a field that changes the computation and is not implemented
     for ``arch``: ``ValueError`` naming the field, its value and what is supported. ``null`` values
     set nothing and pass; ``arch`` must be a key of :data:`IMPLEMENTED`."""
-    known = IMPLEMENTED[arch]
+    known, restricted = IMPLEMENTED[arch], restricted_fields(arch)
     for key in sorted(cfg):
         value = cfg[key]
         if value is None or key in HARMLESS:
@@ -109,7 +129,7 @@ def check_hf_fields(cfg: dict, arch: str) -> None:
                 f"config.json field {key}={_short(value)} is not implemented by pdserve for model type "
                 f"{arch!r} (it may change the computation); pdserve implements: {', '.join(sorted(known))}"
             )
-        if key in ALLOWED_VALUES and value not in ALLOWED_VALUES[key]:
+        if key in restricted and value not in restricted[key]:
             raise ValueError(
                 f"config.json field {key}={_short(value)} is not implemented by pdserve for model type {arch!r}; "
                 f"supported: {allowed_text(key)}"

@@ -16,10 +16,12 @@ import numpy as np
 import torch
 
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
-from engine.config import SUPPORTED_ARCHS, ModelConfig
+from engine.config import HF_ONLY_ARCHS, SUPPORTED_ARCHS, ModelConfig
+from engine.fused_checkpoint import split_fused, unfused_names
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
-from engine.hf_fields import QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
-from engine.rope_scaling import RopeScaling, check_context, parse_rope_scaling
+from engine.hf_fields import FUSED_PROJ_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
+from engine.hf_rope import hf_rope
+from engine.rope_scaling import check_context
 from engine.swa_config import (
     SlidingOverrides,
     SlidingSpec,
@@ -165,6 +167,8 @@ def _gguf_sliding(reader, arch: str, num_layers: int, overrides: SlidingOverride
 def _gguf_config(reader, path: Path, overrides: SlidingOverrides | None = None) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata and the tensor name list."""
     arch = _check_arch(gguf_meta(reader, "general.architecture"))
+    if arch in HF_ONLY_ARCHS:
+        raise ValueError(f"model type {arch!r} is served from HF folders only (safetensors + config.json), not GGUF")
     names = {t.name for t in reader.tensors}
     layers = int(gguf_meta(reader, f"{arch}.block_count"))
     sliding = _gguf_sliding(reader, arch, layers, overrides)
@@ -274,22 +278,9 @@ def _hf_sliding(cfg: dict, overrides: SlidingOverrides | None) -> SlidingSpec:
     Refuses first any field pdserve does not implement (``engine.hf_fields``) and bad rope parameters."""
     arch = _hf_arch(cfg)
     check_hf_fields(cfg, arch)
-    _hf_rope(cfg)
+    hf_rope(cfg, arch)
     layers = int(cfg["num_hidden_layers"])
     return apply_overrides(hf_sliding_spec(cfg, arch, layers), layers, overrides)
-
-
-def _hf_rope(cfg: dict) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, scaling)`` of a config.json as transformers 5 standardizes them: the legacy
-    ``rope_scaling`` dict wins over ``rope_parameters``; a theta in the dict over the top-level
-    ``rope_theta`` (default 10000). A ``partial_rotary_factor`` of 1 in the dict is the default."""
-    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    if params.get("partial_rotary_factor") in (1, 1.0):
-        del params["partial_rotary_factor"]
-    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    return theta, parse_rope_scaling(params, int(cfg.get("max_position_embeddings", 4096)), head_dim)
 
 
 def _hf_config(
@@ -298,7 +289,7 @@ def _hf_config(
     """Build a ModelConfig from a HF config.json dict (+ generation_config.json eos ids)."""
     arch = _hf_arch(cfg)
     heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
-    theta, scaling = _hf_rope(cfg)
+    theta, scaling, rotary_dim = hf_rope(cfg, arch)
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _as_ids(cfg.get("eos_token_id")) + _as_ids(gen.get("eos_token_id"))
@@ -313,6 +304,7 @@ def _hf_config(
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
         rope_theta=theta,
         rope_scaling=scaling,
+        rotary_dim=rotary_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -327,7 +319,7 @@ def _hf_config(
         name=folder.name,
         stored_dtype=stored,
     )
-    _check_no_unused_tensors(config, tensor_names)
+    _check_no_unused_tensors(config, unfused_names(tensor_names) if arch in FUSED_PROJ_ARCHS else tensor_names)
     return config
 
 
@@ -401,4 +393,5 @@ def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> 
     cfg, files = _hf_folder_files(folder)
     sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
     tensors = _load_safetensors(files)
-    return _hf_config(folder, cfg, set(tensors), sliding, _hf_stored_dtype(files)), tensors
+    config = _hf_config(folder, cfg, set(tensors), sliding, _hf_stored_dtype(files))
+    return config, split_fused(tensors, config) if config.arch in FUSED_PROJ_ARCHS else tensors

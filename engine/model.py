@@ -21,7 +21,7 @@ from engine.cpu_linear import pack as pack_weight
 from engine.decode_stack import DecodeStack
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, permute_heads, rotary_order
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,7 +79,9 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.int8 = int8  # weight-only int8 matmul weights, LM head included (engine.cpu_linear)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_scaling, cfg.rotary_dim
+        )
         self.embed: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
@@ -89,6 +91,13 @@ class LlamaModel(nn.Module):
         """Take HF-named float tensors; fuse, cast and move them. Raises on a missing tensor."""
         get = checkpoint_getter(state, self.device, self.dtype)
         pack = functools.partial(pack_weight, int8=self.int8)
+        cfg = self.cfg
+        order = rotary_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim < cfg.head_dim else None
+
+        def get_qk(name: str) -> torch.Tensor:
+            """Q/K rows (weights, biases, norm weights) in the head order of ``self.rope``'s tables."""
+            t = get(name)
+            return t if order is None else permute_heads(t, cfg.head_dim, order.to(t.device))
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
@@ -100,7 +109,9 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             w = {
-                "qkv": pack(torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])),
+                "qkv": pack(
+                    torch.cat([get_qk(a + "q_proj.weight"), get_qk(a + "k_proj.weight"), get(a + "v_proj.weight")])
+                ),
                 "o": pack(get(a + "o_proj.weight")),
                 "gate_up": pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
                 "down": pack(get(p + "mlp.down_proj.weight")),
@@ -108,9 +119,11 @@ class LlamaModel(nn.Module):
                 "post_norm": get(p + "post_attention_layernorm.weight"),
             }
             if a + "q_proj.bias" in state:
-                w["qkv_bias"] = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+                w["qkv_bias"] = torch.cat(
+                    [get_qk(a + "q_proj.bias"), get_qk(a + "k_proj.bias"), get(a + "v_proj.bias")]
+                )
             if self.cfg.qk_norm:
-                w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
+                w["q_norm"], w["k_norm"] = get_qk(a + "q_norm.weight"), get_qk(a + "k_norm.weight")
             layer.w = w
         self.warm_up()
         self.stack = DecodeStack.build(self)

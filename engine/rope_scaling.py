@@ -12,7 +12,10 @@ Sequence-length dependent types are served where they are static:
 - ``longrope`` switches from ``short_factor`` to ``long_factor`` past
   ``original_max_position_embeddings``; pdserve serves it with the short factors and refuses a
   context longer than that length (:func:`check_context`), where transformers' choice would depend
-  on each forward's longest sequence.
+  on each forward's longest sequence (and its cached keys would mix both). Within that length
+  transformers uses the short factors too, with the attention factor of
+  ``max_position_embeddings / original_max_position_embeddings`` (Phi-3's top-level
+  ``original_max_position_embeddings``, engine.loader); the long factors are checked, not used.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class RopeScaling:
 
 
 def parse_rope_scaling(params: dict, max_position_embeddings: int, head_dim: int) -> RopeScaling | None:
-    """The :class:`RopeScaling` of a ``rope_parameters`` dict (``None`` for the default type).
+    """The :class:`RopeScaling` of a ``rope_parameters`` dict (``None`` for the default type);
+    ``head_dim`` is the number of rotary dims of a head (less than the head with partial rotary).
 
     ``ValueError`` names the key and value for an unknown ``rope_type``, a key the type does not
     read, a missing required key or a factor list of the wrong length."""
@@ -108,7 +112,7 @@ def parse_rope_scaling(params: dict, max_position_embeddings: int, head_dim: int
     for name in ("short_factor", "long_factor"):
         got = len(getattr(scaling, name))
         if rope_type == "longrope" and got != head_dim // 2:
-            raise ValueError(f"config.json rope {name} has {got} entries, expected head_dim // 2 = {head_dim // 2}")
+            raise ValueError(f"config.json rope {name} has {got} entries, expected rotary dims // 2 = {head_dim // 2}")
     return scaling
 
 

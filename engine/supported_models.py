@@ -13,8 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import MODEL_ARCHS
-from engine.hf_fields import ALLOWED_VALUES, IMPLEMENTED, QK_NORM_ARCHS, QKV_BIAS_ARCHS, allowed_text
+from engine.config import HF_ONLY_ARCHS, MODEL_ARCHS
+from engine.hf_fields import (
+    ARCH_ROPE_TYPES,
+    FUSED_PROJ_ARCHS,
+    IMPLEMENTED,
+    PARTIAL_ROTARY_ARCHS,
+    QK_NORM_ARCHS,
+    QKV_BIAS_ARCHS,
+    allowed_text,
+    restricted_fields,
+)
 from engine.rope_scaling import ROPE_TYPES
 from engine.swa_config import UNSUPPORTED_SLIDING_ARCHS
 
@@ -51,6 +60,7 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
         "tests/e2e/test_hf_architectures_pd.py",
         "tests/engine/test_loader_swa.py",
     ),
+    "phi3": ("tests/engine/test_hf_architectures.py", "tests/e2e/test_hf_architectures_pd.py"),
     "gemma3": ("tests/engine/test_gemma3.py",),
 }
 
@@ -74,25 +84,35 @@ class ModelSupport:
     checked_by: tuple[str, ...]
 
 
-def _rope(fields: frozenset[str]) -> str:
-    hf = ", ".join(ROPE_TYPES) if "rope_scaling" in fields else "default"
-    return f"HF: {hf} (longrope: short factors only); GGUF: default (rope.freq_base)"
+def _rope(arch: str, fields: frozenset[str]) -> str:
+    hf = ", ".join(ARCH_ROPE_TYPES.get(arch, ROPE_TYPES)) if "rope_scaling" in fields else "default"
+    text = f"HF: {hf} (longrope: short factors, contexts up to original_max_position_embeddings)"
+    if arch in PARTIAL_ROTARY_ARCHS:
+        text += ", partial rotary (partial_rotary_factor)"
+    return text if arch in HF_ONLY_ARCHS else text + "; GGUF: default (rope.freq_base)"
 
 
-def _sliding(fields: frozenset[str]) -> str:
+def _sliding(arch: str, fields: frozenset[str]) -> str:
     read = [f for f in ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers") if f in fields]
     if not read:
         return "none"
+    if arch in HF_ONLY_ARCHS:
+        return f"HF: {', '.join(read)} (every layer)"
     return f"HF: {', '.join(read)}; GGUF: attention.sliding_window (+ sliding_window_pattern)"
 
 
 def _attention(arch: str) -> str:
-    traits = [name for name, archs in (("q/k/v bias", QKV_BIAS_ARCHS), ("Q/K RMSNorm", QK_NORM_ARCHS)) if arch in archs]
+    named = (
+        ("q/k/v bias", QKV_BIAS_ARCHS),
+        ("Q/K RMSNorm", QK_NORM_ARCHS),
+        ("fused qkv_proj and gate_up_proj (split at load)", FUSED_PROJ_ARCHS),
+    )
+    traits = [name for name, archs in named if arch in archs]
     return ", ".join(traits) or "none"
 
 
-def _restricted(fields: frozenset[str]) -> tuple[str, ...]:
-    return tuple(f"{key}: {allowed_text(key)}" for key in sorted(fields & set(ALLOWED_VALUES)))
+def _restricted(arch: str, fields: frozenset[str]) -> tuple[str, ...]:
+    return tuple(f"{key}: {allowed_text(key)}" for key in sorted(fields & set(restricted_fields(arch))))
 
 
 def supported_models() -> list[ModelSupport]:
@@ -106,11 +126,11 @@ def supported_models() -> list[ModelSupport]:
             rows.append(
                 ModelSupport(
                     arch,
-                    (HF_FOLDER, GGUF),
-                    _rope(fields),
-                    _sliding(fields),
+                    (HF_FOLDER,) if arch in HF_ONLY_ARCHS else (HF_FOLDER, GGUF),
+                    _rope(arch, fields),
+                    _sliding(arch, fields),
                     _attention(arch),
-                    _restricted(fields),
+                    _restricted(arch, fields),
                     checked,
                 )
             )

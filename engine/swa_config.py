@@ -24,7 +24,6 @@ UNSUPPORTED_SLIDING_ARCHS = (
     "gemma3",
     "gemma3_text",
     "cohere2",
-    "phi3",
     "starcoder2",
     "mixtral",
     "qwen2_moe",
@@ -87,6 +86,9 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
       given, else layers ``i >= max_window_layers`` (default 28) slide. With sliding off a
       ``layer_types`` list is ignored (transformers would fail at the first forward on one that
       lists sliding layers: its window is forced to ``None``).
+    - ``phi3``: one window for every layer when ``sliding_window`` is set (default ``None``); a window
+      of at least ``max_position_embeddings`` keys never hides one (Phi-4-mini's 262144), so it is
+      dropped rather than refused as wider than the context.
     - ``llama`` / ``smollm``: full attention (transformers' Llama has no sliding window).
     """
     window = cfg.get("sliding_window", _HF_DEFAULT_WINDOW)
@@ -99,6 +101,11 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
         if raw_types is None:
             return SlidingSpec(window, _all(SLIDING if window is not None else FULL, num_layers))
         return SlidingSpec(window, _config_kinds(raw_types, num_layers))
+    if arch == "phi3":
+        window = cfg.get("sliding_window")
+        if window is None or int(window) >= int(cfg.get("max_position_embeddings", 4096)):
+            return SlidingSpec(None, _all(FULL, num_layers))
+        return SlidingSpec(int(window), _all(SLIDING, num_layers))
     if arch in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False) or window is None:
             return SlidingSpec(None, _all(FULL, num_layers))
@@ -191,6 +198,6 @@ def unsupported_arch_message(arch: str, supported: Sequence[str]) -> str:
     if arch in UNSUPPORTED_SLIDING_ARCHS:
         return (
             base + f". Model type {arch!r} uses sliding-window attention that pdserve does not implement "
-            f"(sliding windows are supported for ministral, mistral, qwen2, qwen3): choose another --model"
+            f"(sliding windows are supported for ministral, mistral, phi3, qwen2, qwen3): choose another --model"
         )
     return base

@@ -1,8 +1,9 @@
-"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases) and Qwen3 (Q/K norms) from HF folders in PD
-mode: small random models loaded as a worker loads them give transformers' greedy tokens (float32)
-through the in-process prefill/decode pair (real schedulers, loopback KV transport), with the KV
-shipped from prefill to decode, and again when the decode side retracts (a decode pool too small
-for every request, and a retract forced every few steps), its KV parked on the host and resumed.
+"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms) and Phi-3 (fused projections,
+partial rotary, longrope) from HF folders in PD mode: small random models loaded as a worker loads
+them give transformers' greedy tokens (float32) through the in-process prefill/decode pair (real
+schedulers, loopback KV transport), with the KV shipped from prefill to decode, and again when the
+decode side retracts (a decode pool too small for every request, and a retract forced every few
+steps), its KV parked on the host and resumed.
 Every pool and host buffer is checked back at teardown (``checked_harnesses``)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 from bench.harness.pd_harness import PDHarness, checked_harnesses
 from configs.schema import PdserveConfig
 from engine.loader import load_for_engine
-from tests.support.hf_folders import random_prompts, reference_greedy, save_small_model
+from tests.support.hf_folders import PHI3_LONGROPE, PHI3_PARTIAL, random_prompts, reference_greedy, save_small_model
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
@@ -29,6 +30,8 @@ CASES = {
     "llama3": ("llama", {"rope_parameters": LLAMA3}),
     "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "qwen3": ("qwen3", {"head_dim": 32}),
+    "phi3-partial": ("phi3", PHI3_PARTIAL),
+    "phi3-longrope": ("phi3", PHI3_LONGROPE),
 }
 NEW = 16
 PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
@@ -45,10 +48,11 @@ DECODE = {
 }
 
 
-def _cfg(engine: dict, sched: dict) -> PdserveConfig:
+def _cfg(engine: dict, sched: dict, page_size: int = 4) -> PdserveConfig:
+    # max_model_len 128: the longrope models' original_max_position_embeddings (the runs fit in it)
     return PdserveConfig.model_validate(
         {
-            "engine": {"page_size": 4, "dtype": "float32", **engine},
+            "engine": {"page_size": page_size, "dtype": "float32", "max_model_len": 128, **engine},
             "scheduler": sched,
             "cluster": {"mode": "pd", "host_kv_pool_gb": 0.01, "transfer_backend": "loopback"},
         }
@@ -87,3 +91,22 @@ def test_pd_greedy_tokens_equal_transformers(arch_model, harness, decode):
         assert h.decode.stats.retractions == 0
     else:
         assert h.decode.stats.retractions > 0 and rs.resumed > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_phi3_pd_with_forced_retracts_equals_transformers(tmp_path, harness, page_size):
+    """Phi-3 with partial rotary and longrope through PD at page sizes 1 and 16, a retract forced
+    every third decode step: the parked and resumed KV (K in the partial-rotary head order) gives
+    transformers' tokens."""
+    model = save_small_model("phi3", tmp_path, **PHI3_LONGROPE)
+    prompts = [p[:20] for p in random_prompts(4, 20)]
+    prefill_cfg = _cfg({"kv_pool_tokens": 4096}, {}, page_size)
+    decode_cfg = _cfg({"kv_pool_tokens": 4096}, {"retract_test_interval": 3}, page_size)
+    config, weights = load_for_engine(tmp_path, decode_cfg.engine)
+    assert config.rotary_dim == 12 and config.rope_scaling.rope_type == "longrope"
+    h = harness(prefill_cfg, decode_cfg, config, weights)
+    for i, p in enumerate(prompts):
+        h.submit(f"r{i}", p, PARAMS)
+    out = h.run()
+    assert [out[f"r{i}"]["tokens"] for i in range(len(prompts))] == reference_greedy(model, prompts, NEW)
+    assert h.decode.stats.retractions > 0 and h.decode.retract.stats.resumed > 0

@@ -1,13 +1,21 @@
-"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases) and Qwen3 (Q/K norms) from HF folders: small
-random models (every weight, bias and norm drawn at random) give transformers' greedy tokens
-(float32) through pdserve's loader and engine, colocated in one process."""
+"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms) and Phi-3 (fused projections,
+partial rotary, longrope) from HF folders: small random models (every weight, bias and norm drawn at
+random) give transformers' greedy tokens (float32) through pdserve's loader and engine, colocated in
+one process."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.loader import read_model_config
-from tests.support.hf_folders import engine_greedy, random_prompts, reference_greedy, save_small_model
+from tests.support.hf_folders import (
+    PHI3_LONGROPE,
+    PHI3_PARTIAL,
+    engine_greedy,
+    random_prompts,
+    reference_greedy,
+    save_small_model,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
@@ -24,6 +32,8 @@ CASES = {
     "llama3-tied": ("llama", {"rope_parameters": LLAMA3, "tie_word_embeddings": True}),
     "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "qwen3": ("qwen3", {"head_dim": 32}),
+    "phi3-partial": ("phi3", PHI3_PARTIAL),
+    "phi3-longrope": ("phi3", PHI3_LONGROPE),
 }
 
 
@@ -34,6 +44,17 @@ def test_greedy_tokens_equal_transformers(tmp_path, tokenizer, name, page_size):
     model = save_small_model(kind, tmp_path, **overrides)
     cfg = read_model_config(tmp_path)
     assert (cfg.attention_bias, cfg.qk_norm) == (kind == "qwen2", kind == "qwen3")
+    assert cfg.rotary_dim == (12 if kind == "phi3" else cfg.head_dim)
     prompts = random_prompts(3, 40)
-    got = engine_greedy(tmp_path, tokenizer, prompts, 16, page_size=page_size)
+    # longrope runs within original_max_position_embeddings (128 here; the prompts and tokens fit)
+    limit = {"max_model_len": 128} if kind == "phi3" else {}
+    got = engine_greedy(tmp_path, tokenizer, prompts, 16, page_size=page_size, **limit)
     assert got == reference_greedy(model, prompts, 16)
+
+
+def test_phi3_partial_rotary_on_the_torch_attention_backend(tmp_path, tokenizer):
+    """The per-layer Python path with torch attention (no C decode stack) on the partial-rotary order."""
+    model = save_small_model("phi3", tmp_path, **PHI3_PARTIAL)
+    prompts = random_prompts(2, 30)
+    got = engine_greedy(tmp_path, tokenizer, prompts, 12, page_size=16, attention_backend="torch")
+    assert got == reference_greedy(model, prompts, 12)

@@ -82,7 +82,7 @@ def test_an_unimplemented_field_is_refused_naming_it(folders, tmp_path, kind, fi
         ),
         (
             {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "rope_theta": 1e4},
-            r"short_factor has 1 entries, expected head_dim // 2 = 8",
+            r"short_factor has 1 entries, expected rotary dims // 2 = 8",
         ),
         ({"rope_type": "default", "partial_rotary_factor": 0.5, "rope_theta": 1e4}, r"partial_rotary_factor=0.5"),
     ],
@@ -122,6 +122,7 @@ def test_every_field_transformers_writes_is_classified():
         "ministral": transformers.MinistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
     }
     for arch, cls in classes.items():
         unknown = set(cls().to_dict()) - IMPLEMENTED[arch] - HARMLESS

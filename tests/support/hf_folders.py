@@ -24,6 +24,26 @@ SMALL = dict(
     eos_token_id=2,
 )
 
+# Phi-4-mini's partial rotary (three quarters of each head rotates: 12 of 16 dims), and Phi-3's
+# longrope (short and long factors; transformers uses the short ones up to
+# original_max_position_embeddings, with the attention factor of 512 / 128) with partial rotary.
+PHI3_PARTIAL = {
+    "pad_token_id": 0,
+    "partial_rotary_factor": 0.75,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+}
+PHI3_LONGROPE = {
+    "pad_token_id": 0,
+    "partial_rotary_factor": 0.75,
+    "original_max_position_embeddings": 128,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "short_factor": [1.0, 1.3, 1.9, 2.8, 4.5, 7.0],
+        "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
+    },
+}
+
 
 def _classes(kind: str):
     import transformers
@@ -32,6 +52,7 @@ def _classes(kind: str):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[kind]
 
 

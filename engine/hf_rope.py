@@ -1,0 +1,59 @@
+"""The RoPE settings of a HF ``config.json`` as transformers 5 standardizes them, per model type:
+base, scaling (``engine.rope_scaling``) and the number of rotary dims of each head."""
+
+from __future__ import annotations
+
+from engine.hf_fields import ARCH_ROPE_TYPES, PARTIAL_ROTARY_ARCHS
+from engine.rope_scaling import RopeScaling, parse_rope_scaling
+
+
+def hf_rope(cfg: dict, arch: str) -> tuple[float, RopeScaling | None, int]:
+    """``(rope_theta, scaling, rotary_dim)`` of a config.json as transformers 5 standardizes them:
+    the legacy ``rope_scaling`` dict wins over ``rope_parameters``; a theta in the dict over the
+    top-level ``rope_theta`` (default 10000). A ``partial_rotary_factor`` of 1 in the dict is the
+    default; another value is served only where the architecture implements it
+    (:func:`_hf_rotary_dim`). ``ValueError`` names what is refused."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if params.get("partial_rotary_factor") in (1, 1.0) or arch in PARTIAL_ROTARY_ARCHS:
+        params.pop("partial_rotary_factor", None)
+    if arch == "phi3":
+        params = _phi3_rope_params(cfg, params)
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    rotary_dim = _hf_rotary_dim(head_dim, partial if arch in PARTIAL_ROTARY_ARCHS else None)
+    scaling = parse_rope_scaling(params, int(cfg.get("max_position_embeddings", 4096)), rotary_dim)
+    return theta, scaling, rotary_dim
+
+
+def _phi3_rope_params(cfg: dict, params: dict) -> dict:
+    """Phi-3's rope parameters as ``Phi3Config`` reads them: types ``su`` and ``yarn`` are its
+    ``longrope``; only ``default`` and ``longrope`` are valid; the top-level
+    ``original_max_position_embeddings`` (default 4096) wins over the dict's."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    if rope_type not in ARCH_ROPE_TYPES["phi3"]:
+        raise ValueError(
+            f"config.json rope_type {rope_type!r} is not valid for model type 'phi3'; it reads "
+            f"{', '.join(ARCH_ROPE_TYPES['phi3'])} (su and yarn as longrope)"
+        )
+    params = {k: v for k, v in params.items() if k != "type"} | {"rope_type": rope_type}
+    if rope_type == "longrope":
+        params["original_max_position_embeddings"] = int(cfg.get("original_max_position_embeddings") or 4096)
+    return params
+
+
+def _hf_rotary_dim(head_dim: int, partial: float | None) -> int:
+    """``int(head_dim * partial_rotary_factor)`` as transformers computes it (``None``: all dims);
+    ``ValueError`` naming the field unless it is even and in ``2 .. head_dim``."""
+    if partial is None:
+        return head_dim
+    rotary = int(head_dim * float(partial))
+    if rotary % 2 or not 2 <= rotary <= head_dim:
+        raise ValueError(
+            f"config.json field partial_rotary_factor={partial!r} gives {rotary} rotary dims of head_dim {head_dim}; "
+            f"pdserve serves an even number in 2..{head_dim}"
+        )
+    return rotary
