@@ -43,10 +43,14 @@ async def load(url: str, bodies: list[dict], on_chunk=None) -> list[dict]:
 
 
 async def killed_load(
-    cluster: Cluster, bodies: list[dict], kill_tokens: int, workers: tuple[str, ...] = ("decode-0", "decode-1")
+    cluster: Cluster,
+    bodies: list[dict],
+    kill_tokens: int,
+    workers: tuple[str, ...] = ("decode-0", "decode-1"),
+    signal_with=signal_worker,
 ) -> tuple[list[dict], str]:
-    """The load with ``kill -9`` of the one of ``workers`` running the most requests once the clients
-    hold ``kill_tokens`` tokens; (records, victim)."""
+    """The load with ``kill -9`` (``signal_with(cluster, worker, SIGKILL)``) of the one of ``workers``
+    running the most requests once the clients hold ``kill_tokens`` tokens; (records, victim)."""
     held: dict[int, int] = {}
     reached = asyncio.Event()
 
@@ -62,7 +66,7 @@ async def killed_load(
         workers,
         key=lambda w: metric_sum(m, "pdserve_queue_requests", worker=w, queue="running"),
     )
-    signal_worker(cluster, victim, signal.SIGKILL)
+    signal_with(cluster, victim, signal.SIGKILL)
     return await task, victim
 
 

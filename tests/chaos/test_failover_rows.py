@@ -8,7 +8,11 @@ or in-flight entry left on any worker once the killed one is back:
   (SIGSTOP) before the load, so the requests routed to it wait in its queue, then killed once all of
   them reached the router; each of them goes to the other prefill worker (a fresh-pair retry);
 - 2 colocated replicas, ``kill -9`` of the one running the most requests once a seeded share of the
-  tokens went out (``PDSERVE_CHAOS_SEED``): its streams continue on the other replica.
+  tokens went out (``PDSERVE_CHAOS_SEED``): its streams continue on the other replica;
+- 1 prefill + 2 decode workers, SIGSTOP of the decode worker running the most requests at a seeded
+  moment: the router learns of it from the heartbeats (``--worker-timeout-s``) and its streams
+  continue on the other decode worker; SIGCONT once the load ended: the worker is taken back, and
+  what it still held of the requests it lost ends there (no page left).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from tests.chaos.test_failover_chaos import ARGS, MAX_TOKENS, STREAMS, WORDS, ki
 from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+LEASE_S = 3.0  # the router's worker_timeout_s in the SIGSTOP row: detection by heartbeats
 
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 
@@ -131,3 +137,45 @@ def test_kill9_of_a_colocated_replica_under_mixed_streams_loses_nothing(model):
         assert moved("pdserve_failovers_total") == moved("pdserve_failovers_total", outcome="continued")
         assert leaks(m) == (0, 0)
         assert metric_sum(m, "pdserve_inflight_requests") == 0
+
+
+def test_sigstop_of_a_decode_worker_is_detected_by_heartbeats_and_loses_nothing(model):
+    c = Cluster(model, prefill=1, decode=2, args=[*ARGS, "--worker-timeout-s", str(LEASE_S)])
+    c.start()
+    try:
+        mixes = mixed_bodies(STREAMS, MAX_TOKENS, WORDS, seed=SEED)
+        bodies = [b for _, b in mixes]
+        ref = asyncio.run(load(c.url, bodies))
+        assert [r["errors"] for r in ref] == [[]] * STREAMS
+        before = c.wait_recovered()
+        total = sum(b.get("n", 1) for b in bodies) * MAX_TOKENS
+        kill_tokens = int(random.Random(SEED + 1).uniform(0.15, 0.5) * total)  # the seeded moment
+        stopped: dict[str, int] = {}
+
+        def stopping(cluster, worker_id, sig):  # killed_load's signal, turned into SIGSTOP
+            stopped[worker_id] = signal_worker(cluster, worker_id, signal.SIGSTOP)
+
+        try:
+            got, victim = asyncio.run(killed_load(c, bodies, kill_tokens, signal_with=stopping))
+        finally:
+            for pid in stopped.values():
+                os.kill(pid, signal.SIGCONT)
+        m = c.wait_recovered()
+
+        def moved(name: str, **labels: str) -> float:
+            return metric_sum(m, name, **labels) - metric_sum(before, name, **labels)
+
+        bad = differing(mixes, got, ref)
+        print(
+            f"\ndecode SIGSTOP (seed {SEED}): {victim} at {kill_tokens}/{total} tokens; "
+            f"{moved('pdserve_failovers_total', outcome='continued'):g} continued, leaks {leaks(m)}, differing {bad}"
+        )
+        assert [g["errors"] for g in got] == [[]] * STREAMS
+        assert bad == []
+        assert f"worker {victim} is dead: no heartbeat" in c.server.log()
+        assert moved("pdserve_failovers_total", worker=victim, outcome="continued") >= 1
+        assert moved("pdserve_failovers_total") == moved("pdserve_failovers_total", outcome="continued")
+        assert leaks(m) == (0, 0)
+        assert metric_sum(m, "pdserve_inflight_requests") == 0
+    finally:
+        c.stop()
