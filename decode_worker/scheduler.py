@@ -421,7 +421,8 @@ def add_continuation(s: DecodeScheduler, owner: bytes, msg: GenerateRequest, pro
         len(s.retract.queue),
         s.transfers.backlog_tokens(),
     ):
-        job = s.jobs[msg.rid] = DecodeJob(req, msg.room, msg.prefill_addr, generation=1, n_tokens=req.seq_len)
+        job = DecodeJob(req, msg.room, msg.prefill_addr, generation=1, n_tokens=req.seq_len, preempt=msg.preempt)
+        s.jobs[msg.rid] = job
         job.enter(DecodeState.LOCAL_PREFILL)
         return out
     job = DecodeJob(
