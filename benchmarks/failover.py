@@ -1,7 +1,7 @@
 """Failover of streaming requests: the goal figures in one run.
 
 ``python -m benchmarks.failover [--streams 24] [--max-tokens 128] [--replicas 2] [--transfer-backend ucxx]
-[--kill-at 0.25] [--seed 0] [--json]``
+[--kill-at 0.25] [--seed 0] [--json] [--log-level DEBUG --log-file PATH]``
 
 Launches the embedded model as 1 prefill + 2 decode workers (``--replicas 2``: two colocated
 replicas instead), streams ``--streams`` concurrent completions of ``--max-tokens`` tokens
@@ -60,7 +60,7 @@ def launch_args(ns: argparse.Namespace) -> list[str]:
         "--health-interval-s",
         str(HEARTBEAT_S),
         "--log-level",
-        "INFO",
+        ns.log_level,
     ]
 
 
@@ -95,6 +95,7 @@ async def faulted_run(server: LaunchedServer, bodies: list[dict], workers: list[
     pid = worker_pid(server, victim)
     at_tokens = sum(held.values())
     t_kill = time.time()
+    print(f"kill -9 {victim} at monotonic {time.monotonic():.6f}", file=sys.stderr)
     os.kill(pid, signal.SIGKILL)
     snapshot = dict(held)
     records = await task
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=float, default=0.25, help="fraction of all tokens the clients hold at the kill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--log-level", default="INFO", help="the launch's log level (DEBUG: per-request marks)")
+    ap.add_argument("--log-file", default=None, help="write the launch's log (router and workers) there at the end")
     ns = ap.parse_args(argv)
 
     mixes = mixed_bodies(ns.streams, ns.max_tokens, WORDS, ns.seed)
@@ -158,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.5)
         prefill_s = min(prefill_time(server.url, longest) for _ in range(3))
+        if ns.log_file:
+            with open(ns.log_file, "w") as f:
+                f.write(server.log())
 
     failed = [i for i, r in enumerate(got) if r["errors"] or r["status"] != 200]
     identical = sum(same_output(g, r) for g, r in zip(got, ref))

@@ -107,6 +107,37 @@ class LocalPrefillQueue:
             self._suffix[req.rid] = d.suffix_tokens
         return d
 
+    def take_continuation(
+        self, req: Request, admitted: Callable[[], Iterable[Request]], ratio: float, retracted: int, remote_backlog: int
+    ) -> bool:
+        """Whether continuation ``req`` (its output so far in ``req.output_ids``) has its recompute
+        of prompt + output prefilled here rather than by a prefill worker; a taken one is queued.
+
+        Taken when the policy is on, no retracted request waits, its uncached tokens plus the local
+        backlog are at most ``remote_backlog`` (the prefill workers' backlog for this worker, which
+        holds the continuations sent there before it) and its pages plus its decode reservation fit
+        the headroom. When a decode worker dies, its streams arrive here as a burst of continuations:
+        on one prefill worker each would wait for all of them (one batch, compute linear in its
+        tokens); this splits the burst about evenly between the prefill worker and this one."""
+        if not self.policy.enabled or retracted:
+            return False
+        ids, n = req.all_ids, req.seq_len
+        cached = (
+            0
+            if wants_prompt_logprobs(req) or self.kv.tree is None
+            else self.kv.tree.match_prefix(ids[: n - 1]).num_tokens
+        )
+        suffix = n - cached
+        if self.backlog_tokens + suffix > remote_backlog:
+            return False
+        need = self.kv.pages_for(n) - self.kv.pages_for(cached) + self.budget.prompt_reservation(req, ratio).full
+        if need > self.budget.headroom(admitted(), ratio).full:
+            return False
+        req.mark("local_prefill")
+        self.waiting.append(req)
+        self._suffix[req.rid] = suffix
+        return True
+
     @property
     def backlog_tokens(self) -> int:
         """Prompt tokens not computed yet of the requests waiting here (their uncached suffix

@@ -408,12 +408,27 @@ def create_decode_scheduler(
 
 
 def add_continuation(s: DecodeScheduler, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
-    """A continuation (``GenerateRequest.resume_output_ids``) enters as a recompute does: this
-    worker ``s`` asks the prefill worker for prompt + output so far but the last token (generation 1;
-    the router sends no ``PrefillRequest``), and decoding resumes from that last token."""
+    """A continuation (``GenerateRequest.resume_output_ids``; the router sends no ``PrefillRequest``)
+    is prefilled here when the local prefill queue takes it (``LocalPrefillQueue.take_continuation``:
+    prompt + output so far, its first sampled token the next output token, as a colocated worker
+    does); else it enters as a recompute does: this worker ``s`` asks the prefill worker for prompt +
+    output so far but the last token (generation 1), and decoding resumes from that last token."""
     resumed = list(msg.resume_output_ids)
     state = sampler_state(s.runner, msg.params, prompt, resumed)
     req = Request(msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed)
+    s.stats.prompt_tokens += len(prompt)
+    out = s.peers.connect(msg.prefill_addr)  # a retract of it later recomputes there
+    if s.local.take_continuation(
+        req,
+        lambda: admitted(s.running, s.transfers, s.local),
+        s.running.ratio.value,
+        len(s.retract.queue),
+        s.transfers.backlog_tokens(),
+    ):
+        job = DecodeJob(req, msg.room, msg.prefill_addr, generation=1, n_tokens=req.seq_len, preempt=msg.preempt)
+        s.jobs[msg.rid] = job
+        job.enter(DecodeState.LOCAL_PREFILL)
+        return out
     job = DecodeJob(
         req,
         msg.room,
@@ -424,6 +439,5 @@ def add_continuation(s: DecodeScheduler, owner: bytes, msg: GenerateRequest, pro
         preempt=msg.preempt,
     )
     s.jobs[msg.rid] = job
-    s.stats.prompt_tokens += len(prompt)
     s.transfers.queue_recompute(job)
-    return s.peers.connect(msg.prefill_addr)
+    return out

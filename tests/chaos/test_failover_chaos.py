@@ -42,9 +42,15 @@ async def load(url: str, bodies: list[dict], on_chunk=None) -> list[dict]:
         return await asyncio.gather(*(astream(c, b, on_chunk) for b in bodies))
 
 
-async def killed_load(cluster: Cluster, bodies: list[dict], kill_tokens: int) -> tuple[list[dict], str]:
-    """The load with ``kill -9`` of the decode worker running the most requests once the clients hold
-    ``kill_tokens`` tokens; (records, victim)."""
+async def killed_load(
+    cluster: Cluster,
+    bodies: list[dict],
+    kill_tokens: int,
+    workers: tuple[str, ...] = ("decode-0", "decode-1"),
+    signal_with=signal_worker,
+) -> tuple[list[dict], str]:
+    """The load with ``kill -9`` (``signal_with(cluster, worker, SIGKILL)``) of the one of ``workers``
+    running the most requests once the clients hold ``kill_tokens`` tokens; (records, victim)."""
     held: dict[int, int] = {}
     reached = asyncio.Event()
 
@@ -57,10 +63,10 @@ async def killed_load(cluster: Cluster, bodies: list[dict], kill_tokens: int) ->
     await reached.wait()
     m = await asyncio.to_thread(cluster.metrics)
     victim = max(
-        ("decode-0", "decode-1"),
+        workers,
         key=lambda w: metric_sum(m, "pdserve_queue_requests", worker=w, queue="running"),
     )
-    signal_worker(cluster, victim, signal.SIGKILL)
+    signal_with(cluster, victim, signal.SIGKILL)
     return await task, victim
 
 

@@ -81,13 +81,30 @@ def test_kill_the_serving_decode_worker_mid_stream(pd_pair):
     kill_mid_stream(pd_pair, {"temperature": 0}, ("decode-0", "decode-1"))
 
 
-def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, ...]) -> None:
+def test_a_stop_string_met_after_the_failover_and_echo_come_out_as_without_it(replicas):
+    """``echo`` (the prompt before the first token) and a stop string first met well after the kill:
+    the router's held-back text and the stop check carry on across the continuation, so the text
+    ends right before the stop string as in the fault-free run, with ``finish_reason`` "stop"."""
+    body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0}
+    text = stream(replicas.url, body)["choices"][0]["text"]
+    at = len(text) * 2 // 3  # about token 42 of 64, the kill is after 8
+    stop = text[at : at + 5]
+    assert text.find(stop) == at, (text, stop)  # first met there
+    got = kill_mid_stream(
+        replicas, {"temperature": 0, "stop": [stop], "echo": True}, ("colocated-0", "colocated-1"), finish="stop"
+    )
+    assert got["choices"][0]["text"] == PROMPT + text[:at]
+
+
+def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, ...], finish: str = "length") -> dict:
     """Stream a reference run, then the same request with ``kill -9`` of the one of ``workers`` that
-    serves it after ``KILL_AFTER`` tokens; the outputs, usage and failover counters are checked."""
+    serves it after ``KILL_AFTER`` tokens; the outputs, usage and failover counters are checked
+    (each choice ends with ``finish``). Returns the faulted run's record."""
     n = sampling.get("n", 1)
     body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True, **sampling}
     reference = stream(server.url, body)
-    assert not reference["errors"] and reference["usage"]["completion_tokens"] == n * NEW_TOKENS
+    assert not reference["errors"]
+    assert finish != "length" or reference["usage"]["completion_tokens"] == n * NEW_TOKENS
 
     before = fresh_metrics(server.url, HEARTBEAT_S)
     reached, killed = threading.Event(), {}
@@ -112,7 +129,7 @@ def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, 
     for i, ref in reference["choices"].items():
         mine = got["choices"][i]
         assert mine["token_ids"] == ref["token_ids"] and mine["text"] == ref["text"], i
-        assert mine["finish_reason"] == ref["finish_reason"] == "length"
+        assert mine["finish_reason"] == ref["finish_reason"] == finish
         assert mine["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-3)
         if "response_format" in sampling:
             assert re.match(r'\{\s*"title"\s*:\s*".*"\s*,\s*"story"\s*:\s*"', mine["text"], re.S), mine["text"][:80]
@@ -145,3 +162,4 @@ def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, 
         time.sleep(0.5)
     idle = wait_idle(server.url, HEARTBEAT_S)  # raises while a survivor holds KV pages or requests
     assert metric_sum(idle, "pdserve_inflight_requests") == 0
+    return got

@@ -162,3 +162,31 @@ def test_grammar_continues_from_the_sent_tokens(embedded):
         k = len(full.token_ids) // 2
         cont = run_continuation(llm.scheduler, "g", prompt, params, full.token_ids[:k])
         assert cont[0] == full.token_ids[k:] and cont[2] == full.finish_reason
+
+
+def test_a_burst_of_pd_continuations_is_split_between_prefill_and_decode_worker(harness, tiny):
+    """The streams of a dead decode worker arrive at once: the decode worker prefills about half of
+    the continuations itself (``LocalPrefillQueue.take_continuation``) while the prefill worker
+    recomputes the others, and every one is still the uninterrupted tail."""
+    params = CASES["seeded"]
+    ref = run_batch(colocated(tiny), [PROMPT], [params])[0]
+    h = harness()
+    ks = {f"c{k}": k for k in (6, 5, 4, 3)}
+    for rid, k in ks.items():
+        msg = GenerateRequest(
+            rid=rid, params=params, room=next(h.room), prefill_addr=PREFILL_ADDR, resume_output_ids=ref.token_ids[:k]
+        )
+        h.deliver(h.decode.add(ROUTER, msg, PROMPT), True)
+    got = {rid: [] for rid in ks}
+    for _ in range(1000):
+        if not h.busy:
+            break
+        for d in h.step():
+            assert d.error is None, d
+            got[d.rid] += d.token_ids
+    assert not h.busy
+    assert got == {rid: ref.token_ids[k:] for rid, k in ks.items()}
+    # c6 went to the prefill worker (nothing queued there yet), c5 (15 tokens, no cache hit) was taken
+    # here against its backlog of 15, c4 went there (here 15 + 14 > 15), c3 here (15 + 13 <= 15 + 13)
+    assert h.decode.local.tokens == (len(PROMPT) + 5) + (len(PROMPT) + 3)
+    assert h.prefill.stats.prefill_computed_tokens == (len(PROMPT) + 6 - 1) + (len(PROMPT) + 4 - 1)
