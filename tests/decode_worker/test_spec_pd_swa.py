@@ -40,14 +40,16 @@ def prompts() -> list[list[int]]:
 
 
 def check_swa_rows(h: PDHarness) -> None:
-    """Each running request: as many SWA entries as full pages, every one from its window's keep
-    start on resident (a rejected draft position's SWA page went back with its full page)."""
+    """Each running request: as many SWA entries as full pages (a rejected draft position's SWA page
+    went back with its full page), every one from its window's keep start on resident, and none of
+    its own before it (the pages that left the window after a verify step went back too)."""
     dec = h.decode
     for r in dec.running:
-        swa = r.kv.swa_pages
-        assert len(swa) == len(r.kv.pages) == dec.kv.pages_for(r.kv_len), (r.rid, len(swa), r.kv_len)
+        swa = r.kv.swa
+        assert len(swa.pages) == len(r.kv.pages) == dec.kv.pages_for(r.kv_len), (r.rid, len(swa.pages), r.kv_len)
         keep = dec.kv.window.keep_start(r.kv_len) // PAGE
-        assert NO_PAGE not in swa[keep:], (r.rid, keep, swa)
+        assert NO_PAGE not in swa.pages[keep:], (r.rid, keep, swa.pages)
+        assert set(swa.pages[swa.num_shared : keep]) <= {NO_PAGE}, (r.rid, keep, swa.num_shared, swa.pages)
 
 
 def run(h: PDHarness) -> dict:
