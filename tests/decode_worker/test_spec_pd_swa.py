@@ -39,11 +39,11 @@ def prompts() -> list[list[int]]:
     return [[12] * 36, head + [7, 8, 9, 10] * 8, [7] * 40]
 
 
-def check_swa_rows(h: PDHarness) -> None:
+def check_swa_rows(dec) -> None:
     """Each running request: as many SWA entries as full pages (a rejected draft position's SWA page
     went back with its full page), every one from its window's keep start on resident, and none of
-    its own before it (the pages that left the window after a verify step went back too)."""
-    dec = h.decode
+    its own before it (the pages that left the window after a verify step went back too); ``dec`` a
+    decode scheduler."""
     for r in dec.running:
         swa = r.kv.swa
         assert len(swa.pages) == len(r.kv.pages) == dec.kv.pages_for(r.kv_len), (r.rid, len(swa.pages), r.kv_len)
@@ -59,7 +59,7 @@ def run(h: PDHarness) -> dict:
 
     def checked_step():
         deltas = step()
-        check_swa_rows(h)
+        check_swa_rows(h.decode)
         return deltas
 
     h.step = checked_step
