@@ -36,23 +36,28 @@ def harness(tiny):
 def drain(h: PDHarness, out: dict) -> dict:
     """Step ``h`` until idle, collecting each request's (token ids, logprobs, top logprobs, finish
     reason, stop token) into ``out``; the decode pool is checked after every step."""
-    dec = h.decode
     for _ in range(5000):
         if not h.busy:
             break
-        for d in h.step():
-            assert d.error is None, d.error
-            o = out.setdefault(d.rid, [[], [], [], None, None])
-            o[0] += d.token_ids
-            o[1] += d.logprobs
-            o[2] += d.top_logprobs
-            if d.finish_reason is not None:
-                o[3], o[4] = d.finish_reason, d.stop_token_id
-        dec.check_integrity()
-        for r in dec.running:  # rejected positions' pages went back
-            assert len(r.kv.pages) == dec.kv.pages_for(r.kv_len), (r.rid, len(r.kv.pages), r.kv_len)
+        checked_step(h, out)
     assert not h.busy, "PD harness did not drain"
     return out
+
+
+def checked_step(h: PDHarness, out: dict) -> None:
+    """One step of ``h``, its deltas collected into ``out``; then the decode pool's checks."""
+    dec = h.decode
+    for d in h.step():
+        assert d.error is None, d.error
+        o = out.setdefault(d.rid, [[], [], [], None, None])
+        o[0] += d.token_ids
+        o[1] += d.logprobs
+        o[2] += d.top_logprobs
+        if d.finish_reason is not None:
+            o[3], o[4] = d.finish_reason, d.stop_token_id
+    dec.check_integrity()
+    for r in dec.running:  # rejected positions' pages went back
+        assert len(r.kv.pages) == dec.kv.pages_for(r.kv_len), (r.rid, len(r.kv.pages), r.kv_len)
 
 
 def run(h: PDHarness, jobs: list[tuple[list[int], SamplingParams]]) -> dict:
@@ -152,6 +157,31 @@ def test_continuation_drafts_from_the_sent_output(harness):
         assert outs[spec]["c"][0] == full[5:]
     assert_same(outs[True], outs[False])
     assert h.decode.spec.accepted_tokens > 0
+
+
+def test_parallel_choices_each_equal_without_speculation(harness):
+    """``n = 4`` seeded choices of one prompt as the PD router sends them (per-choice seeds; the first
+    choice alone, the others once it has its first token, so the prefill worker serves their prompt
+    from its cache): each choice equals its run on the plain pair, the choices differ, and the decode
+    worker accepts drafts for them."""
+    from tests.engine.test_spec_identity import choices
+
+    params = choices(SamplingParams(max_new_tokens=24, temperature=0.2, seed=21, ignore_eos=True, logprobs=1), 4)
+    prompt = [7] * 12
+    outs = {}
+    for spec in (False, True):
+        h = harness(spec, spec_max_batch_tokens=64)  # every row of the 4 drafts
+        h.submit("c0", prompt, params[0])
+        out: dict = {}
+        while not out.get("c0", [[]])[0]:
+            checked_step(h, out)
+        for i in range(1, 4):
+            h.submit(f"c{i}", prompt, params[i])
+        outs[spec] = drain(h, out)
+        assert h.prefill.stats.cached_prompt_tokens >= 3 * 8  # the later choices' prompt came from the cache
+    assert_same(outs[True], outs[False])
+    assert len({tuple(o[0]) for o in outs[True].values()}) == 4, "seeded choices should differ"
+    assert h.decode.spec.accepted_tokens >= 20, (h.decode.spec.draft_tokens, h.decode.spec.accepted_tokens)
 
 
 def test_decode_worker_series_move(harness):

@@ -60,8 +60,8 @@ def test_spec_server_accepts_drafts_and_cuts_at_stop_strings(launched_server):
 def test_spec_pd_decode_worker_accepts_drafts_with_the_plain_outputs(launched_server, pd_server):
     """A PD launch with ``--speculative-method ngram`` (real prefill and decode processes, NIXL KV
     transfer): the decode worker drafts from prompts whose KV came over the wire and has drafts
-    accepted (its own series move; the prefill worker's stay at zero), and greedy and seeded outputs
-    equal those of the default PD launch without speculation."""
+    accepted (its own series move; the prefill worker's stay at zero), and greedy and seeded outputs,
+    each choice of an ``n = 3`` request too, equal those of the default PD launch without speculation."""
     srv = launched_server("pd", *PD_SERVER_FLAGS, "--speculative-method", "ngram", "--num-speculative-tokens", "4")
     url = srv.url
     before = wait_idle(url, PD_SERVER_HEARTBEAT_S)
@@ -69,6 +69,8 @@ def test_spec_pd_decode_worker_accepts_drafts_with_the_plain_outputs(launched_se
     bodies = [
         {"messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0},
         {"messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0.8, "seed": 5},
+        # n > 1: the router's choices (seeds 5, 6, 7), the later ones sent once the first has a token
+        {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0.8, "seed": 5, "n": 3},
     ]
     texts = {}
     for name, base in (("spec", url), ("plain", pd_server.url)):
@@ -76,9 +78,10 @@ def test_spec_pd_decode_worker_accepts_drafts_with_the_plain_outputs(launched_se
         for body in bodies:
             r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
             assert r.status_code == 200, r.text
-            texts[name].append(r.json()["choices"][0]["message"]["content"])
+            texts[name].append([c["message"]["content"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])])
     assert texts["spec"] == texts["plain"]
-    assert "lamp" in texts["spec"][0], texts["spec"][0]
+    assert "lamp" in texts["spec"][0][0], texts["spec"][0]
+    assert len(texts["spec"][2]) == 3 and len(set(texts["spec"][2])) > 1, texts["spec"][2]  # seeded choices differ
     m = wait_idle(url, PD_SERVER_HEARTBEAT_S)
 
     def moved(name, worker):

@@ -182,6 +182,40 @@ def test_choices_sharing_a_prompt(tiny):
     same_with_and_without(tiny, [(p, sp) for sp in params], min_accepted=5)
 
 
+def choices(params: SamplingParams, n: int, ranked: bool = False) -> list[SamplingParams]:
+    """The ``n`` requests the router makes of one prompt's ``n`` (or ``best_of``) choices."""
+    from server.router.parallel import choice_params
+
+    return [choice_params(params, i, ranked) for i in range(n)]
+
+
+def test_parallel_choices_each_equal_without_speculation(tiny):
+    """``n = 4`` seeded choices of one prompt and ``best_of = 3`` of another (ranked: logprobs on),
+    with the router's per-choice seeds, batched together as a colocated router sends them: each
+    choice equals its run without speculation, the choices differ from one another, drafts are
+    accepted, and ``best`` keeps the same choices."""
+    from server.router.parallel import best
+
+    sampled = choices(SamplingParams(max_new_tokens=24, temperature=0.2, seed=21, ignore_eos=True), 4)
+    ranked = choices(SamplingParams(max_new_tokens=20, temperature=0.3, top_k=8, seed=21, ignore_eos=True), 3, True)
+    jobs = [([7] * 12, sp) for sp in sampled] + [([55] * 13, sp) for sp in ranked]
+    plain = run(make(tiny, False), jobs)
+    sched = make(tiny, True, spec_max_batch_tokens=64)  # every row of the 7 drafts
+    spec = run(sched, jobs)
+    assert_same(spec, plain)
+    assert sched.spec.accepted_tokens >= 20, (sched.spec.draft_tokens, sched.spec.accepted_tokens)
+    assert len({tuple(spec[f"r{i}"][0]) for i in range(4)}) == 4, "seeded choices should differ"
+    assert len({tuple(spec[f"r{i}"][0]) for i in range(4, 7)}) == 3
+
+    class Run:  # what ``best`` ranks: a choice's logprobs
+        def __init__(self, rid):
+            self.rid, self.logprobs, self.index = rid, spec[rid][1], 0
+
+    kept = [r.rid for r in best([Run(f"r{i}") for i in range(4, 7)], 2)]
+    ref = sorted(range(4, 7), key=lambda i: -sum(plain[f"r{i}"][1]))[:2]
+    assert kept == [f"r{i}" for i in sorted(ref)]
+
+
 def test_cached_output_pages_hold_the_accepted_tokens(tiny):
     """Pages a speculative request leaves in the radix cache (prompt + output, computed by verify
     steps) serve a later prompt that extends it exactly as the plain scheduler's do."""
