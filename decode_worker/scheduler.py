@@ -206,6 +206,15 @@ class DecodeScheduler(WorkerScheduler):
         return bool(self.running or self.retract.queue or self.local)
 
     @property
+    def has_queued_model_work(self) -> bool:
+        """A request waiting for pages or KV that decodes once its KV lands: a recomputed or migrated
+        one, or a new one with more than the first token (the prefill worker's) to generate."""
+        jobs = (*self.transfers.prealloc, *self.transfers.inflight.values())
+        return any(
+            j.answered is None and (j.generation > 0 or j.migrated or j.req.remaining_new_tokens() > 1) for j in jobs
+        )
+
+    @property
     def awaits_peer_compute(self) -> bool:
         """Requests waiting for pages or for their KV: their prompts are (or are about to be) on a
         prefill worker."""

@@ -139,6 +139,13 @@ class WorkerScheduler(abc.ABC):
         return self.has_work
 
     @property
+    def has_queued_model_work(self) -> bool:
+        """True while requests here wait for another worker (a decode worker's requests whose KV is
+        being or about to be written) and will run the model once that is done; core lending keeps a
+        worker that just handed off KV from borrowing this one's cores while it is set. Default: False."""
+        return False
+
+    @property
     def awaits_peer_compute(self) -> bool:
         """True while another worker computes for this one (a decode worker's requests whose prompt
         a prefill worker holds or is about to get): core lending keeps such a worker from borrowing

@@ -11,8 +11,8 @@ returns (an ``Outbox``; a turn's ``StepReport`` carries one) is delivered at onc
 batched into one ``TokenBatch`` per owner connection, control messages to their ``Conn``/``Peer``.
 
 Core lending (``cores``) is decided here, from the scheduler's state and its step reports: before
-blocking and before each turn the loop publishes ``has_model_work``, picks the turn's threads
-(``begin_step``) when there is work, and tells its slot about KV handoffs a turn reports
+blocking and before each turn the loop publishes ``has_model_work`` and ``has_queued_model_work``,
+picks the turn's threads (``begin_step``) when there is work, and tells its slot about KV handoffs a turn reports
 (``handed_off``); a turn that finished handoffs pauses before computing (``server.worker.turn``).
 
 Liveness apart from progress: peers' heartbeats are sent and their replies stamped on a
@@ -188,7 +188,7 @@ class WorkerLoop:
     def _publish(self) -> None:
         """Tell the launch's other workers whether this one is about to run the model."""
         if self.cores is not None:
-            self.cores.publish(self.scheduler.has_model_work)
+            self.cores.publish(self.scheduler.has_model_work, self.scheduler.has_queued_model_work)
 
     def _turn(self) -> None:
         """One scheduler turn, delivered; KV handoffs it reports keep this worker from borrowing
