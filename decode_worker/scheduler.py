@@ -34,7 +34,7 @@ from decode_worker.stats import decode_snapshot
 from decode_worker.transfers import Landing, TransferTracker
 from engine.kernels import gather_pages
 from engine.model_runner import ModelRunner
-from engine.request import Release, Request
+from engine.request import Request
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, check_resume, sampler_state
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
@@ -320,7 +320,10 @@ class DecodeScheduler(WorkerScheduler):
     def _decode(self) -> Outbox:
         """One decode step of the running batch plus this step's local prefill chunk (one mixed
         forward with ``mixed_batches``, else an extend forward right before the decode one)."""
-        res = self.running.prepare_decode(self._release_victim, park_last=bool(self.transfers.inflight))
+        # a victim's KV goes to the host pool, or is freed with a recompute queued
+        res = self.running.prepare_decode(
+            lambda req: self.retract.retract(self.jobs[req.rid]), park_last=bool(self.transfers.inflight)
+        )
         rows = list(self.running.reqs)
         admit_new = not (self.retract.queue or res.retracted)  # resumes and recomputes first
         items = []
@@ -357,10 +360,6 @@ class DecodeScheduler(WorkerScheduler):
                 job.enter(DecodeState.RUNNING)
                 self.running.add(req)
         return out
-
-    def _release_victim(self, req: Request) -> Release:
-        """Offload the victim's KV to the host pool, or free it and queue a recompute."""
-        return self.retract.retract(self.jobs[req.rid])
 
     def live_handles(self):
         return [j.req.kv for j in self.jobs.values()]
