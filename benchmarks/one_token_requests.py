@@ -42,8 +42,9 @@ def measure(mode: str, n: int, extra: list[str], repo: Path | None) -> dict:
             c.post("/v1/completions", json={**body, "prompt": prompt(i)}).raise_for_status()
             ttft.append(1000 * (time.perf_counter() - t0))
         after = wait_idle(srv.url, HEARTBEAT_S)
+        verdicts = [line for line in srv.log().splitlines() if "core lending" in line or "step matmuls" in line]
     name = "pdserve_worker_borrowed_core_steps_total"
-    return {"ttft_ms": ttft, "borrowed": metric_sum(after, name) - metric_sum(before, name)}
+    return {"ttft_ms": ttft, "borrowed": metric_sum(after, name) - metric_sum(before, name), "log": verdicts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode, r in rows.items():
         t = r["ttft_ms"]
         print(f"{mode:<10} {statistics.median(t):7.0f} {t[0]:7.0f} {min(t):7.0f} {max(t):7.0f}  {r['borrowed']:.0f}")
+    for mode, r in rows.items():  # whether each worker borrows at all (its start-up measurement)
+        print("\n".join(f"{mode}: {line}" for line in r["log"]))
     ratio = statistics.median(rows["pd"]["ttft_ms"]) / statistics.median(rows["colocated"]["ttft_ms"])
     print(f"PD / colocated median TTFT: {ratio:.2f}x")
     return 0
