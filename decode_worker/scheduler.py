@@ -80,6 +80,7 @@ class DecodeScheduler(WorkerScheduler):
         self.executor = BatchExecutor(runner, eos_token_ids, kv)
         self.running = RunningBatch(kv, self.executor, cfg.scheduler, self.stats)
         self.jobs: dict[str, DecodeJob] = {}
+        self.evacuating = False  # changing role: nothing resumes here, parked jobs migrate (decode_worker.evacuate)
         self.transfer_failures = 0
         self.timeline = Timeline(self.role)
         self._decode_deferred = False  # the last step sent what it had and skipped its decode
@@ -237,8 +238,12 @@ class DecodeScheduler(WorkerScheduler):
             out.extend(self.finish(job, job.answered))
         for landing in self.transfers.landed():
             out.extend(self._landed(landing))
-        for job in self.retract.resume_ready(
-            self.running.reqs, self.cfg.scheduler.retract_decode_steps, places_left(self)
+        for job in (
+            ()
+            if self.evacuating
+            else self.retract.resume_ready(
+                self.running.reqs, self.cfg.scheduler.retract_decode_steps, places_left(self)
+            )
         ):
             self.running.add(job.req)
         if self.migration is not None:

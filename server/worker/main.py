@@ -279,12 +279,22 @@ def serve(cfg: PdserveConfig, args, auth) -> int:
     registration = register(cfg, args, name)
     if registration is not None:
         loop.on_drain.append(registration.leave)
+    else:  # a role switch announces the new role through the router's membership, not etcd's records (yet)
+        loop.switcher = role_switcher(cfg, runner, args.worker_id, name)
     try:
         loop.run(scheduler)
     finally:
         if registration is not None:
             registration.close()
     return loop.exit_code
+
+
+def role_switcher(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
+    """The worker's ``RoleSwitcher``: a new role's scheduler over the same ``runner`` (weights kept),
+    a switch given ``drain_timeout_s`` to empty the worker."""
+    from server.worker.role_switch import RoleSwitcher
+
+    return RoleSwitcher(lambda role: BUILDERS[role](cfg, runner, worker_id, model_name), cfg.cluster.drain_timeout_s)
 
 
 def advertise_addr(cfg: PdserveConfig, control_addr: str) -> str:
