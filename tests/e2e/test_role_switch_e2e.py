@@ -5,12 +5,14 @@ slowed by ``--test-step-delay-s`` so they are still running); decode-1 switches 
 stream: its requests migrate to decode-0 and every stream ends with the colocated engine's greedy
 tokens (equal to transformers, tests/e2e/test_pd_http.py), none failed. ``/health`` then lists
 ``decode-1 (prefill)``, a switch that would leave no decode worker is refused (409), new requests
-prefill on both prefill workers, and decode-1 switches back and decodes again. Each switch moves
+prefill on both prefill workers, and decode-1 switches back (``pdserve role``) and decodes again. Each switch moves
 ``pdserve_role_switches_total`` by exactly one; no KV page or host buffer is left in use."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import httpx
@@ -124,9 +126,10 @@ def test_decode_worker_switches_to_prefill_under_load_and_back(launched_server, 
     for w in ("prefill-0", "decode-1"):
         assert metric_sum(m, "pdserve_worker_finished_requests_total", worker=w) > prefilled[w], w
 
-    # and back: decode-1 decodes again
-    r = switch(url, "decode-1", "decode")
-    assert r.status_code == 200, r.text
+    # and back, through the CLI: decode-1 decodes again
+    cli = [sys.executable, "-m", "server.launch.cli", "role", "decode-1", "decode", "--router", url]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("decode-1: prefill -> decode in "), done
     assert "decode-1 (decode): ready" in health(url)
     results = asyncio.run(stream_all(url, PROMPTS[:2], NEW_TOKENS))
     assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == refs[:2]
