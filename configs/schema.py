@@ -269,6 +269,12 @@ class ClusterConfig(BaseModel):
         "decode worker not while a prefill worker computes for it), prefill (decode workers "
         "only lend), or off",
     )
+    core_lending_verdict: Literal["measure", "borrow", "lend"] = Field(
+        "measure",
+        description="launcher: how a worker allowed to borrow decides whether it does: measure (default: "
+        "its step matmuls at start-up, >= 1.1x faster on every core), borrow or lend (pinned, no "
+        "measurement: for a host whose start-up load makes the measurement unreliable, and for tests)",
+    )
     worker_host: str = Field(
         "127.0.0.1",
         description="launcher: bind address of this host's worker control sockets (0.0.0.0 to serve "

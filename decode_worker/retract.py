@@ -109,14 +109,19 @@ class RetractManager:
     def choose(self, req: Request) -> Release:
         """OFFLOAD when the host pool has room and copying out and back beats recomputing (the
         prefix another request holds too is neither copied nor recomputed)."""
-        rows, _ = self._rows(req, shared_elsewhere(self.kv, req.kv))
-        if self.host is None or not self.host.can_hold(len(rows)):
+        if not self.can_offload(req):
             return Release.RECOMPUTE
+        rows, _ = self._rows(req, shared_elsewhere(self.kv, req.kv))
         nbytes = len(rows) * self.host.page_bytes
         c = self.costs
         t_copy = 2 * nbytes / c.copy_bytes_per_s
         t_recompute = req.kv_len / c.prefill_tokens_per_s + nbytes / c.transfer_bytes_per_s
         return Release.OFFLOAD if t_copy <= t_recompute else Release.RECOMPUTE
+
+    def can_offload(self, req: Request) -> bool:
+        """Whether the host pool has room for ``req``'s KV (its prefix held elsewhere apart)."""
+        rows, _ = self._rows(req, shared_elsewhere(self.kv, req.kv))
+        return self.host is not None and self.host.can_hold(len(rows))
 
     def retract(self, job: DecodeJob) -> Release:
         """Take a victim of the running batch out of it: ``offload`` or ``recompute``, whichever

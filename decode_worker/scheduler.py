@@ -34,7 +34,7 @@ from decode_worker.stats import decode_snapshot
 from decode_worker.transfers import Landing, TransferTracker
 from engine.kernels import gather_pages
 from engine.model_runner import ModelRunner
-from engine.request import Release, Request
+from engine.request import Request
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, check_resume, sampler_state
 from engine.scheduler.executor import BatchExecutor, token_delta
 from engine.scheduler.running_batch import RunningBatch
@@ -84,6 +84,7 @@ class DecodeScheduler(WorkerScheduler):
         self.executor = BatchExecutor(runner, eos_token_ids, kv, self.spec)
         self.running = RunningBatch(kv, self.executor, cfg.scheduler, self.stats)
         self.jobs: dict[str, DecodeJob] = {}
+        self.evacuating = False  # changing role: nothing resumes here, parked jobs migrate (decode_worker.evacuate)
         self.transfer_failures = 0
         self.timeline = Timeline(self.role)
         self._decode_deferred = False  # the last step sent what it had and skipped its decode
@@ -210,6 +211,15 @@ class DecodeScheduler(WorkerScheduler):
         return bool(self.running or self.retract.queue or self.local)
 
     @property
+    def has_queued_model_work(self) -> bool:
+        """A request waiting for pages or KV that decodes once its KV lands: a recomputed or migrated
+        one, or a new one with more than the first token (the prefill worker's) to generate."""
+        jobs = (*self.transfers.prealloc, *self.transfers.inflight.values())
+        return any(
+            j.answered is None and (j.generation > 0 or j.migrated or j.req.remaining_new_tokens() > 1) for j in jobs
+        )
+
+    @property
     def awaits_peer_compute(self) -> bool:
         """Requests waiting for pages or for their KV: their prompts are (or are about to be) on a
         prefill worker."""
@@ -232,8 +242,12 @@ class DecodeScheduler(WorkerScheduler):
             out.extend(self.finish(job, job.answered))
         for landing in self.transfers.landed():
             out.extend(self._landed(landing))
-        for job in self.retract.resume_ready(
-            self.running.reqs, self.cfg.scheduler.retract_decode_steps, places_left(self)
+        for job in (
+            ()
+            if self.evacuating
+            else self.retract.resume_ready(
+                self.running.reqs, self.cfg.scheduler.retract_decode_steps, places_left(self)
+            )
         ):
             self.running.add(job.req)
         if self.migration is not None:
@@ -315,7 +329,10 @@ class DecodeScheduler(WorkerScheduler):
     def _decode(self) -> Outbox:
         """One decode step of the running batch plus this step's local prefill chunk (one mixed
         forward with ``mixed_batches``, else an extend forward right before the decode one)."""
-        res = self.running.prepare_decode(self._release_victim, park_last=bool(self.transfers.inflight))
+        # a victim's KV goes to the host pool, or is freed with a recompute queued
+        res = self.running.prepare_decode(
+            lambda req: self.retract.retract(self.jobs[req.rid]), park_last=bool(self.transfers.inflight)
+        )
         rows = list(self.running.reqs)
         admit_new = not (self.retract.queue or res.retracted)  # resumes and recomputes first
         items = []
@@ -352,10 +369,6 @@ class DecodeScheduler(WorkerScheduler):
                 job.enter(DecodeState.RUNNING)
                 self.running.add(req)
         return out
-
-    def _release_victim(self, req: Request) -> Release:
-        """Offload the victim's KV to the host pool, or free it and queue a recompute."""
-        return self.retract.retract(self.jobs[req.rid])
 
     def live_handles(self):
         return [j.req.kv for j in self.jobs.values()]

@@ -138,6 +138,12 @@ class WorkerScheduler(abc.ABC):
         worker's page reservations does not count. Default: ``has_work``."""
         return self.has_work
 
+    # True while requests here wait for another worker (a decode worker's requests whose KV is being
+    # or about to be written) and will run the model once that is done: core lending keeps a worker
+    # that just handed off KV from borrowing this one's cores while it is set. A subclass may make it
+    # a property; most schedulers never wait so.
+    has_queued_model_work: bool = False
+
     @property
     def awaits_peer_compute(self) -> bool:
         """True while another worker computes for this one (a decode worker's requests whose prompt

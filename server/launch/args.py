@@ -164,6 +164,12 @@ def _models_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object: the architectures and the refusals")
 
 
+def _role_parser(sub) -> None:
+    from server.launch.role_cmd import add_parser
+
+    add_parser(sub)
+
+
 def _bench_parser(sub) -> None:
     """Every argument after ``bench`` is left to ``python -m bench`` (``parse_args`` below)."""
     sub.add_parser(
@@ -184,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         _probe_parser,
         _keygen_parser,
         _models_parser,
+        _role_parser,
         _bench_parser,
     ):
         add(sub)

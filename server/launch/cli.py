@@ -1,6 +1,6 @@
 """``pdserve`` command line: ``generate`` (offline batch), ``launch`` (serve over HTTP), ``worker``,
-``router``, ``probe``, ``keygen`` (a cluster key file), ``models`` (what the loader serves) and
-``bench``.
+``router``, ``probe``, ``keygen`` (a cluster key file), ``models`` (what the loader serves), ``role``
+(switch a running PD worker's role through its router) and ``bench``.
 
 Parsing lives in ``server.launch.args``; each command here is one function, picked by name.
 ``pdserve bench ...`` runs ``python -m bench ...`` in a child process: the benchmarks sit above
@@ -193,6 +193,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_role(args: argparse.Namespace) -> int:
+    from server.launch.role_cmd import main as role_main
+
+    return role_main(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, "-m", "bench", *args.bench_argv])
 
@@ -205,6 +211,7 @@ COMMANDS = {
     "probe": _cmd_probe,
     "keygen": _cmd_keygen,
     "models": _cmd_models,
+    "role": _cmd_role,
     "bench": _cmd_bench,
 }
 

@@ -361,6 +361,12 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.role_switches = Counter(
+            "pdserve_role_switches",
+            "Workers that changed role at runtime (POST /admin/role), by old role, new role and reason (admin)",
+            ["from", "to", "reason"],
+            registry=r,
+        )
         r.register(WorkerCollector(handles))
         r.register(AdmissionCollector(queued, handles, outstanding))
 
@@ -371,6 +377,10 @@ class RouterMetrics:
     def observe_routing(self, reason: str) -> None:
         """Count one cache-aware routing decision (``reason``: local, prefix, load or cap)."""
         self.routing.labels(reason=reason).inc()
+
+    def observe_role_switch(self, old: str, new: str, reason: str) -> None:
+        """Count one completed role switch of a worker from role ``old`` to ``new``."""
+        self.role_switches.labels(**{"from": old, "to": new, "reason": reason}).inc()
 
     def observe_request(self, status: int) -> None:
         """Count one generation request that ended with HTTP ``status``."""

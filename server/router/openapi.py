@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from server.router.admin import DrainAnswer, DrainBody
+from server.router.admin import DrainAnswer, DrainBody, RoleAnswer, RoleBody
 from server.router.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -102,6 +102,33 @@ def _drain(body_ref: str, answer_ref: str) -> dict:
     }
 
 
+def _role(body_ref: str, answer_ref: str) -> dict:
+    """``POST /admin/role`` (server.router.admin): API key required when the router has one."""
+    body = {"required": True, "content": {"application/json": {"schema": {"$ref": body_ref}}}}
+    done = {
+        "description": "The worker moved out or finished what it held and serves in its new role",
+        "content": {"application/json": {"schema": {"$ref": answer_ref}}},
+    }
+    return {
+        "post": {
+            "summary": "Switch a PD worker between prefill and decode, its weights kept loaded",
+            "description": "The worker leaves rotation, a decode worker migrates its requests to peer decode "
+            "workers, a prefill worker finishes its prompt writes; then it serves in the new role. Needs "
+            "'Authorization: Bearer <key>' when the router runs with --api-key.",
+            "security": [{_BEARER: []}],
+            "requestBody": body,
+            "responses": {
+                "200": done,
+                "400": _error("Body is not a JSON object with worker and role"),
+                "401": _error("Missing or wrong API key"),
+                "404": _error("No worker by that id; the message lists the known workers"),
+                "409": _error("Refused or not made: it would leave a role empty, the worker is not ready, ..."),
+                "413": _error("Body larger than --max-body-bytes"),
+            },
+        }
+    }
+
+
 def _get(summary: str, codes: tuple[str, ...] = ("200",)) -> dict:
     return {"get": {"summary": summary, "responses": {c: {"description": summary} for c in codes}}}
 
@@ -116,6 +143,8 @@ def openapi_document(version: str) -> dict:
         DetokenizeRequest,
         DrainBody,
         DrainAnswer,
+        RoleBody,
+        RoleAnswer,
     ]
     refs, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
     tokenize_body = {
@@ -135,6 +164,7 @@ def openapi_document(version: str) -> dict:
             "/health": _get("Readiness of every worker", ("200", "503")),
             "/metrics": _get("Prometheus text exposition"),
             "/admin/drain": _drain(refs[(DrainBody, "validation")]["$ref"], refs[(DrainAnswer, "validation")]["$ref"]),
+            "/admin/role": _role(refs[(RoleBody, "validation")]["$ref"], refs[(RoleAnswer, "validation")]["$ref"]),
         },
         "components": {"schemas": schemas, "securitySchemes": _SECURITY_SCHEMES},
     }

@@ -39,6 +39,7 @@ from server.router.workers import (
     RESTARTING,
     ROUTING_POLICIES,
     STARTING,
+    SWITCHING,
     NoWorkerAvailable,
     Policy,
     Route,
@@ -220,6 +221,8 @@ class Registry:
         h.stats, h.last_seen = stats, self.clock()
         h.own_at_stats = self.table.outstanding_requests(worker_id)  # what of the report is this router's
         h.stats_at = h.last_seen
+        if h.state == SWITCHING:  # its new instance and role are taken from the switch's answer
+            return
         if stats.instance != h.instance or h.up_since is None:
             restarted = h.up_since is not None
             h.restarts += 1 if restarted else 0

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from transfer.control_auth import ControlAuth, HandshakeWatch
+from transfer.wire.enums import Role
 from transfer.wire.protocol import (
     AbortRequest,
     Drain,
@@ -42,8 +43,10 @@ from transfer.wire.protocol import (
     ProtocolError,
     QueuedMove,
     QueuedOffer,
+    RoleSwitched,
     Shutdown,
     StatsRequest,
+    SwitchRole,
     TokenBatch,
     TokenDelta,
     WorkerStats,
@@ -90,6 +93,7 @@ class WorkerClient:
         self._task: asyncio.Task | None = None
         # migration messages (``MigrationOffer`` with its ids, ``MigrationEnded``, ``QueuedOffer``): set by the registry
         self.on_migration: Callable[[str, Message, list[int]], None] | None = None
+        self._role_answer: asyncio.Future | None = None  # the pending ``switch_role``'s answer
 
     async def start(self) -> None:
         """Connect (the worker may bind later; messages queue until it does) and start receiving."""
@@ -193,6 +197,16 @@ class WorkerClient:
         if it cannot be queued."""
         self._send(KvSnapshotRequest(reason=reason))
 
+    async def switch_role(self, role: Role, timeout_s: float) -> RoleSwitched:
+        """Ask the worker to switch to ``role`` and wait for its ``RoleSwitched``; ``WorkerUnavailable``
+        if the request cannot be sent, ``TimeoutError`` past ``timeout_s``. One at a time."""
+        fut = self._role_answer = asyncio.get_running_loop().create_future()
+        try:
+            self._send(SwitchRole(role=role))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._role_answer = None
+
     def drain(self, reason: str) -> None:
         """Ask the worker to drain (finish what it holds, take nothing new, exit); best effort."""
         try:
@@ -246,5 +260,7 @@ class WorkerClient:
             self._on_stats(self.worker_id, msg)
         elif isinstance(msg, (MigrationOffer, MigrationEnded, QueuedOffer)) and self.on_migration is not None:
             self.on_migration(self.worker_id, msg, frame_ids(frames[0]) if frames else [])
+        elif isinstance(msg, RoleSwitched) and self._role_answer is not None and not self._role_answer.done():
+            self._role_answer.set_result(msg)
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, self.worker_id)

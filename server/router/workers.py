@@ -1,7 +1,8 @@
 """The router's view of workers: specs, handles and their states, routes, and routing policies.
 
 States: ``starting`` (never heard from, or refused: ``reason`` says why), ``ready`` (routed to),
-``draining`` (it finishes what it holds; nothing new is routed to it), ``drained`` (it left after a
+``draining`` (it finishes what it holds; nothing new is routed to it), ``switching`` (changing
+role: the same, until it answers), ``drained`` (it left after a
 drain; not restarted), ``dead`` (silent or exited; its requests failed with 503), ``restarting``
 (the launcher started a new process). Policies pick a ``Route`` among the ready handles.
 """
@@ -17,8 +18,9 @@ from transfer.wire.protocol import WorkerStats
 
 STARTING, READY, DEAD, RESTARTING = "starting", "ready", "dead", "restarting"
 DRAINING, DRAINED = "draining", "drained"
+SWITCHING = "switching"  # changing role (``server.router.roles``): out of rotation until it answers
 # states a worker is in on purpose: out of rotation, but no reason for /health to fail
-OUT_OF_ROTATION = (DRAINING, DRAINED)
+OUT_OF_ROTATION = (DRAINING, DRAINED, SWITCHING)
 
 
 @dataclass(frozen=True)

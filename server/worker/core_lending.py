@@ -12,14 +12,20 @@ every core of the launch instead of its share. The worker loop (``server.worker.
 every call here, from its scheduler's state and step reports; schedulers know nothing of lending.
 
 Contract:
-- ``publish(busy)`` is called before a worker blocks and before each of its steps, so a peer reads
-  a state at most one step old.
+- ``publish(busy, queued)`` is called before a worker blocks and before each of its steps, so a peer
+  reads a state at most one step old. ``queued``: requests that wait here for something else (a decode
+  worker's requests whose KV is being or about to be written) and will run the model once it is in
+  (``WorkerScheduler.has_queued_model_work``: one whose only token comes with its KV will not).
 - Why "about to run the model" and not "has work": with the latter, a prefill that starts while the
   decode worker is reserving that very prompt's pages finds that worker busy and runs on its own
   share alone, late to its first token.
 - ``begin_step()`` picks the step's thread count: ``total`` when this worker may borrow, every
-  other slot is idle and no KV handoff happened in the last ``handoff_grace_s`` (the decode
-  worker that just received KV is about to be busy but may not have seen it yet); else ``own``.
+  other slot is idle, and either no KV handoff happened in the last ``handoff_grace_s`` or no other
+  slot has ``queued`` requests; else ``own``. The grace covers a decode worker that just received
+  KV and is about to be busy but may not have seen it yet: its ``queued`` flag, set since it
+  reserved the pages, keeps the borrower off its core until its slot reads busy, so its first decode
+  steps are not slowed. A decode worker with nothing to run after the KV lands (back-to-back
+  one-token requests: the prefill worker computes the only token) does not hold the borrower back.
   ``handed_off()`` is called for a turn whose ``StepReport`` has handoffs, and such a turn pauses
   before computing (``server.worker.turn``): the compute after a handoff picks its threads in
   the grace.
@@ -50,7 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SLOT = np.dtype([("busy", "<i4"), ("threads", "<i4"), ("loaded", "<i4")])
+SLOT = np.dtype([("busy", "<i4"), ("queued", "<i4"), ("threads", "<i4"), ("loaded", "<i4")])
 LENDING_MODES = ("off", "prefill", "all")
 
 
@@ -62,7 +68,7 @@ def borrows(mode: str, role: str) -> bool:
 
 
 class CoreLedger:
-    """``n`` slots (busy flag, threads of the latest step, model loaded) over a shared buffer. Each
+    """``n`` slots (busy flag, queued flag, threads of the latest step, model loaded) over a shared buffer. Each
     slot is written by its own worker only; 4-byte aligned stores, so readers never see a torn value."""
 
     def __init__(self, buf) -> None:
@@ -90,6 +96,9 @@ class CoreLedger:
     def set_busy(self, slot: int, busy: bool) -> None:
         self.slots["busy"][slot] = 1 if busy else 0
 
+    def set_queued(self, slot: int, queued: bool) -> None:
+        self.slots["queued"][slot] = 1 if queued else 0
+
     def set_threads(self, slot: int, threads: int) -> None:
         self.slots["threads"][slot] = threads
 
@@ -116,8 +125,15 @@ class CoreLedger:
         return True
 
     def others_idle(self, slot: int) -> bool:
-        busy = self.slots["busy"]
-        return not (busy[:slot].any() or busy[slot + 1 :].any())
+        return not self._others_any("busy", slot)
+
+    def others_queued(self, slot: int) -> bool:
+        """Whether another slot has requests that will run the model once their KV is in."""
+        return self._others_any("queued", slot)
+
+    def _others_any(self, flag: str, slot: int) -> bool:
+        column = self.slots[flag]
+        return bool(column[:slot].any() or column[slot + 1 :].any())
 
 
 @dataclass
@@ -149,11 +165,18 @@ class CoreLending:
         """Every thread count a step may run with (warm up at each)."""
         return tuple(sorted({self.own, self.total}))
 
-    def publish(self, busy: bool) -> None:
-        self.ledger.set_busy(self.slot, busy)
+    def publish(self, busy: bool, queued: bool = False) -> None:
+        """This worker's state for its peers. Flags that turn on are written before flags that turn
+        off, so a peer never reads both clear while a request moves from queued to busy."""
+        if busy:
+            self.ledger.set_busy(self.slot, True)
+        self.ledger.set_queued(self.slot, queued)
+        if not busy:
+            self.ledger.set_busy(self.slot, False)
 
     def handed_off(self) -> None:
-        """KV just went to a decode worker: it is about to be busy, whatever its slot says yet."""
+        """KV just went to a decode worker: it may be about to be busy, whatever its busy flag says yet
+        (for ``handoff_grace_s`` its ``queued`` flag decides)."""
         self._quiet_until = self.clock() + self.handoff_grace_s
 
     def begin_step(self, yield_to_peers: bool = False) -> int:
@@ -163,8 +186,8 @@ class CoreLending:
         borrow = (
             self.total > self.own
             and not yield_to_peers
-            and self.clock() >= self._quiet_until
             and self.ledger.others_idle(self.slot)
+            and (self.clock() >= self._quiet_until or not self.ledger.others_queued(self.slot))
         )
         n = self.total if borrow else self.own
         if n != self.threads:

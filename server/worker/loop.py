@@ -11,8 +11,8 @@ returns (an ``Outbox``; a turn's ``StepReport`` carries one) is delivered at onc
 batched into one ``TokenBatch`` per owner connection, control messages to their ``Conn``/``Peer``.
 
 Core lending (``cores``) is decided here, from the scheduler's state and its step reports: before
-blocking and before each turn the loop publishes ``has_model_work``, picks the turn's threads
-(``begin_step``) when there is work, and tells its slot about KV handoffs a turn reports
+blocking and before each turn the loop publishes ``has_model_work`` and ``has_queued_model_work``,
+picks the turn's threads (``begin_step``) when there is work, and tells its slot about KV handoffs a turn reports
 (``handed_off``); a turn that finished handoffs pauses before computing (``server.worker.turn``).
 
 Liveness apart from progress: peers' heartbeats are sent and their replies stamped on a
@@ -38,6 +38,7 @@ from server.worker.core_lending import CoreLending
 from server.worker.drain import Drain, Verdict, as_unavailable
 from server.worker.kv_feed import KvFeed, feed_bind_host
 from server.worker.peer_pinger import PeerPinger
+from server.worker.role_switch import RoleSwitcher
 from server.worker.turn import Turns
 from transfer.control_auth import ControlAuth
 from transfer.wire.outbox import Conn, Outbox, Peer
@@ -49,8 +50,10 @@ from transfer.wire.protocol import (
     Message,
     PrefillRequest,
     ProtocolError,
+    RoleSwitched,
     Shutdown,
     StatsRequest,
+    SwitchRole,
     TokenBatch,
     TokenDelta,
     WorkerStats,
@@ -113,15 +116,12 @@ class WorkerLoop:
         self.exit_code = 0  # what the process exits with once ``run`` returns
         self.drain = Drain(drain_timeout_s, quiet_s=3 * heartbeat_s)
         self.on_drain: list = []  # callables run once when draining starts (leave discovery)
+        self.switcher: RoleSwitcher | None = None  # live role switches (server.worker.role_switch), when enabled
         self.stats_every_s = 0.1
         self._stats_at = 0.0
 
     def run(self, scheduler: WorkerScheduler) -> None:
-        self.scheduler = scheduler
-        self.turns = Turns(scheduler)
-        tree = getattr(getattr(scheduler, "kv", None), "tree", None)
-        if tree is not None and feed_bind_host(self.control_addr) is not None:
-            self.kv_feed = KvFeed(tree, self.control_addr, self.worker_id, self.instance, self.auth)
+        self._serve_with(scheduler)
         signal.signal(signal.SIGTERM, lambda *_: self.begin_drain("SIGTERM"))
         signal.signal(
             signal.SIGUSR1, lambda *_: self.begin_drain("SIGUSR1: the launcher stops the cluster", quiet_s=0.0)
@@ -133,16 +133,20 @@ class WorkerLoop:
         try:
             while not self.stopping:
                 self._publish()
-                self._drain(0.0 if scheduler.has_work else self._idle_timeout())
+                self._drain(0.0 if self.scheduler.has_work else self._idle_timeout())
                 self._flush_kv_events()
+                scheduler = self.scheduler  # the same for the whole turn (a role switch replaces it after)
                 for addr, stats, at in self.pinger.take():
                     self.deliver(scheduler.peer_heartbeat(addr, stats, at))
+                if self.switcher is not None:
+                    self.switcher.before_turn(scheduler)
                 busy = scheduler.has_work
                 self._publish()
                 if busy and self.cores is not None:
                     self.cores.begin_step(yield_to_peers=scheduler.awaits_peer_compute)
                 self._turn()
                 self._flush_kv_events()
+                self._switch_check()
                 if self.step_delay_s and (busy or scheduler.has_work):
                     time.sleep(self.step_delay_s)
                 self._heartbeat()
@@ -155,6 +159,31 @@ class WorkerLoop:
             if self.kv_feed is not None:
                 self.kv_feed.close()
             self.ctx.destroy(linger=0)
+
+    def _serve_with(self, scheduler: WorkerScheduler) -> None:
+        """Serve ``scheduler`` from the next turn on, with its radix cache's event feed."""
+        self.scheduler = scheduler
+        self.turns = Turns(scheduler)
+        if self.kv_feed is not None:
+            self.kv_feed.close()
+            self.kv_feed = None
+        tree = getattr(getattr(scheduler, "kv", None), "tree", None)
+        if tree is not None and feed_bind_host(self.control_addr) is not None:
+            self.kv_feed = KvFeed(tree, self.control_addr, self.worker_id, self.instance, self.auth)
+
+    def _switch_check(self) -> None:
+        """A role switch that ended: serve its scheduler as a new instance (peers handshake again
+        with the new transport) and answer the router that asked."""
+        done = self.switcher.after_turn(self.scheduler) if self.switcher is not None else None
+        if done is None:
+            return
+        scheduler, answer, requester = done
+        if answer.ok:
+            self.instance = uuid.uuid4().hex
+            self._serve_with(scheduler)
+            answer = answer.model_copy(update={"instance": self.instance})
+        self.sock.send_multipart([requester, *encode(answer)])
+        self.io.publish(self._stats(0))
 
     def _flush_kv_events(self) -> None:
         if self.kv_feed is not None:
@@ -188,7 +217,7 @@ class WorkerLoop:
     def _publish(self) -> None:
         """Tell the launch's other workers whether this one is about to run the model."""
         if self.cores is not None:
-            self.cores.publish(self.scheduler.has_model_work)
+            self.cores.publish(self.scheduler.has_model_work, self.scheduler.has_queued_model_work)
 
     def _turn(self) -> None:
         """One scheduler turn, delivered; KV handoffs it reports keep this worker from borrowing
@@ -283,6 +312,12 @@ class WorkerLoop:
             self.stopping, self.exit_code = True, EXIT_SHUTDOWN
         elif isinstance(msg, DrainMessage):
             self.begin_drain(msg.reason)
+        elif isinstance(msg, SwitchRole):
+            refusal = self.switcher.begin(self.scheduler, ident, msg.role) if self.switcher is not None else None
+            if self.switcher is None:
+                refusal = RoleSwitched(ok=False, role=self.scheduler.role, error="this worker cannot switch roles")
+            if refusal is not None:
+                self.sock.send_multipart([ident, *encode(refusal)])
         elif isinstance(msg, KvSnapshotRequest):
             if self.kv_feed is not None:
                 self.kv_feed.snapshot()

@@ -69,9 +69,10 @@ LENDING_LOAD_WAIT_S = 300.0  # the longest a worker waits for the others' loads 
 LENDING_QUIET_WAIT_S = 3.0  # ... and then for a busy peer to go idle (a restarted worker among serving ones: not long)
 
 
-def core_lending(args, runner):
+def core_lending(args, runner, verdict: str = "measure"):
     """This worker's ``CoreLending`` when the launcher passed a core ledger (its kernels warmed up
-    at every thread count a step may use), else None. A worker the launcher lets borrow does so only
+    at every thread count a step may use), else None. ``verdict`` (``cluster.core_lending_verdict``)
+    "borrow" or "lend" pins the choice without measuring. Else a worker the launcher lets borrow does so only
     if its steps' matmuls measure ``LENDING_MIN_GAIN`` x faster on every core than on its own share
     (``ModelRunner.matmul_seconds`` at its role's ``LENDING_PROBE_ROWS``); else it only lends. The
     workers load in parallel; each measures once every worker of the launch has loaded (ledger
@@ -96,7 +97,15 @@ def core_lending(args, runner):
                 log.warning(
                     "core lending: another worker stayed busy for %.0f s; measuring anyway", LENDING_QUIET_WAIT_S
                 )
-            total = _measured_total(runner, args.role, own, total)
+            if verdict == "measure":
+                total = _measured_total(runner, args.role, own, total)
+            else:
+                total = total if verdict == "borrow" else own
+                log.info(
+                    "core lending: step matmuls not measured (--core-lending-verdict %s): %s",
+                    verdict,
+                    "borrows" if verdict == "borrow" else "only lends",
+                )
             runner.warm_up_threads((own, total))
     cores = CoreLending(ledger, args.core_slot, own, total)
     log.info(
@@ -261,19 +270,29 @@ def serve(cfg: PdserveConfig, args, auth) -> int:
         heartbeat_s=cfg.server.health_interval_s,
         progress_timeout_s=cfg.cluster.progress_timeout_s,
         step_delay_s=cfg.scheduler.test_step_delay_s,
-        cores=core_lending(args, runner),
+        cores=core_lending(args, runner, cfg.cluster.core_lending_verdict),
         drain_timeout_s=cfg.cluster.drain_timeout_s,
         auth=auth,
     )
     registration = register(cfg, args, name)
     if registration is not None:
         loop.on_drain.append(registration.leave)
+    else:  # a role switch announces the new role through the router's membership, not etcd's records (yet)
+        loop.switcher = role_switcher(cfg, runner, args.worker_id, name)
     try:
         loop.run(scheduler)
     finally:
         if registration is not None:
             registration.close()
     return loop.exit_code
+
+
+def role_switcher(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
+    """The worker's ``RoleSwitcher``: a new role's scheduler over the same ``runner`` (weights kept),
+    a switch given ``drain_timeout_s`` to empty the worker."""
+    from server.worker.role_switch import RoleSwitcher
+
+    return RoleSwitcher(lambda role: BUILDERS[role](cfg, runner, worker_id, model_name), cfg.cluster.drain_timeout_s)
 
 
 def advertise_addr(cfg: PdserveConfig, control_addr: str) -> str:

@@ -32,6 +32,7 @@ from transfer.wire.migration_messages import (  # noqa: F401
     QueuedMove,
     QueuedOffer,
 )
+from transfer.wire.role_messages import RoleSwitched, SwitchRole  # noqa: F401
 from transfer.wire.sampling_params import SamplingParams
 
 
@@ -356,6 +357,8 @@ MESSAGES: dict[str, type[Message]] = {
         QueuedOffer,
         QueuedMove,
         KVSources,
+        SwitchRole,
+        RoleSwitched,
     )
 }
 
