@@ -21,6 +21,7 @@ from cache.host_pool import HostKVPool
 from cache.kv_manager import KVManager
 from cache.prefix_share import share_prefix
 from configs.schema import PdserveConfig
+from decode_worker.continuation import add_continuation
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.local_prefill import LocalPrefillPolicy
 from decode_worker.local_queue import LocalPrefillQueue
@@ -418,39 +419,3 @@ def create_decode_scheduler(
             policy, host, sender, retract.budget, cfg.cluster.migrate_timeout_s, MigrationStats()
         )
     return DecodeScheduler(runner, cfg, kv, transfers, retract, peers, eos, migration, worker_id, model_name)
-
-
-def add_continuation(s: DecodeScheduler, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
-    """A continuation (``GenerateRequest.resume_output_ids``; the router sends no ``PrefillRequest``)
-    is prefilled here when the local prefill queue takes it (``LocalPrefillQueue.take_continuation``:
-    prompt + output so far, its first sampled token the next output token, as a colocated worker
-    does); else it enters as a recompute does: this worker ``s`` asks the prefill worker for prompt +
-    output so far but the last token (generation 1), and decoding resumes from that last token."""
-    resumed = list(msg.resume_output_ids)
-    state = sampler_state(s.runner, msg.params, prompt, resumed)
-    req = Request(msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed)
-    s.stats.prompt_tokens += len(prompt)
-    out = s.peers.connect(msg.prefill_addr)  # a retract of it later recomputes there
-    if s.local.take_continuation(
-        req,
-        lambda: admitted(s.running, s.transfers, s.local),
-        s.running.ratio.value,
-        len(s.retract.queue),
-        s.transfers.backlog_tokens(),
-    ):
-        job = DecodeJob(req, msg.room, msg.prefill_addr, generation=1, n_tokens=req.seq_len, preempt=msg.preempt)
-        s.jobs[msg.rid] = job
-        job.enter(DecodeState.LOCAL_PREFILL)
-        return out
-    job = DecodeJob(
-        req,
-        msg.room,
-        msg.prefill_addr,
-        generation=1,
-        n_tokens=req.seq_len - 1,
-        state=DecodeState.RECOMPUTING,
-        preempt=msg.preempt,
-    )
-    s.jobs[msg.rid] = job
-    s.transfers.queue_recompute(job)
-    return out
