@@ -40,6 +40,9 @@ HARMLESS = frozenset(
         "is_llama_config",  # SmolLM2 metadata
         "transformers.js_config",
         "tokenizer_class",
+        # remote-code pointers (trust_remote_code): pdserve runs its own implementation of the
+        # model type and never imports or runs checkpoint code, so they name nothing it executes
+        "auto_map",
     }
 )
 
@@ -74,7 +77,18 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj (split at load, engine.fused_checkpoint), one window
     # for every layer, partial rotary; attention_bias / mlp_bias are read by no transformers Phi-3
     # layer (served as False only, the bias tensors would be refused anyway)
-    "phi3": _LLAMA_CORE | {"original_max_position_embeddings", "sliding_window", "attention_bias", "mlp_bias"},
+    # Phi-4-mini configs also carry full_attn_mod, interpolate_factor and lm_head_bias (read by its
+    # remote code only, not by transformers' Phi3): accepted at the values that change nothing
+    "phi3": _LLAMA_CORE
+    | {
+        "original_max_position_embeddings",
+        "sliding_window",
+        "attention_bias",
+        "mlp_bias",
+        "full_attn_mod",
+        "interpolate_factor",
+        "lm_head_bias",
+    },
 }
 
 # Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v
@@ -100,6 +114,9 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "partial_rotary_factor": (1, 1.0),
     "rope_interleaved": (False,),
     "use_mrope": (False,),
+    "full_attn_mod": (1,),  # every layer full attention (the remote code's period of full layers)
+    "interpolate_factor": (1, 1.0),  # no position interpolation
+    "lm_head_bias": (False,),
 }
 
 

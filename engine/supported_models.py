@@ -148,7 +148,8 @@ def refused() -> list[tuple[str, str]]:
         (
             "a config.json field outside the architecture's list",
             "refused naming the field, its value and the fields implemented (soft-capping, MoE settings, "
-            "quantization_config, auto_map, ...); fields that change nothing at inference pass",
+            "quantization_config, ...); fields that change nothing at inference pass (auto_map among them: "
+            "pdserve runs its own implementation, never checkpoint code)",
         ),
         ("an implemented field with another value", "refused naming the values served (the restricted fields)"),
         ("a rope_type outside " + ", ".join(ROPE_TYPES), "refused naming the types implemented"),

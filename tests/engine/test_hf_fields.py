@@ -55,7 +55,6 @@ REFUSED = [
     ("qwen3", "num_experts_per_tok", 2, r"num_experts_per_tok=2 is not implemented"),
     ("qwen2", "quantization_config", {"quant_method": "awq"}, r"quantization_config=.*awq.*not implemented"),
     ("llama", "sliding_window", 64, r"sliding_window=64 is not implemented.*'llama'"),
-    ("llama", "auto_map", {"AutoModelForCausalLM": "x.Y"}, r"auto_map=.*not implemented"),
 ]
 
 
@@ -95,7 +94,8 @@ def test_bad_rope_parameters_are_refused(folders, tmp_path, rope, message):
 
 
 def test_harmless_and_null_fields_pass(folders, tmp_path):
-    """Metadata, token ids, dropout and null-valued unknown fields change nothing: accepted."""
+    """Metadata, token ids, dropout, remote-code pointers (pdserve runs none) and null-valued unknown
+    fields change nothing: accepted."""
     folder = _edited(
         folders,
         tmp_path,
@@ -107,6 +107,7 @@ def test_harmless_and_null_fields_pass(folders, tmp_path):
         is_llama_config=True,
         quantization_config=None,
         partial_rotary_factor=1.0,
+        auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"},
     )
     assert read_model_config(folder).arch == "llama"
 
