@@ -49,6 +49,7 @@ REFUSED = [
     ("llama", "partial_rotary_factor", 0.5, r"partial_rotary_factor=0.5.*supported: 1"),
     ("llama", "rope_interleaved", True, r"rope_interleaved=True"),
     ("qwen2", "use_mrope", True, r"use_mrope=True"),
+    ("llama", "hidden_activation", "gelu_pytorch_tanh", r"hidden_activation='gelu_pytorch_tanh' is not implemented"),
     ("llama", "final_logit_softcapping", 30.0, r"final_logit_softcapping=30.0 is not implemented.*'llama'"),
     ("llama", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50.0 is not implemented"),
     ("qwen3", "num_experts", 8, r"num_experts=8 is not implemented.*'qwen3'"),
@@ -124,6 +125,7 @@ def test_every_field_transformers_writes_is_classified():
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
     }
     for arch, cls in classes.items():
         unknown = set(cls().to_dict()) - IMPLEMENTED[arch] - HARMLESS
