@@ -24,7 +24,7 @@ NEW = 12
 
 
 def _uncapped(folder, **fields):
-    """The same weights in transformers with ``fields`` (soft caps) set to None."""
+    """The same weights in transformers with config ``fields`` changed (a soft cap set to None...)."""
     import transformers
 
     return transformers.Gemma2ForCausalLM.from_pretrained(folder, attn_implementation="eager", **fields).eval()
@@ -39,6 +39,8 @@ def gemma2(tmp_path_factory):
     ref = reference_greedy(model, prompts, NEW)
     # the attention cap changes transformers' tokens: a path that ignored it would fail here
     assert reference_greedy(_uncapped(folder, attn_logit_softcapping=None), prompts, NEW) != ref
+    # and so does the window: a path that let the sliding layers see every key would fail too
+    assert reference_greedy(_uncapped(folder, sliding_window=4096), prompts, NEW) != ref
     return folder, prompts, ref, model
 
 
@@ -129,3 +131,9 @@ def test_null_caps_and_legacy_fields_load(gemma2, tmp_path):
     )
     cfg = read_model_config(folder)
     assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
+
+
+def test_without_layer_types_the_layers_alternate_sliding_first(gemma2, tmp_path):
+    """Gemma2Config's default when config.json has no layer_types (older exports)."""
+    cfg = read_model_config(_edited(gemma2[0], tmp_path, layer_types=None))
+    assert cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.sliding_window == 8
