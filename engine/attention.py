@@ -11,7 +11,10 @@ the extend path, each over its own part of the batch; per-step metadata is cache
 
 ``TorchBackend`` runs anywhere (default on CPU): it gathers each request's K/V through the block
 table of the layer's pool (only the keys inside a sliding layer's window) and calls
-``scaled_dot_product_attention`` with a causal / sliding-window mask.
+``scaled_dot_product_attention`` with a causal / sliding-window mask; with a soft cap (Gemma 2's
+``attn_logit_softcapping``: scores become ``cap * tanh(scores / cap)`` before the mask), which SDPA
+cannot apply, it computes the scores, caps, masks and softmaxes (float32) itself. The C and Triton
+kernels take the cap too.
 ``CpuBackend`` (default on CPU for float32 and bfloat16 pools when the C kernel builds) runs decode with the C
 kernel of ``engine/kernels/cpu_native.py``, which reads each request's keys in place (no gather,
 no padding to the longest request in the batch); extend steps reuse the torch gather path.
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from cache.kv_pool import KVPool
 from cache.kv_pools import FULL, KVPools
+from engine.attention_ops import capped_attention, extend_mask, sdpa_4d
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels import fused
 
@@ -65,11 +69,14 @@ class TorchBackend:
     Each layer reads its own pool (``KVPools.layer_pool``): full-attention layers the full pool,
     sliding layers of a hybrid the SWA pool through the batch's SWA block table."""
 
-    def __init__(self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None]) -> None:
+    def __init__(
+        self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None], softcap: float | None = None
+    ) -> None:
         self.pools = pools
         self.num_heads = num_heads
         self.scale = scale
         self.windows = windows
+        self.softcap = softcap
         self._batch: ForwardBatch | None = None
         self._parts: tuple[ForwardBatch, ForwardBatch] | None = None
         self._meta: dict[tuple[ForwardMode, str, int | None], _Gather] = {}
@@ -135,14 +142,13 @@ class TorchBackend:
         k, v, m = self._gather(layer, batch)  # [B, L, Hkv, D]
         qd = q.unsqueeze(2)  # [B, H, 1, D]
         kd, vd = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
-        out = F.scaled_dot_product_attention(
-            qd,
-            kd.to(q.dtype),
-            vd.to(q.dtype),
-            attn_mask=self._mask(layer, batch, m),
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        mask = self._mask(layer, batch, m)
+        if self.softcap is not None:
+            out = capped_attention(qd, kd.to(q.dtype), vd.to(q.dtype), self.scale, self.softcap, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
         return out.reshape(q.shape[0], -1)
 
     def _extend(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
@@ -154,8 +160,10 @@ class TorchBackend:
             qi = q[start : start + ext].transpose(0, 1)  # [H, E, D]
             if seq == ext:  # no prefix: the chunk's own K/V
                 ki, vi = k[start : start + ext].transpose(0, 1), v[start : start + ext].transpose(0, 1)
-                mask = None if window is None else _extend_mask(0, ext, 0, seq, window, q.device)
-                o = _sdpa_4d(qi, ki, vi, self.scale, is_causal=mask is None, mask=mask)
+                mask = None if window is None else extend_mask(0, ext, 0, seq, window, q.device)
+                if mask is None and self.softcap is not None:
+                    mask = extend_mask(0, ext, 0, seq, None, q.device)
+                o = self._attend(qi, ki, vi, is_causal=mask is None, mask=mask)
             else:
                 if gathered is None:
                     gathered = self._gather(layer, batch)
@@ -163,34 +171,17 @@ class TorchBackend:
                 n = seq - m.starts[i]
                 ki = k_all[i, :n].transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
                 vi = v_all[i, :n].transpose(0, 1).to(q.dtype)
-                mask = _extend_mask(seq - ext, ext, m.starts[i], seq, window, q.device)
-                o = _sdpa_4d(qi, ki, vi, self.scale, mask=mask)
+                mask = extend_mask(seq - ext, ext, m.starts[i], seq, window, q.device)
+                o = self._attend(qi, ki, vi, mask=mask)
             outs.append(o.transpose(0, 1).reshape(ext, -1))
             start += ext
         return torch.cat(outs, dim=0)
 
-
-def _sdpa_4d(q, k, v, scale: float, is_causal: bool = False, mask=None) -> torch.Tensor:
-    """Prefill attention ``[H, E, D]`` x ``[Hkv, S, D]``. KV heads are repeated and a batch dim added:
-    that takes torch's flash CPU kernel (several times faster than ``enable_gqa`` on 3-D inputs at
-    prompt lengths); decode keeps ``enable_gqa``, which is faster for one query token."""
-    group = q.shape[0] // k.shape[0]
-    if group > 1:
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal, scale=scale)[
-        0
-    ]
-
-
-def _extend_mask(prefix: int, ext: int, key_start: int, seq: int, window: int | None, device) -> torch.Tensor:
-    """[ext, seq - key_start] bool: the query at absolute position prefix+i sees keys
-    ``key_start + j <= prefix + i`` (and inside the window)."""
-    qpos = torch.arange(prefix, prefix + ext, device=device).unsqueeze(1)
-    kpos = torch.arange(key_start, seq, device=device).unsqueeze(0)
-    mask = kpos <= qpos
-    if window is not None:
-        mask &= kpos > qpos - window
-    return mask
+    def _attend(self, q, k, v, is_causal: bool = False, mask=None) -> torch.Tensor:
+        """Prefill attention ``[H, E, D]`` x ``[Hkv, S, D]``: SDPA, or the soft-capped path."""
+        if self.softcap is not None:
+            return capped_attention(q, k, v, self.scale, self.softcap, mask)
+        return sdpa_4d(q, k, v, self.scale, is_causal=is_causal, mask=mask)
 
 
 # Longest request (prefix + new tokens) whose prefill attention runs through the per-row C paged kernel
@@ -206,11 +197,17 @@ class CpuBackend(TorchBackend):
     step's keys are too few to pay for starting them (``cpu_native.threads_for``); the rest as torch."""
 
     def __init__(
-        self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None], threads: int | None = None
+        self,
+        pools: KVPools,
+        num_heads: int,
+        scale: float,
+        windows: list[int | None],
+        threads: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         from engine.kernels import decode_prefetch
 
-        super().__init__(pools, num_heads, scale, windows)
+        super().__init__(pools, num_heads, scale, windows, softcap)
         self.threads = threads
         self.prefetch = decode_prefetch.modes().attention  # timed once per process: speed only
         self._ranges: dict[tuple[ForwardMode, str, int | str | None], tuple] = {}
@@ -299,14 +296,26 @@ class CpuBackend(TorchBackend):
         if extend_supported(q.shape[1], pool.num_kv_heads, q.shape[2]):
             table, qstart, pos0, ext, keys = self._extend_tiles_of(batch, name)
             threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-            out = paged_extend(q, pool.buffer, local, table, qstart, pos0, ext, window, self.scale, threads)
+            out = paged_extend(
+                q, pool.buffer, local, table, qstart, pos0, ext, window, self.scale, threads, softcap=self.softcap
+            )
             return out.to(q.dtype).reshape(q.shape[0], -1)
         if max(batch.seq_lens_cpu, default=0) > KERNEL_EXTEND_MAX_SEQ:
             return super()._extend(q, k, v, layer, batch)
         table, lo, hi, keys = self._extend_range_of(batch, name, window)
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
         out = paged_decode(
-            q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch, dot=q.dtype == torch.bfloat16
+            q,
+            pool.buffer,
+            local,
+            table,
+            lo,
+            hi,
+            self.scale,
+            threads,
+            self.prefetch,
+            dot=q.dtype == torch.bfloat16,
+            softcap=self.softcap,
         )
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
@@ -331,7 +340,17 @@ class CpuBackend(TorchBackend):
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
         # a bfloat16 query loses nothing to bfloat16 products (the decode stack takes the same path)
         out = paged_decode(
-            q, pool.buffer, local, table, lo, hi, self.scale, threads, self.prefetch, dot=q.dtype == torch.bfloat16
+            q,
+            pool.buffer,
+            local,
+            table,
+            lo,
+            hi,
+            self.scale,
+            threads,
+            self.prefetch,
+            dot=q.dtype == torch.bfloat16,
+            softcap=self.softcap,
         )
         return out.to(q.dtype).reshape(q.shape[0], -1)
 
@@ -342,9 +361,15 @@ class TritonBackend(TorchBackend):
     forces it, which on CPU tensors runs the Triton interpreter: tests)."""
 
     def __init__(
-        self, pools: KVPools, num_heads: int, scale: float, windows: list[int | None], kernels: str | None = None
+        self,
+        pools: KVPools,
+        num_heads: int,
+        scale: float,
+        windows: list[int | None],
+        kernels: str | None = None,
+        softcap: float | None = None,
     ) -> None:
-        super().__init__(pools, num_heads, scale, windows)
+        super().__init__(pools, num_heads, scale, windows, softcap)
         self.kernels = kernels
 
     def store(self, k, v, layer: int) -> None:
@@ -366,6 +391,7 @@ class TritonBackend(TorchBackend):
             self.scale,
             batch.page_size,
             sliding_window=self.windows[layer],
+            softcap=self.softcap,
             backend=self.kernels,
         )
         return out.reshape(q.shape[0], -1)
@@ -377,23 +403,25 @@ def _cpu_kernel_fits(pools: KVPools) -> bool:
     return all(supports(p.buffer) for p in (pools.full, pools.swa) if p is not None)
 
 
-def make_backend(name: str, pools: KVPools, num_heads: int, scale: float, windows) -> TorchBackend:
+def make_backend(
+    name: str, pools: KVPools, num_heads: int, scale: float, windows, softcap: float | None = None
+) -> TorchBackend:
     """``name``: "auto" (Triton on CUDA; on CPU the C kernel where it fits, else torch), "torch",
-    "cpu" or "triton"."""
+    "cpu" or "triton". ``softcap``: attention logit soft cap (None: none), applied by every backend."""
     device = pools.full.device
     if name == "auto":
         name = "triton" if device.type == "cuda" else ("cpu" if _cpu_kernel_fits(pools) else "torch")
     if name == "torch":
-        return TorchBackend(pools, num_heads, scale, windows)
+        return TorchBackend(pools, num_heads, scale, windows, softcap)
     if name == "cpu":
         if not _cpu_kernel_fits(pools):
             raise ValueError(
                 "attention_backend=cpu needs a float32 or bfloat16 CPU KV pool and a C compiler (cc) to build "
                 "the kernel; use --attention-backend torch"
             )
-        return CpuBackend(pools, num_heads, scale, windows)
+        return CpuBackend(pools, num_heads, scale, windows, softcap=softcap)
     if name == "triton":
         if device.type != "cuda":
             raise ValueError("attention_backend=triton needs a CUDA device; use --attention-backend torch")
-        return TritonBackend(pools, num_heads, scale, windows)
+        return TritonBackend(pools, num_heads, scale, windows, softcap=softcap)
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch, cpu or triton")

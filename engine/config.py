@@ -9,9 +9,10 @@ from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 
 # "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
 # sliding windows; mistral is Llama with one window for every layer.
-SUPPORTED_ARCHS = ("llama", "ministral", "mistral", "phi3", "qwen2", "qwen3", "smollm")
-# Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) is not read.
-HF_ONLY_ARCHS = ("phi3",)
+SUPPORTED_ARCHS = ("gemma2", "llama", "ministral", "mistral", "phi3", "qwen2", "qwen3", "smollm")
+# Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) and
+# gemma2's (its soft-capping and norms under llama.cpp names) are not read.
+HF_ONLY_ARCHS = ("gemma2", "phi3")
 MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 

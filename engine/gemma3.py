@@ -1,4 +1,4 @@
-"""Gemma 3 text decoder (e.g. Gemma 3 270M) over the paged KV cache.
+"""Gemma 2 and Gemma 3 text decoders (e.g. Gemma 3 270M) over the paged KV cache.
 
 What differs from ``engine.model.LlamaModel``:
 - RMSNorm scales by ``1 + weight`` (weights are stored HF-style, i.e. without the 1);
@@ -9,6 +9,9 @@ What differs from ``engine.model.LlamaModel``:
 - attention scale ``query_pre_attn_scalar ** -0.5`` (the runner passes it to the backend);
 - sliding layers rotate with ``rope_local_theta``, full layers with ``rope_theta``.
 Per-layer windows reach the attention backend through ``layer_types`` / ``sliding_window``.
+Gemma 2 is the same block without the Q/K norms (``qk_norm`` False), one RoPE base for every layer,
+attention logits soft-capped (``attn_logit_softcapping``: the runner passes it to the backend) and
+the final logits soft-capped (``cap * tanh(logits / cap)``, ``final_logit_softcapping``).
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 
 @dataclass(frozen=True)
 class Gemma3Config(ModelConfig):
-    """``ModelConfig`` plus the Gemma 3 specifics. ``arch`` is ``"gemma3"``."""
+    """``ModelConfig`` plus the Gemma specifics. ``arch`` is ``"gemma3"`` or ``"gemma2"``; a soft cap
+    of ``None`` is no cap."""
 
     query_pre_attn_scalar: float = 256.0
     rope_local_theta: float = 10000.0
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,8 +66,9 @@ class Gemma3Layer(nn.Module):
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         x = gemma_rms_norm(h, w["input_layernorm"], eps)
         q, k, v = linear(x, w["qkv"]).split(self.sizes, dim=-1)
-        q = gemma_rms_norm(q.view(-1, cfg.num_heads, cfg.head_dim), w["q_norm"], eps)
-        k = gemma_rms_norm(k.view(-1, cfg.num_kv_heads, cfg.head_dim), w["k_norm"], eps)
+        q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = gemma_rms_norm(q, w["q_norm"], eps), gemma_rms_norm(k, w["k_norm"], eps)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
         o = linear(attn.forward(q, k, v, self.layer_id, batch), w["o"])
@@ -73,7 +80,7 @@ class Gemma3Layer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    """Gemma 3 decoder stack with tied LM head; same ``load_weights`` / ``forward`` contract as
+    """Gemma 2 / Gemma 3 decoder stack with tied LM head; same ``load_weights`` / ``forward`` contract as
     ``LlamaModel`` (HF-named float tensors in, float32 logits of each last new token out)."""
 
     def __init__(self, cfg: Gemma3Config, device: torch.device, dtype: torch.dtype, int8: bool = False) -> None:
@@ -90,14 +97,16 @@ class Gemma3Model(nn.Module):
         self.rope_local = RotaryEmbedding(cfg.head_dim, n, cfg.rope_local_theta, device)
         self.embed_scale = cfg.hidden_size**0.5
         self.embed: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Take HF Gemma 3 names; fuse q/k/v and gate/up, cast and move. Raises on a missing tensor."""
+        """Take HF Gemma names; fuse q/k/v and gate/up, cast and move. Raises on a missing tensor."""
         get = checkpoint_getter(state, self.device, self.dtype)
         pack = functools.partial(pack_weight, int8=self.int8)
 
         self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if self.cfg.tie_word_embeddings else get("lm_head.weight")
         self.norm = get("model.norm.weight")
         for i, layer in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
@@ -106,7 +115,8 @@ class Gemma3Model(nn.Module):
             # embedding) stays plain: a packed copy would double its 670 MB
             w["qkv"] = pack(torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
             w["o"] = pack(get(a + "o_proj.weight"))
-            w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
+            if self.cfg.qk_norm:
+                w["q_norm"], w["k_norm"] = get(a + "q_norm.weight"), get(a + "k_norm.weight")
             w["gate_up"] = pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             w["down"] = pack(get(p + "mlp.down_proj.weight"))
             layer.w = w
@@ -129,4 +139,6 @@ class Gemma3Model(nn.Module):
         for layer in self.layers:
             h = layer(h, batch, self.rope_local if layer.sliding else self.rope_global, attn)
         h = gemma_rms_norm(h[batch.logit_indices()], self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.embed).float()
+        logits = F.linear(h, self.lm_head).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

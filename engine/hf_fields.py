@@ -40,6 +40,10 @@ HARMLESS = frozenset(
         "is_llama_config",  # SmolLM2 metadata
         "transformers.js_config",
         "tokenizer_class",
+        # remote-code pointers (trust_remote_code): pdserve runs its own implementation of the
+        # model type and never imports or runs checkpoint code, so they name nothing it executes
+        "auto_map",
+        "cache_implementation",  # the generate() cache class (Gemma 2's "hybrid"): pdserve has its own pools
     }
 )
 
@@ -74,7 +78,32 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj (split at load, engine.fused_checkpoint), one window
     # for every layer, partial rotary; attention_bias / mlp_bias are read by no transformers Phi-3
     # layer (served as False only, the bias tensors would be refused anyway)
-    "phi3": _LLAMA_CORE | {"original_max_position_embeddings", "sliding_window", "attention_bias", "mlp_bias"},
+    # Phi-4-mini configs also carry full_attn_mod, interpolate_factor and lm_head_bias (read by its
+    # remote code only, not by transformers' Phi3): accepted at the values that change nothing
+    "phi3": _LLAMA_CORE
+    | {
+        "original_max_position_embeddings",
+        "sliding_window",
+        "attention_bias",
+        "mlp_bias",
+        "full_attn_mod",
+        "interpolate_factor",
+        "lm_head_bias",
+    },
+    # Gemma 2 (engine/gemma3.py's model without Q/K norms): (1 + w) pre/post norms, GeGLU with tanh
+    # GELU, embedding scale, query_pre_attn_scalar, attention and final logit soft-capping,
+    # alternating sliding layers; hidden_act is what older exports wrote beside hidden_activation
+    "gemma2": _LLAMA_CORE
+    | {
+        "hidden_activation",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_window",
+        "layer_types",
+        "attention_bias",
+        "use_bidirectional_attention",
+    },
 }
 
 # Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v
@@ -83,9 +112,11 @@ QKV_BIAS_ARCHS = frozenset({"qwen2"})
 QK_NORM_ARCHS = frozenset({"qwen3"})
 # Checkpoints storing Q/K/V as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_PROJ_ARCHS = frozenset({"phi3"})
+# Architectures served by the Gemma model (engine/gemma3.py) rather than the Llama one.
+GEMMA_ARCHS = frozenset({"gemma2"})
 # RoPE types an architecture's transformers config accepts, where fewer than all of
 # engine.rope_scaling.ROPE_TYPES (Phi3Config also reads "su" and "yarn" as its longrope).
-ARCH_ROPE_TYPES: dict[str, tuple[str, ...]] = {"phi3": ("default", "longrope")}
+ARCH_ROPE_TYPES: dict[str, tuple[str, ...]] = {"phi3": ("default", "longrope"), "gemma2": ("default",)}
 # Architectures whose transformers attention rotates only the first partial_rotary_factor of each head.
 PARTIAL_ROTARY_ARCHS = frozenset({"phi3"})
 
@@ -100,6 +131,14 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "partial_rotary_factor": (1, 1.0),
     "rope_interleaved": (False,),
     "use_mrope": (False,),
+    "full_attn_mod": (1,),  # every layer full attention (the remote code's period of full layers)
+    "interpolate_factor": (1, 1.0),  # no position interpolation
+    "lm_head_bias": (False,),
+    "use_bidirectional_attention": (False,),  # Gemma 2 is causal; true is its encoder use
+}
+# Per-architecture values that replace :data:`ALLOWED_VALUES`' (Gemma 2's MLP is GeGLU with tanh GELU).
+ARCH_ALLOWED_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
+    "gemma2": {"hidden_act": ("gelu_pytorch_tanh",), "hidden_activation": ("gelu_pytorch_tanh",)},
 }
 
 
@@ -107,12 +146,12 @@ def restricted_fields(arch: str) -> dict[str, tuple[Any, ...]]:
     """:data:`ALLOWED_VALUES` for ``arch``: ``partial_rotary_factor`` is free where the architecture
     implements it (its value is checked by ``engine.hf_rope``)."""
     free = {"partial_rotary_factor"} if arch in PARTIAL_ROTARY_ARCHS else set()
-    return {k: v for k, v in ALLOWED_VALUES.items() if k not in free}
+    return {k: v for k, v in ALLOWED_VALUES.items() if k not in free} | ARCH_ALLOWED_VALUES.get(arch, {})
 
 
-def allowed_text(key: str) -> str:
-    """The values of ``key`` pdserve serves, as the refusal names them: ``'silu' or 'swish'``."""
-    return " or ".join(map(repr, ALLOWED_VALUES[key]))
+def allowed_text(key: str, arch: str = "") -> str:
+    """The values of ``key`` pdserve serves for ``arch``, as the refusal names them: ``'silu' or 'swish'``."""
+    return " or ".join(map(repr, restricted_fields(arch)[key]))
 
 
 def check_hf_fields(cfg: dict, arch: str) -> None:
@@ -132,7 +171,7 @@ def check_hf_fields(cfg: dict, arch: str) -> None:
         if key in restricted and value not in restricted[key]:
             raise ValueError(
                 f"config.json field {key}={_short(value)} is not implemented by pdserve for model type {arch!r}; "
-                f"supported: {allowed_text(key)}"
+                f"supported: {allowed_text(key, arch)}"
             )
 
 

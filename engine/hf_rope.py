@@ -24,6 +24,12 @@ def hf_rope(cfg: dict, arch: str) -> tuple[float, RopeScaling | None, int]:
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     rotary_dim = _hf_rotary_dim(head_dim, partial if arch in PARTIAL_ROTARY_ARCHS else None)
     scaling = parse_rope_scaling(params, int(cfg.get("max_position_embeddings", 4096)), rotary_dim)
+    allowed, kind = ARCH_ROPE_TYPES.get(arch), scaling.rope_type if scaling else "default"
+    if allowed and kind not in allowed:
+        raise ValueError(
+            f"config.json rope_type {kind!r} is not implemented by pdserve for model type {arch!r}; "
+            f"it serves {', '.join(allowed)}"
+        )
     return theta, scaling, rotary_dim
 
 

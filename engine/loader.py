@@ -18,8 +18,9 @@ import torch
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
 from engine.config import HF_ONLY_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from engine.fused_checkpoint import split_fused, unfused_names
+from engine.gemma3 import Gemma3Config
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
-from engine.hf_fields import FUSED_PROJ_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
+from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
 from engine.hf_rope import hf_rope
 from engine.rope_scaling import check_context
 from engine.swa_config import (
@@ -293,7 +294,9 @@ def _hf_config(
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _as_ids(cfg.get("eos_token_id")) + _as_ids(gen.get("eos_token_id"))
-    config = ModelConfig(
+    config_cls, extra = (Gemma3Config, _gemma_fields(cfg, theta)) if arch in GEMMA_ARCHS else (ModelConfig, {})
+    config = config_cls(
+        **extra,
         arch=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -305,9 +308,9 @@ def _hf_config(
         rope_theta=theta,
         rope_scaling=scaling,
         rotary_dim=rotary_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch in GEMMA_ARCHS else 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHS)),
         # q/k/v biases and Q/K norms as transformers builds them (a true attention_bias, which adds
         # an o_proj bias as well, is refused by engine.hf_fields)
         attention_bias=arch in QKV_BIAS_ARCHS,
@@ -321,6 +324,27 @@ def _hf_config(
     )
     _check_no_unused_tensors(config, unfused_names(tensor_names) if arch in FUSED_PROJ_ARCHS else tensor_names)
     return config
+
+
+def _gemma_fields(cfg: dict, theta: float) -> dict:
+    """Gemma 2's :class:`Gemma3Config` fields, with Gemma2Config's defaults: one RoPE base for every
+    layer, ``query_pre_attn_scalar`` 256, soft caps 50 (attention) and 30 (final logits), ``null``
+    for no cap."""
+    return {
+        "rope_local_theta": theta,
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "attn_logit_softcapping": _cap(cfg.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": _cap(cfg.get("final_logit_softcapping", 30.0)),
+    }
+
+
+def _cap(value: Any) -> float | None:
+    """A soft cap as a positive float (``None``: no cap); ``ValueError`` for 0 or a negative cap."""
+    if value is None:
+        return None
+    if float(value) <= 0:
+        raise ValueError(f"config.json soft cap {value!r} must be positive (null for none)")
+    return float(value)
 
 
 # Checkpoint tensors no model reads and that change nothing (older exports saved the rotary buffer).

@@ -18,7 +18,7 @@ from engine.attention import make_backend
 from engine.config import ModelConfig
 from engine.dtype_choice import choose_dtype, resolve_dtype  # noqa: F401 (resolve_dtype re-exported)
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.gemma3 import Gemma3Model
+from engine.gemma3 import Gemma3Config, Gemma3Model
 from engine.grammar import GrammarCompiler
 from engine.model import LlamaModel
 from engine.model_paths import resolve_model_path
@@ -83,7 +83,7 @@ class ModelRunner:
         self.max_model_len = min(
             cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
-        model_cls = Gemma3Model if model_config.arch == "gemma3" else LlamaModel
+        model_cls = Gemma3Model if isinstance(model_config, Gemma3Config) else LlamaModel
         self.model = model_cls(model_config, self.device, self.dtype, int8=cfg.weight_dtype == "int8")
         self.model.load_weights(weights)
         full_pages, swa_pages = self._pool_pages()
@@ -103,7 +103,12 @@ class ModelRunner:
         self.window = SWAWindow(model_config.sliding_window, self.page_size) if self.swa_allocator else None
         windows = [model_config.sliding_window if t == "sliding_attention" else None for t in model_config.layer_types]
         self.backend = make_backend(
-            cfg.attention_backend, self.pools, model_config.num_heads, _attention_scale(model_config), windows
+            cfg.attention_backend,
+            self.pools,
+            model_config.num_heads,
+            _attention_scale(model_config),
+            windows,
+            softcap=getattr(model_config, "attn_logit_softcapping", None),
         )
         log.info("attention backend: %s", type(self.backend).__name__)
         self.grammar = GrammarCompiler(

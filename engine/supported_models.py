@@ -17,6 +17,7 @@ from engine.config import HF_ONLY_ARCHS, MODEL_ARCHS
 from engine.hf_fields import (
     ARCH_ROPE_TYPES,
     FUSED_PROJ_ARCHS,
+    GEMMA_ARCHS,
     IMPLEMENTED,
     PARTIAL_ROTARY_ARCHS,
     QK_NORM_ARCHS,
@@ -61,6 +62,7 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
         "tests/engine/test_loader_swa.py",
     ),
     "phi3": ("tests/engine/test_hf_architectures.py", "tests/e2e/test_hf_architectures_pd.py"),
+    "gemma2": ("tests/engine/test_gemma2.py", "tests/e2e/test_hf_architectures_pd.py"),
     "gemma3": ("tests/engine/test_gemma3.py",),
 }
 
@@ -85,11 +87,17 @@ class ModelSupport:
 
 
 def _rope(arch: str, fields: frozenset[str]) -> str:
-    hf = ", ".join(ARCH_ROPE_TYPES.get(arch, ROPE_TYPES)) if "rope_scaling" in fields else "default"
-    text = f"HF: {hf} (longrope: short factors, contexts up to original_max_position_embeddings)"
+    types = ARCH_ROPE_TYPES.get(arch, ROPE_TYPES) if "rope_scaling" in fields else ("default",)
+    text = f"HF: {', '.join(types)}"
+    if "longrope" in types:
+        text += " (longrope: short factors, contexts up to original_max_position_embeddings)"
     if arch in PARTIAL_ROTARY_ARCHS:
         text += ", partial rotary (partial_rotary_factor)"
     return text if arch in HF_ONLY_ARCHS else text + "; GGUF: default (rope.freq_base)"
+
+
+# Which layers slide by default in the HF-only architectures (engine.swa_config.hf_sliding_spec).
+_HF_ONLY_SLIDING = {"phi3": "every layer", "gemma2": "default: alternating, sliding first"}
 
 
 def _sliding(arch: str, fields: frozenset[str]) -> str:
@@ -97,7 +105,7 @@ def _sliding(arch: str, fields: frozenset[str]) -> str:
     if not read:
         return "none"
     if arch in HF_ONLY_ARCHS:
-        return f"HF: {', '.join(read)} (every layer)"
+        return f"HF: {', '.join(read)} ({_HF_ONLY_SLIDING[arch]})"
     return f"HF: {', '.join(read)}; GGUF: attention.sliding_window (+ sliding_window_pattern)"
 
 
@@ -106,13 +114,18 @@ def _attention(arch: str) -> str:
         ("q/k/v bias", QKV_BIAS_ARCHS),
         ("Q/K RMSNorm", QK_NORM_ARCHS),
         ("fused qkv_proj and gate_up_proj (split at load)", FUSED_PROJ_ARCHS),
+        (
+            "(1 + w) RMSNorm before and after attention and the MLP, GeGLU (tanh GELU), embedding scale, "
+            "query_pre_attn_scalar, attention and final logit soft-capping",
+            GEMMA_ARCHS,
+        ),
     )
     traits = [name for name, archs in named if arch in archs]
     return ", ".join(traits) or "none"
 
 
 def _restricted(arch: str, fields: frozenset[str]) -> tuple[str, ...]:
-    return tuple(f"{key}: {allowed_text(key)}" for key in sorted(fields & set(restricted_fields(arch))))
+    return tuple(f"{key}: {allowed_text(key, arch)}" for key in sorted(fields & set(restricted_fields(arch))))
 
 
 def supported_models() -> list[ModelSupport]:
@@ -148,7 +161,8 @@ def refused() -> list[tuple[str, str]]:
         (
             "a config.json field outside the architecture's list",
             "refused naming the field, its value and the fields implemented (soft-capping, MoE settings, "
-            "quantization_config, auto_map, ...); fields that change nothing at inference pass",
+            "quantization_config, ...); fields that change nothing at inference pass (auto_map among them: "
+            "pdserve runs its own implementation, never checkpoint code)",
         ),
         ("an implemented field with another value", "refused naming the values served (the restricted fields)"),
         ("a rope_type outside " + ", ".join(ROPE_TYPES), "refused naming the types implemented"),

@@ -20,7 +20,6 @@ _HF_DEFAULT_MAX_WINDOW_LAYERS = 28
 _LEGACY_KINDS = {"attention": FULL}  # transformers' remap_legacy_layer_types
 # HF model types with sliding-window (or other local) attention that pdserve does not implement.
 UNSUPPORTED_SLIDING_ARCHS = (
-    "gemma2",
     "gemma3",
     "gemma3_text",
     "cohere2",
@@ -89,6 +88,8 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
     - ``phi3``: one window for every layer when ``sliding_window`` is set (default ``None``); a window
       of at least ``max_position_embeddings`` keys never hides one (Phi-4-mini's 262144), so it is
       dropped rather than refused as wider than the context.
+    - ``gemma2``: ``layer_types`` if given, else alternating layers, sliding first (Gemma2Config's
+      default), each sliding layer with ``sliding_window`` (default 4096).
     - ``llama`` / ``smollm``: full attention (transformers' Llama has no sliding window).
     """
     window = cfg.get("sliding_window", _HF_DEFAULT_WINDOW)
@@ -106,6 +107,10 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
         if window is None or int(window) >= int(cfg.get("max_position_embeddings", 4096)):
             return SlidingSpec(None, _all(FULL, num_layers))
         return SlidingSpec(int(window), _all(SLIDING, num_layers))
+    if arch == "gemma2":
+        if raw_types is not None:
+            return SlidingSpec(window, _config_kinds(raw_types, num_layers))
+        return SlidingSpec(window, tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)))
     if arch in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False) or window is None:
             return SlidingSpec(None, _all(FULL, num_layers))

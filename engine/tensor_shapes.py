@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from engine.config import ModelConfig
 
+# Architectures with a norm before and after the MLP too (Gemma's four norms per layer).
+_FOUR_NORM_ARCHS = ("gemma2", "gemma3")
+
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a model with ``config`` needs, mapped to its [out, in] shape."""
@@ -36,6 +39,11 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.k_proj.bias": (kv_out,),
                     p + "self_attn.v_proj.bias": (kv_out,),
                 }
+            )
+        if c.arch in _FOUR_NORM_ARCHS:
+            shapes.update(
+                {p + "pre_feedforward_layernorm.weight": (c.hidden_size,)}
+                | {p + "post_feedforward_layernorm.weight": (c.hidden_size,)}
             )
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})

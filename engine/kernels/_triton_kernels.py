@@ -86,12 +86,27 @@ def _device_fn(fn):
 
 @_device_fn
 def _attend_block(
-    q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr
+    q,
+    k_ptrs,
+    v_ptrs,
+    t_mask,
+    d_mask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    softcap,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """One key block of the online softmax; returns the updated ``(m_i, l_i, acc)``.
 
     ``k_ptrs``/``v_ptrs`` ``[BLOCK_N, D_PAD]``; ``t_mask`` ``[BLOCK_N]`` marks the valid keys (at
     least one, so the new running max is finite), ``d_mask`` ``[D_PAD]`` the real head dims.
+    ``HAS_SOFTCAP``: ``qk_scale`` is the plain softmax scale and each score ``s`` becomes
+    ``softcap * tanh(s / softcap)`` (tanh as ``2 / (1 + exp(-2x)) - 1``, exact at both ends), then
+    is multiplied by log2(e) for exp2.
     """
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
@@ -99,7 +114,10 @@ def _attend_block(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
         s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+    s = s * qk_scale
+    if HAS_SOFTCAP:
+        s = (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0) * (softcap * 1.4426950408889634)
+    s = tl.where(t_mask[None, :], s, float("-inf"))  # [G_PAD, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -120,7 +138,8 @@ def _paged_decode_kernel(
     BT,
     SEQ,
     OUT,
-    qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
+    qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2 (HAS_SOFTCAP: the scale alone)
+    softcap,  # attention logit soft cap (read when HAS_SOFTCAP)
     window,  # attend positions >= seq_len - window (huge when no window)
     s_qb,
     s_qh,
@@ -146,6 +165,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per iteration
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # grid: (B, kv_heads); the program owns the GROUP query heads that share kv head `kvh`.
     b = tl.program_id(0).to(tl.int64)
@@ -175,7 +195,7 @@ def _paged_decode_kernel(
         k_ptrs = k_head + page[:, None] * s_kp + off[:, None] * s_ko + d[None, :] * s_kd
         v_ptrs = v_head + page[:, None] * s_vp + off[:, None] * s_vo + d[None, :] * s_vd
         m_i, l_i, acc = _attend_block(
-            q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION
+            q, k_ptrs, v_ptrs, t_mask, d_mask, m_i, l_i, acc, qk_scale, softcap, USE_DOT, DOT_PRECISION, HAS_SOFTCAP
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # seq_len == 0 -> zero output

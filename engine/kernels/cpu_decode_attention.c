@@ -41,7 +41,14 @@ typedef struct {
     int prefetch;  /* PREFETCH_L1 or PREFETCH_L2 */
     int64_t ahead; /* positions the row prefetch runs ahead: 64 or 8 */
     int dot;       /* bfloat16 pool: products in bfloat16 (ONE_HEAD_DOT) where built */
+    float softcap; /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2), before the softmax */
 } job_t;
+
+/* The first n scaled scores of a block, soft-capped where the job asks for it. */
+static inline void cap_scores(const job_t *j, float *s, int64_t n) {
+    if (j->softcap > 0.0f)
+        for (int64_t t = 0; t < n; t++) s[t] = j->softcap * tanhf(s[t] / j->softcap);
+}
 
 static inline float ld_f32(const float *p, int64_t x) { return p[x]; }
 
@@ -77,6 +84,7 @@ static inline float ld_bf16(const uint16_t *p, int64_t x) {
                     _Pragma("omp simd reduction(+ : d)")                                                \
                     for (int64_t x = 0; x < D; x++) d += qr[x] * LD(k, x);                              \
                     s[t] = d * j->scale;                                                                \
+                    cap_scores(j, s + t, 1);                                                            \
                     mb = fmaxf(mb, s[t]);                                                               \
                 }                                                                                       \
                 const float mn = fmaxf(m[r], mb), corr = expf(m[r] - mn);                               \
@@ -190,6 +198,7 @@ static inline vf reduce16(const vf *v) {
                     const vf sc = reduce16(dv + (r * BLK + t)) * j->scale;                              \
                     memcpy(s + r * BLK + t, &sc, sizeof sc);                                            \
                 }                                                                                       \
+            for (int64_t r = 0; r < g; r++) cap_scores(j, s + r * BLK, n);                              \
             for (int64_t r = 0; r < g; r++) {                                                           \
                 float *sr = s + r * BLK, mb = -INFINITY, sum = 0.0f;                                    \
                 _Pragma("omp simd reduction(max : mb)")                                                 \
@@ -350,6 +359,7 @@ static void dot_unpermute(float *acc, int64_t D) {
                     const vf sc = reduce16((const vf *)(dv + (r * BLK + t))) * j->scale;                \
                     memcpy(s + r * BLK + t, &sc, sizeof sc);                                            \
                 }                                                                                       \
+            for (int64_t r = 0; r < g; r++) cap_scores(j, s + r * BLK, n);                              \
             for (int64_t r = 0; r < g; r++) {                                                           \
                 float *sr = s + r * BLK, mb = -INFINITY, sum = 0.0f;                                    \
                 uint16_t *pr = ps + r * (BLK + 4);                                                      \
@@ -467,18 +477,19 @@ static void *worker(void *arg) {
 }
 
 /* Returns 0. `kv` holds float32 elements when bf16 == 0, bfloat16 ones otherwise; strides are in elements.
- * `dot` != 0: a bfloat16 pool takes its products in bfloat16 where built (pdserve_decode_dot_available). */
+ * `dot` != 0: a bfloat16 pool takes its products in bfloat16 where built (pdserve_decode_dot_available).
+ * `softcap` > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax; 0: none. */
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H,
                          int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t v_off,
                          int64_t tok_stride, int64_t head_stride, float scale, int threads,
-                         int prefetch, int dot) {
+                         int prefetch, int dot, float softcap) {
     /* whole requests when there are enough to share out (each page is then read once for all
        its heads), else one kv head per item so a small batch still uses every thread */
     const int64_t per = B >= 2 * threads ? Hkv : 1;
     job_t j = {q, kv, table, lo, hi, out, H, Hkv, D, P, table_stride, page_stride, v_off, tok_stride,
                head_stride, per, B * (Hkv / per), scale, 0, bf16, prefetch,
-               prefetch == PREFETCH_L2 ? 8 : 64, dot};
+               prefetch == PREFETCH_L2 ? 8 : 64, dot, softcap};
     if (threads > 64) threads = 64;
     if (threads > j.items) threads = (int)j.items;
     if (threads <= 1) worker(&j);

@@ -53,7 +53,7 @@ int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, co
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H, int64_t Hkv,
                          int64_t D, int64_t P, int64_t page_stride, int64_t v_off, int64_t tok_stride,
-                         int64_t head_stride, float scale, int threads, int prefetch, int dot);
+                         int64_t head_stride, float scale, int threads, int prefetch, int dot, float softcap);
 
 /* How a matmul's weight is stored, i.e. which kernel runs it (engine/decode_stack.py's KINDS). */
 enum { GEMV_BF16 = 0, GEMV_I8 = 1, PAIRS_BF16 = 2, PAIRS_I8 = 3, PANELS_F32 = 4 };
@@ -117,7 +117,7 @@ static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scra
         for (int64_t i = 0; i < qs; i++) b->qf[r * qs + i] = bf16_to_f32(b->qkv[r * qkv_w + i]);
     pdserve_paged_decode(b->qf, (const void *)l->kv_base, 1, s->table, s->table_stride, s->lo, s->hi, b->of, R,
                          s->heads, s->kv_heads, D, s->P, s->page_stride, s->v_off, s->tok_stride, s->head_stride,
-                         s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 1);
+                         s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 1, 0.0f);
     for (int64_t i = 0; i < R * qs; i++) b->attn[i] = f32_to_bf16(b->of[i]);
     if (matmul(s, l->o_kind, b->attn, l->o, l->o_scale, 0, b->tmp, qs, Hd)) return -2;
     pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 1, 1);
@@ -151,7 +151,7 @@ static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scr
     for (int64_t r = 0; r < R; r++) memcpy(b->qf + r * qs, b->qkv + r * qkv_w, qs * sizeof(float));
     pdserve_paged_decode(b->qf, (const void *)l->kv_base, 0, s->table, s->table_stride, s->lo, s->hi, b->of, R,
                          s->heads, s->kv_heads, D, s->P, s->page_stride, s->v_off, s->tok_stride, s->head_stride,
-                         s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 0);
+                         s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 0, 0.0f);
     if (matmul_f32(s, l->o_kind, b->of, l->o, 0, b->tmp, qs, Hd)) return -2;
     pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 0, 1);
     if (matmul_f32(s, l->gate_up_kind, b->x, l->gate_up, 0, b->gate_up, Hd, 2 * s->inter)) return -2;

@@ -43,7 +43,14 @@ typedef struct {
     float scale;
     int64_t next;
     int bf16, dot;
+    float softcap; /* > 0: scores become softcap * tanh(score / softcap) before the mask (Gemma 2) */
 } ext_job_t;
+
+/* Soft-caps the S [n, R_MAX] tile of scaled scores where the job asks for it. */
+static void cap_tile(const ext_job_t *j, float *s, int64_t n) {
+    if (j->softcap > 0.0f)
+        for (int64_t x = 0; x < n * R_MAX; x++) s[x] = j->softcap * tanhf(s[x] / j->softcap);
+}
 
 typedef struct {
     float *qt, *kf, *vf, *s, *o; /* Qt [D, R_MAX], K/V [KB, D] widened, S [KB, R_MAX], O [R_MAX, D] */
@@ -230,6 +237,7 @@ static void one_item(const ext_job_t *j, int64_t item, scratch_t *w) {
         widen_block(j, it.b, it.kh, first, n, 0, w->kf);
         widen_block(j, it.b, it.kh, first, n, j->v_off, w->vf);
         scores(w->kf, w->qt, w->s, n, D);
+        cap_tile(j, w->s, n);
         softmax_block(w->s, first, n, rpos, rlo, m, l, corr);
         accumulate(w->o, w->s, w->vf, corr, n, D);
     }
@@ -387,6 +395,7 @@ static void one_item_dot(const ext_job_t *j, int64_t item, scratch_t *w) {
     for (int64_t first = it.kstart; first < it.kend; first += KB) {
         const int64_t n = it.kend - first < KB ? it.kend - first : KB;
         scores_dot(j, &it, first, n, w->qp, w->s);
+        cap_tile(j, w->s, n);
         const int masked = first + n - 1 > it.p0 || (j->window > 0 && first < lo[R_MAX - 1]);
         softmax_pack(w->s, first, n, masked, rpos, rlo, m, l, corr, w->pp);
         pack_v(j, &it, first, n, w->vp);
@@ -423,13 +432,14 @@ static void worker(ext_job_t *j) {
 
 /* Returns 0, or -1 when the shape is not one this kernel takes (D % 4W, G > R_MAX) or out of memory.
  * q/out [T, H, D] float32 with T = sum(ext); request b's new tokens are q rows [qstart[b], +ext[b]) at
- * absolute positions pos0[b] + i; its keys come through table row b. window <= 0: no window. dot: take
+ * absolute positions pos0[b] + i; its keys come through table row b. window <= 0: no window. softcap > 0:
+ * scores soft-capped (softcap * tanh(s / softcap)) before the mask; 0: none. dot: take
  * bfloat16 products where the pool is bfloat16 and the build has AVX512-BF16 (see the header). */
 int pdserve_paged_extend(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *qstart, const int64_t *pos0, const int64_t *ext, float *out, int64_t B,
                          int64_t H, int64_t Hkv, int64_t D, int64_t P, int64_t page_stride, int64_t v_off,
                          int64_t tok_stride, int64_t head_stride, int64_t window, float scale, int threads,
-                         int dot) {
+                         int dot, float softcap) {
     const int64_t g = H / Hkv;
     if (D % (4 * W) != 0 || g > R_MAX || g < 1 || B < 1) return -1;
     const int64_t qb = R_MAX / g;
@@ -438,7 +448,7 @@ int pdserve_paged_extend(const float *q, const void *kv, int bf16, const int64_t
     int64_t items = 0;
     for (int64_t b = 0; b < B; b++) item_end[b] = items += ((ext[b] + qb - 1) / qb) * Hkv;
     ext_job_t j = {q, kv, table, qstart, pos0, ext, item_end, out, B, H, Hkv, D, P, table_stride, page_stride,
-                   v_off, tok_stride, head_stride, window, qb, items, scale, 0, bf16, dot};
+                   v_off, tok_stride, head_stride, window, qb, items, scale, 0, bf16, dot, softcap};
     if (threads > 64) threads = 64;
     if (threads > items) threads = (int)items;
     if (threads <= 1) worker(&j);

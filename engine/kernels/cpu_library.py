@@ -137,13 +137,13 @@ def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, type | None]]) 
 
 def _declare_attention(lib: ctypes.CDLL) -> None:
     """``cpu_decode_attention.c`` and ``cpu_extend_attention.c``: (q, pool base, bf16, table, table
-    stride, per-request ranges..., out, shape and strides, [window,] scale, threads, ...)."""
+    stride, per-request ranges..., out, shape and strides, [window,] scale, threads, ..., softcap)."""
     head = [_PTR, _PTR, _I32, _PTR, _I64]
     _declare(
         lib,
         {
-            "pdserve_paged_decode": ([*head, _PTR, _PTR, _PTR, *([_I64] * 9), _F32, _I32, _I32, _I32], _I32),
-            "pdserve_paged_extend": ([*head, _PTR, _PTR, _PTR, _PTR, *([_I64] * 10), _F32, _I32, _I32], _I32),
+            "pdserve_paged_decode": ([*head, _PTR, _PTR, _PTR, *([_I64] * 9), _F32, _I32, _I32, _I32, _F32], _I32),
+            "pdserve_paged_extend": ([*head, _PTR, _PTR, _PTR, _PTR, *([_I64] * 10), _F32, _I32, _I32, _F32], _I32),
             "pdserve_decode_dot_available": ([], _I32),
             "pdserve_extend_dot_available": ([], _I32),
         },

@@ -201,6 +201,7 @@ def paged_decode(
     threads: int = 1,
     prefetch: int = PREFETCH_L1,
     dot: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` over keys ``[lo[b], hi[b])`` of request b in ``layer`` of
     the pool; ``table`` ``[B, W]`` int64 maps ``pos // P`` to a page (only entries of pages in the
@@ -209,8 +210,9 @@ def paged_decode(
     ``PREFETCH_L2`` (speed only). ``dot``: a bfloat16 pool takes its products in bfloat16 where
     ``decode_dot_available()`` (the query and the softmax weights rounded to bfloat16 once each, sums
     and softmax float32: ~2^-9 relative from the float32-math path, which a bfloat16 model's query
-    loses nothing to; ~2x fewer instructions). Caller guarantees ``supports(pool_buffer)``,
-    contiguous int64 indices and in-range pages."""
+    loses nothing to; ~2x fewer instructions). ``softcap``: each scaled score ``s`` becomes
+    ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2; None: none). Caller guarantees
+    ``supports(pool_buffer)``, contiguous int64 indices and in-range pages."""
     B, H, D = q.shape
     q = q.float().contiguous()
     out = torch.empty_like(q)
@@ -233,6 +235,7 @@ def paged_decode(
         int(threads),
         int(prefetch),
         int(dot),
+        float(softcap or 0.0),
     )
     return out
 
@@ -296,6 +299,7 @@ def paged_extend(
     scale: float,
     threads: int = 1,
     dot: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Prefill attention of ``q`` ``[T, H, D]`` (the new tokens of B requests, request after
     request): request b's tokens are rows ``[qstart[b], qstart[b] + ext[b])`` at absolute positions
@@ -305,7 +309,8 @@ def paged_extend(
     ``[B, W]`` with in-range pages. Returns ``[T, H, D]`` float32. Caller guarantees
     ``supports(pool_buffer)`` and ``extend_supported`` for the shape. ``dot``: a bfloat16 pool takes
     its products in bfloat16 where ``extend_dot_available()`` (Q and the softmax weights rounded to
-    bfloat16 once each, sums float32: ~1e-3 relative from the float32-math path; 2-3x faster)."""
+    bfloat16 once each, sums float32: ~1e-3 relative from the float32-math path; 2-3x faster).
+    ``softcap``: scores soft-capped before the mask, as :func:`paged_decode`."""
     T, H, D = q.shape
     q = q.float().contiguous()
     out = torch.empty_like(q)  # every row is written, or the call raises
@@ -329,6 +334,7 @@ def paged_extend(
         float(scale),
         int(threads),
         int(dot and D <= EXTEND_DOT_MAX_DIM),
+        float(softcap or 0.0),
     )
     if rc != 0:
         raise MemoryError("paged_extend: scratch allocation failed or the shape is not supported")

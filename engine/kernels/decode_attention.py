@@ -84,6 +84,7 @@ def paged_decode_attention(
     scale: float,
     page_size: int,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     *,
     backend: str | None = None,
     use_dot: bool | None = None,
@@ -103,6 +104,8 @@ def paged_decode_attention(
       already be stored). ``seq_lens[i] == 0`` yields a zero output row.
     - ``sliding_window=W``: only positions ``>= seq_lens[i] - W`` are attended (the last W
       tokens); ``None`` = full attention.
+    - ``softcap=C``: each scaled score ``s`` becomes ``C * tanh(s / C)`` before the mask (Gemma 2's
+      attention logit soft-capping); ``None`` = none.
     Scores, softmax (online, over key blocks) and the weighted sum are fp32; the output is
     a new contiguous tensor with q's dtype and device.
 
@@ -114,10 +117,10 @@ def paged_decode_attention(
     _check_shapes(q, k_layer, v_layer, block_table, seq_lens, page_size, sliding_window)
     if resolve_backend(backend, q, k_layer, v_layer, block_table, seq_lens) == "torch":
         return paged_decode_attention_torch(
-            q, k_layer, v_layer, block_table, seq_lens, scale, page_size, sliding_window
+            q, k_layer, v_layer, block_table, seq_lens, scale, page_size, sliding_window, softcap
         )
     return _paged_decode_triton(
-        q, k_layer, v_layer, block_table, seq_lens, scale, page_size, sliding_window, use_dot, block_n
+        q, k_layer, v_layer, block_table, seq_lens, scale, page_size, sliding_window, use_dot, block_n, softcap
     )
 
 
@@ -132,6 +135,7 @@ def _paged_decode_triton(
     sliding_window: int | None,
     use_dot: bool | None,
     block_n: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The Triton path of ``paged_decode_attention`` on arguments ``_check_shapes`` accepted."""
     from engine.kernels._triton_kernels import get_kernel
@@ -153,7 +157,8 @@ def _paged_decode_triton(
         block_table,
         seq_lens,
         out,
-        float(scale) * math.log2(math.e),
+        float(scale) if softcap else float(scale) * math.log2(math.e),
+        float(softcap or 0.0),
         window,
         *q.stride(),
         *k_layer.stride(),
@@ -169,5 +174,6 @@ def _paged_decode_triton(
         USE_DOT=use_dot,
         # fp32 dots in full precision (not TF32); fp16/bf16 use the target's default
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        HAS_SOFTCAP=bool(softcap),
     )
     return out

@@ -74,6 +74,7 @@ def paged_decode_attention_torch(
     scale: float,
     page_size: int,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Single-query (decode) attention over paged K/V; returns ``[B, num_heads, head_dim]``.
 
@@ -85,6 +86,7 @@ def paged_decode_attention_torch(
     Request i attends its key positions ``j`` with ``j < seq_lens[i]`` and, when
     ``sliding_window=W`` is given, ``j >= seq_lens[i] - W``. Scores/softmax/accumulation are
     fp32; output has q's dtype. A request with ``seq_lens[i] == 0`` gets a zero output.
+    ``softcap=C``: scores become ``C * tanh(score / C)`` before the mask (None: none).
     """
     B, num_heads, head_dim = q.shape
     kv_heads = k_layer.shape[2]
@@ -104,6 +106,8 @@ def paged_decode_attention_torch(
     v = v_layer[pages, offsets].float()
     qf = q.float().view(B, kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale  # [B, Hkv, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # rows with no key at all

@@ -1,5 +1,6 @@
-"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms) and Phi-3 (fused projections,
-partial rotary, longrope) from HF folders in PD mode: small random models loaded as a worker loads
+"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms), Phi-3 (fused projections,
+partial rotary, longrope) and Gemma 2 (soft caps, alternating sliding layers in the SWA pools) from HF
+folders in PD mode: small random models loaded as a worker loads
 them give transformers' greedy tokens (float32) through the in-process prefill/decode pair (real
 schedulers, loopback KV transport), with the KV shipped from prefill to decode, and again when the
 decode side retracts (a decode pool too small for every request, and a retract forced every few
@@ -13,7 +14,14 @@ import pytest
 from bench.harness.pd_harness import PDHarness, checked_harnesses
 from configs.schema import PdserveConfig
 from engine.loader import load_for_engine
-from tests.support.hf_folders import PHI3_LONGROPE, PHI3_PARTIAL, random_prompts, reference_greedy, save_small_model
+from tests.support.hf_folders import (
+    GEMMA2,
+    PHI3_LONGROPE,
+    PHI3_PARTIAL,
+    random_prompts,
+    reference_greedy,
+    save_small_model,
+)
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
@@ -32,6 +40,7 @@ CASES = {
     "qwen3": ("qwen3", {"head_dim": 32}),
     "phi3-partial": ("phi3", PHI3_PARTIAL),
     "phi3-longrope": ("phi3", PHI3_LONGROPE),
+    "gemma2": ("gemma2", GEMMA2),
 }
 NEW = 16
 PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)

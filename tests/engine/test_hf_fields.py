@@ -49,13 +49,13 @@ REFUSED = [
     ("llama", "partial_rotary_factor", 0.5, r"partial_rotary_factor=0.5.*supported: 1"),
     ("llama", "rope_interleaved", True, r"rope_interleaved=True"),
     ("qwen2", "use_mrope", True, r"use_mrope=True"),
+    ("llama", "hidden_activation", "gelu_pytorch_tanh", r"hidden_activation='gelu_pytorch_tanh' is not implemented"),
     ("llama", "final_logit_softcapping", 30.0, r"final_logit_softcapping=30.0 is not implemented.*'llama'"),
     ("llama", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50.0 is not implemented"),
     ("qwen3", "num_experts", 8, r"num_experts=8 is not implemented.*'qwen3'"),
     ("qwen3", "num_experts_per_tok", 2, r"num_experts_per_tok=2 is not implemented"),
     ("qwen2", "quantization_config", {"quant_method": "awq"}, r"quantization_config=.*awq.*not implemented"),
     ("llama", "sliding_window", 64, r"sliding_window=64 is not implemented.*'llama'"),
-    ("llama", "auto_map", {"AutoModelForCausalLM": "x.Y"}, r"auto_map=.*not implemented"),
 ]
 
 
@@ -95,7 +95,8 @@ def test_bad_rope_parameters_are_refused(folders, tmp_path, rope, message):
 
 
 def test_harmless_and_null_fields_pass(folders, tmp_path):
-    """Metadata, token ids, dropout and null-valued unknown fields change nothing: accepted."""
+    """Metadata, token ids, dropout, remote-code pointers (pdserve runs none) and null-valued unknown
+    fields change nothing: accepted."""
     folder = _edited(
         folders,
         tmp_path,
@@ -107,6 +108,7 @@ def test_harmless_and_null_fields_pass(folders, tmp_path):
         is_llama_config=True,
         quantization_config=None,
         partial_rotary_factor=1.0,
+        auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"},
     )
     assert read_model_config(folder).arch == "llama"
 
@@ -123,6 +125,7 @@ def test_every_field_transformers_writes_is_classified():
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
     }
     for arch, cls in classes.items():
         unknown = set(cls().to_dict()) - IMPLEMENTED[arch] - HARMLESS

@@ -240,6 +240,48 @@ def test_decode_triton_odd_head_dim_strided_q(use_dot):
     torch.testing.assert_close(got, paged_decode_attention_torch(*args), **_tol(torch.float32))
 
 
+def dense_capped_decode(q, pool, layer, block_table, seq_lens, scale, window, cap):
+    """``dense_decode`` with Gemma 2's soft cap on the scores (fp64, written out: SDPA cannot cap)."""
+    P, group, outs = pool.page_size, q.shape[1] // pool.num_kv_heads, []
+    for i, L in enumerate(seq_lens.tolist()):
+        pages = block_table[i, : math.ceil(L / P)]
+        k = pool.k_layer(layer)[pages].reshape(-1, pool.num_kv_heads, pool.head_dim)[:L]
+        v = pool.v_layer(layer)[pages].reshape(-1, pool.num_kv_heads, pool.head_dim)[:L]
+        if window is not None:
+            k, v = k[max(0, L - window) :], v[max(0, L - window) :]
+        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        s = torch.einsum("hd,hld->hl", q[i].double(), k) * scale
+        outs.append(torch.einsum("hl,hld->hd", torch.softmax(torch.tanh(s / cap) * cap, -1), v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_decode_soft_cap_matches_dense(window):
+    pool, bt, sl, q = make_decode_case(SEQ_LENS, 4, 2, 3, 32, torch.float32, seed=4)
+    args = (q * 4, pool.k_layer(LAYER), pool.v_layer(LAYER), bt, sl, 0.5, 4, window)
+    got = paged_decode_attention_torch(*args, softcap=2.0)
+    want = dense_capped_decode(q * 4, pool, LAYER, bt, sl, 0.5, window, 2.0)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # the cap acts on these scores: without it the output is another
+    assert (paged_decode_attention_torch(*args) - got).abs().max() > 0.05
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_triton_soft_cap_matches_reference(dtype, use_dot, window):
+    """Gemma 2's attention soft cap in the Triton decode kernel (interpreter), on scores large
+    enough that the cap changes the output."""
+    pool, bt, sl, q = make_decode_case(SEQ_LENS, 4, 2, 4, 32, dtype, seed=5)
+    args = (q * 4, pool.k_layer(LAYER), pool.v_layer(LAYER), bt, sl, 0.5, 4, window)
+    got = paged_decode_attention(*args, softcap=2.0, backend="triton", use_dot=use_dot, block_n=16)
+    want = paged_decode_attention_torch(*args, softcap=2.0)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    assert (paged_decode_attention_torch(*args) - want).abs().max() > 0.05
+
+
 @needs_triton
 def test_decode_triton_zero_length_request_gives_zeros():
     pool, bt, sl, q = make_decode_case([5, 3], 4, 2, 2, 16, torch.float32)
@@ -310,7 +352,7 @@ def compile_sm90(name, ptrs, consts):
     fn = tk.get_kernel(name, False)
     params = inspect.signature(tk._BODIES[name]).parameters
     sig = {p: ("constexpr" if p in consts else ptrs.get(p, "i32")) for p in params}
-    sig.update({p: "fp32" for p in params if p == "qk_scale"})
+    sig.update({p: "fp32" for p in params if p in ("qk_scale", "softcap")})
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
 h = "*fp16"
@@ -318,9 +360,11 @@ compile_sm90("store_kv", dict(K_SRC="*bf16", V_SRC="*bf16", K_DST=h, V_DST=h, SL
              dict(PAGE_SIZE=16, NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128))
 dec = dict(Q=h, K=h, V=h, BT="*i32", SEQ="*i64", OUT=h)
 compile_sm90("paged_decode", dec, dict(PAGE_SIZE=16, GROUP=7, HEAD_DIM=96, G_PAD=16, D_PAD=128,
-                                       BLOCK_N=64, USE_DOT=True, DOT_PRECISION=None))
+                                       BLOCK_N=64, USE_DOT=True, DOT_PRECISION=None, HAS_SOFTCAP=False))
 compile_sm90("paged_decode", dec, dict(PAGE_SIZE=1, GROUP=3, HEAD_DIM=64, G_PAD=4, D_PAD=64,
-                                       BLOCK_N=32, USE_DOT=False, DOT_PRECISION=None))
+                                       BLOCK_N=32, USE_DOT=False, DOT_PRECISION=None, HAS_SOFTCAP=False))
+compile_sm90("paged_decode", dec, dict(PAGE_SIZE=16, GROUP=2, HEAD_DIM=256, G_PAD=16, D_PAD=256,
+                                       BLOCK_N=32, USE_DOT=True, DOT_PRECISION=None, HAS_SOFTCAP=True))
 compile_sm90("copy_pages", dict(SRC=h, DST=h, PAGE_IDS="*i64"), dict(GATHER=False, BLOCK=2048))
 print("compiled")
 """

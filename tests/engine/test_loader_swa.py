@@ -304,11 +304,11 @@ def test_worker_start_up_fails_on_a_bad_window(tmp_path):
 
 
 def test_unsupported_sliding_configs_name_the_flag(tmp_path):
-    raw = {"model_type": "gemma2", "num_hidden_layers": 2, "sliding_window": 8}
+    raw = {"model_type": "cohere2", "num_hidden_layers": 2, "sliding_window": 8}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(
         ValueError,
-        match=r"unsupported architecture 'gemma2'.*sliding-window attention .* "
+        match=r"unsupported architecture 'cohere2'.*sliding-window attention .* "
         r"choose another --model",
     ):
         load_model_weights(tmp_path)

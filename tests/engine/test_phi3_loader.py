@@ -10,7 +10,14 @@ import shutil
 import pytest
 
 from engine.loader import check_startup, load_model_weights, read_model_config
-from tests.support.hf_folders import PHI3_LONGROPE, save_small_model
+from tests.support.hf_folders import (
+    PHI3_LONGROPE,
+    PHI3_PARTIAL,
+    engine_greedy,
+    random_prompts,
+    reference_greedy,
+    save_small_model,
+)
 from tests.support.models import engine_cfg
 
 pytestmark = pytest.mark.unit
@@ -60,15 +67,48 @@ def test_legacy_su_rope_scaling_is_longrope(phi3_folder, tmp_path):
     [
         ({"partial_rotary_factor": 0.7, "rope_parameters": ...}, r"partial_rotary_factor=0.7 gives 11 rotary dims"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, r"'linear' is not valid for model type 'phi3'"),
-        ({"lm_head_bias": True}, r"lm_head_bias=True is not implemented.*'phi3'"),
+        ({"lm_head_bias": True}, r"lm_head_bias=True is not implemented.*'phi3'; supported: False"),
+        ({"full_attn_mod": 4}, r"full_attn_mod=4 is not implemented.*supported: 1"),
+        ({"interpolate_factor": 2}, r"interpolate_factor=2 is not implemented.*supported: 1 or 1.0"),
+        ({"rope_local_base_freq": 1e4}, r"rope_local_base_freq=10000.0 is not implemented.*'phi3'"),
         ({"attention_bias": True}, r"attention_bias=True.*supported: False"),
     ],
-    ids=["odd-rotary-dims", "rope-type", "unknown-field", "attention-bias"],
+    ids=[
+        "odd-rotary-dims",
+        "rope-type",
+        "lm-head-bias",
+        "full-attn-mod",
+        "interpolate",
+        "unknown-field",
+        "attention-bias",
+    ],
 )
 def test_what_phi3_does_not_implement_is_refused(phi3_folder, tmp_path, fields, message):
     folder = _edited(phi3_folder, tmp_path, **fields)
     with pytest.raises(ValueError, match=message):
         read_model_config(folder)
+
+
+# What a Phi-4-mini config.json carries beyond transformers' Phi3Config, at its values.
+PHI4_MINI_EXTRAS = {
+    "auto_map": {
+        "AutoConfig": "configuration_phi3.Phi3Config",
+        "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM",
+    },
+    "full_attn_mod": 1,
+    "interpolate_factor": 1,
+    "lm_head_bias": False,
+}
+
+
+def test_a_phi4_mini_config_loads_and_serves_transformers_tokens(tmp_path, tokenizer):
+    """auto_map (remote code pdserve never runs) and the remote code's fields at their no-op values
+    are accepted, and the model still gives transformers' greedy tokens."""
+    model = save_small_model("phi3", tmp_path / "src", **PHI3_PARTIAL)
+    folder = _edited(tmp_path / "src", tmp_path, **PHI4_MINI_EXTRAS)
+    assert read_model_config(folder).rotary_dim == 12
+    prompts = random_prompts(2, 20)
+    assert engine_greedy(folder, tokenizer, prompts, 8) == reference_greedy(model, prompts, 8)
 
 
 def test_one_window_for_every_layer_and_a_window_past_the_context_is_none(phi3_folder, tmp_path):

@@ -30,7 +30,7 @@ def test_lists_every_architecture_the_loader_accepts_and_nothing_else(capsys):
     assert set(hf_fields.IMPLEMENTED) == set(SUPPORTED_ARCHS)  # the HF table is the loader's arch list
     for arch in SUPPORTED_ARCHS:
         assert _check_arch(arch) == arch
-    for refused in ("gemma2", "mixtral", "qwen3_moe"):
+    for refused in ("cohere2", "mixtral", "qwen3_moe"):
         assert refused not in listed
         with pytest.raises(ValueError, match=refused):
             _check_arch(refused)
@@ -48,7 +48,8 @@ def test_text_names_formats_rope_types_traits_and_refusals(capsys):
     assert "hidden_act: 'silu' or 'swish'" in blocks["mistral"]
     assert "formats:    HF folder\n" in blocks["phi3"] and "partial rotary" in blocks["phi3"]
     assert "partial_rotary_factor" not in blocks["phi3"].split("restricted:", 1)[-1]
-    assert "refused at load:" in out and "gemma2" in out.split("refused at load:")[1]
+    assert "soft-capping" in blocks["gemma2"] and "alternating, sliding first" in blocks["gemma2"]
+    assert "refused at load:" in out and "gemma3_text" in out.split("refused at load:")[1]
 
 
 def test_an_architecture_added_to_the_table_appears(capsys, monkeypatch):

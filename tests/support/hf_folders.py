@@ -44,6 +44,19 @@ PHI3_LONGROPE = {
     },
 }
 
+# Gemma 2 with the sizes above: a window of 8 keys on the sliding layers (0, 2: sliding first),
+# query_pre_attn_scalar other than head_dim, and soft caps small enough to act on these random
+# weights (the attention cap changes the greedy tokens, checked by the tests).
+GEMMA2 = {
+    "num_hidden_layers": 4,
+    "pad_token_id": 0,
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 12,
+    "attn_logit_softcapping": 1.5,
+    "final_logit_softcapping": 2.0,
+    "attn_implementation": "eager",
+}
+
 
 def _classes(kind: str):
     import transformers
@@ -53,6 +66,7 @@ def _classes(kind: str):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[kind]
 
 
