@@ -34,15 +34,15 @@ def attach(registry: Registry, h: WorkerHandle) -> None:
 
 
 def on_link_lost(registry: Registry, worker_id: str, reason: str) -> None:
-    """``worker_id``'s process is gone (``reason`` names the closed connection): dead now, under the
-    state rules of ``Registry.check_liveness`` (a draining worker that holds nothing here is drained).
-    A worker the launcher already marked (dead, restarting), one not serving yet and one discovery
-    dropped are left as they are; a new process at the address is taken back by its heartbeats."""
+    """``worker_id``'s process is gone (``reason`` names the closed connection): dead now if it holds
+    requests or was serving, under the state rules of ``Registry.check_liveness``. Left as they are:
+    a worker the launcher already marked (dead, restarting), one not serving yet, one discovery
+    dropped, and a draining one that holds nothing here (it exited after its drain: nothing to fail
+    over, and the launcher's notice or the heartbeats say drained, with the exit's own reason). A new
+    process at the address is taken back by its heartbeats."""
     h = registry.handles.get(worker_id)
     if h is None or h.permanent:
         return
     outstanding = registry.table.outstanding(worker_id)
-    if h.state == DRAINING and not outstanding:
-        registry.mark_drained(worker_id, f"{reason} after its drain")
-    elif h.state in (READY, DRAINING) or (h.state == STARTING and outstanding):
+    if h.state == READY or (h.state in (DRAINING, STARTING) and outstanding):
         registry.mark_dead(worker_id, reason)

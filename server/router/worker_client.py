@@ -99,6 +99,7 @@ class WorkerClient:
         self.on_migration: Callable[[str, Message, list[int]], None] | None = None
         # the worker's process is gone (its connection closed, the reconnect refused): set by the registry
         self.on_link_lost: LinkLostCallback | None = None
+        self._lost: set[asyncio.Future] = set()  # verdicts on their way to on_link_lost (held against GC)
 
     async def start(self) -> None:
         """Connect (the worker may bind later; messages queue until it does) and start receiving."""
@@ -112,7 +113,7 @@ class WorkerClient:
 
         def lost(reason: str) -> None:  # on the monitor's thread: hand the verdict to the loop
             with contextlib.suppress(RuntimeError):  # a closed loop takes nothing
-                loop.call_soon_threadsafe(self._link_lost, sock, reason)
+                loop.call_soon_threadsafe(lambda: self._lost.add(asyncio.ensure_future(self._link_lost(sock, reason))))
 
         link = LinkWatch(self.addr, lost)
         self._watch = self.auth.client(sock, f"router -> worker {self.worker_id}", link)
@@ -232,10 +233,20 @@ class WorkerClient:
             self._sock.close(0)
         self._sock = self._task = None
 
-    def _link_lost(self, sock: zmq.asyncio.Socket, reason: str) -> None:
-        """On the loop: report a lost connection unless the socket was closed or replaced since."""
-        if sock is self._sock and self.on_link_lost is not None:
-            self.on_link_lost(self.worker_id, reason)
+    async def _link_lost(self, sock: zmq.asyncio.Socket, reason: str) -> None:
+        """On the loop: report a lost connection unless the socket was closed or replaced since. What
+        the worker sent before its connection closed (its last tokens, a final delta) is handled
+        first, so a request it finished is not failed over."""
+        try:
+            for _ in range(1000):  # the receive loop empties the socket; at most about a second
+                if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0)  # a message already received is handled in the receive loop's next step
+            if sock is self._sock and self.on_link_lost is not None:
+                self.on_link_lost(self.worker_id, reason)
+        finally:
+            self._lost.discard(asyncio.current_task())
 
     def _send(self, msg: Message, *frames: bytes) -> None:
         if self._sock is None:

@@ -16,7 +16,7 @@ import zmq.asyncio
 from server.router.inflight import InflightTable
 from server.router.link_lost import on_link_lost
 from server.router.membership import drain_worker
-from server.router.registry import DEAD, DRAINED, READY, RESTARTING, STARTING, Registry, WorkerSpec
+from server.router.registry import DEAD, DRAINING, READY, RESTARTING, STARTING, Registry, WorkerSpec
 from server.router.worker_client import WorkerClient
 from tests.support.zmq_peers import bind_router
 from transfer.control_auth import ControlAuth
@@ -107,8 +107,8 @@ def test_the_state_rules_of_a_lost_connection():
     assert h.state == RESTARTING
     reg.on_stats("w0", stats("b"))
     drain_worker(reg, "w0", "asked")
-    on_link_lost(reg, "w0", "gone")  # drained, exited: nothing held
-    assert (h.state, h.reason) == (DRAINED, "gone after its drain")
+    on_link_lost(reg, "w0", "gone")  # exited after its drain, nothing held: the launcher or heartbeats say drained
+    assert (h.state, h.reason) == (DRAINING, "asked")
     on_link_lost(reg, "unknown", "gone")  # removed meanwhile: nothing to do
 
 
