@@ -10,7 +10,8 @@ another one, the handshake fails and not one message of the peer reaches the wor
 
 ZMQ drops failed handshakes silently. ``HandshakeWatch`` reads the socket's monitor events and
 turns each failure into a log line that names ``--cluster-key`` (both sides, throttled per
-cause) and, on a client, into ``error`` (the router shows it in ``/health``).
+cause) and, on a client, into ``error`` (the router shows it in ``/health``). A client's watch may
+also feed a ``transfer.link_watch.LinkWatch`` (the router's: is the worker's process gone?).
 
 ``ControlAuth.insecure()`` (``--insecure-control-plane``) configures nothing: plain ZMTP, no
 authentication; its sockets still explain a mismatch with a CURVE peer.
