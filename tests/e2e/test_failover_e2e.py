@@ -97,9 +97,10 @@ def test_a_stop_string_met_after_the_failover_and_echo_come_out_as_without_it(re
 
 
 def test_prompt_logprobs_go_out_once_across_a_failover(replicas):
-    """``prompt_logprobs``: the first replica computes them and they go out with the opening chunk;
-    the continuation does not ask for them again, and the client sees them once, those of the
-    fault-free run (checked in ``kill_mid_stream``)."""
+    """``prompt_logprobs``: the first replica computes them and they go out with the opening chunk,
+    before the kill; the client sees them once, those of the fault-free run (checked in
+    ``kill_mid_stream``), one entry per prompt token. That the continuation does not ask for them
+    again is not visible to a streaming client: ``tests/router/test_router_failover.py`` checks it."""
     got = kill_mid_stream(replicas, {"temperature": 0, "prompt_logprobs": 1}, ("colocated-0", "colocated-1"))
     (seen,) = got["choices"][0]["prompt_logprobs"]
     assert seen[0] is None and len(seen) == got["usage"]["prompt_tokens"] and all(seen[1:])
