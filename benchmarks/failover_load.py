@@ -52,8 +52,10 @@ class StreamRecord:
             self._last = now
         for c in chunk.get("choices", []):
             mine = out["choices"].setdefault(
-                c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None}
+                c["index"], {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt_logprobs": []}
             )
+            if c.get("prompt_logprobs") is not None:  # each time they come (once, with the opening chunk)
+                mine["prompt_logprobs"].append(c["prompt_logprobs"])
             mine["text"] += c.get("text", "")
             mine["token_ids"] += c.get("token_ids") or []
             mine["logprobs"] += (c.get("logprobs") or {}).get("token_logprobs") or []

@@ -10,7 +10,8 @@ another one, the handshake fails and not one message of the peer reaches the wor
 
 ZMQ drops failed handshakes silently. ``HandshakeWatch`` reads the socket's monitor events and
 turns each failure into a log line that names ``--cluster-key`` (both sides, throttled per
-cause) and, on a client, into ``error`` (the router shows it in ``/health``).
+cause) and, on a client, into ``error`` (the router shows it in ``/health``). A client's watch may
+also feed a ``transfer.link_watch.LinkWatch`` (the router's: is the worker's process gone?).
 
 ``ControlAuth.insecure()`` (``--insecure-control-plane``) configures nothing: plain ZMTP, no
 authentication; its sockets still explain a mismatch with a CURVE peer.
@@ -30,6 +31,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from transfer.cluster_key import ClusterKey, ClusterKeyError, read_key_file
+from transfer.link_watch import LINK_EVENTS, LinkWatch
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +84,15 @@ class ControlAuth:
             sock.curve_server = True
         return ServerGuard(zap, HandshakeWatch(sock, "server", label, self))
 
-    def client(self, sock: zmq.Socket, label: str) -> HandshakeWatch:
+    def client(self, sock: zmq.Socket, label: str, link: LinkWatch | None = None) -> HandshakeWatch:
         """Make ``sock`` (not yet connected) a CURVE client presenting the cluster key; the returned
-        watch logs failed handshakes and holds the latest one in ``error``."""
+        watch logs failed handshakes and holds the latest one in ``error``. ``link``: also fed the
+        connection events (a socket has one monitor, so the one watch serves both)."""
         if self.key is not None:
             sock.curve_secretkey = self.key.secret
             sock.curve_publickey = self.key.public
             sock.curve_serverkey = self.key.public
-        return HandshakeWatch(sock, "client", label, self)
+        return HandshakeWatch(sock, "client", label, self, link)
 
 
 def resolve_auth(key_file: str | None, insecure: bool, environ: Mapping[str, str] | None = None) -> ControlAuth:
@@ -211,17 +214,20 @@ class ZapAuthenticator:
 class HandshakeWatch:
     """Reads one socket's monitor events on a thread until the socket closes; each failed handshake
     becomes a (throttled) log line naming ``--cluster-key``; on a client the latest one is ``error``
-    (None again once a handshake succeeds)."""
+    (None again once a handshake succeeds). With a ``link``, every event goes to it as well."""
 
-    def __init__(self, sock: zmq.Socket, side: str, label: str, auth: ControlAuth) -> None:
+    def __init__(
+        self, sock: zmq.Socket, side: str, label: str, auth: ControlAuth, link: LinkWatch | None = None
+    ) -> None:
         self.side = side
+        self.link = link
         self.label = label
         self.auth = auth
         self.error: str | None = None
         self.failures = 0  # failed handshakes seen (one per refused connection attempt)
         self._throttle = LogThrottle()
         endpoint = f"inproc://handshake-watch-{id(self):x}-{time.monotonic_ns()}"
-        sock.monitor(endpoint, _EVENTS)
+        sock.monitor(endpoint, _EVENTS | (LINK_EVENTS if link is not None else 0))
         self._mon = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
         self._mon.linger = 0
         self._mon.connect(endpoint)
@@ -234,11 +240,21 @@ class HandshakeWatch:
                 event = recv_monitor_message(self._mon)
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                     return
-                self._on(event["event"], event["value"], event["endpoint"].decode(errors="replace"))
+                self._feed_link(event["event"])
+                if not event["event"] & LINK_EVENTS:
+                    self._on(event["event"], event["value"], event["endpoint"].decode(errors="replace"))
         except zmq.ZMQError:  # the context is being terminated
             pass
         finally:
             self._mon.close(0)
+
+    def _feed_link(self, event: int) -> None:
+        if self.link is None:
+            return
+        try:
+            self.link.feed(event)
+        except Exception:  # a bug in the verdict's callback must not end the handshake watch
+            log.exception("%s: error handling connection event %d", self.label, event)
 
     def _on(self, event: int, value: int, endpoint: str) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:

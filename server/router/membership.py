@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from server.router.link_lost import attach
 from server.router.registry import Registry
 from server.router.workers import DRAINING, READY, RESTARTING, STARTING, WorkerHandle, WorkerSpec
 
@@ -33,7 +34,7 @@ async def add_worker(registry: Registry, spec: WorkerSpec) -> WorkerHandle:
         await registry.sweep()
     h = WorkerHandle(spec, registry.client_factory(spec, registry.on_tokens, registry.on_stats))
     registry.handles[spec.worker_id] = h
-    registry.migrations.attach(h)
+    attach(registry, h)
     log.info("worker %s (%s) at %s joined", spec.worker_id, spec.role, spec.addr)
     if registry.started:
         await h.client.start()

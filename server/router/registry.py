@@ -4,7 +4,9 @@ Each worker has a ``WorkerSpec`` (id, role, control address) and a client (``Wor
 test double with the same methods). The registry polls every worker with ``StatsRequest`` every
 ``interval_s``; any message from a worker counts as a sign of life. A ready worker silent for
 ``timeout_s`` is marked dead: its in-flight requests fail with 503 at once and ``health()``
-reports it. A worker that answers again becomes ready again, unless it was marked dead for good
+reports it. A worker whose control connection closed with nothing listening at its address any
+more (``server.router.link_lost``: its process is gone) is marked dead at once, without waiting
+for the lease. A worker that answers again becomes ready again, unless it was marked dead for good
 (its process exited).
 
 Routing: ``route()`` hands the ready workers to a policy function (``ROUTING_POLICIES[mode]``)
@@ -27,6 +29,7 @@ from typing import Any
 
 from server.router.inflight import InflightTable
 from server.router.kv_sources import announce_sources
+from server.router.link_lost import attach
 from server.router.load import BlendedLoad, RoomAllocator
 from server.router.migration import Migrations
 from server.router.worker_client import WorkerUnavailable
@@ -123,7 +126,7 @@ class Registry:
         self.load = BlendedLoad(table, self.handles)
         self.migrations = Migrations(self.handles, table, self.next_room)
         for h in self.handles.values():
-            self.migrations.attach(h)
+            attach(self, h)
 
     def next_room(self) -> int:
         """A room number no other request of this router, nor of another router, has used."""

@@ -15,11 +15,16 @@ the same on demand.
 The socket is a CURVE client of the cluster key (``transfer.control_auth``); a handshake the
 worker refuses (another key, no key) is logged naming ``--cluster-key`` and kept in
 ``handshake_error`` until a handshake succeeds, so ``/health`` can say why a worker never answers.
+
+The same monitor tells when the worker's process is gone (``transfer.link_watch``: the connection
+dropped and the reconnect was refused): ``on_link_lost(worker_id, reason)`` is then called on the
+event loop, once per drop, while the socket is still this client's. Nothing of it runs per message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -27,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from transfer.control_auth import ControlAuth, HandshakeWatch
+from transfer.link_watch import LinkWatch
 from transfer.wire.enums import Role
 from transfer.wire.protocol import (
     AbortRequest,
@@ -61,6 +67,7 @@ log = logging.getLogger(__name__)
 
 TokensCallback = Callable[[str, TokenDelta], None]
 StatsCallback = Callable[[str, WorkerStats], None]
+LinkLostCallback = Callable[[str, str], None]
 
 
 class WorkerUnavailable(RuntimeError):
@@ -94,6 +101,9 @@ class WorkerClient:
         # migration messages (``MigrationOffer`` with its ids, ``MigrationEnded``, ``QueuedOffer``): set by the registry
         self.on_migration: Callable[[str, Message, list[int]], None] | None = None
         self._role_answer: asyncio.Future | None = None  # the pending ``switch_role``'s answer
+        # the worker's process is gone (its connection closed, the reconnect refused): set by the registry
+        self.on_link_lost: LinkLostCallback | None = None
+        self._lost: set[asyncio.Future] = set()  # verdicts on their way to on_link_lost (held against GC)
 
     async def start(self) -> None:
         """Connect (the worker may bind later; messages queue until it does) and start receiving."""
@@ -103,7 +113,14 @@ class WorkerClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        self._watch = self.auth.client(sock, f"router -> worker {self.worker_id}")
+        loop = asyncio.get_running_loop()
+
+        def lost(reason: str) -> None:  # on the monitor's thread: hand the verdict to the loop
+            with contextlib.suppress(RuntimeError):  # a closed loop takes nothing
+                loop.call_soon_threadsafe(lambda: self._lost.add(asyncio.ensure_future(self._link_lost(sock, reason))))
+
+        link = LinkWatch(self.addr, lost)
+        self._watch = self.auth.client(sock, f"router -> worker {self.worker_id}", link)
         sock.connect(self.addr)
         self._sock = sock
         self._task = asyncio.create_task(self._recv_loop(), name=f"recv-{self.worker_id}")
@@ -229,6 +246,21 @@ class WorkerClient:
         if self._sock is not None:
             self._sock.close(0)
         self._sock = self._task = None
+
+    async def _link_lost(self, sock: zmq.asyncio.Socket, reason: str) -> None:
+        """On the loop: report a lost connection unless the socket was closed or replaced since. What
+        the worker sent before its connection closed (its last tokens, a final delta) is handled
+        first, so a request it finished is not failed over."""
+        try:
+            for _ in range(1000):  # the receive loop empties the socket; at most about a second
+                if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0)  # a message already received is handled in the receive loop's next step
+            if sock is self._sock and self.on_link_lost is not None:
+                self.on_link_lost(self.worker_id, reason)
+        finally:
+            self._lost.discard(asyncio.current_task())
 
     def _send(self, msg: Message, *frames: bytes) -> None:
         if self._sock is None:

@@ -96,6 +96,27 @@ def test_a_stop_string_met_after_the_failover_and_echo_come_out_as_without_it(re
     assert got["choices"][0]["text"] == PROMPT + text[:at]
 
 
+def test_prompt_logprobs_go_out_once_across_a_failover(replicas):
+    """``prompt_logprobs``: the first replica computes them and they go out with the opening chunk,
+    before the kill; the client sees them once, those of the fault-free run (checked in
+    ``kill_mid_stream``), one entry per prompt token. That the continuation does not ask for them
+    again is not visible to a streaming client: ``tests/router/test_router_failover.py`` checks it."""
+    got = kill_mid_stream(replicas, {"temperature": 0, "prompt_logprobs": 1}, ("colocated-0", "colocated-1"))
+    (seen,) = got["choices"][0]["prompt_logprobs"]
+    assert seen[0] is None and len(seen) == got["usage"]["prompt_tokens"] and all(seen[1:])
+
+
+def same_values(a, b, tol: float = 1e-3) -> bool:
+    """``a`` and ``b`` equal but for floats within ``tol`` (nested lists and dicts)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tol
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_values(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_values(x, y, tol) for x, y in zip(a, b))
+    return a == b
+
+
 def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, ...], finish: str = "length") -> dict:
     """Stream a reference run, then the same request with ``kill -9`` of the one of ``workers`` that
     serves it after ``KILL_AFTER`` tokens; the outputs, usage and failover counters are checked
@@ -131,6 +152,8 @@ def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, 
         assert mine["token_ids"] == ref["token_ids"] and mine["text"] == ref["text"], i
         assert mine["finish_reason"] == ref["finish_reason"] == finish
         assert mine["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-3)
+        assert len(mine["prompt_logprobs"]) == len(ref["prompt_logprobs"]) == ("prompt_logprobs" in sampling)
+        assert same_values(mine["prompt_logprobs"], ref["prompt_logprobs"]), i
         if "response_format" in sampling:
             assert re.match(r'\{\s*"title"\s*:\s*".*"\s*,\s*"story"\s*:\s*"', mine["text"], re.S), mine["text"][:80]
     assert got["usage"] == reference["usage"]

@@ -393,10 +393,13 @@ def test_killed_worker_turns_red_with_its_reason(page, server, url, shots):
     pid = worker_pid(server, "decode")
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    # dead, and 'restarting' as soon as the launcher has started a new process for it
+    # dead, and 'restarting' as soon as the launcher has started a new process for it; the router may
+    # see the closed control connection first (that reason), the launcher's exit notice (naming the
+    # exit code) follows at its next poll
+    row_sel = f'document.querySelector(\'#workers tr[data-worker="{decode}"] '
     page.wait_for(
-        f"['dead', 'restarting'].includes(document.querySelector('#workers tr[data-worker=\"{decode}\"] "
-        f".badge').textContent)",
+        f"['dead', 'restarting'].includes({row_sel}.badge').textContent) && "
+        f"{row_sel}.reason').textContent.includes('exited with code -9')",
         WORKER_TIMEOUT_S,
     )
     seen_after = time.monotonic() - t0
