@@ -117,7 +117,9 @@ class WorkerClient:
 
         def lost(reason: str) -> None:  # on the monitor's thread: hand the verdict to the loop
             with contextlib.suppress(RuntimeError):  # a closed loop takes nothing
-                loop.call_soon_threadsafe(lambda: self._lost.add(asyncio.ensure_future(self._link_lost(sock, reason))))
+                loop.call_soon_threadsafe(
+                    lambda: self._lost.add(asyncio.ensure_future(_report_lost(self, sock, reason)))
+                )
 
         link = LinkWatch(self.addr, lost)
         self._watch = self.auth.client(sock, f"router -> worker {self.worker_id}", link)
@@ -247,21 +249,6 @@ class WorkerClient:
             self._sock.close(0)
         self._sock = self._task = None
 
-    async def _link_lost(self, sock: zmq.asyncio.Socket, reason: str) -> None:
-        """On the loop: report a lost connection unless the socket was closed or replaced since. What
-        the worker sent before its connection closed (its last tokens, a final delta) is handled
-        first, so a request it finished is not failed over."""
-        try:
-            for _ in range(1000):  # the receive loop empties the socket; at most about a second
-                if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    break
-                await asyncio.sleep(0.001)
-            await asyncio.sleep(0)  # a message already received is handled in the receive loop's next step
-            if sock is self._sock and self.on_link_lost is not None:
-                self.on_link_lost(self.worker_id, reason)
-        finally:
-            self._lost.discard(asyncio.current_task())
-
     def _send(self, msg: Message, *frames: bytes) -> None:
         if self._sock is None:
             raise WorkerUnavailable(f"worker {self.worker_id}: not connected")
@@ -296,3 +283,19 @@ class WorkerClient:
             self._role_answer.set_result(msg)
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, self.worker_id)
+
+
+async def _report_lost(client: WorkerClient, sock: zmq.asyncio.Socket, reason: str) -> None:
+    """On the loop: report ``client``'s lost connection unless the socket was closed or replaced
+    since. What the worker sent before its connection closed (its last tokens, a final delta) is
+    handled first, so a request it finished is not failed over."""
+    try:
+        for _ in range(1000):  # the receive loop empties the socket; at most about a second
+            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # a message already received is handled in the receive loop's next step
+        if sock is client._sock and client.on_link_lost is not None:
+            client.on_link_lost(client.worker_id, reason)
+    finally:
+        client._lost.discard(asyncio.current_task())
