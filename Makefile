@@ -80,6 +80,8 @@ chromium:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; }
 
 # OpenAI-compatible server (embedded SmolLM2-135M) on http://$(HOST):$(PORT)/v1; Ctrl-C stops everything.
+# --dtype auto: bfloat16 on a CPU with AVX512-BF16/AMX (the log says which);
+# `PDSERVE_DTYPE=float32 make serve` for the exact mode.
 serve: install
 	$(VENV)/bin/pdserve launch --mode pd --model default --host $(HOST) --port $(PORT)
 

@@ -74,7 +74,7 @@ def run_engine_bench(
     engine = engine.model_copy(update={"kv_pool_tokens": engine.kv_pool_tokens or need})
     llm = LLM(engine, SchedulerConfig(max_running_requests=max(batch_sizes), chunked_prefill_size=8192))
     vocab = llm.model_config.vocab_size
-    hf = _load_hf(engine) if with_hf else None
+    hf = _load_hf(engine, llm.runner.dtype) if with_hf else None  # same dtype: a like-for-like ratio
     print(
         f"threads={torch.get_num_threads()} dtype={llm.runner.dtype} device={llm.runner.device} "
         f"page_size={engine.page_size} prompt_len={PROMPT_LEN} decode_tokens={decode_tokens}"
@@ -124,7 +124,8 @@ def _r(x: float | None, digits: int = 1) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def _load_hf(engine: EngineConfig):
+def _load_hf(engine: EngineConfig, dtype: torch.dtype):
+    """transformers' load of ``engine.model`` in ``dtype`` (the one pdserve's runner picked)."""
     from transformers import AutoModelForCausalLM
 
     from engine.model_paths import resolve_model_path
@@ -132,7 +133,7 @@ def _load_hf(engine: EngineConfig):
     path = resolve_model_path(engine.model)
     kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     folder = path.parent if path.suffix == ".gguf" else path
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kw).eval()
 
 
 if __name__ == "__main__":

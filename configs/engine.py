@@ -28,9 +28,10 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="auto = bfloat16 on CUDA; on CPU bfloat16 when the checkpoint stores bfloat16 weights and "
-        "the CPU has AVX512-BF16 or AMX, else float32 (float32, float16 and quantized weights); float32 is "
-        "the exact mode; the start-up log says which was picked and why",
+        description="auto = bfloat16 on CUDA; on CPU bfloat16 when the checkpoint stores bfloat16 or quantized "
+        "(GGUF) weights, the embedded model included, and the CPU has AVX512-BF16 or AMX, else float32 (float32 "
+        "and float16 weights, other CPUs); float32 is the exact mode (greedy tokens equal transformers' in "
+        "float32); the start-up log says which was picked and why",
     )
     weight_dtype: Literal["auto", "int8"] = Field(
         "auto",

@@ -1,12 +1,15 @@
 """Which compute dtype a worker runs in (``--dtype``), and why: the line the start-up log prints.
 
-``auto`` on CUDA is bfloat16. On CPU it is bfloat16 where that is both fast and lossless for the
-weights: the CPU has native bf16 instructions (AVX512-BF16 or AMX, ``engine.cpu_features``) and the
-checkpoint stores its weights in bfloat16, so running in bfloat16 rounds none of them. Elsewhere it
-is float32: a float32 checkpoint asked for float32; float16 weights do not fit bfloat16's 7-bit
-mantissa; a quantized GGUF dequantizes to values bfloat16 cannot hold (scale x quant + min), so
-bfloat16 would add a rounding to the quantization's; and without native bf16 every op converts and
-bfloat16 runs slower than float32. ``--dtype float32`` is the exact mode the reference tests use.
+``auto`` on CUDA is bfloat16. On CPU it is bfloat16 where the CPU has native bf16 instructions
+(AVX512-BF16 or AMX, ``engine.cpu_features``) and the checkpoint's weights are bfloat16 or a GGUF
+quantization: bfloat16 weights lose nothing, and a quantized model's dequantized values (scale x
+quant + min) gain one bfloat16 rounding on top of the quantization's own error, for about twice
+the decode speed of float32 (a decode step reads half the bytes). Elsewhere it is float32: a float32
+checkpoint asked for float32; float16 weights do not fit bfloat16's 7-bit mantissa (their 10 bits
+would be cut); without native bf16 every op converts and bfloat16 runs slower than float32; and
+on a CPU whose bf16 support is unknown (not x86) a quantized model stays float32.
+``--dtype float32`` is the exact mode: greedy outputs equal transformers' in float32, and the
+reference tests pin it (``PDSERVE_DTYPE=float32`` for every process the test session launches).
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ def choose_dtype(
     if spec == "auto":
         if device.type == "cuda":
             return torch.bfloat16, "auto on CUDA"
-        if stored != "bfloat16":
+        if stored not in ("bfloat16", "quantized"):
             return torch.float32, f"auto on CPU with {stored} weights (bfloat16 would round them)"
         if fast is False:
             return torch.float32, "auto on a CPU without AVX512-BF16/AMX (bfloat16 would run slower)"
-        return torch.bfloat16, "auto on CPU with bfloat16 weights and native bf16 instructions"
+        if fast is None and stored == "quantized":
+            # bfloat16 rounds a quantized model's values: only worth it where it is known to be fast
+            return torch.float32, "auto on a CPU whose bf16 support is unknown, with quantized weights"
+        return torch.bfloat16, f"auto on CPU with {stored} weights and native bf16 instructions"
     if spec == "bfloat16" and device.type == "cpu" and fast is False:
         log.warning(
             "--dtype bfloat16 on a CPU without AVX512_BF16/AMX: every op would convert to fp32 and run "

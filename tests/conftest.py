@@ -30,6 +30,12 @@ if not torch.cuda.is_available():
     # Triton kernels run in the interpreter on CPU; must be set before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The exact mode for every process the tests launch: ``--dtype auto`` runs the embedded (quantized)
+# model in bfloat16 on a CPU with native bf16, and the tests compare greedy tokens with transformers
+# in float32. Launched servers and workers read ``PDSERVE_DTYPE`` (configs/schema.py env_overrides);
+# in-process configs pin it in tests/support (engine_cfg, pd_cfg). A test of ``auto`` itself clears it.
+os.environ["PDSERVE_DTYPE"] = "float32"
+
 import pytest  # noqa: E402
 
 from bench.harness.subprocess_server import LaunchedServer, free_base_port

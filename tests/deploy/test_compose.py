@@ -48,6 +48,9 @@ x-env: &env
   # loaded 2-core box a step ran past 8 s and the peer was declared dead (worker side)
   PDSERVE_PEER_TIMEOUT_S: "30"
   PDSERVE_LOG_LEVEL: WARNING
+  # the exact mode the colocated reference runs in: containers get only the environment listed here,
+  # not the test session's PDSERVE_DTYPE, and --dtype auto would run the workers in bfloat16
+  PDSERVE_DTYPE: float32
 services:
 """ + "".join(f"  {s}: {{environment: *env}}\n" for s in SERVICES)
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", 'def add(a, b):\n    """Add two numbers."""\n']

@@ -38,11 +38,30 @@ def test_auto_follows_bf16_weights_on_a_cpu_that_runs_them_natively():
         "auto on CPU with bfloat16 weights and native bf16 instructions",
     )
     assert choose_dtype("auto", cpu, "bfloat16", AVX2)[0] is torch.float32  # bf16 would be slower there
-    for stored in ("float32", "float16", "quantized"):  # bfloat16 would round these weights
+    assert choose_dtype("auto", cpu, "bfloat16", frozenset({"fp", "asimd"}))[0] is torch.bfloat16  # trusted
+    for stored in ("float32", "float16"):  # bfloat16 would round these weights
         dtype, why = choose_dtype("auto", cpu, stored, AVX512_BF16)
         assert dtype is torch.float32 and stored in why
     assert choose_dtype("float32", cpu, "bfloat16", AVX512_BF16) == (torch.float32, "--dtype float32")
+    assert choose_dtype("float32", cpu, "quantized", AVX512_BF16) == (torch.float32, "--dtype float32")
     assert choose_dtype("auto", torch.device("cuda"), "float32")[0] is torch.bfloat16
+
+
+def test_auto_runs_a_quantized_gguf_in_bfloat16_only_where_bf16_is_native():
+    """The embedded Q4_1 model (every default launch): bfloat16 with AVX512-BF16 or AMX, float32 on
+    an AVX2-only CPU (slower there) and where the CPU's bf16 support is unknown; the reason says so."""
+    from engine.dtype_choice import choose_dtype
+
+    cpu = torch.device("cpu")
+    assert choose_dtype("auto", cpu, "quantized", AVX512_BF16) == (
+        torch.bfloat16,
+        "auto on CPU with quantized weights and native bf16 instructions",
+    )
+    assert choose_dtype("auto", cpu, "quantized", AVX2 | {"amx_bf16"})[0] is torch.bfloat16
+    dtype, why = choose_dtype("auto", cpu, "quantized", AVX2)
+    assert dtype is torch.float32 and "without AVX512-BF16/AMX" in why
+    dtype, why = choose_dtype("auto", cpu, "quantized", frozenset({"fp", "asimd"}))
+    assert dtype is torch.float32 and "unknown" in why
 
 
 def test_the_runner_logs_the_dtype_it_picked_from_the_checkpoint(tmp_path, caplog, monkeypatch):
@@ -66,3 +85,15 @@ def test_the_runner_logs_the_dtype_it_picked_from_the_checkpoint(tmp_path, caplo
         assert runner.dtype is want
         name = str(want).removeprefix("torch.")
         assert f"dtype: {name} (" in caplog.text
+
+
+def test_the_test_session_pins_float32_and_the_product_default_stays_auto():
+    """tests/conftest.py sets ``PDSERVE_DTYPE=float32``: every launched server and every config read
+    from the environment runs the exact mode; without the variable the default is ``auto``."""
+    import os
+
+    from configs.schema import load_config
+
+    assert os.environ["PDSERVE_DTYPE"] == "float32"
+    assert load_config().engine.dtype == "float32"
+    assert load_config(environ={}).engine.dtype == "auto"

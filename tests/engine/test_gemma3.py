@@ -268,7 +268,7 @@ def test_pd_with_the_swa_pool_under_forced_retract_matches_transformers(gemma, p
     def cfg(**sched):
         return PdserveConfig.model_validate(
             {
-                "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 2048},
+                "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 2048, "dtype": "float32"},
                 "scheduler": {"chunked_prefill_size": 256, **sched},
                 "cluster": {"mode": "pd", "host_kv_pool_gb": 0.2, "transfer_backend": "loopback"},
             }

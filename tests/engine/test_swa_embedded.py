@@ -93,7 +93,7 @@ def test_colocated_embedded_hybrid_matches_transformers(hybrid, prompts, referen
 def _pd_cfg(**sched) -> PdserveConfig:
     return PdserveConfig.model_validate(
         {
-            "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 1024},
+            "engine": {"kv_pool_tokens": 4096, "page_size": 16, "swa_pool_tokens": 1024, "dtype": "float32"},
             "scheduler": sched,
             "cluster": {"mode": "pd", "host_kv_pool_gb": 0.05, "transfer_backend": "loopback"},
         }

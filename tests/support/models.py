@@ -94,7 +94,10 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def engine_cfg(**kw) -> EngineConfig:
+    """An engine config for tests: 4096 KV tokens and the exact float32 mode unless given (``auto``
+    would run a quantized or bfloat16 checkpoint in bfloat16 on a CPU with native bf16)."""
     kw.setdefault("kv_pool_tokens", 4096)
+    kw.setdefault("dtype", "float32")
     return EngineConfig(**kw)
 
 

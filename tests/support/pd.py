@@ -13,10 +13,11 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 
 
 def pd_cfg(pool=4096, page=4, host_gb=0.01, **sched) -> PdserveConfig:
-    """A PD worker's configuration: ``pool`` KV tokens in pages of ``page``, ``host_gb`` of host pool."""
+    """A PD worker's configuration: ``pool`` KV tokens in pages of ``page``, ``host_gb`` of host pool,
+    in the exact float32 mode."""
     return PdserveConfig.model_validate(
         {
-            "engine": {"kv_pool_tokens": pool, "page_size": page},
+            "engine": {"kv_pool_tokens": pool, "page_size": page, "dtype": "float32"},
             "scheduler": sched,
             "cluster": {"mode": "pd", "host_kv_pool_gb": host_gb, "transfer_backend": "loopback"},
         }

@@ -58,7 +58,13 @@ class PDPair:
         ``prefill_sched``/``decode_sched`` one worker's scheduler section (``sched``: both)."""
         self.cfg = PdserveConfig.model_validate(
             {
-                "engine": {"model": str(model_dir), "page_size": 4, "kv_pool_tokens": 4096, **(engine or {})},
+                "engine": {
+                    "model": str(model_dir),
+                    "page_size": 4,
+                    "kv_pool_tokens": 4096,
+                    "dtype": "float32",  # the exact mode the references are in
+                    **(engine or {}),
+                },
                 "scheduler": sched,
                 "server": {"health_interval_s": 0.5},
                 "cluster": {
