@@ -37,7 +37,7 @@ def knobs_of(cfg: ServerConfig) -> Knobs:
     )
 
 
-def _queue_wait(metrics: RouterMetrics) -> tuple[float, float]:
+def queue_wait_of(metrics: RouterMetrics) -> tuple[float, float]:
     """(sum, count) of the router's admission queue wait histogram."""
     total = count = 0.0
     for fam in metrics.queue_wait.collect():
@@ -68,7 +68,7 @@ class Planner:
 
     async def evaluate(self) -> Decision:
         """One evaluation: decide, log, and make the move if there is one."""
-        view = self.views.build(self.registry.handles.values(), _queue_wait(self.metrics), self.clock())
+        view = self.views.build(self.registry.handles.values(), queue_wait_of(self.metrics), self.clock())
         decision = decide(view, self.state, self.knobs)
         self.state = decision.state
         level = (

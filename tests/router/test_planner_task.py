@@ -16,7 +16,7 @@ from configs.server import ServerConfig
 from server.router.inflight import InflightTable
 from server.router.metrics import RouterMetrics
 from server.router.planner import Knobs
-from server.router.planner_task import Planner, knobs_of
+from server.router.planner_task import Planner, knobs_of, queue_wait_of
 from server.router.registry import READY, Registry, WorkerSpec
 from transfer.wire.enums import Role
 from transfer.wire.protocol import HistogramData, RoleSwitched, WorkerStats
@@ -194,3 +194,25 @@ def test_the_planner_config():
         cluster={"mode": "pd"},
     )
     assert knobs_of(cfg.server) == Knobs(slo_ttft_s=1.5, slo_tpot_s=0.05, hysteresis=4, dwell_s=60.0, headroom=0.8)
+
+
+def test_the_view_takes_rates_between_heartbeats_and_the_queue_wait_since_the_last_build():
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    p = reg.handles["prefill-0"].client
+    for t, tokens, compute_s, prompts in ((0.0, 1000.0, 1.0, 1), (1.0, 5000.0, 2.0, 3)):
+        clock.t = t
+        p.counters = {"prefill_computed_tokens": tokens}
+        p.histograms = {"phase_prefill_compute": HistogramData(buckets=[1.0], counts=[prompts, 0], sum=compute_s)}
+        p.request_stats(0)
+        if t == 0.0:
+            first = planner.views.build(reg.handles.values(), (0.0, 0.0), t)
+    metrics.queue_wait.observe(0.25)
+    metrics.queue_wait.observe(0.75)
+    second = planner.views.build(reg.handles.values(), queue_wait_of(metrics), 1.0)
+    third = planner.views.build(reg.handles.values(), queue_wait_of(metrics), 2.0)
+    (w1,), (w2,) = (v.of(Role.PREFILL) for v in (first, second))
+    assert (w1.prefill_tps, first.prompt_tokens) == (1000.0, 1000.0)  # cumulative: one sample
+    assert (w2.prefill_tps, second.prompt_tokens) == (4000.0, 2000.0)  # 4000 tokens in 1 s, 2 prompts
+    assert second.queue_wait_s == pytest.approx(0.5) and third.queue_wait_s == 0.0
+    assert third.of(Role.PREFILL)[0].prefill_tps == 4000.0  # no heartbeat since: the last answer
