@@ -2,7 +2,7 @@
 real ``WorkerStats`` and answer ``SwitchRole``: the view built from their heartbeats (prefill speed,
 decode step time), a persistent TTFT violation switching a decode worker through the admin path
 (``switch_role``) and counting it with reason ``planner``, the dwell after it, the periodic loop,
-and the config that turns it on."""
+prefill to decode held for want of TTFT headroom then made, and the config that turns it on."""
 
 from __future__ import annotations
 
@@ -216,3 +216,35 @@ def test_the_view_takes_rates_between_heartbeats_and_the_queue_wait_since_the_la
     assert (w2.prefill_tps, second.prompt_tokens) == (4000.0, 2000.0)  # 4000 tokens in 1 s, 2 prompts
     assert second.queue_wait_s == pytest.approx(0.5) and third.queue_wait_s == 0.0
     assert third.of(Role.PREFILL)[0].prefill_tps == 4000.0  # no heartbeat since: the last answer
+
+
+def test_a_persistent_tpot_violation_switches_a_prefill_worker_to_decode():
+    clock = Clock()
+    roles = (("prefill-0", Role.PREFILL), ("prefill-1", Role.PREFILL), ("decode-0", Role.DECODE))
+    reg = Registry([WorkerSpec(w, r, f"tcp://{w}:1") for w, r in roles], StatsClient, InflightTable(), clock=clock)
+    metrics = RouterMetrics(lambda: reg.handles.values(), lambda: 0)
+    tight = Knobs(slo_ttft_s=1.4, slo_tpot_s=0.1, hysteresis=2, headroom=0.7)
+    planner = Planner(reg, metrics, tight, 5, clock=clock)
+    decisions = []
+    for t in (0.0, 1.0, 2.0, 3.0):
+        clock.t = t
+        for wid, tps in (("prefill-0", 200), ("prefill-1", 100)):  # 100-token prompts, 100 tokens backlog
+            c = reg.handles[wid].client
+            c.counters = {"prefill_computed_tokens": tps * (t + 1)}
+            n = int(tps / 100 * (t + 1))
+            c.histograms = {"phase_prefill_compute": HistogramData(buckets=[1.0], counts=[n, 0], sum=t + 1)}
+            c.gauges = {"prefill_backlog_tokens": 100.0}
+        d = reg.handles["decode-0"].client
+        d.counters, d.gauges = {"decode_steps": 2.0 * t}, {"queue_running": 8.0}  # 0.5 s per step
+        for h in reg.handles.values():
+            h.client.request_stats(0)
+        if t == 3.0:  # a looser TTFT SLO leaves room for the move
+            planner.knobs = Knobs(slo_ttft_s=5.0, slo_tpot_s=0.1, hysteresis=2)
+        decisions.append(asyncio.run(planner.evaluate()))
+    # TTFT 200 / 300 + 100 / 150 = 1.33 s; without prefill-1 (the slower): 100 / 200 + 100 / 200 = 1 s
+    # (without prefill-0: 2 s), over 0.7 x 1.4 s; with a 5 s SLO it fits
+    assert decisions[1].ttft_s == pytest.approx(4 / 3) and decisions[1].tpot_s == pytest.approx(0.5)
+    assert "TPOT over its SLO, but TTFT after a move (1.000 s) > 0.980 s" in decisions[2].why
+    assert [d.move for d in decisions] == [None, None, None, ("prefill-1", Role.PREFILL, Role.DECODE)]
+    assert reg.handles["prefill-1"].spec.role == Role.DECODE and reg.handles["prefill-1"].state == READY
+    assert switches(metrics, "prefill", "decode", "planner") == 1.0
