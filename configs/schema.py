@@ -341,6 +341,12 @@ class PdserveConfig(BaseModel):
     server: ServerConfig = ServerConfig()
     cluster: ClusterConfig = ClusterConfig()
 
+    @model_validator(mode="after")
+    def _planner_in_pd_mode(self) -> PdserveConfig:
+        if self.server.planner != "off" and self.cluster.mode != "pd":
+            raise ValueError(f"planner {self.server.planner!r} switches PD workers' roles: it needs --mode pd")
+        return self
+
 
 SECTIONS: dict[str, type[BaseModel]] = {name: f.annotation for name, f in PdserveConfig.model_fields.items()}
 

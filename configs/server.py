@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from configs.api_keys import parse_api_keys
 
@@ -70,6 +70,28 @@ class ServerConfig(BaseModel):
         "request without that mark to start it at once; the retracted one resumes when a place frees "
         "(False = it waits for a place)",
     )
+    planner: Literal["off", "slo"] = Field(
+        "off",
+        description="pd mode: 'slo' lets the router switch workers between prefill and decode by load: a "
+        "decode worker becomes a prefill worker while the predicted TTFT is over --slo-ttft-ms and TPOT "
+        "has headroom, and the reverse (docs/design/planner.md)",
+    )
+    slo_ttft_ms: float | None = Field(None, gt=0, description="planner: the time-to-first-token SLO (ms)")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="planner: the time-per-output-token SLO (ms)")
+    planner_interval_s: float = Field(5.0, gt=0, description="planner: seconds between evaluations")
+    planner_hysteresis: int = Field(
+        3, ge=1, description="planner: evaluations in a row an SLO must be predicted violated before a move"
+    )
+    planner_dwell_s: float = Field(
+        60.0, ge=0, description="planner: seconds after any move (made or refused) before the next one"
+    )
+    planner_headroom: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="planner: a move is made only if the other SLO's metric, predicted after it, stays "
+        "within this fraction of that SLO",
+    )
     health_interval_s: float = Field(1.0, gt=0, description="worker heartbeat period")
     worker_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
@@ -81,3 +103,9 @@ class ServerConfig(BaseModel):
     def _keys_parse(cls, v: str | None) -> str | None:
         parse_api_keys(v)  # raises ValueError saying what to change
         return v
+
+    @model_validator(mode="after")
+    def _planner_slos(self) -> ServerConfig:
+        if self.planner == "slo" and (self.slo_ttft_ms is None or self.slo_tpot_ms is None):
+            raise ValueError("planner 'slo' needs both SLOs: add --slo-ttft-ms and --slo-tpot-ms")
+        return self

@@ -48,6 +48,7 @@ from server.router.kv_subscriber import KvSubscriber
 from server.router.load import PrefillBacklog
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
+from server.router.planner_task import Planner, knobs_of
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream, refuse_early
 from server.router.tokenize import add_tokenize_routes
@@ -159,6 +160,12 @@ async def _pump(ctx: RouterContext) -> None:
         ctx.admission.pump()
 
 
+def _planner(ctx: RouterContext) -> Planner:
+    """The SLO planner over ``ctx``'s workers; its switches wait as long as ``POST /admin/role``'s."""
+    timeout_s = ctx.cfg.cluster.drain_timeout_s + 10 * ctx.cfg.server.health_interval_s
+    return Planner(ctx.registry, ctx.metrics, knobs_of(ctx.cfg.server), timeout_s)
+
+
 def _generation_route(ctx: RouterContext, handler: Handler):
     async def endpoint(request: Request) -> Response:
         """Auth, bounded body, the handler; every outcome is counted in pdserve_requests_total."""
@@ -256,6 +263,8 @@ def create_app(ctx: RouterContext) -> FastAPI:
         tasks.append(asyncio.create_task(_pump(ctx), name="admission-pump"))
         if ctx.kv_subscriber is not None:
             tasks.append(asyncio.create_task(ctx.kv_subscriber.run(), name="kv-event-feeds"))
+        if ctx.cfg.server.planner == "slo":
+            tasks.append(asyncio.create_task(_planner(ctx).run(ctx.cfg.server.planner_interval_s), name="planner"))
         try:
             yield
         finally:

@@ -363,7 +363,8 @@ class RouterMetrics:
         )
         self.role_switches = Counter(
             "pdserve_role_switches",
-            "Workers that changed role at runtime (POST /admin/role), by old role, new role and reason (admin)",
+            "Workers that changed role at runtime, by old role, new role and reason (admin: POST /admin/role; "
+            "planner: --planner slo)",
             ["from", "to", "reason"],
             registry=r,
         )

@@ -1,0 +1,198 @@
+"""The SLO planner's decision: which worker, if any, should change role now (a pure function).
+
+``decide(view, state, knobs)`` reads a ``ClusterView`` (the ready prefill and decode workers with
+their measured load) and returns a ``Decision``: a move (worker, old role, new role) or none, why,
+the predictions it was made on, and the planner's next ``PlannerState``. It changes nothing.
+
+The model (``docs/design/planner.md``):
+
+- **TTFT** = the router's admission queue wait + the prefill backlog (prompt tokens the prefill
+  workers hold, not computed yet) / the prefill workers' summed speed (tokens/s) + a typical
+  prompt / one worker's speed (its own prefill). Queueing is in: a backlog twice as long predicts
+  twice the wait.
+- **TPOT** = the longest decode step among the decode workers (each step yields one token per
+  running request). Moving a decode worker away spreads its running requests over the others,
+  whose step times are scaled by rows (``step_s / batch`` per row: an upper bound, since a step
+  also has a fixed part).
+
+Rules: TTFT over its SLO while TPOT is within it -> a decode worker becomes a prefill worker, if
+the TPOT predicted without it stays within ``headroom`` x its SLO; the reverse for TPOT. A
+violation must be seen ``hysteresis`` evaluations in a row, no move is made within ``dwell_s`` of
+the last one, both SLOs violated (or both met, or a prediction unknown) moves nothing, and no move
+leaves a role without a ready worker. Among candidates, the move whose other metric is predicted
+best afterwards wins (ties: fewer running rows or backlog, then the worker id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from transfer.wire.enums import Role
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One ready PD worker as the planner sees it. Prefill: ``backlog_tokens`` (prompt tokens held,
+    not computed yet) and ``prefill_tps`` (measured tokens/s; None: not measured yet). Decode:
+    ``batch`` (running requests) and ``step_s`` (measured seconds per decode step; None: not
+    measured, e.g. idle)."""
+
+    worker_id: str
+    role: Role
+    backlog_tokens: float = 0.0
+    prefill_tps: float | None = None
+    batch: float = 0.0
+    step_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The cluster at time ``now`` (monotonic s): its ready prefill and decode ``workers``, the
+    router's recent mean admission queue wait (s) and the recent mean prompt tokens computed per
+    request (uncached part)."""
+
+    now: float
+    workers: tuple[WorkerView, ...]
+    queue_wait_s: float = 0.0
+    prompt_tokens: float = 0.0
+
+    def of(self, role: Role) -> list[WorkerView]:
+        """The workers of ``role``."""
+        return [w for w in self.workers if w.role == role]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The SLOs (seconds) and the planner's damping: ``hysteresis`` evaluations a violation must
+    last, ``dwell_s`` after any move, ``headroom`` (0-1] of the other SLO a move may use."""
+
+    slo_ttft_s: float
+    slo_tpot_s: float
+    hysteresis: int = 3
+    dwell_s: float = 60.0
+    headroom: float = 0.8
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """What the planner carries between evaluations: consecutive evaluations with TTFT alone
+    violated, with TPOT alone violated, and when it last moved a worker (None: never)."""
+
+    ttft_streak: int = 0
+    tpot_streak: int = 0
+    last_move_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One evaluation's outcome: ``move`` (worker id, old role, new role) or None, ``why`` in
+    words, the predictions (s; None: unknown) and the state for the next evaluation."""
+
+    move: tuple[str, Role, Role] | None
+    why: str
+    ttft_s: float | None
+    tpot_s: float | None
+    state: PlannerState
+    after_s: float | None = None  # the other metric predicted after the move (or the best candidate's)
+
+
+def predict_ttft(prefill: list[WorkerView], queue_wait_s: float, prompt_tokens: float) -> float | None:
+    """Queue wait + backlog / summed speed + one prompt / mean speed; None without a measured speed."""
+    speeds = [w.prefill_tps for w in prefill if w.prefill_tps]
+    if not speeds:
+        return None
+    backlog = sum(w.backlog_tokens for w in prefill)
+    return queue_wait_s + backlog / sum(speeds) + prompt_tokens / (sum(speeds) / len(speeds))
+
+
+def predict_tpot(decode: list[WorkerView]) -> float | None:
+    """The longest measured decode step; 0 when no decode worker runs a request; None when some run
+    requests but no step time is measured."""
+    if not any(w.batch > 0 for w in decode):
+        return 0.0
+    steps = [w.step_s for w in decode if w.step_s is not None]
+    return max(steps) if steps else None
+
+
+def tpot_without(decode: list[WorkerView], leaving: WorkerView) -> float | None:
+    """TPOT predicted once ``leaving`` is gone and its running requests are spread evenly over the
+    rest, each worker's step scaled by its rows (per-row cost: its own, else the worst measured)."""
+    rest = [w for w in decode if w is not leaving]
+    if not rest:
+        return None
+    if sum(w.batch for w in decode) == 0:
+        return 0.0
+    costs = [w.step_s / max(w.batch, 1.0) for w in decode if w.step_s is not None]
+    if not costs:
+        return None
+    share = leaving.batch / len(rest)
+    return max(
+        ((w.step_s / max(w.batch, 1.0)) if w.step_s is not None else max(costs)) * (w.batch + share) for w in rest
+    )
+
+
+def decide(view: ClusterView, state: PlannerState, knobs: Knobs) -> Decision:
+    """The planner's decision for ``view`` (module docstring); pure."""
+    prefill, decode = view.of(Role.PREFILL), view.of(Role.DECODE)
+    ttft = predict_ttft(prefill, view.queue_wait_s, view.prompt_tokens)
+    tpot = predict_tpot(decode)
+    ttft_bad = ttft is not None and ttft > knobs.slo_ttft_s
+    tpot_bad = tpot is not None and tpot > knobs.slo_tpot_s
+    nxt = replace(
+        state,
+        ttft_streak=state.ttft_streak + 1 if ttft_bad and not tpot_bad else 0,
+        tpot_streak=state.tpot_streak + 1 if tpot_bad and not ttft_bad else 0,
+    )
+
+    def hold(why: str, after: float | None = None) -> Decision:
+        return Decision(None, why, ttft, tpot, nxt, after)
+
+    if ttft_bad and tpot_bad:
+        return hold("TTFT and TPOT both over their SLOs: a move would only shift the violation")
+    if not ttft_bad and not tpot_bad:
+        return hold("within both SLOs" if ttft is not None and tpot is not None else "within SLOs (some unmeasured)")
+    if state.last_move_at is not None and view.now - state.last_move_at < knobs.dwell_s:
+        return hold(f"dwell: last move {view.now - state.last_move_at:.1f} s ago (< {knobs.dwell_s:g} s)")
+    if ttft_bad:
+        return _move(view, nxt, knobs, decode, Role.DECODE, Role.PREFILL, ttft, tpot)
+    return _move(view, nxt, knobs, prefill, Role.PREFILL, Role.DECODE, ttft, tpot)
+
+
+def _move(
+    view: ClusterView,
+    nxt: PlannerState,
+    knobs: Knobs,
+    pool: list[WorkerView],
+    old: Role,
+    new: Role,
+    ttft: float | None,
+    tpot: float | None,
+) -> Decision:
+    """Move a worker of ``pool`` (role ``old``) to ``new`` if the violation lasted long enough, the
+    pool keeps a worker and the other metric keeps its headroom."""
+    metric, streak = ("TTFT", nxt.ttft_streak) if new == Role.PREFILL else ("TPOT", nxt.tpot_streak)
+    if streak < knobs.hysteresis:
+        return Decision(None, f"{metric} over its SLO ({streak}/{knobs.hysteresis} evaluations)", ttft, tpot, nxt)
+    if len(pool) < 2:
+        return Decision(None, f"{metric} over its SLO, but a move would leave no {old} worker", ttft, tpot, nxt)
+    after = {w.worker_id: _after(view, pool, w, new) for w in pool}
+    known = [w for w in pool if after[w.worker_id] is not None]
+    if not known:
+        return Decision(None, f"{metric} over its SLO; the other metric after a move is unknown", ttft, tpot, nxt)
+    best = min(known, key=lambda w: (after[w.worker_id], w.batch + w.backlog_tokens, w.worker_id))
+    limit = knobs.headroom * (knobs.slo_tpot_s if new == Role.PREFILL else knobs.slo_ttft_s)
+    if after[best.worker_id] > limit:
+        other = "TPOT" if new == Role.PREFILL else "TTFT"
+        why = f"{metric} over its SLO, but {other} after a move ({after[best.worker_id]:.3f} s) > {limit:.3f} s"
+        return Decision(None, why, ttft, tpot, nxt, after[best.worker_id])
+    moved = PlannerState(last_move_at=view.now)
+    why = f"{metric} over its SLO for {streak} evaluations: {best.worker_id} {old} -> {new}"
+    return Decision((best.worker_id, old, new), why, ttft, tpot, moved, after[best.worker_id])
+
+
+def _after(view: ClusterView, pool: list[WorkerView], w: WorkerView, new: Role) -> float | None:
+    """The metric the move of ``w`` to ``new`` costs: TPOT without ``w`` (to prefill), TTFT
+    without ``w`` (to decode)."""
+    if new == Role.PREFILL:
+        return tpot_without(pool, w)
+    return predict_ttft([p for p in pool if p is not w], view.queue_wait_s, view.prompt_tokens)

@@ -1,0 +1,121 @@
+"""The planner's ``ClusterView`` built from the workers' ``WorkerStats`` heartbeats (rates over time).
+
+``ViewBuilder.build(handles, queue_wait, now)`` keeps each worker's previous sample and derives,
+between two heartbeats of the same process instance:
+
+- prefill speed = computed prompt tokens (``prefill_computed_tokens``) / prefill compute seconds
+  (the sum of the ``phase_prefill_compute`` histogram); before a second sample, or with no compute
+  between the two, the cumulative ratio. The mean prompt computed per request: tokens / the
+  histogram's count, likewise.
+- decode step time = seconds between the two heartbeats / decode steps made between them, only
+  when the worker ran requests at both (``queue_running`` > 0): an idle stretch in between would
+  count as step time. Otherwise the last measured value while it keeps running requests, else None.
+- backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``.
+
+``queue_wait``: the router's admission queue wait histogram as (sum, count); the view carries its
+mean over the forwarded requests since the previous build (0 when none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from server.router.planner import ClusterView, WorkerView
+from server.router.workers import READY, WorkerHandle
+from transfer.wire.enums import Role
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """One worker's heartbeat values the rates are taken between."""
+
+    instance: str
+    at: float
+    tokens: float
+    compute_s: float
+    prompts: float
+    steps: float
+    batch: float
+    step_s: float | None
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 and num > 0 else None
+
+
+class ViewBuilder:
+    """Builds ``ClusterView``s; keeps the previous sample of every worker and of the queue wait."""
+
+    def __init__(self) -> None:
+        self._prev: dict[str, tuple[_Sample, tuple[WorkerView, float | None]]] = {}
+        self._wait = (0.0, 0.0)
+
+    def build(self, handles: Iterable[WorkerHandle], queue_wait: tuple[float, float], now: float) -> ClusterView:
+        """The view of the ready prefill and decode workers of ``handles`` at ``now`` (module docstring)."""
+        workers, prompt_rates = [], []
+        for h in handles:
+            if h.state != READY or h.stats is None or h.spec.role not in (Role.PREFILL, Role.DECODE):
+                continue
+            view, prompt = self._worker(h)
+            workers.append(view)
+            if prompt is not None:
+                prompt_rates.append(prompt)
+        dsum, dcount = queue_wait[0] - self._wait[0], queue_wait[1] - self._wait[1]
+        self._wait = queue_wait
+        wait = dsum / dcount if dcount > 0 else 0.0
+        prompt = sum(prompt_rates) / len(prompt_rates) if prompt_rates else 0.0
+        return ClusterView(now=now, workers=tuple(workers), queue_wait_s=wait, prompt_tokens=prompt)
+
+    def _worker(self, h: WorkerHandle) -> tuple[WorkerView, float | None]:
+        """(``h``'s view, its mean prompt tokens per request or None) from its stats and previous
+        sample; without a heartbeat since the previous build, the previous answer."""
+        cur = _sample(h)
+        prev, seen = self._prev.get(h.worker_id, (None, None))
+        if prev is not None and prev.instance == cur.instance and cur.at <= prev.at:
+            return seen
+        base = prev if prev is not None and prev.instance == cur.instance else None
+        if h.spec.role == Role.DECODE:
+            cur = replace(cur, step_s=_step_s(base, cur))
+            answer = WorkerView(h.worker_id, Role.DECODE, batch=cur.batch, step_s=cur.step_s), None
+        else:
+            answer = _prefill(h, base, cur)
+        self._prev[h.worker_id] = (cur, answer)
+        return answer
+
+
+def _sample(h: WorkerHandle) -> _Sample:
+    """``h``'s latest heartbeat values."""
+    s = h.stats
+    hist = s.histograms.get("phase_prefill_compute")
+    compute_s, prompts = (hist.sum, float(sum(hist.counts))) if hist is not None else (0.0, 0.0)
+    return _Sample(
+        instance=h.instance,
+        at=h.stats_at or 0.0,
+        tokens=s.counters.get("prefill_computed_tokens", 0.0),
+        compute_s=compute_s,
+        prompts=prompts,
+        steps=s.counters.get("decode_steps", 0.0),
+        batch=s.gauges.get("queue_running", 0.0),
+        step_s=None,
+    )
+
+
+def _prefill(h: WorkerHandle, prev: _Sample | None, cur: _Sample) -> tuple[WorkerView, float | None]:
+    """A prefill worker's view and mean prompt: rates since ``prev`` when it computed since, else cumulative."""
+    base = prev if prev is not None and cur.compute_s > prev.compute_s else None
+    dtok = cur.tokens - (base.tokens if base else 0.0)
+    tps = _ratio(dtok, cur.compute_s - (base.compute_s if base else 0.0))
+    prompt = _ratio(dtok, cur.prompts - (base.prompts if base else 0.0))
+    backlog = h.stats.gauges.get("prefill_backlog_tokens", 0.0)
+    return WorkerView(h.worker_id, Role.PREFILL, backlog_tokens=backlog, prefill_tps=tps), prompt
+
+
+def _step_s(prev: _Sample | None, cur: _Sample) -> float | None:
+    """Seconds per decode step between ``prev`` and ``cur`` when both ran requests; the previous
+    measure while it runs requests without a step since; None when idle or unmeasured."""
+    if cur.batch <= 0 or prev is None:
+        return None
+    if prev.batch > 0 and cur.steps > prev.steps:
+        return (cur.at - prev.at) / (cur.steps - prev.steps)
+    return prev.step_s

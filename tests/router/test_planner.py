@@ -1,0 +1,126 @@
+"""The SLO planner's decision function (server.router.planner.decide) over hand-built cluster views:
+TTFT violated -> a decode worker prefills, TPOT violated -> a prefill worker decodes, both met or
+both violated -> nothing, hysteresis, dwell, never a role left empty, no move without headroom,
+and the predictions themselves (queueing counted in TTFT, rows spread in TPOT)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.router.planner import ClusterView, Knobs, PlannerState, WorkerView, decide, predict_ttft, tpot_without
+from transfer.wire.enums import Role
+
+pytestmark = pytest.mark.unit
+
+KNOBS = Knobs(slo_ttft_s=1.0, slo_tpot_s=0.1, hysteresis=2, dwell_s=30.0, headroom=0.8)
+
+
+def prefill(wid: str, backlog: float, tps: float | None = 1000.0) -> WorkerView:
+    return WorkerView(wid, Role.PREFILL, backlog_tokens=backlog, prefill_tps=tps)
+
+
+def decode(wid: str, batch: float, step_s: float | None) -> WorkerView:
+    return WorkerView(wid, Role.DECODE, batch=batch, step_s=step_s)
+
+
+def view(*workers: WorkerView, now: float = 100.0, wait: float = 0.0, prompt: float = 500.0) -> ClusterView:
+    return ClusterView(now=now, workers=workers, queue_wait_s=wait, prompt_tokens=prompt)
+
+
+# TTFT: 0 + 4000/1000 + 500/1000 = 4.5 s > 1 s; TPOT 0.02 s, 0.03 s after a move (< 0.08 s)
+PREFILL_BOUND = (prefill("prefill-0", 4000), decode("decode-0", 2, 0.02), decode("decode-1", 1, 0.02))
+# TPOT 0.5 s > 0.1 s; TTFT 0.1 s, 0.1 s without either prefill worker (< 0.8 s)
+DECODE_BOUND = (prefill("prefill-0", 0), prefill("prefill-1", 0), decode("decode-0", 10, 0.5))
+
+
+def run(v: ClusterView, times: int, knobs: Knobs = KNOBS):
+    decisions, state = [], PlannerState()
+    for _ in range(times):
+        d = decide(v, state, knobs)
+        state = d.state
+        decisions.append(d)
+    return decisions
+
+
+def test_a_ttft_violation_turns_the_least_loaded_decode_worker_into_a_prefill_worker():
+    first, second = run(view(*PREFILL_BOUND), 2)
+    assert first.move is None and "TTFT over its SLO (1/2 evaluations)" in first.why
+    assert second.move == ("decode-1", Role.DECODE, Role.PREFILL)  # fewer rows: less TPOT cost
+    assert second.ttft_s == pytest.approx(4.5) and second.tpot_s == pytest.approx(0.02)
+    assert second.after_s == pytest.approx(0.02 / 2 * (2 + 1))  # decode-0's 2 rows + decode-1's 1, per-row 0.01
+    assert second.state == PlannerState(last_move_at=100.0)
+
+
+def test_a_tpot_violation_turns_a_prefill_worker_into_a_decode_worker():
+    first, second = run(view(*DECODE_BOUND, prompt=100), 2)
+    assert first.move is None
+    assert second.move == ("prefill-0", Role.PREFILL, Role.DECODE)
+    assert second.after_s == pytest.approx(0.1)  # one prefill worker left: 100 tokens / 1000 tok/s
+
+
+def test_nothing_moves_when_both_slos_are_met():
+    v = view(prefill("prefill-0", 100), decode("decode-0", 2, 0.02), decode("decode-1", 1, 0.02))
+    decisions = run(v, 5)
+    assert all(d.move is None and d.why == "within both SLOs" for d in decisions)
+    assert decisions[-1].state == PlannerState()
+
+
+def test_nothing_moves_when_both_slos_are_violated():
+    v = view(prefill("prefill-0", 4000), prefill("prefill-1", 4000), decode("decode-0", 9, 0.5), decode("d-1", 9, 0.5))
+    decisions = run(v, 5)
+    assert all(d.move is None and "both over their SLOs" in d.why for d in decisions)
+
+
+def test_hysteresis_a_violation_that_does_not_persist_moves_nothing():
+    ok = view(prefill("prefill-0", 0), decode("decode-0", 2, 0.02), decode("decode-1", 1, 0.02))
+    state = PlannerState()
+    for v in (view(*PREFILL_BOUND), ok, view(*PREFILL_BOUND), ok, view(*PREFILL_BOUND)):
+        d = decide(v, state, KNOBS)
+        assert d.move is None
+        state = d.state
+    assert state.ttft_streak == 1
+    three = run(view(*PREFILL_BOUND), 3, knobs=Knobs(1.0, 0.1, hysteresis=3))
+    assert [d.move is not None for d in three] == [False, False, True]
+
+
+def test_dwell_no_move_within_dwell_s_of_the_last_one():
+    moved_at_90 = PlannerState(ttft_streak=5, last_move_at=90.0)
+    d = decide(view(*PREFILL_BOUND, now=100.0), moved_at_90, KNOBS)
+    assert d.move is None and d.why.startswith("dwell: last move 10.0 s ago")
+    assert d.state.ttft_streak == 6  # the violation keeps counting through the dwell
+    d = decide(view(*PREFILL_BOUND, now=120.0), moved_at_90, KNOBS)
+    assert d.move == ("decode-1", Role.DECODE, Role.PREFILL)
+
+
+def test_a_move_never_leaves_a_role_empty():
+    lone_decode = (prefill("prefill-0", 4000), decode("decode-0", 1, 0.02))
+    assert all(d.move is None and "leave no decode worker" in d.why for d in run(view(*lone_decode), 4)[1:])
+    lone_prefill = (prefill("prefill-0", 0), decode("decode-0", 10, 0.5), decode("decode-1", 10, 0.5))
+    assert all(d.move is None and "leave no prefill worker" in d.why for d in run(view(*lone_prefill), 4)[1:])
+
+
+def test_no_move_without_headroom_in_the_other_slo():
+    # TPOT 0.05 s is within 0.1 s, but the best move (decode-1 away) puts 8 rows on decode-0: 0.045 / 4 * 8
+    tight = (prefill("prefill-0", 4000), decode("decode-0", 4, 0.045), decode("decode-1", 4, 0.05))
+    last = run(view(*tight), 3)[-1]
+    assert last.move is None and "TPOT after a move (0.090 s) > 0.080 s" in last.why
+
+
+def test_unknown_predictions_move_nothing():
+    unmeasured = (prefill("prefill-0", 4000, tps=None), decode("decode-0", 10, None), decode("decode-1", 0, None))
+    assert all(d.move is None and d.ttft_s is None and d.tpot_s is None for d in run(view(*unmeasured), 4))
+
+
+def test_ttft_counts_the_queue_ahead():
+    workers = [prefill("prefill-0", 3000, 1000.0), prefill("prefill-1", 1000, 3000.0)]
+    # 0.2 s router queue + 4000 backlog / 4000 tok/s + 1000 prompt / 2000 tok/s mean
+    assert predict_ttft(workers, 0.2, 1000.0) == pytest.approx(0.2 + 1.0 + 0.5)
+    assert predict_ttft(workers[:1], 0.0, 1000.0) == pytest.approx(3.0 + 1.0)
+
+
+def test_tpot_without_spreads_the_rows_of_the_worker_leaving():
+    d = [decode("decode-0", 2, 0.02), decode("decode-1", 4, 0.02), decode("decode-2", 0, None)]
+    # decode-1's 4 rows over decode-0 (0.01/row) and decode-2 (no measure: the worst cost, 0.01/row)
+    assert tpot_without(d, d[1]) == pytest.approx(0.01 * (2 + 2))
+    idle = [decode("decode-0", 0, None), decode("decode-1", 0, None)]
+    assert tpot_without(idle, idle[0]) == 0.0

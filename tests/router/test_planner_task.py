@@ -1,0 +1,250 @@
+"""The router's periodic planner (server.router.planner_task) over worker client doubles that report
+real ``WorkerStats`` and answer ``SwitchRole``: the view built from their heartbeats (prefill speed,
+decode step time), a persistent TTFT violation switching a decode worker through the admin path
+(``switch_role``) and counting it with reason ``planner``, the dwell after it, the periodic loop,
+prefill to decode held for want of TTFT headroom then made, and the config that turns it on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from configs.schema import PdserveConfig
+from configs.server import ServerConfig
+from server.router.inflight import InflightTable
+from server.router.metrics import RouterMetrics
+from server.router.planner import Knobs
+from server.router.planner_task import Planner, knobs_of, queue_wait_of
+from server.router.registry import READY, Registry, WorkerSpec
+from transfer.wire.enums import Role
+from transfer.wire.protocol import HistogramData, RoleSwitched, WorkerStats
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class StatsClient:
+    """Reports ``counters``/``gauges``/``histograms`` in its heartbeats and switches when asked."""
+
+    def __init__(self, spec: WorkerSpec, on_tokens, on_stats) -> None:
+        self.spec, self.on_stats, self.role, self.instance = spec, on_stats, spec.role, f"{spec.worker_id}-1"
+        self.counters: dict[str, float] = {}
+        self.gauges: dict[str, float] = {}
+        self.histograms: dict[str, HistogramData] = {}
+        self.switches: list[Role] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def request_stats(self, nonce: int) -> None:
+        stats = WorkerStats(
+            nonce=nonce,
+            worker_id=self.spec.worker_id,
+            instance=self.instance,
+            role=self.role,
+            model="m",
+            capacity_tokens=256,
+            max_model_len=512,
+            page_size=16,
+            counters=self.counters,
+            gauges=self.gauges,
+            histograms=self.histograms,
+        )
+        self.on_stats(self.spec.worker_id, stats)
+
+    async def switch_role(self, role: Role, timeout_s: float) -> RoleSwitched:
+        self.switches.append(role)
+        self.role, self.instance = role, f"{self.spec.worker_id}-2"
+        return RoleSwitched(ok=True, role=role, instance=self.instance, seconds=0.01)
+
+
+def cluster() -> tuple[Registry, RouterMetrics, Clock]:
+    clock = Clock()
+    specs = [WorkerSpec(w, r, f"tcp://{w}:1") for w, r in (("prefill-0", Role.PREFILL), *DECODERS)]
+    reg = Registry(specs, StatsClient, InflightTable(), clock=clock)
+    return reg, RouterMetrics(lambda: reg.handles.values(), lambda: 0), clock
+
+
+DECODERS = (("decode-0", Role.DECODE), ("decode-1", Role.DECODE))
+
+
+def heartbeat(reg: Registry, clock: Clock, t: float, backlog: float) -> None:
+    """Every worker reports at ``t``: prefill-0 computed 1000 tokens per second of compute over 2
+    prompts a second and holds ``backlog`` tokens; decode-0 runs 2 requests, decode-1 one, each
+    making 50 steps a second (0.02 s per step)."""
+    clock.t = t
+    p = reg.handles["prefill-0"].client
+    p.counters = {"prefill_computed_tokens": 1000.0 * (t + 1)}
+    p.histograms = {"phase_prefill_compute": HistogramData(buckets=[1.0], counts=[int(2 * (t + 1)), 0], sum=t + 1)}
+    p.gauges = {"prefill_backlog_tokens": backlog}
+    for wid, rows in (("decode-0", 2.0), ("decode-1", 1.0)):
+        c = reg.handles[wid].client
+        c.counters, c.gauges = {"decode_steps": 50.0 * t}, {"queue_running": rows}
+    for h in reg.handles.values():
+        h.client.request_stats(0)
+
+
+def switches(metrics: RouterMetrics, old: str, new: str, reason: str) -> float:
+    labels = {"from": old, "to": new, "reason": reason}
+    return metrics.registry.get_sample_value("pdserve_role_switches_total", labels) or 0.0
+
+
+KNOBS = Knobs(slo_ttft_s=1.0, slo_tpot_s=0.1, hysteresis=2, dwell_s=30.0)
+
+
+def test_a_persistent_ttft_violation_switches_a_decode_worker_through_the_admin_path():
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    heartbeat(reg, clock, 0.0, backlog=4000)
+    first = asyncio.run(planner.evaluate())  # one heartbeat: no decode step measured yet, TPOT unknown
+    assert first.move is None and first.tpot_s is None and "1/2 evaluations" in first.why
+    heartbeat(reg, clock, 1.0, backlog=4000)
+    second = asyncio.run(planner.evaluate())
+    # 4000 backlog / 1000 tok/s + a 500-token prompt / 1000 tok/s; 1 s / 50 steps
+    assert second.ttft_s == pytest.approx(4.5) and second.tpot_s == pytest.approx(0.02)
+    assert second.move == ("decode-1", Role.DECODE, Role.PREFILL)  # 1 row: the cheaper one to move
+    assert second.after_s == pytest.approx(0.03)
+    assert reg.handles["decode-1"].client.switches == [Role.PREFILL]
+    assert reg.handles["decode-1"].spec.role == Role.PREFILL and reg.handles["decode-1"].state == READY
+    assert switches(metrics, "decode", "prefill", "planner") == 1.0
+    assert switches(metrics, "decode", "prefill", "admin") == 0.0
+    heartbeat(reg, clock, 2.0, backlog=4000)  # still violated: the dwell holds
+    third = asyncio.run(planner.evaluate())
+    assert third.move is None and third.why.startswith("dwell")
+    assert switches(metrics, "decode", "prefill", "planner") == 1.0
+
+
+def test_a_switch_the_admin_path_refuses_is_logged_and_not_counted(caplog):
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    heartbeat(reg, clock, 0.0, backlog=4000)
+    asyncio.run(planner.evaluate())
+    heartbeat(reg, clock, 1.0, backlog=4000)
+    build = planner.views.build
+
+    def build_then_drain(*args):  # decode-0 leaves rotation between the decision and the switch
+        view = build(*args)
+        reg.handles["decode-0"].state = "draining"
+        return view
+
+    planner.views.build = build_then_drain
+    with caplog.at_level("WARNING"):
+        d = asyncio.run(planner.evaluate())
+    assert d.move == ("decode-1", Role.DECODE, Role.PREFILL)
+    assert "switch of decode-1 decode -> prefill not made" in caplog.text
+    assert "would leave no ready decode worker" in caplog.text
+    assert reg.handles["decode-1"].spec.role == Role.DECODE and reg.handles["decode-1"].client.switches == []
+    assert switches(metrics, "decode", "prefill", "planner") == 0.0
+    assert planner.state.last_move_at == 1.0  # the dwell starts anyway: no retry at every evaluation
+
+
+def test_the_planner_sees_only_ready_workers():
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    reg.handles["decode-0"].state = "draining"
+    for t in (0.0, 1.0, 2.0):
+        heartbeat(reg, clock, t, backlog=4000)
+        reg.handles["decode-0"].state = "draining"  # its heartbeats do not bring it back here
+        d = asyncio.run(planner.evaluate())
+    assert d.move is None and "leave no decode worker" in d.why
+    assert reg.handles["decode-1"].client.switches == []
+
+
+def test_the_periodic_task_evaluates_every_interval_and_survives_an_error():
+    reg, metrics, _ = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5)
+    calls = []
+
+    async def evaluate():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+
+    planner.evaluate = evaluate
+
+    async def main():
+        task = asyncio.create_task(planner.run(0.01))
+        await asyncio.sleep(0.2)
+        task.cancel()
+
+    asyncio.run(main())
+    assert len(calls) >= 3
+
+
+def test_the_planner_config():
+    assert ServerConfig().planner == "off"
+    with pytest.raises(ValidationError, match="needs both SLOs"):
+        ServerConfig(planner="slo", slo_ttft_ms=1000)
+    with pytest.raises(ValidationError, match="it needs --mode pd"):
+        PdserveConfig(server={"planner": "slo", "slo_ttft_ms": 1000, "slo_tpot_ms": 50}, cluster={"mode": "colocated"})
+    cfg = PdserveConfig(
+        server={"planner": "slo", "slo_ttft_ms": 1500, "slo_tpot_ms": 50, "planner_hysteresis": 4},
+        cluster={"mode": "pd"},
+    )
+    assert knobs_of(cfg.server) == Knobs(slo_ttft_s=1.5, slo_tpot_s=0.05, hysteresis=4, dwell_s=60.0, headroom=0.8)
+
+
+def test_the_view_takes_rates_between_heartbeats_and_the_queue_wait_since_the_last_build():
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    p = reg.handles["prefill-0"].client
+    for t, tokens, compute_s, prompts in ((0.0, 1000.0, 1.0, 1), (1.0, 5000.0, 2.0, 3)):
+        clock.t = t
+        p.counters = {"prefill_computed_tokens": tokens}
+        p.histograms = {"phase_prefill_compute": HistogramData(buckets=[1.0], counts=[prompts, 0], sum=compute_s)}
+        p.request_stats(0)
+        if t == 0.0:
+            first = planner.views.build(reg.handles.values(), (0.0, 0.0), t)
+    metrics.queue_wait.observe(0.25)
+    metrics.queue_wait.observe(0.75)
+    second = planner.views.build(reg.handles.values(), queue_wait_of(metrics), 1.0)
+    third = planner.views.build(reg.handles.values(), queue_wait_of(metrics), 2.0)
+    (w1,), (w2,) = (v.of(Role.PREFILL) for v in (first, second))
+    assert (w1.prefill_tps, first.prompt_tokens) == (1000.0, 1000.0)  # cumulative: one sample
+    assert (w2.prefill_tps, second.prompt_tokens) == (4000.0, 2000.0)  # 4000 tokens in 1 s, 2 prompts
+    assert second.queue_wait_s == pytest.approx(0.5) and third.queue_wait_s == 0.0
+    assert third.of(Role.PREFILL)[0].prefill_tps == 4000.0  # no heartbeat since: the last answer
+
+
+def test_a_persistent_tpot_violation_switches_a_prefill_worker_to_decode():
+    clock = Clock()
+    roles = (("prefill-0", Role.PREFILL), ("prefill-1", Role.PREFILL), ("decode-0", Role.DECODE))
+    reg = Registry([WorkerSpec(w, r, f"tcp://{w}:1") for w, r in roles], StatsClient, InflightTable(), clock=clock)
+    metrics = RouterMetrics(lambda: reg.handles.values(), lambda: 0)
+    tight = Knobs(slo_ttft_s=1.4, slo_tpot_s=0.1, hysteresis=2, headroom=0.7)
+    planner = Planner(reg, metrics, tight, 5, clock=clock)
+    decisions = []
+    for t in (0.0, 1.0, 2.0, 3.0):
+        clock.t = t
+        for wid, tps in (("prefill-0", 200), ("prefill-1", 100)):  # 100-token prompts, 100 tokens backlog
+            c = reg.handles[wid].client
+            c.counters = {"prefill_computed_tokens": tps * (t + 1)}
+            n = int(tps / 100 * (t + 1))
+            c.histograms = {"phase_prefill_compute": HistogramData(buckets=[1.0], counts=[n, 0], sum=t + 1)}
+            c.gauges = {"prefill_backlog_tokens": 100.0}
+        d = reg.handles["decode-0"].client
+        d.counters, d.gauges = {"decode_steps": 2.0 * t}, {"queue_running": 8.0}  # 0.5 s per step
+        for h in reg.handles.values():
+            h.client.request_stats(0)
+        if t == 3.0:  # a looser TTFT SLO leaves room for the move
+            planner.knobs = Knobs(slo_ttft_s=5.0, slo_tpot_s=0.1, hysteresis=2)
+        decisions.append(asyncio.run(planner.evaluate()))
+    # TTFT 200 / 300 + 100 / 150 = 1.33 s; without prefill-1 (the slower): 100 / 200 + 100 / 200 = 1 s
+    # (without prefill-0: 2 s), over 0.7 x 1.4 s; with a 5 s SLO it fits
+    assert decisions[1].ttft_s == pytest.approx(4 / 3) and decisions[1].tpot_s == pytest.approx(0.5)
+    assert "TPOT over its SLO, but TTFT after a move (1.000 s) > 0.980 s" in decisions[2].why
+    assert [d.move for d in decisions] == [None, None, None, ("prefill-1", Role.PREFILL, Role.DECODE)]
+    assert reg.handles["prefill-1"].spec.role == Role.DECODE and reg.handles["prefill-1"].state == READY
+    assert switches(metrics, "prefill", "decode", "planner") == 1.0
