@@ -289,7 +289,7 @@ class CpuBackend(TorchBackend):
         is there), all requests in one call: the tiled kernel (``cpu_native.paged_extend``) where the
         shape fits it, else the per-row paged kernel up to ``KERNEL_EXTEND_MAX_SEQ`` tokens, else
         torch's flash SDPA."""
-        from engine.kernels.cpu_native import extend_supported, paged_decode, paged_extend, threads_for
+        from engine.kernels.cpu_native import extend_supported, paged_extend, threads_for
 
         name, pool, local = self._layer(layer)
         window = self.windows[layer]
@@ -302,22 +302,7 @@ class CpuBackend(TorchBackend):
             return out.to(q.dtype).reshape(q.shape[0], -1)
         if max(batch.seq_lens_cpu, default=0) > KERNEL_EXTEND_MAX_SEQ:
             return super()._extend(q, k, v, layer, batch)
-        table, lo, hi, keys = self._extend_range_of(batch, name, window)
-        threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
-        out = paged_decode(
-            q,
-            pool.buffer,
-            local,
-            table,
-            lo,
-            hi,
-            self.scale,
-            threads,
-            self.prefetch,
-            dot=q.dtype == torch.bfloat16,
-            softcap=self.softcap,
-        )
-        return out.to(q.dtype).reshape(q.shape[0], -1)
+        return self._ranged(q, pool, local, *self._extend_range_of(batch, name, window))
 
     def _extend_tiles_of(self, batch: ForwardBatch, name: str):
         """``(table, qstart, pos0, ext, keys)`` of ``batch`` (EXTEND) for ``paged_extend``: request
@@ -333,10 +318,14 @@ class CpuBackend(TorchBackend):
         return self._ranges[key]
 
     def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        name, pool, local = self._layer(layer)
+        return self._ranged(q, pool, local, *self._range_of(batch, name, self.windows[layer]))
+
+    def _ranged(self, q, pool, local: int, table, lo, hi, keys: int) -> torch.Tensor:
+        """Each query row attends to keys ``[lo[i], hi[i])`` of its request's pages (``table``): the
+        per-row paged kernel, for decode rows and for extend rows it serves."""
         from engine.kernels.cpu_native import paged_decode, threads_for
 
-        name, pool, local = self._layer(layer)
-        table, lo, hi, keys = self._range_of(batch, name, self.windows[layer])
         threads = threads_for(keys, q.shape[1], q.shape[2], self.threads or torch.get_num_threads())
         # a bfloat16 query loses nothing to bfloat16 products (the decode stack takes the same path)
         out = paged_decode(
