@@ -20,8 +20,9 @@ from engine.config import HF_ONLY_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from engine.fused_checkpoint import split_fused, unfused_names
 from engine.gemma3 import Gemma3Config
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
-from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
+from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, MOE_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
 from engine.hf_rope import hf_rope
+from engine.moe import hf_moe_spec
 from engine.rope_scaling import check_context
 from engine.swa_config import (
     SlidingOverrides,
@@ -321,6 +322,7 @@ def _hf_config(
         layer_types=sliding.layer_types,
         name=folder.name,
         stored_dtype=stored,
+        moe=hf_moe_spec(cfg, layers) if arch in MOE_ARCHS else None,
     )
     _check_no_unused_tensors(config, unfused_names(tensor_names) if arch in FUSED_PROJ_ARCHS else tensor_names)
     return config
