@@ -9,10 +9,21 @@ from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 
 # "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
 # sliding windows; mistral is Llama with one window for every layer.
-SUPPORTED_ARCHS = ("gemma2", "llama", "ministral", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm")
+SUPPORTED_ARCHS = (
+    "gemma2",
+    "llama",
+    "ministral",
+    "mistral",
+    "mixtral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "smollm",
+)
 # Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) and
 # gemma2's (its soft-capping and norms under llama.cpp names) and the MoE layouts are not read.
-HF_ONLY_ARCHS = ("gemma2", "phi3", "qwen3_moe")
+HF_ONLY_ARCHS = ("gemma2", "mixtral", "phi3", "qwen3_moe")
 MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 

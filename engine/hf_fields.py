@@ -110,6 +110,18 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
         "output_router_logits",
         "router_aux_loss_coef",
     },
+    # Mixtral: Llama attention, every layer's MLP a mixture of num_local_experts experts of
+    # intermediate_size (engine.moe), top-k renormalized; router_jitter_noise acts in training only.
+    # Its sliding_window (one for every layer) is not implemented: served only as null.
+    "mixtral": _LLAMA_CORE
+    | {
+        "num_local_experts",
+        "num_experts_per_tok",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "router_jitter_noise",
+        "sliding_window",
+    },
     # Gemma 2 (engine/gemma3.py's model without Q/K norms): (1 + w) pre/post norms, GeGLU with tanh
     # GELU, embedding scale, query_pre_attn_scalar, attention and final logit soft-capping,
     # alternating sliding layers; hidden_act is what older exports wrote beside hidden_activation
@@ -131,7 +143,7 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
 QKV_BIAS_ARCHS = frozenset({"qwen2"})
 QK_NORM_ARCHS = frozenset({"qwen3", "qwen3_moe"})
 # Architectures whose sparse layers' MLP is a mixture of experts (engine.moe).
-MOE_ARCHS = frozenset({"qwen3_moe"})
+MOE_ARCHS = frozenset({"mixtral", "qwen3_moe"})
 # Checkpoints storing Q/K/V as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_PROJ_ARCHS = frozenset({"phi3"})
 # Architectures served by the Gemma model (engine/gemma3.py) rather than the Llama one.
@@ -159,10 +171,11 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "use_bidirectional_attention": (False,),  # Gemma 2 is causal; true is its encoder use
 }
 # Per-architecture values that replace :data:`ALLOWED_VALUES`' (Gemma 2's MLP is GeGLU with tanh GELU;
-# Qwen3-MoE's sliding window, one for every layer, is not implemented).
+# the MoE models' sliding windows, one for every layer, are not implemented).
 ARCH_ALLOWED_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
     "gemma2": {"hidden_act": ("gelu_pytorch_tanh",), "hidden_activation": ("gelu_pytorch_tanh",)},
     "qwen3_moe": {"use_sliding_window": (False,)},
+    "mixtral": {"sliding_window": (None,)},
 }
 
 

@@ -79,11 +79,16 @@ def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[in
     return shapes
 
 
-def hf_moe_spec(cfg: dict, num_layers: int) -> MoeSpec | None:
-    """The :class:`MoeSpec` of a Qwen3-MoE ``config.json`` with ``Qwen3MoeConfig``'s defaults (128
-    experts, top 8, expert size 768, no renormalization, every layer sparse): layer ``i`` is sparse
-    unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; ``None`` when no layer
-    is (``num_experts`` 0). ``ValueError`` for a step below 1 or a non-boolean ``norm_topk_prob``."""
+def hf_moe_spec(cfg: dict, num_layers: int, arch: str = "qwen3_moe") -> MoeSpec | None:
+    """The :class:`MoeSpec` of a ``config.json`` of model type ``arch``. Mixtral: every layer sparse,
+    ``num_local_experts`` (default 8) experts of ``intermediate_size``, top ``num_experts_per_tok``
+    (default 2), always renormalized. Qwen3-MoE, with ``Qwen3MoeConfig``'s defaults (128 experts, top
+    8, expert size 768, no renormalization, every layer sparse): layer ``i`` is sparse unless it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; ``None`` when no layer is
+    (``num_experts`` 0). ``ValueError`` for a step below 1 or a non-boolean ``norm_topk_prob``."""
+    if arch == "mixtral":
+        experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
+        return MoeSpec(experts, top_k, int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
     experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
     step = int(cfg.get("decoder_sparse_step", 1))
     norm = cfg.get("norm_topk_prob", False)
@@ -97,3 +102,18 @@ def hf_moe_spec(cfg: dict, num_layers: int) -> MoeSpec | None:
         return None
     top_k, size = int(cfg.get("num_experts_per_tok", 8)), int(cfg.get("moe_intermediate_size", 768))
     return MoeSpec(experts, top_k, size, norm, sparse)
+
+
+# Mixtral's checkpoint names (``block_sparse_moe``; w1 gate, w3 up, w2 down) -> the names above.
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def mixtral_name(name: str) -> str:
+    """``name`` of a Mixtral checkpoint under the Qwen3-MoE names :func:`load_experts` reads; other
+    names unchanged (``model.layers.0.block_sparse_moe.experts.3.w1.weight`` ->
+    ``model.layers.0.mlp.experts.3.gate_proj.weight``)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    head, _, last = name.removesuffix(".weight").rpartition(".")
+    return f"{head}.{_MIXTRAL_NAMES[last]}.weight" if ".experts." in name and last in _MIXTRAL_NAMES else name

@@ -63,6 +63,11 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
         "tests/engine/test_loader_swa.py",
     ),
     "phi3": ("tests/engine/test_hf_architectures.py", "tests/e2e/test_hf_architectures_pd.py"),
+    "mixtral": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_moe.py",
+    ),
     "qwen3_moe": (
         "tests/engine/test_hf_architectures.py",
         "tests/e2e/test_hf_architectures_pd.py",
@@ -107,6 +112,7 @@ _HF_ONLY_SLIDING = {
     "phi3": "every layer",
     "gemma2": "default: alternating, sliding first",
     "qwen3_moe": "none slides: use_sliding_window true is refused",
+    "mixtral": "none slides: a window other than null is refused",
 }
 
 
@@ -130,8 +136,9 @@ def _attention(arch: str) -> str:
             GEMMA_ARCHS,
         ),
         (
-            "mixture of experts on the sparse layers (top-k of num_experts by the router's softmax, "
-            "norm_topk_prob; decoder_sparse_step and mlp_only_layers keep dense layers), torch path only",
+            "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
+            "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Mixtral: every layer, "
+            "renormalized), torch path only",
             MOE_ARCHS,
         ),
     )

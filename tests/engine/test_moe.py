@@ -156,3 +156,43 @@ def test_an_moe_model_never_takes_the_dense_decode_stack():
 def test_int8_weights_are_refused_for_moe():
     with pytest.raises(ValueError, match="--weight-dtype int8 does not run MoE models"):
         _random_model(MoeSpec(8, 2, 32, True, (0,)), int8=True)
+
+
+def test_mixtral_names_and_spec():
+    from engine.moe import mixtral_name
+
+    p = "model.layers.3.block_sparse_moe."
+    assert mixtral_name(p + "experts.7.w1.weight") == "model.layers.3.mlp.experts.7.gate_proj.weight"
+    assert mixtral_name(p + "experts.7.w3.weight") == "model.layers.3.mlp.experts.7.up_proj.weight"
+    assert mixtral_name(p + "experts.7.w2.weight") == "model.layers.3.mlp.experts.7.down_proj.weight"
+    assert mixtral_name(p + "gate.weight") == "model.layers.3.mlp.gate.weight"
+    assert mixtral_name("model.layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn.q_proj.weight"
+    spec = hf_moe_spec({"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2}, 3, "mixtral")
+    assert spec == MoeSpec(8, 2, 96, True, (0, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory):
+    from tests.support.hf_folders import MIXTRAL
+
+    folder = tmp_path_factory.mktemp("mixtral")
+    save_small_model("mixtral", folder, **MIXTRAL)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("sliding_window", 4096, r"sliding_window=4096 is not implemented.*'mixtral'; supported: None"),
+        ("norm_topk_prob", False, r"norm_topk_prob=False is not implemented.*'mixtral'"),
+    ],
+)
+def test_mixtral_refuses_what_it_does_not_implement(mixtral_folder, tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        read_model_config(_edited(mixtral_folder, tmp_path, **{field: value}))
+
+
+def test_mixtral_loads_its_experts_under_the_shared_names(mixtral_folder):
+    cfg, tensors = load_model_weights(mixtral_folder)
+    assert cfg.moe == MoeSpec(8, 2, 96, True, (0, 1)) and cfg.rope_theta == 1e6 and not cfg.qk_norm
+    assert tensors["model.layers.1.mlp.experts.7.gate_proj.weight"].shape == (96, 64)

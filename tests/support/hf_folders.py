@@ -68,6 +68,9 @@ QWEN3_MOE = {
     "mlp_only_layers": [1],
 }
 
+# Mixtral with the sizes above: top 2 of 8 experts of intermediate_size 96, every layer sparse.
+MIXTRAL = {"num_local_experts": 8, "num_experts_per_tok": 2}
+
 
 def _classes(kind: str):
     import transformers
@@ -79,6 +82,7 @@ def _classes(kind: str):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
 
 
