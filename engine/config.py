@@ -9,11 +9,38 @@ from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 
 # "ministral" (transformers' MinistralForCausalLM) has Llama's weight names plus per-layer
 # sliding windows; mistral is Llama with one window for every layer.
-SUPPORTED_ARCHS = ("gemma2", "llama", "ministral", "mistral", "phi3", "qwen2", "qwen3", "smollm")
+SUPPORTED_ARCHS = (
+    "gemma2",
+    "llama",
+    "ministral",
+    "mistral",
+    "mixtral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "smollm",
+)
 # Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) and
-# gemma2's (its soft-capping and norms under llama.cpp names) are not read.
-HF_ONLY_ARCHS = ("gemma2", "phi3")
+# gemma2's (its soft-capping and norms under llama.cpp names) and the MoE layouts are not read.
+HF_ONLY_ARCHS = ("gemma2", "mixtral", "phi3", "qwen3_moe")
 MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The MoE settings of a model. ``sparse_layers`` are the layer indices whose MLP is the expert
+    mixture (the others keep the dense MLP of ``intermediate_size``); ``1 <= top_k <= num_experts``."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate size (moe_intermediate_size / intermediate_size)
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
 
 
 @dataclass(frozen=True)
@@ -53,6 +80,8 @@ class ModelConfig:
     # how the checkpoint stores its weights: float32, bfloat16, float16 or quantized (a GGUF
     # quantization); ``--dtype auto`` follows it (engine.dtype_choice)
     stored_dtype: str = "float32"
+    # the expert mixture of the sparse layers (engine.moe); None: every layer's MLP is dense
+    moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in MODEL_ARCHS:
@@ -70,6 +99,8 @@ class ModelConfig:
         bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
         if bad:
             raise ValueError(f"unknown layer_types {bad}: each must be 'full_attention' or 'sliding_attention'")
+        if self.moe is not None and not set(self.moe.sparse_layers) <= set(range(self.num_layers)):
+            raise ValueError(f"MoE sparse layers {self.moe.sparse_layers} outside 0..{self.num_layers - 1}")
         spec = finalize(SlidingSpec(self.sliding_window, tuple(self.layer_types)))
         object.__setattr__(self, "sliding_window", spec.window)
         object.__setattr__(self, "layer_types", spec.layer_types)

@@ -15,11 +15,12 @@ float32 models too: their layer weights are held as ``cpu_gemm_pairs.c``'s float
 to the bit.
 
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
-float32 CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, no
-kernel library, or ``PDSERVE_DECODE_STACK=0``). ``takes(batch, attn)`` is True for a DECODE step
-of at most ``max_rows`` requests on the C attention backend with one full-attention pool, no window;
-``run`` then returns the last layer's hidden states, bitwise what the per-layer Python path computes
-(tests/engine/test_decode_stack.py). Everything else runs the Python path.
+float32 CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, MoE
+models (the stack's MLP is dense), no kernel library, or ``PDSERVE_DECODE_STACK=0``).
+``takes(batch, attn)`` is True for a DECODE step of at most ``max_rows`` requests on the C attention
+backend with one full-attention pool, no window; ``run`` then returns the last layer's hidden states,
+bitwise what the per-layer Python path computes (tests/engine/test_decode_stack.py). Everything else
+runs the Python path.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class DecodeStack:
             why = f"{ENV}=0"
         elif model.device.type != "cpu" or model.dtype not in (torch.bfloat16, torch.float32):
             why = "not a bfloat16 or float32 CPU model"
+        elif cfg.moe is not None:
+            why = "an MoE model (the C stack runs a dense MLP only)"
         elif cfg.qk_norm or cfg.head_dim % 2:
             why = "qk-norm or odd head_dim"
         elif cpu_native.load() is None:

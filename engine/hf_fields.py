@@ -90,6 +90,38 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
         "interpolate_factor",
         "lm_head_bias",
     },
+    # Qwen3-MoE: Qwen3's attention (Q/K norms) and, on the sparse layers, the expert mixture of
+    # engine.moe; num_local_experts is how transformers writes num_experts back. The router's
+    # auxiliary loss (output_router_logits, router_aux_loss_coef) is training-only and changes no logit.
+    # (sliding_window and max_window_layers are read by nothing while use_sliding_window is false)
+    "qwen3_moe": _LLAMA_CORE
+    | {
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "attention_bias",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "output_router_logits",
+        "router_aux_loss_coef",
+    },
+    # Mixtral: Llama attention, every layer's MLP a mixture of num_local_experts experts of
+    # intermediate_size (engine.moe), top-k renormalized; router_jitter_noise acts in training only.
+    # Its sliding_window (one for every layer) is not implemented: served only as null.
+    "mixtral": _LLAMA_CORE
+    | {
+        "num_local_experts",
+        "num_experts_per_tok",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "router_jitter_noise",
+        "sliding_window",
+    },
     # Gemma 2 (engine/gemma3.py's model without Q/K norms): (1 + w) pre/post norms, GeGLU with tanh
     # GELU, embedding scale, query_pre_attn_scalar, attention and final logit soft-capping,
     # alternating sliding layers; hidden_act is what older exports wrote beside hidden_activation
@@ -109,7 +141,9 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
 # Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v
 # biases (no o_proj bias), Qwen3 always has per-head Q/K RMSNorm; no other architecture reads either.
 QKV_BIAS_ARCHS = frozenset({"qwen2"})
-QK_NORM_ARCHS = frozenset({"qwen3"})
+QK_NORM_ARCHS = frozenset({"qwen3", "qwen3_moe"})
+# Architectures whose sparse layers' MLP is a mixture of experts (engine.moe).
+MOE_ARCHS = frozenset({"mixtral", "qwen3_moe"})
 # Checkpoints storing Q/K/V as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_PROJ_ARCHS = frozenset({"phi3"})
 # Architectures served by the Gemma model (engine/gemma3.py) rather than the Llama one.
@@ -136,9 +170,12 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "lm_head_bias": (False,),
     "use_bidirectional_attention": (False,),  # Gemma 2 is causal; true is its encoder use
 }
-# Per-architecture values that replace :data:`ALLOWED_VALUES`' (Gemma 2's MLP is GeGLU with tanh GELU).
+# Per-architecture values that replace :data:`ALLOWED_VALUES`' (Gemma 2's MLP is GeGLU with tanh GELU;
+# the MoE models' sliding windows, one for every layer, are not implemented).
 ARCH_ALLOWED_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
     "gemma2": {"hidden_act": ("gelu_pytorch_tanh",), "hidden_activation": ("gelu_pytorch_tanh",)},
+    "qwen3_moe": {"use_sliding_window": (False,)},
+    "mixtral": {"sliding_window": (None,)},
 }
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 from engine.hf_fields import ARCH_ROPE_TYPES, PARTIAL_ROTARY_ARCHS
 from engine.rope_scaling import RopeScaling, parse_rope_scaling
 
+# RoPE bases of configs that write none, where the architecture's transformers default is not 10000.
+_DEFAULT_THETA = {"mixtral": 1e6}
+
 
 def hf_rope(cfg: dict, arch: str) -> tuple[float, RopeScaling | None, int]:
     """``(rope_theta, scaling, rotary_dim)`` of a config.json as transformers 5 standardizes them:
@@ -19,7 +22,7 @@ def hf_rope(cfg: dict, arch: str) -> tuple[float, RopeScaling | None, int]:
         params.pop("partial_rotary_factor", None)
     if arch == "phi3":
         params = _phi3_rope_params(cfg, params)
-    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or _DEFAULT_THETA.get(arch, 10000.0))
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     rotary_dim = _hf_rotary_dim(head_dim, partial if arch in PARTIAL_ROTARY_ARCHS else None)

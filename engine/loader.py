@@ -20,8 +20,9 @@ from engine.config import HF_ONLY_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from engine.fused_checkpoint import split_fused, unfused_names
 from engine.gemma3 import Gemma3Config
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
-from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
+from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, MOE_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
 from engine.hf_rope import hf_rope
+from engine.moe import hf_moe_spec, mixtral_name
 from engine.rope_scaling import check_context
 from engine.swa_config import (
     SlidingOverrides,
@@ -321,8 +322,10 @@ def _hf_config(
         layer_types=sliding.layer_types,
         name=folder.name,
         stored_dtype=stored,
+        moe=hf_moe_spec(cfg, layers, arch) if arch in MOE_ARCHS else None,
     )
-    _check_no_unused_tensors(config, unfused_names(tensor_names) if arch in FUSED_PROJ_ARCHS else tensor_names)
+    names = unfused_names(tensor_names) if arch in FUSED_PROJ_ARCHS else tensor_names
+    _check_no_unused_tensors(config, {mixtral_name(n) for n in names} if arch == "mixtral" else names)
     return config
 
 
@@ -418,4 +421,6 @@ def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> 
     sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
     tensors = _load_safetensors(files)
     config = _hf_config(folder, cfg, set(tensors), sliding, _hf_stored_dtype(files))
+    if config.arch == "mixtral":
+        tensors = {mixtral_name(k): v for k, v in tensors.items()}
     return config, split_fused(tensors, config) if config.arch in FUSED_PROJ_ARCHS else tensors

@@ -21,6 +21,7 @@ from engine.cpu_linear import pack as pack_weight
 from engine.decode_stack import DecodeStack
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
+from engine.moe import load_experts, moe_mlp
 from engine.rope import RotaryEmbedding, permute_heads, rotary_order
 
 
@@ -49,6 +50,7 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.sparse = cfg.moe is not None and layer_id in cfg.moe.sparse_layers  # MLP: engine.moe's experts
         self.w: dict[str, torch.Tensor] = {}
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
@@ -66,6 +68,8 @@ class DecoderLayer(nn.Module):
         k = rope.apply(k, batch.positions)
         o = attn.forward(q, k, v, self.layer_id, batch)
         h, x = fused.add_rms_norm(h, linear(o, w["o"]), w["post_norm"], cfg.rms_norm_eps)
+        if self.sparse:
+            return h + moe_mlp(x, w, cfg.moe)
         return h + linear(fused.silu_mul(linear(x, w["gate_up"])), w["down"])
 
 
@@ -78,6 +82,9 @@ class LlamaModel(nn.Module):
         self.device = device
         self.dtype = dtype
         self.int8 = int8  # weight-only int8 matmul weights, LM head included (engine.cpu_linear)
+        if int8 and cfg.moe is not None:
+            # the experts have no int8 kernel: their weights would silently stay in the model dtype
+            raise ValueError("--weight-dtype int8 does not run MoE models yet: drop --weight-dtype int8")
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_scaling, cfg.rotary_dim
@@ -113,11 +120,14 @@ class LlamaModel(nn.Module):
                     torch.cat([get_qk(a + "q_proj.weight"), get_qk(a + "k_proj.weight"), get(a + "v_proj.weight")])
                 ),
                 "o": pack(get(a + "o_proj.weight")),
-                "gate_up": pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                "down": pack(get(p + "mlp.down_proj.weight")),
                 "input_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
             }
+            if layer.sparse:
+                w.update(load_experts(get, p + "mlp.", cfg.moe))
+            else:
+                w["gate_up"] = pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+                w["down"] = pack(get(p + "mlp.down_proj.weight"))
             if a + "q_proj.bias" in state:
                 w["qkv_bias"] = torch.cat(
                     [get_qk(a + "q_proj.bias"), get_qk(a + "k_proj.bias"), get(a + "v_proj.bias")]
@@ -129,10 +139,10 @@ class LlamaModel(nn.Module):
         self.stack = DecodeStack.build(self)
 
     def linear_weights(self) -> list[tuple]:
-        """Every layer matmul's ``(weight, bias)``, in forward order (the LM head apart)."""
-        return [
-            (layer.w[n], layer.w.get(n + "_bias")) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")
-        ]
+        """Every packed layer matmul's ``(weight, bias)``, in forward order (the LM head and the MoE
+        layers' router and experts, plain tensors, apart)."""
+        names = ("qkv", "o", "gate_up", "down")
+        return [(layer.w[n], layer.w.get(n + "_bias")) for layer in self.layers for n in names if n in layer.w]
 
     def warm_up(self) -> None:
         """Build the packed matmuls' kernels for the current torch thread count (``cpu_linear.warm_up``)."""

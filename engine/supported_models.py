@@ -19,6 +19,7 @@ from engine.hf_fields import (
     FUSED_PROJ_ARCHS,
     GEMMA_ARCHS,
     IMPLEMENTED,
+    MOE_ARCHS,
     PARTIAL_ROTARY_ARCHS,
     QK_NORM_ARCHS,
     QKV_BIAS_ARCHS,
@@ -62,6 +63,16 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
         "tests/engine/test_loader_swa.py",
     ),
     "phi3": ("tests/engine/test_hf_architectures.py", "tests/e2e/test_hf_architectures_pd.py"),
+    "mixtral": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_moe.py",
+    ),
+    "qwen3_moe": (
+        "tests/engine/test_hf_architectures.py",
+        "tests/e2e/test_hf_architectures_pd.py",
+        "tests/engine/test_moe.py",
+    ),
     "gemma2": ("tests/engine/test_gemma2.py", "tests/e2e/test_hf_architectures_pd.py"),
     "gemma3": ("tests/engine/test_gemma3.py",),
 }
@@ -97,7 +108,12 @@ def _rope(arch: str, fields: frozenset[str]) -> str:
 
 
 # Which layers slide by default in the HF-only architectures (engine.swa_config.hf_sliding_spec).
-_HF_ONLY_SLIDING = {"phi3": "every layer", "gemma2": "default: alternating, sliding first"}
+_HF_ONLY_SLIDING = {
+    "phi3": "every layer",
+    "gemma2": "default: alternating, sliding first",
+    "qwen3_moe": "none slides: use_sliding_window true is refused",
+    "mixtral": "none slides: a window other than null is refused",
+}
 
 
 def _sliding(arch: str, fields: frozenset[str]) -> str:
@@ -118,6 +134,12 @@ def _attention(arch: str) -> str:
             "(1 + w) RMSNorm before and after attention and the MLP, GeGLU (tanh GELU), embedding scale, "
             "query_pre_attn_scalar, attention and final logit soft-capping",
             GEMMA_ARCHS,
+        ),
+        (
+            "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
+            "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Mixtral: every layer, "
+            "renormalized), torch path only",
+            MOE_ARCHS,
         ),
     )
     traits = [name for name, archs in named if arch in archs]

@@ -24,9 +24,7 @@ UNSUPPORTED_SLIDING_ARCHS = (
     "gemma3_text",
     "cohere2",
     "starcoder2",
-    "mixtral",
     "qwen2_moe",
-    "qwen3_moe",
     "gpt_oss",
     "olmo3",
     "exaone4",
@@ -90,6 +88,8 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
       dropped rather than refused as wider than the context.
     - ``gemma2``: ``layer_types`` if given, else alternating layers, sliding first (Gemma2Config's
       default), each sliding layer with ``sliding_window`` (default 4096).
+    - ``mixtral``: full attention (a ``sliding_window`` other than ``null`` is refused by ``engine.hf_fields``).
+    - ``qwen3_moe``: full attention (``use_sliding_window`` true is refused by ``engine.hf_fields``).
     - ``llama`` / ``smollm``: full attention (transformers' Llama has no sliding window).
     """
     window = cfg.get("sliding_window", _HF_DEFAULT_WINDOW)

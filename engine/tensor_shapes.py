@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.config import ModelConfig
+from engine.moe import expert_shapes
 
 # Architectures with a norm before and after the MLP too (Gemma's four norms per layer).
 _FOUR_NORM_ARCHS = ("gemma2", "gemma3")
@@ -27,11 +28,18 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.o_proj.weight": (c.hidden_size, q_out),
                 p + "input_layernorm.weight": (c.hidden_size,),
                 p + "post_attention_layernorm.weight": (c.hidden_size,),
-                p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-                p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
             }
         )
+        if c.moe is not None and i in c.moe.sparse_layers:
+            shapes.update(expert_shapes(c.hidden_size, c.moe, p + "mlp."))
+        else:
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                    p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+                    p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+                }
+            )
         if c.attention_bias:
             shapes.update(
                 {

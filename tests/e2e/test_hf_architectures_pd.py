@@ -1,6 +1,6 @@
 """Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms), Phi-3 (fused projections,
-partial rotary, longrope) and Gemma 2 (soft caps, alternating sliding layers in the SWA pools) from HF
-folders in PD mode: small random models loaded as a worker loads
+partial rotary, longrope), Gemma 2 (soft caps, alternating sliding layers in the SWA pools) and
+Qwen3-MoE and Mixtral (expert mixtures) from HF folders in PD mode: small random models loaded as a worker loads
 them give transformers' greedy tokens (float32) through the in-process prefill/decode pair (real
 schedulers, loopback KV transport), with the KV shipped from prefill to decode, and again when the
 decode side retracts (a decode pool too small for every request, and a retract forced every few
@@ -16,8 +16,10 @@ from configs.schema import PdserveConfig
 from engine.loader import load_for_engine
 from tests.support.hf_folders import (
     GEMMA2,
+    MIXTRAL,
     PHI3_LONGROPE,
     PHI3_PARTIAL,
+    QWEN3_MOE,
     random_prompts,
     reference_greedy,
     save_small_model,
@@ -41,6 +43,8 @@ CASES = {
     "phi3-partial": ("phi3", PHI3_PARTIAL),
     "phi3-longrope": ("phi3", PHI3_LONGROPE),
     "gemma2": ("gemma2", GEMMA2),
+    "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
+    "mixtral": ("mixtral", MIXTRAL),
 }
 NEW = 16
 PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)

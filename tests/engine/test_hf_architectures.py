@@ -1,7 +1,7 @@
-"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms) and Phi-3 (fused projections,
-partial rotary, longrope) from HF folders: small random models (every weight, bias and norm drawn at
-random) give transformers' greedy tokens (float32) through pdserve's loader and engine, colocated in
-one process."""
+"""Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms), Phi-3 (fused projections,
+partial rotary, longrope), Qwen3-MoE (expert mixture, one dense layer) and Mixtral from HF folders: small random
+models (every weight, bias and norm drawn at random) give transformers' greedy tokens (float32) through
+pdserve's loader and engine, colocated in one process."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 
 from engine.loader import read_model_config
 from tests.support.hf_folders import (
+    MIXTRAL,
     PHI3_LONGROPE,
     PHI3_PARTIAL,
+    QWEN3_MOE,
     engine_greedy,
     random_prompts,
     reference_greedy,
@@ -34,6 +36,8 @@ CASES = {
     "qwen3": ("qwen3", {"head_dim": 32}),
     "phi3-partial": ("phi3", PHI3_PARTIAL),
     "phi3-longrope": ("phi3", PHI3_LONGROPE),
+    "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
+    "mixtral": ("mixtral", MIXTRAL),
 }
 
 
@@ -43,7 +47,8 @@ def test_greedy_tokens_equal_transformers(tmp_path, tokenizer, name, page_size):
     kind, overrides = CASES[name]
     model = save_small_model(kind, tmp_path, **overrides)
     cfg = read_model_config(tmp_path)
-    assert (cfg.attention_bias, cfg.qk_norm) == (kind == "qwen2", kind == "qwen3")
+    assert (cfg.attention_bias, cfg.qk_norm) == (kind == "qwen2", kind in ("qwen3", "qwen3_moe"))
+    assert (cfg.moe is not None) == (kind in ("qwen3_moe", "mixtral"))
     assert cfg.rotary_dim == (12 if kind == "phi3" else cfg.head_dim)
     prompts = random_prompts(3, 40)
     # longrope runs within original_max_position_embeddings (128 here; the prompts and tokens fit)

@@ -126,6 +126,8 @@ def test_every_field_transformers_writes_is_classified():
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
         "gemma2": transformers.Gemma2Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }
     for arch, cls in classes.items():
         unknown = set(cls().to_dict()) - IMPLEMENTED[arch] - HARMLESS

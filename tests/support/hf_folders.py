@@ -57,6 +57,20 @@ GEMMA2 = {
     "attn_implementation": "eager",
 }
 
+# Qwen3-MoE with the sizes above: 8 experts of 32, the top 2 renormalized (norm_topk_prob), 4 layers
+# of which layer 1 keeps the dense MLP (mlp_only_layers).
+QWEN3_MOE = {
+    "num_hidden_layers": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [1],
+}
+
+# Mixtral with the sizes above: top 2 of 8 experts of intermediate_size 96, every layer sparse.
+MIXTRAL = {"num_local_experts": 8, "num_experts_per_tok": 2}
+
 
 def _classes(kind: str):
     import transformers
@@ -67,6 +81,8 @@ def _classes(kind: str):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
 
 

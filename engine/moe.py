@@ -1,0 +1,119 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral) on the torch path.
+
+A sparse layer's MLP is a router (``[num_experts, hidden]``) and ``num_experts`` SwiGLU experts held
+stacked: ``gate_up[e]`` ``[2 * inter, hidden]`` (gate rows first) and ``down[e]`` ``[hidden, inter]``.
+Each token goes to its ``top_k`` experts by the router's softmax (in float32, as transformers), the
+top-k probabilities renormalized to sum 1 where ``norm_topk_prob`` (Mixtral always does), and its
+output is the weighted sum of those experts' outputs.
+
+The step's tokens are grouped by expert: every expert that some token picked runs one gate/up and one
+down matmul over all of its tokens, so each expert's weights are read once per step whatever the batch
+(not once per token), and the weighted outputs are scatter-added back to their tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import MoeSpec
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, experts)`` of each row of ``x``: ``[rows, top_k]`` each, the experts in decreasing
+    router probability, the weights in ``x.dtype`` (softmax and renormalization in float32)."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec) -> torch.Tensor:
+    """The expert mixture of ``x`` ``[rows, hidden]`` with one layer's tensors ``w`` (``router``,
+    ``experts_gate_up``, ``experts_down``); returns ``[rows, hidden]`` in ``x.dtype``."""
+    weights, experts = route(x, w["router"], spec.top_k, spec.norm_topk_prob)
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
+    tokens = order // spec.top_k
+    pair_weights = weights.flatten()[order].unsqueeze(-1)
+    counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        rows = tokens[start : start + n]
+        gate, up = F.linear(x[rows], w["experts_gate_up"][e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w["experts_down"][e])
+        out.index_add_(0, rows, y * pair_weights[start : start + n])
+        start += n
+    return out
+
+
+def load_experts(get, prefix: str, spec: MoeSpec) -> dict[str, torch.Tensor]:
+    """One sparse layer's tensors from the checkpoint getter ``get`` (``engine.model.checkpoint_getter``)
+    under ``prefix`` (``model.layers.{i}.mlp.``), HF per-expert names stacked for :func:`moe_mlp`."""
+    experts = range(spec.num_experts)
+    gate_up = [
+        torch.cat([get(f"{prefix}experts.{e}.gate_proj.weight"), get(f"{prefix}experts.{e}.up_proj.weight")])
+        for e in experts
+    ]
+    return {
+        "router": get(prefix + "gate.weight"),
+        "experts_gate_up": torch.stack(gate_up),
+        "experts_down": torch.stack([get(f"{prefix}experts.{e}.down_proj.weight") for e in experts]),
+    }
+
+
+def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors of one sparse layer under ``prefix`` with their shapes."""
+    shapes: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (spec.num_experts, hidden)}
+    for e in range(spec.num_experts):
+        p = f"{prefix}experts.{e}."
+        shapes |= {
+            p + "gate_proj.weight": (spec.expert_size, hidden),
+            p + "up_proj.weight": (spec.expert_size, hidden),
+            p + "down_proj.weight": (hidden, spec.expert_size),
+        }
+    return shapes
+
+
+def hf_moe_spec(cfg: dict, num_layers: int, arch: str = "qwen3_moe") -> MoeSpec | None:
+    """The :class:`MoeSpec` of a ``config.json`` of model type ``arch``. Mixtral: every layer sparse,
+    ``num_local_experts`` (default 8) experts of ``intermediate_size``, top ``num_experts_per_tok``
+    (default 2), always renormalized. Qwen3-MoE, with ``Qwen3MoeConfig``'s defaults (128 experts, top
+    8, expert size 768, no renormalization, every layer sparse): layer ``i`` is sparse unless it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; ``None`` when no layer is
+    (``num_experts`` 0). ``ValueError`` for a step below 1 or a non-boolean ``norm_topk_prob``."""
+    if arch == "mixtral":
+        experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
+        return MoeSpec(experts, top_k, int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    norm = cfg.get("norm_topk_prob", False)
+    if step < 1:
+        raise ValueError(f"config.json field decoder_sparse_step={step} must be at least 1")
+    if not isinstance(norm, bool):
+        raise ValueError(f"config.json field norm_topk_prob={norm!r} must be true or false")
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if not sparse:
+        return None
+    top_k, size = int(cfg.get("num_experts_per_tok", 8)), int(cfg.get("moe_intermediate_size", 768))
+    return MoeSpec(experts, top_k, size, norm, sparse)
+
+
+# Mixtral's checkpoint names (``block_sparse_moe``; w1 gate, w3 up, w2 down) -> the names above.
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def mixtral_name(name: str) -> str:
+    """``name`` of a Mixtral checkpoint under the Qwen3-MoE names :func:`load_experts` reads; other
+    names unchanged (``model.layers.0.block_sparse_moe.experts.3.w1.weight`` ->
+    ``model.layers.0.mlp.experts.3.gate_proj.weight``)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    head, _, last = name.removesuffix(".weight").rpartition(".")
+    return f"{head}.{_MIXTRAL_NAMES[last]}.weight" if ".experts." in name and last in _MIXTRAL_NAMES else name
