@@ -27,6 +27,7 @@ from transfer.wire.enums import Role
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from configs.schema import env_overrides
     from engine.llm import LLM
     from transfer.wire.sampling_params import SamplingParams
 
@@ -38,8 +39,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             ignore_eos=args.ignore_eos,
         )
-        engine = EngineConfig(**collect(args, EngineConfig))
-        sched = SchedulerConfig(**collect(args, SchedulerConfig))
+        env = env_overrides()  # PDSERVE_<FIELD> as for every subcommand; flags win
+        engine = EngineConfig(**{**env.get("engine", {}), **collect(args, EngineConfig)})
+        sched = SchedulerConfig(**{**env.get("scheduler", {}), **collect(args, SchedulerConfig)})
     except ValidationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
