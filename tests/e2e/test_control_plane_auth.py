@@ -31,6 +31,7 @@ from bench.harness.subprocess_server import REPO_ROOT, free_port, fresh_metrics
 from tests.support.servers import PD_SERVER_HEARTBEAT_S
 from transfer.cluster_key import ClusterKey, write_key_file
 from transfer.control_auth import ENV_SECRET, ControlAuth
+from transfer.wire.enums import Role
 from transfer.wire.protocol import (
     MESSAGES,
     AbortRequest,
@@ -53,8 +54,10 @@ from transfer.wire.protocol import (
     PrefillWithdrawn,
     QueuedMove,
     QueuedOffer,
+    RoleSwitched,
     Shutdown,
     StatsRequest,
+    SwitchRole,
     TokenBatch,
     TokenDelta,
     WorkerStats,
@@ -137,6 +140,9 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "QueuedMove": encode(QueuedMove(rid="evil-gen", target="decode-1")),
         # a decode worker would handshake the attacker's address as a KV source
         "KVSources": encode(KVSources(prefill=["tcp://127.0.0.1:9"], decode=["tcp://127.0.0.1:10"])),
+        # a worker would evacuate its requests and serve in the other role
+        "SwitchRole": encode(SwitchRole(role=Role.PREFILL)),
+        "RoleSwitched": encode(RoleSwitched(ok=True, role=Role.PREFILL, instance="evil")),
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out
