@@ -1,7 +1,7 @@
 """Failover of streaming requests: the goal figures in one run.
 
 ``python -m benchmarks.failover [--streams 24] [--max-tokens 128] [--replicas 2] [--transfer-backend ucxx]
-[--kill-at 0.25] [--seed 0] [--json] [--log-level DEBUG --log-file PATH]``
+[--kill-at 0.25] [--seed 0] [--dtype float32] [--json] [--log-level DEBUG --log-file PATH]``
 
 Launches the embedded model as 1 prefill + 2 decode workers (``--replicas 2``: two colocated
 replicas instead), streams ``--streams`` concurrent completions of ``--max-tokens`` tokens
@@ -57,6 +57,8 @@ def launch_args(ns: argparse.Namespace) -> list[str]:
         "16384",
         "--page-size",
         "16",
+        "--dtype",
+        ns.dtype,
         "--health-interval-s",
         str(HEARTBEAT_S),
         "--log-level",
@@ -126,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer-backend", choices=["nixl", "ucxx"], default=None)
     ap.add_argument("--kill-at", type=float, default=0.25, help="fraction of all tokens the clients hold at the kill")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "auto"],
+        default="float32",
+        help="the workers' dtype; float32 (the exact mode) is where a continuation is identical to the "
+        "fault-free run: in bfloat16 its one prefill of the sent tokens rounds differently from the decode "
+        "steps that produced them, so later tokens may differ",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--log-level", default="INFO", help="the launch's log level (DEBUG: per-request marks)")
     ap.add_argument("--log-file", default=None, help="write the launch's log (router and workers) there at the end")
