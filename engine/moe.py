@@ -8,7 +8,8 @@ output is the weighted sum of those experts' outputs.
 
 The step's tokens are grouped by expert: every expert that some token picked runs one gate/up and one
 down matmul over all of its tokens, so each expert's weights are read once per step whatever the batch
-(not once per token), and the weighted outputs are scatter-added back to their tokens.
+(not once per token), and the weighted outputs are scatter-added back to their tokens. On CPU a
+decode-sized step runs all of that in one C call (``engine.kernels.cpu_moe``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import MoeSpec
+from engine.kernels import cpu_moe
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,23 +31,43 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     return weights.to(x.dtype), experts
 
 
-def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec) -> torch.Tensor:
+# Steps of at most this many tokens take the C expert kernel on CPU; larger ones (prefill chunks) keep
+# the torch matmuls, whose GEMMs are compute-bound there and faster than the kernel's dot products.
+KERNEL_MAX_ROWS = 64
+
+
+def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: bool = True) -> torch.Tensor:
     """The expert mixture of ``x`` ``[rows, hidden]`` with one layer's tensors ``w`` (``router``,
-    ``experts_gate_up``, ``experts_down``); returns ``[rows, hidden]`` in ``x.dtype``."""
+    ``experts_gate_up``, ``experts_down``); returns ``[rows, hidden]`` in ``x.dtype``. On CPU a step of
+    at most ``KERNEL_MAX_ROWS`` rows runs ``engine.kernels.cpu_moe`` (sums of all experts in float32,
+    rounded once) where it takes the tensors and ``kernel``; otherwise torch matmuls per expert."""
     weights, experts = route(x, w["router"], spec.top_k, spec.norm_topk_prob)
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
     tokens = order // spec.top_k
-    pair_weights = weights.flatten()[order].unsqueeze(-1)
-    counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
+    pair_weights = weights.flatten()[order]
+    counts = torch.bincount(flat, minlength=spec.num_experts)
+    gate_up, down = w["experts_gate_up"], w["experts_down"]
+    if kernel and x.shape[0] <= KERNEL_MAX_ROWS and cpu_moe.takes(x, gate_up, down):
+        chosen = counts.nonzero().flatten()
+        offsets = F.pad(counts[chosen].cumsum(0), (1, 0))
+        out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float())
+        if out is not None:
+            return out.to(x.dtype)
+    return _torch_experts(x, gate_up, down, counts.tolist(), tokens, pair_weights.unsqueeze(-1))
+
+
+def _torch_experts(x, gate_up, down, counts: list[int], tokens, pair_weights) -> torch.Tensor:
+    """The torch path of :func:`moe_mlp`: per expert with tokens, one gate/up and one down matmul over
+    them, the weighted outputs scatter-added (rounded to ``x.dtype`` at each step)."""
     out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):
         if not n:
             continue
         rows = tokens[start : start + n]
-        gate, up = F.linear(x[rows], w["experts_gate_up"][e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w["experts_down"][e])
+        g, u = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e])
         out.index_add_(0, rows, y * pair_weights[start : start + n])
         start += n
     return out

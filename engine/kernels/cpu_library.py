@@ -19,6 +19,8 @@ Sources, compiled together into one library, ``pdserve_cpu_kernels-<hash>.so``:
   AVX-512F).
 - ``cpu_decode_stack.c``: a small decode step's transformer layers in one call, running the kernels
   above in the order the Python model does (``pdserve_decode_stack``).
+- ``cpu_moe.c``: one mixture-of-experts layer's chosen experts for a step's tokens grouped by
+  expert, each expert's weights read once (``pdserve_moe_experts``; float32 and bfloat16).
 - ``cpu_vec.h`` (included, not compiled): the vector helpers the sources share.
 
 A kernel whose instructions the CPU lacks is still compiled; its ``*_available()`` entry point
@@ -62,6 +64,7 @@ SOURCES = tuple(
         "cpu_gemv.c",
         "cpu_gemm_pairs.c",
         "cpu_decode_stack.c",
+        "cpu_moe.c",
     )
 )
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
@@ -152,7 +155,8 @@ def _declare_attention(lib: ctypes.CDLL) -> None:
 
 def _declare_matmuls(lib: ctypes.CDLL) -> None:
     """``cpu_gemv.c`` and ``cpu_gemm_pairs.c`` (x, x stride, weight, [scale,] bias, y, rows, in, out,
-    threads[, prefetch]), and ``cpu_decode_stack.c`` (its argument struct, the hidden rows)."""
+    threads[, prefetch]), ``cpu_decode_stack.c`` (its argument struct, the hidden rows) and ``cpu_moe.c``
+    (x, x stride, experts' weights, kind, grouping, scratch, out, sizes, threads)."""
     _declare(
         lib,
         {
@@ -165,6 +169,8 @@ def _declare_matmuls(lib: ctypes.CDLL) -> None:
             "pdserve_gemm_panels_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32], _I32),
             "pdserve_gemm_panels_f32_available": ([], _I32),
             "pdserve_decode_stack": ([_PTR, _PTR], _I32),
+            "pdserve_moe_experts": ([_PTR, _I64, _PTR, _PTR, _I32, *([_PTR] * 6), *([_I64] * 3), _I32], _I32),
+            "pdserve_moe_dot_available": ([], _I32),
         },
     )
 

@@ -1,0 +1,88 @@
+"""The Python face of ``cpu_moe.c``: one mixture-of-experts layer's chosen experts for a step's tokens,
+grouped by expert, each expert's gate/up and down weights read once per call whatever its token count.
+
+``expert_ffn`` takes the grouping ``engine.moe`` builds (the chosen experts in increasing order, the
+offsets of their (token, weight) pairs) and returns the weighted sum of the experts' SwiGLU outputs per
+token in float32; the caller casts it to the model dtype. ``takes`` says whether the kernel runs a
+layer's tensors here; where it does not, ``engine.moe`` keeps its torch matmuls.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.kernels.cpu_library import load, openmp_shared
+
+# cpu_moe.c's kinds: float32; bfloat16 (vdpbf16ps where the CPU has AVX512-BF16); bfloat16 widened to
+# float32 on any CPU (what a CPU without AVX512-BF16 runs; the tests compare the two)
+KIND_F32, KIND_BF16, KIND_BF16_WIDEN = 0, 1, 2
+ROW_MULTIPLE = 32  # hidden and expert sizes the kernel takes: multiples of 32
+
+
+@functools.lru_cache(maxsize=1)
+def dot_available() -> bool:
+    """True iff this build takes the bfloat16 products by vdpbf16ps (the CPU has AVX512-BF16)."""
+    lib = load()
+    return lib is not None and lib.pdserve_moe_dot_available() == 1
+
+
+def takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """True iff :func:`expert_ffn` runs ``x`` ``[rows, hidden]`` against these stacked experts
+    (``[E, 2 * inter, hidden]``, ``[E, hidden, inter]``): CPU tensors of one dtype, float32 or bfloat16,
+    contiguous experts, ``x``'s last dim contiguous, sizes multiples of 32, and the library built."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and gate_up.dtype == x.dtype == down.dtype
+        and gate_up.device.type == "cpu"
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and x.stride(-1) == 1
+        and x.shape[-1] % ROW_MULTIPLE == 0
+        and down.shape[-1] % ROW_MULTIPLE == 0
+        and load() is not None
+    )
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    chosen: torch.Tensor,
+    offsets: torch.Tensor,
+    pair_tokens: torch.Tensor,
+    pair_weights: torch.Tensor,
+    kind: int | None = None,
+) -> torch.Tensor | None:
+    """``out[t] = sum over pairs (t, w) of expert e: w * down_e(SiLU(gate_e x_t) * up_e x_t)``, float32
+    ``[rows, hidden]``, experts added in ``chosen``'s order. ``chosen`` int64 ``[A]`` (increasing),
+    ``offsets`` int64 ``[A + 1]``: expert ``chosen[a]``'s pairs are ``[offsets[a], offsets[a + 1])`` of
+    ``pair_tokens`` (int64, a token at most once per expert) and ``pair_weights`` (float32). The caller
+    guarantees :func:`takes`. ``kind``: one of the ``KIND_*`` (default: the dtype's fastest). None
+    where the kernel refuses the shape."""
+    rows, hidden = x.shape
+    inter = down.shape[-1]
+    if kind is None:
+        kind = KIND_F32 if x.dtype == torch.float32 else KIND_BF16
+    act = torch.empty(pair_tokens.shape[0], inter, dtype=x.dtype)
+    out = torch.zeros(rows, hidden, dtype=torch.float32)
+    rc = load().pdserve_moe_experts(
+        x.data_ptr(),
+        x.stride(0),
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        kind,
+        chosen.data_ptr(),
+        offsets.data_ptr(),
+        pair_tokens.data_ptr(),
+        pair_weights.data_ptr(),
+        act.data_ptr(),
+        out.data_ptr(),
+        chosen.shape[0],
+        hidden,
+        inter,
+        torch.get_num_threads() if openmp_shared() else 1,
+    )
+    return out if rc == 0 else None
