@@ -111,17 +111,44 @@ class Roof:
         return fraction(self.bound_s, self.measured_s)
 
 
-def layer_matmul_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+def layer_matmul_shapes(cfg: ModelConfig, sparse: bool = False) -> list[tuple[int, int]]:
     """``(out, in)`` of one decoder layer's matmul weights: fused QKV, output projection, fused
-    gate/up, down."""
+    gate/up, down; a ``sparse`` (MoE) layer's router in place of the MLP (its experts apart:
+    :func:`expert_params`)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
+    if sparse:
+        return [(q + 2 * kv, h), (h, q), (cfg.moe.num_experts, h)]
     return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
 
 
-def layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of one decoder layer's matmuls."""
-    return sum(out * inp for out, inp in layer_matmul_shapes(cfg))
+def _sparse(cfg: ModelConfig) -> list[bool]:
+    """Whether each layer's MLP is an expert mixture."""
+    return [cfg.moe is not None and i in cfg.moe.sparse_layers for i in range(cfg.num_layers)]
+
+
+def layer_matmul_params(cfg: ModelConfig, sparse: bool = False) -> int:
+    """Weights of one decoder layer's matmuls (a sparse layer: without its experts)."""
+    return sum(out * inp for out, inp in layer_matmul_shapes(cfg, sparse))
+
+
+def dense_matmul_params(cfg: ModelConfig) -> int:
+    """Every layer matmul weight a step reads whatever the routing: all of them in a dense model; an
+    MoE model's attention, routers and dense layers' MLPs (the experts apart)."""
+    return sum(layer_matmul_params(cfg, s) for s in _sparse(cfg))
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """Weights of one expert (gate, up, down); 0 for a dense model."""
+    return 0 if cfg.moe is None else 3 * cfg.hidden_size * cfg.moe.expert_size
+
+
+def active_experts_bound(cfg: ModelConfig, batch: int) -> int:
+    """The most experts a step of ``batch`` tokens reads over all sparse layers: per layer the union
+    of the tokens' top-k, at most ``min(num_experts, top_k * batch)``."""
+    if cfg.moe is None:
+        return 0
+    return len(cfg.moe.sparse_layers) * min(cfg.moe.num_experts, cfg.moe.top_k * batch)
 
 
 def lm_head_params(cfg: ModelConfig) -> int:
@@ -135,12 +162,15 @@ def norm_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (2 * cfg.hidden_size + qk) + cfg.hidden_size
 
 
-def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int) -> int:
+def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int, active_experts: int | None = None) -> int:
     """Weight bytes one decode step of ``batch`` sequences reads: every matmul weight once, the norms,
     and ``batch`` rows of the embedding (a separate matrix's rows when untied, the LM head's when tied:
-    counted once either way, as rows of a gather). "int8": the matmul weights at one byte each plus
-    their per-row scales, the rest bfloat16."""
-    matmul = cfg.num_layers * layer_matmul_params(cfg) + lm_head_params(cfg)
+    counted once either way, as rows of a gather). An MoE model reads its dense weights and the
+    experts the step's tokens chose, each once: ``active_experts`` in all over the sparse layers (the
+    union of the tokens' choices per layer; None: :func:`active_experts_bound`). "int8": the matmul
+    weights at one byte each plus their per-row scales, the rest bfloat16 (dense models only)."""
+    experts = active_experts_bound(cfg, batch) if active_experts is None else active_experts
+    matmul = dense_matmul_params(cfg) + lm_head_params(cfg) + experts * expert_params(cfg)
     rest = (norm_params(cfg) + batch * cfg.hidden_size) * DTYPE_BYTES[dtype]
     if dtype not in MATMUL_WEIGHT_BYTES:
         return matmul * DTYPE_BYTES[dtype] + rest
@@ -149,7 +179,7 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int) -> int:
 
 def matmul_output_rows(cfg: ModelConfig) -> int:
     """Output rows of every matmul weight of a step (one int8 scale each): the layers' and the head's."""
-    return cfg.num_layers * sum(out for out, _ in layer_matmul_shapes(cfg)) + cfg.vocab_size
+    return sum(out for s in _sparse(cfg) for out, _ in layer_matmul_shapes(cfg, s)) + cfg.vocab_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
@@ -164,21 +194,28 @@ def decode_step_bytes(cfg: ModelConfig, dtype: str, contexts: Iterable[int]) -> 
     return weight_bytes_per_step(cfg, dtype, len(contexts)) + kv_bytes_per_token(cfg, dtype) * sum(contexts)
 
 
+def token_matmul_params(cfg: ModelConfig) -> int:
+    """Layer matmul weights one token multiplies by: the dense ones and its top-k experts per sparse
+    layer."""
+    topk = 0 if cfg.moe is None else cfg.moe.top_k * len(cfg.moe.sparse_layers)
+    return dense_matmul_params(cfg) + topk * expert_params(cfg)
+
+
 def prefill_flops(cfg: ModelConfig, tokens: int, logits_rows: int = 1) -> float:
-    """FLOPs of a causal prefill of ``tokens`` tokens: ``2 x layer matmul params x tokens``, the LM head
+    """FLOPs of a causal prefill of ``tokens`` tokens: ``2 x token matmul params x tokens``, the LM head
     on ``logits_rows`` rows (the engine computes logits for the last token only), and attention's
     ``QK^T`` and ``PV``: ``2 x 2 x layers x heads x head_dim x tokens^2 / 2``."""
-    matmul = 2 * (cfg.num_layers * layer_matmul_params(cfg) * tokens + lm_head_params(cfg) * logits_rows)
+    matmul = 2 * (token_matmul_params(cfg) * tokens + lm_head_params(cfg) * logits_rows)
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
     return float(matmul + attention)
 
 
 def decode_step_flops(cfg: ModelConfig, contexts: Iterable[int]) -> float:
     """FLOPs of a decode step, one new token per sequence (``contexts``: one length per sequence):
-    ``2 x (layer matmul params + LM head) x B`` plus attention's ``QK^T`` and ``PV`` over each context,
+    ``2 x (token matmul params + LM head) x B`` plus attention's ``QK^T`` and ``PV`` over each context,
     ``2 x 2 x layers x heads x head_dim x context``."""
     contexts = list(contexts)
-    matmul = 2 * (cfg.num_layers * layer_matmul_params(cfg) + lm_head_params(cfg)) * len(contexts)
+    matmul = 2 * (token_matmul_params(cfg) + lm_head_params(cfg)) * len(contexts)
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * sum(contexts)
     return float(matmul + attention)
 

@@ -143,3 +143,27 @@ def test_roofline_section_end_to_end_on_tiny_model(tokenizer, capsys):
     assert all(0 < r["roof"].fraction for r in out["decode"] + out["prefill"])
     (b,) = out["breakdown"]
     assert b["seconds"]["matmuls"] > 0 and b["wall"] > 0
+
+
+def test_moe_step_reads_the_dense_weights_and_the_chosen_experts():
+    """Layer 0 sparse (8 experts of 32, top 2), layer 1 dense: a step reads layer 0's attention and
+    router, layer 1 whole, the head, and 3 * 64 * 32 weights per chosen expert."""
+    import dataclasses
+
+    from engine.config import MoeSpec
+
+    cfg = dataclasses.replace(tiny_config(), moe=MoeSpec(8, 2, 32, True, (0,)))
+    attention, router, expert = 64 * (64 + 2 * 32) + 64 * 64, 8 * 64, 3 * 64 * 32
+    assert rl.dense_matmul_params(cfg) == attention + router + LAYER
+    assert rl.expert_params(cfg) == expert
+    # batch 1 reads its top 2; batch 3 at most 6; batch 5 at most all 8
+    assert [rl.active_experts_bound(cfg, b) for b in (1, 3, 5)] == [2, 6, 8]
+    rest = NORMS + 64
+    assert rl.weight_bytes_per_step(cfg, "bfloat16", 1) == (attention + router + LAYER + HEAD + 2 * expert + rest) * 2
+    # the measured union of a step's choices replaces the bound
+    assert (
+        rl.weight_bytes_per_step(cfg, "float32", 4, active_experts=3)
+        == (attention + router + LAYER + HEAD + 3 * expert + NORMS + 4 * 64) * 4
+    )
+    # each token multiplies by its top 2 experts, not all 8
+    assert rl.decode_step_flops(cfg, [0]) == 2 * (attention + router + LAYER + 2 * expert + HEAD)
