@@ -72,6 +72,8 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
         "tests/engine/test_hf_architectures.py",
         "tests/e2e/test_hf_architectures_pd.py",
         "tests/engine/test_moe.py",
+        "tests/engine/test_cpu_moe.py",
+        "tests/engine/test_moe_bf16.py",
     ),
     "gemma2": ("tests/engine/test_gemma2.py", "tests/e2e/test_hf_architectures_pd.py"),
     "gemma3": ("tests/engine/test_gemma3.py",),
@@ -138,7 +140,7 @@ def _attention(arch: str) -> str:
         (
             "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
             "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Mixtral: every layer, "
-            "renormalized), torch path only",
+            "renormalized); on CPU decode-sized steps the C expert kernel (float32, bfloat16), torch matmuls elsewhere",
             MOE_ARCHS,
         ),
     )
