@@ -168,13 +168,14 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype: str, batch: int, active_exper
     counted once either way, as rows of a gather). An MoE model reads its dense weights and the
     experts the step's tokens chose, each once: ``active_experts`` in all over the sparse layers (the
     union of the tokens' choices per layer; None: :func:`active_experts_bound`). "int8": the matmul
-    weights at one byte each plus their per-row scales, the rest bfloat16 (dense models only)."""
+    weights (experts too) at one byte each plus their per-row scales, the rest bfloat16."""
     experts = active_experts_bound(cfg, batch) if active_experts is None else active_experts
     matmul = dense_matmul_params(cfg) + lm_head_params(cfg) + experts * expert_params(cfg)
     rest = (norm_params(cfg) + batch * cfg.hidden_size) * DTYPE_BYTES[dtype]
     if dtype not in MATMUL_WEIGHT_BYTES:
         return matmul * DTYPE_BYTES[dtype] + rest
-    return matmul * MATMUL_WEIGHT_BYTES[dtype] + matmul_output_rows(cfg) * SCALE_BYTES + rest
+    rows = matmul_output_rows(cfg) + (0 if cfg.moe is None else experts * (2 * cfg.moe.expert_size + cfg.hidden_size))
+    return matmul * MATMUL_WEIGHT_BYTES[dtype] + rows * SCALE_BYTES + rest
 
 
 def matmul_output_rows(cfg: ModelConfig) -> int:

@@ -1,7 +1,7 @@
 """A small Qwen3-MoE's decode step against its roofline, torch experts and the C expert kernel side
 by side in one run.
 
-``python -m benchmarks.moe_roofline [--dtype bfloat16] [--hidden 1024] [--experts 64] [--top-k 8]
+``python -m benchmarks.moe_roofline [--dtype bfloat16|float32|int8] [--hidden 1024] [--experts 64] [--top-k 8]
 [--expert-size 768] [--layers 4] [--batch 1] [--tokens 24]`` builds the model with transformers
 (random weights, nothing downloaded) into a temporary folder, loads it through pdserve's loader,
 measures the read bandwidth (``bench.roofline_bench.read_bandwidth``) and, for each expert path, the
@@ -125,7 +125,7 @@ def decode_times(llm: LLM, batch: int, tokens: int, repeats: int, vocab: int) ->
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "int8"))
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
@@ -141,12 +141,19 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="pdserve-moe-") as tmp:
         build_folder(Path(tmp), args)
-        ecfg = EngineConfig(model=tmp, dtype=args.dtype)
+        # "int8": bfloat16 activations, weight-only int8 matmul weights and experts
+        int8 = {"dtype": "bfloat16", "weight_dtype": "int8"} if args.dtype == "int8" else {"dtype": args.dtype}
+        ecfg = EngineConfig(model=tmp, **int8)
         cfg, weights = load_for_engine(tmp, ecfg)
         tok = Tokenizer.from_path(resolve_model_path("default"))
         llm = LLM(ecfg, SchedulerConfig(), loaded=(cfg, weights, tok))
     bw = read_bandwidth()
-    experts_gb = len(cfg.moe.sparse_layers) * cfg.moe.num_experts * rl.expert_params(cfg) * rl.DTYPE_BYTES[args.dtype]
+    experts_gb = (
+        len(cfg.moe.sparse_layers)
+        * cfg.moe.num_experts
+        * rl.expert_params(cfg)
+        * rl.MATMUL_WEIGHT_BYTES.get(args.dtype, rl.DTYPE_BYTES[args.dtype])
+    )
     print(
         f"Qwen3-MoE hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.moe.num_experts} experts of "
         f"{cfg.moe.expert_size}, top {cfg.moe.top_k}; {llm.runner.dtype}, {torch.get_num_threads()} threads; "

@@ -82,9 +82,6 @@ class LlamaModel(nn.Module):
         self.device = device
         self.dtype = dtype
         self.int8 = int8  # weight-only int8 matmul weights, LM head included (engine.cpu_linear)
-        if int8 and cfg.moe is not None:
-            # the experts have no int8 kernel: their weights would silently stay in the model dtype
-            raise ValueError("--weight-dtype int8 does not run MoE models yet: drop --weight-dtype int8")
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device, cfg.rope_scaling, cfg.rotary_dim
@@ -124,7 +121,7 @@ class LlamaModel(nn.Module):
                 "post_norm": get(p + "post_attention_layernorm.weight"),
             }
             if layer.sparse:
-                w.update(load_experts(get, p + "mlp.", cfg.moe))
+                w.update(load_experts(get, p + "mlp.", cfg.moe, int8=self.int8))
             else:
                 w["gate_up"] = pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
                 w["down"] = pack(get(p + "mlp.down_proj.weight"))

@@ -48,44 +48,67 @@ def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: 
     pair_weights = weights.flatten()[order]
     counts = torch.bincount(flat, minlength=spec.num_experts)
     gate_up, down = w["experts_gate_up"], w["experts_down"]
+    scales = (w["experts_gate_up_scale"], w["experts_down_scale"]) if "experts_down_scale" in w else None
     if kernel and x.shape[0] <= KERNEL_MAX_ROWS and cpu_moe.takes(x, gate_up, down):
         chosen = counts.nonzero().flatten()
         offsets = F.pad(counts[chosen].cumsum(0), (1, 0))
-        out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float())
+        out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float(), scales=scales)
         if out is not None:
             return out.to(x.dtype)
-    return _torch_experts(x, gate_up, down, counts.tolist(), tokens, pair_weights.unsqueeze(-1))
+    return _torch_experts(x, gate_up, down, scales, counts.tolist(), tokens, pair_weights.unsqueeze(-1))
 
 
-def _torch_experts(x, gate_up, down, counts: list[int], tokens, pair_weights) -> torch.Tensor:
+def _expert(t: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s matrix of stacked ``t`` in ``dtype`` (int8 ``t`` dequantized by its row scales)."""
+    return t[e] if scale is None else (t[e].float() * scale[e][:, None]).to(dtype)
+
+
+def _torch_experts(x, gate_up, down, scales, counts: list[int], tokens, pair_weights) -> torch.Tensor:
     """The torch path of :func:`moe_mlp`: per expert with tokens, one gate/up and one down matmul over
     them, the weighted outputs scatter-added (rounded to ``x.dtype`` at each step)."""
+    gs, ds = scales or (None, None)
     out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):
         if not n:
             continue
         rows = tokens[start : start + n]
-        g, u = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, down[e])
+        g, u = F.linear(x[rows], _expert(gate_up, gs, e, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, _expert(down, ds, e, x.dtype))
         out.index_add_(0, rows, y * pair_weights[start : start + n])
         start += n
     return out
 
 
-def load_experts(get, prefix: str, spec: MoeSpec) -> dict[str, torch.Tensor]:
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8 of stacked experts ``t`` ``[E, out, in]`` by ``engine.weight_layout.quantize_int8``'s
+    scheme: per output row scale = max |row| / 127 (1 for an all-zero row), q = round(t / scale);
+    every element within scale / 2 of ``t``. Returns ``(q int8, scale float32 [E, out])``."""
+    tf = t.float()
+    absmax = tf.abs().amax(dim=-1)
+    tiny = torch.finfo(torch.float32).tiny
+    scale = torch.where(absmax > 0, (absmax / 127).clamp_min(tiny), torch.ones_like(absmax))
+    return torch.round(tf / scale[..., None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def load_experts(get, prefix: str, spec: MoeSpec, int8: bool = False) -> dict[str, torch.Tensor]:
     """One sparse layer's tensors from the checkpoint getter ``get`` (``engine.model.checkpoint_getter``)
-    under ``prefix`` (``model.layers.{i}.mlp.``), HF per-expert names stacked for :func:`moe_mlp`."""
+    under ``prefix`` (``model.layers.{i}.mlp.``), HF per-expert names stacked for :func:`moe_mlp`;
+    ``int8``: the experts weight-only int8 (:func:`quantize_rows`) with ``experts_*_scale`` beside them."""
     experts = range(spec.num_experts)
     gate_up = [
         torch.cat([get(f"{prefix}experts.{e}.gate_proj.weight"), get(f"{prefix}experts.{e}.up_proj.weight")])
         for e in experts
     ]
-    return {
+    w = {
         "router": get(prefix + "gate.weight"),
         "experts_gate_up": torch.stack(gate_up),
         "experts_down": torch.stack([get(f"{prefix}experts.{e}.down_proj.weight") for e in experts]),
     }
+    if int8:
+        for name in ("experts_gate_up", "experts_down"):
+            w[name], w[name + "_scale"] = quantize_rows(w[name])
+    return w
 
 
 def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -20,7 +20,7 @@ Sources, compiled together into one library, ``pdserve_cpu_kernels-<hash>.so``:
 - ``cpu_decode_stack.c``: a small decode step's transformer layers in one call, running the kernels
   above in the order the Python model does (``pdserve_decode_stack``).
 - ``cpu_moe.c``: one mixture-of-experts layer's chosen experts for a step's tokens grouped by
-  expert, each expert's weights read once (``pdserve_moe_experts``; float32 and bfloat16).
+  expert, each expert's weights read once (``pdserve_moe_experts``; float32, bfloat16, int8).
 - ``cpu_vec.h`` (included, not compiled): the vector helpers the sources share.
 
 A kernel whose instructions the CPU lacks is still compiled; its ``*_available()`` entry point
@@ -169,7 +169,7 @@ def _declare_matmuls(lib: ctypes.CDLL) -> None:
             "pdserve_gemm_panels_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32], _I32),
             "pdserve_gemm_panels_f32_available": ([], _I32),
             "pdserve_decode_stack": ([_PTR, _PTR], _I32),
-            "pdserve_moe_experts": ([_PTR, _I64, _PTR, _PTR, _I32, *([_PTR] * 6), *([_I64] * 3), _I32], _I32),
+            "pdserve_moe_experts": ([_PTR, _I64, _PTR, _PTR, _I32, *([_PTR] * 8), *([_I64] * 3), _I32], _I32),
             "pdserve_moe_dot_available": ([], _I32),
         },
     )

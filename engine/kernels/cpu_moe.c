@@ -16,13 +16,17 @@
  * out element has one writer (no atomics) and the experts add in the order given (the torch path's
  * order, increasing expert id). bfloat16 weights: with AVX512-BF16 the products are vdpbf16ps
  * (bfloat16 pairs multiplied exactly, summed in float32, as cpu_gemv.c); elsewhere each bfloat16 is
- * widened to float32 and multiplied there. Sums are float32 in every case.
+ * widened to float32 and multiplied there. Weight-only int8 experts (--weight-dtype int8): each
+ * chunk of 32 int8 weights widened to bfloat16 in registers (exact, as cpu_gemv.c) and each row's
+ * sum scaled by its float32 scale; the weights stream at half bfloat16's bytes. Sums are float32 in
+ * every case.
  *
  * Contract: x [tokens, hidden] rows x_stride elements apart, in the weights' element type (float32 or
- * bfloat16, as kind says); gate_up [num_experts, 2 * inter, hidden] (gate rows first) and down
+ * bfloat16, as kind says; bfloat16 for int8 weights, whose float32 row scales are gate_up_scale
+ * [num_experts, 2 * inter] and down_scale [num_experts, hidden], NULL for the other kinds); gate_up [num_experts, 2 * inter, hidden] (gate rows first) and down
  * [num_experts, hidden, inter] contiguous; experts[a] the a-th chosen expert (increasing), its
  * (token, weight) pairs are pair_tok/pair_w [offsets[a], offsets[a + 1]), one token at most once per
- * expert; act scratch [pairs, inter] of the weights' element type; out [tokens, hidden] float32,
+ * expert; act scratch [pairs, inter] of x's element type; out [tokens, hidden] float32,
  * zeroed by the caller, receives the weighted sums. hidden and inter multiples of 32. Returns 0, or -1
  * (nothing written) for a shape outside the contract. Built by engine/kernels/cpu_library.py. */
 #include <math.h>
@@ -103,9 +107,39 @@ static const dots_fn DOTS_BF16_N[NT + 1] = {0, dots_widen_1, dots_widen_2, dots_
     }
 DOTS_DP(dots_dp_1, 1) DOTS_DP(dots_dp_2, 2) DOTS_DP(dots_dp_3, 3) DOTS_DP(dots_dp_4, 4)
 static const dots_fn DOTS_DP_N[NT + 1] = {0, dots_dp_1, dots_dp_2, dots_dp_3, dots_dp_4};
+
+/* 32 int8 weights widened to bfloat16 in order: exact (|q| <= 127), as cpu_gemv.c. */
+static inline __m512bh i8x32_bf16(const int8_t *p) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* int8 weight rows (unscaled) against bfloat16 token rows: exact products, float32 sums. */
+#define DOTS_I8(NAME, N)                                                                      \
+    static void NAME(const void *const *xr, const void *wp, int64_t k, float *res) {          \
+        const int8_t *w = wp;                                                                 \
+        __m512 acc[N][RB];                                                                    \
+        for (int t = 0; t < N; t++)                                                           \
+            for (int r = 0; r < RB; r++) acc[t][r] = _mm512_setzero_ps();                     \
+        for (int64_t c = 0; c < k; c += 32) {                                                 \
+            __m512bh wv[RB];                                                                  \
+            for (int r = 0; r < RB; r++) wv[r] = i8x32_bf16(w + r * k + c);                  \
+            for (int t = 0; t < N; t++) {                                                     \
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t *)xr[t] + c); \
+                for (int r = 0; r < RB; r++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv, wv[r]); \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < N; t++)                                                           \
+            for (int r = 0; r < RB; r++) res[t * RB + r] = _mm512_reduce_add_ps(acc[t][r]);   \
+    }
+DOTS_I8(dots_i8_1, 1) DOTS_I8(dots_i8_2, 2) DOTS_I8(dots_i8_3, 3) DOTS_I8(dots_i8_4, 4)
+static const dots_fn DOTS_I8_N[NT + 1] = {0, dots_i8_1, dots_i8_2, dots_i8_3, dots_i8_4};
 int pdserve_moe_dot_available(void) { return 1; }
 #else
 static const dots_fn *const DOTS_DP_N = DOTS_BF16_N;
+static const dots_fn *const DOTS_I8_N = 0; /* int8 experts need AVX512-BF16: the caller keeps torch */
 int pdserve_moe_dot_available(void) { return 0; }
 #endif
 
@@ -114,7 +148,9 @@ typedef struct {
     int64_t x_stride;
     const char *gate_up, *down;
     const dots_fn *dots;
-    int64_t esz; /* element size: 4 (float32) or 2 (bfloat16) */
+    int64_t esz; /* activation (x, act) element size: 4 (float32) or 2 (bfloat16) */
+    int64_t wsz; /* weight element size: esz, or 1 (int8) */
+    const float *gate_up_scale, *down_scale; /* int8: [E, 2 * inter], [E, hidden]; else NULL */
     const int64_t *experts, *offsets, *pair_tok;
     const float *pair_w;
     char *act;
@@ -126,9 +162,10 @@ static float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Phase 1 for intermediate rows [i0, i1) of every chosen expert. */
 static void gate_up_rows(const moe_args *a, int64_t i0, int64_t i1) {
-    const int64_t h = a->hidden, n = a->inter, es = a->esz;
+    const int64_t h = a->hidden, n = a->inter, es = a->esz, ws = a->wsz;
     for (int64_t c = 0; c < a->chosen; c++) {
-        const char *wg = a->gate_up + a->experts[c] * 2 * n * h * es;
+        const char *wg = a->gate_up + a->experts[c] * 2 * n * h * ws;
+        const float *sc = a->gate_up_scale ? a->gate_up_scale + a->experts[c] * 2 * n : 0;
         const int64_t p0 = a->offsets[c], p1 = a->offsets[c + 1];
         for (int64_t i = i0; i < i1; i += RB) {
             for (int64_t p = p0; p < p1; p += NT) {
@@ -136,11 +173,12 @@ static void gate_up_rows(const moe_args *a, int64_t i0, int64_t i1) {
                 const void *xr[NT];
                 for (int t = 0; t < m; t++) xr[t] = a->x + a->pair_tok[p + t] * a->x_stride * es;
                 float g[NT * RB], u[NT * RB];
-                a->dots[m](xr, wg + i * h * es, h, g);
-                a->dots[m](xr, wg + (n + i) * h * es, h, u);
+                a->dots[m](xr, wg + i * h * ws, h, g);
+                a->dots[m](xr, wg + (n + i) * h * ws, h, u);
                 for (int t = 0; t < m; t++)
                     for (int r = 0; r < RB; r++) {
-                        const float v = silu(g[t * RB + r]) * u[t * RB + r];
+                        const float gs = sc ? sc[i + r] : 1.0f, us = sc ? sc[n + i + r] : 1.0f;
+                        const float v = silu(g[t * RB + r] * gs) * (u[t * RB + r] * us);
                         const int64_t at = (p + t) * n + i + r;
                         if (es == 4) ((float *)a->act)[at] = v;
                         else ((uint16_t *)a->act)[at] = f32_to_bf16(v);
@@ -152,9 +190,10 @@ static void gate_up_rows(const moe_args *a, int64_t i0, int64_t i1) {
 
 /* Phase 2 for hidden rows [j0, j1): out[token] += weight * (act . down row), experts in order. */
 static void down_rows(const moe_args *a, int64_t j0, int64_t j1) {
-    const int64_t h = a->hidden, n = a->inter, es = a->esz;
+    const int64_t h = a->hidden, n = a->inter, es = a->esz, ws = a->wsz;
     for (int64_t c = 0; c < a->chosen; c++) {
-        const char *wd = a->down + a->experts[c] * h * n * es;
+        const char *wd = a->down + a->experts[c] * h * n * ws;
+        const float *sc = a->down_scale ? a->down_scale + a->experts[c] * h : 0;
         const int64_t p0 = a->offsets[c], p1 = a->offsets[c + 1];
         for (int64_t j = j0; j < j1; j += RB) {
             for (int64_t p = p0; p < p1; p += NT) {
@@ -162,10 +201,10 @@ static void down_rows(const moe_args *a, int64_t j0, int64_t j1) {
                 const void *xr[NT];
                 for (int t = 0; t < m; t++) xr[t] = a->act + (p + t) * n * es;
                 float y[NT * RB];
-                a->dots[m](xr, wd + j * n * es, n, y);
+                a->dots[m](xr, wd + j * n * ws, n, y);
                 for (int t = 0; t < m; t++) {
                     float *o = a->out + a->pair_tok[p + t] * h + j;
-                    for (int r = 0; r < RB; r++) o[r] += a->pair_w[p + t] * y[t * RB + r];
+                    for (int r = 0; r < RB; r++) o[r] += a->pair_w[p + t] * (y[t * RB + r] * (sc ? sc[j + r] : 1.0f));
                 }
             }
         }
@@ -179,19 +218,26 @@ static void share(int64_t rows, int id, int nt, int64_t *lo, int64_t *hi) {
     *lo = b0 * RB, *hi = b1 * RB;
 }
 
-/* kind: MOE_F32 (float32), MOE_BF16 (bfloat16; vdpbf16ps where the build has AVX512-BF16) or
- * MOE_BF16_WIDEN (bfloat16 widened to float32 on any build: the tests compare the two). */
-enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_BF16_WIDEN = 2 };
+/* kind: MOE_F32 (float32), MOE_BF16 (bfloat16; vdpbf16ps where the build has AVX512-BF16),
+ * MOE_BF16_WIDEN (bfloat16 widened to float32 on any build: the tests compare the two) or MOE_I8
+ * (weight-only int8 experts with float32 row scales, bfloat16 x; AVX512-BF16 only, else -1). */
+enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_BF16_WIDEN = 2, MOE_I8 = 3 };
 
 int pdserve_moe_experts(const void *x, int64_t x_stride, const void *gate_up, const void *down, int kind,
-                        const int64_t *experts, const int64_t *offsets, const int64_t *pair_tok,
+                        const float *gate_up_scale, const float *down_scale, const int64_t *experts, const int64_t *offsets, const int64_t *pair_tok,
                         const float *pair_w, void *act, float *out, int64_t chosen, int64_t hidden, int64_t inter,
                         int threads) {
     if (hidden % 32 != 0 || inter % 32 != 0 || hidden < 32 || inter < 32 || chosen < 0) return -1;
-    if (kind < MOE_F32 || kind > MOE_BF16_WIDEN) return -1;
-    const dots_fn *dots = kind == MOE_F32 ? DOTS_F32_N : kind == MOE_BF16 ? DOTS_DP_N : DOTS_BF16_N;
-    const moe_args a = {x,        x_stride, gate_up, down, dots, kind == MOE_F32 ? 4 : 2, experts, offsets,
-                        pair_tok, pair_w,   act,     out,  chosen, hidden, inter};
+    if (kind < MOE_F32 || kind > MOE_I8 || (kind == MOE_I8 && (!pdserve_moe_dot_available() || !gate_up_scale || !down_scale)))
+        return -1;
+    const dots_fn *dots = kind == MOE_F32    ? DOTS_F32_N
+                          : kind == MOE_BF16 ? DOTS_DP_N
+                          : kind == MOE_I8   ? DOTS_I8_N
+                                             : DOTS_BF16_N;
+    const int64_t es = kind == MOE_F32 ? 4 : 2, ws = kind == MOE_I8 ? 1 : es;
+    const float *gus = kind == MOE_I8 ? gate_up_scale : 0, *ds = kind == MOE_I8 ? down_scale : 0;
+    const moe_args a = {x,       x_stride, gate_up, down, dots,   es,     ws,   gus, ds, experts, offsets,
+                        pair_tok, pair_w,  act,     out,  chosen, hidden, inter};
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)

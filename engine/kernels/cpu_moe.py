@@ -18,6 +18,7 @@ from engine.kernels.cpu_library import load, openmp_shared
 # cpu_moe.c's kinds: float32; bfloat16 (vdpbf16ps where the CPU has AVX512-BF16); bfloat16 widened to
 # float32 on any CPU (what a CPU without AVX512-BF16 runs; the tests compare the two)
 KIND_F32, KIND_BF16, KIND_BF16_WIDEN = 0, 1, 2
+KIND_I8 = 3  # weight-only int8 experts (float32 row scales) against bfloat16 x; AVX512-BF16 only
 ROW_MULTIPLE = 32  # hidden and expert sizes the kernel takes: multiples of 32
 
 
@@ -28,21 +29,27 @@ def dot_available() -> bool:
     return lib is not None and lib.pdserve_moe_dot_available() == 1
 
 
+def _dtypes_run(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    if gate_up.dtype == torch.int8:
+        return x.dtype == torch.bfloat16 and down.dtype == torch.int8 and dot_available()
+    return x.dtype in (torch.float32, torch.bfloat16) and gate_up.dtype == x.dtype == down.dtype
+
+
 def takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """True iff :func:`expert_ffn` runs ``x`` ``[rows, hidden]`` against these stacked experts
     (``[E, 2 * inter, hidden]``, ``[E, hidden, inter]``): CPU tensors of one dtype, float32 or bfloat16,
-    contiguous experts, ``x``'s last dim contiguous, sizes multiples of 32, and the library built."""
+    or int8 experts against bfloat16 ``x`` where the CPU has AVX512-BF16; contiguous experts, ``x``'s
+    last dim contiguous, sizes multiples of 32, and the library built."""
     return (
         x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and gate_up.dtype == x.dtype == down.dtype
+        and load() is not None
+        and _dtypes_run(x, gate_up, down)
         and gate_up.device.type == "cpu"
         and gate_up.is_contiguous()
         and down.is_contiguous()
         and x.stride(-1) == 1
         and x.shape[-1] % ROW_MULTIPLE == 0
         and down.shape[-1] % ROW_MULTIPLE == 0
-        and load() is not None
     )
 
 
@@ -55,17 +62,20 @@ def expert_ffn(
     pair_tokens: torch.Tensor,
     pair_weights: torch.Tensor,
     kind: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """``out[t] = sum over pairs (t, w) of expert e: w * down_e(SiLU(gate_e x_t) * up_e x_t)``, float32
     ``[rows, hidden]``, experts added in ``chosen``'s order. ``chosen`` int64 ``[A]`` (increasing),
     ``offsets`` int64 ``[A + 1]``: expert ``chosen[a]``'s pairs are ``[offsets[a], offsets[a + 1])`` of
     ``pair_tokens`` (int64, a token at most once per expert) and ``pair_weights`` (float32). The caller
-    guarantees :func:`takes`. ``kind``: one of the ``KIND_*`` (default: the dtype's fastest). None
+    guarantees :func:`takes`. ``kind``: one of the ``KIND_*`` (default: the dtype's fastest).
+    ``scales``: int8 experts' float32 row scales ``([E, 2 * inter], [E, hidden])``, contiguous. None
     where the kernel refuses the shape."""
     rows, hidden = x.shape
     inter = down.shape[-1]
     if kind is None:
-        kind = KIND_F32 if x.dtype == torch.float32 else KIND_BF16
+        kind = KIND_I8 if gate_up.dtype == torch.int8 else KIND_F32 if x.dtype == torch.float32 else KIND_BF16
+    gate_up_scale, down_scale = (0, 0) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
     act = torch.empty(pair_tokens.shape[0], inter, dtype=x.dtype)
     out = torch.zeros(rows, hidden, dtype=torch.float32)
     rc = load().pdserve_moe_experts(
@@ -74,6 +84,8 @@ def expert_ffn(
         gate_up.data_ptr(),
         down.data_ptr(),
         kind,
+        gate_up_scale,
+        down_scale,
         chosen.data_ptr(),
         offsets.data_ptr(),
         pair_tokens.data_ptr(),

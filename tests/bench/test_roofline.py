@@ -165,5 +165,10 @@ def test_moe_step_reads_the_dense_weights_and_the_chosen_experts():
         rl.weight_bytes_per_step(cfg, "float32", 4, active_experts=3)
         == (attention + router + LAYER + HEAD + 3 * expert + NORMS + 4 * 64) * 4
     )
+    # int8: one byte per weight, a float32 scale per output row (each chosen expert's 2 * 32 + 64 rows)
+    rows = rl.matmul_output_rows(cfg) + 2 * (2 * 32 + 64)
+    assert rl.weight_bytes_per_step(cfg, "int8", 1) == (
+        attention + router + LAYER + HEAD + 2 * expert + 4 * rows + (NORMS + 64) * 2
+    )
     # each token multiplies by its top 2 experts, not all 8
     assert rl.decode_step_flops(cfg, [0]) == 2 * (attention + router + LAYER + 2 * expert + HEAD)

@@ -105,3 +105,24 @@ def test_shapes_outside_the_kernel_keep_the_torch_path():
     assert not cpu_moe.takes(_x(2)[:, :48], w["experts_gate_up"][:, :, :48], w["experts_down"][:, :48])
     assert not cpu_moe.takes(_x(2, torch.bfloat16), w["experts_gate_up"], w["experts_down"])
     assert not cpu_moe.takes(_x(2).to(torch.float16), *(t.half() for t in (w["experts_gate_up"], w["experts_down"])))
+
+
+def test_int8_experts_are_within_the_rounding_bound_against_their_dequantized_weights():
+    if not cpu_moe.dot_available():
+        pytest.skip("int8 experts run the kernel only with AVX512-BF16")
+    spec, w, x = MoeSpec(EXPERTS, 2, INTER, True, (0,)), _layer(dtype=torch.bfloat16), _x(7, torch.bfloat16)
+    q = {}
+    for name in ("experts_gate_up", "experts_down"):
+        q[name], q[name + "_scale"] = moe.quantize_rows(w[name])
+    group = _grouping(x, w, spec)
+    scales = (q["experts_gate_up_scale"], q["experts_down_scale"])
+    got = cpu_moe.expert_ffn(x, q["experts_gate_up"], q["experts_down"], *group, scales=scales)
+    deq = {n: q[n].float() * q[n + "_scale"][..., None] for n in ("experts_gate_up", "experts_down")}
+    ref, bound = _reference_and_bound(x, deq, *group)
+    assert ((got - ref).abs() <= bound).all()
+    # the int8 values, not the bfloat16 ones, were read: against those the result is further off
+    assert (got - _reference_and_bound(x, w, *group)[0]).abs().max() > (got - ref).abs().max()
+    # moe_mlp takes the int8 experts through the kernel, and its torch path dequantizes them
+    layer = {"router": w["router"], **q}
+    torch.testing.assert_close(moe.moe_mlp(x, layer, spec), got.bfloat16())
+    torch.testing.assert_close(moe.moe_mlp(x, layer, spec, kernel=False).float(), ref, rtol=0.05, atol=0.02)

@@ -153,9 +153,19 @@ def test_an_moe_model_never_takes_the_dense_decode_stack():
         assert _random_model(None).stack is not None
 
 
-def test_int8_weights_are_refused_for_moe():
-    with pytest.raises(ValueError, match="--weight-dtype int8 does not run MoE models"):
-        _random_model(MoeSpec(8, 2, 32, True, (0,)), int8=True)
+def test_int8_experts_are_quantized_per_row_at_load():
+    from engine.cpu_linear import int8_supported
+
+    if int8_supported(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None:
+        pytest.skip("no int8 weights on this machine")
+    model = _random_model(MoeSpec(8, 2, 32, True, (0,)), int8=True)
+    w = model.layers[0].w
+    assert w["experts_gate_up"].dtype == torch.int8 and w["experts_gate_up_scale"].shape == (8, 64)
+    assert w["experts_down"].dtype == torch.int8 and w["experts_down_scale"].shape == (8, 64)
+    ref = _random_model(MoeSpec(8, 2, 32, True, (0,))).layers[0].w["experts_down"]
+    deq = w["experts_down"].float() * w["experts_down_scale"][..., None]
+    # every weight within half a step of its row's scale (the model's bfloat16 weights, float32 here)
+    assert ((deq - ref).abs() <= w["experts_down_scale"][..., None] / 2 + 1e-2 * ref.abs()).all()
 
 
 def test_mixtral_names_and_spec():
