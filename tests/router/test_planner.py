@@ -136,3 +136,40 @@ def test_tpot_without_spreads_the_rows_of_the_worker_leaving():
     assert tpot_without(d, d[1], fixed_rows=0.0) == pytest.approx(0.01 * (2 + 2))  # linear in rows
     idle = [decode("decode-0", 0, None), decode("decode-1", 0, None)]
     assert tpot_without(idle, idle[0]) == 0.0
+
+
+def _phase_view(now: float, roles: dict[str, Role], prefill_phase: bool) -> ClusterView:
+    """A cluster under a load phase: long prompts need two prefill workers (one alone: 4.5 s TTFT),
+    long answers two decode workers (one alone: 0.2 s steps); the other role idles."""
+    n_prefill = sum(r == Role.PREFILL for r in roles.values())
+    workers = []
+    for wid, role in sorted(roles.items()):
+        if role == Role.PREFILL:
+            workers.append(prefill(wid, 4000 / n_prefill if prefill_phase and n_prefill == 1 else 0))
+        elif prefill_phase:
+            workers.append(decode(wid, 1, 0.02))
+        else:
+            workers.append(decode(wid, 8, 0.2 if n_prefill == 2 else 0.05))
+    return view(*workers, now=now, prompt=500 if prefill_phase else 50)
+
+
+def test_default_knobs_move_a_worker_in_every_minute_long_phase():
+    """Phases of 60 s alternate, evaluated every 5 s (the default interval) with the default
+    hysteresis and dwell: the first move comes 10 s into the first phase (the third evaluation in
+    violation), each later one 10 s into its phase (the dwell of 60 s has then passed)."""
+    knobs = Knobs(slo_ttft_s=1.0, slo_tpot_s=0.1)
+    roles = {"prefill-0": Role.PREFILL, "decode-0": Role.DECODE, "decode-1": Role.DECODE}
+    state, moves = PlannerState(), []
+    for step in range(4 * 12):
+        now = 5.0 * step
+        d = decide(_phase_view(now, roles, prefill_phase=(now // 60) % 2 == 0), state, knobs)
+        state = d.state
+        if d.move:
+            roles[d.move[0]] = d.move[2]
+            moves.append((now, d.move[1], d.move[2]))
+    assert [(t % 60, old, new) for t, old, new in moves] == [
+        (10.0, Role.DECODE, Role.PREFILL),
+        (10.0, Role.PREFILL, Role.DECODE),
+        (10.0, Role.DECODE, Role.PREFILL),
+        (10.0, Role.PREFILL, Role.DECODE),
+    ]
