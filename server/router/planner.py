@@ -97,12 +97,17 @@ class Decision:
 
 
 def predict_ttft(prefill: list[WorkerView], queue_wait_s: float, prompt_tokens: float) -> float | None:
-    """Queue wait + backlog / summed speed + one prompt / mean speed; None without a measured speed."""
-    speeds = [w.prefill_tps for w in prefill if w.prefill_tps]
-    if not speeds:
+    """Queue wait + backlog / summed speed + one prompt / mean speed; None without a measured speed.
+    A worker not measured yet (one that just became a prefill worker) counts at the mean measured
+    speed: its backlog is in the sum, so leaving its speed out would predict its prompts at the
+    others' pace on top of their own."""
+    measured = [w.prefill_tps for w in prefill if w.prefill_tps]
+    if not measured:
         return None
+    mean = sum(measured) / len(measured)
+    speed = sum(w.prefill_tps or mean for w in prefill)
     backlog = sum(w.backlog_tokens for w in prefill)
-    return queue_wait_s + backlog / sum(speeds) + prompt_tokens / (sum(speeds) / len(speeds))
+    return queue_wait_s + backlog / speed + prompt_tokens / mean
 
 
 def predict_tpot(decode: list[WorkerView]) -> float | None:

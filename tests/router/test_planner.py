@@ -128,6 +128,15 @@ def test_ttft_counts_the_queue_ahead():
     assert predict_ttft(workers[:1], 0.0, 1000.0) == pytest.approx(3.0 + 1.0)
 
 
+def test_a_prefill_worker_not_measured_yet_counts_at_the_mean_speed():
+    # decode-0 just became a prefill worker: 1880 tokens queued there, no prompt computed yet. Its
+    # backlog is prefilled by it, at about the others' pace: 6000 / (2 x 50) + 1000 / 50 = 80 s
+    # (leaving its speed out of the sum predicted 6000 / 50 + 20 = 140 s)
+    workers = [prefill("prefill-0", 4120, 50.0), prefill("decode-0", 1880, None)]
+    assert predict_ttft(workers, 0.0, 1000.0) == pytest.approx(60.0 + 20.0)
+    assert predict_ttft([prefill("decode-0", 1880, None)], 0.0, 1000.0) is None
+
+
 def test_tpot_without_spreads_the_rows_of_the_worker_leaving():
     d = [decode("decode-0", 2, 0.02), decode("decode-1", 4, 0.02), decode("decode-2", 0, None)]
     # decode-1's 4 rows over decode-0 (0.02 s at 2 rows -> 4 rows: 0.02 * 8 / 6) and decode-2 (no
