@@ -264,7 +264,12 @@ class PrefillScheduler(WorkerScheduler):
         if items:
             self.stats.extend_steps += 1
             self.stats.prefill_computed_tokens += sum(i.length for i in items)
-            for req, delta in self.executor.extend(items):
+            t0 = time.perf_counter()
+            deltas = self.executor.extend(items)
+            # wall seconds of prefill forwards, counted with their tokens: the planner's prefill speed
+            # (one batch counted once, however many prompts share it)
+            self.stats.prefill_compute_seconds += time.perf_counter() - t0
+            for req, delta in deltas:
                 job = self.by_req[id(req)]
                 job.manifest = self._manifest(job, delta)
                 req.status = Phase.TRANSFER

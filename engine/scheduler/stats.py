@@ -16,6 +16,7 @@ class SchedulerStats:
     swa_rejections: int = 0  # refused because their SWA KV cannot fit the SWA pool
     prompt_tokens: int = 0
     prefill_computed_tokens: int = 0
+    prefill_compute_seconds: float = 0.0  # wall time of the forwards that computed them (PD prefill)
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
     finished_requests: int = 0
@@ -24,7 +25,7 @@ class SchedulerStats:
     extend_steps: int = 0
     mixed_steps: int = 0  # forwards that carried decode rows and prefill tokens together
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 

@@ -12,8 +12,8 @@ The model (``docs/design/planner.md``):
   twice the wait.
 - **TPOT** = the longest decode step among the decode workers (each step yields one token per
   running request). Moving a decode worker away spreads its running requests over the others,
-  whose step times are scaled by rows (``step_s / batch`` per row: an upper bound, since a step
-  also has a fixed part).
+  whose step times grow affinely with rows (``step_at``: a fixed part worth ``STEP_FIXED_ROWS``
+  rows plus a per-row part).
 
 Rules: TTFT over its SLO while TPOT is within it -> a decode worker becomes a prefill worker, if
 the TPOT predicted without it stays within ``headroom`` x its SLO; the reverse for TPOT. A
@@ -97,12 +97,17 @@ class Decision:
 
 
 def predict_ttft(prefill: list[WorkerView], queue_wait_s: float, prompt_tokens: float) -> float | None:
-    """Queue wait + backlog / summed speed + one prompt / mean speed; None without a measured speed."""
-    speeds = [w.prefill_tps for w in prefill if w.prefill_tps]
-    if not speeds:
+    """Queue wait + backlog / summed speed + one prompt / mean speed; None without a measured speed.
+    A worker not measured yet (one that just became a prefill worker) counts at the mean measured
+    speed: its backlog is in the sum, so leaving its speed out would predict its prompts at the
+    others' pace on top of their own."""
+    measured = [w.prefill_tps for w in prefill if w.prefill_tps]
+    if not measured:
         return None
+    mean = sum(measured) / len(measured)
+    speed = sum(w.prefill_tps or mean for w in prefill)
     backlog = sum(w.backlog_tokens for w in prefill)
-    return queue_wait_s + backlog / sum(speeds) + prompt_tokens / (sum(speeds) / len(speeds))
+    return queue_wait_s + backlog / speed + prompt_tokens / mean
 
 
 def predict_tpot(decode: list[WorkerView]) -> float | None:
@@ -114,20 +119,37 @@ def predict_tpot(decode: list[WorkerView]) -> float | None:
     return max(steps) if steps else None
 
 
-def tpot_without(decode: list[WorkerView], leaving: WorkerView) -> float | None:
+# A decode step's fixed part (weights read once per step, the step's own overhead) in rows' worth of
+# per-row cost: step(b) = c * (STEP_FIXED_ROWS + b). The embedded model's engine, in process on the
+# 2-core development host: 1 row about 40-54 ms, 8 rows about 92-137 ms (a fixed part of about 4 rows);
+# its projections alone on an idle host: 1 row 9.4 ms, 32 rows 34.6 ms (about 10 rows). The lower
+# figure keeps the prediction an upper bound; 0 would scale a step linearly with its rows.
+STEP_FIXED_ROWS = 4.0
+
+
+def step_at(step_s: float, batch: float, rows: float, fixed_rows: float = STEP_FIXED_ROWS) -> float:
+    """A step measured at ``step_s`` with ``batch`` rows, predicted at ``rows`` rows (affine in rows)."""
+    return step_s * (fixed_rows + rows) / (fixed_rows + max(batch, 1.0))
+
+
+def tpot_without(decode: list[WorkerView], leaving: WorkerView, fixed_rows: float = STEP_FIXED_ROWS) -> float | None:
     """TPOT predicted once ``leaving`` is gone and its running requests are spread evenly over the
-    rest, each worker's step scaled by its rows (per-row cost: its own, else the worst measured)."""
+    rest, each worker's step scaled by ``step_at`` (a worker without a measured step: the worst
+    measured cost per row's worth)."""
     rest = [w for w in decode if w is not leaving]
     if not rest:
         return None
     if sum(w.batch for w in decode) == 0:
         return 0.0
-    costs = [w.step_s / max(w.batch, 1.0) for w in decode if w.step_s is not None]
-    if not costs:
+    unit = [w.step_s / (fixed_rows + max(w.batch, 1.0)) for w in decode if w.step_s is not None]
+    if not unit:
         return None
     share = leaving.batch / len(rest)
     return max(
-        ((w.step_s / max(w.batch, 1.0)) if w.step_s is not None else max(costs)) * (w.batch + share) for w in rest
+        step_at(w.step_s, w.batch, w.batch + share, fixed_rows)
+        if w.step_s is not None
+        else max(unit) * (fixed_rows + w.batch + share)
+        for w in rest
     )
 
 

@@ -1,15 +1,22 @@
 """The planner's ``ClusterView`` built from the workers' ``WorkerStats`` heartbeats (rates over time).
 
-``ViewBuilder.build(handles, queue_wait, now)`` keeps each worker's previous sample and derives,
-between two heartbeats of the same process instance:
+``ViewBuilder.build(handles, queue_wait, now)`` keeps each worker's recent heartbeats (of the same
+process instance) and derives:
 
-- prefill speed = computed prompt tokens (``prefill_computed_tokens``) / prefill compute seconds
-  (the sum of the ``phase_prefill_compute`` histogram); before a second sample, or with no compute
-  between the two, the cumulative ratio. The mean prompt computed per request: tokens / the
-  histogram's count, likewise.
-- decode step time = seconds between the two heartbeats / decode steps made between them, only
-  when the worker ran requests at both (``queue_running`` > 0): an idle stretch in between would
-  count as step time. Otherwise the last measured value while it keeps running requests, else None.
+- prefill speed = computed prompt tokens (``prefill_computed_tokens``) / seconds of the forwards
+  that computed them (``prefill_compute_seconds``), over the last ``window_s`` of heartbeats. Both
+  counters move together at every prefill step, so any window is exact, and a batch of several
+  prompts counts its time once. A worker that reports no forward seconds falls back to the per
+  request compute time (the ``phase_prefill_compute`` histogram's sum: observed when a prompt
+  completes, and once per prompt of a shared batch, so it under-estimates the speed). With nothing
+  computed in the window: the cumulative ratio.
+- the typical prompt = computed tokens / prompts completed (the histogram's count) over the same
+  window: a window of several prompts keeps the error of a prompt part-way through its chunks at
+  either end small (between two heartbeats a completion's count meets only the tokens of its last
+  chunk). Nothing completed in the window: the cumulative ratio.
+- decode step time = seconds between the two latest heartbeats / decode steps made between them,
+  only when the worker ran requests at both (``queue_running`` > 0): an idle stretch in between
+  would count as step time. Otherwise the last measured value while it keeps running requests, else None.
 - backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``.
 
 ``queue_wait``: the router's admission queue wait histogram as (sum, count); the view carries its
@@ -18,6 +25,7 @@ mean over the forwarded requests since the previous build (0 when none).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -33,6 +41,7 @@ class _Sample:
     instance: str
     at: float
     tokens: float
+    busy_s: float
     compute_s: float
     prompts: float
     steps: float
@@ -44,11 +53,17 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 and num > 0 else None
 
 
-class ViewBuilder:
-    """Builds ``ClusterView``s; keeps the previous sample of every worker and of the queue wait."""
+RATE_WINDOW_S = 10.0  # long enough for several long prompts, short against a phase of the load
 
-    def __init__(self) -> None:
+
+class ViewBuilder:
+    """Builds ``ClusterView``s; keeps every worker's heartbeats of the last ``window_s`` (at least
+    the previous one) and the previous queue wait."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
         self._prev: dict[str, tuple[_Sample, tuple[WorkerView, float | None]]] = {}
+        self._history: dict[str, deque[_Sample]] = {}
         self._wait = (0.0, 0.0)
 
     def build(self, handles: Iterable[WorkerHandle], queue_wait: tuple[float, float], now: float) -> ClusterView:
@@ -75,13 +90,25 @@ class ViewBuilder:
         if prev is not None and prev.instance == cur.instance and cur.at <= prev.at:
             return seen
         base = prev if prev is not None and prev.instance == cur.instance else None
+        history = self._history.setdefault(h.worker_id, deque())
+        if base is None:
+            history.clear()
         if h.spec.role == Role.DECODE:
             cur = replace(cur, step_s=_step_s(base, cur))
             answer = WorkerView(h.worker_id, Role.DECODE, batch=cur.batch, step_s=cur.step_s), None
         else:
-            answer = _prefill(h, base, cur)
+            answer = _prefill(h, _window_base(history, cur.at - self.window_s), cur)
+        history.append(cur)
         self._prev[h.worker_id] = (cur, answer)
         return answer
+
+
+def _window_base(history: deque[_Sample], since: float) -> _Sample | None:
+    """The oldest sample at or after ``since`` (older ones are dropped), else the latest one; None
+    when there is none."""
+    while len(history) > 1 and history[0].at < since:
+        history.popleft()
+    return history[0] if history else None
 
 
 def _sample(h: WorkerHandle) -> _Sample:
@@ -93,6 +120,7 @@ def _sample(h: WorkerHandle) -> _Sample:
         instance=h.instance,
         at=h.stats_at or 0.0,
         tokens=s.counters.get("prefill_computed_tokens", 0.0),
+        busy_s=s.counters.get("prefill_compute_seconds", 0.0),
         compute_s=compute_s,
         prompts=prompts,
         steps=s.counters.get("decode_steps", 0.0),
@@ -101,12 +129,18 @@ def _sample(h: WorkerHandle) -> _Sample:
     )
 
 
-def _prefill(h: WorkerHandle, prev: _Sample | None, cur: _Sample) -> tuple[WorkerView, float | None]:
-    """A prefill worker's view and mean prompt: rates since ``prev`` when it computed since, else cumulative."""
-    base = prev if prev is not None and cur.compute_s > prev.compute_s else None
-    dtok = cur.tokens - (base.tokens if base else 0.0)
-    tps = _ratio(dtok, cur.compute_s - (base.compute_s if base else 0.0))
-    prompt = _ratio(dtok, cur.prompts - (base.prompts if base else 0.0))
+def _prefill(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> tuple[WorkerView, float | None]:
+    """A prefill worker's view and typical prompt: rates since ``base`` (the window's oldest
+    heartbeat) when it computed since, else cumulative (module docstring)."""
+    zero = _Sample(cur.instance, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
+    if cur.busy_s > 0:  # forward seconds reported: exact over any window
+        b = base if base is not None and cur.busy_s > base.busy_s else zero
+        tps = _ratio(cur.tokens - b.tokens, cur.busy_s - b.busy_s)
+    else:  # per prompt compute time: only over a window in which a prompt completed
+        b = base if base is not None and cur.compute_s > base.compute_s else zero
+        tps = _ratio(cur.tokens - b.tokens, cur.compute_s - b.compute_s)
+    b = base if base is not None and cur.prompts > base.prompts else zero
+    prompt = _ratio(cur.tokens - b.tokens, cur.prompts - b.prompts)
     backlog = h.stats.gauges.get("prefill_backlog_tokens", 0.0)
     return WorkerView(h.worker_id, Role.PREFILL, backlog_tokens=backlog, prefill_tps=tps), prompt
 

@@ -47,7 +47,8 @@ def test_a_ttft_violation_turns_the_least_loaded_decode_worker_into_a_prefill_wo
     assert first.move is None and "TTFT over its SLO (1/2 evaluations)" in first.why
     assert second.move == ("decode-1", Role.DECODE, Role.PREFILL)  # fewer rows: less TPOT cost
     assert second.ttft_s == pytest.approx(4.5) and second.tpot_s == pytest.approx(0.02)
-    assert second.after_s == pytest.approx(0.02 / 2 * (2 + 1))  # decode-0's 2 rows + decode-1's 1, per-row 0.01
+    # decode-0's 2 rows + decode-1's 1: its 0.02 s step at 2 rows, a fixed part of 4 rows' worth
+    assert second.after_s == pytest.approx(0.02 * (4 + 3) / (4 + 2))
     assert second.state == PlannerState(last_move_at=100.0)
 
 
@@ -100,10 +101,19 @@ def test_a_move_never_leaves_a_role_empty():
 
 
 def test_no_move_without_headroom_in_the_other_slo():
-    # TPOT 0.05 s is within 0.1 s, but the best move (decode-1 away) puts 8 rows on decode-0: 0.045 / 4 * 8
-    tight = (prefill("prefill-0", 4000), decode("decode-0", 4, 0.045), decode("decode-1", 4, 0.05))
+    # TPOT 0.065 s is within 0.1 s, but the best move (decode-1 away) puts 8 rows on decode-0:
+    # 0.06 * (4 + 8) / (4 + 4) = 0.09 s
+    tight = (prefill("prefill-0", 4000), decode("decode-0", 4, 0.06), decode("decode-1", 4, 0.065))
     last = run(view(*tight), 3)[-1]
     assert last.move is None and "TPOT after a move (0.090 s) > 0.080 s" in last.why
+
+
+def test_a_step_has_a_fixed_part_so_doubling_its_rows_does_not_double_it():
+    # decode-1 away: decode-0 at 8 rows, 0.045 * 12 / 8 = 0.0675 s, within 0.08 s (scaled linearly
+    # with rows it would be 0.09 s and the move refused)
+    fits = (prefill("prefill-0", 4000), decode("decode-0", 4, 0.045), decode("decode-1", 4, 0.05))
+    last = run(view(*fits), 2)[-1]
+    assert last.move == ("decode-1", Role.DECODE, Role.PREFILL) and last.after_s == pytest.approx(0.0675)
 
 
 def test_unknown_predictions_move_nothing():
@@ -118,9 +128,57 @@ def test_ttft_counts_the_queue_ahead():
     assert predict_ttft(workers[:1], 0.0, 1000.0) == pytest.approx(3.0 + 1.0)
 
 
+def test_a_prefill_worker_not_measured_yet_counts_at_the_mean_speed():
+    # decode-0 just became a prefill worker: 1880 tokens queued there, no prompt computed yet. Its
+    # backlog is prefilled by it, at about the others' pace: 6000 / (2 x 50) + 1000 / 50 = 80 s
+    # (leaving its speed out of the sum predicted 6000 / 50 + 20 = 140 s)
+    workers = [prefill("prefill-0", 4120, 50.0), prefill("decode-0", 1880, None)]
+    assert predict_ttft(workers, 0.0, 1000.0) == pytest.approx(60.0 + 20.0)
+    assert predict_ttft([prefill("decode-0", 1880, None)], 0.0, 1000.0) is None
+
+
 def test_tpot_without_spreads_the_rows_of_the_worker_leaving():
     d = [decode("decode-0", 2, 0.02), decode("decode-1", 4, 0.02), decode("decode-2", 0, None)]
-    # decode-1's 4 rows over decode-0 (0.01/row) and decode-2 (no measure: the worst cost, 0.01/row)
-    assert tpot_without(d, d[1]) == pytest.approx(0.01 * (2 + 2))
+    # decode-1's 4 rows over decode-0 (0.02 s at 2 rows -> 4 rows: 0.02 * 8 / 6) and decode-2 (no
+    # measure: the worst cost per row's worth, decode-0's 0.02 / 6, at 0 + 2 rows)
+    assert tpot_without(d, d[1]) == pytest.approx(0.02 * 8 / 6)
+    assert tpot_without(d, d[1], fixed_rows=0.0) == pytest.approx(0.01 * (2 + 2))  # linear in rows
     idle = [decode("decode-0", 0, None), decode("decode-1", 0, None)]
     assert tpot_without(idle, idle[0]) == 0.0
+
+
+def _phase_view(now: float, roles: dict[str, Role], prefill_phase: bool) -> ClusterView:
+    """A cluster under a load phase: long prompts need two prefill workers (one alone: 4.5 s TTFT),
+    long answers two decode workers (one alone: 0.2 s steps); the other role idles."""
+    n_prefill = sum(r == Role.PREFILL for r in roles.values())
+    workers = []
+    for wid, role in sorted(roles.items()):
+        if role == Role.PREFILL:
+            workers.append(prefill(wid, 4000 / n_prefill if prefill_phase and n_prefill == 1 else 0))
+        elif prefill_phase:
+            workers.append(decode(wid, 1, 0.02))
+        else:
+            workers.append(decode(wid, 8, 0.2 if n_prefill == 2 else 0.05))
+    return view(*workers, now=now, prompt=500 if prefill_phase else 50)
+
+
+def test_default_knobs_move_a_worker_in_every_minute_long_phase():
+    """Phases of 60 s alternate, evaluated every 5 s (the default interval) with the default
+    hysteresis and dwell: the first move comes 10 s into the first phase (the third evaluation in
+    violation), each later one 10 s into its phase (the dwell of 60 s has then passed)."""
+    knobs = Knobs(slo_ttft_s=1.0, slo_tpot_s=0.1)
+    roles = {"prefill-0": Role.PREFILL, "decode-0": Role.DECODE, "decode-1": Role.DECODE}
+    state, moves = PlannerState(), []
+    for step in range(4 * 12):
+        now = 5.0 * step
+        d = decide(_phase_view(now, roles, prefill_phase=(now // 60) % 2 == 0), state, knobs)
+        state = d.state
+        if d.move:
+            roles[d.move[0]] = d.move[2]
+            moves.append((now, d.move[1], d.move[2]))
+    assert [(t % 60, old, new) for t, old, new in moves] == [
+        (10.0, Role.DECODE, Role.PREFILL),
+        (10.0, Role.PREFILL, Role.DECODE),
+        (10.0, Role.DECODE, Role.PREFILL),
+        (10.0, Role.PREFILL, Role.DECODE),
+    ]

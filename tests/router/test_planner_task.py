@@ -115,7 +115,7 @@ def test_a_persistent_ttft_violation_switches_a_decode_worker_through_the_admin_
     # 4000 backlog / 1000 tok/s + a 500-token prompt / 1000 tok/s; 1 s / 50 steps
     assert second.ttft_s == pytest.approx(4.5) and second.tpot_s == pytest.approx(0.02)
     assert second.move == ("decode-1", Role.DECODE, Role.PREFILL)  # 1 row: the cheaper one to move
-    assert second.after_s == pytest.approx(0.03)
+    assert second.after_s == pytest.approx(0.02 * (4 + 3) / (4 + 2))  # decode-0: 2 rows + 1, a fixed part
     assert reg.handles["decode-1"].client.switches == [Role.PREFILL]
     assert reg.handles["decode-1"].spec.role == Role.PREFILL and reg.handles["decode-1"].state == READY
     assert switches(metrics, "decode", "prefill", "planner") == 1.0
@@ -248,3 +248,44 @@ def test_a_persistent_tpot_violation_switches_a_prefill_worker_to_decode():
     assert [d.move for d in decisions] == [None, None, None, ("prefill-1", Role.PREFILL, Role.DECODE)]
     assert reg.handles["prefill-1"].spec.role == Role.DECODE and reg.handles["prefill-1"].state == READY
     assert switches(metrics, "prefill", "decode", "planner") == 1.0
+
+
+def _prefill_heartbeat(
+    reg: Registry, clock: Clock, t: float, tokens: float, busy_s: float, prompts: int, hist_s: float
+):
+    clock.t = t
+    p = reg.handles["prefill-0"].client
+    p.counters = {"prefill_computed_tokens": tokens, "prefill_compute_seconds": busy_s}
+    p.histograms = {"phase_prefill_compute": HistogramData(buckets=[1.0], counts=[prompts, 0], sum=hist_s)}
+    p.request_stats(0)
+
+
+def test_the_prefill_speed_counts_a_shared_batch_once():
+    """Four 100-token prompts prefilled in one 0.2 s batch, twice: 2000 tokens/s, not the 500 the
+    per-prompt compute times (0.2 s each, 0.8 s per batch) would give."""
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    for t, n in ((0.0, 1), (1.0, 2)):
+        _prefill_heartbeat(reg, clock, t, tokens=400.0 * n, busy_s=0.2 * n, prompts=4 * n, hist_s=0.8 * n)
+        view = planner.views.build(reg.handles.values(), (0.0, 0.0), t)
+        assert view.of(Role.PREFILL)[0].prefill_tps == pytest.approx(2000.0)
+        assert view.prompt_tokens == pytest.approx(100.0)
+
+
+def test_the_typical_prompt_and_speed_span_a_window_of_heartbeats():
+    """1500-token prompts computed 500 tokens per 0.5 s heartbeat (1000 tokens/s over 0.4 s of
+    forwards), one completing every 1.5 s: between two heartbeats a completion meets one chunk's
+    500 tokens, over the window it meets its whole prompt."""
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    prompts = []
+    for i in range(1, 25):
+        t = 0.5 * i
+        done = i // 3
+        _prefill_heartbeat(reg, clock, t, tokens=500.0 * i, busy_s=0.4 * i, prompts=done, hist_s=1.5 * done)
+        view = planner.views.build(reg.handles.values(), (0.0, 0.0), t)
+        if i >= 6:
+            assert view.of(Role.PREFILL)[0].prefill_tps == pytest.approx(1250.0)
+            prompts.append(view.prompt_tokens)
+    # the window (10 s: 20 heartbeats, about 6 prompts) is off by at most one chunk at each end
+    assert all(1200 <= p <= 1800 for p in prompts[-6:]), prompts

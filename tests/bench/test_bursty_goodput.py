@@ -1,0 +1,110 @@
+"""The bursty-trace goodput benchmark's pieces, in process: the phase plan, the seeded trace (phase
+kinds, arrival windows, lengths, rates), the goodput accounting over hand-built results (both SLOs,
+failures, the trace-length denominator), the planner / best-static ratio, the table, and the
+launch flags of each configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.serve import bursty
+from bench.serve.client import RequestResult
+from bench.serve.stats import SLO
+from bench.serve.workload import WordCounter
+from benchmarks.role_goodput import parse_args, server_flags
+
+KINDS = bursty.default_kinds(prefill_rate=2.0, decode_rate=4.0)
+
+
+def test_phase_plan_alternates_or_holds_one_kind():
+    assert bursty.phase_plan(2) == [bursty.PREFILL, bursty.DECODE, bursty.PREFILL, bursty.DECODE]
+    assert bursty.phase_plan(2, bursty.DECODE) == [bursty.DECODE] * 4
+    with pytest.raises(ValueError):
+        bursty.phase_plan(0)
+    with pytest.raises(ValueError):
+        bursty.phase_plan(1, "mixed")
+
+
+def test_the_trace_follows_its_phases_and_is_seeded():
+    plan = bursty.phase_plan(2)
+    trace = bursty.make_trace(plan, KINDS, 10.0, WordCounter(), seed=3)
+    assert trace == bursty.make_trace(plan, KINDS, 10.0, WordCounter(), seed=3)
+    assert trace != bursty.make_trace(plan, KINDS, 10.0, WordCounter(), seed=4)
+    assert [r.index for r in trace] == list(range(len(trace)))
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    for r in trace:
+        phase = int(r.arrival_s // 10.0)
+        assert r.kind == plan[phase]
+        lo, hi = KINDS[r.kind].input_range
+        assert lo <= r.prompt_len <= hi and r.output_len == KINDS[r.kind].output_len
+    by_kind = {k: sum(r.kind == k for r in trace) for k in KINDS}
+    # 2 phases of 10 s each kind: about 2*10*2 = 40 prefill-heavy and 2*10*4 = 80 decode-heavy
+    assert 25 <= by_kind[bursty.PREFILL] <= 55 and 60 <= by_kind[bursty.DECODE] <= 100
+    assert {r.prompt_len for r in trace if r.kind == bursty.DECODE} == {100}
+
+
+def test_phase_arrivals_keep_to_the_phase():
+    import random
+
+    times = bursty.phase_arrivals(50.0, 2.0, random.Random(0))
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 2.0 and 70 <= len(times) <= 130
+
+
+def _r(i: int, ttft: float, tpot: float, ok: bool = True, n: int = 11) -> RequestResult:
+    r = RequestResult(i, "x", ok, 100, n, ttft_s=ttft, e2e_s=ttft + tpot * (n - 1), output_tokens=n)
+    if not ok:
+        r.error = "HTTP 500"
+    return r
+
+
+SLO_ = SLO(ttft_ms=1000, tpot_ms=100)
+
+
+def test_goodput_counts_requests_meeting_both_slos_over_the_trace_length():
+    results = [_r(0, 0.5, 0.05), _r(1, 0.9, 0.099), _r(2, 1.5, 0.05), _r(3, 0.5, 0.2), _r(4, 0.1, 0.01, ok=False)]
+    o = bursty.outcome("1p2d", "bursty", results, trace_s=20.0, slo=SLO_, role_switches=0)
+    assert (o.requests, o.met, o.failed) == (5, 2, 1)
+    assert o.goodput == pytest.approx(2 / 20.0) and o.met_share == pytest.approx(0.4)
+    assert o.ttft_p50_ms == pytest.approx(700.0)  # of the four that succeeded: 0.5, 0.5, 0.9, 1.5
+    assert o.tpot_p99_ms == pytest.approx(197.0)  # 50, 50, 99, 200: 99 + 0.97 * 101
+    with pytest.raises(ValueError):
+        bursty.outcome("x", "t", results, 20.0, SLO(ttft_ms=1000))
+
+
+def test_the_ratio_is_the_planner_over_the_best_static_split_of_the_same_trace():
+    good = [_r(i, 0.5, 0.05) for i in range(6)]
+    rows = [
+        bursty.outcome("1p2d", "bursty", good[:2], 10.0, SLO_),
+        bursty.outcome("2p1d", "bursty", good[:4], 10.0, SLO_),
+        bursty.outcome("planner", "bursty", good[:5], 10.0, SLO_, role_switches=3, planner=True),
+        bursty.outcome("1p2d", "steady", good[:4], 10.0, SLO_),
+        bursty.outcome("planner", "steady", good[:2], 10.0, SLO_, planner=True),
+    ]
+    assert bursty.planner_ratio(rows, "bursty") == pytest.approx(1.25)
+    assert bursty.planner_ratio(rows, "steady") == pytest.approx(0.5)
+    assert bursty.planner_ratio(rows, "nothing") is None
+    table = bursty.goodput_table(rows)
+    assert [row[-1] for row in table] == [None, None, pytest.approx(1.25), None, pytest.approx(0.5)]
+    assert table[2][bursty.COLUMNS.index("role switches")] == 3
+    text = bursty.format_table(table).splitlines()
+    assert text[0].split()[:2] == ["trace", "configuration"] and len(text) == 6
+    assert text[1].split()[-1] == "-" and text[3].split()[-1] == "1.25"
+
+
+def test_a_static_split_that_met_nothing_gives_no_ratio():
+    rows = [
+        bursty.outcome("1p2d", "bursty", [_r(0, 5.0, 0.05)], 10.0, SLO_),
+        bursty.outcome("planner", "bursty", [_r(0, 0.5, 0.05)], 10.0, SLO_, planner=True),
+    ]
+    assert bursty.planner_ratio(rows, "bursty") is None
+
+
+def test_only_the_planner_configuration_launches_the_planner():
+    args = parse_args(["--slo-ttft-ms", "3000", "--slo-tpot-ms", "150", "--planner-start", "2p1d"])
+    static, planned = server_flags("1p2d", args), server_flags("planner", args)
+    assert "--planner" not in static and static[:4] == ["--prefill", "1", "--decode", "2"]
+    assert planned[:4] == ["--prefill", "2", "--decode", "1"]
+    i = planned.index("--planner")
+    assert planned[i + 1] == "slo" and planned[planned.index("--slo-tpot-ms") + 1] == "150.0"
+    with pytest.raises(SystemExit):
+        parse_args(["--slo-ttft-ms", "1", "--slo-tpot-ms", "1", "--configs", "3p0d"])
