@@ -16,6 +16,13 @@ from transfer.wire.protocol import HistogramData, RoleSwitched, TokenDelta, Work
 ROLES = {"p": "prefill", "d": "decode", "c": "colocated"}
 
 
+def fake_stats(worker_id: str, role: str, nonce: int, instance: str = "", **fields) -> WorkerStats:
+    """A heartbeat answer of a small worker (256 tokens of KV, page 16, model "m"); ``fields``
+    override or add ``WorkerStats`` fields."""
+    base = {"model": "m", "capacity_tokens": 256, "max_model_len": 512, "page_size": 16}
+    return WorkerStats(nonce=nonce, worker_id=worker_id, instance=instance, role=role, **(base | fields))
+
+
 class Sent(NamedTuple):
     """One message the router sent a worker: its kind, request id, resumed ids and parameters."""
 
@@ -62,16 +69,7 @@ class ScriptedColocated(RecordingClient):
         pass
 
     def request_stats(self, nonce: int) -> None:
-        stats = WorkerStats(
-            nonce=nonce,
-            worker_id=self.spec.worker_id,
-            role="colocated",
-            model="fake-model",
-            capacity_tokens=256,
-            max_model_len=512,
-            page_size=16,
-        )
-        self.on_stats(self.spec.worker_id, stats)
+        self.on_stats(self.spec.worker_id, fake_stats(self.spec.worker_id, "colocated", nonce, model="fake-model"))
 
     def generate(self, rid, ids, params, **k) -> None:
         super().generate(rid, ids, params, **k)
@@ -123,20 +121,8 @@ class SwitchingClient:
         pass
 
     def request_stats(self, nonce: int) -> None:
-        stats = WorkerStats(
-            nonce=nonce,
-            worker_id=self.spec.worker_id,
-            instance=self.instance,
-            role=self.role,
-            model="m",
-            capacity_tokens=256,
-            max_model_len=512,
-            page_size=16,
-            counters=self.counters,
-            gauges=self.gauges,
-            histograms=self.histograms,
-        )
-        self.on_stats(self.spec.worker_id, stats)
+        extra = {"counters": self.counters, "gauges": self.gauges, "histograms": self.histograms}
+        self.on_stats(self.spec.worker_id, fake_stats(self.spec.worker_id, self.role, nonce, self.instance, **extra))
 
     async def switch_role(self, role: Role, timeout_s: float) -> RoleSwitched:
         self.switches.append(role)
