@@ -89,7 +89,7 @@ def test_a_worker_that_dies_mid_switch_ends_the_switch_at_once():
     h.client.hold = asyncio.Event()  # it evacuates and never answers: it is killed meanwhile
 
     async def scenario():
-        switch = asyncio.create_task(switch_role(reg, "decode-1", Role.PREFILL, timeout_s=60))
+        switch = asyncio.create_task(switch_role(reg, "decode-1", Role.PREFILL, timeout_s=3))
         await asyncio.sleep(0.1)
         assert h.state == SWITCHING and not switch.done()
         reg.mark_dead("decode-1", "worker process exited with code -9")

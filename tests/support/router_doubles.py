@@ -131,7 +131,7 @@ class SwitchingClient:
             self.request_stats(0)  # a heartbeat during the switch does not bring it back into rotation
             self.seen_states.append(self.registry.handles[self.spec.worker_id].state)
         if self.hold is not None:
-            await self.hold.wait()
+            await asyncio.wait_for(self.hold.wait(), timeout_s)
         if self.answer != "ok":
             return RoleSwitched(ok=False, role=self.role, error=self.answer)
         self.role, self.instance = role, f"{self.spec.worker_id}-2"
