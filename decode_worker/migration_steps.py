@@ -14,7 +14,6 @@ import numpy as np
 
 from decode_worker.jobs import DecodeJob, DecodeState
 from engine.request import Request
-from engine.sampling import SamplerState
 from engine.scheduler.base import Outcome
 from transfer.wire.outbox import Conn, Outbox
 from transfer.wire.protocol import (
@@ -90,13 +89,10 @@ def admit_migrated(s, owner: bytes, msg: MigrateRequest, ids: list[int]) -> Outb
     elif s.retract.queue or any(not j.migrated for j in s.transfers.prealloc):
         why = "this decode worker has requests waiting for pages itself"
     if why is None:
-        req = Request(
-            msg.rid,
-            list(ids[: msg.prompt_len]),
-            msg.params,
-            SamplerState.new(msg.params, vocab, ids[: msg.prompt_len]),
-            owner=owner,
-        )
+        prompt = list(ids[: msg.prompt_len])
+        # the runner's state: with a structured-output request's grammar matcher, which then consumes
+        # the output so far (a bare SamplerState would drop the constraint for the rest of the stream)
+        req = Request(msg.rid, prompt, msg.params, s.runner.sampler_state(msg.params, prompt), owner=owner)
         for t in ids[msg.prompt_len :]:
             req.output_ids.append(t)
             req.sampler_state.append(t)

@@ -33,7 +33,12 @@ from server.router.http_util import check_api_key
 from server.router.registry import READY, WorkerHandle
 
 STATIC_DIR = Path(__file__).with_name("static")
-ASSETS = {"dashboard.js": "text/javascript", "chart.js": "text/javascript", "dashboard.css": "text/css"}
+ASSETS = {
+    "dashboard.js": "text/javascript",
+    "chart.js": "text/javascript",
+    "roles.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
 SNAPSHOT_VERSION = 1
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'",
@@ -77,11 +82,21 @@ class WorkerSnapshot(BaseModel):
     histograms: dict[str, HistogramSnapshot]
 
 
+class RoleSwitchCount(BaseModel):
+    """Completed live role switches of one kind (``pdserve_role_switches_total{from,to,reason}``)."""
+
+    old: str
+    new: str
+    reason: str
+    count: float
+
+
 class RouterSnapshot(BaseModel):
     """The router's own series: requests by HTTP status (cumulative) and latency histograms; the
     admission stage's requests never forwarded by reason (cumulative), the queue-wait histogram and
     the queue now by API key name, ``[requests, tokens]``; failovers by the worker that died and
-    outcome (cumulative), the tokens continuations computed again and the stall clients saw."""
+    outcome (cumulative), the tokens continuations computed again and the stall clients saw; the
+    completed role switches (cumulative; each worker's role now is in its ``WorkerSnapshot``)."""
 
     inflight: int
     requests: dict[str, float]
@@ -94,6 +109,7 @@ class RouterSnapshot(BaseModel):
     failovers: dict[str, dict[str, float]]
     failover_recomputed: float
     failover_stall: HistogramSnapshot
+    role_switches: list[RoleSwitchCount]
 
 
 class DashboardSnapshot(BaseModel):
@@ -173,6 +189,17 @@ def counter_by_two_labels(counter: Counter, outer: str, inner: str) -> dict[str,
     return out
 
 
+def role_switch_counts(counter: Counter) -> list[RoleSwitchCount]:
+    """Every ``{from,to,reason}`` sample of the role switch counter, sorted by its labels."""
+    out = [
+        RoleSwitchCount(old=s.labels["from"], new=s.labels["to"], reason=s.labels["reason"], count=s.value)
+        for fam in counter.collect()
+        for s in fam.samples
+        if s.name.endswith("_total")
+    ]
+    return sorted(out, key=lambda c: (c.old, c.new, c.reason))
+
+
 def counter_value(counter: Counter) -> float:
     """The value of an unlabelled ``Counter``."""
     return next(s.value for fam in counter.collect() for s in fam.samples if s.name.endswith("_total"))
@@ -195,6 +222,7 @@ def snapshot(ctx: RouterContext, clock: Callable[[], float] = time.monotonic) ->
         failovers=counter_by_two_labels(m.failovers, "worker", "outcome"),
         failover_recomputed=counter_value(m.failover_recomputed),
         failover_stall=histogram_snapshot(m.failover_stall),
+        role_switches=role_switch_counts(m.role_switches),
     )
     return DashboardSnapshot(
         t=now,

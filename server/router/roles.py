@@ -9,7 +9,10 @@ its requests out (a decode worker's migrate to peer decode workers through this 
 On success the worker's spec takes the new role and its new process instance, and the switch
 returns once a heartbeat of the new role made it ready again, counted in
 ``pdserve_role_switches_total{from,to,reason}``. On a refusal or a timeout the worker is back in
-rotation in its old role (a worker that died meanwhile is found by the heartbeats as usual).
+rotation in its old role. A worker that dies meanwhile (the launcher's exit notice, its control
+connection, the heartbeats: the registry marks it dead) ends the switch at once, refused (409 naming
+why), not at ``timeout_s``: its requests fail over as for any dead worker and it comes back, if
+restarted, in its launch role; nothing is counted.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ async def switch_role(registry: Registry, worker_id: str, role: Role, timeout_s:
     h.state, h.reason = SWITCHING, f"switching role to {role}"
     log.warning("worker %s: switching role %s -> %s", worker_id, old, role)
     try:
-        answer = await h.client.switch_role(role, timeout_s)
+        answer = await _answer(h, role, timeout_s)
+    except SwitchOvertaken as e:
+        raise SwitchRefused(409, f"worker {worker_id} did not switch: {e}") from None
     except Exception as e:  # noqa: BLE001 - unsent or unanswered: back in rotation, said why
         _back(h, f"switch not answered: {e}")
         raise SwitchRefused(409, f"worker {worker_id} did not switch: {e or 'no answer'}") from None
@@ -92,6 +97,24 @@ async def switch_role(registry: Registry, worker_id: str, role: Role, timeout_s:
     done = SwitchDone(worker_id, old, role, time.monotonic() - t0)
     log.warning("worker %s is a %s worker now (%.3f s)", worker_id, role, done.seconds)
     return done
+
+
+class SwitchOvertaken(RuntimeError):
+    """The worker left the ``switching`` state before it answered (it died, was restarted or drained)."""
+
+
+async def _answer(h, role: Role, timeout_s: float, poll_s: float = 0.05):
+    """The worker's ``RoleSwitched``; ``SwitchOvertaken`` as soon as the registry takes the worker out
+    of ``switching`` (a dead process never answers: waiting for ``timeout_s`` would hold the caller)."""
+    ask = asyncio.ensure_future(h.client.switch_role(role, timeout_s))
+    try:
+        while not ask.done():
+            if h.state != SWITCHING:
+                raise SwitchOvertaken(f"it is {h.state} before answering: {h.reason}")
+            await asyncio.wait({ask}, timeout=poll_s)
+        return ask.result()
+    finally:
+        ask.cancel()
 
 
 def _back(h, why: str) -> None:

@@ -221,6 +221,15 @@ class Cluster:
         return m
 
 
+def running(cluster: Cluster):
+    """For a module fixture (``yield from running(Cluster(...))``): the cluster started, stopped after."""
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def leaks(m: dict) -> tuple[float, float]:
     """(KV pages used on every worker, host pool bytes used) in ``m``."""
     return (

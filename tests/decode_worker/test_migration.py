@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,6 +17,7 @@ from bench.harness.pd_harness import checked_harnesses
 from configs.schema import PdserveConfig, migrate_bound
 from decode_worker.jobs import DecodeJob, DecodeState, IllegalTransition
 from decode_worker.migration import MigrationPolicy
+from decode_worker.migration_steps import admit_migrated
 from engine.request import Request
 from engine.sampling import SamplerState
 from server.router.inflight import InflightTable
@@ -28,8 +30,8 @@ from tests.support.migration_harness import MigrationHarness
 from tests.support.models import hf_greedy
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox
-from transfer.wire.protocol import MigrationEnded, MigrationOffer, TokenDelta, WorkerStats
-from transfer.wire.sampling_params import SamplingParams
+from transfer.wire.protocol import MigrateRequest, MigrationEnded, MigrationOffer, TokenDelta, WorkerStats
+from transfer.wire.sampling_params import SamplingParams, StructuredOutput
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 
@@ -408,3 +410,24 @@ def test_source_dies_mid_migration_fails_explicitly_and_target_frees(harness):
         time.sleep(0.01)
     assert moved and all(h.out[r]["finish"] == "abort" and "d1" in h.out[r]["error"] for r in moved)
     assert not h.d2.jobs and h.d2.migration_stats.in_failed == len(moved) and h.d2.migration_stats.in_done == 0
+
+
+def test_a_structured_request_keeps_its_grammar_on_the_target(harness, monkeypatch):
+    """The target builds a migrated request's sampler state as the runner builds any request's:
+    with the grammar matcher of a structured-output request, which then consumes the output so far,
+    so the constraint holds for the rest of the stream (a seeded ``json_schema`` request moved by a
+    role switch decoded unconstrained before)."""
+    h = harness()
+    consumed = []
+
+    class Matcher:
+        def consume(self, token_id: int) -> None:
+            consumed.append(token_id)
+
+    monkeypatch.setattr(h.d2.runner, "grammar", SimpleNamespace(matcher=lambda spec: Matcher()))
+    params = SamplingParams(max_new_tokens=16, temperature=0, structured=StructuredOutput(kind="json", spec="{}"))
+    msg = MigrateRequest(rid="m0", params=params, room=1, source_addr="tcp://127.0.0.1:1", prompt_len=4, n_tokens=5)
+    admit_migrated(h.d2, b"router", msg, [5, 6, 7, 8, 9, 10])
+    state = h.d2.jobs["m0"].req.sampler_state
+    assert isinstance(state.matcher, Matcher) and consumed == [9, 10] and state.num_generated == 2
+    h.d2.abort("m0")

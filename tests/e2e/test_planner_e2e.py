@@ -18,25 +18,17 @@ from bench.harness.subprocess_server import metric_sum, scrape_metrics, wait_idl
 from tests.e2e.test_migration_e2e import PROMPTS as MIGRATION_PROMPTS
 from tests.e2e.test_migration_e2e import stream_all
 from tests.support.models import strip_eos
-from transfer.wire.sampling_params import SamplingParams
+from tests.support.role_switch_launch import HEARTBEAT_S, greedy_refs, held, launch_switchable_pd
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-HEARTBEAT_S = 0.2
 NEW_TOKENS = 32
 PROMPTS = MIGRATION_PROMPTS[:4]
 
 
 @pytest.fixture(scope="module")
 def refs(embedded):
-    """The colocated engine's greedy tokens of every prompt."""
-    from engine.llm import LLM
-    from tests.support.models import engine_cfg, sched_cfg
-
-    tok = embedded[2]
-    colocated = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(), loaded=(embedded[0], embedded[1], tok))
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
-    return [colocated.generate_ids([tok.encode(p)], params)[0].token_ids for p in PROMPTS]
+    return greedy_refs(embedded, PROMPTS, NEW_TOKENS)
 
 
 def planner_switches(m: dict, old: str, new: str) -> float:
@@ -45,16 +37,8 @@ def planner_switches(m: dict, old: str, new: str) -> float:
 
 def test_a_ttft_slo_no_prefill_meets_turns_one_decode_worker_into_a_prefill_worker(launched_server, embedded, refs):
     tok = embedded[2]
-    srv = launched_server(
-        "pd",
-        "--decode",
-        "2",
-        "--migrate-after",
-        "100000",  # the migration path a decode -> prefill switch needs, no migration of its own
-        "--host-kv-pool-gb",
-        "0.25",
-        "--kv-pool-tokens",
-        "2048",
+    srv = launch_switchable_pd(
+        launched_server,
         "--planner",
         "slo",
         "--slo-ttft-ms",
@@ -67,12 +51,6 @@ def test_a_ttft_slo_no_prefill_meets_turns_one_decode_worker_into_a_prefill_work
         "2",
         "--planner-dwell-s",
         "3600",
-        "--health-interval-s",
-        str(HEARTBEAT_S),
-        "--worker-timeout-s",
-        "30",
-        "--log-level",
-        "INFO",
     )
     url = srv.url
     wait_idle(url, HEARTBEAT_S)
@@ -96,7 +74,4 @@ def test_a_ttft_slo_no_prefill_meets_turns_one_decode_worker_into_a_prefill_work
     assert planner_switches(m, "decode", "prefill") == 1 and planner_switches(m, "prefill", "decode") == 0
     assert metric_sum(m, "pdserve_role_switches_total", reason="admin") == 0
     assert metric_sum(m, "pdserve_requests_total", status="200") == 2 * len(PROMPTS)
-    for w in ("prefill-0", "decode-0", "decode-1"):
-        assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0, w
-    for w in ("decode-0", "decode-1"):
-        assert metric_sum(m, "pdserve_host_kv_pool_bytes", worker=w, state="used") == 0, w
+    assert held(m) == {}

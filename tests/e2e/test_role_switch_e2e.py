@@ -6,11 +6,14 @@ stream: its requests migrate to decode-0 and every stream ends with the colocate
 tokens (equal to transformers, tests/e2e/test_pd_http.py), none failed. ``/health`` then lists
 ``decode-1 (prefill)``, a switch that would leave no decode worker is refused (409), new requests
 prefill on both prefill workers, and decode-1 switches back (``pdserve role``) and decodes again. Each switch moves
-``pdserve_role_switches_total`` by exactly one; no KV page or host buffer is left in use."""
+``pdserve_role_switches_total`` by exactly one; no KV page or host buffer is left in use. The
+dashboard, open in headless Chromium throughout, draws decode-1's role timeline: a prefill band
+after a decode one, a switch marker each way, and role switch tiles equal to ``/metrics``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -19,28 +22,41 @@ import httpx
 import pytest
 
 from bench.harness.subprocess_server import metric_sum, scrape_metrics, wait_idle
+from tests.e2e.test_failover_dashboard import browser
 from tests.e2e.test_migration_e2e import PROMPTS as MIGRATION_PROMPTS
 from tests.e2e.test_migration_e2e import stream_all
+from tests.router.dashboard_dom import dom_values
 from tests.support.models import strip_eos
-from transfer.wire.sampling_params import SamplingParams
+from tests.support.role_switch_launch import HEARTBEAT_S, greedy_refs, held, launch_switchable_pd
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-HEARTBEAT_S = 0.2
 NEW_TOKENS = 64
 PROMPTS = MIGRATION_PROMPTS[:4]  # long greedy answers: still streaming when the switch comes
 
 
 @pytest.fixture(scope="module")
 def refs(embedded):
-    """The colocated engine's greedy tokens of every prompt."""
-    from engine.llm import LLM
-    from tests.support.models import engine_cfg, sched_cfg
+    return greedy_refs(embedded, PROMPTS, NEW_TOKENS)
 
-    tok = embedded[2]
-    colocated = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(), loaded=(embedded[0], embedded[1], tok))
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
-    return [colocated.generate_ids([tok.encode(p)], params)[0].token_ids for p in PROMPTS]
+
+# decode-1's role switch markers on the dashboard's role timeline, as "from>to"
+MARKERS = """[...document.querySelectorAll('#roles g.role-switch[data-worker="decode-1"]')]
+  .map((g) => `${g.dataset.from}>${g.dataset.to}`).join(',')"""
+# the roles of decode-1's bands on the timeline, oldest first, repeats merged
+BANDS = """[...document.querySelectorAll('#roles rect.band[data-worker="decode-1"]')].map((r) => r.dataset.role)
+  .filter((r, i, a) => i === 0 || a[i - 1] !== r).join(',')"""
+
+
+def role_tiles_differ(page, m: dict) -> list[str]:
+    """The page's role switch tiles that differ from the /metrics samples ``m`` (none shown: one entry)."""
+    shown = [(n, lab, v) for n, lab, v in dom_values(page)[0] if n == "pdserve_role_switches_total"]
+    bad = [] if shown else ["no role switch tile"]
+    for n, labels, value in shown:
+        want = metric_sum(m, n, **json.loads(labels))
+        if float(value) != want:
+            bad.append(f"{n}{labels}: page {value} != /metrics {want}")
+    return bad
 
 
 def switches(m: str, old: str, new: str) -> float:
@@ -74,30 +90,28 @@ async def switch_under_load(srv, worker: str, role: str) -> tuple[list, httpx.Re
 
 def test_decode_worker_switches_to_prefill_under_load_and_back(launched_server, embedded, refs):
     tok = embedded[2]
-    srv = launched_server(
-        "pd",
-        "--decode",
-        "2",
+    srv = launch_switchable_pd(
+        launched_server,
         "--route-decode",
         "decode-1",
-        "--migrate-after",
-        "100000",  # no migration of its own: only the switch moves requests
-        "--host-kv-pool-gb",
-        "0.25",
-        "--kv-pool-tokens",
-        "2048",
         "--test-step-delay-s",
-        "0.05",
-        "--health-interval-s",
-        str(HEARTBEAT_S),
-        "--worker-timeout-s",
-        "30",
-        "--log-level",
-        "INFO",
+        "0.05",  # the streams are still running when the switch comes
     )
     url = srv.url
     before = wait_idle(url, HEARTBEAT_S)
     assert switches(before, "decode", "prefill") == 0
+    with browser() as b:
+        page = None
+        if b is not None:  # without Chromium (and not required): the switches are checked, not the page
+            page = b.open()
+            page.navigate(f"{url}/dashboard")
+            page.wait_for("document.querySelectorAll('#roles rect.band').length >= 3", 30)
+        switch_and_back(srv, tok, refs, page)
+
+
+def switch_and_back(srv, tok, refs, page) -> None:
+    """The scenario of the module docstring; ``page``: the dashboard in Chromium, or None."""
+    url = srv.url
 
     # streams in flight on decode-1, then the switch
     results, r = asyncio.run(switch_under_load(srv, "decode-1", "prefill"))
@@ -137,7 +151,10 @@ def test_decode_worker_switches_to_prefill_under_load_and_back(launched_server, 
     assert switches(m, "decode", "prefill") == 1 and switches(m, "prefill", "decode") == 1
     assert metric_sum(m, "pdserve_generation_tokens_total", worker="decode-1") > 0
     assert metric_sum(m, "pdserve_requests_total", status="200") == len(PROMPTS) * 3 + 2
-    for w in ("prefill-0", "decode-0", "decode-1"):
-        assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0, w
-    for w in ("decode-0", "decode-1"):
-        assert metric_sum(m, "pdserve_host_kv_pool_bytes", worker=w, state="used") == 0, w
+    assert held(m) == {}
+    if page is not None:
+        page.wait_for(f"{MARKERS} === 'decode>prefill,prefill>decode'", 15)
+        assert page.evaluate(BANDS) == "decode,prefill,decode"
+        page.wait_for("document.querySelectorAll('#roles-tiles [data-metric]').length === 2", 15)
+        assert role_tiles_differ(page, scrape_metrics(url)) == []
+        assert page.errors() == []

@@ -17,13 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from configs.schema import PdserveConfig
 from server.router.app import build_context
-from server.router.dashboard import snapshot
+from server.router.dashboard import ASSETS, snapshot
 from server.router.failover import OUTCOMES as FAILOVER_OUTCOMES
 from server.router.metrics import MIGRATION_OUTCOMES, WORKER_COUNTERS, WORKER_HISTOGRAMS
 from server.router.registry import WorkerSpec
 from transfer.wire.protocol import HistogramData, WorkerStats
 
-JS = (Path(__file__).resolve().parents[2] / "server/router/static/dashboard.js").read_text()
+JS_DIR = Path(__file__).resolve().parents[2] / "server/router/static"
+JS = (JS_DIR / "dashboard.js").read_text()
 
 
 class _Client:
@@ -73,6 +74,7 @@ def _exported() -> set[str]:
     ctx.metrics.observe_request(200)
     ctx.metrics.observe_shed("queue_full")  # a labelled counter has samples once it moved
     ctx.metrics.failovers.labels(worker="d0", outcome="continued").inc()
+    ctx.metrics.observe_role_switch("decode", "prefill", "admin")
     ctx.metrics.observe_latency(0.1, 0.01, 0.5, 0.001)
     names = set()
     for fam in text_string_to_metric_families(ctx.metrics.render().decode()):
@@ -91,7 +93,8 @@ def test_every_series_the_page_names_is_exported():
         "pdserve_migration_bytes_total",
         "pdserve_migration_seconds_count",
         "pdserve_migration_seconds",
-    } <= named | hists  # the migration panel is there
+        "pdserve_role_switches_total",
+    } <= named | hists  # the migration panel and the role timeline's tiles are there
     exported = _exported()
     missing = sorted(n for n in named - hists if n not in exported)
     missing += sorted(h for h in hists if f"{h}_bucket" not in exported)
@@ -139,3 +142,26 @@ def test_snapshot_carries_the_failover_series_as_metrics_counts_them():
     assert after.failovers == {"c0": {"continued": 2.0, "limit": 1.0}}
     assert after.failover_recomputed == 17
     assert sum(after.failover_stall.counts) == 2 and after.failover_stall.sum == pytest.approx(1.0)
+
+
+def test_snapshot_carries_the_role_switches_as_metrics_counts_them():
+    """``/dashboard/data`` lists the completed role switches by old role, new role and reason,
+    moved by exactly what the router counted, and each worker's role now."""
+    specs = [WorkerSpec("p0", "prefill", "tcp://x"), WorkerSpec("d0", "decode", "tcp://y")]
+    ctx = build_context(PdserveConfig(), None, "m", specs, lambda *a: _Client())
+    assert snapshot(ctx).router.role_switches == []
+    ctx.metrics.observe_role_switch("decode", "prefill", "admin")
+    ctx.metrics.observe_role_switch("decode", "prefill", "planner")
+    ctx.metrics.observe_role_switch("decode", "prefill", "planner")
+    got = [(c.old, c.new, c.reason, c.count) for c in snapshot(ctx).router.role_switches]
+    assert got == [("decode", "prefill", "admin", 1.0), ("decode", "prefill", "planner", 2.0)]
+    ctx.registry.handles["d0"].spec = WorkerSpec("d0", "prefill", "tcp://y")
+    assert [(w.id, w.role) for w in snapshot(ctx).workers] == [("p0", "prefill"), ("d0", "prefill")]
+
+
+def test_the_role_timeline_script_is_served_and_loaded_before_the_page_script():
+    """The page loads ``roles.js`` (``PdRoles``) before ``dashboard.js``, which draws with it."""
+    html = (JS_DIR / "dashboard.html").read_text()
+    assert "roles.js" in ASSETS and html.index("static/roles.js") < html.index("static/dashboard.js")
+    assert "PdRoles.ingest(snap" in JS and "PdRoles.render(" in JS
+    assert "const PdRoles" in (JS_DIR / "roles.js").read_text()

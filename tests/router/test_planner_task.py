@@ -18,8 +18,9 @@ from server.router.metrics import RouterMetrics
 from server.router.planner import Knobs
 from server.router.planner_task import Planner, knobs_of, queue_wait_of
 from server.router.registry import READY, Registry, WorkerSpec
+from tests.support.router_doubles import SwitchingClient
 from transfer.wire.enums import Role
-from transfer.wire.protocol import HistogramData, RoleSwitched, WorkerStats
+from transfer.wire.protocol import HistogramData
 
 pytestmark = pytest.mark.unit
 
@@ -32,48 +33,10 @@ class Clock:
         return self.t
 
 
-class StatsClient:
-    """Reports ``counters``/``gauges``/``histograms`` in its heartbeats and switches when asked."""
-
-    def __init__(self, spec: WorkerSpec, on_tokens, on_stats) -> None:
-        self.spec, self.on_stats, self.role, self.instance = spec, on_stats, spec.role, f"{spec.worker_id}-1"
-        self.counters: dict[str, float] = {}
-        self.gauges: dict[str, float] = {}
-        self.histograms: dict[str, HistogramData] = {}
-        self.switches: list[Role] = []
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def request_stats(self, nonce: int) -> None:
-        stats = WorkerStats(
-            nonce=nonce,
-            worker_id=self.spec.worker_id,
-            instance=self.instance,
-            role=self.role,
-            model="m",
-            capacity_tokens=256,
-            max_model_len=512,
-            page_size=16,
-            counters=self.counters,
-            gauges=self.gauges,
-            histograms=self.histograms,
-        )
-        self.on_stats(self.spec.worker_id, stats)
-
-    async def switch_role(self, role: Role, timeout_s: float) -> RoleSwitched:
-        self.switches.append(role)
-        self.role, self.instance = role, f"{self.spec.worker_id}-2"
-        return RoleSwitched(ok=True, role=role, instance=self.instance, seconds=0.01)
-
-
 def cluster() -> tuple[Registry, RouterMetrics, Clock]:
     clock = Clock()
     specs = [WorkerSpec(w, r, f"tcp://{w}:1") for w, r in (("prefill-0", Role.PREFILL), *DECODERS)]
-    reg = Registry(specs, StatsClient, InflightTable(), clock=clock)
+    reg = Registry(specs, SwitchingClient, InflightTable(), clock=clock)
     return reg, RouterMetrics(lambda: reg.handles.values(), lambda: 0), clock
 
 
@@ -221,7 +184,7 @@ def test_the_view_takes_rates_between_heartbeats_and_the_queue_wait_since_the_la
 def test_a_persistent_tpot_violation_switches_a_prefill_worker_to_decode():
     clock = Clock()
     roles = (("prefill-0", Role.PREFILL), ("prefill-1", Role.PREFILL), ("decode-0", Role.DECODE))
-    reg = Registry([WorkerSpec(w, r, f"tcp://{w}:1") for w, r in roles], StatsClient, InflightTable(), clock=clock)
+    reg = Registry([WorkerSpec(w, r, f"tcp://{w}:1") for w, r in roles], SwitchingClient, InflightTable(), clock=clock)
     metrics = RouterMetrics(lambda: reg.handles.values(), lambda: 0)
     tight = Knobs(slo_ttft_s=1.4, slo_tpot_s=0.1, hysteresis=2, headroom=0.7)
     planner = Planner(reg, metrics, tight, 5, clock=clock)

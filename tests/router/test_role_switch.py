@@ -1,7 +1,8 @@
 """The router's side of a live role switch (server.router.roles) over worker client doubles: what is
 refused (404, 409: a role left empty, the same role, a worker not ready), what a switch changes
 (out of rotation while it runs, the spec's role and instance after it, ready on the next heartbeat),
-and a refusal from the worker putting it back in rotation in its old role."""
+a refusal from the worker putting it back in rotation in its old role, and a worker that dies
+mid-switch ending the switch at once (409), uncounted, not at the switch's timeout."""
 
 from __future__ import annotations
 
@@ -12,52 +13,15 @@ import pytest
 from server.router.inflight import InflightTable
 from server.router.registry import READY, Registry, WorkerSpec
 from server.router.roles import SwitchRefused, check_switch, switch_role
-from server.router.workers import SWITCHING
+from server.router.workers import DEAD, SWITCHING
+from tests.support.router_doubles import SwitchingClient
 from transfer.wire.enums import Role
-from transfer.wire.protocol import RoleSwitched, WorkerStats
 
 pytestmark = pytest.mark.unit
 
 
-class RoleClient:
-    """Reports its current role in every heartbeat; ``switch_role`` answers as ``answer`` says."""
-
-    def __init__(self, spec: WorkerSpec, on_tokens, on_stats) -> None:
-        self.spec, self.on_stats = spec, on_stats
-        self.role, self.instance, self.answer, self.seen_states = spec.role, f"{spec.worker_id}-1", "ok", []
-        self.registry: Registry | None = None
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def request_stats(self, nonce: int) -> None:
-        stats = WorkerStats(
-            nonce=nonce,
-            worker_id=self.spec.worker_id,
-            instance=self.instance,
-            role=self.role,
-            model="m",
-            capacity_tokens=256,
-            max_model_len=512,
-            page_size=16,
-        )
-        self.on_stats(self.spec.worker_id, stats)
-
-    async def switch_role(self, role: Role, timeout_s: float) -> RoleSwitched:
-        self.seen_states.append(self.registry.handles[self.spec.worker_id].state)
-        self.request_stats(0)  # a heartbeat during the switch does not bring it back into rotation
-        self.seen_states.append(self.registry.handles[self.spec.worker_id].state)
-        if self.answer != "ok":
-            return RoleSwitched(ok=False, role=self.role, error=self.answer)
-        self.role, self.instance = role, f"{self.spec.worker_id}-2"
-        return RoleSwitched(ok=True, role=role, instance=self.instance, seconds=0.01)
-
-
 def registry(*specs: tuple[str, Role]) -> Registry:
-    reg = Registry([WorkerSpec(w, r, f"tcp://{w}:1") for w, r in specs], RoleClient, InflightTable())
+    reg = Registry([WorkerSpec(w, r, f"tcp://{w}:1") for w, r in specs], SwitchingClient, InflightTable())
     for h in reg.handles.values():
         h.client.registry = reg
         h.client.request_stats(0)
@@ -117,3 +81,26 @@ def test_a_worker_that_refuses_serves_on_in_its_old_role():
     assert e.value.status == 409
     h.client.request_stats(1)
     assert h.spec.role == Role.DECODE and h.state == READY
+
+
+def test_a_worker_that_dies_mid_switch_ends_the_switch_at_once():
+    reg = registry(*PD)
+    h = reg.handles["decode-1"]
+    h.client.hold = asyncio.Event()  # it evacuates and never answers: it is killed meanwhile
+
+    async def scenario():
+        switch = asyncio.create_task(switch_role(reg, "decode-1", Role.PREFILL, timeout_s=3))
+        await asyncio.sleep(0.1)
+        assert h.state == SWITCHING and not switch.done()
+        reg.mark_dead("decode-1", "worker process exited with code -9")
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(SwitchRefused) as e:
+            await switch
+        return e.value, asyncio.get_running_loop().time() - t0
+
+    refused, waited = asyncio.run(scenario())
+    assert refused.status == 409 and waited < 1.0
+    assert str(refused) == (
+        "worker decode-1 did not switch: it is dead before answering: worker process exited with code -9"
+    )
+    assert h.state == DEAD and h.spec.role == Role.DECODE

@@ -1,6 +1,7 @@
 """Worker-client doubles for the router's registry and session tests: a client that records what
 the router sends it, a colocated one that also answers heartbeats and plays scripted deltas, and a
-registry of ready workers named by role (``p0``, ``d1``, ``c0``)."""
+registry of ready workers named by role (``p0``, ``d1``, ``c0``), and a client that switches role
+when asked (``SwitchingClient``, for the role switch and planner tests)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from typing import NamedTuple
 
 from server.router.inflight import InflightTable
 from server.router.registry import ROUTING_POLICIES, Registry, WorkerSpec
-from transfer.wire.protocol import TokenDelta, WorkerStats
+from transfer.wire.enums import Role
+from transfer.wire.protocol import HistogramData, RoleSwitched, TokenDelta, WorkerStats
 
 ROLES = {"p": "prefill", "d": "decode", "c": "colocated"}
+
+
+def fake_stats(worker_id: str, role: str, nonce: int, instance: str = "", **fields) -> WorkerStats:
+    """A heartbeat answer of a small worker (256 tokens of KV, page 16, model "m"); ``fields``
+    override or add ``WorkerStats`` fields."""
+    base = {"model": "m", "capacity_tokens": 256, "max_model_len": 512, "page_size": 16}
+    return WorkerStats(nonce=nonce, worker_id=worker_id, instance=instance, role=role, **(base | fields))
 
 
 class Sent(NamedTuple):
@@ -60,16 +69,7 @@ class ScriptedColocated(RecordingClient):
         pass
 
     def request_stats(self, nonce: int) -> None:
-        stats = WorkerStats(
-            nonce=nonce,
-            worker_id=self.spec.worker_id,
-            role="colocated",
-            model="fake-model",
-            capacity_tokens=256,
-            max_model_len=512,
-            page_size=16,
-        )
-        self.on_stats(self.spec.worker_id, stats)
+        self.on_stats(self.spec.worker_id, fake_stats(self.spec.worker_id, "colocated", nonce, model="fake-model"))
 
     def generate(self, rid, ids, params, **k) -> None:
         super().generate(rid, ids, params, **k)
@@ -92,3 +92,47 @@ def ready_registry(mode: str, *ids: str) -> Registry:
         )
         reg.on_stats(s.worker_id, stats)
     return reg
+
+
+class SwitchingClient:
+    """A worker that reports its current role (and ``counters``/``gauges``/``histograms``) in every
+    heartbeat and answers ``switch_role``: with ``answer`` "ok" it takes the role under a new
+    instance, otherwise it refuses with ``answer`` as the error. ``switches``: the roles asked for;
+    ``seen_states``: its registry state (``registry``, when set) as the switch began and after a
+    heartbeat sent during it; ``hold``: an event the answer waits for (a switch in progress)."""
+
+    def __init__(self, spec: WorkerSpec, on_tokens=None, on_stats=None) -> None:
+        self.spec, self.on_stats, self.role, self.instance = spec, on_stats, spec.role, f"{spec.worker_id}-1"
+        self.counters: dict[str, float] = {}
+        self.gauges: dict[str, float] = {}
+        self.histograms: dict[str, HistogramData] = {}
+        self.switches: list[Role] = []
+        self.seen_states: list[str] = []
+        self.answer, self.hold = "ok", None
+        self.registry: Registry | None = None
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def abort(self, rids, reason) -> None:
+        pass
+
+    def request_stats(self, nonce: int) -> None:
+        extra = {"counters": self.counters, "gauges": self.gauges, "histograms": self.histograms}
+        self.on_stats(self.spec.worker_id, fake_stats(self.spec.worker_id, self.role, nonce, self.instance, **extra))
+
+    async def switch_role(self, role: Role, timeout_s: float) -> RoleSwitched:
+        self.switches.append(role)
+        if self.registry is not None:
+            self.seen_states.append(self.registry.handles[self.spec.worker_id].state)
+            self.request_stats(0)  # a heartbeat during the switch does not bring it back into rotation
+            self.seen_states.append(self.registry.handles[self.spec.worker_id].state)
+        if self.hold is not None:
+            await asyncio.wait_for(self.hold.wait(), timeout_s)
+        if self.answer != "ok":
+            return RoleSwitched(ok=False, role=self.role, error=self.answer)
+        self.role, self.instance = role, f"{self.spec.worker_id}-2"
+        return RoleSwitched(ok=True, role=role, instance=self.instance, seconds=0.01)

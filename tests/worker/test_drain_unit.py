@@ -12,8 +12,9 @@ from server.router.inflight import InflightTable
 from server.router.membership import add_worker, drain_worker, remove_worker
 from server.router.registry import DEAD, DRAINED, DRAINING, READY, STARTING, Registry, WorkerSpec, route_pd
 from server.worker.drain import Drain, Verdict, as_unavailable
+from tests.support.router_doubles import fake_stats
 from transfer.wire.outbox import Outbox, Peer
-from transfer.wire.protocol import PrefillFailed, TokenDelta, WorkerStats
+from transfer.wire.protocol import PrefillFailed, TokenDelta
 
 
 class Clock:
@@ -95,22 +96,8 @@ class FakeClient:
         self.closed = True
 
     def request_stats(self, nonce: int) -> None:
-        self.on_stats(
-            self.spec.worker_id,
-            WorkerStats(
-                nonce=nonce,
-                worker_id=self.spec.worker_id,
-                instance="i1",
-                role=self.spec.role,
-                model="m",
-                cluster_id="c1",
-                capacity_tokens=1000,
-                max_model_len=512,
-                page_size=16,
-                draining=self.draining,
-                holding=self.holding,
-            ),
-        )
+        fields = {"cluster_id": "c1", "capacity_tokens": 1000, "draining": self.draining, "holding": self.holding}
+        self.on_stats(self.spec.worker_id, fake_stats(self.spec.worker_id, self.spec.role, nonce, "i1", **fields))
 
     def drain(self, reason: str) -> None:
         self.drains.append(reason)

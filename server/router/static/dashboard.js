@@ -178,6 +178,7 @@
     }
     record("tokens", snap.t, tokens);
     ingestRouter(snap);
+    PdRoles.ingest(snap, SPAN);
   }
 
   // ---- rendering ---------------------------------------------------------------------------------
@@ -220,6 +221,14 @@
       htmlEl("td", "", tr, w.stats_age_s === null ? "–" : fmt.seconds(w.stats_age_s));
       htmlEl("td", "reason", tr, w.reason || "");
     }
+  }
+
+  /** The role timeline and the completed role switches (pdserve_role_switches_total{from,to,reason}). */
+  function renderRoles(snap) {
+    tiles("roles-tiles", snap.router.role_switches.map((c) => ({
+      label: `role switches: ${c.old} → ${c.new} (${c.reason})`, value: c.count,
+      metric: "pdserve_role_switches_total", labels: { from: c.old, to: c.new, reason: c.reason } })));
+    PdRoles.render("roles", snap, view.span);
   }
 
   function renderPools(snap) {
@@ -422,6 +431,7 @@
     badge.title = snap.health;
     document.getElementById("updated").textContent = `updated ${new Date(snap.time * 1000).toLocaleTimeString()}`;
     renderWorkers(snap);
+    renderRoles(snap);
     renderPools(snap);
     renderQueues(snap);
     renderRetract(snap);
