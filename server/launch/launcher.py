@@ -38,6 +38,7 @@ import uvicorn
 import zmq.asyncio
 
 from configs.schema import PdserveConfig
+from server.launch.exit_watch import ExitWatch
 from server.launch.launch_auth import launch_auth
 from server.launch.ports import PortUnavailable, reserve_worker_ports
 from server.launch.roles import WORKER_ROLES, bind_addr, worker_argv, worker_specs
@@ -344,10 +345,14 @@ class Launcher:
         and restarted by ``server.launch.supervisor`` (back-off, then giving up with the reason in
         ``/health``); it serves again once it answers heartbeats."""
         supervisor = WorkerSupervisor(procs, RestartPolicy.from_config(self.cfg.cluster), registry)
-        while not self.stop_event.is_set() and not serve_task.done():
-            supervisor.tick()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop_event.wait(), 0.5)
+        exits = ExitWatch(asyncio.get_running_loop())  # an exit wakes the loop at once, not at the next tick
+        try:
+            while not self.stop_event.is_set() and not serve_task.done():
+                supervisor.tick()
+                exits.track(procs.live_pids())
+                await exits.wait(self.stop_event, 0.5)
+        finally:
+            exits.close()
 
     async def _run_workers_only(self, local: list[WorkerSpec]) -> int:
         """``--roles`` without ``router``: start the workers, print one line once every one answers

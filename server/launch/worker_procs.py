@@ -69,6 +69,11 @@ class WorkerProcesses:
                 out.append((spec, p.returncode))
         return out
 
+    def live_pids(self) -> list[int]:
+        """Pids of the worker processes not known to have exited (unreaped: ``new_exits`` reports
+        an exit, reaping it)."""
+        return [p.pid for wid, (_, p) in self.procs.items() if p.returncode is None and wid not in self._reported]
+
     def stop(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
         """Send ``sig`` to every live worker (SIGTERM: drain; SIGUSR1: drain without the quiet
         period, when no router is left to route to them), wait up to ``grace_s``, SIGKILL the rest;
@@ -94,6 +99,9 @@ class ExternalWorkers:
     """Workers this process did not start (``pdserve router``): nothing to watch, restart or stop."""
 
     def new_exits(self) -> list[tuple[WorkerSpec, int]]:
+        return []
+
+    def live_pids(self) -> list[int]:
         return []
 
     def restart(self, spec: WorkerSpec) -> None:  # pragma: no cover - never called without exits

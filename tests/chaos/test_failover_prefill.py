@@ -1,0 +1,111 @@
+"""Chaos rows for a prefill worker's death, on one launch of 2 prefill + 2 decode workers (the tiny
+model, real processes, KV over NIXL on loopback, ``--worker-timeout-s 30`` so only the kills are
+deaths) under the mixed streamed load, every output compared with the fault-free run and nothing
+left on any worker once the killed ones are back:
+
+- ``kill -9`` of a prefill worker before the handoff: it is stopped (SIGSTOP) before the load, so
+  the requests routed to it wait in its queue, then killed once all of them reached the router;
+  each of them goes to the other prefill worker (a fresh-pair retry);
+- ``kill -9`` of a prefill worker while it holds the recomputes of a dead decode worker's
+  continuations: at a seeded moment both prefill workers are stopped and the busiest decode worker
+  A killed; A's streams continue on the other decode worker B (on a fresh pair: the prefill worker
+  that did not prefill them), which prefills some of them itself and sends the others' recomputes
+  to that prefill worker, where they wait until it is killed in turn (the other one resumes). They
+  fail over a second time before their first new token, to the other prefill worker (or B's local
+  prefill), B still streaming them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from bench.harness.subprocess_server import metric_sum
+from tests.chaos.chaos_cluster import Cluster, signal_worker
+from tests.chaos.failover_support import (
+    ARGS,
+    STREAMS,
+    assert_failed_over,
+    busiest_first,
+    fault_free,
+    load,
+    outstanding,
+    requests_left,
+    tokens_reached,
+)
+from tests.chaos.tiny_model import save_tiny_model
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = save_tiny_model(tmp_path_factory.mktemp("failover-prefill-model"))
+    c = Cluster(model, prefill=2, decode=2, args=[*ARGS, "--worker-timeout-s", "30"])
+    c.start()
+    yield c
+    c.stop()
+
+
+def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster):
+    c = cluster
+    ref = fault_free(c.url, c.wait_recovered)
+    signal_worker(c, "prefill-0", signal.SIGSTOP)
+
+    async def scenario():
+        task = asyncio.create_task(load(c.url, ref.bodies))
+        deadline = time.monotonic() + 30
+        while metric_sum(await asyncio.to_thread(c.metrics), "pdserve_inflight_requests") < STREAMS:
+            assert time.monotonic() < deadline, "the load never reached the router"
+            await asyncio.sleep(0.05)
+        signal_worker(c, "prefill-0", signal.SIGKILL)
+        return await task
+
+    got = asyncio.run(scenario())
+    moved = assert_failed_over("prefill kill -9 before the handoff", ref, got, c.wait_recovered())
+    assert moved("pdserve_router_retries_total") >= 1  # the stopped worker held requests: they went to prefill-1
+
+
+async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int) -> dict:
+    """The load with both prefill workers stopped and the busiest decode worker A killed once the
+    clients hold ``kill_tokens`` tokens; once A's continuations went out, the prefill worker they were
+    sent to (its outstanding tokens at the router rose: the others' fell with A's requests) is killed
+    and the other resumed (SIGCONT). What happened, with the records."""
+    counting, reached = tokens_reached(kill_tokens)
+    task = asyncio.create_task(load(c.url, bodies, counting))
+    await reached.wait()
+    a, b = await asyncio.to_thread(busiest_first, c, DECODES)
+    pids = {p: signal_worker(c, p, signal.SIGSTOP) for p in PREFILLS}
+    victim = None
+    try:
+        before = {p: await asyncio.to_thread(outstanding, c, p) for p in PREFILLS}
+        signal_worker(c, a, signal.SIGKILL)
+        await requests_left(c, a)
+        rise = {p: await asyncio.to_thread(outstanding, c, p) - before[p] for p in PREFILLS}
+        victim = max(PREFILLS, key=rise.get)
+        os.kill(pids[victim], signal.SIGKILL)  # stopped: killed before it computed a token of them
+    finally:
+        for p, pid in pids.items():
+            if p != victim:
+                os.kill(pid, signal.SIGCONT)
+    return {"got": await task, "a": a, "b": b, "victim": victim, "rise": rise}
+
+
+def test_kill9_of_a_prefill_worker_recomputing_continuations_fails_them_over_again(cluster):
+    c = cluster
+    ref = fault_free(c.url, c.wait_recovered)
+    kill_tokens, total = ref.kill_tokens(salt=4)
+    run = asyncio.run(recompute_killed_load(c, ref.bodies, kill_tokens))
+    a, b = run["a"], run["b"]
+    row = (
+        f"prefill kill -9 during the recomputes: {a} killed at {kill_tokens}/{total} tokens, then "
+        f"{run['victim']} (outstanding tokens rose by {run['rise']})"
+    )
+    # a failover is counted under the worker that was streaming: B's (alive) for prefill-0's death
+    assert_failed_over(row, ref, run["got"], c.wait_recovered(), (a, b))
