@@ -73,15 +73,16 @@ def test_greedy_tokens_equal_transformers(gemma3, tokenizer, backend, page_size)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_forced_retracts_keep_transformers_tokens(gemma3, tokenizer, backend):
-    """A retract every third step (the full KV and the window parked on the host, then resumed)."""
+@pytest.mark.parametrize("backend, page_size", [("torch", 16), ("cpu", 1), ("cpu", 16)])
+def test_forced_retracts_keep_transformers_tokens(gemma3, tokenizer, backend, page_size):
+    """A retract every third step (the full KV and the window parked on the host, then resumed),
+    the sliding layers in the SWA pool, whose pages are freed as they leave the window."""
     folder, prompts, ref, _ = gemma3
-    ecfg = engine_cfg(page_size=4, attention_backend=backend)
+    ecfg = engine_cfg(page_size=page_size, attention_backend=backend)
     cfg, weights = load_for_engine(folder, ecfg)
     llm = LLM(ecfg, sched_cfg(retract_test_interval=3), loaded=(cfg, weights, tokenizer))
     out = llm.generate_ids(prompts, SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
-    assert llm.scheduler.stats.retractions > 0
+    assert llm.scheduler.stats.retractions > 0 and llm.scheduler.kv.swa_pages_released > 0
     assert [r.token_ids for r in out] == ref
     llm.scheduler.check_integrity()
 
