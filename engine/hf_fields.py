@@ -139,7 +139,7 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     # Gemma 3 text (Gemma3ForCausalLM): Gemma 2's block with Q/K RMSNorm, a sliding pattern (five
     # sliding layers to each full one by default), the local RoPE base rope_local_base_freq on the
     # sliding layers and rope_theta with rope_scaling (or the nested rope_parameters) on the full
-    # ones (engine.hf_rope); soft caps default to none
+    # ones (engine.hf_rope); soft caps default to none, and only the final one is applied
     "gemma3_text": _LLAMA_CORE
     | {
         "hidden_activation",
@@ -166,6 +166,8 @@ MOE_ARCHS = frozenset({"mixtral", "qwen3_moe"})
 FUSED_PROJ_ARCHS = frozenset({"phi3"})
 # Architectures served by the Gemma model (engine/gemma3.py) rather than the Llama one.
 GEMMA_ARCHS = frozenset({"gemma2", "gemma3_text"})
+# Architectures whose attention applies attn_logit_softcapping (Gemma 3's transformers attention does not).
+ATTN_SOFTCAP_ARCHS = frozenset({"gemma2"})
 # RoPE types an architecture's transformers config accepts, where fewer than all of
 # engine.rope_scaling.ROPE_TYPES (Phi3Config also reads "su" and "yarn" as its longrope; Gemma 3's
 # are those of its full layers, the sliding ones serve default only).
@@ -197,7 +199,13 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
 # the MoE models' sliding windows, one for every layer, are not implemented).
 ARCH_ALLOWED_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
     "gemma2": {"hidden_act": ("gelu_pytorch_tanh",), "hidden_activation": ("gelu_pytorch_tanh",)},
-    "gemma3_text": {"hidden_act": ("gelu_pytorch_tanh",), "hidden_activation": ("gelu_pytorch_tanh",)},
+    # transformers' Gemma 3 reads attn_logit_softcapping but never passes it to its attention (null
+    # in every release): a value is refused rather than served either way
+    "gemma3_text": {
+        "hidden_act": ("gelu_pytorch_tanh",),
+        "hidden_activation": ("gelu_pytorch_tanh",),
+        "attn_logit_softcapping": (None,),
+    },
     "qwen3_moe": {"use_sliding_window": (False,)},
     "mixtral": {"sliding_window": (None,)},
 }

@@ -333,7 +333,8 @@ def _gemma_fields(cfg: dict, arch: str, theta: float) -> dict:
     """The :class:`Gemma3Config` fields of a Gemma 2 / Gemma 3 text config.json, with their config
     classes' defaults: ``query_pre_attn_scalar`` 256; Gemma 2: one RoPE base for every layer, soft
     caps 50 (attention) and 30 (final logits); Gemma 3: the sliding layers' own base
-    (``engine.hf_rope.gemma3_rope``), no caps. ``null`` is no cap."""
+    (``engine.hf_rope.gemma3_rope``), no caps (an attention cap is refused by ``engine.hf_fields``:
+    its transformers attention never applies one). ``null`` is no cap."""
     gemma3 = arch == "gemma3_text"
     return {
         "rope_local_theta": gemma3_rope(cfg)[2] if gemma3 else theta,

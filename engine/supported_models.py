@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from engine.config import HF_ONLY_ARCHS, MODEL_ARCHS
 from engine.hf_fields import (
     ARCH_ROPE_TYPES,
+    ATTN_SOFTCAP_ARCHS,
     FUSED_PROJ_ARCHS,
     GEMMA_ARCHS,
     IMPLEMENTED,
@@ -139,9 +140,11 @@ def _attention(arch: str) -> str:
         ("fused qkv_proj and gate_up_proj (split at load)", FUSED_PROJ_ARCHS),
         (
             "(1 + w) RMSNorm before and after attention and the MLP, GeGLU (tanh GELU), embedding scale, "
-            "query_pre_attn_scalar, attention and final logit soft-capping",
+            "query_pre_attn_scalar",
             GEMMA_ARCHS,
         ),
+        ("attention logit soft-capping", ATTN_SOFTCAP_ARCHS),
+        ("final logit soft-capping", GEMMA_ARCHS),
         (
             "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
             "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Mixtral: every layer, "

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.unit
 
 NEW = 12
 FULL_ROPE = {"rope_type": "default", "rope_theta": 1e6}
+IDS = random_prompts(1, 37)[0]  # the logit tests' prompt: 37 tokens, past the window of 8
 
 
 def _variant(folder, **fields):
@@ -93,11 +94,25 @@ def test_logits_equal_transformers(gemma3, backend):
     ecfg = engine_cfg(page_size=16, attention_backend=backend, swa_pool_tokens=0)
     cfg, weights = load_for_engine(folder, ecfg)
     runner = ModelRunner(ecfg, cfg, weights)
-    ids = random_prompts(1, 37)[0]
-    got = runner.forward(ForwardMode.EXTEND, [SeqChunk(ids, 0, list(range(3)))])[0]
+    got = runner.forward(ForwardMode.EXTEND, [SeqChunk(IDS, 0, list(range(3)))])[0]
     with torch.no_grad():
-        want = gemma3[3](torch.tensor([ids])).logits[0, -1]
+        want = gemma3[3](torch.tensor([IDS])).logits[0, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_final_cap_when_set_equals_transformers(gemma3, tmp_path, backend):
+    """Gemma 3 releases set no cap; a folder that sets final_logit_softcapping gets it after the LM
+    head, as transformers applies it (the cap of 2 bounds these logits, which reach past it uncapped)."""
+    folder = _edited(gemma3[0], tmp_path, final_logit_softcapping=2.0)
+    ecfg = engine_cfg(page_size=16, attention_backend=backend, swa_pool_tokens=0)
+    cfg, weights = load_for_engine(folder, ecfg)
+    got = ModelRunner(ecfg, cfg, weights).forward(ForwardMode.EXTEND, [SeqChunk(IDS, 0, list(range(3)))])[0]
+    with torch.no_grad():
+        want = _variant(folder)(torch.tensor([IDS])).logits[0, -1]
+        uncapped = gemma3[3](torch.tensor([IDS])).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert uncapped.abs().max() > 2.0 >= want.abs().max()
 
 
 def _edited(src, tmp_path, drop=(), **fields):
@@ -117,7 +132,9 @@ def _edited(src, tmp_path, drop=(), **fields):
         ({"hidden_activation": "gelu"}, r"hidden_activation='gelu'.*'gemma3_text'; supported: 'gelu_pytorch_tanh'"),
         ({"use_bidirectional_attention": True}, r"use_bidirectional_attention=True.*supported: False"),
         ({"attention_bias": True}, r"attention_bias=True.*supported: False"),
-        ({"attn_logit_softcapping": 0}, r"soft cap 0 must be positive"),
+        ({"final_logit_softcapping": 0}, r"soft cap 0 must be positive"),
+        # transformers' Gemma 3 reads it and never applies it
+        ({"attn_logit_softcapping": 1.5}, r"attn_logit_softcapping=1.5 .*'gemma3_text'; supported: None"),
         (
             {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}},
             r"rope_type 'yarn' on the full layers .*'gemma3_text'; it serves default, linear",
@@ -141,6 +158,7 @@ def _edited(src, tmp_path, drop=(), **fields):
         "bidirectional",
         "bias",
         "zero-cap",
+        "attention-cap",
         "full-rope-type",
         "sliding-rope-type",
         "flat-rope",
