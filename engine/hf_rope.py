@@ -76,6 +76,7 @@ def gemma3_rope(cfg: dict) -> tuple[float, RopeScaling | None, float]:
 
 
 def _head_dim(cfg: dict) -> int:
+    """``head_dim``, else ``hidden_size / num_attention_heads`` (as the loader reads it)."""
     return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 

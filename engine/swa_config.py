@@ -138,6 +138,7 @@ def gemma3_pattern_kinds(pattern: Any, num_layers: int) -> tuple[str, ...]:
 
 
 def _gemma3_kinds(cfg: dict, num_layers: int) -> tuple[str, ...]:
+    """A ``gemma3_text`` config's layer kinds (see :func:`hf_sliding_spec`)."""
     raw_types = cfg.get("layer_types")
     if raw_types is None:
         return gemma3_pattern_kinds(cfg.get("sliding_window_pattern"), num_layers)
