@@ -11,6 +11,7 @@ from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 # sliding windows; mistral is Llama with one window for every layer.
 SUPPORTED_ARCHS = (
     "gemma2",
+    "gemma3_text",
     "llama",
     "ministral",
     "mistral",
@@ -22,8 +23,9 @@ SUPPORTED_ARCHS = (
     "smollm",
 )
 # Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) and
-# gemma2's (its soft-capping and norms under llama.cpp names) and the MoE layouts are not read.
-HF_ONLY_ARCHS = ("gemma2", "mixtral", "phi3", "qwen3_moe")
+# gemma2's (its soft-capping and norms under llama.cpp names) and the MoE layouts are not read;
+# gemma3_text is Gemma 3's HF model type (its GGUF files are "gemma3", engine.gguf_gemma3).
+HF_ONLY_ARCHS = ("gemma2", "gemma3_text", "mixtral", "phi3", "qwen3_moe")
 MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 

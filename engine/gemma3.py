@@ -7,7 +7,8 @@ What differs from ``engine.model.LlamaModel``:
 - GeGLU MLP with tanh-approximated GELU;
 - embeddings multiplied by ``sqrt(hidden_size)``;
 - attention scale ``query_pre_attn_scalar ** -0.5`` (the runner passes it to the backend);
-- sliding layers rotate with ``rope_local_theta``, full layers with ``rope_theta``.
+- sliding layers rotate with ``rope_local_theta`` (plain RoPE), full layers with ``rope_theta`` and
+  ``rope_scaling`` (Gemma 3 4B and larger: linear, factor 8).
 Per-layer windows reach the attention backend through ``layer_types`` / ``sliding_window``.
 Gemma 2 is the same block without the Q/K norms (``qk_norm`` False), one RoPE base for every layer,
 attention logits soft-capped (``attn_logit_softcapping``: the runner passes it to the backend) and
@@ -35,8 +36,9 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 
 @dataclass(frozen=True)
 class Gemma3Config(ModelConfig):
-    """``ModelConfig`` plus the Gemma specifics. ``arch`` is ``"gemma3"`` or ``"gemma2"``; a soft cap
-    of ``None`` is no cap."""
+    """``ModelConfig`` plus the Gemma specifics. ``arch`` is ``"gemma3"`` (GGUF), ``"gemma3_text"`` (HF
+    folder) or ``"gemma2"``; a soft cap of ``None`` is no cap; ``rope_scaling`` applies to the full
+    layers only."""
 
     query_pre_attn_scalar: float = 256.0
     rope_local_theta: float = 10000.0
@@ -93,7 +95,7 @@ class Gemma3Model(nn.Module):
         self.int8 = int8  # weight-only int8 layer matmuls (the 262k-row LM head stays plain)
         self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
         n = cfg.max_position_embeddings
-        self.rope_global = RotaryEmbedding(cfg.head_dim, n, cfg.rope_theta, device)
+        self.rope_global = RotaryEmbedding(cfg.head_dim, n, cfg.rope_theta, device, cfg.rope_scaling)
         self.rope_local = RotaryEmbedding(cfg.head_dim, n, cfg.rope_local_theta, device)
         self.embed_scale = cfg.hidden_size**0.5
         self.embed: torch.Tensor | None = None

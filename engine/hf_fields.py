@@ -136,21 +136,46 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
         "attention_bias",
         "use_bidirectional_attention",
     },
+    # Gemma 3 text (Gemma3ForCausalLM): Gemma 2's block with Q/K RMSNorm, a sliding pattern (five
+    # sliding layers to each full one by default), the local RoPE base rope_local_base_freq on the
+    # sliding layers and rope_theta with rope_scaling (or the nested rope_parameters) on the full
+    # ones (engine.hf_rope); soft caps default to none, and only the final one is applied
+    "gemma3_text": _LLAMA_CORE
+    | {
+        "hidden_activation",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_window",
+        "sliding_window_pattern",
+        "_sliding_window_pattern",
+        "layer_types",
+        "rope_local_base_freq",
+        "attention_bias",
+        "use_bidirectional_attention",
+    },
 }
 
 # Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v
 # biases (no o_proj bias), Qwen3 always has per-head Q/K RMSNorm; no other architecture reads either.
 QKV_BIAS_ARCHS = frozenset({"qwen2"})
-QK_NORM_ARCHS = frozenset({"qwen3", "qwen3_moe"})
+QK_NORM_ARCHS = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
 # Architectures whose sparse layers' MLP is a mixture of experts (engine.moe).
 MOE_ARCHS = frozenset({"mixtral", "qwen3_moe"})
 # Checkpoints storing Q/K/V as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_PROJ_ARCHS = frozenset({"phi3"})
 # Architectures served by the Gemma model (engine/gemma3.py) rather than the Llama one.
-GEMMA_ARCHS = frozenset({"gemma2"})
+GEMMA_ARCHS = frozenset({"gemma2", "gemma3_text"})
+# Architectures whose attention applies attn_logit_softcapping (Gemma 3's transformers attention does not).
+ATTN_SOFTCAP_ARCHS = frozenset({"gemma2"})
 # RoPE types an architecture's transformers config accepts, where fewer than all of
-# engine.rope_scaling.ROPE_TYPES (Phi3Config also reads "su" and "yarn" as its longrope).
-ARCH_ROPE_TYPES: dict[str, tuple[str, ...]] = {"phi3": ("default", "longrope"), "gemma2": ("default",)}
+# engine.rope_scaling.ROPE_TYPES (Phi3Config also reads "su" and "yarn" as its longrope; Gemma 3's
+# are those of its full layers, the sliding ones serve default only).
+ARCH_ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "phi3": ("default", "longrope"),
+    "gemma2": ("default",),
+    "gemma3_text": ("default", "linear"),
+}
 # Architectures whose transformers attention rotates only the first partial_rotary_factor of each head.
 PARTIAL_ROTARY_ARCHS = frozenset({"phi3"})
 
@@ -168,12 +193,19 @@ ALLOWED_VALUES: dict[str, tuple[Any, ...]] = {
     "full_attn_mod": (1,),  # every layer full attention (the remote code's period of full layers)
     "interpolate_factor": (1, 1.0),  # no position interpolation
     "lm_head_bias": (False,),
-    "use_bidirectional_attention": (False,),  # Gemma 2 is causal; true is its encoder use
+    "use_bidirectional_attention": (False,),  # Gemma 2 and 3 are causal; true is their encoder use
 }
 # Per-architecture values that replace :data:`ALLOWED_VALUES`' (Gemma 2's MLP is GeGLU with tanh GELU;
 # the MoE models' sliding windows, one for every layer, are not implemented).
 ARCH_ALLOWED_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
     "gemma2": {"hidden_act": ("gelu_pytorch_tanh",), "hidden_activation": ("gelu_pytorch_tanh",)},
+    # transformers' Gemma 3 reads attn_logit_softcapping but never passes it to its attention (null
+    # in every release): a value is refused rather than served either way
+    "gemma3_text": {
+        "hidden_act": ("gelu_pytorch_tanh",),
+        "hidden_activation": ("gelu_pytorch_tanh",),
+        "attn_logit_softcapping": (None,),
+    },
     "qwen3_moe": {"use_sliding_window": (False,)},
     "mixtral": {"sliding_window": (None,)},
 }

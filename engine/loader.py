@@ -21,7 +21,7 @@ from engine.fused_checkpoint import split_fused, unfused_names
 from engine.gemma3 import Gemma3Config
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
 from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, MOE_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
-from engine.hf_rope import hf_rope
+from engine.hf_rope import gemma3_rope, hf_rope
 from engine.moe import hf_moe_spec, mixtral_name
 from engine.rope_scaling import check_context
 from engine.swa_config import (
@@ -295,7 +295,7 @@ def _hf_config(
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos = _as_ids(cfg.get("eos_token_id")) + _as_ids(gen.get("eos_token_id"))
-    config_cls, extra = (Gemma3Config, _gemma_fields(cfg, theta)) if arch in GEMMA_ARCHS else (ModelConfig, {})
+    config_cls, extra = (Gemma3Config, _gemma_fields(cfg, arch, theta)) if arch in GEMMA_ARCHS else (ModelConfig, {})
     config = config_cls(
         **extra,
         arch=arch,
@@ -329,15 +329,18 @@ def _hf_config(
     return config
 
 
-def _gemma_fields(cfg: dict, theta: float) -> dict:
-    """Gemma 2's :class:`Gemma3Config` fields, with Gemma2Config's defaults: one RoPE base for every
-    layer, ``query_pre_attn_scalar`` 256, soft caps 50 (attention) and 30 (final logits), ``null``
-    for no cap."""
+def _gemma_fields(cfg: dict, arch: str, theta: float) -> dict:
+    """The :class:`Gemma3Config` fields of a Gemma 2 / Gemma 3 text config.json, with their config
+    classes' defaults: ``query_pre_attn_scalar`` 256; Gemma 2: one RoPE base for every layer, soft
+    caps 50 (attention) and 30 (final logits); Gemma 3: the sliding layers' own base
+    (``engine.hf_rope.gemma3_rope``), no caps (an attention cap is refused by ``engine.hf_fields``:
+    its transformers attention never applies one). ``null`` is no cap."""
+    gemma3 = arch == "gemma3_text"
     return {
-        "rope_local_theta": theta,
+        "rope_local_theta": gemma3_rope(cfg)[2] if gemma3 else theta,
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcapping": _cap(cfg.get("attn_logit_softcapping", 50.0)),
-        "final_logit_softcapping": _cap(cfg.get("final_logit_softcapping", 30.0)),
+        "attn_logit_softcapping": _cap(cfg.get("attn_logit_softcapping", None if gemma3 else 50.0)),
+        "final_logit_softcapping": _cap(cfg.get("final_logit_softcapping", None if gemma3 else 30.0)),
     }
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from engine.config import HF_ONLY_ARCHS, MODEL_ARCHS
 from engine.hf_fields import (
     ARCH_ROPE_TYPES,
+    ATTN_SOFTCAP_ARCHS,
     FUSED_PROJ_ARCHS,
     GEMMA_ARCHS,
     IMPLEMENTED,
@@ -77,6 +78,7 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
     ),
     "gemma2": ("tests/engine/test_gemma2.py", "tests/e2e/test_hf_architectures_pd.py"),
     "gemma3": ("tests/engine/test_gemma3.py",),
+    "gemma3_text": ("tests/engine/test_gemma3_text.py", "tests/e2e/test_hf_architectures_pd.py"),
 }
 
 
@@ -106,20 +108,26 @@ def _rope(arch: str, fields: frozenset[str]) -> str:
         text += " (longrope: short factors, contexts up to original_max_position_embeddings)"
     if arch in PARTIAL_ROTARY_ARCHS:
         text += ", partial rotary (partial_rotary_factor)"
+    if arch in _LOCAL_ROPE_ARCHS:
+        text += " on full layers; sliding layers: default with rope_local_base_freq"
     return text if arch in HF_ONLY_ARCHS else text + "; GGUF: default (rope.freq_base)"
 
 
+# Architectures whose sliding layers rotate with a base of their own (engine.hf_rope.gemma3_rope).
+_LOCAL_ROPE_ARCHS = frozenset({"gemma3_text"})
 # Which layers slide by default in the HF-only architectures (engine.swa_config.hf_sliding_spec).
 _HF_ONLY_SLIDING = {
     "phi3": "every layer",
     "gemma2": "default: alternating, sliding first",
+    "gemma3_text": "default: sliding_window_pattern 6, five sliding layers to each full one",
     "qwen3_moe": "none slides: use_sliding_window true is refused",
     "mixtral": "none slides: a window other than null is refused",
 }
 
 
 def _sliding(arch: str, fields: frozenset[str]) -> str:
-    read = [f for f in ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers") if f in fields]
+    keys = ("sliding_window", "layer_types", "sliding_window_pattern", "use_sliding_window", "max_window_layers")
+    read = [f for f in keys if f in fields]
     if not read:
         return "none"
     if arch in HF_ONLY_ARCHS:
@@ -134,9 +142,11 @@ def _attention(arch: str) -> str:
         ("fused qkv_proj and gate_up_proj (split at load)", FUSED_PROJ_ARCHS),
         (
             "(1 + w) RMSNorm before and after attention and the MLP, GeGLU (tanh GELU), embedding scale, "
-            "query_pre_attn_scalar, attention and final logit soft-capping",
+            "query_pre_attn_scalar",
             GEMMA_ARCHS,
         ),
+        ("attention logit soft-capping", ATTN_SOFTCAP_ARCHS),
+        ("final logit soft-capping", GEMMA_ARCHS),
         (
             "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
             "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Mixtral: every layer, "

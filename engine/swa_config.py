@@ -17,11 +17,11 @@ from configs.sliding_window import FULL, SLIDING, parse_layer_types
 # transformers' dataclass defaults, used when config.json leaves the key out.
 _HF_DEFAULT_WINDOW = 4096
 _HF_DEFAULT_MAX_WINDOW_LAYERS = 28
+_HF_DEFAULT_GEMMA3_PATTERN = 6  # Gemma3TextConfig: five sliding layers, then a full one
 _LEGACY_KINDS = {"attention": FULL}  # transformers' remap_legacy_layer_types
 # HF model types with sliding-window (or other local) attention that pdserve does not implement.
 UNSUPPORTED_SLIDING_ARCHS = (
     "gemma3",
-    "gemma3_text",
     "cohere2",
     "starcoder2",
     "qwen2_moe",
@@ -88,6 +88,11 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
       dropped rather than refused as wider than the context.
     - ``gemma2``: ``layer_types`` if given, else alternating layers, sliding first (Gemma2Config's
       default), each sliding layer with ``sliding_window`` (default 4096).
+    - ``gemma3_text``: ``layer_types`` if given, else layer ``i`` slides unless ``(i + 1) %
+      sliding_window_pattern == 0`` (default 6: five sliding, one full), each sliding layer with
+      ``sliding_window`` (default 4096). A pattern (``sliding_window_pattern``, or the
+      ``_sliding_window_pattern`` newer exports write beside ``layer_types``) that disagrees with
+      ``layer_types`` is refused: transformers would follow the list, the author may have meant either.
     - ``mixtral``: full attention (a ``sliding_window`` other than ``null`` is refused by ``engine.hf_fields``).
     - ``qwen3_moe``: full attention (``use_sliding_window`` true is refused by ``engine.hf_fields``).
     - ``llama`` / ``smollm``: full attention (transformers' Llama has no sliding window).
@@ -111,6 +116,8 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
         if raw_types is not None:
             return SlidingSpec(window, _config_kinds(raw_types, num_layers))
         return SlidingSpec(window, tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)))
+    if arch == "gemma3_text":
+        return SlidingSpec(window, _gemma3_kinds(cfg, num_layers))
     if arch in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False) or window is None:
             return SlidingSpec(None, _all(FULL, num_layers))
@@ -119,6 +126,30 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
         first = cfg.get("max_window_layers", _HF_DEFAULT_MAX_WINDOW_LAYERS)
         return SlidingSpec(window, tuple(SLIDING if i >= first else FULL for i in range(num_layers)))
     return SlidingSpec(None, _all(FULL, num_layers))
+
+
+def gemma3_pattern_kinds(pattern: Any, num_layers: int) -> tuple[str, ...]:
+    """Gemma3TextConfig's layers from ``sliding_window_pattern`` ``n`` (``None``: 6): layer ``i`` is
+    full iff ``(i + 1) % n == 0``. ``ValueError`` naming the field for ``n < 1``."""
+    n = _HF_DEFAULT_GEMMA3_PATTERN if pattern is None else int(pattern)
+    if n < 1:
+        raise ValueError(f"config.json sliding_window_pattern={pattern!r} must be >= 1 (one full layer in n)")
+    return tuple(FULL if (i + 1) % n == 0 else SLIDING for i in range(num_layers))
+
+
+def _gemma3_kinds(cfg: dict, num_layers: int) -> tuple[str, ...]:
+    """A ``gemma3_text`` config's layer kinds (see :func:`hf_sliding_spec`)."""
+    raw_types = cfg.get("layer_types")
+    if raw_types is None:
+        return gemma3_pattern_kinds(cfg.get("sliding_window_pattern"), num_layers)
+    kinds = _config_kinds(raw_types, num_layers)
+    for key in ("sliding_window_pattern", "_sliding_window_pattern"):
+        if cfg.get(key) is not None and gemma3_pattern_kinds(cfg[key], num_layers) != kinds:
+            raise ValueError(
+                f"config.json {key}={cfg[key]!r} disagrees with its layer_types: pdserve serves a "
+                f"pattern only where it gives the same layers; fix config.json or drop one of them"
+            )
+    return kinds
 
 
 def gguf_sliding_spec(window: int | None, pattern: int | Sequence[bool] | None, num_layers: int) -> SlidingSpec:
@@ -203,6 +234,7 @@ def unsupported_arch_message(arch: str, supported: Sequence[str]) -> str:
     if arch in UNSUPPORTED_SLIDING_ARCHS:
         return (
             base + f". Model type {arch!r} uses sliding-window attention that pdserve does not implement "
-            f"(sliding windows are supported for ministral, mistral, phi3, qwen2, qwen3): choose another --model"
+            f"(sliding windows are supported for gemma2, gemma3_text, ministral, mistral, phi3, qwen2, qwen3): "
+            f"choose another --model"
         )
     return base

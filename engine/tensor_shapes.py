@@ -6,7 +6,7 @@ from engine.config import ModelConfig
 from engine.moe import expert_shapes
 
 # Architectures with a norm before and after the MLP too (Gemma's four norms per layer).
-_FOUR_NORM_ARCHS = ("gemma2", "gemma3")
+_FOUR_NORM_ARCHS = ("gemma2", "gemma3", "gemma3_text")
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

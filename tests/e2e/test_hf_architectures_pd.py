@@ -1,5 +1,6 @@
 """Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms), Phi-3 (fused projections,
-partial rotary, longrope), Gemma 2 (soft caps, alternating sliding layers in the SWA pools) and
+partial rotary, longrope), Gemma 2 (soft caps, alternating sliding layers in the SWA pools), Gemma 3
+text (Q/K norms, a sliding pattern, the local RoPE base and linear scaling of the full layers) and
 Qwen3-MoE and Mixtral (expert mixtures) from HF folders in PD mode: small random models loaded as a worker loads
 them give transformers' greedy tokens (float32) through the in-process prefill/decode pair (real
 schedulers, loopback KV transport), with the KV shipped from prefill to decode, and again when the
@@ -16,6 +17,7 @@ from configs.schema import PdserveConfig
 from engine.loader import load_for_engine
 from tests.support.hf_folders import (
     GEMMA2,
+    GEMMA3,
     MIXTRAL,
     PHI3_LONGROPE,
     PHI3_PARTIAL,
@@ -43,6 +45,7 @@ CASES = {
     "phi3-partial": ("phi3", PHI3_PARTIAL),
     "phi3-longrope": ("phi3", PHI3_LONGROPE),
     "gemma2": ("gemma2", GEMMA2),
+    "gemma3_text": ("gemma3_text", GEMMA3),
     "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
     "mixtral": ("mixtral", MIXTRAL),
 }

@@ -126,6 +126,7 @@ def test_every_field_transformers_writes_is_classified():
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
         "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "mixtral": transformers.MixtralConfig,
     }

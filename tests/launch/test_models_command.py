@@ -49,7 +49,8 @@ def test_text_names_formats_rope_types_traits_and_refusals(capsys):
     assert "formats:    HF folder\n" in blocks["phi3"] and "partial rotary" in blocks["phi3"]
     assert "partial_rotary_factor" not in blocks["phi3"].split("restricted:", 1)[-1]
     assert "soft-capping" in blocks["gemma2"] and "alternating, sliding first" in blocks["gemma2"]
-    assert "refused at load:" in out and "gemma3_text" in out.split("refused at load:")[1]
+    assert "Q/K RMSNorm" in blocks["gemma3_text"] and "rope_local_base_freq" in blocks["gemma3_text"]
+    assert "refused at load:" in out and "cohere2" in out.split("refused at load:")[1]
 
 
 def test_an_architecture_added_to_the_table_appears(capsys, monkeypatch):

@@ -57,6 +57,23 @@ GEMMA2 = {
     "attn_implementation": "eager",
 }
 
+# Gemma 3 text with the sizes above: 4 layers, sliding_window_pattern 3 (layer 2 full, 3 slides again), a
+# window of 8 keys, the local RoPE base apart from the global one, linear scaling (factor 8, as the
+# 4B+ models) on the full layers, query_pre_attn_scalar other than head_dim, a tied LM head; no soft
+# caps (Gemma 3's).
+GEMMA3 = {
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "sliding_window": 8,
+    "sliding_window_pattern": 3,
+    "query_pre_attn_scalar": 12,
+    "rope_theta": 1e6,
+    "rope_local_base_freq": 100.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "attn_implementation": "eager",
+}
+
 # Qwen3-MoE with the sizes above: 8 experts of 32, the top 2 renormalized (norm_topk_prob), 4 layers
 # of which layer 1 keeps the dense MLP (mlp_only_layers).
 QWEN3_MOE = {
@@ -81,6 +98,7 @@ def _classes(kind: str):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
