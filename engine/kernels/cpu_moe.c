@@ -2,9 +2,10 @@
  *
  * Why: a decode step of an MoE model reads, per sparse layer, the weights of the experts its tokens
  * chose (top-k each; for a batch, the union) and does little arithmetic on them, so its time should
- * be those bytes over memory bandwidth. The torch path runs two matmuls plus the SiLU per chosen
- * expert (three ops, ~10-20 us of dispatch each, every one of them a parallel region) and rounds in
- * between; this kernel streams each chosen expert's gate/up and down rows once for all its tokens.
+ * be those bytes over memory bandwidth. The torch path runs several ops per chosen expert (two
+ * matmuls, the SiLU, the product, the weighted scatter-add), each dispatched and parallelized on its
+ * own; this kernel streams each chosen expert's gate/up and down rows once for all its tokens in one
+ * parallel region per layer.
  *
  * How: one parallel region, two phases split by a barrier. Phase 1 splits the intermediate rows
  * [0, inter) into one contiguous range per thread; for every chosen expert the thread reads its gate
