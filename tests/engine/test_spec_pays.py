@@ -6,11 +6,13 @@ whose drafts are rejected stops drafting in a large batch while one whose drafts
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cache.kv_manager import KVManager
 from cache.page_allocator import PageAllocator
 from engine.request import Phase, Request
-from engine.sampling import SamplerState
+from engine.sampling import Sampler, SamplerState
+from engine.scheduler.executor import token_delta
 from engine.spec.pays import Acceptance, StepBudget
 from engine.spec.verify import NgramSpeculator
 from transfer.wire.sampling_params import SamplingParams
@@ -64,3 +66,25 @@ def test_large_batch_drafts_only_for_requests_whose_drafts_are_accepted():
     assert lengths[:4] == [4, 4, 4, 4] and lengths[4:] == [0, 0, 0, 0], lengths
     plain = NgramSpeculator(kv, k=4, n_min=1, n_max=3, max_model_len=10**6)  # no cost rule
     assert [len(d) for d in plain.drafts(reqs, 0)] == [4] * 8
+
+
+def verify(spec: NgramSpeculator, req: Request, accept_all: bool) -> None:
+    """One verify of ``req``'s draft whose target tokens are the draft (all accepted) or 7 (none)."""
+    d = spec.draft(req)
+    assert d
+    logits = torch.zeros(len(d) + 1, 8)
+    for j, t in enumerate([*d, 1] if accept_all else [7] * (len(d) + 1)):
+        logits[j, t] = 1.0
+    emit = lambda r, t, lp, top: token_delta(r, t, lp, top, frozenset(), 10**6)  # noqa: E731
+    spec.accept(Sampler(), [(req, d, logits)], emit)
+    assert spec.kv.ensure_pages(req.kv, req.kv_len + 1)
+
+
+def test_verify_updates_the_request_acceptance():
+    kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
+    spec = NgramSpeculator(kv, k=3, n_min=1, n_max=3, max_model_len=10**6, fixed=12.0)
+    hit, miss = running(kv, "hit"), running(kv, "miss")
+    verify(spec, hit, True)
+    verify(spec, miss, False)
+    assert spec._drafting(hit).acceptance.rate() == pytest.approx(4 / 5)  # 3 hits, the prior
+    assert spec._drafting(miss).acceptance.rate() == pytest.approx(1 / 3)  # 1 miss, the prior
