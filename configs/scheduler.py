@@ -87,6 +87,16 @@ class SchedulerConfig(BaseModel):
         "benchmarks.spec_ab at 1 to 8 requests on a small CPU model; not measured on CUDA; "
         "docs/design/speculative.md)",
     )
+    spec_step_fixed_tokens: float = Field(
+        12.0,
+        gt=0,
+        description="speculative decoding: a step's fixed cost in token rows (a step of T tokens costs about this "
+        "+ T rows); a draft token is verified only while its chance of acceptance (the request's recent "
+        "acceptance to the power of its place in the draft) times the step's cost exceeds the step's expected "
+        "tokens, so a large batch drafts only likely tokens (12: measured with benchmarks.spec_step on the "
+        "embedded model in bfloat16 on a 2-core CPU; docs/design/speculative.md). inf: draft whenever "
+        "spec_max_batch_tokens allows",
+    )
 
     @model_validator(mode="before")
     @classmethod

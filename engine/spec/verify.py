@@ -1,14 +1,15 @@
 """Speculative verify for decode rows: drafts in, pages for them, exact acceptance, rollback.
 
-One step of a drafting request feeds ``[last token, d1 .. dK]`` as a small extend at its
-``kv_len`` and takes the logits of all K + 1 positions. ``accept`` then draws the target token of
-each position exactly as a decode step would (the same ``Sampler`` over that position's logits
-with the request's own ``SamplerState``: greedy argmax, or the seeded generator at that output
-index, with penalties and ``logit_bias`` seeing the tokens accepted before it), appends it through
-``token_delta`` (stop checks, ``max_tokens``, EOS, ``stop_token_ids``), and goes on only while the
-token equals the draft. So the tokens emitted are the ones decoding without drafts would give; a
-step emits between 1 and K + 1 of them. ``rollback`` gives back the pages that only held
-rejected positions (the radix cache sees ``all_ids[:kv_len]`` only, never a rejected token).
+One step of a drafting request feeds ``[last token, d1 .. dK]`` at its ``kv_len`` (as K + 1
+one-token decode rows, ``executor.verify_rows``) and takes the logits of all K + 1 positions. ``accept``
+then draws the target token of each position exactly as a decode step would (the same ``Sampler``
+over that position's logits with the request's own ``SamplerState``: greedy argmax, or the seeded
+generator at that output index, with penalties and ``logit_bias`` seeing the tokens accepted before
+it), appends it through ``token_delta`` (stop checks, ``max_tokens``, EOS, ``stop_token_ids``), and
+goes on only while the token equals the draft. So the tokens emitted are the ones decoding without
+drafts would give; a step emits between 1 and K + 1 of them. ``rollback`` gives back the pages that
+only held rejected positions (the radix cache sees ``all_ids[:kv_len]`` only, never a rejected
+token).
 
 A request whose draft was wholly rejected skips drafting for a few steps (``MAX_BACKOFF_STEPS``).
 Drafting is skipped, fail safe, for a row whose extra pages are not free without evicting the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,14 +36,14 @@ from engine.request import Request
 from engine.sampling import Sampler
 from engine.scheduler.stats import Histogram
 from engine.spec.ngram import NgramIndex
+from engine.spec.pays import Acceptance, StepBudget
 from transfer.wire.protocol import TokenDelta
 
 EmitToken = Callable[[Request, int, "float | None", "list | None"], TokenDelta]
 
 # Back-off of a request whose draft was wholly rejected: it skips drafting for this many steps,
 # doubled on each further miss up to MAX_BACKOFF_STEPS, and back to none on an accepted token. A
-# rejected draft is pure cost (K extra rows on the extend path instead of one decode row: about 10%
-# more CPU per token measured on open-ended chat with the embedded model), so a request whose output
+# rejected draft is pure cost (K extra rows in the step), so a request whose output
 # is not in its context soon drafts rarely, while one that quotes its input drafts every step.
 MAX_BACKOFF_STEPS = 32
 # Buckets of pdserve_spec_acceptance_length (draft tokens accepted per verified row): one per count
@@ -52,9 +53,10 @@ ACCEPTANCE_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 
 @dataclass
 class _Drafting:
-    """One request's drafting state: its n-gram index and its back-off."""
+    """One request's drafting state: its n-gram index, its back-off and its recent acceptance."""
 
     index: NgramIndex
+    acceptance: Acceptance = field(default_factory=Acceptance)
     wait: int = 0  # steps left before it drafts again
     backoff: int = 0  # the wait after its next wholly rejected draft
 
@@ -63,17 +65,27 @@ class NgramSpeculator:
     """Per-request n-gram drafts and their verification; one per scheduler (single thread).
 
     ``step_tokens``: the most tokens a step that drafts may carry (decode rows, prefill tokens and
-    drafted tokens together; ``drafts`` trims to it). Counters: ``draft_tokens`` (draft tokens
+    drafted tokens together; ``drafts`` trims to it). ``fixed``: a step's fixed cost in token rows
+    (``engine.spec.pays``): a draft token is verified only where its chance of acceptance pays for
+    its row (infinite: whenever ``step_tokens`` allows). Counters: ``draft_tokens`` (draft tokens
     verified), ``accepted_tokens`` (of those, accepted); ``acceptance``: accepted tokens per verified row.
     """
 
     def __init__(
-        self, kv: KVManager, k: int, n_min: int, n_max: int, max_model_len: int, step_tokens: int = 1 << 30
+        self,
+        kv: KVManager,
+        k: int,
+        n_min: int,
+        n_max: int,
+        max_model_len: int,
+        step_tokens: int = 1 << 30,
+        fixed: float = float("inf"),
     ) -> None:
         self.kv = kv
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.max_model_len = max_model_len
         self.step_tokens = step_tokens
+        self.fixed = fixed
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.acceptance = Histogram(ACCEPTANCE_BUCKETS)
@@ -104,12 +116,18 @@ class NgramSpeculator:
     def drafts(self, reqs: list[Request], other_tokens: int) -> list[list[int]]:
         """The draft of each of ``reqs`` (decode rows of one step beside ``other_tokens`` prefill
         tokens), pages taken: a step whose rows, prefill and drafts would pass ``step_tokens`` drafts
-        only what fits (rows in order, the last draft cut short), so a large, compute-bound batch does
-        not draft at all. Deterministic from the config and the batch: every process decides alike."""
+        only what fits (rows in order, the last draft cut short), and each row drafts only the tokens
+        that pay for their rows at its recent acceptance (``StepBudget``), so a large, compute-bound
+        batch drafts little or nothing. Deterministic from the config, the batch and the requests'
+        verify history: every process decides alike."""
         room = self.step_tokens - len(reqs) - other_tokens
+        budget = StepBudget(self.fixed, len(reqs) + other_tokens)
         out = []
         for r in reqs:
-            d = self.draft(r, room) if room > 0 else []
+            p = self._drafting(r).acceptance.rate()
+            limit = budget.paying(p, min(room, self.k)) if room > 0 else 0
+            d = self.draft(r, limit) if limit > 0 else []
+            budget.take(p, len(d))
             room -= len(d)
             out.append(d)
         return out
@@ -173,6 +191,7 @@ class NgramSpeculator:
             self.accepted_tokens += acc
             self.acceptance.observe(acc)
             st = self._drafting(req)
+            st.acceptance.observe(acc, len(d))
             st.backoff = 0 if acc else min(max(1, 2 * st.backoff), MAX_BACKOFF_STEPS)
             st.wait = st.backoff
             req.kv_len += m
@@ -187,4 +206,5 @@ def speculator_for(cfg: SchedulerConfig, kv: KVManager, max_model_len: int) -> N
         return None
     step_tokens = min(cfg.spec_max_batch_tokens, cfg.max_num_batched_tokens or cfg.spec_max_batch_tokens)
     k = cfg.num_speculative_tokens
-    return NgramSpeculator(kv, k, cfg.ngram_min, cfg.ngram_max, max_model_len, step_tokens)
+    fixed = cfg.spec_step_fixed_tokens
+    return NgramSpeculator(kv, k, cfg.ngram_min, cfg.ngram_max, max_model_len, step_tokens, fixed)

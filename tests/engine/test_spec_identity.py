@@ -63,7 +63,7 @@ def same_with_and_without(model, jobs, min_accepted=1, **kw) -> ColocatedSchedul
 
 def assert_same(spec: dict, plain: dict) -> None:
     """Token ids, finish reasons and stop tokens equal; logprobs equal to float32 rounding (the
-    verify step computes them with the extend kernels, a plain step with the decode kernels)."""
+    verify step's rows are decode rows too, but a step of other rows and row counts)."""
     assert {k: (o[0], o[3], o[4]) for k, o in spec.items()} == {k: (o[0], o[3], o[4]) for k, o in plain.items()}
     for k, o in spec.items():
         assert [x is None for x in o[1]] == [x is None for x in plain[k][1]]

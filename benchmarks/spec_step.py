@@ -1,0 +1,152 @@
+"""The cost of one verify step against one decode step of the same batch, engine level, in one process.
+
+``python -m benchmarks.spec_step [--rows 8] [--drafting 0,1,4,8] [--k 4] [--context 300] [--reps 30]
+[--dtype auto]`` loads the model (``--dtype auto``: what a server picks here, bfloat16 on a CPU with
+AVX512-BF16), starts ``--rows`` requests on a chat prompt and decodes them to about ``--context`` tokens of
+context each, then times forwards of that batch (``ModelRunner.forward``, nothing advanced: the same
+positions are rewritten each time), round robin so that a shared machine's drift hits every variant alike:
+
+- ``decode``: the plain step, one token per row (the C decode stack where the model takes it);
+- ``ragged D``: ``D`` of the rows carry ``--k`` drafts as small extend rows ``[last, d1 .. dK]`` (a MIXED
+  step, EXTEND when every row drafts): the per-layer Python extend path;
+- ``flat D``: the same tokens as one-token decode rows, each drafted position a row of its own at its
+  position (a DECODE step: the decode stack takes it up to its row limit).
+
+It also times the sampling of a step: one ``Sampler.sample`` over the rows (``decode``) against the plain
+rows' call plus ``K + 1`` calls over the drafting rows (``accept``'s calls). Prints the median ms of each
+and its ratio to ``decode``; ratios measured side by side are what to read on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from configs.engine import EngineConfig
+from configs.scheduler import SchedulerConfig
+from engine.forward_batch import ForwardMode
+from engine.llm import LLM
+from engine.loader import load_for_engine
+from engine.model_paths import resolve_model_path
+from engine.model_runner import SeqChunk
+from engine.request import Request
+from engine.tokenizer import Tokenizer
+from transfer.wire.protocol import GenerateRequest
+from transfer.wire.sampling_params import SamplingParams
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def running_batch(llm: LLM, rows: int, context: int) -> list[Request]:
+    """``rows`` running requests of about ``context`` tokens each (decoded there by the scheduler)."""
+    sched = llm.scheduler
+    prompt = llm.encode_prompt(PROMPT, chat=True)
+    params = SamplingParams(max_new_tokens=4096, temperature=0, ignore_eos=True)
+    for i in range(rows):
+        sched.add(b"", GenerateRequest(rid=f"s{i}", params=params), prompt)
+    for _ in range(max(1, context - len(prompt))):
+        sched.step()
+    return list(sched.running.reqs)
+
+
+def variants(reqs: list[Request], k: int, drafting: list[int]) -> dict[str, tuple[ForwardMode, list[SeqChunk], int]]:
+    """name -> (mode, seqs, num_decode) of each step to time; drafts are the row's last k outputs."""
+
+    def plain(r: Request) -> SeqChunk:
+        return SeqChunk([r.output_ids[-1]], r.kv_len, r.kv.pages)
+
+    def draft(r: Request) -> list[int]:
+        return r.output_ids[-k:]
+
+    out = {"decode": (ForwardMode.DECODE, [plain(r) for r in reqs], 0)}
+    for d in drafting:
+        if d == 0:
+            continue
+        ver, dec = reqs[:d], reqs[d:]
+        ragged = [plain(r) for r in dec]
+        ragged += [SeqChunk([r.output_ids[-1], *draft(r)], r.kv_len, r.kv.pages, None, k) for r in ver]
+        mode = ForwardMode.MIXED if dec else ForwardMode.EXTEND
+        out[f"ragged {d}"] = (mode, ragged, len(dec))
+        flat = [plain(r) for r in dec]
+        flat += [
+            SeqChunk([t], r.kv_len + j, r.kv.pages) for r in ver for j, t in enumerate([r.output_ids[-1], *draft(r)])
+        ]
+        out[f"flat {d}"] = (ForwardMode.DECODE, flat, 0)
+    return out
+
+
+def time_sampling(llm: LLM, reqs: list[Request], k: int, drafting: list[int], reps: int) -> dict[str, float]:
+    """Median ms of a plain step's sampling and of a step with ``d`` drafting rows (``accept``'s calls)."""
+    sampler = llm.scheduler.executor.sampler
+    V = llm.runner.model_config.vocab_size
+    logits = torch.randn(len(reqs) * (k + 1), V)
+    params, states = [r.params for r in reqs], [r.sampler_state for r in reqs]
+    times: dict[str, list[float]] = {}
+    for _ in range(reps):
+        t = time.perf_counter()
+        sampler.sample(logits[: len(reqs)], params, states)
+        times.setdefault("sample decode", []).append(time.perf_counter() - t)
+        for d in drafting:
+            if d == 0:
+                continue
+            t = time.perf_counter()
+            n = len(reqs) - d
+            if n:
+                sampler.sample(logits[:n], params[:n], states[:n])
+            for _j in range(k + 1):
+                sampler.sample(logits[:d], params[n:], states[n:])
+            times.setdefault(f"sample {d}", []).append(time.perf_counter() - t)
+    return {name: 1000 * statistics.median(v) for name, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--drafting", default="0,1,4,8", help="rows of the batch that carry drafts, per variant")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per drafting row")
+    ap.add_argument("--context", type=int, default=300, help="tokens of context per row")
+    ap.add_argument("--reps", type=int, default=30)
+    a = ap.parse_args()
+    ecfg = EngineConfig(model=a.model, dtype=a.dtype, device="cpu")
+    path = resolve_model_path(a.model)
+    llm = LLM(ecfg, SchedulerConfig(), (*load_for_engine(path, ecfg), Tokenizer.from_path(path)))
+    drafting = [int(x) for x in a.drafting.split(",")]
+    reqs = running_batch(llm, a.rows, a.context)
+    for r in reqs:  # pages for the drafted positions (written each rep, never advanced into)
+        assert llm.scheduler.kv.ensure_pages(r.kv, r.kv_len + 1 + a.k)
+    steps = variants(reqs, a.k, drafting)
+    runner = llm.runner
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(a.reps + 2):  # the first two rounds warm up
+        for name, (mode, seqs, nd) in steps.items():
+            t = time.perf_counter()
+            runner.forward(mode, seqs, nd)
+            times[name].append(time.perf_counter() - t)
+    ms = {name: 1000 * statistics.median(v[2:]) for name, v in times.items()}
+    ms |= time_sampling(llm, reqs, a.k, drafting, a.reps)
+    base = {"forward": ms["decode"], "sample": ms["sample decode"]}
+    print(
+        json.dumps(
+            {
+                "dtype": str(runner.dtype).removeprefix("torch."),
+                "threads": torch.get_num_threads(),
+                "rows": a.rows,
+                "k": a.k,
+                "context": reqs[0].kv_len,
+                "decode_stack": runner.model.stack is not None,
+            }
+        )
+    )
+    for name, v in ms.items():
+        ref = base["sample" if name.startswith("sample") else "forward"]
+        print(json.dumps({"step": name, "median_ms": round(v, 2), "vs_decode": round(v / ref, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
