@@ -128,12 +128,17 @@ def test_kill9_of_the_switching_worker_mid_evacuation_loses_nothing(cluster, ref
         # some requests moved to decode-x already (decode-0's pool is full), some stream on decode-0
         await until(cluster, lambda m: moved(m, before, name, worker="decode-x", direction="in", outcome="done") >= 1)
         await until(cluster, lambda m: metric_sum(m, "pdserve_queue_requests", worker="decode-0", queue="running") >= 2)
+        # decode-x stopped: decode-0's evacuation offers its streams but cannot hand them over, so the
+        # kill lands while they are on their way out, however fast the host
+        signal_worker(cluster, "decode-x", signal.SIGSTOP)
         switch = asyncio.create_task(post_role(cluster.url, "decode-0", "prefill"))
         async with httpx.AsyncClient(base_url=cluster.url, timeout=10, trust_env=False) as c:
             while "decode-0 (decode): switching" not in (await c.get("/health")).text:  # it evacuates now
                 assert not switch.done(), switch.result().text
                 await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
         signal_worker(cluster, "decode-0", signal.SIGKILL)
+        signal_worker(cluster, "decode-x", signal.SIGCONT)
         t0 = time.monotonic()
         r = await switch
         answered_s = time.monotonic() - t0
@@ -142,8 +147,10 @@ def test_kill9_of_the_switching_worker_mid_evacuation_loses_nothing(cluster, ref
     got, r, answered_s = asyncio.run(scenario())
     m = cluster.wait_recovered()
     print(f"\nkill -9 mid-switch (seed {SEED}): {r.status_code} after {answered_s:.2f}s {r.text}")
-    # streams still on decode-0 (or on their way out) continued elsewhere
-    assert_failed_over("kill -9 mid-switch", ref, got, m, continued_from=("decode-0",))
+    moved_by = assert_failed_over("kill -9 mid-switch", ref, got, m)
+    # streams still on decode-0 or on their way out continued elsewhere (a stream on its way out is
+    # counted under the worker the router last pointed it at)
+    assert moved_by("pdserve_failovers_total", outcome="continued") >= 1
     assert r.status_code == 409 and "decode-0" in r.json()["error"]["message"], r.text
     assert answered_s < SWITCH_TIMEOUT_S / 2
     assert switched(m, "decode", "prefill") == switched(before, "decode", "prefill")
