@@ -3,7 +3,7 @@
 Three PD workers. The trace alternates prefill-heavy phases (1,500-2,000-token prompts, 16-token
 answers) and decode-heavy phases (100-token prompts, 256-token answers), ``--phase-s`` seconds
 each, ``--cycles`` pairs, open-loop Poisson arrivals at ``--prefill-rate`` / ``--decode-rate``
-req/s, seeded (``bench.serve.bursty``). For each configuration of ``--configs`` (``1p2d``,
+req/s, seeded (``benchmarks.bursty_trace``). For each configuration of ``--configs`` (``1p2d``,
 ``2p1d``: static splits; ``planner``: ``--planner-start`` with ``--planner slo`` and the same SLOs)
 it launches a fresh server, warms it up, replays the trace and counts the requests that met both
 SLOs, then prints one table: goodput (req/s and share), TTFT/TPOT p50/p99, failed requests, role
@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 
 from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics, wait_idle
-from bench.serve import bursty
 from bench.serve.client import ClientConfig, served_model
 from bench.serve.runner import open_loop
 from bench.serve.servers import launch_argv
 from bench.serve.stats import SLO
 from bench.serve.workload import RequestSpec, load_counter
+from benchmarks import bursty_trace as bursty
 
 SPLITS = {"1p2d": (1, 2), "2p1d": (2, 1)}
 HEARTBEAT_S = 0.5

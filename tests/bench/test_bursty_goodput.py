@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import bursty
 from bench.serve.client import RequestResult
 from bench.serve.stats import SLO
 from bench.serve.workload import WordCounter
+from benchmarks import bursty_trace as bursty
 from benchmarks.role_goodput import parse_args, server_flags
 
 KINDS = bursty.default_kinds(prefill_rate=2.0, decode_rate=4.0)
