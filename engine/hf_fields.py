@@ -67,6 +67,19 @@ _LLAMA_CORE = frozenset(
         "partial_rotary_factor",
     }
 )
+
+# The Gemma block's fields (Gemma 2 and Gemma 3 text): hidden_activation, query_pre_attn_scalar, the
+# soft caps, the sliding layers, and the attention bias / bidirectional flags refused when set
+_GEMMA_CORE = _LLAMA_CORE | {
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "sliding_window",
+    "layer_types",
+    "attention_bias",
+    "use_bidirectional_attention",
+}
 _QWEN_SLIDING = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
 IMPLEMENTED: dict[str, frozenset[str]] = {
     "llama": _LLAMA_CORE | {"attention_bias", "mlp_bias", "rope_interleaved"},
@@ -125,35 +138,12 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     # Gemma 2 (engine/gemma3.py's model without Q/K norms): (1 + w) pre/post norms, GeGLU with tanh
     # GELU, embedding scale, query_pre_attn_scalar, attention and final logit soft-capping,
     # alternating sliding layers; hidden_act is what older exports wrote beside hidden_activation
-    "gemma2": _LLAMA_CORE
-    | {
-        "hidden_activation",
-        "query_pre_attn_scalar",
-        "attn_logit_softcapping",
-        "final_logit_softcapping",
-        "sliding_window",
-        "layer_types",
-        "attention_bias",
-        "use_bidirectional_attention",
-    },
+    "gemma2": _GEMMA_CORE,
     # Gemma 3 text (Gemma3ForCausalLM): Gemma 2's block with Q/K RMSNorm, a sliding pattern (five
     # sliding layers to each full one by default), the local RoPE base rope_local_base_freq on the
     # sliding layers and rope_theta with rope_scaling (or the nested rope_parameters) on the full
     # ones (engine.hf_rope); soft caps default to none, and only the final one is applied
-    "gemma3_text": _LLAMA_CORE
-    | {
-        "hidden_activation",
-        "query_pre_attn_scalar",
-        "attn_logit_softcapping",
-        "final_logit_softcapping",
-        "sliding_window",
-        "sliding_window_pattern",
-        "_sliding_window_pattern",
-        "layer_types",
-        "rope_local_base_freq",
-        "attention_bias",
-        "use_bidirectional_attention",
-    },
+    "gemma3_text": _GEMMA_CORE | {"sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq"},
 }
 
 # Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v

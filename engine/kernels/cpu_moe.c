@@ -42,43 +42,28 @@
 
 typedef void (*dots_fn)(const void *const *xr, const void *w, int64_t k, float *res);
 
-/* res[t * RB + r] = x_t . w_r for N token rows xr[t] and RB weight rows of k elements from w. */
-#define DOTS_F32(NAME, N)                                                                     \
+/* res[t * RB + r] = x_t . w_r for N token rows xr[t] and RB weight rows of k elements from w, both of
+ * element type T, loaded (widened to float32) by LOAD: float32 rows, or bfloat16 rows widened on any
+ * x86-64 / vector ISA. */
+#define DOTS_LOADED(NAME, N, T, LOAD)                                                         \
     static void NAME(const void *const *xr, const void *wp, int64_t k, float *res) {          \
-        const float *w = wp;                                                                  \
+        const T *w = wp;                                                                      \
         vf acc[N][RB];                                                                        \
         for (int t = 0; t < N; t++)                                                           \
             for (int r = 0; r < RB; r++) acc[t][r] = (vf){};                                  \
         for (int64_t c = 0; c < k; c += W) {                                                  \
             vf wv[RB];                                                                        \
-            for (int r = 0; r < RB; r++) wv[r] = vld_f32(w + r * k + c);                      \
+            for (int r = 0; r < RB; r++) wv[r] = LOAD(w + r * k + c);                         \
             for (int t = 0; t < N; t++) {                                                     \
-                const vf xv = vld_f32((const float *)xr[t] + c);                              \
+                const vf xv = LOAD((const T *)xr[t] + c);                                     \
                 for (int r = 0; r < RB; r++) acc[t][r] += xv * wv[r];                         \
             }                                                                                 \
         }                                                                                     \
         for (int t = 0; t < N; t++)                                                           \
             for (int r = 0; r < RB; r++) res[t * RB + r] = hsum(acc[t][r]);                   \
     }
-
-/* The same over bfloat16 rows, each element widened to float32 (any x86-64 / vector ISA). */
-#define DOTS_WIDEN(NAME, N)                                                                   \
-    static void NAME(const void *const *xr, const void *wp, int64_t k, float *res) {          \
-        const uint16_t *w = wp;                                                               \
-        vf acc[N][RB];                                                                        \
-        for (int t = 0; t < N; t++)                                                           \
-            for (int r = 0; r < RB; r++) acc[t][r] = (vf){};                                  \
-        for (int64_t c = 0; c < k; c += W) {                                                  \
-            vf wv[RB];                                                                        \
-            for (int r = 0; r < RB; r++) wv[r] = vld_bf16(w + r * k + c);                     \
-            for (int t = 0; t < N; t++) {                                                     \
-                const vf xv = vld_bf16((const uint16_t *)xr[t] + c);                          \
-                for (int r = 0; r < RB; r++) acc[t][r] += xv * wv[r];                         \
-            }                                                                                 \
-        }                                                                                     \
-        for (int t = 0; t < N; t++)                                                           \
-            for (int r = 0; r < RB; r++) res[t * RB + r] = hsum(acc[t][r]);                   \
-    }
+#define DOTS_F32(NAME, N) DOTS_LOADED(NAME, N, float, vld_f32)
+#define DOTS_WIDEN(NAME, N) DOTS_LOADED(NAME, N, uint16_t, vld_bf16)
 
 DOTS_F32(dots_f32_1, 1) DOTS_F32(dots_f32_2, 2) DOTS_F32(dots_f32_3, 3) DOTS_F32(dots_f32_4, 4)
 DOTS_WIDEN(dots_widen_1, 1) DOTS_WIDEN(dots_widen_2, 2) DOTS_WIDEN(dots_widen_3, 3) DOTS_WIDEN(dots_widen_4, 4)
