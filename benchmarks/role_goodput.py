@@ -2,8 +2,12 @@
 
 Three PD workers. The trace alternates prefill-heavy phases (1,500-2,000-token prompts, 16-token
 answers) and decode-heavy phases (100-token prompts, 256-token answers), ``--phase-s`` seconds
-each, ``--cycles`` pairs, open-loop Poisson arrivals at ``--prefill-rate`` / ``--decode-rate``
-req/s, seeded (``benchmarks.bursty_trace``). For each configuration of ``--configs`` (``1p2d``,
+each, ``--cycles`` pairs, open-loop Poisson arrivals, seeded (``benchmarks.bursty_trace``). The
+rates are relative to the host: on the first launched cluster a short probe measures what ONE
+prefill worker and ONE decode worker sustain on these requests (``benchmarks.load_calibration``)
+and each phase runs at ``--prefill-load`` / ``--decode-load`` x that (1.4: one worker of the kind
+is overloaded, two are not); ``--prefill-rate`` / ``--decode-rate`` (req/s) override a phase's.
+For each configuration of ``--configs`` (``1p2d``,
 ``2p1d``: static splits; ``planner``: ``--planner-start`` with ``--planner slo`` and the same SLOs)
 it launches a fresh server, warms it up, replays the trace and counts the requests that met both
 SLOs, then prints one table: goodput (req/s and share), TTFT/TPOT p50/p99, failed requests, role
@@ -11,7 +15,7 @@ switches (``pdserve_role_switches_total``) and the planner's goodput over the be
 ``--steady KIND`` adds a trace of that phase kind only (same length) over ``--steady-configs``.
 The planner's evaluations (router log, INFO) of each planner run go to ``--planner-log``.
 
-    python -m benchmarks.role_goodput --phase-s 60 --cycles 2 --prefill-rate 0.5 --decode-rate 0.5 \
+    python -m benchmarks.role_goodput --phase-s 60 --cycles 2 --prefill-load 1.4 --decode-load 1.4 \
         --slo-ttft-ms 3000 --slo-tpot-ms 150 --steady decode-heavy
 """
 
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics, wait_idle
@@ -30,6 +35,7 @@ from bench.serve.servers import launch_argv
 from bench.serve.stats import SLO
 from bench.serve.workload import RequestSpec, load_counter
 from benchmarks import bursty_trace as bursty
+from benchmarks import load_calibration as cal
 
 SPLITS = {"1p2d": (1, 2), "2p1d": (2, 1)}
 HEARTBEAT_S = 0.5
@@ -39,7 +45,7 @@ def server_flags(config: str, args: argparse.Namespace) -> list[str]:
     """``pdserve launch`` flags of ``config`` (``1p2d``, ``2p1d`` or ``planner``): the split, the
     migration path a decode -> prefill switch needs (every configuration has it, so only the
     planner differs), and for ``planner`` the SLO planner with the benchmark's SLOs and knobs."""
-    p, d = SPLITS[args.planner_start if config == "planner" else config]
+    p, d = split_of(config, args)
     flags = ["--prefill", str(p), "--decode", str(d), "--migrate-after", "100000", "--host-kv-pool-gb", "0.25"]
     flags += ["--kv-pool-tokens", str(args.kv_pool_tokens), "--health-interval-s", str(HEARTBEAT_S)]
     if config == "planner":
@@ -50,15 +56,24 @@ def server_flags(config: str, args: argparse.Namespace) -> list[str]:
     return flags + args.server_args.split()
 
 
-def run_config(
-    config: str, trace_name: str, trace: list[RequestSpec], trace_s: float, args, raw: list[dict]
-) -> bursty.Outcome:
-    """Launch ``config``, warm it up, replay ``trace`` open loop; its ``Outcome`` (each request's
-    kind, arrival, TTFT, TPOT and error appended to ``raw``)."""
+def split_of(config: str, args: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) workers ``config`` launches with."""
+    return SPLITS[args.planner_start if config == "planner" else config]
+
+
+TraceSource = Callable[[ClientConfig, tuple[int, int]], list[RequestSpec]]
+
+
+def run_config(config: str, trace_name: str, trace_of: TraceSource, trace_s: float, args, raw: list[dict]):
+    """Launch ``config``, warm it up, get the trace from ``trace_of`` (which may probe the running
+    cluster first), replay it open loop; (its ``Outcome``, the trace) (each request's kind,
+    arrival, TTFT, TPOT and error appended to ``raw``)."""
     warm = [RequestSpec(-1, "hello " * 40, 40, 4, "warmup"), RequestSpec(-2, "world " * 300, 300, 4, "warmup")]
     with LaunchedServer(launch_argv("pd", server_flags(config, args)), startup_timeout_s=300) as srv:
         cfg = ClientConfig(srv.url, served_model(srv.url))
-        before = wait_idle(srv.url, HEARTBEAT_S)
+        wait_idle(srv.url, HEARTBEAT_S)
+        trace = trace_of(cfg, split_of(config, args))
+        before = wait_idle(srv.url, HEARTBEAT_S, timeout_s=120)
         measured = asyncio.run(open_loop(cfg, trace, warmup=warm, progress=False, label=config))
         switches = metric_sum(scrape_metrics(srv.url), "pdserve_role_switches_total")
         switches -= metric_sum(before, "pdserve_role_switches_total")
@@ -72,15 +87,20 @@ def run_config(
             | {"ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "error": r.error}
         )
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    return bursty.outcome(config, trace_name, measured.results, trace_s, slo, int(switches), config == "planner")
+    return bursty.outcome(config, trace_name, measured.results, trace_s, slo, int(switches), config == "planner"), trace
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
     ap.add_argument("--cycles", type=int, default=2, help="prefill-heavy + decode-heavy phase pairs")
-    ap.add_argument("--prefill-rate", type=float, default=0.5, help="req/s in prefill-heavy phases")
-    ap.add_argument("--decode-rate", type=float, default=0.5, help="req/s in decode-heavy phases")
+    ap.add_argument(
+        "--prefill-load", type=float, default=1.4, help="prefill-heavy rate in one prefill worker's capacity"
+    )
+    ap.add_argument("--decode-load", type=float, default=1.4, help="decode-heavy rate in one decode worker's capacity")
+    ap.add_argument("--prefill-rate", type=float, help="req/s in prefill-heavy phases (no prefill probe)")
+    ap.add_argument("--decode-rate", type=float, help="req/s in decode-heavy phases (no decode probe)")
+    ap.add_argument("--probe-rows", type=int, default=8, help="rows per decode worker of the decode probe's batch")
     ap.add_argument("--slo-ttft-ms", type=float, required=True)
     ap.add_argument("--slo-tpot-ms", type=float, required=True)
     ap.add_argument("--configs", default="1p2d,2p1d,planner", help="comma-separated: 1p2d, 2p1d, planner")
@@ -105,10 +125,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class Calibrated:
+    """The phase kinds, calibrated once on the first cluster that asks (``kinds``); the explicit
+    ``--prefill-rate`` / ``--decode-rate`` skip their probe."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.counter = load_counter(args.tokenizer)
+        self.calibration: cal.Calibration | None = None
+        self.kinds_: dict[str, bursty.PhaseKind] | None = None
+
+    def kinds(self, cfg: ClientConfig, split: tuple[int, int], config: str) -> dict[str, bursty.PhaseKind]:
+        """The calibrated kinds (probing ``cfg``, a cluster of ``split`` named ``config``, the first time)."""
+        if self.kinds_ is None:
+            a = self.args
+            base = bursty.default_kinds(a.prefill_rate or 1.0, a.decode_rate or 1.0)
+            pre, dec = cal.probe(
+                cfg,
+                base,
+                split,
+                a.prefill_rate is None,
+                a.decode_rate is None,
+                slo_tpot_s=a.slo_tpot_ms / 1000,
+                kv_pool_tokens=a.kv_pool_tokens,
+                counter=self.counter,
+                seed=a.seed + 1000,
+                rows=a.probe_rows,
+            )
+            self.calibration = cal.Calibration(config, pre, dec)
+            self.kinds_ = cal.calibrated_kinds(base, self.calibration, a.prefill_load, a.decode_load)
+            print(self.describe(), file=sys.stderr)
+        return self.kinds_
+
+    def describe(self) -> str:
+        a = self.args
+        return cal.describe(self.calibration, self.kinds_, a.prefill_load, a.decode_load)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    kinds = bursty.default_kinds(args.prefill_rate, args.decode_rate)
-    counter = load_counter(args.tokenizer)
+    source = Calibrated(args)
     runs = [("bursty", bursty.phase_plan(args.cycles), args.configs.split(","))]
     if args.steady:
         runs.append(
@@ -117,17 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[bursty.Outcome] = []
     raw: list[dict] = []
     for name, plan, configs in runs:
-        trace = bursty.make_trace(plan, kinds, args.phase_s, counter, args.seed)
         trace_s = len(plan) * args.phase_s
-        print(f"{name}: {len(trace)} requests over {trace_s:g} s ({' '.join(plan)})", file=sys.stderr)
         for config in configs:
-            rows.append(run_config(config, name, trace, trace_s, args, raw))
+
+            def trace_of(cfg: ClientConfig, split: tuple[int, int], plan=plan, config=config) -> list[RequestSpec]:
+                kinds = source.kinds(cfg, split, config)
+                return bursty.make_trace(plan, kinds, args.phase_s, source.counter, args.seed)
+
+            row, trace = run_config(config, name, trace_of, trace_s, args, raw)
+            rows.append(row)
+            print(f"{name}: {len(trace)} requests over {trace_s:g} s ({' '.join(plan)})", file=sys.stderr)
             print(bursty.format_table(bursty.goodput_table(rows[-1:])), file=sys.stderr)
     table = bursty.goodput_table(rows)
+    print(source.describe())
     print(bursty.format_table(table))
     if args.json:
         out = {
             "args": vars(args),
+            "calibration": source.calibration.to_dict(),
+            "rates": {k: v.rate for k, v in source.kinds_.items()},
             "outcomes": [r.to_dict() for r in rows],
             "columns": bursty.COLUMNS,
             "rows": table,

@@ -11,7 +11,8 @@ from bench.serve.client import RequestResult
 from bench.serve.stats import SLO
 from bench.serve.workload import WordCounter
 from benchmarks import bursty_trace as bursty
-from benchmarks.role_goodput import parse_args, server_flags
+from benchmarks import load_calibration as cal
+from benchmarks.role_goodput import Calibrated, parse_args, server_flags
 
 KINDS = bursty.default_kinds(prefill_rate=2.0, decode_rate=4.0)
 
@@ -108,3 +109,62 @@ def test_only_the_planner_configuration_launches_the_planner():
     assert planned[i + 1] == "slo" and planned[planned.index("--slo-tpot-ms") + 1] == "150.0"
     with pytest.raises(SystemExit):
         parse_args(["--slo-ttft-ms", "1", "--slo-tpot-ms", "1", "--configs", "3p0d"])
+
+
+def test_the_step_fit_goes_through_both_probes_and_clamps_a_flat_one():
+    fit = cal.fit_step(1, 0.010, 9, 0.018)  # 1 ms per row, 9 rows fixed
+    assert fit.per_row_s == pytest.approx(0.001) and fit.fixed_rows == pytest.approx(9.0)
+    assert fit.step_s(1) == pytest.approx(0.010) and fit.step_s(9) == pytest.approx(0.018)
+    flat = cal.fit_step(1, 0.020, 8, 0.019)  # noise: the batch was no slower
+    assert flat.fixed_rows == cal.MAX_FIXED_ROWS and flat.step_s(8) == pytest.approx(0.019)
+    with pytest.raises(ValueError):
+        cal.fit_step(8, 0.01, 1, 0.02)
+
+
+def test_one_decode_worker_sustains_the_rows_its_slo_and_kv_pool_allow():
+    fit = cal.StepFit(per_row_s=0.002, fixed_rows=5.0)
+    # TPOT SLO 100 ms: 100/2 - 5 = 45 rows; KV 36,000 / 356 = 101 rows: the SLO binds
+    c = cal.decode_capacity(fit, 0.100, answer_len=256, request_tokens=356, kv_pool_tokens=36_000)
+    assert c.slo_rows == pytest.approx(45.0) and c.rows == pytest.approx(45.0)
+    assert c.rate == pytest.approx(45 / (256 * 0.100))  # Little: rows / (answer x step at those rows)
+    small = cal.decode_capacity(fit, 0.100, 256, 356, kv_pool_tokens=16_384)  # 46.0 KV rows
+    tiny = cal.decode_capacity(fit, 0.100, 256, 356, kv_pool_tokens=7_120)  # 20 KV rows: the pool binds
+    assert small.rows == pytest.approx(45.0) and tiny.rows == pytest.approx(20.0)
+    assert tiny.rate == pytest.approx(20 / (256 * 0.002 * 25))
+    with pytest.raises(ValueError):
+        cal.decode_capacity(fit, 0.010, 256, 356, 36_000)  # one row's step (12 ms) misses the SLO
+
+
+def test_the_phase_rates_are_loads_of_one_workers_capacity():
+    pre = cal.prefill_capacity([1500, 2000], [0.4, 0.6])
+    assert pre.ttft_s == pytest.approx(0.5) and pre.rate == pytest.approx(2.0) and pre.tokens_per_s == 3500
+    dec = cal.decode_capacity(cal.StepFit(0.002, 5.0), 0.1, 256, 356, 36_000)
+    kinds = bursty.default_kinds(1.0, 1.0)
+    both = cal.calibrated_kinds(kinds, cal.Calibration("1p2d", pre, dec), prefill_load=1.4, decode_load=2.0)
+    assert both[bursty.PREFILL].rate == pytest.approx(2.8) and both[bursty.DECODE].rate == pytest.approx(
+        2.0 * dec.rate, abs=1e-4
+    )
+    assert both[bursty.PREFILL].input_range == (1500, 2000) and both[bursty.DECODE].output_len == 256
+    given = cal.calibrated_kinds(bursty.default_kinds(1.0, 0.3), cal.Calibration("1p2d", pre, None), 1.4, 1.4)
+    assert given[bursty.DECODE].rate == 0.3 and given[bursty.PREFILL].rate == pytest.approx(2.8)
+    text = cal.describe(cal.Calibration("1p2d", pre, None), given, 1.4, 1.4)
+    assert "2.8 req/s = 1.4 x one prefill worker (3500 prompt tok/s" in text and "0.3 req/s (given)" in text
+    with pytest.raises(ValueError):
+        cal.prefill_capacity([1500], [])
+
+
+def test_rates_are_loads_unless_given():
+    args = parse_args(["--slo-ttft-ms", "3000", "--slo-tpot-ms", "150"])
+    assert (args.prefill_load, args.decode_load, args.prefill_rate, args.decode_rate) == (1.4, 1.4, None, None)
+    args = parse_args(["--slo-ttft-ms", "3000", "--slo-tpot-ms", "150", "--decode-rate", "0.5"])
+    assert args.decode_rate == 0.5 and args.prefill_rate is None
+
+
+def test_explicit_rates_probe_nothing():
+    args = parse_args(
+        ["--slo-ttft-ms", "3000", "--slo-tpot-ms", "150", "--prefill-rate", "0.2", "--decode-rate", "0.5"]
+    )
+    source = Calibrated(args)
+    kinds = source.kinds(None, (1, 2), "1p2d")  # no cluster: a probe would fail on it
+    assert (kinds[bursty.PREFILL].rate, kinds[bursty.DECODE].rate) == (0.2, 0.5)
+    assert source.calibration == cal.Calibration("1p2d", None, None) and "(given)" in source.describe()
