@@ -48,7 +48,7 @@ from server.router.kv_subscriber import KvSubscriber
 from server.router.load import PrefillBacklog
 from server.router.metrics import CONTENT_TYPE, RouterMetrics
 from server.router.openapi import openapi_document
-from server.router.planner_task import Planner, knobs_of
+from server.router.planner_task import Planner, knobs_of, views_of
 from server.router.registry import READY, ROUTING_POLICIES, Registry, WorkerSpec
 from server.router.serving import SessionStream, refuse_early
 from server.router.tokenize import add_tokenize_routes
@@ -163,7 +163,7 @@ async def _pump(ctx: RouterContext) -> None:
 def _planner(ctx: RouterContext) -> Planner:
     """The SLO planner over ``ctx``'s workers; its switches wait as long as ``POST /admin/role``'s."""
     timeout_s = ctx.cfg.cluster.drain_timeout_s + 10 * ctx.cfg.server.health_interval_s
-    return Planner(ctx.registry, ctx.metrics, knobs_of(ctx.cfg.server), timeout_s)
+    return Planner(ctx.registry, ctx.metrics, knobs_of(ctx.cfg.server), timeout_s, views=views_of(ctx.cfg.server))
 
 
 def _generation_route(ctx: RouterContext, handler: Handler):

@@ -37,6 +37,14 @@ def knobs_of(cfg: ServerConfig) -> Knobs:
     )
 
 
+def views_of(cfg: ServerConfig) -> ViewBuilder:
+    """The planner's view builder for the router's config: a decode step time is taken between two
+    evaluations' heartbeats at most two evaluation periods and two heartbeats apart (one period
+    apart, each heartbeat up to one period late, and a missed evaluation's slack); a longer gap is
+    time the router did not see the worker through."""
+    return ViewBuilder(max_step_gap_s=2 * (cfg.planner_interval_s + cfg.health_interval_s))
+
+
 def queue_wait_of(metrics: RouterMetrics) -> tuple[float, float]:
     """(sum, count) of the router's admission queue wait histogram."""
     total = count = 0.0
@@ -59,12 +67,14 @@ class Planner:
         knobs: Knobs,
         switch_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        views: ViewBuilder | None = None,
     ) -> None:
-        """``switch_timeout_s``: as ``switch_role`` takes it (for the worker to empty itself and answer)."""
+        """``switch_timeout_s``: as ``switch_role`` takes it (for the worker to empty itself and answer);
+        ``views``: the view builder (``views_of`` the router's config; its defaults when None)."""
         self.registry, self.metrics, self.knobs = registry, metrics, knobs
         self.switch_timeout_s, self.clock = switch_timeout_s, clock
         self.state = PlannerState()
-        self.views = ViewBuilder()
+        self.views = views or ViewBuilder()
 
     async def evaluate(self) -> Decision:
         """One evaluation: decide, log, and make the move if there is one."""

@@ -10,13 +10,21 @@ process instance) and derives:
   request compute time (the ``phase_prefill_compute`` histogram's sum: observed when a prompt
   completes, and once per prompt of a shared batch, so it under-estimates the speed). With nothing
   computed in the window: the cumulative ratio.
-- the typical prompt = computed tokens / prompts completed (the histogram's count) over the same
-  window: a window of several prompts keeps the error of a prompt part-way through its chunks at
-  either end small (between two heartbeats a completion's count meets only the tokens of its last
-  chunk). Nothing completed in the window: the cumulative ratio.
+- the typical prompt: the mean of the prompts the worker holds whole (``queue_waiting`` +
+  ``queue_bootstrap``; the one part-way through its chunks, ``queue_prefilling``, counts at its
+  rest: ``prefill_backlog_tokens`` over them all) when it holds one: they are the latest arrivals,
+  so the figure follows a change of the load at once. Otherwise computed tokens / prompts
+  completed (the histogram's count), each summed over the heartbeats with weights halving every
+  ``prompt_half_life_s``: recent heartbeats weigh more (a 10 s window trailed a phase change by
+  10 s), and a few seconds of prompts keep the error of a prompt part-way through its chunks small
+  (between two heartbeats a completion meets only its last chunk's tokens). The first heartbeat of
+  a worker instance: the cumulative ratio.
 - decode step time = seconds between the two latest heartbeats / decode steps made between them,
-  only when the worker ran requests at both (``queue_running`` > 0): an idle stretch in between
-  would count as step time. Otherwise the last measured value while it keeps running requests, else None.
+  only when the worker ran requests at both (``queue_running`` > 0) and they are at most
+  ``max_step_gap_s`` apart: an idle stretch in between, or a stretch the router did not see the
+  worker through (not ready, switching roles, stalled), would count as step time (a gap across a
+  role switch once predicted a 35 s TPOT). Otherwise the last measured value while it keeps
+  running requests (none after an over-long gap), else None.
 - backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``.
 
 ``queue_wait``: the router's admission queue wait histogram as (sum, count); the view carries its
@@ -47,6 +55,22 @@ class _Sample:
     steps: float
     batch: float
     step_s: float | None
+    held: float = 0.0  # whole prompts held: waiting + bootstrapping
+    held_tokens: float = 0.0  # prompt tokens held, not computed yet (the chunked one's rest included)
+    chunking: float = 0.0  # prompts part-way through their chunks
+
+
+@dataclass(frozen=True)
+class _Decayed:
+    """Computed tokens and completed prompts summed over heartbeats, weights halving every half-life."""
+
+    tokens: float
+    prompts: float
+
+    def after(self, prev: _Sample, cur: _Sample, half_life_s: float) -> _Decayed:
+        """These sums aged from ``prev`` to ``cur`` with ``cur``'s increments added."""
+        w = 0.5 ** (max(cur.at - prev.at, 0.0) / half_life_s)
+        return _Decayed(self.tokens * w + cur.tokens - prev.tokens, self.prompts * w + cur.prompts - prev.prompts)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -54,16 +78,24 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 RATE_WINDOW_S = 10.0  # long enough for several long prompts, short against a phase of the load
+PROMPT_HALF_LIFE_S = 3.0  # a few long prompts on a loaded host; a phase change fades in seconds
+MAX_STEP_GAP_S = 10.0  # a few evaluations of the default 5 s period; the router passes its own
 
 
 class ViewBuilder:
     """Builds ``ClusterView``s; keeps every worker's heartbeats of the last ``window_s`` (at least
-    the previous one) and the previous queue wait."""
+    the previous one), its decayed prompt sums and the previous queue wait."""
 
-    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
-        self.window_s = window_s
+    def __init__(
+        self,
+        window_s: float = RATE_WINDOW_S,
+        prompt_half_life_s: float = PROMPT_HALF_LIFE_S,
+        max_step_gap_s: float = MAX_STEP_GAP_S,
+    ) -> None:
+        self.window_s, self.prompt_half_life_s, self.max_step_gap_s = window_s, prompt_half_life_s, max_step_gap_s
         self._prev: dict[str, tuple[_Sample, tuple[WorkerView, float | None]]] = {}
         self._history: dict[str, deque[_Sample]] = {}
+        self._prompts: dict[str, _Decayed] = {}
         self._wait = (0.0, 0.0)
 
     def build(self, handles: Iterable[WorkerHandle], queue_wait: tuple[float, float], now: float) -> ClusterView:
@@ -83,8 +115,8 @@ class ViewBuilder:
         return ClusterView(now=now, workers=tuple(workers), queue_wait_s=wait, prompt_tokens=prompt)
 
     def _worker(self, h: WorkerHandle) -> tuple[WorkerView, float | None]:
-        """(``h``'s view, its mean prompt tokens per request or None) from its stats and previous
-        sample; without a heartbeat since the previous build, the previous answer."""
+        """(``h``'s view, its typical prompt tokens or None) from its stats and previous sample;
+        without a heartbeat since the previous build, the previous answer."""
         cur = _sample(h)
         prev, seen = self._prev.get(h.worker_id, (None, None))
         if prev is not None and prev.instance == cur.instance and cur.at <= prev.at:
@@ -93,11 +125,16 @@ class ViewBuilder:
         history = self._history.setdefault(h.worker_id, deque())
         if base is None:
             history.clear()
+        decayed = _Decayed(cur.tokens, cur.prompts)
+        if base is not None and h.worker_id in self._prompts:
+            decayed = self._prompts[h.worker_id].after(base, cur, self.prompt_half_life_s)
+        self._prompts[h.worker_id] = decayed
         if h.spec.role == Role.DECODE:
-            cur = replace(cur, step_s=_step_s(base, cur))
+            cur = replace(cur, step_s=_step_s(base, cur, self.max_step_gap_s))
             answer = WorkerView(h.worker_id, Role.DECODE, batch=cur.batch, step_s=cur.step_s), None
         else:
-            answer = _prefill(h, _window_base(history, cur.at - self.window_s), cur)
+            view = _prefill(h, _window_base(history, cur.at - self.window_s), cur)
+            answer = view, _typical_prompt(cur, decayed)
         history.append(cur)
         self._prev[h.worker_id] = (cur, answer)
         return answer
@@ -126,12 +163,23 @@ def _sample(h: WorkerHandle) -> _Sample:
         steps=s.counters.get("decode_steps", 0.0),
         batch=s.gauges.get("queue_running", 0.0),
         step_s=None,
+        held=s.gauges.get("queue_waiting", 0.0) + s.gauges.get("queue_bootstrap", 0.0),
+        held_tokens=s.gauges.get("prefill_backlog_tokens", 0.0),
+        chunking=s.gauges.get("queue_prefilling", 0.0),
     )
 
 
-def _prefill(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> tuple[WorkerView, float | None]:
-    """A prefill worker's view and typical prompt: rates since ``base`` (the window's oldest
-    heartbeat) when it computed since, else cumulative (module docstring)."""
+def _typical_prompt(cur: _Sample, decayed: _Decayed) -> float | None:
+    """The mean prompt held when the worker holds a whole one, else the decayed completions'
+    tokens per prompt (module docstring)."""
+    if cur.held >= 1:
+        return cur.held_tokens / (cur.held + cur.chunking)
+    return _ratio(decayed.tokens, decayed.prompts)
+
+
+def _prefill(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> WorkerView:
+    """A prefill worker's view: its speed since ``base`` (the window's oldest heartbeat) when it
+    computed since, else cumulative (module docstring)."""
     zero = _Sample(cur.instance, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
     if cur.busy_s > 0:  # forward seconds reported: exact over any window
         b = base if base is not None and cur.busy_s > base.busy_s else zero
@@ -139,16 +187,14 @@ def _prefill(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> tuple[Worke
     else:  # per prompt compute time: only over a window in which a prompt completed
         b = base if base is not None and cur.compute_s > base.compute_s else zero
         tps = _ratio(cur.tokens - b.tokens, cur.compute_s - b.compute_s)
-    b = base if base is not None and cur.prompts > base.prompts else zero
-    prompt = _ratio(cur.tokens - b.tokens, cur.prompts - b.prompts)
-    backlog = h.stats.gauges.get("prefill_backlog_tokens", 0.0)
-    return WorkerView(h.worker_id, Role.PREFILL, backlog_tokens=backlog, prefill_tps=tps), prompt
+    return WorkerView(h.worker_id, Role.PREFILL, backlog_tokens=cur.held_tokens, prefill_tps=tps)
 
 
-def _step_s(prev: _Sample | None, cur: _Sample) -> float | None:
-    """Seconds per decode step between ``prev`` and ``cur`` when both ran requests; the previous
-    measure while it runs requests without a step since; None when idle or unmeasured."""
-    if cur.batch <= 0 or prev is None:
+def _step_s(prev: _Sample | None, cur: _Sample, max_gap_s: float) -> float | None:
+    """Seconds per decode step between ``prev`` and ``cur`` when both ran requests and they are at
+    most ``max_gap_s`` apart; the previous measure while it runs requests without a step since;
+    None when idle, unmeasured or after an over-long gap."""
+    if cur.batch <= 0 or prev is None or cur.at - prev.at > max_gap_s:
         return None
     if prev.batch > 0 and cur.steps > prev.steps:
         return (cur.at - prev.at) / (cur.steps - prev.steps)

@@ -16,7 +16,8 @@ from configs.server import ServerConfig
 from server.router.inflight import InflightTable
 from server.router.metrics import RouterMetrics
 from server.router.planner import Knobs
-from server.router.planner_task import Planner, knobs_of, queue_wait_of
+from server.router.planner_task import Planner, knobs_of, queue_wait_of, views_of
+from server.router.planner_view import ViewBuilder
 from server.router.registry import READY, Registry, WorkerSpec
 from tests.support.router_doubles import SwitchingClient
 from transfer.wire.enums import Role
@@ -176,7 +177,10 @@ def test_the_view_takes_rates_between_heartbeats_and_the_queue_wait_since_the_la
     third = planner.views.build(reg.handles.values(), queue_wait_of(metrics), 2.0)
     (w1,), (w2,) = (v.of(Role.PREFILL) for v in (first, second))
     assert (w1.prefill_tps, first.prompt_tokens) == (1000.0, 1000.0)  # cumulative: one sample
-    assert (w2.prefill_tps, second.prompt_tokens) == (4000.0, 2000.0)  # 4000 tokens in 1 s, 2 prompts
+    assert w2.prefill_tps == 4000.0  # 4000 tokens in 1 s
+    # 4000 tokens over 2 prompts in that second, the first heartbeat's 1000 over 1 at half weight per 3 s
+    w = 0.5 ** (1 / 3)
+    assert second.prompt_tokens == pytest.approx((1000 * w + 4000) / (w + 2))
     assert second.queue_wait_s == pytest.approx(0.5) and third.queue_wait_s == 0.0
     assert third.of(Role.PREFILL)[0].prefill_tps == 4000.0  # no heartbeat since: the last answer
 
@@ -250,5 +254,65 @@ def test_the_typical_prompt_and_speed_span_a_window_of_heartbeats():
         if i >= 6:
             assert view.of(Role.PREFILL)[0].prefill_tps == pytest.approx(1250.0)
             prompts.append(view.prompt_tokens)
-    # the window (10 s: 20 heartbeats, about 6 prompts) is off by at most one chunk at each end
+    # the decayed sums (half weight per 3 s: about 4 prompts) are off by at most one chunk at either end
     assert all(1200 <= p <= 1800 for p in prompts[-6:]), prompts
+
+
+def _decode_heartbeat(reg: Registry, clock: Clock, t: float, steps: float, rows: float = 4.0) -> None:
+    clock.t = t
+    c = reg.handles["decode-0"].client
+    c.counters, c.gauges = {"decode_steps": steps}, {"queue_running": rows}
+    c.request_stats(0)
+
+
+def test_a_step_time_across_an_over_long_gap_is_discarded():
+    """decode-0 runs 4 rows at 0.02 s a step, then is not seen for 35 s (a role switch, a stall)
+    and makes one step in that gap: 35 s a step is no step time; the next regular gap measures again."""
+    reg, metrics, clock = cluster()
+    views = views_of(ServerConfig(planner_interval_s=2.0, health_interval_s=0.5))
+    assert views.max_step_gap_s == 5.0
+    steps = []
+    for t, n in ((0.0, 0.0), (2.0, 100.0), (37.0, 101.0), (39.0, 201.0)):
+        _decode_heartbeat(reg, clock, t, n)
+        steps.append(views.build([reg.handles["decode-0"]], (0.0, 0.0), t).of(Role.DECODE)[0].step_s)
+    assert steps == [None, pytest.approx(0.02), None, pytest.approx(0.02)]
+    assert ViewBuilder(max_step_gap_s=40.0).max_step_gap_s == 40.0  # the gap is the builder's, not a constant
+
+
+def test_the_typical_prompt_follows_a_phase_change_within_seconds():
+    """100-token prompts (8 a second, none held) for 20 s, then 1,800-token prompts arrive faster
+    than they are computed (1000 tokens/s, the queue grows); then back to short ones (the queue
+    drains, 8 a second complete). Heartbeats every 0.5 s. Completions over a 10 s window read
+    under 500 tokens for the first seconds of the long phase; the queue's own prompts read the
+    long ones from the first heartbeat that holds one, and the decayed completions fall under 400
+    within 6 s of the short ones."""
+    reg, metrics, clock = cluster()
+    views = ViewBuilder()
+    p = reg.handles["prefill-0"].client
+    tokens = prompts = 0.0
+    read = {}
+    for i in range(1, 101):
+        t = 0.5 * i
+        long_phase = 20.0 < t <= 30.0
+        if long_phase:
+            tokens += 500.0
+            prompts += 1.0 if i % 4 == 0 else 0.0  # 1,800-token prompts: about one per 1.8 s
+            held = 2.0 * (t - 20.0)  # 4 a second arrive, about 0.55 leave
+        else:
+            tokens, prompts, held = tokens + 400.0, prompts + 4.0, 0.0
+        clock.t = t
+        p.counters = {"prefill_computed_tokens": tokens, "prefill_compute_seconds": t}
+        p.histograms = {"phase_prefill_compute": HistogramData(buckets=[1.0], counts=[int(prompts), 0], sum=t)}
+        chunking = 1.0 if long_phase else 0.0
+        p.gauges = {
+            "queue_waiting": held,
+            "queue_prefilling": chunking,
+            "prefill_backlog_tokens": 1800.0 * held + 900 * chunking,
+        }
+        p.request_stats(0)
+        read[t] = views.build([reg.handles["prefill-0"]], (0.0, 0.0), t).prompt_tokens
+    assert read[19.5] == pytest.approx(100.0)
+    # the queue's own prompts, the one part-way through its chunks at its rest: (1800 + 900) / 2 at
+    # first, then (1800 x held + 900) / (held + 1)
+    assert read[20.5] == pytest.approx(1350.0) and all(read[22.0 + 0.5 * k] >= 1600 for k in range(17))
+    assert read[36.0] < 400.0 and read[45.0] == pytest.approx(100.0, rel=0.05)
