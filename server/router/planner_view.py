@@ -22,8 +22,8 @@ process instance) and derives:
 - decode step time = seconds between the two latest heartbeats / decode steps made between them,
   only when the worker ran requests at both (``queue_running`` > 0) and they are at most
   ``max_step_gap_s`` apart: an idle stretch in between, or a stretch the router did not see the
-  worker through (not ready, switching roles, stalled), would count as step time (a gap across a
-  role switch once predicted a 35 s TPOT). Otherwise the last measured value while it keeps
+  worker through (not ready, switching roles, starved of CPU), would count as step time (one step
+  across a starved worker's 35 s gap once predicted a 35 s TPOT). Otherwise the last measured value while it keeps
   running requests (none after an over-long gap), else None.
 - backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``.
 
