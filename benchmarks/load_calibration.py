@@ -181,10 +181,14 @@ def probe(
     seed: int,
     prompts: int = 3,
     rows: int = 8,
+    warmup: list[RequestSpec] = (),
 ) -> tuple[PrefillCapacity | None, DecodeCapacity | None]:
-    """Measure the capacities on a running cluster of ``split`` (prefill, decode workers); the
-    router spreads the decode probe's rows evenly over its decode workers."""
+    """Measure the capacities on a running cluster of ``split`` (prefill, decode workers), after
+    ``warmup`` (a cold cluster's first requests are slower); the router spreads the decode probe's
+    rows evenly over its decode workers."""
     pre = dec = None
+    if probe_prefill or probe_decode:
+        _ok(asyncio.run(closed_loop(cfg, list(warmup), 1, progress=False)).results, "warm-up")
     if probe_prefill:
         specs = _probe_requests(kinds[PREFILL], prompts, 2, counter, seed + 1)
         res = _ok(asyncio.run(closed_loop(cfg, specs, 1, progress=False)).results, "prefill probe")

@@ -39,6 +39,7 @@ from benchmarks import load_calibration as cal
 
 SPLITS = {"1p2d": (1, 2), "2p1d": (2, 1)}
 HEARTBEAT_S = 0.5
+WARMUP = [RequestSpec(-1, "hello " * 40, 40, 4, "warmup"), RequestSpec(-2, "world " * 300, 300, 4, "warmup")]
 
 
 def server_flags(config: str, args: argparse.Namespace) -> list[str]:
@@ -68,13 +69,12 @@ def run_config(config: str, trace_name: str, trace_of: TraceSource, trace_s: flo
     """Launch ``config``, warm it up, get the trace from ``trace_of`` (which may probe the running
     cluster first), replay it open loop; (its ``Outcome``, the trace) (each request's kind,
     arrival, TTFT, TPOT and error appended to ``raw``)."""
-    warm = [RequestSpec(-1, "hello " * 40, 40, 4, "warmup"), RequestSpec(-2, "world " * 300, 300, 4, "warmup")]
     with LaunchedServer(launch_argv("pd", server_flags(config, args)), startup_timeout_s=300) as srv:
         cfg = ClientConfig(srv.url, served_model(srv.url))
         wait_idle(srv.url, HEARTBEAT_S)
         trace = trace_of(cfg, split_of(config, args))
         before = wait_idle(srv.url, HEARTBEAT_S, timeout_s=120)
-        measured = asyncio.run(open_loop(cfg, trace, warmup=warm, progress=False, label=config))
+        measured = asyncio.run(open_loop(cfg, trace, warmup=WARMUP, progress=False, label=config))
         switches = metric_sum(scrape_metrics(srv.url), "pdserve_role_switches_total")
         switches -= metric_sum(before, "pdserve_role_switches_total")
         if config == "planner" and args.planner_log:
@@ -151,6 +151,7 @@ class Calibrated:
                 counter=self.counter,
                 seed=a.seed + 1000,
                 rows=a.probe_rows,
+                warmup=WARMUP,
             )
             self.calibration = cal.Calibration(config, pre, dec)
             self.kinds_ = cal.calibrated_kinds(base, self.calibration, a.prefill_load, a.decode_load)
