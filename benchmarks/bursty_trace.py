@@ -12,7 +12,8 @@ traffic, and, per server configuration, the requests that met both SLOs.
   denominator for every configuration, so their ratio is the ratio of requests met), the share met,
   TTFT/TPOT p50/p99 of the successful requests, failures and role switches.
 - ``goodput_table``: the rows and, per trace, the ratio of the planner's goodput to the best static
-  configuration's on the same trace.
+  configuration's on the same trace; ``phase_table``: the same requests per phase kind (which
+  phase each split misses in).
 """
 
 from __future__ import annotations
@@ -200,6 +201,37 @@ def goodput_table(rows: list[Outcome]) -> list[list]:
 
 def format_table(rows: list[list]) -> str:
     """``rows`` under ``COLUMNS`` as fixed-width text ("-" for no value)."""
-    cells = [COLUMNS] + [["-" if v is None else str(v) for v in row] for row in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    return format_rows(COLUMNS, rows)
+
+
+PHASE_COLUMNS = ["trace", "configuration", "phase kind", "requests", "met SLOs", "TTFT p50 ms", "TPOT p50 ms", "failed"]
+
+
+def phase_table(requests: list[dict], slo: SLO) -> list[list]:
+    """Per trace, configuration and phase kind (in first-seen order): requests, those meeting both
+    SLOs, TTFT/TPOT p50 (ms) of the successful ones, failures. ``requests``: the benchmark's raw
+    records (``trace``, ``config``, ``kind``, ``ttft_s``, ``tpot_s``, ``error``): which phase of
+    the trace each split misses in."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in requests:
+        groups.setdefault((r["trace"], r["config"], r["kind"]), []).append(r)
+    rows = []
+    for (trace, config, kind), rs in groups.items():
+        ok = [r for r in rs if r["error"] is None]
+        met = sum(
+            r["ttft_s"] is not None
+            and r["ttft_s"] * 1000 <= slo.ttft_ms
+            and (r["tpot_s"] is None or r["tpot_s"] * 1000 <= slo.tpot_ms)
+            for r in ok
+        )
+        ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+        tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+        rows.append([trace, config, kind, len(rs), met, _pct(ttft, 50), _pct(tpot, 50), len(rs) - len(ok)])
+    return rows
+
+
+def format_rows(columns: list[str], rows: list[list]) -> str:
+    """``rows`` under ``columns`` as fixed-width text ("-" for no value)."""
+    cells = [columns] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)

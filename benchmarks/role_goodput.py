@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     table = bursty.goodput_table(rows)
     print(source.describe())
     print(bursty.format_table(table))
+    phases = bursty.phase_table(raw, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
+    print(bursty.format_rows(bursty.PHASE_COLUMNS, phases))
     if args.json:
         out = {
             "args": vars(args),
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "outcomes": [r.to_dict() for r in rows],
             "columns": bursty.COLUMNS,
             "rows": table,
+            "phase_rows": phases,
             "requests": raw,
         }
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -168,3 +168,25 @@ def test_explicit_rates_probe_nothing():
     kinds = source.kinds(None, (1, 2), "1p2d")  # no cluster: a probe would fail on it
     assert (kinds[bursty.PREFILL].rate, kinds[bursty.DECODE].rate) == (0.2, 0.5)
     assert source.calibration == cal.Calibration("1p2d", None, None) and "(given)" in source.describe()
+
+
+def test_the_phase_table_splits_each_configuration_by_phase_kind():
+    def rec(config, kind, ttft, tpot, error=None):
+        return {"trace": "bursty", "config": config, "kind": kind, "ttft_s": ttft, "tpot_s": tpot, "error": error}
+
+    raw = [
+        rec("1p2d", bursty.PREFILL, 4.0, 0.05),
+        rec("1p2d", bursty.PREFILL, 0.5, 0.05),
+        rec("1p2d", bursty.DECODE, 0.2, 0.09),
+        rec("1p2d", bursty.DECODE, 0.2, 0.3),
+        rec("1p2d", bursty.DECODE, None, None, error="HTTP 500"),
+        rec("2p1d", bursty.PREFILL, 0.3, None),  # one token: no TPOT, meets it
+    ]
+    rows = bursty.phase_table(raw, SLO_)
+    assert rows == [
+        ["bursty", "1p2d", bursty.PREFILL, 2, 1, 2250.0, 50.0, 0],
+        ["bursty", "1p2d", bursty.DECODE, 3, 1, 200.0, 195.0, 1],
+        ["bursty", "2p1d", bursty.PREFILL, 1, 1, 300.0, None, 0],
+    ]
+    text = bursty.format_rows(bursty.PHASE_COLUMNS, rows).splitlines()
+    assert text[0].split()[:3] == ["trace", "configuration", "phase"] and text[3].split()[-2] == "-"
