@@ -14,17 +14,20 @@ process instance) and derives:
   ``queue_bootstrap``; the one part-way through its chunks, ``queue_prefilling``, counts at its
   rest: ``prefill_backlog_tokens`` over them all) when it holds one: they are the latest arrivals,
   so the figure follows a change of the load at once. Otherwise computed tokens / prompts
-  completed (the histogram's count), each summed over the heartbeats with weights halving every
-  ``prompt_half_life_s``: recent heartbeats weigh more (a 10 s window trailed a phase change by
-  10 s), and a few seconds of prompts keep the error of a prompt part-way through its chunks small
-  (between two heartbeats a completion meets only its last chunk's tokens). The first heartbeat of
-  a worker instance: the cumulative ratio.
+  completed (the histogram's count), summed over the heartbeats at which prompts completed, the
+  earlier sums at half weight per ``prompt_half_life`` prompts completed since: recent prompts weigh
+  more (a 10 s window trailed a phase change by 10 s, and by count: many short prompts outweighed
+  the first long ones), and tokens are folded in only at a completion, so a prompt part-way through
+  its chunks (between two heartbeats a completion meets only its last chunk's tokens) is off by at
+  most a prompt's part, averaged over a few. (Weights halving every 3 s instead read 17,349-token
+  prompts of 1,800 on a loaded host, where a prompt took longer than the half-life.) The first
+  heartbeat of a worker instance: the cumulative ratio.
 - decode step time = seconds between the two latest heartbeats / decode steps made between them,
   only when the worker ran requests at both (``queue_running`` > 0) and they are at most
   ``max_step_gap_s`` apart: an idle stretch in between, or a stretch the router did not see the
   worker through (not ready, switching roles, starved of CPU), would count as step time (one step
-  across a starved worker's 35 s gap once predicted a 35 s TPOT). Otherwise the last measured value while it keeps
-  running requests (none after an over-long gap), else None.
+  across a starved worker's 35 s gap once predicted a 35 s TPOT). Otherwise the last measured
+  value while it keeps running requests (none after an over-long gap), else None.
 - backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``.
 
 ``queue_wait``: the router's admission queue wait histogram as (sum, count); the view carries its
@@ -62,15 +65,25 @@ class _Sample:
 
 @dataclass(frozen=True)
 class _Decayed:
-    """Computed tokens and completed prompts summed over heartbeats, weights halving every half-life."""
+    """Computed tokens and completed prompts summed over the heartbeats at which prompts completed,
+    the earlier sums at half weight per ``half_life`` prompts completed since; ``at_tokens`` and
+    ``at_prompts``: the counters at the last such heartbeat."""
 
     tokens: float
     prompts: float
+    at_tokens: float
+    at_prompts: float
 
-    def after(self, prev: _Sample, cur: _Sample, half_life_s: float) -> _Decayed:
-        """These sums aged from ``prev`` to ``cur`` with ``cur``'s increments added."""
-        w = 0.5 ** (max(cur.at - prev.at, 0.0) / half_life_s)
-        return _Decayed(self.tokens * w + cur.tokens - prev.tokens, self.prompts * w + cur.prompts - prev.prompts)
+    def after(self, cur: _Sample, half_life: float) -> _Decayed:
+        """These sums with ``cur``'s heartbeat folded in when prompts completed since the last
+        fold (tokens computed meanwhile wait for a completion: a prompt part-way through counts
+        once it completes, so a slow host's long prompts do not inflate the figure)."""
+        done = cur.prompts - self.at_prompts
+        if done <= 0:
+            return self
+        w = 0.5 ** (done / half_life) if self.prompts > 0 else 1.0  # tokens before any completion: the first prompt's
+        tokens = self.tokens * w + cur.tokens - self.at_tokens
+        return _Decayed(tokens, self.prompts * w + done, cur.tokens, cur.prompts)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -78,7 +91,7 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 RATE_WINDOW_S = 10.0  # long enough for several long prompts, short against a phase of the load
-PROMPT_HALF_LIFE_S = 3.0  # a few long prompts on a loaded host; a phase change fades in seconds
+PROMPT_HALF_LIFE = 4.0  # prompts: few enough that a phase change fades within a few, enough to average chunks
 MAX_STEP_GAP_S = 10.0  # a few evaluations of the default 5 s period; the router passes its own
 
 
@@ -89,10 +102,10 @@ class ViewBuilder:
     def __init__(
         self,
         window_s: float = RATE_WINDOW_S,
-        prompt_half_life_s: float = PROMPT_HALF_LIFE_S,
+        prompt_half_life: float = PROMPT_HALF_LIFE,
         max_step_gap_s: float = MAX_STEP_GAP_S,
     ) -> None:
-        self.window_s, self.prompt_half_life_s, self.max_step_gap_s = window_s, prompt_half_life_s, max_step_gap_s
+        self.window_s, self.prompt_half_life, self.max_step_gap_s = window_s, prompt_half_life, max_step_gap_s
         self._prev: dict[str, tuple[_Sample, tuple[WorkerView, float | None]]] = {}
         self._history: dict[str, deque[_Sample]] = {}
         self._prompts: dict[str, _Decayed] = {}
@@ -125,9 +138,9 @@ class ViewBuilder:
         history = self._history.setdefault(h.worker_id, deque())
         if base is None:
             history.clear()
-        decayed = _Decayed(cur.tokens, cur.prompts)
+        decayed = _Decayed(cur.tokens, cur.prompts, cur.tokens, cur.prompts)
         if base is not None and h.worker_id in self._prompts:
-            decayed = self._prompts[h.worker_id].after(base, cur, self.prompt_half_life_s)
+            decayed = self._prompts[h.worker_id].after(cur, self.prompt_half_life)
         self._prompts[h.worker_id] = decayed
         if h.spec.role == Role.DECODE:
             cur = replace(cur, step_s=_step_s(base, cur, self.max_step_gap_s))

@@ -178,8 +178,8 @@ def test_the_view_takes_rates_between_heartbeats_and_the_queue_wait_since_the_la
     (w1,), (w2,) = (v.of(Role.PREFILL) for v in (first, second))
     assert (w1.prefill_tps, first.prompt_tokens) == (1000.0, 1000.0)  # cumulative: one sample
     assert w2.prefill_tps == 4000.0  # 4000 tokens in 1 s
-    # 4000 tokens over 2 prompts in that second, the first heartbeat's 1000 over 1 at half weight per 3 s
-    w = 0.5 ** (1 / 3)
+    # 4000 tokens over 2 prompts in that second, the first heartbeat's 1000 over 1 at half weight per 4 prompts
+    w = 0.5 ** (2 / 4)
     assert second.prompt_tokens == pytest.approx((1000 * w + 4000) / (w + 2))
     assert second.queue_wait_s == pytest.approx(0.5) and third.queue_wait_s == 0.0
     assert third.of(Role.PREFILL)[0].prefill_tps == 4000.0  # no heartbeat since: the last answer
@@ -254,7 +254,7 @@ def test_the_typical_prompt_and_speed_span_a_window_of_heartbeats():
         if i >= 6:
             assert view.of(Role.PREFILL)[0].prefill_tps == pytest.approx(1250.0)
             prompts.append(view.prompt_tokens)
-    # the decayed sums (half weight per 3 s: about 4 prompts) are off by at most one chunk at either end
+    # the decayed sums (half weight per 4 prompts) are off by at most one chunk at either end
     assert all(1200 <= p <= 1800 for p in prompts[-6:]), prompts
 
 
@@ -316,3 +316,17 @@ def test_the_typical_prompt_follows_a_phase_change_within_seconds():
     # first, then (1800 x held + 900) / (held + 1)
     assert read[20.5] == pytest.approx(1350.0) and all(read[22.0 + 0.5 * k] >= 1600 for k in range(17))
     assert read[36.0] < 400.0 and read[45.0] == pytest.approx(100.0, rel=0.05)
+
+
+def test_a_prompt_slower_than_many_heartbeats_does_not_inflate_the_typical_prompt():
+    """1,800-token prompts computed 100 tokens per 0.5 s heartbeat (9 s each, a loaded host): the
+    tokens of the prompt part-way through count once it completes. Folding every heartbeat's tokens
+    in with weights halving every 3 s read 17,349 tokens in a run on the loaded development host."""
+    reg, metrics, clock = cluster()
+    views = ViewBuilder()
+    read = []
+    for i in range(1, 73):
+        t = 0.5 * i
+        _prefill_heartbeat(reg, clock, t, tokens=100.0 * i, busy_s=0.1 * i, prompts=i // 18, hist_s=1.8 * (i // 18))
+        read.append(views.build([reg.handles["prefill-0"]], (0.0, 0.0), t).prompt_tokens)
+    assert all(p == pytest.approx(1800.0) for p in read[17:]), read
