@@ -41,7 +41,7 @@ import uuid
 
 import httpx
 
-from bench.harness.subprocess_server import LaunchedServer, metric_sum, scrape_metrics, wait_idle
+from bench.harness.subprocess_server import LaunchedServer, free_base_port, metric_sum, scrape_metrics, wait_idle
 from benchmarks.failover_load import astream, dead_at, first_difference, mixed_bodies, same_output, worker_pid
 
 HEARTBEAT_S = 0.2
@@ -56,6 +56,7 @@ def launch_args(ns: argparse.Namespace) -> list[str]:
     stream on one worker (the survivor takes them all)."""
     topo = ["--mode", "colocated", "--replicas", str(ns.replicas)] if ns.replicas else ["--mode", "pd", "--decode", "2"]
     extra = ["--transfer-backend", ns.transfer_backend] if ns.transfer_backend else []
+    extra += ["--base-port", str(ns.base_port)]
     return [
         *topo,
         *extra,
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO", help="the launch's log level (DEBUG: per-request marks)")
     ap.add_argument("--log-file", default=None, help="write the launch's log (router and workers) there at the end")
     ns = ap.parse_args(argv)
+    # the workers' ports: free ones, so the run does not collide with another launch on the host
+    ns.base_port = free_base_port(ns.replicas or 3)
 
     mixes = mixed_bodies(ns.streams, ns.max_tokens, WORDS, ns.seed)
     bodies = [b for _, b in mixes]
