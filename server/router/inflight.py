@@ -127,13 +127,13 @@ class InflightTable:
 
     def local(self, worker_id: str, rid: str) -> bool:
         """Decode worker ``worker_id`` prefills continuation ``rid`` itself (``ContinuationLocal``):
-        its prefill worker holds nothing of it, so from now on only ``worker_id``'s death fails it,
-        and its uncached tokens no longer count as that prefill worker's pending work. Ignored
-        unless ``worker_id`` streams ``rid``; whether it applied."""
+        its prefill worker computes nothing of it, so from now on only ``worker_id``'s death fails it
+        (as after a first token), and its uncached tokens no longer count as that prefill worker's
+        pending work. Ignored unless ``worker_id`` streams ``rid``; whether it applied."""
         e = self._entries.get(rid)
         if e is None or e.stream_from != worker_id:
             return False
-        e.workers = e.depends_on = (worker_id,)
+        e.depends_on = (worker_id,)  # ``workers`` keeps the prefill worker: it still gets the aborts
         e.prefill = None
         return True
 

@@ -92,9 +92,9 @@ def test_a_continuation_its_decode_worker_prefills_survives_the_prefill_worker()
         reg.mark_dead("d0", "worker process exited with code -9")
         waiting = asyncio.ensure_future(s.next())
         await asyncio.sleep(0.01)
-        assert stream_from(s) == "d1" and "p0" in reg.table.workers_of(s.rid)
+        assert stream_from(s) == "d1" and reg.table.entry(s.rid).depends_on == ("p0", "d1")
         reg.handles["d1"].client.on_local("d1", s.rid)  # what its ContinuationLocal calls
-        assert reg.table.workers_of(s.rid) == ("d1",) and reg.table.pending_prefill_tokens("p0") == 0
+        assert reg.table.entry(s.rid).depends_on == ("d1",) and reg.table.pending_prefill_tokens("p0") == 0
         assert reg.mark_dead("p0", "worker process exited with code -9") == []
         reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[6], finish_reason="length"))
         return s, await waiting
@@ -115,8 +115,9 @@ def test_continuation_local_from_a_worker_reaches_the_hook_only_from_its_stream_
     assert got == [("d1", "r1")]
     reg = ready_registry("pd", "p0", "d0")
     reg.table.open("r1", ("p0", "d0"), "d0", 5, prefill=("p0", 3))
-    assert not reg.table.local("p0", "r1") and reg.table.workers_of("r1") == ("p0", "d0")  # not its stream
+    assert not reg.table.local("p0", "r1") and reg.table.entry("r1").depends_on == ("p0", "d0")  # not its stream
     assert reg.table.local("d0", "r1") and reg.table.pending_prefill_tokens("p0") == 0
+    assert reg.table.fail_worker("p0", 503, "gone") == [] and reg.table.fail_worker("d0", 503, "gone") == ["r1"]
 
 
 def test_colocated_replica_death_continues_on_the_other_replica():
