@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     bodies = [b for _, b in mixes]
     expected = sum(b.get("n", 1) for b in bodies) * ns.max_tokens
     workers = [f"colocated-{i}" for i in range(ns.replicas)] if ns.replicas else ["decode-0", "decode-1"]
-    with LaunchedServer(launch_args(ns)) as server:
+    with LaunchedServer(launch_args(ns), startup_timeout_s=600) as server:  # a loaded host starts slowly
         ref = asyncio.run(run_load(server.url, bodies))
         bad_ref = [i for i, r in enumerate(ref) if r["errors"]]
         assert not bad_ref, f"the fault-free run failed requests {bad_ref}: {ref[bad_ref[0]]['errors']}"
