@@ -8,7 +8,8 @@ reach ``prefill.handle`` as from ``Conn(DECODE_CONN)``, and what the prefill sid
 connection comes back to ``decode.handle`` as from the peer. Heartbeats are answered the way the
 worker loop answers them. Each side runs the worker loop's turns (``server.worker.turn``: a
 prefill turn that finished KV handoffs pauses before computing). Token deltas for the router are
-collected (``step`` returns the decode side's; the prefill side's land in ``router_inbox``).
+collected (``step`` returns the decode side's; the prefill side's land in ``router_inbox``); the
+decode side's other messages to the router (``Conn(ROUTER)``) land in ``router_messages``.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ class PDHarness:
         self.to_prefill: list = []
         self.to_decode: list = []
         self.router_inbox: list[TokenDelta] = []
+        self.router_messages: list = []  # the decode side's messages to the router, deltas aside
         self.room = itertools.count(1)
         self.heartbeats = True  # False: the prefill side answers no heartbeat (a silent peer)
 
     def deliver(self, out: Outbox | None, from_decode: bool) -> list[TokenDelta]:
         """Queue ``out``'s messages for the other side; return its token deltas."""
         for m in out.messages if out else ():
-            if from_decode:
+            if from_decode and m.to == Conn(ROUTER):
+                self.router_messages.append(m.msg)
+            elif from_decode:
                 assert m.to == Peer(PREFILL_ADDR), m
                 self.to_prefill.append((m.msg, list(m.frames)))
             else:

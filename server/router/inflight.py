@@ -125,6 +125,18 @@ class InflightTable:
         e.queue.put_nowait(Moved(target))
         return True
 
+    def local(self, worker_id: str, rid: str) -> bool:
+        """Decode worker ``worker_id`` prefills continuation ``rid`` itself (``ContinuationLocal``):
+        its prefill worker computes nothing of it, so from now on only ``worker_id``'s death fails it
+        (as after a first token), and its uncached tokens no longer count as that prefill worker's
+        pending work. Ignored unless ``worker_id`` streams ``rid``; whether it applied."""
+        e = self._entries.get(rid)
+        if e is None or e.stream_from != worker_id:
+            return False
+        e.depends_on = (worker_id,)  # ``workers`` keeps the prefill worker: it still gets the aborts
+        e.prefill = None
+        return True
+
     def leave(self, rid: str, worker_id: str) -> None:
         """``worker_id`` holds no state for ``rid`` any more (a migration moved it, or was undone)."""
         e = self._entries.get(rid)

@@ -26,9 +26,11 @@ class Registry(Protocol):
 
 
 def attach(registry: Registry, h: WorkerHandle) -> None:
-    """Route ``h``'s client events to ``registry``: migration messages and a lost connection
-    (clients without the hooks, test doubles, are left alone)."""
+    """Route ``h``'s client events to ``registry``: migration messages, a continuation the worker
+    prefills itself and a lost connection (clients without the hooks, test doubles, are left alone)."""
     registry.migrations.attach(h)
+    if hasattr(h.client, "on_local"):
+        h.client.on_local = registry.table.local
     if hasattr(h.client, "on_link_lost"):
         h.client.on_link_lost = functools.partial(on_link_lost, registry)
 

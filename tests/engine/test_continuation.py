@@ -18,7 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
 from tests.support.models import engine_cfg, sched_cfg
-from transfer.wire.protocol import GenerateRequest
+from transfer.wire.protocol import ContinuationLocal, GenerateRequest
 from transfer.wire.sampling_params import SamplingParams, StructuredOutput
 
 N, K = 12, 5
@@ -190,3 +190,5 @@ def test_a_burst_of_pd_continuations_is_split_between_prefill_and_decode_worker(
     # here against its backlog of 15, c4 went there (here 15 + 14 > 15), c3 here (15 + 13 <= 15 + 13)
     assert h.decode.local.tokens == (len(PROMPT) + 5) + (len(PROMPT) + 3)
     assert h.prefill.stats.prefill_computed_tokens == (len(PROMPT) + 6 - 1) + (len(PROMPT) + 4 - 1)
+    # the router hears of each one prefilled here, so its prefill worker's death no longer fails it
+    assert h.router_messages == [ContinuationLocal(rid="c5"), ContinuationLocal(rid="c3")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import zmq.asyncio
 from fastapi.testclient import TestClient
 
 from configs.schema import PdserveConfig
@@ -19,8 +20,10 @@ from server.router.errors import APIError
 from server.router.failover import FailoverBudget
 from server.router.registry import Registry, WorkerSpec
 from server.router.session import GenerationSession
-from tests.support.router_doubles import ScriptedColocated, ready_registry
-from transfer.wire.protocol import TokenDelta
+from server.router.worker_client import WorkerClient
+from tests.support.router_doubles import RecordingClient, ScriptedColocated, ready_registry
+from transfer.control_auth import ControlAuth
+from transfer.wire.protocol import ContinuationLocal, TokenDelta, encode
 from transfer.wire.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=6, prompt_logprobs=1)
@@ -69,6 +72,52 @@ def test_pd_decode_death_mid_stream_continues_on_the_other_decode_worker():
     assert [k for k, *_ in p0.sent] == ["prefill"]  # the continuation's recompute is the decode worker's to ask
     assert first in reg.handles["d0"].client.aborted
     assert outcomes == [("d0", "continued")] and len(reg.table) == 0
+
+
+class LocalAwareClient(RecordingClient):
+    """A recording decode worker double with the ``WorkerClient`` hook the registry wires."""
+
+    on_local = None
+
+
+def test_a_continuation_its_decode_worker_prefills_survives_the_prefill_worker():
+    """After ``ContinuationLocal`` the continuation depends on its decode worker only: the prefill
+    worker's death neither fails it nor spends a failover (before it, the same death would)."""
+    reg, outcomes = ready_registry("pd", "p0", "d0", "d1", client=LocalAwareClient), []
+
+    async def scenario():
+        s = session(reg, outcomes=outcomes)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4, 5]))
+        await s.next()
+        reg.mark_dead("d0", "worker process exited with code -9")
+        waiting = asyncio.ensure_future(s.next())
+        await asyncio.sleep(0.01)
+        assert stream_from(s) == "d1" and reg.table.entry(s.rid).depends_on == ("p0", "d1")
+        reg.handles["d1"].client.on_local("d1", s.rid)  # what its ContinuationLocal calls
+        assert reg.table.entry(s.rid).depends_on == ("d1",) and reg.table.pending_prefill_tokens("p0") == 0
+        assert reg.mark_dead("p0", "worker process exited with code -9") == []
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[6], finish_reason="length"))
+        return s, await waiting
+
+    s, delta = asyncio.run(scenario())
+    assert delta.token_ids == [6] and s.sent == [4, 5, 6] and outcomes == [("d0", "continued")]
+    assert s.failover.used == 1 and len(reg.table) == 0
+
+
+def test_continuation_local_from_a_worker_reaches_the_hook_only_from_its_stream_worker():
+    ctx, got = zmq.asyncio.Context(), []
+    try:
+        c = WorkerClient("d1", "tcp://127.0.0.1:1", ctx, print, print, auth=ControlAuth.insecure())
+        c.on_local = lambda w, rid: got.append((w, rid))
+        c._handle(encode(ContinuationLocal(rid="r1")))
+    finally:
+        ctx.term()
+    assert got == [("d1", "r1")]
+    reg = ready_registry("pd", "p0", "d0")
+    reg.table.open("r1", ("p0", "d0"), "d0", 5, prefill=("p0", 3))
+    assert not reg.table.local("p0", "r1") and reg.table.entry("r1").depends_on == ("p0", "d0")  # not its stream
+    assert reg.table.local("d0", "r1") and reg.table.pending_prefill_tokens("p0") == 0
+    assert reg.table.fail_worker("p0", 503, "gone") == [] and reg.table.fail_worker("d0", 503, "gone") == ["r1"]
 
 
 def test_colocated_replica_death_continues_on_the_other_replica():

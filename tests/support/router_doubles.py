@@ -79,13 +79,11 @@ class ScriptedColocated(RecordingClient):
             loop.call_soon(self.on_tokens, self.spec.worker_id, d)
 
 
-def ready_registry(mode: str, *ids: str) -> Registry:
-    """A registry of ready recording workers named like ``p0``/``d1``/``c0`` (role from the first
-    letter), each with a 100-token pool and context, under ``mode``'s routing policy."""
+def ready_registry(mode: str, *ids: str, client: type[RecordingClient] = RecordingClient) -> Registry:
+    """A registry of ready recording workers (``client``) named like ``p0``/``d1``/``c0`` (role from
+    the first letter), each with a 100-token pool and context, under ``mode``'s routing policy."""
     specs = [WorkerSpec(w, ROLES[w[0]], f"tcp://{w}") for w in ids]
-    reg = Registry(
-        specs, lambda s, *a: RecordingClient(s), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES[mode]
-    )
+    reg = Registry(specs, lambda s, *a: client(s), InflightTable(), timeout_s=2.0, policy=ROUTING_POLICIES[mode])
     for s in specs:
         stats = WorkerStats(
             worker_id=s.worker_id, role=s.role, model="m", capacity_tokens=100, max_model_len=100, page_size=1
