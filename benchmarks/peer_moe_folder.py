@@ -27,7 +27,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+# the special ids a model config carries; not unk_token_id, which pdserve's loader refuses on an MoE config
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # moe_roofline.build_folder's arguments: the roofline's model
 QWEN3_MOE_SIZES = {"hidden": 1024, "layers": 4, "experts": 64, "top_k": 8, "expert_size": 768}
 # transformers.MixtralConfig fields: the same hidden size and layers, top 2 of 8 experts

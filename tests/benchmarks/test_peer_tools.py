@@ -28,9 +28,10 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory, tokenizer):
-    """The embedded model's tokenizer as an HF folder, with the config.json the builder reads."""
+    """The embedded model's tokenizer as an HF folder, with the config.json the builder reads (the
+    special ids of benchmarks.hf_export's, unk_token_id too)."""
     folder = tokenizer.save_hf_folder(tmp_path_factory.mktemp("tok"))
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_ids[0]}
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_ids[0], "unk_token_id": 0}
     (folder / "config.json").write_text(json.dumps({"vocab_size": tokenizer.vocab_size, **ids}))
     return folder
 
