@@ -29,6 +29,8 @@ TARGETS=${TARGETS:-"old-colocated new-colocated old-pd new-pd vllm-bf16"}
 read -ra WL <<< "${WORKLOAD:---concurrency ${CONC:-1,8,32} --prompts-per-client 3 --input-len-range 112,289 --output-len 64}"
 LOAD=(--tokenizer $M "${WL[@]}" --warmup 1 --no-progress)
 serve() { # name -> starts it on $PORT in a process group of its own, prints its pid (= the group's id)
+  # setsid keeps the pid only in a shell without job control (this script's): a background subshell
+  # is then no group leader, so setsid does not fork, and the pid printed is the new group's id
   local extra=() name=$1   # name: the whole target, flags too (its server log)
   if [[ $1 == *+* ]]; then IFS=+ read -ra extra <<< "${1#*+}"; set -- "${1%%+*}"; fi
   case $1 in
