@@ -29,6 +29,10 @@ def export(model_spec: str, out: Path) -> Path:
     # (dequantized) tensors into a plain model of the same config
     config = gguf_model.config
     config.__dict__.pop("quantization_config", None)
+    # the GGUF's name and unknown-token id are not model settings, and pdserve's loader refuses a
+    # config.json field it does not implement: leave them out (the tokenizer files keep the unknown token)
+    for name in ("_model_name_or_path", "unk_token_id"):
+        config.__dict__.pop(name, None)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kw)
