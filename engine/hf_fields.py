@@ -15,6 +15,7 @@ from typing import Any
 HARMLESS = frozenset(
     {
         "_name_or_path",
+        "_model_name_or_path",  # the checkpoint's name, as some exporters spell it
         "architectures",
         "model_type",
         "transformers_version",
@@ -23,6 +24,7 @@ HARMLESS = frozenset(
         "bos_token_id",
         "eos_token_id",
         "pad_token_id",
+        "unk_token_id",  # a tokenizer id: the forward pass never reads it
         "id2label",
         "label2id",
         "problem_type",

@@ -103,6 +103,8 @@ def test_harmless_and_null_fields_pass(folders, tmp_path):
         "llama",
         torch_dtype="bfloat16",
         pad_token_id=0,
+        unk_token_id=0,
+        _model_name_or_path="SmolLM2 135M",
         attention_dropout=0.1,
         pretraining_tp=1,
         is_llama_config=True,
