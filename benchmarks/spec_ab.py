@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=1, help="requests of the prompt decoding at once")
-    ap.add_argument("--spec-max-batch-tokens", type=int, default=10)
+    ap.add_argument("--spec-max-batch-tokens", type=int, default=None)
     a = ap.parse_args()
     ecfg = EngineConfig(model=a.model, dtype=a.dtype, device="cpu")
     path = resolve_model_path(a.model)

@@ -78,14 +78,13 @@ class SchedulerConfig(BaseModel):
         '4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}: sets the four fields above (giving one of them as '
         "well with another value is an error)",
     )
-    spec_max_batch_tokens: int = Field(
-        10,
+    spec_max_batch_tokens: int | None = Field(
+        None,
         ge=1,
         description="speculative decoding: a step drafts only while its tokens (decode rows, prefill tokens "
-        "and drafted tokens) stay within this many and max_num_batched_tokens, drafts trimmed to fit: past "
-        "it a CPU step is compute-bound and drafted rows cost more than they save (10: measured with "
-        "benchmarks.spec_ab at 1 to 8 requests on a small CPU model; not measured on CUDA; "
-        "docs/design/speculative.md)",
+        "and drafted tokens) stay within this many and max_num_batched_tokens, drafts trimmed to fit. Unset: "
+        "2 x spec_step_fixed_tokens, where a draft token needs a 2/3 chance of acceptance to pay, so a "
+        "compute-bound batch with more rows does not draft (docs/design/speculative.md)",
     )
     spec_step_fixed_tokens: float = Field(
         12.0,
@@ -95,7 +94,7 @@ class SchedulerConfig(BaseModel):
         "acceptance to the power of its place in the draft) times the step's cost exceeds the step's expected "
         "tokens, so a large batch drafts only likely tokens (12: measured with benchmarks.spec_step on the "
         "embedded model in bfloat16 on a 2-core CPU; docs/design/speculative.md). inf: draft whenever "
-        "spec_max_batch_tokens allows",
+        "spec_max_batch_tokens allows (then set it: unset, it has no cap)",
     )
 
     @model_validator(mode="before")

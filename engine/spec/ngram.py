@@ -44,15 +44,23 @@ class NgramIndex:
         """``k`` tokens that followed the latest earlier occurrence of the longest matching suffix
         (length ``n_max`` down to ``n_min``), copied forward past the sequence's end; ``[]`` when no
         suffix recurs or ``k <= 0``."""
+        return self.lookup(k)[0]
+
+    def lookup(self, k: int, longest: int = 0) -> tuple[list[int], int]:
+        """``(propose(k), match length)``: the match length is how many tokens before the draft's
+        source equal the sequence's suffix, counted up to ``max(longest, n_max)`` (at least
+        ``n_min`` when the draft is not empty, 0 when it is); ``O(longest)`` more than ``propose``."""
         toks = self.tokens
         L = len(toks)
         if k <= 0:
-            return []
+            return [], 0
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             at = self._last.get(tuple(toks[L - n :]))
             if at is not None:
-                return _copy_forward(toks, at, k)
-        return []
+                while n < longest and n < at and toks[at - 1 - n] == toks[L - 1 - n]:
+                    n += 1
+                return _copy_forward(toks, at, k), n
+        return [], 0
 
 
 def _copy_forward(toks: list[int], at: int, k: int) -> list[int]:

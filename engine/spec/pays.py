@@ -25,6 +25,15 @@ from dataclasses import dataclass
 # between quoting its context and writing new text.
 PRIOR_HITS, PRIOR_MISSES = 1.0, 1.0
 DECAY = 0.5
+# A step in which a request could draft but did not (the rule kept it off) keeps this much of its
+# record: its estimate drifts back to the prior, so a request switched off in a batch where the prior
+# pays is probed again after a few steps (about 7 after two misses at batch 8) instead of never.
+IDLE_DECAY = 0.85
+# Each token a draft's source matches the sequence's suffix beyond the shortest n-gram adds half a
+# pseudo-hit to the prior, up to MATCH_TOKENS tokens: a long match (the answer quoting its passage,
+# a loop) predicts acceptance before any verify (16 tokens past the shortest: a fresh estimate of 0.9).
+MATCH_TOKENS = 16
+MATCH_WEIGHT = 0.5
 
 
 @dataclass
@@ -36,13 +45,28 @@ class Acceptance:
     hits: float = 0.0
     misses: float = 0.0
 
-    def rate(self) -> float:
-        return (self.hits + PRIOR_HITS) / (self.hits + self.misses + PRIOR_HITS + PRIOR_MISSES)
+    def rate(self, match: int = 0) -> float:
+        """The estimate, with ``match`` extra matched tokens (``match_tokens``) raising the prior."""
+        prior = PRIOR_HITS + MATCH_WEIGHT * min(max(match, 0), MATCH_TOKENS)
+        return (self.hits + prior) / (self.hits + self.misses + prior + PRIOR_MISSES)
+
+    def idle(self) -> None:
+        """A step the request could have drafted in and did not: the record fades toward the prior."""
+        self.hits *= IDLE_DECAY
+        self.misses *= IDLE_DECAY
 
     def observe(self, accepted: int, drafted: int) -> None:
         """Record one verify: ``accepted`` of ``drafted`` draft tokens (a run from the first)."""
         self.hits = DECAY * self.hits + accepted
         self.misses = DECAY * self.misses + (accepted < drafted)
+
+
+def step_cap(fixed: float) -> int:
+    """The most tokens a drafting step may carry when no cap is configured: ``2 * fixed``. There a
+    draft token must have a 2/3 chance of acceptance to pay (``T / (fixed + T)``); past it only a
+    near-certain one would, and the linear cost model (fitted on 8 to 40 tokens) and the acceptance
+    estimate are not that precise, so a compute-bound batch (more rows than this) does not draft."""
+    return max(1, int(2 * fixed)) if fixed != float("inf") else 1 << 30
 
 
 class StepBudget:

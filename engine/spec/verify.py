@@ -36,7 +36,7 @@ from engine.request import Request
 from engine.sampling import Sampler
 from engine.scheduler.stats import Histogram
 from engine.spec.ngram import NgramIndex
-from engine.spec.pays import Acceptance, StepBudget
+from engine.spec.pays import MATCH_TOKENS, Acceptance, StepBudget, step_cap
 from transfer.wire.protocol import TokenDelta
 
 EmitToken = Callable[[Request, int, "float | None", "list | None"], TokenDelta]
@@ -116,20 +116,29 @@ class NgramSpeculator:
     def drafts(self, reqs: list[Request], other_tokens: int) -> list[list[int]]:
         """The draft of each of ``reqs`` (decode rows of one step beside ``other_tokens`` prefill
         tokens), pages taken: a step whose rows, prefill and drafts would pass ``step_tokens`` drafts
-        only what fits (rows in order, the last draft cut short), and each row drafts only the tokens
-        that pay for their rows at its recent acceptance (``StepBudget``), so a large, compute-bound
-        batch drafts little or nothing. Deterministic from the config, the batch and the requests'
-        verify history: every process decides alike."""
+        only what fits, and each row drafts only the tokens that pay for their rows at its estimated
+        acceptance (``StepBudget``; the estimate: its verify record, with a prior raised by how long
+        its n-gram match is), rows with the highest estimate first (ties in batch order), so a
+        large, compute-bound batch drafts little or nothing. A row that could have drafted and did
+        not lets its record fade toward the prior (``Acceptance.idle``): it is probed again later.
+        Deterministic from the config, the batch and the requests' tokens and verify history:
+        every process decides alike."""
+        out: list[list[int]] = [[] for _ in reqs]
         room = self.step_tokens - len(reqs) - other_tokens
+        if room <= 0:  # the step is full without drafts: nothing to decide, nothing to learn
+            return out
         budget = StepBudget(self.fixed, len(reqs) + other_tokens)
-        out = []
-        for r in reqs:
-            p = self._drafting(r).acceptance.rate()
-            limit = budget.paying(p, min(room, self.k)) if room > 0 else 0
-            d = self.draft(r, limit) if limit > 0 else []
-            budget.take(p, len(d))
-            room -= len(d)
-            out.append(d)
+        ranked = []
+        for i, r in enumerate(reqs):
+            st, (d, match) = self._drafting(r), self._proposal(r)
+            ranked.append((-st.acceptance.rate(match), i, d))
+        for neg_p, i, d in sorted(ranked, key=lambda c: (c[0], c[1])):
+            n = budget.paying(-neg_p, min(room, len(d))) if room > 0 else 0
+            out[i] = self._with_pages(reqs[i], d[:n]) if n > 0 else []
+            budget.take(-neg_p, len(out[i]))
+            room -= len(out[i])
+            if not out[i]:
+                self._drafting(reqs[i]).acceptance.idle()
         return out
 
     def draft(self, req: Request, limit: int | None = None) -> list[int]:
@@ -137,18 +146,27 @@ class NgramSpeculator:
 
         At most ``k`` (and ``limit``), never past ``max_tokens`` or the context; ``req`` must hold the
         pages of position ``kv_len`` already (``RunningBatch.prepare_decode``)."""
+        d = self._proposal(req)[0]
+        return self._with_pages(req, d[:limit] if limit is not None else d)
+
+    def _proposal(self, req: Request) -> tuple[list[int], int]:
+        """``(draft, matched tokens past ngram_min)`` for ``req``'s next step, no pages taken:
+        ``[]`` while it backs off (one step of its wait counted), at its limits, or with no match;
+        a structured-output draft cut to what its grammar allows."""
         k = min(self.k, req.remaining_new_tokens() - 1, self.max_model_len - req.seq_len - 1)
-        if limit is not None:
-            k = min(k, limit)
         if k <= 0:
-            return []
+            return [], 0
         st = self._drafting(req)
         if st.wait > 0:
             st.wait -= 1
-            return []
-        d = self._synced(st.index, req).propose(k)
+            return [], 0
+        d, match = self._synced(st.index, req).lookup(k, self.n_min + MATCH_TOKENS)
         if d and (matcher := req.sampler_state.matcher) is not None:
             d = d[: matcher.valid_prefix(d)]  # the grammar would mask the rest: it cannot be accepted
+        return d, max(0, match - self.n_min) if d else 0
+
+    def _with_pages(self, req: Request, d: list[int]) -> list[int]:
+        """``d`` with pages taken for its positions, or ``[]`` where they are not free."""
         if not d:
             return []
         end = req.kv_len + 1 + len(d)
@@ -204,7 +222,8 @@ def speculator_for(cfg: SchedulerConfig, kv: KVManager, max_model_len: int) -> N
     """The speculator ``cfg.speculative_method`` asks for, or None (off: the plain decode path)."""
     if cfg.speculative_method != "ngram":
         return None
-    step_tokens = min(cfg.spec_max_batch_tokens, cfg.max_num_batched_tokens or cfg.spec_max_batch_tokens)
     k = cfg.num_speculative_tokens
     fixed = cfg.spec_step_fixed_tokens
+    cap = cfg.spec_max_batch_tokens if cfg.spec_max_batch_tokens is not None else step_cap(fixed)
+    step_tokens = min(cap, cfg.max_num_batched_tokens or cap)
     return NgramSpeculator(kv, k, cfg.ngram_min, cfg.ngram_max, max_model_len, step_tokens, fixed)

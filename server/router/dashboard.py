@@ -37,6 +37,7 @@ ASSETS = {
     "dashboard.js": "text/javascript",
     "chart.js": "text/javascript",
     "roles.js": "text/javascript",
+    "spec.js": "text/javascript",
     "dashboard.css": "text/css",
 }
 SNAPSHOT_VERSION = 1

@@ -11,19 +11,19 @@ from tests.support.metrics_scrape import scrape, val
 def test_spec_series_move_by_the_drafted_and_accepted_tokens(tiny):
     sched = make(tiny, True)
     drafted, extra = [], []
-    draft, mixed = sched.spec.draft, sched.executor.mixed
+    drafts, mixed = sched.spec.drafts, sched.executor.mixed
 
-    def counting_draft(req, limit=None):
-        d = draft(req, limit)
-        drafted.append(len(d))
-        return d
+    def counting_drafts(reqs, other_tokens):
+        ds = drafts(reqs, other_tokens)
+        drafted.extend(map(len, ds))
+        return ds
 
     def counting_mixed(reqs, items):
         decoded, extended = mixed(reqs, items)
         extra.append(len(decoded) - len(reqs))  # one delta per emitted token
         return decoded, extended
 
-    sched.spec.draft, sched.executor.mixed = counting_draft, counting_mixed
+    sched.spec.drafts, sched.executor.mixed = counting_drafts, counting_mixed
     m = scrape(sched)
     assert val(m, "pdserve_spec_draft_tokens_total") == val(m, "pdserve_spec_accepted_tokens_total") == 0
     run(sched, [([55] * 12, greedy(32)), ([30] * 9, greedy(20))])

@@ -43,9 +43,14 @@ def test_acceptance_rate_follows_recent_verifies():
     assert a.rate() < 0.3
 
 
-def running(kv: KVManager, rid: str) -> Request:
+# the output's last token (1) recurs once, followed by 2 5 6 7: a draft from the shortest n-gram
+SHORT_MATCH = [1, 2, 5, 6, 7, 3]
+
+
+def running(kv: KVManager, rid: str, prompt: list[int] = SHORT_MATCH) -> Request:
+    """A running request whose next step drafts from ``prompt`` + ``[1]``."""
     params = SamplingParams(max_new_tokens=10_000, temperature=0, ignore_eos=True)
-    req = Request(rid, [1, 2, 3] * 4, params, SamplerState.new(params, 8), status=Phase.RUNNING)
+    req = Request(rid, list(prompt), params, SamplerState.new(params, 8), status=Phase.RUNNING)
     req.output_ids = [1]
     req.kv_len = req.seq_len - 1
     assert kv.ensure_pages(req.kv, req.kv_len + 1)

@@ -362,7 +362,8 @@ def test_page_through_a_retract_storm(page, url, shots):
     assert bad == []
 
     fill = panel_fill(page)
-    assert set(fill) == {*PANELS, "roles"}  # the role timeline draws bands, not series
+    # the role timeline draws bands, not series; the speculative panel stays empty without --speculative-method
+    assert set(fill) == {*PANELS, "roles", "spec"}
     bands = page.evaluate("[...document.querySelectorAll('[data-panel=roles] rect.band')].map(b => b.dataset.role)")
     assert set(bands) == {"prefill", "decode"}, bands
     assert fill["workers"][0] == 2

@@ -133,6 +133,7 @@
     for (const k of ["retractions", "retract_resumed", "oom_aborts", "generation_tokens", "kv_transfer_bytes",
                      "retract_offload_bytes"]) record(`rate/${id}/${k}`, t, rates[k] ?? null);
     record(`rate/${id}/migration_bytes`, t, rates.migration_bytes ?? null);
+    for (const k of PdSpec.KEYS) record(`rate/${id}/${k}`, t, rates[k] ?? null);
     for (const [prefix, name] of [["xfer", "kv_transfer_seconds"], ["mig", "migration_seconds"]]) {
       const h = w.histograms[name];
       const [p50, p99] = h ? windowQuantiles(`${prefix}/${id}`, t, h) : [null, null];
@@ -355,6 +356,15 @@
     if (!moves.length) htmlEl("li", "muted", ol, "no migrations in the last 10 minutes");
   }
 
+  /** Speculative decoding: draft and accepted tokens per worker (tiles from PdSpec) and their rates. */
+  function renderSpec(snap) {
+    tiles("spec-tiles", PdSpec.tiles(snap));
+    const lines = snap.workers.filter((w) => "spec_draft_tokens" in w.counters).flatMap((w, i) => [
+      { label: `${w.id} drafted`, color: LINES[(2 * i) % LINES.length], points: points(`rate/${w.id}/spec_draft_tokens`), fmt: fmt.rate },
+      { label: `${w.id} accepted`, color: LINES[(2 * i + 1) % LINES.length], points: points(`rate/${w.id}/spec_accepted_tokens`), fmt: fmt.rate }]);
+    if (lines.length) chart("spec", "spec-rate", { fmt: fmt.count, title: "draft tokens/s" }).draw(snap.t, lines);
+  }
+
   function statusColor(s) {
     return s.startsWith("2") ? LINES[2] : s === "499" ? "#999" : s.startsWith("4") ? LINES[4] : LINES[1];
   }
@@ -437,6 +447,7 @@
     renderRetract(snap);
     renderTransfer(snap);
     renderMigration(snap);
+    renderSpec(snap);
     renderRequests(snap);
   }
 
