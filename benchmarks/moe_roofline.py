@@ -11,7 +11,10 @@ median). The bound (``bench.roofline``) is the bytes the step reads, the dense
 weights (attention, routers, LM head, norms), the KV and each chosen expert's weights once (per
 sparse layer the union of the batch's top-k, counted as the step runs) over that bandwidth;
 ``fraction = bound / measured``. The torch path is the per-expert matmuls ``engine.moe`` keeps for
-large steps (``KERNEL_MAX_ROWS`` set to 0); the kernel path is ``engine.kernels.cpu_moe``.
+large steps (``KERNEL_MAX_ROWS`` set to 0); the kernel path is ``engine.kernels.cpu_moe`` called per
+layer from Python; the decode stack is the whole step's layers in one C call (``engine.decode_stack``,
+the same expert kernel), where this host builds it. The torch and kernel rows run with the stack off;
+the stack row counts the experts read from the kernel row's run (same prompts, same greedy routes).
 """
 
 from __future__ import annotations
@@ -160,7 +163,12 @@ def main(argv: list[str] | None = None) -> None:
         f"experts {experts_gb / 1e9:.2f} GB; read bandwidth {bw / 1e9:.1f} GB/s"
     )
     context = args.batch * (PROMPT_LEN + args.tokens // 2)  # the mean context over the timed steps
-    for name, max_rows in (("torch experts", 0), ("C expert kernel", moe.KERNEL_MAX_ROWS)):
+    model = llm.runner.model
+    stack, active = model.stack, 0.0
+    paths = [("torch experts", 0, None), ("C expert kernel", moe.KERNEL_MAX_ROWS, None)]
+    if stack is not None:
+        paths.append(("C decode stack", moe.KERNEL_MAX_ROWS, stack))
+    for name, max_rows, model.stack in paths:
         moe.KERNEL_MAX_ROWS = max_rows
         counter = UnionCounter(args.batch)
         moe.route = counter
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
             step, fastest, median = decode_times(llm, args.batch, args.tokens, args.repeats, cfg.vocab_size)
         finally:
             moe.route = counter.real
-        active = counter.experts / max(counter.calls, 1) * len(cfg.moe.sparse_layers)
+        if counter.calls:  # the stack's steps do not call engine.moe.route: the kernel row's count stands
+            active = counter.experts / counter.calls * len(cfg.moe.sparse_layers)
         nbytes = rl.weight_bytes_per_step(cfg, args.dtype, args.batch, round(active))
         nbytes += rl.kv_bytes_per_token(cfg, args.dtype) * context
         bound = rl.bound_s(nbytes, bw)

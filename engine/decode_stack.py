@@ -14,12 +14,21 @@ float32 models too: their layer weights are held as ``cpu_gemm_pairs.c``'s float
 (``cpu_linear.to_panels_f32``), which serve the Python path's calls as well, so the two paths agree
 to the bit.
 
+Mixture-of-experts models (Qwen3-MoE, Mixtral): a sparse layer's MLP is the expert block, run in C as
+``engine.moe.moe_mlp`` runs it (router, softmax, top-k, the ``norm_topk_prob`` renormalization, the
+weights rounded to the model dtype, the pairs grouped by expert, ``cpu_moe.c`` on them); Qwen3's
+per-head Q/K norms run there too. Those steps are not bitwise the per-layer path: the router logits
+and the Q/K norms sum in another order than torch's (float32 logits agree to ~1e-6; bfloat16 within a
+rounding; tests/engine/test_decode_stack_moe.py).
+
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
-float32 CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, MoE
-models (the stack's MLP is dense), no kernel library, or ``PDSERVE_DECODE_STACK=0``).
+float32 CPU Llama-family model whose every attention and dense-MLP matmul runs the small-batch kernel,
+a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS`` 0, no kernel
+library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
 ``takes(batch, attn)`` is True for a DECODE step of at most ``max_rows`` requests on the C attention
 backend with one full-attention pool, no window; ``run`` then returns the last layer's hidden states,
-bitwise what the per-layer Python path computes (tests/engine/test_decode_stack.py). Everything else
+bitwise what the per-layer Python path computes on dense models without Q/K norms
+(tests/engine/test_decode_stack.py). Everything else
 runs the Python path.
 """
 
@@ -31,9 +40,9 @@ import os
 
 import torch
 
+from engine import moe
 from engine.cpu_linear import small_kernel, small_rows
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine import moe
 from engine.kernels import cpu_moe, cpu_native, decode_prefetch
 
 log = logging.getLogger(__name__)
@@ -131,8 +140,10 @@ class DecodeStack:
             why = None if rows and bias_ok else "a layer matmul the small-batch kernel does not take"
         if why is None and cfg.moe is not None:
             rows = min(rows, moe.KERNEL_MAX_ROWS)
-            why = None if rows and all(_experts_run(model, layer) for layer in model.layers if layer.sparse) else (
-                "a sparse layer the expert kernel does not take"
+            why = (
+                None
+                if rows and all(_experts_run(model, layer) for layer in model.layers if layer.sparse)
+                else ("a sparse layer the expert kernel does not take")
             )
         if why is not None:
             log.debug("decode stack off: %s", why)

@@ -16,6 +16,11 @@
  * panels; the same kernels in float32 with nothing rounded between them (the residual add is the
  * float32 sum torch computes), so it is bitwise the Python path there too.
  *
+ * Mixture-of-experts layers (layer_t.router set): the MLP is the expert block (moe_block below: router,
+ * top-k, cpu_moe.c's experts), as engine/moe.py's moe_mlp computes it; Q/K norms (layer_t.q_norm) are
+ * per-head RMSNorms after the QKV matmul. Neither is bitwise torch (the router's and the norms' sums
+ * run in another order); the dense layers above still are.
+ *
  * Contract: bfloat16 activations, weights and KV pool (or all float32, above); rows 1..8 where a matmul runs cpu_gemv.c (in %
  * 32 == 0, out % 8 == 0), any where all run cpu_gemm_pairs.c (out % 64 == 0, in even); each weight
  * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind;
