@@ -12,6 +12,7 @@ import torch
 
 from engine import cpu_linear
 from engine.config import ModelConfig, MoeSpec
+from engine.decode_stack import ENV
 from engine.kernels import cpu_moe, cpu_native
 from engine.llm import LLM
 from engine.model import LlamaModel
@@ -39,6 +40,12 @@ def _weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         n: (1 + 0.2 * torch.randn(s, generator=g)) if n.endswith("norm.weight") else 0.2 * torch.randn(s, generator=g)
         for n, s in expected_tensor_shapes(cfg).items()
     }
+
+
+@pytest.fixture(autouse=True)
+def _stack_on(monkeypatch):
+    """The stack on whatever the environment says (the suite may run with it off)."""
+    monkeypatch.setenv(ENV, "1")
 
 
 class _BothPaths:

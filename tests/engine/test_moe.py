@@ -149,10 +149,12 @@ def test_an_moe_model_takes_the_decode_stack_with_its_expert_block(monkeypatch):
     """Where the C kernels run, the stack serves MoE models too (tests/engine/test_decode_stack_moe.py
     checks its steps); it is built only where ``engine.moe``'s kernel row limit is above 0."""
     from engine import moe
+    from engine.decode_stack import ENV
     from engine.kernels import cpu_native
 
     if cpu_native.load() is None or not cpu_native.gemv_available():
         pytest.skip("no small-batch kernels here: no stack for any model")
+    monkeypatch.setenv(ENV, "1")
     assert _random_model(MoeSpec(8, 2, 32, True, (0,))).stack is not None
     monkeypatch.setattr(moe, "KERNEL_MAX_ROWS", 0)
     assert _random_model(MoeSpec(8, 2, 32, True, (0,))).stack is None
