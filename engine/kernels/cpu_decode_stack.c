@@ -158,16 +158,21 @@ static float dot_row(const void *x, const void *w, int64_t n, int f32) {
     return hsum(acc);
 }
 
-/* Each row's top_k experts (slot_e) and weights (pair_w), [rows, top_k]. */
+/* Each row's top_k experts (slot_e) and weights (pair_w), [rows, top_k]. The logits run expert-outer
+ * (a router row is read once from memory for all the step's rows), the experts split over the threads;
+ * each logit is one thread's sum, so the result does not depend on the thread count. */
 static void route(const stack_t *s, const layer_t *l, const void *x, const moe_scratch_t *m) {
-    const int64_t E = s->num_experts, K = s->top_k, Hd = s->hidden, es = s->f32 ? 4 : 2;
-    for (int64_t r = 0; r < s->rows; r++) {
-        float *p = m->logits + r * E, mx = -INFINITY, sum = 0.0f;
-        for (int64_t e = 0; e < E; e++) {
-            p[e] = dot_row((const char *)x + r * Hd * es, (const char *)l->router + e * Hd * es, Hd, (int)s->f32);
-            if (!s->f32) p[e] = bf16_to_f32(f32_to_bf16(p[e]));
-            mx = p[e] > mx ? p[e] : mx;
+    const int64_t E = s->num_experts, K = s->top_k, Hd = s->hidden, R = s->rows, es = s->f32 ? 4 : 2;
+    const int threads = E * R * Hd >= (1 << 18) && s->mm_threads > 1 ? (int)s->mm_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = 0; r < R; r++) {
+            const float v = dot_row((const char *)x + r * Hd * es, (const char *)l->router + e * Hd * es, Hd, (int)s->f32);
+            m->logits[r * E + e] = s->f32 ? v : bf16_to_f32(f32_to_bf16(v));
         }
+    for (int64_t r = 0; r < R; r++) {
+        float *p = m->logits + r * E, mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
         for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - mx);
         for (int64_t e = 0; e < E; e++) p[e] /= sum;
         float picked = 0.0f;
