@@ -2,7 +2,7 @@
 by side in one run.
 
 ``python -m benchmarks.moe_roofline [--dtype bfloat16|float32|int8] [--hidden 1024] [--experts 64] [--top-k 8]
-[--expert-size 768] [--layers 4] [--batch 1] [--tokens 24]`` builds the model with transformers
+[--expert-size 768] [--layers 4] [--batch 1] [--tokens 24] [--rounds 1]`` builds the model with transformers
 (random weights, nothing downloaded) into a temporary folder, loads it through pdserve's loader,
 measures the read bandwidth (``bench.roofline_bench.read_bandwidth``) and, for each expert path, the
 decode step time at ``--batch`` through the colocated engine (``(t(1 + tokens) - t(1)) / tokens`` of
@@ -11,7 +11,12 @@ median). The bound (``bench.roofline``) is the bytes the step reads, the dense
 weights (attention, routers, LM head, norms), the KV and each chosen expert's weights once (per
 sparse layer the union of the batch's top-k, counted as the step runs) over that bandwidth;
 ``fraction = bound / measured``. The torch path is the per-expert matmuls ``engine.moe`` keeps for
-large steps (``KERNEL_MAX_ROWS`` set to 0); the kernel path is ``engine.kernels.cpu_moe``.
+large steps (``KERNEL_MAX_ROWS`` set to 0); the kernel path is ``engine.kernels.cpu_moe`` called per
+layer from Python; the decode stack is the whole step's layers in one C call (``engine.decode_stack``,
+the same expert kernel), where this host builds it. The torch and kernel rows run with the stack off;
+the stack row counts the experts read from the kernel row's run (same prompts, same greedy routes).
+``--rounds N`` alternates the paths N times and reports each one's best engine step, fastest forward and
+median of its rounds' medians.
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1, help="rounds over the paths, alternated (best step and forward)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.threads:
@@ -160,18 +166,30 @@ def main(argv: list[str] | None = None) -> None:
         f"experts {experts_gb / 1e9:.2f} GB; read bandwidth {bw / 1e9:.1f} GB/s"
     )
     context = args.batch * (PROMPT_LEN + args.tokens // 2)  # the mean context over the timed steps
-    for name, max_rows in (("torch experts", 0), ("C expert kernel", moe.KERNEL_MAX_ROWS)):
-        moe.KERNEL_MAX_ROWS = max_rows
-        counter = UnionCounter(args.batch)
-        moe.route = counter
-        try:
-            step, fastest, median = decode_times(llm, args.batch, args.tokens, args.repeats, cfg.vocab_size)
-        finally:
-            moe.route = counter.real
-        active = counter.experts / max(counter.calls, 1) * len(cfg.moe.sparse_layers)
-        nbytes = rl.weight_bytes_per_step(cfg, args.dtype, args.batch, round(active))
-        nbytes += rl.kv_bytes_per_token(cfg, args.dtype) * context
-        bound = rl.bound_s(nbytes, bw)
+    model = llm.runner.model
+    stack, active = model.stack, 0.0
+    paths = [("torch experts", 0, None), ("C expert kernel", moe.KERNEL_MAX_ROWS, None)]
+    if stack is not None:
+        paths.append(("C decode stack", moe.KERNEL_MAX_ROWS, stack))
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _, _ in paths}
+    for _ in range(args.rounds):  # the paths alternate: a shared host's load falls on each alike
+        for name, max_rows, model.stack in paths:
+            moe.KERNEL_MAX_ROWS = max_rows
+            counter = UnionCounter(args.batch)
+            moe.route = counter
+            try:
+                times[name].append(decode_times(llm, args.batch, args.tokens, args.repeats, cfg.vocab_size))
+            finally:
+                moe.route = counter.real
+            if counter.calls:  # the stack's steps do not call engine.moe.route: the kernel row's count stands
+                active = counter.experts / counter.calls * len(cfg.moe.sparse_layers)
+    model.stack = stack
+    nbytes = rl.weight_bytes_per_step(cfg, args.dtype, args.batch, round(active))
+    nbytes += rl.kv_bytes_per_token(cfg, args.dtype) * context
+    bound = rl.bound_s(nbytes, bw)
+    for name, runs in times.items():
+        step, fastest = min(r[0] for r in runs), min(r[1] for r in runs)
+        median = statistics.median(r[2] for r in runs)
         print(
             f"{name:16s} batch {args.batch}: bound {bound * 1e3:6.2f} ms ({nbytes / 1e6:.1f} MB, {active:.0f} "
             f"experts read); engine step {step * 1e3:7.2f} ms (fraction {rl.fraction(bound, step):.2f}), decode "

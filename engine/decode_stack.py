@@ -14,12 +14,21 @@ float32 models too: their layer weights are held as ``cpu_gemm_pairs.c``'s float
 (``cpu_linear.to_panels_f32``), which serve the Python path's calls as well, so the two paths agree
 to the bit.
 
+Mixture-of-experts models (Qwen3-MoE, Mixtral): a sparse layer's MLP is the expert block, run in C as
+``engine.moe.moe_mlp`` runs it (router, softmax, top-k, the ``norm_topk_prob`` renormalization, the
+weights rounded to the model dtype, the pairs grouped by expert, ``cpu_moe.c`` on them); Qwen3's
+per-head Q/K norms run there too. Those steps are not bitwise the per-layer path: the router logits
+and the Q/K norms sum in another order than torch's (float32 logits agree to ~1e-6; bfloat16 within a
+rounding; tests/engine/test_decode_stack_moe.py).
+
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
-float32 CPU Llama-family model whose every layer matmul runs the small-batch kernel, qk-norm models, MoE
-models (the stack's MLP is dense), no kernel library, or ``PDSERVE_DECODE_STACK=0``).
+float32 CPU Llama-family model whose every attention and dense-MLP matmul runs the small-batch kernel,
+a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS`` 0, no kernel
+library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
 ``takes(batch, attn)`` is True for a DECODE step of at most ``max_rows`` requests on the C attention
 backend with one full-attention pool, no window; ``run`` then returns the last layer's hidden states,
-bitwise what the per-layer Python path computes (tests/engine/test_decode_stack.py). Everything else
+bitwise what the per-layer Python path computes on dense models without Q/K norms
+(tests/engine/test_decode_stack.py). Everything else
 runs the Python path.
 """
 
@@ -31,9 +40,10 @@ import os
 
 import torch
 
+from engine import moe
 from engine.cpu_linear import small_kernel, small_rows
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.kernels import cpu_native, decode_prefetch
+from engine.kernels import cpu_moe, cpu_native, decode_prefetch
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +75,13 @@ class _Layer(ctypes.Structure):
             "o_kind",
             "gate_up_kind",
             "down_kind",
+            "router",
+            "experts_gate_up",
+            "experts_down",
+            "experts_gate_up_scale",
+            "experts_down_scale",
+            "q_norm",
+            "k_norm",
         )
     ]
 
@@ -82,6 +99,7 @@ class StackArgs(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         *((n, _I64) for n in ("attn_threads", "attn_prefetch", "mm_threads", "mm_prefetch", "f32")),
+        *((n, _I64) for n in ("num_experts", "top_k", "norm_topk", "expert_size", "moe_kind")),
     ]
 
 
@@ -110,18 +128,23 @@ class DecodeStack:
             why = f"{ENV}=0"
         elif model.device.type != "cpu" or model.dtype not in (torch.bfloat16, torch.float32):
             why = "not a bfloat16 or float32 CPU model"
-        elif cfg.moe is not None:
-            why = "an MoE model (the C stack runs a dense MLP only)"
-        elif cfg.qk_norm or cfg.head_dim % 2:
-            why = "qk-norm or odd head_dim"
+        elif cfg.head_dim % 2:
+            why = "odd head_dim"
         elif cpu_native.load() is None:
             why = "no kernel library here"
         if why is None:
-            rows = min(small_rows(layer.w[n]) for layer in model.layers for n in _MATMULS)
+            rows = min(small_rows(layer.w[n]) for layer in model.layers for n in _matmuls(layer))
             bias_ok = all(
                 layer.w.get("qkv_bias") is None or layer.w["qkv_bias"].is_contiguous() for layer in model.layers
             )
             why = None if rows and bias_ok else "a layer matmul the small-batch kernel does not take"
+        if why is None and cfg.moe is not None:
+            rows = min(rows, moe.KERNEL_MAX_ROWS)
+            why = (
+                None
+                if rows and all(_experts_run(model, layer) for layer in model.layers if layer.sparse)
+                else ("a sparse layer the expert kernel does not take")
+            )
         if why is not None:
             log.debug("decode stack off: %s", why)
             return None
@@ -148,13 +171,18 @@ class DecodeStack:
             arr = (_Layer * len(self.model.layers))()
             for i, layer in enumerate(self.model.layers):
                 w, a = layer.w, arr[i]
-                for n in _MATMULS:
+                for n in _matmuls(layer):
                     kind, weight, scale = small_kernel(w[n])
                     setattr(a, n, weight.data_ptr())
                     setattr(a, n + "_scale", _addr(scale))
                     setattr(a, n + "_kind", kind)
                 a.qkv_bias = _addr(w.get("qkv_bias"))
                 a.input_norm, a.post_norm = w["input_norm"].data_ptr(), w["post_norm"].data_ptr()
+                a.q_norm, a.k_norm = _addr(w.get("q_norm")), _addr(w.get("k_norm"))
+                if layer.sparse:
+                    a.router = w["router"].data_ptr()
+                    for n in ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale"):
+                        setattr(a, n, _addr(w.get(n)))
                 local = pools.layer_pool[i][1]
                 a.kv_base = buf.data_ptr() + local * buf.stride(1) * buf.element_size()
             self._bound = (buf.data_ptr(), arr)
@@ -203,8 +231,44 @@ class DecodeStack:
             mm_threads=torch_threads if cpu_native.openmp_shared() else 1,
             mm_prefetch=decode_prefetch.modes().gemv,
             f32=int(m.dtype == torch.float32),
+            **self._moe_args(),
         )
         rc = cpu_native.load().pdserve_decode_stack(ctypes.addressof(args), h.data_ptr())
         if rc != 0:
             raise (MemoryError if rc == -1 else RuntimeError)(f"decode stack failed ({rc})")
         return h
+
+    def _moe_args(self) -> dict[str, int]:
+        """The sparse layers' settings for ``StackArgs`` (no experts: every layer dense)."""
+        spec, m = self.model.cfg.moe, self.model
+        if spec is None:
+            return {}
+        int8 = any(layer.w["experts_down"].dtype == torch.int8 for layer in m.layers if layer.sparse)
+        kind = cpu_moe.KIND_I8 if int8 else cpu_moe.KIND_F32 if m.dtype == torch.float32 else cpu_moe.KIND_BF16
+        return {
+            "num_experts": spec.num_experts,
+            "top_k": spec.top_k,
+            "norm_topk": int(spec.norm_topk_prob),
+            "expert_size": spec.expert_size,
+            "moe_kind": kind,
+        }
+
+
+def _matmuls(layer) -> tuple[str, ...]:
+    """The packed matmuls of ``layer``: attention's, and the dense MLP's unless the layer is sparse."""
+    return _MATMULS[:2] if layer.sparse else _MATMULS
+
+
+def _experts_run(model, layer) -> bool:
+    """True iff the stack runs ``layer``'s expert block: a router of the model dtype, contiguous, and
+    experts ``cpu_moe.takes`` (int8 experts with their scales, all int8 or none)."""
+    w = layer.w
+    router, probe = w["router"], torch.empty(1, model.cfg.hidden_size, dtype=model.dtype)
+    int8 = w["experts_down"].dtype == torch.int8
+    scales = all(w.get(n) is not None for n in ("experts_gate_up_scale", "experts_down_scale")) == int8
+    return (
+        router.dtype == model.dtype
+        and router.is_contiguous()
+        and scales
+        and cpu_moe.takes(probe, w["experts_gate_up"], w["experts_down"])
+    )

@@ -16,6 +16,11 @@
  * panels; the same kernels in float32 with nothing rounded between them (the residual add is the
  * float32 sum torch computes), so it is bitwise the Python path there too.
  *
+ * Mixture-of-experts layers (layer_t.router set): the MLP is the expert block (moe_block below: router,
+ * top-k, cpu_moe.c's experts), as engine/moe.py's moe_mlp computes it; Q/K norms (layer_t.q_norm) are
+ * per-head RMSNorms after the QKV matmul. Neither is bitwise torch (the router's and the norms' sums
+ * run in another order); the dense layers above still are.
+ *
  * Contract: bfloat16 activations, weights and KV pool (or all float32, above); rows 1..8 where a matmul runs cpu_gemv.c (in %
  * 32 == 0, out % 8 == 0), any where all run cpu_gemm_pairs.c (out % 64 == 0, in even); each weight
  * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind;
@@ -23,6 +28,7 @@
  * positions against the rotary tables and every slot and table entry against the pool. Returns 0, -1
  * when scratch cannot be allocated, -2 when a matmul refuses its shape (nothing of a later layer has
  * run then, but earlier layers' KV is stored: the caller fails the step). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,6 +56,10 @@ int pdserve_gemm_pairs_i8w(const uint16_t *x, int64_t x_stride, const int8_t *w,
                            const uint16_t *bias, uint16_t *y, int64_t rows, int64_t in, int64_t out, int threads);
 int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
                             int64_t rows, int64_t in, int64_t out, int threads);
+int pdserve_moe_experts(const void *x, int64_t x_stride, const void *gate_up, const void *down, int kind,
+                        const float *gate_up_scale, const float *down_scale, const int64_t *experts,
+                        const int64_t *offsets, const int64_t *pair_tok, const float *pair_w, void *act, float *out,
+                        int64_t chosen, int64_t hidden, int64_t inter, int threads);
 int pdserve_paged_decode(const float *q, const void *kv, int bf16, const int64_t *table, int64_t table_stride,
                          const int64_t *lo, const int64_t *hi, float *out, int64_t B, int64_t H, int64_t Hkv,
                          int64_t D, int64_t P, int64_t page_stride, int64_t v_off, int64_t tok_stride,
@@ -63,6 +73,9 @@ typedef struct {
     int64_t qkv, qkv_scale, qkv_bias, o, o_scale, gate_up, gate_up_scale, down, down_scale;
     int64_t input_norm, post_norm, kv_base; /* kv_base: the layer's K of page 0 in the pool */
     int64_t qkv_kind, o_kind, gate_up_kind, down_kind;
+    /* a sparse layer: its router [experts, hidden] (0: the dense MLP above), stacked experts as
+     * cpu_moe.c takes them (int8 with float32 row scales); per-head Q/K norm weights (0: none) */
+    int64_t router, experts_gate_up, experts_down, experts_gate_up_scale, experts_down_scale, q_norm, k_norm;
 } layer_t;
 
 /* The step: shapes, per-token indices, pool geometry (strides in elements), threads. Mirrored by
@@ -76,6 +89,8 @@ typedef struct {
     float eps, scale;
     int64_t attn_threads, attn_prefetch, mm_threads, mm_prefetch;
     int64_t f32; /* 1: float32 activations, weights (PANELS_F32) and pool; 0: bfloat16 */
+    /* the sparse layers' experts (0 experts: none), top-k, renormalized or not, cpu_moe.c's kind */
+    int64_t num_experts, top_k, norm_topk, expert_size, moe_kind;
 } stack_t;
 
 static int matmul(const stack_t *s, int64_t kind, const uint16_t *x, int64_t w, int64_t scale, int64_t bias,
@@ -92,23 +107,154 @@ static int matmul(const stack_t *s, int64_t kind, const uint16_t *x, int64_t w, 
     return -1;
 }
 
-/* Scratch rows of one step, carved from one allocation. */
-typedef struct {
-    uint16_t *x, *qkv, *attn, *tmp, *gate_up, *act;
-    float *qf, *of;
-} scratch_t;
-
 static void *carve(char **p, int64_t bytes) {
     void *r = *p;
     *p += (bytes + 63) & ~(int64_t)63;
     return r;
 }
 
+/* ---- the mixture-of-experts block (engine/moe.py's moe_mlp, one sparse layer) ----
+ * Router logits x . router_e summed in float32 (rounded to bfloat16 for a bfloat16 model, as torch's
+ * bfloat16 matmul output is), softmax in float32, the top_k largest (ties: the lower expert), their
+ * probabilities renormalized to sum 1 where norm_topk, then rounded to the model dtype (moe.route's
+ * weights.to(x.dtype)). The (token, slot) pairs are grouped by expert in increasing expert order,
+ * tokens in order within one expert (moe_mlp's stable argsort), and cpu_moe.c runs them: the same
+ * call, with the same grouping, as the per-layer path makes, so only the router's summation order
+ * differs from torch's. */
+typedef struct {
+    float *logits, *pair_w, *out;
+    int64_t *slot_e, *count, *experts, *offsets, *pair_tok;
+    char *act;
+} moe_scratch_t;
+
+static int64_t moe_bytes(const stack_t *s) {
+    const int64_t R = s->rows, E = s->num_experts, K = s->top_k, es = s->f32 ? 4 : 2;
+    if (E == 0) return 0;
+    return 64 * 8 + 4 * R * E + 4 * R * K + 4 * R * s->hidden + 8 * R * K * 2 + 8 * (3 * E + 1) +
+           es * R * K * s->expert_size;
+}
+
+static void moe_carve(char **p, const stack_t *s, moe_scratch_t *m) {
+    const int64_t R = s->rows, E = s->num_experts, K = s->top_k, es = s->f32 ? 4 : 2;
+    memset(m, 0, sizeof *m);
+    if (E == 0) return;
+    m->logits = carve(p, 4 * R * E);
+    m->pair_w = carve(p, 4 * R * K);
+    m->out = carve(p, 4 * R * s->hidden);
+    m->slot_e = carve(p, 8 * R * K);
+    m->pair_tok = carve(p, 8 * R * K);
+    m->count = carve(p, 8 * E);
+    m->experts = carve(p, 8 * E);
+    m->offsets = carve(p, 8 * (E + 1));
+    m->act = carve(p, es * R * K * s->expert_size);
+}
+
+static float dot_row(const void *x, const void *w, int64_t n, int f32) {
+    vf acc = {};
+    if (f32)
+        for (int64_t c = 0; c < n; c += W) acc += vld_f32((const float *)x + c) * vld_f32((const float *)w + c);
+    else
+        for (int64_t c = 0; c < n; c += W) acc += vld_bf16((const uint16_t *)x + c) * vld_bf16((const uint16_t *)w + c);
+    return hsum(acc);
+}
+
+/* Each row's top_k experts (slot_e) and weights (pair_w), [rows, top_k]. The logits run expert-outer
+ * (a router row is read once from memory for all the step's rows), the experts split over the threads;
+ * each logit is one thread's sum, so the result does not depend on the thread count. */
+static void route(const stack_t *s, const layer_t *l, const void *x, const moe_scratch_t *m) {
+    const int64_t E = s->num_experts, K = s->top_k, Hd = s->hidden, R = s->rows, es = s->f32 ? 4 : 2;
+    const int threads = E * R * Hd >= (1 << 18) && s->mm_threads > 1 ? (int)s->mm_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = 0; r < R; r++) {
+            const float v = dot_row((const char *)x + r * Hd * es, (const char *)l->router + e * Hd * es, Hd, (int)s->f32);
+            m->logits[r * E + e] = s->f32 ? v : bf16_to_f32(f32_to_bf16(v));
+        }
+    for (int64_t r = 0; r < R; r++) {
+        float *p = m->logits + r * E, mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - mx);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        float picked = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) /* chosen ones are marked -1 (probabilities are >= 0) */
+                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            m->slot_e[r * K + k] = best;
+            m->pair_w[r * K + k] = p[best];
+            picked += p[best];
+            p[best] = -1.0f;
+        }
+        for (int64_t k = 0; k < K; k++) {
+            float w = s->norm_topk ? m->pair_w[r * K + k] / picked : m->pair_w[r * K + k];
+            m->pair_w[r * K + k] = s->f32 ? w : bf16_to_f32(f32_to_bf16(w));
+        }
+    }
+}
+
+/* The block's output for rows x, added to h (bfloat16: the float32 sums rounded, then the bfloat16
+ * add torch does; float32: added). Returns cpu_moe.c's code (0, or -1 for a shape it refuses). */
+static int moe_block(const stack_t *s, const layer_t *l, const void *x, void *h, const moe_scratch_t *m) {
+    const int64_t R = s->rows, E = s->num_experts, K = s->top_k, Hd = s->hidden;
+    route(s, l, x, m);
+    float *w = m->logits; /* the logits are spent: they hold the weights in grouped order */
+    memset(m->count, 0, 8 * E);
+    for (int64_t i = 0; i < R * K; i++) m->count[m->slot_e[i]]++;
+    int64_t chosen = 0, at = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (!m->count[e]) continue;
+        m->experts[chosen] = e;
+        m->offsets[chosen++] = at;
+        const int64_t n = m->count[e];
+        m->count[e] = at; /* from here: the next free position of expert e's pairs */
+        at += n;
+    }
+    m->offsets[chosen] = at;
+    for (int64_t i = 0; i < R * K; i++) {
+        const int64_t pos = m->count[m->slot_e[i]]++;
+        m->pair_tok[pos] = i / K;
+        w[pos] = m->pair_w[i];
+    }
+    memset(m->out, 0, 4 * R * Hd);
+    int rc = pdserve_moe_experts(x, Hd, (const void *)l->experts_gate_up, (const void *)l->experts_down,
+                                 (int)s->moe_kind, (const float *)l->experts_gate_up_scale,
+                                 (const float *)l->experts_down_scale, m->experts, m->offsets, m->pair_tok, w, m->act,
+                                 m->out, chosen, Hd, s->expert_size, (int)s->mm_threads);
+    if (rc) return rc;
+    if (s->f32)
+        for (int64_t i = 0; i < R * Hd; i++) ((float *)h)[i] += m->out[i];
+    else
+        for (int64_t i = 0; i < R * Hd; i++) {
+            uint16_t *hb = (uint16_t *)h;
+            hb[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(f32_to_bf16(m->out[i])));
+        }
+    return 0;
+}
+
+/* Per-head RMSNorm of each row's Q and K heads in place (the Q/K norms of Qwen3). */
+static void qk_norm(const stack_t *s, const layer_t *l, void *qkv, int64_t qkv_w, int bf16) {
+    const int64_t D = s->head_dim, qs = s->heads * D, es = bf16 ? 2 : 4;
+    if (!l->q_norm) return;
+    for (int64_t r = 0; r < s->rows; r++) {
+        char *q = (char *)qkv + r * qkv_w * es;
+        pdserve_rms_norm(q, D, (const void *)l->q_norm, q, s->heads, D, s->eps, bf16, 1);
+        pdserve_rms_norm(q + qs * es, D, (const void *)l->k_norm, q + qs * es, s->kv_heads, D, s->eps, bf16, 1);
+    }
+}
+
+/* Scratch rows of one step, carved from one allocation. */
+typedef struct {
+    uint16_t *x, *qkv, *attn, *tmp, *gate_up, *act;
+    float *qf, *of;
+    moe_scratch_t moe;
+} scratch_t;
+
 static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scratch_t *b) {
     const int64_t R = s->rows, Hd = s->hidden, D = s->head_dim, qs = s->heads * D, kvs = s->kv_heads * D;
     const int64_t qkv_w = qs + 2 * kvs;
     pdserve_rms_norm(h, Hd, (const void *)l->input_norm, b->x, R, Hd, s->eps, 1, 1);
     if (matmul(s, l->qkv_kind, b->x, l->qkv, l->qkv_scale, l->qkv_bias, b->qkv, Hd, qkv_w)) return -2;
+    qk_norm(s, l, b->qkv, qkv_w, 1);
     pdserve_rope(b->qkv, qkv_w, s->positions, s->cos, s->sin, R, s->heads, D, 1, 1);
     pdserve_rope(b->qkv + qs, qkv_w, s->positions, s->cos, s->sin, R, s->kv_heads, D, 1, 1);
     pdserve_store_kv((void *)l->kv_base, s->page_stride, s->v_off, s->tok_stride, s->P, s->slots, b->qkv + qs, qkv_w,
@@ -121,6 +267,7 @@ static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scra
     for (int64_t i = 0; i < R * qs; i++) b->attn[i] = f32_to_bf16(b->of[i]);
     if (matmul(s, l->o_kind, b->attn, l->o, l->o_scale, 0, b->tmp, qs, Hd)) return -2;
     pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 1, 1);
+    if (l->router) return moe_block(s, l, b->x, h, &b->moe) ? -2 : 0;
     if (matmul(s, l->gate_up_kind, b->x, l->gate_up, l->gate_up_scale, 0, b->gate_up, Hd, 2 * s->inter)) return -2;
     pdserve_silu_mul(b->gate_up, b->act, R, s->inter, 1, 1);
     if (matmul(s, l->down_kind, b->act, l->down, l->down_scale, 0, b->tmp, s->inter, Hd)) return -2;
@@ -131,6 +278,7 @@ static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scra
 /* ---- float32 layers: the same order over float32 rows (no roundings between the kernels) ---- */
 typedef struct {
     float *x, *qkv, *qf, *of, *tmp, *gate_up, *act;
+    moe_scratch_t moe;
 } scratch_f32_t;
 
 static int matmul_f32(const stack_t *s, int64_t kind, const float *x, int64_t w, int64_t bias, float *y, int64_t in,
@@ -144,6 +292,7 @@ static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scr
     const int64_t qkv_w = qs + 2 * kvs;
     pdserve_rms_norm(h, Hd, (const void *)l->input_norm, b->x, R, Hd, s->eps, 0, 1);
     if (matmul_f32(s, l->qkv_kind, b->x, l->qkv, l->qkv_bias, b->qkv, Hd, qkv_w)) return -2;
+    qk_norm(s, l, b->qkv, qkv_w, 0);
     pdserve_rope(b->qkv, qkv_w, s->positions, s->cos, s->sin, R, s->heads, D, 0, 1);
     pdserve_rope(b->qkv + qs, qkv_w, s->positions, s->cos, s->sin, R, s->kv_heads, D, 0, 1);
     pdserve_store_kv((void *)l->kv_base, s->page_stride, s->v_off, s->tok_stride, s->P, s->slots, b->qkv + qs, qkv_w,
@@ -154,6 +303,7 @@ static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scr
                          s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 0, 0.0f);
     if (matmul_f32(s, l->o_kind, b->of, l->o, 0, b->tmp, qs, Hd)) return -2;
     pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 0, 1);
+    if (l->router) return moe_block(s, l, b->x, h, &b->moe) ? -2 : 0;
     if (matmul_f32(s, l->gate_up_kind, b->x, l->gate_up, 0, b->gate_up, Hd, 2 * s->inter)) return -2;
     pdserve_silu_mul(b->gate_up, b->act, R, s->inter, 0, 1);
     if (matmul_f32(s, l->down_kind, b->act, l->down, 0, b->tmp, s->inter, Hd)) return -2;
@@ -164,7 +314,7 @@ static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scr
 static int stack_f32(const stack_t *s, float *h) {
     const int64_t R = s->rows, qs = s->heads * s->head_dim, kvs = s->kv_heads * s->head_dim;
     const int64_t widest = s->hidden > qs ? s->hidden : qs;
-    const int64_t bytes = 64 * 8 + 4 * R * (widest + (qs + 2 * kvs) + 2 * qs + widest + 3 * s->inter);
+    const int64_t bytes = 64 * 8 + 4 * R * (widest + (qs + 2 * kvs) + 2 * qs + widest + 3 * s->inter) + moe_bytes(s);
     char *mem = malloc(bytes), *p = mem;
     if (!mem) return -1;
     scratch_f32_t b;
@@ -175,6 +325,7 @@ static int stack_f32(const stack_t *s, float *h) {
     b.tmp = carve(&p, 4 * R * widest);
     b.gate_up = carve(&p, 4 * R * 2 * s->inter);
     b.act = carve(&p, 4 * R * s->inter);
+    moe_carve(&p, s, &b.moe);
     int rc = 0;
     for (int64_t i = 0; i < s->num_layers && rc == 0; i++) rc = one_layer_f32(s, s->layers + i, h, &b);
     free(mem);
@@ -187,7 +338,8 @@ int pdserve_decode_stack(const stack_t *s, uint16_t *h) {
     if (s->f32) return stack_f32(s, (float *)h);
     const int64_t R = s->rows, qs = s->heads * s->head_dim, kvs = s->kv_heads * s->head_dim;
     const int64_t widest = s->hidden > qs ? s->hidden : qs;
-    const int64_t bytes = 64 * 8 + R * (2 * (widest + (qs + 2 * kvs) + qs + s->hidden + 3 * s->inter) + 4 * 2 * qs);
+    const int64_t bytes =
+        64 * 8 + R * (2 * (widest + (qs + 2 * kvs) + qs + s->hidden + 3 * s->inter) + 4 * 2 * qs) + moe_bytes(s);
     char *mem = malloc(bytes), *p = mem;
     if (!mem) return -1;
     scratch_t b;
@@ -199,6 +351,7 @@ int pdserve_decode_stack(const stack_t *s, uint16_t *h) {
     b.act = carve(&p, 2 * R * s->inter);
     b.qf = carve(&p, 4 * R * qs);
     b.of = carve(&p, 4 * R * qs);
+    moe_carve(&p, s, &b.moe);
     int rc = 0;
     for (int64_t i = 0; i < s->num_layers && rc == 0; i++) rc = one_layer(s, s->layers + i, h, &b);
     free(mem);

@@ -1,6 +1,6 @@
 """Qwen3-MoE: the expert mixture (engine.moe) equals transformers' sparse block, the routing settings
 of config.json are read (norm_topk_prob, decoder_sparse_step, mlp_only_layers) and change the tokens,
-what is not implemented is refused, and an MoE model never takes the C decode stack's dense MLP."""
+what is not implemented is refused, and an MoE model takes the C decode stack's expert block."""
 
 from __future__ import annotations
 
@@ -145,12 +145,20 @@ def _random_model(moe: MoeSpec | None, int8: bool = False) -> LlamaModel:
     return model
 
 
-def test_an_moe_model_never_takes_the_dense_decode_stack():
+def test_an_moe_model_takes_the_decode_stack_with_its_expert_block(monkeypatch):
+    """Where the C kernels run, the stack serves MoE models too (tests/engine/test_decode_stack_moe.py
+    checks its steps); it is built only where ``engine.moe``'s kernel row limit is above 0."""
+    from engine import moe
+    from engine.decode_stack import ENV
     from engine.kernels import cpu_native
 
+    if cpu_native.load() is None or not cpu_native.gemv_available():
+        pytest.skip("no small-batch kernels here: no stack for any model")
+    monkeypatch.setenv(ENV, "1")
+    assert _random_model(MoeSpec(8, 2, 32, True, (0,))).stack is not None
+    monkeypatch.setattr(moe, "KERNEL_MAX_ROWS", 0)
     assert _random_model(MoeSpec(8, 2, 32, True, (0,))).stack is None
-    if cpu_native.load() is not None:  # the same model without experts does take it
-        assert _random_model(None).stack is not None
+    assert _random_model(None).stack is not None
 
 
 def test_int8_experts_are_quantized_per_row_at_load():
