@@ -142,6 +142,10 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
         "30",
         "--peer-timeout-s",
         "30",  # longer than prefill_held's hold: the held prefill worker is not declared dead
+        # every prompt goes through the prefill worker: by the backlog rule of selective PD, the held
+        # prefill worker's queue would have decode-0 prefill one itself, which then decodes alone
+        "--local-prefill-backlog-ratio",
+        "0",
         "--log-level",
         "WARNING",
     )
@@ -206,7 +210,7 @@ def prefill_held(srv, timeout_s: float = 25.0):
         os.kill(pid, signal.SIGCONT)
 
 
-QUEUES = ("prealloc", "transfer", "running")
+QUEUES = ("prealloc", "transfer", "running", "local_prefill")
 
 
 async def stream_all(url: str, prompts: list[str], max_tokens: int, until=None) -> list[tuple[list[int], object]]:
