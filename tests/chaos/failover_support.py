@@ -9,23 +9,35 @@ failover ended otherwise, and no KV page, host pool byte or in-flight entry left
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from bench.harness.subprocess_server import metric_sum
 from benchmarks.failover_load import astream, differences, first_difference, mixed_bodies, same_output
-from tests.chaos.chaos_cluster import leaks, signal_worker
+from tests.chaos.chaos_cluster import Cluster, leaks, running, signal_worker
+from tests.chaos.tiny_model import save_tiny_model
 
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 STREAMS, MAX_TOKENS = 12, 48
 WORDS = "river stone light garden window morning paper music silver forest engine voice winter harbor".split()
 ARGS = ["--kv-pool-tokens", "2048", "--page-size", "16", "--max-model-len", "512", "--test-step-delay-s", "0.02"]
+
+
+@contextlib.contextmanager
+def failover_cluster(model_dir: Path, prefill: int, decode: int) -> Iterator[Cluster]:
+    """A started cluster of ``prefill`` + ``decode`` workers on the tiny model (saved to ``model_dir``)
+    with ``ARGS`` and a 30 s heartbeat lease (``--worker-timeout-s``), so that only a row's kills are
+    deaths, not a stopped or slow worker; stopped when the block ends."""
+    args = [*ARGS, "--worker-timeout-s", "30"]
+    yield from running(Cluster(save_tiny_model(model_dir), prefill=prefill, decode=decode, args=args))
 
 
 async def load(url: str, bodies: list[dict], on_chunk=None) -> list[dict]:

@@ -27,17 +27,16 @@ import pytest
 from bench.harness.subprocess_server import metric_sum
 from tests.chaos.chaos_cluster import Cluster, signal_worker
 from tests.chaos.failover_support import (
-    ARGS,
     STREAMS,
     assert_failed_over,
     busiest_first,
+    failover_cluster,
     fault_free,
     load,
     outstanding,
     requests_left,
     tokens_reached,
 )
-from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -46,11 +45,8 @@ PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model = save_tiny_model(tmp_path_factory.mktemp("failover-prefill-model"))
-    c = Cluster(model, prefill=2, decode=2, args=[*ARGS, "--worker-timeout-s", "30"])
-    c.start()
-    yield c
-    c.stop()
+    with failover_cluster(tmp_path_factory.mktemp("failover-prefill-model"), prefill=2, decode=2) as c:
+        yield c
 
 
 def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster):

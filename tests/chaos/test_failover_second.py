@@ -16,16 +16,15 @@ import pytest
 
 from tests.chaos.chaos_cluster import Cluster, signal_worker
 from tests.chaos.failover_support import (
-    ARGS,
     assert_failed_over,
     busiest_first,
+    failover_cluster,
     fault_free,
     load,
     outstanding,
     requests_left,
     tokens_reached,
 )
-from tests.chaos.tiny_model import save_tiny_model
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -51,9 +50,7 @@ async def twice_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int) ->
 
 
 def test_a_continuation_whose_worker_dies_before_its_first_token_fails_over_again(tmp_path):
-    c = Cluster(save_tiny_model(tmp_path / "model"), prefill=1, decode=3, args=[*ARGS, "--worker-timeout-s", "30"])
-    c.start()
-    try:
+    with failover_cluster(tmp_path / "model", prefill=1, decode=3) as c:
         ref = fault_free(c.url, c.wait_recovered)
         kill_tokens, total = ref.kill_tokens(salt=3, high=0.4)
         run = asyncio.run(twice_killed_load(c, ref.bodies, kill_tokens))
@@ -64,5 +61,3 @@ def test_a_continuation_whose_worker_dies_before_its_first_token_fails_over_agai
         )
         assert_failed_over(row, ref, run["got"], c.wait_recovered(), (a, b))
         assert run["b_after"] > run["b_before"]  # B was sent continuations it never started
-    finally:
-        c.stop()

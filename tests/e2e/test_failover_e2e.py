@@ -5,10 +5,12 @@ the request on as a continuation (prompt + the tokens streamed so far) to the ot
 decode worker, and the client's stream completes with the text, token ids, finish reason and usage
 of a fault-free run: no error chunk, no duplicate, no gap. ``pdserve_failovers_total{outcome=
 "continued"}`` moves by one per choice and the recomputed tokens by the tokens streamed before the
-kill; afterwards no KV page or in-flight entry is left."""
+kill; afterwards no KV page or in-flight entry is left. On the replicas' launch the dashboard, open
+in headless Chromium through one such kill, marks the failover and its tiles equal ``/metrics``."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +21,8 @@ import pytest
 
 from bench.harness.subprocess_server import LaunchedServer, fresh_metrics, metric_sum, scrape_metrics, wait_idle
 from benchmarks.failover_load import STORY, stream, worker_pid
+from tests.router.dashboard_dom import dom_values, histogram_quantile
+from tests.support.chromium_cdp import optional_browser
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -106,6 +110,69 @@ def test_prompt_logprobs_go_out_once_across_a_failover(replicas):
     assert seen[0] is None and len(seen) == got["usage"]["prompt_tokens"] and all(seen[1:])
 
 
+def test_a_failover_is_marked_on_the_dashboard(replicas):
+    """The dashboard (``/dashboard`` in headless Chromium, open from before the kill) draws one
+    "continued" failover marker on the requests panel's first chart for a greedy stream whose replica
+    is killed mid-stream (``kill_mid_stream``'s checks), and its failover tiles (by worker and
+    outcome, recomputed tokens, stall count and percentiles) equal ``/metrics``; no JavaScript error
+    is logged. Markers count the failovers since the page opened; tiles are cumulative, as /metrics."""
+    with optional_browser() as b:
+        if b is None:
+            pytest.skip("chromium is not installed")
+        page = b.open()
+        page.navigate(f"{replicas.url}/dashboard")
+        page.wait_for("document.querySelectorAll('#requests-tiles .tile').length > 0", 30)
+        killed = kill_mid_stream(replicas, {"temperature": 0}, ("colocated-0", "colocated-1"))["killed"]
+        m = scrape_metrics(replicas.url)
+        page.wait_for(f"{FAILOVER_MARKED} === 1", 15)
+        # the page refreshes once a second: wait until it shows the values /metrics has once idle
+        tile = json.dumps({"outcome": "continued", "worker": killed}, separators=(",", ":"))
+        for metric, labels, value in (
+            (
+                "pdserve_failovers_total",
+                tile,
+                metric_sum(m, "pdserve_failovers_total", worker=killed, outcome="continued"),
+            ),
+            ("pdserve_failover_stall_seconds_count", "{}", metric_sum(m, "pdserve_failover_stall_seconds_count")),
+            (
+                "pdserve_failover_recomputed_tokens_total",
+                "{}",
+                metric_sum(m, "pdserve_failover_recomputed_tokens_total"),
+            ),
+        ):
+            page.wait_for(
+                f"[...document.querySelectorAll('[data-metric={metric}]')]"
+                f".some((e) => e.dataset.labels === '{labels}' && e.dataset.value === '{int(value)}')",
+                15,
+            )
+        assert failover_mismatches(page, scrape_metrics(replicas.url)) == []
+        assert page.errors() == []
+
+
+# the counts on the requests panel's failover markers (labels "↻N") of its first chart
+FAILOVER_MARKED = """(() => { const svg = document.querySelector('#requests svg');
+  return svg ? [...svg.querySelectorAll('g.marker.failover.continued text')]
+    .reduce((a, t) => a + Number(t.textContent.slice(1)), 0) : 0; })()"""
+
+
+def failover_mismatches(page, m: dict) -> list[str]:
+    """The page's failover numbers (``pdserve_failover*``) that differ from the /metrics samples ``m``
+    (or miss there)."""
+    samples, quantiles = dom_values(page)
+    bad = []
+    for name, labels, value in samples:
+        if name.startswith("pdserve_failover"):
+            want = m.get((name, tuple(sorted(json.loads(labels).items()))))
+            if want is None or float(value) != want:
+                bad.append(f"{name}{labels}: page {value} != /metrics {want}")
+    for hist, q, labels, value in quantiles:
+        if hist.startswith("pdserve_failover"):
+            want = histogram_quantile(float(q), m, hist, json.loads(labels))
+            if want is None or abs(float(value) - want) > 1e-6 * max(1.0, want):
+                bad.append(f"P{float(q) * 100:g} of {hist}: page {value} != /metrics {want}")
+    return bad
+
+
 def same_values(a, b, tol: float = 1e-3) -> bool:
     """``a`` and ``b`` equal but for floats within ``tol`` (nested lists and dicts)."""
     if isinstance(a, float) and isinstance(b, float):
@@ -185,4 +252,4 @@ def kill_mid_stream(server: LaunchedServer, sampling: dict, workers: tuple[str, 
         time.sleep(0.5)
     idle = wait_idle(server.url, HEARTBEAT_S)  # raises while a survivor holds KV pages or requests
     assert metric_sum(idle, "pdserve_inflight_requests") == 0
-    return got
+    return {**got, "killed": killed["worker"]}

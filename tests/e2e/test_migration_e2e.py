@@ -1,15 +1,16 @@
 """Migration end to end: ``pdserve launch`` with 1 prefill + 2 decode worker processes,
 KV over NIXL and over ucxx (one launch per backend; the host pool is registered with the backend
 and the migration writes straight from it), the real model and HTTP API. ``--route-decode
-decode-0`` sends every request to one decode worker whose small pool makes it retract
-(``--retract-test-interval`` adds a forced retract every 16 decode steps, so that it retracts even
-when this shared machine is too slow for the requests to overlap); ``--migrate-after 2`` moves
-parked requests to decode-1. Every streamed request ends with the colocated engine's greedy tokens
-(equal to transformers, tests/e2e/test_pd_http.py) and its usage; a migration happened (metric);
-nothing is left in either worker's device or host pool. On the NIXL launch the dashboard
-(``/dashboard`` in headless Chromium, open through the load) shows one marker per migration: the
-markers' counts add up to ``pdserve_migrations_total`` on both sides, and the panel's tiles equal
-``/metrics``."""
+decode-0`` sends every request to one decode worker whose small pool makes it retract; the prefill
+worker is held (SIGSTOP) until decode-0 holds every request (admitted or waiting for pages), so the
+requests decode together however slow this shared machine is, the admitted ones fill the pool and
+their next pages must come from a retract (``--retract-test-interval`` adds a forced one every 16
+decode steps); ``--migrate-after 2`` moves parked requests to decode-1. Every streamed request ends
+with the colocated engine's greedy tokens (equal to transformers, tests/e2e/test_pd_http.py) and its
+usage; a migration happened (metric); nothing is left in either worker's device or host pool.
+On the NIXL launch the dashboard (``/dashboard`` in headless Chromium, open through the load) shows
+one marker per migration: each worker's markers add up to its ``pdserve_migrations_total`` out and in,
+and the panel's tiles equal ``/metrics``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import time
 
 import openai
@@ -25,6 +27,7 @@ import pytest
 from bench.harness.subprocess_server import metric_sum, scrape_metrics, wait_idle
 from tests.support.chromium_cdp import Browser, find_chromium
 from tests.support.models import strip_eos
+from tests.support.servers import worker_pid
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -55,10 +58,12 @@ TAIL = (
 PROMPTS = [SHARED + q + TAIL for q in QUESTIONS]
 NEW_TOKENS = 48
 CHROMIUM = find_chromium()
-# the counts on the migration markers of the panel's first chart (labels "⇢N" / "⇠N"), by worker
+# the counts on the migration markers of the panel's first chart (labels "⇢N" / "⇠N") of one worker
+# (each marker's title starts with its worker's id)
 MARKED = """(() => {{ const svg = document.querySelector('#migration svg');
-  return svg ? [...svg.querySelectorAll('g.marker.migrate.{direction} text')]
-    .reduce((a, t) => a + Number(t.textContent.slice(1)), 0) : 0; }})()"""
+  return svg ? [...svg.querySelectorAll('g.marker.migrate.{direction}')]
+    .filter((g) => g.querySelector('title').textContent.startsWith('{worker}: '))
+    .reduce((a, g) => a + Number(g.querySelector('text').textContent.slice(1)), 0) : 0; }})()"""
 TILE = """(() => {{ const e = [...document.querySelectorAll('[data-metric=pdserve_migrations_total]')]
   .find((x) => x.dataset.labels === '{labels}'); return e ? Number(e.dataset.value) : null; }})()"""
 
@@ -74,13 +79,17 @@ def dashboard(url: str, backend: str):
     return Browser(CHROMIUM)
 
 
-def check_markers(page, moved: int) -> None:
-    """The page drew migrations worth ``moved`` on each side and its tiles agree with /metrics."""
-    for direction in ("out", "in"):
-        page.wait_for(f"{MARKED.format(direction=direction)} === {moved}", 15)
-    for worker, direction in (("decode-0", "out"), ("decode-1", "in")):
-        labels = json.dumps({"direction": direction, "outcome": "done", "worker": worker}, separators=(",", ":"))
-        page.wait_for(f"{TILE.format(labels=labels)} === {moved}", 15)
+def check_markers(page, m: dict) -> None:
+    """Per decode worker and direction, the page drew markers worth its ``pdserve_migrations_total``
+    (outcome done) in the metrics ``m``, and its tiles agree. A request moved to decode-1 may be
+    retracted there and moved back, so decode-1 can have moves out too: each worker's markers count
+    its own moves, never the other's."""
+    for worker in ("decode-0", "decode-1"):
+        for direction in ("out", "in"):
+            moved = metric_sum(m, "pdserve_migrations_total", worker=worker, direction=direction, outcome="done")
+            page.wait_for(f"{MARKED.format(direction=direction, worker=worker)} === {moved}", 15)
+            labels = json.dumps({"direction": direction, "outcome": "done", "worker": worker}, separators=(",", ":"))
+            page.wait_for(f"{TILE.format(labels=labels)} === {moved}", 15)
     assert page.errors() == []
 
 
@@ -132,7 +141,11 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
         "--worker-timeout-s",
         "30",
         "--peer-timeout-s",
-        "4",
+        "30",  # longer than prefill_held's hold: the held prefill worker is not declared dead
+        # every prompt goes through the prefill worker: by the backlog rule of selective PD, the held
+        # prefill worker's queue would have decode-0 prefill one itself, which then decodes alone
+        "--local-prefill-backlog-ratio",
+        "0",
         "--log-level",
         "WARNING",
     )
@@ -144,7 +157,8 @@ def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs
             page = browser.open()
             page.navigate(f"{srv.url}/dashboard")
             page.wait_for("document.querySelectorAll('#migration-tiles .tile').length > 0", 30)
-        results = asyncio.run(stream_all(srv.url, prompts, NEW_TOKENS))
+        with prefill_held(srv) as release:
+            results = asyncio.run(stream_all(srv.url, prompts, NEW_TOKENS, until=lambda: release(len(prompts))))
         check_idle(srv.url, results, prompts, refs, tok, page)
     m = scrape_metrics(srv.url)
     assert {w: metric_sum(m, "pdserve_kv_pool_capacity_pages", worker=w) for w in pools} == pools
@@ -167,8 +181,42 @@ def wait_connected(url: str, timeout_s: float = 30.0) -> None:
         time.sleep(HEARTBEAT_S)
 
 
-async def stream_all(url: str, prompts: list[str], max_tokens: int) -> list[tuple[list[int], object]]:
-    """Every prompt streamed at once, greedy: ``(token ids, usage)`` per prompt, in order."""
+@contextlib.contextmanager
+def prefill_held(srv, timeout_s: float = 25.0):
+    """prefill-0 stopped (SIGSTOP) inside the block, which gets ``release(n)``: wait until decode-0
+    holds ``n`` requests (admitted and waiting for their KV, or waiting for pages), none decoding
+    yet, then resume prefill-0. Whatever happens, prefill-0 runs again when the block ends. Held,
+    prefill-0 computes no KV, so decode-0 admits every request before its first decode step, and
+    the KV of the admitted ones lands within a prefill batch or two: they overlap on any host."""
+    pid = worker_pid(srv, "prefill-0")
+
+    def release(n: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                m = scrape_metrics(srv.url)
+                held = {q: metric_sum(m, "pdserve_queue_requests", worker="decode-0", queue=q) for q in QUEUES}
+                if held["prealloc"] + held["transfer"] == n and held["running"] == 0:
+                    return
+                assert time.monotonic() < deadline, f"decode-0 queues {held}: {n} requests not all held"
+                time.sleep(HEARTBEAT_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield release
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+QUEUES = ("prealloc", "transfer", "running", "local_prefill")
+
+
+async def stream_all(url: str, prompts: list[str], max_tokens: int, until=None) -> list[tuple[list[int], object]]:
+    """Every prompt streamed at once, greedy: ``(token ids, usage)`` per prompt, in order. ``until``
+    (blocking, run on a thread once every request is sent off) gates the load, e.g.
+    ``prefill_held``'s release."""
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     model = (await c.models.list()).data[0].id
 
@@ -189,9 +237,14 @@ async def stream_all(url: str, prompts: list[str], max_tokens: int) -> list[tupl
             usage = chunk.usage or usage
         return ids, usage
 
+    tasks = [asyncio.ensure_future(one(p)) for p in prompts]
     try:
-        return await asyncio.gather(*(one(p) for p in prompts))
+        if until is not None:
+            await asyncio.to_thread(until)
+        return await asyncio.gather(*tasks)
     finally:
+        for t in tasks:
+            t.cancel()
         await c.close()
 
 
@@ -211,8 +264,11 @@ def check_idle(url, results, prompts, refs, tok, page) -> None:
         assert metric_sum(m, "pdserve_kv_pool_pages", worker=w, state="used") == 0
         assert metric_sum(m, "pdserve_host_kv_pool_bytes", worker=w, state="used") == 0
         assert metric_sum(m, "pdserve_worker_aborted_requests_total", worker=w) == 0
+    back = metric_sum(m, "pdserve_migrations_total", worker="decode-1", direction="out", outcome="done")
+    retracted = metric_sum(m, "pdserve_retractions_total", worker="decode-0")
+    print(f"\ndecode-0: {retracted:g} retractions, {moved:g} moved to decode-1; {back:g} moved back")
     if page is not None:
-        check_markers(page, moved)
+        check_markers(page, m)
 
 
 def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server, embedded, refs):

@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from bench.harness.subprocess_server import metric_sum, scrape_metrics, wait_idle
-from tests.e2e.test_failover_dashboard import browser
 from tests.e2e.test_migration_e2e import PROMPTS as MIGRATION_PROMPTS
 from tests.e2e.test_migration_e2e import stream_all
 from tests.router.dashboard_dom import dom_values
+from tests.support.chromium_cdp import optional_browser
 from tests.support.models import strip_eos
 from tests.support.role_switch_launch import HEARTBEAT_S, greedy_refs, held, launch_switchable_pd
 
@@ -100,7 +100,7 @@ def test_decode_worker_switches_to_prefill_under_load_and_back(launched_server, 
     url = srv.url
     before = wait_idle(url, HEARTBEAT_S)
     assert switches(before, "decode", "prefill") == 0
-    with browser() as b:
+    with optional_browser() as b:
         page = None
         if b is not None:  # without Chromium (and not required): the switches are checked, not the page
             page = b.open()

@@ -15,7 +15,15 @@ import torch
 from engine.forward_batch import ForwardMode
 from engine.loader import load_for_engine, read_model_config
 from engine.model_runner import ModelRunner, SeqChunk
-from tests.support.hf_folders import GEMMA2, engine_greedy, random_prompts, reference_greedy, save_small_model
+from tests.support.hf_folders import (
+    GEMMA2,
+    engine_greedy,
+    random_prompts,
+    reference_greedy,
+    reference_variant,
+    save_small_model,
+    small_reference,
+)
 from tests.support.models import engine_cfg
 
 pytestmark = pytest.mark.unit
@@ -23,24 +31,14 @@ pytestmark = pytest.mark.unit
 NEW = 12
 
 
-def _uncapped(folder, **fields):
-    """The same weights in transformers with config ``fields`` changed (a soft cap set to None...)."""
-    import transformers
-
-    return transformers.Gemma2ForCausalLM.from_pretrained(folder, attn_implementation="eager", **fields).eval()
-
-
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
     """(folder, prompts, transformers' greedy tokens, the transformers model) of a small random Gemma 2."""
-    folder = tmp_path_factory.mktemp("gemma2")
-    model = save_small_model("gemma2", folder, **GEMMA2)
-    prompts = random_prompts(3, 30)
-    ref = reference_greedy(model, prompts, NEW)
+    folder, prompts, ref, model = small_reference("gemma2", tmp_path_factory.mktemp("gemma2"), NEW, **GEMMA2)
     # the attention cap changes transformers' tokens: a path that ignored it would fail here
-    assert reference_greedy(_uncapped(folder, attn_logit_softcapping=None), prompts, NEW) != ref
+    assert reference_greedy(reference_variant("gemma2", folder, attn_logit_softcapping=None), prompts, NEW) != ref
     # and so does the window: a path that let the sliding layers see every key would fail too
-    assert reference_greedy(_uncapped(folder, sliding_window=4096), prompts, NEW) != ref
+    assert reference_greedy(reference_variant("gemma2", folder, sliding_window=4096), prompts, NEW) != ref
     return folder, prompts, ref, model
 
 
@@ -67,7 +65,7 @@ def test_tied_head_dim_64_on_the_tiled_extend_kernel(tmp_path, tokenizer):
     model = save_small_model("gemma2", tmp_path, **overrides)
     prompts = random_prompts(2, 40)
     ref = reference_greedy(model, prompts, NEW)
-    assert reference_greedy(_uncapped(tmp_path, attn_logit_softcapping=None), prompts, NEW) != ref
+    assert reference_greedy(reference_variant("gemma2", tmp_path, attn_logit_softcapping=None), prompts, NEW) != ref
     assert engine_greedy(tmp_path, tokenizer, prompts, NEW, page_size=16, attention_backend="cpu") == ref
 
 
@@ -82,7 +80,7 @@ def test_logits_equal_transformers_with_the_final_cap(gemma2, backend):
     got = runner.forward(ForwardMode.EXTEND, [SeqChunk(ids, 0, list(range(3)))])[0]
     with torch.no_grad():
         want = gemma2[3](torch.tensor([ids])).logits[0, -1]
-        uncapped = _uncapped(folder, final_logit_softcapping=None)(torch.tensor([ids])).logits[0, -1]
+        uncapped = reference_variant("gemma2", folder, final_logit_softcapping=None)(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert uncapped.abs().max() > 2.0 >= want.abs().max()
 

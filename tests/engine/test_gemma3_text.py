@@ -18,7 +18,14 @@ from engine.forward_batch import ForwardMode
 from engine.llm import LLM
 from engine.loader import load_for_engine, read_model_config
 from engine.model_runner import ModelRunner, SeqChunk
-from tests.support.hf_folders import GEMMA3, engine_greedy, random_prompts, reference_greedy, save_small_model
+from tests.support.hf_folders import (
+    GEMMA3,
+    engine_greedy,
+    random_prompts,
+    reference_greedy,
+    reference_variant,
+    small_reference,
+)
 from tests.support.models import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
@@ -29,28 +36,18 @@ FULL_ROPE = {"rope_type": "default", "rope_theta": 1e6}
 IDS = random_prompts(1, 37)[0]  # the logit tests' prompt: 37 tokens, past the window of 8
 
 
-def _variant(folder, **fields):
-    """The same weights in transformers with config ``fields`` changed."""
-    import transformers
-
-    return transformers.Gemma3ForCausalLM.from_pretrained(folder, attn_implementation="eager", **fields).eval()
-
-
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     """(folder, prompts, transformers' greedy tokens, the transformers model) of a small random Gemma 3."""
-    folder = tmp_path_factory.mktemp("gemma3_text")
-    model = save_small_model("gemma3_text", folder, **GEMMA3)
-    prompts = random_prompts(3, 30)
-    ref = reference_greedy(model, prompts, NEW)
+    folder, prompts, ref, model = small_reference("gemma3_text", tmp_path_factory.mktemp("gemma3_text"), NEW, **GEMMA3)
     # the window, the sliding layers' base and the full layers' scaling each change transformers'
     # tokens (of the second prompt, enough to show it): a path that ignored one of them would fail here
     one, local = prompts[1:2], model.config.rope_parameters["sliding_attention"]
-    assert reference_greedy(_variant(folder, sliding_window=4096), one, NEW) != ref[1:2]
+    assert reference_greedy(reference_variant("gemma3_text", folder, sliding_window=4096), one, NEW) != ref[1:2]
     same_base = {"full_attention": model.config.rope_parameters["full_attention"], "sliding_attention": FULL_ROPE}
-    assert reference_greedy(_variant(folder, rope_parameters=same_base), one, NEW) != ref[1:2]
+    assert reference_greedy(reference_variant("gemma3_text", folder, rope_parameters=same_base), one, NEW) != ref[1:2]
     unscaled = {"full_attention": FULL_ROPE, "sliding_attention": local}
-    assert reference_greedy(_variant(folder, rope_parameters=unscaled), one, NEW) != ref[1:2]
+    assert reference_greedy(reference_variant("gemma3_text", folder, rope_parameters=unscaled), one, NEW) != ref[1:2]
     return folder, prompts, ref, model
 
 
@@ -109,7 +106,7 @@ def test_a_final_cap_when_set_equals_transformers(gemma3, tmp_path, backend):
     cfg, weights = load_for_engine(folder, ecfg)
     got = ModelRunner(ecfg, cfg, weights).forward(ForwardMode.EXTEND, [SeqChunk(IDS, 0, list(range(3)))])[0]
     with torch.no_grad():
-        want = _variant(folder)(torch.tensor([IDS])).logits[0, -1]
+        want = reference_variant("gemma3_text", folder)(torch.tensor([IDS])).logits[0, -1]
         uncapped = gemma3[3](torch.tensor([IDS])).logits[0, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert uncapped.abs().max() > 2.0 >= want.abs().max()

@@ -9,6 +9,7 @@ and log-entry errors are collected in ``Page.errors``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +41,16 @@ def find_chromium() -> str | None:
         if path := shutil.which(name):
             return path
     return None
+
+
+def optional_browser():
+    """A ``Browser`` context on the installed Chromium, or a context yielding None where there is none,
+    unless CI requires one (``PDSERVE_REQUIRE_CHROMIUM=1``: then its absence fails the test)."""
+    path = find_chromium()
+    if path is None:
+        assert os.environ.get("PDSERVE_REQUIRE_CHROMIUM") != "1", "chromium is not installed"
+        return contextlib.nullcontext()
+    return Browser(path)
 
 
 class CDPError(RuntimeError):

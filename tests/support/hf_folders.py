@@ -44,34 +44,31 @@ PHI3_LONGROPE = {
     },
 }
 
-# Gemma 2 with the sizes above: a window of 8 keys on the sliding layers (0, 2: sliding first),
-# query_pre_attn_scalar other than head_dim, and soft caps small enough to act on these random
-# weights (the attention cap changes the greedy tokens, checked by the tests).
-GEMMA2 = {
+# What the Gemma 2 and Gemma 3 text models below share, on the sizes above: 4 layers, a window of 8
+# keys on the sliding layers, query_pre_attn_scalar other than head_dim, and transformers' eager
+# attention (the reference path that applies the soft caps and the window).
+GEMMA_CORE = {
     "num_hidden_layers": 4,
     "pad_token_id": 0,
     "sliding_window": 8,
     "query_pre_attn_scalar": 12,
-    "attn_logit_softcapping": 1.5,
-    "final_logit_softcapping": 2.0,
     "attn_implementation": "eager",
 }
 
-# Gemma 3 text with the sizes above: 4 layers, sliding_window_pattern 3 (layer 2 full, 3 slides again), a
-# window of 8 keys, the local RoPE base apart from the global one, linear scaling (factor 8, as the
-# 4B+ models) on the full layers, query_pre_attn_scalar other than head_dim, a tied LM head; no soft
-# caps (Gemma 3's).
+# Gemma 2: the sliding layers are 0 and 2 (sliding first); soft caps small enough to act on these
+# random weights (the attention cap changes the greedy tokens, checked by the tests).
+GEMMA2 = {**GEMMA_CORE, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0}
+
+# Gemma 3 text: sliding_window_pattern 3 (layer 2 full, 3 slides again), the local RoPE base apart
+# from the global one, linear scaling (factor 8, as the 4B+ models) on the full layers, a tied LM
+# head; no soft caps (Gemma 3's).
 GEMMA3 = {
-    "num_hidden_layers": 4,
+    **GEMMA_CORE,
     "tie_word_embeddings": True,
-    "pad_token_id": 0,
-    "sliding_window": 8,
     "sliding_window_pattern": 3,
-    "query_pre_attn_scalar": 12,
     "rope_theta": 1e6,
     "rope_local_base_freq": 100.0,
     "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-    "attn_implementation": "eager",
 }
 
 # Qwen3-MoE with the sizes above: 8 experts of 32, the top 2 renormalized (norm_topk_prob), 4 layers
@@ -117,6 +114,21 @@ def save_small_model(kind: str, folder: Path, seed: int = 0, **overrides):
             p.copy_(1 + noise if name.endswith("norm.weight") else noise)
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def small_reference(kind: str, folder: Path, new: int, **overrides):
+    """A :func:`save_small_model` of ``kind`` in ``folder``, 3 random prompts (30, 37 and 44 tokens)
+    and transformers' greedy ``new`` tokens of each: ``(folder, prompts, tokens, model)``."""
+    model = save_small_model(kind, folder, **overrides)
+    prompts = random_prompts(3, 30)
+    return folder, prompts, reference_greedy(model, prompts, new), model
+
+
+def reference_variant(kind: str, folder: Path, **fields):
+    """The ``kind`` model saved in ``folder`` as transformers loads it (eager attention, float32) with
+    config ``fields`` changed: the same weights without a feature, to show that the feature changes
+    what transformers computes (a path that ignored it would then fail)."""
+    return _classes(kind)[1].from_pretrained(folder, attn_implementation="eager", **fields).eval()
 
 
 def engine_greedy(folder: Path, tokenizer, prompts: list[list[int]], n: int, **engine) -> list[list[int]]:

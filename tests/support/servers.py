@@ -3,6 +3,8 @@ the flags of the shared default PD launch (``pd_server``, tests/conftest.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.harness.subprocess_server import LaunchedServer, free_base_port
 
 
@@ -42,6 +44,19 @@ class ServerFactory:
     def close(self) -> None:
         while self.running:
             self.running.pop().stop()
+
+
+def worker_pid(server: LaunchedServer, worker_id: str) -> int:
+    """The pid of the launched ``server``'s current process of ``worker_id`` (``--worker-id`` on its
+    command line); ``LookupError`` when it runs none."""
+    for pid in server.worker_pids():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited since the listing
+            continue
+        if b"--worker-id" in cmd and cmd[cmd.index(b"--worker-id") + 1] == worker_id.encode():
+            return pid
+    raise LookupError(f"no process for worker {worker_id}")
 
 
 # The shared default PD launch (``pd_server``): its heartbeat (for ``wait_idle``) and flags.
