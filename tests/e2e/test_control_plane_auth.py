@@ -35,6 +35,7 @@ from transfer.wire.enums import Role
 from transfer.wire.protocol import (
     MESSAGES,
     AbortRequest,
+    ContinuationLocal,
     Drain,
     GenerateRequest,
     KVDestination,
@@ -143,6 +144,8 @@ def every_message_kind() -> dict[str, list[bytes]]:
         # a worker would evacuate its requests and serve in the other role
         "SwitchRole": encode(SwitchRole(role=Role.PREFILL)),
         "RoleSwitched": encode(RoleSwitched(ok=True, role=Role.PREFILL, instance="evil")),
+        # a router would stop failing the stream over when its prefill worker dies
+        "ContinuationLocal": encode(ContinuationLocal(rid="evil-gen")),
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out
