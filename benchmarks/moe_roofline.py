@@ -63,7 +63,13 @@ def build_folder(folder: Path, args) -> None:
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    save_seeded(transformers.Qwen3MoeForCausalLM(cfg), folder)
+
+
+def save_seeded(model, folder: Path) -> None:
+    """Save ``model`` into ``folder`` in bfloat16 with seeded weights (norm weights 1, the rest
+    N(0, 0.02)): the same folder on every run."""
+    model = model.to(torch.bfloat16).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -27,7 +27,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-# the special ids a model config carries; not unk_token_id, which pdserve's loader refuses on an MoE config
+# the special ids a model config carries (unk_token_id is left out: the tokenizer folder has it)
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # moe_roofline.build_folder's arguments: the roofline's model
 QWEN3_MOE_SIZES = {"hidden": 1024, "layers": 4, "experts": 64, "top_k": 8, "expert_size": 768}
@@ -59,19 +59,15 @@ def _build_qwen3_moe(out: Path, vocab: int, ids: dict, sizes: dict) -> None:
 
 
 def _build_mixtral(out: Path, vocab: int, ids: dict, sizes: dict) -> None:
-    import torch
     import transformers
+
+    from benchmarks.moe_roofline import save_seeded
 
     fields = {**MIXTRAL_SIZES, **sizes, **ids}
     cfg = transformers.MixtralConfig(
         vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **fields
     )
-    model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02)
-    model.save_pretrained(out, safe_serialization=True)
+    save_seeded(transformers.MixtralForCausalLM(cfg), out)
 
 
 def build(out: Path, arch: str, tokenizer_dir: Path, sizes: dict | None = None) -> Path:

@@ -14,6 +14,7 @@ from engine.forward_batch import ForwardMode
 from engine.kernels import cpu_native
 from engine.llm import LLM
 from engine.model import LlamaModel
+from tests.support.decode_stack_paths import BothPaths
 from tests.support.models import engine_cfg, sched_cfg, tiny_config, tiny_weights
 from transfer.wire.sampling_params import SamplingParams
 
@@ -22,33 +23,6 @@ needs_kernel = pytest.mark.skipif(
     not cpu_native.gemv_available() or not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)),
     reason="this CPU has no AVX512-BF16: the small-batch kernels (and so the stack) are not built here",
 )
-
-
-class _BothPaths:
-    """Wraps a model's forward: each step runs the stack path, then (KV pool restored) the layer
-    path on the same batch, and records whether logits and pool agree bitwise."""
-
-    def __init__(self, model) -> None:
-        self.model, self.forward = model, model.forward
-        self.stack, self.compared, self.ran = model.stack, [], 0
-        model.forward = self
-
-    def __call__(self, batch, attn):
-        pool = attn.pools.full.buffer
-        before = pool.clone()
-        took = self.stack.takes(batch, attn)
-        a = self.forward(batch, attn)
-        stored = pool.clone()
-        pool.copy_(before)
-        self.model.stack = None
-        try:
-            b = self.forward(batch, attn)
-        finally:
-            self.model.stack = self.stack
-        if took:
-            self.ran += 1
-            self.compared.append((batch.batch_size, torch.equal(a, b), torch.equal(stored, pool)))
-        return a
 
 
 @needs_kernel
@@ -70,7 +44,7 @@ def test_a_decode_step_through_the_stack_is_bitwise_the_layer_path(embedded, wei
     )
     stack = llm.runner.model.stack
     assert stack is not None and stack.max_rows == limit  # every SmolLM2 matmul is (pair-)panel
-    both = _BothPaths(llm.runner.model)
+    both = BothPaths(llm.runner.model)
     vocab = llm.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     want = {1, 3, 13, top}  # 13 rows: three register blocks of the (pair-)panel kernel
@@ -78,9 +52,10 @@ def test_a_decode_step_through_the_stack_is_bitwise_the_layer_path(embedded, wei
         # unequal prompt lengths: the rows attend over different ranges and pages
         prompts = [torch.randint(0, vocab, (9 + 5 * i % 41,), generator=g).tolist() for i in range(rows)]
         llm.generate_ids(prompts, SamplingParams(max_new_tokens=3 + rows // 8, temperature=0, ignore_eos=True))
-    sizes = {c[0] for c in both.compared}
+    compared = [(rows, torch.equal(a, b), torch.equal(stored, pool)) for rows, a, b, stored, pool in both.steps]
+    sizes = {c[0] for c in compared}
     assert want <= sizes, sizes
-    assert all(same_logits and same_kv for _, same_logits, same_kv in both.compared), both.compared
+    assert all(same_logits and same_kv for _, same_logits, same_kv in compared), compared
 
 
 @needs_kernel

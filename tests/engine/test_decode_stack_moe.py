@@ -17,6 +17,7 @@ from engine.kernels import cpu_moe, cpu_native
 from engine.llm import LLM
 from engine.model import LlamaModel
 from engine.tensor_shapes import expected_tensor_shapes
+from tests.support.decode_stack_paths import BothPaths
 from tests.support.models import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
@@ -48,34 +49,10 @@ def _stack_on(monkeypatch):
     monkeypatch.setenv(ENV, "1")
 
 
-class _BothPaths:
-    """Wraps a model's forward: each DECODE step the stack takes runs the stack, then (KV pool
-    restored) the layer path; records (rows, stack logits, layer logits, stack pool, layer pool)."""
-
-    def __init__(self, model) -> None:
-        self.model, self.forward, self.stack, self.steps = model, model.forward, model.stack, []
-        model.forward = self
-
-    def __call__(self, batch, attn):
-        pool = attn.pools.full.buffer
-        before, took = pool.clone(), self.stack.takes(batch, attn)
-        a = self.forward(batch, attn)
-        stored = pool.clone()
-        pool.copy_(before)
-        self.model.stack = None
-        try:
-            b = self.forward(batch, attn)
-        finally:
-            self.model.stack = self.stack
-        if took:
-            self.steps.append((batch.batch_size, a, b, stored, pool.clone()))
-        return a
-
-
 def _run_both(tokenizer, cfg: ModelConfig, dtype: str, **engine) -> list[tuple]:
     llm = LLM(engine_cfg(dtype=dtype, **engine), sched_cfg(), loaded=(cfg, _weights(cfg), tokenizer))
     assert llm.runner.model.stack is not None
-    both = _BothPaths(llm.runner.model)
+    both = BothPaths(llm.runner.model)
     g = torch.Generator().manual_seed(1)
     for rows in (1, 3):
         prompts = [torch.randint(3, cfg.vocab_size, (7 + 5 * i,), generator=g).tolist() for i in range(rows)]
