@@ -1,0 +1,194 @@
+"""The fused-MoE Triton kernels (engine.kernels.triton_moe), run by the Triton interpreter on CPU,
+against the torch expert loop of engine.moe; the host-side alignment of the (token, slot) pairs;
+and engine.moe's dispatch (the Triton path where ``triton_moe.takes``, the CPU path untouched).
+
+``TRITON_INTERPRET`` must be set before triton is first imported in the process, hence the very
+first statement. If another module imported triton earlier without it, the kernel tests skip.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine import moe  # noqa: E402
+from engine.config import MoeSpec  # noqa: E402
+from engine.kernels import triton_available, triton_moe  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def _triton_skip_reason() -> str | None:
+    if not triton_available():
+        return "triton is not importable"
+    from engine.kernels._triton_kernels import interpreter_usable
+
+    if not interpreter_usable():
+        return "triton was imported before TRITON_INTERPRET=1 was set (interpreter unavailable)"
+    return None
+
+
+_SKIP = _triton_skip_reason()
+needs_triton = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+F32 = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _layer(experts: int, hidden: int, inter: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "router": torch.randn(experts, hidden, generator=g),
+        "experts_gate_up": torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5,
+        "experts_down": torch.randn(experts, hidden, inter, generator=g) * inter**-0.5,
+    }
+
+
+def _x(tokens: int, hidden: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def _torch_reference(x, gate_up, down, weights, experts, scales=None) -> torch.Tensor:
+    """``moe._torch_experts`` on the grouping ``moe.moe_mlp`` makes of these routing choices."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    pair_w = weights.flatten()[order].unsqueeze(-1)
+    return moe._torch_experts(x, gate_up, down, scales, counts, order // experts.shape[1], pair_w)
+
+
+# ---------------------------------------------------------------------------------------------
+# the alignment
+
+
+def test_align_pads_each_expert_group_to_the_block():
+    experts = torch.tensor([[0, 2], [2, 3], [0, 2]])  # pairs 0..5 -> experts 0, 2, 2, 3, 0, 2
+    al = triton_moe.align(experts, num_experts=5, block_m=4)
+    s = 6  # the padding sentinel: num_pairs
+    assert al.num_pairs == 6 and al.num_blocks == 6  # bound: 6 + min(5, 6) * 3 = 21 slots
+    assert al.sorted_pairs.tolist() == [0, 4, s, s, 1, 2, 5, s, 3, s, s, s] + [s] * 12
+    assert al.block_expert.tolist() == [0, 2, 3, -1, -1, -1]  # experts 1 and 4 get no block
+    assert al.sorted_pairs.dtype == al.block_expert.dtype == torch.int32
+
+
+@pytest.mark.parametrize("tokens, num_experts, top_k, block_m", [(1, 64, 8, 16), (7, 8, 2, 4), (65, 4, 1, 16)])
+def test_align_places_every_pair_once_in_a_block_of_its_expert(tokens, num_experts, top_k, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    experts = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    al = triton_moe.align(experts, num_experts, block_m)
+    pairs = al.sorted_pairs.long()
+    real = pairs < al.num_pairs
+    assert sorted(pairs[real].tolist()) == list(range(tokens * top_k))
+    block_of = torch.arange(pairs.numel()) // block_m
+    assert (al.block_expert.long()[block_of[real]] == experts.flatten()[pairs[real]]).all()
+    counts = torch.bincount(experts.flatten(), minlength=num_experts)
+    blocks = torch.bincount(al.block_expert[al.block_expert >= 0].long(), minlength=num_experts)
+    assert blocks.tolist() == ((counts + block_m - 1) // block_m).tolist()
+    assert (al.block_expert[blocks.sum() :] == -1).all() and not real[blocks.sum() * block_m :].any()
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels against the torch expert loop
+
+# (experts, top_k, tokens, hidden, inter, blocks): hidden/inter multiples of the blocks and not.
+SHAPES = [
+    (4, 1, 1, 32, 16, (16, 16, 16)),
+    (4, 1, 65, 40, 24, (16, 32, 32)),
+    (8, 2, 7, 40, 24, (16, 32, 16)),
+    (8, 2, 65, 32, 32, (32, 32, 32)),
+    (64, 8, 1, 48, 20, (16, 32, 16)),
+    (64, 8, 7, 32, 16, (16, 32, 32)),  # most of the 64 experts get no pair
+    (8, 2, 7, 40, 24, None),  # the default blocks: one partial 16 x 64 tile, 32 deep
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("num_experts, top_k, tokens, hidden, inter, blocks", SHAPES)
+def test_float32_equals_the_torch_expert_loop(num_experts, top_k, tokens, hidden, inter, blocks):
+    w, x = _layer(num_experts, hidden, inter), _x(tokens, hidden)
+    weights, experts = moe.route(x, w["router"], top_k, True)
+    got = triton_moe.fused_moe(x, w["experts_gate_up"], w["experts_down"], weights, experts, blocks=blocks)
+    want = _torch_reference(x, w["experts_gate_up"], w["experts_down"], weights, experts)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, **F32)
+
+
+@needs_triton
+def test_experts_without_tokens_and_strided_weights():
+    """Only experts 1, 5 and 6 of 8 get tokens; the experts are strided views (every other one of a
+    larger stack), which the kernels read through their strides."""
+    w, x = _layer(16, 40, 24), _x(9, 40)
+    gate_up, down = w["experts_gate_up"][::2], w["experts_down"][::2]
+    experts = torch.tensor([[1, 5], [6, 1], [5, 6], [1, 6], [5, 1], [6, 5], [1, 5], [5, 6], [6, 1]])
+    weights = torch.rand(9, 2, generator=torch.Generator().manual_seed(2))
+    got = triton_moe.fused_moe(x, gate_up, down, weights, experts, blocks=(16, 16, 16))
+    torch.testing.assert_close(got, _torch_reference(x, gate_up, down, weights, experts), **F32)
+    assert got.abs().min() > 0  # every token got its two experts' outputs
+
+
+@needs_triton
+def test_int8_experts_equal_the_dequantized_torch_loop():
+    w, x = _layer(8, 40, 24), _x(7, 40)
+    gate_up, gs = moe.quantize_rows(w["experts_gate_up"])
+    down, ds = moe.quantize_rows(w["experts_down"])
+    weights, experts = moe.route(x, w["router"], 2, True)
+    got = triton_moe.fused_moe(x, gate_up, down, weights, experts, (gs, ds), blocks=(16, 16, 16))
+    want = _torch_reference(x, gate_up, down, weights, experts, (gs, ds))
+    torch.testing.assert_close(got, want, **F32)
+    # the scales matter: the unscaled int8 values are far from the reference
+    assert (got - _torch_reference(x, gate_up.float(), down.float(), weights, experts)).abs().max() > 1
+
+
+@needs_triton
+def test_float16_within_its_rounding_of_the_torch_loop():
+    w, x = _layer(8, 40, 24), _x(7, 40)
+    w16, x16 = {n: t.half() for n, t in w.items()}, x.half()
+    weights, experts = moe.route(x16, w16["router"], 2, True)
+    got = triton_moe.fused_moe(x16, w16["experts_gate_up"], w16["experts_down"], weights, experts, blocks=(16, 16, 16))
+    want = _torch_reference(x.float(), w["experts_gate_up"], w["experts_down"], weights.float(), experts)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-3)
+
+
+def test_block_sizes_must_be_powers_of_two_from_16():
+    w, x = _layer(4, 32, 16), _x(2, 32)
+    weights, experts = moe.route(x, w["router"], 1, True)
+    with pytest.raises(ValueError, match="powers of two"):
+        triton_moe.fused_moe(x, w["experts_gate_up"], w["experts_down"], weights, experts, blocks=(16, 24, 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# engine.moe's dispatch
+
+
+def test_cpu_tensors_keep_the_cpu_path(monkeypatch):
+    """``takes`` refuses CPU tensors, and ``moe_mlp`` on CPU never reaches the Triton kernels."""
+    w, x = _layer(8, 64, 32), _x(5, 64)
+    assert not triton_moe.takes(x, w["experts_gate_up"], w["experts_down"], None)
+    before = moe.moe_mlp(x, w, MoeSpec(8, 2, 32, True, (0,)))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton MoE path ran on CPU tensors")
+
+    monkeypatch.setattr(triton_moe, "fused_moe", refuse)
+    assert torch.equal(moe.moe_mlp(x, w, MoeSpec(8, 2, 32, True, (0,))), before)
+
+
+@needs_triton
+@pytest.mark.parametrize("int8", [False, True])
+def test_moe_mlp_takes_the_triton_path_where_it_is_taken(monkeypatch, int8):
+    """With ``takes`` true (as on CUDA), ``moe_mlp`` returns the fused kernels' result for the layer's
+    routing and scales; ``kernel=False`` still runs the torch loop."""
+    spec, w, x = MoeSpec(8, 2, 24, True, (0,)), _layer(8, 40, 24), _x(7, 40)
+    if int8:
+        for name in ("experts_gate_up", "experts_down"):
+            w[name], w[name + "_scale"] = moe.quantize_rows(w[name])
+    calls = []
+    fused = triton_moe.fused_moe
+    monkeypatch.setattr(triton_moe, "takes", lambda *a: True)
+    monkeypatch.setattr(triton_moe, "fused_moe", lambda *a, **k: calls.append(a) or fused(*a, **k))
+    got = moe.moe_mlp(x, w, spec)
+    assert len(calls) == 1 and (calls[0][5] is not None) == int8
+    want = moe.moe_mlp(x, w, spec, kernel=False)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, want, **F32)
