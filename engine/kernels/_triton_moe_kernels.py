@@ -49,6 +49,7 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # the operands of tl.dot: the activations' dtype (see dot_dtype)
 ):
     # grid: (blocks, cdiv(inter, BLOCK_N)); columns n of the gate and the same n of the up half.
     pid_m = tl.program_id(0).to(tl.int64)
@@ -70,10 +71,10 @@ def _gate_up_kernel(
     acc_u = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         k_ok = k + k0 < hidden
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(g_ptrs, mask=w_mask, other=0).to(a.dtype)
-        wu = tl.load(u_ptrs, mask=w_mask, other=0).to(a.dtype)
+        wg = tl.load(g_ptrs, mask=w_mask, other=0).to(DOT_DTYPE)
+        wu = tl.load(u_ptrs, mask=w_mask, other=0).to(DOT_DTYPE)
         acc_g += tl.dot(a, wg, input_precision=DOT_PRECISION)
         acc_u += tl.dot(a, wu, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * s_xh
@@ -115,6 +116,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # the operands of tl.dot: the activations' dtype (see dot_dtype)
 ):
     # grid: (blocks, cdiv(hidden, BLOCK_N)); every pair row is written by exactly one program column.
     pid_m = tl.program_id(0).to(tl.int64)
@@ -133,8 +135,8 @@ def _down_kernel(
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         k_ok = k + k0 < inter
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0).to(a.dtype)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0).to(DOT_DTYPE)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * s_ai
         w_ptrs += BLOCK_K * s_wk
@@ -145,6 +147,16 @@ def _down_kernel(
     weight = tl.load(PAIR_W + tl.where(row_ok, pair, 0), mask=row_ok, other=0.0)
     o_ptrs = OUT + tl.where(row_ok, pair, 0)[:, None] * s_op + n[None, :] * s_oh
     tl.store(o_ptrs, y * weight[:, None], mask=row_ok[:, None] & n_ok[None, :])
+
+
+def dot_dtype(name: str, interpret: bool):
+    """The ``DOT_DTYPE`` of activations of torch dtype ``name`` (``"bfloat16"``, ...): their own
+    dtype, except bfloat16 in the interpreter, float32 there. The interpreter's ``tl.dot`` multiplies
+    bfloat16's raw bits (it stores them as uint16), so it gets the widened values, whose products
+    are the same exact float32 products a bfloat16 ``tl.dot`` accumulates on the GPU."""
+    if interpret and name == "bfloat16":
+        return tl.float32
+    return {"float32": tl.float32, "float16": tl.float16, "bfloat16": tl.bfloat16}[name]
 
 
 _BODIES = {"gate_up": _gate_up_kernel, "down": _down_kernel}

@@ -115,7 +115,7 @@ def fused_moe(
     block_m, block_n, block_k = blocks or _blocks(tokens * top_k, x.dtype)
     if any(b < 16 or b & (b - 1) for b in (block_m, block_n, block_k)):
         raise ValueError(f"blocks must be powers of two >= 16, got {(block_m, block_n, block_k)}")
-    from engine.kernels._triton_moe_kernels import get_kernel
+    from engine.kernels._triton_moe_kernels import dot_dtype, get_kernel
 
     interpret = use_interpreter(x, gate_up, down)
     al = align(experts, num_experts, block_m)
@@ -124,6 +124,7 @@ def fused_moe(
     gs, ds = scales if scales is not None else (x, x)  # unread without HAS_SCALE
     common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scales is not None)
     common["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else None  # fp32 without TF32
+    common["DOT_DTYPE"] = dot_dtype(str(x.dtype).removeprefix("torch."), interpret)
     get_kernel("gate_up", interpret)[(al.num_blocks, -(-inter // block_n))](
         x, gate_up, gs, act, al.sorted_pairs, al.block_expert, al.num_pairs, hidden, inter,
         *x.stride(), *gate_up.stride(), *_scale_strides(gs, scales), *act.stride(),

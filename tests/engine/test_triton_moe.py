@@ -139,15 +139,26 @@ def test_int8_experts_equal_the_dequantized_torch_loop():
     assert (got - _torch_reference(x, gate_up.float(), down.float(), weights, experts)).abs().max() > 1
 
 
+HALF_TOL = {torch.float16: {"rtol": 1e-2, "atol": 2e-3}, torch.bfloat16: {"rtol": 2e-2, "atol": 1.6e-2}}
+
+
 @needs_triton
-def test_float16_within_its_rounding_of_the_torch_loop():
-    w, x = _layer(8, 40, 24), _x(7, 40)
-    w16, x16 = {n: t.half() for n, t in w.items()}, x.half()
-    weights, experts = moe.route(x16, w16["router"], 2, True)
-    got = triton_moe.fused_moe(x16, w16["experts_gate_up"], w16["experts_down"], weights, experts, blocks=(16, 16, 16))
-    want = _torch_reference(x.float(), w["experts_gate_up"], w["experts_down"], weights.float(), experts)
-    assert got.dtype == torch.float16
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-3)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True])
+def test_half_dtypes_within_their_rounding_of_float32(dtype, int8):
+    """float16/bfloat16 activations (float or int8 experts) against the float32 loop on the same
+    values: the kernels round gate, up, the activation and each expert's output to ``dtype``."""
+    w, x = _layer(8, 40, 24), _x(7, 40).to(dtype)
+    gate_up, down = w["experts_gate_up"].to(dtype), w["experts_down"].to(dtype)
+    scales = None
+    if int8:
+        (gate_up, gs), (down, ds) = moe.quantize_rows(gate_up), moe.quantize_rows(down)
+        scales = (gs, ds)
+    weights, experts = moe.route(x, w["router"].to(dtype), 2, True)
+    got = triton_moe.fused_moe(x, gate_up, down, weights, experts, scales, blocks=(16, 32, 16))
+    want = _torch_reference(x.float(), gate_up.float(), down.float(), weights.float(), experts, scales)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **HALF_TOL[dtype])
 
 
 def test_block_sizes_must_be_powers_of_two_from_16():
