@@ -185,6 +185,21 @@ def test_cpu_tensors_keep_the_cpu_path(monkeypatch):
     assert torch.equal(moe.moe_mlp(x, w, MoeSpec(8, 2, 32, True, (0,))), before)
 
 
+def test_takes_only_the_dtypes_the_kernels_run(monkeypatch):
+    """Where the backend is Triton (as on CUDA): activations float32/float16/bfloat16 with experts
+    of their dtype, or int8 experts with scales; nothing else."""
+    monkeypatch.setattr(triton_moe, "resolve_backend", lambda *a: "triton")
+    w = torch.zeros(2, 4, 4)
+    q, s = moe.quantize_rows(w)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.zeros(1, 4, dtype=dtype)
+        assert triton_moe.takes(x, w.to(dtype), w.to(dtype), None)
+        assert triton_moe.takes(x, q, q, (s, s))
+        assert not triton_moe.takes(x, q, q, None) and not triton_moe.takes(x, w.to(dtype), w.to(dtype), (s, s))
+    assert not triton_moe.takes(torch.zeros(1, 4), w.half(), w.half(), None)
+    assert not triton_moe.takes(torch.zeros(1, 4, dtype=torch.float64), w.double(), w.double(), None)
+
+
 @needs_triton
 @pytest.mark.parametrize("int8", [False, True])
 def test_moe_mlp_takes_the_triton_path_where_it_is_taken(monkeypatch, int8):
