@@ -97,7 +97,7 @@ SHAPES = [
     (8, 2, 7, 40, 24, (16, 32, 16)),
     (8, 2, 65, 32, 32, (32, 32, 32)),
     (64, 8, 1, 48, 20, (16, 32, 16)),
-    (64, 8, 7, 32, 16, (16, 32, 32)),  # most of the 64 experts get no pair
+    (64, 8, 3, 32, 16, (16, 32, 32)),  # most of the 64 experts get no pair
     (8, 2, 7, 40, 24, None),  # the default blocks: one partial 16 x 64 tile, 32 deep
 ]
 
