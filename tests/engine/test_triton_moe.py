@@ -218,3 +218,50 @@ def test_moe_mlp_takes_the_triton_path_where_it_is_taken(monkeypatch, int8):
     want = moe.moe_mlp(x, w, spec, kernel=False)
     assert len(calls) == 1
     torch.testing.assert_close(got, want, **F32)
+
+
+# ---------------------------------------------------------------------------------------------
+# the CUDA build, without a GPU
+
+
+def _compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict):
+    """``fn`` compiled by triton's CUDA backend for compute capability 9.0 (to a cubin with the
+    bundled ptxas; no GPU or driver involved); integer arguments as int32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    jitted = JITFunction(fn)  # not triton.jit, which in interpreter mode wraps for the interpreter
+    names = jitted.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    consts = {(names.index(n),): v for n, v in constexprs.items()}
+    return triton.compile(
+        ASTSource(fn=jitted, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+def test_kernels_compile_for_hopper_with_tensor_core_dots(monkeypatch, tmp_path):
+    """bfloat16 activations with int8 experts at the default decode blocks: both kernels build for
+    sm_90 and their dots are tensor-core MMAs (what the interpreter cannot tell)."""
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    from engine.kernels import _triton_moe_kernels as kernels
+
+    blocks = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, HAS_SCALE=True, DOT_PRECISION=None, DOT_DTYPE=tl.bfloat16)
+    common = {"W": "*i8", "W_SCALE": "*fp32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32"}
+    try:
+        gate_up = _compile_for_sm90(
+            kernels._gate_up_kernel, {**common, "X": "*bf16", "ACT": "*bf16"}, {**blocks, "TOP_K": 8}
+        )
+    except (ImportError, RuntimeError, FileNotFoundError) as e:  # no CUDA backend or ptxas in this install
+        pytest.skip(f"triton cannot build for CUDA here: {e}")
+    down = _compile_for_sm90(
+        kernels._down_kernel, {**common, "ACT": "*bf16", "PAIR_W": "*fp32", "OUT": "*fp32"}, blocks
+    )
+    for k in (gate_up, down):
+        assert k.asm["cubin"] and "mma.sync" in k.asm["ptx"]
