@@ -220,6 +220,26 @@ def test_moe_mlp_takes_the_triton_path_where_it_is_taken(monkeypatch, int8):
     torch.testing.assert_close(got, want, **F32)
 
 
+@pytest.mark.slow
+@needs_triton
+def test_engine_greedy_through_the_fused_kernels_equals_transformers(monkeypatch, tmp_path, tokenizer):
+    """A Qwen3-MoE folder (3 sparse layers of 8 experts, top 2) served by the engine with every
+    sparse layer on the fused kernels (interpreted; ``takes`` forced as on CUDA; the decode stack
+    off, as it runs the experts in C): transformers' greedy tokens."""
+    from engine.decode_stack import ENV
+    from tests.support.hf_folders import QWEN3_MOE, engine_greedy, random_prompts, reference_greedy, save_small_model
+
+    monkeypatch.setenv(ENV, "0")
+    model = save_small_model("qwen3_moe", tmp_path, **QWEN3_MOE)
+    calls = []
+    fused = triton_moe.fused_moe
+    monkeypatch.setattr(triton_moe, "takes", lambda *a: True)
+    monkeypatch.setattr(triton_moe, "fused_moe", lambda *a, **k: calls.append(a[0].shape[0]) or fused(*a, **k))
+    prompts = random_prompts(2, 12)
+    assert engine_greedy(tmp_path, tokenizer, prompts, 4) == reference_greedy(model, prompts, 4)
+    assert len(calls) >= 3 * 4 and max(calls) >= 12  # every step's sparse layers, the prompts' included
+
+
 # ---------------------------------------------------------------------------------------------
 # the CUDA build, without a GPU
 
