@@ -9,7 +9,8 @@ output is the weighted sum of those experts' outputs.
 The step's tokens are grouped by expert: every expert that some token picked runs one gate/up and one
 down matmul over all of its tokens, so each expert's weights are read once per step whatever the batch
 (not once per token), and the weighted outputs are scatter-added back to their tokens. On CPU a
-decode-sized step runs all of that in one C call (``engine.kernels.cpu_moe``).
+decode-sized step runs all of that in one C call (``engine.kernels.cpu_moe``); on CUDA the grouping
+runs as two fused Triton grouped GEMMs (``engine.kernels.triton_moe``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import MoeSpec
-from engine.kernels import cpu_moe
+from engine.kernels import cpu_moe, triton_moe
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +41,9 @@ def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: 
     """The expert mixture of ``x`` ``[rows, hidden]`` with one layer's tensors ``w`` (``router``,
     ``experts_gate_up``, ``experts_down``); returns ``[rows, hidden]`` in ``x.dtype``. On CPU a step of
     at most ``KERNEL_MAX_ROWS`` rows runs ``engine.kernels.cpu_moe`` (sums of all experts in float32,
-    rounded once) where it takes the tensors and ``kernel``; otherwise torch matmuls per expert."""
+    rounded once) where it takes the tensors and ``kernel``; on CUDA with triton importable and
+    ``kernel``, the fused Triton kernels (``engine.kernels.triton_moe``, any number of rows);
+    otherwise torch matmuls per expert."""
     weights, experts = route(x, w["router"], spec.top_k, spec.norm_topk_prob)
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
@@ -49,6 +52,8 @@ def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: 
     counts = torch.bincount(flat, minlength=spec.num_experts)
     gate_up, down = w["experts_gate_up"], w["experts_down"]
     scales = (w["experts_gate_up_scale"], w["experts_down_scale"]) if "experts_down_scale" in w else None
+    if kernel and triton_moe.takes(x, gate_up, down, scales):
+        return triton_moe.fused_moe(x, gate_up, down, weights, experts, scales)
     if kernel and x.shape[0] <= KERNEL_MAX_ROWS and cpu_moe.takes(x, gate_up, down):
         chosen = counts.nonzero().flatten()
         offsets = F.pad(counts[chosen].cumsum(0), (1, 0))
