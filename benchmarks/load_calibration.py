@@ -4,10 +4,15 @@ Constant arrival rates cannot stress every split on hosts of different speed (an
 every SLO at rates a loaded one could not serve). So before the trace a short probe on the first
 launched cluster measures, on the phase kinds' own prompts:
 
-- **prefill**: prefill-heavy prompts sent one at a time (answers of 2 tokens): one prefill worker
-  serves one prompt per mean TTFT, so it sustains ``1 / mean TTFT`` req/s (its prompt tokens/s =
-  mean prompt / mean TTFT). The TTFT holds the KV hand-off and the first decode step too: the
-  figure is what the cluster gets from one prefill worker, not its bare forward speed.
+- **prefill**: prefill-heavy prompts sent one at a time (answers of 2 tokens), after
+  ``PREFILL_WARM_PROMPTS`` of the same length range whose TTFTs are dropped: one prefill worker
+  serves one prompt per median TTFT, so it sustains ``1 / median TTFT`` req/s (its prompt tokens/s
+  = mean prompt / median TTFT). The TTFT holds the KV hand-off and the first decode step too: the
+  figure is what the cluster gets from one prefill worker, not its bare forward speed. The warm-up
+  and the median keep a cluster's first long prompts out of the figure: a probe of three prompts
+  averaged right after the short warm-up read one prefill worker at 357 prompt tokens/s (TTFT
+  5.1 s) on an idle host where the same worker then served the trace's prompts in 1.3-1.7 s, so
+  its "1.4x" load overloaded nothing.
 - **decode**: decode-heavy requests run together at 1 and at ``rows`` rows per decode worker; the
   TPOT p50 of each gives a step time affine in rows, ``step(b) = per_row * (fixed_rows + b)``. One
   decode worker sustains ``b / (answer * step(b))`` req/s (Little's law: ``b`` rows each held for
@@ -30,6 +35,10 @@ from bench.serve.client import ClientConfig, RequestResult
 from bench.serve.runner import closed_loop
 from bench.serve.workload import LengthCounter, PromptShape, RequestSpec, make_requests
 from benchmarks.bursty_trace import DECODE, PREFILL, PhaseKind
+
+# Prefill-heavy prompts sent (one at a time) before the timed ones and dropped: a cluster's first
+# long prompts pay what the trace's do not (see the module docstring).
+PREFILL_WARM_PROMPTS = 2
 
 # The most rows' worth of per-row cost a step's fixed part may be when the probe's two step times
 # are too close to fit (noise): the embedded model's projections measured about 10 on an idle host.
@@ -89,21 +98,24 @@ def decode_capacity(fit: StepFit, slo_tpot_s: float, answer_len: int, request_to
 
 @dataclass(frozen=True)
 class PrefillCapacity:
-    """One prefill worker on the prefill-heavy prompts: the mean prompt, the mean TTFT of a prompt
-    alone, its prompt tokens/s and the req/s it sustains."""
+    """One prefill worker on the prefill-heavy prompts: the mean prompt, the median TTFT of a prompt
+    alone, its prompt tokens/s, the req/s it sustains and every timed prompt's TTFT."""
 
     prompt_tokens: float
     ttft_s: float
     tokens_per_s: float
     rate: float
+    ttfts_s: tuple[float, ...] = ()
 
 
 def prefill_capacity(prompt_lens: list[int], ttfts_s: list[float]) -> PrefillCapacity:
-    """``PrefillCapacity`` from prompts served one at a time (their lengths and TTFTs)."""
+    """``PrefillCapacity`` from prompts served one at a time (their lengths and TTFTs). The median
+    TTFT, not the mean: one slow prompt among a few (a host busy for a moment) moves it by one
+    rank, not by its excess over the count."""
     if not ttfts_s or len(prompt_lens) != len(ttfts_s) or min(ttfts_s) <= 0:
         raise ValueError("need one positive TTFT per prompt")
-    prompt, ttft = statistics.fmean(prompt_lens), statistics.fmean(ttfts_s)
-    return PrefillCapacity(prompt, ttft, prompt / ttft, 1.0 / ttft)
+    prompt, ttft = statistics.fmean(prompt_lens), statistics.median(ttfts_s)
+    return PrefillCapacity(prompt, ttft, prompt / ttft, 1.0 / ttft, tuple(round(t, 3) for t in ttfts_s))
 
 
 @dataclass(frozen=True)
@@ -141,7 +153,8 @@ def describe(cal: Calibration, kinds: dict[str, PhaseKind], prefill_load: float,
         lines.append(
             f"prefill-heavy: {kinds[PREFILL].rate:g} req/s = {prefill_load:g} x one prefill worker "
             f"({p.tokens_per_s:.0f} prompt tok/s, {p.rate:.3f} req/s of {p.prompt_tokens:.0f}-token prompts, "
-            f"TTFT alone {p.ttft_s * 1000:.0f} ms; probed on {cal.probed_on})"
+            f"TTFT alone {p.ttft_s * 1000:.0f} ms, median of {', '.join(f'{t * 1000:.0f}' for t in p.ttfts_s)}; "
+            f"probed on {cal.probed_on})"
         )
     if d is None:
         lines.append(f"decode-heavy: {kinds[DECODE].rate:g} req/s (given)")
@@ -179,20 +192,22 @@ def probe(
     kv_pool_tokens: int,
     counter: LengthCounter,
     seed: int,
-    prompts: int = 3,
+    prompts: int = 4,
     rows: int = 8,
     warmup: list[RequestSpec] = (),
 ) -> tuple[PrefillCapacity | None, DecodeCapacity | None]:
     """Measure the capacities on a running cluster of ``split`` (prefill, decode workers), after
-    ``warmup`` (a cold cluster's first requests are slower); the router spreads the decode probe's
-    rows evenly over its decode workers."""
+    ``warmup`` (a cold cluster's first requests are slower) and, for the prefill probe,
+    ``PREFILL_WARM_PROMPTS`` untimed prompts of its own length range; the router spreads the
+    decode probe's rows evenly over its decode workers."""
     pre = dec = None
     if probe_prefill or probe_decode:
         _ok(asyncio.run(closed_loop(cfg, list(warmup), 1, progress=False)).results, "warm-up")
     if probe_prefill:
-        specs = _probe_requests(kinds[PREFILL], prompts, 2, counter, seed + 1)
+        specs = _probe_requests(kinds[PREFILL], PREFILL_WARM_PROMPTS + prompts, 2, counter, seed + 1)
         res = _ok(asyncio.run(closed_loop(cfg, specs, 1, progress=False)).results, "prefill probe")
-        pre = prefill_capacity([s.prompt_len for s in specs], [r.ttft_s for r in res])
+        timed = slice(PREFILL_WARM_PROMPTS, None)
+        pre = prefill_capacity([s.prompt_len for s in specs[timed]], [r.ttft_s for r in res[timed]])
     if probe_decode:
         kind, steps = kinds[DECODE], []
         for i, per_worker in enumerate((1, rows)):

@@ -19,8 +19,9 @@ Rules: TTFT over its SLO while TPOT is within it -> a decode worker becomes a pr
 the TPOT predicted without it stays within ``headroom`` x its SLO; the reverse for TPOT. A
 violation must be seen ``hysteresis`` evaluations in a row, no move is made within ``dwell_s`` of
 the last one, both SLOs violated (or both met, or a prediction unknown) moves nothing, and no move
-leaves a role without a ready worker. Among candidates, the move whose other metric is predicted
-best afterwards wins (ties: fewer running rows or backlog, then the worker id).
+leaves a role without a ready worker. Among the candidates within the headroom, the worker with the
+fewest requests awaiting their KV wins (it can leave soonest), then the one whose leaving predicts
+the other metric best (ties: fewer running rows or backlog, then the worker id).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from transfer.wire.enums import Role
 class WorkerView:
     """One ready PD worker as the planner sees it. Prefill: ``backlog_tokens`` (prompt tokens held,
     not computed yet) and ``prefill_tps`` (measured tokens/s; None: not measured yet). Decode:
-    ``batch`` (running requests) and ``step_s`` (measured seconds per decode step; None: not
-    measured, e.g. idle)."""
+    ``batch`` (running requests), ``step_s`` (measured seconds per decode step; None: not
+    measured, e.g. idle) and ``awaiting`` (requests it holds that do not run yet: waiting for
+    pages, for their KV from a prefill worker or for its own prefill; a switch away from decode
+    waits until each has landed and left)."""
 
     worker_id: str
     role: Role
@@ -43,6 +46,7 @@ class WorkerView:
     prefill_tps: float | None = None
     batch: float = 0.0
     step_s: float | None = None
+    awaiting: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -201,12 +205,23 @@ def _move(
     known = [w for w in pool if after[w.worker_id] is not None]
     if not known:
         return Decision(None, f"{metric} over its SLO; the other metric after a move is unknown", ttft, tpot, nxt)
-    best = min(known, key=lambda w: (after[w.worker_id], w.batch + w.backlog_tokens, w.worker_id))
     limit = knobs.headroom * (knobs.slo_tpot_s if new == Role.PREFILL else knobs.slo_ttft_s)
-    if after[best.worker_id] > limit:
+    fits = [w for w in known if after[w.worker_id] <= limit]
+    if not fits:
+        least = min(after[w.worker_id] for w in known)
         other = "TPOT" if new == Role.PREFILL else "TTFT"
-        why = f"{metric} over its SLO, but {other} after a move ({after[best.worker_id]:.3f} s) > {limit:.3f} s"
-        return Decision(None, why, ttft, tpot, nxt, after[best.worker_id])
+        return Decision(
+            None,
+            f"{metric} over its SLO, but {other} after a move ({least:.3f} s) > {limit:.3f} s",
+            ttft,
+            tpot,
+            nxt,
+            least,
+        )
+    # Among the moves the headroom allows, the worker that can leave soonest: a decode worker's
+    # requests awaiting their KV hold its switch until the very prefill backlog that calls for the
+    # move has computed them (a 26 s switch where an idle peer was free to go).
+    best = min(fits, key=lambda w: (w.awaiting, after[w.worker_id], w.batch + w.backlog_tokens, w.worker_id))
     moved = PlannerState(last_move_at=view.now)
     why = f"{metric} over its SLO for {streak} evaluations: {best.worker_id} {old} -> {new}"
     return Decision((best.worker_id, old, new), why, ttft, tpot, moved, after[best.worker_id])

@@ -87,14 +87,17 @@ class Planner:
         log.log(
             level,
             "planner: %s | predicted TTFT %s, TPOT %s, after move %s | queue wait %.3f s, prompt %.0f "
-            "tokens, workers (id, role, backlog, prefill tok/s, batch, step s) %s",
+            "tokens, workers (id, role, backlog, prefill tok/s, batch, step s, awaiting KV) %s",
             decision.why,
             _s(decision.ttft_s),
             _s(decision.tpot_s),
             _s(decision.after_s),
             view.queue_wait_s,
             view.prompt_tokens,
-            [(w.worker_id, str(w.role), w.backlog_tokens, w.prefill_tps, w.batch, w.step_s) for w in view.workers],
+            [
+                (w.worker_id, str(w.role), w.backlog_tokens, w.prefill_tps, w.batch, w.step_s, w.awaiting)
+                for w in view.workers
+            ],
         )
         if decision.move is not None:
             await self._switch(*decision.move)

@@ -28,7 +28,9 @@ process instance) and derives:
   worker through (not ready, switching roles, starved of CPU), would count as step time (one step
   across a starved worker's 35 s gap once predicted a 35 s TPOT). Otherwise the last measured
   value while it keeps running requests (none after an over-long gap), else None.
-- backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``.
+- backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``; awaiting =
+  a decode worker's ``queue_prealloc`` + ``queue_transfer`` + ``queue_local_prefill`` (requests not
+  running yet: a switch to prefill waits for them).
 
 ``queue_wait``: the router's admission queue wait histogram as (sum, count); the view carries its
 mean over the forwarded requests since the previous build (0 when none).
@@ -61,6 +63,7 @@ class _Sample:
     held: float = 0.0  # whole prompts held: waiting + bootstrapping
     held_tokens: float = 0.0  # prompt tokens held, not computed yet (the chunked one's rest included)
     chunking: float = 0.0  # prompts part-way through their chunks
+    awaiting: float = 0.0  # a decode worker's requests not running yet (pages, KV, its own prefill)
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,10 @@ class ViewBuilder:
         self._prompts[h.worker_id] = decayed
         if h.spec.role == Role.DECODE:
             cur = replace(cur, step_s=_step_s(base, cur, self.max_step_gap_s))
-            answer = WorkerView(h.worker_id, Role.DECODE, batch=cur.batch, step_s=cur.step_s), None
+            answer = (
+                WorkerView(h.worker_id, Role.DECODE, batch=cur.batch, step_s=cur.step_s, awaiting=cur.awaiting),
+                None,
+            )
         else:
             view = _prefill(h, _window_base(history, cur.at - self.window_s), cur)
             answer = view, _typical_prompt(cur, decayed)
@@ -179,6 +185,7 @@ def _sample(h: WorkerHandle) -> _Sample:
         held=s.gauges.get("queue_waiting", 0.0) + s.gauges.get("queue_bootstrap", 0.0),
         held_tokens=s.gauges.get("prefill_backlog_tokens", 0.0),
         chunking=s.gauges.get("queue_prefilling", 0.0),
+        awaiting=sum(s.gauges.get(q, 0.0) for q in ("queue_prealloc", "queue_transfer", "queue_local_prefill")),
     )
 
 

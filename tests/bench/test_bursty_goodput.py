@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 
 from bench.serve.client import RequestResult
+from bench.serve.runner import Measured
 from bench.serve.stats import SLO
 from bench.serve.workload import WordCounter
 from benchmarks import bursty_trace as bursty
 from benchmarks import load_calibration as cal
-from benchmarks.role_goodput import Calibrated, parse_args, server_flags
+from benchmarks.role_goodput import WARMUP, Calibrated, parse_args, server_flags
 
 KINDS = bursty.default_kinds(prefill_rate=2.0, decode_rate=4.0)
 
@@ -151,6 +152,40 @@ def test_the_phase_rates_are_loads_of_one_workers_capacity():
     assert "2.8 req/s = 1.4 x one prefill worker (3500 prompt tok/s" in text and "0.3 req/s (given)" in text
     with pytest.raises(ValueError):
         cal.prefill_capacity([1500], [])
+
+
+def test_one_slow_prompt_does_not_set_the_prefill_capacity():
+    # a host busy for a moment under one of three prompts: the mean read 4.0 s, the worker serves in 1.6
+    pre = cal.prefill_capacity([1800, 1800, 1800], [1.5, 9.0, 1.6])
+    assert pre.ttft_s == pytest.approx(1.6) and pre.rate == pytest.approx(1 / 1.6)
+    assert pre.tokens_per_s == pytest.approx(1125.0) and pre.ttfts_s == (1.5, 9.0, 1.6)
+
+
+def test_the_prefill_probe_times_prompts_only_after_warm_long_ones(monkeypatch):
+    """A cluster's first long prompts pay first-use costs the trace's later ones do not: the probe
+    drops its first ``PREFILL_WARM_PROMPTS`` prompts of the phase's own length range."""
+    sent: list[list] = []
+
+    async def closed_loop(cfg, specs, concurrency, progress=True):
+        sent.append(list(specs))
+        longs = sum(s.prompt_len >= 1500 for batch in sent[:-1] for s in batch)
+        out = []
+        for s in specs:
+            ttft = 0.2
+            if s.prompt_len >= 1500:  # the first long prompts pay 12 s, then 6 s; warm ones 1.5 s
+                ttft, longs = (12.0, 6.0, 1.5)[min(longs, 2)], longs + 1
+            out.append(RequestResult(s.index, s.kind, True, s.prompt_len, s.output_len, ttft_s=ttft, e2e_s=ttft))
+        return Measured(out, 1.0)
+
+    monkeypatch.setattr(cal, "closed_loop", closed_loop)
+    warmup = list(WARMUP)
+    pre, dec = cal.probe(
+        None, KINDS, (1, 2), True, False, slo_tpot_s=0.15, kv_pool_tokens=16384,
+        counter=WordCounter(), seed=1, warmup=warmup,
+    )  # fmt: skip
+    assert dec is None and [len(b) for b in sent] == [len(warmup), cal.PREFILL_WARM_PROMPTS + 4]
+    assert all(1500 <= s.prompt_len <= 2000 and s.output_len == 2 for s in sent[1])
+    assert pre.ttft_s == pytest.approx(1.5) and pre.ttfts_s == (1.5,) * 4
 
 
 def test_rates_are_loads_unless_given():

@@ -52,6 +52,20 @@ def test_a_ttft_violation_turns_the_least_loaded_decode_worker_into_a_prefill_wo
     assert second.state == PlannerState(last_move_at=100.0)
 
 
+def test_the_decode_worker_whose_requests_await_no_kv_is_moved_first():
+    """Two idle decode workers, one holding three requests whose KV the prefill backlog has yet to
+    compute: its switch would wait for that backlog, so the other one goes."""
+    busy = WorkerView("decode-0", Role.DECODE, awaiting=3.0)
+    free = WorkerView("decode-1", Role.DECODE, awaiting=0.0)
+    _, second = run(view(prefill("prefill-0", 4000), busy, free), 2)
+    assert second.move == ("decode-1", Role.DECODE, Role.PREFILL)
+    # among the moves within the headroom only: decode-1's 40 rows on decode-0 would step at
+    # 0.02 x (4 + 41) / 5 = 0.18 s > 0.08 s, so decode-0 goes, awaiting requests and all
+    waits = WorkerView("decode-0", Role.DECODE, batch=1, step_s=0.02, awaiting=2.0)
+    full = WorkerView("decode-1", Role.DECODE, batch=40, step_s=0.07)
+    assert run(view(prefill("prefill-0", 4000), waits, full), 2)[1].move == ("decode-0", Role.DECODE, Role.PREFILL)
+
+
 def test_a_tpot_violation_turns_a_prefill_worker_into_a_decode_worker():
     first, second = run(view(*DECODE_BOUND, prompt=100), 2)
     assert first.move is None

@@ -265,6 +265,16 @@ def _decode_heartbeat(reg: Registry, clock: Clock, t: float, steps: float, rows:
     c.request_stats(0)
 
 
+def test_a_decode_workers_requests_awaiting_kv_are_in_its_view():
+    reg, metrics, clock = cluster()
+    c = reg.handles["decode-0"].client
+    gauges = {"queue_running": 1.0, "queue_prealloc": 1.0, "queue_transfer": 2.0, "queue_local_prefill": 1.0}
+    c.counters, c.gauges = {"decode_steps": 0.0}, gauges
+    c.request_stats(0)
+    (w,) = ViewBuilder().build([reg.handles["decode-0"]], (0.0, 0.0), 0.0).of(Role.DECODE)
+    assert (w.batch, w.awaiting) == (1.0, 4.0)
+
+
 def test_a_step_time_across_an_over_long_gap_is_discarded():
     """decode-0 runs 4 rows at 0.02 s a step, then is not seen for 35 s (a role switch, a stall)
     and makes one step in that gap: 35 s a step is no step time; the next regular gap measures again."""
