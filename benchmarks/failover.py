@@ -1,7 +1,8 @@
 """Failover of streaming requests: the goal figures in one run.
 
 ``python -m benchmarks.failover [--streams 24] [--max-tokens 128] [--replicas 2] [--transfer-backend ucxx]
-[--kill-at 0.25] [--seed 0] [--dtype float32] [--json] [--log-level DEBUG --log-file PATH]``
+[--kill-at 0.25] [--seed 0] [--dtype float32] [--continuation-forward-tokens N] [--json]
+[--log-level DEBUG --log-file PATH]``
 
 Launches the embedded model as 1 prefill + 2 decode workers (``--replicas 2``: two colocated
 replicas instead), streams ``--streams`` concurrent completions of ``--max-tokens`` tokens
@@ -26,6 +27,18 @@ Prints:
     recomputed tokens per continuation (from the router's counters), until the last first token.
 
   A gap between the two is the burst's cost: each continuation waiting for the others' compute.
+
+- the distribution of each stream's largest gap (p50, p90, max over the streams of the faulted run;
+  ``gap_fault_free``: the same of the run without a fault) and of ``resume_after_kill_s``: from the
+  kill to each stream's first token after it, over the streams alive at the kill (the survivor's own
+  streams resume with their next step, the continued ones after detection and their recompute;
+  ``resume_after_detection_s``: those that resumed only after the router's ``is dead`` line, the
+  continued ones; ``resumes_s``: every one, sorted);
+- what the workers computed for the continuations (``pdserve_continuation_prefill_tokens_total``) against
+  what their radix caches held (``pdserve_continuation_cached_tokens_total``), summed over the workers.
+
+``--continuation-forward-tokens N`` launches the workers with that cap (shortest continuation first,
+at most ``N`` of their tokens per forward); 0, the default, leaves it off.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -72,7 +86,21 @@ def launch_args(ns: argparse.Namespace) -> list[str]:
         str(HEARTBEAT_S),
         "--log-level",
         ns.log_level,
+        *(
+            ["--continuation-forward-tokens", str(ns.continuation_forward_tokens)]
+            if ns.continuation_forward_tokens
+            else []
+        ),
     ]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """p50, p90 (nearest rank) and max of ``values``, rounded to ms; empty for none."""
+    v = sorted(values)
+    if not v:
+        return {}
+    at = {q: v[max(0, math.ceil(q * len(v)) - 1)] for q in (0.5, 0.9)}
+    return {"p50": round(at[0.5], 3), "p90": round(at[0.9], 3), "max": round(v[-1], 3)}
 
 
 async def run_load(url: str, bodies: list[dict], on_chunk=None) -> list[dict]:
@@ -94,8 +122,12 @@ async def faulted_run(server: LaunchedServer, bodies: list[dict], workers: list[
     reached = asyncio.Event()
     held: dict[int, int] = {}  # tokens each stream holds, by its record's id
     most: dict[int, int] = {}  # the most tokens one of its choices holds, by its record's id
+    killed: list[float] = []  # monotonic time of the kill, once made
+    resumed: dict[int, float] = {}  # seconds from the kill to its first token after it, by its record's id
 
     def counting(out: dict) -> None:
+        if killed and out["tokens"] > held.get(id(out), 0) and id(out) not in resumed:
+            resumed[id(out)] = time.monotonic() - killed[0]
         held[id(out)] = out["tokens"]
         most[id(out)] = max((len(c["token_ids"]) for c in out["choices"].values()), default=0)
         out.setdefault("held_at_kill", None)
@@ -109,12 +141,14 @@ async def faulted_run(server: LaunchedServer, bodies: list[dict], workers: list[
     at_tokens = sum(held.values())
     t_kill = time.time()
     print(f"kill -9 {victim} at monotonic {time.monotonic():.6f}", file=sys.stderr)
+    killed.append(time.monotonic())
     os.kill(pid, signal.SIGKILL)
     snapshot, choice_snapshot = dict(held), dict(most)
     records = await task
     for r in records:
         r["held_at_kill"] = snapshot.get(id(r), 0)
         r["choice_held_at_kill"] = choice_snapshot.get(id(r), 0)
+        r["resume_s"] = resumed.get(id(r))  # None: it had ended before the kill
     return records, victim, t_kill, at_tokens
 
 
@@ -158,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         "fault-free run: in bfloat16 its one prefill of the sent tokens rounds differently from the decode "
         "steps that produced them, so later tokens may differ",
     )
+    ap.add_argument(
+        "--continuation-forward-tokens",
+        type=int,
+        default=0,
+        help="the workers' continuation_forward_tokens: shortest continuation first, at most N of their "
+        "tokens per forward (0: off)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--log-level", default="INFO", help="the launch's log level (DEBUG: per-request marks)")
     ap.add_argument("--log-file", default=None, help="write the launch's log (router and workers) there at the end")
@@ -184,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         failovers = moved("pdserve_failovers_total", outcome="continued")
         other = moved("pdserve_failovers_total") - failovers
         recomputed = moved("pdserve_failover_recomputed_tokens_total")
+        computed = moved("pdserve_continuation_prefill_tokens_total")
+        cached = moved("pdserve_continuation_cached_tokens_total")
         stall_n = moved("pdserve_failover_stall_seconds_count")
         stall_mean = moved("pdserve_failover_stall_seconds_sum") / stall_n if stall_n else 0.0
         prompt_tokens = max(r["usage"]["prompt_tokens"] for r in ref)
@@ -206,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     identical = sum(same_output(g, r) for g, r in zip(got, ref))
     detect_s = None if detected is None else detected - t_kill
     gap, gap_ref = max(r["gap_s"] for r in got), max(r["gap_s"] for r in ref)
+    resumes = sorted(r["resume_s"] for r in got if r["resume_s"] is not None)
     bound, bound_all = (detect_s or 0.0) + prefill_s, (detect_s or 0.0) + batch_s
     res = {
         "launch": " ".join(launch_args(ns)),
@@ -228,9 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         "failovers_continued": int(failovers),
         "failovers_other_outcomes": int(other),
         "recomputed_tokens": int(recomputed),
+        "continuation_prefill_computed_tokens": int(computed),
+        "continuation_prefill_cached_tokens": int(cached),
         "detection_s": None if detect_s is None else round(detect_s, 3),
         "max_gap_s": round(gap, 3),
         "max_gap_fault_free_s": round(gap_ref, 3),
+        "gap_s": spread([r["gap_s"] for r in got]),
+        "gap_fault_free_s": spread([r["gap_s"] for r in ref]),
+        "resume_after_kill_s": spread(resumes),
+        "resume_after_detection_s": spread([t for t in resumes if detect_s is not None and t >= detect_s]),
+        "resumes_s": [round(t, 3) for t in resumes],
         "stall_mean_s": round(stall_mean, 3),
         "prefill_s": round(prefill_s, 3),
         "prefill_tokens": longest,

@@ -39,6 +39,16 @@ class SchedulerConfig(BaseModel):
         "running decodes (unset: 256 on CPU, 2048 on CUDA). A step with nothing decoding prefills up to "
         "chunked_prefill_size",
     )
+    continuation_forward_tokens: int = Field(
+        0,
+        ge=0,
+        description="failover continuations (a dead worker's streams, which arrive as one burst): a forward "
+        "computes at most this many of their prefill tokens, the shortest continuation (prompt + tokens sent) "
+        "first, ahead of other waiting prompts, so a short one resumes after its own compute and the shorter "
+        "ones' rather than the whole burst's. Where a forward costs about linearly in its tokens (a CPU) the "
+        "burst's end moves little; where it hardly grows with the batch (an accelerator) it only delays the "
+        "end (docs/design/failover.md). 0 = off: continuations are admitted as any request, in arrival order",
+    )
     schedule_conservativeness: float = Field(
         1.0, gt=0, description="scales new_token_ratio; raise it if retracts are frequent"
     )

@@ -21,7 +21,7 @@ def add_continuation(s, owner: bytes, msg: GenerateRequest, prompt: list[int]) -
     resumes from that last token."""
     resumed = list(msg.resume_output_ids)
     state = sampler_state(s.runner, msg.params, prompt, resumed)
-    req = Request(msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed)
+    req = Request(msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed, continuation=True)
     s.stats.prompt_tokens += len(prompt)
     out = s.peers.connect(msg.prefill_addr)  # a retract of it later recomputes there
     if s.local.take_continuation(

@@ -58,7 +58,12 @@ def prefill_request(job: DecodeJob, decode_worker: str) -> tuple[PrefillRequest,
     of the first ``job.n_tokens`` tokens of the request (prompt and output so far)."""
     req = job.req
     msg = PrefillRequest(
-        rid=req.rid, room=job.room, generation=job.generation, params=req.params, decode_worker=decode_worker
+        rid=req.rid,
+        room=job.room,
+        generation=job.generation,
+        params=req.params,
+        decode_worker=decode_worker,
+        continuation=req.continuation,
     )
     return msg, ids_frame(req.all_ids[: job.n_tokens])
 

@@ -67,6 +67,9 @@ class Request:
     finish_reason: FinishReason | None = None
     retraction_count: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # engine.prompt_logprobs: filled by the prefill, sent once
+    # a failover continuation's prefill (prompt + output so far) is still to come: admission counts its
+    # computed and radix-hit tokens apart (SchedulerStats.continuation_*); a retract clears it
+    continuation: bool = False
     marks: dict[str, float] = field(default_factory=lambda: {"arrived": time.monotonic()})
 
     @property
@@ -102,4 +105,5 @@ class Request:
         assert self.kv.empty, "free the KV before resetting"
         self.kv_len = 0
         self.retraction_count += 1
+        self.continuation = False  # its next prefill is the retract's recompute, not the failover's
         self.status = Phase.WAITING

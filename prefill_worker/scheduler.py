@@ -161,7 +161,7 @@ class PrefillScheduler(WorkerScheduler):
             out = Outbox()
             out.token(source.ident, TokenDelta.failed(msg.rid, str(e), 400))
             return out
-        req = Request(msg.rid, ids, params, state, owner=source.ident)
+        req = Request(msg.rid, ids, params, state, owner=source.ident, continuation=msg.continuation)
         cached = self.kv.tree.match_prefix(ids[: len(ids) - 1]).num_tokens if self.kv.tree is not None else 0
         job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic(), uncached=len(ids) - cached)
         try:

@@ -85,6 +85,8 @@ class Admission:
         items: list[ExtendItem] = []
         if budget <= 0:
             return items
+        if self._continuations_first(waiting):
+            budget = min(budget, self.cfg.continuation_forward_tokens)
         if self.chunked is not None:
             req = self.chunked
             if not self.kv.ensure_pages(req.kv, req.kv_len + min(req.seq_len - req.kv_len, max(budget, 1))):
@@ -106,11 +108,29 @@ class Admission:
             req.mark("admitted")
             if req.retraction_count == 0:
                 self.stats.cached_prompt_tokens += req.kv_len
+            if req.continuation:
+                self.stats.continuation_cached_tokens += req.kv_len
             waiting.popleft()
             free_pages -= need
             items.append(self._chunk(req, budget))
             budget -= items[-1].length
+        self.stats.continuation_prefill_tokens += sum(i.length for i in items if i.req.continuation)
         return items
+
+    def _continuations_first(self, waiting: deque[Request]) -> bool:
+        """With ``continuation_forward_tokens`` set: the waiting failover continuations move to the front
+        of ``waiting``, fewest tokens (prompt + sent) first, the others keeping their order; True when
+        this forward computes a continuation (the chunked request is one, or one waits), so its tokens
+        are capped. Shortest first: on a forward whose cost is linear in its tokens, each continuation
+        of a burst then waits for its own and the shorter ones' compute only."""
+        if not self.cfg.continuation_forward_tokens:
+            return False
+        if any(r.continuation for r in waiting):
+            ordered = sorted(waiting, key=lambda r: (not r.continuation, r.seq_len if r.continuation else 0))
+            waiting.clear()
+            waiting.extend(ordered)
+            return True
+        return self.chunked is not None and self.chunked.continuation
 
     def _reservation_pages(self, req: Request, ratio: float) -> PageCount:
         """Pages beyond the prompt's that the request's future decode tokens are expected to take."""

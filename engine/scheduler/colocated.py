@@ -68,7 +68,9 @@ class ColocatedScheduler(WorkerScheduler):
         resumed = list(msg.resume_output_ids)
         state = sampler_state(self.runner, msg.params, prompt, resumed)
         # a continuation waits as a retracted request does: its prefill covers prompt + output so far
-        req = Request(msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed)
+        req = Request(
+            msg.rid, list(prompt), msg.params, state, owner=owner, output_ids=resumed, continuation=bool(resumed)
+        )
         self.requests[req.rid] = req
         self.stats.prompt_tokens += len(prompt)
         self.waiting.append(req)

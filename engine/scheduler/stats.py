@@ -18,6 +18,10 @@ class SchedulerStats:
     prefill_computed_tokens: int = 0
     prefill_compute_seconds: float = 0.0  # wall time of the forwards that computed them (PD prefill)
     cached_prompt_tokens: int = 0
+    # failover continuations (Request.continuation): prompt + output tokens prefilled here, and those the
+    # radix cache held at admission (computed + cached = the continuations' prefill lengths)
+    continuation_prefill_tokens: int = 0
+    continuation_cached_tokens: int = 0
     generation_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0

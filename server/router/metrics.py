@@ -93,6 +93,14 @@ WORKER_COUNTERS = {
         "pdserve_local_prefill_tokens",
         "Prompt tokens a decode worker prefilled itself instead of a prefill worker (selective disaggregation)",
     ),
+    "continuation_prefill_tokens": (
+        "pdserve_continuation_prefill_tokens",
+        "Prompt + output tokens a worker computed to prefill failover continuations (their radix hits not counted)",
+    ),
+    "continuation_cached_tokens": (
+        "pdserve_continuation_cached_tokens",
+        "Prompt + output tokens of failover continuations a worker's radix cache held when it admitted them",
+    ),
     "borrowed_core_steps": (
         "pdserve_worker_borrowed_core_steps",
         "Steps a worker ran on every core of its host's launch while the other workers were idle (core lending)",

@@ -12,7 +12,13 @@ left on any worker once the killed ones are back:
   that did not prefill them), which prefills some of them itself and sends the others' recomputes
   to that prefill worker, where they wait until it is killed in turn (the other one resumes). They
   fail over a second time before their first new token, to the other prefill worker (or B's local
-  prefill), B still streaming them.
+  prefill), B still streaming them;
+- ``kill -9`` of a prefill worker while the surviving decode worker prefills continuations itself:
+  the same start, but the prefill worker is killed the moment A's continuations have gone out (no
+  settling), while B works through its own share of the burst; those B prefills itself do not depend
+  on it (``ContinuationLocal``), and B computes some of the continuations' tokens itself.
+
+The rows share one fault-free reference run (the seeded load is the same for every row).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from bench.harness.subprocess_server import metric_sum
 from tests.chaos.chaos_cluster import Cluster, signal_worker
 from tests.chaos.failover_support import (
     STREAMS,
+    Reference,
     assert_failed_over,
     busiest_first,
     failover_cluster,
@@ -49,9 +56,24 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster):
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """``fresh()``: the fault-free run's bodies and outputs (run once for the module) with the
+    metrics of the cluster as it is now, recovered, for a row's counters."""
+    made: list[Reference] = []
+
+    def fresh() -> Reference:
+        if not made:
+            made.append(fault_free(cluster.url, cluster.wait_recovered))
+            return made[0]
+        return Reference(made[0].mixes, made[0].outputs, cluster.wait_recovered())
+
+    return fresh
+
+
+def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster, reference):
     c = cluster
-    ref = fault_free(c.url, c.wait_recovered)
+    ref = reference()
     signal_worker(c, "prefill-0", signal.SIGSTOP)
 
     async def scenario():
@@ -68,11 +90,11 @@ def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster)
     assert moved("pdserve_router_retries_total") >= 1  # the stopped worker held requests: they went to prefill-1
 
 
-async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int) -> dict:
+async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int, settle_s: float = 0.3) -> dict:
     """The load with both prefill workers stopped and the busiest decode worker A killed once the
-    clients hold ``kill_tokens`` tokens; once A's continuations went out, the prefill worker they were
-    sent to (its outstanding tokens at the router rose: the others' fell with A's requests) is killed
-    and the other resumed (SIGCONT). What happened, with the records."""
+    clients hold ``kill_tokens`` tokens; ``settle_s`` after A's continuations went out, the prefill
+    worker they were sent to (its outstanding tokens at the router rose: the others' fell with A's
+    requests) is killed and the other resumed (SIGCONT). What happened, with the records."""
     counting, reached = tokens_reached(kill_tokens)
     task = asyncio.create_task(load(c.url, bodies, counting))
     await reached.wait()
@@ -82,7 +104,7 @@ async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int
     try:
         before = {p: await asyncio.to_thread(outstanding, c, p) for p in PREFILLS}
         signal_worker(c, a, signal.SIGKILL)
-        await requests_left(c, a)
+        await requests_left(c, a, settle_s=settle_s)
         rise = {p: await asyncio.to_thread(outstanding, c, p) - before[p] for p in PREFILLS}
         victim = max(PREFILLS, key=rise.get)
         os.kill(pids[victim], signal.SIGKILL)  # stopped: killed before it computed a token of them
@@ -93,9 +115,9 @@ async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int
     return {"got": await task, "a": a, "b": b, "victim": victim, "rise": rise}
 
 
-def test_kill9_of_a_prefill_worker_recomputing_continuations_fails_them_over_again(cluster):
+def test_kill9_of_a_prefill_worker_recomputing_continuations_fails_them_over_again(cluster, reference):
     c = cluster
-    ref = fault_free(c.url, c.wait_recovered)
+    ref = reference()
     kill_tokens, total = ref.kill_tokens(salt=4)
     run = asyncio.run(recompute_killed_load(c, ref.bodies, kill_tokens))
     a, b = run["a"], run["b"]
@@ -105,3 +127,20 @@ def test_kill9_of_a_prefill_worker_recomputing_continuations_fails_them_over_aga
     )
     # a failover is counted under the worker that was streaming: B's (alive) for prefill-0's death
     assert_failed_over(row, ref, run["got"], c.wait_recovered(), (a, b))
+
+
+def test_kill9_of_a_prefill_worker_while_the_survivor_prefills_continuations(cluster, reference):
+    c = cluster
+    ref = reference()
+    kill_tokens, total = ref.kill_tokens(salt=5)
+    run = asyncio.run(recompute_killed_load(c, ref.bodies, kill_tokens, settle_s=0.0))
+    a, b = run["a"], run["b"]
+    row = (
+        f"prefill kill -9 during the survivor's own prefill of continuations: {a} killed at "
+        f"{kill_tokens}/{total} tokens, then at once {run['victim']} (outstanding tokens rose by {run['rise']})"
+    )
+    moved = assert_failed_over(row, ref, run["got"], c.wait_recovered(), (a,))
+    local = moved("pdserve_continuation_prefill_tokens_total", worker=b)
+    again = moved("pdserve_failovers_total", worker=b)
+    print(f"  {b} computed {local:g} continuation tokens itself; {again:g} failed over again")
+    assert local > 0, f"{b} prefilled none of {a}'s continuations itself"

@@ -77,7 +77,9 @@ class PrefillRequest(Message):
     """Compute the KV of the ids in frame 0 and ship it to ``decode_worker``.
 
     Sent by the router for a new request (generation 0) and by the decode worker itself to
-    re-prefill prompt + output of a request it had to drop (generation > 0).
+    re-prefill prompt + output of a request it had to drop (generation > 0). ``continuation``: the
+    recompute of a failover continuation (the output a dead worker streamed), whose computed tokens
+    the prefill worker counts apart (``SchedulerStats.continuation_prefill_tokens``).
     """
 
     rid: str
@@ -85,6 +87,7 @@ class PrefillRequest(Message):
     generation: int = 0
     params: SamplingParams
     decode_worker: str
+    continuation: bool = False
     n_frames: ClassVar[int] = 1
 
 
