@@ -10,8 +10,8 @@ greedy runs, each best of ``--repeats``) and each decode forward's time (the mod
 median). The bound (``bench.roofline``) is the bytes the step reads, the dense
 weights (attention, routers, LM head, norms), the KV and each chosen expert's weights once (per
 sparse layer the union of the batch's top-k, counted as the step runs) over that bandwidth;
-``fraction = bound / measured``. The torch path is the per-expert matmuls ``engine.moe`` keeps for
-large steps (``KERNEL_MAX_ROWS`` set to 0); the kernel path is ``engine.kernels.cpu_moe`` called per
+``fraction = bound / measured``. The torch path is the per-expert matmuls ``engine.moe`` falls
+back to (``KERNEL_MAX_ROWS`` set to 0: the kernel off); the kernel path is ``engine.kernels.cpu_moe`` called per
 layer from Python; the decode stack is the whole step's layers in one C call (``engine.decode_stack``,
 the same expert kernel), where this host builds it. The torch and kernel rows run with the stack off;
 the stack row counts the experts read from the kernel row's run (same prompts, same greedy routes).

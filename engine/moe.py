@@ -8,9 +8,10 @@ output is the weighted sum of those experts' outputs.
 
 The step's tokens are grouped by expert: every expert that some token picked runs one gate/up and one
 down matmul over all of its tokens, so each expert's weights are read once per step whatever the batch
-(not once per token), and the weighted outputs are scatter-added back to their tokens. On CPU a
-decode-sized step runs all of that in one C call (``engine.kernels.cpu_moe``); on CUDA the grouping
-runs as two fused Triton grouped GEMMs (``engine.kernels.triton_moe``).
+(not once per token), and the weighted outputs are scatter-added back to their tokens. On CPU the C
+expert kernel (``engine.kernels.cpu_moe``) runs all of that: a decode-sized step in one call, a
+prefill chunk in one call per ``LARGE_STEP_ROWS`` tokens. On CUDA the grouping runs as two fused
+Triton grouped GEMMs (``engine.kernels.triton_moe``).
 """
 
 from __future__ import annotations
@@ -32,35 +33,60 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     return weights.to(x.dtype), experts
 
 
-# Steps of at most this many tokens take the C expert kernel on CPU; larger ones (prefill chunks) keep
-# the torch matmuls, whose GEMMs are compute-bound there and faster than the kernel's dot products.
+# Steps of at most this many tokens take the C expert kernel on CPU in one call (the decode stack's
+# row limit on MoE models too); 0 turns the kernel off.
 KERNEL_MAX_ROWS = 64
+# Larger steps (prefill chunks, mixed batches) take it in chunks of this many tokens, each chunk's
+# chosen experts' weights read once; 0 keeps the torch matmuls for them. Why: the torch loop's
+# per-expert matmuls ran 4-5x slower than the kernel at 256 and 2048 tokens, bfloat16 and float32,
+# and ~13x inside a served step, where oneDNN builds a primitive for every new per-expert row count
+# (``python -m benchmarks.moe_prefill``). Chunks of 64 lost half the gain; 256, 512 and one call per
+# step were alike at 2048 tokens, so 512 (the CPU prefill chunk) bounds the scratch (pairs x inter).
+LARGE_STEP_ROWS = 512
 
 
 def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: bool = True) -> torch.Tensor:
     """The expert mixture of ``x`` ``[rows, hidden]`` with one layer's tensors ``w`` (``router``,
-    ``experts_gate_up``, ``experts_down``); returns ``[rows, hidden]`` in ``x.dtype``. On CPU a step of
-    at most ``KERNEL_MAX_ROWS`` rows runs ``engine.kernels.cpu_moe`` (sums of all experts in float32,
-    rounded once) where it takes the tensors and ``kernel``; on CUDA with triton importable and
-    ``kernel``, the fused Triton kernels (``engine.kernels.triton_moe``, any number of rows);
-    otherwise torch matmuls per expert."""
+    ``experts_gate_up``, ``experts_down``); returns ``[rows, hidden]`` in ``x.dtype``. On CUDA with triton
+    importable and ``kernel``, the fused Triton kernels run it (``engine.kernels.triton_moe``, any number
+    of rows). On CPU, where it takes the tensors and ``kernel``, ``engine.kernels.cpu_moe`` runs it (sums
+    of all experts in float32, rounded once): one call for a step of at most ``KERNEL_MAX_ROWS`` rows,
+    else one per ``LARGE_STEP_ROWS`` consecutive rows (routed once for the whole step, every row in
+    exactly one chunk); otherwise torch matmuls per expert."""
     weights, experts = route(x, w["router"], spec.top_k, spec.norm_topk_prob)
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
-    tokens = order // spec.top_k
-    pair_weights = weights.flatten()[order]
-    counts = torch.bincount(flat, minlength=spec.num_experts)
     gate_up, down = w["experts_gate_up"], w["experts_down"]
     scales = (w["experts_gate_up_scale"], w["experts_down_scale"]) if "experts_down_scale" in w else None
     if kernel and triton_moe.takes(x, gate_up, down, scales):
         return triton_moe.fused_moe(x, gate_up, down, weights, experts, scales)
-    if kernel and x.shape[0] <= KERNEL_MAX_ROWS and cpu_moe.takes(x, gate_up, down):
-        chosen = counts.nonzero().flatten()
-        offsets = F.pad(counts[chosen].cumsum(0), (1, 0))
-        out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float(), scales=scales)
-        if out is not None:
-            return out.to(x.dtype)
+    rows = x.shape[0]
+    chunk = 0 if not rows or not KERNEL_MAX_ROWS else rows if rows <= KERNEL_MAX_ROWS else LARGE_STEP_ROWS
+    if kernel and chunk and cpu_moe.takes(x, gate_up, down):
+        parts = [
+            _kernel_experts(x[r : r + chunk], weights[r : r + chunk], experts[r : r + chunk], gate_up, down, scales)
+            for r in range(0, rows, chunk)
+        ]
+        if all(p is not None for p in parts):
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+    counts, tokens, pair_weights = _group(weights, experts, spec.num_experts)
     return _torch_experts(x, gate_up, down, scales, counts.tolist(), tokens, pair_weights.unsqueeze(-1))
+
+
+def _group(weights: torch.Tensor, experts: torch.Tensor, num_experts: int):
+    """``(counts [num_experts], tokens, pair weights)``: the (token, slot) pairs of a routing grouped by
+    expert (stable: tokens in increasing order within an expert), ``counts[e]`` pairs for expert ``e``."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    return torch.bincount(flat, minlength=num_experts), order // experts.shape[1], weights.flatten()[order]
+
+
+def _kernel_experts(x, weights, experts, gate_up, down, scales) -> torch.Tensor | None:
+    """One ``cpu_moe.expert_ffn`` call over rows ``x`` routed to ``(weights, experts)``, in ``x.dtype``;
+    None where the kernel refuses."""
+    counts, tokens, pair_weights = _group(weights, experts, gate_up.shape[0])
+    chosen = counts.nonzero().flatten()
+    offsets = F.pad(counts[chosen].cumsum(0), (1, 0))
+    out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float(), scales=scales)
+    return None if out is None else out.to(x.dtype)
 
 
 def _expert(t: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The C expert kernel (engine.kernels.cpu_moe): equal to the torch expert loop in float32, within the
 bfloat16 rounding bound of its activations in bfloat16, its vdpbf16ps and widened bfloat16 paths
-agreeing, and engine.moe taking it for decode-sized CPU steps only."""
+agreeing, and engine.moe taking it for decode-sized CPU steps in one call and for larger ones in
+chunks of ``LARGE_STEP_ROWS`` rows."""
 
 from __future__ import annotations
 
@@ -89,14 +90,49 @@ def test_the_dot_and_widened_bfloat16_paths_agree():
     torch.testing.assert_close(dot, widen, rtol=2e-2, atol=2e-3)
 
 
-def test_moe_mlp_takes_the_kernel_for_decode_steps_only(monkeypatch):
-    spec, w = MoeSpec(EXPERTS, 2, INTER, True, (0,)), _layer()
-    calls = []
+def _kernel_calls(monkeypatch) -> list[int]:
+    """The row counts of every ``cpu_moe.expert_ffn`` call from now on."""
+    calls: list[int] = []
     real = cpu_moe.expert_ffn
     monkeypatch.setattr(cpu_moe, "expert_ffn", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    return calls
+
+
+def test_moe_mlp_takes_one_kernel_call_per_decode_step_and_chunks_larger_steps(monkeypatch):
+    spec, w = MoeSpec(EXPERTS, 2, INTER, True, (0,)), _layer()
+    calls = _kernel_calls(monkeypatch)
     moe.moe_mlp(_x(moe.KERNEL_MAX_ROWS), w, spec)
-    moe.moe_mlp(_x(moe.KERNEL_MAX_ROWS + 1), w, spec)
     assert calls == [moe.KERNEL_MAX_ROWS]
+    monkeypatch.setattr(moe, "LARGE_STEP_ROWS", 48)
+    moe.moe_mlp(_x(moe.KERNEL_MAX_ROWS + 1), w, spec)
+    assert calls[1:] == [48, moe.KERNEL_MAX_ROWS + 1 - 48]
+    calls.clear()
+    monkeypatch.setattr(moe, "LARGE_STEP_ROWS", 0)  # large steps keep the torch matmuls
+    moe.moe_mlp(_x(moe.KERNEL_MAX_ROWS + 1), w, spec)
+    monkeypatch.setattr(moe, "KERNEL_MAX_ROWS", 0)  # the kernel off for every step
+    moe.moe_mlp(_x(2), w, spec)
+    assert calls == []
+
+
+@pytest.mark.parametrize("rows, chunk", [(150, 64), (150, 512), (97, 32)])
+@pytest.mark.parametrize("top_k, norm", [(2, True), (3, False)])
+def test_large_steps_in_kernel_chunks_equal_the_torch_expert_loop(monkeypatch, rows, chunk, top_k, norm):
+    """Every row in exactly one chunk: a dropped chunk leaves its rows zero, a row run twice doubles."""
+    spec, w, x = MoeSpec(EXPERTS, top_k, INTER, norm, (0,)), _layer(), _x(rows)
+    monkeypatch.setattr(moe, "LARGE_STEP_ROWS", chunk)
+    calls = _kernel_calls(monkeypatch)
+    got = moe.moe_mlp(x, w, spec)
+    assert sum(calls) == rows and len(calls) == -(-rows // chunk)
+    torch.testing.assert_close(got, moe.moe_mlp(x, w, spec, kernel=False), rtol=1e-5, atol=1e-6)
+
+
+def test_large_bfloat16_steps_in_kernel_chunks_stay_within_the_rounding_of_the_torch_loop(monkeypatch):
+    spec, w, x = MoeSpec(EXPERTS, 2, INTER, True, (0,)), _layer(dtype=torch.bfloat16), _x(130, torch.bfloat16)
+    monkeypatch.setattr(moe, "LARGE_STEP_ROWS", 64)
+    got, ref = moe.moe_mlp(x, w, spec).float(), moe.moe_mlp(x, w, spec, kernel=False).float()
+    # the torch loop rounds each expert's output to bfloat16 and sums in bfloat16; the kernel rounds once
+    torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
 
 
 def test_shapes_outside_the_kernel_keep_the_torch_path():

@@ -32,8 +32,8 @@ def _logprobs(folder, tokenizer, dtype: str, prompts: list[list[int]], weight_dt
     llm = LLM(ecfg, sched_cfg(), loaded=(cfg, weights, tokenizer))
     assert llm.runner.dtype == getattr(torch, dtype)
     sp = SamplingParams(max_new_tokens=2, temperature=0, prompt_logprobs=1, ignore_eos=True)
-    # one prompt a step: each prefill is at most KERNEL_MAX_ROWS rows, so the prompt logprobs come
-    # through the kernel too (a batched prefill of more rows takes the torch matmuls)
+    # one prompt a step: each prefill is at most KERNEL_MAX_ROWS rows, one kernel call (a batched
+    # prefill of more rows takes the kernel in chunks of LARGE_STEP_ROWS)
     outs = [run_batch(llm.scheduler, [p], [sp])[0] for p in prompts]
     llm.scheduler.check_integrity()
     entries = [e for o in outs for e in o.prompt_logprobs[1:]]
