@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 13  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 14  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 # 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
@@ -19,6 +19,7 @@ PROTOCOL_VERSION = 13  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pa
 # 11: GenerateRequest.resume_output_ids (a continuation: the output a dead worker already streamed)
 # 12: SwitchRole / RoleSwitched (a worker changes role at runtime)
 # 13: ContinuationLocal (a decode worker prefills a continuation itself: its prefill worker is out of it)
+# 14: MigrationOffer.draft / MigrateRequest.draft (a moving request's speculative-decoding record)
 
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]
