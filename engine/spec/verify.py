@@ -240,6 +240,8 @@ def speculator_for(cfg: SchedulerConfig, kv: KVManager, max_model_len: int) -> N
         return None
     k = cfg.num_speculative_tokens
     fixed = cfg.spec_step_fixed_tokens
-    cap = cfg.spec_max_batch_tokens if cfg.spec_max_batch_tokens is not None else step_cap(fixed)
+    cap = cfg.spec_max_batch_tokens
+    if cap is None:
+        cap = step_cap(fixed, cfg.spec_step_linear_tokens)
     step_tokens = min(cap, cfg.max_num_batched_tokens or cap)
     return NgramSpeculator(kv, k, cfg.ngram_min, cfg.ngram_max, max_model_len, step_tokens, fixed)
