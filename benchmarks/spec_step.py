@@ -15,6 +15,14 @@ positions are rewritten each time), round robin so that a shared machine's drift
 It also times the sampling of a step: one ``Sampler.sample`` over the rows (``decode``) against the plain
 rows' call plus ``K + 1`` calls over the drafting rows (``accept``'s calls). Prints the median ms of each
 and its ratio to ``decode``; ratios measured side by side are what to read on a shared machine.
+
+``--curve 8,16,..,96 [--dtypes bfloat16,float32] [--clock wall|cpu]`` times instead the step cost curve the
+draft rule's cost model is fitted to (``engine.spec.pays``): for each dtype a batch of ``--rows`` requests, and
+for each T a DECODE step of T one-token rows (``--rows`` plain rows plus ``T - rows`` drafted positions spread
+over the requests as ``verify_rows`` lays them out), every dtype's model in this one process and all steps
+round robin (``--clock cpu``: CPU time, for one torch thread on a shared machine). Prints each step's median
+and best ms, the marginal ms per token from the step before, and the line ``ms = a + b T`` fitted over each
+prefix of the curve (``F = a / b``: the fixed cost in token units).
 """
 
 from __future__ import annotations
@@ -45,12 +53,15 @@ def running_batch(llm: LLM, rows: int, context: int) -> list[Request]:
     """``rows`` running requests of about ``context`` tokens each (decoded there by the scheduler)."""
     sched = llm.scheduler
     prompt = llm.encode_prompt(PROMPT, chat=True)
-    params = SamplingParams(max_new_tokens=4096, temperature=0, ignore_eos=True)
+    # a short max_tokens: the admission reservation of a long one keeps some of the rows waiting
+    params = SamplingParams(max_new_tokens=max(1, context - len(prompt)) + 64, temperature=0, ignore_eos=True)
     for i in range(rows):
         sched.add(b"", GenerateRequest(rid=f"s{i}", params=params), prompt)
     for _ in range(max(1, context - len(prompt))):
         sched.step()
-    return list(sched.running.reqs)
+    reqs = list(sched.running.reqs)
+    assert len(reqs) == rows and not sched.waiting, f"{len(reqs)} of {rows} rows running"
+    return reqs
 
 
 def variants(reqs: list[Request], k: int, drafting: list[int]) -> dict[str, tuple[ForwardMode, list[SeqChunk], int]]:
@@ -77,6 +88,68 @@ def variants(reqs: list[Request], k: int, drafting: list[int]) -> dict[str, tupl
         ]
         out[f"flat {d}"] = (ForwardMode.DECODE, flat, 0)
     return out
+
+
+def spread(rows: int, tokens: int) -> list[int]:
+    """Drafted positions per row of a ``tokens``-token step of ``rows`` rows: ``tokens - rows`` spread
+    evenly, the first rows taking one more."""
+    extra = max(0, tokens - rows)
+    return [extra // rows + (i < extra % rows) for i in range(rows)]
+
+
+def curve_step(reqs: list[Request], tokens: int) -> list[SeqChunk]:
+    """A DECODE step of ``tokens`` one-token rows over ``reqs``: each request's last token at ``kv_len``
+    and its drafted positions after it, as ``verify_rows`` builds them (drafts: its last outputs)."""
+    seqs = []
+    for r, e in zip(reqs, spread(len(reqs), tokens)):
+        toks = [r.output_ids[-1], *(r.output_ids[-e:] if e else [])]
+        seqs += [SeqChunk([t], r.kv_len + j, r.kv.pages) for j, t in enumerate(toks)]
+    return seqs
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``ms = a + b T`` over ``points`` of (T, ms)."""
+    n = len(points)
+    mt, mm = sum(t for t, _ in points) / n, sum(m for _, m in points) / n
+    b = sum((t - mt) * (m - mm) for t, m in points) / sum((t - mt) ** 2 for t, _ in points)
+    return mm - b * mt, b
+
+
+def curve(a: argparse.Namespace) -> None:
+    """The step cost curve of ``--curve`` for every ``--dtypes`` in one process (see the module doc)."""
+    sizes = [int(x) for x in a.curve.split(",")]
+    runs = {}
+    for dtype in a.dtypes.split(","):
+        ecfg = EngineConfig(model=a.model, dtype=dtype, device="cpu")
+        path = resolve_model_path(a.model)
+        llm = LLM(ecfg, SchedulerConfig(), (*load_for_engine(path, ecfg), Tokenizer.from_path(path)))
+        reqs = running_batch(llm, a.rows, a.context)
+        most = max(spread(a.rows, max(sizes)))
+        for r in reqs:  # pages for the drafted positions (written each rep, never advanced into)
+            assert llm.scheduler.kv.ensure_pages(r.kv, r.kv_len + 1 + most)
+        stack = llm.runner.model.stack
+        steps = {t: curve_step(reqs, t) for t in sizes}
+        runs[dtype] = (llm, steps, dict(context=reqs[0].kv_len, decode_stack_rows=stack.max_rows if stack else 0))
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
+    times: dict[tuple[str, int], list[float]] = {(d, t): [] for d in runs for t in sizes}
+    for _ in range(a.reps + 2):  # the first two rounds warm up
+        for dtype, (llm, steps, _) in runs.items():
+            for t, seqs in steps.items():
+                start = clock()
+                llm.runner.forward(ForwardMode.DECODE, seqs, 0)
+                times[dtype, t].append(clock() - start)
+    for dtype, (_, _, info) in runs.items():
+        ms = [(t, 1000 * statistics.median(times[dtype, t][2:])) for t in sizes]
+        head = {"dtype": dtype, "rows": a.rows, "threads": torch.get_num_threads(), "clock": a.clock}
+        print(json.dumps(head | info))
+        for i, (t, m) in enumerate(ms):
+            row = {"dtype": dtype, "tokens": t, "median_ms": round(m, 2)}
+            row["best_ms"] = round(1000 * min(times[dtype, t][2:]), 2)
+            if i:
+                row["marginal_ms_per_token"] = round((m - ms[i - 1][1]) / (t - ms[i - 1][0]), 3)
+                lo, slope = fit(ms[: i + 1])
+                row |= {"fit_to_here_ms_per_token": round(slope, 3), "fit_to_here_F": round(lo / slope, 1)}
+            print(json.dumps(row), flush=True)
 
 
 def time_sampling(llm: LLM, reqs: list[Request], k: int, drafting: list[int], reps: int) -> dict[str, float]:
@@ -112,7 +185,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per drafting row")
     ap.add_argument("--context", type=int, default=300, help="tokens of context per row")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--curve", default="", help="step sizes in tokens: time the step cost curve instead")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="the models of --curve, one per dtype")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="--curve: wall time, or this process's CPU time (with one torch thread, the figure a shared "
+        "machine moves least)",
+    )
     a = ap.parse_args()
+    if a.curve:
+        return curve(a)
     ecfg = EngineConfig(model=a.model, dtype=a.dtype, device="cpu")
     path = resolve_model_path(a.model)
     llm = LLM(ecfg, SchedulerConfig(), (*load_for_engine(path, ecfg), Tokenizer.from_path(path)))

@@ -93,8 +93,17 @@ class SchedulerConfig(BaseModel):
         ge=1,
         description="speculative decoding: a step drafts only while its tokens (decode rows, prefill tokens "
         "and drafted tokens) stay within this many and max_num_batched_tokens, drafts trimmed to fit. Unset: "
-        "2 x spec_step_fixed_tokens, where a draft token needs a 2/3 chance of acceptance to pay, so a "
-        "compute-bound batch with more rows does not draft (docs/design/speculative.md)",
+        "3 x spec_step_fixed_tokens, where a draft token needs a 3/4 chance of acceptance to pay, and at "
+        "most spec_step_linear_tokens, so a compute-bound batch with more rows does not draft "
+        "(docs/design/speculative.md)",
+    )
+    spec_step_linear_tokens: int = Field(
+        96,
+        ge=1,
+        description="speculative decoding: the largest step (in tokens) over which a step's cost was measured "
+        "to stay spec_step_fixed_tokens + T; the unset spec_max_batch_tokens never exceeds it (96: "
+        "benchmarks.spec_step --curve on the embedded model, bfloat16 and float32, linear from 16 to 96 "
+        "tokens; docs/design/speculative.md)",
     )
     spec_step_fixed_tokens: float = Field(
         12.0,

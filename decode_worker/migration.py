@@ -40,10 +40,18 @@ from cache.host_pool import HostKVPool
 from cache.kv_budget import PageBudget
 from configs.schema import migrate_bound
 from decode_worker.jobs import DecodeJob, DecodeState
+from engine.request import Request
 from engine.scheduler.stats import Histogram
 from prefill_worker.kv_sender import KVSender
 from transfer.wire.outbox import Conn, Outbox
-from transfer.wire.protocol import KVDestination, MigrationOffer, PrefillFailed, TransferManifest, ids_frame
+from transfer.wire.protocol import (
+    DraftRecord,
+    KVDestination,
+    MigrationOffer,
+    PrefillFailed,
+    TransferManifest,
+    ids_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +127,18 @@ class MigrationSource:
         """True while a write that reads ``job``'s host copy may be in flight."""
         return job.req.rid in self._writing
 
-    def offer(self, queue, ratio: float, whole: Callable[[DecodeJob], bool]) -> Outbox:
+    def offer(
+        self,
+        queue,
+        ratio: float,
+        whole: Callable[[DecodeJob], bool],
+        record: Callable[[Request], DraftRecord | None] | None = None,
+    ) -> Outbox:
         """Offer every due job of the retracted ``queue`` (a deque of HOST_PARKED jobs, which it
         leaves) to its router; ``ratio``: the ``new_token_ratio`` the peer's reservation uses;
         ``whole(job)`` makes the job's host copy hold its whole KV (``RetractManager.host_copy_whole``)
-        or says it cannot: such a job stays parked here."""
+        or says it cannot: such a job stays parked here. ``record``: a request's speculative-decoding
+        record (``NgramSpeculator.record``), sent with the offer for the peer to take over."""
         self.step_count += 1
         out, now = Outbox(), time.monotonic()
         for job in list(queue):
@@ -144,7 +159,12 @@ class MigrationSource:
                 pages,
             )
             offer = MigrationOffer(
-                rid=req.rid, n_tokens=req.kv_len, pages=pages, prompt_len=len(req.prompt_ids), params=req.params
+                rid=req.rid,
+                n_tokens=req.kv_len,
+                pages=pages,
+                prompt_len=len(req.prompt_ids),
+                params=req.params,
+                draft=record(req) if record is not None else None,
             )
             out.send(Conn(req.owner), offer, ids_frame(req.all_ids))
         return out

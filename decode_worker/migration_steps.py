@@ -96,6 +96,8 @@ def admit_migrated(s, owner: bytes, msg: MigrateRequest, ids: list[int]) -> Outb
         for t in ids[msg.prompt_len :]:
             req.output_ids.append(t)
             req.sampler_state.append(t)
+        if s.spec is not None and msg.draft is not None:  # it drafts on as on its source
+            s.spec.adopt(req, msg.draft)
         in_flight = [*s.running, *(j.req for j in s.transfers.inflight.values())]
         need = s.budget.full_pages_to_admit(req, ratio, msg.n_tokens)
         need += sum(s.budget.pages_for(j.n_tokens) for j in s.transfers.prealloc)  # migrated ones taken already
@@ -152,5 +154,6 @@ def migration_step(s) -> Outbox:
             _back(s, rid, f"no peer asked for the KV within {m.timeout_s:g}s (migrate_timeout_s)", tell_router=True)
         )
     if s.retract.queue:
-        out.extend(m.offer(s.retract.queue, s.running.ratio.value, s.retract.host_copy_whole))
+        record = s.spec.record if s.spec is not None else None
+        out.extend(m.offer(s.retract.queue, s.running.ratio.value, s.retract.host_copy_whole, record))
     return out

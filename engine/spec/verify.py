@@ -37,7 +37,7 @@ from engine.sampling import Sampler
 from engine.scheduler.stats import Histogram
 from engine.spec.ngram import NgramIndex
 from engine.spec.pays import MATCH_TOKENS, Acceptance, StepBudget, step_cap
-from transfer.wire.protocol import TokenDelta
+from transfer.wire.protocol import DraftRecord, TokenDelta
 
 EmitToken = Callable[[Request, int, "float | None", "list | None"], TokenDelta]
 
@@ -97,6 +97,22 @@ class NgramSpeculator:
         the same names in colocated and decode workers."""
         counters = dict(spec_draft_tokens=self.draft_tokens, spec_accepted_tokens=self.accepted_tokens)
         return counters, {"spec_acceptance_length": self.acceptance}
+
+    def record(self, req: Request) -> DraftRecord | None:
+        """``req``'s acceptance record and back-off, to travel with it to a peer decode worker (None:
+        it has none yet, so the peer's prior is as good)."""
+        st = self._state.get(req)
+        if st is None:
+            return None
+        a = st.acceptance
+        return DraftRecord(hits=a.hits, misses=a.misses, wait=st.wait, backoff=st.backoff)
+
+    def adopt(self, req: Request, record: DraftRecord) -> None:
+        """Give ``req`` (a request migrated here) the ``record`` it had on its source: it drafts as it
+        would have there (its n-gram index is built from its ids on its first step, as always)."""
+        st = self._drafting(req)
+        st.acceptance = Acceptance(hits=record.hits, misses=record.misses)
+        st.wait, st.backoff = record.wait, min(record.backoff, MAX_BACKOFF_STEPS)
 
     def _drafting(self, req: Request) -> _Drafting:
         st = self._state.get(req)
@@ -224,6 +240,8 @@ def speculator_for(cfg: SchedulerConfig, kv: KVManager, max_model_len: int) -> N
         return None
     k = cfg.num_speculative_tokens
     fixed = cfg.spec_step_fixed_tokens
-    cap = cfg.spec_max_batch_tokens if cfg.spec_max_batch_tokens is not None else step_cap(fixed)
+    cap = cfg.spec_max_batch_tokens
+    if cap is None:
+        cap = step_cap(fixed, cfg.spec_step_linear_tokens)
     step_tokens = min(cap, cfg.max_num_batched_tokens or cap)
     return NgramSpeculator(kv, k, cfg.ngram_min, cfg.ngram_max, max_model_len, step_tokens, fixed)

@@ -114,7 +114,14 @@ class Migrations:
         log.info("migrating %s from %s to %s (%d tokens)", offer.rid, source_id, target.worker_id, offer.n_tokens)
         try:
             target.client.migrate(
-                offer.rid, ids, offer.params, self.next_room(), source.spec.addr, offer.prompt_len, offer.n_tokens
+                offer.rid,
+                ids,
+                offer.params,
+                self.next_room(),
+                source.spec.addr,
+                offer.prompt_len,
+                offer.n_tokens,
+                draft=offer.draft,
             )
         except WorkerUnavailable as e:
             self._undo(offer.rid, f"could not reach {target.worker_id}: {e}", decline=True)

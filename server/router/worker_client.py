@@ -37,6 +37,7 @@ from transfer.wire.enums import Role
 from transfer.wire.protocol import (
     AbortRequest,
     ContinuationLocal,
+    DraftRecord,
     Drain,
     GenerateRequest,
     KvSnapshotRequest,
@@ -181,11 +182,18 @@ class WorkerClient:
         source_addr: str,
         prompt_len: int,
         n_tokens: int,
+        draft: DraftRecord | None = None,
     ) -> None:
         """Send a ``MigrateRequest`` to a decode worker; ``WorkerUnavailable`` if it cannot be queued."""
         self._send(
             MigrateRequest(
-                rid=rid, params=params, room=room, source_addr=source_addr, prompt_len=prompt_len, n_tokens=n_tokens
+                rid=rid,
+                params=params,
+                room=room,
+                source_addr=source_addr,
+                prompt_len=prompt_len,
+                n_tokens=n_tokens,
+                draft=draft,
             ),
             ids_frame(ids),
         )

@@ -125,7 +125,7 @@ class _Client:
     def __init__(self):
         self.sent = []
 
-    def migrate(self, rid, *a):
+    def migrate(self, rid, *a, **kw):
         self.sent.append(("migrate", rid))
 
     def decline_migration(self, rid, why):

@@ -93,6 +93,7 @@ def same_across_the_move(harness, params: list[SamplingParams], ps=None, **kw) -
     plain_h = harness(False, **kw)
     plain = run_checked(plain_h, params, ps)
     h = harness(True, **kw)
+    sent, adopted = spy_records(h)
     spec = run_checked(h, params, ps)
     got = {r: (o["tokens"], o["finish"], o["error"]) for r, o in spec.items()}
     assert got == {r: (o["tokens"], o["finish"], o["error"]) for r, o in plain.items()}
@@ -105,7 +106,26 @@ def same_across_the_move(harness, params: list[SamplingParams], ps=None, **kw) -
     # d2 only ever holds migrated requests: its accepted drafts come from the index it built for them
     assert h.d2.spec.accepted_tokens > 0, (h.d2.spec.draft_tokens, h.d2.spec.accepted_tokens)
     assert plain_h.d2.spec is None or plain_h.d2.spec.draft_tokens == 0
+    # each moved request's acceptance record and back-off went with it: d2 took over d1's, not its prior
+    assert set(adopted) == set(moved) and all(adopted[r] == sent[r] for r in moved), (sent, adopted)
     return h
+
+
+def spy_records(h: MigrationHarness) -> tuple[dict, dict]:
+    """The draft records d1 puts in its offers and those d2 adopts, by request id, as they happen."""
+    sent, adopted = {}, {}
+    record, adopt = h.d1.spec.record, h.d2.spec.adopt
+
+    def recorded(req):
+        sent[req.rid] = out = record(req)
+        return out
+
+    def adopting(req, rec):
+        adopted[req.rid] = rec
+        adopt(req, rec)
+
+    h.d1.spec.record, h.d2.spec.adopt = recorded, adopting
+    return sent, adopted
 
 
 def test_greedy_requests_draft_again_after_the_move(harness):

@@ -93,3 +93,24 @@ def test_verify_updates_the_request_acceptance():
     verify(spec, miss, False)
     assert spec._drafting(hit).acceptance.rate() == pytest.approx(4 / 5)  # 3 hits, the prior
     assert spec._drafting(miss).acceptance.rate() == pytest.approx(1 / 3)  # 1 miss, the prior
+
+
+def test_an_adopted_record_drafts_as_on_its_source():
+    """A migrated request is a new ``Request`` on its target: with its source's record (``record`` /
+    ``adopt``, carried in the migration messages) it drafts there what it would have on the source."""
+    kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
+    source, target, fresh = (NgramSpeculator(kv, k=4, n_min=1, n_max=3, max_model_len=10**6, fixed=12.0) for _ in "abc")
+    reqs = [running(kv, f"r{i}") for i in range(8)]
+    for r in reqs[:4]:
+        source._drafting(r).acceptance = Acceptance(hits=12.0, misses=0.0)
+    for r in reqs[4:]:
+        source._drafting(r).acceptance = Acceptance(hits=0.5, misses=1.0)
+    source._drafting(reqs[5]).wait, source._drafting(reqs[5]).backoff = 3, 4
+    assert source.record(running(kv, "never")) is None  # no record yet: the peer's prior serves
+    moved = [running(kv, r.rid) for r in reqs]
+    for r, m in zip(reqs, moved):
+        target.adopt(m, source.record(r))
+    assert target.record(moved[5]) == source.record(reqs[5]) and target.record(moved[5]).wait == 3
+    lengths = [len(d) for d in source.drafts(reqs, 0)]
+    assert [len(d) for d in target.drafts(moved, 0)] == lengths and lengths[:4] == [4] * 4 and lengths[5] == 0
+    assert [len(d) for d in fresh.drafts(moved, 0)] != lengths  # at the prior it would draft otherwise

@@ -1,8 +1,9 @@
 """The adaptive parts of the draft rule beyond the cost rule itself: a long n-gram match raises a
 request's estimated acceptance (it drafts where a short match would not, even after misses), a
 request the rule switched off is probed again after a few steps, the rows most likely accepted take
-the step's room first, and without a configured cap a step drafts only up to twice the step's fixed
-cost, so a compute-bound batch does not draft."""
+the step's room first, and without a configured cap a step drafts only up to where a draft token
+needs a 3/4 chance of acceptance (three times the step's fixed cost, within the measured linear
+range), so a batch of 8 whose drafts are accepted drafts nearly whole and a compute-bound one does not."""
 
 from __future__ import annotations
 
@@ -79,18 +80,42 @@ def test_the_likeliest_rows_take_the_room_first():
     assert lengths[6] == 4 and lengths[3] == 2 and sum(lengths) == 6, lengths
 
 
-@pytest.mark.parametrize(("fixed", "cap"), [(12.0, 24), (8.0, 16), (0.4, 1)])
-def test_unset_cap_is_twice_the_fixed_cost(fixed, cap):
+@pytest.mark.parametrize(("fixed", "linear", "cap"), [(12.0, 96, 36), (8.0, 96, 24), (40.0, 96, 96), (0.4, 96, 1)])
+def test_unset_cap_is_where_a_draft_needs_three_quarters_within_the_linear_range(fixed, linear, cap):
     kv = KVManager(PageAllocator(64), 4, enable_radix_cache=False)
-    cfg = SchedulerConfig(speculative_method="ngram", spec_step_fixed_tokens=fixed, max_num_batched_tokens=4096)
-    assert step_cap(fixed) == cap and speculator_for(cfg, kv, 4096).step_tokens == cap
+    cfg = SchedulerConfig(
+        speculative_method="ngram",
+        spec_step_fixed_tokens=fixed,
+        spec_step_linear_tokens=linear,
+        max_num_batched_tokens=4096,
+    )
+    assert step_cap(fixed, linear) == cap and speculator_for(cfg, kv, 4096).step_tokens == cap
+    if cap > 1:  # a draft token at the cap needs a 3/4 chance (up to rounding), one past it more
+        assert cap / (fixed + cap) <= pays.CAP_BREAK_EVEN or cap == linear
     capped = SchedulerConfig(speculative_method="ngram", spec_max_batch_tokens=10, spec_step_fixed_tokens=fixed)
     assert speculator_for(capped, kv, 4096).step_tokens == 10
 
 
+def test_a_batch_of_8_whose_drafts_are_accepted_drafts_nearly_whole():
+    """At c = 8 rows accepting 93 % of their drafts verify 28 draft tokens a step (the old 2F cap of 24
+    left them 16): every one of them pays at batch 8, where the break-even chance is 0.4 to 0.66."""
+    kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
+    cfg = SchedulerConfig(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+    spec = speculator_for(cfg.model_copy(update=dict(max_num_batched_tokens=4096)), kv, 10**6)
+    reqs = [running(kv, f"r{i}", LONG_MATCH) for i in range(8)]
+    for r in reqs:
+        spec._drafting(r).acceptance = Acceptance(hits=12.0, misses=0.0)
+    lengths = [len(d) for d in spec.drafts(reqs, 0)]
+    assert sum(lengths) == 36 - 8 and lengths[:7] == [4] * 7, lengths
+
+
 def test_compute_bound_batch_neither_drafts_nor_looks_up():
     kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
-    spec = speculator(kv, step_tokens=step_cap(12.0))
-    reqs = [running(kv, f"r{i}", LONG_MATCH) for i in range(24)]
-    assert all(not d for d in spec.drafts(reqs, 0)) and not spec._state  # 24 rows fill the step
-    assert sum(len(d) for d in spec.drafts(reqs[:16], 0)) == 8  # 16 rows: 8 drafted tokens fit
+    spec = speculator(kv, step_tokens=step_cap(12.0, 96))
+    reqs = [running(kv, f"r{i}", LONG_MATCH) for i in range(36)]
+    assert all(not d for d in spec.drafts(reqs, 0)) and not spec._state  # 36 rows fill the step
+    # 32 rows: only the likeliest drafts (a long match, 0.9), at most 4 tokens
+    assert 0 < sum(len(d) for d in spec.drafts(reqs[:32], 0)) <= 4
+    chat = [running(kv, f"c{i}") for i in range(32)]  # a short match: the prior 0.5 never pays at 32 rows
+    assert all(not d for d in spec.drafts(chat, 0))
+    assert sum(len(d) for d in spec.drafts(reqs[:16], 0)) == 20  # 16 rows: 20 drafted tokens fit

@@ -50,9 +50,15 @@ class _Client:
     def __init__(self, h: MigrationHarness, wid: str) -> None:
         self.h, self.wid = h, wid
 
-    def migrate(self, rid, ids, params, room, source_addr, prompt_len, n_tokens) -> None:
+    def migrate(self, rid, ids, params, room, source_addr, prompt_len, n_tokens, draft=None) -> None:
         msg = MigrateRequest(
-            rid=rid, params=params, room=room, source_addr=source_addr, prompt_len=prompt_len, n_tokens=n_tokens
+            rid=rid,
+            params=params,
+            room=room,
+            source_addr=source_addr,
+            prompt_len=prompt_len,
+            n_tokens=n_tokens,
+            draft=draft,
         )
         self.h.inbox.append((self.wid, Conn(ROUTER), msg, [ids_frame(ids)]))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 14  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 15  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 # 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
@@ -20,6 +20,7 @@ PROTOCOL_VERSION = 14  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pa
 # 12: SwitchRole / RoleSwitched (a worker changes role at runtime)
 # 13: ContinuationLocal (a decode worker prefills a continuation itself: its prefill worker is out of it)
 # 14: PrefillRequest.continuation (a continuation's recompute: its computed tokens are counted apart)
+# 15: MigrationOffer.draft / MigrateRequest.draft (a moving request's speculative-decoding record)
 
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]

@@ -6,8 +6,24 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from transfer.wire.message import Message
 from transfer.wire.sampling_params import SamplingParams
+
+
+class DraftRecord(BaseModel):
+    """A moving request's speculative-decoding record (``engine.spec``), so that it drafts on the peer as
+    it would have gone on drafting here: its decayed verify record (``hits``: draft tokens accepted,
+    ``misses``: drafts whose run ended on a rejection) and its back-off (``wait``: steps left before it
+    drafts again, ``backoff``: the wait after its next wholly rejected draft). Absent: the request had
+    no record (it never drafted, or the source does not speculate) and starts at the prior."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    hits: float = Field(ge=0, allow_inf_nan=False)
+    misses: float = Field(ge=0, allow_inf_nan=False)
+    wait: int = Field(ge=0)
+    backoff: int = Field(ge=0)
 
 
 class MigrationOffer(Message):
@@ -15,13 +31,14 @@ class MigrationOffer(Message):
     resume here within ``--migrate-after``; move it to a peer decode worker with room for
     ``pages`` full pages (its KV plus the ``new_token_ratio`` reservation) if there is one. Frame
     0: prompt + output so far (int32; the first ``prompt_len`` are the prompt), which the router
-    forwards in the ``MigrateRequest`` with ``params``."""
+    forwards in the ``MigrateRequest`` with ``params`` and ``draft``."""
 
     rid: str
     n_tokens: int  # tokens whose KV is in the host copy (prompt + output so far, minus the next input)
     pages: int
     prompt_len: int
     params: SamplingParams
+    draft: DraftRecord | None = None
     n_frames: ClassVar[int] = 1
 
 
@@ -58,7 +75,8 @@ class MigrateRequest(Message):
     """Router -> target decode worker: admit ``rid`` (prompt + output so far in frame 0, the first
     ``prompt_len`` ids are the prompt) under ``room``; its KV of the first ``n_tokens`` ids comes
     from the decode worker at ``source_addr`` (which the target handshakes and sends a
-    ``KVDestination`` exactly as to a prefill worker; generation ``generation`` > 0)."""
+    ``KVDestination`` exactly as to a prefill worker; generation ``generation`` > 0). ``draft``: its
+    speculative-decoding record from the source, which the target's speculator takes over."""
 
     rid: str
     params: SamplingParams
@@ -67,6 +85,7 @@ class MigrateRequest(Message):
     source_addr: str
     prompt_len: int
     n_tokens: int
+    draft: DraftRecord | None = None
     n_frames: ClassVar[int] = 1
 
 

@@ -26,6 +26,7 @@ from transfer.wire.failover_messages import ContinuationLocal  # noqa: F401
 from transfer.wire.manifest import TransferManifest  # noqa: F401 (re-exported)
 from transfer.wire.message import Message
 from transfer.wire.migration_messages import (  # noqa: F401
+    DraftRecord,
     MigrateRequest,
     MigrationDeclined,
     MigrationEnded,
