@@ -93,7 +93,7 @@ class SchedulerConfig(BaseModel):
         ge=1,
         description="speculative decoding: a step drafts only while its tokens (decode rows, prefill tokens "
         "and drafted tokens) stay within this many and max_num_batched_tokens, drafts trimmed to fit. Unset: "
-        "3 x spec_step_fixed_tokens, where a draft token needs a 3/4 chance of acceptance to pay, and at "
+        "2 x spec_step_fixed_tokens, where a draft token needs a 2/3 chance of acceptance to pay, and at "
         "most spec_step_linear_tokens, so a compute-bound batch with more rows does not draft "
         "(docs/design/speculative.md)",
     )

@@ -62,22 +62,22 @@ class Acceptance:
 
 
 # The chance of acceptance a draft token must have to pay at the largest drafting step when no cap is
-# configured: a step of T tokens needs T / (fixed + T), so the cap is 3 * fixed (see ``step_cap``).
-CAP_BREAK_EVEN = 0.75
+# configured: a step of T tokens needs T / (fixed + T), so the cap is 2 * fixed (see ``step_cap``).
+CAP_BREAK_EVEN = 2 / 3
 
 
 def step_cap(fixed: float, linear: int) -> int:
     """The most tokens a drafting step may carry when no cap is configured: the step at which a draft
-    token needs a ``CAP_BREAK_EVEN`` (3/4) chance of acceptance to pay, ``3 * fixed``, and never more
+    token needs a ``CAP_BREAK_EVEN`` (2/3) chance of acceptance to pay, ``2 * fixed``, and never more
     than ``linear``, the largest step over which ``fixed + T`` was measured to hold (the cost rule is
     not trusted past its fit). The measured curve (``benchmarks.spec_step --curve``) stays linear up to
-    96 tokens, so the estimate is the limit: grounded drafts are accepted 85-90 % of the time and
-    clear 3/4 with room, while at 2/3 (the old ``2 * fixed``) a batch of 8 drafted only 2 tokens a row.
-    A batch of ``3 * fixed`` rows or more (36 at fixed 12) does not draft; 32 rows draft at most 4
-    tokens, and only those more than 73 % likely. Infinite ``fixed``: no cap."""
+    96 tokens; a 3/4 break-even (``3 * fixed``, 28 draft tokens at batch 8 instead of 16) ran slower on
+    the grounded workload at c = 8 (docs/design/speculative.md), so the acceptance estimate, not the
+    cost fit, limits the cap. A batch of ``2 * fixed`` rows or more (24 at fixed 12) does not draft.
+    Infinite ``fixed``: no cap."""
     if fixed == float("inf"):
         return 1 << 30
-    return max(1, min(linear, int(fixed * CAP_BREAK_EVEN / (1 - CAP_BREAK_EVEN) + 1e-9)))
+    return max(1, min(linear, int(fixed * CAP_BREAK_EVEN / (1 - CAP_BREAK_EVEN) + 1e-6)))
 
 
 class StepBudget:

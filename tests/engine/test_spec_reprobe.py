@@ -80,8 +80,10 @@ def test_the_likeliest_rows_take_the_room_first():
     assert lengths[6] == 4 and lengths[3] == 2 and sum(lengths) == 6, lengths
 
 
-@pytest.mark.parametrize(("fixed", "linear", "cap"), [(12.0, 96, 36), (8.0, 96, 24), (40.0, 96, 96), (0.4, 96, 1)])
-def test_unset_cap_is_where_a_draft_needs_three_quarters_within_the_linear_range(fixed, linear, cap):
+@pytest.mark.parametrize(
+    ("fixed", "linear", "cap"), [(12.0, 96, 24), (8.0, 96, 16), (40.0, 96, 80), (60.0, 96, 96), (0.4, 96, 1)]
+)
+def test_unset_cap_is_where_a_draft_needs_two_thirds_within_the_linear_range(fixed, linear, cap):
     kv = KVManager(PageAllocator(64), 4, enable_radix_cache=False)
     cfg = SchedulerConfig(
         speculative_method="ngram",
@@ -90,15 +92,15 @@ def test_unset_cap_is_where_a_draft_needs_three_quarters_within_the_linear_range
         max_num_batched_tokens=4096,
     )
     assert step_cap(fixed, linear) == cap and speculator_for(cfg, kv, 4096).step_tokens == cap
-    if cap > 1:  # a draft token at the cap needs a 3/4 chance (up to rounding), one past it more
+    if cap > 1:  # a draft token at the cap needs a 2/3 chance (up to rounding), one past it more
         assert cap / (fixed + cap) <= pays.CAP_BREAK_EVEN or cap == linear
     capped = SchedulerConfig(speculative_method="ngram", spec_max_batch_tokens=10, spec_step_fixed_tokens=fixed)
     assert speculator_for(capped, kv, 4096).step_tokens == 10
 
 
-def test_a_batch_of_8_whose_drafts_are_accepted_drafts_nearly_whole():
-    """At c = 8 rows accepting 93 % of their drafts verify 28 draft tokens a step (the old 2F cap of 24
-    left them 16): every one of them pays at batch 8, where the break-even chance is 0.4 to 0.66."""
+def test_a_batch_of_8_whose_drafts_are_accepted_fills_the_cap_with_whole_drafts():
+    """At c = 8 rows accepting 93 % of their drafts fill the 2F cap (24 tokens: 16 drafted), whole
+    drafts to the likeliest rows first: every one of them pays at batch 8 (break-even 0.4 to 0.66)."""
     kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
     cfg = SchedulerConfig(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
     spec = speculator_for(cfg.model_copy(update=dict(max_num_batched_tokens=4096)), kv, 10**6)
@@ -106,16 +108,15 @@ def test_a_batch_of_8_whose_drafts_are_accepted_drafts_nearly_whole():
     for r in reqs:
         spec._drafting(r).acceptance = Acceptance(hits=12.0, misses=0.0)
     lengths = [len(d) for d in spec.drafts(reqs, 0)]
-    assert sum(lengths) == 36 - 8 and lengths[:7] == [4] * 7, lengths
+    assert sum(lengths) == 24 - 8 and lengths[:4] == [4] * 4, lengths
 
 
 def test_compute_bound_batch_neither_drafts_nor_looks_up():
     kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
     spec = speculator(kv, step_tokens=step_cap(12.0, 96))
-    reqs = [running(kv, f"r{i}", LONG_MATCH) for i in range(36)]
-    assert all(not d for d in spec.drafts(reqs, 0)) and not spec._state  # 36 rows fill the step
-    # 32 rows: only the likeliest drafts (a long match, 0.9), at most 4 tokens
-    assert 0 < sum(len(d) for d in spec.drafts(reqs[:32], 0)) <= 4
-    chat = [running(kv, f"c{i}") for i in range(32)]  # a short match: the prior 0.5 never pays at 32 rows
+    reqs = [running(kv, f"r{i}", LONG_MATCH) for i in range(32)]
+    assert all(not d for d in spec.drafts(reqs, 0)) and not spec._state  # 32 rows overfill the step
+    assert all(not d for d in spec.drafts(reqs[:24], 0)) and not spec._state  # 24 rows fill it
+    chat = [running(kv, f"c{i}") for i in range(20)]  # a short match: the prior 0.5 does not pay at 20 rows
     assert all(not d for d in spec.drafts(chat, 0))
-    assert sum(len(d) for d in spec.drafts(reqs[:16], 0)) == 20  # 16 rows: 20 drafted tokens fit
+    assert sum(len(d) for d in spec.drafts(reqs[:16], 0)) == 8  # 16 rows: 8 drafted tokens fit
