@@ -15,13 +15,17 @@ The model (``docs/design/planner.md``):
   whose step times grow affinely with rows (``step_at``: a fixed part worth ``STEP_FIXED_ROWS``
   rows plus a per-row part).
 
-Rules: TTFT over its SLO while TPOT is within it -> a decode worker becomes a prefill worker, if
-the TPOT predicted without it stays within ``headroom`` x its SLO; the reverse for TPOT. A
-violation must be seen ``hysteresis`` evaluations in a row, no move is made within ``dwell_s`` of
-the last one, both SLOs violated (or both met, or a prediction unknown) moves nothing, and no move
-leaves a role without a ready worker. Among the candidates within the headroom, the worker with the
-fewest requests awaiting their KV wins (it can leave soonest), then the one whose leaving predicts
-the other metric best (ties: fewer running rows or backlog, then the worker id).
+Rules: TTFT over its SLO while TPOT is within it -> a decode worker becomes a prefill worker, if the
+TPOT predicted without it stays within ``headroom`` x its SLO; the reverse for TPOT. A TTFT
+violation while a decode worker holds more requests waiting for KV pages (its pool full of running
+requests) than requests awaiting their KV is decode-bound: the first tokens wait for decode room,
+not for prefill compute, so a prefill worker becomes a decode worker (no TTFT headroom check: TTFT
+is what the move is to cut). A violation must be seen ``hysteresis`` evaluations in a row, no move
+is made within ``dwell_s`` of the last one, both SLOs violated (or both met, or a prediction
+unknown) moves nothing, and no move leaves a role without a ready worker. Among the candidates
+within the headroom, the worker with the fewest requests awaiting their KV wins (it can leave
+soonest), then the one whose leaving predicts the other metric best (ties: fewer running rows or
+backlog, then the worker id).
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ class WorkerView:
     """One ready PD worker as the planner sees it. Prefill: ``backlog_tokens`` (prompt tokens held,
     not computed yet) and ``prefill_tps`` (measured tokens/s; None: not measured yet). Decode:
     ``batch`` (running requests), ``step_s`` (measured seconds per decode step; None: not
-    measured, e.g. idle) and ``awaiting`` (requests it holds that do not run yet: waiting for
+    measured, e.g. idle), ``awaiting`` (requests it holds that do not run yet: waiting for
     pages, for their KV from a prefill worker or for its own prefill; a switch away from decode
-    waits until each has landed and left)."""
+    waits until each has landed and left) and ``page_waiting`` (those of them waiting for pages:
+    its pool is full)."""
 
     worker_id: str
     role: Role
@@ -47,6 +52,7 @@ class WorkerView:
     batch: float = 0.0
     step_s: float | None = None
     awaiting: float = 0.0
+    page_waiting: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -179,9 +185,19 @@ def decide(view: ClusterView, state: PlannerState, knobs: Knobs) -> Decision:
         return hold("within both SLOs" if ttft is not None and tpot is not None else "within SLOs (some unmeasured)")
     if state.last_move_at is not None and view.now - state.last_move_at < knobs.dwell_s:
         return hold(f"dwell: last move {view.now - state.last_move_at:.1f} s ago (< {knobs.dwell_s:g} s)")
+    if ttft_bad and decode_bound(decode):
+        return _move(view, nxt, knobs, prefill, Role.PREFILL, Role.DECODE, ttft, tpot, decode_bound_ttft=True)
     if ttft_bad:
         return _move(view, nxt, knobs, decode, Role.DECODE, Role.PREFILL, ttft, tpot)
     return _move(view, nxt, knobs, prefill, Role.PREFILL, Role.DECODE, ttft, tpot)
+
+
+def decode_bound(decode: list[WorkerView]) -> bool:
+    """Whether the decode side holds back first tokens: some decode worker has more requests waiting
+    for KV pages (a full pool) than requests holding pages while they await their KV (or its own
+    prefill). Its pages are then held by running requests, so new prompts wait for decode room
+    whatever the prefill speed; a pool full of requests awaiting their KV is the prefill side's."""
+    return any(w.page_waiting >= 1 and w.page_waiting > w.awaiting - w.page_waiting for w in decode)
 
 
 def _move(
@@ -193,10 +209,14 @@ def _move(
     new: Role,
     ttft: float | None,
     tpot: float | None,
+    decode_bound_ttft: bool = False,
 ) -> Decision:
     """Move a worker of ``pool`` (role ``old``) to ``new`` if the violation lasted long enough, the
-    pool keeps a worker and the other metric keeps its headroom."""
+    pool keeps a worker and the other metric keeps its headroom (``decode_bound_ttft``: a TTFT
+    violation the decode side causes moves a prefill worker to decode, headroom unchecked)."""
     metric, streak = ("TTFT", nxt.ttft_streak) if new == Role.PREFILL else ("TPOT", nxt.tpot_streak)
+    if decode_bound_ttft:
+        metric, streak = "TTFT (decode-bound: requests wait for decode pages)", nxt.ttft_streak
     if streak < knobs.hysteresis:
         return Decision(None, f"{metric} over its SLO ({streak}/{knobs.hysteresis} evaluations)", ttft, tpot, nxt)
     if len(pool) < 2:
@@ -206,7 +226,7 @@ def _move(
     if not known:
         return Decision(None, f"{metric} over its SLO; the other metric after a move is unknown", ttft, tpot, nxt)
     limit = knobs.headroom * (knobs.slo_tpot_s if new == Role.PREFILL else knobs.slo_ttft_s)
-    fits = [w for w in known if after[w.worker_id] <= limit]
+    fits = known if decode_bound_ttft else [w for w in known if after[w.worker_id] <= limit]
     if not fits:
         least = min(after[w.worker_id] for w in known)
         other = "TPOT" if new == Role.PREFILL else "TTFT"

@@ -87,7 +87,7 @@ class Planner:
         log.log(
             level,
             "planner: %s | predicted TTFT %s, TPOT %s, after move %s | queue wait %.3f s, prompt %.0f "
-            "tokens, workers (id, role, backlog, prefill tok/s, batch, step s, awaiting KV) %s",
+            "tokens, workers (id, role, backlog, prefill tok/s, batch, step s, awaiting KV, waiting for pages) %s",
             decision.why,
             _s(decision.ttft_s),
             _s(decision.tpot_s),
@@ -95,7 +95,16 @@ class Planner:
             view.queue_wait_s,
             view.prompt_tokens,
             [
-                (w.worker_id, str(w.role), w.backlog_tokens, w.prefill_tps, w.batch, w.step_s, w.awaiting)
+                (
+                    w.worker_id,
+                    str(w.role),
+                    w.backlog_tokens,
+                    w.prefill_tps,
+                    w.batch,
+                    w.step_s,
+                    w.awaiting,
+                    w.page_waiting,
+                )
                 for w in view.workers
             ],
         )

@@ -30,7 +30,8 @@ process instance) and derives:
   value while it keeps running requests (none after an over-long gap), else None.
 - backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``; awaiting =
   a decode worker's ``queue_prealloc`` + ``queue_transfer`` + ``queue_local_prefill`` (requests not
-  running yet: a switch to prefill waits for them).
+  running yet: a switch to prefill waits for them); page_waiting = its ``queue_prealloc`` (waiting for
+  pages: a full pool).
 
 ``queue_wait``: the router's admission queue wait histogram as (sum, count); the view carries its
 mean over the forwarded requests since the previous build (0 when none).
@@ -64,6 +65,7 @@ class _Sample:
     held_tokens: float = 0.0  # prompt tokens held, not computed yet (the chunked one's rest included)
     chunking: float = 0.0  # prompts part-way through their chunks
     awaiting: float = 0.0  # a decode worker's requests not running yet (pages, KV, its own prefill)
+    page_waiting: float = 0.0  # those of them waiting for pages
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,14 @@ class ViewBuilder:
         if h.spec.role == Role.DECODE:
             cur = replace(cur, step_s=_step_s(base, cur, self.max_step_gap_s))
             answer = (
-                WorkerView(h.worker_id, Role.DECODE, batch=cur.batch, step_s=cur.step_s, awaiting=cur.awaiting),
+                WorkerView(
+                    h.worker_id,
+                    Role.DECODE,
+                    batch=cur.batch,
+                    step_s=cur.step_s,
+                    awaiting=cur.awaiting,
+                    page_waiting=cur.page_waiting,
+                ),
                 None,
             )
         else:
@@ -186,6 +195,7 @@ def _sample(h: WorkerHandle) -> _Sample:
         held_tokens=s.gauges.get("prefill_backlog_tokens", 0.0),
         chunking=s.gauges.get("queue_prefilling", 0.0),
         awaiting=sum(s.gauges.get(q, 0.0) for q in ("queue_prealloc", "queue_transfer", "queue_local_prefill")),
+        page_waiting=s.gauges.get("queue_prealloc", 0.0),
     )
 
 

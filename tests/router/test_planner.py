@@ -196,3 +196,27 @@ def test_default_knobs_move_a_worker_in_every_minute_long_phase():
         (10.0, Role.DECODE, Role.PREFILL),
         (10.0, Role.PREFILL, Role.DECODE),
     ]
+
+
+def test_a_ttft_violation_the_full_decode_pools_cause_turns_a_prefill_worker_into_a_decode_worker():
+    """TTFT over its SLO while the one decode worker's pool is full of running requests and 20 more
+    wait for pages: the prompts wait for decode room, not for prefill compute, so a prefill worker
+    decodes (a decode worker to prefill, the TTFT-only rule, is impossible and would not help)."""
+    full = WorkerView("decode-0", Role.DECODE, batch=40, step_s=0.05, awaiting=21.0, page_waiting=20.0)
+    cluster = view(prefill("prefill-0", 1400), prefill("prefill-1", 1400), full, wait=9.0, prompt=100)
+    first, second = run(cluster, 2)
+    assert first.move is None and "decode-bound" in first.why
+    assert second.move == ("prefill-1", Role.PREFILL, Role.DECODE) or second.move == (
+        "prefill-0",
+        Role.PREFILL,
+        Role.DECODE,
+    )
+
+
+def test_a_pool_full_of_requests_awaiting_their_kv_is_the_prefill_sides():
+    """The same TTFT violation while the decode workers' pages are held by requests awaiting their KV
+    (8 of them, 3 more waiting for pages): prefill is the bottleneck, a decode worker prefills."""
+    holding = WorkerView("decode-0", Role.DECODE, batch=1, step_s=0.02, awaiting=11.0, page_waiting=3.0)
+    idle = WorkerView("decode-1", Role.DECODE)
+    _, second = run(view(prefill("prefill-0", 4000), holding, idle), 2)
+    assert second.move == ("decode-1", Role.DECODE, Role.PREFILL)

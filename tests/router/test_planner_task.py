@@ -272,7 +272,7 @@ def test_a_decode_workers_requests_awaiting_kv_are_in_its_view():
     c.counters, c.gauges = {"decode_steps": 0.0}, gauges
     c.request_stats(0)
     (w,) = ViewBuilder().build([reg.handles["decode-0"]], (0.0, 0.0), 0.0).of(Role.DECODE)
-    assert (w.batch, w.awaiting) == (1.0, 4.0)
+    assert (w.batch, w.awaiting, w.page_waiting) == (1.0, 4.0, 1.0)
 
 
 def test_a_step_time_across_an_over_long_gap_is_discarded():
