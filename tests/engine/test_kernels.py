@@ -28,23 +28,10 @@ from engine.kernels import (  # noqa: E402
     store_kv,
     triton_available,
 )
+from tests.support.triton_interpreter import needs_triton  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 LAYER = 1  # a middle layer of a 2-layer pool: the layer views are strided and offset
-
-
-def _triton_skip_reason() -> str | None:
-    if not triton_available():
-        return "triton is not importable"
-    from engine.kernels._triton_kernels import interpreter_usable
-
-    if not interpreter_usable():
-        return "triton was imported before TRITON_INTERPRET=1 was set (interpreter unavailable)"
-    return None
-
-
-_SKIP = _triton_skip_reason()
-needs_triton = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
 
 def _tol(dtype: torch.dtype) -> dict:

@@ -7,6 +7,9 @@ first statement. If another module imported triton earlier without it, the kerne
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -16,22 +19,11 @@ import torch  # noqa: E402
 from engine import moe  # noqa: E402
 from engine.config import MoeSpec  # noqa: E402
 from engine.kernels import triton_available, triton_moe  # noqa: E402
+from tests.support.triton_interpreter import needs_triton  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
 
-def _triton_skip_reason() -> str | None:
-    if not triton_available():
-        return "triton is not importable"
-    from engine.kernels._triton_kernels import interpreter_usable
-
-    if not interpreter_usable():
-        return "triton was imported before TRITON_INTERPRET=1 was set (interpreter unavailable)"
-    return None
-
-
-_SKIP = _triton_skip_reason()
-needs_triton = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 F32 = {"rtol": 1e-4, "atol": 1e-5}
 
 
@@ -244,44 +236,49 @@ def test_engine_greedy_through_the_fused_kernels_equals_transformers(monkeypatch
 # the CUDA build, without a GPU
 
 
-def _compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict):
-    """``fn`` compiled by triton's CUDA backend for compute capability 9.0 (to a cubin with the
-    bundled ptxas; no GPU or driver involved); integer arguments as int32."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+# In a fresh process without TRITON_INTERPRET: once the interpreter has run a kernel in this process,
+# triton's language functions stay patched for it and a real compile fails.
+_COMPILE_SCRIPT = r"""
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from engine.kernels import _triton_moe_kernels as kernels
 
-    jitted = JITFunction(fn)  # not triton.jit, which in interpreter mode wraps for the interpreter
+def build(fn, pointers, constexprs):
+    jitted = JITFunction(fn)
     names = jitted.arg_names
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
-    return triton.compile(
-        ASTSource(fn=jitted, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32)
-    )
+    source = ASTSource(fn=jitted, signature=signature, constexprs=consts)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+blocks = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, HAS_SCALE=True, DOT_PRECISION=None, DOT_DTYPE=tl.bfloat16)
+common = {"W": "*i8", "W_SCALE": "*fp32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32"}
+try:
+    gate_up = build(kernels._gate_up_kernel, {**common, "X": "*bf16", "ACT": "*bf16"}, {**blocks, "TOP_K": 8})
+except (ImportError, RuntimeError, FileNotFoundError) as e:  # no CUDA backend or ptxas in this install
+    print("no CUDA build:", e)
+    raise SystemExit(0)
+down = build(kernels._down_kernel, {**common, "ACT": "*bf16", "PAIR_W": "*fp32", "OUT": "*fp32"}, blocks)
+for k in (gate_up, down):
+    assert k.asm["cubin"] and "mma.sync" in k.asm["ptx"], "a dot without tensor cores"
+print("compiled")
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")
-def test_kernels_compile_for_hopper_with_tensor_core_dots(monkeypatch, tmp_path):
+def test_kernels_compile_for_hopper_with_tensor_core_dots(tmp_path):
     """bfloat16 activations with int8 experts at the default decode blocks: both kernels build for
-    sm_90 and their dots are tensor-core MMAs (what the interpreter cannot tell)."""
-    import triton.language as tl
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    from engine.kernels import _triton_moe_kernels as kernels
-
-    blocks = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, HAS_SCALE=True, DOT_PRECISION=None, DOT_DTYPE=tl.bfloat16)
-    common = {"W": "*i8", "W_SCALE": "*fp32", "SORTED": "*i32", "BLOCK_EXPERT": "*i32"}
-    try:
-        gate_up = _compile_for_sm90(
-            kernels._gate_up_kernel, {**common, "X": "*bf16", "ACT": "*bf16"}, {**blocks, "TOP_K": 8}
-        )
-    except (ImportError, RuntimeError, FileNotFoundError) as e:  # no CUDA backend or ptxas in this install
-        pytest.skip(f"triton cannot build for CUDA here: {e}")
-    down = _compile_for_sm90(
-        kernels._down_kernel, {**common, "ACT": "*bf16", "PAIR_W": "*fp32", "OUT": "*fp32"}, blocks
+    sm_90 (triton's CUDA backend and bundled ptxas; no GPU or driver) and their dots are tensor-core
+    MMAs (what the interpreter cannot tell)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], cwd=repo, env=env, timeout=300, capture_output=True, text=True
     )
-    for k in (gate_up, down):
-        assert k.asm["cubin"] and "mma.sync" in k.asm["ptx"]
+    if res.returncode == 0 and "no CUDA build:" in res.stdout:
+        pytest.skip(f"triton cannot build for CUDA here: {res.stdout.strip()}")
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
