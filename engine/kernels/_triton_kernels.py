@@ -236,10 +236,10 @@ _BODIES = {
 }
 
 
-@functools.cache
-def get_kernel(name: str, interpret: bool):
-    """The kernel ``name`` wrapped for the interpreter (``interpret=True``) or for compilation."""
-    fn = _BODIES[name]
+def wrap(fn, interpret: bool):
+    """Kernel body ``fn`` wrapped for the interpreter (``interpret=True``) or for compilation;
+    RuntimeError when the interpreter is asked for but triton was imported without
+    ``TRITON_INTERPRET=1``."""
     if interpret:
         if not interpreter_usable():
             raise RuntimeError(
@@ -250,3 +250,9 @@ def get_kernel(name: str, interpret: bool):
 
         return InterpretedFunction(fn)
     return triton.jit(fn)
+
+
+@functools.cache
+def get_kernel(name: str, interpret: bool):
+    """The kernel ``name`` wrapped for the interpreter (``interpret=True``) or for compilation."""
+    return wrap(_BODIES[name], interpret)

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import functools
 
-import triton
 import triton.language as tl
 
-from engine.kernels._triton_kernels import interpreter_usable
+from engine.kernels._triton_kernels import wrap
 
 
 def _gate_up_kernel(
@@ -165,16 +164,5 @@ _BODIES = {"gate_up": _gate_up_kernel, "down": _down_kernel}
 @functools.cache
 def get_kernel(name: str, interpret: bool):
     """The MoE kernel ``name`` (``gate_up`` or ``down``) wrapped for the interpreter (``interpret``)
-    or for compilation; RuntimeError when the interpreter is asked for but triton was imported
-    without ``TRITON_INTERPRET=1``."""
-    fn = _BODIES[name]
-    if interpret:
-        if not interpreter_usable():
-            raise RuntimeError(
-                "Triton kernels on CPU tensors run in the Triton interpreter, which needs "
-                "TRITON_INTERPRET=1 set before triton is first imported in this process"
-            )
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(fn)
-    return triton.jit(fn)
+    or for compilation (``engine.kernels._triton_kernels.wrap``)."""
+    return wrap(_BODIES[name], interpret)
