@@ -5,7 +5,9 @@ the tokens streamed so far), so the client's stream goes on with no gap, no dupl
 ``FailoverBudget`` is one request's allowance (``--max-failovers``) and the counters it moves;
 ``live_route`` waits for a route of ready workers other than the failed one until a deadline, as
 long as a worker outside the failed route may become ready (one starting or restarting); with none
-it answers at once.
+it answers at once. ``continuation_route`` is the route it takes: in PD, when the streaming worker is
+the one gone, the continuation keeps the failed route's prefill worker if it is ready (its radix
+cache holds the prompt it prefilled, so the recompute computes the sent tokens only).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from server.router.registry import READY, RESTARTING, STARTING, Registry, Route
+from server.router.registry import READY, RESTARTING, STARTING, Registry, Route, WorkerHandle
+from transfer.wire.enums import Role
 
 CONTINUED = "continued"  # sent again on a live route
 LIMIT = "limit"  # --max-failovers reached
@@ -61,15 +64,55 @@ class FailoverBudget:
             self.on_outcome(worker, outcome)
 
 
+def cache_holder(registry: Registry, failed: Route) -> WorkerHandle | None:
+    """The prefill worker of ``failed`` whose cache holds the request's prompt, when a continuation
+    should go back to it: the route's prefill worker, still ready under the same handle, while the
+    streaming worker is not ready (its death is the failure). None otherwise: no prefill worker
+    (colocated), the prefill worker gone, or the streaming worker alive (then the failure may be
+    the prefill worker's, which another worker reported before the registry saw it)."""
+    prefill = next((h for h in failed.targets if h.spec.role == Role.PREFILL), None)
+    if prefill is None or failed.stream_from.state == READY:
+        return None
+    return prefill if prefill.state == READY and registry.handles.get(prefill.worker_id) is prefill else None
+
+
+def continuation_route(registry: Registry, failed: Route, prompt_ids: Sequence[int], sent: int = 0) -> Route | None:
+    """``registry.reroute(failed)`` (a fresh pair when there is one), but with the prefill worker
+    that prefilled the prompt (``cache_holder``) in place of the policy's pick: a fresh pair would
+    send the recompute to a prefill worker whose cache misses the prompt, and the continuation
+    would compute it all again. The decode worker stays the policy's pick; when the policy expected
+    the replaced prefill worker to compute the prompt (``Route.prefill``), the holder is expected to
+    compute the ``sent`` tokens and the prompt's partial last page instead."""
+    route = registry.reroute(failed, prompt_ids)
+    holder = cache_holder(registry, failed)
+    if route is None or holder is None:
+        return route
+    picked = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
+    if picked is None or picked is holder:
+        return route
+    prefill = route.prefill
+    if prefill is not None and prefill[0] == picked.worker_id:
+        page = holder.stats.page_size if holder.stats is not None else 1
+        prefill = (holder.worker_id, sent + len(prompt_ids) % max(page, 1))
+    targets = tuple(holder if h is picked else h for h in route.targets)
+    return Route(targets, route.stream_from, prefill)
+
+
 async def live_route(
-    registry: Registry, failed: Route, prompt_ids: Sequence[int], deadline: float, poll_s: float = 0.05
+    registry: Registry,
+    failed: Route,
+    prompt_ids: Sequence[int],
+    deadline: float,
+    poll_s: float = 0.05,
+    sent: int = 0,
 ) -> Route | None:
-    """``registry.reroute(failed)`` as soon as it has one, polled every ``poll_s`` until the monotonic
-    ``deadline``; None if none came in time, or at once when no worker outside ``failed`` is ready,
-    starting or restarting (nothing can make a route appear)."""
+    """``continuation_route(failed)`` as soon as it has one, polled every ``poll_s`` until the
+    monotonic ``deadline``; None if none came in time, or at once when no worker outside ``failed``
+    is ready, starting or restarting (nothing can make a route appear). ``sent``: the tokens the
+    continuation carries."""
     old = {h.worker_id for h in failed.targets}
     while True:
-        route = registry.reroute(failed, prompt_ids)
+        route = continuation_route(registry, failed, prompt_ids, sent)
         hope = any(
             h.state in (READY, STARTING, RESTARTING) and h.worker_id not in old for h in registry.handles.values()
         )

@@ -243,7 +243,8 @@ class GenerationSession:
         if self.failover.left <= 0:
             outcome, why = LIMIT, why + f"--max-failovers {self.failover.limit} reached"
         else:
-            route = await live_route(self.registry, self.route, self.prompt_ids, self.arrival + self.timeout_s)
+            deadline = self.arrival + self.timeout_s
+            route = await live_route(self.registry, self.route, self.prompt_ids, deadline, sent=len(self.sent))
             if route is None:
                 outcome, why = NO_ROUTE, why + "no live route (another worker) before the request's deadline"
         if route is not None:

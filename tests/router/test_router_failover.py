@@ -74,6 +74,34 @@ def test_pd_decode_death_mid_stream_continues_on_the_other_decode_worker():
     assert outcomes == [("d0", "continued")] and len(reg.table) == 0
 
 
+def test_pd_continuation_goes_back_to_the_prefill_worker_that_prefilled_its_prompt():
+    """With 2 prefill workers a decode worker's death sends the continuation to the prefill worker of
+    its route (its radix cache holds the prompt), not to the fresh pair's other prefill worker; when
+    that prefill worker is gone too, to the policy's pick; when the prefill worker is the one that
+    died (the continuation's recompute), to a fresh pair."""
+
+    async def routes(*deaths: tuple[str, ...]) -> list[list[str]]:
+        reg = registry("pd", "p0", "p1", "d0", "d1")
+        s = session(reg)
+        assert [h.worker_id for h in s.route.targets] == ["p0", "d0"]
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4, 5]))
+        await s.next()
+        seen = []
+        for dead in deaths:
+            for w in dead:
+                reg.mark_dead(w, "worker process exited with code -9")
+            waiting = asyncio.ensure_future(s.next())
+            await asyncio.sleep(0.01)
+            seen.append([h.worker_id for h in s.route.targets])
+            waiting.cancel()
+        s.close("test over")
+        return seen
+
+    assert asyncio.run(routes(("d0",))) == [["p0", "d1"]]  # the fresh pair would be p1 + d1
+    assert asyncio.run(routes(("p0", "d0"))) == [["p1", "d1"]]  # the holder is gone: the policy's pick
+    assert asyncio.run(routes(("d0",), ("p0",))) == [["p0", "d1"], ["p1", "d1"]]  # its recompute's prefill died
+
+
 class LocalAwareClient(RecordingClient):
     """A recording decode worker double with the ``WorkerClient`` hook the registry wires."""
 
