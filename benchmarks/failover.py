@@ -1,13 +1,13 @@
 """Failover of streaming requests: the goal figures in one run.
 
-``python -m benchmarks.failover [--streams 24] [--max-tokens 128] [--replicas 2] [--transfer-backend ucxx]
-[--kill-at 0.25] [--seed 0] [--dtype float32] [--continuation-forward-tokens N] [--json]
-[--log-level DEBUG --log-file PATH]``
+``python -m benchmarks.failover [--streams 24] [--max-tokens 128] [--replicas 2] [--prefill 2]
+[--transfer-backend ucxx] [--kill-at 0.25] [--seed 0] [--dtype float32] [--continuation-forward-tokens N]
+[--json] [--log-level DEBUG --log-file PATH]``
 
-Launches the embedded model as 1 prefill + 2 decode workers (``--replicas 2``: two colocated
-replicas instead), streams ``--streams`` concurrent completions of ``--max-tokens`` tokens
-(``ignore_eos``; cycling through greedy, seeded temperature, ``json_schema``, ``n=2``, ``logprobs``
-and stop strings) once without a fault, then the same bodies again with ``kill -9`` of the decode
+Launches the embedded model as 1 prefill + 2 decode workers (``--prefill N``: N prefill workers;
+``--replicas 2``: two colocated replicas instead), streams ``--streams`` concurrent completions of
+``--max-tokens`` tokens (``ignore_eos``; cycling through greedy, seeded temperature, ``json_schema``,
+``n=2``, ``logprobs`` and stop strings) once without a fault, then the same bodies again with ``kill -9`` of the decode
 worker (replica) running the most requests once the clients hold ``--kill-at`` of all tokens.
 Prints:
 
@@ -35,7 +35,11 @@ Prints:
   ``resume_after_detection_s``: those that resumed only after the router's ``is dead`` line, the
   continued ones; ``resumes_s``: every one, sorted);
 - what the workers computed for the continuations (``pdserve_continuation_prefill_tokens_total``) against
-  what their radix caches held (``pdserve_continuation_cached_tokens_total``), summed over the workers.
+  what their radix caches held (``pdserve_continuation_cached_tokens_total``), summed over the workers
+  and by worker, beside ``prompt_page_tokens``: the prompt tokens in whole pages of the streams that
+  resumed only after the router's ``is dead`` line (the continued ones; each choice of an ``n = 2``
+  request counted), the most a cache that holds each continued prompt can give them (a radix cache
+  holds whole pages only: a prompt shorter than a page has nothing cached).
 
 ``--continuation-forward-tokens N`` launches the workers with that cap (shortest continuation first,
 at most ``N`` of their tokens per forward); 0, the default, leaves it off.
@@ -59,6 +63,7 @@ from bench.harness.subprocess_server import LaunchedServer, free_base_port, metr
 from benchmarks.failover_load import astream, dead_at, first_difference, mixed_bodies, same_output, worker_pid
 
 HEARTBEAT_S = 0.2
+PAGE_SIZE = 16
 WORDS = (
     "river stone light garden window morning paper music silver forest engine voice winter harbor "
     "letter market bridge candle orange summer keeper tower ocean storm"
@@ -68,7 +73,8 @@ WORDS = (
 def launch_args(ns: argparse.Namespace) -> list[str]:
     """``pdserve launch`` flags of the run: PD 1+2 or colocated replicas, pools large enough for every
     stream on one worker (the survivor takes them all)."""
-    topo = ["--mode", "colocated", "--replicas", str(ns.replicas)] if ns.replicas else ["--mode", "pd", "--decode", "2"]
+    pd = ["--mode", "pd", "--prefill", str(ns.prefill), "--decode", "2"]
+    topo = ["--mode", "colocated", "--replicas", str(ns.replicas)] if ns.replicas else pd
     extra = ["--transfer-backend", ns.transfer_backend] if ns.transfer_backend else []
     extra += ["--base-port", str(ns.base_port)]
     return [
@@ -79,7 +85,7 @@ def launch_args(ns: argparse.Namespace) -> list[str]:
         "--kv-pool-tokens",
         "16384",
         "--page-size",
-        "16",
+        str(PAGE_SIZE),
         "--dtype",
         ns.dtype,
         "--health-interval-s",
@@ -92,6 +98,30 @@ def launch_args(ns: argparse.Namespace) -> list[str]:
             else []
         ),
     ]
+
+
+def continuation_tokens_by_worker(m: dict, before: dict) -> dict[str, dict[str, int]]:
+    """{worker: {"computed": n, "cached": n}} of the continuation counters' change from ``before``
+    to ``m``, for the workers where either moved."""
+    names = {
+        "computed": "pdserve_continuation_prefill_tokens_total",
+        "cached": "pdserve_continuation_cached_tokens_total",
+    }
+    workers = sorted({dict(lab).get("worker") for (n, lab) in m if n in names.values()} - {None})
+    out = {
+        w: {k: int(metric_sum(m, n, worker=w) - metric_sum(before, n, worker=w)) for k, n in names.items()}
+        for w in workers
+    }
+    return {w: v for w, v in out.items() if any(v.values())}
+
+
+def prompt_page_tokens(records: list[dict], detect_s: float | None, page: int) -> int:
+    """The prompt tokens in whole pages of the streams that resumed only after the detection (the
+    continued ones), each choice counted: what a cache holding every continued prompt gives them."""
+    if detect_s is None:
+        return 0
+    continued = [r for r in records if r["resume_s"] is not None and r["resume_s"] >= detect_s]
+    return sum((r["usage"]["prompt_tokens"] // page) * page * len(r["choices"]) for r in continued)
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -181,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--replicas", type=int, default=0, help="colocated replicas instead of 1 prefill + 2 decode")
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers beside the 2 decode workers (PD)")
     ap.add_argument("--transfer-backend", choices=["nixl", "ucxx"], default=None)
     ap.add_argument("--kill-at", type=float, default=0.25, help="fraction of all tokens the clients hold at the kill")
     ap.add_argument("--seed", type=int, default=0)
@@ -204,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-file", default=None, help="write the launch's log (router and workers) there at the end")
     ns = ap.parse_args(argv)
     # the workers' ports: free ones, so the run does not collide with another launch on the host
-    ns.base_port = free_base_port(ns.replicas or 3)
+    ns.base_port = free_base_port(ns.replicas or ns.prefill + 2)
 
     mixes = mixed_bodies(ns.streams, ns.max_tokens, WORDS, ns.seed)
     bodies = [b for _, b in mixes]
@@ -227,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         recomputed = moved("pdserve_failover_recomputed_tokens_total")
         computed = moved("pdserve_continuation_prefill_tokens_total")
         cached = moved("pdserve_continuation_cached_tokens_total")
+        by_worker = continuation_tokens_by_worker(m, before)
         stall_n = moved("pdserve_failover_stall_seconds_count")
         stall_mean = moved("pdserve_failover_stall_seconds_sum") / stall_n if stall_n else 0.0
         prompt_tokens = max(r["usage"]["prompt_tokens"] for r in ref)
@@ -235,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         longest = prompt_tokens + min(sent, ns.max_tokens)
         each = round(mean_prompt + recomputed / failovers) if failovers else 0
         deadline = time.monotonic() + 180  # the launcher restarts the victim; prefill on a settled server
-        while metric_sum(scrape_metrics(server.url), "pdserve_worker_up") < len(workers) + (0 if ns.replicas else 1):
+        while metric_sum(scrape_metrics(server.url), "pdserve_worker_up") < len(workers) + (
+            0 if ns.replicas else ns.prefill
+        ):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -274,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         "recomputed_tokens": int(recomputed),
         "continuation_prefill_computed_tokens": int(computed),
         "continuation_prefill_cached_tokens": int(cached),
+        "continuation_tokens_by_worker": by_worker,
+        "prompt_page_tokens": prompt_page_tokens(got, detect_s, PAGE_SIZE),
         "detection_s": None if detect_s is None else round(detect_s, 3),
         "max_gap_s": round(gap, 3),
         "max_gap_fault_free_s": round(gap_ref, 3),

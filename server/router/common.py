@@ -153,6 +153,7 @@ def new_run(
             ctx.cfg.cluster.max_failovers,
             on_outcome=lambda worker, outcome: ctx.metrics.failovers.labels(worker, outcome).inc(),
             on_recomputed=ctx.metrics.failover_recomputed.inc,
+            on_same_prefill=ctx.metrics.failover_same_prefill.inc,
             on_stall=ctx.metrics.failover_stall.observe,
         ),
     )

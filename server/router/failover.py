@@ -33,13 +33,15 @@ class FailoverBudget:
     """How many failovers one request has left, and the metric hooks: ``on_outcome(worker,
     outcome)`` once per failover attempt (``worker``: the one that was streaming), ``on_recomputed(n)``
     with the tokens a continuation makes the new route compute again (the output so far),
-    ``on_stall(s)`` with the gap the client saw: its last token before the failure to its first
-    token from the new route."""
+    ``on_same_prefill()`` once per continuation sent to the prefill worker of its failed route (PD:
+    the one whose cache holds its prompt), ``on_stall(s)`` with the gap the client saw: its last
+    token before the failure to its first token from the new route."""
 
     limit: int = 0
     used: int = 0
     on_outcome: Callable[[str, str], None] | None = None
     on_recomputed: Callable[[int], None] | None = None
+    on_same_prefill: Callable[[], None] | None = None
     on_stall: Callable[[float], None] | None = None
     stalled_since: float | None = None  # monotonic time of the last token before a continuation
 
@@ -54,14 +56,22 @@ class FailoverBudget:
                 self.on_stall(now - self.stalled_since)
             self.stalled_since = None
 
-    def record(self, worker: str, outcome: str, recomputed: int = 0) -> None:
-        """Count one attempt; a ``CONTINUED`` one uses up one failover."""
+    def record(self, worker: str, outcome: str, recomputed: int = 0, same_prefill: bool = False) -> None:
+        """Count one attempt; a ``CONTINUED`` one uses up one failover (``same_prefill``: it went to
+        the prefill worker of the failed route)."""
         if outcome == CONTINUED:
             self.used += 1
             if self.on_recomputed is not None:
                 self.on_recomputed(recomputed)
+            if same_prefill and self.on_same_prefill is not None:
+                self.on_same_prefill()
         if self.on_outcome is not None:
             self.on_outcome(worker, outcome)
+
+
+def prefill_worker(route: Route) -> WorkerHandle | None:
+    """The prefill worker of ``route`` (PD), None for a colocated route."""
+    return next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
 
 
 def cache_holder(registry: Registry, failed: Route) -> WorkerHandle | None:
@@ -70,7 +80,7 @@ def cache_holder(registry: Registry, failed: Route) -> WorkerHandle | None:
     streaming worker is not ready (its death is the failure). None otherwise: no prefill worker
     (colocated), the prefill worker gone, or the streaming worker alive (then the failure may be
     the prefill worker's, which another worker reported before the registry saw it)."""
-    prefill = next((h for h in failed.targets if h.spec.role == Role.PREFILL), None)
+    prefill = prefill_worker(failed)
     if prefill is None or failed.stream_from.state == READY:
         return None
     return prefill if prefill.state == READY and registry.handles.get(prefill.worker_id) is prefill else None
@@ -87,7 +97,7 @@ def continuation_route(registry: Registry, failed: Route, prompt_ids: Sequence[i
     holder = cache_holder(registry, failed)
     if route is None or holder is None:
         return route
-    picked = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
+    picked = prefill_worker(route)
     if picked is None or picked is holder:
         return route
     prefill = route.prefill

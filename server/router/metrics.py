@@ -330,6 +330,11 @@ class RouterMetrics:
             "Output tokens computed again by the live route of a continuation (max_failovers)",
             registry=r,
         )
+        self.failover_same_prefill = Counter(
+            "pdserve_failover_same_prefill",
+            "Continuations sent to the prefill worker of their failed route, whose radix cache holds their prompt (PD)",
+            registry=r,
+        )
         self.failover_stall = Histogram(
             "pdserve_failover_stall_seconds",
             "The gap a client saw across a failover: its last token from the dead worker to its "

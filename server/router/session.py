@@ -34,7 +34,16 @@ from collections.abc import Callable
 
 from cache.fit import FitCheck, RequestRejected
 from server.router.errors import APIError
-from server.router.failover import CONTINUED, LIMIT, NO_ROUTE, UNFIT, UNREACHABLE, FailoverBudget, live_route
+from server.router.failover import (
+    CONTINUED,
+    LIMIT,
+    NO_ROUTE,
+    UNFIT,
+    UNREACHABLE,
+    FailoverBudget,
+    live_route,
+    prefill_worker,
+)
 from server.router.inflight import Inflight, InflightTable, Moved
 from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
@@ -239,7 +248,7 @@ class GenerationSession:
             return False
         worker = self.inflight.stream_from if self.inflight is not None else ""
         why, outcome = f"{failed.error}; not continued after {len(self.sent)} tokens: ", None
-        route = None
+        route, old = None, prefill_worker(self.route)
         if self.failover.left <= 0:
             outcome, why = LIMIT, why + f"--max-failovers {self.failover.limit} reached"
         else:
@@ -263,7 +272,8 @@ class GenerationSession:
                 outcome, why = UNREACHABLE, why + f"the live route could not be reached ({e})"
         if outcome == CONTINUED and self.failover.stalled_since is None:
             self.failover.stalled_since = self.t_last
-        self.failover.record(worker, outcome, len(self.sent))
+        same = old is not None and route is not None and prefill_worker(route) is old
+        self.failover.record(worker, outcome, len(self.sent), same_prefill=same)
         self.failover_error = None if outcome == CONTINUED else why
         if outcome != CONTINUED:
             log.warning("request %s: %s", self.rid, why)

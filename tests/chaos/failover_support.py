@@ -27,8 +27,18 @@ from tests.chaos.tiny_model import save_tiny_model
 
 SEED = int(os.environ.get("PDSERVE_CHAOS_SEED", "1313"))
 STREAMS, MAX_TOKENS = 12, 48
+PAGE_SIZE = 16
 WORDS = "river stone light garden window morning paper music silver forest engine voice winter harbor".split()
-ARGS = ["--kv-pool-tokens", "2048", "--page-size", "16", "--max-model-len", "512", "--test-step-delay-s", "0.02"]
+ARGS = [
+    "--kv-pool-tokens",
+    "2048",
+    "--page-size",
+    str(PAGE_SIZE),
+    "--max-model-len",
+    "512",
+    "--test-step-delay-s",
+    "0.02",
+]
 
 
 @contextlib.contextmanager

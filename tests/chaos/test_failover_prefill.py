@@ -1,16 +1,20 @@
-"""Chaos rows for a prefill worker's death, on one launch of 2 prefill + 2 decode workers (the tiny
-model, real processes, KV over NIXL on loopback, ``--worker-timeout-s 30`` so only the kills are
-deaths) under the mixed streamed load, every output compared with the fault-free run and nothing
-left on any worker once the killed ones are back:
+"""Chaos rows for a worker's death with 2 prefill workers, on one launch of 2 prefill + 2 decode
+workers (the tiny model, real processes, KV over NIXL on loopback, ``--worker-timeout-s 30`` so only
+the kills are deaths) under the mixed streamed load, every output compared with the fault-free run
+and nothing left on any worker once the killed ones are back:
 
+- ``kill -9`` of the busier decode worker at a seeded moment: its streams continue on the other
+  one, and each continuation's recompute goes back to the prefill worker that prefilled its prompt
+  (whose radix cache holds it), so the prefill workers compute only the sent tokens and the
+  prompts' partial last pages of them;
 - ``kill -9`` of a prefill worker before the handoff: it is stopped (SIGSTOP) before the load, so
   the requests routed to it wait in its queue, then killed once all of them reached the router;
   each of them goes to the other prefill worker (a fresh-pair retry);
 - ``kill -9`` of a prefill worker while it holds the recomputes of a dead decode worker's
   continuations: at a seeded moment both prefill workers are stopped and the busiest decode worker
-  A killed; A's streams continue on the other decode worker B (on a fresh pair: the prefill worker
-  that did not prefill them), which prefills some of them itself and sends the others' recomputes
-  to that prefill worker, where they wait until it is killed in turn (the other one resumes). They
+  A killed; A's streams continue on the other decode worker B, each with the prefill worker that
+  prefilled its prompt, and B prefills some of them itself and sends the others' recomputes to
+  those prefill workers, where they wait until one of them is killed (the other one resumes). They
   fail over a second time before their first new token, to the other prefill worker (or B's local
   prefill), B still streaming them;
 - ``kill -9`` of a prefill worker while the surviving decode worker prefills continuations itself:
@@ -33,12 +37,14 @@ import pytest
 from bench.harness.subprocess_server import metric_sum
 from tests.chaos.chaos_cluster import Cluster, signal_worker
 from tests.chaos.failover_support import (
+    PAGE_SIZE,
     STREAMS,
     Reference,
     assert_failed_over,
     busiest_first,
     failover_cluster,
     fault_free,
+    killed_load,
     load,
     outstanding,
     requests_left,
@@ -71,6 +77,25 @@ def reference(cluster):
     return fresh
 
 
+def test_kill9_of_a_decode_worker_recomputes_on_the_prefill_worker_holding_the_prompt(cluster, reference):
+    c = cluster
+    ref = reference()
+    kill_tokens, total = ref.kill_tokens(salt=0)
+    got, victim = asyncio.run(killed_load(c, ref.bodies, kill_tokens, DECODES))
+    row = f"decode kill -9 with 2 prefill workers: {victim} at {kill_tokens}/{total} tokens"
+    moved = assert_failed_over(row, ref, got, c.wait_recovered(), (victim,))
+    continued, sent = moved("pdserve_failovers_total"), moved("pdserve_failover_recomputed_tokens_total")
+    computed = sum(moved("pdserve_continuation_prefill_tokens_total", worker=p) for p in PREFILLS)
+    cached = sum(moved("pdserve_continuation_cached_tokens_total", worker=p) for p in PREFILLS)
+    same = moved("pdserve_failover_same_prefill_total")
+    print(f"  prefill workers: {computed:g} continuation tokens computed, {cached:g} cached, {sent:g} sent")
+    assert same == continued, f"{same:g} of {continued:g} continuations went to their prompt's prefill worker"
+    # a recompute where the prompt is cached computes its sent tokens but the last one, plus the
+    # prompt's partial last page; one at a prefill worker without the prompt computes it all again
+    assert computed <= sent + (PAGE_SIZE - 2) * continued, (computed, cached, sent, continued)
+    assert computed == 0 or cached > 0, (computed, cached)
+
+
 def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster, reference):
     c = cluster
     ref = reference()
@@ -92,9 +117,10 @@ def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster,
 
 async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int, settle_s: float = 0.3) -> dict:
     """The load with both prefill workers stopped and the busiest decode worker A killed once the
-    clients hold ``kill_tokens`` tokens; ``settle_s`` after A's continuations went out, the prefill
-    worker they were sent to (its outstanding tokens at the router rose: the others' fell with A's
-    requests) is killed and the other resumed (SIGCONT). What happened, with the records."""
+    clients hold ``kill_tokens`` tokens; ``settle_s`` after A's continuations went out (each to the
+    prefill worker of its prompt), the prefill worker whose outstanding tokens at the router rose
+    most (ties: the first) is killed and the other resumed (SIGCONT). What happened, with the
+    records."""
     counting, reached = tokens_reached(kill_tokens)
     task = asyncio.create_task(load(c.url, bodies, counting))
     await reached.wait()

@@ -1,8 +1,9 @@
-"""Chaos rows for failover beside the decode worker's kill -9 (``test_failover_chaos.py``), each on a
-launch of its own (the tiny model, real processes, KV over NIXL on loopback) under the same mixed
-streamed load (greedy, seeded temperature, ``json_schema``, ``n=2``, ``logprobs``, stop strings),
-every output compared with the fault-free run of the same bodies, and no KV page, host pool byte
-or in-flight entry left on any worker once the killed one is back:
+"""Chaos rows for failover beside the decode worker's kill -9 (``test_failover_prefill.py``, with 2
+prefill workers), each on a launch of its own (the tiny model, real processes, KV over NIXL on
+loopback) under the same mixed streamed load (greedy, seeded temperature, ``json_schema``,
+``n=2``, ``logprobs``, stop strings), every output compared with the fault-free run of the same
+bodies, and no KV page, host pool byte or in-flight entry left on any worker once the killed one is
+back:
 
 - 2 colocated replicas, ``kill -9`` of the one running the most requests once a seeded share of the
   tokens went out (``PDSERVE_CHAOS_SEED``): its streams continue on the other replica;

@@ -80,9 +80,12 @@ def test_pd_continuation_goes_back_to_the_prefill_worker_that_prefilled_its_prom
     that prefill worker is gone too, to the policy's pick; when the prefill worker is the one that
     died (the continuation's recompute), to a fresh pair."""
 
-    async def routes(*deaths: tuple[str, ...]) -> list[list[str]]:
-        reg = registry("pd", "p0", "p1", "d0", "d1")
-        s = session(reg)
+    async def routes(*deaths: tuple[str, ...]) -> tuple[list[list[str]], int]:
+        reg, same = registry("pd", "p0", "p1", "d0", "d1"), []
+        budget = FailoverBudget(2, on_same_prefill=lambda: same.append(1))
+        s = GenerationSession(reg, reg.table, [1, 2, 3], PARAMS, timeout_s=5, retries=1, failover=budget)
+        s.prepare()
+        s.send()
         assert [h.worker_id for h in s.route.targets] == ["p0", "d0"]
         reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4, 5]))
         await s.next()
@@ -95,11 +98,12 @@ def test_pd_continuation_goes_back_to_the_prefill_worker_that_prefilled_its_prom
             seen.append([h.worker_id for h in s.route.targets])
             waiting.cancel()
         s.close("test over")
-        return seen
+        return seen, len(same)
 
-    assert asyncio.run(routes(("d0",))) == [["p0", "d1"]]  # the fresh pair would be p1 + d1
-    assert asyncio.run(routes(("p0", "d0"))) == [["p1", "d1"]]  # the holder is gone: the policy's pick
-    assert asyncio.run(routes(("d0",), ("p0",))) == [["p0", "d1"], ["p1", "d1"]]  # its recompute's prefill died
+    # (the routes taken, the continuations counted as sent to their failed route's prefill worker)
+    assert asyncio.run(routes(("d0",))) == ([["p0", "d1"]], 1)  # the fresh pair would be p1 + d1
+    assert asyncio.run(routes(("p0", "d0"))) == ([["p1", "d1"]], 0)  # the holder is gone: the policy's pick
+    assert asyncio.run(routes(("d0",), ("p0",))) == ([["p0", "d1"], ["p1", "d1"]], 1)  # its recompute's prefill died
 
 
 class LocalAwareClient(RecordingClient):
