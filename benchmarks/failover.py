@@ -36,10 +36,12 @@ Prints:
   continued ones; ``resumes_s``: every one, sorted);
 - what the workers computed for the continuations (``pdserve_continuation_prefill_tokens_total``) against
   what their radix caches held (``pdserve_continuation_cached_tokens_total``), summed over the workers
-  and by worker, beside ``prompt_page_tokens``: the prompt tokens in whole pages of the streams that
-  resumed only after the router's ``is dead`` line (the continued ones; each choice of an ``n = 2``
-  request counted), the most a cache that holds each continued prompt can give them (a radix cache
-  holds whole pages only: a prompt shorter than a page has nothing cached).
+  and by worker (``failovers_same_prefill``: the continuations sent to the prefill worker of their
+  failed route, which holds their prompt), beside ``prompt_page_tokens``: the prompt tokens in
+  whole pages of the streams that resumed only after the router's ``is dead`` line (the continued
+  ones; each choice of an ``n = 2`` request counted), the most a cache that holds each continued
+  prompt can give them (a radix cache holds whole pages only: a prompt shorter than a page has
+  nothing cached).
 
 ``--continuation-forward-tokens N`` launches the workers with that cap (shortest continuation first,
 at most ``N`` of their tokens per forward); 0, the default, leaves it off.
@@ -256,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         failovers = moved("pdserve_failovers_total", outcome="continued")
         other = moved("pdserve_failovers_total") - failovers
         recomputed = moved("pdserve_failover_recomputed_tokens_total")
+        same_prefill = moved("pdserve_failover_same_prefill_total")
         computed = moved("pdserve_continuation_prefill_tokens_total")
         cached = moved("pdserve_continuation_cached_tokens_total")
         by_worker = continuation_tokens_by_worker(m, before)
@@ -305,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "failovers_continued": int(failovers),
         "failovers_other_outcomes": int(other),
+        "failovers_same_prefill": int(same_prefill),
         "recomputed_tokens": int(recomputed),
         "continuation_prefill_computed_tokens": int(computed),
         "continuation_prefill_cached_tokens": int(cached),
