@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from configs.schema import PdserveConfig
 from server.router.app import build_context, create_app
 from server.router.errors import APIError
-from server.router.failover import FailoverBudget
-from server.router.registry import Registry, WorkerSpec
+from server.router.failover import FailoverBudget, continuation_route
+from server.router.registry import Registry, Route, WorkerSpec, route_pd
 from server.router.session import GenerationSession
 from server.router.worker_client import WorkerClient
 from tests.support.router_doubles import RecordingClient, ScriptedColocated, ready_registry
@@ -104,6 +104,26 @@ def test_pd_continuation_goes_back_to_the_prefill_worker_that_prefilled_its_prom
     assert asyncio.run(routes(("d0",))) == ([["p0", "d1"]], 1)  # the fresh pair would be p1 + d1
     assert asyncio.run(routes(("p0", "d0"))) == ([["p1", "d1"]], 0)  # the holder is gone: the policy's pick
     assert asyncio.run(routes(("d0",), ("p0",))) == ([["p0", "d1"], ["p1", "d1"]], 1)  # its recompute's prefill died
+
+
+def test_the_kept_prefill_worker_is_expected_to_compute_the_sent_tokens_and_the_partial_page():
+    """``Route.prefill`` of a continuation that keeps its prompt's prefill worker names that worker with
+    the sent tokens plus the prompt's partial last page, where the policy had named its own pick."""
+    reg = registry("pd", "p0", "p1", "d0", "d1")
+    for h in reg.handles.values():
+        h.stats = h.stats.model_copy(update={"page_size": 4})
+    failed = reg.route()
+    reg.mark_dead("d0", "worker process exited with code -9")
+
+    def counting_policy(pool, load, prompt_ids):
+        chosen = route_pd(pool, load, prompt_ids)
+        return Route(chosen.targets, chosen.stream_from, (chosen.targets[0].worker_id, len(prompt_ids)))
+
+    reg.policy = counting_policy
+    route = continuation_route(reg, failed, list(range(10)), sent=5)
+    assert [h.worker_id for h in route.targets] == ["p0", "d1"] and route.prefill == ("p0", 5 + 2)
+    reg.policy = route_pd  # least-loaded names no prefill estimate: none is made up
+    assert continuation_route(reg, failed, list(range(10)), sent=5).prefill is None
 
 
 class LocalAwareClient(RecordingClient):
