@@ -14,6 +14,9 @@ SLOs, then prints one table: goodput (req/s and share), TTFT/TPOT p50/p99, faile
 switches (``pdserve_role_switches_total``) and the planner's goodput over the best static one.
 ``--steady KIND`` adds a trace of that phase kind only (same length) over ``--steady-configs``.
 The planner's evaluations (router log, INFO) of each planner run go to ``--planner-log``.
+``--node-cpus X`` makes each worker a node of X cores (``pdserve launch --node-cpus``: a CPU-quota
+cgroup per worker, core lending off), the cluster the planner is for; without it the three workers
+share the host's cores and the planner holds (a move adds no compute there).
 
     python -m benchmarks.role_goodput --phase-s 60 --cycles 2 --prefill-load 1.4 --decode-load 1.4 \
         --slo-ttft-ms 3000 --slo-tpot-ms 150 --steady decode-heavy
@@ -45,10 +48,13 @@ WARMUP = [RequestSpec(-1, "hello " * 40, 40, 4, "warmup"), RequestSpec(-2, "worl
 def server_flags(config: str, args: argparse.Namespace) -> list[str]:
     """``pdserve launch`` flags of ``config`` (``1p2d``, ``2p1d`` or ``planner``): the split, the
     migration path a decode -> prefill switch needs (every configuration has it, so only the
-    planner differs), and for ``planner`` the SLO planner with the benchmark's SLOs and knobs."""
+    planner differs), each worker a node of ``--node-cpus`` cores when given, and for ``planner``
+    the SLO planner with the benchmark's SLOs and knobs."""
     p, d = split_of(config, args)
     flags = ["--prefill", str(p), "--decode", str(d), "--migrate-after", "100000", "--host-kv-pool-gb", "0.25"]
     flags += ["--kv-pool-tokens", str(args.kv_pool_tokens), "--health-interval-s", str(HEARTBEAT_S)]
+    if args.node_cpus:
+        flags += ["--node-cpus", str(args.node_cpus)]
     if config == "planner":
         flags += ["--planner", "slo", "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms)]
         flags += ["--planner-interval-s", str(args.planner_interval_s), "--planner-hysteresis"]
@@ -112,6 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steady", choices=[bursty.PREFILL, bursty.DECODE], help="add a trace of one phase kind")
     ap.add_argument("--steady-configs", default="1p2d,2p1d,planner", help="configurations run on the steady trace")
     ap.add_argument("--kv-pool-tokens", type=int, default=16384)
+    ap.add_argument(
+        "--node-cpus",
+        type=float,
+        help="each worker a node of this many cores (its own CPU-quota cgroup, no core lending; needs root)",
+    )
     ap.add_argument("--tokenizer", default="default", help="counts prompt tokens ('words': one word = one token)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", default="", help="extra pdserve launch flags for every configuration")

@@ -255,6 +255,13 @@ class ClusterConfig(BaseModel):
         "use every core), auto (split the cores among the workers, spare ones to the "
         "router), or ID=CPUS,... (e.g. prefill-0=0,decode-0=1; CPUS like 0-3 or 0+2)",
     )
+    node_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="launcher: run each worker of this host as a node of this many cores: its process in "
+        "its own CPU-quota cgroup (cgroup v1 cpu controller, as docker run --cpus; removed at shutdown; "
+        "refused where cgroups are not writable), one torch thread per whole core, core lending off",
+    )
     worker_kv_pool_tokens: str = Field(
         "",
         description="launcher: KV pool capacity in tokens of the named workers instead of kv_pool_tokens: "

@@ -92,6 +92,12 @@ class ServerConfig(BaseModel):
         description="planner: a move is made only if the other SLO's metric, predicted after it, stays "
         "within this fraction of that SLO",
     )
+    planner_cores: Literal["auto", "shared", "own"] = Field(
+        "auto",
+        description="planner: whether a move adds compute to the role it joins: shared (the workers share "
+        "one host's cores: no move is made for a TTFT or TPOT violation), own (each worker has its own "
+        "cores, as nodes), auto (shared when this launch runs its workers lending each other cores)",
+    )
     health_interval_s: float = Field(1.0, gt=0, description="worker heartbeat period")
     worker_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is dead")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -40,12 +41,13 @@ import zmq.asyncio
 from configs.schema import PdserveConfig
 from server.launch.exit_watch import ExitWatch
 from server.launch.launch_auth import launch_auth
+from server.launch.node_cgroups import NodeGroupError, NodeGroups, node_threads
 from server.launch.ports import PortUnavailable, reserve_worker_ports
 from server.launch.roles import WORKER_ROLES, bind_addr, worker_argv, worker_specs
 from server.launch.supervisor import RestartPolicy, WorkerSupervisor
+from server.launch.worker_cores import core_lending, with_planner_cores
 from server.launch.worker_procs import ExternalWorkers, WorkerProcesses
 from server.router.registry import WorkerSpec
-from server.worker.core_lending import CoreLedger, borrows
 from server.worker.placement import Placement, plan_placement
 from transfer.control_auth import ControlAuth, ControlAuthError
 from transfer.wire.enums import Role
@@ -154,18 +156,22 @@ class Launcher:
 
     def _start_workers(self, local: list[WorkerSpec], pin_router: bool, ports: dict) -> WorkerProcesses:
         """Start this host's workers on their held ``ports`` (listening sockets by worker id), each
-        on its own cores (``cluster.worker_cpus``; the plan is logged) and, with ``pin_router``, this
-        process on the cores left over."""
+        on its own cores (``cluster.worker_cpus``; the plan is logged) or node (``cluster.node_cpus``:
+        a CPU-quota group each, no lending) and, with ``pin_router``, this process on the cores left
+        over. Resolves ``server.planner_cores`` ``auto``: ``shared`` when the workers lend cores."""
+        node = self.cfg.cluster.node_cpus
         try:
             plan = plan_placement([s.worker_id for s in local], self.cfg.cluster.worker_cpus)
         except ValueError as e:
             raise LaunchError(str(e)) from None
+        plan = dataclasses.replace(plan, threads=node_threads(node)) if node else plan
         fds = {wid: s.fileno() for wid, s in ports.items()}
-        log.info("%s", plan.describe())
+        log.info("%s%s", plan.describe(), f"; each worker a node of {node:g} cores (CPU quota)" if node else "")
         if pin_router and plan.router:
             os.sched_setaffinity(0, plan.router)
-        lending = self._core_lending(local, plan)
+        lending = None if node else self._core_lending(local, plan)
         ledger_fd = lending[0] if lending else None
+        self.cfg = with_planner_cores(self.cfg, shared=lending is not None)
 
         def argv(spec: WorkerSpec) -> list[str]:
             cpus = plan.workers.get(spec.worker_id)
@@ -179,26 +185,21 @@ class Launcher:
                 *(lending[1][spec.worker_id] if lending else []),
             ]
 
-        return WorkerProcesses(
-            local, argv, fds, shared_fds=() if ledger_fd is None else (ledger_fd,), env=self.child_env
-        )
+        try:
+            return WorkerProcesses(
+                local,
+                argv,
+                fds,
+                shared_fds=() if ledger_fd is None else (ledger_fd,),
+                env=self.child_env,
+                groups=NodeGroups(node) if node else None,
+            )
+        except NodeGroupError as e:
+            raise LaunchError(str(e)) from None
 
     def _core_lending(self, local: list[WorkerSpec], plan: Placement) -> tuple[int, dict[str, list[str]]] | None:
-        """(ledger memfd, extra argv per worker id) when this launch's workers lend each other idle
-        cores (``cluster.core_lending``: unpinned workers that share the host's threads), else None."""
-        mode, total = self.cfg.cluster.core_lending, len(os.sched_getaffinity(0))
-        if mode == "off" or plan.workers or not plan.threads or total <= plan.threads:
-            return None
-        _, fd = CoreLedger.create(len(local))
-        extra = {}
-        for slot, spec in enumerate(local):
-            lend = ["--lend-threads", str(total)] if borrows(mode, spec.role) else []
-            extra[spec.worker_id] = ["--core-ledger-fd", str(fd), "--core-slot", str(slot), *lend]
-        names = [s.worker_id for s in local if borrows(mode, s.role)]
-        log.info(
-            "core lending: %s run on all %d cores while the other workers are idle", ", ".join(names) or "none", total
-        )
-        return fd, extra
+        """``server.launch.worker_cores.core_lending`` for this launch's ``cluster.core_lending``."""
+        return core_lending(self.cfg.cluster.core_lending, local, plan)
 
     def request_stop(self, force: bool = False) -> None:
         """Begin a clean shutdown; ``force`` makes uvicorn drop open connections at once."""

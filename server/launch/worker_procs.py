@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from server.launch.node_cgroups import NodeGroupError, NodeGroups, join_group
 from server.router.registry import WorkerSpec
 
 __all__ = ["WorkerProcesses", "ExternalWorkers"]
@@ -23,10 +26,12 @@ log = logging.getLogger("pdserve.launch")
 _PR_SET_PDEATHSIG = 1
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
+def _child_setup(procs_file: Path | None = None) -> None:  # runs in the child between fork and exec
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if procs_file is not None:  # its node's CPU quota holds from the first instruction on
+        join_group(procs_file)
 
 
 class WorkerProcesses:
@@ -39,10 +44,20 @@ class WorkerProcesses:
         fds: dict[str, int] | None = None,
         shared_fds: tuple[int, ...] = (),
         env: dict[str, str] | None = None,
+        groups: NodeGroups | None = None,
     ) -> None:
         """``fds``: per worker id, a file descriptor its process inherits (its listening socket);
         ``shared_fds``: inherited by every worker (the core ledger); ``env``: variables added to
-        this process's environment for every worker (the launch's ephemeral cluster key)."""
+        this process's environment for every worker (the launch's ephemeral cluster key);
+        ``groups``: each worker runs in its own CPU-quota group (``--node-cpus``), made here and
+        removed by ``stop``."""
+        self.groups = groups
+        try:
+            for s in specs if groups is not None else ():
+                groups.create(s.worker_id)
+        except NodeGroupError:
+            groups.remove_all()
+            raise
         self.argv = argv
         self.env = {**os.environ, **env} if env else None
         self.fds = dict(fds or {})
@@ -53,7 +68,9 @@ class WorkerProcesses:
     def _popen(self, spec: WorkerSpec) -> subprocess.Popen:
         fd = self.fds.get(spec.worker_id)
         own = () if fd is None else (fd,)
-        return subprocess.Popen(self.argv(spec), preexec_fn=_child_setup, pass_fds=own + self.shared_fds, env=self.env)
+        procs_file = self.groups.procs_file(spec.worker_id) if self.groups is not None else None
+        setup = functools.partial(_child_setup, procs_file)
+        return subprocess.Popen(self.argv(spec), preexec_fn=setup, pass_fds=own + self.shared_fds, env=self.env)
 
     def restart(self, spec: WorkerSpec) -> None:
         """Start a fresh process for a worker whose process exited (it rejoins by heartbeat)."""
@@ -77,7 +94,7 @@ class WorkerProcesses:
     def stop(self, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
         """Send ``sig`` to every live worker (SIGTERM: drain; SIGUSR1: drain without the quiet
         period, when no router is left to route to them), wait up to ``grace_s``, SIGKILL the rest;
-        reap all; close ``shared_fds``."""
+        reap all; close ``shared_fds``; remove the CPU-quota groups."""
         live = [p for _, p in self.procs.values() if p.poll() is None]
         for p in live:
             p.send_signal(sig)
@@ -93,6 +110,8 @@ class WorkerProcesses:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.shared_fds = ()
+        if self.groups is not None:
+            self.groups.remove_all()
 
 
 class ExternalWorkers:

@@ -22,7 +22,9 @@ requests) than requests awaiting their KV is decode-bound: the first tokens wait
 not for prefill compute, so a prefill worker becomes a decode worker (no TTFT headroom check: TTFT
 is what the move is to cut). A violation must be seen ``hysteresis`` evaluations in a row, no move
 is made within ``dwell_s`` of the last one, both SLOs violated (or both met, or a prediction
-unknown) moves nothing, and no move leaves a role without a ready worker. Among the candidates
+unknown) moves nothing, and no move leaves a role without a ready worker. Where the workers share
+one host's cores (``Knobs.shared_cores``) a move adds no compute: a TTFT or TPOT violation moves
+nothing (the decode-bound rule still moves a worker: it adds decode pages, not compute). Among the candidates
 within the headroom, the worker with the fewest requests awaiting their KV wins (it can leave
 soonest), then the one whose leaving predicts the other metric best (ties: fewer running rows or
 backlog, then the worker id).
@@ -74,13 +76,16 @@ class ClusterView:
 @dataclass(frozen=True)
 class Knobs:
     """The SLOs (seconds) and the planner's damping: ``hysteresis`` evaluations a violation must
-    last, ``dwell_s`` after any move, ``headroom`` (0-1] of the other SLO a move may use."""
+    last, ``dwell_s`` after any move, ``headroom`` (0-1] of the other SLO a move may use;
+    ``shared_cores``: the workers share one host's cores (lending them to whichever is busy), so a
+    move adds no compute to the role it joins."""
 
     slo_ttft_s: float
     slo_tpot_s: float
     hysteresis: int = 3
     dwell_s: float = 60.0
     headroom: float = 0.8
+    shared_cores: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,11 @@ def decide(view: ClusterView, state: PlannerState, knobs: Knobs) -> Decision:
         return hold(f"dwell: last move {view.now - state.last_move_at:.1f} s ago (< {knobs.dwell_s:g} s)")
     if ttft_bad and decode_bound(decode):
         return _move(view, nxt, knobs, prefill, Role.PREFILL, Role.DECODE, ttft, tpot, decode_bound_ttft=True)
+    if knobs.shared_cores:
+        # Cores shared by every worker (a busy one borrows the idle ones'): a worker that changes
+        # role brings no compute with it, so the prediction of adding a worker's speed does not hold.
+        metric = "TTFT" if ttft_bad else "TPOT"
+        return hold(f"{metric} over its SLO, but the workers share the host's cores: a move adds no compute")
     if ttft_bad:
         return _move(view, nxt, knobs, decode, Role.DECODE, Role.PREFILL, ttft, tpot)
     return _move(view, nxt, knobs, prefill, Role.PREFILL, Role.DECODE, ttft, tpot)

@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 
 
 def knobs_of(cfg: ServerConfig) -> Knobs:
-    """The planner's knobs from the router's config (milliseconds to seconds)."""
+    """The planner's knobs from the router's config (milliseconds to seconds); ``planner_cores``
+    ``auto`` that no launch resolved (workers started elsewhere) counts as ``own``."""
     return Knobs(
         slo_ttft_s=cfg.slo_ttft_ms / 1000.0,
         slo_tpot_s=cfg.slo_tpot_ms / 1000.0,
         hysteresis=cfg.planner_hysteresis,
         dwell_s=cfg.planner_dwell_s,
         headroom=cfg.planner_headroom,
+        shared_cores=cfg.planner_cores == "shared",
     )
 
 
