@@ -53,7 +53,7 @@ test-fast: lint
 # Chaos suite + soak (tests/chaos/): faults at seeded random moments (PDSERVE_CHAOS_SEED) against a
 # launched PD cluster, then 5,000 short requests with every process's RSS sampled; prints the chaos
 # table and the RSS figures. The overload test offers 3x capacity for PDSERVE_OVERLOAD_S (20 s), the
-# retract soak sends PDSERVE_RETRACT_SOAK_REQUESTS (600); raise them for longer runs. .ci/run runs it
+# retract soak sends PDSERVE_RETRACT_SOAK_REQUESTS (288); raise them for longer runs. .ci/run runs it
 # after `make test`.
 test-chaos: install
 	$(PY) -m pytest -q -s -p no:cacheprovider --durations=10 tests/chaos
