@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 ENV_SECRET = "PDSERVE_CLUSTER_SECRET_KEY"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # libzmq asks the handler bound here in the socket's context
 ZAP_DOMAIN = "pdserve"
+CONNECT_TIMEOUT_MS = 2000  # one TCP connect attempt of a client socket; then libzmq retries, re-resolving the name
 KEYGEN_HINT = "make one with 'pdserve keygen FILE' and give every router and worker --cluster-key FILE"
 _EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -87,7 +88,12 @@ class ControlAuth:
     def client(self, sock: zmq.Socket, label: str, link: LinkWatch | None = None) -> HandshakeWatch:
         """Make ``sock`` (not yet connected) a CURVE client presenting the cluster key; the returned
         watch logs failed handshakes and holds the latest one in ``error``. ``link``: also fed the
-        connection events (a socket has one monitor, so the one watch serves both)."""
+        connection events (a socket has one monitor, so the one watch serves both). Every client
+        gives up one TCP connect after ``CONNECT_TIMEOUT_MS`` and reconnects, resolving the peer's
+        name again."""
+        # A vanished host answers no SYN: unbounded, the kernel retries for ~2 min before libzmq
+        # reconnects, so a name that moved to a replacement host would not be followed for that long.
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         if self.key is not None:
             sock.curve_secretkey = self.key.secret
             sock.curve_publickey = self.key.public

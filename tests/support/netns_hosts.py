@@ -12,8 +12,7 @@ The bridge lives in a hub namespace rather than the root one, so the root namesp
 traffic. Hosts have no default route: an address outside the subnet is unreachable from them.
 Each host gets its own ``/etc/hosts`` (``ip netns exec`` bind-mounts ``/etc/netns/NS/hosts``), which
 plays the part of cluster DNS; :meth:`NetnsLab.set_name` rewrites it in place (the bind mount
-follows the inode), so a name can move to another host. Each host gives up a TCP connect to a
-silent address after 2 SYN retries (~7 s; the kernel's default 6 take ~2 min).
+follows the inode), so a name can move to another host.
 
 :meth:`NetnsLab.close` kills every process started through :meth:`spawn` and removes every
 namespace, veth, bridge and hosts file; it runs on failure too and can be called twice.
@@ -30,7 +29,6 @@ import subprocess
 import time
 from pathlib import Path
 
-SYN_RETRIES = 2  # each emulated host's net.ipv4.tcp_syn_retries (see add_host)
 SUBNETS = [ipaddress.ip_network(f"10.214.{i}.0/24") for i in range(14, 30)]
 
 
@@ -112,9 +110,6 @@ class NetnsLab:
         run("ip", "addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
         run("ip", "link", "set", "eth0", "up", ns=ns)
         run("ip", "link", "set", "lo", "up", ns=ns)
-        # A connect to a vanished host's address gets no answer; Linux retries the SYN 6 times (~2 min)
-        # before libzmq may resolve the name again. 2 retries (~7 s) keep that wait, shorter, per host.
-        run("sysctl", "-qw", f"net.ipv4.tcp_syn_retries={SYN_RETRIES}", ns=ns)
         self.hosts[name] = (ns, addr)
         return addr
 

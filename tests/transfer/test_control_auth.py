@@ -24,7 +24,14 @@ from transfer.cluster_key import (
     read_key_file,
     write_key_file,
 )
-from transfer.control_auth import ENV_SECRET, ControlAuth, ControlAuthError, LogThrottle, resolve_auth
+from transfer.control_auth import (
+    CONNECT_TIMEOUT_MS,
+    ENV_SECRET,
+    ControlAuth,
+    ControlAuthError,
+    LogThrottle,
+    resolve_auth,
+)
 from transfer.wire.protocol import AbortRequest, StatsRequest, WorkerStats, decode, encode
 
 
@@ -188,6 +195,22 @@ def test_an_insecure_worker_tells_a_keyed_client_why(caplog):
     finally:
         io.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_every_client_socket_bounds_one_connect_attempt(keyed):
+    """A vanished host answers no SYN; the bound makes libzmq retry (resolving the name again)
+    after seconds instead of the kernel's ~2 minutes of SYN retries."""
+    ctx = zmq.Context()
+    auth = ControlAuth(ClusterKey.generate()) if keyed else ControlAuth.insecure()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        assert sock.getsockopt(zmq.CONNECT_TIMEOUT) == 0  # libzmq's default: no bound
+        auth.client(sock, "test client")
+        assert sock.getsockopt(zmq.CONNECT_TIMEOUT) == CONNECT_TIMEOUT_MS == 2000
+    finally:
+        sock.close(0)
+        ctx.destroy(0)
 
 
 def test_one_secure_server_per_context():
