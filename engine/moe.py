@@ -36,6 +36,12 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
 # Steps of at most this many tokens take the C expert kernel on CPU in one call (the decode stack's
 # row limit on MoE models too); 0 turns the kernel off.
 KERNEL_MAX_ROWS = 64
+# Steps of at least this many tokens take the register-blocked expert GEMM (``cpu_moe.expert_gemm``)
+# where the layer has its experts in the pair-panel layout (bfloat16 or int8 on AVX512-BF16). Why 1:
+# it ran 1.9-2.3x faster than the dot-product kernel at every size timed, 1 to 128 tokens, one thread
+# (at 1-2 tokens the panels stream at twice the bytes per second; past ~8 tokens it runs near the
+# core's vdpbf16ps peak) and ~1.5x at 512 (``python -m benchmarks.moe_prefill``). 0 turns it off.
+GEMM_MIN_ROWS = 1
 # Larger steps (prefill chunks, mixed batches) take it in chunks of this many tokens, each chunk's
 # chosen experts' weights read once; 0 keeps the torch matmuls for them. Why: the torch loop's
 # per-expert matmuls ran 4-5x slower than the kernel at 256 and 2048 tokens, bfloat16 and float32,
@@ -52,7 +58,8 @@ def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: 
     of rows). On CPU, where it takes the tensors and ``kernel``, ``engine.kernels.cpu_moe`` runs it (sums
     of all experts in float32, rounded once): one call for a step of at most ``KERNEL_MAX_ROWS`` rows,
     else one per ``LARGE_STEP_ROWS`` consecutive rows (routed once for the whole step, every row in
-    exactly one chunk); otherwise torch matmuls per expert."""
+    exactly one chunk), each call by the expert GEMM where the layer has ``experts_*_pairs`` and the
+    call has at least ``GEMM_MIN_ROWS`` rows; otherwise torch matmuls per expert."""
     weights, experts = route(x, w["router"], spec.top_k, spec.norm_topk_prob)
     gate_up, down = w["experts_gate_up"], w["experts_down"]
     scales = (w["experts_gate_up_scale"], w["experts_down_scale"]) if "experts_down_scale" in w else None
@@ -61,8 +68,17 @@ def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: 
     rows = x.shape[0]
     chunk = 0 if not rows or not KERNEL_MAX_ROWS else rows if rows <= KERNEL_MAX_ROWS else LARGE_STEP_ROWS
     if kernel and chunk and cpu_moe.takes(x, gate_up, down):
+        pairs = (w["experts_gate_up_pairs"], w["experts_down_pairs"]) if "experts_down_pairs" in w else None
+        gemm = pairs is not None and GEMM_MIN_ROWS > 0 and cpu_moe.gemm_takes(x, gate_up, down)
         parts = [
-            _kernel_experts(x[r : r + chunk], weights[r : r + chunk], experts[r : r + chunk], gate_up, down, scales)
+            _kernel_experts(
+                x[r : r + chunk],
+                weights[r : r + chunk],
+                experts[r : r + chunk],
+                (gate_up, down),
+                scales,
+                pairs if gemm and min(chunk, rows - r) >= GEMM_MIN_ROWS else None,
+            )
             for r in range(0, rows, chunk)
         ]
         if all(p is not None for p in parts):
@@ -79,13 +95,18 @@ def _group(weights: torch.Tensor, experts: torch.Tensor, num_experts: int):
     return torch.bincount(flat, minlength=num_experts), order // experts.shape[1], weights.flatten()[order]
 
 
-def _kernel_experts(x, weights, experts, gate_up, down, scales) -> torch.Tensor | None:
-    """One ``cpu_moe.expert_ffn`` call over rows ``x`` routed to ``(weights, experts)``, in ``x.dtype``;
-    None where the kernel refuses."""
+def _kernel_experts(x, weights, experts, stacked, scales, pairs) -> torch.Tensor | None:
+    """One C kernel call over rows ``x`` routed to ``(weights, experts)``, in ``x.dtype``: the expert GEMM
+    on ``pairs`` (the pair-panel experts) where given, else ``cpu_moe.expert_ffn`` on ``stacked``
+    (gate/up, down row-major); None where the kernel refuses."""
+    gate_up, down = stacked
     counts, tokens, pair_weights = _group(weights, experts, gate_up.shape[0])
     chosen = counts.nonzero().flatten()
     offsets = F.pad(counts[chosen].cumsum(0), (1, 0))
-    out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float(), scales=scales)
+    if pairs is not None:
+        out = cpu_moe.expert_gemm(x, pairs, chosen, offsets, tokens, pair_weights.float(), scales=scales)
+    else:
+        out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float(), scales=scales)
     return None if out is None else out.to(x.dtype)
 
 
@@ -139,7 +160,19 @@ def load_experts(get, prefix: str, spec: MoeSpec, int8: bool = False) -> dict[st
     if int8:
         for name in ("experts_gate_up", "experts_down"):
             w[name], w[name + "_scale"] = quantize_rows(w[name])
-    return w
+    return w | gemm_layout(w["experts_gate_up"], w["experts_down"])
+
+
+def gemm_layout(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``experts_gate_up_pairs`` and ``experts_down_pairs``, the stacked experts in the expert GEMM's
+    pair-panel layout (``cpu_moe.to_pairs``), where that kernel runs them: CPU tensors, bfloat16 or int8,
+    sizes multiples of 64, a CPU with AVX512-BF16; else nothing. Prepared once at load; they sit beside
+    the row-major experts (which the dot-product kernel, the decode stack and the torch path read), so
+    the experts take twice their bytes in memory."""
+    probe = torch.empty(1, gate_up.shape[-1], dtype=torch.bfloat16)
+    if gate_up.device.type != "cpu" or not cpu_moe.gemm_takes(probe, gate_up, down):
+        return {}
+    return {"experts_gate_up_pairs": cpu_moe.to_pairs(gate_up), "experts_down_pairs": cpu_moe.to_pairs(down)}
 
 
 def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,110 @@
+"""The register-blocked expert GEMM (``cpu_moe.expert_gemm``, ``cpu_moe_gemm.c``) against a float32 torch
+reference of the same grouping: every (token, expert) pair counted once, at row counts around the
+register block and the kernel's step limits, with uneven expert groups (one expert with every token,
+one with a single token, one with none), bfloat16 and int8 experts; and ``moe_mlp`` takes it for a
+bfloat16 layer whose experts were laid out at load. Skipped where the CPU has no AVX512-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import moe
+from engine.config import MoeSpec
+from engine.kernels import cpu_moe
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not cpu_moe.gemm_available(), reason="the expert GEMM needs AVX512-BF16"),
+]
+
+E, HIDDEN, INTER, TOP_K = 8, 128, 64, 2
+
+
+def _experts(int8: bool):
+    """(stacked gate_up, down, scales or None) with random bfloat16 or int8 weights."""
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(E, 2 * INTER, HIDDEN, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(E, HIDDEN, INTER, generator=g) * 0.1).bfloat16()
+    if not int8:
+        return gate_up, down, None
+    (gq, gs), (dq, ds) = moe.quantize_rows(gate_up), moe.quantize_rows(down)
+    return gq, dq, (gs, ds)
+
+
+def _uneven_routing(rows: int):
+    """``(weights, experts)`` ``[rows, 2]``: expert 0 takes every token, expert 6 only token 0, the others
+    (1-4) a random share, expert 5 and 7 none; weights random in (0, 1)."""
+    g = torch.Generator().manual_seed(rows)
+    second = torch.randint(1, 5, (rows,), generator=g)
+    second[0] = 6
+    experts = torch.stack([torch.zeros(rows, dtype=torch.int64), second], dim=1)
+    return torch.rand(rows, TOP_K, generator=g).bfloat16(), experts
+
+
+def _reference(x, gate_up, down, scales, weights, experts) -> torch.Tensor:
+    """float32 sum over each row's (expert, weight) of weight * down(SiLU(gate x) * up x), the
+    activation rounded to bfloat16 as the kernels round it."""
+    gs, ds = scales or (None, None)
+    out = torch.zeros(x.shape[0], HIDDEN)
+    for r in range(x.shape[0]):
+        for k in range(TOP_K):
+            e = int(experts[r, k])
+            wg = moe._expert(gate_up, gs, e, torch.float32).float()
+            wd = moe._expert(down, ds, e, torch.float32).float()
+            gate, up = (wg @ x[r].float()).chunk(2)
+            act = (F.silu(gate) * up).bfloat16().float()
+            out[r] += weights[r, k].float() * (wd @ act)
+    return out
+
+
+def _grouping(weights, experts):
+    counts, tokens, pair_weights = moe._group(weights, experts, E)
+    chosen = counts.nonzero().flatten()
+    return chosen, F.pad(counts[chosen].cumsum(0), (1, 0)), tokens, pair_weights.float()
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("rows", [1, 5, 7, 13, 65])
+def test_expert_gemm_counts_every_pair_once(int8, rows):
+    gate_up, down, scales = _experts(int8)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(7)).bfloat16()
+    weights, experts = _uneven_routing(rows)
+    pairs = (cpu_moe.to_pairs(gate_up), cpu_moe.to_pairs(down))
+    got = cpu_moe.expert_gemm(x, pairs, *_grouping(weights, experts), scales=scales)
+    want = _reference(x, gate_up, down, scales, weights, experts)
+    # the sums differ from the reference's by float32 order and a rare bfloat16 rounding step of the
+    # activation; one pair dropped or added moves a row by ~its whole size
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+    dot = cpu_moe.expert_ffn(x, gate_up, down, *_grouping(weights, experts), scales=scales)
+    torch.testing.assert_close(got, dot, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_pair_panel_layout_places_each_weight():
+    t = torch.arange(2 * 128 * 4, dtype=torch.float32).reshape(2, 128, 4)
+    p = cpu_moe.to_pairs(t)
+    assert p.shape == (2, 2, 2, 4, 16, 2)
+    e, o, k = 1, 64 + 16 * 2 + 5, 3  # panel 1, vector 2, lane 5, input pair 1, second of the pair
+    assert p[e, o // 64, k // 2, o % 64 // 16, o % 16, k % 2] == t[e, o, k]
+
+
+@pytest.mark.parametrize("rows", [3, 70])
+def test_moe_mlp_takes_the_gemm_for_laid_out_experts(monkeypatch, rows):
+    gate_up, down, _ = _experts(False)
+    router = (torch.randn(E, HIDDEN, generator=torch.Generator().manual_seed(2)) * 0.3).bfloat16()
+    w = {"router": router, "experts_gate_up": gate_up, "experts_down": down}
+    w |= moe.gemm_layout(gate_up, down)
+    assert set(w) > {"experts_gate_up_pairs", "experts_down_pairs"}
+    calls = []
+    real = cpu_moe.expert_gemm
+    monkeypatch.setattr(cpu_moe, "expert_gemm", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    monkeypatch.setattr(moe, "LARGE_STEP_ROWS", 32)
+    spec = MoeSpec(E, TOP_K, INTER, True, (0,))
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = moe.moe_mlp(x, w, spec)
+    # one call per chunk, every row in one (70 rows: 32 + 32 + 6; 3 rows: one call)
+    assert calls == ([rows] if rows <= moe.KERNEL_MAX_ROWS else [32, 32, 6])
+    weights, experts = moe.route(x, router, TOP_K, True)
+    want = _reference(x, gate_up, down, None, weights, experts)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
