@@ -1,14 +1,15 @@
 """One MoE prefill step split by part, and its experts by path, in one run.
 
 ``python -m benchmarks.moe_prefill [--dtype bfloat16|float32|int8] [--tokens 256,2048] [--chunks 64,256,512]
-[--rounds 2] [--threads 0] [--no-torch-loop]`` builds the peer sitting's Qwen3-MoE (``benchmarks.peer_moe_folder``'s sizes:
-hidden 1024, 4 layers, top 8 of 64 experts of 768, renormalized; random weights, a 4096-token vocabulary),
-loads it through pdserve's loader and, for each prompt length, prefills one prompt of that many tokens
-as one step (``chunked_prefill_size`` at least that long), with the experts by the torch loop, by the
-dot-product C kernel and by the expert GEMM (``engine.moe.LARGE_STEP_ROWS``'s chunks; the GEMM where
-``engine.moe.GEMM_MIN_ROWS`` lets it and the layer has the pair-panel experts), timing its parts: attention (the backend's
-``forward``), router (``engine.moe.route``), experts (the rest of ``engine.moe.moe_mlp``) and dense (all
-else: embedding, norms, QKV/O projections, rotary, the LM head). The step's sparse-layer inputs are
+[--rounds 2] [--threads 0] [--no-torch-loop]`` builds the peer sitting's Qwen3-MoE
+(``benchmarks.peer_moe_folder``'s sizes: hidden 1024, 4 layers, top 8 of 64 experts of 768, renormalized;
+random weights, a 4096-token vocabulary), loads it through pdserve's loader and, for each prompt length,
+prefills one prompt of that many tokens as one step (``chunked_prefill_size`` at least that long), with
+the experts by the torch loop, by the dot-product C kernel and by the expert GEMM
+(``engine.moe.LARGE_STEP_ROWS``'s chunks; the GEMM where ``engine.moe.GEMM_MIN_ROWS`` lets it and the
+layer has the pair-panel experts), timing its parts: attention (the backend's ``forward``), router
+(``engine.moe.route``), experts (the rest of ``engine.moe.moe_mlp``) and dense (all else: embedding,
+norms, QKV/O projections, rotary, the LM head). The step's sparse-layer inputs are
 captured and their expert blocks run again by each path, the paths alternating, best of ``--rounds``
 (routing included, the same in each): the torch loop (``_torch_experts``; its first call apart, where
 oneDNN builds a primitive for each new per-expert row count, as a served step with new counts does), the
