@@ -22,6 +22,8 @@ from engine.kernels.cpu_library import load, openmp_shared
 # float32 on any CPU (what a CPU without AVX512-BF16 runs; the tests compare the two)
 KIND_F32, KIND_BF16, KIND_BF16_WIDEN = 0, 1, 2
 KIND_I8 = 3  # weight-only int8 experts (float32 row scales) against bfloat16 x; AVX512-BF16 only
+# the experts in to_pairs' layout, run by cpu_moe_gemm.c (the decode stack's kinds where it has them)
+KIND_GEMM_BF16, KIND_GEMM_I8 = 4, 5
 ROW_MULTIPLE = 32  # hidden and expert sizes the kernel takes: multiples of 32
 PANEL = 64  # cpu_moe_gemm.c's outputs per panel: hidden and expert sizes multiples of 64
 
