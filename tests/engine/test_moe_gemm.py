@@ -110,9 +110,12 @@ def test_moe_mlp_takes_the_gemm_for_laid_out_experts(monkeypatch, rows):
     torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
 
 
-def test_decode_stack_runs_laid_out_experts_by_the_gemm(tokenizer, monkeypatch):
-    """A bfloat16 model whose experts were laid out at load: the decode stack binds the pair panels with
-    the GEMM's kind, and its steps' logits stay within a bfloat16 rounding of the layer path's."""
+# int8 builds its matmul panels for seconds: slow tier
+@pytest.mark.parametrize("weights", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
+def test_decode_stack_runs_laid_out_experts_by_the_gemm(tokenizer, monkeypatch, weights):
+    """A bfloat16 (or weight-only int8) model whose experts were laid out at load: the decode stack binds
+    the pair panels with the GEMM's kind, and its steps' logits stay within a bfloat16 rounding of the
+    layer path's (which runs the same kernel per layer)."""
     from engine.config import ModelConfig
     from engine.decode_stack import ENV
     from engine.llm import LLM
@@ -124,17 +127,19 @@ def test_decode_stack_runs_laid_out_experts_by_the_gemm(tokenizer, monkeypatch):
     monkeypatch.setenv(ENV, "1")
     cfg = ModelConfig("qwen3_moe", 128, HIDDEN, 96, 2, 4, 2, 16, moe=MoeSpec(E, TOP_K, INTER, True, (0, 1)))
     g = torch.Generator().manual_seed(0)
-    weights = {
+    tensors = {
         n: (1 + 0.2 * torch.randn(s, generator=g)) if n.endswith("norm.weight") else 0.2 * torch.randn(s, generator=g)
         for n, s in expected_tensor_shapes(cfg).items()
     }
-    llm = LLM(engine_cfg(dtype="bfloat16"), sched_cfg(), loaded=(cfg, weights, tokenizer))
+    extra = {"weight_dtype": "int8"} if weights == "int8" else {}
+    llm = LLM(engine_cfg(dtype="bfloat16", **extra), sched_cfg(), loaded=(cfg, tensors, tokenizer))
     stack = llm.runner.model.stack
     if stack is None:
         pytest.skip("no decode stack on this CPU")
-    assert stack._moe_args()["moe_kind"] == cpu_moe.KIND_GEMM_BF16
+    kind = cpu_moe.KIND_GEMM_I8 if weights == "int8" else cpu_moe.KIND_GEMM_BF16
+    assert stack._moe_args()["moe_kind"] == kind
     both = BothPaths(llm.runner.model)
-    prompts = [torch.randint(3, 128, (7 + 5 * i,), generator=g).tolist() for i in range(3)]
+    prompts = [torch.randint(3, 128, (7 + 5 * i,), generator=g).tolist() for i in range(2)]
     llm.generate_ids(prompts, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
     llm.scheduler.check_integrity()
     assert both.steps
