@@ -16,7 +16,8 @@ layer from Python; the decode stack is the whole step's layers in one C call (``
 the same expert kernel), where this host builds it. The torch and kernel rows run with the stack off;
 the stack row counts the experts read from the kernel row's run (same prompts, same greedy routes).
 The C rows run the dot-product kernel (``cpu_moe.c``) and, where the layers have the expert GEMM's
-layout, the expert GEMM (``cpu_moe_gemm.c``; its tensors taken away for the dot rows), side by side.
+layout, the expert GEMM (``cpu_moe_gemm.c``), side by side; the dot and torch rows run on row-major
+copies of the experts rebuilt from the panels (a laid-out layer holds only those).
 ``--no-torch`` skips the torch row. ``--rounds N`` alternates the paths N times and reports each one's best
 engine step, fastest forward and median of its rounds' medians.
 """
@@ -151,25 +152,22 @@ def expert_paths(stack, laid_out: dict, torch_path: bool) -> list[tuple]:
     return paths
 
 
-def _gemm_layouts(model) -> dict[int, dict]:
-    """Each sparse layer's expert GEMM tensors (``engine.moe.gemm_layout``), by layer index."""
+def laid_out_layers(model) -> dict[int, tuple[dict, dict]]:
+    """Each laid-out sparse layer's ``(tensors, the same with row-major experts rebuilt from the panels)``
+    (``engine.moe.row_major``), by layer index: a laid-out layer holds only the panels, so the
+    dot-product kernel's and the torch experts' rows run on copies this benchmark builds."""
     return {
-        i: {n: t for n, t in layer.w.items() if n.endswith("_pairs")}
+        i: (layer.w, moe.row_major(layer.w))
         for i, layer in enumerate(model.layers)
-        if layer.sparse and "experts_down_pairs" in layer.w
+        if layer.sparse and moe.laid_out(layer.w) is not None
     }
 
 
-def _set_gemm(model, laid_out: dict[int, dict], on: bool) -> None:
-    """Give the sparse layers their expert GEMM tensors back (``on``) or take them away (the dot-product
-    kernel then runs, per layer and in the stack, whose binding is rebuilt)."""
-    for i, tensors in laid_out.items():
-        w = model.layers[i].w
-        for n, t in tensors.items():
-            if on:
-                w[n] = t
-            else:
-                w.pop(n, None)
+def set_gemm(model, laid_out: dict[int, tuple[dict, dict]], on: bool) -> None:
+    """Give the sparse layers their laid-out experts (``on``: the expert GEMM runs them) or the row-major
+    copies (the dot-product kernel then runs, per layer and in the stack, whose binding is rebuilt)."""
+    for i, (panels, rows) in laid_out.items():
+        model.layers[i].w = panels if on else rows
     if model.stack is not None:
         model.stack._bound = None
 
@@ -215,13 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     context = args.batch * (PROMPT_LEN + args.tokens // 2)  # the mean context over the timed steps
     model = llm.runner.model
     stack, active = model.stack, 0.0
-    laid_out = _gemm_layouts(model)
+    laid_out = laid_out_layers(model)
     paths = expert_paths(stack, laid_out, args.torch)
     times: dict[str, list[tuple[float, float, float]]] = {path[0]: [] for path in paths}
     for _ in range(args.rounds):  # the paths alternate: a shared host's load falls on each alike
         for name, max_rows, model.stack, gemm in paths:
             moe.KERNEL_MAX_ROWS = max_rows
-            _set_gemm(model, laid_out, gemm)
+            set_gemm(model, laid_out, gemm)
             counter = UnionCounter(args.batch)
             moe.route = counter
             try:
@@ -231,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             if counter.calls:  # the stack's steps do not call engine.moe.route: the kernel row's count stands
                 active = counter.experts / counter.calls * len(cfg.moe.sparse_layers)
     model.stack = stack
-    _set_gemm(model, laid_out, True)
+    set_gemm(model, laid_out, True)
     nbytes = rl.weight_bytes_per_step(cfg, args.dtype, args.batch, round(active))
     nbytes += rl.kv_bytes_per_token(cfg, args.dtype) * context
     bound = rl.bound_s(nbytes, bw)

@@ -121,6 +121,33 @@ def to_pairs(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(e, out // PANEL, 4, 16, inp // 2, 2).permute(0, 1, 4, 2, 3, 5).contiguous()
 
 
+def from_pairs(p: torch.Tensor) -> torch.Tensor:
+    """The stacked experts ``[E, out, in]`` that :func:`to_pairs` laid out as ``p`` (a new tensor)."""
+    e, panels, half = p.shape[:3]
+    return p.permute(0, 1, 3, 4, 2, 5).reshape(e, panels * PANEL, half * 2)
+
+
+def pairs_take(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """True iff :func:`expert_gemm` runs ``x`` ``[rows, hidden]`` against experts laid out by
+    :func:`to_pairs` (``gate_up`` from ``[E, 2 * inter, hidden]``, ``down`` from ``[E, hidden, inter]``):
+    bfloat16 ``x`` on the CPU, its last dim contiguous and of the experts' hidden size, bfloat16 or int8
+    panels of one dtype, contiguous, and the kernel built (AVX512-BF16)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.stride(-1) == 1
+        and gate_up.dim() == down.dim() == 6
+        and gate_up.dtype == down.dtype
+        and gate_up.dtype in (torch.bfloat16, torch.int8)
+        and gate_up.device.type == "cpu"
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and x.shape[-1] == gate_up.shape[2] * 2 == down.shape[1] * PANEL
+        and gate_up.shape[1] == down.shape[2] * 4 // PANEL
+        and gemm_available()
+    )
+
+
 def gemm_takes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """True iff :func:`expert_gemm` runs ``x`` against these stacked experts (row-major shapes, as
     :func:`takes`): bfloat16 ``x``, bfloat16 or int8 experts, hidden and expert sizes multiples of 64,

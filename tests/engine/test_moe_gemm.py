@@ -87,15 +87,49 @@ def test_pair_panel_layout_places_each_weight():
     assert p.shape == (2, 2, 2, 4, 16, 2)
     e, o, k = 1, 64 + 16 * 2 + 5, 3  # panel 1, vector 2, lane 5, input pair 1, second of the pair
     assert p[e, o // 64, k // 2, o % 64 // 16, o % 16, k % 2] == t[e, o, k]
+    assert torch.equal(cpu_moe.from_pairs(p), t)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_a_laid_out_layer_holds_one_copy_of_its_experts(int8):
+    """``load_experts`` keeps only the pair panels where it lays the experts out: the resident bytes of
+    the layer's expert tensors (their storages, scales apart) are those of one copy."""
+    gate_up, down, _ = _experts(False)
+    ckpt = {"mlp.gate.weight": torch.zeros(E, HIDDEN, dtype=torch.bfloat16)}
+    for e in range(E):
+        gate, up = gate_up[e].chunk(2)
+        ckpt |= {f"mlp.experts.{e}.gate_proj.weight": gate, f"mlp.experts.{e}.up_proj.weight": up}
+        ckpt[f"mlp.experts.{e}.down_proj.weight"] = down[e]
+    w = moe.load_experts(ckpt.__getitem__, "mlp.", MoeSpec(E, TOP_K, INTER, True, (0,)), int8=int8)
+    assert moe.laid_out(w) is not None and moe.experts_dtype(w) == (torch.int8 if int8 else torch.bfloat16)
+    held = sum(t.untyped_storage().nbytes() for n, t in w.items() if n.startswith("experts_") and "scale" not in n)
+    assert held == E * 3 * INTER * HIDDEN * (1 if int8 else 2)
+    rebuilt = moe.row_major(w)
+    assert torch.equal(rebuilt["experts_down"], moe.quantize_rows(down)[0] if int8 else down)
+    assert moe.laid_out(rebuilt) is None and rebuilt["router"] is w["router"]
+
+
+def test_the_torch_path_rebuilds_laid_out_experts_from_their_panels():
+    gate_up, down, _ = _experts(False)
+    router = (torch.randn(E, HIDDEN, generator=torch.Generator().manual_seed(2)) * 0.3).bfloat16()
+    w = {"router": router} | moe.gemm_layout(gate_up, down)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = moe.moe_mlp(x, w, MoeSpec(E, TOP_K, INTER, True, (0,)), kernel=False)
+    want = moe.moe_mlp(
+        x,
+        {"router": router, "experts_gate_up": gate_up, "experts_down": down},
+        MoeSpec(E, TOP_K, INTER, True, (0,)),
+        kernel=False,
+    )
+    assert torch.equal(got, want)  # the same matmuls on the same weights
 
 
 @pytest.mark.parametrize("rows", [3, 70])
 def test_moe_mlp_takes_the_gemm_for_laid_out_experts(monkeypatch, rows):
     gate_up, down, _ = _experts(False)
     router = (torch.randn(E, HIDDEN, generator=torch.Generator().manual_seed(2)) * 0.3).bfloat16()
-    w = {"router": router, "experts_gate_up": gate_up, "experts_down": down}
-    w |= moe.gemm_layout(gate_up, down)
-    assert set(w) > {"experts_gate_up_pairs", "experts_down_pairs"}
+    w = {"router": router} | moe.gemm_layout(gate_up, down)
+    assert set(w) == {"router", "experts_gate_up_pairs", "experts_down_pairs"}
     calls = []
     real = cpu_moe.expert_gemm
     monkeypatch.setattr(cpu_moe, "expert_gemm", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
@@ -138,6 +172,8 @@ def test_decode_stack_runs_laid_out_experts_by_the_gemm(tokenizer, monkeypatch, 
         pytest.skip("no decode stack on this CPU")
     kind = cpu_moe.KIND_GEMM_I8 if weights == "int8" else cpu_moe.KIND_GEMM_BF16
     assert stack._moe_args()["moe_kind"] == kind
+    sparse = [layer.w for layer in llm.runner.model.layers if layer.sparse]
+    assert sparse and all(moe.laid_out(w) and "experts_down" not in w for w in sparse)  # one copy, the panels
     both = BothPaths(llm.runner.model)
     prompts = [torch.randint(3, 128, (7 + 5 * i,), generator=g).tolist() for i in range(2)]
     llm.generate_ids(prompts, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
