@@ -167,22 +167,35 @@ def load_experts(get, prefix: str, spec: MoeSpec, int8: bool = False) -> dict[st
     under ``prefix`` (``model.layers.{i}.mlp.``), HF per-expert names stacked for :func:`moe_mlp`;
     ``int8``: the experts weight-only int8 (:func:`quantize_rows`) with ``experts_*_scale`` beside them."""
     experts = range(spec.num_experts)
-    gate_up = [
-        torch.cat([get(f"{prefix}experts.{e}.gate_proj.weight"), get(f"{prefix}experts.{e}.up_proj.weight")])
-        for e in experts
-    ]
     w = {
         "router": get(prefix + "gate.weight"),
-        "experts_gate_up": torch.stack(gate_up),
-        "experts_down": torch.stack([get(f"{prefix}experts.{e}.down_proj.weight") for e in experts]),
+        "experts_gate_up": _stacked(get, prefix, experts, ("gate_proj", "up_proj")),
+        "experts_down": _stacked(get, prefix, experts, ("down_proj",)),
     }
     if int8:
         for name in ("experts_gate_up", "experts_down"):
             w[name], w[name + "_scale"] = quantize_rows(w[name])
-    pairs = gemm_layout(w["experts_gate_up"], w["experts_down"])
-    if pairs:  # one copy of the experts: the panels serve every consumer (``laid_out``)
-        del w["experts_gate_up"], w["experts_down"]
-    return w | pairs
+    if _lays_out(w["experts_gate_up"], w["experts_down"]):
+        # one copy of the experts: the panels serve every consumer (``laid_out``); one tensor at a time,
+        # so the load holds at most one of them twice
+        for name in ("experts_gate_up", "experts_down"):
+            w[name + "_pairs"] = cpu_moe.to_pairs(w.pop(name))
+    return w
+
+
+def _stacked(get, prefix: str, experts: range, parts: tuple[str, ...]) -> torch.Tensor:
+    """``[E, rows, in]``: each expert's ``parts`` matrices concatenated by rows, copied straight into one
+    tensor (no per-expert intermediate)."""
+    first = [get(f"{prefix}experts.{experts[0]}.{p}.weight") for p in parts]
+    rows, f = sum(t.shape[0] for t in first), first[0]
+    out = torch.empty(len(experts), rows, f.shape[1], dtype=f.dtype, device=f.device)
+    for e in experts:
+        row = 0
+        for p in parts:
+            t = get(f"{prefix}experts.{e}.{p}.weight")
+            out[e, row : row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    return out
 
 
 def gemm_layout(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -192,10 +205,15 @@ def gemm_layout(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Te
     replace the row-major experts (:func:`load_experts`), so a layer holds one copy of its experts: the
     expert GEMM reads the panels (per layer and in the decode stack) and the torch path rebuilds one
     expert at a time from them."""
-    probe = torch.empty(1, gate_up.shape[-1], dtype=torch.bfloat16)
-    if gate_up.device.type != "cpu" or not cpu_moe.gemm_takes(probe, gate_up, down):
+    if not _lays_out(gate_up, down):
         return {}
     return {"experts_gate_up_pairs": cpu_moe.to_pairs(gate_up), "experts_down_pairs": cpu_moe.to_pairs(down)}
+
+
+def _lays_out(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """True iff :func:`gemm_layout` lays these row-major stacked experts out (see there)."""
+    probe = torch.empty(1, gate_up.shape[-1], dtype=torch.bfloat16)
+    return gate_up.device.type == "cpu" and cpu_moe.gemm_takes(probe, gate_up, down)
 
 
 def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[int, ...]]:
