@@ -1,18 +1,22 @@
 """One MoE prefill step split by part, and its experts by path, in one run.
 
 ``python -m benchmarks.moe_prefill [--dtype bfloat16|float32|int8] [--tokens 256,2048] [--chunks 64,256,512]
-[--rounds 2] [--threads 0]`` builds the peer sitting's Qwen3-MoE (``benchmarks.peer_moe_folder``'s sizes:
-hidden 1024, 4 layers, top 8 of 64 experts of 768, renormalized; random weights, a 4096-token vocabulary),
-loads it through pdserve's loader and, for each prompt length, prefills one prompt of that many tokens
-as one step (``chunked_prefill_size`` at least that long), with the experts by the torch loop and by the
-C kernel (``engine.moe.LARGE_STEP_ROWS``'s chunks), timing its parts: attention (the backend's
-``forward``), router (``engine.moe.route``), experts (the rest of ``engine.moe.moe_mlp``) and dense (all
-else: embedding, norms, QKV/O projections, rotary, the LM head). The step's sparse-layer inputs are
-captured and their expert blocks run again by each path, the paths alternating, best of ``--rounds``
-(routing included, the same in each): the torch loop (``_torch_experts``; its first call apart, where
-oneDNN builds a primitive for each new per-expert row count, as a served step with new counts does), the
-C expert kernel in one call over the whole step, and the kernel in chunks of each ``--chunks`` tokens
-(``engine.moe.LARGE_STEP_ROWS``). Prints ms per step and each path's ratio to the torch loop.
+[--rounds 2] [--threads 0] [--no-torch-loop]`` builds the peer sitting's Qwen3-MoE
+(``benchmarks.peer_moe_folder``'s sizes: hidden 1024, 4 layers, top 8 of 64 experts of 768, renormalized;
+random weights, a 4096-token vocabulary), loads it through pdserve's loader and, for each prompt length,
+prefills one prompt of that many tokens as one step (``chunked_prefill_size`` at least that long), with
+the experts by the torch loop, by the dot-product C kernel and by the expert GEMM
+(``engine.moe.LARGE_STEP_ROWS``'s chunks; the dot kernel and the torch loop on row-major copies of
+the experts rebuilt from the pair panels, which are all a laid-out layer holds), timing its parts:
+attention (the backend's ``forward``), router (``engine.moe.route``), experts (the rest of
+``engine.moe.moe_mlp``) and dense (all else: embedding, norms, QKV/O projections, rotary, the LM head).
+The step's sparse-layer inputs are captured and their expert blocks run again by each path, the paths
+alternating, best of ``--rounds`` (routing included, the same in each): the torch loop
+(``_torch_experts``; its first call apart, where oneDNN builds a primitive for each new per-expert row
+count, as a served step with new counts does), the dot-product kernel and the expert GEMM, each in one
+call over the whole step and in chunks of each ``--chunks`` tokens (``engine.moe.LARGE_STEP_ROWS``).
+Prints ms per step and each path's ratio to the torch loop (with
+``--no-torch-loop``: to the dot kernel in the served chunks).
 """
 
 from __future__ import annotations
@@ -91,20 +95,29 @@ def prefill_parts(llm: LLM, tokens: int, vocab: int) -> tuple[dict[str, float], 
     return parts, timer.captured
 
 
-def expert_paths(captured: list[tuple], chunks: list[int], rounds: int) -> dict[str, tuple[float, float]]:
-    """(first, best) seconds of the step's expert blocks (every captured layer once) by path."""
-    rows = captured[0][0].shape[0]
-    settings = {"torch loop": None, "kernel, one call": rows} | {f"kernel, chunks of {c}": c for c in chunks}
+# path name -> (LARGE_STEP_ROWS, expert GEMM) while it runs; None: the torch loop (kernel off)
+def _settings(rows: int, chunks: list[int], torch_loop: bool) -> dict[str, tuple[int, bool] | None]:
+    loop = {"torch loop": None} if torch_loop else {}
+    dot = {"dot kernel, one call": (rows, False)} | {f"dot kernel, chunks of {c}": (c, False) for c in chunks}
+    gemm = {"expert GEMM, one call": (rows, True)} | {f"expert GEMM, chunks of {c}": (c, True) for c in chunks}
+    return loop | dot | gemm
+
+
+def expert_paths(captured: list[tuple], chunks: list[int], rounds: int, torch_loop: bool = True):
+    """(first, best) seconds of the step's expert blocks (every captured layer once) by path; the dot
+    kernel and the torch loop on the layers' tensors with row-major experts (``engine.moe.row_major``)."""
+    settings = _settings(captured[0][0].shape[0], chunks, torch_loop)
+    rows = {id(w): moe.row_major(w) for _, w, _ in captured}
     times: dict[str, list[float]] = {name: [] for name in settings}
     saved = moe.LARGE_STEP_ROWS
     try:
         for _ in range(rounds):
-            for name, chunk in settings.items():
-                moe.LARGE_STEP_ROWS = chunk or 0
+            for name, setting in settings.items():
+                moe.LARGE_STEP_ROWS, gemm = setting or (0, False)
                 t = time.perf_counter()
                 with torch.inference_mode():
                     for x, w, spec in captured:
-                        moe.moe_mlp(x, w, spec, kernel=chunk is not None)
+                        moe.moe_mlp(x, w if gemm else rows[id(w)], spec, kernel=setting is not None)
                 times[name].append(time.perf_counter() - t)
     finally:
         moe.LARGE_STEP_ROWS = saved
@@ -118,12 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunks", default="64,256,512", help="kernel chunk sizes (tokens) to time")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--no-torch-loop", dest="torch_loop", action="store_false", help="skip the torch loop (slow)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.tokens.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
-    from benchmarks.moe_roofline import build_folder
+    from benchmarks.moe_roofline import build_folder, laid_out_layers, set_gemm
 
     with tempfile.TemporaryDirectory(prefix="pdserve-moe-prefill-") as tmp:
         build_folder(Path(tmp), argparse.Namespace(**QWEN3_MOE_SIZES, vocab=4096))
@@ -138,21 +152,26 @@ def main(argv: list[str] | None = None) -> None:
         f"{cfg.moe.expert_size}, top {cfg.moe.top_k}; {args.dtype}, {torch.get_num_threads()} threads"
     )
     prefill_parts(llm, 64, cfg.vocab_size)  # warm-up: the dense matmuls' and attention's first calls
-    large = moe.LARGE_STEP_ROWS
+    large, laid_out = moe.LARGE_STEP_ROWS, laid_out_layers(llm.runner.model)
+    steps = {"dot kernel": (large, False), "expert GEMM": (large, True)}
+    if args.torch_loop:
+        steps = {"torch loop": (0, False)} | steps
     for n in lengths:
-        for path, rows in (("torch loop", 0), (f"kernel, chunks of {large}", large)):
-            moe.LARGE_STEP_ROWS = rows
+        for path, (moe.LARGE_STEP_ROWS, gemm) in steps.items():
+            set_gemm(llm.runner.model, laid_out, gemm)
             try:
                 parts, captured = prefill_parts(llm, n, cfg.vocab_size)
             finally:
                 moe.LARGE_STEP_ROWS = large
+                set_gemm(llm.runner.model, laid_out, True)
             split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items() if k != "step")
             print(f"prefill {n} tokens, experts by the {path}: step {parts['step'] * 1e3:.1f} ms ({split} ms)")
-        paths = expert_paths(captured, chunks, args.rounds)
-        base = paths["torch loop"][1]
+        paths = expert_paths(captured, chunks, args.rounds, args.torch_loop)
+        base_name = "torch loop" if args.torch_loop else f"dot kernel, chunks of {large}"
+        base = paths.get(base_name, next(iter(paths.values())))[1]
         for name, (first, best) in paths.items():
             print(
-                f"  experts {name:22s} best {best * 1e3:8.1f} ms (x{base / best:5.2f} of the torch loop), "
+                f"  experts {name:28s} best {best * 1e3:8.1f} ms (x{base / best:5.2f} of the {base_name}), "
                 f"first {first * 1e3:8.1f} ms"
             )
 

@@ -2,8 +2,8 @@
 by side in one run.
 
 ``python -m benchmarks.moe_roofline [--dtype bfloat16|float32|int8] [--hidden 1024] [--experts 64] [--top-k 8]
-[--expert-size 768] [--layers 4] [--batch 1] [--tokens 24] [--rounds 1]`` builds the model with transformers
-(random weights, nothing downloaded) into a temporary folder, loads it through pdserve's loader,
+[--expert-size 768] [--layers 4] [--batch 1] [--tokens 24] [--rounds 1] [--no-torch]`` builds the model with
+transformers (random weights, nothing downloaded) into a temporary folder, loads it through pdserve's loader,
 measures the read bandwidth (``bench.roofline_bench.read_bandwidth``) and, for each expert path, the
 decode step time at ``--batch`` through the colocated engine (``(t(1 + tokens) - t(1)) / tokens`` of
 greedy runs, each best of ``--repeats``) and each decode forward's time (the model alone: fastest and
@@ -15,8 +15,11 @@ back to (``KERNEL_MAX_ROWS`` set to 0: the kernel off); the kernel path is ``eng
 layer from Python; the decode stack is the whole step's layers in one C call (``engine.decode_stack``,
 the same expert kernel), where this host builds it. The torch and kernel rows run with the stack off;
 the stack row counts the experts read from the kernel row's run (same prompts, same greedy routes).
-``--rounds N`` alternates the paths N times and reports each one's best engine step, fastest forward and
-median of its rounds' medians.
+The C rows run the dot-product kernel (``cpu_moe.c``) and, where the layers have the expert GEMM's
+layout, the expert GEMM (``cpu_moe_gemm.c``), side by side; the dot and torch rows run on row-major
+copies of the experts rebuilt from the panels (a laid-out layer holds only those).
+``--no-torch`` skips the torch row. ``--rounds N`` alternates the paths N times and reports each one's best
+engine step, fastest forward and median of its rounds' medians.
 """
 
 from __future__ import annotations
@@ -134,6 +137,41 @@ def decode_times(llm: LLM, batch: int, tokens: int, repeats: int, vocab: int) ->
     return step, min(timer.times), statistics.median(timer.times)
 
 
+def expert_paths(stack, laid_out: dict, torch_path: bool) -> list[tuple]:
+    """(name, KERNEL_MAX_ROWS, stack or None, expert GEMM on) per path: the torch experts (where asked),
+    the C kernels per layer and in the decode stack (where built), each by the dot-product kernel and,
+    where the layers have the expert GEMM's layout, by the GEMM."""
+    rows = moe.KERNEL_MAX_ROWS
+    paths = [("torch experts", 0, None, False)] if torch_path else []
+    for name, on in (("dot", False), ("GEMM", True)):
+        if on and not laid_out:
+            continue
+        paths.append((f"C kernel ({name})", rows, None, on))
+        if stack is not None:
+            paths.append((f"C stack ({name})", rows, stack, on))
+    return paths
+
+
+def laid_out_layers(model) -> dict[int, tuple[dict, dict]]:
+    """Each laid-out sparse layer's ``(tensors, the same with row-major experts rebuilt from the panels)``
+    (``engine.moe.row_major``), by layer index: a laid-out layer holds only the panels, so the
+    dot-product kernel's and the torch experts' rows run on copies this benchmark builds."""
+    return {
+        i: (layer.w, moe.row_major(layer.w))
+        for i, layer in enumerate(model.layers)
+        if layer.sparse and moe.laid_out(layer.w) is not None
+    }
+
+
+def set_gemm(model, laid_out: dict[int, tuple[dict, dict]], on: bool) -> None:
+    """Give the sparse layers their laid-out experts (``on``: the expert GEMM runs them) or the row-major
+    copies (the dot-product kernel then runs, per layer and in the stack, whose binding is rebuilt)."""
+    for i, (panels, rows) in laid_out.items():
+        model.layers[i].w = panels if on else rows
+    if model.stack is not None:
+        model.stack._bound = None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "int8"))
@@ -148,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="rounds over the paths, alternated (best step and forward)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--no-torch", dest="torch", action="store_false", help="skip the torch experts (slow)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,13 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     context = args.batch * (PROMPT_LEN + args.tokens // 2)  # the mean context over the timed steps
     model = llm.runner.model
     stack, active = model.stack, 0.0
-    paths = [("torch experts", 0, None), ("C expert kernel", moe.KERNEL_MAX_ROWS, None)]
-    if stack is not None:
-        paths.append(("C decode stack", moe.KERNEL_MAX_ROWS, stack))
-    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _, _ in paths}
+    laid_out = laid_out_layers(model)
+    paths = expert_paths(stack, laid_out, args.torch)
+    times: dict[str, list[tuple[float, float, float]]] = {path[0]: [] for path in paths}
     for _ in range(args.rounds):  # the paths alternate: a shared host's load falls on each alike
-        for name, max_rows, model.stack in paths:
+        for name, max_rows, model.stack, gemm in paths:
             moe.KERNEL_MAX_ROWS = max_rows
+            set_gemm(model, laid_out, gemm)
             counter = UnionCounter(args.batch)
             moe.route = counter
             try:
@@ -190,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             if counter.calls:  # the stack's steps do not call engine.moe.route: the kernel row's count stands
                 active = counter.experts / counter.calls * len(cfg.moe.sparse_layers)
     model.stack = stack
+    set_gemm(model, laid_out, True)
     nbytes = rl.weight_bytes_per_step(cfg, args.dtype, args.batch, round(active))
     nbytes += rl.kv_bytes_per_token(cfg, args.dtype) * context
     bound = rl.bound_s(nbytes, bw)
@@ -197,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         step, fastest = min(r[0] for r in runs), min(r[1] for r in runs)
         median = statistics.median(r[2] for r in runs)
         print(
-            f"{name:16s} batch {args.batch}: bound {bound * 1e3:6.2f} ms ({nbytes / 1e6:.1f} MB, {active:.0f} "
+            f"{name:18s} batch {args.batch}: bound {bound * 1e3:6.2f} ms ({nbytes / 1e6:.1f} MB, {active:.0f} "
             f"experts read); engine step {step * 1e3:7.2f} ms (fraction {rl.fraction(bound, step):.2f}), decode "
             f"forward fastest {fastest * 1e3:7.2f} ms ({rl.fraction(bound, fastest):.2f}), median "
             f"{median * 1e3:7.2f} ms ({rl.fraction(bound, median):.2f})"

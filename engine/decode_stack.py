@@ -182,7 +182,8 @@ class DecodeStack:
                 if layer.sparse:
                     a.router = w["router"].data_ptr()
                     for n in ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale"):
-                        setattr(a, n, _addr(w.get(n)))
+                        # laid-out layers hold only the pair panels, which the expert GEMM's kinds read
+                        setattr(a, n, _addr(w.get(n + "_pairs", w.get(n))))
                 local = pools.layer_pool[i][1]
                 a.kv_base = buf.data_ptr() + local * buf.stride(1) * buf.element_size()
             self._bound = (buf.data_ptr(), arr)
@@ -243,8 +244,10 @@ class DecodeStack:
         spec, m = self.model.cfg.moe, self.model
         if spec is None:
             return {}
-        int8 = any(layer.w["experts_down"].dtype == torch.int8 for layer in m.layers if layer.sparse)
+        int8 = any(moe.experts_dtype(layer.w) == torch.int8 for layer in m.layers if layer.sparse)
         kind = cpu_moe.KIND_I8 if int8 else cpu_moe.KIND_F32 if m.dtype == torch.float32 else cpu_moe.KIND_BF16
+        if _gemm_experts(m):
+            kind = cpu_moe.KIND_GEMM_I8 if int8 else cpu_moe.KIND_GEMM_BF16
         return {
             "num_experts": spec.num_experts,
             "top_k": spec.top_k,
@@ -259,16 +262,24 @@ def _matmuls(layer) -> tuple[str, ...]:
     return _MATMULS[:2] if layer.sparse else _MATMULS
 
 
+def _gemm_experts(model) -> bool:
+    """True iff every sparse layer has its experts in the expert GEMM's layout (``engine.moe.gemm_layout``):
+    the stack then runs them by that kernel (faster than the dot-product one at every row count)."""
+    sparse = [layer.w for layer in model.layers if layer.sparse]
+    return bool(sparse) and model.dtype == torch.bfloat16 and all("experts_down_pairs" in w for w in sparse)
+
+
 def _experts_run(model, layer) -> bool:
     """True iff the stack runs ``layer``'s expert block: a router of the model dtype, contiguous, and
-    experts ``cpu_moe.takes`` (int8 experts with their scales, all int8 or none)."""
+    experts the kind's kernel takes (int8 experts with their scales, all int8 or none): laid out, every
+    sparse layer laid out and ``cpu_moe.pairs_take``; else ``cpu_moe.takes``."""
     w = layer.w
     router, probe = w["router"], torch.empty(1, model.cfg.hidden_size, dtype=model.dtype)
-    int8 = w["experts_down"].dtype == torch.int8
+    int8 = moe.experts_dtype(w) == torch.int8
     scales = all(w.get(n) is not None for n in ("experts_gate_up_scale", "experts_down_scale")) == int8
-    return (
-        router.dtype == model.dtype
-        and router.is_contiguous()
-        and scales
-        and cpu_moe.takes(probe, w["experts_gate_up"], w["experts_down"])
-    )
+    pairs = moe.laid_out(w)
+    if pairs is not None:
+        experts = _gemm_experts(model) and cpu_moe.pairs_take(probe, *pairs)
+    else:
+        experts = cpu_moe.takes(probe, w["experts_gate_up"], w["experts_down"])
+    return router.dtype == model.dtype and router.is_contiguous() and scales and experts

@@ -36,6 +36,10 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
 # Steps of at most this many tokens take the C expert kernel on CPU in one call (the decode stack's
 # row limit on MoE models too); 0 turns the kernel off.
 KERNEL_MAX_ROWS = 64
+# Layers whose experts were laid out at load (``gemm_layout``) run every kernel call by the
+# register-blocked expert GEMM (``cpu_moe.expert_gemm``): it ran 1.9-2.3x faster than the dot-product
+# kernel at every size timed, 1 to 128 tokens, one thread, and ~1.5x at 512
+# (``python -m benchmarks.moe_prefill``), and such layers hold no row-major experts for that kernel.
 # Larger steps (prefill chunks, mixed batches) take it in chunks of this many tokens, each chunk's
 # chosen experts' weights read once; 0 keeps the torch matmuls for them. Why: the torch loop's
 # per-expert matmuls ran 4-5x slower than the kernel at 256 and 2048 tokens, bfloat16 and float32,
@@ -46,29 +50,58 @@ LARGE_STEP_ROWS = 512
 
 
 def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: bool = True) -> torch.Tensor:
-    """The expert mixture of ``x`` ``[rows, hidden]`` with one layer's tensors ``w`` (``router``,
-    ``experts_gate_up``, ``experts_down``); returns ``[rows, hidden]`` in ``x.dtype``. On CUDA with triton
-    importable and ``kernel``, the fused Triton kernels run it (``engine.kernels.triton_moe``, any number
-    of rows). On CPU, where it takes the tensors and ``kernel``, ``engine.kernels.cpu_moe`` runs it (sums
-    of all experts in float32, rounded once): one call for a step of at most ``KERNEL_MAX_ROWS`` rows,
-    else one per ``LARGE_STEP_ROWS`` consecutive rows (routed once for the whole step, every row in
-    exactly one chunk); otherwise torch matmuls per expert."""
+    """The expert mixture of ``x`` ``[rows, hidden]`` with one layer's tensors ``w`` (``router``, and the
+    experts as ``experts_gate_up`` / ``experts_down`` or, laid out at load, ``experts_*_pairs``); returns
+    ``[rows, hidden]`` in ``x.dtype``. On CUDA with triton importable and ``kernel``, the fused Triton
+    kernels run it (``engine.kernels.triton_moe``, any number of rows). On CPU, where it takes the
+    tensors and ``kernel``, ``engine.kernels.cpu_moe`` runs it (sums of all experts in float32, rounded
+    once): one call for a step of at most ``KERNEL_MAX_ROWS`` rows, else one per ``LARGE_STEP_ROWS``
+    consecutive rows (routed once for the whole step, every row in exactly one chunk), each call by the
+    expert GEMM where the layer is laid out, else by the dot-product kernel; otherwise torch matmuls per
+    expert (a laid-out layer's experts rebuilt from their panels one at a time)."""
     weights, experts = route(x, w["router"], spec.top_k, spec.norm_topk_prob)
-    gate_up, down = w["experts_gate_up"], w["experts_down"]
     scales = (w["experts_gate_up_scale"], w["experts_down_scale"]) if "experts_down_scale" in w else None
-    if kernel and triton_moe.takes(x, gate_up, down, scales):
+    pairs = laid_out(w)
+    gate_up, down = pairs or (w["experts_gate_up"], w["experts_down"])
+    if kernel and pairs is None and triton_moe.takes(x, gate_up, down, scales):
         return triton_moe.fused_moe(x, gate_up, down, weights, experts, scales)
     rows = x.shape[0]
     chunk = 0 if not rows or not KERNEL_MAX_ROWS else rows if rows <= KERNEL_MAX_ROWS else LARGE_STEP_ROWS
-    if kernel and chunk and cpu_moe.takes(x, gate_up, down):
+    takes = cpu_moe.pairs_take if pairs is not None else cpu_moe.takes
+    if kernel and chunk and takes(x, gate_up, down):
         parts = [
-            _kernel_experts(x[r : r + chunk], weights[r : r + chunk], experts[r : r + chunk], gate_up, down, scales)
+            _kernel_experts(
+                x[r : r + chunk], weights[r : r + chunk], experts[r : r + chunk], (gate_up, down), scales, pairs
+            )
             for r in range(0, rows, chunk)
         ]
         if all(p is not None for p in parts):
             return parts[0] if len(parts) == 1 else torch.cat(parts)
     counts, tokens, pair_weights = _group(weights, experts, spec.num_experts)
     return _torch_experts(x, gate_up, down, scales, counts.tolist(), tokens, pair_weights.unsqueeze(-1))
+
+
+def laid_out(w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(experts_gate_up_pairs, experts_down_pairs)`` of a layer whose experts were laid out at load
+    (``gemm_layout``; it then holds no row-major experts), else None."""
+    return (w["experts_gate_up_pairs"], w["experts_down_pairs"]) if "experts_down_pairs" in w else None
+
+
+def experts_dtype(w: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype the layer ``w`` holds its experts in, laid out or not."""
+    pairs = laid_out(w)
+    return (pairs[1] if pairs is not None else w["experts_down"]).dtype
+
+
+def row_major(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``w`` with row-major ``experts_gate_up`` / ``experts_down`` in place of laid-out panels (a new dict,
+    the experts new tensors: twice the experts' bytes while both live); ``w`` itself where not laid out.
+    For what times or checks the dot-product kernel beside the expert GEMM."""
+    pairs = laid_out(w)
+    if pairs is None:
+        return w
+    rest = {n: t for n, t in w.items() if not n.endswith("_pairs")}
+    return rest | {"experts_gate_up": cpu_moe.from_pairs(pairs[0]), "experts_down": cpu_moe.from_pairs(pairs[1])}
 
 
 def _group(weights: torch.Tensor, experts: torch.Tensor, num_experts: int):
@@ -79,19 +112,26 @@ def _group(weights: torch.Tensor, experts: torch.Tensor, num_experts: int):
     return torch.bincount(flat, minlength=num_experts), order // experts.shape[1], weights.flatten()[order]
 
 
-def _kernel_experts(x, weights, experts, gate_up, down, scales) -> torch.Tensor | None:
-    """One ``cpu_moe.expert_ffn`` call over rows ``x`` routed to ``(weights, experts)``, in ``x.dtype``;
-    None where the kernel refuses."""
+def _kernel_experts(x, weights, experts, stacked, scales, pairs) -> torch.Tensor | None:
+    """One C kernel call over rows ``x`` routed to ``(weights, experts)``, in ``x.dtype``: the expert GEMM
+    where ``pairs`` (``stacked`` then is those panels), else ``cpu_moe.expert_ffn`` on ``stacked``
+    (gate/up, down row-major); None where the kernel refuses."""
+    gate_up, down = stacked
     counts, tokens, pair_weights = _group(weights, experts, gate_up.shape[0])
     chosen = counts.nonzero().flatten()
     offsets = F.pad(counts[chosen].cumsum(0), (1, 0))
-    out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float(), scales=scales)
+    if pairs is not None:
+        out = cpu_moe.expert_gemm(x, stacked, chosen, offsets, tokens, pair_weights.float(), scales=scales)
+    else:
+        out = cpu_moe.expert_ffn(x, gate_up, down, chosen, offsets, tokens, pair_weights.float(), scales=scales)
     return None if out is None else out.to(x.dtype)
 
 
 def _expert(t: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert ``e``'s matrix of stacked ``t`` in ``dtype`` (int8 ``t`` dequantized by its row scales)."""
-    return t[e] if scale is None else (t[e].float() * scale[e][:, None]).to(dtype)
+    """Expert ``e``'s row-major matrix of stacked ``t`` in ``dtype`` (int8 ``t`` dequantized by its row
+    scales); ``t`` laid out by ``cpu_moe.to_pairs``: that expert rebuilt from its panels (a copy)."""
+    m = cpu_moe.from_pairs(t[e : e + 1])[0] if t.dim() == 6 else t[e]
+    return m if scale is None else (m.float() * scale[e][:, None]).to(dtype)
 
 
 def _torch_experts(x, gate_up, down, scales, counts: list[int], tokens, pair_weights) -> torch.Tensor:
@@ -127,19 +167,53 @@ def load_experts(get, prefix: str, spec: MoeSpec, int8: bool = False) -> dict[st
     under ``prefix`` (``model.layers.{i}.mlp.``), HF per-expert names stacked for :func:`moe_mlp`;
     ``int8``: the experts weight-only int8 (:func:`quantize_rows`) with ``experts_*_scale`` beside them."""
     experts = range(spec.num_experts)
-    gate_up = [
-        torch.cat([get(f"{prefix}experts.{e}.gate_proj.weight"), get(f"{prefix}experts.{e}.up_proj.weight")])
-        for e in experts
-    ]
     w = {
         "router": get(prefix + "gate.weight"),
-        "experts_gate_up": torch.stack(gate_up),
-        "experts_down": torch.stack([get(f"{prefix}experts.{e}.down_proj.weight") for e in experts]),
+        "experts_gate_up": _stacked(get, prefix, experts, ("gate_proj", "up_proj")),
+        "experts_down": _stacked(get, prefix, experts, ("down_proj",)),
     }
     if int8:
         for name in ("experts_gate_up", "experts_down"):
             w[name], w[name + "_scale"] = quantize_rows(w[name])
+    if _lays_out(w["experts_gate_up"], w["experts_down"]):
+        # one copy of the experts: the panels serve every consumer (``laid_out``); one tensor at a time,
+        # so the load holds at most one of them twice
+        for name in ("experts_gate_up", "experts_down"):
+            w[name + "_pairs"] = cpu_moe.to_pairs(w.pop(name))
     return w
+
+
+def _stacked(get, prefix: str, experts: range, parts: tuple[str, ...]) -> torch.Tensor:
+    """``[E, rows, in]``: each expert's ``parts`` matrices concatenated by rows, copied straight into one
+    tensor (no per-expert intermediate)."""
+    first = [get(f"{prefix}experts.{experts[0]}.{p}.weight") for p in parts]
+    rows, f = sum(t.shape[0] for t in first), first[0]
+    out = torch.empty(len(experts), rows, f.shape[1], dtype=f.dtype, device=f.device)
+    for e in experts:
+        row = 0
+        for p in parts:
+            t = get(f"{prefix}experts.{e}.{p}.weight")
+            out[e, row : row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    return out
+
+
+def gemm_layout(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``experts_gate_up_pairs`` and ``experts_down_pairs``, the stacked experts in the expert GEMM's
+    pair-panel layout (``cpu_moe.to_pairs``), where that kernel runs them: CPU tensors, bfloat16 or int8,
+    sizes multiples of 64, a CPU with AVX512-BF16; else nothing. Prepared once at load, where they
+    replace the row-major experts (:func:`load_experts`), so a layer holds one copy of its experts: the
+    expert GEMM reads the panels (per layer and in the decode stack) and the torch path rebuilds one
+    expert at a time from them."""
+    if not _lays_out(gate_up, down):
+        return {}
+    return {"experts_gate_up_pairs": cpu_moe.to_pairs(gate_up), "experts_down_pairs": cpu_moe.to_pairs(down)}
+
+
+def _lays_out(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """True iff :func:`gemm_layout` lays these row-major stacked experts out (see there)."""
+    probe = torch.empty(1, gate_up.shape[-1], dtype=torch.bfloat16)
+    return gate_up.device.type == "cpu" and cpu_moe.gemm_takes(probe, gate_up, down)
 
 
 def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -21,6 +21,8 @@ Sources, compiled together into one library, ``pdserve_cpu_kernels-<hash>.so``:
   above in the order the Python model does (``pdserve_decode_stack``).
 - ``cpu_moe.c``: one mixture-of-experts layer's chosen experts for a step's tokens grouped by
   expert, each expert's weights read once (``pdserve_moe_experts``; float32, bfloat16, int8).
+- ``cpu_moe_gemm.c``: the same for large steps, each expert's tokens register-blocked against its
+  weights in the pair-panel layout (``pdserve_moe_gemm``; bfloat16, int8; AVX512-BF16).
 - ``cpu_vec.h`` (included, not compiled): the vector helpers the sources share.
 
 A kernel whose instructions the CPU lacks is still compiled; its ``*_available()`` entry point
@@ -65,6 +67,7 @@ SOURCES = tuple(
         "cpu_gemm_pairs.c",
         "cpu_decode_stack.c",
         "cpu_moe.c",
+        "cpu_moe_gemm.c",
     )
 )
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # hashed with the sources; included, not compiled
@@ -171,6 +174,8 @@ def _declare_matmuls(lib: ctypes.CDLL) -> None:
             "pdserve_decode_stack": ([_PTR, _PTR], _I32),
             "pdserve_moe_experts": ([_PTR, _I64, _PTR, _PTR, _I32, *([_PTR] * 8), *([_I64] * 3), _I32], _I32),
             "pdserve_moe_dot_available": ([], _I32),
+            "pdserve_moe_gemm": ([_PTR, _I64, _PTR, _PTR, _I32, *([_PTR] * 8), *([_I64] * 3), _I32], _I32),
+            "pdserve_moe_gemm_available": ([], _I32),
         },
     )
 

@@ -206,13 +206,23 @@ static void share(int64_t rows, int id, int nt, int64_t *lo, int64_t *hi) {
 
 /* kind: MOE_F32 (float32), MOE_BF16 (bfloat16; vdpbf16ps where the build has AVX512-BF16),
  * MOE_BF16_WIDEN (bfloat16 widened to float32 on any build: the tests compare the two) or MOE_I8
- * (weight-only int8 experts with float32 row scales, bfloat16 x; AVX512-BF16 only, else -1). */
-enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_BF16_WIDEN = 2, MOE_I8 = 3 };
+ * (weight-only int8 experts with float32 row scales, bfloat16 x; AVX512-BF16 only, else -1).
+ * MOE_GEMM_BF16 / MOE_GEMM_I8: gate_up and down in cpu_moe_gemm.c's pair-panel layout, run by that
+ * kernel (bfloat16 x; -1 without AVX512-BF16), so the decode stack takes it by its kind alone. */
+enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_BF16_WIDEN = 2, MOE_I8 = 3, MOE_GEMM_BF16 = 4, MOE_GEMM_I8 = 5 };
+
+int pdserve_moe_gemm(const uint16_t *x, int64_t x_stride, const void *gate_up, const void *down, int i8,
+                     const float *gate_up_scale, const float *down_scale, const int64_t *experts,
+                     const int64_t *offsets, const int64_t *pair_tok, const float *pair_w, uint16_t *act, float *out,
+                     int64_t chosen, int64_t hidden, int64_t inter, int threads);
 
 int pdserve_moe_experts(const void *x, int64_t x_stride, const void *gate_up, const void *down, int kind,
                         const float *gate_up_scale, const float *down_scale, const int64_t *experts, const int64_t *offsets, const int64_t *pair_tok,
                         const float *pair_w, void *act, float *out, int64_t chosen, int64_t hidden, int64_t inter,
                         int threads) {
+    if (kind == MOE_GEMM_BF16 || kind == MOE_GEMM_I8)
+        return pdserve_moe_gemm(x, x_stride, gate_up, down, kind == MOE_GEMM_I8, gate_up_scale, down_scale, experts,
+                                offsets, pair_tok, pair_w, act, out, chosen, hidden, inter, threads);
     if (hidden % 32 != 0 || inter % 32 != 0 || hidden < 32 || inter < 32 || chosen < 0) return -1;
     if (kind < MOE_F32 || kind > MOE_I8 || (kind == MOE_I8 && (!pdserve_moe_dot_available() || !gate_up_scale || !down_scale)))
         return -1;

@@ -2,11 +2,11 @@
 (--weight-dtype int8), experts by the C kernel, against the same folder in float32 (the exact mode,
 equal to transformers): prompt logprobs of random prompts within each mode's tolerance and the top-1
 tokens agreeing. Skipped where the CPU has no native bfloat16 (the engine runs float32 there).
-Figures of this test's four prompts (40-61 tokens, each prefill through the kernel) on the
-development host, mean / max |delta logprob|, top-1 agreement, greedy prefixes of 16: bfloat16
-0.050 / 0.72, 0.934, 8, 16, 14, 11; int8 0.132 / 2.46, 0.848, 0, 10, 6, 1 (the torch path with the
-same int8 experts dequantized: 0.123 / 2.44, 0.874). Random weights over a 128-token vocabulary have
-many near-ties."""
+Figures of this test's four prompts (40-61 tokens, each prefill through the expert GEMM, experts of
+64) on the development host, mean / max |delta logprob|, top-1 agreement: bfloat16 0.047 / 0.95,
+0.965; int8 0.107 / 1.51, 0.894 (with experts of 32 through the dot-product kernel: bfloat16 0.050 /
+0.72, 0.934; int8 0.132 / 2.46, 0.848; the torch path with the same int8 experts dequantized: 0.123 /
+2.44, 0.874). Random weights over a 128-token vocabulary have many near-ties."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _logprobs(folder, tokenizer, dtype: str, prompts: list[list[int]], weight_dt
 def moe_float32(tmp_path_factory, tokenizer):
     """(folder, prompts, float32 prompt logprobs and top-1 tokens)."""
     folder = tmp_path_factory.mktemp("qwen3_moe_bf16")
-    save_small_model("qwen3_moe", folder, **QWEN3_MOE)
+    # experts of 64: the sizes the expert GEMM takes (multiples of 64), so prefills run through it
+    save_small_model("qwen3_moe", folder, **{**QWEN3_MOE, "moe_intermediate_size": 64})
     prompts = random_prompts(4, 40)
     assert max(map(len, prompts)) <= KERNEL_MAX_ROWS
     return folder, prompts, *_logprobs(folder, tokenizer, "float32", prompts)
@@ -63,11 +64,25 @@ def test_bfloat16_and_int8_experts_stay_close_to_float32(
         pytest.skip("int8 experts take the kernel only with AVX512-BF16")
     folder, prompts, want_lp, want_top = moe_float32
     calls = []
-    real = cpu_moe.expert_ffn
-    monkeypatch.setattr(cpu_moe, "expert_ffn", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    for name in ("expert_ffn", "expert_gemm"):  # the second argument: gate/up (or laid out: both)
+        real = getattr(cpu_moe, name)
+        monkeypatch.setattr(cpu_moe, name, _spy(real, name, calls))
     got_lp, got_top = _logprobs(folder, tokenizer, "bfloat16", prompts, weight_dtype)
-    assert calls and set(calls) == {expert_dtype}  # the experts ran in the kernel, in that dtype
+    # the experts ran in the kernels, in that dtype: the prefills by the expert GEMM where it is built
+    assert calls and {dt for _, dt in calls} == {expert_dtype}
+    assert ("expert_gemm", expert_dtype) in calls or not cpu_moe.gemm_available()
     delta = (got_lp - want_lp).abs()
     agree = sum(a == b for a, b in zip(got_top, want_top)) / len(want_top)
     assert 0 < delta.mean() < bounds[0] and delta.max() < bounds[1], (delta.mean(), delta.max())
     assert agree >= bounds[2], agree
+
+
+def _spy(real, name: str, calls: list):
+    """``real`` recording ``(name, the experts' dtype)`` of each call in ``calls``."""
+
+    def call(*a, **k):
+        experts = a[1][0] if isinstance(a[1], tuple) else a[1]
+        calls.append((name, experts.dtype))
+        return real(*a, **k)
+
+    return call
