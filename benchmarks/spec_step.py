@@ -32,8 +32,9 @@ acceptance of the ``grounded`` workload of ``pdserve bench serve`` (``--rows`` o
 ``ignore_eos``, every row drafting ``--bound-k`` tokens each step with the cost rule off; or given); the
 share of a plain sitting that its prefills alone take (the same prompts with one output token each, over
 the sitting with all; or given). Beside it, what the default rule did in a sitting of the same prompts:
-tokens and expected-to-emitted tokens per full step, its speedup on the curve, and the decode time it
-measured. Every sitting's outputs must be equal (it stops otherwise).
+tokens and emitted tokens per full step, its speedup on the curve there and over all the decode steps
+of the sitting (``sitting_speedup_on_curve``: the tail of few rows included, ``bound.sitting_ms``), and the
+decode time it measured. Every sitting's outputs must be equal (it stops otherwise).
 """
 
 from __future__ import annotations
@@ -283,6 +284,9 @@ def report(curve: bound.StepCurve, rows: int, acc: list[float], share: float, ba
         ms = sum(curve.cost(t) for t, _ in full)
         rule |= {"tokens_per_step": round(tokens / len(full), 2), "emitted_per_step": round(emitted / len(full), 2)}
         rule["speedup_on_curve"] = round(emitted / ms * plain_ms, 3)
+    whole = bound.sitting_ms(curve, [t for _, t, _ in base["steps"]])
+    rule["sitting_steps"] = [len(base["steps"]), len(ruled["steps"])]
+    rule["sitting_speedup_on_curve"] = round(whole / bound.sitting_ms(curve, [t for _, t, _ in ruled["steps"]]), 3)
     decode = (base["seconds"] - base["first_s"]) / (ruled["seconds"] - ruled["first_s"])
     rule |= {
         "measured_decode_speedup": round(decode, 3),

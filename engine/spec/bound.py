@@ -45,6 +45,15 @@ class StepCurve:
         return m1 + (m1 - m0) * (tokens - t1) / (t1 - t0)
 
 
+def sitting_ms(curve: StepCurve, steps: list[int]) -> float:
+    """ms of a run of decode steps of ``steps`` tokens each on ``curve``: a step below the curve's first
+    point (a batch whose rows have finished) on the first segment's slope extended down, an estimate
+    (a smaller batch's fixed cost is the same weight read) that a sitting's tail of few rows needs."""
+    (t0, m0), (t1, m1) = curve.points[0], curve.points[1]
+    slope = (m1 - m0) / (t1 - t0)
+    return sum(curve.cost(t) if t >= t0 else m0 - slope * (t0 - t) for t in steps)
+
+
 def run_chances(acceptance: list[float]) -> list[float]:
     """``Q_j``: the chance that the first j draft tokens are all accepted, from the per-position
     acceptance ``a_j`` (of position j given the ones before it were accepted)."""

@@ -25,6 +25,12 @@ def test_curve_interpolates_and_extends_the_last_slope():
         bound.StepCurve(((8, 1.0), (8, 2.0)))
 
 
+def test_sitting_ms_extends_the_first_slope_below_the_curve():
+    curve = bound.StepCurve(((8, 10.0), (12, 12.0), (24, 24.0)))
+    assert bound.sitting_ms(curve, [8, 12, 24, 36]) == pytest.approx(10 + 12 + 24 + 36)
+    assert bound.sitting_ms(curve, [4, 2]) == pytest.approx(8.0 + 7.0)  # 0.5 ms a token below 8
+
+
 def test_run_chances_are_the_products_of_the_per_position_acceptance():
     assert bound.run_chances([0.5, 0.5, 1.0]) == [0.5, 0.25, 0.25]
     with pytest.raises(ValueError):
