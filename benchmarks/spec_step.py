@@ -25,16 +25,19 @@ and best ms, the marginal ms per token from the step before, and the line ``ms =
 prefix of the curve (``F = a / b``: the fixed cost in token units).
 
 ``--bound [--rows 8] [--curve 8,12,16,24,32,40,48,64] [--bound-k 8] [--curve-ms 8:14.7,..]
-[--acceptance 0.9,..] [--prefill-share F]`` prints in one run the best decode speedup any per-row draft
-length can reach at ``--rows`` rows and the end-to-end bound it gives (``engine.spec.bound``), from: the step
-cost curve at ``--dtype`` (measured here in ``--clock`` time, or given as ``T:ms`` pairs); the per-position
-acceptance of the ``grounded`` workload of ``pdserve bench serve`` (``--rows`` of its prompts at once, greedy,
-``ignore_eos``, every row drafting ``--bound-k`` tokens each step with the cost rule off; or given); the
-share of a plain sitting that its prefills alone take (the same prompts with one output token each, over
-the sitting with all; or given). Beside it, what the default rule did in a sitting of the same prompts:
-tokens and emitted tokens per full step, its speedup on the curve there and over all the decode steps
-of the sitting (``sitting_speedup_on_curve``: the tail of few rows included, ``bound.sitting_ms``), and the
-decode time it measured. Every sitting's outputs must be equal (it stops otherwise).
+[--acceptance 0.9,..] [--prefill-share F] [--rule-config JSON]`` prints in one run the best decode
+speedup any per-row draft length can reach at ``--rows`` rows and the end-to-end bound it gives
+(``engine.spec.bound``), from: the step cost curve at ``--dtype`` (measured here in ``--clock`` time, or
+given as ``T:ms`` pairs); the per-position acceptance of the ``grounded`` workload of ``pdserve bench
+serve`` (``--rows`` of its prompts at once, greedy, ``ignore_eos``, every row drafting ``--bound-k``
+tokens each step with the cost rule off, and its coverage: the share of row-steps with a draft at all; or
+given); the share of a plain sitting that its prefills alone
+take (the same prompts with one output token each, over the sitting with all; or given). Beside it, what
+the rule did in a sitting of the same prompts (the default one, or with ``--rule-config``'s scheduler
+fields, e.g. ``'{"spec_max_batch_tokens": 40}'``): tokens and emitted tokens per full step, its speedup
+on the curve there and over all the decode steps of the sitting (``sitting_speedup_on_curve``: the tail
+of few rows included, ``bound.sitting_ms``), and the decode time it measured. Every sitting's outputs
+must be equal (it stops otherwise).
 """
 
 from __future__ import annotations
@@ -260,8 +263,9 @@ def bound_run(a: argparse.Namespace) -> None:
         shares = {"wall": alone["seconds"] / base["seconds"], "cpu": alone["cpu"] / base["cpu"]}
         print(json.dumps({"prefill_alone_share": {k: round(v, 3) for k, v in shares.items()}}))
         share = shares["cpu" if a.clock == "cpu" else "wall"]
-    ruled = sit(fresh(speculative_method="ngram"), prompts, out_len)
+    ruled = sit(fresh(speculative_method="ngram", **json.loads(a.rule_config)), prompts, out_len)
     assert ruled["ids"] == base["ids"], "speculative output differs from plain decoding"
+    coverage = a.coverage
     if a.acceptance:
         acc = [float(x) for x in a.acceptance.split(",")]
     else:
@@ -269,13 +273,18 @@ def bound_run(a: argparse.Namespace) -> None:
         drafting = fresh(speculative_method="ngram", num_speculative_tokens=a.bound_k, **every)
         assert sit(drafting, prompts, out_len)["ids"] == base["ids"], "speculative output differs from plain decoding"
         acc = profile(drafting.scheduler.spec)
-    report(curve, a.rows, acc, share, base, ruled)
+        rows_steps = a.rows * (out_len - 1) - drafting.scheduler.spec.accepted_tokens  # each emits 1 + accepted
+        coverage = drafting.scheduler.spec.position_trials[0] / rows_steps
+    report(curve, a.rows, acc, share, base, ruled, coverage)
 
 
-def report(curve: bound.StepCurve, rows: int, acc: list[float], share: float, base: dict, ruled: dict) -> None:
+def report(
+    curve: bound.StepCurve, rows: int, acc: list[float], share: float, base: dict, ruled: dict, coverage: float
+) -> None:
     """Print the bound, the rule's choices against it and the end-to-end figures (JSON lines)."""
-    top = bound.best(curve, rows, acc)
-    print(json.dumps({"acceptance_per_position": [round(x, 3) for x in acc], "prefill_share": round(share, 3)}))
+    top, every = bound.best(curve, rows, acc, coverage), bound.best(curve, rows, acc)
+    figures = {"acceptance_per_position": [round(x, 3) for x in acc], "draft_coverage": round(coverage, 3)}
+    print(json.dumps(figures | {"prefill_share": round(share, 3)}))
     full = [(t, e) for r, t, e in ruled["steps"] if r == rows]
     plain_ms = curve.cost(rows) / rows
     rule = {"steps": len(full)}
@@ -294,11 +303,13 @@ def report(curve: bound.StepCurve, rows: int, acc: list[float], share: float, ba
     }
     print(json.dumps({"rule_at_full_batch": rule}))
     best = {"drafts_per_row": list(top.drafts), "tokens": top.tokens, "emitted": round(top.emitted, 2)}
-    best |= {"decode_speedup": round(top.speedup, 3), "oracle_decode_speedup": round(bound.oracle(curve, rows, acc), 3)}
+    best |= {"decode_speedup": round(top.speedup, 3), "oracle": round(bound.oracle(curve, rows, acc, coverage), 3)}
+    best["decode_speedup_at_full_coverage"] = round(every.speedup, 3)
     best["curve_ceiling"] = round(bound.ceiling(curve, rows), 3)
     print(json.dumps({"best_per_row_choice": best}))
     e2e = {"end_to_end_bound": round(bound.end_to_end(top.speedup, share), 3)}
-    e2e["oracle_end_to_end"] = round(bound.end_to_end(bound.oracle(curve, rows, acc), share), 3)
+    e2e["oracle_end_to_end"] = round(bound.end_to_end(bound.oracle(curve, rows, acc, coverage), share), 3)
+    e2e["end_to_end_at_full_coverage"] = round(bound.end_to_end(every.speedup, share), 3)
     e2e["decode_speedup_needed_for_1.3x"] = round(bound.decode_needed(1.3, share), 3)
     print(json.dumps(e2e), flush=True)
 
@@ -349,6 +360,8 @@ def main() -> None:
     ap.add_argument("--bound-k", type=int, default=8, help="--bound: most draft tokens per row considered")
     ap.add_argument("--curve-ms", default="", help="--bound: the step cost curve as T:ms pairs (else measured)")
     ap.add_argument("--acceptance", default="", help="--bound: per-position acceptance a1,a2,.. (else measured)")
+    ap.add_argument("--coverage", type=float, default=1.0, help="--bound with --acceptance: drafts per row-step")
+    ap.add_argument("--rule-config", default="{}", help="--bound: the rule's other scheduler fields (JSON)")
     ap.add_argument("--prefill-share", type=float, default=None, help="--bound: prefill share (else measured)")
     a = ap.parse_args()
     if a.bound:

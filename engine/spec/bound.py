@@ -78,37 +78,38 @@ class Choice:
     speedup: float
 
 
-def evaluate(curve: StepCurve, drafts: list[int], acceptance: list[float]) -> Choice:
+def evaluate(curve: StepCurve, drafts: list[int], acceptance: list[float], coverage: float = 1.0) -> Choice:
     """The step in which row i drafts ``drafts[i]`` tokens (at most ``len(acceptance)``), every row
-    with the per-position ``acceptance``."""
+    with the per-position ``acceptance``; ``coverage``: the share of rows and steps the drafter has a
+    draft for at all (the others decode plain: neither their cost nor their gain counts)."""
     q = run_chances(acceptance)
     if any(not 0 <= k <= len(q) for k in drafts):
         raise ValueError(f"a row drafts 0 to {len(q)} tokens, got {drafts}")
     rows = len(drafts)
-    tokens = rows + sum(drafts)
-    emitted = rows + sum(sum(q[:k]) for k in drafts)
+    tokens = rows + coverage * sum(drafts)
+    emitted = rows + coverage * sum(sum(q[:k]) for k in drafts)
     ms = curve.cost(tokens)
-    return Choice(tuple(drafts), tokens, emitted, ms, (emitted / ms) / (rows / curve.cost(rows)))
+    return Choice(tuple(drafts), round(tokens), emitted, ms, (emitted / ms) / (rows / curve.cost(rows)))
 
 
-def best(curve: StepCurve, rows: int, acceptance: list[float]) -> Choice:
+def best(curve: StepCurve, rows: int, acceptance: list[float], coverage: float = 1.0) -> Choice:
     """The per-row draft lengths (0 .. ``len(acceptance)`` each) that maximize expected tokens per ms: for
     each total D the D largest run chances (spread over the rows in turn), the best D (fewest on a tie)."""
     q = run_chances(acceptance)
     top = best_choice = None
     for d in range(rows * len(q) + 1):
         drafts = [d // rows + (i < d % rows) for i in range(rows)]
-        c = evaluate(curve, drafts, acceptance)
+        c = evaluate(curve, drafts, acceptance, coverage)
         if top is None or c.speedup > top + 1e-12:
             top, best_choice = c.speedup, c
     assert best_choice is not None
     return best_choice
 
 
-def oracle(curve: StepCurve, rows: int, acceptance: list[float]) -> float:
+def oracle(curve: StepCurve, rows: int, acceptance: list[float], coverage: float = 1.0) -> float:
     """The decode speedup of drafting exactly the tokens that will be accepted (no rejected work): a bound
     on every rule, given the profile (expected accepted run per row when drafting all positions)."""
-    tokens = rows * (1 + sum(run_chances(acceptance)))
+    tokens = rows * (1 + coverage * sum(run_chances(acceptance)))
     return (tokens / curve.cost(tokens)) / (rows / curve.cost(rows))
 
 

@@ -73,3 +73,11 @@ def test_end_to_end_and_the_decode_speedup_a_goal_needs():
     need = bound.decode_needed(1.3, 0.3)
     assert bound.end_to_end(need, 0.3) == pytest.approx(1.3)
     assert bound.decode_needed(1.3, 0.8) == float("inf")  # the prefill alone takes more than 1 / 1.3
+
+
+def test_coverage_counts_only_the_rows_that_have_a_draft():
+    # 2 rows, each with a draft half the time: 1 draft token and 0.5 expected accepted per step
+    c = bound.evaluate(LINEAR, [1, 1], [1.0], coverage=0.5)
+    assert (c.tokens, c.emitted, c.ms) == (3, 3.0, 15.0)
+    assert bound.best(LINEAR, 2, [1.0, 1.0, 1.0], coverage=0.5).speedup < bound.best(LINEAR, 2, [1.0] * 3).speedup
+    assert bound.oracle(LINEAR, 2, [1.0], coverage=0.0) == 1.0
