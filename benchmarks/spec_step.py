@@ -23,6 +23,21 @@ over the requests as ``verify_rows`` lays them out), every dtype's model in this
 round robin (``--clock cpu``: CPU time, for one torch thread on a shared machine). Prints each step's median
 and best ms, the marginal ms per token from the step before, and the line ``ms = a + b T`` fitted over each
 prefix of the curve (``F = a / b``: the fixed cost in token units).
+
+``--bound [--rows 8] [--curve 8,12,16,24,32,40,48,64] [--bound-k 8] [--curve-ms 8:14.7,..]
+[--acceptance 0.9,..] [--prefill-share F] [--rule-config JSON]`` prints in one run the best decode
+speedup any per-row draft length can reach at ``--rows`` rows and the end-to-end bound it gives
+(``engine.spec.bound``), from: the step cost curve at ``--dtype`` (measured here in ``--clock`` time, or
+given as ``T:ms`` pairs); the per-position acceptance of the ``grounded`` workload of ``pdserve bench
+serve`` (``--rows`` of its prompts at once, greedy, ``ignore_eos``, every row drafting ``--bound-k``
+tokens each step with the cost rule off, and its coverage: the share of row-steps with a draft at all; or
+given); the share of a plain sitting that its prefills alone
+take (the same prompts with one output token each, over the sitting with all; or given). Beside it, what
+the rule did in a sitting of the same prompts (the default one, or with ``--rule-config``'s scheduler
+fields, e.g. ``'{"spec_max_batch_tokens": 40}'``): tokens and emitted tokens per full step, its speedup
+on the curve there and over all the decode steps of the sitting (``sitting_speedup_on_curve``: the tail
+of few rows included, ``bound.sitting_ms``), and the decode time it measured. Every sitting's outputs
+must be equal (it stops otherwise).
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import time
 
 import torch
 
+from bench.serve.workload import WORKLOADS, PromptShape, TokenCounter, make_requests
 from configs.engine import EngineConfig
 from configs.scheduler import SchedulerConfig
 from engine.forward_batch import ForwardMode
@@ -42,6 +58,7 @@ from engine.loader import load_for_engine
 from engine.model_paths import resolve_model_path
 from engine.model_runner import SeqChunk
 from engine.request import Request
+from engine.spec import bound
 from engine.tokenizer import Tokenizer
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
@@ -152,6 +169,151 @@ def curve(a: argparse.Namespace) -> None:
             print(json.dumps(row), flush=True)
 
 
+def time_curve(llm: LLM, reqs: list[Request], sizes: list[int], reps: int, clock: str) -> list[tuple[int, float]]:
+    """Median ms of a DECODE step of each of ``sizes`` tokens over ``reqs`` (``curve_step``), round robin."""
+    most = max(spread(len(reqs), max(sizes)))
+    for r in reqs:  # pages for the drafted positions (written each rep, never advanced into)
+        assert llm.scheduler.kv.ensure_pages(r.kv, r.kv_len + 1 + most)
+    steps = {t: curve_step(reqs, t) for t in sizes}
+    tick = time.process_time if clock == "cpu" else time.perf_counter
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    for _ in range(reps + 2):  # the first two rounds warm up
+        for t, seqs in steps.items():
+            start = tick()
+            llm.runner.forward(ForwardMode.DECODE, seqs, 0)
+            times[t].append(tick() - start)
+    return [(t, 1000 * statistics.median(times[t][2:])) for t in sizes]
+
+
+def grounded_prompts(llm: LLM, n: int, seed: int = 0) -> list[list[int]]:
+    """The first ``n`` prompts of ``pdserve bench serve --workload grounded --tokenizer default`` (a passage
+    and the instruction to repeat it; completions endpoint: no chat template)."""
+    w = WORKLOADS["grounded"]
+    shape = PromptShape(n, *w.input_range, w.output_range[0], instruction=w.instruction)
+    return [llm.encode_prompt(r.prompt) for r in make_requests(shape, TokenCounter(llm.tokenizer), seed)]
+
+
+def sit(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All ``prompts`` at once, greedy, ``ignore_eos``, to the end: wall ``seconds`` and ``cpu`` seconds of this
+    process, ``first_s`` and ``first_cpu`` (until every request has a token), ``ids`` (outputs in prompt order)
+    and ``steps``: (rows, tokens, emitted) of each step after ``first_s`` (tokens: rows plus drafts verified)."""
+    sched, spec = llm.scheduler, llm.scheduler.spec
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0, ignore_eos=True)
+    rids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts):
+        sched.add(b"", GenerateRequest(rid=rid, params=params), p)
+    ids: dict[str, list[int]] = {rid: [] for rid in rids}
+    steps, first, first_cpu, start, cpu = [], None, None, time.perf_counter(), time.process_time()
+    while sched.has_work:
+        drafted = spec.draft_tokens if spec else 0
+        deltas = sched.step().outbox.deltas
+        drafted = (spec.draft_tokens if spec else 0) - drafted
+        rows = len({d.rid for d in deltas})
+        if first is not None and rows:
+            steps.append((rows, rows + drafted, sum(len(d.token_ids) for d in deltas)))
+        for d in deltas:
+            ids[d.rid] += d.token_ids
+        if first is None and all(ids.values()):
+            first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
+    out = dict(seconds=time.perf_counter() - start, cpu=time.process_time() - cpu, first_s=first, first_cpu=first_cpu)
+    return out | dict(ids=[ids[r] for r in rids], steps=steps)
+
+
+def profile(spec) -> list[float]:
+    """Per-position acceptance of ``spec``'s verifies (positions never reached: 0)."""
+    return [h / t if t else 0.0 for t, h in zip(spec.position_trials, spec.position_hits)]
+
+
+def pairs(text: str) -> list[tuple[int, float]]:
+    """``"8:14.7,16:19.3"`` -> ``[(8, 14.7), (16, 19.3)]``."""
+    return [(int(t), float(m)) for t, m in (p.split(":") for p in text.split(","))]
+
+
+def bound_run(a: argparse.Namespace) -> None:
+    """``--bound``: the best decode and end-to-end speedup at ``--rows`` (see the module doc), one run."""
+    ecfg = EngineConfig(model=a.model, dtype=a.dtype, device="cpu")
+    path = resolve_model_path(a.model)
+    loaded = (*load_for_engine(path, ecfg), Tokenizer.from_path(path))
+    plain = LLM(ecfg, SchedulerConfig(), loaded)
+    head = {"dtype": str(plain.runner.dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
+    if a.curve_ms:
+        points = pairs(a.curve_ms)
+    else:
+        curve_llm = LLM(ecfg, SchedulerConfig(), loaded)
+        sizes = [int(x) for x in (a.curve or "8,12,16,24,32,40,48,64").split(",")]
+        points = time_curve(curve_llm, running_batch(curve_llm, a.rows, a.context), sizes, a.reps, a.clock)
+        del curve_llm
+    curve = bound.StepCurve(tuple(points))
+    print(json.dumps(head | {"rows": a.rows, "clock": a.clock, "curve_ms": [[t, round(m, 2)] for t, m in points]}))
+    prompts, out_len = grounded_prompts(plain, a.rows), WORKLOADS["grounded"].output_range[0]
+    warm = grounded_prompts(plain, a.rows, seed=1)  # other passages: nothing of them is cached for the sittings
+
+    def fresh(**spec) -> LLM:
+        llm = LLM(ecfg, SchedulerConfig(**spec), loaded)
+        sit(llm, warm, 8)
+        return llm
+
+    base = sit(fresh(), prompts, out_len)
+    first = {"wall": base["first_s"] / base["seconds"], "cpu": base["first_cpu"] / base["cpu"]}
+    print(json.dumps({"plain_sitting_s": round(base["seconds"], 2), "cpu_s": round(base["cpu"], 2)}))
+    print(json.dumps({"share_until_every_first_token": {k: round(v, 3) for k, v in first.items()}}))
+    share = a.prefill_share
+    if share is None:  # a fresh cache: the prompts' prefill is computed, not found
+        alone = sit(fresh(), prompts, 1)
+        shares = {"wall": alone["seconds"] / base["seconds"], "cpu": alone["cpu"] / base["cpu"]}
+        print(json.dumps({"prefill_alone_share": {k: round(v, 3) for k, v in shares.items()}}))
+        share = shares["cpu" if a.clock == "cpu" else "wall"]
+    ruled = sit(fresh(speculative_method="ngram", **json.loads(a.rule_config)), prompts, out_len)
+    assert ruled["ids"] == base["ids"], "speculative output differs from plain decoding"
+    coverage = a.coverage
+    if a.acceptance:
+        acc = [float(x) for x in a.acceptance.split(",")]
+    else:
+        every = dict(spec_max_batch_tokens=4096, spec_step_fixed_tokens=float("inf"))
+        drafting = fresh(speculative_method="ngram", num_speculative_tokens=a.bound_k, **every)
+        assert sit(drafting, prompts, out_len)["ids"] == base["ids"], "speculative output differs from plain decoding"
+        acc = profile(drafting.scheduler.spec)
+        rows_steps = a.rows * (out_len - 1) - drafting.scheduler.spec.accepted_tokens  # each emits 1 + accepted
+        coverage = drafting.scheduler.spec.position_trials[0] / rows_steps
+    report(curve, a.rows, acc, share, base, ruled, coverage)
+
+
+def report(
+    curve: bound.StepCurve, rows: int, acc: list[float], share: float, base: dict, ruled: dict, coverage: float
+) -> None:
+    """Print the bound, the rule's choices against it and the end-to-end figures (JSON lines)."""
+    top, every = bound.best(curve, rows, acc, coverage), bound.best(curve, rows, acc)
+    figures = {"acceptance_per_position": [round(x, 3) for x in acc], "draft_coverage": round(coverage, 3)}
+    print(json.dumps(figures | {"prefill_share": round(share, 3)}))
+    full = [(t, e) for r, t, e in ruled["steps"] if r == rows]
+    plain_ms = curve.cost(rows) / rows
+    rule = {"steps": len(full)}
+    if full:
+        tokens, emitted = sum(t for t, _ in full), sum(e for _, e in full)
+        ms = sum(curve.cost(t) for t, _ in full)
+        rule |= {"tokens_per_step": round(tokens / len(full), 2), "emitted_per_step": round(emitted / len(full), 2)}
+        rule["speedup_on_curve"] = round(emitted / ms * plain_ms, 3)
+    whole = bound.sitting_ms(curve, [t for _, t, _ in base["steps"]])
+    rule["sitting_steps"] = [len(base["steps"]), len(ruled["steps"])]
+    rule["sitting_speedup_on_curve"] = round(whole / bound.sitting_ms(curve, [t for _, t, _ in ruled["steps"]]), 3)
+    decode = (base["seconds"] - base["first_s"]) / (ruled["seconds"] - ruled["first_s"])
+    rule |= {
+        "measured_decode_speedup": round(decode, 3),
+        "measured_end_to_end": round(base["seconds"] / ruled["seconds"], 3),
+    }
+    print(json.dumps({"rule_at_full_batch": rule}))
+    best = {"drafts_per_row": list(top.drafts), "tokens": top.tokens, "emitted": round(top.emitted, 2)}
+    best |= {"decode_speedup": round(top.speedup, 3), "oracle": round(bound.oracle(curve, rows, acc, coverage), 3)}
+    best["decode_speedup_at_full_coverage"] = round(every.speedup, 3)
+    best["curve_ceiling"] = round(bound.ceiling(curve, rows), 3)
+    print(json.dumps({"best_per_row_choice": best}))
+    e2e = {"end_to_end_bound": round(bound.end_to_end(top.speedup, share), 3)}
+    e2e["oracle_end_to_end"] = round(bound.end_to_end(bound.oracle(curve, rows, acc, coverage), share), 3)
+    e2e["end_to_end_at_full_coverage"] = round(bound.end_to_end(every.speedup, share), 3)
+    e2e["decode_speedup_needed_for_1.3x"] = round(bound.decode_needed(1.3, share), 3)
+    print(json.dumps(e2e), flush=True)
+
+
 def time_sampling(llm: LLM, reqs: list[Request], k: int, drafting: list[int], reps: int) -> dict[str, float]:
     """Median ms of a plain step's sampling and of a step with ``d`` drafting rows (``accept``'s calls)."""
     sampler = llm.scheduler.executor.sampler
@@ -194,7 +356,16 @@ def main() -> None:
         help="--curve: wall time, or this process's CPU time (with one torch thread, the figure a shared "
         "machine moves least)",
     )
+    ap.add_argument("--bound", action="store_true", help="print the best speedup at --rows (module doc)")
+    ap.add_argument("--bound-k", type=int, default=8, help="--bound: most draft tokens per row considered")
+    ap.add_argument("--curve-ms", default="", help="--bound: the step cost curve as T:ms pairs (else measured)")
+    ap.add_argument("--acceptance", default="", help="--bound: per-position acceptance a1,a2,.. (else measured)")
+    ap.add_argument("--coverage", type=float, default=1.0, help="--bound with --acceptance: drafts per row-step")
+    ap.add_argument("--rule-config", default="{}", help="--bound: the rule's other scheduler fields (JSON)")
+    ap.add_argument("--prefill-share", type=float, default=None, help="--bound: prefill share (else measured)")
     a = ap.parse_args()
+    if a.bound:
+        return bound_run(a)
     if a.curve:
         return curve(a)
     ecfg = EngineConfig(model=a.model, dtype=a.dtype, device="cpu")

@@ -68,7 +68,9 @@ class NgramSpeculator:
     drafted tokens together; ``drafts`` trims to it). ``fixed``: a step's fixed cost in token rows
     (``engine.spec.pays``): a draft token is verified only where its chance of acceptance pays for
     its row (infinite: whenever ``step_tokens`` allows). Counters: ``draft_tokens`` (draft tokens
-    verified), ``accepted_tokens`` (of those, accepted); ``acceptance``: accepted tokens per verified row.
+    verified), ``accepted_tokens`` (of those, accepted); ``acceptance``: accepted tokens per verified row;
+    ``position_trials[j]`` / ``position_hits[j]``: draft tokens at position j + 1 verified (the ones before
+    them accepted) / accepted, the per-position acceptance ``benchmarks.spec_step --bound`` reads.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class NgramSpeculator:
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.acceptance = Histogram(ACCEPTANCE_BUCKETS)
+        self.position_trials, self.position_hits = [0] * k, [0] * k
         # a request's index lives as long as the request (no registry to clean up)
         self._state: weakref.WeakKeyDictionary[Request, _Drafting] = weakref.WeakKeyDictionary()
 
@@ -217,6 +220,9 @@ class NgramSpeculator:
                 emitted[a] += 1
                 hit = j < len(d) and tok == d[j]
                 accepted[a] += hit
+                if j < len(d):
+                    self.position_trials[j] += 1
+                    self.position_hits[j] += hit
                 if hit and not req.finished:
                     still.append(a)
             active, j = still, j + 1

@@ -114,3 +114,23 @@ def test_an_adopted_record_drafts_as_on_its_source():
     lengths = [len(d) for d in source.drafts(reqs, 0)]
     assert [len(d) for d in target.drafts(moved, 0)] == lengths and lengths[:4] == [4] * 4 and lengths[5] == 0
     assert [len(d) for d in fresh.drafts(moved, 0)] != lengths  # at the prior it would draft otherwise
+
+
+def test_per_position_counts_follow_the_run():
+    """``position_trials`` / ``position_hits`` (the acceptance profile ``benchmarks.spec_step --bound``
+    reads): a position is tried only after the ones before it were accepted."""
+    kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
+    spec = NgramSpeculator(kv, k=3, n_min=1, n_max=3, max_model_len=10**6)
+    req = running(kv, "r")
+    d = spec.draft(req)
+    assert len(d) == 3
+    logits = torch.zeros(4, 8)
+    for j, t in enumerate([d[0], 7, 7, 7]):  # the first draft token accepted, the second rejected
+        logits[j, t] = 1.0
+    emit = lambda r, t, lp, top: token_delta(r, t, lp, top, frozenset(), 10**6)  # noqa: E731
+    spec.accept(Sampler(), [(req, d, logits)], emit)
+    assert (spec.position_trials, spec.position_hits) == ([1, 1, 0], [1, 0, 0])
+    assert kv.ensure_pages(req.kv, req.kv_len + 1)
+    verify(spec, req, True)  # a draft accepted whole: every position it had tried and hit
+    n = spec.draft_tokens - 3
+    assert spec.position_trials[:n] == [2, 2, 1][:n] and spec.position_hits[:n] == [2, 1, 1][:n]
