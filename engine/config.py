@@ -19,28 +19,34 @@ SUPPORTED_ARCHS = (
     "phi3",
     "qwen2",
     "qwen3",
+    "qwen2_moe",
     "qwen3_moe",
     "smollm",
 )
 # Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) and
 # gemma2's (its soft-capping and norms under llama.cpp names) and the MoE layouts are not read;
 # gemma3_text is Gemma 3's HF model type (its GGUF files are "gemma3", engine.gguf_gemma3).
-HF_ONLY_ARCHS = ("gemma2", "gemma3_text", "mixtral", "phi3", "qwen3_moe")
+HF_ONLY_ARCHS = ("gemma2", "gemma3_text", "mixtral", "phi3", "qwen2_moe", "qwen3_moe")
 MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 
 @dataclass(frozen=True)
 class MoeSpec:
     """The MoE settings of a model. ``sparse_layers`` are the layer indices whose MLP is the expert
-    mixture (the others keep the dense MLP of ``intermediate_size``); ``1 <= top_k <= num_experts``."""
+    mixture (the others keep the dense MLP of ``intermediate_size``); ``1 <= top_k <= num_experts``.
+    ``shared_expert_size`` > 0: each sparse layer also runs a shared SwiGLU expert of that size on every
+    token, added to the mixture scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE); 0: none."""
 
     num_experts: int
     top_k: int
     expert_size: int  # each expert's intermediate size (moe_intermediate_size / intermediate_size)
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
+    shared_expert_size: int = 0
 
     def __post_init__(self) -> None:
+        if self.shared_expert_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size {self.shared_expert_size} must be at least 0")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
 

@@ -132,6 +132,9 @@ class DecodeStack:
             why = "odd head_dim"
         elif cpu_native.load() is None:
             why = "no kernel library here"
+        elif cfg.moe is not None and cfg.moe.shared_expert_size:
+            # the stack's C layer loop has no shared-expert MLP: Qwen2-MoE runs the per-layer path
+            why = "a shared expert (Qwen2-MoE)"
         if why is None:
             rows = min(small_rows(layer.w[n]) for layer in model.layers for n in _matmuls(layer))
             bias_ok = all(

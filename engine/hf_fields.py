@@ -125,6 +125,27 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
         "output_router_logits",
         "router_aux_loss_coef",
     },
+    # Qwen2-MoE: Qwen2's attention (q/k/v biases: qkv_bias, served true only) and, on the sparse layers,
+    # Qwen3-MoE's expert mixture plus a shared expert of shared_expert_intermediate_size gated by
+    # sigmoid(shared_expert_gate(x)); sliding windows are not implemented (use_sliding_window false
+    # only, layer_types all full_attention only: engine.swa_config.hf_sliding_spec)
+    "qwen2_moe": _LLAMA_CORE
+    | {
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "qkv_bias",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "output_router_logits",
+        "router_aux_loss_coef",
+    },
     # Mixtral: Llama attention, every layer's MLP a mixture of num_local_experts experts of
     # intermediate_size (engine.moe), top-k renormalized; router_jitter_noise acts in training only.
     # Its sliding_window (one for every layer) is not implemented: served only as null.
@@ -150,10 +171,10 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
 
 # Architecture traits no config field switches, as transformers builds them: Qwen2 always has q/k/v
 # biases (no o_proj bias), Qwen3 always has per-head Q/K RMSNorm; no other architecture reads either.
-QKV_BIAS_ARCHS = frozenset({"qwen2"})
+QKV_BIAS_ARCHS = frozenset({"qwen2", "qwen2_moe"})
 QK_NORM_ARCHS = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
 # Architectures whose sparse layers' MLP is a mixture of experts (engine.moe).
-MOE_ARCHS = frozenset({"mixtral", "qwen3_moe"})
+MOE_ARCHS = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
 # Checkpoints storing Q/K/V as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_PROJ_ARCHS = frozenset({"phi3"})
 # Architectures served by the Gemma model (engine/gemma3.py) rather than the Llama one.
@@ -199,6 +220,7 @@ ARCH_ALLOWED_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
         "attn_logit_softcapping": (None,),
     },
     "qwen3_moe": {"use_sliding_window": (False,)},
+    "qwen2_moe": {"use_sliding_window": (False,), "qkv_bias": (True,)},
     "mixtral": {"sliding_window": (None,)},
 }
 

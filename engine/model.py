@@ -21,7 +21,7 @@ from engine.cpu_linear import pack as pack_weight
 from engine.decode_stack import DecodeStack
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
-from engine.moe import load_experts, moe_mlp
+from engine.moe import load_experts, moe_mlp, shared_expert
 from engine.rope import RotaryEmbedding, permute_heads, rotary_order
 
 
@@ -69,7 +69,8 @@ class DecoderLayer(nn.Module):
         o = attn.forward(q, k, v, self.layer_id, batch)
         h, x = fused.add_rms_norm(h, linear(o, w["o"]), w["post_norm"], cfg.rms_norm_eps)
         if self.sparse:
-            return h + moe_mlp(x, w, cfg.moe)
+            out = moe_mlp(x, w, cfg.moe)
+            return h + (out + shared_expert(x, w, linear) if "shared_down" in w else out)
         return h + linear(fused.silu_mul(linear(x, w["gate_up"])), w["down"])
 
 
@@ -122,6 +123,11 @@ class LlamaModel(nn.Module):
             }
             if layer.sparse:
                 w.update(load_experts(get, p + "mlp.", cfg.moe, int8=self.int8))
+                if cfg.moe.shared_expert_size:
+                    s = p + "mlp.shared_expert."
+                    w["shared_gate_up"] = pack(torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")]))
+                    w["shared_down"] = pack(get(s + "down_proj.weight"))
+                    w["shared_gate"] = get(p + "mlp.shared_expert_gate.weight")
             else:
                 w["gate_up"] = pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
                 w["down"] = pack(get(p + "mlp.down_proj.weight"))
@@ -138,7 +144,7 @@ class LlamaModel(nn.Module):
     def linear_weights(self) -> list[tuple]:
         """Every packed layer matmul's ``(weight, bias)``, in forward order (the LM head and the MoE
         layers' router and experts, plain tensors, apart)."""
-        names = ("qkv", "o", "gate_up", "down")
+        names = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down")
         return [(layer.w[n], layer.w.get(n + "_bias")) for layer in self.layers for n in names if n in layer.w]
 
     def warm_up(self) -> None:

@@ -1,10 +1,12 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral) on the torch path.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) on the torch path.
 
 A sparse layer's MLP is a router (``[num_experts, hidden]``) and ``num_experts`` SwiGLU experts held
 stacked: ``gate_up[e]`` ``[2 * inter, hidden]`` (gate rows first) and ``down[e]`` ``[hidden, inter]``.
 Each token goes to its ``top_k`` experts by the router's softmax (in float32, as transformers), the
 top-k probabilities renormalized to sum 1 where ``norm_topk_prob`` (Mixtral always does), and its
-output is the weighted sum of those experts' outputs.
+output is the weighted sum of those experts' outputs. Qwen2-MoE adds a shared expert: a dense SwiGLU
+MLP every token runs, scaled by ``sigmoid(shared_expert_gate(x))`` (one logit per token) and added to
+the mixture (:func:`shared_expert`; the model packs its matmuls as the dense MLP's).
 
 The step's tokens are grouped by expert: every expert that some token picked runs one gate/up and one
 down matmul over all of its tokens, so each expert's weights are read once per step whatever the batch
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import MoeSpec
-from engine.kernels import cpu_moe, triton_moe
+from engine.kernels import cpu_moe, fused, triton_moe
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +81,15 @@ def moe_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec, kernel: 
             return parts[0] if len(parts) == 1 else torch.cat(parts)
     counts, tokens, pair_weights = _group(weights, experts, spec.num_experts)
     return _torch_experts(x, gate_up, down, scales, counts.tolist(), tokens, pair_weights.unsqueeze(-1))
+
+
+def shared_expert(x: torch.Tensor, w: dict[str, torch.Tensor], linear) -> torch.Tensor:
+    """The gated shared expert of ``x`` ``[rows, hidden]`` as transformers' ``Qwen2MoeSparseMoeBlock``
+    computes it: ``sigmoid(x @ shared_gate.T) * down(silu(gate(x)) * up(x))``, with the layer's packed
+    ``shared_gate_up`` / ``shared_down`` run by ``linear`` (``engine.cpu_linear.linear``) and the
+    ``shared_gate`` row ``[1, hidden]`` a plain tensor; returns ``[rows, hidden]`` in ``x.dtype``."""
+    y = linear(fused.silu_mul(linear(x, w["shared_gate_up"])), w["shared_down"])
+    return torch.sigmoid(F.linear(x, w["shared_gate"])) * y
 
 
 def laid_out(w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -226,20 +237,36 @@ def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[in
             p + "up_proj.weight": (spec.expert_size, hidden),
             p + "down_proj.weight": (hidden, spec.expert_size),
         }
+    if spec.shared_expert_size:
+        p, size = prefix + "shared_expert.", spec.shared_expert_size
+        shapes |= {
+            p + "gate_proj.weight": (size, hidden),
+            p + "up_proj.weight": (size, hidden),
+            p + "down_proj.weight": (hidden, size),
+            prefix + "shared_expert_gate.weight": (1, hidden),
+        }
     return shapes
+
+
+# Qwen3MoeConfig's and Qwen2MoeConfig's defaults: (num_experts, num_experts_per_tok, moe_intermediate_size).
+_QWEN_MOE_DEFAULTS = {"qwen3_moe": (128, 8, 768), "qwen2_moe": (60, 4, 1408)}
+# Qwen2MoeConfig's shared_expert_intermediate_size default (Qwen3-MoE has no shared expert).
+_QWEN2_MOE_SHARED = 5632
 
 
 def hf_moe_spec(cfg: dict, num_layers: int, arch: str = "qwen3_moe") -> MoeSpec | None:
     """The :class:`MoeSpec` of a ``config.json`` of model type ``arch``. Mixtral: every layer sparse,
     ``num_local_experts`` (default 8) experts of ``intermediate_size``, top ``num_experts_per_tok``
-    (default 2), always renormalized. Qwen3-MoE, with ``Qwen3MoeConfig``'s defaults (128 experts, top
-    8, expert size 768, no renormalization, every layer sparse): layer ``i`` is sparse unless it is in
-    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; ``None`` when no layer is
-    (``num_experts`` 0). ``ValueError`` for a step below 1 or a non-boolean ``norm_topk_prob``."""
+    (default 2), always renormalized. Qwen3-MoE (defaults 128 experts, top 8, expert size 768) and
+    Qwen2-MoE (60, top 4, 1408, and a shared expert of ``shared_expert_intermediate_size``, default 5632),
+    with their config classes' defaults of no renormalization and every layer sparse: layer ``i`` is
+    sparse unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; ``None`` when no
+    layer is (``num_experts`` 0). ``ValueError`` for a step below 1 or a non-boolean ``norm_topk_prob``."""
     if arch == "mixtral":
         experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
         return MoeSpec(experts, top_k, int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
-    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128)))
+    default_experts, default_top_k, default_size = _QWEN_MOE_DEFAULTS[arch]
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", default_experts)))
     step = int(cfg.get("decoder_sparse_step", 1))
     norm = cfg.get("norm_topk_prob", False)
     if step < 1:
@@ -250,8 +277,10 @@ def hf_moe_spec(cfg: dict, num_layers: int, arch: str = "qwen3_moe") -> MoeSpec 
     sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
     if not sparse:
         return None
-    top_k, size = int(cfg.get("num_experts_per_tok", 8)), int(cfg.get("moe_intermediate_size", 768))
-    return MoeSpec(experts, top_k, size, norm, sparse)
+    top_k = int(cfg.get("num_experts_per_tok", default_top_k))
+    size = int(cfg.get("moe_intermediate_size", default_size))
+    shared = int(cfg.get("shared_expert_intermediate_size", _QWEN2_MOE_SHARED)) if arch == "qwen2_moe" else 0
+    return MoeSpec(experts, top_k, size, norm, sparse, shared)
 
 
 # Mixtral's checkpoint names (``block_sparse_moe``; w1 gate, w3 up, w2 down) -> the names above.

@@ -69,6 +69,7 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
         "tests/e2e/test_hf_architectures_pd.py",
         "tests/engine/test_moe.py",
     ),
+    "qwen2_moe": ("tests/engine/test_hf_architectures.py", "tests/e2e/test_hf_architectures_pd.py"),
     "qwen3_moe": (
         "tests/engine/test_hf_architectures.py",
         "tests/e2e/test_hf_architectures_pd.py",
@@ -121,6 +122,7 @@ _HF_ONLY_SLIDING = {
     "gemma2": "default: alternating, sliding first",
     "gemma3_text": "default: sliding_window_pattern 6, five sliding layers to each full one",
     "qwen3_moe": "none slides: use_sliding_window true is refused",
+    "qwen2_moe": "none slides: use_sliding_window true or a sliding layer in layer_types is refused",
     "mixtral": "none slides: a window other than null is refused",
 }
 
@@ -149,7 +151,8 @@ def _attention(arch: str) -> str:
         ("final logit soft-capping", GEMMA_ARCHS),
         (
             "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
-            "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Mixtral: every layer, "
+            "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Qwen2-MoE: the same plus a "
+            "shared expert gated by sigmoid(shared_expert_gate), off the C decode stack; Mixtral: every layer, "
             "renormalized); on CPU decode-sized steps the C expert kernel (float32, bfloat16), torch matmuls elsewhere",
             MOE_ARCHS,
         ),

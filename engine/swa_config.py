@@ -24,7 +24,6 @@ UNSUPPORTED_SLIDING_ARCHS = (
     "gemma3",
     "cohere2",
     "starcoder2",
-    "qwen2_moe",
     "gpt_oss",
     "olmo3",
     "exaone4",
@@ -94,7 +93,8 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
       ``_sliding_window_pattern`` newer exports write beside ``layer_types``) that disagrees with
       ``layer_types`` is refused: transformers would follow the list, the author may have meant either.
     - ``mixtral``: full attention (a ``sliding_window`` other than ``null`` is refused by ``engine.hf_fields``).
-    - ``qwen3_moe``: full attention (``use_sliding_window`` true is refused by ``engine.hf_fields``).
+    - ``qwen3_moe`` / ``qwen2_moe``: full attention (``use_sliding_window`` true is refused by
+      ``engine.hf_fields``; Qwen2-MoE's ``layer_types`` is served only all ``full_attention``).
     - ``llama`` / ``smollm``: full attention (transformers' Llama has no sliding window).
     """
     window = cfg.get("sliding_window", _HF_DEFAULT_WINDOW)
@@ -118,6 +118,8 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
         return SlidingSpec(window, tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)))
     if arch == "gemma3_text":
         return SlidingSpec(window, _gemma3_kinds(cfg, num_layers))
+    if arch == "qwen2_moe":
+        return SlidingSpec(None, _qwen2_moe_kinds(raw_types, num_layers))
     if arch in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False) or window is None:
             return SlidingSpec(None, _all(FULL, num_layers))
@@ -126,6 +128,19 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
         first = cfg.get("max_window_layers", _HF_DEFAULT_MAX_WINDOW_LAYERS)
         return SlidingSpec(window, tuple(SLIDING if i >= first else FULL for i in range(num_layers)))
     return SlidingSpec(None, _all(FULL, num_layers))
+
+
+def _qwen2_moe_kinds(raw: Sequence[Any] | None, num_layers: int) -> tuple[str, ...]:
+    """Qwen2-MoE's layers: every one full attention. A ``layer_types`` naming a sliding layer is refused
+    (its sliding attention is not implemented; Qwen2MoeConfig writes the list, all full, when
+    ``use_sliding_window`` is false, the only value served)."""
+    kinds = _all(FULL, num_layers) if raw is None else _config_kinds(raw, num_layers)
+    if SLIDING in kinds:
+        raise ValueError(
+            f"config.json field layer_types={list(raw or ())!r} is not implemented by pdserve for model type "
+            f"'qwen2_moe'; supported: every layer {FULL!r} (sliding attention is not implemented for it)"
+        )
+    return kinds
 
 
 def gemma3_pattern_kinds(pattern: Any, num_layers: int) -> tuple[str, ...]:

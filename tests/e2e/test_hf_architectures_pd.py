@@ -1,12 +1,12 @@
 """Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms), Phi-3 (fused projections,
 partial rotary, longrope), Gemma 2 (soft caps, alternating sliding layers in the SWA pools), Gemma 3
 text (Q/K norms, a sliding pattern, the local RoPE base and linear scaling of the full layers) and
-Qwen3-MoE and Mixtral (expert mixtures) from HF folders in PD mode: small random models loaded as a worker loads
-them give transformers' greedy tokens (float32) through the in-process prefill/decode pair (real
-schedulers, loopback KV transport), with the KV shipped from prefill to decode, and again when the
-decode side retracts (a decode pool too small for every request, and a retract forced every few
-steps), its KV parked on the host and resumed.
-Every pool and host buffer is checked back at teardown (``checked_harnesses``)."""
+Qwen3-MoE, Qwen2-MoE (its shared expert) and Mixtral (expert mixtures) from HF folders in PD mode:
+small random models loaded as a worker loads them give transformers' greedy tokens (float32) through
+the in-process prefill/decode pair (real schedulers, loopback KV transport), with the KV shipped
+from prefill to decode, and again when the decode side retracts (a decode pool too small for every
+request, and a retract forced every few steps), its KV parked on the host and resumed. Every pool
+and host buffer is checked back at teardown (``checked_harnesses``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.support.hf_folders import (
     MIXTRAL,
     PHI3_LONGROPE,
     PHI3_PARTIAL,
+    QWEN2_MOE,
     QWEN3_MOE,
     random_prompts,
     reference_greedy,
@@ -48,6 +49,7 @@ CASES = {
     "gemma3_text": ("gemma3_text", GEMMA3),
     "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
     "mixtral": ("mixtral", MIXTRAL),
+    "qwen2-moe": ("qwen2_moe", QWEN2_MOE),
 }
 NEW = 16
 PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)

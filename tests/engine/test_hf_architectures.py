@@ -1,7 +1,8 @@
 """Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms), Phi-3 (fused projections,
-partial rotary, longrope), Qwen3-MoE (expert mixture, one dense layer) and Mixtral from HF folders: small random
-models (every weight, bias and norm drawn at random) give transformers' greedy tokens (float32) through
-pdserve's loader and engine, colocated in one process."""
+partial rotary, longrope), Qwen3-MoE (expert mixture, one dense layer), Qwen2-MoE (q/k/v biases, a
+shared expert, decoder_sparse_step with mlp_only_layers, norm_topk_prob both ways) and Mixtral from HF
+folders: small random models (every weight, bias and norm drawn at random) give transformers' greedy
+tokens (float32) through pdserve's loader and engine, colocated in one process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tests.support.hf_folders import (
     MIXTRAL,
     PHI3_LONGROPE,
     PHI3_PARTIAL,
+    QWEN2_MOE,
     QWEN3_MOE,
     engine_greedy,
     random_prompts,
@@ -38,6 +40,8 @@ CASES = {
     "phi3-longrope": ("phi3", PHI3_LONGROPE),
     "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
     "mixtral": ("mixtral", MIXTRAL),
+    "qwen2-moe": ("qwen2_moe", QWEN2_MOE),
+    "qwen2-moe-renormalized": ("qwen2_moe", {**QWEN2_MOE, "norm_topk_prob": True}),
 }
 
 
@@ -47,8 +51,11 @@ def test_greedy_tokens_equal_transformers(tmp_path, tokenizer, name, page_size):
     kind, overrides = CASES[name]
     model = save_small_model(kind, tmp_path, **overrides)
     cfg = read_model_config(tmp_path)
-    assert (cfg.attention_bias, cfg.qk_norm) == (kind == "qwen2", kind in ("qwen3", "qwen3_moe"))
-    assert (cfg.moe is not None) == (kind in ("qwen3_moe", "mixtral"))
+    assert (cfg.attention_bias, cfg.qk_norm) == (kind in ("qwen2", "qwen2_moe"), kind in ("qwen3", "qwen3_moe"))
+    assert (cfg.moe is not None) == (kind in ("qwen3_moe", "mixtral", "qwen2_moe"))
+    if kind == "qwen2_moe":
+        assert (cfg.moe.sparse_layers, cfg.moe.shared_expert_size) == ((1,), 48)
+        assert cfg.moe.norm_topk_prob == overrides.get("norm_topk_prob", False)
     assert cfg.rotary_dim == (12 if kind == "phi3" else cfg.head_dim)
     prompts = random_prompts(3, 40)
     # longrope runs within original_max_position_embeddings (128 here; the prompts and tokens fit)

@@ -130,6 +130,7 @@ def test_every_field_transformers_writes_is_classified():
         "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
         "mixtral": transformers.MixtralConfig,
     }
     for arch, cls in classes.items():

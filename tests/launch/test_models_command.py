@@ -30,7 +30,7 @@ def test_lists_every_architecture_the_loader_accepts_and_nothing_else(capsys):
     assert set(hf_fields.IMPLEMENTED) == set(SUPPORTED_ARCHS)  # the HF table is the loader's arch list
     for arch in SUPPORTED_ARCHS:
         assert _check_arch(arch) == arch
-    for refused in ("cohere2", "qwen2_moe", "gpt_oss"):
+    for refused in ("cohere2", "starcoder2", "gpt_oss"):
         assert refused not in listed
         with pytest.raises(ValueError, match=refused):
             _check_arch(refused)
@@ -43,6 +43,8 @@ def test_text_names_formats_rope_types_traits_and_refusals(capsys):
     assert set(MODEL_ARCHS) <= set(blocks)
     assert "formats:    HF folder, GGUF" in blocks["qwen2"] and "q/k/v bias" in blocks["qwen2"]
     assert "Q/K RMSNorm" in blocks["qwen3"] and "q/k/v bias" not in blocks["qwen3"]
+    assert "formats:    HF folder\n" in blocks["qwen2_moe"] and "q/k/v bias" in blocks["qwen2_moe"]
+    assert "shared expert" in blocks["qwen2_moe"]
     assert "llama3, yarn, longrope" in blocks["llama"] and "sliding:    none" in blocks["llama"]
     assert "use_sliding_window" in blocks["qwen3"] and "formats:    GGUF\n" in blocks["gemma3"]
     assert "hidden_act: 'silu' or 'swish'" in blocks["mistral"]

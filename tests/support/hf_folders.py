@@ -82,6 +82,19 @@ QWEN3_MOE = {
     "mlp_only_layers": [1],
 }
 
+# Qwen2-MoE with the sizes above: 8 experts of 32, top 2, a shared expert of 48, 4 layers with
+# decoder_sparse_step 2 and mlp_only_layers [3]: layer 1 is the only sparse one (0 and 2 off the step, 3 listed);
+# norm_topk_prob false (its default: the raw softmax weights).
+QWEN2_MOE = {
+    "num_hidden_layers": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [3],
+}
+
 # Mixtral with the sizes above: top 2 of 8 experts of intermediate_size 96, every layer sparse.
 MIXTRAL = {"num_local_experts": 8, "num_experts_per_tok": 2}
 
@@ -97,6 +110,7 @@ def _classes(kind: str):
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[kind]
 
