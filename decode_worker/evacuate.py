@@ -11,6 +11,16 @@ request it holds leaves for a peer decode worker over the migration path
   later), so that step's ``migration_step`` offers it. Requests still waiting for pages or KV
   are admitted and land as usual and leave on a later turn; a declined offer parks the job again
   and it is offered again next step.
+- ``release_unprefilled``, in each step: requests that sent no token yet and whose prompt is not
+  computed do not hold the switch up behind a prefill backlog. A queued one (no pages, no
+  ``KVDestination`` sent) withdraws its prefill (``PrefillWithdrawn``) and ends at once with a
+  503, which makes the router send it again to another pair (``server.router.session``: a 503
+  before any token is a retry). One with reserved pages asks its prefill worker back
+  (``PrefillWithdrawn`` with its generation) and keeps its pages until the answer: the prefill
+  worker drops it and answers ``PrefillFailed`` (503) only when its prefill has not started, so
+  nothing was or will be written into those pages when they are freed (``prefill_worker.withdraw``);
+  else the KV lands as usual and the request migrates with the rest. Recomputes and migrated-in
+  requests (tokens streamed already) wait for their KV as before.
 - ``stop``: the switch was abandoned (timed out): the old policy is back and parked jobs resume
   here as after any retract.
 The worker is empty (``held_rids``) once every migration write ended: only then may its pools be
@@ -21,7 +31,11 @@ from __future__ import annotations
 
 import logging
 
+from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.migration import MigrationPolicy
+from engine.scheduler.base import Outcome
+from transfer.wire.outbox import Outbox, Peer
+from transfer.wire.protocol import PrefillWithdrawn
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +74,40 @@ def evacuate(s) -> int:
             s.retract.recompute(job)
         moved += 1
     return moved
+
+
+#: How a queued request leaves a switching decode worker: a 503 before any token, so the router
+#: sends it again to another pair.
+SWITCHING_AWAY = "its decode worker is changing role before its prefill: sent again to another pair"
+
+
+def unprefilled(job: DecodeJob) -> bool:
+    """Whether ``job`` may go elsewhere by a re-send: the router's first prefill, nothing streamed,
+    not answered, not withdrawn already, and no KV write into its pages announced."""
+    return (
+        job.generation == 0
+        and not job.migrated
+        and not job.answered
+        and not job.withdrawn
+        and not job.req.output_ids
+        and not job.write_posted
+    )
+
+
+def release_unprefilled(s) -> Outbox:
+    """Withdraw the prefills of ``s``'s unprefilled requests (module docstring): the queued ones end
+    here now (503), the reserved ones when their prefill worker answers ``PrefillFailed``."""
+    out = Outbox()
+    held = s.queued.offered if s.queued is not None else {}
+    for job in list(s.transfers.prealloc):
+        if job.state is DecodeState.QUEUED and unprefilled(job) and job.req.rid not in held:
+            job.withdrawn = True
+            out.send(Peer(job.prefill_addr), PrefillWithdrawn(rid=job.req.rid, room=job.room))
+            out.extend(s.finish(job, Outcome.abort(SWITCHING_AWAY, 503)))
+    for job in list(s.transfers.inflight.values()):
+        if unprefilled(job):
+            job.withdrawn = True
+            out.send(
+                Peer(job.prefill_addr), PrefillWithdrawn(rid=job.req.rid, room=job.room, generation=job.generation)
+            )
+    return out

@@ -107,6 +107,7 @@ class DecodeJob:
     parked_at: float = 0.0  # monotonic time it last entered HOST_PARKED
     parked_step: int = 0  # the decode worker's step count then
     preempt: bool = False  # ``GenerateRequest.preempt``: may displace a running job without it
+    withdrawn: bool = False  # its prefill was asked back (``decode_worker.evacuate.release_unprefilled``)
 
     def __post_init__(self) -> None:
         self.req.status = PHASE_OF[self.state]

@@ -22,6 +22,7 @@ from cache.kv_manager import KVManager
 from cache.prefix_share import share_prefix
 from configs.schema import PdserveConfig
 from decode_worker.continuation import add_continuation
+from decode_worker.evacuate import release_unprefilled
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.local_prefill import LocalPrefillPolicy
 from decode_worker.local_queue import LocalPrefillQueue
@@ -251,6 +252,8 @@ class DecodeScheduler(WorkerScheduler):
             )
         ):
             self.running.add(job.req)
+        if self.evacuating:  # requests whose prefill has not started go to another pair
+            out.extend(release_unprefilled(self))
         if self.migration is not None:
             out.extend(migration_step(self))
         if self.queued is not None and self.transfers.prealloc:

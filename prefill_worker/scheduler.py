@@ -15,8 +15,9 @@ destinations of prompts that could not start here (recomputes of retracted reque
 new prompts), waited for ``bootstrap_timeout_s``.
 
 A decode worker that prefills a request itself (``--local-prefill-max-tokens``) says so with
-``PrefillWithdrawn`` instead of a destination: the job leaves silently (``_withdraw``), or, when
-the withdrawal came first, its ``PrefillRequest`` is dropped on arrival.
+``PrefillWithdrawn`` instead of a destination: the job leaves silently, or, when the withdrawal
+came first, its ``PrefillRequest`` is dropped on arrival; a decode worker switching role withdraws
+reserved destinations whose prefill has not started (``prefill_worker.withdraw``).
 
 A write's start is announced to its decode worker (``KVWriteStarted``, in the step that posts it):
 the decode worker polls its transport for the landing from then on only, not all through the prefill.
@@ -47,7 +48,8 @@ from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
-from transfer.wire.enums import FinishReason, Role
+from prefill_worker.withdraw import withdraw
+from transfer.wire.enums import Role
 from transfer.wire.outbox import Conn, Outbox
 from transfer.wire.protocol import (
     GenerateRequest,
@@ -125,7 +127,7 @@ class PrefillScheduler(WorkerScheduler):
                 source, msg, np.frombuffer(frames[0], dtype="<i4").copy(), np.frombuffer(frames[1], dtype="<i4").copy()
             )
         if isinstance(msg, PrefillWithdrawn):
-            return self._withdraw(msg)
+            return withdraw(self, msg)
         if isinstance(msg, KVHandshake):
             error = self.sender.accept_peer(
                 source,
@@ -173,25 +175,6 @@ class PrefillScheduler(WorkerScheduler):
         self.stats.prompt_tokens += len(ids)
         early = self.bootstrap.claim(job.key)
         return self._on_destination(early.source, early.msg, *early.pages) if early else Outbox()
-
-    def _withdraw(self, msg: PrefillWithdrawn) -> Outbox:
-        """The decode worker prefills ``msg``'s room itself: the job (still waiting for a
-        destination, which will never come, so it holds no pages) leaves without a word to
-        anyone; when the ``PrefillRequest`` has not come yet it is dropped on arrival."""
-        key = (msg.room, msg.generation)
-        job = self.jobs.get(key)
-        if job is not None and job.dest is not None:
-            log.warning("%s room %d withdrawn after its destination came: ignored", msg.rid, msg.room)
-            return Outbox()
-        self.bootstrap.ended(key, WITHDRAWN)
-        if job is not None:
-            self.bootstrapping.remove(job.req)
-            del self.jobs[key]
-            self.by_req.pop(id(job.req), None)
-            self.kv.free(job.req.kv)
-            job.req.finish(FinishReason.ABORT)
-            self.withdrawn += 1
-        return Outbox()
 
     def _check_fits(self, n: int) -> None:
         """``FitCheck.prompt``: the prompt alone (its decode tokens are the decode worker's) and the
