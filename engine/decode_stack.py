@@ -14,17 +14,19 @@ float32 models too: their layer weights are held as ``cpu_gemm_pairs.c``'s float
 (``cpu_linear.to_panels_f32``), which serve the Python path's calls as well, so the two paths agree
 to the bit.
 
-Mixture-of-experts models (Qwen3-MoE, Mixtral): a sparse layer's MLP is the expert block, run in C as
-``engine.moe.moe_mlp`` runs it (router, softmax, top-k, the ``norm_topk_prob`` renormalization, the
-weights rounded to the model dtype, the pairs grouped by expert, ``cpu_moe.c`` on them); Qwen3's
-per-head Q/K norms run there too. Those steps are not bitwise the per-layer path: the router logits
+Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): a sparse layer's MLP is the expert block,
+run in C as ``engine.moe.moe_mlp`` runs it (router, softmax, top-k, the ``norm_topk_prob``
+renormalization, the weights rounded to the model dtype, the pairs grouped by expert, ``cpu_moe.c`` on
+them), then Qwen2-MoE's shared expert as ``engine.moe.shared_expert`` computes it (its packed matmuls
+by the dense MLP's kernels, ``sigmoid(x . shared_gate)`` per row); Qwen3's per-head Q/K norms run there
+too. Those steps are not bitwise the per-layer path: the router logits
 and the Q/K norms sum in another order than torch's (float32 logits agree to ~1e-6; bfloat16 within a
 rounding; tests/engine/test_decode_stack_moe.py).
 
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
-float32 CPU Llama-family model whose every attention and dense-MLP matmul runs the small-batch kernel,
-a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS`` 0, no kernel
-library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
+float32 CPU Llama-family model whose every attention, dense-MLP and shared-expert matmul runs the
+small-batch kernel, a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS``
+0, no kernel library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
 ``takes(batch, attn)`` is True for a DECODE step of at most ``max_rows`` requests on the C attention
 backend with one full-attention pool, no window; ``run`` then returns the last layer's hidden states,
 bitwise what the per-layer Python path computes on dense models without Q/K norms

@@ -17,7 +17,8 @@
  * float32 sum torch computes), so it is bitwise the Python path there too.
  *
  * Mixture-of-experts layers (layer_t.router set): the MLP is the expert block (moe_block below: router,
- * top-k, cpu_moe.c's experts), as engine/moe.py's moe_mlp computes it; Q/K norms (layer_t.q_norm) are
+ * top-k, cpu_moe.c's experts), as engine/moe.py's moe_mlp computes it, and Qwen2-MoE's gated shared
+ * expert (layer_t.shared_down) on the dense MLP's kernels; Q/K norms (layer_t.q_norm) are
  * per-head RMSNorms after the QKV matmul. Neither is bitwise torch (the router's and the norms' sums
  * run in another order); the dense layers above still are.
  *
