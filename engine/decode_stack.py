@@ -14,17 +14,19 @@ float32 models too: their layer weights are held as ``cpu_gemm_pairs.c``'s float
 (``cpu_linear.to_panels_f32``), which serve the Python path's calls as well, so the two paths agree
 to the bit.
 
-Mixture-of-experts models (Qwen3-MoE, Mixtral): a sparse layer's MLP is the expert block, run in C as
-``engine.moe.moe_mlp`` runs it (router, softmax, top-k, the ``norm_topk_prob`` renormalization, the
-weights rounded to the model dtype, the pairs grouped by expert, ``cpu_moe.c`` on them); Qwen3's
-per-head Q/K norms run there too. Those steps are not bitwise the per-layer path: the router logits
+Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): a sparse layer's MLP is the expert block,
+run in C as ``engine.moe.moe_mlp`` runs it (router, softmax, top-k, the ``norm_topk_prob``
+renormalization, the weights rounded to the model dtype, the pairs grouped by expert, ``cpu_moe.c`` on
+them), then Qwen2-MoE's shared expert as ``engine.moe.shared_expert`` computes it (its packed matmuls
+by the dense MLP's kernels, ``sigmoid(x . shared_gate)`` per row); Qwen3's per-head Q/K norms run there
+too. Those steps are not bitwise the per-layer path: the router logits
 and the Q/K norms sum in another order than torch's (float32 logits agree to ~1e-6; bfloat16 within a
 rounding; tests/engine/test_decode_stack_moe.py).
 
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
-float32 CPU Llama-family model whose every attention and dense-MLP matmul runs the small-batch kernel,
-a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS`` 0, no kernel
-library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
+float32 CPU Llama-family model whose every attention, dense-MLP and shared-expert matmul runs the
+small-batch kernel, a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS``
+0, no kernel library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
 ``takes(batch, attn)`` is True for a DECODE step of at most ``max_rows`` requests on the C attention
 backend with one full-attention pool, no window; ``run`` then returns the last layer's hidden states,
 bitwise what the per-layer Python path computes on dense models without Q/K norms
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 ENV = "PDSERVE_DECODE_STACK"
 _I64 = ctypes.c_int64
 _MATMULS = ("qkv", "o", "gate_up", "down")
+_SHARED = ("shared_gate_up", "shared_down")
 
 
 class _Layer(ctypes.Structure):
@@ -82,6 +85,13 @@ class _Layer(ctypes.Structure):
             "experts_down_scale",
             "q_norm",
             "k_norm",
+            "shared_gate_up",
+            "shared_gate_up_scale",
+            "shared_gate_up_kind",
+            "shared_down",
+            "shared_down_scale",
+            "shared_down_kind",
+            "shared_gate",
         )
     ]
 
@@ -99,7 +109,7 @@ class StackArgs(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         *((n, _I64) for n in ("attn_threads", "attn_prefetch", "mm_threads", "mm_prefetch", "f32")),
-        *((n, _I64) for n in ("num_experts", "top_k", "norm_topk", "expert_size", "moe_kind")),
+        *((n, _I64) for n in ("num_experts", "top_k", "norm_topk", "expert_size", "moe_kind", "shared_size")),
     ]
 
 
@@ -132,9 +142,6 @@ class DecodeStack:
             why = "odd head_dim"
         elif cpu_native.load() is None:
             why = "no kernel library here"
-        elif cfg.moe is not None and cfg.moe.shared_expert_size:
-            # the stack's C layer loop has no shared-expert MLP: Qwen2-MoE runs the per-layer path
-            why = "a shared expert (Qwen2-MoE)"
         if why is None:
             rows = min(small_rows(layer.w[n]) for layer in model.layers for n in _matmuls(layer))
             bias_ok = all(
@@ -187,6 +194,7 @@ class DecodeStack:
                     for n in ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale"):
                         # laid-out layers hold only the pair panels, which the expert GEMM's kinds read
                         setattr(a, n, _addr(w.get(n + "_pairs", w.get(n))))
+                    a.shared_gate = _addr(w.get("shared_gate"))
                 local = pools.layer_pool[i][1]
                 a.kv_base = buf.data_ptr() + local * buf.stride(1) * buf.element_size()
             self._bound = (buf.data_ptr(), arr)
@@ -257,12 +265,16 @@ class DecodeStack:
             "norm_topk": int(spec.norm_topk_prob),
             "expert_size": spec.expert_size,
             "moe_kind": kind,
+            "shared_size": spec.shared_expert_size,
         }
 
 
 def _matmuls(layer) -> tuple[str, ...]:
-    """The packed matmuls of ``layer``: attention's, and the dense MLP's unless the layer is sparse."""
-    return _MATMULS[:2] if layer.sparse else _MATMULS
+    """The packed matmuls of ``layer``: attention's, and the dense MLP's unless the layer is sparse, when
+    it has its shared expert's (Qwen2-MoE; run by the same kernels as a dense MLP's) if any."""
+    if not layer.sparse:
+        return _MATMULS
+    return _MATMULS[:2] + (_SHARED if "shared_down" in layer.w else ())
 
 
 def _gemm_experts(model) -> bool:
@@ -273,7 +285,8 @@ def _gemm_experts(model) -> bool:
 
 
 def _experts_run(model, layer) -> bool:
-    """True iff the stack runs ``layer``'s expert block: a router of the model dtype, contiguous, and
+    """True iff the stack runs ``layer``'s expert block: a router (and a shared-expert gate row, if any)
+    of the model dtype, contiguous, and
     experts the kind's kernel takes (int8 experts with their scales, all int8 or none): laid out, every
     sparse layer laid out and ``cpu_moe.pairs_take``; else ``cpu_moe.takes``."""
     w = layer.w
@@ -285,4 +298,6 @@ def _experts_run(model, layer) -> bool:
         experts = _gemm_experts(model) and cpu_moe.pairs_take(probe, *pairs)
     else:
         experts = cpu_moe.takes(probe, w["experts_gate_up"], w["experts_down"])
-    return router.dtype == model.dtype and router.is_contiguous() and scales and experts
+    gate = w.get("shared_gate")
+    gate_ok = gate is None or (gate.dtype == model.dtype and gate.is_contiguous() and gate.numel() == router.shape[1])
+    return router.dtype == model.dtype and router.is_contiguous() and scales and experts and gate_ok

@@ -152,7 +152,8 @@ def _attention(arch: str) -> str:
         (
             "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
             "norm_topk_prob, decoder_sparse_step and mlp_only_layers keep dense layers; Qwen2-MoE: the same plus a "
-            "shared expert gated by sigmoid(shared_expert_gate), off the C decode stack; Mixtral: every layer, "
+            "shared expert gated by sigmoid(shared_expert_gate), in the C decode stack where its matmuls take the "
+            "small-batch kernels; Mixtral: every layer, "
             "renormalized); on CPU decode-sized steps the C expert kernel (float32, bfloat16), torch matmuls elsewhere",
             MOE_ARCHS,
         ),

@@ -17,7 +17,8 @@
  * float32 sum torch computes), so it is bitwise the Python path there too.
  *
  * Mixture-of-experts layers (layer_t.router set): the MLP is the expert block (moe_block below: router,
- * top-k, cpu_moe.c's experts), as engine/moe.py's moe_mlp computes it; Q/K norms (layer_t.q_norm) are
+ * top-k, cpu_moe.c's experts), as engine/moe.py's moe_mlp computes it, and Qwen2-MoE's gated shared
+ * expert (layer_t.shared_down) on the dense MLP's kernels; Q/K norms (layer_t.q_norm) are
  * per-head RMSNorms after the QKV matmul. Neither is bitwise torch (the router's and the norms' sums
  * run in another order); the dense layers above still are.
  *
@@ -76,6 +77,10 @@ typedef struct {
     /* a sparse layer: its router [experts, hidden] (0: the dense MLP above), stacked experts as
      * cpu_moe.c takes them (int8 with float32 row scales); per-head Q/K norm weights (0: none) */
     int64_t router, experts_gate_up, experts_down, experts_gate_up_scale, experts_down_scale, q_norm, k_norm;
+    /* a sparse layer's shared expert (shared_down 0: none): its gate-up and down in the dense MLP's
+     * layouts and kinds, and its gate row [1, hidden] of the model dtype */
+    int64_t shared_gate_up, shared_gate_up_scale, shared_gate_up_kind, shared_down, shared_down_scale, shared_down_kind;
+    int64_t shared_gate;
 } layer_t;
 
 /* The step: shapes, per-token indices, pool geometry (strides in elements), threads. Mirrored by
@@ -91,6 +96,7 @@ typedef struct {
     int64_t f32; /* 1: float32 activations, weights (PANELS_F32) and pool; 0: bfloat16 */
     /* the sparse layers' experts (0 experts: none), top-k, renormalized or not, cpu_moe.c's kind */
     int64_t num_experts, top_k, norm_topk, expert_size, moe_kind;
+    int64_t shared_size; /* the shared expert's intermediate size (0: none) */
 } stack_t;
 
 static int matmul(const stack_t *s, int64_t kind, const uint16_t *x, int64_t w, int64_t scale, int64_t bias,
@@ -105,6 +111,12 @@ static int matmul(const stack_t *s, int64_t kind, const uint16_t *x, int64_t w, 
         return pdserve_gemm_pairs_i8w(x, in, (const int8_t *)w, (const float *)scale, b, y, s->rows, in, out, th);
     }
     return -1;
+}
+
+static int matmul_f32(const stack_t *s, int64_t kind, const float *x, int64_t w, int64_t bias, float *y, int64_t in,
+                      int64_t out) {
+    if (kind != PANELS_F32) return -1;
+    return pdserve_gemm_panels_f32(x, in, (const float *)w, (const float *)bias, y, s->rows, in, out, (int)s->mm_threads);
 }
 
 static void *carve(char **p, int64_t bytes) {
@@ -124,14 +136,14 @@ static void *carve(char **p, int64_t bytes) {
 typedef struct {
     float *logits, *pair_w, *out;
     int64_t *slot_e, *count, *experts, *offsets, *pair_tok;
-    char *act;
+    char *act, *shared_gu, *shared_act, *shared_out; /* shared_*: the shared expert's rows (model dtype) */
 } moe_scratch_t;
 
 static int64_t moe_bytes(const stack_t *s) {
     const int64_t R = s->rows, E = s->num_experts, K = s->top_k, es = s->f32 ? 4 : 2;
     if (E == 0) return 0;
-    return 64 * 8 + 4 * R * E + 4 * R * K + 4 * R * s->hidden + 8 * R * K * 2 + 8 * (3 * E + 1) +
-           es * R * K * s->expert_size;
+    return 64 * 12 + 4 * R * E + 4 * R * K + 4 * R * s->hidden + 8 * R * K * 2 + 8 * (3 * E + 1) +
+           es * R * K * s->expert_size + es * R * (3 * s->shared_size + s->hidden);
 }
 
 static void moe_carve(char **p, const stack_t *s, moe_scratch_t *m) {
@@ -147,6 +159,9 @@ static void moe_carve(char **p, const stack_t *s, moe_scratch_t *m) {
     m->experts = carve(p, 8 * E);
     m->offsets = carve(p, 8 * (E + 1));
     m->act = carve(p, es * R * K * s->expert_size);
+    m->shared_gu = carve(p, es * R * 2 * s->shared_size);
+    m->shared_act = carve(p, es * R * s->shared_size);
+    m->shared_out = carve(p, es * R * s->hidden);
 }
 
 static float dot_row(const void *x, const void *w, int64_t n, int f32) {
@@ -192,6 +207,45 @@ static void route(const stack_t *s, const layer_t *l, const void *x, const moe_s
     }
 }
 
+/* The shared expert of rows x into m->shared_out (model dtype): sigmoid(x . gate) * down(silu(gate(x)) *
+ * up(x)), engine/moe.py's shared_expert: its matmuls by the dense MLP's kernels, the gate logit summed
+ * in float32 (rounded to bfloat16, then the sigmoid and the product each rounded, as torch's bfloat16 ops
+ * are). Nothing when the layer has none. Returns 0, or -1 for a shape a matmul refuses. */
+static int shared_expert(const stack_t *s, const layer_t *l, const void *x, const moe_scratch_t *m) {
+    const int64_t R = s->rows, Hd = s->hidden, S = s->shared_size;
+    if (!l->shared_down) return 0;
+    if (s->f32) {
+        if (matmul_f32(s, l->shared_gate_up_kind, x, l->shared_gate_up, 0, (float *)m->shared_gu, Hd, 2 * S)) return -1;
+        pdserve_silu_mul(m->shared_gu, m->shared_act, R, S, 0, 1);
+        if (matmul_f32(s, l->shared_down_kind, (const float *)m->shared_act, l->shared_down, 0, (float *)m->shared_out,
+                       S, Hd))
+            return -1;
+    } else {
+        if (matmul(s, l->shared_gate_up_kind, x, l->shared_gate_up, l->shared_gate_up_scale, 0,
+                   (uint16_t *)m->shared_gu, Hd, 2 * S))
+            return -1;
+        pdserve_silu_mul(m->shared_gu, m->shared_act, R, S, 1, 1);
+        if (matmul(s, l->shared_down_kind, (const uint16_t *)m->shared_act, l->shared_down, l->shared_down_scale, 0,
+                   (uint16_t *)m->shared_out, S, Hd))
+            return -1;
+    }
+    const int64_t es = s->f32 ? 4 : 2;
+    for (int64_t r = 0; r < R; r++) {
+        float g = dot_row((const char *)x + r * Hd * es, (const void *)l->shared_gate, Hd, (int)s->f32);
+        if (!s->f32) g = bf16_to_f32(f32_to_bf16(g));
+        float sig = 1.0f / (1.0f + expf(-g));
+        if (s->f32) {
+            float *y = (float *)m->shared_out + r * Hd;
+            for (int64_t i = 0; i < Hd; i++) y[i] *= sig;
+        } else {
+            uint16_t *y = (uint16_t *)m->shared_out + r * Hd;
+            sig = bf16_to_f32(f32_to_bf16(sig));
+            for (int64_t i = 0; i < Hd; i++) y[i] = f32_to_bf16(sig * bf16_to_f32(y[i]));
+        }
+    }
+    return 0;
+}
+
 /* The block's output for rows x, added to h (bfloat16: the float32 sums rounded, then the bfloat16
  * add torch does; float32: added). Returns cpu_moe.c's code (0, or -1 for a shape it refuses). */
 static int moe_block(const stack_t *s, const layer_t *l, const void *x, void *h, const moe_scratch_t *m) {
@@ -216,17 +270,31 @@ static int moe_block(const stack_t *s, const layer_t *l, const void *x, void *h,
         w[pos] = m->pair_w[i];
     }
     memset(m->out, 0, 4 * R * Hd);
-    int rc = pdserve_moe_experts(x, Hd, (const void *)l->experts_gate_up, (const void *)l->experts_down,
+    int rc = shared_expert(s, l, x, m);
+    if (rc) return rc;
+    rc = pdserve_moe_experts(x, Hd, (const void *)l->experts_gate_up, (const void *)l->experts_down,
                                  (int)s->moe_kind, (const float *)l->experts_gate_up_scale,
                                  (const float *)l->experts_down_scale, m->experts, m->offsets, m->pair_tok, w, m->act,
                                  m->out, chosen, Hd, s->expert_size, (int)s->mm_threads);
     if (rc) return rc;
+    if (!l->shared_down) {
+        if (s->f32)
+            for (int64_t i = 0; i < R * Hd; i++) ((float *)h)[i] += m->out[i];
+        else
+            for (int64_t i = 0; i < R * Hd; i++) {
+                uint16_t *hb = (uint16_t *)h;
+                hb[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(f32_to_bf16(m->out[i])));
+            }
+        return 0;
+    }
+    /* h + (mixture + shared), the per-layer path's order; bfloat16 rounds the mixture and the sum */
     if (s->f32)
-        for (int64_t i = 0; i < R * Hd; i++) ((float *)h)[i] += m->out[i];
+        for (int64_t i = 0; i < R * Hd; i++) ((float *)h)[i] += m->out[i] + ((const float *)m->shared_out)[i];
     else
         for (int64_t i = 0; i < R * Hd; i++) {
             uint16_t *hb = (uint16_t *)h;
-            hb[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(f32_to_bf16(m->out[i])));
+            const float t = bf16_to_f32(f32_to_bf16(m->out[i])) + bf16_to_f32(((const uint16_t *)m->shared_out)[i]);
+            hb[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(f32_to_bf16(t)));
         }
     return 0;
 }
@@ -280,12 +348,6 @@ typedef struct {
     float *x, *qkv, *qf, *of, *tmp, *gate_up, *act;
     moe_scratch_t moe;
 } scratch_f32_t;
-
-static int matmul_f32(const stack_t *s, int64_t kind, const float *x, int64_t w, int64_t bias, float *y, int64_t in,
-                      int64_t out) {
-    if (kind != PANELS_F32) return -1;
-    return pdserve_gemm_panels_f32(x, in, (const float *)w, (const float *)bias, y, s->rows, in, out, (int)s->mm_threads);
-}
 
 static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scratch_f32_t *b) {
     const int64_t R = s->rows, Hd = s->hidden, D = s->head_dim, qs = s->heads * D, kvs = s->kv_heads * D;

@@ -91,3 +91,33 @@ def test_moe_and_qk_norm_models_build_the_stack_only_where_the_expert_kernel_run
 
     assert built(_config()) and built(_config(qk_norm=False)) and built(_config(), torch.bfloat16)
     assert not built(_config(hidden=80))  # the expert kernel takes hidden sizes of multiples of 32
+    assert built(_qwen2_moe()) and built(_qwen2_moe(), torch.bfloat16)
+    # a float32 shared gate-up of 96 outputs is no float32 panel (out % 64): the per-layer path runs it
+    assert not built(_qwen2_moe(48)) and built(_qwen2_moe(48), torch.bfloat16)
+
+
+def _qwen2_moe(shared: int = 64) -> ModelConfig:
+    """Qwen2-MoE's shape: q/k/v biases, 8 experts of 32 (top 2) and a shared expert of ``shared`` on
+    layers 0 and 2, layer 1 dense (as ``mlp_only_layers``)."""
+    spec = MoeSpec(8, 2, 32, False, (0, 2), shared)
+    return ModelConfig("qwen2_moe", 128, 64, 96, 3, 4, 2, 16, attention_bias=True, moe=spec)
+
+
+def test_qwen2_moe_shared_expert_step_through_the_stack_equals_the_layer_path(tokenizer):
+    """float32: the shared expert and its sigmoid gate run in the stack (breaking either moves the
+    logits far beyond the router's float32 summation-order difference)."""
+    for _, a, b, kv_a, kv_b in _run_both(tokenizer, _qwen2_moe(), "float32"):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv_a, kv_b, rtol=1e-5, atol=1e-5)
+
+
+# int8 builds its panels for seconds: slow tier
+@pytest.mark.parametrize("weights", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
+def test_bfloat16_and_int8_qwen2_moe_steps_through_the_stack_stay_at_the_layer_path(tokenizer, weights):
+    if weights == "int8" and not cpu_moe.dot_available():
+        pytest.skip("int8 experts take the kernel only with AVX512-BF16")
+    extra = {"weight_dtype": "int8"} if weights == "int8" else {}
+    for _, a, b, kv_a, kv_b in _run_both(tokenizer, _qwen2_moe(), "bfloat16", **extra):
+        torch.testing.assert_close(a, b, rtol=0.02, atol=0.1)
+        torch.testing.assert_close(kv_a.float(), kv_b.float(), rtol=0.02, atol=0.02)
