@@ -226,7 +226,7 @@ def profile(spec) -> list[float]:
     return [h / t if t else 0.0 for t, h in zip(spec.position_trials, spec.position_hits)]
 
 
-def shares(cov: Coverage) -> dict:
+def row_steps(cov: Coverage) -> dict:
     """``cov``'s row-step counts by reason and each one's share of them all."""
     counts = dataclasses.asdict(cov)
     total = max(1, sum(counts.values()))
@@ -276,7 +276,7 @@ def bound_run(a: argparse.Namespace) -> None:
     ruler.scheduler.spec.coverage = Coverage()  # the warm-up's row-steps are not the sitting's
     ruled = sit(ruler, prompts, out_len)
     assert ruled["ids"] == base["ids"], "speculative output differs from plain decoding"
-    print(json.dumps({"rule_row_steps": shares(ruler.scheduler.spec.coverage)}))
+    print(json.dumps({"rule_row_steps": row_steps(ruler.scheduler.spec.coverage)}))
     coverage = a.coverage
     if a.acceptance:
         acc = [float(x) for x in a.acceptance.split(",")]
@@ -285,7 +285,7 @@ def bound_run(a: argparse.Namespace) -> None:
         drafting = fresh(speculative_method="ngram", num_speculative_tokens=a.bound_k, **every)
         drafting.scheduler.spec.coverage = Coverage()
         assert sit(drafting, prompts, out_len)["ids"] == base["ids"], "speculative output differs from plain decoding"
-        print(json.dumps({"drafter_row_steps": shares(drafting.scheduler.spec.coverage)}))
+        print(json.dumps({"drafter_row_steps": row_steps(drafting.scheduler.spec.coverage)}))
         acc = profile(drafting.scheduler.spec)
         rows_steps = a.rows * (out_len - 1) - drafting.scheduler.spec.accepted_tokens  # each emits 1 + accepted
         coverage = drafting.scheduler.spec.position_trials[0] / rows_steps
