@@ -24,25 +24,26 @@ round robin (``--clock cpu``: CPU time, for one torch thread on a shared machine
 and best ms, the marginal ms per token from the step before, and the line ``ms = a + b T`` fitted over each
 prefix of the curve (``F = a / b``: the fixed cost in token units).
 
-``--bound [--rows 8] [--curve 8,12,16,24,32,40,48,64] [--bound-k 8] [--curve-ms 8:14.7,..]
-[--acceptance 0.9,..] [--prefill-share F] [--rule-config JSON]`` prints in one run the best decode
-speedup any per-row draft length can reach at ``--rows`` rows and the end-to-end bound it gives
-(``engine.spec.bound``), from: the step cost curve at ``--dtype`` (measured here in ``--clock`` time, or
-given as ``T:ms`` pairs); the per-position acceptance of the ``grounded`` workload of ``pdserve bench
-serve`` (``--rows`` of its prompts at once, greedy, ``ignore_eos``, every row drafting ``--bound-k``
-tokens each step with the cost rule off, and its coverage: the share of row-steps with a draft at all; or
-given); the share of a plain sitting that its prefills alone
-take (the same prompts with one output token each, over the sitting with all; or given). Beside it, what
-the rule did in a sitting of the same prompts (the default one, or with ``--rule-config``'s scheduler
-fields, e.g. ``'{"spec_max_batch_tokens": 40}'``): tokens and emitted tokens per full step, its speedup
-on the curve there and over all the decode steps of the sitting (``sitting_speedup_on_curve``: the tail
-of few rows included, ``bound.sitting_ms``), and the decode time it measured. Every sitting's outputs
-must be equal (it stops otherwise).
+``--bound [--rows 8] [--curve 8,12,16,24,32,40,48,64] [--bound-k 8] [--curve-ms 8:14.7,..] [--acceptance
+0.9,..] [--prefill-share F] [--rule-config JSON]`` prints in one run the best decode speedup any per-row draft
+length can reach at ``--rows`` rows and the end-to-end bound it gives (``engine.spec.bound``), from: the step
+cost curve at ``--dtype`` (measured here in ``--clock`` time, or given as ``T:ms`` pairs); the per-position
+acceptance of the ``grounded`` workload of ``pdserve bench serve`` (``--rows`` of its prompts at once, greedy,
+``ignore_eos``, every row drafting ``--bound-k`` tokens each step with the cost rule off, and its coverage:
+the share of row-steps with a draft at all; or given; each sitting's row-steps by why they had a draft or not,
+``NgramSpeculator.coverage``); the share of a plain sitting that its prefills alone take (the same prompts
+with one output token each, over the sitting with all; or given). Beside it, what the rule did in a sitting of
+the same prompts (the default one, or with ``--rule-config``'s scheduler fields, e.g.
+``'{"spec_max_batch_tokens": 40}'``): tokens and emitted tokens per full step, its speedup on the curve there
+and over all the decode steps of the sitting (``sitting_speedup_on_curve``: the tail of few rows included,
+``bound.sitting_ms``), and the decode time it measured. Every sitting's outputs must be equal (it stops
+otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -59,6 +60,7 @@ from engine.model_paths import resolve_model_path
 from engine.model_runner import SeqChunk
 from engine.request import Request
 from engine.spec import bound
+from engine.spec.verify import Coverage
 from engine.tokenizer import Tokenizer
 from transfer.wire.protocol import GenerateRequest
 from transfer.wire.sampling_params import SamplingParams
@@ -224,6 +226,13 @@ def profile(spec) -> list[float]:
     return [h / t if t else 0.0 for t, h in zip(spec.position_trials, spec.position_hits)]
 
 
+def row_steps(cov: Coverage) -> dict:
+    """``cov``'s row-step counts by reason and each one's share of them all."""
+    counts = dataclasses.asdict(cov)
+    total = max(1, sum(counts.values()))
+    return {k: [n, round(n / total, 3)] for k, n in counts.items()}
+
+
 def pairs(text: str) -> list[tuple[int, float]]:
     """``"8:14.7,16:19.3"`` -> ``[(8, 14.7), (16, 19.3)]``."""
     return [(int(t), float(m)) for t, m in (p.split(":") for p in text.split(","))]
@@ -263,15 +272,20 @@ def bound_run(a: argparse.Namespace) -> None:
         shares = {"wall": alone["seconds"] / base["seconds"], "cpu": alone["cpu"] / base["cpu"]}
         print(json.dumps({"prefill_alone_share": {k: round(v, 3) for k, v in shares.items()}}))
         share = shares["cpu" if a.clock == "cpu" else "wall"]
-    ruled = sit(fresh(speculative_method="ngram", **json.loads(a.rule_config)), prompts, out_len)
+    ruler = fresh(speculative_method="ngram", **json.loads(a.rule_config))
+    ruler.scheduler.spec.coverage = Coverage()  # the warm-up's row-steps are not the sitting's
+    ruled = sit(ruler, prompts, out_len)
     assert ruled["ids"] == base["ids"], "speculative output differs from plain decoding"
+    print(json.dumps({"rule_row_steps": row_steps(ruler.scheduler.spec.coverage)}))
     coverage = a.coverage
     if a.acceptance:
         acc = [float(x) for x in a.acceptance.split(",")]
     else:
         every = dict(spec_max_batch_tokens=4096, spec_step_fixed_tokens=float("inf"))
         drafting = fresh(speculative_method="ngram", num_speculative_tokens=a.bound_k, **every)
+        drafting.scheduler.spec.coverage = Coverage()
         assert sit(drafting, prompts, out_len)["ids"] == base["ids"], "speculative output differs from plain decoding"
+        print(json.dumps({"drafter_row_steps": row_steps(drafting.scheduler.spec.coverage)}))
         acc = profile(drafting.scheduler.spec)
         rows_steps = a.rows * (out_len - 1) - drafting.scheduler.spec.accepted_tokens  # each emits 1 + accepted
         coverage = drafting.scheduler.spec.position_trials[0] / rows_steps

@@ -46,9 +46,31 @@ EmitToken = Callable[[Request, int, "float | None", "list | None"], TokenDelta]
 # rejected draft is pure cost (K extra rows in the step), so a request whose output
 # is not in its context soon drafts rarely, while one that quotes its input drafts every step.
 MAX_BACKOFF_STEPS = 32
+# A wholly rejected draft of a request whose record before it estimates at least this acceptance (and
+# whose last verify accepted a token) does not start the back-off: after a run of accepted drafts one
+# miss is a poor sign that drafting stopped paying, and the cost rule, fed the miss, still decides how
+# much the next step drafts. A miss that leaves the estimate below this backs off as usual.
+REPROBE_RATE = 0.75
 # Buckets of pdserve_spec_acceptance_length (draft tokens accepted per verified row): one per count
 # up to 8, then coarser up to the largest num_speculative_tokens.
 ACCEPTANCE_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class Coverage:
+    """Why each row-step of a drafting-capable step did or did not carry a draft (one count per row
+    per step ``drafts`` decided): ``drafted``; ``backed_off`` (waiting after a wholly rejected draft);
+    ``no_match`` (no suffix of length ``ngram_min`` .. ``ngram_max`` recurs, or the grammar allows none
+    of the draft); ``at_limit`` (``max_tokens`` or the context leave no room); ``dropped`` (a draft was
+    found but the cost rule, the step's cap or the free pages left none of it); ``full`` (the step was
+    full without drafts: nothing looked up)."""
+
+    drafted: int = 0
+    backed_off: int = 0
+    no_match: int = 0
+    at_limit: int = 0
+    dropped: int = 0
+    full: int = 0
 
 
 @dataclass
@@ -92,6 +114,7 @@ class NgramSpeculator:
         self.accepted_tokens = 0
         self.acceptance = Histogram(ACCEPTANCE_BUCKETS)
         self.position_trials, self.position_hits = [0] * k, [0] * k
+        self.coverage = Coverage()
         # a request's index lives as long as the request (no registry to clean up)
         self._state: weakref.WeakKeyDictionary[Request, _Drafting] = weakref.WeakKeyDictionary()
 
@@ -145,6 +168,7 @@ class NgramSpeculator:
         out: list[list[int]] = [[] for _ in reqs]
         room = self.step_tokens - len(reqs) - other_tokens
         if room <= 0:  # the step is full without drafts: nothing to decide, nothing to learn
+            self.coverage.full += len(reqs)
             return out
         budget = StepBudget(self.fixed, len(reqs) + other_tokens)
         ranked = []
@@ -158,6 +182,9 @@ class NgramSpeculator:
             room -= len(out[i])
             if not out[i]:
                 self._drafting(reqs[i]).acceptance.idle()
+            if d:
+                self.coverage.drafted += bool(out[i])
+                self.coverage.dropped += not out[i]
         return out
 
     def draft(self, req: Request, limit: int | None = None) -> list[int]:
@@ -174,14 +201,17 @@ class NgramSpeculator:
         a structured-output draft cut to what its grammar allows."""
         k = min(self.k, req.remaining_new_tokens() - 1, self.max_model_len - req.seq_len - 1)
         if k <= 0:
+            self.coverage.at_limit += 1
             return [], 0
         st = self._drafting(req)
         if st.wait > 0:
             st.wait -= 1
+            self.coverage.backed_off += 1
             return [], 0
         d, match = self._synced(st.index, req).lookup(k, self.n_min + MATCH_TOKENS)
         if d and (matcher := req.sampler_state.matcher) is not None:
             d = d[: matcher.valid_prefix(d)]  # the grammar would mask the rest: it cannot be accepted
+        self.coverage.no_match += not d
         return d, max(0, match - self.n_min) if d else 0
 
     def _with_pages(self, req: Request, d: list[int]) -> list[int]:
@@ -231,8 +261,10 @@ class NgramSpeculator:
             self.accepted_tokens += acc
             self.acceptance.observe(acc)
             st = self._drafting(req)
+            forgiven = not acc and st.backoff == 0 and st.acceptance.rate() >= REPROBE_RATE
             st.acceptance.observe(acc, len(d))
-            st.backoff = 0 if acc else min(max(1, 2 * st.backoff), MAX_BACKOFF_STEPS)
+            if not forgiven:
+                st.backoff = 0 if acc else min(max(1, 2 * st.backoff), MAX_BACKOFF_STEPS)
             st.wait = st.backoff
             req.kv_len += m
             truncate(self.kv, req.kv, req.kv_len)

@@ -1,5 +1,6 @@
 """A request whose drafts are wholly rejected drafts again after 1, 2, 4, ... steps (up to
-MAX_BACKOFF_STEPS), and every step once one of its draft tokens is accepted."""
+MAX_BACKOFF_STEPS), and every step once one of its draft tokens is accepted; a miss right after a run of
+accepted drafts (an estimate of at least REPROBE_RATE) does not start the back-off."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from cache.page_allocator import PageAllocator
 from engine.request import Phase, Request
 from engine.sampling import Sampler, SamplerState
 from engine.scheduler.executor import token_delta
-from engine.spec.verify import MAX_BACKOFF_STEPS, NgramSpeculator
+from engine.spec.pays import Acceptance
+from engine.spec.verify import MAX_BACKOFF_STEPS, REPROBE_RATE, NgramSpeculator
 from transfer.wire.sampling_params import SamplingParams
 
 V = 8
@@ -67,4 +69,29 @@ def test_backoff_grows_to_its_cap_while_every_draft_misses():
             gap += 1
     assert spec.accepted_tokens == 0
     assert gaps[:6] == [0, 1, 2, 4, 8, 16] and set(gaps[6:]) <= {MAX_BACKOFF_STEPS}
+    kv.free(req.kv)
+
+
+def test_a_miss_after_a_run_of_accepted_drafts_reprobes_at_once():
+    kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
+    spec = NgramSpeculator(kv, k=3, n_min=1, n_max=3, max_model_len=10**6)
+    req = running_request(kv)
+    assert [step(spec, req, lambda d: 7)[0] for _ in range(2)] == [3, 0]  # a fresh miss, one step off
+    for _ in range(3):  # then 7 7 .. is drafted and wholly accepted
+        assert step(spec, req, lambda d: 7) == (3, 4)
+    assert spec._drafting(req).acceptance.rate() >= REPROBE_RATE
+    assert step(spec, req, lambda d: 1) == (3, 1)  # the draft's first token rejected
+    miss = lambda d: (d[0] + 1) % V if d else 1  # noqa: E731
+    assert step(spec, req, miss) == (3, 1)  # drafts again the very next step: one miss is no trend
+    assert step(spec, req, miss)[0] == 0  # a second miss in a row backs off (its estimate fell)
+    kv.free(req.kv)
+
+
+def test_a_miss_on_a_low_record_still_backs_off():
+    kv = KVManager(PageAllocator(4096), 4, enable_radix_cache=False)
+    spec = NgramSpeculator(kv, k=3, n_min=1, n_max=3, max_model_len=10**6)
+    req = running_request(kv)
+    spec._drafting(req).acceptance = Acceptance(hits=1.0, misses=1.0)  # rate 0.5: half its drafts fail
+    assert step(spec, req, lambda d: 7)[0] == 3
+    assert step(spec, req, lambda d: 7)[0] == 0
     kv.free(req.kv)
