@@ -51,6 +51,10 @@ def test_a_ttft_slo_no_prefill_meets_turns_one_decode_worker_into_a_prefill_work
         "2",
         "--planner-dwell-s",
         "3600",
+        # the launch's workers share the host's cores, where the planner holds (a move adds no compute);
+        # this test is about a move and the switch it makes, so the workers are taken as nodes of their own
+        "--planner-cores",
+        "own",
     )
     url = srv.url
     wait_idle(url, HEARTBEAT_S)
