@@ -50,8 +50,8 @@ def _until(cond, timeout_s: float = 60.0):
     return got
 
 
-def test_second_turn_lands_on_the_replica_holding_the_first(launched_server, embedded, hf_embedded):
-    srv = launched_server(
+def test_second_turn_lands_on_the_replica_holding_the_first(launched_server_per_test, embedded, hf_embedded):
+    srv = launched_server_per_test(
         "colocated",
         "--replicas",
         "2",

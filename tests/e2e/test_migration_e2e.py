@@ -106,13 +106,13 @@ def refs(embedded):
 
 
 @pytest.mark.parametrize("backend", ["nixl", "ucxx"])
-def test_skewed_load_migrates_retracted_requests(launched_server, embedded, refs, backend):
+def test_skewed_load_migrates_retracted_requests(launched_server_per_test, embedded, refs, backend):
     """Over ucxx the peer's pool is twice the source's (``--worker-kv-pool-tokens``): migrations land
     in a pool of another size, whose pages the handshake's geometry places."""
     tok = embedded[2]
     prompts = PROMPTS
     pools = {"decode-0": 24, "decode-1": 48 if backend == "ucxx" else 24}  # pages of 16 tokens
-    srv = launched_server(
+    srv = launched_server_per_test(
         "pd",
         "--decode",
         "2",
@@ -271,7 +271,7 @@ def check_idle(url, results, prompts, refs, tok, page) -> None:
         check_markers(page, m)
 
 
-def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server, embedded, refs):
+def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server_per_test, embedded, refs):
     """``--migrate-queued``: every request pinned to decode-0, whose 24-page pool holds a few of them;
     the ones waiting there for pages longer than ``--migrate-after`` are re-routed to decode-1
     before their prefill (no KV to move). Every stream ends with the colocated engine's greedy
@@ -282,7 +282,7 @@ def test_skewed_load_moves_queued_requests_before_their_prefill(launched_server,
     # a full new-token reservation (ratio 1.0) keeps the overflow waiting in the prealloc queue: with a
     # low ratio decode-0 admits it, retracts some and migrates those instead, and their KV takes the
     # room on decode-1 that the queued offers need
-    srv = launched_server(
+    srv = launched_server_per_test(
         "pd",
         "--decode",
         "2",

@@ -35,10 +35,12 @@ def planner_switches(m: dict, old: str, new: str) -> float:
     return metric_sum(m, "pdserve_role_switches_total", **{"from": old, "to": new, "reason": "planner"})
 
 
-def test_a_ttft_slo_no_prefill_meets_turns_one_decode_worker_into_a_prefill_worker(launched_server, embedded, refs):
+def test_a_ttft_slo_no_prefill_meets_turns_one_decode_worker_into_a_prefill_worker(
+    launched_server_per_test, embedded, refs
+):
     tok = embedded[2]
     srv = launch_switchable_pd(
-        launched_server,
+        launched_server_per_test,
         "--planner",
         "slo",
         "--slo-ttft-ms",

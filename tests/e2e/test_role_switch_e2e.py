@@ -88,10 +88,10 @@ async def switch_under_load(srv, worker: str, role: str) -> tuple[list, httpx.Re
     return await streams, r
 
 
-def test_decode_worker_switches_to_prefill_under_load_and_back(launched_server, embedded, refs):
+def test_decode_worker_switches_to_prefill_under_load_and_back(launched_server_per_test, embedded, refs):
     tok = embedded[2]
     srv = launch_switchable_pd(
-        launched_server,
+        launched_server_per_test,
         "--route-decode",
         "decode-1",
         "--test-step-delay-s",

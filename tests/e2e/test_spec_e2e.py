@@ -20,8 +20,8 @@ PASSAGE = (
 )
 
 
-def test_spec_server_accepts_drafts_and_cuts_at_stop_strings(launched_server):
-    srv = launched_server(
+def test_spec_server_accepts_drafts_and_cuts_at_stop_strings(launched_server_per_test):
+    srv = launched_server_per_test(
         "colocated",
         "--speculative-method",
         "ngram",
@@ -57,12 +57,14 @@ def test_spec_server_accepts_drafts_and_cuts_at_stop_strings(launched_server):
     wait_idle(url, HEARTBEAT_S)  # nothing queued, running or holding a page
 
 
-def test_spec_pd_decode_worker_accepts_drafts_with_the_plain_outputs(launched_server, pd_server):
+def test_spec_pd_decode_worker_accepts_drafts_with_the_plain_outputs(launched_server_per_test, pd_server):
     """A PD launch with ``--speculative-method ngram`` (real prefill and decode processes, NIXL KV
     transfer): the decode worker drafts from prompts whose KV came over the wire and has drafts
     accepted (its own series move; the prefill worker's stay at zero), and greedy and seeded outputs,
     each choice of an ``n = 3`` request too, equal those of the default PD launch without speculation."""
-    srv = launched_server("pd", *PD_SERVER_FLAGS, "--speculative-method", "ngram", "--num-speculative-tokens", "4")
+    srv = launched_server_per_test(
+        "pd", *PD_SERVER_FLAGS, "--speculative-method", "ngram", "--num-speculative-tokens", "4"
+    )
     url = srv.url
     before = wait_idle(url, PD_SERVER_HEARTBEAT_S)
     prompt = f"{PASSAGE}\n\nRepeat the passage above verbatim."
