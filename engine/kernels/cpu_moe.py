@@ -77,33 +77,19 @@ def expert_ffn(
     guarantees :func:`takes`. ``kind``: one of the ``KIND_*`` (default: the dtype's fastest).
     ``scales``: int8 experts' float32 row scales ``([E, 2 * inter], [E, hidden])``, contiguous. None
     where the kernel refuses the shape."""
-    rows, hidden = x.shape
     inter = down.shape[-1]
     if kind is None:
         kind = KIND_I8 if gate_up.dtype == torch.int8 else KIND_F32 if x.dtype == torch.float32 else KIND_BF16
-    gate_up_scale, down_scale = (0, 0) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
-    act = torch.empty(pair_tokens.shape[0], inter, dtype=x.dtype)
-    out = torch.zeros(rows, hidden, dtype=torch.float32)
-    rc = load().pdserve_moe_experts(
-        x.data_ptr(),
-        x.stride(0),
-        gate_up.data_ptr(),
-        down.data_ptr(),
+    return _run_experts(
+        load().pdserve_moe_experts,
+        x,
+        (gate_up, down),
         kind,
-        gate_up_scale,
-        down_scale,
-        chosen.data_ptr(),
-        offsets.data_ptr(),
-        pair_tokens.data_ptr(),
-        pair_weights.data_ptr(),
-        act.data_ptr(),
-        out.data_ptr(),
-        chosen.shape[0],
-        hidden,
+        scales,
+        (chosen, offsets, pair_tokens, pair_weights),
+        x.dtype,
         inter,
-        torch.get_num_threads() if openmp_shared() else 1,
     )
-    return out if rc == 0 else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -174,18 +160,36 @@ def expert_gemm(
     """What :func:`expert_ffn` computes, by ``cpu_moe_gemm.c``: ``pairs`` the experts' gate/up and down
     weights in :func:`to_pairs`' layout (bfloat16, or int8 with ``scales`` as there); the grouping as
     :func:`expert_ffn`'s. float32 ``[rows, hidden]``; None where the kernel refuses."""
-    rows, hidden = x.shape
-    gate_up, down = pairs
-    inter = gate_up.shape[1] * PANEL // 2
+    inter = pairs[0].shape[1] * PANEL // 2
+    kind = int(pairs[0].dtype == torch.int8)
+    grouping = (chosen, offsets, pair_tokens, pair_weights)
+    return _run_experts(load().pdserve_moe_gemm, x, pairs, kind, scales, grouping, torch.bfloat16, inter)
+
+
+def _run_experts(
+    entry,
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    kind: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    grouping: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    act_dtype: torch.dtype,
+    inter: int,
+) -> torch.Tensor | None:
+    """Call a C expert entry point (``pdserve_moe_experts`` or ``pdserve_moe_gemm``: one signature)
+    over ``x`` with the grouping ``(chosen, offsets, pair_tokens, pair_weights)``; float32
+    ``[rows, hidden]``, None where the kernel refused (non-zero return)."""
+    (rows, hidden), (gate_up, down) = x.shape, weights
+    chosen, offsets, pair_tokens, pair_weights = grouping
     gate_up_scale, down_scale = (0, 0) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
-    act = torch.empty(pair_tokens.shape[0], inter, dtype=torch.bfloat16)
+    act = torch.empty(pair_tokens.shape[0], inter, dtype=act_dtype)
     out = torch.zeros(rows, hidden, dtype=torch.float32)
-    rc = load().pdserve_moe_gemm(
+    rc = entry(
         x.data_ptr(),
         x.stride(0),
         gate_up.data_ptr(),
         down.data_ptr(),
-        int(gate_up.dtype == torch.int8),
+        kind,
         gate_up_scale,
         down_scale,
         chosen.data_ptr(),
