@@ -121,7 +121,9 @@ def tiny_folder(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched_server() -> Iterator[ServerFactory]:
-    """Module-scoped ``ServerFactory``: servers live until the module's last test is done."""
+    """Module-scoped ``ServerFactory``: servers live until the module's last test is done. For a launch
+    that several of the module's tests share (through a module fixture); a test that launches a cluster
+    for itself takes ``launched_server_per_test``, or the module's launches add up in memory."""
     factory = ServerFactory()
     try:
         yield factory
