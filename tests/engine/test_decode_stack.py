@@ -11,18 +11,15 @@ import torch
 from engine import cpu_linear
 from engine.decode_stack import ENV, DecodeStack
 from engine.forward_batch import ForwardMode
-from engine.kernels import cpu_native
 from engine.llm import LLM
 from engine.model import LlamaModel
+from tests.support.cpu_kernels import needs_small_batch_kernels
 from tests.support.decode_stack_paths import BothPaths
 from tests.support.models import engine_cfg, sched_cfg, tiny_config, tiny_weights
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
-needs_kernel = pytest.mark.skipif(
-    not cpu_native.gemv_available() or not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)),
-    reason="this CPU has no AVX512-BF16: the small-batch kernels (and so the stack) are not built here",
-)
+needs_kernel = needs_small_batch_kernels
 
 
 @needs_kernel

@@ -10,23 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_linear
 from engine.config import ModelConfig, MoeSpec
 from engine.decode_stack import ENV
-from engine.kernels import cpu_moe, cpu_native
+from engine.kernels import cpu_moe
 from engine.llm import LLM
 from engine.model import LlamaModel
 from engine.tensor_shapes import expected_tensor_shapes
+from tests.support.cpu_kernels import needs_small_batch_kernels
 from tests.support.decode_stack_paths import BothPaths
 from tests.support.models import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.unit,
-    pytest.mark.skipif(
-        not cpu_native.gemv_available() or not cpu_linear.packing_enabled(torch.zeros(8, 32, dtype=torch.bfloat16)),
-        reason="this CPU has no AVX512-BF16: the small-batch kernels (and so the stack) are not built here",
-    ),
+    needs_small_batch_kernels,
 ]
 
 

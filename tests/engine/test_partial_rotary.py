@@ -10,6 +10,7 @@ import torch
 
 from engine.kernels import cpu_native, fused
 from engine.rope import RotaryEmbedding, permute_heads, rotary_order
+from tests.support.cpu_kernels import needs_small_batch_kernels
 
 pytestmark = pytest.mark.unit
 
@@ -77,9 +78,8 @@ def test_rotation_equals_transformers_phi3(head_dim, factor, longrope, path):
     assert torch.equal(got[..., passes], x[..., order][..., passes])
 
 
+@needs_small_batch_kernels
 def test_decode_stack_takes_a_partial_rotary_model(tmp_path):
-    if cpu_native.load() is None:
-        pytest.skip("no C kernel library here")
     from engine.loader import load_model_weights
     from engine.model import LlamaModel
     from tests.support.hf_folders import PHI3_PARTIAL, save_small_model

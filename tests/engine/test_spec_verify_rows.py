@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from engine.forward_batch import ForwardMode
 from tests.engine.test_spec_identity import greedy, make, repeating_prompts, run
+from tests.support.cpu_kernels import needs_small_batch_kernels
 
 
+@needs_small_batch_kernels
 def test_drafting_steps_run_on_the_decode_stack(tiny):
     jobs = [(p, greedy(32)) for p in repeating_prompts(3)]
     # every forward recorded: (mode, longest row, drafts given, stack ran); outputs: test_spec_identity
