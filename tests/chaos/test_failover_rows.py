@@ -7,6 +7,8 @@ back:
 
 - 2 colocated replicas, ``kill -9`` of the one running the most requests once a seeded share of the
   tokens went out (``PDSERVE_CHAOS_SEED``): its streams continue on the other replica;
+- 2 colocated replicas, SIGSTOP of the busier one at a seeded moment: detected by the heartbeats,
+  its streams continue on the other replica; SIGCONT once the load ended;
 - 1 prefill + 2 decode workers, SIGSTOP of the decode worker running the most requests at a seeded
   moment: the router learns of it from the heartbeats (``--worker-timeout-s``) and its streams
   continue on the other decode worker; SIGCONT once the load ended: the worker is taken back, and
@@ -48,27 +50,61 @@ def replicas_recovered(url: str, timeout_s: float = 90.0) -> dict:
     return wait_idle(url, HEARTBEAT_S, timeout_s=max(5.0, deadline - time.monotonic()))
 
 
-def test_kill9_of_a_colocated_replica_under_mixed_streams_loses_nothing(model):
+class Replicas:
+    """What ``killed_load`` needs of a cluster, for a ``LaunchedServer`` of colocated replicas."""
+
+    def __init__(self, server: LaunchedServer) -> None:
+        self.server, self.url = server, server.url
+
+    def metrics(self) -> dict:
+        return scrape_metrics(self.url)
+
+    def pid(self, worker_id: str) -> int:
+        return worker_pid(self.server, worker_id)
+
+
+def replica_args(model, extra: list[str]) -> list[str]:
+    """2 colocated replicas of the tiny model, least-loaded routing, the rows' shared flags."""
     args = ["--mode", "colocated", "--replicas", "2", "--port", "0", "--model", str(model)]
-    args += ["--health-interval-s", str(HEARTBEAT_S), "--log-level", "WARNING", "--routing", "least-loaded", *ARGS]
-    with LaunchedServer(args) as server:
+    args += ["--health-interval-s", str(HEARTBEAT_S), "--log-level", "WARNING", "--routing", "least-loaded"]
+    return [*args, *ARGS, *extra]
+
+
+def test_kill9_of_a_colocated_replica_under_mixed_streams_loses_nothing(model):
+    with LaunchedServer(replica_args(model, [])) as server:
         ref = fault_free(server.url, lambda: replicas_recovered(server.url))
         kill_tokens, total = ref.kill_tokens(salt=0)
-
-        class Replicas:  # what killed_load needs of a cluster
-            url = server.url
-
-            @staticmethod
-            def metrics():
-                return scrape_metrics(server.url)
-
-            @staticmethod
-            def pid(worker_id: str) -> int:
-                return worker_pid(server, worker_id)
-
-        got, victim = asyncio.run(killed_load(Replicas, ref.bodies, kill_tokens, ("colocated-0", "colocated-1")))
+        got, victim = asyncio.run(
+            killed_load(Replicas(server), ref.bodies, kill_tokens, ("colocated-0", "colocated-1"))
+        )
         row = f"replica kill -9: {victim} at {kill_tokens}/{total} tokens"
         assert_failed_over(row, ref, got, replicas_recovered(server.url), (victim,))
+
+
+def test_sigstop_of_a_colocated_replica_is_detected_by_heartbeats_and_loses_nothing(model):
+    """The replica stopped (SIGSTOP) at the seeded moment: the router learns of it from the heartbeats
+    (``--worker-timeout-s``) and its streams continue on the other replica; SIGCONT once the load
+    ended: what the stopped replica still held of the requests it lost ends there (no page left)."""
+    with LaunchedServer(replica_args(model, ["--worker-timeout-s", str(LEASE_S)])) as server:
+        ref = fault_free(server.url, lambda: replicas_recovered(server.url))
+        kill_tokens, total = ref.kill_tokens(salt=2)
+        stopped: dict[str, int] = {}
+
+        def stopping(cluster, worker_id, sig):  # killed_load's signal, turned into SIGSTOP
+            stopped[worker_id] = cluster.pid(worker_id)
+            os.kill(stopped[worker_id], signal.SIGSTOP)
+
+        try:
+            replicas = Replicas(server)
+            got, victim = asyncio.run(
+                killed_load(replicas, ref.bodies, kill_tokens, ("colocated-0", "colocated-1"), signal_with=stopping)
+            )
+        finally:
+            for pid in stopped.values():
+                os.kill(pid, signal.SIGCONT)
+        row = f"replica SIGSTOP: {victim} at {kill_tokens}/{total} tokens"
+        assert_failed_over(row, ref, got, replicas_recovered(server.url), (victim,))
+        assert f"worker {victim} is dead: no heartbeat" in server.log()
 
 
 def test_sigstop_of_a_decode_worker_is_detected_by_heartbeats_and_loses_nothing(model):
