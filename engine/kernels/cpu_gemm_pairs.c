@@ -46,15 +46,6 @@ int pdserve_gemm_pairs_available(void);
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-static inline __m512bh w_bf16(const char *p) { return (__m512bh)_mm512_loadu_si512(p); }
-
-static inline __m512bh w_i8(const char *p) {
-    const __m256i q = _mm256_loadu_si256((const __m256i *)p);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
 /* R rows [r0, r0 + R) of one panel (outputs [o0, o0 + 64)); VB bytes per weight vector. */
 #define MICRO(NAME, LOAD, VB, R)                                                                           \
     static void NAME(const uint16_t *x, int64_t xs, const char *panel, const char *pf, int pfl, int64_t kpairs, \

@@ -39,15 +39,6 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-static inline __m512bh w_bf16(const char *p) { return (__m512bh)_mm512_loadu_si512(p); }
-
-static inline __m512bh w_i8(const char *p) {
-    const __m256i q = _mm256_loadu_si256((const __m256i *)p);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
 /* res[r * 64 + o] = x_r . w_o for R gathered bfloat16 rows xr[r] and one panel's 64 outputs; VB bytes
  * per weight vector (64 bfloat16, 32 int8). */
 #define MICRO(NAME, LOAD, VB, R)                                                                       \

@@ -111,6 +111,19 @@ static inline __m512 exp512(__m512 x) {
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(y, n);
 }
+
+#if defined(__AVX512BF16__)
+/* One pair-panel weight vector as 32 bfloat16 pairs: bfloat16 as stored, int8 widened (32 bytes ->
+ * 32 floats -> bfloat16, exact: every int8 is a bfloat16). Shared by the pair-panel GEMMs. */
+static inline __m512bh w_bf16(const char *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+static inline __m512bh w_i8(const char *p) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
 #endif
 
 #endif
