@@ -62,22 +62,13 @@ def _run_both(tokenizer, cfg: ModelConfig, dtype: str, **engine) -> list[tuple]:
 @pytest.mark.parametrize("norm", [True, False])
 def test_float32_moe_step_through_the_stack_equals_the_layer_path(tokenizer, norm):
     """Both renormalization settings: the stack follows ``norm_topk_prob`` as ``engine.moe`` does."""
-    for _, a, b, kv_a, kv_b in _run_both(tokenizer, _config(norm), "float32"):
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(kv_a, kv_b, rtol=1e-5, atol=1e-5)
+    _assert_float32_equal(_run_both(tokenizer, _config(norm), "float32"))
 
 
 # int8 builds its panels for seconds: slow tier
 @pytest.mark.parametrize("weights", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_bfloat16_and_int8_moe_steps_through_the_stack_stay_at_the_layer_path(tokenizer, weights):
-    if weights == "int8" and not cpu_moe.dot_available():
-        pytest.skip("int8 experts take the kernel only with AVX512-BF16")
-    extra = {"weight_dtype": "int8"} if weights == "int8" else {}
-    for _, a, b, kv_a, kv_b in _run_both(tokenizer, _config(), "bfloat16", **extra):
-        # logits of order 1-10: a bfloat16 rounding of a Q/K norm or router sum moves them by < 0.1
-        torch.testing.assert_close(a, b, rtol=0.02, atol=0.1)
-        torch.testing.assert_close(kv_a.float(), kv_b.float(), rtol=0.02, atol=0.02)
+    _assert_low_precision_close(tokenizer, _config(), weights)
 
 
 def test_moe_and_qk_norm_models_build_the_stack_only_where_the_expert_kernel_runs():
@@ -103,18 +94,30 @@ def _qwen2_moe(shared: int = 64) -> ModelConfig:
 def test_qwen2_moe_shared_expert_step_through_the_stack_equals_the_layer_path(tokenizer):
     """float32: the shared expert and its sigmoid gate run in the stack (breaking either moves the
     logits far beyond the router's float32 summation-order difference)."""
-    for _, a, b, kv_a, kv_b in _run_both(tokenizer, _qwen2_moe(), "float32"):
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(kv_a, kv_b, rtol=1e-5, atol=1e-5)
+    _assert_float32_equal(_run_both(tokenizer, _qwen2_moe(), "float32"))
 
 
 # int8 builds its panels for seconds: slow tier
 @pytest.mark.parametrize("weights", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_bfloat16_and_int8_qwen2_moe_steps_through_the_stack_stay_at_the_layer_path(tokenizer, weights):
+    _assert_low_precision_close(tokenizer, _qwen2_moe(), weights)
+
+
+def _assert_float32_equal(runs) -> None:
+    """float32: the stack's logits and KV equal the layer path's up to summation order."""
+    for _, a, b, kv_a, kv_b in runs:
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv_a, kv_b, rtol=1e-5, atol=1e-5)
+
+
+def _assert_low_precision_close(tokenizer, cfg: ModelConfig, weights: str) -> None:
+    """bfloat16 activations with bfloat16 or int8 weights: the stack stays within bfloat16 rounding of
+    the layer path (logits of order 1-10: a bfloat16 rounding of a Q/K norm or router sum moves them
+    by < 0.1)."""
     if weights == "int8" and not cpu_moe.dot_available():
         pytest.skip("int8 experts take the kernel only with AVX512-BF16")
     extra = {"weight_dtype": "int8"} if weights == "int8" else {}
-    for _, a, b, kv_a, kv_b in _run_both(tokenizer, _qwen2_moe(), "bfloat16", **extra):
+    for _, a, b, kv_a, kv_b in _run_both(tokenizer, cfg, "bfloat16", **extra):
         torch.testing.assert_close(a, b, rtol=0.02, atol=0.1)
         torch.testing.assert_close(kv_a.float(), kv_b.float(), rtol=0.02, atol=0.02)
