@@ -59,12 +59,17 @@ def measuring_turn(ledger_fd: int):
 
 # Core lending: rows of the step a role's borrowing is judged by (a decode batch, a prefill chunk),
 # and the gain that makes borrowing worth a thread switch per step.
-LENDING_PROBE_ROWS = {"decode": 8, "prefill": 256, "colocated": 256}
+# A prefill chunk's probe has 128 rows: past the small-batch kernels' 64-row limit (cpu_linear.small_rows), so
+# it times the kernels a prefill chunk runs, at half the cost of a 256-row one.
+LENDING_PROBE_ROWS = {"decode": 8, "prefill": 128, "colocated": 128}
 LENDING_MIN_GAIN = 1.1
-LENDING_PROBE_ROUNDS = 4  # at most; fewer once LENDING_PROBE_BUDGET_S is spent (2 at least)
+LENDING_PROBE_ROUNDS = 4  # at most; fewer once LENDING_PROBE_BUDGET_S is spent (2 at least) or the verdict is clear
 LENDING_PROBE_MIN_ROUNDS = 2
 LENDING_PROBE_REPEATS = 2  # timed passes per probe (after one warm-up pass)
-LENDING_PROBE_BUDGET_S = 2.0  # a prefill's 256-row probe is ~0.5 s a pair on 2 cores: 2 rounds, not 4
+LENDING_PROBE_BUDGET_S = 2.0  # a prefill probe on an AVX2 core in float32 is ~0.5 s a pass: 2 rounds, not 4
+# A round whose gain is this factor past LENDING_MIN_GAIN (either way) decides at once: one noisy pass cannot
+# move a 2-thread gain of 1.4x under 1.1x, and the start-up of every launch pays for each further round.
+LENDING_CLEAR_FACTOR = 1.25
 LENDING_LOAD_WAIT_S = 300.0  # the longest a worker waits for the others' loads before it measures
 LENDING_QUIET_WAIT_S = 3.0  # ... and then for a busy peer to go idle (a restarted worker among serving ones: not long)
 
@@ -128,9 +133,9 @@ def _measured_total(runner, role: str, own: int, total: int) -> int:
         b = runner.matmul_seconds(total, rows, LENDING_PROBE_REPEATS)
         alone, shared = min(alone, a), min(shared, b)
         spent += (a + b) * (LENDING_PROBE_REPEATS + 1)
-        if done >= LENDING_PROBE_MIN_ROUNDS and spent >= LENDING_PROBE_BUDGET_S:
+        gain = alone / shared if shared > 0 else 1.0
+        if _clear(gain) or (done >= LENDING_PROBE_MIN_ROUNDS and spent >= LENDING_PROBE_BUDGET_S):
             break
-    gain = alone / shared if shared > 0 else 1.0
     log.info(
         "core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s",
         rows,
@@ -142,6 +147,11 @@ def _measured_total(runner, role: str, own: int, total: int) -> int:
         "borrows" if gain >= LENDING_MIN_GAIN else f"only lends (under {LENDING_MIN_GAIN}x)",
     )
     return total if gain >= LENDING_MIN_GAIN else own
+
+
+def _clear(gain: float) -> bool:
+    """Whether one round's ``gain`` settles the verdict (``LENDING_CLEAR_FACTOR`` past the bar, either way)."""
+    return gain >= LENDING_MIN_GAIN * LENDING_CLEAR_FACTOR or gain <= LENDING_MIN_GAIN / LENDING_CLEAR_FACTOR
 
 
 def build_colocated(cfg: PdserveConfig, runner, worker_id: str, model_name: str):
