@@ -203,10 +203,25 @@ int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, co
 
 int pdserve_gemm_panels_f32_available(void) { return 1; }
 #else
+#include <math.h>
+
+/* Without AVX-512F: the same sums by plain loops (each output's FMAs in input order from 0, then the
+ * bias added, as every lane above computes it, so bitwise the same), one thread, slow. Its
+ * _available() stays 0, so engine/cpu_linear.py keeps float32 weights in oneDNN's layout here; tests
+ * that need float32 panels (and so the float32 decode stack) on such CPUs pack with it
+ * (tests/support/cpu_kernels.py). */
 int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
                             int64_t rows, int64_t in, int64_t out, int threads) {
-    (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)threads;
-    return -1;
+    (void)threads;
+    if (rows < 1 || out % PANEL != 0 || in < 1) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < out; o++) {
+            const float *wp = w + (o / PANEL) * in * PANEL + o % PANEL;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < in; k++) acc = fmaf(x[r * x_stride + k], wp[k * PANEL], acc);
+            y[r * out + o] = acc + (bias ? bias[o] : 0.0f);
+        }
+    return 0;
 }
 
 int pdserve_gemm_panels_f32_available(void) { return 0; }
