@@ -1,0 +1,100 @@
+"""The C decode stack on Gemma 2 and Gemma 3 text (small random HF models built with transformers):
+a decode step through the stack computes bitwise what the per-layer Python path computes (logits and
+every KV byte of both pools), for the sliding layers' windows (contexts past the window of 8), the
+SWA pool or none, Gemma 2's attention soft cap and Gemma 3's Q/K norms and local RoPE base, at 1, 3
+and 8 rows; and greedy tokens through the stack still equal transformers'.
+
+float32 runs everywhere the kernels build: without AVX-512F the layer weights are packed as panels for
+the library's portable float32 loop (``tests/support/cpu_kernels.py``), which the stack and the layer
+path both call. bfloat16 needs the small-batch kernels (AVX512-BF16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.forward_batch import ForwardMode
+from engine.llm import LLM
+from engine.loader import load_for_engine
+from tests.support.cpu_kernels import needs_small_batch_kernels, portable_float32_panels
+from tests.support.decode_stack_paths import BothPaths
+from tests.support.hf_folders import GEMMA2, GEMMA3, random_prompts, reference_greedy, save_small_model
+from tests.support.models import engine_cfg, sched_cfg
+from transfer.wire.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+NEW = 8
+KINDS = {"gemma2": GEMMA2, "gemma3_text": GEMMA3}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def folder(request, tmp_path_factory):
+    """``(kind, folder, transformers model)`` of a small random Gemma 2 or Gemma 3 text model."""
+    kind = request.param
+    path = tmp_path_factory.mktemp(kind)
+    return kind, path, save_small_model(kind, path, **KINDS[kind])
+
+
+def _llm(folder, tokenizer, dtype: str, swa_pool_tokens: int | None = None) -> LLM:
+    extra = {} if swa_pool_tokens is None else {"swa_pool_tokens": swa_pool_tokens}
+    ecfg = engine_cfg(dtype=dtype, page_size=4, attention_backend="cpu", **extra)
+    cfg, weights = load_for_engine(folder, ecfg)
+    return LLM(ecfg, sched_cfg(max_running_requests=8), loaded=(cfg, weights, tokenizer))
+
+
+def _compare(llm: LLM) -> list[tuple[int, bool, bool]]:
+    """(rows, same logits, same pools) of every step the stack took over prompts of 1, 3 and 8 requests
+    (unequal lengths of 9..44 tokens: past the window, different pages and ranges per row)."""
+    assert llm.runner.model.stack is not None
+    both = BothPaths(llm.runner.model)
+    for rows in (1, 3, 8):
+        prompts = [p[: 9 + 5 * i] for i, p in enumerate(random_prompts(rows, 30, seed=rows))]
+        llm.generate_ids(prompts, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    return [(rows, torch.equal(a, b), torch.equal(s, p)) for rows, a, b, s, p in both.steps]
+
+
+def _assert_bitwise(compared) -> None:
+    assert {1, 3, 8} <= {c[0] for c in compared}, compared
+    assert all(same_logits and same_pools for _, same_logits, same_pools in compared), compared
+
+
+@pytest.mark.parametrize("swa_pool_tokens", [None, 0], ids=["swa-pool", "one-pool"])
+def test_float32_steps_through_the_stack_are_bitwise_the_layer_path(folder, tokenizer, monkeypatch, swa_pool_tokens):
+    portable_float32_panels(monkeypatch)
+    llm = _llm(folder[1], tokenizer, "float32", swa_pool_tokens)
+    assert (llm.runner.pools.swa is not None) == (swa_pool_tokens is None)
+    _assert_bitwise(_compare(llm))
+
+
+def test_llama_float32_steps_stay_bitwise_the_layer_path(tokenizer, monkeypatch, tmp_path):
+    """The Llama layers the stack ran before Gemma (their attention now through the per-layer views), on
+    the portable panels too."""
+    portable_float32_panels(monkeypatch)
+    save_small_model("llama", tmp_path)
+    _assert_bitwise(_compare(_llm(tmp_path, tokenizer, "float32")))
+
+
+@needs_small_batch_kernels
+def test_bfloat16_steps_through_the_stack_are_bitwise_the_layer_path(folder, tokenizer):
+    _assert_bitwise(_compare(_llm(folder[1], tokenizer, "bfloat16")))
+
+
+@pytest.mark.slow
+def test_greedy_tokens_through_the_stack_equal_transformers(folder, tokenizer, monkeypatch):
+    """Every decode step of a batch of 3 prompts past the window runs the stack (float32)."""
+    portable_float32_panels(monkeypatch)
+    kind, path, model = folder
+    prompts = random_prompts(3, 30)
+    llm = _llm(path, tokenizer, "float32")
+    stack, forward, took = llm.runner.model.stack, llm.runner.model.forward, []
+
+    def spy(batch, attn):
+        if batch.mode is ForwardMode.DECODE:
+            took.append(stack.takes(batch, attn))
+        return forward(batch, attn)
+
+    llm.runner.model.forward = spy
+    out = llm.generate_ids(prompts, SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
+    assert took and all(took)
+    assert [r.token_ids for r in out] == reference_greedy(model, prompts, NEW)
