@@ -23,15 +23,27 @@ too. Those steps are not bitwise the per-layer path: the router logits
 and the Q/K norms sum in another order than torch's (float32 logits agree to ~1e-6; bfloat16 within a
 rounding; tests/engine/test_decode_stack_moe.py).
 
+Gemma 2 and Gemma 3 text (``engine.gemma3.Gemma3Model``): ``gemma_layer`` in C runs the block as
+``Gemma3Layer.forward`` does, by the kernels it calls: the four norms and Gemma 3's Q/K norms by
+``fused.rms_norm_f32w`` (float32 ``1 + weight`` scales, ``Gemma3Layer.scales``), the GELU-tanh MLP by
+``fused.gelu_tanh_mul``, each residual add rounded as torch's; the sliding layers rotate with the local
+tables. Attention, for every model: each layer reads its own (pool, window) view of the step
+(``CpuBackend.pool_decode``: the full pool, or a hybrid's SWA pool, and a sliding layer's last ``window``
+keys), with the backend's scale and attention-logit soft cap (Gemma 2: ``cap * tanh(s / cap)``). The
+final norm, the LM head and Gemma 2's final-logit cap run after the stack, as on the layer path. So a
+Gemma step is bitwise the per-layer path's (tests/engine/test_decode_stack_gemma.py, windows bound, the
+SWA pool and one pool: float32 wherever the kernels build, on the portable float32 panels without
+AVX-512F; bfloat16 where the small-batch kernels are).
+
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
-float32 CPU Llama-family model whose every attention, dense-MLP and shared-expert matmul runs the
-small-batch kernel, a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS``
-0, no kernel library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
-``takes(batch, attn)`` is True for a DECODE step of at most ``max_rows`` requests on the C attention
-backend with one full-attention pool, no window; ``run`` then returns the last layer's hidden states,
-bitwise what the per-layer Python path computes on dense models without Q/K norms
-(tests/engine/test_decode_stack.py). Everything else
-runs the Python path.
+float32 CPU Llama-family or Gemma 2 / 3 model whose every attention, dense-MLP and shared-expert
+matmul runs the small-batch kernel, a sparse layer whose experts ``cpu_moe.takes`` refuses or
+``engine.moe.KERNEL_MAX_ROWS`` 0, no kernel library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is
+at most ``KERNEL_MAX_ROWS`` on MoE models. ``takes(batch, attn)`` is True for a DECODE step of at most
+``max_rows`` requests on the C attention backend whose pools (full, and SWA if any) hold the model's
+dtype, any windows; ``run`` then returns the last layer's hidden states, bitwise what the per-layer
+Python path computes on dense models without Qwen3's Q/K norms (tests/engine/test_decode_stack.py,
+test_decode_stack_gemma.py). Everything else runs the Python path.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ Per-layer windows reach the attention backend through ``layer_types`` / ``slidin
 Gemma 2 is the same block without the Q/K norms (``qk_norm`` False), one RoPE base for every layer,
 attention logits soft-capped (``attn_logit_softcapping``: the runner passes it to the backend) and
 the final logits soft-capped (``cap * tanh(logits / cap)``, ``final_logit_softcapping``).
+
+On CPU the norms (float32 ``1 + weight`` scales kept at load, ``norm_scale``) and the GELU-tanh MLP run
+the fused kernels (``engine.kernels.fused``; their torch references elsewhere), and a small decode step
+runs all layers in one C call where ``engine.decode_stack`` takes it: the same kernels in the same order,
+bitwise the layer path's output.
 """
 
 from __future__ import annotations

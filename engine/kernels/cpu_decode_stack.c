@@ -1,4 +1,4 @@
-/* A decode step's transformer layers (Llama family) in one call: the same kernels, in the same order,
+/* A decode step's transformer layers (Llama family, Gemma 2 / 3) in one call: the same kernels, in the same order,
  * as engine/model.py's DecoderLayer.forward runs them from Python one call at a time.
  *
  * Why: at 1-8 rows a layer's kernels each take microseconds, and the Python around each call (the
@@ -22,11 +22,20 @@
  * per-head RMSNorms after the QKV matmul. Neither is bitwise torch (the router's and the norms' sums
  * run in another order); the dense layers above still are.
  *
- * Contract: bfloat16 activations, weights and KV pool (or all float32, above); rows 1..8 where a matmul runs cpu_gemv.c (in %
+ * Gemma 2 / Gemma 3 text layers (s->gemma): gemma_layer below, the block engine/gemma3.py's
+ * Gemma3Layer.forward runs, by the same fused kernels in the same order: bitwise its output too.
+ *
+ * Attention: each layer reads one kv_view_t of the step (layer_t.view): the block tables, key ranges
+ * and slots of its pool (the full pool, or a hybrid's SWA pool) under its window (a sliding layer's
+ * range is its last `window` keys), at its own K base in that pool, rotated by its own tables (Gemma's
+ * local base on sliding layers), the logits soft-capped where s->softcap (Gemma 2).
+ *
+ * Contract: bfloat16 activations, weights and KV pools (or all float32, above); rows 1..8 where a matmul runs cpu_gemv.c (in %
  * 32 == 0, out % 8 == 0), any where all run cpu_gemm_pairs.c (out % 64 == 0, in even); each weight
- * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind;
- * every layer attends over the whole sequence (no window) of one pool; the caller has checked the
- * positions against the rotary tables and every slot and table entry against the pool. Returns 0, -1
+ * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind; Gemma's
+ * norm scales float32; the pools share page size and strides but the page stride (per view); the
+ * caller has checked the positions against the rotary tables and every slot and table entry of every
+ * view against its pool. Returns 0, -1
  * when scratch cannot be allocated, -2 when a matmul refuses its shape (nothing of a later layer has
  * run then, but earlier layers' KV is stored: the caller fails the step). */
 #include <math.h>

@@ -16,9 +16,17 @@ import torch
 from engine.forward_batch import ForwardMode
 from engine.llm import LLM
 from engine.loader import load_for_engine
+from engine.model_runner import ModelRunner, SeqChunk
 from tests.support.cpu_kernels import needs_small_batch_kernels, portable_float32_panels
 from tests.support.decode_stack_paths import BothPaths
-from tests.support.hf_folders import GEMMA2, GEMMA3, random_prompts, reference_greedy, save_small_model
+from tests.support.hf_folders import (
+    GEMMA2,
+    GEMMA3,
+    random_prompts,
+    reference_greedy,
+    reference_variant,
+    save_small_model,
+)
 from tests.support.models import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
@@ -36,9 +44,8 @@ def folder(request, tmp_path_factory):
     return kind, path, save_small_model(kind, path, **KINDS[kind])
 
 
-def _llm(folder, tokenizer, dtype: str, swa_pool_tokens: int | None = None) -> LLM:
-    extra = {} if swa_pool_tokens is None else {"swa_pool_tokens": swa_pool_tokens}
-    ecfg = engine_cfg(dtype=dtype, page_size=4, attention_backend="cpu", **extra)
+def _llm(folder, tokenizer, dtype: str, **engine) -> LLM:
+    ecfg = engine_cfg(dtype=dtype, page_size=4, attention_backend="cpu", **engine)
     cfg, weights = load_for_engine(folder, ecfg)
     return LLM(ecfg, sched_cfg(max_running_requests=8), loaded=(cfg, weights, tokenizer))
 
@@ -62,17 +69,20 @@ def _assert_bitwise(compared) -> None:
 @pytest.mark.parametrize("swa_pool_tokens", [None, 0], ids=["swa-pool", "one-pool"])
 def test_float32_steps_through_the_stack_are_bitwise_the_layer_path(folder, tokenizer, monkeypatch, swa_pool_tokens):
     portable_float32_panels(monkeypatch)
-    llm = _llm(folder[1], tokenizer, "float32", swa_pool_tokens)
+    llm = _llm(folder[1], tokenizer, "float32", **({} if swa_pool_tokens is None else {"swa_pool_tokens": 0}))
     assert (llm.runner.pools.swa is not None) == (swa_pool_tokens is None)
     _assert_bitwise(_compare(llm))
 
 
-def test_llama_float32_steps_stay_bitwise_the_layer_path(tokenizer, monkeypatch, tmp_path):
-    """The Llama layers the stack ran before Gemma (their attention now through the per-layer views), on
-    the portable panels too."""
+@pytest.mark.parametrize("windows", [{}, {"sliding_window": 8, "layer_types": "alternate"}], ids=["full", "windows"])
+def test_llama_float32_steps_stay_bitwise_the_layer_path(tokenizer, monkeypatch, tmp_path, windows):
+    """The Llama layers the stack ran before Gemma (their attention now through the per-layer views), and
+    a Llama with alternate sliding layers (window 8, the SWA pool), which the stack now takes too."""
     portable_float32_panels(monkeypatch)
     save_small_model("llama", tmp_path)
-    _assert_bitwise(_compare(_llm(tmp_path, tokenizer, "float32")))
+    llm = _llm(tmp_path, tokenizer, "float32", **windows)
+    assert (llm.runner.pools.swa is not None) == bool(windows)
+    _assert_bitwise(_compare(llm))
 
 
 @needs_small_batch_kernels
@@ -98,3 +108,25 @@ def test_greedy_tokens_through_the_stack_equal_transformers(folder, tokenizer, m
     out = llm.generate_ids(prompts, SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
     assert took and all(took)
     assert [r.token_ids for r in out] == reference_greedy(model, prompts, NEW)
+
+
+def test_decode_logits_through_the_stack_equal_transformers_under_the_final_cap(tokenizer, monkeypatch, tmp_path):
+    """Gemma 2: a decode step past the window through the stack gives transformers' logits, whose final
+    cap of 2 (applied after the stack, on the LM head's output) bounds them; uncapped they reach past it."""
+    portable_float32_panels(monkeypatch)
+    model = save_small_model("gemma2", tmp_path, **GEMMA2)
+    ecfg = engine_cfg(page_size=4, attention_backend="cpu", swa_pool_tokens=0)
+    cfg, weights = load_for_engine(tmp_path, ecfg)
+    runner = ModelRunner(ecfg, cfg, weights)
+    stack, calls = runner.model.stack, []
+    real = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a: calls.append(a[1].batch_size) or real(*a))
+    ids, pages = random_prompts(1, 37)[0], list(range(10))
+    runner.forward(ForwardMode.EXTEND, [SeqChunk(ids[:-1], 0, pages)])
+    got = runner.forward(ForwardMode.DECODE, [SeqChunk(ids[-1:], len(ids) - 1, pages)])[0]
+    assert calls == [1]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0, -1]
+        uncapped = reference_variant("gemma2", tmp_path, final_logit_softcapping=None)(torch.tensor([ids])).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert uncapped[0, -1].abs().max() > 2.0 >= want.abs().max()
