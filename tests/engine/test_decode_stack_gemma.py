@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import cpu_linear
+from engine.decode_stack import ENV
 from engine.forward_batch import ForwardMode
 from engine.llm import LLM
 from engine.loader import load_for_engine
@@ -34,6 +36,12 @@ pytestmark = pytest.mark.unit
 
 NEW = 8
 KINDS = {"gemma2": GEMMA2, "gemma3_text": GEMMA3}
+
+
+@pytest.fixture(autouse=True)
+def _stack_on(monkeypatch):
+    """The stack on whatever the environment says (the suite may run with it off)."""
+    monkeypatch.setenv(ENV, "1")
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
@@ -130,3 +138,23 @@ def test_decode_logits_through_the_stack_equal_transformers_under_the_final_cap(
         uncapped = reference_variant("gemma2", tmp_path, final_logit_softcapping=None)(torch.tensor([ids])).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert uncapped[0, -1].abs().max() > 2.0 >= want.abs().max()
+
+
+def test_the_gemma_stack_is_built_only_where_it_can_run(folder, monkeypatch):
+    """float32 layer weights in panels: built, running the Gemma layers up to the panels' row limit;
+    float16 (no kernels) and ``PDSERVE_DECODE_STACK=0``: none."""
+    from engine.gemma3 import Gemma3Model
+
+    portable_float32_panels(monkeypatch)
+    cfg, weights = load_for_engine(folder[1], engine_cfg())
+
+    def built(dtype: torch.dtype):
+        model = Gemma3Model(cfg, torch.device("cpu"), dtype)
+        model.load_weights(weights)
+        return model.stack
+
+    stack = built(torch.float32)
+    assert stack is not None and stack.gemma and stack.max_rows == cpu_linear.PANELS_ROWS
+    assert built(torch.float16) is None
+    monkeypatch.setenv(ENV, "0")
+    assert built(torch.float32) is None
