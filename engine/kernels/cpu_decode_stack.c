@@ -442,22 +442,27 @@ static void residual(const stack_t *s, void *h, const void *x) {
         }
 }
 
+/* Threads for an elementwise kernel over n elements: engine/kernels/fused.py's rule (PARALLEL_ELEMENTS,
+ * torch's threads where the runtime is shared: mm_threads); its rows split, so any count gives the same
+ * output. Gemma's GELU over a wide MLP is the step's largest elementwise work. */
+static int ew_threads(const stack_t *s, int64_t n) { return n >= (1 << 15) ? (int)s->mm_threads : 1; }
+
 static int gemma_layer(const stack_t *s, const layer_t *l, void *h, const gemma_bufs_t *b) {
     const int64_t R = s->rows, Hd = s->hidden, D = s->head_dim, qs = s->heads * D, kvs = s->kv_heads * D;
     const int64_t qkv_w = qs + 2 * kvs, I = s->inter;
-    const int bf16 = !s->f32;
-    pdserve_rms_norm_f32w(h, Hd, (const float *)l->input_norm, b->x, R, Hd, s->eps, bf16, 1);
+    const int bf16 = !s->f32, th = ew_threads(s, R * Hd);
+    pdserve_rms_norm_f32w(h, Hd, (const float *)l->input_norm, b->x, R, Hd, s->eps, bf16, th);
     if (mm(s, l->qkv_kind, b->x, l->qkv, l->qkv_scale, b->qkv, Hd, qkv_w)) return -2;
     qk_norm(s, l, b->qkv, qkv_w, bf16);
     attend(s, l, b->qkv, b->qf, b->of, bf16 ? (uint16_t *)b->attn : NULL);
     if (mm(s, l->o_kind, b->attn, l->o, l->o_scale, b->tmp, qs, Hd)) return -2;
-    pdserve_rms_norm_f32w(b->tmp, Hd, (const float *)l->post_norm, b->x, R, Hd, s->eps, bf16, 1);
+    pdserve_rms_norm_f32w(b->tmp, Hd, (const float *)l->post_norm, b->x, R, Hd, s->eps, bf16, th);
     residual(s, h, b->x);
-    pdserve_rms_norm_f32w(h, Hd, (const float *)l->pre_ff_norm, b->x, R, Hd, s->eps, bf16, 1);
+    pdserve_rms_norm_f32w(h, Hd, (const float *)l->pre_ff_norm, b->x, R, Hd, s->eps, bf16, th);
     if (mm(s, l->gate_up_kind, b->x, l->gate_up, l->gate_up_scale, b->gate_up, Hd, 2 * I)) return -2;
-    pdserve_gelu_tanh_mul(b->gate_up, b->act, R, I, bf16, 1);
+    pdserve_gelu_tanh_mul(b->gate_up, b->act, R, I, bf16, ew_threads(s, R * I));
     if (mm(s, l->down_kind, b->act, l->down, l->down_scale, b->tmp, I, Hd)) return -2;
-    pdserve_rms_norm_f32w(b->tmp, Hd, (const float *)l->post_ff_norm, b->x, R, Hd, s->eps, bf16, 1);
+    pdserve_rms_norm_f32w(b->tmp, Hd, (const float *)l->post_ff_norm, b->x, R, Hd, s->eps, bf16, th);
     residual(s, h, b->x);
     return 0;
 }
