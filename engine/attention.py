@@ -237,14 +237,15 @@ class CpuBackend(TorchBackend):
             self._slots[name] = slots
         return slots
 
-    def full_pool_decode(
-        self, batch: ForwardBatch
+    def pool_decode(
+        self, batch: ForwardBatch, name: str = FULL, window: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """``(table, lo, hi, slots, keys)`` of the prepared DECODE ``batch`` over the full pool without a
-        window, every page and slot checked against the pool (int64, contiguous): what the C decode
-        stack (``engine.decode_stack``) reads for all layers of the step."""
-        table, lo, hi, keys = self._range_of(batch, FULL, None)
-        return table, lo, hi, self._checked_slots(FULL), keys
+        """``(table, lo, hi, slots, keys)`` of the prepared DECODE ``batch`` over pool ``name`` (``FULL``
+        or ``SWA``) under ``window`` (None: none; else each request's last ``window`` keys), every page
+        and slot checked against the pool (int64, contiguous): what the C decode stack
+        (``engine.decode_stack``) reads for the layers of that pool and window, as ``_decode`` does."""
+        table, lo, hi, keys = self._range_of(batch, name, window)
+        return table, lo, hi, self._checked_slots(name), keys
 
     def _range_of(
         self, batch: ForwardBatch, name: str, window: int | None

@@ -23,15 +23,27 @@ too. Those steps are not bitwise the per-layer path: the router logits
 and the Q/K norms sum in another order than torch's (float32 logits agree to ~1e-6; bfloat16 within a
 rounding; tests/engine/test_decode_stack_moe.py).
 
+Gemma 2 and Gemma 3 text (``engine.gemma3.Gemma3Model``): ``gemma_layer`` in C runs the block as
+``Gemma3Layer.forward`` does, by the kernels it calls: the four norms and Gemma 3's Q/K norms by
+``fused.rms_norm_f32w`` (float32 ``1 + weight`` scales, ``Gemma3Layer.scales``), the GELU-tanh MLP by
+``fused.gelu_tanh_mul``, each residual add rounded as torch's; the sliding layers rotate with the local
+tables. Attention, for every model: each layer reads its own (pool, window) view of the step
+(``CpuBackend.pool_decode``: the full pool, or a hybrid's SWA pool, and a sliding layer's last ``window``
+keys), with the backend's scale and attention-logit soft cap (Gemma 2: ``cap * tanh(s / cap)``). The
+final norm, the LM head and Gemma 2's final-logit cap run after the stack, as on the layer path. So a
+Gemma step is bitwise the per-layer path's (tests/engine/test_decode_stack_gemma.py, windows bound, the
+SWA pool and one pool: float32 wherever the kernels build, on the portable float32 panels without
+AVX-512F; bfloat16 where the small-batch kernels are).
+
 Contract: ``DecodeStack.build(model)`` returns None where the model cannot take it (not a bfloat16 or
-float32 CPU Llama-family model whose every attention, dense-MLP and shared-expert matmul runs the
-small-batch kernel, a sparse layer whose experts ``cpu_moe.takes`` refuses or ``engine.moe.KERNEL_MAX_ROWS``
-0, no kernel library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is at most ``KERNEL_MAX_ROWS`` on MoE models.
-``takes(batch, attn)`` is True for a DECODE step of at most ``max_rows`` requests on the C attention
-backend with one full-attention pool, no window; ``run`` then returns the last layer's hidden states,
-bitwise what the per-layer Python path computes on dense models without Q/K norms
-(tests/engine/test_decode_stack.py). Everything else
-runs the Python path.
+float32 CPU Llama-family or Gemma 2 / 3 model whose every attention, dense-MLP and shared-expert
+matmul runs the small-batch kernel, a sparse layer whose experts ``cpu_moe.takes`` refuses or
+``engine.moe.KERNEL_MAX_ROWS`` 0, no kernel library, or ``PDSERVE_DECODE_STACK=0``); its ``max_rows`` is
+at most ``KERNEL_MAX_ROWS`` on MoE models. ``takes(batch, attn)`` is True for a DECODE step of at most
+``max_rows`` requests on the C attention backend whose pools (full, and SWA if any) hold the model's
+dtype, any windows; ``run`` then returns the last layer's hidden states, bitwise what the per-layer
+Python path computes on dense models without Qwen3's Q/K norms (tests/engine/test_decode_stack.py,
+test_decode_stack_gemma.py). Everything else runs the Python path.
 """
 
 from __future__ import annotations
@@ -92,23 +104,37 @@ class _Layer(ctypes.Structure):
             "shared_down_scale",
             "shared_down_kind",
             "shared_gate",
+            "view",
+            "cos",
+            "sin",
+            "pre_ff_norm",
+            "post_ff_norm",
         )
     ]
 
 
+class _KvView(ctypes.Structure):
+    """``kv_view_t``: one (pool, window) of the step: block table, key ranges, out slots, the pool's page
+    stride (elements) and the attention threads for those keys."""
+
+    _fields_ = [
+        *((n, ctypes.c_void_p) for n in ("table", "lo", "hi", "slots")),
+        *((n, _I64) for n in ("table_stride", "page_stride", "attn_threads")),
+    ]
+
+
 class StackArgs(ctypes.Structure):
-    """``stack_t``: the step's shapes, indices, pool geometry (strides in elements) and threads."""
+    """``stack_t``: the step's shapes, positions, views, the pools' shared geometry (strides in
+    elements), the attention scale and soft cap, and threads."""
 
     _fields_ = [
         ("layers", ctypes.POINTER(_Layer)),
         *((n, _I64) for n in ("num_layers", "rows", "hidden", "heads", "kv_heads", "head_dim", "inter")),
-        *((n, ctypes.c_void_p) for n in ("positions", "slots", "table", "lo", "hi")),
-        *((n, _I64) for n in ("table_stride", "P", "page_stride", "v_off", "tok_stride", "head_stride")),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        *((n, _I64) for n in ("attn_threads", "attn_prefetch", "mm_threads", "mm_prefetch", "f32")),
+        ("positions", ctypes.c_void_p),
+        ("views", ctypes.POINTER(_KvView)),
+        *((n, _I64) for n in ("P", "v_off", "tok_stride", "head_stride")),
+        *((n, ctypes.c_float) for n in ("eps", "scale", "softcap")),
+        *((n, _I64) for n in ("attn_prefetch", "mm_threads", "mm_prefetch", "f32", "gemma")),
         *((n, _I64) for n in ("num_experts", "top_k", "norm_topk", "expert_size", "moe_kind", "shared_size")),
     ]
 
@@ -121,14 +147,21 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def is_gemma(model) -> bool:
+    """True for ``engine.gemma3.Gemma3Model`` (Gemma 2 and 3 text): its layers run ``gemma_layer``."""
+    return hasattr(model, "rope_local")
+
+
 class DecodeStack:
-    """The layers of one ``LlamaModel`` for the C stack: their tensors' addresses, bound to a pool on
-    first use (``_layers_for``)."""
+    """The layers of one ``LlamaModel`` or ``Gemma3Model`` for the C stack: their tensors' addresses,
+    bound to the pools and the backend's windows on first use (``_layers_for``)."""
 
     def __init__(self, model, max_rows: int) -> None:
         self.model = model
         self.max_rows = max_rows
-        self._bound: tuple[int, ctypes.Array] | None = None  # (pool buffer address, layer array)
+        self.gemma = is_gemma(model)
+        # (pools' address, windows) -> (layer array, the distinct (pool, window) of the layers' views)
+        self._bound: tuple[tuple, ctypes.Array, list[tuple[str, int | None]]] | None = None
 
     @classmethod
     def build(cls, model) -> DecodeStack | None:
@@ -148,7 +181,7 @@ class DecodeStack:
                 layer.w.get("qkv_bias") is None or layer.w["qkv_bias"].is_contiguous() for layer in model.layers
             )
             why = None if rows and bias_ok else "a layer matmul the small-batch kernel does not take"
-        if why is None and cfg.moe is not None:
+        if why is None and getattr(cfg, "moe", None) is not None:
             rows = min(rows, moe.KERNEL_MAX_ROWS)
             why = (
                 None
@@ -162,58 +195,78 @@ class DecodeStack:
 
     def takes(self, batch: ForwardBatch, attn) -> bool:
         """True iff ``run`` serves this step: DECODE, 1..max_rows requests, the C attention backend over
-        one full-attention pool of the model's dtype without windows."""
+        pools of the model's dtype (the full one and the SWA one if any; any windows)."""
         from engine.attention import CpuBackend
 
         if batch.mode is not ForwardMode.DECODE or not 1 <= batch.batch_size <= self.max_rows:
             return False
-        return (
-            type(attn) is CpuBackend
-            and attn.pools.swa is None
-            and all(w is None for w in attn.windows)
-            and attn.pools.full.buffer.dtype == self.model.dtype
+        pools = attn.pools if type(attn) is CpuBackend else None
+        return pools is not None and all(
+            p is None or p.buffer.dtype == self.model.dtype for p in (pools.full, pools.swa)
         )
 
-    def _layers_for(self, pools) -> ctypes.Array:
-        """The layer array with each layer's K base in ``pools.full`` (rebuilt if the pool moved)."""
-        buf = pools.full.buffer
-        if self._bound is None or self._bound[0] != buf.data_ptr():
-            arr = (_Layer * len(self.model.layers))()
+    def _layers_for(self, attn) -> tuple[ctypes.Array, list[tuple[str, int | None]]]:
+        """The layer array (each layer's K base in its pool, its view: one per distinct (pool, window) of
+        the layers, in ``views`` order) for ``attn``'s pools and windows (rebuilt if either changed)."""
+        pools = attn.pools
+        key = (pools.units.data_ptr(), tuple(attn.windows))
+        if self._bound is None or self._bound[0] != key:
+            arr, views = (_Layer * len(self.model.layers))(), []
             for i, layer in enumerate(self.model.layers):
-                w, a = layer.w, arr[i]
-                for n in _matmuls(layer):
-                    kind, weight, scale = small_kernel(w[n])
-                    setattr(a, n, weight.data_ptr())
-                    setattr(a, n + "_scale", _addr(scale))
-                    setattr(a, n + "_kind", kind)
-                a.qkv_bias = _addr(w.get("qkv_bias"))
-                a.input_norm, a.post_norm = w["input_norm"].data_ptr(), w["post_norm"].data_ptr()
-                a.q_norm, a.k_norm = _addr(w.get("q_norm")), _addr(w.get("k_norm"))
-                if layer.sparse:
-                    a.router = w["router"].data_ptr()
-                    for n in ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale"):
-                        # laid-out layers hold only the pair panels, which the expert GEMM's kinds read
-                        setattr(a, n, _addr(w.get(n + "_pairs", w.get(n))))
-                    a.shared_gate = _addr(w.get("shared_gate"))
-                local = pools.layer_pool[i][1]
+                a = arr[i]
+                self._bind_tensors(layer, a)
+                name, local = pools.layer_pool[i]
+                view = (name, attn.windows[i])
+                if view not in views:
+                    views.append(view)
+                a.view = views.index(view)
+                buf = pools.pool(name).buffer
                 a.kv_base = buf.data_ptr() + local * buf.stride(1) * buf.element_size()
-            self._bound = (buf.data_ptr(), arr)
-        return self._bound[1]
+                rope = self.model.rope_of(layer) if self.gemma else self.model.rope
+                a.cos, a.sin = rope.cos.data_ptr(), rope.sin.data_ptr()
+            self._bound = (key, arr, views)
+        return self._bound[1], self._bound[2]
+
+    def _bind_tensors(self, layer, a: _Layer) -> None:
+        """``layer``'s weights into ``a``: matmuls by kind, norms (Gemma's as float32 ``1 + weight``,
+        ``Gemma3Layer.scales``), a sparse layer's router and experts."""
+        w = layer.w
+        for n in _matmuls(layer):
+            kind, weight, scale = small_kernel(w[n])
+            setattr(a, n, weight.data_ptr())
+            setattr(a, n + "_scale", _addr(scale))
+            setattr(a, n + "_kind", kind)
+        a.qkv_bias = _addr(w.get("qkv_bias"))
+        if self.gemma:
+            sc = layer.scales
+            a.input_norm, a.post_norm = sc["input_layernorm"].data_ptr(), sc["post_attention_layernorm"].data_ptr()
+            a.pre_ff_norm = sc["pre_feedforward_layernorm"].data_ptr()
+            a.post_ff_norm = sc["post_feedforward_layernorm"].data_ptr()
+            a.q_norm, a.k_norm = _addr(sc.get("q_norm")), _addr(sc.get("k_norm"))
+            return
+        a.input_norm, a.post_norm = w["input_norm"].data_ptr(), w["post_norm"].data_ptr()
+        a.q_norm, a.k_norm = _addr(w.get("q_norm")), _addr(w.get("k_norm"))
+        if layer.sparse:
+            a.router = w["router"].data_ptr()
+            for n in ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale"):
+                # laid-out layers hold only the pair panels, which the expert GEMM's kinds read
+                setattr(a, n, _addr(w.get(n + "_pairs", w.get(n))))
+            a.shared_gate = _addr(w.get("shared_gate"))
 
     def run(self, h: torch.Tensor, batch: ForwardBatch, attn) -> torch.Tensor:
         """All layers of a step ``takes`` accepted, on the embedded rows ``h`` ``[rows, hidden]``
         (updated in place and returned). ``attn.prepare(batch)`` has run."""
         m, cfg = self.model, self.model.cfg
-        pool = attn.pools.full
         pos = batch.positions
         if not (pos.dtype == torch.int64 and pos.is_contiguous() and h.is_contiguous()):
             raise ValueError("decode stack: positions must be contiguous int64 and the rows contiguous")
-        if int(pos.min()) < 0 or int(pos.max()) >= m.rope.cos.shape[0]:
-            raise IndexError(f"rotary position outside 0..{m.rope.cos.shape[0] - 1}")
-        table, lo, hi, slots, keys = attn.full_pool_decode(batch)
-        layers = self._layers_for(attn.pools)
-        s = pool.buffer.stride()
+        cos = (m.rope_global if self.gemma else m.rope).cos  # every table of a model has one length
+        if int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]:
+            raise IndexError(f"rotary position outside 0..{cos.shape[0] - 1}")
+        layers, names = self._layers_for(attn)
         torch_threads = torch.get_num_threads()
+        views, held = self._views(batch, attn, names, attn.threads or torch_threads)
+        s = attn.pools.full.buffer.stride()
         args = StackArgs(
             layers=layers,
             num_layers=len(m.layers),
@@ -224,35 +277,44 @@ class DecodeStack:
             head_dim=cfg.head_dim,
             inter=cfg.intermediate_size,
             positions=pos.data_ptr(),
-            slots=slots.data_ptr(),
-            table=table.data_ptr(),
-            lo=lo.data_ptr(),
-            hi=hi.data_ptr(),
-            table_stride=table.stride(0),
-            P=pool.page_size,
-            page_stride=s[0],
+            views=views,
+            P=attn.pools.full.page_size,
             v_off=s[2],
             tok_stride=s[3],
             head_stride=s[4],
-            cos=m.rope.cos.data_ptr(),
-            sin=m.rope.sin.data_ptr(),
             eps=cfg.rms_norm_eps,
             scale=attn.scale,
-            attn_threads=cpu_native.threads_for(keys, cfg.num_heads, cfg.head_dim, attn.threads or torch_threads),
+            softcap=float(attn.softcap or 0.0),
             attn_prefetch=attn.prefetch,
             mm_threads=torch_threads if cpu_native.openmp_shared() else 1,
             mm_prefetch=decode_prefetch.modes().gemv,
             f32=int(m.dtype == torch.float32),
+            gemma=int(self.gemma),
             **self._moe_args(),
         )
         rc = cpu_native.load().pdserve_decode_stack(ctypes.addressof(args), h.data_ptr())
+        del held
         if rc != 0:
             raise (MemoryError if rc == -1 else RuntimeError)(f"decode stack failed ({rc})")
         return h
 
+    def _views(self, batch: ForwardBatch, attn, names, threads: int) -> tuple[ctypes.Array, list]:
+        """The step's ``kv_view_t`` per (pool, window) of ``names`` (``CpuBackend.pool_decode``: every page
+        and slot checked against its pool), and the index tensors they point into (kept alive by the
+        caller for the call)."""
+        cfg = self.model.cfg
+        views, held = (_KvView * len(names))(), []
+        for v, (name, window) in zip(views, names):
+            table, lo, hi, slots, keys = attn.pool_decode(batch, name, window)
+            held += [table, lo, hi, slots]
+            v.table, v.lo, v.hi, v.slots = table.data_ptr(), lo.data_ptr(), hi.data_ptr(), slots.data_ptr()
+            v.table_stride, v.page_stride = table.stride(0), attn.pools.pool(name).buffer.stride(0)
+            v.attn_threads = cpu_native.threads_for(keys, cfg.num_heads, cfg.head_dim, threads)
+        return views, held
+
     def _moe_args(self) -> dict[str, int]:
         """The sparse layers' settings for ``StackArgs`` (no experts: every layer dense)."""
-        spec, m = self.model.cfg.moe, self.model
+        spec, m = getattr(self.model.cfg, "moe", None), self.model
         if spec is None:
             return {}
         int8 = any(moe.experts_dtype(layer.w) == torch.int8 for layer in m.layers if layer.sparse)
@@ -272,7 +334,7 @@ class DecodeStack:
 def _matmuls(layer) -> tuple[str, ...]:
     """The packed matmuls of ``layer``: attention's, and the dense MLP's unless the layer is sparse, when
     it has its shared expert's (Qwen2-MoE; run by the same kernels as a dense MLP's) if any."""
-    if not layer.sparse:
+    if not getattr(layer, "sparse", False):
         return _MATMULS
     return _MATMULS[:2] + (_SHARED if "shared_down" in layer.w else ())
 

@@ -13,6 +13,11 @@ Per-layer windows reach the attention backend through ``layer_types`` / ``slidin
 Gemma 2 is the same block without the Q/K norms (``qk_norm`` False), one RoPE base for every layer,
 attention logits soft-capped (``attn_logit_softcapping``: the runner passes it to the backend) and
 the final logits soft-capped (``cap * tanh(logits / cap)``, ``final_logit_softcapping``).
+
+On CPU the norms (float32 ``1 + weight`` scales kept at load, ``norm_scale``) and the GELU-tanh MLP run
+the fused kernels (``engine.kernels.fused``; their torch references elsewhere), and a small decode step
+runs all layers in one C call where ``engine.decode_stack`` takes it: the same kernels in the same order,
+bitwise the layer path's output.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.cpu_linear import linear, warm_up
 from engine.cpu_linear import pack as pack_weight
+from engine.decode_stack import DecodeStack
 from engine.forward_batch import ForwardBatch
+from engine.kernels import fused
 from engine.model import checkpoint_getter
 from engine.rope import RotaryEmbedding
 
@@ -47,10 +54,18 @@ class Gemma3Config(ModelConfig):
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * (1 + weight)`` computed in float32, returned in ``x.dtype`` (as HF Gemma 3)."""
+    """``x / rms(x) * (1 + weight)`` computed in float32, returned in ``x.dtype`` (as HF Gemma 3): the
+    reference of what the model runs (``norm_scale`` and ``fused.rms_norm_f32w``)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def norm_scale(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 ``1 + weight`` a Gemma norm multiplies by (exactly the factor ``gemma_rms_norm``
+    computes; bfloat16 could not hold it), contiguous: what ``fused.rms_norm_f32w`` and the C decode
+    stack read."""
+    return (1.0 + weight.float()).contiguous()
 
 
 class Gemma3Layer(nn.Module):
@@ -63,22 +78,24 @@ class Gemma3Layer(nn.Module):
         self.sliding = cfg.layer_types[layer_id] == "sliding_attention"
         self.sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
         self.w: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}  # each norm's float32 1 + weight (``norm_scale``)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
-        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
-        x = gemma_rms_norm(h, w["input_layernorm"], eps)
+        """The block on rows ``h``; its norms and GELU by the fused kernels (``engine.kernels.fused``, the
+        references on other devices), which the C decode stack runs in the same order."""
+        cfg, w, s, eps = self.cfg, self.w, self.scales, self.cfg.rms_norm_eps
+        x = fused.rms_norm_f32w(h, s["input_layernorm"], eps)
         q, k, v = linear(x, w["qkv"]).split(self.sizes, dim=-1)
         q, k = q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = gemma_rms_norm(q, w["q_norm"], eps), gemma_rms_norm(k, w["k_norm"], eps)
+            q, k = fused.rms_norm_f32w(q, s["q_norm"], eps), fused.rms_norm_f32w(k, s["k_norm"], eps)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = rope.apply(q, batch.positions), rope.apply(k, batch.positions)
         o = linear(attn.forward(q, k, v, self.layer_id, batch), w["o"])
-        h = h + gemma_rms_norm(o, w["post_attention_layernorm"], eps)
-        x = gemma_rms_norm(h, w["pre_feedforward_layernorm"], eps)
-        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
-        x = linear(F.gelu(gate, approximate="tanh") * up, w["down"])
-        return h + gemma_rms_norm(x, w["post_feedforward_layernorm"], eps)
+        h = h + fused.rms_norm_f32w(o, s["post_attention_layernorm"], eps)
+        x = fused.rms_norm_f32w(h, s["pre_feedforward_layernorm"], eps)
+        x = linear(fused.gelu_tanh_mul(linear(x, w["gate_up"])), w["down"])
+        return h + fused.rms_norm_f32w(x, s["post_feedforward_layernorm"], eps)
 
 
 class Gemma3Model(nn.Module):
@@ -101,6 +118,8 @@ class Gemma3Model(nn.Module):
         self.embed: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
         self.norm: torch.Tensor | None = None
+        self.norm_scale: torch.Tensor | None = None  # the final norm's float32 1 + weight
+        self.stack: DecodeStack | None = None  # small decode steps' layers in one C call (set at load)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take HF Gemma names; fuse q/k/v and gate/up, cast and move. Raises on a missing tensor."""
@@ -122,7 +141,14 @@ class Gemma3Model(nn.Module):
             w["gate_up"] = pack(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
             w["down"] = pack(get(p + "mlp.down_proj.weight"))
             layer.w = w
+            layer.scales = {n: norm_scale(w[n]) for n in (*_NORMS, "q_norm", "k_norm") if n in w}
+        self.norm_scale = norm_scale(self.norm)
         self.warm_up()
+        self.stack = DecodeStack.build(self)
+
+    def rope_of(self, layer: Gemma3Layer) -> RotaryEmbedding:
+        """The rotary tables ``layer`` rotates with: the local base for sliding layers."""
+        return self.rope_local if layer.sliding else self.rope_global
 
     def linear_weights(self) -> list[tuple]:
         """Every layer matmul's ``(weight, None)``, in forward order (the LM head apart)."""
@@ -138,9 +164,12 @@ class Gemma3Model(nn.Module):
         attn.prepare(batch)
         scale = torch.tensor(self.embed_scale, dtype=self.dtype)
         h = F.embedding(batch.input_ids, self.embed) * scale.to(self.device)
-        for layer in self.layers:
-            h = layer(h, batch, self.rope_local if layer.sliding else self.rope_global, attn)
-        h = gemma_rms_norm(h[batch.logit_indices()], self.norm, self.cfg.rms_norm_eps)
+        if self.stack is not None and self.stack.takes(batch, attn):
+            h = self.stack.run(h, batch, attn)
+        else:
+            for layer in self.layers:
+                h = layer(h, batch, self.rope_of(layer), attn)
+        h = fused.rms_norm_f32w(h[batch.logit_indices()], self.norm_scale, self.cfg.rms_norm_eps)
         logits = F.linear(h, self.lm_head).float()
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

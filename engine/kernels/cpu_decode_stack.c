@@ -1,4 +1,4 @@
-/* A decode step's transformer layers (Llama family) in one call: the same kernels, in the same order,
+/* A decode step's transformer layers (Llama family, Gemma 2 / 3) in one call: the same kernels, in the same order,
  * as engine/model.py's DecoderLayer.forward runs them from Python one call at a time.
  *
  * Why: at 1-8 rows a layer's kernels each take microseconds, and the Python around each call (the
@@ -22,11 +22,20 @@
  * per-head RMSNorms after the QKV matmul. Neither is bitwise torch (the router's and the norms' sums
  * run in another order); the dense layers above still are.
  *
- * Contract: bfloat16 activations, weights and KV pool (or all float32, above); rows 1..8 where a matmul runs cpu_gemv.c (in %
+ * Gemma 2 / Gemma 3 text layers (s->gemma): gemma_layer below, the block engine/gemma3.py's
+ * Gemma3Layer.forward runs, by the same fused kernels in the same order: bitwise its output too.
+ *
+ * Attention: each layer reads one kv_view_t of the step (layer_t.view): the block tables, key ranges
+ * and slots of its pool (the full pool, or a hybrid's SWA pool) under its window (a sliding layer's
+ * range is its last `window` keys), at its own K base in that pool, rotated by its own tables (Gemma's
+ * local base on sliding layers), the logits soft-capped where s->softcap (Gemma 2).
+ *
+ * Contract: bfloat16 activations, weights and KV pools (or all float32, above); rows 1..8 where a matmul runs cpu_gemv.c (in %
  * 32 == 0, out % 8 == 0), any where all run cpu_gemm_pairs.c (out % 64 == 0, in even); each weight
- * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind;
- * every layer attends over the whole sequence (no window) of one pool; the caller has checked the
- * positions against the rotary tables and every slot and table entry against the pool. Returns 0, -1
+ * plain bfloat16 or weight-only int8 with float32 row scales, in the layout of its kind; Gemma's
+ * norm scales float32; the pools share page size and strides but the page stride (per view); the
+ * caller has checked the positions against the rotary tables and every slot and table entry of every
+ * view against its pool. Returns 0, -1
  * when scratch cannot be allocated, -2 when a matmul refuses its shape (nothing of a later layer has
  * run then, but earlier layers' KV is stored: the caller fails the step). */
 #include <math.h>
@@ -39,11 +48,14 @@
 /* the other kernel files' entry points (one library, cpu_library.py) */
 void pdserve_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int64_t dim,
                       float eps, int bf16, int threads);
+void pdserve_rms_norm_f32w(const void *x, int64_t x_stride, const float *w, void *out, int64_t rows, int64_t dim,
+                           float eps, int bf16, int threads);
 void pdserve_add_rms_norm(void *h, const void *res, const void *w, void *out, int64_t rows, int64_t dim,
                           float eps, int bf16, int threads);
 void pdserve_rope(void *x, int64_t tok_stride, const int64_t *pos, const float *cos, const float *sin,
                   int64_t tokens, int64_t heads, int64_t head_dim, int bf16, int threads);
 void pdserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf16, int threads);
+void pdserve_gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf16, int threads);
 void pdserve_store_kv(void *kv, int64_t page_stride, int64_t v_off, int64_t tok_stride, int64_t P,
                       const int64_t *slots, const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                       int64_t tokens, int64_t row, int64_t esize);
@@ -81,19 +93,31 @@ typedef struct {
      * layouts and kinds, and its gate row [1, hidden] of the model dtype */
     int64_t shared_gate_up, shared_gate_up_scale, shared_gate_up_kind, shared_down, shared_down_scale, shared_down_kind;
     int64_t shared_gate;
+    /* the kv_view_t this layer attends over (stack_t.views), its rotary tables (float32 [positions,
+     * head_dim]); Gemma's norms before and after the MLP (float32 1 + weight; 0: a Llama layer) */
+    int64_t view, cos, sin, pre_ff_norm, post_ff_norm;
 } layer_t;
+
+/* One (pool, window) of the step: each request's block table row, its key range [lo, hi) (hi - window
+ * to hi under a window), its new token's slot in that pool, the pool's page stride (elements) and the
+ * attention threads for the range's keys. */
+typedef struct {
+    const int64_t *table, *lo, *hi, *slots;
+    int64_t table_stride, page_stride, attn_threads;
+} kv_view_t;
 
 /* The step: shapes, per-token indices, pool geometry (strides in elements), threads. Mirrored by
  * engine/decode_stack.py's StackArgs. */
 typedef struct {
     const layer_t *layers;
     int64_t num_layers, rows, hidden, heads, kv_heads, head_dim, inter;
-    const int64_t *positions, *slots, *table, *lo, *hi;
-    int64_t table_stride, P, page_stride, v_off, tok_stride, head_stride;
-    const float *cos, *sin;
-    float eps, scale;
-    int64_t attn_threads, attn_prefetch, mm_threads, mm_prefetch;
-    int64_t f32; /* 1: float32 activations, weights (PANELS_F32) and pool; 0: bfloat16 */
+    const int64_t *positions;
+    const kv_view_t *views; /* indexed by layer_t.view */
+    int64_t P, v_off, tok_stride, head_stride; /* the pools' geometry but their page strides */
+    float eps, scale, softcap;                 /* softcap: attention logits' tanh cap (0: none) */
+    int64_t attn_prefetch, mm_threads, mm_prefetch;
+    int64_t f32;   /* 1: float32 activations, weights (PANELS_F32) and pool; 0: bfloat16 */
+    int64_t gemma; /* 1: Gemma 2 / 3 layers (gemma_layer below) */
     /* the sparse layers' experts (0 experts: none), top-k, renormalized or not, cpu_moe.c's kind */
     int64_t num_experts, top_k, norm_topk, expert_size, moe_kind;
     int64_t shared_size; /* the shared expert's intermediate size (0: none) */
@@ -299,15 +323,48 @@ static int moe_block(const stack_t *s, const layer_t *l, const void *x, void *h,
     return 0;
 }
 
-/* Per-head RMSNorm of each row's Q and K heads in place (the Q/K norms of Qwen3). */
+/* Per-head RMSNorm of each row's Q and K heads in place (the Q/K norms of Qwen3; Gemma 3's with float32
+ * 1 + weight scales). */
 static void qk_norm(const stack_t *s, const layer_t *l, void *qkv, int64_t qkv_w, int bf16) {
     const int64_t D = s->head_dim, qs = s->heads * D, es = bf16 ? 2 : 4;
     if (!l->q_norm) return;
     for (int64_t r = 0; r < s->rows; r++) {
-        char *q = (char *)qkv + r * qkv_w * es;
-        pdserve_rms_norm(q, D, (const void *)l->q_norm, q, s->heads, D, s->eps, bf16, 1);
-        pdserve_rms_norm(q + qs * es, D, (const void *)l->k_norm, q + qs * es, s->kv_heads, D, s->eps, bf16, 1);
+        char *q = (char *)qkv + r * qkv_w * es, *k = q + qs * es;
+        if (s->gemma) {
+            pdserve_rms_norm_f32w(q, D, (const float *)l->q_norm, q, s->heads, D, s->eps, bf16, 1);
+            pdserve_rms_norm_f32w(k, D, (const float *)l->k_norm, k, s->kv_heads, D, s->eps, bf16, 1);
+        } else {
+            pdserve_rms_norm(q, D, (const void *)l->q_norm, q, s->heads, D, s->eps, bf16, 1);
+            pdserve_rms_norm(k, D, (const void *)l->k_norm, k, s->kv_heads, D, s->eps, bf16, 1);
+        }
     }
+}
+
+/* The attention of one layer on its QKV rows [rows, qkv_w] (model dtype; Q/K normed): Q and K rotated
+ * by the layer's tables in place, K and V stored into the layer's pool at the view's slots, each row's
+ * query (as float32 in qf) against the view's key range; the output, float32 in of, also rounded to
+ * bfloat16 into attn when the model is bfloat16 (what the O matmul reads). */
+static void attend(const stack_t *s, const layer_t *l, void *qkv, float *qf, float *of, uint16_t *attn) {
+    const int64_t R = s->rows, D = s->head_dim, qs = s->heads * D, kvs = s->kv_heads * D, qkv_w = qs + 2 * kvs;
+    const int bf16 = !s->f32, es = bf16 ? 2 : 4;
+    const kv_view_t *v = s->views + l->view;
+    const float *cos = (const float *)l->cos, *sin = (const float *)l->sin;
+    char *q = (char *)qkv, *k = q + qs * es;
+    pdserve_rope(q, qkv_w, s->positions, cos, sin, R, s->heads, D, bf16, 1);
+    pdserve_rope(k, qkv_w, s->positions, cos, sin, R, s->kv_heads, D, bf16, 1);
+    pdserve_store_kv((void *)l->kv_base, v->page_stride, s->v_off, s->tok_stride, s->P, v->slots, k, qkv_w,
+                     k + kvs * es, qkv_w, R, kvs, es);
+    for (int64_t r = 0; r < R; r++) { /* the kernel reads float32 queries */
+        if (bf16)
+            for (int64_t i = 0; i < qs; i++) qf[r * qs + i] = bf16_to_f32(((const uint16_t *)q)[r * qkv_w + i]);
+        else
+            memcpy(qf + r * qs, (const float *)q + r * qkv_w, qs * sizeof(float));
+    }
+    pdserve_paged_decode(qf, (const void *)l->kv_base, bf16, v->table, v->table_stride, v->lo, v->hi, of, R, s->heads,
+                         s->kv_heads, D, s->P, v->page_stride, s->v_off, s->tok_stride, s->head_stride, s->scale,
+                         (int)v->attn_threads, (int)s->attn_prefetch, bf16, s->softcap);
+    if (bf16)
+        for (int64_t i = 0; i < R * qs; i++) attn[i] = f32_to_bf16(of[i]);
 }
 
 /* Scratch rows of one step, carved from one allocation. */
@@ -323,16 +380,7 @@ static int one_layer(const stack_t *s, const layer_t *l, uint16_t *h, const scra
     pdserve_rms_norm(h, Hd, (const void *)l->input_norm, b->x, R, Hd, s->eps, 1, 1);
     if (matmul(s, l->qkv_kind, b->x, l->qkv, l->qkv_scale, l->qkv_bias, b->qkv, Hd, qkv_w)) return -2;
     qk_norm(s, l, b->qkv, qkv_w, 1);
-    pdserve_rope(b->qkv, qkv_w, s->positions, s->cos, s->sin, R, s->heads, D, 1, 1);
-    pdserve_rope(b->qkv + qs, qkv_w, s->positions, s->cos, s->sin, R, s->kv_heads, D, 1, 1);
-    pdserve_store_kv((void *)l->kv_base, s->page_stride, s->v_off, s->tok_stride, s->P, s->slots, b->qkv + qs, qkv_w,
-                     b->qkv + qs + kvs, qkv_w, R, kvs, 2);
-    for (int64_t r = 0; r < R; r++) /* the kernel reads float32 queries */
-        for (int64_t i = 0; i < qs; i++) b->qf[r * qs + i] = bf16_to_f32(b->qkv[r * qkv_w + i]);
-    pdserve_paged_decode(b->qf, (const void *)l->kv_base, 1, s->table, s->table_stride, s->lo, s->hi, b->of, R,
-                         s->heads, s->kv_heads, D, s->P, s->page_stride, s->v_off, s->tok_stride, s->head_stride,
-                         s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 1, 0.0f);
-    for (int64_t i = 0; i < R * qs; i++) b->attn[i] = f32_to_bf16(b->of[i]);
+    attend(s, l, b->qkv, b->qf, b->of, b->attn);
     if (matmul(s, l->o_kind, b->attn, l->o, l->o_scale, 0, b->tmp, qs, Hd)) return -2;
     pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 1, 1);
     if (l->router) return moe_block(s, l, b->x, h, &b->moe) ? -2 : 0;
@@ -355,14 +403,7 @@ static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scr
     pdserve_rms_norm(h, Hd, (const void *)l->input_norm, b->x, R, Hd, s->eps, 0, 1);
     if (matmul_f32(s, l->qkv_kind, b->x, l->qkv, l->qkv_bias, b->qkv, Hd, qkv_w)) return -2;
     qk_norm(s, l, b->qkv, qkv_w, 0);
-    pdserve_rope(b->qkv, qkv_w, s->positions, s->cos, s->sin, R, s->heads, D, 0, 1);
-    pdserve_rope(b->qkv + qs, qkv_w, s->positions, s->cos, s->sin, R, s->kv_heads, D, 0, 1);
-    pdserve_store_kv((void *)l->kv_base, s->page_stride, s->v_off, s->tok_stride, s->P, s->slots, b->qkv + qs, qkv_w,
-                     b->qkv + qs + kvs, qkv_w, R, kvs, 4);
-    for (int64_t r = 0; r < R; r++) memcpy(b->qf + r * qs, b->qkv + r * qkv_w, qs * sizeof(float));
-    pdserve_paged_decode(b->qf, (const void *)l->kv_base, 0, s->table, s->table_stride, s->lo, s->hi, b->of, R,
-                         s->heads, s->kv_heads, D, s->P, s->page_stride, s->v_off, s->tok_stride, s->head_stride,
-                         s->scale, (int)s->attn_threads, (int)s->attn_prefetch, 0, 0.0f);
+    attend(s, l, b->qkv, b->qf, b->of, NULL);
     if (matmul_f32(s, l->o_kind, b->of, l->o, 0, b->tmp, qs, Hd)) return -2;
     pdserve_add_rms_norm(h, b->tmp, (const void *)l->post_norm, b->x, R, Hd, s->eps, 0, 1);
     if (l->router) return moe_block(s, l, b->x, h, &b->moe) ? -2 : 0;
@@ -370,6 +411,59 @@ static int one_layer_f32(const stack_t *s, const layer_t *l, float *h, const scr
     pdserve_silu_mul(b->gate_up, b->act, R, s->inter, 0, 1);
     if (matmul_f32(s, l->down_kind, b->act, l->down, 0, b->tmp, s->inter, Hd)) return -2;
     for (int64_t i = 0; i < R * Hd; i++) h[i] += b->tmp[i];
+    return 0;
+}
+
+/* ---- Gemma 2 / Gemma 3 layers (engine/gemma3.py's Gemma3Layer.forward), either dtype ----
+ * Four norms with float32 1 + weight scales (pdserve_rms_norm_f32w): before attention (input_norm),
+ * on the attention's output before its residual add (post_norm), before the MLP (pre_ff_norm), on the
+ * MLP's output before its residual add (post_ff_norm); the GELU-tanh MLP; each residual add rounded
+ * as torch's add of two rows of the model dtype. Attention as the Llama layers' (attend), over the
+ * layer's own view (a sliding layer's window, its pool), its tables and the soft cap. */
+typedef struct {
+    void *x, *qkv, *attn, *tmp, *gate_up, *act; /* model dtype; attn: the O matmul's input */
+    float *qf, *of;
+} gemma_bufs_t;
+
+static int mm(const stack_t *s, int64_t kind, const void *x, int64_t w, int64_t scale, void *y, int64_t in,
+              int64_t out) {
+    return s->f32 ? matmul_f32(s, kind, x, w, 0, y, in, out) : matmul(s, kind, x, w, scale, 0, y, in, out);
+}
+
+/* h += x ([rows, hidden], model dtype; bfloat16: the float32 sum rounded). */
+static void residual(const stack_t *s, void *h, const void *x) {
+    const int64_t n = s->rows * s->hidden;
+    if (s->f32)
+        for (int64_t i = 0; i < n; i++) ((float *)h)[i] += ((const float *)x)[i];
+    else
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t *hb = (uint16_t *)h;
+            hb[i] = f32_to_bf16(bf16_to_f32(hb[i]) + bf16_to_f32(((const uint16_t *)x)[i]));
+        }
+}
+
+/* Threads for an elementwise kernel over n elements: engine/kernels/fused.py's rule (PARALLEL_ELEMENTS,
+ * torch's threads where the runtime is shared: mm_threads); its rows split, so any count gives the same
+ * output. Gemma's GELU over a wide MLP is the step's largest elementwise work. */
+static int ew_threads(const stack_t *s, int64_t n) { return n >= (1 << 15) ? (int)s->mm_threads : 1; }
+
+static int gemma_layer(const stack_t *s, const layer_t *l, void *h, const gemma_bufs_t *b) {
+    const int64_t R = s->rows, Hd = s->hidden, D = s->head_dim, qs = s->heads * D, kvs = s->kv_heads * D;
+    const int64_t qkv_w = qs + 2 * kvs, I = s->inter;
+    const int bf16 = !s->f32, th = ew_threads(s, R * Hd);
+    pdserve_rms_norm_f32w(h, Hd, (const float *)l->input_norm, b->x, R, Hd, s->eps, bf16, th);
+    if (mm(s, l->qkv_kind, b->x, l->qkv, l->qkv_scale, b->qkv, Hd, qkv_w)) return -2;
+    qk_norm(s, l, b->qkv, qkv_w, bf16);
+    attend(s, l, b->qkv, b->qf, b->of, bf16 ? (uint16_t *)b->attn : NULL);
+    if (mm(s, l->o_kind, b->attn, l->o, l->o_scale, b->tmp, qs, Hd)) return -2;
+    pdserve_rms_norm_f32w(b->tmp, Hd, (const float *)l->post_norm, b->x, R, Hd, s->eps, bf16, th);
+    residual(s, h, b->x);
+    pdserve_rms_norm_f32w(h, Hd, (const float *)l->pre_ff_norm, b->x, R, Hd, s->eps, bf16, th);
+    if (mm(s, l->gate_up_kind, b->x, l->gate_up, l->gate_up_scale, b->gate_up, Hd, 2 * I)) return -2;
+    pdserve_gelu_tanh_mul(b->gate_up, b->act, R, I, bf16, ew_threads(s, R * I));
+    if (mm(s, l->down_kind, b->act, l->down, l->down_scale, b->tmp, I, Hd)) return -2;
+    pdserve_rms_norm_f32w(b->tmp, Hd, (const float *)l->post_ff_norm, b->x, R, Hd, s->eps, bf16, th);
+    residual(s, h, b->x);
     return 0;
 }
 
@@ -389,7 +483,9 @@ static int stack_f32(const stack_t *s, float *h) {
     b.act = carve(&p, 4 * R * s->inter);
     moe_carve(&p, s, &b.moe);
     int rc = 0;
-    for (int64_t i = 0; i < s->num_layers && rc == 0; i++) rc = one_layer_f32(s, s->layers + i, h, &b);
+    const gemma_bufs_t g = {b.x, b.qkv, b.of, b.tmp, b.gate_up, b.act, b.qf, b.of};
+    for (int64_t i = 0; i < s->num_layers && rc == 0; i++)
+        rc = s->gemma ? gemma_layer(s, s->layers + i, h, &g) : one_layer_f32(s, s->layers + i, h, &b);
     free(mem);
     return rc;
 }
@@ -415,7 +511,9 @@ int pdserve_decode_stack(const stack_t *s, uint16_t *h) {
     b.of = carve(&p, 4 * R * qs);
     moe_carve(&p, s, &b.moe);
     int rc = 0;
-    for (int64_t i = 0; i < s->num_layers && rc == 0; i++) rc = one_layer(s, s->layers + i, h, &b);
+    const gemma_bufs_t g = {b.x, b.qkv, b.attn, b.tmp, b.gate_up, b.act, b.qf, b.of};
+    for (int64_t i = 0; i < s->num_layers && rc == 0; i++)
+        rc = s->gemma ? gemma_layer(s, s->layers + i, h, &g) : one_layer(s, s->layers + i, h, &b);
     free(mem);
     return rc;
 }

@@ -5,9 +5,12 @@
  * engine/kernels/fused.py.
  *
  *   rms_norm:      out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w          (x rows strided)
+ *   rms_norm_f32w: the same with w float32 whatever x's dtype (Gemma's 1 + weight, not rounded)
  *   add_rms_norm:  h[r] += res[r] (rounded to h's dtype), then out[r] = rms_norm(h[r])
  *   rope:          x[t, head] rotated in place by pos[t] (rotate_half convention, tables [P, D])
  *   silu_mul:      out[r, i] = silu(gu[r, i]) * gu[r, inter + i]
+ *   gelu_tanh_mul: out[r, i] = gelu_tanh(gu[r, i]) * gu[r, inter + i]   (bfloat16: the GELU rounded
+ *                  first, then the product, as torch's two bfloat16 ops)
  */
 #include <math.h>
 #include <stdint.h>
@@ -71,14 +74,14 @@ typedef struct {
     void *out;
     int64_t dim, x_stride;
     float eps;
-    int bf16, add;
+    int bf16, add, w_f32; /* w_f32: the weight is float32 (else x's dtype) */
 } norm_t;
 
 static void norm_rows(const void *a, int64_t r0, int64_t r1) {
     const norm_t *n = (const norm_t *)a;
     const int64_t D = n->dim;
     float buf[D], res[D], w[D];
-    to_f32(n->w, 0, w, D, n->bf16);
+    to_f32(n->w, 0, w, D, n->w_f32 ? 0 : n->bf16);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t xo = r * n->x_stride;
         to_f32(n->x, xo, buf, D, n->bf16);
@@ -100,14 +103,21 @@ static void norm_rows(const void *a, int64_t r0, int64_t r1) {
 /* out [rows, dim] contiguous; x rows `x_stride` elements apart; w [dim] in x's dtype. */
 void pdserve_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t rows, int64_t dim,
                       float eps, int bf16, int threads) {
-    norm_t n = {0, x, 0, w, out, dim, x_stride, eps, bf16, 0};
+    norm_t n = {0, x, 0, w, out, dim, x_stride, eps, bf16, 0, 0};
+    par_rows(norm_rows, &n, rows, threads);
+}
+
+/* pdserve_rms_norm with a float32 w [dim] whatever x's dtype. */
+void pdserve_rms_norm_f32w(const void *x, int64_t x_stride, const float *w, void *out, int64_t rows, int64_t dim,
+                           float eps, int bf16, int threads) {
+    norm_t n = {0, x, 0, w, out, dim, x_stride, eps, bf16, 0, 1};
     par_rows(norm_rows, &n, rows, threads);
 }
 
 /* h [rows, dim] += res [rows, dim] in place, then out = rms_norm(h); all contiguous. */
 void pdserve_add_rms_norm(void *h, const void *res, const void *w, void *out, int64_t rows, int64_t dim,
                           float eps, int bf16, int threads) {
-    norm_t n = {h, h, res, w, out, dim, dim, eps, bf16, 1};
+    norm_t n = {h, h, res, w, out, dim, dim, eps, bf16, 1, 0};
     par_rows(norm_rows, &n, rows, threads);
 }
 
@@ -227,6 +237,49 @@ void pdserve_silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, in
     }
 #endif
     par_rows(silu_rows, &p, rows, threads);
+}
+
+/* ---- GELU(gate, tanh approximation) * up ---- */
+
+/* 0.5 g (1 + tanh(t)), t = sqrt(2 / pi) (g + 0.044715 g^3), with 1 + tanh(t) = 2 / (1 + e) for t >= 0 and
+ * 2 e / (1 + e) for t < 0, e = e^(-2 |t|) from vexp (never overflows; no cancellation where g is very
+ * negative): within a few float32 ulps of the exact value. */
+static inline vf gelu_tanh(vf g) {
+    const vf t = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const vf e = vexp(-2.0f * vabs(t)), one = (vf){} + 1.0f;
+    const vi neg = t < (vf){};
+    vi eb, ob;
+    memcpy(&eb, &e, sizeof eb);
+    memcpy(&ob, &one, sizeof ob);
+    eb = (eb & neg) | (ob & ~neg);
+    vf num;
+    memcpy(&num, &eb, sizeof num);
+    return g * (num / (1.0f + e));
+}
+
+static void gelu_rows(const void *a, int64_t r0, int64_t r1) {
+    const silu_t *p = (const silu_t *)a;
+    const int64_t I = p->inter;
+    float g[I + W], u[I + W];
+    for (int64_t r = r0; r < r1; r++) {
+        to_f32(p->gu, r * 2 * I, g, I, p->bf16);
+        to_f32(p->gu, r * 2 * I + I, u, I, p->bf16);
+        for (int64_t i = I; i < I + W; i++) g[i] = u[i] = 0.0f; /* the tail vector's padding */
+        for (int64_t i = 0; i < I; i += W) {
+            vf y = gelu_tanh(vld_f32(g + i));
+            if (p->bf16) { /* torch rounds the GELU to bfloat16 before the product */
+                for (int j = 0; j < W; j++) y[j] = bf16_to_f32(f32_to_bf16(y[j]));
+            }
+            vst_f32(g + i, y * vld_f32(u + i));
+        }
+        from_f32(g, p->out, r * I, I, p->bf16);
+    }
+}
+
+/* gu [rows, 2 * inter] (gate then up), out [rows, inter]; contiguous. */
+void pdserve_gelu_tanh_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf16, int threads) {
+    silu_t p = {gu, out, inter, bf16};
+    par_rows(gelu_rows, &p, rows, threads);
 }
 
 /* ---- KV store: each new token's K and V rows into its slot of one layer of the paged pool ---- */

@@ -18,7 +18,8 @@
  *
  * pdserve_gemm_panels_f32: float32 x and weights in panels of 64 outputs without the pairing,
  * [out / 64][in][4][16] (AVX-512F): per input, 4 weight vectors and one FMA per row and vector against
- * the broadcast x, summed in input order (float32 models' decode steps; the stack's float32 layers).
+ * the broadcast x, summed in input order (float32 models' decode steps; the stack's float32 layers);
+ * without AVX-512F a portable loop of the same sums, for tests (below).
  *
  * Contract: in % 2 == 0, out % 64 == 0, rows >= 1; x rows x_stride elements apart; y [rows, out]
  * contiguous bfloat16; bias NULL or [out] bfloat16; scale [out] float32. Returns 0, or -1 for a
@@ -203,10 +204,26 @@ int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, co
 
 int pdserve_gemm_panels_f32_available(void) { return 1; }
 #else
+#include <math.h>
+
+/* Without AVX-512F: the same sums by plain loops over each panel's 64 outputs (each output's FMAs in
+ * input order from 0, then the bias added, as every lane above computes it, so bitwise the same;
+ * vectorized by the compiler where the CPU has FMA), one thread. Its _available()
+ * stays 0, so engine/cpu_linear.py keeps float32 weights in oneDNN's layout here; tests that need float32
+ * panels (and so the float32 decode stack) on such CPUs pack with it (tests/support/cpu_kernels.py). */
 int pdserve_gemm_panels_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
                             int64_t rows, int64_t in, int64_t out, int threads) {
-    (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)threads;
-    return -1;
+    if (rows < 1 || out % PANEL != 0 || in < 1) return -1;
+    (void)threads; /* one thread: a test path, kept simple */
+    for (int64_t p = 0; p < out / PANEL; p++)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *panel = w + p * in * PANEL, *xr = x + r * x_stride;
+            float acc[PANEL] = {0};
+            for (int64_t k = 0; k < in; k++)
+                for (int j = 0; j < PANEL; j++) acc[j] = fmaf(xr[k], panel[k * PANEL + j], acc[j]);
+            for (int j = 0; j < PANEL; j++) y[r * out + p * PANEL + j] = acc[j] + (bias ? bias[p * PANEL + j] : 0.0f);
+        }
+    return 0;
 }
 
 int pdserve_gemm_panels_f32_available(void) { return 0; }

@@ -9,8 +9,9 @@ Sources, compiled together into one library, ``pdserve_cpu_kernels-<hash>.so``:
   read in place from the paged KV pool (``pdserve_paged_decode``).
 - ``cpu_extend_attention.c``: paged prefill (extend) attention, tiled, causal and optionally
   windowed, over keys read in place (``pdserve_paged_extend``).
-- ``cpu_fused.c``: the fused per-layer ops: RMSNorm with the residual add, rotary, SiLU-and-multiply,
-  KV store (``pdserve_rms_norm``, ``pdserve_add_rms_norm``, ``pdserve_rope``, ``pdserve_silu_mul``,
+- ``cpu_fused.c``: the fused per-layer ops: RMSNorm (with the residual add; with a float32 weight),
+  rotary, SiLU- and GELU-tanh-and-multiply, KV store (``pdserve_rms_norm``, ``pdserve_add_rms_norm``,
+  ``pdserve_rms_norm_f32w``, ``pdserve_rope``, ``pdserve_silu_mul``, ``pdserve_gelu_tanh_mul``,
   ``pdserve_store_kv``).
 - ``cpu_gemv.c``: ``x @ W.T`` for 1-8 bfloat16 rows against a plain bfloat16 or weight-only int8
   weight (``pdserve_gemv_bf16``, ``pdserve_gemv_i8w``; AVX512-BF16).
@@ -186,9 +187,11 @@ def _declare_fused(lib: ctypes.CDLL) -> None:
         lib,
         {
             "pdserve_rms_norm": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I32, _I32], None),
+            "pdserve_rms_norm_f32w": ([_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _I32, _I32], None),
             "pdserve_add_rms_norm": ([_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I32, _I32], None),
             "pdserve_rope": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32, _I32], None),
             "pdserve_silu_mul": ([_PTR, _PTR, _I64, _I64, _I32, _I32], None),
+            "pdserve_gelu_tanh_mul": ([_PTR, _PTR, _I64, _I64, _I32, _I32], None),
             "pdserve_store_kv": ([_PTR, *([_I64] * 4), _PTR, _PTR, _I64, _PTR, *([_I64] * 4)], None),
         },
     )

@@ -1,4 +1,5 @@
-"""Fused per-layer ops: RMSNorm (optionally with the residual add), rotary in place, SiLU-and-multiply.
+"""Fused per-layer ops: RMSNorm (optionally with the residual add; with a float32 scale), rotary in place,
+SiLU- and GELU-tanh-and-multiply.
 
 Each function takes the C kernel (``cpu_fused.c`` through ``cpu_native``) for CPU float32/bfloat16
 tensors in the layouts it reads, and the torch reference (``*_ref``, the model's original
@@ -56,6 +57,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x.data_ptr(),
         row_stride if x.dim() == 2 else dim,
         weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        dim,
+        eps,
+        int(x.dtype == torch.bfloat16),
+        _threads(x.numel()),
+    )
+    return out
+
+
+def rms_norm_f32w_ref(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * scale).to(x.dtype)
+
+
+def rms_norm_f32w(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` times a float32 ``scale`` ``[dim]`` whatever ``x``'s dtype (Gemma's
+    ``1 + weight``, which bfloat16 cannot hold); a new contiguous tensor in ``x``'s dtype. A strided ``x``
+    is copied first (its rows are normed alone, so the result is the same)."""
+    lib = _native(x)
+    dim = x.shape[-1]
+    rows = x.numel() // dim if dim else 0
+    if lib is None or scale.dtype != torch.float32 or not scale.is_contiguous() or rows == 0:
+        return rms_norm_f32w_ref(x, scale, eps)
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.pdserve_rms_norm_f32w(
+        x.data_ptr(),
+        dim,
+        scale.data_ptr(),
         out.data_ptr(),
         rows,
         dim,
@@ -159,6 +191,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     if rows:
         lib.pdserve_silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            inter,
+            int(gate_up.dtype == torch.bfloat16),
+            _threads(gate_up.numel()),
+        )
+    return out
+
+
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of ``gate_up`` ``[rows, 2 * inter]`` (gate first):
+    ``[rows, inter]`` (Gemma's MLP)."""
+    lib = _native(gate_up)
+    if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        return gelu_tanh_mul_ref(gate_up)
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    if rows:
+        lib.pdserve_gelu_tanh_mul(
             gate_up.data_ptr(),
             out.data_ptr(),
             rows,

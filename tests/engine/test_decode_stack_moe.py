@@ -16,15 +16,12 @@ from engine.kernels import cpu_moe
 from engine.llm import LLM
 from engine.model import LlamaModel
 from engine.tensor_shapes import expected_tensor_shapes
-from tests.support.cpu_kernels import needs_small_batch_kernels
+from tests.support.cpu_kernels import needs_small_batch_kernels, portable_float32_panels
 from tests.support.decode_stack_paths import BothPaths
 from tests.support.models import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
-pytestmark = [
-    pytest.mark.unit,
-    needs_small_batch_kernels,
-]
+pytestmark = pytest.mark.unit
 
 
 def _config(norm: bool = True, qk_norm: bool = True, hidden: int = 64) -> ModelConfig:
@@ -60,17 +57,21 @@ def _run_both(tokenizer, cfg: ModelConfig, dtype: str, **engine) -> list[tuple]:
 
 
 @pytest.mark.parametrize("norm", [True, False])
-def test_float32_moe_step_through_the_stack_equals_the_layer_path(tokenizer, norm):
-    """Both renormalization settings: the stack follows ``norm_topk_prob`` as ``engine.moe`` does."""
+def test_float32_moe_step_through_the_stack_equals_the_layer_path(tokenizer, monkeypatch, norm):
+    """Both renormalization settings: the stack follows ``norm_topk_prob`` as ``engine.moe`` does. (float32
+    runs anywhere the kernels build: on the portable float32 panels without AVX-512F.)"""
+    portable_float32_panels(monkeypatch)
     _assert_float32_equal(_run_both(tokenizer, _config(norm), "float32"))
 
 
 # int8 builds its panels for seconds: slow tier
+@needs_small_batch_kernels
 @pytest.mark.parametrize("weights", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_bfloat16_and_int8_moe_steps_through_the_stack_stay_at_the_layer_path(tokenizer, weights):
     _assert_low_precision_close(tokenizer, _config(), weights)
 
 
+@needs_small_batch_kernels
 def test_moe_and_qk_norm_models_build_the_stack_only_where_the_expert_kernel_runs():
     def built(cfg: ModelConfig, dtype=torch.float32) -> bool:
         model = LlamaModel(cfg, torch.device("cpu"), dtype)
@@ -91,13 +92,15 @@ def _qwen2_moe(shared: int = 64) -> ModelConfig:
     return ModelConfig("qwen2_moe", 128, 64, 96, 3, 4, 2, 16, attention_bias=True, moe=spec)
 
 
-def test_qwen2_moe_shared_expert_step_through_the_stack_equals_the_layer_path(tokenizer):
+def test_qwen2_moe_shared_expert_step_through_the_stack_equals_the_layer_path(tokenizer, monkeypatch):
     """float32: the shared expert and its sigmoid gate run in the stack (breaking either moves the
     logits far beyond the router's float32 summation-order difference)."""
+    portable_float32_panels(monkeypatch)
     _assert_float32_equal(_run_both(tokenizer, _qwen2_moe(), "float32"))
 
 
 # int8 builds its panels for seconds: slow tier
+@needs_small_batch_kernels
 @pytest.mark.parametrize("weights", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_bfloat16_and_int8_qwen2_moe_steps_through_the_stack_stay_at_the_layer_path(tokenizer, weights):
     _assert_low_precision_close(tokenizer, _qwen2_moe(), weights)

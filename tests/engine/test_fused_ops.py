@@ -97,12 +97,47 @@ def test_bfloat16_silu_mul_is_within_one_rounding_of_the_exact_value():
     assert (got != exact.bfloat16().double()).float().mean() < 1e-3  # almost always the nearest
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_a_float32_scale_matches_the_reference(dtype, rows):
+    """Gemma's norm: the float32 scale ``1 + weight`` is not rounded to bfloat16; strided head views
+    (a fused QKV row's query heads) give the same values as their contiguous copy."""
+    x, scale = _rand(rows, 576, dtype=dtype), 1 + _rand(576, dtype=torch.float32, seed=1) * 0.3
+    want = fused.rms_norm_f32w_ref(x, scale, 1e-6)
+    torch.testing.assert_close(fused.rms_norm_f32w(x, scale, 1e-6), want, **TOL[dtype])
+    heads = _rand(rows, 6 * 64, dtype=dtype)[:, : 4 * 64].view(rows, 4, 64)
+    got = fused.rms_norm_f32w(heads, scale[:64].contiguous(), 1e-6)
+    assert got.shape == heads.shape and torch.equal(got, fused.rms_norm_f32w(heads.contiguous(), scale[:64], 1e-6))
+    torch.testing.assert_close(got, fused.rms_norm_f32w_ref(heads, scale[:64], 1e-6), **TOL[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 257])
+def test_gelu_tanh_mul_matches_the_reference_over_a_wide_range(dtype, rows):
+    """Both signs and the tails (|gate| up to ~40, +-100, zeros), an inner size that is no multiple of
+    the vector width. float32: within 4e-7 of |gate * up| of the float64 value (torch's own
+    ``1 + tanh`` cancels where the gate is very negative, so it is held to the exact value, not torch's)."""
+    gu = _rand(rows, 2 * 1539, dtype=dtype) * 8
+    gu[0, :5] = torch.tensor([0.0, -100.0, 100.0, -0.0, 1e-3])
+    got = fused.gelu_tanh_mul(gu)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, fused.gelu_tanh_mul_ref(gu), **TOL[dtype])
+    else:
+        gate, up = gu.double().chunk(2, dim=-1)
+        error = (got.double() - fused.gelu_tanh_mul_ref(gu.double())).abs()
+        assert bool((error <= 4e-7 * (gate * up).abs()).all())
+
+
 def test_without_the_kernels_every_op_is_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_native, "load", lambda: None)
     x, w = _rand(3, 32, dtype=torch.float32), _rand(32, dtype=torch.float32, seed=1)
     assert torch.equal(fused.rms_norm(x, w, 1e-5), fused.rms_norm_ref(x, w, 1e-5))
     gu = _rand(3, 64, dtype=torch.float32)
     assert torch.equal(fused.silu_mul(gu), fused.silu_mul_ref(gu))
+    assert torch.equal(fused.gelu_tanh_mul(gu), fused.gelu_tanh_mul_ref(gu))
+    assert torch.equal(fused.rms_norm_f32w(x, w, 1e-5), fused.rms_norm_f32w_ref(x, w, 1e-5))
     s, out = fused.add_rms_norm(x.clone(), x, w, 1e-5)
     assert torch.equal(s, x + x) and torch.equal(out, fused.rms_norm_ref(x + x, w, 1e-5))
 

@@ -1,6 +1,7 @@
 """The float32 panel matmul (``pdserve_gemm_panels_f32`` in ``engine/kernels/cpu_gemm_pairs.c``) behind
 ``engine.cpu_linear``: its layout, its products against float64 ones (1-64 rows, bias, strided rows),
-its refusals, which float32 weights keep the layout and which calls ``linear`` sends it."""
+its refusals (of the AVX-512F kernel or, without AVX-512F, of its portable loop), which float32
+weights keep the layout and which calls ``linear`` sends it."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ from engine import cpu_linear
 from engine.cpu_linear import PANELS_F32, linear, pack, to_panels_f32
 from engine.kernels import cpu_native
 
+# The kernel's products and refusals run anywhere the library builds (without AVX-512F: its portable
+# loop, the same sums in the same order); which weights are packed as panels needs AVX-512F.
 pytestmark = [
     pytest.mark.unit,
-    pytest.mark.skipif(
-        not cpu_native.panels_f32_available(),
-        reason="this CPU has no AVX-512F: the float32 panel kernel is not built here",
-    ),
+    pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler: the kernels cannot be built"),
 ]
+needs_avx512f = pytest.mark.skipif(
+    not cpu_native.panels_f32_available(),
+    reason="this CPU has no AVX-512F: float32 weights keep oneDNN's layout here",
+)
 
 
 def test_the_layout_puts_sixteen_outputs_of_one_input_side_by_side():
@@ -52,6 +56,7 @@ def test_the_kernel_refuses_what_it_cannot_take():
     assert cpu_native.gemm_panels_f32(torch.randn(0, 96), w, 64, None) is None  # no rows
 
 
+@needs_avx512f
 def test_which_float32_weights_are_kept_as_panels():
     """A layer's weight: panels only (no oneDNN copy: one copy of the bytes). The LM-head-sized weight
     and shapes the kernel cannot take keep oneDNN's layout."""
@@ -65,6 +70,7 @@ def test_which_float32_weights_are_kept_as_panels():
     assert head.pairs is None and head.onednn and cpu_linear.small_rows(head) == 0
 
 
+@needs_avx512f
 def test_linear_sends_every_float32_call_on_a_panel_weight_to_the_kernel(monkeypatch):
     """Decode-sized and prompt-sized calls (beyond oneDNN's 512-row chunks too), a leading batch
     dimension, a strided input and a strided bias all give F.linear's result through the kernel."""

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 
 class BothPaths:
-    """Wraps a model's forward: each step runs the stack path, then (the KV pool restored) the
+    """Wraps a model's forward: each step runs the stack path, then (the KV pools restored) the
     layer path on the same batch. Steps the stack takes are recorded in ``steps`` as
-    (rows, stack logits, layer logits, pool after the stack, pool after the layers); the model's
-    result is the stack's."""
+    (rows, stack logits, layer logits, pools after the stack, pools after the layers; the full and
+    SWA pools' one allocation); the model's result is the stack's."""
 
     def __init__(self, model) -> None:
         self.model, self.forward, self.stack, self.steps = model, model.forward, model.stack, []
         model.forward = self
 
     def __call__(self, batch, attn):
-        pool = attn.pools.full.buffer
+        pool = attn.pools.units
         before, took = pool.clone(), self.stack.takes(batch, attn)
         a = self.forward(batch, attn)
         stored = pool.clone()
