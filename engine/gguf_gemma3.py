@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.gemma3 import Gemma3Config
+from engine.gguf_cache import cached_tensors
 from engine.gguf_common import dequantize_tensor, f32, gguf_to_hf_name, progress
 from engine.gguf_fast_reader import FastGGUF
 
@@ -65,6 +66,14 @@ def load_gemma3_gguf(path: Path) -> tuple[Gemma3Config, Tensors]:
     """
     reader = FastGGUF(path)
     config = gemma3_config(reader, path)
+    tensors = cached_tensors(path, "gemma3", lambda: _tensors(reader, path))
+    _check_shapes(config, tensors)
+    return config, tensors
+
+
+def _tensors(reader: FastGGUF, path: Path) -> Tensors:
+    """Every tensor of an opened Gemma 3 GGUF dequantized to float32 under its HF name (norms as HF's
+    ``weight``, GGUF storing ``1 + weight``)."""
     tensors: Tensors = {}
     for t in progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
         name = _hf_name(t.name)
@@ -74,8 +83,7 @@ def load_gemma3_gguf(path: Path) -> tuple[Gemma3Config, Tensors]:
         if name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    _check_shapes(config, tensors)
-    return config, tensors
+    return tensors
 
 
 def gemma3_config(reader: FastGGUF, path: Path) -> Gemma3Config:

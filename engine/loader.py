@@ -19,6 +19,7 @@ from configs.sliding_window import check_swa_pool_holds_window, validate_swa_poo
 from engine.config import HF_ONLY_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from engine.fused_checkpoint import split_fused, unfused_names
 from engine.gemma3 import Gemma3Config
+from engine.gguf_cache import cached_tensors
 from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
 from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, MOE_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
 from engine.hf_rope import gemma3_rope, hf_rope
@@ -234,6 +235,12 @@ def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[M
     """Read config + dequantized, de-interleaved HF-named tensors from a GGUF file."""
     reader = open_gguf(path)
     config = _gguf_config(reader, path, overrides)
+    tag = f"llama-family:{config.arch}:{config.num_heads}:{config.num_kv_heads}"
+    return config, cached_tensors(path, tag, lambda: _gguf_tensors(reader, path, config))
+
+
+def _gguf_tensors(reader, path: Path, config: ModelConfig) -> Tensors:
+    """Every tensor of an opened GGUF dequantized to float32 under its HF name, Q/K de-interleaved."""
     permute = config.arch in _GGUF_PERMUTED_ARCHS
     tensors: Tensors = {}
     for t in progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
@@ -246,7 +253,7 @@ def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[M
         elif permute and ".k_proj." in name:
             w = unpermute_qk(w, config.num_kv_heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    return config, tensors
+    return tensors
 
 
 # ----------------------------------------------------------------------------- HF folder
