@@ -201,16 +201,19 @@ def test_hf_llama_roundtrip(tmp_path):
         assert w[name].dtype == torch.float32
 
 
-def test_hf_tied_bf16_is_converted_to_float32(tmp_path):
+def test_hf_tied_bf16_is_read_as_stored(tmp_path):
+    """A bfloat16 checkpoint's tensors come back bfloat16 (no float32 copy), the tied head equal to
+    the embedding, shapes and dtypes known without reading."""
     import transformers
 
     state = _tiny_hf_model("llama", tmp_path, tie=True)
     transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)
     cfg, w = load_model_weights(tmp_path)
-    assert cfg.tie_word_embeddings
-    assert w["lm_head.weight"] is w["model.embed_tokens.weight"]
-    assert w["model.norm.weight"].dtype == torch.float32
-    expected = state["model.layers.1.mlp.up_proj.weight"].to(torch.bfloat16).float()
+    assert cfg.tie_word_embeddings and cfg.stored_dtype == "bfloat16"
+    assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+    assert w["model.norm.weight"].dtype == torch.bfloat16 == w.dtype("model.norm.weight")
+    assert w.shape("model.layers.1.mlp.up_proj.weight") == (96, 64)
+    expected = state["model.layers.1.mlp.up_proj.weight"].to(torch.bfloat16)
     assert torch.equal(w["model.layers.1.mlp.up_proj.weight"], expected)
 
 
