@@ -1,11 +1,13 @@
 """A checkpoint's tensors read on access, in the dtype they are stored in.
 
-``engine.loader`` returns a :class:`CheckpointTensors` for a HF folder: a read-only mapping from
-HuggingFace names to sources that know each tensor's file, byte range, stored dtype and shape.
-Looking a name up reads that tensor's bytes from its shard straight into a new CPU tensor of the
-stored dtype (bfloat16 stays bfloat16): nothing is held between lookups, and no float32 copy is
-made. The model (``engine.model``) converts each tensor to the serving dtype and layout as it takes
-it, so a load holds the built model plus about one fused group of weights, never the checkpoint.
+``engine.loader`` returns a :class:`CheckpointTensors`: a read-only mapping from HuggingFace names to
+sources that know each tensor's shape and dtype and read it on demand. For a HF folder the source is
+a :class:`StoredTensor` (file, byte range, stored dtype): a lookup reads that tensor's bytes from its
+shard straight into a new CPU tensor of the stored dtype (bfloat16 stays bfloat16), and no float32
+copy is made. For a GGUF file it is the loader's ``GGUFTensor``: a lookup dequantizes that one
+tensor to float32 (the quantization's own math). Nothing is held between lookups: the model
+(``engine.model``) converts each tensor to the serving dtype and layout as it takes it, so a load
+holds the built model plus about one fused group of weights, never the checkpoint.
 
 The bytes are read with ``readinto`` rather than through a memory map: a mapped shard's pages count
 in the process's resident set as long as the map lives, so mapping every shard for the whole load
@@ -19,6 +21,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -132,12 +135,25 @@ def shard_tensors(files: list[Path]) -> dict[str, StoredTensor]:
     return out
 
 
+class TensorSource(Protocol):
+    """What :class:`CheckpointTensors` reads: a shape and dtype known without reading, and ``read()``,
+    a new CPU tensor of that shape and dtype on every call."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype | None: ...
+
+    def read(self) -> torch.Tensor: ...
+
+
 class CheckpointTensors(Mapping[str, torch.Tensor]):
     """Read-only mapping name -> tensor, each lookup a fresh read of the source (``StoredTensor``'s
     ``read``: the stored dtype, on CPU). Names, ``shape`` and ``dtype`` come from the headers alone.
     Two names may share one source (a tied LM head): their lookups are equal, not the same object."""
 
-    def __init__(self, sources: Mapping[str, StoredTensor]) -> None:
+    def __init__(self, sources: Mapping[str, TensorSource]) -> None:
         self._sources = dict(sources)
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -2,16 +2,17 @@
 
 Both paths return a :class:`ModelConfig` plus CPU tensors under HuggingFace Llama names
 (``model.layers.{i}.self_attn.q_proj.weight`` ...), so the model code only ever sees one layout.
-A HF folder's tensors are read on access in their stored dtype (``engine.checkpoint_tensors``): the
-model converts each to its serving dtype as it takes it, so loading a bfloat16 checkpoint to serve
-in bfloat16 never holds a float32 copy, nor the whole checkpoint beside the model. A GGUF file's
-are dequantized to float32.
+Tensors are read on access (``engine.checkpoint_tensors``): a HF folder's in their stored dtype, a
+GGUF file's dequantized to float32 one tensor at a time. The model converts each to its serving
+dtype as it takes it, so loading a bfloat16 checkpoint to serve in bfloat16 never holds a float32
+copy, nor the whole checkpoint beside the model.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from engine.checkpoint_tensors import CheckpointTensors, StoredTensor, shard_ten
 from engine.config import HF_ONLY_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from engine.fused_checkpoint import split_fused, unfused_names
 from engine.gemma3 import Gemma3Config
-from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
+from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf
 from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, MOE_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
 from engine.hf_rope import gemma3_rope, hf_rope
 from engine.moe import hf_moe_spec, mixtral_name
@@ -67,12 +68,12 @@ _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
     """Load ``path`` (a ``.gguf`` file or a HF folder) into ``(config, tensors)``.
 
-    Tensors are on CPU, named like HuggingFace Llama. A HF folder gives a
-    :class:`~engine.checkpoint_tensors.CheckpointTensors`: each lookup reads that tensor from its
-    shard in the stored dtype (bfloat16 stays bfloat16), so a consumer holds one tensor at a time
-    and converts it itself. A GGUF file gives a dict of float32 tensors (dequantized). When
-    embeddings are tied, ``tensors["lm_head.weight"]`` equals ``tensors["model.embed_tokens.weight"]``
-    (the same object for GGUF). The config's
+    ``tensors`` is a :class:`~engine.checkpoint_tensors.CheckpointTensors` under HuggingFace Llama
+    names: each lookup reads that tensor anew onto the CPU, from a HF folder's shard in the stored
+    dtype (bfloat16 stays bfloat16), from a GGUF file dequantized to float32 (Q/K rows
+    de-interleaved), so a consumer holds one tensor at a time and converts it itself. When
+    embeddings are tied, ``tensors["lm_head.weight"]`` equals ``tensors["model.embed_tokens.weight"]``.
+    (A Gemma 3 GGUF gives a dict of float32 tensors, the lm_head the embedding itself.) The config's
     ``layer_types`` / ``sliding_window`` follow the checkpoint (``engine.swa_config``) with
     ``overrides`` (``--sliding-window``, ``--layer-types``) applied. Raises ``FileNotFoundError``
     for a missing path, ``ValueError`` for an unsupported architecture, a corrupt file, a
@@ -90,11 +91,8 @@ def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = No
                 "from the GGUF); drop them, or use --swa-pool-tokens 0 to keep every layer in the full pool"
             )
         return load_gemma3_gguf(path)
-    if path.is_dir():
-        config, sources = _load_hf_folder(path, overrides)
-        return config, CheckpointTensors(_finalize_tensors(config, sources))
-    config, tensors = _load_gguf(path, overrides)
-    return config, _finalize_tensors(config, tensors)
+    config, sources = _load_hf_folder(path, overrides) if path.is_dir() else _load_gguf(path, overrides)
+    return config, CheckpointTensors(_finalize_tensors(config, sources))
 
 
 def load_for_engine(path: str | Path, engine) -> tuple[ModelConfig, Tensors]:
@@ -243,23 +241,48 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
 
 
-def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
-    """Read config + dequantized, de-interleaved HF-named tensors from a GGUF file."""
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of GGUF file ``path`` (``tensor``: the reader's entry), read as float32: dequantized
+    and, for ``heads`` not None, llama.cpp's Q/K row interleave undone over that many heads."""
+
+    tensor: Any
+    path: Path
+    heads: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.tensor.shape))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def read(self) -> torch.Tensor:
+        """A new writable float32 CPU tensor (``ValueError`` naming the file for a corrupt one)."""
+        w = dequantize_tensor(self.tensor, self.path)
+        if self.heads is not None:
+            w = unpermute_qk(w, self.heads)
+        return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, dict[str, GGUFTensor]]:
+    """Read config + the HF-named sources of a GGUF file's tensors (nothing dequantized yet)."""
     reader = open_gguf(path)
     config = _gguf_config(reader, path, overrides)
     permute = config.arch in _GGUF_PERMUTED_ARCHS
-    tensors: Tensors = {}
-    for t in progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
+    sources: dict[str, GGUFTensor] = {}
+    for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = dequantize_tensor(t, path)
+        heads = None
         if permute and ".q_proj." in name:
-            w = unpermute_qk(w, config.num_heads)
+            heads = config.num_heads
         elif permute and ".k_proj." in name:
-            w = unpermute_qk(w, config.num_kv_heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    return config, tensors
+            heads = config.num_kv_heads
+        sources[name] = GGUFTensor(t, path, heads)
+    return config, sources
 
 
 # ----------------------------------------------------------------------------- HF folder

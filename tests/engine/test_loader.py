@@ -81,8 +81,9 @@ def test_gguf_tensor_names_shapes_dtypes(gguf_model):
     expected = expected_tensor_shapes(cfg)
     assert set(w) == set(expected)
     for name, shape in expected.items():
-        assert tuple(w[name].shape) == shape, name
-        assert w[name].dtype == torch.float32 and w[name].device.type == "cpu"
+        t = w[name]  # each lookup dequantizes the tensor anew
+        assert tuple(t.shape) == shape == w.shape(name), name
+        assert t.dtype == torch.float32 and t.device.type == "cpu"
     assert w["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
     assert w["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert w["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
@@ -91,7 +92,7 @@ def test_gguf_tensor_names_shapes_dtypes(gguf_model):
 
 def test_gguf_lm_head_is_tied(gguf_model):
     _, w = gguf_model
-    assert w["lm_head.weight"] is w["model.embed_tokens.weight"]
+    assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
 
 
 def test_gguf_tensors_are_writable_and_finite(gguf_model):
