@@ -11,8 +11,8 @@ float32 on a CPU without AVX512-BF16) and no KV pool is counted.
 
 ``int8`` is bfloat16 with weight-only int8 matmul weights (``--weight-dtype int8``), which needs
 AVX512-BF16; ``--emulate-int8`` runs its quantization on any CPU with oneDNN's reorder of the
-dequantized copy replaced by a plain copy of the same bytes: the load's memory and time, not a model to
-serve.
+dequantized copy replaced by a plain copy of the same bytes and no kernel warm-up: the load's memory
+and time, not a model to serve.
 
 ``python -m benchmarks.load_memory bf16-copy SRC OUT``: a copy of HF folder SRC with every floating
 safetensors tensor stored as bfloat16 (config and tokenizer files copied as they are).
@@ -37,12 +37,14 @@ def status_kb(field: str) -> int:
 
 
 def emulate_int8() -> None:
-    """Let ``pack(w, int8=True)`` run on a CPU without AVX512-BF16: every weight is accepted and
-    oneDNN's reorder (which needs bfloat16 instructions) becomes a contiguous copy."""
+    """Let ``pack(w, int8=True)`` run on a CPU without AVX512-BF16: every weight is accepted, oneDNN's
+    reorder (which needs bfloat16 instructions) becomes a contiguous copy, and the kernels' warm-up
+    (oneDNN bfloat16 primitives) is skipped."""
     from engine import cpu_linear, model
 
     cpu_linear.int8_supported = model.int8_supported = lambda w: None
     cpu_linear.onednn_layout = lambda w: w.contiguous().clone()
+    model.LlamaModel.warm_up = lambda self: None
 
 
 def load(model: str, dtype: str) -> tuple[float, object]:
