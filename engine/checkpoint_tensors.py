@@ -83,10 +83,22 @@ class StoredTensor:
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         with self.path.open("rb", buffering=0) as f:
             f.seek(self.offset)
-            got = f.readinto(buf)
+            got = _read_into(f, buf)
         if got != len(buf):
             raise ValueError(f"not a valid safetensors file: {self.path}: truncated tensor data")
         return out
+
+
+def _read_into(f, buf: memoryview) -> int:
+    """Fill ``buf`` from unbuffered file ``f``; the bytes read (short only at the end of the file).
+    One ``read`` call returns at most about 2 GiB on Linux, less than a large embedding."""
+    got = 0
+    while got < len(buf):
+        n = f.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def read_header(path: Path) -> tuple[dict, int]:

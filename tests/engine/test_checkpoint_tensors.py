@@ -119,3 +119,18 @@ def test_a_truncated_or_corrupt_shard_is_refused_naming_it(tmp_path):
     shard.write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match=r"not a valid safetensors file: .*bad header length"):
         read_model_config(folder)
+
+
+def test_a_tensor_is_read_whole_across_short_reads():
+    """One ``read`` returns at most ~2 GiB on Linux: a tensor larger than that comes in pieces."""
+    import io
+
+    from engine.checkpoint_tensors import _read_into
+
+    class Trickle(io.BytesIO):
+        def readinto(self, b):
+            return super().readinto(memoryview(b)[:5])
+
+    buf = bytearray(23)
+    assert _read_into(Trickle(bytes(range(23))), memoryview(buf)) == 23 and bytes(buf) == bytes(range(23))
+    assert _read_into(Trickle(b"abc"), memoryview(bytearray(8))) == 3
