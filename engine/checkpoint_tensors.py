@@ -40,7 +40,7 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_MAX_HEADER = 100 << 20  # the safetensors format's own limit on the JSON header
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,8 @@ def read_header(path: Path) -> tuple[dict, int]:
 def _check_entry(path: Path, key: str, entry, data_size: int) -> None:
     """``ValueError`` unless ``entry`` has a dtype, a shape and in-file data offsets of its size."""
     try:
-        code, shape, (begin, end) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
+        code, shape = entry["dtype"], [int(d) for d in entry["shape"]]
+        begin, end = (int(x) for x in entry["data_offsets"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a valid safetensors file: {path}: bad entry for {key!r}") from exc
     if not 0 <= begin <= end <= data_size:
@@ -143,7 +144,7 @@ def shard_tensors(files: list[Path]) -> dict[str, StoredTensor]:
     for f in files:
         header, data = read_header(f)
         for key, e in header.items():
-            out[key] = StoredTensor(f, e["dtype"], tuple(int(d) for d in e["shape"]), data + e["data_offsets"][0])
+            out[key] = StoredTensor(f, e["dtype"], tuple(int(d) for d in e["shape"]), data + int(e["data_offsets"][0]))
     return out
 
 
