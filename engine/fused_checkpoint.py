@@ -32,9 +32,10 @@ def unfused_names(names: set[str]) -> set[str]:
     return out
 
 
-def split_fused(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """``tensors`` with every fused projection split into its parts (views of its rows).
-    ``ValueError`` names a fused tensor whose row count is not the parts' sum."""
+def split_fused(tensors: dict, config: ModelConfig) -> dict:
+    """``tensors`` with every fused projection split into its parts by its rows (``t.split(sizes)``:
+    views of a torch tensor, byte ranges of an ``engine.checkpoint_tensors.StoredTensor``, which
+    reads nothing). ``ValueError`` names a fused tensor whose row count is not the parts' sum."""
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     out: dict[str, torch.Tensor] = {}

@@ -3,19 +3,23 @@
 Why: decoding a quantized GGUF (``gguf.quants.dequantize``, numpy) is most of a worker's load, paid again
 by every worker of a launch and by every restart of a worker after a failure, while reading the same
 float32 tensors from a safetensors file takes a fraction of it: ``python -m benchmarks.gguf_load``
-printed 1.57 s of CPU decoded against 0.31 s read from the cache for SmolLM2-135M's Q4_1 file, and
+printed 0.86 s of CPU decoded against 0.40 s read from the cache for SmolLM2-135M's Q4_1 file, and
 4.60 s against 0.98 s for Gemma 3 270M's Q4_K_M (``--model gemma3-270m``), on a 2-core AVX2 host.
 
 Contract:
-- ``cached_tensors(path, tag, build)`` returns ``build()``'s tensors (float32 CPU, name -> tensor),
-  from the cache when an entry for this file's content and ``tag`` is there, else from ``build()``,
-  then stored. The entry's key hashes the file's bytes, so a copy of the same file elsewhere hits and
-  an edited file misses; ``tag`` names what ``build`` does to the decoded tensors (a loader's renames,
-  permutations, offsets), so two loaders never share an entry.
-- Tensors that share storage (tied embeddings) come back sharing it, as ``build`` gave them.
+- ``cached_sources(path, tag, sources)``: the float32 tensors of GGUF file ``path`` as sources read on
+  access (``engine.checkpoint_tensors``), over the cache entry for this file's content and ``tag``.
+  On a miss the entry is written first, one tensor at a time (each source read once, so a load
+  never holds the whole model beside the entry); where the cache is off or cannot be written,
+  ``sources`` themselves. ``tag`` names what the sources do to the decoded tensors (a loader's renames,
+  permutations, offsets), so two loaders never share an entry; the key hashes the file's bytes, so
+  a copy of the same file elsewhere hits and an edited file misses.
+- ``cached_tensors(path, tag, build)``: the same for a loader that builds a dict of float32 tensors:
+  read whole from the entry, else ``build()``'s, then stored.
 - The cache is ``$PDSERVE_WEIGHTS_CACHE`` (default ``~/.cache/pdserve/weights``); ``off`` disables it.
   Entries are written whole (a temporary file renamed into place), so concurrent workers loading the
-  same file never read half an entry. Past ``MAX_BYTES`` the least recently used entries are removed.
+  same file never read half an entry. Past ``MAX_BYTES`` the least recently used entries are removed,
+  never one used in the last ``IN_USE_S``.
 - A cache that cannot be written (read-only, full) or an entry that cannot be read (corrupt) is logged
   and skipped: the load itself never fails because of the cache.
 """
@@ -26,21 +30,25 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+
+from engine.checkpoint_tensors import StoredTensor, shard_tensors
 
 log = logging.getLogger(__name__)
 
 ENV = "PDSERVE_WEIGHTS_CACHE"
-FORMAT = 1  # bump when an entry's layout changes: older entries are then never read
+FORMAT = 2  # bump when an entry's layout changes: older entries are then never read
 MAX_BYTES = 8 << 30
+IN_USE_S = 600.0  # an entry used this recently is never evicted: a worker may be reading it
 _HASH_CHUNK = 16 << 20
-_ALIASES = "pdserve.aliases"
-
-Tensors = dict[str, torch.Tensor]
 
 
 def cache_dir() -> Path | None:
@@ -60,77 +68,116 @@ def entry_path(folder: Path, path: Path, tag: str) -> Path:
     return folder / f"{digest.hexdigest()}.safetensors"
 
 
-def cached_tensors(path: Path, tag: str, build: Callable[[], Tensors]) -> Tensors:
-    """``build()``'s tensors for GGUF file ``path``, read from the cache when it holds them (module docstring)."""
+class _Source(Protocol):
+    """What an entry is written from: a float32 tensor's shape, known without reading it, and ``read()``."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def read(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """A tensor already in memory, as a source."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def read(self) -> torch.Tensor:
+        return self.tensor
+
+
+def cached_sources(path: Path, tag: str, sources: Mapping[str, _Source]) -> Mapping[str, Any]:
+    """``sources``' tensors as sources over the cache entry of GGUF file ``path`` (module docstring)."""
+    folder = cache_dir()
+    if folder is None:
+        return sources
+    entry = entry_path(folder, path, tag)
+    stored = _stored(entry)
+    if stored is None and _write(folder, entry, sources, path):
+        stored = _stored(entry)
+    return sources if stored is None else stored
+
+
+def cached_tensors(path: Path, tag: str, build: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``build()``'s float32 tensors for GGUF file ``path``, read from the cache when it holds them."""
     folder = cache_dir()
     if folder is None:
         return build()
     entry = entry_path(folder, path, tag)
-    tensors = _read(entry)
-    if tensors is not None:
-        return tensors
+    stored = _stored(entry)
+    if stored is not None:
+        return {name: source.read() for name, source in stored.items()}
     tensors = build()
-    _write(folder, entry, tensors, path)
+    _write(folder, entry, {name: _Ready(t) for name, t in tensors.items()}, path)
     return tensors
 
 
-def _read(entry: Path) -> Tensors | None:
-    """The entry's tensors with their shared storage restored, or None (absent or unreadable)."""
+def _stored(entry: Path) -> dict[str, StoredTensor] | None:
+    """The entry's tensors as sources read on access, or None (absent or unreadable)."""
     if not entry.exists():
         return None
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(entry), framework="pt") as f:
-            aliases = json.loads((f.metadata() or {}).get(_ALIASES, "{}"))
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        for name, target in aliases.items():
-            tensors[name] = tensors[target]
-    except Exception as exc:  # noqa: BLE001 - any unreadable entry is decoded again
+        stored = shard_tensors([entry])
+    except (OSError, ValueError) as exc:
         log.warning("weights cache: cannot read %s (%s): decoding the GGUF instead", entry, exc)
         return None
-    try:
+    with contextlib.suppress(OSError):  # evicted by another process since: its file is open below anyway
         os.utime(entry)  # its last use, for the eviction order
-    except OSError:
-        pass  # evicted by another process since: the tensors are in memory already
-    return tensors
+    return stored
 
 
-def _write(folder: Path, entry: Path, tensors: Tensors, source: Path) -> None:
-    """Store ``tensors`` as ``entry`` (shared storage saved once), then evict past ``MAX_BYTES``."""
-    from safetensors.torch import save_file
-
-    unique, aliases, seen = {}, {}, {}
-    for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        if key in seen:
-            aliases[name] = seen[key]
-        else:
-            seen[key], unique[name] = name, t.contiguous()
+def _write(folder: Path, entry: Path, sources: Mapping[str, _Source], source: Path) -> bool:
+    """Store ``sources`` as ``entry`` (a safetensors file of float32 tensors, each read once and
+    written before the next is read), then evict past ``MAX_BYTES``; whether it was stored."""
     tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(unique, str(tmp), metadata={_ALIASES: json.dumps(aliases)})
+        _write_safetensors(tmp, sources)
         os.replace(tmp, entry)
-    except Exception as exc:  # noqa: BLE001 - an OSError or safetensors' own error: the load goes on
+    except Exception as exc:  # noqa: BLE001 - an OSError or a source's own error: the load goes on
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         log.warning("weights cache: cannot write %s (%s): the next load decodes the GGUF again", entry, exc)
-        return
-    size = entry.stat().st_size
+        return False
     log.info(
         "weights cache: %s decoded once into %s (%.0f MiB); later loads read it (%s=off disables)",
         source.name,
         entry,
-        size / 2**20,
+        entry.stat().st_size / 2**20,
         ENV,
     )
     evict(folder, MAX_BYTES)
+    return True
 
 
-def evict(folder: Path, max_bytes: int) -> list[Path]:
-    """Remove the least recently used entries of ``folder`` until they hold at most ``max_bytes``; the
-    removed paths."""
+def _write_safetensors(out: Path, sources: Mapping[str, _Source]) -> None:
+    """Write ``sources`` as a safetensors file of float32 tensors in their order, streaming: the header
+    from the shapes alone, then each tensor's bytes as it is read."""
+    header, offset = {}, 0
+    for name, src in sources.items():
+        nbytes = math.prod(src.shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(src.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
+    with open(out, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for name, src in sources.items():
+            t = src.read()
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(src.shape):
+                raise ValueError(f"{name}: a {t.dtype} tensor of shape {tuple(t.shape)}, not float32 {src.shape}")
+            f.write(t.contiguous().numpy().tobytes())
+
+
+def evict(folder: Path, max_bytes: int, now: float | None = None) -> list[Path]:
+    """Remove the least recently used entries of ``folder`` until they hold at most ``max_bytes``, never
+    one used in the last ``IN_USE_S`` (a load may be reading it); the removed paths."""
+    now = time.time() if now is None else now
     stats = []
     for p in folder.glob("*.safetensors"):
         try:
@@ -140,7 +187,7 @@ def evict(folder: Path, max_bytes: int) -> list[Path]:
     kept, removed = 0, []
     for st, p in sorted(stats, key=lambda sp: sp[0].st_mtime, reverse=True):
         kept += st.st_size
-        if kept > max_bytes:
+        if kept > max_bytes and now - st.st_mtime > IN_USE_S:
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed

@@ -1,26 +1,30 @@
 """Load Llama-family weights from a GGUF file or a HuggingFace folder.
 
-Both paths return a :class:`ModelConfig` plus float32 CPU tensors under HuggingFace Llama
-names (``model.layers.{i}.self_attn.q_proj.weight`` ...), so the model code only ever sees
-one layout.
+Both paths return a :class:`ModelConfig` plus CPU tensors under HuggingFace Llama names
+(``model.layers.{i}.self_attn.q_proj.weight`` ...), so the model code only ever sees one layout.
+Tensors are read on access (``engine.checkpoint_tensors``): a HF folder's in their stored dtype, a
+GGUF file's dequantized to float32 one tensor at a time. The model converts each to its serving
+dtype as it takes it, so loading a bfloat16 checkpoint to serve in bfloat16 never holds a float32
+copy, nor the whole checkpoint beside the model.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from configs.sliding_window import check_swa_pool_holds_window, validate_swa_pool
+from engine.checkpoint_tensors import CheckpointTensors, StoredTensor, shard_tensors
 from engine.config import HF_ONLY_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from engine.fused_checkpoint import split_fused, unfused_names
 from engine.gemma3 import Gemma3Config
-from engine.gguf_cache import cached_tensors
-from engine.gguf_common import dequantize_tensor, f32, gguf_meta, gguf_to_hf_name, open_gguf, progress
+from engine.gguf_cache import cached_sources
+from engine.gguf_common import f32, gguf_meta, gguf_to_hf_name, open_gguf
+from engine.gguf_source import GGUFSource
 from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, MOE_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
 from engine.hf_rope import gemma3_rope, hf_rope
 from engine.moe import hf_moe_spec, mixtral_name
@@ -36,7 +40,7 @@ from engine.swa_config import (
 )
 from engine.tensor_shapes import expected_tensor_shapes
 
-Tensors = dict[str, torch.Tensor]
+Tensors = Mapping[str, torch.Tensor]
 
 # GGUF per-layer tensor suffix -> HF per-layer tensor suffix.
 _GGUF_LAYER_NAMES = {
@@ -64,8 +68,12 @@ _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
     """Load ``path`` (a ``.gguf`` file or a HF folder) into ``(config, tensors)``.
 
-    Tensors are float32, on CPU, named like HuggingFace Llama; when embeddings are tied,
-    ``tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]``. The config's
+    ``tensors`` is a :class:`~engine.checkpoint_tensors.CheckpointTensors` under HuggingFace Llama
+    names: each lookup reads that tensor anew onto the CPU, from a HF folder's shard in the stored
+    dtype (bfloat16 stays bfloat16), from a GGUF file dequantized to float32 (Q/K rows
+    de-interleaved), so a consumer holds one tensor at a time and converts it itself. When
+    embeddings are tied, ``tensors["lm_head.weight"]`` equals ``tensors["model.embed_tokens.weight"]``.
+    (A Gemma 3 GGUF gives a dict of float32 tensors, the lm_head the embedding itself.) The config's
     ``layer_types`` / ``sliding_window`` follow the checkpoint (``engine.swa_config``) with
     ``overrides`` (``--sliding-window``, ``--layer-types``) applied. Raises ``FileNotFoundError``
     for a missing path, ``ValueError`` for an unsupported architecture, a corrupt file, a
@@ -83,8 +91,8 @@ def load_model_weights(path: str | Path, overrides: SlidingOverrides | None = No
                 "from the GGUF); drop them, or use --swa-pool-tokens 0 to keep every layer in the full pool"
             )
         return load_gemma3_gguf(path)
-    config, tensors = _load_hf_folder(path, overrides) if path.is_dir() else _load_gguf(path, overrides)
-    return config, _finalize_tensors(config, tensors)
+    config, sources = _load_hf_folder(path, overrides) if path.is_dir() else _load_gguf(path, overrides)
+    return config, CheckpointTensors(_finalize_tensors(config, sources))
 
 
 def load_for_engine(path: str | Path, engine) -> tuple[ModelConfig, Tensors]:
@@ -111,7 +119,8 @@ def read_model_config(path: str | Path, overrides: SlidingOverrides | None = Non
         return _gguf_config(open_gguf(path), path, overrides)
     cfg, files = _hf_folder_files(path)
     sliding = _hf_sliding(cfg, overrides)
-    return _hf_config(path, cfg, {key for _, key in _iter_safetensors(files)}, sliding, _hf_stored_dtype(files))
+    sources = shard_tensors(files)
+    return _hf_config(path, cfg, set(sources), sliding, _hf_stored_dtype(sources))
 
 
 def check_startup(path: str | Path, engine) -> ModelConfig:
@@ -136,11 +145,12 @@ def validate_startup(config: ModelConfig, engine) -> None:
         check_swa_pool_holds_window(engine.swa_pool_tokens, config.sliding_window, engine.page_size)
 
 
-def _finalize_tensors(config: ModelConfig, tensors: Tensors) -> Tensors:
-    """Tie lm_head if needed, check names and shapes, drop tensors the model doesn't use."""
+def _finalize_tensors(config: ModelConfig, tensors: dict) -> dict:
+    """Tie lm_head if needed, check names and shapes, drop tensors the model doesn't use. ``tensors``:
+    torch tensors or ``StoredTensor`` sources (anything with a ``shape``; nothing is read)."""
     if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    out: Tensors = {}
+    out = {}
     for name, shape in expected_tensor_shapes(config).items():
         if name not in tensors:
             raise ValueError(f"missing tensor {name!r} in model checkpoint")
@@ -221,39 +231,31 @@ def _hf_name(gguf_name: str) -> str | None:
     return gguf_to_hf_name(gguf_name, _GGUF_LAYER_NAMES, _GGUF_GLOBAL_NAMES)
 
 
-def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row interleave: rows (head, pair, half) -> (head, half, pair).
-
-    Works on a weight ``[out, in]`` or a bias ``[out]``; ``out == n_heads * head_dim``.
-    """
-    out = w.shape[0]
-    rest = w.shape[1:]
-    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
-
-
-def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
-    """Read config + dequantized, de-interleaved HF-named tensors from a GGUF file."""
+def _load_gguf(path: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, dict]:
+    """Read config + the HF-named sources of a GGUF file's tensors (nothing read yet): the float32
+    tensors of the weights cache (``engine.gguf_cache``) where it holds the file, else its GGUF tensors,
+    dequantized when read."""
     reader = open_gguf(path)
     config = _gguf_config(reader, path, overrides)
     tag = f"llama-family:{config.arch}:{config.num_heads}:{config.num_kv_heads}"
-    return config, cached_tensors(path, tag, lambda: _gguf_tensors(reader, path, config))
+    return config, cached_sources(path, tag, _gguf_sources(reader, path, config))
 
 
-def _gguf_tensors(reader, path: Path, config: ModelConfig) -> Tensors:
-    """Every tensor of an opened GGUF dequantized to float32 under its HF name, Q/K de-interleaved."""
+def _gguf_sources(reader, path: Path, config: ModelConfig) -> dict[str, GGUFSource]:
+    """Every tensor of an opened GGUF as a float32 source under its HF name, Q/K de-interleaved."""
     permute = config.arch in _GGUF_PERMUTED_ARCHS
-    tensors: Tensors = {}
-    for t in progress(reader.tensors, f"loading {path.name}", len(reader.tensors)):
+    sources: dict[str, GGUFSource] = {}
+    for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = dequantize_tensor(t, path)
+        heads = None
         if permute and ".q_proj." in name:
-            w = unpermute_qk(w, config.num_heads)
+            heads = config.num_heads
         elif permute and ".k_proj." in name:
-            w = unpermute_qk(w, config.num_kv_heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    return tensors
+            heads = config.num_kv_heads
+        sources[name] = GGUFSource(t, path, heads)
+    return sources
 
 
 # ----------------------------------------------------------------------------- HF folder
@@ -376,40 +378,14 @@ def _check_no_unused_tensors(config: ModelConfig, tensor_names: set[str]) -> Non
         )
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def _hf_stored_dtype(files: list[Path]) -> str:
+def _hf_stored_dtype(sources: dict[str, StoredTensor]) -> str:
     """How the embedding is stored (the safetensors header's dtype): ``float32``, ``bfloat16``,
     ``float16``, else ``quantized``; ``float32`` if no shard has it."""
-    for f in files:
-        with f.open("rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        entry = header.get("model.embed_tokens.weight")
-        if entry:
-            return _SAFETENSORS_DTYPES.get(entry.get("dtype"), "quantized")
-    return "float32"
-
-
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[Any, str]]:
-    """Yield ``(handle, key)`` for every tensor of every shard."""
-    from safetensors import safe_open
-
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for key in handle.keys():
-                    yield handle, key
-        except Exception as exc:
-            raise ValueError(f"not a valid safetensors file: {f}: {exc}") from exc
-
-
-def _load_safetensors(files: list[Path]) -> Tensors:
-    """Load every tensor of ``files`` as float32 CPU tensors, one at a time."""
-    tensors: Tensors = {}
-    for handle, key in progress(_iter_safetensors(files), f"loading {files[0].parent.name}"):
-        tensors[key] = handle.get_tensor(key).to(torch.float32)
-    return tensors
+    embed = sources.get("model.embed_tokens.weight")
+    return "float32" if embed is None else _STORED_DTYPES.get(embed.code, "quantized")
 
 
 def _hf_folder_files(folder: Path) -> tuple[dict, list[Path]]:
@@ -425,12 +401,16 @@ def _hf_folder_files(folder: Path) -> tuple[dict, list[Path]]:
     return cfg, files
 
 
-def _load_hf_folder(folder: Path, overrides: SlidingOverrides | None = None) -> tuple[ModelConfig, Tensors]:
-    """Read config.json and all ``*.safetensors`` shards of a HF model folder."""
+def _load_hf_folder(
+    folder: Path, overrides: SlidingOverrides | None = None
+) -> tuple[ModelConfig, dict[str, StoredTensor]]:
+    """Read config.json and the ``*.safetensors`` shards' headers of a HF model folder: the config and
+    every tensor's source under the HF Llama names (fused projections split into row ranges), no
+    tensor data read."""
     cfg, files = _hf_folder_files(folder)
-    sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading weights
-    tensors = _load_safetensors(files)
-    config = _hf_config(folder, cfg, set(tensors), sliding, _hf_stored_dtype(files))
+    sliding = _hf_sliding(cfg, overrides)  # fail fast (architecture, windows) before reading headers
+    sources = shard_tensors(files)
+    config = _hf_config(folder, cfg, set(sources), sliding, _hf_stored_dtype(sources))
     if config.arch == "mixtral":
-        tensors = {mixtral_name(k): v for k, v in tensors.items()}
-    return config, split_fused(tensors, config) if config.arch in FUSED_PROJ_ARCHS else tensors
+        sources = {mixtral_name(k): v for k, v in sources.items()}
+    return config, split_fused(sources, config) if config.arch in FUSED_PROJ_ARCHS else sources

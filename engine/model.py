@@ -10,6 +10,7 @@ batch names in ``extra_logit_rows`` (prompt logprobs).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return fused.rms_norm(x, weight, eps)
 
 
-def checkpoint_getter(state: dict[str, torch.Tensor], device, dtype):
-    """``get(name)``: tensor ``name`` of ``state`` on ``device`` in ``dtype``; ``ValueError`` if absent."""
+def checkpoint_getter(state: Mapping[str, torch.Tensor], device, dtype):
+    """``get(name)``: tensor ``name`` of ``state`` on ``device`` in ``dtype``; ``ValueError`` if absent.
+    One lookup of ``state`` per call and one conversion of that tensor alone: with the loader's
+    ``CheckpointTensors`` (read on access, stored dtype) a load holds one checkpoint tensor at a time,
+    and a bfloat16 one served in bfloat16 is never widened."""
 
     def get(name: str) -> torch.Tensor:
         if name not in state:
@@ -92,8 +96,9 @@ class LlamaModel(nn.Module):
         self.lm_head: torch.Tensor | None = None
         self.stack: DecodeStack | None = None  # small decode steps' layers in one C call (set at load)
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Take HF-named float tensors; fuse, cast and move them. Raises on a missing tensor."""
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take HF-named float tensors (``engine.loader``'s mapping); fuse, cast and move them one
+        tensor or one fused group at a time (``checkpoint_getter``). Raises on a missing tensor."""
         get = checkpoint_getter(state, self.device, self.dtype)
         pack = functools.partial(pack_weight, int8=self.int8)
         cfg = self.cfg

@@ -165,12 +165,17 @@ def _torch_experts(x, gate_up, down, scales, counts: list[int], tokens, pair_wei
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only int8 of stacked experts ``t`` ``[E, out, in]`` by ``engine.weight_layout.quantize_int8``'s
     scheme: per output row scale = max |row| / 127 (1 for an all-zero row), q = round(t / scale);
-    every element within scale / 2 of ``t``. Returns ``(q int8, scale float32 [E, out])``."""
-    tf = t.float()
-    absmax = tf.abs().amax(dim=-1)
+    every element within scale / 2 of ``t``. Returns ``(q int8, scale float32 [E, out])``. The float32
+    math runs one expert at a time: the transient is one expert's weights in float32, not the layer's."""
+    q = torch.empty(t.shape, dtype=torch.int8, device=t.device)
+    scale = torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
     tiny = torch.finfo(torch.float32).tiny
-    scale = torch.where(absmax > 0, (absmax / 127).clamp_min(tiny), torch.ones_like(absmax))
-    return torch.round(tf / scale[..., None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+    for e in range(t.shape[0]):
+        tf = t[e].float()
+        absmax = tf.abs().amax(dim=-1)
+        scale[e] = torch.where(absmax > 0, (absmax / 127).clamp_min(tiny), torch.ones_like(absmax))
+        q[e] = torch.round(tf / scale[e, :, None]).clamp(-127, 127)
+    return q, scale
 
 
 def load_experts(get, prefix: str, spec: MoeSpec, int8: bool = False) -> dict[str, torch.Tensor]:
@@ -196,16 +201,18 @@ def load_experts(get, prefix: str, spec: MoeSpec, int8: bool = False) -> dict[st
 
 def _stacked(get, prefix: str, experts: range, parts: tuple[str, ...]) -> torch.Tensor:
     """``[E, rows, in]``: each expert's ``parts`` matrices concatenated by rows, copied straight into one
-    tensor (no per-expert intermediate)."""
+    tensor (no per-expert intermediate); each checkpoint tensor is taken from ``get`` once."""
     first = [get(f"{prefix}experts.{experts[0]}.{p}.weight") for p in parts]
-    rows, f = sum(t.shape[0] for t in first), first[0]
-    out = torch.empty(len(experts), rows, f.shape[1], dtype=f.dtype, device=f.device)
-    for e in experts:
+    rows, cols = sum(t.shape[0] for t in first), first[0].shape[1]
+    out = torch.empty(len(experts), rows, cols, dtype=first[0].dtype, device=first[0].device)
+    for i, e in enumerate(experts):
         row = 0
-        for p in parts:
-            t = get(f"{prefix}experts.{e}.{p}.weight")
+        for j, p in enumerate(parts):
+            t = first[j] if i == 0 else get(f"{prefix}experts.{e}.{p}.weight")
             out[e, row : row + t.shape[0]].copy_(t)
             row += t.shape[0]
+        if i == 0:
+            first = []
     return out
 
 

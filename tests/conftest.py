@@ -69,7 +69,8 @@ def embedded():
 
     path = resolve_model_path("default")
     cfg, weights = load_model_weights(path)
-    return cfg, weights, Tokenizer.from_path(path), path
+    # each lookup of the loader's mapping dequantizes anew: the session's engines share one read
+    return cfg, dict(weights), Tokenizer.from_path(path), path
 
 
 @pytest.fixture(scope="session")

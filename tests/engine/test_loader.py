@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import model_paths
-from engine.loader import expected_tensor_shapes, load_model_weights, unpermute_qk
+from engine.gguf_source import unpermute_qk
+from engine.loader import expected_tensor_shapes, load_model_weights
 from engine.model_paths import resolve_model_path
 
 
@@ -81,8 +82,9 @@ def test_gguf_tensor_names_shapes_dtypes(gguf_model):
     expected = expected_tensor_shapes(cfg)
     assert set(w) == set(expected)
     for name, shape in expected.items():
-        assert tuple(w[name].shape) == shape, name
-        assert w[name].dtype == torch.float32 and w[name].device.type == "cpu"
+        t = w[name]  # each lookup dequantizes the tensor anew
+        assert tuple(t.shape) == shape == w.shape(name), name
+        assert t.dtype == torch.float32 and t.device.type == "cpu"
     assert w["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
     assert w["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert w["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
@@ -91,7 +93,7 @@ def test_gguf_tensor_names_shapes_dtypes(gguf_model):
 
 def test_gguf_lm_head_is_tied(gguf_model):
     _, w = gguf_model
-    assert w["lm_head.weight"] is w["model.embed_tokens.weight"]
+    assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
 
 
 def test_gguf_tensors_are_writable_and_finite(gguf_model):
@@ -201,16 +203,19 @@ def test_hf_llama_roundtrip(tmp_path):
         assert w[name].dtype == torch.float32
 
 
-def test_hf_tied_bf16_is_converted_to_float32(tmp_path):
+def test_hf_tied_bf16_is_read_as_stored(tmp_path):
+    """A bfloat16 checkpoint's tensors come back bfloat16 (no float32 copy), the tied head equal to
+    the embedding, shapes and dtypes known without reading."""
     import transformers
 
     state = _tiny_hf_model("llama", tmp_path, tie=True)
     transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)
     cfg, w = load_model_weights(tmp_path)
-    assert cfg.tie_word_embeddings
-    assert w["lm_head.weight"] is w["model.embed_tokens.weight"]
-    assert w["model.norm.weight"].dtype == torch.float32
-    expected = state["model.layers.1.mlp.up_proj.weight"].to(torch.bfloat16).float()
+    assert cfg.tie_word_embeddings and cfg.stored_dtype == "bfloat16"
+    assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+    assert w["model.norm.weight"].dtype == torch.bfloat16 == w.dtype("model.norm.weight")
+    assert w.shape("model.layers.1.mlp.up_proj.weight") == (96, 64)
+    expected = state["model.layers.1.mlp.up_proj.weight"].to(torch.bfloat16)
     assert torch.equal(w["model.layers.1.mlp.up_proj.weight"], expected)
 
 
