@@ -81,7 +81,7 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
     "gemma2": ("tests/engine/test_gemma2.py", "tests/e2e/test_hf_architectures_pd.py"),
     "gemma3": ("tests/engine/test_gemma3.py",),
     "gemma3_text": ("tests/engine/test_gemma3_text.py", "tests/e2e/test_hf_architectures_pd.py"),
-    "gpt_oss": ("tests/engine/test_gpt_oss.py",),
+    "gpt_oss": ("tests/engine/test_gpt_oss.py", "tests/e2e/test_hf_architectures_pd.py"),
 }
 
 

@@ -58,6 +58,23 @@ def test_greedy_tokens_equal_transformers_in_chunks(gpt_oss, tokenizer):
     assert got == reference_greedy(model, prompts, 10)
 
 
+@pytest.mark.slow
+def test_tokens_need_the_sinks(gpt_oss, tokenizer, monkeypatch):
+    """The same run with every sink at -inf (attention as a kernel ignoring them computes it) gives
+    other tokens: the greedy test above would catch a path that dropped them."""
+    import engine.attention
+
+    folder, model = gpt_oss
+    prompts = random_prompts(3, 30)
+    real = engine.attention.sink_attention
+
+    def without_sinks(q, k, v, scale, sinks, mask):
+        return real(q, k, v, scale, torch.full_like(sinks, float("-inf")), mask)
+
+    monkeypatch.setattr(engine.attention, "sink_attention", without_sinks)
+    assert engine_greedy(folder, tokenizer, prompts, 16) != reference_greedy(model, prompts, 16)
+
+
 def test_decode_stack_is_off(gpt_oss):
     """The C decode stack computes neither sinks nor gpt-oss's experts: it is not built."""
     from engine.model import LlamaModel
