@@ -7,6 +7,7 @@ attention output, and the kernels that cannot compute them are kept off."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -75,15 +76,18 @@ def test_tokens_need_the_sinks(gpt_oss, tokenizer, monkeypatch):
     assert engine_greedy(folder, tokenizer, prompts, 16) != reference_greedy(model, prompts, 16)
 
 
-def test_decode_stack_is_off(gpt_oss):
-    """The C decode stack computes neither sinks nor gpt-oss's experts: it is not built."""
+def test_decode_stack_is_off(gpt_oss, caplog):
+    """The C decode stack computes neither sinks nor gpt-oss's experts: it is not built, for that reason
+    (checked before whether this CPU builds its kernels at all)."""
     from engine.model import LlamaModel
 
     folder, _ = gpt_oss
     cfg, weights = load_model_weights(folder)
     model = LlamaModel(cfg, torch.device("cpu"), torch.float32)
-    model.load_weights(weights)
+    with caplog.at_level(logging.DEBUG, logger="engine.decode_stack"):
+        model.load_weights(weights)
     assert model.stack is None
+    assert "decode stack off: attention sinks" in caplog.text
 
 
 def test_quantized_checkpoint_is_refused(gpt_oss, tmp_path):
@@ -122,3 +126,64 @@ def test_sinks_change_attention_and_match_the_reference_softmax():
     share = torch.sigmoid(denom - sinks.view(4, 1, 1))  # the keys' part of the softmax mass
     assert torch.allclose(out, plain * share, atol=1e-5)
     assert (out - plain).abs().max() > 0.1
+
+
+def _pool_case(seed: int):
+    """A tiny runner with random KV in its pool, decode rows (one new token over prefixes of 5-30) and
+    extend rows (a fresh prompt, a prefix hit, a one-token chunk) on shuffled pages, and random q/k/v
+    per layer for the step's tokens: ``(runner, decode seqs, extend seqs, qkv)``."""
+    from engine.model_runner import ModelRunner, SeqChunk
+    from tests.support.models import engine_cfg, tiny_config, tiny_weights
+
+    cfg = tiny_config()
+    runner = ModelRunner(engine_cfg(kv_pool_tokens=512, page_size=4, attention_backend="torch"), cfg, tiny_weights(cfg))
+    g = torch.Generator().manual_seed(seed)
+    runner.pools.units.copy_(torch.randn(runner.pools.units.shape, generator=g))
+    free = torch.randperm(runner.pools.full.num_pages, generator=g).tolist()
+
+    def seq(prefix: int, new: int) -> SeqChunk:
+        pages = [free.pop() for _ in range(-(-(prefix + new) // 4))]
+        return SeqChunk(torch.randint(0, cfg.vocab_size, (new,), generator=g).tolist(), prefix, pages)
+
+    dec = [seq(p, 1) for p in (5, 17, 30)]
+    ext = [seq(p, n) for p, n in ((0, 9), (12, 7), (3, 1))]
+    T, H, Hkv, D = len(dec) + 17, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = [
+        (torch.randn(T, H, D, generator=g), torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g))
+        for _ in range(cfg.num_layers)
+    ]
+    return runner, dec, ext, qkv
+
+
+@pytest.mark.parametrize("kind", ["torch", "cpu"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_backends_attend_with_sinks_over_the_pool(kind, window):
+    """A MIXED step (decode and extend rows, layer 1 sliding when ``window``) with sinks on each backend:
+    -inf sinks give the backend's plain attention, real ones change it, and the C backend's output is the
+    torch backend's (its kernels, which have no sinks, are bypassed)."""
+    from engine.attention import CpuBackend, TorchBackend
+    from engine.forward_batch import ForwardMode
+    from engine.kernels import cpu_native
+
+    if kind == "cpu" and cpu_native.load() is None:
+        pytest.skip("no C compiler for the CPU kernel")
+    runner, dec, ext, qkv = _pool_case(seed=11)
+    windows, heads, start = [None, window], runner.model_config.num_heads, runner.pools.units.clone()
+    batch = runner.build_batch(ForwardMode.MIXED, dec + ext, num_decode=len(dec))
+    sinks = torch.linspace(-1.0, 1.5, heads)
+
+    def run(backend, sink) -> list[torch.Tensor]:
+        runner.pools.units.copy_(start)
+        backend.prepare(batch)
+        kw = {} if sink is None else {"sinks": sink}
+        return [backend.forward(q, k, v, layer, batch, **kw) for layer, (q, k, v) in enumerate(qkv)]
+
+    make = TorchBackend if kind == "torch" else lambda *a: CpuBackend(*a, threads=2)
+    backend = make(runner.pools, heads, 0.25, windows)
+    plain, none_ = run(backend, None), run(backend, torch.full((heads,), float("-inf")))
+    with_sinks = run(backend, sinks)
+    reference = run(TorchBackend(runner.pools, heads, 0.25, windows), sinks)
+    for layer in range(len(qkv)):
+        torch.testing.assert_close(none_[layer], plain[layer], rtol=1e-5, atol=1e-5)
+        assert (with_sinks[layer] - plain[layer]).abs().max() > 1e-2
+        assert torch.equal(with_sinks[layer], reference[layer])
