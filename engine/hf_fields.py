@@ -162,7 +162,10 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
     # layer's MLP num_local_experts experts of intermediate_size behind a router with a bias (the top
     # num_experts_per_tok logits softmaxed), each a clamped SwiGLU (swiglu_alpha, swiglu_limit) with
     # biases (engine.moe.gpt_oss_mlp); hidden_act is read by no transformers gpt-oss layer (served
-    # "silu" only). quantization_config (MXFP4 experts) is refused by check_hf_fields.
+    # "silu" only). quantization_config (MXFP4 experts) is refused by check_hf_fields. openai's exports also
+    # write experts_per_token and initial_context_length, which transformers' GptOssConfig reads into
+    # nothing (num_experts_per_tok and the rope dict's original_max_position_embeddings are what compute):
+    # accepted at any value, as transformers computes the same without them
     "gpt_oss": _LLAMA_CORE
     | {
         "sliding_window",
@@ -173,6 +176,8 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
         "num_experts_per_tok",
         "swiglu_alpha",
         "swiglu_limit",
+        "experts_per_token",
+        "initial_context_length",
         "output_router_logits",
         "router_aux_loss_coef",
     },

@@ -6,6 +6,7 @@ attention output, and the kernels that cannot compute them are kept off."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -34,6 +35,19 @@ def test_config_reads_sinks_biases_layers_and_experts(gpt_oss):
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_size) == (8, 2, 96)
     assert cfg.moe.swiglu == (1.702, 1.0) and cfg.moe.sparse_layers == (0, 1, 2, 3)
     assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_theta == 150000.0
+
+
+def test_openai_config_spelling_reads_the_same(gpt_oss, tmp_path):
+    """openai's config.json writes the legacy rope_scaling with a top-level rope_theta, and
+    experts_per_token / initial_context_length, which transformers reads into nothing: the same config."""
+    folder, _ = gpt_oss
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    theta = rope.pop("rope_theta")
+    cfg.update(rope_scaling=rope, rope_theta=theta, experts_per_token=4, initial_context_length=4096)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    assert read_model_config(tmp_path) == dataclasses.replace(read_model_config(folder), name=tmp_path.name)
 
 
 @pytest.mark.slow
