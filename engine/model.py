@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM, Phi-3, the MoE models, gpt-oss) over a paged KV cache.
 
 Weights come in HF naming from ``engine.loader``; Q/K/V and gate/up projections are fused at load
 time so each layer runs three matmuls for attention projections fewer, and every matmul weight is
@@ -145,7 +145,7 @@ class LlamaModel(nn.Module):
             if cfg.o_bias:
                 w["o_bias"] = get(a + "o_proj.bias")
             if cfg.attention_sinks:
-                w["sinks"] = state[a + "sinks"].to(device=self.device, dtype=torch.float32)
+                w["sinks"] = checkpoint_getter(state, self.device, torch.float32)(a + "sinks")  # float32 softmax
             if self.cfg.qk_norm:
                 w["q_norm"], w["k_norm"] = get_qk(a + "q_norm.weight"), get_qk(a + "k_norm.weight")
             layer.w = w

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) on the torch path.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral; gpt-oss's experts apart, at the end) on the torch path.
 
 A sparse layer's MLP is a router (``[num_experts, hidden]``) and ``num_experts`` SwiGLU experts held
 stacked: ``gate_up[e]`` ``[2 * inter, hidden]`` (gate rows first) and ``down[e]`` ``[hidden, inter]``.
