@@ -14,7 +14,9 @@ table of the layer's pool (only the keys inside a sliding layer's window) and ca
 ``scaled_dot_product_attention`` with a causal / sliding-window mask; with a soft cap (Gemma 2's
 ``attn_logit_softcapping``: scores become ``cap * tanh(scores / cap)`` before the mask), which SDPA
 cannot apply, it computes the scores, caps, masks and softmaxes (float32) itself. The C and Triton
-kernels take the cap too.
+kernels take the cap too. With attention sinks (gpt-oss: ``forward(..., sinks=)``, one logit per head
+in each softmax's denominator) every backend runs this torch path (``attention_ops.sink_attention``):
+the C and Triton kernels do not compute sinks.
 ``CpuBackend`` (default on CPU for float32 and bfloat16 pools when the C kernel builds) runs decode with the C
 kernel of ``engine/kernels/cpu_native.py``, which reads each request's keys in place (no gather,
 no padding to the longest request in the batch); extend steps reuse the torch gather path.
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from cache.kv_pool import KVPool
 from cache.kv_pools import FULL, KVPools
-from engine.attention_ops import capped_attention, extend_mask, sdpa_4d
+from engine.attention_ops import capped_attention, extend_mask, sdpa_4d, sink_attention
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kernels import fused
 
@@ -110,14 +112,33 @@ class TorchBackend:
         # one index_put for K and V: [T, 2, heads, dim] into (page, layer, :, offset)
         pool.buffer[pages, local, :, offsets] = torch.stack((k, v), 1).to(pool.dtype)
 
-    def forward(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, k, v, layer: int, batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Store the new K/V, then attend. ``sinks`` ``[num_heads]`` float32: each head's sink logit,
+        computed by the torch paths whatever the backend (None: no sinks, the backend's own paths)."""
         self.store(k, v, layer)
+        if sinks is not None:
+            return self._with_sinks(q, k, v, layer, batch, sinks)
         if batch.mode is ForwardMode.DECODE:
             return self._decode(q, layer, batch)
         if batch.mode is ForwardMode.EXTEND:
             return self._extend(q, k, v, layer, batch)
         (dec, ext), d = self._parts, batch.num_decode
         return torch.cat((self._decode(q[:d], layer, dec), self._extend(q[d:], k[d:], v[d:], layer, ext)))
+
+    def _with_sinks(self, q, k, v, layer: int, batch: ForwardBatch, sinks: torch.Tensor) -> torch.Tensor:
+        """The torch decode / extend paths with ``sinks`` over the stored pool (subclasses' kernels
+        bypassed: they do not compute sinks)."""
+        if batch.mode is ForwardMode.DECODE:
+            return TorchBackend._decode(self, q, layer, batch, sinks)
+        if batch.mode is ForwardMode.EXTEND:
+            return TorchBackend._extend(self, q, k, v, layer, batch, sinks)
+        (dec, ext), d = self._parts, batch.num_decode
+        return torch.cat(
+            (
+                TorchBackend._decode(self, q[:d], layer, dec, sinks),
+                TorchBackend._extend(self, q[d:], k[d:], v[d:], layer, ext, sinks),
+            )
+        )
 
     def _gather(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, _Gather]:
         """``(K, V)`` ``[B, n_pages * P, kv_heads, dim]`` of ``layer`` over ``batch``'s pages."""
@@ -138,12 +159,14 @@ class TorchBackend:
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
-    def _decode(self, q, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def _decode(self, q, layer: int, batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k, v, m = self._gather(layer, batch)  # [B, L, Hkv, D]
         qd = q.unsqueeze(2)  # [B, H, 1, D]
         kd, vd = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
         mask = self._mask(layer, batch, m)
-        if self.softcap is not None:
+        if sinks is not None:
+            out = sink_attention(qd, kd.to(q.dtype), vd.to(q.dtype), self.scale, sinks, mask)
+        elif self.softcap is not None:
             out = capped_attention(qd, kd.to(q.dtype), vd.to(q.dtype), self.scale, self.softcap, mask)
         else:
             out = F.scaled_dot_product_attention(
@@ -151,8 +174,9 @@ class TorchBackend:
             )
         return out.reshape(q.shape[0], -1)
 
-    def _extend(self, q, k, v, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Per request: causal attention of its new tokens over prefix (from the pool) + new."""
+    def _extend(self, q, k, v, layer: int, batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Per request: causal attention of its new tokens over prefix (from the pool) + new (with
+        ``sinks``: :func:`sink_attention` under an explicit mask)."""
         window = self.windows[layer]
         gathered = None
         outs, start = [], 0
@@ -161,9 +185,9 @@ class TorchBackend:
             if seq == ext:  # no prefix: the chunk's own K/V
                 ki, vi = k[start : start + ext].transpose(0, 1), v[start : start + ext].transpose(0, 1)
                 mask = None if window is None else extend_mask(0, ext, 0, seq, window, q.device)
-                if mask is None and self.softcap is not None:
+                if mask is None and (self.softcap is not None or sinks is not None):
                     mask = extend_mask(0, ext, 0, seq, None, q.device)
-                o = self._attend(qi, ki, vi, is_causal=mask is None, mask=mask)
+                o = self._attend(qi, ki, vi, is_causal=mask is None, mask=mask, sinks=sinks)
             else:
                 if gathered is None:
                     gathered = self._gather(layer, batch)
@@ -172,13 +196,15 @@ class TorchBackend:
                 ki = k_all[i, :n].transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
                 vi = v_all[i, :n].transpose(0, 1).to(q.dtype)
                 mask = extend_mask(seq - ext, ext, m.starts[i], seq, window, q.device)
-                o = self._attend(qi, ki, vi, mask=mask)
+                o = self._attend(qi, ki, vi, mask=mask, sinks=sinks)
             outs.append(o.transpose(0, 1).reshape(ext, -1))
             start += ext
         return torch.cat(outs, dim=0)
 
-    def _attend(self, q, k, v, is_causal: bool = False, mask=None) -> torch.Tensor:
-        """Prefill attention ``[H, E, D]`` x ``[Hkv, S, D]``: SDPA, or the soft-capped path."""
+    def _attend(self, q, k, v, is_causal: bool = False, mask=None, sinks=None) -> torch.Tensor:
+        """Prefill attention ``[H, E, D]`` x ``[Hkv, S, D]``: SDPA, or the sink or soft-capped path."""
+        if sinks is not None:
+            return sink_attention(q, k, v, self.scale, sinks, mask)
         if self.softcap is not None:
             return capped_attention(q, k, v, self.scale, self.softcap, mask)
         return sdpa_4d(q, k, v, self.scale, is_causal=is_causal, mask=mask)

@@ -23,6 +23,25 @@ def capped_attention(q, k, v, scale: float, cap: float, mask: torch.Tensor | Non
     return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
 
 
+def sink_attention(q, k, v, scale: float, sinks: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of ``[..., H, E, D]`` queries over ``[..., Hkv, S, D]`` keys/values with a learned sink
+    logit per head, as transformers' eager gpt-oss: the scores ``q.k * scale``, masked by the boolean
+    ``mask`` (broadcast to ``[..., H, E, S]``, True = visible), get ``sinks[h]`` (``[H]``) as one more
+    logit in each row's float32 softmax, whose probability is then dropped (the sink attends to no
+    value: the row's weights sum below 1). Returns ``[..., H, E, D]`` in ``q``'s dtype."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    s = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)
+    logits = torch.cat((s, sink), dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
+
+
 def sdpa_4d(q, k, v, scale: float, is_causal: bool = False, mask=None) -> torch.Tensor:
     """Prefill attention ``[H, E, D]`` x ``[Hkv, S, D]``. KV heads are repeated and a batch dim added:
     that takes torch's flash CPU kernel (several times faster than ``enable_gqa`` on 3-D inputs at

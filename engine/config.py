@@ -12,6 +12,7 @@ from engine.swa_config import SlidingSpec, finalize, unsupported_arch_message
 SUPPORTED_ARCHS = (
     "gemma2",
     "gemma3_text",
+    "gpt_oss",
     "llama",
     "ministral",
     "mistral",
@@ -26,7 +27,7 @@ SUPPORTED_ARCHS = (
 # Served from HF folders only: phi3's GGUF layout (fused attn_qkv / ffn_up, rope.dimension_count) and
 # gemma2's (its soft-capping and norms under llama.cpp names) and the MoE layouts are not read;
 # gemma3_text is Gemma 3's HF model type (its GGUF files are "gemma3", engine.gguf_gemma3).
-HF_ONLY_ARCHS = ("gemma2", "gemma3_text", "mixtral", "phi3", "qwen2_moe", "qwen3_moe")
+HF_ONLY_ARCHS = ("gemma2", "gemma3_text", "gpt_oss", "mixtral", "phi3", "qwen2_moe", "qwen3_moe")
 MODEL_ARCHS = (*SUPPORTED_ARCHS, "gemma3")  # gemma3: engine/gemma3.py, from GGUF only (engine/gguf_gemma3.py)
 
 
@@ -43,6 +44,7 @@ class MoeSpec:
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
     shared_expert_size: int = 0
+    swiglu: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.shared_expert_size < 0:
@@ -79,6 +81,11 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # an o_proj bias beside the q/k/v ones (gpt-oss's attention_bias)
+    o_bias: bool = False
+    # one learned logit per query head in each softmax's denominator, attending to no value (gpt-oss's
+    # ``sinks``); only the torch attention paths compute it (engine.attention)
+    attention_sinks: bool = False
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -173,6 +173,8 @@ class DecodeStack:
             why = "not a bfloat16 or float32 CPU model"
         elif cfg.head_dim % 2:
             why = "odd head_dim"
+        elif getattr(cfg, "attention_sinks", False) or getattr(getattr(cfg, "moe", None), "swiglu", None):
+            why = "attention sinks and gpt-oss experts, which its kernels do not compute"
         elif cpu_native.load() is None:
             why = "no kernel library here"
         if why is None:

@@ -158,6 +158,29 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
         "router_jitter_noise",
         "sliding_window",
     },
+    # gpt-oss: attention with q/k/v/o biases and per-head sinks, alternating sliding layers, every
+    # layer's MLP num_local_experts experts of intermediate_size behind a router with a bias (the top
+    # num_experts_per_tok logits softmaxed), each a clamped SwiGLU (swiglu_alpha, swiglu_limit) with
+    # biases (engine.moe.gpt_oss_mlp); hidden_act is read by no transformers gpt-oss layer (served
+    # "silu" only). quantization_config (MXFP4 experts) is refused by check_hf_fields. openai's exports also
+    # write experts_per_token and initial_context_length, which transformers' GptOssConfig reads into
+    # nothing (num_experts_per_tok and the rope dict's original_max_position_embeddings are what compute):
+    # accepted at any value, as transformers computes the same without them
+    "gpt_oss": _LLAMA_CORE
+    | {
+        "sliding_window",
+        "layer_types",
+        "attention_bias",
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "swiglu_alpha",
+        "swiglu_limit",
+        "experts_per_token",
+        "initial_context_length",
+        "output_router_logits",
+        "router_aux_loss_coef",
+    },
     # Gemma 2 (engine/gemma3.py's model without Q/K norms): (1 + w) pre/post norms, GeGLU with tanh
     # GELU, embedding scale, query_pre_attn_scalar, attention and final logit soft-capping,
     # alternating sliding layers; hidden_act is what older exports wrote beside hidden_activation
@@ -174,7 +197,9 @@ IMPLEMENTED: dict[str, frozenset[str]] = {
 QKV_BIAS_ARCHS = frozenset({"qwen2", "qwen2_moe"})
 QK_NORM_ARCHS = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
 # Architectures whose sparse layers' MLP is a mixture of experts (engine.moe).
-MOE_ARCHS = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
+MOE_ARCHS = frozenset({"gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe"})
+# Architectures whose attention adds a learned sink logit per head (gpt-oss; engine.attention).
+SINK_ARCHS = frozenset({"gpt_oss"})
 # Checkpoints storing Q/K/V as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_PROJ_ARCHS = frozenset({"phi3"})
 # Architectures served by the Gemma model (engine/gemma3.py) rather than the Llama one.
@@ -222,6 +247,7 @@ ARCH_ALLOWED_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
     "qwen3_moe": {"use_sliding_window": (False,)},
     "qwen2_moe": {"use_sliding_window": (False,), "qkv_bias": (True,)},
     "mixtral": {"sliding_window": (None,)},
+    "gpt_oss": {"attention_bias": (True,), "hidden_act": ("silu",)},
 }
 
 
@@ -242,6 +268,7 @@ def check_hf_fields(cfg: dict, arch: str) -> None:
     for ``arch``: ``ValueError`` naming the field, its value and what is supported. ``null`` values
     set nothing and pass; ``arch`` must be a key of :data:`IMPLEMENTED`."""
     known, restricted = IMPLEMENTED[arch], restricted_fields(arch)
+    _check_not_quantized(cfg, arch)
     for key in sorted(cfg):
         value = cfg[key]
         if value is None or key in HARMLESS:
@@ -256,6 +283,20 @@ def check_hf_fields(cfg: dict, arch: str) -> None:
                 f"config.json field {key}={_short(value)} is not implemented by pdserve for model type {arch!r}; "
                 f"supported: {allowed_text(key, arch)}"
             )
+
+
+def _check_not_quantized(cfg: dict, arch: str) -> None:
+    """Refuse a checkpoint whose config.json declares a ``quantization_config`` (gpt-oss's MXFP4
+    experts, GPTQ, AWQ, bitsandbytes ...): ``ValueError`` naming the field and its method."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    raise ValueError(
+        f"config.json field quantization_config={_short(quant)} is not implemented by pdserve for model type "
+        f"{arch!r} (quantized weights, quant_method {method!r}): HF folders are served from unquantized "
+        "bfloat16, float16 or float32 checkpoints only (dequantize it first, e.g. a bfloat16 export of the model)"
+    )
 
 
 def _short(value: Any) -> str:

@@ -7,7 +7,16 @@ from engine.hf_fields import ARCH_ROPE_TYPES, PARTIAL_ROTARY_ARCHS
 from engine.rope_scaling import RopeScaling, parse_rope_scaling
 
 # RoPE bases of configs that write none, where the architecture's transformers default is not 10000.
-_DEFAULT_THETA = {"mixtral": 1e6}
+_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}
+# GptOssConfig's rope_parameters when config.json writes none (YaRN, factor 32 over 4096 positions).
+_GPT_OSS_DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def hf_rope(cfg: dict, arch: str) -> tuple[float, RopeScaling | None, int]:
@@ -20,6 +29,8 @@ def hf_rope(cfg: dict, arch: str) -> tuple[float, RopeScaling | None, int]:
         theta, scaling, _ = gemma3_rope(cfg)
         return theta, scaling, _head_dim(cfg)
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if arch == "gpt_oss" and not params:
+        params = dict(_GPT_OSS_DEFAULT_ROPE)
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if params.get("partial_rotary_factor") in (1, 1.0) or arch in PARTIAL_ROTARY_ARCHS:
         params.pop("partial_rotary_factor", None)

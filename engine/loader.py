@@ -25,7 +25,15 @@ from engine.gemma3 import Gemma3Config
 from engine.gguf_cache import cached_sources
 from engine.gguf_common import f32, gguf_meta, gguf_to_hf_name, open_gguf
 from engine.gguf_source import GGUFSource
-from engine.hf_fields import FUSED_PROJ_ARCHS, GEMMA_ARCHS, MOE_ARCHS, QK_NORM_ARCHS, QKV_BIAS_ARCHS, check_hf_fields
+from engine.hf_fields import (
+    FUSED_PROJ_ARCHS,
+    GEMMA_ARCHS,
+    MOE_ARCHS,
+    QK_NORM_ARCHS,
+    QKV_BIAS_ARCHS,
+    SINK_ARCHS,
+    check_hf_fields,
+)
 from engine.hf_rope import gemma3_rope, hf_rope
 from engine.moe import hf_moe_spec, mixtral_name
 from engine.rope_scaling import check_context
@@ -323,7 +331,10 @@ def _hf_config(
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHS)),
         # q/k/v biases and Q/K norms as transformers builds them (a true attention_bias, which adds
         # an o_proj bias as well, is refused by engine.hf_fields)
-        attention_bias=arch in QKV_BIAS_ARCHS,
+        # gpt-oss: attention_bias (served true only) adds q/k/v and o_proj biases, and every layer has sinks
+        attention_bias=arch in QKV_BIAS_ARCHS or arch in SINK_ARCHS,
+        o_bias=arch in SINK_ARCHS,
+        attention_sinks=arch in SINK_ARCHS,
         qk_norm=arch in QK_NORM_ARCHS,
         bos_token_id=next(iter(_as_ids(cfg.get("bos_token_id"))), None),
         eos_token_ids=tuple(dict.fromkeys(eos)),

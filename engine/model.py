@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM, Phi-3, the MoE models, gpt-oss) over a paged KV cache.
 
 Weights come in HF naming from ``engine.loader``; Q/K/V and gate/up projections are fused at load
 time so each layer runs three matmuls for attention projections fewer, and every matmul weight is
@@ -22,7 +22,7 @@ from engine.cpu_linear import pack as pack_weight
 from engine.decode_stack import DecodeStack
 from engine.forward_batch import ForwardBatch
 from engine.kernels import fused
-from engine.moe import load_experts, moe_mlp, shared_expert
+from engine.moe import gpt_oss_mlp, load_experts, load_gpt_oss_experts, moe_mlp, shared_expert
 from engine.rope import RotaryEmbedding, permute_heads, rotary_order
 
 
@@ -70,8 +70,13 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = rope.apply(q, batch.positions)
         k = rope.apply(k, batch.positions)
-        o = attn.forward(q, k, v, self.layer_id, batch)
-        h, x = fused.add_rms_norm(h, linear(o, w["o"]), w["post_norm"], cfg.rms_norm_eps)
+        if "sinks" in w:
+            o = attn.forward(q, k, v, self.layer_id, batch, sinks=w["sinks"])
+        else:
+            o = attn.forward(q, k, v, self.layer_id, batch)
+        h, x = fused.add_rms_norm(h, linear(o, w["o"], w.get("o_bias")), w["post_norm"], cfg.rms_norm_eps)
+        if self.sparse and cfg.moe.swiglu is not None:
+            return h + gpt_oss_mlp(x, w, cfg.moe)
         if self.sparse:
             out = moe_mlp(x, w, cfg.moe)
             return h + (out + shared_expert(x, w, linear) if "shared_down" in w else out)
@@ -126,7 +131,9 @@ class LlamaModel(nn.Module):
                 "input_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
             }
-            if layer.sparse:
+            if layer.sparse and cfg.moe.swiglu is not None:
+                w.update(load_gpt_oss_experts(get, p + "mlp."))
+            elif layer.sparse:
                 w.update(load_experts(get, p + "mlp.", cfg.moe, int8=self.int8))
                 if cfg.moe.shared_expert_size:
                     s = p + "mlp.shared_expert."
@@ -140,6 +147,10 @@ class LlamaModel(nn.Module):
                 w["qkv_bias"] = torch.cat(
                     [get_qk(a + "q_proj.bias"), get_qk(a + "k_proj.bias"), get(a + "v_proj.bias")]
                 )
+            if cfg.o_bias:
+                w["o_bias"] = get(a + "o_proj.bias")
+            if cfg.attention_sinks:
+                w["sinks"] = checkpoint_getter(state, self.device, torch.float32)(a + "sinks")  # float32 softmax
             if self.cfg.qk_norm:
                 w["q_norm"], w["k_norm"] = get_qk(a + "q_norm.weight"), get_qk(a + "k_norm.weight")
             layer.w = w

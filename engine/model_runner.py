@@ -65,6 +65,16 @@ def _free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _check_device_serves(model_config: ModelConfig, device: torch.device) -> None:
+    """Refuse (``ValueError``) a model the device's attention kernels cannot compute: attention sinks
+    (gpt-oss) run on the CPU torch paths only, the Triton kernels have none."""
+    if getattr(model_config, "attention_sinks", False) and device.type != "cpu":
+        raise ValueError(
+            f"model type {model_config.arch!r} (attention sinks) is served on CPU only: pdserve's {device.type} "
+            "attention kernels do not compute sinks; use --device cpu"
+        )
+
+
 class ModelRunner:
     """Model + KV pool + allocator for one worker. Not thread-safe; one scheduler drives it."""
 
@@ -79,6 +89,7 @@ class ModelRunner:
                 f"--weight-dtype int8 runs on CPUs with AVX512-BF16 (this worker runs {self.device.type} "
                 f"in {str(self.dtype).removeprefix('torch.')}): drop --weight-dtype int8"
             )
+        _check_device_serves(model_config, self.device)
         self.page_size = cfg.page_size
         self.max_model_len = min(
             cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings

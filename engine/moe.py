@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) on the torch path.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral; gpt-oss's experts apart, at the end) on the torch path.
 
 A sparse layer's MLP is a router (``[num_experts, hidden]``) and ``num_experts`` SwiGLU experts held
 stacked: ``gate_up[e]`` ``[2 * inter, hidden]`` (gate rows first) and ``down[e]`` ``[hidden, inter]``.
@@ -236,6 +236,8 @@ def _lays_out(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
 
 def expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[int, ...]]:
     """The checkpoint tensors of one sparse layer under ``prefix`` with their shapes."""
+    if spec.swiglu is not None:
+        return gpt_oss_expert_shapes(hidden, spec, prefix)
     shapes: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (spec.num_experts, hidden)}
     for e in range(spec.num_experts):
         p = f"{prefix}experts.{e}."
@@ -261,6 +263,10 @@ _QWEN_MOE_DEFAULTS = {"qwen3_moe": (128, 8, 768), "qwen2_moe": (60, 4, 1408)}
 _QWEN2_MOE_SHARED = 5632
 
 
+# GptOssConfig's defaults: (num_local_experts, num_experts_per_tok, swiglu_alpha, swiglu_limit).
+_GPT_OSS_DEFAULTS = (128, 4, 1.702, 7.0)
+
+
 def hf_moe_spec(cfg: dict, num_layers: int, arch: str = "qwen3_moe") -> MoeSpec | None:
     """The :class:`MoeSpec` of a ``config.json`` of model type ``arch``. Mixtral: every layer sparse,
     ``num_local_experts`` (default 8) experts of ``intermediate_size``, top ``num_experts_per_tok``
@@ -269,6 +275,8 @@ def hf_moe_spec(cfg: dict, num_layers: int, arch: str = "qwen3_moe") -> MoeSpec 
     with their config classes' defaults of no renormalization and every layer sparse: layer ``i`` is
     sparse unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; ``None`` when no
     layer is (``num_experts`` 0). ``ValueError`` for a step below 1 or a non-boolean ``norm_topk_prob``."""
+    if arch == "gpt_oss":
+        return _gpt_oss_spec(cfg, num_layers)
     if arch == "mixtral":
         experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
         return MoeSpec(experts, top_k, int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
@@ -303,3 +311,85 @@ def mixtral_name(name: str) -> str:
     name = name.replace(".block_sparse_moe.", ".mlp.")
     head, _, last = name.removesuffix(".weight").rpartition(".")
     return f"{head}.{_MIXTRAL_NAMES[last]}.weight" if ".experts." in name and last in _MIXTRAL_NAMES else name
+
+
+# ----------------------------------------------------------------------------- gpt-oss experts
+
+
+def _gpt_oss_spec(cfg: dict, num_layers: int) -> MoeSpec:
+    """gpt-oss: every layer sparse, ``num_local_experts`` (or ``num_experts``) experts of
+    ``intermediate_size``, top ``num_experts_per_tok``, the clamped SwiGLU's ``(swiglu_alpha,
+    swiglu_limit)``, with GptOssConfig's defaults."""
+    d_experts, d_top_k, d_alpha, d_limit = _GPT_OSS_DEFAULTS
+    experts = int(cfg.get("num_local_experts", cfg.get("num_experts", d_experts)))
+    swiglu = (float(cfg.get("swiglu_alpha", d_alpha)), float(cfg.get("swiglu_limit", d_limit)))
+    top_k = int(cfg.get("num_experts_per_tok", d_top_k))
+    return MoeSpec(experts, top_k, int(cfg["intermediate_size"]), False, tuple(range(num_layers)), swiglu=swiglu)
+
+
+def gpt_oss_expert_shapes(hidden: int, spec: MoeSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's checkpoint tensors of one layer's MLP under ``prefix`` (``model.layers.{i}.mlp.``): the
+    router with its bias and the experts stacked as transformers' ``GptOssExperts`` holds them, ``x @ W``
+    (``gate_up_proj`` ``[E, hidden, 2 * inter]`` with gate and up columns interleaved, gate first)."""
+    e, inter = spec.num_experts, spec.expert_size
+    return {
+        prefix + "router.weight": (e, hidden),
+        prefix + "router.bias": (e,),
+        prefix + "experts.gate_up_proj": (e, hidden, 2 * inter),
+        prefix + "experts.gate_up_proj_bias": (e, 2 * inter),
+        prefix + "experts.down_proj": (e, inter, hidden),
+        prefix + "experts.down_proj_bias": (e, hidden),
+    }
+
+
+def load_gpt_oss_experts(get, prefix: str) -> dict[str, torch.Tensor]:
+    """One gpt-oss layer's MLP tensors from the checkpoint getter ``get`` under ``prefix``, in the
+    checkpoint's layout (what :func:`gpt_oss_mlp` reads)."""
+    names = {
+        "router": "router.weight",
+        "router_bias": "router.bias",
+        "oss_gate_up": "experts.gate_up_proj",
+        "oss_gate_up_bias": "experts.gate_up_proj_bias",
+        "oss_down": "experts.down_proj",
+        "oss_down_bias": "experts.down_proj_bias",
+    }
+    return {key: get(prefix + name) for key, name in names.items()}
+
+
+def gpt_oss_route(x: torch.Tensor, w: dict[str, torch.Tensor], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, experts)`` ``[rows, top_k]`` each as transformers' ``GptOssTopKRouter``: the top-k of
+    ``x @ router.T + router_bias``, their softmax (in ``x.dtype``) the weights."""
+    logits = F.linear(x, w["router"], w["router_bias"])
+    top, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=1, dtype=top.dtype), experts
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of interleaved ``gate_up`` ``[..., 2 * inter]`` (gate at even columns, up at
+    odd): ``g * sigmoid(alpha * g) * (u + 1)`` with ``g`` clamped to at most ``limit`` and ``u`` to
+    ``[-limit, limit]``; returns ``[..., inter]``."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gpt_oss_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], spec: MoeSpec) -> torch.Tensor:
+    """gpt-oss's expert mixture of ``x`` ``[rows, hidden]`` (torch matmuls on any device, the tensors of
+    :func:`load_gpt_oss_experts`) as transformers' ``GptOssMLP`` computes it: per expert some row
+    chose, ``x @ gate_up[e] + b``, :func:`clamped_swiglu`, ``@ down[e] + b``, weighted and added back to
+    its rows. Returns ``[rows, hidden]`` in ``x.dtype``."""
+    alpha, limit = spec.swiglu
+    weights, experts = gpt_oss_route(x, w, spec.top_k)
+    counts, tokens, pair_weights = _group(weights, experts, spec.num_experts)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if not n:
+            continue
+        rows = tokens[start : start + n]
+        gate_up = x[rows] @ w["oss_gate_up"][e] + w["oss_gate_up_bias"][e]
+        y = clamped_swiglu(gate_up, alpha, limit) @ w["oss_down"][e] + w["oss_down_bias"][e]
+        out.index_add_(0, rows, (y * pair_weights[start : start + n, None]).to(x.dtype))
+        start += n
+    return out

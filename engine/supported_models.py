@@ -24,6 +24,7 @@ from engine.hf_fields import (
     PARTIAL_ROTARY_ARCHS,
     QK_NORM_ARCHS,
     QKV_BIAS_ARCHS,
+    SINK_ARCHS,
     allowed_text,
     restricted_fields,
 )
@@ -80,6 +81,7 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
     "gemma2": ("tests/engine/test_gemma2.py", "tests/e2e/test_hf_architectures_pd.py"),
     "gemma3": ("tests/engine/test_gemma3.py",),
     "gemma3_text": ("tests/engine/test_gemma3_text.py", "tests/e2e/test_hf_architectures_pd.py"),
+    "gpt_oss": ("tests/engine/test_gpt_oss.py", "tests/e2e/test_hf_architectures_pd.py"),
 }
 
 
@@ -124,6 +126,7 @@ _HF_ONLY_SLIDING = {
     "qwen3_moe": "none slides: use_sliding_window true is refused",
     "qwen2_moe": "none slides: use_sliding_window true or a sliding layer in layer_types is refused",
     "mixtral": "none slides: a window other than null is refused",
+    "gpt_oss": "default: alternating, sliding first, window 128",
 }
 
 
@@ -148,6 +151,11 @@ def _attention(arch: str) -> str:
             GEMMA_ARCHS,
         ),
         ("attention logit soft-capping", ATTN_SOFTCAP_ARCHS),
+        (
+            "q/k/v and o_proj biases, a learned sink logit per head in each softmax (torch attention paths on "
+            "CPU; refused on CUDA, no C decode stack)",
+            SINK_ARCHS,
+        ),
         ("final logit soft-capping", GEMMA_ARCHS),
         (
             "mixture of experts (top-k of the experts by the router's softmax; Qwen3-MoE: renormalized where "
@@ -155,7 +163,12 @@ def _attention(arch: str) -> str:
             "shared expert gated by sigmoid(shared_expert_gate), in the C decode stack where its matmuls take the "
             "small-batch kernels; Mixtral: every layer, "
             "renormalized); on CPU decode-sized steps the C expert kernel (float32, bfloat16), torch matmuls elsewhere",
-            MOE_ARCHS,
+            MOE_ARCHS - SINK_ARCHS,
+        ),
+        (
+            "mixture of experts in every layer (a router with a bias, the softmax over its top-k logits; experts with "
+            "biases, gate/up interleaved, the clamped SwiGLU of swiglu_alpha and swiglu_limit), torch matmuls",
+            SINK_ARCHS,
         ),
     )
     traits = [name for name, archs in named if arch in archs]
@@ -201,6 +214,11 @@ def refused() -> list[tuple[str, str]]:
             "refused naming the field, its value and the fields implemented (soft-capping, MoE settings, "
             "quantization_config, ...); fields that change nothing at inference pass (auto_map among them: "
             "pdserve runs its own implementation, never checkpoint code)",
+        ),
+        (
+            "a config.json with quantization_config (gpt-oss's MXFP4 experts, GPTQ, AWQ, ...)",
+            "refused naming its quant_method: HF folders are served from unquantized bfloat16, float16 or float32 "
+            "checkpoints",
         ),
         ("an implemented field with another value", "refused naming the values served (the restricted fields)"),
         ("a rope_type outside " + ", ".join(ROPE_TYPES), "refused naming the types implemented"),

@@ -16,6 +16,7 @@ from configs.sliding_window import FULL, SLIDING, parse_layer_types
 
 # transformers' dataclass defaults, used when config.json leaves the key out.
 _HF_DEFAULT_WINDOW = 4096
+_GPT_OSS_DEFAULT_WINDOW = 128  # GptOssConfig's sliding_window default
 _HF_DEFAULT_MAX_WINDOW_LAYERS = 28
 _HF_DEFAULT_GEMMA3_PATTERN = 6  # Gemma3TextConfig: five sliding layers, then a full one
 _LEGACY_KINDS = {"attention": FULL}  # transformers' remap_legacy_layer_types
@@ -24,7 +25,6 @@ UNSUPPORTED_SLIDING_ARCHS = (
     "gemma3",
     "cohere2",
     "starcoder2",
-    "gpt_oss",
     "olmo3",
     "exaone4",
     "mistral3",
@@ -92,6 +92,8 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
       ``sliding_window`` (default 4096). A pattern (``sliding_window_pattern``, or the
       ``_sliding_window_pattern`` newer exports write beside ``layer_types``) that disagrees with
       ``layer_types`` is refused: transformers would follow the list, the author may have meant either.
+    - ``gpt_oss``: ``layer_types`` if given, else alternating layers, sliding first (GptOssConfig's
+      default), each sliding layer with ``sliding_window`` (default 128).
     - ``mixtral``: full attention (a ``sliding_window`` other than ``null`` is refused by ``engine.hf_fields``).
     - ``qwen3_moe`` / ``qwen2_moe``: full attention (``use_sliding_window`` true is refused by
       ``engine.hf_fields``; Qwen2-MoE's ``layer_types`` is served only all ``full_attention``).
@@ -118,6 +120,11 @@ def hf_sliding_spec(cfg: dict, arch: str, num_layers: int) -> SlidingSpec:
         return SlidingSpec(window, tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)))
     if arch == "gemma3_text":
         return SlidingSpec(window, _gemma3_kinds(cfg, num_layers))
+    if arch == "gpt_oss":
+        window = cfg.get("sliding_window", _GPT_OSS_DEFAULT_WINDOW)
+        if raw_types is not None:
+            return SlidingSpec(window, _config_kinds(raw_types, num_layers))
+        return SlidingSpec(window, tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)))
     if arch == "qwen2_moe":
         return SlidingSpec(None, _qwen2_moe_kinds(raw_types, num_layers))
     if arch in ("qwen2", "qwen3"):

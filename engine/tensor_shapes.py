@@ -48,6 +48,10 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.v_proj.bias": (kv_out,),
                 }
             )
+        if c.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+        if c.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (c.num_heads,)
         if c.arch in _FOUR_NORM_ARCHS:
             shapes.update(
                 {p + "pre_feedforward_layernorm.weight": (c.hidden_size,)}

@@ -1,7 +1,8 @@
 """Llama 3.x (rope_type llama3), Qwen2 (q/k/v biases), Qwen3 (Q/K norms), Phi-3 (fused projections,
 partial rotary, longrope), Gemma 2 (soft caps, alternating sliding layers in the SWA pools), Gemma 3
 text (Q/K norms, a sliding pattern, the local RoPE base and linear scaling of the full layers) and
-Qwen3-MoE, Qwen2-MoE (its shared expert) and Mixtral (expert mixtures) from HF folders in PD mode:
+Qwen3-MoE, Qwen2-MoE (its shared expert) and Mixtral (expert mixtures), and gpt-oss (attention sinks,
+alternating sliding layers past their window, clamped SwiGLU experts, YaRN) from HF folders in PD mode:
 small random models loaded as a worker loads them give transformers' greedy tokens (float32) through
 the in-process prefill/decode pair (real schedulers, loopback KV transport), with the KV shipped
 from prefill to decode, and again when the decode side retracts (a decode pool too small for every
@@ -18,6 +19,7 @@ from engine.loader import load_for_engine
 from tests.support.hf_folders import (
     GEMMA2,
     GEMMA3,
+    GPT_OSS,
     MIXTRAL,
     PHI3_LONGROPE,
     PHI3_PARTIAL,
@@ -50,6 +52,7 @@ CASES = {
     "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
     "mixtral": ("mixtral", MIXTRAL),
     "qwen2-moe": ("qwen2_moe", QWEN2_MOE),
+    "gpt-oss": ("gpt_oss", GPT_OSS),
 }
 NEW = 16
 PARAMS = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)

@@ -132,6 +132,7 @@ def test_every_field_transformers_writes_is_classified():
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "mixtral": transformers.MixtralConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }
     for arch, cls in classes.items():
         unknown = set(cls().to_dict()) - IMPLEMENTED[arch] - HARMLESS

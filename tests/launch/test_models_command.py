@@ -30,7 +30,7 @@ def test_lists_every_architecture_the_loader_accepts_and_nothing_else(capsys):
     assert set(hf_fields.IMPLEMENTED) == set(SUPPORTED_ARCHS)  # the HF table is the loader's arch list
     for arch in SUPPORTED_ARCHS:
         assert _check_arch(arch) == arch
-    for refused in ("cohere2", "starcoder2", "gpt_oss"):
+    for refused in ("cohere2", "starcoder2", "olmo3"):
         assert refused not in listed
         with pytest.raises(ValueError, match=refused):
             _check_arch(refused)

@@ -98,6 +98,28 @@ QWEN2_MOE = {
 # Mixtral with the sizes above: top 2 of 8 experts of intermediate_size 96, every layer sparse.
 MIXTRAL = {"num_local_experts": 8, "num_experts_per_tok": 2}
 
+# gpt-oss with the sizes above: 4 layers alternating sliding (window 8: prompts of 30+ tokens cross it)
+# and full, top 2 of 8 experts of 96, a SwiGLU limit low enough to clamp these random activations,
+# YaRN (factor 8 over 64 positions, truncate false as gpt-oss ships) and transformers' eager attention
+# (the reference path that applies the sinks).
+GPT_OSS = {
+    "num_hidden_layers": 4,
+    "sliding_window": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "swiglu_limit": 1.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+    },
+    "attn_implementation": "eager",
+}
+
 
 def _classes(kind: str):
     import transformers
@@ -112,6 +134,7 @@ def _classes(kind: str):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[kind]
 
 
@@ -145,14 +168,17 @@ def reference_variant(kind: str, folder: Path, **fields):
     return _classes(kind)[1].from_pretrained(folder, attn_implementation="eager", **fields).eval()
 
 
-def engine_greedy(folder: Path, tokenizer, prompts: list[list[int]], n: int, **engine) -> list[list[int]]:
-    """Greedy ``n`` tokens of each prompt from pdserve's loader and engine (one batch, float32)."""
+def engine_greedy(
+    folder: Path, tokenizer, prompts: list[list[int]], n: int, scheduler: dict | None = None, **engine
+) -> list[list[int]]:
+    """Greedy ``n`` tokens of each prompt from pdserve's loader and engine (one batch, float32;
+    ``scheduler``: ``SchedulerConfig`` fields)."""
     from engine.llm import LLM
     from engine.loader import load_for_engine
 
     ecfg = engine_cfg(dtype="float32", **engine)
     cfg, weights = load_for_engine(folder, ecfg)
-    llm = LLM(ecfg, sched_cfg(), loaded=(cfg, weights, tokenizer))
+    llm = LLM(ecfg, sched_cfg(**(scheduler or {})), loaded=(cfg, weights, tokenizer))
     out = llm.generate_ids(prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
     llm.scheduler.check_integrity()
     return [r.token_ids for r in out]
