@@ -15,7 +15,9 @@ request it holds leaves for a peer decode worker over the migration path
   landed do not hold the switch up behind a prefill backlog, however far their prefill got. Each
   ends here with a 503 marked ``handed_back``, which makes the router send it again to another
   pair without using a retry (``server.router.session``). A queued one (no pages, no
-  ``KVDestination`` sent) withdraws its prefill (``PrefillWithdrawn``) and ends at once. One with
+  ``KVDestination`` sent) withdraws its prefill (``PrefillWithdrawn``) and ends at once, and so
+  does one this worker was to prefill itself (``LOCAL_PREFILL``, selective disaggregation: nothing
+  but its own compute writes its pages, and none runs between steps). One with
   reserved pages asks its prefill worker back (``PrefillWithdrawn`` with its generation) and keeps
   its pages until nothing can be written into them any more: the prefill worker's answer
   (``PrefillFailed``, ``RELEASED``), which comes at once when the prompt is still queued or being
@@ -98,8 +100,9 @@ def unprefilled(job: DecodeJob) -> bool:
 
 
 def release_unprefilled(s) -> Outbox:
-    """Withdraw the prefills of ``s``'s unprefilled requests (module docstring): the queued ones end
-    here now (503), the reserved ones when their prefill worker answers ``PrefillFailed``."""
+    """Withdraw the prefills of ``s``'s unprefilled requests (module docstring): the queued ones and
+    those to prefill here end now (503, handed back), the reserved ones when nothing can be written
+    into their pages any more (``released``)."""
     out = Outbox()
     held = s.queued.offered if s.queued is not None else {}
     for job in list(s.transfers.prealloc):
@@ -107,6 +110,8 @@ def release_unprefilled(s) -> Outbox:
             job.withdrawn = True
             out.send(Peer(job.prefill_addr), PrefillWithdrawn(rid=job.req.rid, room=job.room))
             out.extend(s.finish(job, handed_back(SWITCHING_AWAY)))
+    for job in [j for j in s.jobs.values() if j.state is DecodeState.LOCAL_PREFILL and unprefilled(j)]:
+        out.extend(s.finish(job, handed_back(SWITCHING_AWAY)))
     for job in list(s.transfers.inflight.values()):
         if unprefilled(job):
             job.withdrawn = True

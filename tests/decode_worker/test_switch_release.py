@@ -41,8 +41,9 @@ class _Tracker:
 class _Decode:
     """What ``release_unprefilled`` reads of a decode scheduler; ``finish`` records the endings."""
 
-    def __init__(self, prealloc=(), inflight=(), offered=None) -> None:
+    def __init__(self, prealloc=(), inflight=(), offered=None, local=()) -> None:
         self.transfers, self.ended = _Tracker(prealloc, inflight), []
+        self.jobs = {j.req.rid: j for j in (*prealloc, *inflight, *local)}
         self.queued = None if offered is None else type("Q", (), {"offered": offered})()
 
     def finish(self, job, outcome):
@@ -75,6 +76,16 @@ def test_a_queued_one_ends_at_once_with_a_retryable_error_unless_offered():
     assert [m.msg for m in out.messages] == [PrefillWithdrawn(rid="r", room=7)]
     [(job, outcome)] = s.ended
     assert job is queued and outcome.status == 503 and outcome.error == SWITCHING_AWAY and outcome.handed_back
+
+
+def test_one_to_prefill_here_ends_at_once_unless_it_streamed():
+    local, streamed = _job(DecodeState.LOCAL_PREFILL), _job(DecodeState.LOCAL_PREFILL)
+    streamed.req.rid = "s"
+    streamed.req.output_ids.append(5)
+    s = _Decode(local=[local, streamed])
+    assert release_unprefilled(s).messages == []  # its prefill worker was told when it was kept here
+    [(job, outcome)] = s.ended
+    assert job is local and outcome.status == 503 and outcome.error == SWITCHING_AWAY and outcome.handed_back
 
 
 def _migrating():
