@@ -50,7 +50,7 @@ from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
-from prefill_worker.withdraw import end_released, withdraw
+from prefill_worker.withdraw import admissible, end_released, withdraw
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Conn, Outbox
 from transfer.wire.protocol import (
@@ -247,7 +247,7 @@ class PrefillScheduler(WorkerScheduler):
         """Finish landed writes (``settle``), prefill one batch, start the writes it made possible."""
         report = self.settle()
         out = report.outbox
-        items = self.admission.select(self._admissible(), (), 0.0)
+        items = self.admission.select(admissible(self), (), 0.0)
         if items:
             self.stats.extend_steps += 1
             self.stats.prefill_computed_tokens += sum(i.length for i in items)
@@ -266,15 +266,6 @@ class PrefillScheduler(WorkerScheduler):
         out.extend(self._start_transfers())
         out.extend(self._expire())
         return report
-
-    def _admissible(self) -> deque[Request]:
-        """The queue new prompts are admitted from this step: none while a released prompt is the
-        chunked one (its last chunk may leave room in the batch, and its re-send, queued behind
-        it, is to find its KV in the radix cache, ``prefill_worker.withdraw``)."""
-        chunked = self.admission.chunked
-        if chunked is not None and (job := self.by_req.get(id(chunked))) is not None and job.released:
-            return deque()
-        return self.waiting
 
     def _manifest(self, job: PrefillJob, delta: TokenDelta) -> TransferManifest:
         req = job.req

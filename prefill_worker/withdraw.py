@@ -14,7 +14,8 @@
   - *not started* (in ``waiting``): the job leaves, its pages here are freed, answered at once;
   - *computing* (the chunked prompt: a prompt's KV is written once, after its last chunk, so
     nothing was written yet): answered at once; the prompt is computed to its end and its KV goes
-    to the radix cache, with no write (``end_released``);
+    to the radix cache, with no write (``end_released``); no new prompt joins the batch of its last
+    chunk (``admissible``), so that a re-send queued behind it is admitted with the KV cached;
   - *writing* (the write was posted): answered when that write ended (``settle``); the KV goes to
     the radix cache as after any write.
 
@@ -35,6 +36,7 @@ this worker as after a completed prefill: ``free + used + cached == total`` hold
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from engine.scheduler.base import Outcome
 from prefill_worker.bootstrap import WITHDRAWN
@@ -114,3 +116,13 @@ def end_released(s, job, write_ended: bool) -> Outbox:
     out = answer(job) if write_ended else Outbox()
     s.withdrawn += 1
     return out.extend(s.finish(job, Outcome(FinishReason.LENGTH), counted=False))
+
+
+def admissible(s) -> deque:
+    """The queue prefill scheduler ``s`` admits new prompts from this step: none while a released
+    prompt is the chunked one (its last chunk may leave room in the batch, and its re-send, queued
+    behind it, is to find its KV in the radix cache)."""
+    chunked = s.admission.chunked
+    if chunked is not None and (job := s.by_req.get(id(chunked))) is not None and job.released:
+        return deque()
+    return s.waiting
