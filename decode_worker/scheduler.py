@@ -22,7 +22,7 @@ from cache.kv_manager import KVManager
 from cache.prefix_share import share_prefix
 from configs.schema import PdserveConfig
 from decode_worker.continuation import add_continuation
-from decode_worker.evacuate import release_unprefilled
+from decode_worker.evacuate import release_unprefilled, released
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.local_prefill import LocalPrefillPolicy
 from decode_worker.local_queue import LocalPrefillQueue
@@ -44,6 +44,7 @@ from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from engine.spec.verify import speculator_for
 from prefill_worker.kv_sender import KVSender
+from prefill_worker.withdraw import RELEASED
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Outbox, Peer
 from transfer.wire.protocol import (
@@ -185,7 +186,9 @@ class DecodeScheduler(WorkerScheduler):
             self.transfers.posted(msg)
         if isinstance(msg, PrefillFailed) and (job := self.transfers.failed(msg)) is not None:
             out = (out or Outbox()).extend(
-                self.finish(job, Outcome.abort(f"prefill failed: {msg.error}", msg.error_status))
+                released(self, job, msg.error)
+                if job.withdrawn and not job.answered and msg.error_status == 503
+                else self.finish(job, Outcome.abort(f"prefill failed: {msg.error}", msg.error_status))
             )
         return out
 
@@ -279,6 +282,8 @@ class DecodeScheduler(WorkerScheduler):
         job, req = landing.job, landing.job.req
         if job.answered:
             return self.finish(job, job.answered)
+        if job.withdrawn:  # taken back by a switch: nothing more is written into its pages now
+            return released(self, job, RELEASED)
         if landing.error:
             self.transfer_failures += 1
             return self.finish(job, Outcome.abort(f"KV transfer rejected: {landing.error}", 500))

@@ -17,7 +17,9 @@ new prompts), waited for ``bootstrap_timeout_s``.
 A decode worker that prefills a request itself (``--local-prefill-max-tokens``) says so with
 ``PrefillWithdrawn`` instead of a destination: the job leaves silently, or, when the withdrawal
 came first, its ``PrefillRequest`` is dropped on arrival; a decode worker switching role withdraws
-reserved destinations whose prefill has not started (``prefill_worker.withdraw``).
+its reserved destinations, whatever their prefill's progress: nothing more is written into them and
+it is answered once nothing is being written (``prefill_worker.withdraw``: a prompt under way is
+computed into the radix cache).
 
 A write's start is announced to its decode worker (``KVWriteStarted``, in the step that posts it):
 the decode worker polls its transport for the landing from then on only, not all through the prefill.
@@ -48,7 +50,7 @@ from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination
 from prefill_worker.kv_sender import KVSender
-from prefill_worker.withdraw import withdraw
+from prefill_worker.withdraw import admissible, end_released, withdraw
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Conn, Outbox
 from transfer.wire.protocol import (
@@ -82,6 +84,7 @@ class PrefillJob:
     dest_swa: np.ndarray | None = None  # SWA pages by logical page (-1: not wanted); empty without SWA
     manifest: TransferManifest | None = None
     writing: bool = False
+    released: bool = False  # withdrawn by its decode worker under way: no write after the one in flight, if any
     uncached: int = 0  # prompt tokens the radix cache did not hold on arrival (gauge prefill_backlog_tokens)
 
     @property
@@ -219,9 +222,10 @@ class PrefillScheduler(WorkerScheduler):
         return Outbox()  # prefilled by a later step, whose KV write starts in that step
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:
-        """A write in flight is left to finish (its KV is valid and goes to the radix cache)."""
+        """A write in flight is left to finish (its KV is valid and goes to the radix cache), and so
+        is a released prompt (``prefill_worker.withdraw``: computed into the radix cache)."""
         out = Outbox()
-        for job in [j for j in self.jobs.values() if j.req.rid == rid and not j.writing]:
+        for job in [j for j in self.jobs.values() if j.req.rid == rid and not j.writing and not j.released]:
             out.extend(self.finish(job, Outcome.abort(reason, 499)))
         return out
 
@@ -243,7 +247,7 @@ class PrefillScheduler(WorkerScheduler):
         """Finish landed writes (``settle``), prefill one batch, start the writes it made possible."""
         report = self.settle()
         out = report.outbox
-        items = self.admission.select(self.waiting, (), 0.0)
+        items = self.admission.select(admissible(self), (), 0.0)
         if items:
             self.stats.extend_steps += 1
             self.stats.prefill_computed_tokens += sum(i.length for i in items)
@@ -254,6 +258,9 @@ class PrefillScheduler(WorkerScheduler):
             self.stats.prefill_compute_seconds += time.perf_counter() - t0
             for req, delta in deltas:
                 job = self.by_req[id(req)]
+                if job.released:  # its decode worker took it back while computed: KV to the cache, no write
+                    out.extend(end_released(self, job, write_ended=False))
+                    continue
                 job.manifest = self._manifest(job, delta)
                 req.status = Phase.TRANSFER
         out.extend(self._start_transfers())
@@ -277,7 +284,7 @@ class PrefillScheduler(WorkerScheduler):
 
     def _start_transfers(self) -> Outbox:
         out = Outbox()
-        for job in [j for j in self.jobs.values() if not j.writing and j.manifest and j.dest]:
+        for job in [j for j in self.jobs.values() if not j.writing and j.manifest and j.dest and not j.released]:
             first, last = job.dest.decode_prefix_len // self.kv.page_size, self.kv.pages_for(job.req.kv_len)
             full = np.asarray(job.req.kv.pages[first:last], dtype=np.int32)
             swa_src, swa_dst, missing = self._swa_pairs(job, first, last)
@@ -325,6 +332,9 @@ class PrefillScheduler(WorkerScheduler):
             if w.ok:
                 self.transfer_bytes += w.nbytes
                 self.transfer_seconds.observe(w.seconds)
+            if job.released:  # withdrawn while written: answered now, its KV (valid here) to the cache
+                out.extend(end_released(self, job, write_ended=True))
+            elif w.ok:
                 report.handoffs += 1
                 out.extend(self.finish(job, Outcome("length")))
             else:
@@ -349,16 +359,17 @@ class PrefillScheduler(WorkerScheduler):
         return out
 
     # ---- the one ending -----------------------------------------------------------------------
-    def finish(self, job: PrefillJob, outcome: Outcome) -> Outbox:
+    def finish(self, job: PrefillJob, outcome: Outcome, counted: bool = True) -> Outbox:
         """Shipped (``outcome.completed``): the KV goes to the radix cache. Failed: the decode
         worker gets ``PrefillFailed`` (on the connection that asked, else its handshake one), the
-        router an abort delta for its own requests, and the KV is dropped."""
+        router an abort delta for its own requests, and the KV is dropped. ``counted``: a finished
+        request (not one its decode worker took back)."""
         req, out = job.req, Outbox()
         for queue in (self.bootstrapping, self.waiting):
             if req in queue:
                 queue.remove(req)
         self.admission.drop(req)
-        if self.jobs.pop(job.key, None) is not None:
+        if self.jobs.pop(job.key, None) is not None and counted:
             self.stats.finished_requests += 1
         self.by_req.pop(id(req), None)
         self.bootstrap.ended(job.key, outcome.error or "finished")

@@ -63,10 +63,11 @@ class Outcome:
     reason: FinishReason
     error: str | None = None
     status: int | None = None
+    handed_back: bool = False  # a decode worker changing role gives it back to the router (``TokenDelta``)
 
     @classmethod
-    def abort(cls, error: str, status: int) -> Outcome:
-        return cls(FinishReason.ABORT, error, status)
+    def abort(cls, error: str, status: int, handed_back: bool = False) -> Outcome:
+        return cls(FinishReason.ABORT, error, status, handed_back)
 
     @property
     def completed(self) -> bool:
@@ -74,7 +75,7 @@ class Outcome:
 
     def delta(self, rid: str) -> TokenDelta:
         """The closing delta of an abort (a completed request's last delta carries its last token)."""
-        return TokenDelta.failed(rid, self.error or "request aborted", self.status or 500)
+        return TokenDelta.failed(rid, self.error or "request aborted", self.status or 500, self.handed_back)
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ def new_run(
         retries=ctx.cfg.cluster.fresh_pair_retries,
         on_retry=ctx.metrics.retries.inc,
         on_move=ctx.metrics.queued_moves.inc,
+        on_hand_back=ctx.metrics.handbacks.inc,
         failover=FailoverBudget(
             ctx.cfg.cluster.max_failovers,
             on_outcome=lambda worker, outcome: ctx.metrics.failovers.labels(worker, outcome).inc(),

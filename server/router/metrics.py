@@ -4,8 +4,10 @@ Router series: ``pdserve_requests_total{status}`` (HTTP status of each generatio
 for a client that went away), ``pdserve_inflight_requests``, and the latency histograms
 ``pdserve_ttft_seconds``, ``pdserve_tpot_seconds``, ``pdserve_e2e_seconds`` (successful requests), and
 ``pdserve_router_retries_total`` (requests sent again on a fresh pair after a worker died before
-their first token), ``pdserve_router_queued_moves_total`` (requests a decode worker offered while they
-waited for pages, sent to a peer decode worker before their prefill: ``--migrate-queued``),
+their first token), ``pdserve_router_handbacks_total`` (requests a decode worker changing role handed
+back before their first token, sent again without using a retry), ``pdserve_router_queued_moves_total``
+(requests a decode worker offered while they waited for pages, sent to a peer decode worker before
+their prefill: ``--migrate-queued``),
 ``pdserve_routing_decisions_total{reason}`` (cache-aware routing's picks; its
 index series are in ``server.router.kv_metrics``).
 
@@ -316,6 +318,12 @@ class RouterMetrics:
             "pdserve_router_retries",
             "Requests sent again on another worker pair because a "
             "worker of theirs died before their first token (fresh_pair_retries)",
+            registry=r,
+        )
+        self.handbacks = Counter(
+            "pdserve_router_handbacks",
+            "Requests sent again on another worker pair because their decode worker, changing role, "
+            "handed them back before their first token (no fresh_pair_retries retry used)",
             registry=r,
         )
         self.failovers = Counter(

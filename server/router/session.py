@@ -14,7 +14,12 @@ in ``finally`` blocks of cancelled tasks):
    marker (its decode worker offered it while it waited for pages, ``--migrate-queued``, and the
    router found a peer with room) sends it again the same way to its prefill worker and that peer,
    without aborts (the old decode worker dropped it and withdrew its prefill) and without using a
-   retry.
+   retry. A 503 marked ``handed_back`` (its decode worker is changing role and gave it back before
+   its first token, ``decode_worker.evacuate``) is no failed attempt either: the request goes out
+   again on a new route (``Registry.route``: the switching worker is out of rotation; cache-aware
+   routing finds the prefill worker that computed the prompt) without using a retry, at most
+   ``HANDBACK_LIMIT`` times (past it, a hand-back is a retry as above), so no request goes round
+   switching workers for ever.
    A 503 after tokens were streamed is a failover (``server.router.failover``), up to
    ``failover.limit`` times: the request goes out again, on a live route (waited for until the
    request's deadline), as a continuation carrying the tokens streamed so far; the client's stream
@@ -53,6 +58,11 @@ from transfer.wire.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+#: Hand-backs a request is sent again after without using a retry (module docstring, step 3): one per
+#: switching decode worker it meets; a fourth in a row (every switch of a planner that keeps
+#: moving workers) is counted as a retry.
+HANDBACK_LIMIT = 3
+
 
 def check_route_fits(prompt_len: int, max_new_tokens: int, route: Route) -> None:
     """``FitCheck.request`` against ``route``'s context and KV pool; a refusal is a 400 ``APIError``
@@ -87,14 +97,16 @@ class GenerationSession:
         on_retry: Callable[[], None] | None = None,
         on_move: Callable[[], None] | None = None,
         failover: FailoverBudget | None = None,
+        on_hand_back: Callable[[], None] | None = None,
     ) -> None:
         """``retries``: how many times a request whose worker died before its first token is sent
-        again on another route; ``on_retry`` is called once per retry and ``on_move`` once per queued
-        move (the metrics counters). ``failover``: the failovers allowed after a token (none when
-        None)."""
+        again on another route; ``on_retry`` is called once per retry, ``on_move`` once per queued
+        move and ``on_hand_back`` once per hand-back sent again (the metrics counters). ``failover``:
+        the failovers allowed after a token (none when None)."""
         self.registry, self.table = registry, table
         self.rid = f"req-{uuid.uuid4().hex}"
         self.retries_left, self.on_retry, self.on_move = retries, on_retry, on_move
+        self.on_hand_back, self.handbacks = on_hand_back, 0
         self.attempt = 0
         self.failover = failover or FailoverBudget()
         self.sent: list[int] = []  # output token ids streamed so far: a continuation's resume_output_ids
@@ -172,7 +184,7 @@ class GenerationSession:
             if isinstance(delta, Moved):
                 self._move(delta.target)
                 continue
-            if delta.finish_reason != "abort" or not (self._retry(delta) or await self._failover(delta)):
+            if delta.finish_reason != "abort" or not await self._again(delta):
                 break
         if delta.finish_reason == "abort":  # the other workers of the route may still hold its state
             self.close(f"failed on another worker: {delta.error}")
@@ -217,6 +229,45 @@ class GenerationSession:
                 if h is not None:
                     h.client.abort([self.rid], reason)
 
+    async def _again(self, failed: TokenDelta) -> bool:
+        """Whether the request went out again after the abort ``failed``: as a hand-back, else a
+        retry, else a failover (module docstring, step 3)."""
+        handed = self._hand_back(failed)
+        if handed is not None:
+            return handed
+        return self._retry(failed) or await self._failover(failed)
+
+    def _hand_back(self, failed: TokenDelta) -> bool | None:
+        """Send the request again on a new route if its decode worker handed it back (changing role)
+        before any token, within ``HANDBACK_LIMIT``, using no retry: True when it went out again,
+        False when a worker of the new route could not be reached, None when it is no hand-back to
+        send so (not one, past the limit, or no route now: the retry path takes it)."""
+        if not failed.handed_back or self.n_tokens or self.handbacks >= HANDBACK_LIMIT:
+            return None
+        try:
+            route = self.registry.route(self.prompt_ids, 0 if self.auto_max_tokens else self.params.max_new_tokens)
+            check_route_fits(len(self.prompt_ids), self.params.max_new_tokens, route)
+        except (NoWorkerAvailable, APIError):
+            return None
+        self.handbacks += 1
+        if not self._resend(route, f"handed back: {failed.error}"):
+            return False
+        if self.on_hand_back is not None:
+            self.on_hand_back()
+        return True
+
+    def _resend(self, route: Route, reason: str) -> bool:
+        """Abort the request on its workers and send it to ``route`` under the next request id;
+        False if a worker of ``route`` could not be reached (the caller fails the request)."""
+        self._leave(reason)
+        self.attempt += 1
+        self.route, self.rid = route, f"{self.rid.split('~')[0]}~{self.attempt}"
+        try:
+            self._dispatch()
+        except WorkerUnavailable:
+            return False
+        return True
+
     def _retry(self, failed: TokenDelta) -> bool:
         """Send the request again on another route if a worker of this one died (503) before any
         token arrived and a retry is left; True when it went out again (see the module docstring)."""
@@ -229,12 +280,8 @@ class GenerationSession:
             check_route_fits(len(self.prompt_ids), self.params.max_new_tokens, route)
         except APIError:
             return False
-        self._leave(f"retried on another route: {failed.error}")
-        self.retries_left, self.attempt = self.retries_left - 1, self.attempt + 1
-        self.route, self.rid = route, f"{self.rid.split('~')[0]}~{self.attempt}"
-        try:
-            self._dispatch()
-        except WorkerUnavailable:
+        self.retries_left -= 1
+        if not self._resend(route, f"retried on another route: {failed.error}"):
             return False  # the caller fails the request with the original error (and closes this entry)
         if self.on_retry is not None:
             self.on_retry()

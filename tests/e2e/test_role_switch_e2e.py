@@ -8,12 +8,21 @@ tokens (equal to transformers, tests/e2e/test_pd_http.py), none failed. ``/healt
 prefill on both prefill workers, and decode-1 switches back (``pdserve role``) and decodes again. Each switch moves
 ``pdserve_role_switches_total`` by exactly one; no KV page or host buffer is left in use. The
 dashboard, open in headless Chromium throughout, draws decode-1's role timeline: a prefill band
-after a decode one, a switch marker each way, and role switch tiles equal to ``/metrics``."""
+after a decode one, a switch marker each way, and role switch tiles equal to ``/metrics``.
+
+Behind a prefill backlog: decode-1 waits for the KV of long prompts (their pages reserved) while
+prefill-0 computes the first, longest, of them in small chunks; decode-1 switches to
+prefill then. It waits for none of them, the one being computed included: each is handed back to the
+router, which sends it to decode-0 without using a retry (``--fresh-pair-retries 0``: one that used
+a retry would fail), prefill-0 computes the prompt under way into its radix cache and the re-send
+hits it. Every request answers 200 with the greedy reference tokens, none moved from decode-1 by
+migration (none landed there), and no KV page or host buffer is left in use."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import time
@@ -158,3 +167,82 @@ def switch_and_back(srv, tok, refs, page) -> None:
         page.wait_for("document.querySelectorAll('#roles-tiles [data-metric]').length === 2", 15)
         assert role_tiles_differ(page, scrape_metrics(url)) == []
         assert page.errors() == []
+
+
+# ---- behind a prefill backlog ----------------------------------------------------------------------
+BACKLOG_TOKENS = 8
+WORDS = "the of and to in is was for on that with as by at from his her it an are were which this be or".split()
+
+
+def backlog_prompts(n: int = 4, words: int = 600) -> list[str]:
+    """``n`` long prompts that share no first token (a radix hit is a prompt's own), the first one
+    four times as long: prefill-0 is still computing it when the switch comes."""
+    starts = ["Story", "Letter", "Report", "Poem", "Song", "Essay"]
+    rng = random.Random(5)
+    return [
+        f"{starts[i]} {i}: " + " ".join(rng.choice(WORDS) for _ in range(words * (4 if i == 0 else 1)))
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def backlog_refs(embedded):
+    return greedy_refs(embedded, backlog_prompts(), BACKLOG_TOKENS)
+
+
+def wait_held(url: str, worker: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until ``worker`` holds ``n`` requests waiting for pages or KV and runs none."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape_metrics(url)
+        q = {k: metric_sum(m, "pdserve_queue_requests", worker=worker, queue=k) for k in ("prealloc", "transfer")}
+        running = metric_sum(m, "pdserve_queue_requests", worker=worker, queue="running")
+        if q["prealloc"] + q["transfer"] == n and running == 0:
+            return
+        assert time.monotonic() < deadline, f"{worker} queues {q}, running {running}: {n} requests not all held"
+        time.sleep(HEARTBEAT_S)
+
+
+def test_switch_behind_a_prefill_backlog_waits_for_no_prompt(launched_server_per_test, embedded, backlog_refs):
+    tok = embedded[2]
+    srv = launch_switchable_pd(
+        launched_server_per_test,
+        "--route-decode",
+        "decode-1",
+        "--kv-pool-tokens",
+        "8192",  # decode-1 reserves pages for the prompts at once
+        "--chunked-prefill-size",
+        "16",  # the first prompt is still being computed (150 chunks) when the switch reaches prefill-0
+        "--fresh-pair-retries",
+        "0",  # a hand-back that used a retry would fail its request
+        "--local-prefill-backlog-ratio",
+        "0",  # every prompt through prefill-0 (decode-1 would prefill the short ones itself)
+    )
+    url, prompts = srv.url, backlog_prompts()
+    wait_idle(url, HEARTBEAT_S)
+
+    async def scenario():
+        first = asyncio.ensure_future(stream_all(url, prompts[:1], BACKLOG_TOKENS))
+        await asyncio.to_thread(wait_held, url, "decode-1", 1)  # prefill-0 computes the long prompt
+        rest = asyncio.ensure_future(stream_all(url, prompts[1:], BACKLOG_TOKENS))
+        await asyncio.to_thread(wait_held, url, "decode-1", len(prompts))  # queued behind it
+        async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+            r = await client.post(f"{url}/admin/role", json={"worker": "decode-1", "role": "prefill"})
+        return await first + await rest, r
+
+    results, r = asyncio.run(scenario())
+    assert r.status_code == 200, r.text
+    assert [strip_eos(ids, tok.eos_token_ids) for ids, _ in results] == backlog_refs
+    m = wait_idle(url, HEARTBEAT_S)
+    assert (
+        metric_sum(m, "pdserve_requests_total", status="200") == metric_sum(m, "pdserve_requests_total") == len(prompts)
+    )
+    assert metric_sum(m, "pdserve_router_handbacks_total") == len(prompts)
+    assert metric_sum(m, "pdserve_router_retries_total") == 0
+    # no prompt landed on decode-1 (one that had would have streamed there and moved to decode-0)
+    assert metric_sum(m, "pdserve_migrations_total", worker="decode-0", direction="in") == 0
+    log = srv.log()
+    assert "withdrawn while computed: answered now" in log, log[-3000:]
+    # the prompt under way went to prefill-0's radix cache: its re-send computed one page at most
+    assert metric_sum(m, "pdserve_cached_prompt_tokens_total", worker="prefill-0") >= len(tok.encode(prompts[0])) - 16
+    assert held(m) == {}

@@ -3,7 +3,12 @@ decode worker dies (503) before any token arrived goes out again, once by defaul
 (workers outside the failed one when there are, else with the dead worker replaced), under a new
 request id, after an abort to the old pair; never after a token, never for other errors, never
 beyond ``fresh_pair_retries``; ``pdserve_router_retries_total`` counts each retry. The real thing
-(kill -9 of a launched worker) is in ``tests/chaos/test_retry_fresh_pair.py``."""
+(kill -9 of a launched worker) is in ``tests/chaos/test_retry_fresh_pair.py``.
+
+A hand-back (a 503 marked ``handed_back``: a decode worker changing role gave the request back
+before its first token) is sent again on a new route without using a retry, up to
+``HANDBACK_LIMIT`` times, then as a retry; ``pdserve_router_handbacks_total`` counts each one. (The
+switch behind a backlog with real processes: tests/e2e/test_role_switch_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from configs.schema import PdserveConfig
 from server.router.app import build_context, create_app
 from server.router.errors import APIError
 from server.router.registry import DEAD, Registry, WorkerSpec
-from server.router.session import GenerationSession
+from server.router.session import HANDBACK_LIMIT, GenerationSession
+from server.router.workers import SWITCHING
 from tests.support.router_doubles import RecordingClient, ScriptedColocated, ready_registry
 from transfer.wire.protocol import TokenDelta, WorkerStats
 from transfer.wire.sampling_params import SamplingParams
@@ -29,7 +35,9 @@ def registry(*ids: str) -> Registry:
     return ready_registry("pd", *ids)
 
 
-def session(reg: Registry, retries: int = 1, counted: list | None = None) -> GenerationSession:
+def session(
+    reg: Registry, retries: int = 1, counted: list | None = None, handed: list | None = None
+) -> GenerationSession:
     s = GenerationSession(
         reg,
         reg.table,
@@ -38,6 +46,7 @@ def session(reg: Registry, retries: int = 1, counted: list | None = None) -> Gen
         timeout_s=5,
         retries=retries,
         on_retry=None if counted is None else lambda: counted.append(1),
+        on_hand_back=None if handed is None else lambda: handed.append(1),
     )
     s.prepare()
     s.send()
@@ -131,6 +140,72 @@ def test_reroute_prefers_a_disjoint_pair_and_never_returns_the_failed_one():
     assert [h.worker_id for h in reg.reroute(route).targets] == ["p1", "d0"]
 
 
+def hand_back(reg: Registry, s: GenerationSession, switching: bool = True) -> str:
+    """The route's decode worker (out of rotation when ``switching``) hands ``s`` back; its id."""
+    d = s.route.stream_from.worker_id
+    if switching:
+        reg.handles[d].state = SWITCHING
+    reg.on_tokens(d, TokenDelta.failed(s.rid, "its decode worker is changing role", 503, handed_back=True))
+    return d
+
+
+def test_a_hand_back_is_sent_again_without_using_a_retry():
+    reg, counted, handed = registry("p0", "d0", "d1"), [], []
+
+    async def scenario():
+        s = session(reg, retries=0, counted=counted, handed=handed)
+        first = s.rid
+        assert pair(s) == ["p0", "d0"]
+        waiting = asyncio.ensure_future(s.next())
+        hand_back(reg, s)
+        await asyncio.sleep(0.01)
+        assert pair(s) == ["p0", "d1"] and s.rid == f"{first}~1" and not waiting.done()
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[7], finish_reason="length"))
+        return first, s, await waiting
+
+    first, s, delta = asyncio.run(scenario())
+    assert delta.token_ids == [7] and handed == [1] and counted == [] and s.retries_left == 0
+    assert first in client(reg, "p0").aborted and first in client(reg, "d0").aborted  # the old attempt
+    assert len(reg.table) == 0
+
+
+def test_a_hand_back_leaves_the_retry_to_a_death_after_it():
+    reg, counted, handed = registry("p0", "p1", "d0", "d1", "d2"), [], []
+
+    async def scenario():
+        s = session(reg, retries=1, counted=counted, handed=handed)
+        waiting = asyncio.ensure_future(s.next())
+        hand_back(reg, s)
+        await asyncio.sleep(0.01)
+        reg.mark_dead(s.route.stream_from.worker_id, "worker process exited with code -9")
+        await asyncio.sleep(0.01)
+        reg.on_tokens(s.route.stream_from.worker_id, TokenDelta(rid=s.rid, token_ids=[5], finish_reason="length"))
+        return await waiting
+
+    assert asyncio.run(scenario()).token_ids == [5]
+    assert handed == [1] and counted == [1]
+
+
+def test_hand_backs_are_bounded_then_counted_as_retries():
+    reg, counted, handed = registry("p0", "d0", "d1"), [], []
+
+    async def scenario():
+        s = session(reg, retries=1, counted=counted, handed=handed)
+        waiting = asyncio.ensure_future(s.next())
+        for _ in range(HANDBACK_LIMIT + 1):  # the last one uses the retry
+            hand_back(reg, s, switching=False)
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+        hand_back(reg, s, switching=False)  # no retry left: the client gets the 503
+        return await waiting
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(scenario())
+    assert e.value.status == 503 and "changing role" in e.value.message
+    assert len(handed) == HANDBACK_LIMIT and counted == [1]
+    assert len(reg.table) == 0
+
+
 def dying_or_answering(dies: bool):
     """A script for ``ScriptedColocated``: fail every request with 503 (its worker died) or answer 2 tokens."""
 
@@ -140,6 +215,47 @@ def dying_or_answering(dies: bool):
         return [TokenDelta(rid=rid, token_ids=[28]), TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
 
     return script
+
+
+def handing_back_or_answering(hands_back: bool):
+    """A script for ``ScriptedColocated``: hand every request back (503, ``handed_back``) or answer 2 tokens."""
+
+    def script(rid, resume):
+        if hands_back:
+            return [TokenDelta.failed(rid, "worker w0 is changing role", 503, handed_back=True)]
+        return [TokenDelta(rid=rid, token_ids=[28]), TokenDelta(rid=rid, token_ids=[29], finish_reason="length")]
+
+    return script
+
+
+def counter(metrics: str, name: str) -> float:
+    samples = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(name)]
+    assert len(samples) == 1, samples  # one counter, no labels
+    return samples[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_hand_back_moves_its_counter_by_exactly_one_and_not_the_retries(tokenizer, stream):
+    cfg = PdserveConfig.model_validate(
+        {"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated", "fresh_pair_retries": 0}}
+    )
+    specs = [WorkerSpec("w0", "colocated", "inproc://w0"), WorkerSpec("w1", "colocated", "inproc://w1")]
+
+    def make(spec, on_tokens, on_stats):
+        return ScriptedColocated(spec, on_tokens, on_stats, handing_back_or_answering(spec.worker_id == "w0"))
+
+    ctx = build_context(cfg, tokenizer, "fake-model", specs, make)
+    with TestClient(create_app(ctx)) as http:
+        assert http.get("/health").status_code == 200
+        r = http.post(
+            "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": stream, "return_token_ids": True}
+        )
+        metrics = http.get("/metrics").text
+    assert r.status_code == 200, r.text  # with no retry allowed: a hand-back is none
+    assert ('"token_ids":[28]' in r.text) if stream else r.json()["choices"][0]["token_ids"] == [28, 29]
+    assert counter(metrics, "pdserve_router_handbacks_total") == 1
+    assert counter(metrics, "pdserve_router_retries_total") == 0
+    assert len(ctx.table) == 0
 
 
 @pytest.mark.parametrize("retries,stream", [(1, False), (1, True), (0, False)])

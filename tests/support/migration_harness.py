@@ -188,7 +188,7 @@ class MigrationHarness:
                 if d.token_ids:
                     o["from"].append(e.stream_from)
                 if d.finish_reason:  # the first ending is what the client sees (the session closes)
-                    o["finish"], o["error"] = d.finish_reason, d.error
+                    o["finish"], o["error"], o["handed_back"] = d.finish_reason, d.error, d.handed_back
                     self.table.close(rid)
                     break
 
@@ -198,6 +198,7 @@ class MigrationHarness:
             len(self.table)
             or self.inbox
             or any(s.jobs for w, s in self.workers.items() if w not in self.dead and w != "p0")
+            or any(j.released for j in self.workers["p0"].jobs.values())  # computed into its cache, unasked
         )
 
     def run(self, max_steps: int = 5000) -> dict:

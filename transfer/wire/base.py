@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 15  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 16  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 # 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
@@ -21,6 +21,8 @@ PROTOCOL_VERSION = 15  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pa
 # 13: ContinuationLocal (a decode worker prefills a continuation itself: its prefill worker is out of it)
 # 14: PrefillRequest.continuation (a continuation's recompute: its computed tokens are counted apart)
 # 15: MigrationOffer.draft / MigrateRequest.draft (a moving request's speculative-decoding record)
+# 16: TokenDelta.handed_back (a decode worker changing role hands back a request that streamed nothing:
+#     the router sends it again without using a retry); PrefillWithdrawn releases a prefill under way
 
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]

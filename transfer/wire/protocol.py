@@ -141,7 +141,9 @@ class PrefillFailed(Message):
 class PrefillWithdrawn(Message):
     """Decode -> prefill: the decode worker prefills this room/generation itself (selective
     disaggregation, ``--local-prefill-max-tokens``); drop it without an answer to anyone. It may
-    come before the router's ``PrefillRequest``: that one is then dropped when it arrives."""
+    come before the router's ``PrefillRequest``: that one is then dropped when it arrives. For a
+    room with a destination (a decode worker changing role) nothing more is written into it and
+    the answer is ``PrefillFailed`` once nothing is being written (``prefill_worker.withdraw``)."""
 
     rid: str
     room: int
@@ -195,7 +197,9 @@ class TokenDelta(BaseModel):
 
     ``finish_reason`` is set on the request's last delta: "stop", "length" or "abort"; an abort
     carries ``error`` (a message for the client) and ``error_status`` (the HTTP status to answer
-    with). ``stop_token_id`` (with ``stop_logprob`` / ``stop_top_logprobs`` when logprobs were asked
+    with); ``handed_back`` marks an abort by a decode worker changing role of a request that streamed
+    nothing (the router sends it again without using a retry, ``server.router.session``).
+    ``stop_token_id`` (with ``stop_logprob`` / ``stop_top_logprobs`` when logprobs were asked
     for) is the stop token (EOS or a ``stop_token_ids`` id) that finished the request: not in
     ``token_ids`` (it is not text), but the router counts and shows it as vLLM does (usage,
     ``token_ids``, logprobs). ``prompt_logprobs`` (the request's first delta, when asked for) holds
@@ -214,14 +218,15 @@ class TokenDelta(BaseModel):
     stop_top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
     error_status: int | None = None
+    handed_back: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # on the first delta, when params.prompt_logprobs is set
 
     @classmethod
-    def failed(cls, rid: str, error: str, status: int) -> TokenDelta:
+    def failed(cls, rid: str, error: str, status: int, handed_back: bool = False) -> TokenDelta:
         """The last delta of a request that ends with an error and no new tokens."""
-        return cls(rid=rid, finish_reason=FinishReason.ABORT, error=error, error_status=status)
+        return cls(rid=rid, finish_reason=FinishReason.ABORT, error=error, error_status=status, handed_back=handed_back)
 
 
 class TokenBatch(Message):
