@@ -184,13 +184,19 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``[rows, 2 * inter]`` (gate first): ``[rows, inter]``."""
+    return _gated_mul(gate_up, silu_mul_ref, "pdserve_silu_mul")
+
+
+def _gated_mul(gate_up: torch.Tensor, ref, entry: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``gate_up`` ``[rows, 2 * inter]`` by C kernel ``entry``, or by ``ref`` where the
+    kernel does not take it (no library, not a contiguous 2-D tensor of even width)."""
     lib = _native(gate_up)
     if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
-        return silu_mul_ref(gate_up)
+        return ref(gate_up)
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     if rows:
-        lib.pdserve_silu_mul(
+        getattr(lib, entry)(
             gate_up.data_ptr(),
             out.data_ptr(),
             rows,
@@ -209,21 +215,7 @@ def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` of ``gate_up`` ``[rows, 2 * inter]`` (gate first):
     ``[rows, inter]`` (Gemma's MLP)."""
-    lib = _native(gate_up)
-    if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
-        return gelu_tanh_mul_ref(gate_up)
-    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    if rows:
-        lib.pdserve_gelu_tanh_mul(
-            gate_up.data_ptr(),
-            out.data_ptr(),
-            rows,
-            inter,
-            int(gate_up.dtype == torch.bfloat16),
-            _threads(gate_up.numel()),
-        )
-    return out
+    return _gated_mul(gate_up, gelu_tanh_mul_ref, "pdserve_gelu_tanh_mul")
 
 
 def store_kv(buffer: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -234,15 +234,16 @@ def counter(metrics: str, name: str) -> float:
     return samples[0]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_http_hand_back_moves_its_counter_by_exactly_one_and_not_the_retries(tokenizer, stream):
+def _post_past_a_first_worker(tokenizer, retries: int, stream: bool, first_worker) -> tuple:
+    """(response, /metrics text, context) of one completion through a colocated router of workers w0
+    and w1, where w0 acts as ``first_worker(True)`` and w1 as ``first_worker(False)``."""
     cfg = PdserveConfig.model_validate(
-        {"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated", "fresh_pair_retries": 0}}
+        {"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated", "fresh_pair_retries": retries}}
     )
     specs = [WorkerSpec("w0", "colocated", "inproc://w0"), WorkerSpec("w1", "colocated", "inproc://w1")]
 
     def make(spec, on_tokens, on_stats):
-        return ScriptedColocated(spec, on_tokens, on_stats, handing_back_or_answering(spec.worker_id == "w0"))
+        return ScriptedColocated(spec, on_tokens, on_stats, first_worker(spec.worker_id == "w0"))
 
     ctx = build_context(cfg, tokenizer, "fake-model", specs, make)
     with TestClient(create_app(ctx)) as http:
@@ -251,6 +252,12 @@ def test_http_hand_back_moves_its_counter_by_exactly_one_and_not_the_retries(tok
             "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": stream, "return_token_ids": True}
         )
         metrics = http.get("/metrics").text
+    return r, metrics, ctx
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_hand_back_moves_its_counter_by_exactly_one_and_not_the_retries(tokenizer, stream):
+    r, metrics, ctx = _post_past_a_first_worker(tokenizer, 0, stream, handing_back_or_answering)
     assert r.status_code == 200, r.text  # with no retry allowed: a hand-back is none
     assert ('"token_ids":[28]' in r.text) if stream else r.json()["choices"][0]["token_ids"] == [28, 29]
     assert counter(metrics, "pdserve_router_handbacks_total") == 1
@@ -260,21 +267,7 @@ def test_http_hand_back_moves_its_counter_by_exactly_one_and_not_the_retries(tok
 
 @pytest.mark.parametrize("retries,stream", [(1, False), (1, True), (0, False)])
 def test_http_retry_moves_the_counter_by_exactly_one(tokenizer, retries, stream):
-    cfg = PdserveConfig.model_validate(
-        {"server": {"health_interval_s": 0.05}, "cluster": {"mode": "colocated", "fresh_pair_retries": retries}}
-    )
-    specs = [WorkerSpec("w0", "colocated", "inproc://w0"), WorkerSpec("w1", "colocated", "inproc://w1")]
-
-    def make(spec, on_tokens, on_stats):
-        return ScriptedColocated(spec, on_tokens, on_stats, dying_or_answering(spec.worker_id == "w0"))
-
-    ctx = build_context(cfg, tokenizer, "fake-model", specs, make)
-    with TestClient(create_app(ctx)) as http:
-        assert http.get("/health").status_code == 200
-        r = http.post(
-            "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": stream, "return_token_ids": True}
-        )
-        metrics = http.get("/metrics").text
+    r, metrics, ctx = _post_past_a_first_worker(tokenizer, retries, stream, dying_or_answering)
     samples = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("pdserve_router_retries_total")]
     assert len(samples) == 1, samples  # one counter, no labels
     retried = samples[0]
