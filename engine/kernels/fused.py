@@ -52,13 +52,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if lib is None or not flat_ok or (x.dim() > 2 and not x.is_contiguous()):
         return rms_norm_ref(x, weight, eps)
     row_stride = x.stride(-2) if x.dim() >= 2 else dim
+    return _norm_rows(lib.pdserve_rms_norm, x, row_stride if x.dim() == 2 else dim, weight, eps)
+
+
+def _norm_rows(entry, x: torch.Tensor, row_stride: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A new contiguous tensor of ``x``'s shape and dtype: C norm kernel ``entry`` over ``x``'s rows of the
+    last dim, ``row_stride`` elements apart, times ``weight``."""
+    dim = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.pdserve_rms_norm(
+    entry(
         x.data_ptr(),
-        row_stride if x.dim() == 2 else dim,
+        row_stride,
         weight.data_ptr(),
         out.data_ptr(),
-        rows,
+        x.numel() // dim,
         dim,
         eps,
         int(x.dtype == torch.bfloat16),
@@ -82,20 +89,7 @@ def rms_norm_f32w(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Ten
     rows = x.numel() // dim if dim else 0
     if lib is None or scale.dtype != torch.float32 or not scale.is_contiguous() or rows == 0:
         return rms_norm_f32w_ref(x, scale, eps)
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype)
-    lib.pdserve_rms_norm_f32w(
-        x.data_ptr(),
-        dim,
-        scale.data_ptr(),
-        out.data_ptr(),
-        rows,
-        dim,
-        eps,
-        int(x.dtype == torch.bfloat16),
-        _threads(x.numel()),
-    )
-    return out
+    return _norm_rows(lib.pdserve_rms_norm_f32w, x.contiguous(), dim, scale, eps)
 
 
 def add_rms_norm(
