@@ -36,11 +36,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from engine.checkpoint_tensors import StoredTensor, shard_tensors
+from engine.checkpoint_tensors import StoredTensor, TensorSource, shard_tensors
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +68,6 @@ def entry_path(folder: Path, path: Path, tag: str) -> Path:
     return folder / f"{digest.hexdigest()}.safetensors"
 
 
-class _Source(Protocol):
-    """What an entry is written from: a float32 tensor's shape, known without reading it, and ``read()``."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    def read(self) -> torch.Tensor: ...
-
-
 @dataclass(frozen=True)
 class _Ready:
     """A tensor already in memory, as a source."""
@@ -87,11 +78,15 @@ class _Ready:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
     def read(self) -> torch.Tensor:
         return self.tensor
 
 
-def cached_sources(path: Path, tag: str, sources: Mapping[str, _Source]) -> Mapping[str, Any]:
+def cached_sources(path: Path, tag: str, sources: Mapping[str, TensorSource]) -> Mapping[str, Any]:
     """``sources``' tensors as sources over the cache entry of GGUF file ``path`` (module docstring)."""
     folder = cache_dir()
     if folder is None:
@@ -131,7 +126,7 @@ def _stored(entry: Path) -> dict[str, StoredTensor] | None:
     return stored
 
 
-def _write(folder: Path, entry: Path, sources: Mapping[str, _Source], source: Path) -> bool:
+def _write(folder: Path, entry: Path, sources: Mapping[str, TensorSource], source: Path) -> bool:
     """Store ``sources`` as ``entry`` (a safetensors file of float32 tensors, each read once and
     written before the next is read), then evict past ``MAX_BYTES``; whether it was stored."""
     tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
@@ -155,7 +150,7 @@ def _write(folder: Path, entry: Path, sources: Mapping[str, _Source], source: Pa
     return True
 
 
-def _write_safetensors(out: Path, sources: Mapping[str, _Source]) -> None:
+def _write_safetensors(out: Path, sources: Mapping[str, TensorSource]) -> None:
     """Write ``sources`` as a safetensors file of float32 tensors in their order, streaming: the header
     from the shapes alone, then each tensor's bytes as it is read."""
     header, offset = {}, 0
