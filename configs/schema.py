@@ -279,7 +279,9 @@ class ClusterConfig(BaseModel):
     core_lending_verdict: Literal["measure", "borrow", "lend"] = Field(
         "measure",
         description="launcher: how a worker allowed to borrow decides whether it does: measure (default: "
-        "its step matmuls at start-up, >= 1.1x faster on every core), borrow or lend (pinned, no "
+        "its step matmuls at start-up, >= 1.1x faster on every core; timings this machine measured "
+        "quietly for the same model within a day are reused, kept in $PDSERVE_PROBE_MEMO, off to "
+        "measure at every start), borrow or lend (pinned, no "
         "measurement: for a host whose start-up load makes the measurement unreliable, and for tests)",
     )
     worker_host: str = Field(

@@ -198,6 +198,17 @@ class ModelRunner:
             torch.set_num_threads(current)
         return best
 
+    def matmul_fingerprint(self) -> str:
+        """A hash of what ``matmul_seconds`` times: each layer matmul's weight shape, dtype and packed
+        form, the activation dtype and the device (the key a remembered timing is stored under)."""
+        from engine.probe_memo import digest
+
+        shapes = [
+            [list(w.shape), str(getattr(w, "dtype", "")), type(w).__name__, b is not None]
+            for w, b in self.model.linear_weights()
+        ]
+        return digest({"matmuls": shapes, "dtype": str(self.dtype), "device": self.device.type})
+
     def kv_descriptor(self) -> dict:
         """What a peer must share with this runner to exchange KV (the handshake compares every
         key): the pools' layout (``KVPools.layout_descriptor``) plus the matmul weights that computed

@@ -22,6 +22,7 @@ import sys
 import torch
 
 from configs.schema import PdserveConfig
+from engine.probe_memo import ProbeMemo, QuietWindow
 from server.worker.loop import WorkerLoop
 from server.worker.placement import apply_cpus, parse_cpu_list
 from server.worker.process_exit import exit_now
@@ -74,7 +75,7 @@ LENDING_LOAD_WAIT_S = 300.0  # the longest a worker waits for the others' loads 
 LENDING_QUIET_WAIT_S = 3.0  # ... and then for a busy peer to go idle (a restarted worker among serving ones: not long)
 
 
-def core_lending(args, runner, verdict: str = "measure"):
+def core_lending(args, runner, verdict: str = "measure", memo: ProbeMemo | None = None):
     """This worker's ``CoreLending`` when the launcher passed a core ledger (its kernels warmed up
     at every thread count a step may use), else None. ``verdict`` (``cluster.core_lending_verdict``)
     "borrow" or "lend" pins the choice without measuring. Else a worker the launcher lets borrow does so only
@@ -85,7 +86,9 @@ def core_lending(args, runner, verdict: str = "measure"):
     (``measuring_turn``), and with no other worker's slot busy, so no measurement runs beside
     another's load or start-up: a probe beside a peer still building its scheduler and grammar
     tokenizer times the shared cores slower than they are, and a worker that gains from borrowing
-    then only lends, decoding far slower than it could at low load."""
+    then only lends, decoding far slower than it could at low load. With a ``memo``
+    (``engine.probe_memo``), a verdict this machine measured for the same matmuls within a day is
+    reused: no probe and no wait for busy peers (a worker restarted beside serving ones)."""
     if args.core_ledger_fd is None:
         return None
     from server.worker.core_lending import CoreLedger, CoreLending
@@ -98,12 +101,8 @@ def core_lending(args, runner, verdict: str = "measure"):
         if not ledger.wait_all_loaded(LENDING_LOAD_WAIT_S):
             log.warning("core lending: not every worker loaded within %.0f s; measuring anyway", LENDING_LOAD_WAIT_S)
         with measuring_turn(args.core_ledger_fd):  # the warm-up too: it builds kernels, a load of its own
-            if not ledger.wait_others_idle(args.core_slot, LENDING_QUIET_WAIT_S):
-                log.warning(
-                    "core lending: another worker stayed busy for %.0f s; measuring anyway", LENDING_QUIET_WAIT_S
-                )
             if verdict == "measure":
-                total = _measured_total(runner, args.role, own, total)
+                total = _lending_total(args, ledger, runner, own, total, memo)
             else:
                 total = total if verdict == "borrow" else own
                 log.info(
@@ -122,9 +121,51 @@ def core_lending(args, runner, verdict: str = "measure"):
     return cores
 
 
-def _measured_total(runner, role: str, own: int, total: int) -> int:
-    """``total`` if this worker's step matmuls gain ``LENDING_MIN_GAIN`` x on it, else ``own``."""
-    rows = LENDING_PROBE_ROWS.get(role, 8)
+def _lending_total(args, ledger, runner, own: int, total: int, memo: ProbeMemo | None) -> int:
+    """``total`` if this worker's step matmuls gain ``LENDING_MIN_GAIN`` x on it, else ``own``: the
+    timings ``memo`` holds for them, else measured once no peer is busy (and then remembered)."""
+    rows = LENDING_PROBE_ROWS.get(args.role, 8)
+    key = None
+    if memo is not None:
+        key = {"probe": "core_lending", "rows": rows, "threads": [own, total], "model": runner.matmul_fingerprint()}
+        found = memo.get(key)
+        if found is not None:
+            how = f"measured {found.age_s() / 60:.0f} min ago, remembered in {memo.path}"
+            return _verdict(rows, own, total, found.value["alone_s"], found.value["shared_s"], how)
+    if not ledger.wait_others_idle(args.core_slot, LENDING_QUIET_WAIT_S):
+        log.warning("core lending: another worker stayed busy for %.0f s; measuring anyway", LENDING_QUIET_WAIT_S)
+    window = QuietWindow()
+    alone, shared = _measured(runner, rows, own, total)
+    how = "measured"
+    if memo is not None and window.quiet():
+        memo.put(key, {"alone_s": alone, "shared_s": shared})
+        how += f", remembered in {memo.path}"
+    elif memo is not None:
+        how += f" beside {window.others_cpu_s() or 0.0:.2f} CPU s of other processes: not remembered"
+    return _verdict(rows, own, total, alone, shared, how)
+
+
+def _verdict(rows: int, own: int, total: int, alone: float, shared: float, how: str) -> int:
+    """``total`` if ``alone / shared`` (the matmuls' seconds on ``own`` and on ``total`` threads)
+    reaches ``LENDING_MIN_GAIN``, else ``own``; logged with ``how`` the timings were had."""
+    gain = alone / shared if shared > 0 else 1.0
+    log.info(
+        "core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s (%s)",
+        rows,
+        alone * 1e3,
+        own,
+        shared * 1e3,
+        total,
+        gain,
+        "borrows" if gain >= LENDING_MIN_GAIN else f"only lends (under {LENDING_MIN_GAIN}x)",
+        how,
+    )
+    return total if gain >= LENDING_MIN_GAIN else own
+
+
+def _measured(runner, rows: int, own: int, total: int) -> tuple[float, float]:
+    """The best seconds of this worker's ``rows``-row step matmuls on ``own`` and on ``total`` threads,
+    over alternating rounds until the gain is clear or the time budget is spent."""
     alone = shared = float("inf")
     spent = 0.0  # the probes' time (passes x best pass): deterministic, and what start-up pays
     # alternating rounds: a slow moment (a fresh thread, a page fault storm after the load) hits both
@@ -136,17 +177,7 @@ def _measured_total(runner, role: str, own: int, total: int) -> int:
         gain = alone / shared if shared > 0 else 1.0
         if _clear(gain) or (done >= LENDING_PROBE_MIN_ROUNDS and spent >= LENDING_PROBE_BUDGET_S):
             break
-    log.info(
-        "core lending: %d-row step matmuls %.2f ms on %d threads, %.2f ms on %d: %.2fx, %s",
-        rows,
-        alone * 1e3,
-        own,
-        shared * 1e3,
-        total,
-        gain,
-        "borrows" if gain >= LENDING_MIN_GAIN else f"only lends (under {LENDING_MIN_GAIN}x)",
-    )
-    return total if gain >= LENDING_MIN_GAIN else own
+    return alone, shared
 
 
 def _clear(gain: float) -> bool:
@@ -280,7 +311,7 @@ def serve(cfg: PdserveConfig, args, auth) -> int:
         heartbeat_s=cfg.server.health_interval_s,
         progress_timeout_s=cfg.cluster.progress_timeout_s,
         step_delay_s=cfg.scheduler.test_step_delay_s,
-        cores=core_lending(args, runner, cfg.cluster.core_lending_verdict),
+        cores=core_lending(args, runner, cfg.cluster.core_lending_verdict, ProbeMemo.from_env()),
         drain_timeout_s=cfg.cluster.drain_timeout_s,
         auth=auth,
     )
