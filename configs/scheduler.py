@@ -39,6 +39,16 @@ class SchedulerConfig(BaseModel):
         "running decodes (unset: 256 on CPU, 2048 on CUDA). A step with nothing decoding prefills up to "
         "chunked_prefill_size",
     )
+    local_prefill_step_s: float = Field(
+        0.5,
+        ge=0,
+        description="a decode worker's own prefill (selective disaggregation): each step's chunk is sized from "
+        "the measured rate of its recent prefill steps so that the step, decode rows included, takes about "
+        "this long (at least 16 tokens, at most chunked_prefill_size and the mixed budget; the first chunk "
+        "64 tokens). The worker reads control messages (a role switch, a drain, an abort) between steps, so "
+        "on a slow or shared CPU this bounds their wait behind a long prompt. 0 = off: chunks of "
+        "chunked_prefill_size",
+    )
     continuation_forward_tokens: int = Field(
         0,
         ge=0,

@@ -6,7 +6,10 @@ worker admits a prompt (``engine.scheduler.admission.Admission``: its cached pre
 prompt and its ``new_token_ratio`` reservation within the headroom left by the running batch and
 the transfers in flight) and hands out its chunks: each step's chunk is at most
 ``chunked_prefill_size`` tokens, and with ``mixed_batches`` what ``max_num_batched_tokens`` leaves
-after the decode rows (``prefill_budget``), so the decode batch's stall per step is bounded. The
+after the decode rows (``prefill_budget``), and what the step's time budget allows
+(``local_prefill_step_s``, ``engine.scheduler.chunk_pace``: the chunk is sized from the rate of the
+steps timed so far), so the decode batch's stall per step is bounded, and so is the wait of a
+control message (a role switch, a drain, an abort) read between two steps. The
 decode worker runs the chunk in the same forward as its decode rows (mixed batches) or as an
 extend forward of its own right before them; a request whose prompt completes has its first token
 sampled there by the same executor and sampler as every other token, and joins the running batch.
@@ -18,8 +21,10 @@ Counters: ``decisions`` (per ``LocalPrefillReason``: ``pdserve_local_prefill_tot
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
@@ -33,6 +38,7 @@ from decode_worker.local_prefill import (
 from engine.prompt_logprobs import wants_prompt_logprobs
 from engine.request import Request
 from engine.scheduler.admission import Admission, ExtendItem
+from engine.scheduler.chunk_pace import ChunkPace
 from engine.scheduler.mixed_step import prefill_budget
 from engine.scheduler.stats import SchedulerStats
 
@@ -46,6 +52,8 @@ class LocalPrefillQueue:
         self.policy, self.cfg, self.kv, self.stats = policy, cfg, kv, stats
         self.budget = PageBudget(kv)
         self.admission = Admission(cfg, kv, stats)
+        self.pace = ChunkPace(cfg.local_prefill_step_s)
+        self.clock: Callable[[], float] = time.perf_counter
         self.waiting: deque[Request] = deque()
         self._suffix: dict[str, int] = {}  # rid -> uncached prompt tokens when taken, while waiting
         self.decisions: dict[LocalPrefillReason, int] = dict.fromkeys(LocalPrefillReason, 0)
@@ -147,11 +155,13 @@ class LocalPrefillQueue:
 
     # ---- the path -------------------------------------------------------------------------------
     def select(self, rows: int, admitted: Iterable[Request], ratio: float, admit_new: bool) -> list[ExtendItem]:
-        """This step's prefill items beside ``rows`` decode rows: the chunked request's next
-        chunk, then (``admit_new``) waiting requests admitted against the headroom ``admitted``
-        (every request holding pages) leaves. Counts the tokens (here and as prefill compute)."""
+        """This step's prefill items beside ``rows`` decode rows, within the step's token and time
+        budgets: the chunked request's next chunk, then (``admit_new``) waiting requests admitted
+        against the headroom ``admitted`` (every request holding pages) leaves. Counts the tokens
+        (here and as prefill compute); the caller times the step's forward (``timing``)."""
         waiting = self.waiting if admit_new else deque()
-        budget = prefill_budget(self.cfg, rows) if self.cfg.mixed_batches else self.cfg.chunked_prefill_size
+        cap = prefill_budget(self.cfg, rows) if self.cfg.mixed_batches else self.cfg.chunked_prefill_size
+        budget = self.pace.tokens(cap, rows)
         items = self.admission.select(waiting, admitted, ratio, budget)
         for i in items:
             self._suffix.pop(i.req.rid, None)
@@ -162,6 +172,14 @@ class LocalPrefillQueue:
             self.stats.prefill_computed_tokens += n
             self.stats.mixed_steps += bool(rows) and self.cfg.mixed_batches
         return items
+
+    @contextmanager
+    def timing(self, items: list[ExtendItem], rows: int) -> Iterator[None]:
+        """Times the forward run inside it (``items`` beside ``rows`` decode rows, by ``clock``):
+        the pace of the next chunks."""
+        t0 = self.clock()
+        yield
+        self.pace.observe(sum(i.length for i in items), rows, self.clock() - t0)
 
     def discard(self, req: Request) -> None:
         """``req`` ended (abort): it leaves the queue or stops being chunked."""

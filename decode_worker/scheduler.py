@@ -337,7 +337,8 @@ class DecodeScheduler(WorkerScheduler):
 
     def _decode(self) -> Outbox:
         """One decode step of the running batch plus this step's local prefill chunk (one mixed
-        forward with ``mixed_batches``, else an extend forward right before the decode one)."""
+        forward with ``mixed_batches``, else an extend forward right before the decode one), timed
+        for the next chunks' size (``LocalPrefillQueue.timing``)."""
         # a victim's KV goes to the host pool, or is freed with a recompute queued
         res = self.running.prepare_decode(
             lambda req: self.retract.retract(self.jobs[req.rid]), park_last=bool(self.transfers.inflight)
@@ -348,11 +349,12 @@ class DecodeScheduler(WorkerScheduler):
         if self.local:  # a request queued or chunked for local prefill
             reserved = admitted(self.running, self.transfers, self.local)
             items = self.local.select(len(rows), reserved, self.running.ratio.value, admit_new)
-        if self.cfg.scheduler.mixed_batches:
-            decoded, prefilled = self.executor.mixed(rows, items)
-        else:
-            prefilled = self.executor.extend(items) if items else []
-            decoded = self.executor.decode(rows) if rows else []
+        with self.local.timing(items, len(rows)):
+            if self.cfg.scheduler.mixed_batches:
+                decoded, prefilled = self.executor.mixed(rows, items)
+            else:
+                prefilled = self.executor.extend(items) if items else []
+                decoded = self.executor.decode(rows) if rows else []
         if rows:
             self.running.absorb(res, decoded)
         out = Outbox()
