@@ -10,8 +10,9 @@ own inputs, e.g. a model's matmul shapes and dtype) and hands it back for ``TTL_
 which it is measured again.
 
 Only a quiet measurement is worth keeping: ``QuietWindow`` tells whether anything but this process
-used the host's cores while it timed (other processes' CPU time over the window from ``/proc/stat``,
-less this process's own); a probe another job competed with is used for this start and not stored.
+used the host's cores it timed on (other processes' CPU time over the window from ``/proc/stat``, less
+this process's own, beyond the host's cores the probe left unused); a probe another job competed with
+is used for this start and not stored.
 
 Contract: ``get(key)`` returns the value ``put(key, value)`` stored, or None (never stored, stored
 more than ``TTL_S`` ago, the file unreadable or off). ``put`` replaces the file atomically under an
@@ -154,9 +155,10 @@ class ProbeMemo:
             os.close(fd)
 
 
-# other processes may use this share of one core while a probe runs and it still counts as quiet
-# (the launch's router and launcher answering heartbeats and health checks)
-QUIET_SHARE = 0.15
+# other processes may use this share of one core while a probe runs and it still counts as quiet: a
+# launch's other processes finishing their start-up beside it (measured 0.15-0.17 of a core on an idle
+# 2-core host) are; a job computing beside it (0.5 of a core and more) is not
+QUIET_SHARE = 0.3
 
 
 class QuietWindow:
@@ -172,10 +174,12 @@ class QuietWindow:
             return None
         return (host - self._host) - (_own_cpu_s() - self._own)
 
-    def quiet(self) -> bool:
-        """Others used at most ``QUIET_SHARE`` of one core over the window (False if unknown)."""
+    def quiet(self, spare_cores: int = 0) -> bool:
+        """Others used at most ``QUIET_SHARE`` of one core over the window, beyond ``spare_cores``
+        (host cores the measurement did not use, where others' work does not compete with it);
+        False if unknown."""
         others = self.others_cpu_s()
-        return others is not None and others <= QUIET_SHARE * (time.monotonic() - self._t0)
+        return others is not None and others <= (QUIET_SHARE + spare_cores) * (time.monotonic() - self._t0)
 
 
 def _host_busy_s() -> float | None:

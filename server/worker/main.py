@@ -137,7 +137,7 @@ def _lending_total(args, ledger, runner, own: int, total: int, memo: ProbeMemo |
     window = QuietWindow()
     alone, shared = _measured(runner, rows, own, total)
     how = "measured"
-    if memo is not None and window.quiet():
+    if memo is not None and window.quiet(spare_cores=max(0, (os.cpu_count() or total) - total)):
         memo.put(key, {"alone_s": alone, "shared_s": shared})
         how += f", remembered in {memo.path}"
     elif memo is not None:

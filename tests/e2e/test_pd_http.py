@@ -255,20 +255,23 @@ def decode_cached_tokens(m) -> float:
 
 @pytest.fixture(scope="module")
 def shared_prefix_case(embedded, colocated) -> tuple[list[str], list[int], dict[int, list[int]]]:
-    """(32 prompts sharing ``SHARED``, their max_tokens, each one's colocated greedy output run
-    alone); computed once for both data planes. SHARED is one full page (shared on the decode worker
-    once the first request's KV landed); each prompt differs from every other from its second page
-    on and holds 3 pages of its own (about 60 tokens, page 16), so 32 of them need 96 private pages
-    of the 64-page decode pool before they decode a token."""
+    """(32 prompts sharing ``SHARED``, their max_tokens, each one's colocated greedy output); computed
+    once for both data planes, in one batch per max_tokens (greedy tokens do not depend on the batch
+    a request runs in: the PD run below batches them its own way and must match). SHARED is one full
+    page (shared on the decode worker once the first request's KV landed); each prompt differs from
+    every other from its second page on and holds 3 pages of its own (about 60 tokens, page 16), so 32
+    of them need 96 private pages of the 64-page decode pool before they decode a token."""
     tok = embedded[2]
     rng = random.Random(3)
     prompts = [f"{SHARED}[{i + 1}] {QUESTIONS[i % len(QUESTIONS)]}{TAIL}" for i in range(32)]
     lengths = [rng.choice([16, 32, 48]) for _ in prompts]
     refs = {}
-    for i, p in enumerate(prompts):
-        refs[i] = colocated.generate_ids([tok.encode(p)], SamplingParams(max_new_tokens=lengths[i], temperature=0))[
-            0
-        ].token_ids
+    for n in sorted(set(lengths)):
+        group = [i for i in range(32) if lengths[i] == n]
+        outs = colocated.generate_ids(
+            [tok.encode(prompts[i]) for i in group], SamplingParams(max_new_tokens=n, temperature=0)
+        )
+        refs.update((i, out.token_ids) for i, out in zip(group, outs))
     return prompts, lengths, refs
 
 

@@ -98,3 +98,17 @@ def test_a_window_beside_a_busy_process_is_not_quiet():
         assert window.others_cpu_s() >= 0.5 and not window.quiet()
     finally:
         child.wait(10)
+
+
+def test_others_work_on_cores_the_probe_left_unused_does_not_count(monkeypatch):
+    """0.8 CPU s of other processes over a 1 s window: not quiet where the probe used every core,
+    quiet where one core was left to them."""
+    busy = [100.0]
+    monkeypatch.setattr(probe_memo, "_host_busy_s", lambda: busy[0])
+    monkeypatch.setattr(probe_memo, "_own_cpu_s", lambda: 5.0)
+    clock = [10.0]
+    monkeypatch.setattr(probe_memo.time, "monotonic", lambda: clock[0])
+    window = QuietWindow()
+    busy[0], clock[0] = 100.8, 11.0
+    assert window.others_cpu_s() == pytest.approx(0.8)
+    assert not window.quiet() and window.quiet(spare_cores=1)

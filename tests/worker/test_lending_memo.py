@@ -42,11 +42,11 @@ def test_a_quiet_measurement_is_remembered_and_reused_without_probing_or_waiting
     ledger.set_loaded(0)
     args = argparse.Namespace(core_ledger_fd=fd, core_slot=1, lend_threads=2, role="decode")
     try:
-        monkeypatch.setattr(wm.QuietWindow, "quiet", lambda self: False)
+        monkeypatch.setattr(wm.QuietWindow, "quiet", lambda self, spare_cores=0: False)
         noisy = _Runner({1: 0.01, 2: 0.006})
         assert wm.core_lending(args, noisy, memo=memo).total == 2 and noisy.asked
         assert memo.get({"probe": "core_lending", "rows": 8, "threads": [1, 2], "model": "the-model"}) is None
-        monkeypatch.setattr(wm.QuietWindow, "quiet", lambda self: True)
+        monkeypatch.setattr(wm.QuietWindow, "quiet", lambda self, spare_cores=0: True)
         first = _Runner({1: 0.01, 2: 0.006})
         assert wm.core_lending(args, first, memo=memo).total == 2 and first.asked
         ledger.set_busy(0, True)  # a serving peer: a probe would wait LENDING_QUIET_WAIT_S for it
