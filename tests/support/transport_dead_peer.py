@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.transport_peers import check, reap, spawn_target
+from tests.support.transport_peers import check, reap, spawn_target, spawn_targets
 from tests.support.transport_pools import PAGE_BYTES, make_pool
 from transfer.factory import create_transport
 
@@ -35,8 +35,8 @@ def scenario(backend: str, opts: dict, limit_s: float) -> None:
     target restarted under the same name works again (pages and notif checked by the target)."""
     ctx = mp.get_context("spawn")
     # the pipes stay referenced: a target whose pipe closes exits (EOFError) before it is killed
-    p, _conn, md = spawn_target(ctx, backend, f"{backend}-dec2", opts)
-    pc, _conn_c, mdc = spawn_target(ctx, backend, f"{backend}-dec3", opts)  # dies before any write reaches it
+    # dec3 dies before any write reaches it
+    (p, _conn, md), (pc, _conn_c, mdc) = spawn_targets(ctx, backend, [f"{backend}-dec2", f"{backend}-dec3"], opts)
     p2 = None
     t = create_transport(backend, f"{backend}-pre2", **opts)
     try:

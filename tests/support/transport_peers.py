@@ -59,13 +59,27 @@ def _target(conn, backend: str, name: str, opts: dict) -> None:
 def spawn_target(ctx, backend: str, name: str, opts: dict):
     """``(process, pipe, metadata)`` of a started target; ``AssertionError`` if it published no
     metadata within 30 s (the process is killed then)."""
-    parent, child = ctx.Pipe()
-    p = ctx.Process(target=_target, args=(child, backend, name, opts), daemon=True)
-    p.start()
-    if not parent.poll(30):
-        p.kill()
-        raise AssertionError(f"{backend} target process published no metadata within 30 s")
-    return p, parent, parent.recv_bytes()
+    (started,) = spawn_targets(ctx, backend, [name], opts)
+    return started
+
+
+def spawn_targets(ctx, backend: str, names: list[str], opts: dict) -> list[tuple]:
+    """``spawn_target`` for each of ``names``, the processes started together (their start-ups
+    overlap) and each one's metadata awaited after."""
+    started = []
+    for name in names:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_target, args=(child, backend, name, opts), daemon=True)
+        p.start()
+        started.append((p, parent))
+    out = []
+    for p, parent in started:
+        if not parent.poll(30):
+            for q, _ in started:
+                q.kill()
+            raise AssertionError(f"{backend} target process published no metadata within 30 s")
+        out.append((p, parent, parent.recv_bytes()))
+    return out
 
 
 def reap(p) -> None:
