@@ -1,10 +1,11 @@
 """PD mode end to end: ``pdserve launch --mode pd`` (router + prefill worker + decode worker as
-separate processes, KV over UCX on loopback through NIXL and through ucxx: every test runs against
-a server on each data plane), driven through the real HTTP API with the
-``openai`` client. Greedy outputs equal transformers and the colocated engine; 32 concurrent
-requests with shared prefixes against a small decode pool; aborts at random points leak nothing;
-kill -9 of either worker fails its requests fast, keeps the router up, and traffic flows again
-after the launcher restarts it. These share one server per data plane and run in file order."""
+separate processes, KV over UCX on loopback through NIXL and through ucxx: one server per data
+plane), driven through the real HTTP API with the ``openai`` client. Greedy outputs equal
+transformers and the colocated engine; 32 concurrent requests with shared prefixes against a small
+decode pool; aborts at random points leak nothing; kill -9 of either worker fails its requests fast,
+keeps the router up, and traffic flows again after the launcher restarts it. The cases the data
+plane does not change (request fields, the prefill worker's death) run over NIXL only. These share
+one server per data plane and run in file order."""
 
 from __future__ import annotations
 
@@ -87,6 +88,14 @@ def server(request, launched_server):
     launched_server.stop(srv)  # one backend's server at a time: stopped before the next param's starts
 
 
+@pytest.fixture
+def nixl_only(request):
+    """Runs the test over NIXL only: a case about request fields (sampling, logprobs, grammar, bias,
+    cache accounting) or a fault the data plane does not see; the data planes' own cases run on both."""
+    if request.node.callspec.params["server"] != "nixl":
+        pytest.skip("the KV data plane does not change this case: it runs over NIXL")
+
+
 @pytest.fixture(scope="module")
 def url(server):
     return server.url
@@ -164,6 +173,7 @@ def test_pd_long_prompt_matches_colocated(client, model, embedded, colocated):
     assert strip_eos(choice.token_ids, embedded[2].eos_token_ids) == colo.token_ids and colo.token_ids
 
 
+@pytest.mark.usefixtures("nixl_only")
 def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated):
     # the sampler state must carry over the handoff: with a fresh one in the decode worker,
     # temperature=1, seed=7 gave [2684, 282, ...] colocated and [2684, 2422, ...] in PD
@@ -176,6 +186,7 @@ def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated)
     assert got == colo.token_ids and len(colo.token_ids) > 2
 
 
+@pytest.mark.usefixtures("nixl_only")
 def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embedded, hf_embedded):
     """Prompt logprobs computed by the prefill worker (echo + logprobs + max_tokens=0, and the
     prompt_logprobs field) equal transformers' log-softmax; n=2 greedy choices are equal in PD."""
@@ -195,6 +206,7 @@ def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embe
     assert [x.index for x in two.choices] == [0, 1] and two.choices[0].text == two.choices[1].text
 
 
+@pytest.mark.usefixtures("nixl_only")
 def test_pd_structured_output_continues_on_the_decode_worker(client, model):
     """The prefill worker masks the first token, the decode worker replays it into its own matcher
     and goes on: the JSON is valid against the schema (greedy and sampled)."""
@@ -219,6 +231,7 @@ def test_pd_structured_output_continues_on_the_decode_worker(client, model):
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+@pytest.mark.usefixtures("nixl_only")
 def test_pd_logit_bias_reaches_prefill_and_decode(client, model):
     # token 0 is sampled on the prefill worker, the rest on the decode worker: both apply the bias
     r = client.completions.create(
@@ -232,6 +245,7 @@ def test_pd_logit_bias_reaches_prefill_and_decode(client, model):
     assert r.choices[0].token_ids == [1234] * 5
 
 
+@pytest.mark.usefixtures("nixl_only")
 def test_pd_cached_prompt_tokens_count_the_decode_radix_hits(client, model, url):
     # the counter must include the decode radix cache's hits, not only the prefill worker's. Its
     # own prefix: SHARED in the caches would take the pressure off the 32-request test below
@@ -346,7 +360,13 @@ def test_pd_aborts_at_random_points_leak_nothing(url, model):
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_pd_worker_killed_then_restarted(server, url, client, model, role):
+def test_pd_worker_killed_then_restarted(request, server, url, client, model, role):
+    """kill -9 of either worker under load: the requests it held fail fast with 503, the router stays
+    up, and traffic flows again once the launcher restarted it. The decode worker's death is a write
+    to a dead peer on each data plane; the prefill worker's is not seen by the plane (NIXL only)."""
+    if role == "prefill":
+        request.getfixturevalue("nixl_only")
+
     async def one(c, q):
         """(result or exception, monotonic time it ended)."""
         try:
