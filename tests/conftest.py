@@ -39,7 +39,7 @@ os.environ["PDSERVE_DTYPE"] = "float32"
 import pytest  # noqa: E402
 
 from bench.harness.subprocess_server import LaunchedServer, free_base_port
-from tests.support.models import hf_greedy, hf_tiny, tiny_config, tiny_weights
+from tests.support.models import hf_from_gguf, hf_greedy, hf_tiny, tiny_config, tiny_weights
 from tests.support.pd import pd_prompts
 from tests.support.servers import PD_SERVER_FLAGS, ServerFactory
 from tests.support.swa import swa_tiny
@@ -78,9 +78,7 @@ def hf_embedded(embedded):
     """transformers' own load of the same GGUF (the reference implementation)."""
     from transformers import AutoModelForCausalLM
 
-    path = embedded[3]
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    return hf_from_gguf(AutoModelForCausalLM, embedded[3])
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Gemma 3 270M (Q4_K_M GGUF from the optional package) against transformers and sentencepiece.
 
 Prompts are longer than the 512-token window, so the sliding layers really drop keys. The
-reference is ``Gemma3ForCausalLM.from_pretrained(folder, gguf_file=...)``: transformers' own GGUF
-reader, name mapping and dequantization, independent of ours.
+reference is ``Gemma3ForCausalLM.from_pretrained(folder, gguf_file=...)`` (``hf_from_gguf``):
+transformers' own GGUF reader, name mapping and dequantization, independent of ours.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from engine.forward_batch import ForwardMode
 from engine.gemma3_package import GEMMA3_PACKAGE, INSTALL_HINT
 from engine.llm import LLM, run_batch
 from engine.model_runner import ModelRunner, SeqChunk
-from tests.support.models import engine_cfg, sched_cfg
+from tests.support.models import engine_cfg, hf_from_gguf, sched_cfg
 from transfer.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # Gemma 3 against transformers
@@ -137,8 +137,7 @@ def hf_ref(gemma, prompts):
     """Per prompt: transformers' greedy tokens and the logits of each step (prefill, then decode)."""
     from transformers import Gemma3ForCausalLM
 
-    path = gemma[3]
-    model = Gemma3ForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = hf_from_gguf(Gemma3ForCausalLM, gemma[3])
     assert model.config.sliding_window == 512 and model.config.layer_types[5] == "full_attention"
     refs = []
     with torch.no_grad():

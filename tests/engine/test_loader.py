@@ -12,6 +12,7 @@ from engine import model_paths
 from engine.gguf_source import unpermute_qk
 from engine.loader import expected_tensor_shapes, load_model_weights
 from engine.model_paths import resolve_model_path
+from tests.support.models import hf_from_gguf
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,7 @@ def hf_gguf_state(gguf_path):
     """transformers' own GGUF loading of the same file (independent de-interleave)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, torch_dtype=torch.float32
-    )
+    model = hf_from_gguf(AutoModelForCausalLM, gguf_path)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

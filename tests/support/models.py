@@ -4,6 +4,8 @@ them live in tests/conftest.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from configs.engine import EngineConfig
@@ -109,3 +111,27 @@ def strip_eos(ids: list[int], eos_token_ids) -> list[int]:
     """API ``token_ids`` without the EOS that ended the generation: the API returns and counts it,
     as vLLM does, while engine references (``LLM.generate_ids``, transformers minus EOS) leave it out."""
     return list(ids[:-1]) if ids and ids[-1] in eos_token_ids else list(ids)
+
+
+def hf_from_gguf(model_class, path: Path):
+    """``model_class.from_pretrained(folder, gguf_file=...)`` in float32, eval mode: transformers' own
+    GGUF reader, name mapping and dequantization (the reference, independent of pdserve's loader).
+    transformers opens the file twice (the config, then the weights), and gguf's reader parses every
+    metadata field element by element (Gemma 3's 262k-token vocabulary: about 20 s a parse on a CPU);
+    both opens here share one parsed reader."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(file, *args, **kwargs):
+        key = (str(file), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real(file, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        model = model_class.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    finally:
+        gguf.GGUFReader = real
+    return model.eval()
