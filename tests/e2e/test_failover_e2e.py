@@ -56,7 +56,8 @@ def replicas(launched_server) -> LaunchedServer:
 
 
 # Seeded sampling with two choices failing over each on its own, logprobs, and a JSON schema whose
-# matcher must continue. Greedy colocated failover is the stop-string and dashboard rows' kill.
+# matcher must continue. Greedy colocated failover is the stop-string, prompt-logprobs and dashboard
+# rows' kill.
 N2_SEEDED_JSON = {
     "temperature": 0.8,
     "seed": 99,
@@ -81,23 +82,27 @@ def test_kill_the_serving_decode_worker_mid_stream(pd_pair):
     kill_mid_stream(pd_pair, {"temperature": 0}, ("decode-0", "decode-1"))
 
 
-def test_a_stop_string_echo_and_prompt_logprobs_come_out_across_a_failover_as_without_it(replicas):
-    """A greedy stream with ``echo`` (the prompt before the first token), ``prompt_logprobs`` and a
-    stop string first met well after the kill: the router's held-back text and the stop check carry
-    on across the continuation, so the text ends right before the stop string as in the fault-free
-    run, with ``finish_reason`` "stop". The prompt logprobs are computed by the first replica and go
-    out with the opening chunk, before the kill: the client sees them once, those of the fault-free
-    run (checked in ``kill_mid_stream``), one entry per prompt token. That the continuation does not
-    ask for them again is not visible to a streaming client: ``tests/router/test_router_failover.py``
-    checks it."""
+def test_a_stop_string_met_after_the_failover_and_echo_come_out_as_without_it(replicas):
+    """``echo`` (the prompt before the first token) and a stop string first met well after the kill:
+    the router's held-back text and the stop check carry on across the continuation, so the text
+    ends right before the stop string as in the fault-free run, with ``finish_reason`` "stop"."""
     body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0}
     text = stream(replicas.url, body)["choices"][0]["text"]
     at = len(text) * 2 // 3  # about token 42 of 64, the kill is after 8
     stop = text[at : at + 5]
     assert text.find(stop) == at, (text, stop)  # first met there
-    sampling = {"temperature": 0, "stop": [stop], "echo": True, "prompt_logprobs": 1}
-    got = kill_mid_stream(replicas, sampling, ("colocated-0", "colocated-1"), finish="stop")
+    got = kill_mid_stream(
+        replicas, {"temperature": 0, "stop": [stop], "echo": True}, ("colocated-0", "colocated-1"), finish="stop"
+    )
     assert got["choices"][0]["text"] == PROMPT + text[:at]
+
+
+def test_prompt_logprobs_go_out_once_across_a_failover(replicas):
+    """``prompt_logprobs``: the first replica computes them and they go out with the opening chunk,
+    before the kill; the client sees them once, those of the fault-free run (checked in
+    ``kill_mid_stream``), one entry per prompt token. That the continuation does not ask for them
+    again is not visible to a streaming client: ``tests/router/test_router_failover.py`` checks it."""
+    got = kill_mid_stream(replicas, {"temperature": 0, "prompt_logprobs": 1}, ("colocated-0", "colocated-1"))
     (seen,) = got["choices"][0]["prompt_logprobs"]
     assert seen[0] is None and len(seen) == got["usage"]["prompt_tokens"] and all(seen[1:])
 
