@@ -13,6 +13,7 @@ import pytest
 
 from bench.harness.subprocess_server import metric_sum, wait_idle
 from server.worker.core_lending import CoreLedger, CoreLending, borrows
+from tests.support.lending import FakeRunner as _Runner
 from tests.support.servers import PD_SERVER_FLAGS
 from tests.support.servers import PD_SERVER_HEARTBEAT_S as HEARTBEAT_S
 
@@ -104,22 +105,6 @@ def test_a_worker_a_peer_is_about_to_compute_for_does_not_borrow():
     assert cores.begin_step(yield_to_peers=True) == 1 and calls == [] and cores.borrowed_steps == 0
     assert cores.begin_step() == 2 and cores.borrowed_steps == 1
     assert cores.begin_step(yield_to_peers=True) == 1 and calls == [2, 1]
-
-
-class _Runner:
-    """What ``core_lending`` reads of a runner: its device, step matmul timings, the warm-up."""
-
-    def __init__(self, seconds: dict[int, float]) -> None:
-        import torch
-
-        self.device, self.seconds, self.asked, self.warmed = torch.device("cpu"), seconds, [], None
-
-    def matmul_seconds(self, threads: int, rows: int, repeats: int) -> float:
-        self.asked.append((threads, rows))
-        return self.seconds[threads]
-
-    def warm_up_threads(self, counts) -> None:
-        self.warmed = tuple(counts)
 
 
 @pytest.mark.parametrize(

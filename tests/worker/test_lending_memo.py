@@ -12,23 +12,7 @@ import torch
 import server.worker.main as wm
 from engine.probe_memo import ProbeMemo
 from server.worker.core_lending import CoreLedger
-
-
-class _Runner:
-    """What ``core_lending`` reads of a runner: its device, step matmul timings and their key, the warm-up."""
-
-    def __init__(self, seconds: dict[int, float]) -> None:
-        self.device, self.seconds, self.asked, self.warmed = torch.device("cpu"), seconds, [], None
-
-    def matmul_seconds(self, threads: int, rows: int, repeats: int) -> float:
-        self.asked.append((threads, rows))
-        return self.seconds[threads]
-
-    def matmul_fingerprint(self) -> str:
-        return "the-model"
-
-    def warm_up_threads(self, counts) -> None:
-        self.warmed = tuple(counts)
+from tests.support.lending import FakeRunner as _Runner
 
 
 def test_a_quiet_measurement_is_remembered_and_reused_without_probing_or_waiting(monkeypatch, tmp_path):
