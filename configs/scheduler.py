@@ -39,15 +39,19 @@ class SchedulerConfig(BaseModel):
         "running decodes (unset: 256 on CPU, 2048 on CUDA). A step with nothing decoding prefills up to "
         "chunked_prefill_size",
     )
-    local_prefill_step_s: float = Field(
-        0.5,
+    prefill_step_s: float = Field(
+        0.0,
         ge=0,
-        description="a decode worker's own prefill (selective disaggregation): each step's chunk is sized from "
-        "the measured rate of its recent prefill steps so that the step, decode rows included, takes about "
-        "this long (at least 16 tokens, at most chunked_prefill_size and the mixed budget; the first chunk "
-        "64 tokens). The worker reads control messages (a role switch, a drain, an abort) between steps, so "
-        "on a slow or shared CPU this bounds their wait behind a long prompt. 0 = off: chunks of "
-        "chunked_prefill_size",
+        description="prefill workers, and a decode worker's own prefill (selective disaggregation): each step's "
+        "chunk is sized from the measured rate of the worker's recent prefill steps so that the step, decode "
+        "rows included, takes about this long (at least 16 tokens, at most chunked_prefill_size and the mixed "
+        "budget; the first chunk 64 tokens), so a fast host keeps chunks of chunked_prefill_size. A worker "
+        "reads its control messages (a role switch, a withdrawal, a drain, an abort) between steps, so on a "
+        "slow or shared CPU this bounds their wait behind a long prompt (e.g. 0.5 for role switches within "
+        "2 s). Off by default (0: chunks of chunked_prefill_size): the pace takes a step's cost as linear in "
+        "its tokens, and where a forward's fixed part is most of a small step (a loaded CPU) its chunks "
+        "shrink to 16 tokens and prefill throughput falls several-fold. Colocated workers do not pace "
+        "(docs/design/selective-pd.md)",
     )
     continuation_forward_tokens: int = Field(
         0,

@@ -7,7 +7,7 @@ prompt and its ``new_token_ratio`` reservation within the headroom left by the r
 the transfers in flight) and hands out its chunks: each step's chunk is at most
 ``chunked_prefill_size`` tokens, and with ``mixed_batches`` what ``max_num_batched_tokens`` leaves
 after the decode rows (``prefill_budget``), and what the step's time budget allows
-(``local_prefill_step_s``, ``engine.scheduler.chunk_pace``: the chunk is sized from the rate of the
+(``prefill_step_s``, ``engine.scheduler.chunk_pace``: the chunk is sized from the rate of the
 steps timed so far), so the decode batch's stall per step is bounded, and so is the wait of a
 control message (a role switch, a drain, an abort) read between two steps. The
 decode worker runs the chunk in the same forward as its decode rows (mixed batches) or as an
@@ -21,10 +21,9 @@ Counters: ``decisions`` (per ``LocalPrefillReason``: ``pdserve_local_prefill_tot
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 
 from cache.kv_budget import PageBudget
 from cache.kv_manager import KVManager
@@ -52,8 +51,7 @@ class LocalPrefillQueue:
         self.policy, self.cfg, self.kv, self.stats = policy, cfg, kv, stats
         self.budget = PageBudget(kv)
         self.admission = Admission(cfg, kv, stats)
-        self.pace = ChunkPace(cfg.local_prefill_step_s)
-        self.clock: Callable[[], float] = time.perf_counter
+        self.pace = ChunkPace(cfg.prefill_step_s)
         self.waiting: deque[Request] = deque()
         self._suffix: dict[str, int] = {}  # rid -> uncached prompt tokens when taken, while waiting
         self.decisions: dict[LocalPrefillReason, int] = dict.fromkeys(LocalPrefillReason, 0)
@@ -173,13 +171,10 @@ class LocalPrefillQueue:
             self.stats.mixed_steps += bool(rows) and self.cfg.mixed_batches
         return items
 
-    @contextmanager
-    def timing(self, items: list[ExtendItem], rows: int) -> Iterator[None]:
-        """Times the forward run inside it (``items`` beside ``rows`` decode rows, by ``clock``):
-        the pace of the next chunks."""
-        t0 = self.clock()
-        yield
-        self.pace.observe(sum(i.length for i in items), rows, self.clock() - t0)
+    def timing(self, items: list[ExtendItem], rows: int) -> AbstractContextManager[None]:
+        """Times the forward run inside it (``items`` beside ``rows`` decode rows, by the pace's
+        ``clock``): the pace of the next chunks."""
+        return self.pace.timing(sum(i.length for i in items), rows)
 
     def discard(self, req: Request) -> None:
         """``req`` ended (abort): it leaves the queue or stops being chunked."""

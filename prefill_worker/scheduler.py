@@ -44,6 +44,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Phase, Request
 from engine.scheduler.admission import Admission
 from engine.scheduler.base import Outcome, RequestRejected, Snapshot, WorkerScheduler, sampler_state
+from engine.scheduler.chunk_pace import ChunkPace
 from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.step_report import StepReport
@@ -104,6 +105,7 @@ class PrefillScheduler(WorkerScheduler):
         self.model_name = model_name
         self.admission = Admission(cfg.scheduler, self.kv, self.stats, reserve_decode=False)
         self.executor = BatchExecutor(runner, (), self.kv)
+        self.pace = ChunkPace(cfg.scheduler.prefill_step_s)
         self.sender = sender
         self.bootstrapping: deque[Request] = deque()  # prompts whose decode destination has not come
         self.waiting: deque[Request] = deque()  # destination reserved: prefilled in this order
@@ -244,15 +246,20 @@ class PrefillScheduler(WorkerScheduler):
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def step(self) -> StepReport:
-        """Finish landed writes (``settle``), prefill one batch, start the writes it made possible."""
+        """Finish landed writes (``settle``), prefill one batch (sized by ``prefill_step_s``, ``ChunkPace``:
+        a withdrawal or a drain read between steps waits for one), start the writes it made possible."""
         report = self.settle()
         out = report.outbox
-        items = self.admission.select(admissible(self), (), 0.0)
+        items = self.admission.select(
+            admissible(self), (), 0.0, self.pace.tokens(self.cfg.scheduler.chunked_prefill_size, 0)
+        )
         if items:
+            n = sum(i.length for i in items)
             self.stats.extend_steps += 1
-            self.stats.prefill_computed_tokens += sum(i.length for i in items)
+            self.stats.prefill_computed_tokens += n
             t0 = time.perf_counter()
-            deltas = self.executor.extend(items)
+            with self.pace.timing(n, 0):  # the next chunks' size (prefill_step_s)
+                deltas = self.executor.extend(items)
             # wall seconds of prefill forwards, counted with their tokens: the planner's prefill speed
             # (one batch counted once, however many prompts share it)
             self.stats.prefill_compute_seconds += time.perf_counter() - t0

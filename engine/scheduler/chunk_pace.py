@@ -18,7 +18,10 @@ ones before it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 PROBE_TOKENS = 64  # the first chunk, before any step was timed
 MIN_TOKENS = 16  # the smallest chunk, and the multiple chunks are rounded down to
@@ -28,13 +31,15 @@ RATE_WEIGHT = 0.5  # weight of the latest step in the average rate (a shared hos
 @dataclass
 class ChunkPace:
     """The prefill token budget of the next step (``tokens``) from the timed steps so far
-    (``observe``). ``step_s`` 0: off, every step gets its cap. ``rate``: rows per second, None
-    until a step with prefill was timed."""
+    (``observe``, or ``timing`` around a forward). ``step_s`` 0: off, every step gets its cap.
+    ``rate``: rows per second, None until a step with prefill was timed. ``clock``: what
+    ``timing`` reads (a test's simulated host sets its own)."""
 
     step_s: float
     min_tokens: int = MIN_TOKENS
     probe_tokens: int = PROBE_TOKENS
     rate: float | None = None
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
 
     def tokens(self, cap: int, rows: int) -> int:
         """Prefill tokens for a step with ``rows`` decode rows whose token cap is ``cap``."""
@@ -51,3 +56,11 @@ class ChunkPace:
             return
         rate = (tokens + rows) / seconds
         self.rate = rate if self.rate is None else RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.rate
+
+    @contextmanager
+    def timing(self, tokens: int, rows: int) -> Iterator[None]:
+        """Times the forward run inside it (``tokens`` prefill tokens beside ``rows`` decode rows,
+        by ``clock``) and ``observe``s it: the pace of the next chunks."""
+        t0 = self.clock()
+        yield
+        self.observe(tokens, rows, self.clock() - t0)

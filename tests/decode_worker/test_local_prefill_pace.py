@@ -1,4 +1,4 @@
-"""A decode worker's own prefill is cut into chunks that fit ``local_prefill_step_s`` at the rate its
+"""A decode worker's own prefill is cut into chunks that fit ``prefill_step_s`` at the rate its
 steps were measured at (``engine.scheduler.chunk_pace``), so a role switch that arrives during a
 long local prefill waits for one short chunk at most: the worker loop reads control messages
 between two steps. In one process (1 prefill + 2 decode workers, loopback transports, the tiny
@@ -40,7 +40,7 @@ class SlowHost:
             return mixed(rows, items)
 
         d.executor.mixed = timed
-        d.local.clock = lambda: self.now
+        d.local.pace.clock = lambda: self.now
 
     def longest_step_s(self) -> float:
         return max(self.chunks) / RATE
@@ -48,7 +48,7 @@ class SlowHost:
 
 def _d1(step_s: float):
     """d1: prefills prompts up to 512 tokens itself, switchable (a migration path that moves nothing on its own)."""
-    c = pd_cfg(local_prefill_step_s=step_s)
+    c = pd_cfg(prefill_step_s=step_s)
     c.cluster.local_prefill_max_tokens = 512
     c.cluster.local_prefill_backlog_ratio = 0.0
     c.cluster.migrate_after = "100000"

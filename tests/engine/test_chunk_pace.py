@@ -46,3 +46,12 @@ def test_the_rate_follows_the_latest_steps():
     for _ in range(20):
         pace.observe(40, 0, 1.0)
     assert pace.tokens(512, 0) == 32
+
+
+def test_timing_observes_the_forward_it_wraps_by_its_clock():
+    now = [10.0]
+    pace = ChunkPace(0.5, clock=lambda: now[0])
+    with pace.timing(200, 56):
+        now[0] += 2.0  # the forward: 256 rows in 2 s
+    assert pace.rate == pytest.approx(128.0)
+    assert pace.tokens(512, 0) == 64  # 128 rows/s x 0.5 s
