@@ -9,18 +9,14 @@ outputs, paced or re-sent after the withdrawal, equal transformers."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from bench.harness.pd_harness import DECODE_CONN, PREFILL_ADDR, PDHarness, checked_harnesses
-from decode_worker.evacuate import release_unprefilled
+from bench.harness.pd_harness import PDHarness, checked_harnesses
 from engine.scheduler.chunk_pace import MIN_TOKENS, PROBE_TOKENS
 from prefill_worker.withdraw import RELEASED
-from server.worker.loop import worker_stats
 from tests.support.models import hf_greedy
 from tests.support.pd import GREEDY, pd_cfg, pd_prompts
-from transfer.wire.outbox import Conn
+from tests.support.withdraw import ask_back, reserve
 from transfer.wire.protocol import PrefillFailed
 
 pytestmark = pytest.mark.unit
@@ -66,32 +62,6 @@ def harness(tiny):
     )
 
 
-def _reserved(h: PDHarness, rid: str) -> None:
-    """Submit ``rid`` and run decode turns alone until its destination reached the prefill worker."""
-    h.submit(rid, PROMPT, GREEDY)
-    for _ in range(20):
-        stats = worker_stats(h.prefill, "p0", "harness", "m")
-        h.deliver(h.decode.peer_heartbeat(PREFILL_ADDR, stats, time.monotonic()), True)
-        h.deliver(h.decode_turns.run().outbox, True)
-        h._exchange()
-        job = next(iter(h.prefill.jobs.values()), None)
-        if job is not None and job.dest is not None:
-            return
-    raise AssertionError("no destination reached the prefill worker")
-
-
-def _withdraw(h: PDHarness) -> list:
-    """The decode side takes back what it may (as when it switches role); the prefill side's answers."""
-    h.deliver(release_unprefilled(h.decode), True)
-    answers = []
-    while h.to_prefill:
-        msg, frames = h.to_prefill.pop(0)
-        out = h.prefill.handle(Conn(DECODE_CONN), msg, frames)
-        answers += [m.msg for m in out.messages]
-        h.deliver(out, False)
-    return answers
-
-
 @pytest.mark.slow
 def test_paced_chunks_fit_the_step_budget_and_outputs_equal_transformers(harness, tiny):
     h = harness(STEP_S)
@@ -108,14 +78,14 @@ def test_paced_chunks_fit_the_step_budget_and_outputs_equal_transformers(harness
 def test_a_withdrawal_during_a_long_prompt_is_answered_after_one_paced_chunk(harness, tiny):
     h = harness(STEP_S)
     host = SlowHost(h.prefill, RATE)
-    _reserved(h, "r")
+    reserve(h, "r", PROMPT, GREEDY)
     while not (h.prefill.admission.chunked is not None and len(host.chunks) >= 3):
         h.step()  # the probe, then paced chunks: the prompt is part computed
     job = h.prefill.jobs[(1, 0)]
     assert 0 < job.req.kv_len < len(PROMPT) and not job.writing
     arrived = host.now  # the withdrawal comes as the next step starts: the longest it can wait
     h.step()
-    [answer] = _withdraw(h)  # read between two steps
+    [answer] = ask_back(h)  # read between two steps
     assert answer == PrefillFailed(rid="r", room=1, generation=0, error=RELEASED, error_status=503)
     assert host.now - arrived == pytest.approx(MIN_TOKENS / RATE) and MIN_TOKENS / RATE <= STEP_S  # one paced chunk
     [d] = h._exchange()

@@ -18,17 +18,14 @@ Every run ends with both pools' invariant (free + used + cached == total) and no
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from bench.harness.pd_harness import DECODE_CONN, PREFILL_ADDR, PDHarness, checked_harnesses
-from decode_worker.evacuate import release_unprefilled
+from bench.harness.pd_harness import DECODE_CONN, PDHarness, checked_harnesses
 from prefill_worker.bootstrap import WITHDRAWN, EarlyDestination
 from prefill_worker.withdraw import RELEASED, withdraw
-from server.worker.loop import worker_stats
 from tests.support.models import hf_greedy
 from tests.support.pd import GREEDY, pd_cfg, pd_prompts
+from tests.support.withdraw import ask_back, reserve
 from transfer.wire.outbox import Conn
 from transfer.wire.protocol import KVDestination, PrefillFailed, PrefillWithdrawn
 
@@ -44,42 +41,15 @@ def harness(tiny):
     )
 
 
-def _reserved(h: PDHarness, rid: str) -> None:
-    """Submit ``rid`` and run decode turns alone until its destination reached the prefill worker
-    (its pages reserved): the prefill worker has not computed anything of it."""
-    h.submit(rid, PROMPT, GREEDY)
-    for _ in range(20):
-        stats = worker_stats(h.prefill, "p0", "harness", "m")
-        h.deliver(h.decode.peer_heartbeat(PREFILL_ADDR, stats, time.monotonic()), True)
-        h.deliver(h.decode_turns.run().outbox, True)
-        h._exchange()
-        job = next(iter(h.prefill.jobs.values()), None)
-        if job is not None and job.dest is not None:
-            return
-    raise AssertionError("no destination reached the prefill worker")
-
-
 def _started(h: PDHarness, rid: str = "r") -> None:
     """Submit ``rid`` and run prefill turns until its prompt is part computed (the chunked one)."""
-    _reserved(h, rid)
+    reserve(h, rid, PROMPT, GREEDY)
     for _ in range(10):
         h.step()
         chunked = h.prefill.admission.chunked
         if chunked is not None and chunked.rid == rid:
             return
     raise AssertionError("the prompt never became the chunked one")
-
-
-def _ask_back(h: PDHarness) -> list:
-    """The decode side asks back what it may (as when it switches); the prefill side's answers."""
-    h.deliver(release_unprefilled(h.decode), True)
-    answers = []
-    while h.to_prefill:
-        msg, frames = h.to_prefill.pop(0)
-        out = h.prefill.handle(Conn(DECODE_CONN), msg, frames)
-        answers += [m.msg for m in out.messages]
-        h.deliver(out, False)
-    return answers
 
 
 def _pages(h: PDHarness, rid: str) -> int:
@@ -93,9 +63,9 @@ def _released_answer(rid: str, room: int = 1) -> PrefillFailed:
 
 def test_not_started_is_answered_at_once(harness):
     h = harness()
-    _reserved(h, "a")
+    reserve(h, "a", PROMPT, GREEDY)
     assert h.prefill.waiting
-    assert _ask_back(h) == [_released_answer("a")]
+    assert ask_back(h) == [_released_answer("a")]
     assert not h.prefill.jobs and h.prefill.withdrawn == 1
     deltas = h._exchange()
     [d] = deltas
@@ -114,7 +84,7 @@ def test_computing_is_answered_at_once_and_computed_into_the_cache(harness, tiny
     h.prefill.sender.start = lambda job, *a: (written.append(job.req.rid), start(job, *a))[1]
     held = _pages(h, "r")
     assert held > 0
-    assert _ask_back(h) == [_released_answer("r")]  # at once: nothing was or will be written
+    assert ask_back(h) == [_released_answer("r")]  # at once: nothing was or will be written
     assert _pages(h, "r") == held  # freed only on the answer, which is queued for the decode side
     [d] = h._exchange()
     assert d.handed_back and d.error_status == 503 and not h.decode.jobs
@@ -135,7 +105,7 @@ def test_computing_is_answered_at_once_and_computed_into_the_cache(harness, tiny
 @pytest.mark.parametrize("seen_first", ["answer", "landing"])
 def test_writing_is_answered_once_the_write_ended(harness, tiny, seen_first):
     h = harness()
-    _reserved(h, "w")
+    reserve(h, "w", PROMPT, GREEDY)
     job = None
     for _ in range(10):  # prefill turns alone, until the write is posted (it ends at the next settle)
         h.deliver(h.prefill_turns.run().outbox, False)
@@ -145,7 +115,7 @@ def test_writing_is_answered_once_the_write_ended(harness, tiny, seen_first):
     assert job is not None and job.writing
     h._exchange()  # KVWriteStarted: the decode side polls for the landing from now on
     held = _pages(h, "w")
-    assert _ask_back(h) == []  # no answer while the write is under way
+    assert ask_back(h) == []  # no answer while the write is under way
     assert job.released and _pages(h, "w") == held
     if seen_first == "landing":
         deltas = h.deliver(h.decode_turns.run().outbox, True)  # the KV landed: nothing more is written
