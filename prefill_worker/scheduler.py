@@ -257,12 +257,13 @@ class PrefillScheduler(WorkerScheduler):
             n = sum(i.length for i in items)
             self.stats.extend_steps += 1
             self.stats.prefill_computed_tokens += n
-            t0 = time.perf_counter()
-            with self.pace.timing(n, 0):  # the next chunks' size (prefill_step_s)
-                deltas = self.executor.extend(items)
+            t0 = self.pace.clock()
+            deltas = self.executor.extend(items)
+            seconds = self.pace.clock() - t0
+            self.pace.observe(n, 0, seconds)  # the next chunks' size (prefill_step_s)
             # wall seconds of prefill forwards, counted with their tokens: the planner's prefill speed
             # (one batch counted once, however many prompts share it)
-            self.stats.prefill_compute_seconds += time.perf_counter() - t0
+            self.stats.prefill_compute_seconds += seconds
             for req, delta in deltas:
                 job = self.by_req[id(req)]
                 if job.released:  # its decode worker took it back while computed: KV to the cache, no write
