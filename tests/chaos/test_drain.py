@@ -37,6 +37,8 @@ ARGS = [
     "4",
     "--drain-timeout-s",
     "60",
+    "--local-prefill-backlog-ratio",
+    "0",  # prompts stay on the prefill workers (a decode worker would take queued ones off them)
 ]
 PROMPTS = [(f"drain test prompt number {i} " + "river stone light " * (i % 5 + 1), 40) for i in range(16)]
 
@@ -108,7 +110,14 @@ def test_admin_drain_under_load_fails_no_request(cluster):
 
 
 def test_sigterm_drains_a_prefill_worker_under_load(cluster):
-    outcomes, pid = _drain_under_load(cluster, "prefill-0", lambda p: os.kill(p, signal.SIGTERM), after_s=0.3)
+    def sigterm_once_it_holds_work(pid: int) -> None:
+        deadline = time.monotonic() + 30
+        while cluster.counter("pdserve_router_outstanding_tokens", worker="prefill-0") == 0:
+            assert time.monotonic() < deadline, "the router sent prefill-0 nothing"
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGTERM)
+
+    outcomes, pid = _drain_under_load(cluster, "prefill-0", sigterm_once_it_holds_work, after_s=0.0)
     _check_all_served(outcomes)
     held = re.findall(r"worker prefill-0 is draining \((\d+) request", cluster.server.log())
     assert held and int(held[0]) > 0, f"prefill-0 held nothing when it drained: {held}"  # the test tests a drain

@@ -97,8 +97,12 @@ def test_router_b_sees_router_a_requests_through_the_workers(parts):
     busy = next(d for d in before if routed_tokens(a.url, d) > before[d])
     time.sleep(1.0)  # a few heartbeats: B's view of the workers includes A's request
     mid = {d: routed_tokens(b.url, d) for d in before}
-    asyncio.run(run_load(b.url, [("a short one", 8)]))
-    got = [d for d in before if routed_tokens(b.url, d) > mid[d]]
+    outcome = asyncio.run(run_load(b.url, [("a short one", 8)]))[0]
+    assert outcome.status == 200 and not outcome.error, (outcome.status, outcome.error)
+    deadline = time.monotonic() + 10
+    while not (got := [d for d in before if routed_tokens(b.url, d) > mid[d]]):  # B sees it a heartbeat later
+        assert time.monotonic() < deadline, "router B never saw its own request's prompt tokens on a worker"
+        time.sleep(0.1)
     long_a.join(120)
     assert got and busy not in got, (busy, got)
 
