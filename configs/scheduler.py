@@ -43,15 +43,16 @@ class SchedulerConfig(BaseModel):
         0.0,
         ge=0,
         description="prefill workers, and a decode worker's own prefill (selective disaggregation): each step's "
-        "chunk is sized from the measured rate of the worker's recent prefill steps so that the step, decode "
-        "rows included, takes about this long (at least 16 tokens, at most chunked_prefill_size and the mixed "
-        "budget; the first chunk 64 tokens), so a fast host keeps chunks of chunked_prefill_size. A worker "
-        "reads its control messages (a role switch, a withdrawal, a drain, an abort) between steps, so on a "
-        "slow or shared CPU this bounds their wait behind a long prompt (e.g. 0.5 for role switches within "
-        "2 s). Off by default (0: chunks of chunked_prefill_size): the pace takes a step's cost as linear in "
-        "its tokens, and where a forward's fixed part is most of a small step (a loaded CPU) its chunks "
-        "shrink to 16 tokens and prefill throughput falls several-fold. Colocated workers do not pace "
-        "(docs/design/selective-pd.md)",
+        "chunk is sized from a step cost fitted to the worker's recent prefill steps (a fixed part plus a "
+        "cost per row, decode rows included) so that the step takes about this long, but never so small "
+        "that the fixed part is over half of a step (where it is large, as on a loaded CPU, steps take "
+        "longer than this and at least half of each computes rows); at least 16 tokens, at most "
+        "chunked_prefill_size and the mixed budget, the first chunk 64 tokens, so a fast host keeps chunks "
+        "of chunked_prefill_size. A worker reads its control messages (a role switch, a withdrawal, a "
+        "drain, an abort) between steps, so on a slow or shared CPU this bounds their wait behind a long "
+        "prompt (e.g. 0.5 for role switches within 2 s). Off by default (0: chunks of "
+        "chunked_prefill_size): paced chunks cost prefill throughput on a loaded CPU "
+        "(docs/design/role-switch.md#measured). Colocated workers do not pace (docs/design/selective-pd.md)",
     )
     continuation_forward_tokens: int = Field(
         0,
@@ -85,11 +86,13 @@ class SchedulerConfig(BaseModel):
         "step that had work (a slow, oversubscribed machine)",
     )
     enable_radix_cache: bool = Field(True, description="reuse cached prompt prefixes")
-    speculative_method: Literal["ngram"] | None = Field(
-        None,
-        description="speculative decoding (colocated and decode workers): ngram drafts up to num_speculative_tokens "
-        "tokens per decoding request from its own prompt + output (longest suffix match) and verifies them "
-        "in one step; outputs are identical to decoding without it (docs/design/speculative.md). Unset: off",
+    speculative_method: Literal["ngram", "off"] = Field(
+        "ngram",
+        description="speculative decoding (colocated and decode workers): ngram (default) drafts up to "
+        "num_speculative_tokens tokens per decoding request from its own prompt + output (longest suffix match) "
+        "and verifies them in one step, drafting only where the measured step cost says a draft pays; outputs "
+        "are identical to decoding without it (docs/design/speculative.md). off: every step decodes one token "
+        "per request",
     )
     num_speculative_tokens: int = Field(
         4, ge=1, le=32, description="speculative decoding: most draft tokens verified per request and step"

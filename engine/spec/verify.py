@@ -273,7 +273,7 @@ class NgramSpeculator:
 
 
 def speculator_for(cfg: SchedulerConfig, kv: KVManager, max_model_len: int) -> NgramSpeculator | None:
-    """The speculator ``cfg.speculative_method`` asks for, or None (off: the plain decode path)."""
+    """The speculator ``cfg.speculative_method`` asks for, or None (``off``: the plain decode path)."""
     if cfg.speculative_method != "ngram":
         return None
     k = cfg.num_speculative_tokens

@@ -104,7 +104,8 @@ def test_launch_flags():
         "--no-y",
     ]
     argv = launch_argv("pd", ["--kv-pool-tokens", "64"])
-    assert argv[:4] == ["--mode", "pd", "--port", "0"] and argv[-2:] == ["--kv-pool-tokens", "64"]
+    assert argv[:6] == ["--mode", "pd", "--speculative-method", "off", "--port", "0"]
+    assert argv[-2:] == ["--kv-pool-tokens", "64"]
 
 
 def _record(target, conc, ttft_ms, tpot_ms, tok_s):

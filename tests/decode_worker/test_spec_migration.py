@@ -17,7 +17,7 @@ from bench.harness.pd_harness import checked_harnesses
 from configs.schema import PdserveConfig
 from tests.decode_worker.test_migration import cfg
 from tests.decode_worker.test_spec_pd_swa import check_swa_rows
-from tests.engine.test_spec_identity import LOOPING, SPEC
+from tests.engine.test_spec_identity import LOOPING, PLAIN, SPEC
 from tests.support.migration_harness import MigrationHarness
 from tests.support.swa import PAGE, hf_reference
 from transfer.wire.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ MAX_NEW = 24
 @pytest.fixture
 def harness(tiny, swa_model):
     def build(spec: bool, swa: bool = False):
-        s = SPEC if spec else {}
+        s = SPEC if spec else PLAIN
         if swa:  # the window-8 hybrid: d1's pools of 18 full and 12 SWA pages
             model = swa_model
             d1 = swa_cfg(pool=72, swa=48, migrate_after="1", init_new_token_ratio=0.1, **s)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from bench.harness.pd_harness import PREFILL_ADDR, ROUTER, PDHarness, checked_harnesses
-from tests.engine.test_spec_identity import SPEC, assert_same, greedy, repeating_prompts
+from tests.engine.test_spec_identity import PLAIN, SPEC, assert_same, greedy, repeating_prompts
 from tests.support.metrics_scrape import scrape, val
 from tests.support.models import hf_greedy
 from tests.support.pd import pd_cfg
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # PD pairs in one process, each scenario run twic
 @pytest.fixture
 def harness(tiny):
     def build(spec: bool, local: int = 0, **d):
-        cfg_d = pd_cfg(**d, **(SPEC if spec else {}))
+        cfg_d = pd_cfg(**d, **(SPEC if spec else PLAIN))
         cfg_d.cluster.local_prefill_max_tokens = local  # prompts up to this long prefilled on the decode worker
         cfg_d.cluster.local_prefill_backlog_ratio = 0.0
         return PDHarness(pd_cfg(), cfg_d, tiny[0], tiny[1])

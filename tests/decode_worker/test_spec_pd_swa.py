@@ -14,7 +14,7 @@ from bench.harness.pd_harness import PDHarness, checked_harnesses
 from cache.swa_window import NO_PAGE
 from tests.decode_worker.test_spec_pd import drain
 from tests.e2e.test_swa_pd import cfg
-from tests.engine.test_spec_identity import SPEC, assert_same, greedy
+from tests.engine.test_spec_identity import PLAIN, SPEC, assert_same, greedy
 from tests.support.swa import PAGE, hf_reference, swa_prompts
 
 pytestmark = pytest.mark.slow  # PD pairs in one process, each scenario run twice
@@ -26,7 +26,7 @@ MAX_NEW = 20
 def harness(swa_model):
     def build(spec: bool, **d):
         p = cfg()
-        return PDHarness(p, cfg(swa=128, **d, **(SPEC if spec else {})), swa_model[0], swa_model[1], eos=(96,))
+        return PDHarness(p, cfg(swa=128, **d, **(SPEC if spec else PLAIN)), swa_model[0], swa_model[1], eos=(96,))
 
     yield from checked_harnesses(build)
 

@@ -29,6 +29,9 @@ LONG = {
     "temperature": 0,
     "ignore_eos": True,
 }  # two fit the pool (ignore_eos reserves all)
+# LONG must outlast REQUEST_TIMEOUT_S on any host: one token per step (its greedy text repeats, so n-gram
+# drafts would emit several) and a pause after each step, 450 steps of at least STEP_DELAY_S
+STEP_DELAY_S = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,10 @@ def server(launched_server):
         str(WORKER_TIMEOUT_S),
         "--request-timeout-s",
         str(REQUEST_TIMEOUT_S),
+        "--speculative-method",
+        "off",
+        "--test-step-delay-s",
+        str(STEP_DELAY_S),
         "--log-level",
         "WARNING",
     )

@@ -163,9 +163,22 @@ def test_skewed_load_migrates_retracted_requests(launched_server_per_test, embed
     m = scrape_metrics(srv.url)
     assert {w: metric_sum(m, "pdserve_kv_pool_capacity_pages", worker=w) for w in pools} == pools
     if backend == "ucxx":  # prompt + 400 tokens fit decode-1's pool, not decode-0's: routed there, not refused
-        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=600)
-        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompts[0], max_tokens=400, temperature=0)
-        assert 24 * 16 < r.usage.prompt_tokens + 400 <= 48 * 16 and r.usage.completion_tokens > 0
+        assert 24 * 16 < results[0][1].prompt_tokens + 400 <= 48 * 16
+        decoded = metric_sum(m, "pdserve_generation_tokens_total", worker="decode-1")
+        first_token_then_close(srv.url, prompts[0], 400)
+        m = wait_idle(srv.url, HEARTBEAT_S)
+        assert metric_sum(m, "pdserve_generation_tokens_total", worker="decode-1") > decoded
+        assert metric_sum(m, "pdserve_kv_pool_pages", worker="decode-1", state="used") == 0
+
+
+def first_token_then_close(url: str, prompt: str, max_tokens: int) -> None:
+    """A streamed greedy completion admitted for ``max_tokens``: its first token, then the stream
+    closed (the router aborts the rest)."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    with c.completions.create(
+        model=c.models.list().data[0].id, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+    ) as stream:
+        assert next(c.text for c in (chunk.choices[0] for chunk in stream if chunk.choices) if c.text)
 
 
 def wait_connected(url: str, timeout_s: float = 30.0) -> None:

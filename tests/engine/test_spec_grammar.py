@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine.llm import LLM
-from tests.engine.test_spec_identity import SPEC
+from tests.engine.test_spec_identity import PLAIN, SPEC
 from tests.support.models import engine_cfg, sched_cfg
 from transfer.wire.sampling_params import SamplingParams, StructuredOutput
 
@@ -27,7 +27,7 @@ RECORD = '{"name": "Margaret Hamilton", "city": "Cambridge Massachusetts", "age"
 
 def generate(embedded, spec: bool, params: list[SamplingParams]):
     cfg, weights, tok, _ = embedded
-    llm = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(**(SPEC if spec else {})), loaded=(cfg, weights, tok))
+    llm = LLM(engine_cfg(kv_pool_tokens=4096), sched_cfg(**(SPEC if spec else PLAIN)), loaded=(cfg, weights, tok))
     prompt = llm.encode_prompt(f"Copy this JSON record exactly, as JSON:\n{RECORD}")
     outs = llm.generate_ids([prompt] * len(params), params)
     sched = llm.scheduler
@@ -86,7 +86,7 @@ def test_json_schema_rows_draft_on_a_pd_decode_worker(embedded):
     prompt = LLM(engine_cfg(kv_pool_tokens=256), sched_cfg(), loaded=(cfg, weights, tok)).encode_prompt(
         f"Copy this JSON record exactly, as JSON:\n{RECORD}"
     )
-    cfgs = [pd_cfg(pool=1024, page=16, **(SPEC if spec else {})) for spec in (False, True)]
+    cfgs = [pd_cfg(pool=1024, page=16, **(SPEC if spec else PLAIN)) for spec in (False, True)]
     for c in cfgs:
         c.engine.model = str(path)
     h = PDHarness(cfgs[0], cfgs[1], cfg, weights, eos=tuple(sched.executor.eos))

@@ -18,12 +18,13 @@ from transfer.wire.sampling_params import SamplingParams
 
 EOS = 96
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+PLAIN = dict(speculative_method="off")  # the reference: every step decodes one token per request
 
 
 def make(model, spec: bool, page_size=4, kv_pool_tokens=4096, eos=(EOS,), **kw) -> ColocatedScheduler:
     cfg, weights = model[0], model[1]
     runner = ModelRunner(engine_cfg(kv_pool_tokens=kv_pool_tokens, page_size=page_size), cfg, weights)
-    return ColocatedScheduler(runner, sched_cfg(**(SPEC if spec else {}), **kw), eos)
+    return ColocatedScheduler(runner, sched_cfg(**(SPEC if spec else PLAIN), **kw), eos)
 
 
 def run(sched: ColocatedScheduler, jobs: list[tuple[list[int], SamplingParams]]) -> dict:
@@ -251,4 +252,4 @@ def test_sliding_window_hybrid_identical_and_matches_hf(swa_model):
 def make_swa(swa_model, spec: bool, page_size: int, kv_pool_tokens: int) -> ColocatedScheduler:
     cfg, weights, _ = swa_model
     eng = engine_cfg(kv_pool_tokens=kv_pool_tokens, page_size=page_size, swa_pool_tokens=64)
-    return ColocatedScheduler(ModelRunner(eng, cfg, weights), sched_cfg(**(SPEC if spec else {})), (EOS,))
+    return ColocatedScheduler(ModelRunner(eng, cfg, weights), sched_cfg(**(SPEC if spec else PLAIN)), (EOS,))

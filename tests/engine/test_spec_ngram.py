@@ -65,10 +65,11 @@ def test_incremental_equals_brute_force(seed):
         assert ix.propose(k) == brute_force(ix.tokens, n_min, n_max, k)
 
 
-def test_config_fields_off_by_default_and_checked():
+def test_config_fields_on_by_default_and_checked():
     from configs.scheduler import SchedulerConfig
 
-    assert SchedulerConfig().speculative_method is None
+    assert SchedulerConfig().speculative_method == "ngram"
+    assert SchedulerConfig(speculative_method="off").speculative_method == "off"
     cfg = SchedulerConfig(speculative_method="ngram", num_speculative_tokens=3, ngram_min=2, ngram_max=5)
     assert (cfg.num_speculative_tokens, cfg.ngram_min, cfg.ngram_max) == (3, 2, 5)
     with pytest.raises(ValueError, match="ngram_min"):
