@@ -22,7 +22,7 @@ from cache.kv_manager import KVManager
 from cache.prefix_share import share_prefix
 from configs.schema import PdserveConfig
 from decode_worker.continuation import add_continuation
-from decode_worker.evacuate import release_unprefilled, released
+from decode_worker.evacuate import release_unprefilled, released, unprefilled
 from decode_worker.jobs import DecodeJob, DecodeState
 from decode_worker.local_prefill import LocalPrefillPolicy
 from decode_worker.local_queue import LocalPrefillQueue
@@ -187,7 +187,8 @@ class DecodeScheduler(WorkerScheduler):
         if isinstance(msg, PrefillFailed) and (job := self.transfers.failed(msg)) is not None:
             out = (out or Outbox()).extend(
                 released(self, job, msg.error)
-                if job.withdrawn and not job.answered and msg.error_status == 503
+                if (job.withdrawn and not job.answered and msg.error_status == 503)
+                or (msg.handed_back and unprefilled(job))
                 else self.finish(job, Outcome.abort(f"prefill failed: {msg.error}", msg.error_status))
             )
         return out

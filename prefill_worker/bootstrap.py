@@ -6,8 +6,8 @@ the decode worker at the same time, over different connections; the decode worke
 here until its ``PrefillRequest`` arrives (``claim``), or answered with ``PrefillFailed`` after
 ``GRACE_S`` (``expired``): the prompt takes the direct path, so one that is seconds behind its
 destination is lost, not late, and the decode side must get its pages back soon. A destination for a
-request this worker already ended is refused at once (``gone``): it remembers the last ``keep``
-ended rooms and why.
+request this worker already ended is refused at once (``gone``, ``refusal``): it remembers the last
+``keep`` ended rooms and why.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from prefill_worker.switch_away import SWITCHING_AWAY
 from transfer.wire.outbox import Conn
-from transfer.wire.protocol import KVDestination
+from transfer.wire.protocol import KVDestination, PrefillFailed
 
 Key = tuple[int, int]  # (room, generation)
 GRACE_S = 5.0
@@ -66,3 +67,19 @@ class BootstrapTable:
         """Monotonic time at which the oldest parked destination expires."""
         oldest = min((d.at for d in self.early.values()), default=None)
         return None if oldest is None else oldest + GRACE_S
+
+
+def refusal(msg: KVDestination, why: str) -> PrefillFailed:
+    """The answer to ``msg``, a destination for a request that ended here (``why``): nothing will be
+    written. One for a prompt a switching prefill worker gave back (``prefill_worker.switch_away``)
+    is marked handed back, as that prompt's own ``PrefillFailed`` was."""
+    back = why == SWITCHING_AWAY
+    error = f"prefill worker has no such request any more ({why})"
+    return PrefillFailed(
+        rid=msg.rid,
+        room=msg.room,
+        generation=msg.generation,
+        error=error,
+        error_status=503 if back else 500,
+        handed_back=back,
+    )

@@ -49,7 +49,7 @@ from engine.scheduler.executor import BatchExecutor
 from engine.scheduler.stats import TRANSFER_BUCKETS, Histogram
 from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
-from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination
+from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination, refusal
 from prefill_worker.kv_sender import KVSender
 from prefill_worker.withdraw import admissible, end_released, withdraw
 from transfer.wire.enums import Role
@@ -155,8 +155,7 @@ class PrefillScheduler(WorkerScheduler):
                 source.ident, TokenDelta.failed(msg.rid, f"duplicate room {msg.room} generation {msg.generation}", 400)
             )
             return out
-        # a recompute (generation > 0) only rebuilds KV: its sampled token is not used, so neither
-        # prompt logprobs nor the grammar (which the decode worker keeps) are needed
+        # a recompute (generation > 0) only rebuilds KV: no prompt logprobs, no grammar (the decode worker's)
         params = (
             msg.params
             if msg.generation == 0
@@ -194,15 +193,7 @@ class PrefillScheduler(WorkerScheduler):
             self.bootstrap.park(key, EarlyDestination(source, msg, (pages, swa)))  # came before its PrefillRequest
             return Outbox()
         if job is None:  # it ended here: tell the decode side nothing will come
-            return _reply(
-                source,
-                PrefillFailed(
-                    rid=msg.rid,
-                    room=msg.room,
-                    generation=msg.generation,
-                    error=f"prefill worker has no such request any more ({why})",
-                ),
-            )
+            return _reply(source, refusal(msg, why))
         job.dest_conn = source
         if msg.n_tokens != len(job.req.prompt_ids) or msg.decode_prefix_len % self.runner.page_size:
             return self.finish(
@@ -401,6 +392,7 @@ class PrefillScheduler(WorkerScheduler):
                     generation=job.generation,
                     error=outcome.error,
                     error_status=outcome.status,
+                    handed_back=outcome.handed_back,
                 ),
             )
         return out

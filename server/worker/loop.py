@@ -139,7 +139,7 @@ class WorkerLoop:
                 for addr, stats, at in self.pinger.take():
                     self.deliver(scheduler.peer_heartbeat(addr, stats, at))
                 if self.switcher is not None:
-                    self.switcher.before_turn(scheduler)
+                    self.deliver(self.switcher.before_turn(scheduler))
                 busy = scheduler.has_work
                 self._publish()
                 if busy and self.cores is not None:

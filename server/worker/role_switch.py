@@ -4,7 +4,9 @@ The worker loop (``server.worker.loop``) owns one ``RoleSwitcher``. On a ``Switc
 router, ``begin`` checks the switch and starts it: the worker takes nothing new (the router took it
 out of rotation first) and empties itself; a decode worker moves its running and parked requests
 to peer decode workers over the migration path (``decode_worker.evacuate``), a prefill worker
-finishes its prompts and their KV writes. ``before_turn`` runs the evacuation each turn;
+gives back the prompts whose KV it has not written (``prefill_worker.switch_away``: the router sends
+them to another pair) and finishes its KV writes under way and its recomputes. ``before_turn`` runs the evacuation
+or the hand-back each turn;
 ``after_turn`` sees the worker hold nothing (``held_rids``), retires the old scheduler (its radix
 cache evicted, so every KV page is free again; its transports closed) and builds the new role's
 scheduler over the same ``ModelRunner`` (``rebuild``): the pools are re-laid for the new role from
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from engine.scheduler.base import WorkerScheduler
 from transfer.wire.enums import Role
+from transfer.wire.outbox import Outbox
 from transfer.wire.protocol import RoleSwitched
 
 log = logging.getLogger(__name__)
@@ -68,12 +71,19 @@ class RoleSwitcher:
         log.warning("switching role %s -> %s: taking nothing new, moving out what is held", s.role, role)
         return None
 
-    def before_turn(self, s: WorkerScheduler) -> None:
-        """A decode worker's running requests leave its batch for migration."""
-        if self.pending is not None and s.role == Role.DECODE:
+    def before_turn(self, s: WorkerScheduler) -> Outbox:
+        """A decode worker's running requests leave its batch for migration; a prefill worker gives
+        back the prompts whose KV it has not written (``prefill_worker.switch_away``). The messages to send."""
+        if self.pending is None:
+            return Outbox()
+        if s.role == Role.DECODE:
             from decode_worker.evacuate import evacuate
 
             evacuate(s)
+            return Outbox()
+        from prefill_worker.switch_away import hand_back_unwritten
+
+        return hand_back_unwritten(s)
 
     def after_turn(self, s: WorkerScheduler) -> tuple[WorkerScheduler, RoleSwitched, bytes] | None:
         """None while the switch goes on (or none is under way); else (the scheduler to serve with,

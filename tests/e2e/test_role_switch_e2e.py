@@ -11,7 +11,7 @@ dashboard, open in headless Chromium throughout, draws decode-1's role timeline:
 after a decode one, a switch marker each way, and role switch tiles equal to ``/metrics``.
 
 Behind a prefill backlog: decode-1 waits for the KV of long prompts (their pages reserved) while
-prefill-0 computes the first, longest, of them in small chunks; decode-1 switches to
+prefill-0 computes the first, longest, of them in small, slowed chunks; decode-1 switches to
 prefill then. It waits for none of them, the one being computed included: each is handed back to the
 router, which sends it to decode-0 without using a retry (``--fresh-pair-retries 0``: one that used
 a retry would fail), prefill-0 computes the prompt under way into its radix cache and the re-send
@@ -174,7 +174,7 @@ BACKLOG_TOKENS = 8
 WORDS = "the of and to in is was for on that with as by at from his her it an are were which this be or".split()
 
 
-def backlog_prompts(n: int = 4, words: int = 600) -> list[str]:
+def backlog_prompts(n: int = 4, words: int = 200) -> list[str]:
     """``n`` long prompts that share no first token (a radix hit is a prompt's own), the first one
     four times as long: prefill-0 is still computing it when the switch comes."""
     starts = ["Story", "Letter", "Report", "Poem", "Song", "Essay"]
@@ -212,7 +212,9 @@ def test_switch_behind_a_prefill_backlog_waits_for_no_prompt(launched_server_per
         "--kv-pool-tokens",
         "8192",  # decode-1 reserves pages for the prompts at once
         "--chunked-prefill-size",
-        "16",  # the first prompt is still being computed (150 chunks) when the switch reaches prefill-0
+        "16",  # the first prompt is still being computed (~60 chunks) when the switch reaches prefill-0
+        "--test-step-delay-s",
+        "0.05",  # ... each of them at least this long
         "--fresh-pair-retries",
         "0",  # a hand-back that used a retry would fail its request
         "--local-prefill-backlog-ratio",

@@ -32,7 +32,6 @@ def reserve(h: PDHarness, rid: str, prompt: list[int], params) -> None:
         h.deliver(h.decode.peer_heartbeat(PREFILL_ADDR, stats, time.monotonic()), True)
         h.deliver(h.decode_turns.run().outbox, True)
         h._exchange()
-        job = next(iter(h.prefill.jobs.values()), None)
-        if job is not None and job.dest is not None:
+        if any(j.req.rid == rid and j.dest is not None for j in h.prefill.jobs.values()):
             return
     raise AssertionError("no destination reached the prefill worker")

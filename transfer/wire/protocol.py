@@ -129,13 +129,17 @@ class KVDestination(Message):
 
 
 class PrefillFailed(Message):
-    """Prefill -> decode: nothing was or will be written for this room/generation."""
+    """Prefill -> decode: nothing was or will be written for this room/generation. ``handed_back``:
+    the prefill worker is changing role and gives back a prompt whose KV it has not written; the decode worker
+    ends the request as handed back (``TokenDelta.handed_back``), so the router sends it again to
+    another pair without using a retry."""
 
     rid: str
     room: int
     generation: int
     error: str
     error_status: int = 500
+    handed_back: bool = False
 
 
 class PrefillWithdrawn(Message):
