@@ -230,6 +230,27 @@ def phase_table(requests: list[dict], slo: SLO) -> list[list]:
     return rows
 
 
+def phase_ceiling(phase_rows: list[list], rows: list[Outcome]) -> dict[str, tuple[int, float | None]]:
+    """Per trace with a static configuration: (requests meeting both SLOs had each phase kind run at
+    the static configuration that met most in it, that over the best static configuration's met
+    count). A planner that switched at no cost between the static splits would meet that many: on
+    a trace whose phases carry very different request counts it caps what any planner can gain.
+    ``phase_rows``: ``phase_table``'s rows; ``rows``: the outcomes (which are the planner's)."""
+    planners = {(r.trace, r.config) for r in rows if r.planner}
+    best: dict[tuple[str, str], int] = {}
+    for trace, config, kind, _, met, *_ in phase_rows:
+        if (trace, config) not in planners:
+            best[(trace, kind)] = max(best.get((trace, kind), 0), met)
+    ceiling: dict[str, int] = {}
+    for (trace, _), met in best.items():
+        ceiling[trace] = ceiling.get(trace, 0) + met
+    out = {}
+    for trace, met in ceiling.items():
+        static = max(r.met for r in rows if r.trace == trace and not r.planner)
+        out[trace] = (met, round(met / static, 3) if static else None)
+    return out
+
+
 def format_rows(columns: list[str], rows: list[list]) -> str:
     """``rows`` under ``columns`` as fixed-width text ("-" for no value)."""
     cells = [columns] + [["-" if v is None else str(v) for v in row] for row in rows]

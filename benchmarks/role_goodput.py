@@ -11,7 +11,9 @@ For each configuration of ``--configs`` (``1p2d``,
 ``2p1d``: static splits; ``planner``: ``--planner-start`` with ``--planner slo`` and the same SLOs)
 it launches a fresh server, warms it up, replays the trace and counts the requests that met both
 SLOs, then prints one table: goodput (req/s and share), TTFT/TPOT p50/p99, failed requests, role
-switches (``pdserve_role_switches_total``) and the planner's goodput over the best static one.
+switches (``pdserve_role_switches_total``) and the planner's goodput over the best static one; then
+the same per phase kind, and per trace what each phase kind at its better static split would meet
+(the most a planner switching between the splits can gain there).
 ``--steady KIND`` adds a trace of that phase kind only (same length) over ``--steady-configs``.
 The planner's evaluations (router log, INFO) of each planner run go to ``--planner-log``.
 ``--node-cpus X`` makes each worker a node of X cores (``pdserve launch --node-cpus``: a CPU-quota
@@ -201,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     print(bursty.format_table(table))
     phases = bursty.phase_table(raw, SLO(args.slo_ttft_ms, args.slo_tpot_ms))
     print(bursty.format_rows(bursty.PHASE_COLUMNS, phases))
+    ceiling = bursty.phase_ceiling(phases, rows)
+    for trace, (met, ratio) in ceiling.items():
+        print(f"{trace}: each phase kind at its better static split would meet {met} ({ratio}x the best static split)")
     if args.json:
         out = {
             "args": vars(args),
@@ -210,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             "columns": bursty.COLUMNS,
             "rows": table,
             "phase_rows": phases,
+            "phase_ceiling": ceiling,
             "requests": raw,
         }
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -49,6 +49,8 @@ def _queue_gauges(s) -> dict:
         # for cache-aware routing's local-prefill option (server/router/cache_routing.py)
         local_prefill_max_tokens=s.local.policy.max_tokens,
         local_prefill_backlog_tokens=s.local.backlog_tokens,
+        # for the SLO planner (server/router/planner.py): > 0, this worker prefills behind a backlog
+        local_prefill_backlog_ratio=s.local.policy.backlog_ratio,
         host_kv_pool_bytes_used=host.used_pages() * host.page_bytes if host else 0,
         host_kv_pool_bytes_free=host.num_free() * host.page_bytes if host else 0,
     )

@@ -163,6 +163,11 @@ class InflightTable:
         first token has not come yet (``Inflight.prefill``)."""
         return sum(e.prefill[1] for e in self._entries.values() if e.prefill is not None and e.prefill[0] == worker_id)
 
+    def oldest_first_token_wait(self, now: float) -> float:
+        """Seconds the longest-waiting request in flight has waited for its first token since it was
+        forwarded (``now`` on ``time.monotonic``'s clock); 0 when every one has its first token."""
+        return max((now - e.created for e in self._entries.values() if not e.streamed), default=0.0)
+
     def rids(self) -> list[str]:
         """Ids of every request in flight."""
         return list(self._entries)

@@ -7,16 +7,25 @@ the predictions it was made on, and the planner's next ``PlannerState``. It chan
 The model (``docs/design/planner.md``):
 
 - **TTFT** = the router's admission queue wait + the prefill backlog (prompt tokens the prefill
-  workers hold, not computed yet) / the prefill workers' summed speed (tokens/s) + a typical
-  prompt / one worker's speed (its own prefill). Queueing is in: a backlog twice as long predicts
-  twice the wait.
+  workers hold, not computed yet, and those decode workers hold for their own prefill) / the
+  summed prefill speed (tokens/s) + a typical prompt / one prefill worker's speed (its own
+  prefill). Queueing is in: a backlog twice as long predicts twice the wait. The summed speed
+  counts decode workers that prefill prompts themselves (selective disaggregation,
+  ``helper_speed``): at a prefill worker's speed when their policy would take a typical prompt
+  behind the current backlog, else at the rate they did over the view's window. Spare decode
+  capacity is prefill capacity already in use, and a decode worker that becomes a prefill worker
+  adds only what it was not giving yet. A request in flight that has waited longer for its first
+  token than predicted sets the TTFT instead: waits the model does not see (a decode worker's pool
+  full of running requests, where first tokens wait for pages) count as they happen.
 - **TPOT** = the longest decode step among the decode workers (each step yields one token per
   running request). Moving a decode worker away spreads its running requests over the others,
   whose step times grow affinely with rows (``step_at``: a fixed part worth ``STEP_FIXED_ROWS``
   rows plus a per-row part).
 
 Rules: TTFT over its SLO while TPOT is within it -> a decode worker becomes a prefill worker, if the
-TPOT predicted without it stays within ``headroom`` x its SLO; the reverse for TPOT. A TTFT
+TPOT predicted without it stays within ``headroom`` x its SLO and, as a prefill worker, it would add
+at least ``MIN_SPEED_GAIN`` of the summed prefill speed (a decode worker already prefilling at a
+prefill worker's pace adds nothing by switching); the reverse for TPOT. A TTFT
 violation while a decode worker holds more requests waiting for KV pages (its pool full of running
 requests) than requests awaiting their KV is decode-bound: the first tokens wait for decode room,
 not for prefill compute, so a prefill worker becomes a decode worker (no TTFT headroom check: TTFT
@@ -44,8 +53,11 @@ class WorkerView:
     ``batch`` (running requests), ``step_s`` (measured seconds per decode step; None: not
     measured, e.g. idle), ``awaiting`` (requests it holds that do not run yet: waiting for
     pages, for their KV from a prefill worker or for its own prefill; a switch away from decode
-    waits until each has landed and left) and ``page_waiting`` (those of them waiting for pages:
-    its pool is full)."""
+    waits until each has landed and left), ``page_waiting`` (those of them waiting for pages:
+    its pool is full), ``local_tps`` (prompt tokens it prefilled itself per second of the view's
+    window; None or 0: none), ``local_backlog`` (prompt tokens it holds for its own prefill, not
+    computed yet) and ``local_ratio`` (its ``--local-prefill-backlog-ratio``: > 0, it takes prompts
+    off a prefill backlog, ``decode_worker.local_prefill``)."""
 
     worker_id: str
     role: Role
@@ -55,18 +67,23 @@ class WorkerView:
     step_s: float | None = None
     awaiting: float = 0.0
     page_waiting: float = 0.0
+    local_tps: float | None = None
+    local_backlog: float = 0.0
+    local_ratio: float = 0.0
 
 
 @dataclass(frozen=True)
 class ClusterView:
     """The cluster at time ``now`` (monotonic s): its ready prefill and decode ``workers``, the
-    router's recent mean admission queue wait (s) and the recent mean prompt tokens computed per
-    request (uncached part)."""
+    router's recent mean admission queue wait (s), the recent mean prompt tokens computed per
+    request (uncached part) and the longest a request in flight has waited for its first token
+    since it was forwarded (s)."""
 
     now: float
     workers: tuple[WorkerView, ...]
     queue_wait_s: float = 0.0
     prompt_tokens: float = 0.0
+    first_token_wait_s: float = 0.0
 
     def of(self, role: Role) -> list[WorkerView]:
         """The workers of ``role``."""
@@ -111,18 +128,57 @@ class Decision:
     after_s: float | None = None  # the other metric predicted after the move (or the best candidate's)
 
 
-def predict_ttft(prefill: list[WorkerView], queue_wait_s: float, prompt_tokens: float) -> float | None:
+def predict_ttft(
+    prefill: list[WorkerView],
+    queue_wait_s: float,
+    prompt_tokens: float,
+    handed_tokens: float = 0.0,
+    helpers: list[WorkerView] = (),
+) -> float | None:
     """Queue wait + backlog / summed speed + one prompt / mean speed; None without a measured speed.
     A worker not measured yet (one that just became a prefill worker) counts at the mean measured
     speed: its backlog is in the sum, so leaving its speed out would predict its prompts at the
-    others' pace on top of their own."""
-    measured = [w.prefill_tps for w in prefill if w.prefill_tps]
-    if not measured:
+    others' pace on top of their own. ``handed_tokens``: the backlog of a prefill worker that leaves
+    (it gives back its prompts, ``prefill_worker.switch_away``), added to theirs. ``helpers``:
+    decode workers, whose own prefill (``helper_speed``, ``local_backlog``) adds to the speed and
+    the backlog."""
+    mean = mean_prefill_speed(prefill)
+    if mean is None:
         return None
-    mean = sum(measured) / len(measured)
+    queued = handed_tokens + sum(w.backlog_tokens for w in prefill)
     speed = sum(w.prefill_tps or mean for w in prefill)
-    backlog = sum(w.backlog_tokens for w in prefill)
+    speed += sum(helper_speeds(helpers, mean, queued, prompt_tokens).values())
+    backlog = queued + sum(h.local_backlog for h in helpers)
     return queue_wait_s + backlog / speed + prompt_tokens / mean
+
+
+def mean_prefill_speed(prefill: list[WorkerView]) -> float | None:
+    """The prefill workers' mean measured speed (tokens/s); None when none is measured."""
+    measured = [w.prefill_tps for w in prefill if w.prefill_tps]
+    return sum(measured) / len(measured) if measured else None
+
+
+def helper_speeds(decode: list[WorkerView], mean: float, queued: float, prompt_tokens: float) -> dict[str, float]:
+    """``helper_speed`` of each decode worker by id, each behind an even share of ``queued`` (the
+    prefill workers' backlog)."""
+    return {d.worker_id: helper_speed(d, mean, queued / len(decode), prompt_tokens) for d in decode}
+
+
+def helper_speed(d: WorkerView, mean: float, remote_backlog: float, prompt_tokens: float) -> float:
+    """The prefill speed decode worker ``d`` gives by prefilling prompts itself: ``mean`` (a prefill
+    worker's) while it holds prompts of its own to prefill (``local_backlog``: it computes them now)
+    or when its policy would take a typical prompt of ``prompt_tokens`` behind ``remote_backlog``
+    (its share of the prefill workers' backlog), the worker's own rule ``remote >= R * (own backlog
+    + prompt * (1 + rows))`` (``decode_worker.local_prefill``); else what it prefilled over the
+    window (``local_tps``). Its measured rate alone reads the policy's rationing (it takes a prompt
+    only once a backlog is there) as a lack of speed."""
+    measured = d.local_tps or 0.0
+    takes = d.local_ratio > 0 and prompt_tokens > 0
+    if d.local_backlog > 0 or (
+        takes and remote_backlog >= d.local_ratio * (d.local_backlog + prompt_tokens * (1 + d.batch))
+    ):
+        return max(measured, mean)
+    return measured
 
 
 def predict_tpot(decode: list[WorkerView]) -> float | None:
@@ -140,6 +196,10 @@ def predict_tpot(decode: list[WorkerView]) -> float | None:
 # its projections alone on an idle host: 1 row 9.4 ms, 32 rows 34.6 ms (about 10 rows). The lower
 # figure keeps the prediction an upper bound; 0 would scale a step linearly with its rows.
 STEP_FIXED_ROWS = 4.0
+
+# A decode -> prefill move must add this share of the summed prefill speed: a decode worker that
+# already prefills (selective disaggregation) adds little as a prefill worker and costs its decode rows.
+MIN_SPEED_GAIN = 0.1
 
 
 def step_at(step_s: float, batch: float, rows: float, fixed_rows: float = STEP_FIXED_ROWS) -> float:
@@ -171,7 +231,9 @@ def tpot_without(decode: list[WorkerView], leaving: WorkerView, fixed_rows: floa
 def decide(view: ClusterView, state: PlannerState, knobs: Knobs) -> Decision:
     """The planner's decision for ``view`` (module docstring); pure."""
     prefill, decode = view.of(Role.PREFILL), view.of(Role.DECODE)
-    ttft = predict_ttft(prefill, view.queue_wait_s, view.prompt_tokens)
+    ttft = predict_ttft(prefill, view.queue_wait_s, view.prompt_tokens, helpers=decode)
+    if ttft is not None:  # a request already waiting longer is a TTFT the prediction missed
+        ttft = max(ttft, view.first_token_wait_s)
     tpot = predict_tpot(decode)
     ttft_bad = ttft is not None and ttft > knobs.slo_ttft_s
     tpot_bad = tpot is not None and tpot > knobs.slo_tpot_s
@@ -237,6 +299,15 @@ def _move(
         return Decision(None, f"{metric} over its SLO; the other metric after a move is unknown", ttft, tpot, nxt)
     limit = knobs.headroom * (knobs.slo_tpot_s if new == Role.PREFILL else knobs.slo_ttft_s)
     fits = known if decode_bound_ttft else [w for w in known if after[w.worker_id] <= limit]
+    if new == Role.PREFILL and fits:
+        gain = speed_gains(view)
+        gains = [w for w in fits if gain[w.worker_id] >= MIN_SPEED_GAIN]
+        if not gains:
+            adds = ", ".join(f"{w.worker_id} {gain[w.worker_id]:.0%}" for w in fits)
+            why = f"{metric} over its SLO, but no move adds {MIN_SPEED_GAIN:.0%} prefill speed"
+            why += f": decode workers prefill already (a move adds: {adds})"
+            return Decision(None, why, ttft, tpot, nxt)
+        fits = gains
     if not fits:
         least = min(after[w.worker_id] for w in known)
         other = "TPOT" if new == Role.PREFILL else "TTFT"
@@ -257,9 +328,23 @@ def _move(
     return Decision((best.worker_id, old, new), why, ttft, tpot, moved, after[best.worker_id])
 
 
+def speed_gains(view: ClusterView) -> dict[str, float]:
+    """By decode worker id, the share of the summed prefill speed it adds as a prefill worker: the
+    prefill workers' mean measured speed less what it gives as a decode worker (``helper_speed``;
+    0 with no speed measured)."""
+    prefill, decode = view.of(Role.PREFILL), view.of(Role.DECODE)
+    mean = mean_prefill_speed(prefill)
+    if mean is None:
+        return {d.worker_id: 0.0 for d in decode}
+    gives = helper_speeds(decode, mean, sum(p.backlog_tokens for p in prefill), view.prompt_tokens)
+    total = sum(p.prefill_tps or mean for p in prefill) + sum(gives.values())
+    return {wid: (mean - g) / total for wid, g in gives.items()}
+
+
 def _after(view: ClusterView, pool: list[WorkerView], w: WorkerView, new: Role) -> float | None:
     """The metric the move of ``w`` to ``new`` costs: TPOT without ``w`` (to prefill), TTFT
     without ``w`` (to decode)."""
     if new == Role.PREFILL:
         return tpot_without(pool, w)
-    return predict_ttft([p for p in pool if p is not w], view.queue_wait_s, view.prompt_tokens)
+    rest = [p for p in pool if p is not w]
+    return predict_ttft(rest, view.queue_wait_s, view.prompt_tokens, w.backlog_tokens, helpers=view.of(Role.DECODE))

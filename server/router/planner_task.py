@@ -80,7 +80,8 @@ class Planner:
 
     async def evaluate(self) -> Decision:
         """One evaluation: decide, log, and make the move if there is one."""
-        view = self.views.build(self.registry.handles.values(), queue_wait_of(self.metrics), self.clock())
+        waited = self.registry.table.oldest_first_token_wait(time.monotonic())
+        view = self.views.build(self.registry.handles.values(), queue_wait_of(self.metrics), self.clock(), waited)
         decision = decide(view, self.state, self.knobs)
         self.state = decision.state
         level = (
@@ -88,13 +89,16 @@ class Planner:
         )
         log.log(
             level,
-            "planner: %s | predicted TTFT %s, TPOT %s, after move %s | queue wait %.3f s, prompt %.0f "
-            "tokens, workers (id, role, backlog, prefill tok/s, batch, step s, awaiting KV, waiting for pages) %s",
+            "planner: %s | predicted TTFT %s, TPOT %s, after move %s | queue wait %.3f s, longest wait for a "
+            "first token %.3f s, prompt %.0f "
+            "tokens, workers (id, role, backlog, prefill tok/s, batch, step s, awaiting KV, waiting for pages, "
+            "own prefill tok/s, own prefill backlog) %s",
             decision.why,
             _s(decision.ttft_s),
             _s(decision.tpot_s),
             _s(decision.after_s),
             view.queue_wait_s,
+            view.first_token_wait_s,
             view.prompt_tokens,
             [
                 (
@@ -106,6 +110,8 @@ class Planner:
                     w.step_s,
                     w.awaiting,
                     w.page_waiting,
+                    w.local_tps,
+                    w.local_backlog,
                 )
                 for w in view.workers
             ],

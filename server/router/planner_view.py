@@ -28,6 +28,9 @@ process instance) and derives:
   worker through (not ready, switching roles, starved of CPU), would count as step time (one step
   across a starved worker's 35 s gap once predicted a 35 s TPOT). Otherwise the last measured
   value while it keeps running requests (none after an over-long gap), else None.
+- a decode worker's own prefill (selective disaggregation): ``local_prefill_tokens`` computed per
+  second of the window (wall time: what it gave, not what it could give), its
+  ``local_prefill_backlog_tokens`` gauge and its ``local_prefill_backlog_ratio`` (the policy's R).
 - backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``; awaiting =
   a decode worker's ``queue_prealloc`` + ``queue_transfer`` + ``queue_local_prefill`` (requests not
   running yet: a switch to prefill waits for them); page_waiting = its ``queue_prealloc`` (waiting for
@@ -66,6 +69,9 @@ class _Sample:
     chunking: float = 0.0  # prompts part-way through their chunks
     awaiting: float = 0.0  # a decode worker's requests not running yet (pages, KV, its own prefill)
     page_waiting: float = 0.0  # those of them waiting for pages
+    local_tokens: float = 0.0  # prompt tokens a decode worker prefilled itself (cumulative)
+    local_backlog: float = 0.0  # prompt tokens it holds for its own prefill, not computed yet
+    local_ratio: float = 0.0  # its --local-prefill-backlog-ratio (> 0: it prefills behind a backlog)
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,15 @@ class ViewBuilder:
         self._prompts: dict[str, _Decayed] = {}
         self._wait = (0.0, 0.0)
 
-    def build(self, handles: Iterable[WorkerHandle], queue_wait: tuple[float, float], now: float) -> ClusterView:
-        """The view of the ready prefill and decode workers of ``handles`` at ``now`` (module docstring)."""
+    def build(
+        self,
+        handles: Iterable[WorkerHandle],
+        queue_wait: tuple[float, float],
+        now: float,
+        first_token_wait_s: float = 0.0,
+    ) -> ClusterView:
+        """The view of the ready prefill and decode workers of ``handles`` at ``now`` (module docstring);
+        ``first_token_wait_s``: the router's longest wait of a request in flight for its first token."""
         workers, prompt_rates = [], []
         for h in handles:
             if h.state != READY or h.stats is None or h.spec.role not in (Role.PREFILL, Role.DECODE):
@@ -130,7 +143,13 @@ class ViewBuilder:
         self._wait = queue_wait
         wait = dsum / dcount if dcount > 0 else 0.0
         prompt = sum(prompt_rates) / len(prompt_rates) if prompt_rates else 0.0
-        return ClusterView(now=now, workers=tuple(workers), queue_wait_s=wait, prompt_tokens=prompt)
+        return ClusterView(
+            now=now,
+            workers=tuple(workers),
+            queue_wait_s=wait,
+            prompt_tokens=prompt,
+            first_token_wait_s=first_token_wait_s,
+        )
 
     def _worker(self, h: WorkerHandle) -> tuple[WorkerView, float | None]:
         """(``h``'s view, its typical prompt tokens or None) from its stats and previous sample;
@@ -149,17 +168,7 @@ class ViewBuilder:
         self._prompts[h.worker_id] = decayed
         if h.spec.role == Role.DECODE:
             cur = replace(cur, step_s=_step_s(base, cur, self.max_step_gap_s))
-            answer = (
-                WorkerView(
-                    h.worker_id,
-                    Role.DECODE,
-                    batch=cur.batch,
-                    step_s=cur.step_s,
-                    awaiting=cur.awaiting,
-                    page_waiting=cur.page_waiting,
-                ),
-                None,
-            )
+            answer = _decode(h, _window_base(history, cur.at - self.window_s), cur), None
         else:
             view = _prefill(h, _window_base(history, cur.at - self.window_s), cur)
             answer = view, _typical_prompt(cur, decayed)
@@ -196,6 +205,9 @@ def _sample(h: WorkerHandle) -> _Sample:
         chunking=s.gauges.get("queue_prefilling", 0.0),
         awaiting=sum(s.gauges.get(q, 0.0) for q in ("queue_prealloc", "queue_transfer", "queue_local_prefill")),
         page_waiting=s.gauges.get("queue_prealloc", 0.0),
+        local_tokens=s.counters.get("local_prefill_tokens", 0.0),
+        local_backlog=s.gauges.get("local_prefill_backlog_tokens", 0.0),
+        local_ratio=s.gauges.get("local_prefill_backlog_ratio", 0.0),
     )
 
 
@@ -218,6 +230,26 @@ def _prefill(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> WorkerView:
         b = base if base is not None and cur.compute_s > base.compute_s else zero
         tps = _ratio(cur.tokens - b.tokens, cur.compute_s - b.compute_s)
     return WorkerView(h.worker_id, Role.PREFILL, backlog_tokens=cur.held_tokens, prefill_tps=tps)
+
+
+def _decode(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> WorkerView:
+    """A decode worker's view: its batch, step time, awaiting requests, and its own prefill: the
+    prompt tokens it computed per second since ``base`` (the window's oldest heartbeat; None with
+    no earlier heartbeat) and the ones it holds."""
+    local = None
+    if base is not None and cur.at > base.at:
+        local = (cur.local_tokens - base.local_tokens) / (cur.at - base.at)
+    return WorkerView(
+        h.worker_id,
+        Role.DECODE,
+        batch=cur.batch,
+        step_s=cur.step_s,
+        awaiting=cur.awaiting,
+        page_waiting=cur.page_waiting,
+        local_tps=local,
+        local_backlog=cur.local_backlog,
+        local_ratio=cur.local_ratio,
+    )
 
 
 def _step_s(prev: _Sample | None, cur: _Sample, max_gap_s: float) -> float | None:

@@ -225,3 +225,22 @@ def test_the_phase_table_splits_each_configuration_by_phase_kind():
     ]
     text = bursty.format_rows(bursty.PHASE_COLUMNS, rows).splitlines()
     assert text[0].split()[:3] == ["trace", "configuration", "phase"] and text[3].split()[-2] == "-"
+
+
+def test_the_phase_ceiling_takes_each_phase_kind_at_its_better_static_split():
+    """1p2d meets 6 prefill-heavy and 296 decode-heavy requests, 2p1d 37 and 152: each phase at its
+    better split meets 333, 1.103x 1p2d's 302; the planner's rows are not candidates."""
+    phases = [
+        ["bursty", "1p2d", bursty.PREFILL, 57, 6, None, None, 0],
+        ["bursty", "1p2d", bursty.DECODE, 339, 296, None, None, 0],
+        ["bursty", "2p1d", bursty.PREFILL, 57, 37, None, None, 0],
+        ["bursty", "2p1d", bursty.DECODE, 339, 152, None, None, 0],
+        ["bursty", "planner", bursty.PREFILL, 57, 57, None, None, 0],
+        ["bursty", "planner", bursty.DECODE, 339, 339, None, None, 0],
+    ]
+
+    def outcome(config: str, met: int, planner: bool = False) -> bursty.Outcome:
+        return bursty.Outcome(config, "bursty", 396, met, 0, 240.0, met / 240, met / 396, *[None] * 4, 0, planner)
+
+    rows = [outcome("1p2d", 302), outcome("2p1d", 189), outcome("planner", 335, planner=True)]
+    assert bursty.phase_ceiling(phases, rows) == {"bursty": (333, 1.103)}

@@ -240,8 +240,9 @@ def test_colocated_x2_is_two_pinned_replicas():
 
 
 def test_ngram_option_launches_the_same_mode_with_speculation():
-    """``+ngram`` adds ``--speculative-method ngram`` (with or without a routing), so one run
-    compares a server with and without drafts; an option named twice or two routings are refused."""
+    """``+ngram`` adds ``--speculative-method ngram`` (with or without a routing), a mode without it
+    ``--speculative-method off``, so one run compares a server with and without drafts; an option
+    named twice or two routings are refused."""
     assert parse_modes("colocated,colocated+ngram") == ["colocated", "colocated+ngram"]
     assert launch_argv("colocated+ngram", [])[:4] == ["--mode", "colocated", "--speculative-method", "ngram"]
     assert launch_argv("pd+cache-aware+ngram", [])[:6] == [
@@ -252,7 +253,9 @@ def test_ngram_option_launches_the_same_mode_with_speculation():
         "--speculative-method",
         "ngram",
     ]
-    assert "--speculative-method" not in launch_argv("colocated", [])
+    plain = launch_argv("colocated", [])  # speculation is on by default: a mode without +ngram turns it off
+    assert plain[plain.index("--speculative-method") + 1] == "off"
+    assert launch_argv("colocated+ngram", []).count("--speculative-method") == 1
     for bad in ("colocated+ngram+ngram", "pd+cache-aware+least-loaded", "pd+eagle"):
         with pytest.raises(ValueError, match="--compare"):
             parse_modes(bad)

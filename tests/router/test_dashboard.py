@@ -378,7 +378,7 @@ def test_page_through_a_retract_storm(page, url, shots):
     assert bad == []
 
     fill = panel_fill(page)
-    # the role timeline draws bands, not series; the speculative panel stays empty without --speculative-method
+    # the role timeline draws bands, not series; the speculative panel's figures are test_dashboard_spec.py's
     assert set(fill) == {*PANELS, "roles", "spec"}
     bands = page.evaluate("[...document.querySelectorAll('[data-panel=roles] rect.band')].map(b => b.dataset.role)")
     assert set(bands) == {"prefill", "decode"}, bands

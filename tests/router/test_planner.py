@@ -220,3 +220,69 @@ def test_a_pool_full_of_requests_awaiting_their_kv_is_the_prefill_sides():
     idle = WorkerView("decode-1", Role.DECODE)
     _, second = run(view(prefill("prefill-0", 4000), holding, idle), 2)
     assert second.move == ("decode-1", Role.DECODE, Role.PREFILL)
+
+
+def helper(wid: str, local_tps: float, local_backlog: float = 0.0) -> WorkerView:
+    """An idle decode worker that prefills prompts itself (selective disaggregation)."""
+    return WorkerView(wid, Role.DECODE, local_tps=local_tps, local_backlog=local_backlog)
+
+
+def test_decode_workers_that_prefill_add_their_speed_and_backlog_to_the_ttft():
+    p = [prefill("prefill-0", 3000)]
+    assert predict_ttft(p, 0.0, 500.0) == pytest.approx(3.5)
+    # (3000 + 1000 held by decode-1) / (1000 + 600 + 1000) + 500 / 1000 (one prompt at a prefill
+    # worker's pace); decode-1 computes its own 1000 tokens now: at 1000 tok/s, not its measured 400
+    helpers = [helper("decode-0", 600), helper("decode-1", 400, 1000)]
+    assert predict_ttft(p, 0.0, 500.0, helpers=helpers) == pytest.approx(4000 / 2600 + 0.5)
+
+
+def test_no_decode_worker_moves_when_they_already_prefill_at_a_prefill_workers_pace():
+    """TTFT 5 s > 1 s, but both decode workers prefill at 1000 tok/s: as a prefill worker either one
+    would add nothing to the 3000 tok/s, so the violation moves nothing (and says why)."""
+    v = view(prefill("prefill-0", 13500), helper("decode-0", 1000), helper("decode-1", 1000))
+    first, second = run(v, 2)
+    assert second.ttft_s == pytest.approx(13500 / 3000 + 0.5)
+    assert second.move is None and "no move adds 10% prefill speed" in second.why and "decode-0 0%" in second.why
+    # decode-1 prefills only 100 tok/s: as a prefill worker it adds 900 tok/s, 43 % of 2100
+    v = view(prefill("prefill-0", 13500), helper("decode-0", 1000), helper("decode-1", 100))
+    assert run(v, 2)[1].move == ("decode-1", Role.DECODE, Role.PREFILL)
+
+
+def test_a_decode_worker_that_would_take_prompts_off_the_backlog_counts_at_a_prefill_workers_speed():
+    """decode-0 and decode-1 measured no own prefill yet, but with ``--local-prefill-backlog-ratio 1``
+    and no rows each would take a 500-token prompt off its 2000-token share of the backlog (its own
+    rule: 2000 >= 1 x 500 x (1 + 0 rows)): they count at 1000 tok/s, and moving one adds nothing.
+    With 4 rows each (500 x 5 = 2500 > 2000) they would not: their measured 0 counts, a move adds
+    1000 tok/s and is made."""
+    idle = [WorkerView(f"decode-{i}", Role.DECODE, local_ratio=1.0) for i in range(2)]
+    v = view(prefill("prefill-0", 4000), *idle)
+    assert predict_ttft([prefill("prefill-0", 4000)], 0.0, 500.0, helpers=idle) == pytest.approx(4000 / 3000 + 0.5)
+    assert run(v, 2)[1].move is None
+    busy = [WorkerView(f"decode-{i}", Role.DECODE, batch=4, step_s=0.01, local_ratio=1.0) for i in range(2)]
+    assert run(view(prefill("prefill-0", 4000), *busy), 2)[1].move == ("decode-0", Role.DECODE, Role.PREFILL)
+
+
+def test_a_first_token_wait_the_model_misses_moves_a_prefill_worker_when_decode_pools_are_full():
+    """Two idle prefill workers predict 0.6 s, but a request has waited 4 s for its first token
+    while decode-0's pool is full (5 requests waiting for pages, none for KV): decode-bound, so a
+    prefill worker becomes a decode worker. Without the wait nothing is over its SLO."""
+    full = WorkerView("decode-0", Role.DECODE, batch=46, step_s=0.05, awaiting=5, page_waiting=5)
+    workers = (prefill("prefill-0", 0), prefill("prefill-1", 0), full)
+    assert run(view(*workers, prompt=600.0), 2)[1].move is None
+    waited = ClusterView(now=100.0, workers=workers, prompt_tokens=600.0, first_token_wait_s=4.0)
+    second = run(waited, 2)[1]
+    assert second.ttft_s == pytest.approx(4.0) and second.move == ("prefill-0", Role.PREFILL, Role.DECODE)
+
+
+def test_a_decode_worker_computing_a_prompt_of_its_own_counts_at_a_prefill_workers_speed():
+    """The first move of a measured run: decode-1 held 624 tokens of its own prefill (it measured
+    only 128 tok/s over the window, having just taken the prompt) and its rule would take no more
+    (3169 / 2 < 624 + 1584); decode-0 holds none and would take one. Neither adds speed as a prefill
+    worker: no move. Without its own prompt, decode-1 would move (its 128 tok/s is all it gives)."""
+    busy = WorkerView("decode-1", Role.DECODE, local_tps=128.0, local_backlog=624.0, local_ratio=1.0)
+    idle = WorkerView("decode-0", Role.DECODE, local_ratio=1.0)
+    workers = (prefill("prefill-0", 3169, 868.0), idle, busy)
+    assert run(view(*workers, prompt=1584.0), 2)[1].move is None
+    done = WorkerView("decode-1", Role.DECODE, local_tps=128.0, local_ratio=1.0, batch=1, step_s=0.01)
+    moved = run(view(prefill("prefill-0", 3169, 868.0), idle, done, prompt=1584.0), 2)[1]
+    assert moved.move == ("decode-1", Role.DECODE, Role.PREFILL)

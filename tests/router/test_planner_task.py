@@ -7,6 +7,7 @@ prefill to decode held for want of TTFT headroom then made, and the config that 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -208,10 +209,11 @@ def test_a_persistent_tpot_violation_switches_a_prefill_worker_to_decode():
         if t == 3.0:  # a looser TTFT SLO leaves room for the move
             planner.knobs = Knobs(slo_ttft_s=5.0, slo_tpot_s=0.1, hysteresis=2)
         decisions.append(asyncio.run(planner.evaluate()))
-    # TTFT 200 / 300 + 100 / 150 = 1.33 s; without prefill-1 (the slower): 100 / 200 + 100 / 200 = 1 s
-    # (without prefill-0: 2 s), over 0.7 x 1.4 s; with a 5 s SLO it fits
+    # TTFT 200 / 300 + 100 / 150 = 1.33 s; without prefill-1 (the slower), its backlog handed to
+    # prefill-0: 200 / 200 + 100 / 200 = 1.5 s (without prefill-0: 3 s), over 0.7 x 1.4 s; with a 5 s
+    # SLO it fits
     assert decisions[1].ttft_s == pytest.approx(4 / 3) and decisions[1].tpot_s == pytest.approx(0.5)
-    assert "TPOT over its SLO, but TTFT after a move (1.000 s) > 0.980 s" in decisions[2].why
+    assert "TPOT over its SLO, but TTFT after a move (1.500 s) > 0.980 s" in decisions[2].why
     assert [d.move for d in decisions] == [None, None, None, ("prefill-1", Role.PREFILL, Role.DECODE)]
     assert reg.handles["prefill-1"].spec.role == Role.DECODE and reg.handles["prefill-1"].state == READY
     assert switches(metrics, "prefill", "decode", "planner") == 1.0
@@ -340,3 +342,33 @@ def test_a_prompt_slower_than_many_heartbeats_does_not_inflate_the_typical_promp
         _prefill_heartbeat(reg, clock, t, tokens=100.0 * i, busy_s=0.1 * i, prompts=i // 18, hist_s=1.8 * (i // 18))
         read.append(views.build([reg.handles["prefill-0"]], (0.0, 0.0), t).prompt_tokens)
     assert all(p == pytest.approx(1800.0) for p in read[17:]), read
+
+
+def test_a_decode_workers_own_prefill_is_in_its_view_as_a_rate_over_the_window():
+    """decode-0 prefills 600 prompt tokens itself in 2 s (300 tok/s) and holds 900 more; 20 s later,
+    with no heartbeat between and none computed since, the window's rate is 0."""
+    reg, metrics, clock = cluster()
+    c, views, rates = reg.handles["decode-0"].client, ViewBuilder(window_s=10.0), []
+    for t, done, held in ((0.0, 100.0, 0.0), (2.0, 700.0, 900.0), (22.0, 700.0, 0.0)):
+        clock.t = t
+        c.counters = {"decode_steps": 0.0, "local_prefill_tokens": done}
+        c.gauges = {"local_prefill_backlog_tokens": held, "local_prefill_backlog_ratio": 1.0}
+        c.request_stats(0)
+        (w,) = views.build([reg.handles["decode-0"]], (0.0, 0.0), t).of(Role.DECODE)
+        rates.append((w.local_tps, w.local_backlog, w.local_ratio))
+    assert rates == [(None, 0.0, 1.0), (pytest.approx(300.0), 900.0, 1.0), (0.0, 0.0, 1.0)]
+
+
+def test_a_request_waiting_longer_for_its_first_token_than_predicted_sets_the_ttft():
+    """prefill-0 holds nothing (TTFT predicted 0.5 s, within the 1 s SLO), but a request the router
+    forwarded 4 s ago has no first token yet (another, as old, streams already): TTFT is 4 s."""
+    reg, metrics, clock = cluster()
+    planner = Planner(reg, metrics, KNOBS, switch_timeout_s=5, clock=clock)
+    heartbeat(reg, clock, 0.0, backlog=0)
+    for rid in ("waits", "streams"):
+        reg.table.open(rid, ("prefill-0", "decode-0"), "decode-0", 100).created -= 4.0
+    reg.table.entry("streams").streamed = True
+    decision = asyncio.run(planner.evaluate())
+    assert decision.ttft_s == pytest.approx(4.0, abs=0.5) and "TTFT over its SLO" in decision.why
+    reg.table.close("waits")
+    assert reg.table.oldest_first_token_wait(time.monotonic()) == 0.0

@@ -56,8 +56,9 @@ def test_prefill_backlog_counts_uncached_tokens_until_computed(harness, tiny):
 
 
 def test_decode_worker_reports_its_local_prefill_bound_and_backlog(harness, tiny):
-    h = harness(d=lp_cfg(64))
+    h = harness(d=lp_cfg(64, backlog=1.5))
     assert _gauges(h.decode, "d0")["local_prefill_max_tokens"] == 64
+    assert _gauges(h.decode, "d0")["local_prefill_backlog_ratio"] == 1.5  # the SLO planner reads it
     p = pd_prompts(1, 30, 30, seed=9)[0]
     h.deliver(
         h.decode.add(ROUTER, GenerateRequest(rid="l", params=GREEDY, room=7, prefill_addr=PREFILL_ADDR), p), True
