@@ -29,8 +29,9 @@ prefill worker's pace adds nothing by switching); the reverse for TPOT. A TTFT
 violation while a decode worker holds more requests waiting for KV pages (its pool full of running
 requests) than requests awaiting their KV is decode-bound: the first tokens wait for decode room,
 not for prefill compute, so a prefill worker becomes a decode worker (no TTFT headroom check: TTFT
-is what the move is to cut). A violation must be seen ``hysteresis`` evaluations in a row, no move
-is made within ``dwell_s`` of the last one, both SLOs violated (or both met, or a prediction
+is what the move is to cut); with TPOT over its SLO too, both violations are the decode side's and
+the same move is made. A violation must be seen ``hysteresis`` evaluations in a row, no move
+is made within ``dwell_s`` of the last one, both SLOs violated otherwise (or both met, or a prediction
 unknown) moves nothing, and no move leaves a role without a ready worker. Where the workers share
 one host's cores (``Knobs.shared_cores``) a move adds no compute: a TTFT or TPOT violation moves
 nothing (the decode-bound rule still moves a worker: it adds decode pages, not compute). Among the candidates
@@ -237,22 +238,23 @@ def decide(view: ClusterView, state: PlannerState, knobs: Knobs) -> Decision:
     tpot = predict_tpot(decode)
     ttft_bad = ttft is not None and ttft > knobs.slo_ttft_s
     tpot_bad = tpot is not None and tpot > knobs.slo_tpot_s
+    decode_side = ttft_bad and decode_bound(decode)  # first tokens wait for decode pages: both are decode's
     nxt = replace(
         state,
         ttft_streak=state.ttft_streak + 1 if ttft_bad and not tpot_bad else 0,
-        tpot_streak=state.tpot_streak + 1 if tpot_bad and not ttft_bad else 0,
+        tpot_streak=state.tpot_streak + 1 if tpot_bad and (not ttft_bad or decode_side) else 0,
     )
 
     def hold(why: str, after: float | None = None) -> Decision:
         return Decision(None, why, ttft, tpot, nxt, after)
 
-    if ttft_bad and tpot_bad:
+    if ttft_bad and tpot_bad and not decode_side:
         return hold("TTFT and TPOT both over their SLOs: a move would only shift the violation")
     if not ttft_bad and not tpot_bad:
         return hold("within both SLOs" if ttft is not None and tpot is not None else "within SLOs (some unmeasured)")
     if state.last_move_at is not None and view.now - state.last_move_at < knobs.dwell_s:
         return hold(f"dwell: last move {view.now - state.last_move_at:.1f} s ago (< {knobs.dwell_s:g} s)")
-    if ttft_bad and decode_bound(decode):
+    if decode_side:
         return _move(view, nxt, knobs, prefill, Role.PREFILL, Role.DECODE, ttft, tpot, decode_bound_ttft=True)
     if knobs.shared_cores:
         # Cores shared by every worker (a busy one borrows the idle ones'): a worker that changes
@@ -287,8 +289,10 @@ def _move(
     pool keeps a worker and the other metric keeps its headroom (``decode_bound_ttft``: a TTFT
     violation the decode side causes moves a prefill worker to decode, headroom unchecked)."""
     metric, streak = ("TTFT", nxt.ttft_streak) if new == Role.PREFILL else ("TPOT", nxt.tpot_streak)
-    if decode_bound_ttft:
-        metric, streak = "TTFT (decode-bound: requests wait for decode pages)", nxt.ttft_streak
+    if decode_bound_ttft:  # TTFT alone (its streak) or with TPOT (TPOT's streak: both are the decode side's)
+        both = " and TPOT" if nxt.tpot_streak else ""
+        metric = f"TTFT{both} (decode-bound: requests wait for decode pages)"
+        streak = max(nxt.ttft_streak, nxt.tpot_streak)
     if streak < knobs.hysteresis:
         return Decision(None, f"{metric} over its SLO ({streak}/{knobs.hysteresis} evaluations)", ttft, tpot, nxt)
     if len(pool) < 2:

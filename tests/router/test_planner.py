@@ -1,9 +1,11 @@
 """The SLO planner's decision function (server.router.planner.decide) over hand-built cluster views:
 TTFT violated -> a decode worker prefills, TPOT violated -> a prefill worker decodes, both met or
-both violated -> nothing, hysteresis, dwell, never a role left empty, no move without headroom,
-and the predictions themselves (queueing counted in TTFT, rows spread in TPOT)."""
+both violated -> nothing (unless first tokens wait for decode pages), hysteresis, dwell, never a role
+left empty, no move without headroom, and the predictions themselves (queueing counted in TTFT, rows spread in TPOT)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -210,6 +212,23 @@ def test_a_ttft_violation_the_full_decode_pools_cause_turns_a_prefill_worker_int
         "prefill-0",
         Role.PREFILL,
         Role.DECODE,
+    )
+
+
+def test_a_decode_bound_ttft_with_tpot_over_too_turns_a_prefill_worker_into_a_decode_worker():
+    """The one decode worker's steps (0.5 s > 0.1 s) and its full pool (20 requests waiting for pages)
+    both hold the requests back: both violations are the decode side's, so a prefill worker decodes
+    (counted by TPOT's streak); the same TTFT with the pool full of requests awaiting their KV is a
+    violation of both SLOs with no move that helps both."""
+    full = WorkerView("decode-0", Role.DECODE, batch=10, step_s=0.5, awaiting=21.0, page_waiting=20.0)
+    cluster = view(prefill("prefill-0", 1400), prefill("prefill-1", 1400), full, wait=9.0, prompt=100)
+    first, second = run(cluster, 2)
+    assert first.move is None and "TTFT and TPOT (decode-bound" in first.why and first.state.tpot_streak == 1
+    assert second.move is not None and second.move[1:] == (Role.PREFILL, Role.DECODE)
+    holding = replace(full, page_waiting=3.0)
+    assert all(
+        d.move is None and "both over their SLOs" in d.why
+        for d in run(replace(cluster, workers=(*cluster.workers[:2], holding)), 3)
     )
 
 
