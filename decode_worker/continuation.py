@@ -8,14 +8,14 @@ from decode_worker.preemption import admitted
 from engine.request import Request
 from engine.scheduler.base import sampler_state
 from transfer.wire.outbox import Conn, Outbox
-from transfer.wire.protocol import ContinuationLocal, GenerateRequest
+from transfer.wire.protocol import GenerateRequest, PrefilledLocally
 
 
 def add_continuation(s, owner: bytes, msg: GenerateRequest, prompt: list[int]) -> Outbox:
     """A continuation (``GenerateRequest.resume_output_ids``; the router sends no ``PrefillRequest``)
     is prefilled here when the local prefill queue takes it (``LocalPrefillQueue.take_continuation``:
     prompt + output so far, its first sampled token the next output token, as a colocated worker
-    does), and the router hears so (``ContinuationLocal``: its prefill worker is out of it); else it
+    does), and the router hears so (``PrefilledLocally``: its prefill worker is out of it); else it
     enters as a recompute does: this worker ``s`` (the ``DecodeScheduler``) asks the
     prefill worker for prompt + output so far but the last token (generation 1), and decoding
     resumes from that last token."""
@@ -34,7 +34,7 @@ def add_continuation(s, owner: bytes, msg: GenerateRequest, prompt: list[int]) -
         job = DecodeJob(req, msg.room, msg.prefill_addr, generation=1, n_tokens=req.seq_len, preempt=msg.preempt)
         s.jobs[msg.rid] = job
         job.enter(DecodeState.LOCAL_PREFILL)
-        out.send(Conn(owner), ContinuationLocal(rid=msg.rid))
+        out.send(Conn(owner), PrefilledLocally(rid=msg.rid))
         return out
     job = DecodeJob(
         req,

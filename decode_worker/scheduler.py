@@ -46,12 +46,13 @@ from engine.spec.verify import speculator_for
 from prefill_worker.kv_sender import KVSender
 from prefill_worker.withdraw import RELEASED
 from transfer.wire.enums import Role
-from transfer.wire.outbox import Outbox, Peer
+from transfer.wire.outbox import Conn, Outbox, Peer
 from transfer.wire.protocol import (
     GenerateRequest,
     KVSources,
     KVWriteStarted,
     Message,
+    PrefilledLocally,
     PrefillFailed,
     PrefillWithdrawn,
     TokenDelta,
@@ -129,6 +130,7 @@ class DecodeScheduler(WorkerScheduler):
             return out
         job.enter(DecodeState.LOCAL_PREFILL)
         out.send(Peer(msg.prefill_addr), PrefillWithdrawn(rid=msg.rid, room=msg.room))
+        out.send(Conn(owner), PrefilledLocally(rid=msg.rid))
         return out
 
     def abort(self, rid: str, reason: str = "request aborted") -> Outbox:

@@ -86,15 +86,19 @@ def cache_holder(registry: Registry, failed: Route) -> WorkerHandle | None:
     return prefill if prefill.state == READY and registry.handles.get(prefill.worker_id) is prefill else None
 
 
-def continuation_route(registry: Registry, failed: Route, prompt_ids: Sequence[int], sent: int = 0) -> Route | None:
+def continuation_route(
+    registry: Registry, failed: Route, prompt_ids: Sequence[int], sent: int = 0, prompt_at_prefill: bool = True
+) -> Route | None:
     """``registry.reroute(failed)`` (a fresh pair when there is one), but with the prefill worker
     that prefilled the prompt (``cache_holder``) in place of the policy's pick: a fresh pair would
     send the recompute to a prefill worker whose cache misses the prompt, and the continuation
     would compute it all again. The decode worker stays the policy's pick; when the policy expected
     the replaced prefill worker to compute the prompt (``Route.prefill``), the holder is expected to
-    compute the ``sent`` tokens and the prompt's partial last page instead."""
+    compute the ``sent`` tokens and the prompt's partial last page instead. ``prompt_at_prefill``
+    False (the failed decode worker prefilled the request itself, ``PrefilledLocally``): no prefill
+    worker holds the prompt, the policy's pick stands."""
     route = registry.reroute(failed, prompt_ids)
-    holder = cache_holder(registry, failed)
+    holder = cache_holder(registry, failed) if prompt_at_prefill else None
     if route is None or holder is None:
         return route
     picked = prefill_worker(route)
@@ -115,14 +119,15 @@ async def live_route(
     deadline: float,
     poll_s: float = 0.05,
     sent: int = 0,
+    prompt_at_prefill: bool = True,
 ) -> Route | None:
     """``continuation_route(failed)`` as soon as it has one, polled every ``poll_s`` until the
     monotonic ``deadline``; None if none came in time, or at once when no worker outside ``failed``
     is ready, starting or restarting (nothing can make a route appear). ``sent``: the tokens the
-    continuation carries."""
+    continuation carries; ``prompt_at_prefill``: as ``continuation_route``'s."""
     old = {h.worker_id for h in failed.targets}
     while True:
-        route = continuation_route(registry, failed, prompt_ids, sent)
+        route = continuation_route(registry, failed, prompt_ids, sent, prompt_at_prefill)
         hope = any(
             h.state in (READY, STARTING, RESTARTING) and h.worker_id not in old for h in registry.handles.values()
         )

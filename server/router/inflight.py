@@ -46,6 +46,7 @@ class Inflight:
     depends_on: tuple[str, ...] = ()  # whose death fails it: ``workers``, then only ``stream_from``
     prefill: tuple[str, int] | None = None  # (worker, uncached prompt tokens) until the first token
     streamed: bool = False  # tokens came from the streaming worker
+    prefilled_locally: bool = False  # the streaming decode worker computes the prompt (``PrefilledLocally``)
 
     def __post_init__(self) -> None:
         self.depends_on = self.depends_on or self.workers
@@ -126,15 +127,17 @@ class InflightTable:
         return True
 
     def local(self, worker_id: str, rid: str) -> bool:
-        """Decode worker ``worker_id`` prefills continuation ``rid`` itself (``ContinuationLocal``):
-        its prefill worker computes nothing of it, so from now on only ``worker_id``'s death fails it
-        (as after a first token), and its uncached tokens no longer count as that prefill worker's
-        pending work. Ignored unless ``worker_id`` streams ``rid``; whether it applied."""
+        """Decode worker ``worker_id`` prefills ``rid`` itself (``PrefilledLocally``): its prefill
+        worker computes nothing of it, so from now on only ``worker_id``'s death fails it (as after a
+        first token), its uncached tokens no longer count as that prefill worker's pending work, and
+        that prefill worker's cache does not hold its prompt (``prefilled_locally``). Ignored unless
+        ``worker_id`` streams ``rid``; whether it applied."""
         e = self._entries.get(rid)
         if e is None or e.stream_from != worker_id:
             return False
         e.depends_on = (worker_id,)  # ``workers`` keeps the prefill worker: it still gets the aborts
         e.prefill = None
+        e.prefilled_locally = True
         return True
 
     def leave(self, rid: str, worker_id: str) -> None:

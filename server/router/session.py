@@ -294,13 +294,16 @@ class GenerationSession:
         if failed.error_status != 503 or not self.sent or self.failover.limit <= 0:
             return False
         worker = self.inflight.stream_from if self.inflight is not None else ""
+        at_prefill = self.inflight is None or not self.inflight.prefilled_locally
         why, outcome = f"{failed.error}; not continued after {len(self.sent)} tokens: ", None
-        route, old = None, prefill_worker(self.route)
+        route, old = None, prefill_worker(self.route) if at_prefill else None
         if self.failover.left <= 0:
             outcome, why = LIMIT, why + f"--max-failovers {self.failover.limit} reached"
         else:
             deadline = self.arrival + self.timeout_s
-            route = await live_route(self.registry, self.route, self.prompt_ids, deadline, sent=len(self.sent))
+            route = await live_route(
+                self.registry, self.route, self.prompt_ids, deadline, sent=len(self.sent), prompt_at_prefill=at_prefill
+            )
             if route is None:
                 outcome, why = NO_ROUTE, why + "no live route (another worker) before the request's deadline"
         if route is not None:

@@ -36,7 +36,6 @@ from transfer.link_watch import LinkWatch
 from transfer.wire.enums import Role
 from transfer.wire.protocol import (
     AbortRequest,
-    ContinuationLocal,
     DraftRecord,
     Drain,
     GenerateRequest,
@@ -47,6 +46,7 @@ from transfer.wire.protocol import (
     MigrationDeclined,
     MigrationEnded,
     MigrationOffer,
+    PrefilledLocally,
     PrefillRequest,
     ProtocolError,
     QueuedMove,
@@ -103,7 +103,7 @@ class WorkerClient:
         # migration messages (``MigrationOffer`` with its ids, ``MigrationEnded``, ``QueuedOffer``): set by the registry
         self.on_migration: Callable[[str, Message, list[int]], None] | None = None
         self._role_answer: asyncio.Future | None = None  # the pending ``switch_role``'s answer
-        # a continuation the decode worker prefills itself (``ContinuationLocal``): set by the registry
+        # a continuation the decode worker prefills itself (``PrefilledLocally``): set by the registry
         self.on_local: Callable[[str, str], None] | None = None
         # the worker's process is gone (its connection closed, the reconnect refused): set by the registry
         self.on_link_lost: LinkLostCallback | None = None
@@ -290,7 +290,7 @@ class WorkerClient:
             self._on_stats(self.worker_id, msg)
         elif isinstance(msg, (MigrationOffer, MigrationEnded, QueuedOffer)) and self.on_migration is not None:
             self.on_migration(self.worker_id, msg, frame_ids(frames[0]) if frames else [])
-        elif isinstance(msg, ContinuationLocal) and self.on_local is not None:
+        elif isinstance(msg, PrefilledLocally) and self.on_local is not None:
             self.on_local(self.worker_id, msg.rid)
         elif isinstance(msg, RoleSwitched) and self._role_answer is not None and not self._role_answer.done():
             self._role_answer.set_result(msg)

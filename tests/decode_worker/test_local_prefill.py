@@ -32,6 +32,7 @@ from tests.support.swa import hf_reference, swa_prompts
 from transfer.wire.outbox import Conn
 from transfer.wire.protocol import (
     GenerateRequest,
+    PrefilledLocally,
     PrefillRequest,
     PrefillWithdrawn,
     ids_frame,
@@ -248,7 +249,7 @@ def test_abort_during_local_prefill_frees_everything(harness):
 def test_metrics_move_by_the_decisions(harness, tiny):
     """``pdserve_local_prefill_total{reason}`` and ``pdserve_local_prefill_tokens_total`` as a
     scraper of the router reads them: two short prompts taken (the second one after the first
-    finished), one too long."""
+    finished), one too long. The router hears ``PrefilledLocally`` for the taken ones only."""
     h = harness(d=lp_cfg(20))
     short, long_ = pd_prompts(2, 14, 14, seed=31), pd_prompts(1, 25, 25, seed=32)[0]
     run(h, short[:1], tag="a")
@@ -261,6 +262,7 @@ def test_metrics_move_by_the_decisions(harness, tiny):
     assert val(m, "pdserve_local_prefill_tokens_total") == 28
     assert val(m, "pdserve_request_phase_seconds_count", phase="local_prefill") == 2
     assert val(m, "pdserve_request_phase_seconds_count", phase="kv_wait") == 1
+    assert h.router_messages == [PrefilledLocally(rid="a0"), PrefilledLocally(rid="b0")]
 
 
 def test_withdrawn_prefill_request_is_gone_from_the_bootstrap_queue(harness):

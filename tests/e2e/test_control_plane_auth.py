@@ -35,7 +35,6 @@ from transfer.wire.enums import Role
 from transfer.wire.protocol import (
     MESSAGES,
     AbortRequest,
-    ContinuationLocal,
     Drain,
     GenerateRequest,
     KVDestination,
@@ -50,6 +49,7 @@ from transfer.wire.protocol import (
     MigrationDeclined,
     MigrationEnded,
     MigrationOffer,
+    PrefilledLocally,
     PrefillFailed,
     PrefillRequest,
     PrefillWithdrawn,
@@ -145,7 +145,7 @@ def every_message_kind() -> dict[str, list[bytes]]:
         "SwitchRole": encode(SwitchRole(role=Role.PREFILL)),
         "RoleSwitched": encode(RoleSwitched(ok=True, role=Role.PREFILL, instance="evil")),
         # a router would stop failing the stream over when its prefill worker dies
-        "ContinuationLocal": encode(ContinuationLocal(rid="evil-gen")),
+        "PrefilledLocally": encode(PrefilledLocally(rid="evil-gen")),
     }
     assert set(out) == set(MESSAGES), "a new message kind: add it here so the attack sends it too"
     return out

@@ -18,7 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.scheduler.base import RequestRejected
 from engine.scheduler.colocated import ColocatedScheduler
 from tests.support.models import engine_cfg, sched_cfg
-from transfer.wire.protocol import ContinuationLocal, GenerateRequest
+from transfer.wire.protocol import GenerateRequest, PrefilledLocally
 from transfer.wire.sampling_params import SamplingParams, StructuredOutput
 
 N, K = 12, 5
@@ -191,4 +191,4 @@ def test_a_burst_of_pd_continuations_is_split_between_prefill_and_decode_worker(
     assert h.decode.local.tokens == (len(PROMPT) + 5) + (len(PROMPT) + 3)
     assert h.prefill.stats.prefill_computed_tokens == (len(PROMPT) + 6 - 1) + (len(PROMPT) + 4 - 1)
     # the router hears of each one prefilled here, so its prefill worker's death no longer fails it
-    assert h.router_messages == [ContinuationLocal(rid="c5"), ContinuationLocal(rid="c3")]
+    assert h.router_messages == [PrefilledLocally(rid="c5"), PrefilledLocally(rid="c3")]

@@ -23,7 +23,7 @@ from server.router.session import GenerationSession
 from server.router.worker_client import WorkerClient
 from tests.support.router_doubles import RecordingClient, ScriptedColocated, ready_registry
 from transfer.control_auth import ControlAuth
-from transfer.wire.protocol import ContinuationLocal, TokenDelta, encode
+from transfer.wire.protocol import PrefilledLocally, TokenDelta, encode
 from transfer.wire.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=6, prompt_logprobs=1)
@@ -78,15 +78,18 @@ def test_pd_continuation_goes_back_to_the_prefill_worker_that_prefilled_its_prom
     """With 2 prefill workers a decode worker's death sends the continuation to the prefill worker of
     its route (its radix cache holds the prompt), not to the fresh pair's other prefill worker; when
     that prefill worker is gone too, to the policy's pick; when the prefill worker is the one that
-    died (the continuation's recompute), to a fresh pair."""
+    died (the continuation's recompute), to a fresh pair; when the dead decode worker had prefilled
+    the prompt itself (``PrefilledLocally``), to the policy's pick: no prefill worker holds it."""
 
-    async def routes(*deaths: tuple[str, ...]) -> tuple[list[list[str]], int]:
+    async def routes(*deaths: tuple[str, ...], local: bool = False) -> tuple[list[list[str]], int]:
         reg, same = registry("pd", "p0", "p1", "d0", "d1"), []
         budget = FailoverBudget(2, on_same_prefill=lambda: same.append(1))
         s = GenerationSession(reg, reg.table, [1, 2, 3], PARAMS, timeout_s=5, retries=1, failover=budget)
         s.prepare()
         s.send()
         assert [h.worker_id for h in s.route.targets] == ["p0", "d0"]
+        if local:
+            assert reg.table.local("d0", s.rid)  # what d0's PrefilledLocally calls
         reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4, 5]))
         await s.next()
         seen = []
@@ -104,6 +107,7 @@ def test_pd_continuation_goes_back_to_the_prefill_worker_that_prefilled_its_prom
     assert asyncio.run(routes(("d0",))) == ([["p0", "d1"]], 1)  # the fresh pair would be p1 + d1
     assert asyncio.run(routes(("p0", "d0"))) == ([["p1", "d1"]], 0)  # the holder is gone: the policy's pick
     assert asyncio.run(routes(("d0",), ("p0",))) == ([["p0", "d1"], ["p1", "d1"]], 1)  # its recompute's prefill died
+    assert asyncio.run(routes(("d0",), local=True)) == ([["p1", "d1"]], 0)  # d0 prefilled it: the fresh pair
 
 
 def test_the_kept_prefill_worker_is_expected_to_compute_the_sent_tokens_and_the_partial_page():
@@ -133,7 +137,7 @@ class LocalAwareClient(RecordingClient):
 
 
 def test_a_continuation_its_decode_worker_prefills_survives_the_prefill_worker():
-    """After ``ContinuationLocal`` the continuation depends on its decode worker only: the prefill
+    """After ``PrefilledLocally`` the continuation depends on its decode worker only: the prefill
     worker's death neither fails it nor spends a failover (before it, the same death would)."""
     reg, outcomes = ready_registry("pd", "p0", "d0", "d1", client=LocalAwareClient), []
 
@@ -145,7 +149,7 @@ def test_a_continuation_its_decode_worker_prefills_survives_the_prefill_worker()
         waiting = asyncio.ensure_future(s.next())
         await asyncio.sleep(0.01)
         assert stream_from(s) == "d1" and reg.table.entry(s.rid).depends_on == ("p0", "d1")
-        reg.handles["d1"].client.on_local("d1", s.rid)  # what its ContinuationLocal calls
+        reg.handles["d1"].client.on_local("d1", s.rid)  # what its PrefilledLocally calls
         assert reg.table.entry(s.rid).depends_on == ("d1",) and reg.table.pending_prefill_tokens("p0") == 0
         assert reg.mark_dead("p0", "worker process exited with code -9") == []
         reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[6], finish_reason="length"))
@@ -156,12 +160,12 @@ def test_a_continuation_its_decode_worker_prefills_survives_the_prefill_worker()
     assert s.failover.used == 1 and len(reg.table) == 0
 
 
-def test_continuation_local_from_a_worker_reaches_the_hook_only_from_its_stream_worker():
+def test_prefilled_locally_from_a_worker_reaches_the_hook_only_from_its_stream_worker():
     ctx, got = zmq.asyncio.Context(), []
     try:
         c = WorkerClient("d1", "tcp://127.0.0.1:1", ctx, print, print, auth=ControlAuth.insecure())
         c.on_local = lambda w, rid: got.append((w, rid))
-        c._handle(encode(ContinuationLocal(rid="r1")))
+        c._handle(encode(PrefilledLocally(rid="r1")))
     finally:
         ctx.term()
     assert got == [("d1", "r1")]

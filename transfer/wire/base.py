@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 17  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 18  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 # 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
@@ -18,12 +18,13 @@ PROTOCOL_VERSION = 17  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pa
 #     decode worker before its prefill)
 # 11: GenerateRequest.resume_output_ids (a continuation: the output a dead worker already streamed)
 # 12: SwitchRole / RoleSwitched (a worker changes role at runtime)
-# 13: ContinuationLocal (a decode worker prefills a continuation itself: its prefill worker is out of it)
+# 13: PrefilledLocally (a decode worker prefills a continuation itself: its prefill worker is out of it)
 # 14: PrefillRequest.continuation (a continuation's recompute: its computed tokens are counted apart)
 # 15: MigrationOffer.draft / MigrateRequest.draft (a moving request's speculative-decoding record)
 # 16: TokenDelta.handed_back (a decode worker changing role hands back a request that streamed nothing:
 #     the router sends it again without using a retry); PrefillWithdrawn releases a prefill under way
 # 17: PrefillFailed.handed_back (a prefill worker changing role gives back a prompt whose KV it has not written)
+# 18: PrefilledLocally also for a new request a decode worker prefills itself (selective disaggregation)
 
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]

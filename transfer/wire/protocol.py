@@ -22,7 +22,7 @@ from transfer.wire.base import (  # noqa: F401
     ids_frame,
 )
 from transfer.wire.enums import FinishReason, Role
-from transfer.wire.failover_messages import ContinuationLocal  # noqa: F401
+from transfer.wire.failover_messages import PrefilledLocally  # noqa: F401
 from transfer.wire.manifest import TransferManifest  # noqa: F401 (re-exported)
 from transfer.wire.message import Message
 from transfer.wire.migration_messages import (  # noqa: F401
@@ -373,7 +373,7 @@ MESSAGES: dict[str, type[Message]] = {
         KVSources,
         SwitchRole,
         RoleSwitched,
-        ContinuationLocal,
+        PrefilledLocally,
     )
 }
 
