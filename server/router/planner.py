@@ -58,7 +58,9 @@ class WorkerView:
     its pool is full), ``local_tps`` (prompt tokens it prefilled itself per second of the view's
     window; None or 0: none), ``local_backlog`` (prompt tokens it holds for its own prefill, not
     computed yet) and ``local_ratio`` (its ``--local-prefill-backlog-ratio``: > 0, it takes prompts
-    off a prefill backlog, ``decode_worker.local_prefill``)."""
+    off a prefill backlog, ``decode_worker.local_prefill``); ``finish_rate`` (requests that ended
+    per second of the view's window: the rate pages come free; None: not measured) and
+    ``page_growth`` (the change of ``page_waiting`` per second of the window)."""
 
     worker_id: str
     role: Role
@@ -71,6 +73,8 @@ class WorkerView:
     local_tps: float | None = None
     local_backlog: float = 0.0
     local_ratio: float = 0.0
+    finish_rate: float | None = None
+    page_growth: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,8 @@ class Knobs:
     """The SLOs (seconds) and the planner's damping: ``hysteresis`` evaluations a violation must
     last, ``dwell_s`` after any move, ``headroom`` (0-1] of the other SLO a move may use;
     ``shared_cores``: the workers share one host's cores (lending them to whichever is busy), so a
-    move adds no compute to the role it joins."""
+    move adds no compute to the role it joins; ``horizon_s``: how far ahead a growing wait for decode
+    pages is projected (``decode_wait``; the planner's own reaction time: hysteresis x interval)."""
 
     slo_ttft_s: float
     slo_tpot_s: float
@@ -104,6 +109,7 @@ class Knobs:
     dwell_s: float = 60.0
     headroom: float = 0.8
     shared_cores: bool = False
+    horizon_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,17 @@ def helper_speed(d: WorkerView, mean: float, remote_backlog: float, prompt_token
     return measured
 
 
+def decode_wait(w: WorkerView, horizon_s: float = 0.0) -> float:
+    """The wait for decode pages a new request on decode worker ``w`` would see: the requests waiting
+    for pages, as their queue will be ``horizon_s`` ahead at its measured growth (never shrinking),
+    over the rate requests end there and free pages (``finish_rate``); 0 with none waiting or no
+    rate measured. A pool that stays full while requests arrive faster than they end shows here
+    before any of them has waited past the TTFT SLO."""
+    if w.page_waiting < 1 or not w.finish_rate:
+        return 0.0
+    return (w.page_waiting + max(w.page_growth, 0.0) * horizon_s) / w.finish_rate
+
+
 def predict_tpot(decode: list[WorkerView]) -> float | None:
     """The longest measured decode step; 0 when no decode worker runs a request; None when some run
     requests but no step time is measured."""
@@ -233,8 +250,8 @@ def decide(view: ClusterView, state: PlannerState, knobs: Knobs) -> Decision:
     """The planner's decision for ``view`` (module docstring); pure."""
     prefill, decode = view.of(Role.PREFILL), view.of(Role.DECODE)
     ttft = predict_ttft(prefill, view.queue_wait_s, view.prompt_tokens, helpers=decode)
-    if ttft is not None:  # a request already waiting longer is a TTFT the prediction missed
-        ttft = max(ttft, view.first_token_wait_s)
+    if ttft is not None:  # a request already waiting longer, or one bound to wait for decode pages
+        ttft = max(ttft, view.first_token_wait_s, *(decode_wait(w, knobs.horizon_s) for w in decode))
     tpot = predict_tpot(decode)
     ttft_bad = ttft is not None and ttft > knobs.slo_ttft_s
     tpot_bad = tpot is not None and tpot > knobs.slo_tpot_s

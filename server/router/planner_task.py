@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 def knobs_of(cfg: ServerConfig) -> Knobs:
     """The planner's knobs from the router's config (milliseconds to seconds); ``planner_cores``
-    ``auto`` that no launch resolved (workers started elsewhere) counts as ``own``."""
+    ``auto`` that no launch resolved (workers started elsewhere) counts as ``own``; the horizon of a
+    growing wait for decode pages is the planner's reaction time (hysteresis x interval)."""
     return Knobs(
         slo_ttft_s=cfg.slo_ttft_ms / 1000.0,
         slo_tpot_s=cfg.slo_tpot_ms / 1000.0,
@@ -36,6 +37,7 @@ def knobs_of(cfg: ServerConfig) -> Knobs:
         dwell_s=cfg.planner_dwell_s,
         headroom=cfg.planner_headroom,
         shared_cores=cfg.planner_cores == "shared",
+        horizon_s=cfg.planner_hysteresis * cfg.planner_interval_s,
     )
 
 

@@ -34,7 +34,9 @@ process instance) and derives:
 - backlog = the prefill worker's ``prefill_backlog_tokens`` gauge; batch = ``queue_running``; awaiting =
   a decode worker's ``queue_prealloc`` + ``queue_transfer`` + ``queue_local_prefill`` (requests not
   running yet: a switch to prefill waits for them); page_waiting = its ``queue_prealloc`` (waiting for
-  pages: a full pool).
+  pages: a full pool); finish_rate = a decode worker's requests ended (``finished_requests`` +
+  ``aborted_requests``) per second of the window, page_growth = the change of its page_waiting per
+  second of the window.
 
 ``queue_wait``: the router's admission queue wait histogram as (sum, count); the view carries its
 mean over the forwarded requests since the previous build (0 when none).
@@ -72,6 +74,7 @@ class _Sample:
     local_tokens: float = 0.0  # prompt tokens a decode worker prefilled itself (cumulative)
     local_backlog: float = 0.0  # prompt tokens it holds for its own prefill, not computed yet
     local_ratio: float = 0.0  # its --local-prefill-backlog-ratio (> 0: it prefills behind a backlog)
+    finished: float = 0.0  # requests that ended here (cumulative: finished and aborted)
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,7 @@ def _sample(h: WorkerHandle) -> _Sample:
         local_tokens=s.counters.get("local_prefill_tokens", 0.0),
         local_backlog=s.gauges.get("local_prefill_backlog_tokens", 0.0),
         local_ratio=s.gauges.get("local_prefill_backlog_ratio", 0.0),
+        finished=s.counters.get("finished_requests", 0.0) + s.counters.get("aborted_requests", 0.0),
     )
 
 
@@ -235,10 +239,15 @@ def _prefill(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> WorkerView:
 def _decode(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> WorkerView:
     """A decode worker's view: its batch, step time, awaiting requests, and its own prefill: the
     prompt tokens it computed per second since ``base`` (the window's oldest heartbeat; None with
-    no earlier heartbeat) and the ones it holds."""
-    local = None
+    no earlier heartbeat) and the ones it holds; the requests that ended per second and the growth
+    of its page-waiting queue per second since ``base``."""
+    local = finish = None
+    growth = 0.0
     if base is not None and cur.at > base.at:
-        local = (cur.local_tokens - base.local_tokens) / (cur.at - base.at)
+        span = cur.at - base.at
+        local = (cur.local_tokens - base.local_tokens) / span
+        finish = (cur.finished - base.finished) / span
+        growth = (cur.page_waiting - base.page_waiting) / span
     return WorkerView(
         h.worker_id,
         Role.DECODE,
@@ -249,6 +258,8 @@ def _decode(h: WorkerHandle, base: _Sample | None, cur: _Sample) -> WorkerView:
         local_tps=local,
         local_backlog=cur.local_backlog,
         local_ratio=cur.local_ratio,
+        finish_rate=finish,
+        page_growth=growth,
     )
 
 

@@ -232,6 +232,24 @@ def test_a_decode_bound_ttft_with_tpot_over_too_turns_a_prefill_worker_into_a_de
     )
 
 
+def test_a_growing_wait_for_decode_pages_moves_a_prefill_worker_before_any_request_waited_long():
+    """decode-0's pool is full: 4 requests wait for its pages and their queue grows by 1 a second,
+    while 2 requests a second end there. Nothing has waited long yet (the prefill side predicts
+    0.2 s), but over the planner's 4 s reaction time the queue reaches 8, a 4 s wait > 3 s: a
+    prefill worker becomes a decode worker. A queue that does not grow waits 2 s: no move."""
+    full = WorkerView(
+        "decode-0", Role.DECODE, batch=40, step_s=0.05, awaiting=4, page_waiting=4, finish_rate=2.0, page_growth=1.0
+    )
+    workers = (prefill("prefill-0", 0), prefill("prefill-1", 0), full)
+    knobs = replace(KNOBS, slo_ttft_s=3.0, slo_tpot_s=0.1, horizon_s=4.0)
+    first, second = run(view(*workers, prompt=100.0), 2, knobs)
+    assert first.ttft_s == pytest.approx((4 + 1.0 * 4.0) / 2.0) and "decode-bound" in first.why
+    assert second.move is not None and second.move[1:] == (Role.PREFILL, Role.DECODE)
+    steady = replace(full, page_growth=-0.5)
+    held = run(view(prefill("prefill-0", 0), prefill("prefill-1", 0), steady, prompt=100.0), 2, knobs)
+    assert held[0].ttft_s == pytest.approx(2.0) and all(d.move is None for d in held)
+
+
 def test_a_pool_full_of_requests_awaiting_their_kv_is_the_prefill_sides():
     """The same TTFT violation while the decode workers' pages are held by requests awaiting their KV
     (8 of them, 3 more waiting for pages): prefill is the bottleneck, a decode worker prefills."""

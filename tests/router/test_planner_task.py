@@ -158,7 +158,9 @@ def test_the_planner_config():
         server={"planner": "slo", "slo_ttft_ms": 1500, "slo_tpot_ms": 50, "planner_hysteresis": 4},
         cluster={"mode": "pd"},
     )
-    assert knobs_of(cfg.server) == Knobs(slo_ttft_s=1.5, slo_tpot_s=0.05, hysteresis=4, dwell_s=60.0, headroom=0.8)
+    # the decode-page wait is projected over the planner's reaction time: 4 evaluations 5 s apart
+    want = Knobs(slo_ttft_s=1.5, slo_tpot_s=0.05, hysteresis=4, dwell_s=60.0, headroom=0.8, horizon_s=20.0)
+    assert knobs_of(cfg.server) == want
 
 
 def test_the_view_takes_rates_between_heartbeats_and_the_queue_wait_since_the_last_build():
@@ -357,6 +359,21 @@ def test_a_decode_workers_own_prefill_is_in_its_view_as_a_rate_over_the_window()
         (w,) = views.build([reg.handles["decode-0"]], (0.0, 0.0), t).of(Role.DECODE)
         rates.append((w.local_tps, w.local_backlog, w.local_ratio))
     assert rates == [(None, 0.0, 1.0), (pytest.approx(300.0), 900.0, 1.0), (0.0, 0.0, 1.0)]
+
+
+def test_a_decode_workers_finish_rate_and_page_queue_growth_are_rates_over_the_window():
+    """decode-0 ends 12 requests (10 finished, 2 aborted) in 4 s while the requests waiting for its
+    pages go from 1 to 5: 3 requests/s end, the page queue grows by 1 per second."""
+    reg, metrics, clock = cluster()
+    c, views, seen = reg.handles["decode-0"].client, ViewBuilder(window_s=10.0), []
+    for t, finished, aborted, waiting in ((0.0, 5.0, 0.0, 1.0), (4.0, 15.0, 2.0, 5.0)):
+        clock.t = t
+        c.counters = {"decode_steps": 0.0, "finished_requests": finished, "aborted_requests": aborted}
+        c.gauges = {"queue_running": 8.0, "queue_prealloc": waiting}
+        c.request_stats(0)
+        (w,) = views.build([reg.handles["decode-0"]], (0.0, 0.0), t).of(Role.DECODE)
+        seen.append((w.finish_rate, w.page_growth))
+    assert seen == [(None, 0.0), (pytest.approx(3.0), pytest.approx(1.0))]
 
 
 def test_a_request_waiting_longer_for_its_first_token_than_predicted_sets_the_ttft():
