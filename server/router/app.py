@@ -106,7 +106,9 @@ def build_context(
     def queued() -> dict[str, tuple[int, int]]:
         return {**{k: (0, 0) for k in keys}, **admission.queued_by_key()}
 
-    metrics = RouterMetrics(lambda: registry.handles.values(), lambda: len(table), queued, table.outstanding)
+    metrics = RouterMetrics(
+        lambda: registry.handles.values(), lambda: len(table), queued, table.outstanding, table.continuations
+    )
     admission.on_refused = lambda refused: metrics.observe_shed(refused.reason)
     admission.on_granted = lambda grant: metrics.queue_wait.observe(grant.waited_s)
     subscriber = None

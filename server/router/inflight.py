@@ -47,6 +47,7 @@ class Inflight:
     prefill: tuple[str, int] | None = None  # (worker, uncached prompt tokens) until the first token
     streamed: bool = False  # tokens came from the streaming worker
     prefilled_locally: bool = False  # the streaming decode worker computes the prompt (``PrefilledLocally``)
+    continuation: bool = False  # a failed-over stream: prompt + the tokens sent before the failure
 
     def __post_init__(self) -> None:
         self.depends_on = self.depends_on or self.workers
@@ -59,13 +60,19 @@ class InflightTable:
         self._entries: dict[str, Inflight] = {}
 
     def open(
-        self, rid: str, workers: tuple[str, ...], stream_from: str, cost: int, prefill: tuple[str, int] | None = None
+        self,
+        rid: str,
+        workers: tuple[str, ...],
+        stream_from: str,
+        cost: int,
+        prefill: tuple[str, int] | None = None,
+        continuation: bool = False,
     ) -> Inflight:
-        """Register a request (``prefill``: see the module docstring); raises ``KeyError`` if
-        ``rid`` is already in flight."""
+        """Register a request (``prefill``: see the module docstring; ``continuation``: a failed-over
+        stream); raises ``KeyError`` if ``rid`` is already in flight."""
         if rid in self._entries:
             raise KeyError(f"request id {rid!r} is already in flight")
-        entry = Inflight(rid, workers, stream_from, cost, prefill=prefill)
+        entry = Inflight(rid, workers, stream_from, cost, prefill=prefill, continuation=continuation)
         self._entries[rid] = entry
         return entry
 
@@ -156,6 +163,11 @@ class InflightTable:
     def outstanding(self, worker_id: str) -> int:
         """Sum of ``cost`` of the requests in flight on ``worker_id`` (least-loaded routing)."""
         return sum(e.cost for e in self._entries.values() if worker_id in e.workers)
+
+    def continuations(self, worker_id: str) -> int:
+        """How many continuations in flight depend on ``worker_id`` (``depends_on``: their decode
+        worker, and their prefill worker until their first new token)."""
+        return sum(1 for e in self._entries.values() if e.continuation and worker_id in e.depends_on)
 
     def outstanding_requests(self, worker_id: str) -> int:
         """How many requests in flight involve ``worker_id``."""

@@ -17,7 +17,9 @@ while queued -> 499), ``pdserve_queue_wait_seconds`` (time each forwarded reques
 router's queue, 0 when it went at once), ``pdserve_queued_requests{key}`` and
 ``pdserve_queued_tokens{key}`` (the queue now, by API key name), and
 ``pdserve_router_outstanding_tokens{worker}`` (prompt + max_tokens of this router's requests in
-flight on each worker: the work it has handed that worker and not seen finish).
+flight on each worker: the work it has handed that worker and not seen finish), and
+``pdserve_router_continuations{worker}`` (failed-over streams in flight that depend on each worker:
+where a dead worker's streams wait to resume).
 
 Worker series (label ``worker``) come from each worker's latest ``WorkerStats`` heartbeat via
 ``WorkerCollector``: counters are the worker's cumulative values, gauges its current values, so
@@ -253,18 +255,21 @@ class WorkerCollector(Collector):
 
 
 class AdmissionCollector(Collector):
-    """The admission queue's gauges by key and the router's outstanding tokens by worker."""
+    """The admission queue's gauges by key, the router's outstanding tokens and continuations by worker."""
 
     def __init__(
         self,
         queued: Callable[[], dict[str, tuple[int, int]]],
         handles: Callable[[], Iterable[WorkerHandle]],
         outstanding: Callable[[str], int],
+        continuations: Callable[[str], int],
     ) -> None:
         self._queued, self._handles, self._outstanding = queued, handles, outstanding
+        self._continuations = continuations
 
     def collect(self):
-        """Yield ``pdserve_queued_requests``, ``pdserve_queued_tokens`` and ``pdserve_router_outstanding_tokens``."""
+        """Yield ``pdserve_queued_requests``, ``pdserve_queued_tokens``, ``pdserve_router_outstanding_tokens``
+        and ``pdserve_router_continuations``."""
         reqs = GaugeMetricFamily(
             "pdserve_queued_requests", "Requests waiting in the router's admission queue", labels=["key"]
         )
@@ -281,9 +286,16 @@ class AdmissionCollector(Collector):
             "Prompt + max_tokens of this router's requests in flight on each worker",
             labels=["worker"],
         )
+        cont = GaugeMetricFamily(
+            "pdserve_router_continuations",
+            "Failed-over streams of this router in flight that depend on each worker: their decode worker, "
+            "and their prefill worker until their first new token",
+            labels=["worker"],
+        )
         for h in self._handles():
             out.add_metric([h.worker_id], self._outstanding(h.worker_id))
-        yield from (reqs, toks, out)
+            cont.add_metric([h.worker_id], self._continuations(h.worker_id))
+        yield from (reqs, toks, out, cont)
 
 
 class RouterMetrics:
@@ -295,9 +307,11 @@ class RouterMetrics:
         inflight: Callable[[], int],
         queued: Callable[[], dict[str, tuple[int, int]]] = dict,
         outstanding: Callable[[str], int] = lambda _: 0,
+        continuations: Callable[[str], int] = lambda _: 0,
     ) -> None:
         """``handles``: current worker handles; ``inflight``: number of requests in flight;
-        ``queued``: admission queue by key, (requests, tokens); ``outstanding``: in-flight tokens of a worker."""
+        ``queued``: admission queue by key, (requests, tokens); ``outstanding``: in-flight tokens of a
+        worker; ``continuations``: failed-over streams in flight that depend on a worker."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "Generation requests by HTTP status", ["status"], registry=r)
@@ -390,7 +404,7 @@ class RouterMetrics:
             registry=r,
         )
         r.register(WorkerCollector(handles))
-        r.register(AdmissionCollector(queued, handles, outstanding))
+        r.register(AdmissionCollector(queued, handles, outstanding, continuations))
 
     def observe_shed(self, reason: str) -> None:
         """Count one request the admission stage did not forward (``reason``: a ``Refused.reason`` or client_gone)."""

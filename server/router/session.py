@@ -159,6 +159,7 @@ class GenerationSession:
             self.route.stream_from.worker_id,
             cost,
             prefill=self.route.prefill,
+            continuation=bool(self.sent),
         )
         params = self.params
         if self.sent:  # a continuation: the prompt's logprobs went out with the first token already

@@ -92,6 +92,11 @@ def outstanding(cluster, worker: str) -> float:
     return metric_sum(cluster.metrics(), "pdserve_router_outstanding_tokens", worker=worker)
 
 
+def continuations(cluster, worker: str) -> float:
+    """The router's failed-over streams in flight that depend on ``worker`` (its own table, live)."""
+    return metric_sum(cluster.metrics(), "pdserve_router_continuations", worker=worker)
+
+
 def busiest_first(cluster, workers: tuple[str, ...]) -> list[str]:
     """``workers`` by the requests each runs, most first (the router's view of their heartbeats)."""
     m = cluster.metrics()

@@ -43,11 +43,11 @@ from tests.chaos.failover_support import (
     Reference,
     assert_failed_over,
     busiest_first,
+    continuations,
     failover_cluster,
     fault_free,
     killed_load,
     load,
-    outstanding,
     requests_left,
     tokens_reached,
 )
@@ -124,9 +124,9 @@ def test_kill9_of_a_prefill_worker_before_the_handoff_goes_to_the_other(cluster,
 async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int, settle_s: float = 0.3) -> dict:
     """The load with both prefill workers stopped and the busiest decode worker A killed once the
     clients hold ``kill_tokens`` tokens; ``settle_s`` after A's continuations went out (each to the
-    prefill worker of its prompt), the prefill worker whose outstanding tokens at the router rose
-    most (ties: the first) is killed and the other resumed (SIGCONT). What happened, with the
-    records."""
+    prefill worker of its prompt), the prefill worker the most of them depend on at the router
+    (``pdserve_router_continuations``: not those B prefills itself; ties: the first) is killed and
+    the other resumed (SIGCONT). What happened, with the records."""
     counting, reached = tokens_reached(kill_tokens)
     task = asyncio.create_task(load(c.url, bodies, counting))
     await reached.wait()
@@ -134,17 +134,16 @@ async def recompute_killed_load(c: Cluster, bodies: list[dict], kill_tokens: int
     pids = {p: signal_worker(c, p, signal.SIGSTOP) for p in PREFILLS}
     victim = None
     try:
-        before = {p: await asyncio.to_thread(outstanding, c, p) for p in PREFILLS}
         signal_worker(c, a, signal.SIGKILL)
         await requests_left(c, a, settle_s=settle_s)
-        rise = {p: await asyncio.to_thread(outstanding, c, p) - before[p] for p in PREFILLS}
-        victim = max(PREFILLS, key=rise.get)
+        held = {p: await asyncio.to_thread(continuations, c, p) for p in PREFILLS}
+        victim = max(PREFILLS, key=held.get)
         os.kill(pids[victim], signal.SIGKILL)  # stopped: killed before it computed a token of them
     finally:
         for p, pid in pids.items():
             if p != victim:
                 os.kill(pid, signal.SIGCONT)
-    return {"got": await task, "a": a, "b": b, "victim": victim, "rise": rise}
+    return {"got": await task, "a": a, "b": b, "victim": victim, "held": held}
 
 
 def test_kill9_of_a_prefill_worker_recomputing_continuations_fails_them_over_again(cluster, reference):
@@ -155,7 +154,7 @@ def test_kill9_of_a_prefill_worker_recomputing_continuations_fails_them_over_aga
     a, b = run["a"], run["b"]
     row = (
         f"prefill kill -9 during the recomputes: {a} killed at {kill_tokens}/{total} tokens, then "
-        f"{run['victim']} (outstanding tokens rose by {run['rise']})"
+        f"{run['victim']} (continuations depending on each prefill worker: {run['held']})"
     )
     # a failover is counted under the worker that was streaming: B's (alive) for prefill-0's death
     assert_failed_over(row, ref, run["got"], c.wait_recovered(), (a, b))
@@ -169,7 +168,7 @@ def test_kill9_of_a_prefill_worker_while_the_survivor_prefills_continuations(clu
     a, b = run["a"], run["b"]
     row = (
         f"prefill kill -9 during the survivor's own prefill of continuations: {a} killed at "
-        f"{kill_tokens}/{total} tokens, then at once {run['victim']} (outstanding tokens rose by {run['rise']})"
+        f"{kill_tokens}/{total} tokens, then at once {run['victim']} (continuations on each: {run['held']})"
     )
     moved = assert_failed_over(row, ref, run["got"], c.wait_recovered(), (a,))
     local = moved("pdserve_continuation_prefill_tokens_total", worker=b)

@@ -13,11 +13,13 @@ import asyncio
 import pytest
 import zmq.asyncio
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from configs.schema import PdserveConfig
 from server.router.app import build_context, create_app
 from server.router.errors import APIError
 from server.router.failover import FailoverBudget, continuation_route
+from server.router.metrics import RouterMetrics
 from server.router.registry import Registry, Route, WorkerSpec, route_pd
 from server.router.session import GenerationSession
 from server.router.worker_client import WorkerClient
@@ -158,6 +160,50 @@ def test_a_continuation_its_decode_worker_prefills_survives_the_prefill_worker()
     s, delta = asyncio.run(scenario())
     assert delta.token_ids == [6] and s.sent == [4, 5, 6] and outcomes == [("d0", "continued")]
     assert s.failover.used == 1 and len(reg.table) == 0
+
+
+def continuations_gauge(metrics: RouterMetrics) -> dict[str, float]:
+    """``pdserve_router_continuations`` by worker, as a scraper reads it."""
+    fams = text_string_to_metric_families(metrics.render().decode())
+    return {s.labels["worker"]: s.value for f in fams for s in f.samples if s.name == "pdserve_router_continuations"}
+
+
+def test_the_continuations_gauge_follows_a_failed_over_stream():
+    """``pdserve_router_continuations{worker}``: 0 everywhere for a first attempt; once d0 dies its
+    continuation counts on p0 (the prefill worker that prefilled its prompt) and d1; after d1's first
+    new token on d1 only; 0 once it ends. A second one that d1 prefills itself (``PrefilledLocally``)
+    counts on d1 alone at once."""
+    reg = ready_registry("pd", "p0", "p1", "d0", "d1", client=LocalAwareClient)
+    metrics = RouterMetrics(lambda: reg.handles.values(), lambda: len(reg.table), continuations=reg.table.continuations)
+    zero = {"p0": 0.0, "p1": 0.0, "d0": 0.0, "d1": 0.0}
+
+    async def scenario():
+        seen = []
+        s = session(reg)
+        reg.on_tokens("d0", TokenDelta(rid=s.rid, token_ids=[4, 5]))
+        await s.next()
+        seen.append(continuations_gauge(metrics))
+        reg.mark_dead("d0", "worker process exited with code -9")
+        waiting = asyncio.ensure_future(s.next())
+        await asyncio.sleep(0.01)
+        seen.append(continuations_gauge(metrics))
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[6]))
+        await waiting
+        seen.append(continuations_gauge(metrics))
+        reg.on_tokens("d1", TokenDelta(rid=s.rid, token_ids=[7], finish_reason="length"))
+        await s.next()
+        seen.append(continuations_gauge(metrics))
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        zero,
+        {**zero, "p0": 1.0, "d1": 1.0},
+        {**zero, "d1": 1.0},
+        zero,
+    ]
+    reg.table.open("c", ("p1", "d1"), "d1", 10, continuation=True)
+    assert continuations_gauge(metrics) == {**zero, "p1": 1.0, "d1": 1.0}
+    assert reg.table.local("d1", "c") and continuations_gauge(metrics) == {**zero, "d1": 1.0}
 
 
 def test_prefilled_locally_from_a_worker_reaches_the_hook_only_from_its_stream_worker():
