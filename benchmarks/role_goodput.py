@@ -111,7 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--probe-rows", type=int, default=8, help="rows per decode worker of the decode probe's batch")
     ap.add_argument("--slo-ttft-ms", type=float, required=True)
     ap.add_argument("--slo-tpot-ms", type=float, required=True)
-    ap.add_argument("--configs", default="1p2d,2p1d,planner", help="comma-separated: 1p2d, 2p1d, planner")
+    ap.add_argument(
+        "--configs",
+        default="1p2d,2p1d,planner",
+        help="comma-separated: 1p2d, 2p1d, planner (empty: the steady trace only)",
+    )
     ap.add_argument("--planner-start", choices=sorted(SPLITS), default="1p2d", help="the planner's initial split")
     ap.add_argument("--planner-interval-s", type=float, default=5.0)
     ap.add_argument("--planner-hysteresis", type=int, default=3)
@@ -132,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the outcomes and the table here")
     args = ap.parse_args(argv)
     for name in ("configs", "steady_configs"):
-        bad = [c for c in getattr(args, name).split(",") if c not in (*SPLITS, "planner")]
+        bad = [c for c in getattr(args, name).split(",") if c and c not in (*SPLITS, "planner")]
         if bad:
             ap.error(f"--{name.replace('_', '-')}: unknown configuration(s) {bad}; use 1p2d, 2p1d, planner")
     return args
@@ -176,14 +180,21 @@ class Calibrated:
         return cal.describe(self.calibration, self.kinds_, a.prefill_load, a.decode_load)
 
 
+def trace_runs(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]]]:
+    """(trace name, phase plan, configurations) of each trace to run: the bursty one over
+    ``--configs`` (none: only launched for the steady one), then with ``--steady`` the steady one
+    over ``--steady-configs``."""
+    runs = [("bursty", bursty.phase_plan(args.cycles), [c for c in args.configs.split(",") if c])]
+    if args.steady:
+        steady = [c for c in args.steady_configs.split(",") if c]
+        runs.append((f"steady {args.steady}", bursty.phase_plan(args.cycles, args.steady), steady))
+    return [r for r in runs if r[2]]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     source = Calibrated(args)
-    runs = [("bursty", bursty.phase_plan(args.cycles), args.configs.split(","))]
-    if args.steady:
-        runs.append(
-            (f"steady {args.steady}", bursty.phase_plan(args.cycles, args.steady), args.steady_configs.split(","))
-        )
+    runs = trace_runs(args)
     rows: list[bursty.Outcome] = []
     raw: list[dict] = []
     for name, plan, configs in runs:

@@ -13,7 +13,7 @@ from bench.serve.stats import SLO
 from bench.serve.workload import WordCounter
 from benchmarks import bursty_trace as bursty
 from benchmarks import load_calibration as cal
-from benchmarks.role_goodput import WARMUP, Calibrated, parse_args, server_flags
+from benchmarks.role_goodput import WARMUP, Calibrated, parse_args, server_flags, trace_runs
 
 KINDS = bursty.default_kinds(prefill_rate=2.0, decode_rate=4.0)
 
@@ -110,6 +110,18 @@ def test_only_the_planner_configuration_launches_the_planner():
     assert planned[i + 1] == "slo" and planned[planned.index("--slo-tpot-ms") + 1] == "150.0"
     with pytest.raises(SystemExit):
         parse_args(["--slo-ttft-ms", "1", "--slo-tpot-ms", "1", "--configs", "3p0d"])
+
+
+def test_an_empty_configs_list_runs_the_steady_trace_alone():
+    slo = ["--slo-ttft-ms", "3000", "--slo-tpot-ms", "150"]
+    both = trace_runs(parse_args([*slo, "--steady", "decode-heavy"]))
+    assert [(name, configs) for name, _, configs in both] == [
+        ("bursty", ["1p2d", "2p1d", "planner"]),
+        ("steady decode-heavy", ["1p2d", "2p1d", "planner"]),
+    ]
+    alone = trace_runs(parse_args([*slo, "--configs", "", "--steady", "decode-heavy", "--steady-configs", "planner"]))
+    assert [(name, configs) for name, _, configs in alone] == [("steady decode-heavy", ["planner"])]
+    assert alone[0][1] == ["decode-heavy"] * 4
 
 
 def test_the_step_fit_goes_through_both_probes_and_clamps_a_flat_one():
