@@ -98,6 +98,11 @@ def run_config(config: str, trace_name: str, trace_of: TraceSource, trace_s: flo
     return bursty.outcome(config, trace_name, measured.results, trace_s, slo, int(switches), config == "planner"), trace
 
 
+def config_names(text: str) -> list[str]:
+    """The configurations a comma-separated flag names (empty: none)."""
+    return [c for c in text.split(",") if c]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
@@ -136,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the outcomes and the table here")
     args = ap.parse_args(argv)
     for name in ("configs", "steady_configs"):
-        bad = [c for c in getattr(args, name).split(",") if c and c not in (*SPLITS, "planner")]
+        bad = [c for c in config_names(getattr(args, name)) if c not in (*SPLITS, "planner")]
         if bad:
             ap.error(f"--{name.replace('_', '-')}: unknown configuration(s) {bad}; use 1p2d, 2p1d, planner")
     return args
@@ -184,9 +189,9 @@ def trace_runs(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]
     """(trace name, phase plan, configurations) of each trace to run: the bursty one over
     ``--configs`` (none: only launched for the steady one), then with ``--steady`` the steady one
     over ``--steady-configs``."""
-    runs = [("bursty", bursty.phase_plan(args.cycles), [c for c in args.configs.split(",") if c])]
+    runs = [("bursty", bursty.phase_plan(args.cycles), config_names(args.configs))]
     if args.steady:
-        steady = [c for c in args.steady_configs.split(",") if c]
+        steady = config_names(args.steady_configs)
         runs.append((f"steady {args.steady}", bursty.phase_plan(args.cycles, args.steady), steady))
     return [r for r in runs if r[2]]
 
