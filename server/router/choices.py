@@ -10,7 +10,8 @@ several choices for streaming.
 
 A run that ``follows`` another (a later choice of the same prompt, ``n`` > 1) is not sent by the
 caller: its first ``step()`` waits until the leader has its first piece (or has failed), then sends
-its session on the leader's route, so the prompt the leader's workers just cached is reused.
+its session on the leader's route, so the prompt the leader's workers just cached is reused; on a
+fresh route when a worker of the leader's left rotation or switched role meanwhile.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class ChoiceRun:
                 "not sent: the first choice of this prompt failed before its first token",
                 code="worker_unavailable",
             )
+        if not self.session.route_current():  # a worker of the leader's route left or switched role
+            self.session.prepare()
         self.session.send()
 
     @property

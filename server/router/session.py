@@ -50,7 +50,7 @@ from server.router.failover import (
     prefill_worker,
 )
 from server.router.inflight import Inflight, InflightTable, Moved
-from server.router.registry import NoWorkerAvailable, Registry, Route, send_request
+from server.router.registry import READY, NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
 from transfer.wire.enums import Role
 from transfer.wire.protocol import TokenDelta
@@ -117,6 +117,7 @@ class GenerationSession:
         self.timeout_s = timeout_s
         self.arrival = time.monotonic() if arrival is None else arrival
         self.route: Route | None = None
+        self._specs: tuple = ()  # the route's workers' specs at ``prepare`` (``route_current``)
         self.preempt = False  # the admission grant's mark (``Grant.preempt``), sent to the decode worker
         self.inflight: Inflight | None = None
         self.finished = self.closed = False
@@ -139,6 +140,18 @@ class GenerationSession:
             room = min(self.route.max_model_len, self.route.capacity_tokens) - len(self.prompt_ids)
             self.params = self.params.model_copy(update={"max_new_tokens": max(room, 1)})
         check_route_fits(len(self.prompt_ids), self.params.max_new_tokens, self.route)
+        self._specs = tuple(h.spec for h in self.route.targets)
+
+    def route_current(self) -> bool:
+        """Whether every worker of the prepared route is still the registry's, ready, in the role
+        (the same ``WorkerSpec``) it had at ``prepare``: a session sent later than prepared (a
+        follower waits for its leader's first token) must not go to a worker that left rotation or
+        switched role meanwhile."""
+        assert self.route is not None, "prepare() first"
+        return all(
+            self.registry.handles.get(h.worker_id) is h and h.state == READY and h.spec is spec
+            for h, spec in zip(self.route.targets, self._specs)
+        )
 
     def send(self) -> None:
         """Register in the in-flight table and send the request; raises ``APIError`` 503 on failure."""

@@ -1,17 +1,25 @@
 """``n`` and ``best_of`` in the router, against scripted fake workers: one request per choice, each
 with its own seed (``seed + index``), followers sent after their leader's first token on its route,
 indices ``prompt * n + i``, usage summed over every sequence, ``best_of`` keeping the best ``n`` by
-cumulative logprob, and the 400s for counts out of range. (Against the real model:
+cumulative logprob, a follower whose leader's decode worker switched role meanwhile sent on a fresh
+route, and the 400s for counts out of range. (Against the real model:
 tests/clients/test_openai_table.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
+from server.router.choices import ChoiceRun
 from server.router.parallel import MAX_CHOICES, choice_params
+from server.router.registry import READY, WorkerSpec
+from server.router.session import GenerationSession
+from server.router.workers import SWITCHING
 from tests.support.fake_worker import PIECES, completion, sse_events
+from tests.support.router_doubles import ready_registry
+from transfer.wire.enums import Role
 from transfer.wire.sampling_params import SamplingParams
 
 
@@ -91,3 +99,32 @@ def test_counts_out_of_range_are_400(make_client, body, param):
     r = completion(client, **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert param in r.json()["error"]["message"] and worker.requests == []
+
+
+@pytest.mark.parametrize("switched", [False, True])
+def test_a_follower_goes_to_its_leaders_route_unless_a_worker_of_it_switched_role(tokenizer, switched):
+    reg = ready_registry("pd", "p0", "d0", "d1")
+    params = SamplingParams(max_new_tokens=4)
+    sessions = [GenerationSession(reg, reg.table, [1, 2, 3], params, timeout_s=5) for _ in range(2)]
+    runs = [ChoiceRun(0, sessions[0], tokenizer)]
+    runs.append(ChoiceRun(1, sessions[1], tokenizer, follows=runs[0]))
+    runs[0].session.prepare()
+    runs[1].session.prepare(runs[0].session.route)
+    runs[0].session.send()
+    d = runs[0].session.route.stream_from
+    if switched:  # the leader's decode worker became a prefill worker before the leader's first token
+        d.state = SWITCHING
+        d.spec, d.state = WorkerSpec(d.worker_id, Role.PREFILL, d.spec.addr), READY
+    runs[0].started_ok = True
+    runs[0].started.set()
+
+    async def send_follower():
+        await runs[1]._send_after_leader()
+
+    asyncio.run(send_follower())
+    follower = runs[1].session
+    decode = follower.route.stream_from
+    assert (decode is d) is not switched
+    assert decode.spec.role == Role.DECODE and follower.rid in decode.client.rids()
+    generated_at_d = [x.rid for x in d.client.sent if x.kind == "generate"]  # d may prefill it now
+    assert (follower.rid in generated_at_d) is not switched
