@@ -25,9 +25,9 @@ A write's start is announced to its decode worker (``KVWriteStarted``, in the st
 the decode worker polls its transport for the landing from then on only, not all through the prefill.
 
 The KV stays locked in this worker's pool until the write finished or failed, then goes to the
-radix cache for later prefix hits. A failure is reported to
-the decode worker (``PrefillFailed``: nothing was or will be written to its pages) and, for the
-router's own requests (generation 0), to the router as an abort delta.
+radix cache for prefix hits. A failure is reported to the decode worker (``PrefillFailed``: nothing
+was or will be written to its pages) and, for generation 0, to the router as an abort delta. A
+one-token request sent here alone is answered here (``prefill_worker.one_token``): no write.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from engine.scheduler.step_report import StepReport
 from engine.scheduler.timeline import Timeline
 from prefill_worker.bootstrap import WITHDRAWN, BootstrapTable, EarlyDestination, refusal
 from prefill_worker.kv_sender import KVSender
+from prefill_worker.one_token import answer, direct_refusal
 from prefill_worker.withdraw import admissible, end_released, withdraw
 from transfer.wire.enums import Role
 from transfer.wire.outbox import Conn, Outbox
@@ -86,6 +87,7 @@ class PrefillJob:
     manifest: TransferManifest | None = None
     writing: bool = False
     released: bool = False  # withdrawn by its decode worker under way: no write after the one in flight, if any
+    direct: bool = False  # a one-token request answered to the router here (``prefill_worker.one_token``)
     uncached: int = 0  # prompt tokens the radix cache did not hold on arrival (gauge prefill_backlog_tokens)
 
     @property
@@ -105,6 +107,7 @@ class PrefillScheduler(WorkerScheduler):
         self.model_name = model_name
         self.admission = Admission(cfg.scheduler, self.kv, self.stats, reserve_decode=False)
         self.executor = BatchExecutor(runner, (), self.kv)
+        self.eos_token_ids = tuple(runner.model_config.eos_token_ids)  # a direct answer's stop check
         self.pace = ChunkPace(cfg.scheduler.prefill_step_s)
         self.sender = sender
         self.bootstrapping: deque[Request] = deque()  # prompts whose decode destination has not come
@@ -149,11 +152,12 @@ class PrefillScheduler(WorkerScheduler):
         if self.bootstrap.gone((msg.room, msg.generation)) == WITHDRAWN:
             self.withdrawn += 1
             return Outbox()  # its decode worker prefills it itself and said so first
-        if (msg.room, msg.generation) in self.jobs:
+        why = direct_refusal(msg)
+        if why is None and (msg.room, msg.generation) in self.jobs:
+            why = f"duplicate room {msg.room} generation {msg.generation}"
+        if why is not None:
             out = Outbox()
-            out.token(
-                source.ident, TokenDelta.failed(msg.rid, f"duplicate room {msg.room} generation {msg.generation}", 400)
-            )
+            out.token(source.ident, TokenDelta.failed(msg.rid, why, 400))
             return out
         # a recompute (generation > 0) only rebuilds KV: no prompt logprobs, no grammar (the decode worker's)
         params = (
@@ -169,14 +173,15 @@ class PrefillScheduler(WorkerScheduler):
             return out
         req = Request(msg.rid, ids, params, state, owner=source.ident, continuation=msg.continuation)
         cached = self.kv.tree.match_prefix(ids[: len(ids) - 1]).num_tokens if self.kv.tree is not None else 0
-        job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic(), uncached=len(ids) - cached)
+        job = PrefillJob(req, msg.room, msg.generation, msg.decode_worker, time.monotonic(), direct=msg.answer_router)
+        job.uncached = len(ids) - cached
         try:
             self.counting_rejections(lambda: self._check_fits(len(ids)))
         except RequestRejected as e:
             return self.finish(job, Outcome.abort(str(e), 400))
         self.jobs[job.key], self.by_req[id(req)] = job, job
-        self.bootstrapping.append(req)
         self.stats.prompt_tokens += len(ids)
+        (self.waiting if job.direct else self.bootstrapping).append(req)  # a direct job waits for no destination
         early = self.bootstrap.claim(job.key)
         return self._on_destination(early.source, early.msg, *early.pages) if early else Outbox()
 
@@ -231,7 +236,7 @@ class PrefillScheduler(WorkerScheduler):
         if self.sender.busy:
             return self.sender.transport.poll_interval_s
         timeout = self.cfg.cluster.bootstrap_timeout_s
-        deadlines = [j.created + timeout for j in self.jobs.values() if j.dest is None]
+        deadlines = [j.created + timeout for j in self.jobs.values() if j.dest is None and not j.direct]
         if (early := self.bootstrap.next_deadline()) is not None:
             deadlines.append(early)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -259,6 +264,9 @@ class PrefillScheduler(WorkerScheduler):
                 job = self.by_req[id(req)]
                 if job.released:  # its decode worker took it back while computed: KV to the cache, no write
                     out.extend(end_released(self, job, write_ended=False))
+                    continue
+                if job.direct:
+                    out.extend(answer(self, job, delta))
                     continue
                 job.manifest = self._manifest(job, delta)
                 req.status = Phase.TRANSFER
@@ -342,8 +350,8 @@ class PrefillScheduler(WorkerScheduler):
         return report
 
     def _expire(self) -> Outbox:
-        out, timeout = Outbox(), self.cfg.cluster.bootstrap_timeout_s
-        for job in [j for j in self.jobs.values() if j.dest is None and j.created < time.monotonic() - timeout]:
+        out, timeout, t0 = Outbox(), self.cfg.cluster.bootstrap_timeout_s, time.monotonic()
+        for job in [j for j in self.jobs.values() if j.dest is None and not j.direct and j.created < t0 - timeout]:
             out.extend(self.finish(job, Outcome.abort(f"decode worker did not ask for the KV within {timeout}s", 504)))
         for d in self.bootstrap.expired():
             out.send(

@@ -76,6 +76,13 @@ class PDHarness:
         msg = PrefillRequest(rid=rid, room=room, params=params, decode_worker="d0")
         self.router_inbox += self.deliver(self.prefill.handle(Conn(ROUTER), msg, [ids_frame(prompt)]), False)
 
+    def answer(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        """Send ``rid`` to the prefill side alone as a one-token request it answers itself
+        (``PrefillRequest.answer_router``: the router's route for ``max_new_tokens`` 1); its delta
+        lands in ``router_inbox``."""
+        msg = PrefillRequest(rid=rid, room=next(self.room), params=params, decode_worker="", answer_router=True)
+        self.router_inbox += self.deliver(self.prefill.handle(Conn(ROUTER), msg, [ids_frame(prompt)]), False)
+
     def _exchange(self) -> list[TokenDelta]:
         """Deliver queued messages both ways until none is left; the decode side's token deltas."""
         deltas: list[TokenDelta] = []

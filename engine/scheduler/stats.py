@@ -23,6 +23,7 @@ class SchedulerStats:
     continuation_prefill_tokens: int = 0
     continuation_cached_tokens: int = 0
     generation_tokens: int = 0
+    direct_answers: int = 0  # one-token requests a prefill worker answered the router itself (PD)
     finished_requests: int = 0
     aborted_requests: int = 0
     decode_steps: int = 0

@@ -61,6 +61,10 @@ WORKER_COUNTERS = {
     "swa_rejections": ("pdserve_swa_rejections", "Requests refused because their SWA KV cannot fit the SWA pool"),
     "swa_pages_released": ("pdserve_swa_pages_released", "SWA pool pages freed because they left every window"),
     "kv_transfer_bytes": ("pdserve_kv_transfer_bytes", "KV bytes a prefill worker wrote into decode workers"),
+    "direct_answers": (
+        "pdserve_prefill_direct_answers",
+        "One-token requests a prefill worker answered itself: no decode worker, no KV write",
+    ),
     "transfer_failures": ("pdserve_transfer_failures", "KV transfers that failed or were rejected (manifest)"),
     "retract_offload_bytes": ("pdserve_retract_offload_bytes", "KV bytes copied to the host pool on retract"),
     "retract_resumed": ("pdserve_retract_resumed", "Retracted requests resumed from the host pool"),

@@ -52,6 +52,7 @@ from server.router.failover import (
 from server.router.inflight import Inflight, InflightTable, Moved
 from server.router.registry import READY, NoWorkerAvailable, Registry, Route, send_request
 from server.router.worker_client import WorkerUnavailable
+from server.router.workers import one_token_route
 from transfer.wire.enums import Role
 from transfer.wire.protocol import TokenDelta
 from transfer.wire.sampling_params import SamplingParams
@@ -164,7 +165,9 @@ class GenerationSession:
             raise APIError(503, str(e), code="worker_unavailable") from None
 
     def _dispatch(self) -> None:
-        """Open the in-flight entry for ``rid`` and send to ``route``; raises ``WorkerUnavailable``."""
+        """Open the in-flight entry for ``rid`` and send to ``route`` (a one-token PD request to its
+        prefill worker alone, ``one_token_route``); raises ``WorkerUnavailable``."""
+        self.route = one_token_route(self.route, self.params.max_new_tokens, self.sent)
         cost = len(self.prompt_ids) + self.params.max_new_tokens
         self.inflight = self.table.open(
             self.rid,

@@ -167,11 +167,21 @@ class WorkerClient:
             ids_frame(prompt_ids),
         )
 
-    def prefill(self, rid: str, room: int, prompt_ids: list[int], params: SamplingParams, decode_worker: str) -> None:
-        """Send a ``PrefillRequest`` to a PD prefill worker; ``WorkerUnavailable`` if it cannot be queued."""
-        self._send(
-            PrefillRequest(rid=rid, room=room, params=params, decode_worker=decode_worker), ids_frame(prompt_ids)
+    def prefill(
+        self,
+        rid: str,
+        room: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        decode_worker: str,
+        answer_router: bool = False,
+    ) -> None:
+        """Send a ``PrefillRequest`` to a PD prefill worker (``answer_router``: a one-token request it
+        answers itself, ``decode_worker`` empty); ``WorkerUnavailable`` if it cannot be queued."""
+        msg = PrefillRequest(
+            rid=rid, room=room, params=params, decode_worker=decode_worker, answer_router=answer_router
         )
+        self._send(msg, ids_frame(prompt_ids))
 
     def migrate(
         self,

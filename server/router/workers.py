@@ -161,6 +161,18 @@ def pinned_pd(decode_id: str) -> Policy:
 ROUTING_POLICIES: dict[str, Policy] = {"colocated": route_colocated, "pd": route_pd}
 
 
+def one_token_route(route: Route, max_new_tokens: int, resume: Sequence[int] = ()) -> Route:
+    """``route`` without its decode worker for a new PD request that generates one token
+    (``max_new_tokens`` 1): its prefill worker samples that token anyway and answers it itself
+    (``prefill_worker.one_token``), so no decode pages, KV write or hand-off are spent on it. Any
+    other route (colocated, longer, a continuation) is returned as it is."""
+    prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
+    if prefill is None or route.stream_from is prefill or max_new_tokens != 1 or resume:
+        return route
+    at = route.prefill if route.prefill is not None and route.prefill[0] == prefill.worker_id else None
+    return Route((prefill,), prefill, at)
+
+
 def send_request(
     route: Route, rid: str, room: int, prompt_ids: list[int], params, preempt: bool = False, resume: list[int] = ()
 ) -> None:
@@ -173,12 +185,15 @@ def send_request(
 
     ``resume``: a continuation's output so far (``GenerateRequest.resume_output_ids``). In PD the
     prefill worker then gets nothing from here: the decode worker asks it for prompt + output as a
-    recompute.
+    recompute. A route of a prefill worker alone (``one_token_route``): its ``PrefillRequest`` asks
+    it to answer the router itself (``answer_router``).
     """
     prefill = next((h for h in route.targets if h.spec.role == Role.PREFILL), None)
     extra = {"resume_output_ids": list(resume)} if resume else {}
     for h in route.targets:
-        if h.spec.role == Role.PREFILL:
+        if h.spec.role == Role.PREFILL and route.stream_from is h:  # ``one_token_route``
+            h.client.prefill(rid, room, prompt_ids, params, "", answer_router=True)
+        elif h.spec.role == Role.PREFILL:
             if not resume:
                 h.client.prefill(rid, room, prompt_ids, params, route.stream_from.reported_id)
         elif h.spec.role == Role.DECODE:

@@ -187,9 +187,11 @@ def test_pd_seeded_sampling_equals_colocated(client, model, embedded, colocated)
 
 
 @pytest.mark.usefixtures("nixl_only")
-def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embedded, hf_embedded):
+def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, url, embedded, hf_embedded):
     """Prompt logprobs computed by the prefill worker (echo + logprobs + max_tokens=0, and the
-    prompt_logprobs field) equal transformers' log-softmax; n=2 greedy choices are equal in PD."""
+    prompt_logprobs field) equal transformers' log-softmax: a one-token request that the prefill
+    worker answers itself, no KV written; n=2 greedy choices are equal in PD."""
+    before = idle(url)
     ids = embedded[2].encode(PROMPTS[0])
     with torch.no_grad():
         ref = hf_embedded(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
@@ -202,6 +204,9 @@ def test_pd_prompt_logprobs_equal_transformers_and_n_choices(client, model, embe
     assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
     pl = c.model_extra["prompt_logprobs"]
     assert pl[0] is None and [e[str(t)]["logprob"] for e, t in zip(pl[1:], ids[1:])] == pytest.approx(want, abs=2e-3)
+    after = idle(url)
+    for series, moved in (("pdserve_prefill_direct_answers_total", 1), ("pdserve_kv_transfer_seconds_count", 0)):
+        assert metric_sum(after, series) - metric_sum(before, series) == moved, series
     two = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, n=2)
     assert [x.index for x in two.choices] == [0, 1] and two.choices[0].text == two.choices[1].text
 

@@ -227,6 +227,28 @@ def test_pd_series_with_recompute(tiny):
     assert val(m, "pdserve_kv_transfer_bytes_total", **p) > 4 * 5 * page_bytes
 
 
+def test_direct_answers_series(tiny):
+    """A one-token request the prefill worker answers itself moves its direct answers by one and
+    writes no KV; one through the decode worker moves nothing."""
+    h = PDHarness(pd_cfg(), pd_cfg(), tiny[0], tiny[1])
+    one = SamplingParams(max_new_tokens=1, temperature=0)
+    m0 = scrape(h.prefill, h.decode)
+    h.answer("a", prompts(1, 12, seed=4)[0], one)
+    h.submit("b", prompts(1, 12, seed=5)[0], one)
+    h.run()
+    m = scrape(h.prefill, h.decode)
+
+    def moved(name: str, worker: str) -> float:
+        return val(m, name, worker=worker) - val(m0, name, worker=worker)
+
+    assert moved("pdserve_prefill_direct_answers_total", "w0") == 1
+    assert moved("pdserve_worker_finished_requests_total", "w0") == 2
+    assert moved("pdserve_prefill_direct_answers_total", "w1") == 0
+    assert val(m, "pdserve_kv_transfer_seconds_count", worker="w0") == 1  # "b" alone
+    h.check_clean()
+    h.close()
+
+
 def test_transfer_failure_series(tiny, monkeypatch):
     from prefill_worker import scheduler as ps_mod
 

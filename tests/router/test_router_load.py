@@ -44,7 +44,7 @@ class Client:
             ),
         )
 
-    def prefill(self, *args) -> None:
+    def prefill(self, *args, **kw) -> None:
         self.sent += 1
 
     def generate(self, *args, **kw) -> None:
@@ -114,7 +114,7 @@ def test_two_routers_in_a_closed_loop_keep_the_decode_workers_even():
     workers = {s.worker_id: SharedWorker() for s in SPECS}
 
     class SharedClient(Client):
-        def prefill(self, rid, *args) -> None:
+        def prefill(self, rid, *args, **kw) -> None:
             pass  # prompts are computed at once: the prefill worker holds nothing for long
 
         def generate(self, rid, *args, **kw) -> None:

@@ -165,7 +165,7 @@ def test_error_on_one_pd_worker_aborts_the_request_on_the_other():
         def __init__(self):
             self.aborted = []
 
-        def prefill(self, *a):
+        def prefill(self, *a, **kw):
             pass
 
         def generate(self, *a, **k):

@@ -24,7 +24,8 @@ def fake_stats(worker_id: str, role: str, nonce: int, instance: str = "", **fiel
 
 
 class Sent(NamedTuple):
-    """One message the router sent a worker: its kind, request id, resumed ids and parameters."""
+    """One message the router sent a worker: its kind ("generate", "prefill", or "answer": a
+    prefill it answers itself), request id, resumed ids and parameters."""
 
     kind: str
     rid: str
@@ -44,8 +45,8 @@ class RecordingClient:
         """The request ids sent, in order."""
         return [s.rid for s in self.sent]
 
-    def prefill(self, rid, room, ids, params, *a) -> None:
-        self.sent.append(Sent("prefill", rid, None, params))
+    def prefill(self, rid, room, ids, params, *a, answer_router: bool = False) -> None:
+        self.sent.append(Sent("answer" if answer_router else "prefill", rid, None, params))
 
     def generate(self, rid, ids, params, **k) -> None:
         self.sent.append(Sent("generate", rid, k.get("resume_output_ids"), params))

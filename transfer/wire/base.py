@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 18  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
+PROTOCOL_VERSION = 19  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pages and pool geometry;
 # 4: Drain, and draining in WorkerStats
 # 5: TokenDelta.stop_token_id/stop_logprob/stop_top_logprobs (the stop token travels with its delta)
 # 6: KV events (KvSnapshotRequest, KvEvents, KvSnapshot; WorkerStats.kv_events_port/kv_events_seq) and
@@ -25,6 +25,7 @@ PROTOCOL_VERSION = 18  # 2: cluster_id in KVHandshake and WorkerStats; 3: SWA pa
 #     the router sends it again without using a retry); PrefillWithdrawn releases a prefill under way
 # 17: PrefillFailed.handed_back (a prefill worker changing role gives back a prompt whose KV it has not written)
 # 18: PrefilledLocally also for a new request a decode worker prefills itself (selective disaggregation)
+# 19: PrefillRequest.answer_router (a one-token request: its prefill worker answers the router itself)
 
 
 PromptLogprobs = list[tuple[float, list[tuple[int, float]], int] | None]

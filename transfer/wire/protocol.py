@@ -81,6 +81,11 @@ class PrefillRequest(Message):
     re-prefill prompt + output of a request it had to drop (generation > 0). ``continuation``: the
     recompute of a failover continuation (the output a dead worker streamed), whose computed tokens
     the prefill worker counts apart (``SchedulerStats.continuation_prefill_tokens``).
+
+    ``answer_router``: a one-token request (``params.max_new_tokens`` 1, generation 0) that no
+    decode worker takes part in: the prefill worker samples its token and answers the router with
+    the ``TokenDelta`` a colocated worker would send (``decode_worker`` is empty); the prompt's KV
+    goes to its radix cache, nothing is written anywhere.
     """
 
     rid: str
@@ -89,6 +94,7 @@ class PrefillRequest(Message):
     params: SamplingParams
     decode_worker: str
     continuation: bool = False
+    answer_router: bool = False
     n_frames: ClassVar[int] = 1
 
 
