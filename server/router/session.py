@@ -5,7 +5,10 @@ in ``finally`` blocks of cancelled tasks):
 
 1. ``prepare()``: pick a route (503 if no worker is ready) and check prompt + max_tokens against
    the route's context and KV pool capacity from the latest ``WorkerStats`` (400 with the numbers).
-2. ``send()``: register in the in-flight table and send ``GenerateRequest`` to the route's targets.
+2. ``send()``: register in the in-flight table and send to the route's targets the message each
+   role takes (``send_request``); a one-token PD request goes to its prefill worker alone, which
+   answers it (``one_token_route``). A session sent later than prepared (a follower of ``n`` > 1)
+   is routed again if a worker of its route left rotation or changed role meanwhile.
 3. ``next()``: the next ``TokenDelta``; a worker error (400 refused, 500 out of KV, 503 worker dead)
    or the request timeout raises ``APIError`` (the request is then already aborted and closed).
    A 503 (a worker of the route died) before any token arrived is retried instead, up to
