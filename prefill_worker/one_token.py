@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.scheduler.base import Outcome
+from engine.scheduler.executor import as_stop_token
 from transfer.wire.outbox import Outbox
 from transfer.wire.protocol import PrefillRequest, TokenDelta
 from transfer.wire.sampling_params import FinishReason
@@ -38,13 +39,11 @@ def direct_refusal(msg: PrefillRequest) -> str | None:
 def final_delta(delta: TokenDelta, eos_token_ids: Sequence[int], ignore_eos: bool) -> TokenDelta:
     """``delta``, the first token's delta of a prefill step (sampled without EOS checks: a decode
     worker usually makes them), as the request's last: an EOS token ends it "stop" (the token moves
-    to ``stop_token_id``, as ``engine.scheduler.executor.token_delta`` does), any other token ends it
+    to ``stop_token_id``, ``engine.scheduler.executor.as_stop_token``), any other token ends it
     "length" unless a stop token already ended it."""
     tok = delta.token_ids[0] if delta.token_ids else None
     if tok is not None and not ignore_eos and tok in eos_token_ids:
-        delta.stop_token_id, delta.stop_logprob, delta.stop_top_logprobs = tok, delta.logprobs[0], delta.top_logprobs[0]
-        delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
-        delta.finish_reason = FinishReason.STOP
+        as_stop_token(delta).finish_reason = FinishReason.STOP
     elif delta.finish_reason is None:
         delta.finish_reason = FinishReason.LENGTH
     return delta

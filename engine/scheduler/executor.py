@@ -46,8 +46,19 @@ def token_delta(
         req.finish(reason)
         delta.finish_reason = reason
         if reason == FinishReason.STOP:
-            delta.stop_token_id, delta.stop_logprob, delta.stop_top_logprobs = tok, logprob, top
-            delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
+            as_stop_token(delta)
+    return delta
+
+
+def as_stop_token(delta: TokenDelta) -> TokenDelta:
+    """``delta``'s one token moved to its stop token (``stop_token_id`` and its logprobs): a stop
+    token is generated (ids, logprobs, usage) but not part of the output's text."""
+    delta.stop_token_id, delta.stop_logprob, delta.stop_top_logprobs = (
+        delta.token_ids[0],
+        delta.logprobs[0],
+        delta.top_logprobs[0],
+    )
+    delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
     return delta
 
 
