@@ -42,7 +42,16 @@ from bench.harness.subprocess_server import LaunchedServer, free_base_port
 from tests.support.models import hf_from_gguf, hf_greedy, hf_tiny, tiny_config, tiny_weights
 from tests.support.pd import pd_prompts
 from tests.support.servers import PD_SERVER_FLAGS, ServerFactory
+from tests.support.slow_report import report as report_if_slow
 from tests.support.swa import swa_tiny
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A phase slower than ``PDSERVE_SLOW_PHASE_S`` is named on the terminal as it ends
+    (tests/support/slow_report.py)."""
+    outcome = yield
+    report_if_slow(item.config, outcome.get_result())
 
 
 def pytest_collection_modifyitems(config, items):
