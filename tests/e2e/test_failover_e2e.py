@@ -45,9 +45,13 @@ def serving_worker(url: str, before: dict, workers: tuple[str, ...]) -> str:
     return moved[0]
 
 
-# pools that hold every case's streams; heartbeats fast enough that a death is seen within a second
+# pools that hold every case's streams; heartbeats fast enough that a death is seen within a second;
+# steps of at least STEP_DELAY_S, so a stream outlasts the killer's wait for fresh heartbeats
+# (``serving_worker``): the stop-string case has about 34 tokens left after the kill, which a fast
+# host with accepted drafts streamed before the kill landed
+STEP_DELAY_S = 0.03
 SERVER_FLAGS = ("--kv-pool-tokens", "2048", "--page-size", "16", "--log-level", "INFO")
-SERVER_FLAGS += ("--health-interval-s", str(HEARTBEAT_S))
+SERVER_FLAGS += ("--health-interval-s", str(HEARTBEAT_S), "--test-step-delay-s", str(STEP_DELAY_S))
 
 
 @pytest.fixture(scope="module")
